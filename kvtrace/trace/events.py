@@ -1,0 +1,600 @@
+"""Trace events: the only coupling between recording and replay.
+
+Every line of a trace is one JSON object with a ``kind``. The classes below are
+the typed form of those objects; ``decode`` turns a parsed JSON object into one
+of them and raises ``SchemaError`` with a precise message when the object does
+not fit. Field names follow vLLM's own names (``num_computed_tokens``,
+``block_ids`` ...) so that a scheduler engineer can read a trace line by eye.
+
+docs/trace-format.md is the prose version of this file; keep them together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+STATUSES = (
+    "WAITING",
+    "WAITING_FOR_REMOTE_KVS",
+    "RUNNING",
+    "PREEMPTED",
+    "FINISHED_STOPPED",
+    "FINISHED_LENGTH_CAPPED",
+    "FINISHED_ABORTED",
+    "FINISHED_IGNORED",
+    "FINISHED_ERROR",
+)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+POLICIES = ("fcfs", "priority")
+COUNTER_SHAPES = ("prefill_stats", "legacy")
+END_STATUSES = ("complete", "recorder-error", "interrupted")
+
+# Sanity bounds: a value above these is a corrupt trace, not a big run.
+MAX_COUNT = 1 << 40
+
+
+class SchemaError(ValueError):
+    """An object that does not fit the trace schema. The message names the problem;
+    the reader adds the file and line."""
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _int(v: Any, name: str, lo: int = 0) -> int:
+    if type(v) is not int:
+        raise SchemaError(f"field '{name}' must be an integer, got {_tname(v)}")
+    if v < lo or v > MAX_COUNT:
+        raise SchemaError(f"field '{name}' is out of range: {v}")
+    return v
+
+
+def _opt_int(v: Any, name: str, lo: int = 0) -> int | None:
+    return None if v is None else _int(v, name, lo)
+
+
+def _num(v: Any, name: str) -> float:
+    if type(v) not in (int, float):
+        raise SchemaError(f"field '{name}' must be a number, got {_tname(v)}")
+    return float(v)
+
+
+def _str(v: Any, name: str) -> str:
+    if type(v) is not str:
+        raise SchemaError(f"field '{name}' must be a string, got {_tname(v)}")
+    return v
+
+
+def _opt_str(v: Any, name: str) -> str | None:
+    return None if v is None else _str(v, name)
+
+
+def _bool(v: Any, name: str) -> bool:
+    if type(v) is not bool:
+        raise SchemaError(f"field '{name}' must be true or false, got {_tname(v)}")
+    return v
+
+
+def _ints(v: Any, name: str, lo: int = 0) -> list[int]:
+    if type(v) is not list:
+        raise SchemaError(f"field '{name}' must be a list of integers, got {_tname(v)}")
+    for x in v:
+        if type(x) is not int:
+            raise SchemaError(f"field '{name}' must be a list of integers, found {_tname(x)}")
+        if x < lo or x > MAX_COUNT:
+            raise SchemaError(f"field '{name}' holds an out-of-range value: {x}")
+    return v
+
+
+def _strs(v: Any, name: str) -> list[str]:
+    if type(v) is not list or any(type(x) is not str for x in v):
+        raise SchemaError(f"field '{name}' must be a list of strings")
+    return v
+
+
+def _choice(v: Any, name: str, allowed: tuple[str, ...]) -> str:
+    if v not in allowed:
+        raise SchemaError(f"field '{name}' must be one of {', '.join(allowed)}; got {v!r}")
+    return v
+
+
+def _obj(v: Any, name: str) -> dict:
+    if type(v) is not dict:
+        raise SchemaError(f"field '{name}' must be an object, got {_tname(v)}")
+    return v
+
+
+def _list_of(v: Any, name: str, cls: type) -> list:
+    if type(v) is not list:
+        raise SchemaError(f"field '{name}' must be a list, got {_tname(v)}")
+    return [cls.from_json(_obj(x, name)) for x in v]
+
+
+def _tname(v: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean",
+            int: "an integer", float: "a number", type(None): "null"}.get(type(v), type(v).__name__)
+
+
+def _get(d: dict, key: str, default: Any = ...) -> Any:
+    if key in d:
+        return d[key]
+    if default is ...:
+        raise SchemaError(f"missing field '{key}'")
+    return default
+
+
+def _to_json(obj: Any) -> Any:
+    """Dataclass → plain JSON object, dropping optional fields left at None."""
+    if hasattr(obj, "__dataclass_fields__"):
+        out = {}
+        for f in fields(obj):
+            v = getattr(obj, f.name)
+            if v is None and f.metadata.get("omit_none"):
+                continue
+            out[f.name] = _to_json(v)
+        return out
+    if isinstance(obj, list):
+        return [_to_json(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _to_json(v) for k, v in obj.items()}
+    return obj
+
+
+_OMIT = {"omit_none": True}
+
+# --------------------------------------------------------------------------- header
+
+
+@dataclass(slots=True)
+class ConnectorConfig:
+    name: str
+    load_failure_policy: str = "fail"  # "fail" (vLLM's default) or "recompute"
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ConnectorConfig":
+        return cls(
+            name=_str(_get(d, "name"), "connector.name"),
+            load_failure_policy=_choice(
+                _get(d, "load_failure_policy", "fail"), "connector.load_failure_policy",
+                ("fail", "recompute")),
+        )
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    block_size: int
+    num_blocks: int  # including vLLM's null block 0
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    enable_prefix_caching: bool = True
+    policy: str = "fcfs"
+    long_prefill_token_threshold: int = 0
+    max_num_scheduled_tokens: int | None = None  # defaults to max_num_batched_tokens
+    watermark_blocks: int = 0
+    connector: ConnectorConfig | None = None
+
+    @classmethod
+    def from_json(cls, d: dict) -> "SchedulerConfig":
+        conn = _get(d, "connector", None)
+        cfg = cls(
+            block_size=_int(_get(d, "block_size"), "block_size", 1),
+            num_blocks=_int(_get(d, "num_blocks"), "num_blocks", 2),
+            max_num_batched_tokens=_int(_get(d, "max_num_batched_tokens"), "max_num_batched_tokens", 1),
+            max_num_seqs=_int(_get(d, "max_num_seqs"), "max_num_seqs", 1),
+            max_model_len=_int(_get(d, "max_model_len"), "max_model_len", 1),
+            enable_prefix_caching=_bool(_get(d, "enable_prefix_caching", True), "enable_prefix_caching"),
+            policy=_choice(_get(d, "policy", "fcfs"), "policy", POLICIES),
+            long_prefill_token_threshold=_int(_get(d, "long_prefill_token_threshold", 0),
+                                              "long_prefill_token_threshold"),
+            max_num_scheduled_tokens=_opt_int(_get(d, "max_num_scheduled_tokens", None),
+                                              "max_num_scheduled_tokens", 1),
+            watermark_blocks=_int(_get(d, "watermark_blocks", 0), "watermark_blocks"),
+            connector=None if conn is None else ConnectorConfig.from_json(_obj(conn, "connector")),
+        )
+        return cfg
+
+    @property
+    def token_budget(self) -> int:
+        return self.max_num_scheduled_tokens or self.max_num_batched_tokens
+
+
+@dataclass(slots=True)
+class Header:
+    engine: str
+    engine_version: str
+    config: SchedulerConfig
+    counters: str = "prefill_stats"  # which prompt-stats shape the engine emits
+    schema: int = SCHEMA_VERSION
+    # Engine features outside the baseline profile (async_scheduling, speculative
+    # decoding ...). Replay refuses a trace that turns one on.
+    features: dict = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)  # free-form: recorder, command, workload, fault
+    kind: str = "header"
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Header":
+        schema = _get(d, "schema")
+        if schema != SCHEMA_VERSION:
+            raise SchemaError(f"unsupported schema version {schema!r} (this kvtrace reads {SCHEMA_VERSION})")
+        return cls(
+            engine=_str(_get(d, "engine"), "engine"),
+            engine_version=_str(_get(d, "engine_version"), "engine_version"),
+            config=SchedulerConfig.from_json(_obj(_get(d, "config"), "config")),
+            counters=_choice(_get(d, "counters", "prefill_stats"), "counters", COUNTER_SHAPES),
+            features=_obj(_get(d, "features", {}), "features"),
+            meta=_obj(_get(d, "meta", {}), "meta"),
+        )
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+@dataclass(slots=True)
+class Arrival:
+    """``Scheduler.add_request``: everything the scheduler reads from a new request."""
+
+    seq: int
+    req: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    arrival_time: float = 0.0
+    priority: int = 0
+    cache_salt: str | None = None
+    eos_token_id: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    skip_reading_prefix_cache: bool = False
+    kind: str = "arrival"
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Arrival":
+        prompt = _ints(_get(d, "prompt_token_ids"), "prompt_token_ids")
+        if not prompt:
+            raise SchemaError("field 'prompt_token_ids' is empty")
+        return cls(
+            seq=_int(_get(d, "seq"), "seq"),
+            req=_str(_get(d, "req"), "req"),
+            prompt_token_ids=prompt,
+            max_tokens=_int(_get(d, "max_tokens"), "max_tokens"),
+            arrival_time=_num(_get(d, "arrival_time", 0.0), "arrival_time"),
+            priority=_int(_get(d, "priority", 0), "priority", -MAX_COUNT),
+            cache_salt=_opt_str(_get(d, "cache_salt", None), "cache_salt"),
+            eos_token_id=_opt_int(_get(d, "eos_token_id", None), "eos_token_id"),
+            stop_token_ids=_ints(_get(d, "stop_token_ids", []), "stop_token_ids"),
+            min_tokens=_int(_get(d, "min_tokens", 0), "min_tokens"),
+            ignore_eos=_bool(_get(d, "ignore_eos", False), "ignore_eos"),
+            skip_reading_prefix_cache=_bool(_get(d, "skip_reading_prefix_cache", False),
+                                            "skip_reading_prefix_cache"),
+        )
+
+
+@dataclass(slots=True)
+class Abort:
+    """``Scheduler.finish_requests(ids, FINISHED_ABORTED)``."""
+
+    seq: int
+    reqs: list[str]
+    kind: str = "abort"
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Abort":
+        return cls(seq=_int(_get(d, "seq"), "seq"), reqs=_strs(_get(d, "reqs"), "reqs"))
+
+
+@dataclass(slots=True)
+class Lookup:
+    """One ``connector.get_num_new_matched_tokens(request, num_local)`` call:
+    the argument passed in and the answer. ``ext`` is None when the connector
+    answered "not ready yet"."""
+
+    req: str
+    local: int
+    ext: int | None
+    load_async: bool = False
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Lookup":
+        return cls(
+            req=_str(_get(d, "req"), "lookups.req"),
+            local=_int(_get(d, "local"), "lookups.local"),
+            ext=_opt_int(_get(d, "ext"), "lookups.ext"),
+            load_async=_bool(_get(d, "load_async", False), "lookups.load_async"),
+        )
+
+
+@dataclass(slots=True)
+class KVLoad:
+    """A load the connector planned in this step: token positions [start, end) of ``req``."""
+
+    req: str
+    start: int
+    end: int
+
+    @classmethod
+    def from_json(cls, d: dict) -> "KVLoad":
+        return cls(req=_str(_get(d, "req"), "loads.req"), start=_int(_get(d, "start"), "loads.start"),
+                   end=_int(_get(d, "end"), "loads.end"))
+
+
+# --------------------------------------------------------------------------- step
+
+
+@dataclass(slots=True)
+class ScheduledNew:
+    """A request in ``scheduled_new_reqs`` (or a resumed one): its whole block table."""
+
+    req: str
+    num_computed_tokens: int  # pre-step value, as in NewRequestData
+    num_scheduled_tokens: int
+    block_ids: list[int]
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ScheduledNew":
+        return cls(
+            req=_str(_get(d, "req"), "req"),
+            num_computed_tokens=_int(_get(d, "num_computed_tokens"), "num_computed_tokens"),
+            num_scheduled_tokens=_int(_get(d, "num_scheduled_tokens"), "num_scheduled_tokens"),
+            block_ids=_ints(_get(d, "block_ids"), "block_ids"),
+        )
+
+
+@dataclass(slots=True)
+class ScheduledRunning:
+    """A running request in ``scheduled_cached_reqs``: only its newly allocated blocks."""
+
+    req: str
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    new_block_ids: list[int]
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ScheduledRunning":
+        return cls(
+            req=_str(_get(d, "req"), "req"),
+            num_computed_tokens=_int(_get(d, "num_computed_tokens"), "num_computed_tokens"),
+            num_scheduled_tokens=_int(_get(d, "num_scheduled_tokens"), "num_scheduled_tokens"),
+            new_block_ids=_ints(_get(d, "new_block_ids"), "new_block_ids"),
+        )
+
+
+@dataclass(slots=True)
+class RequestState:
+    """A request as the scheduler holds it at a point in time."""
+
+    req: str
+    status: str
+    num_computed_tokens: int
+    num_tokens: int
+    num_preemptions: int
+    block_ids: list[int]
+
+    @classmethod
+    def from_json(cls, d: dict) -> "RequestState":
+        return cls(
+            req=_str(_get(d, "req"), "states.req"),
+            status=_choice(_get(d, "status"), "states.status", STATUSES),
+            num_computed_tokens=_int(_get(d, "num_computed_tokens"), "states.num_computed_tokens"),
+            num_tokens=_int(_get(d, "num_tokens"), "states.num_tokens"),
+            num_preemptions=_int(_get(d, "num_preemptions"), "states.num_preemptions"),
+            block_ids=_ints(_get(d, "block_ids"), "states.block_ids"),
+        )
+
+
+@dataclass(slots=True)
+class Step:
+    """One ``Scheduler.schedule()`` call and what it decided."""
+
+    seq: int
+    step: int
+    new: list[ScheduledNew] = field(default_factory=list)
+    resumed: list[ScheduledNew] = field(default_factory=list)
+    running: list[ScheduledRunning] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+    lookups: list[Lookup] = field(default_factory=list)
+    # The connector's load plan for this step; None when the engine cannot show it.
+    loads: list[KVLoad] | None = field(default=None, metadata=_OMIT)
+    states: list[RequestState] = field(default_factory=list)
+    num_free_blocks: int | None = field(default=None, metadata=_OMIT)
+    kind: str = "step"
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Step":
+        loads = _get(d, "loads", None)
+        return cls(
+            seq=_int(_get(d, "seq"), "seq"),
+            step=_int(_get(d, "step"), "step"),
+            new=_list_of(_get(d, "new", []), "new", ScheduledNew),
+            resumed=_list_of(_get(d, "resumed", []), "resumed", ScheduledNew),
+            running=_list_of(_get(d, "running", []), "running", ScheduledRunning),
+            preempted=_strs(_get(d, "preempted", []), "preempted"),
+            finished=_strs(_get(d, "finished", []), "finished"),
+            lookups=_list_of(_get(d, "lookups", []), "lookups", Lookup),
+            loads=None if loads is None else _list_of(loads, "loads", KVLoad),
+            states=_list_of(_get(d, "states", []), "states", RequestState),
+            num_free_blocks=_opt_int(_get(d, "num_free_blocks", None), "num_free_blocks"),
+        )
+
+    def scheduled(self) -> dict[str, int]:
+        """req -> num_scheduled_tokens for every request scheduled in this step."""
+        out = {s.req: s.num_scheduled_tokens for s in self.new}
+        out.update((s.req, s.num_scheduled_tokens) for s in self.resumed)
+        out.update((s.req, s.num_scheduled_tokens) for s in self.running)
+        return out
+
+
+# --------------------------------------------------------------------------- output
+
+
+@dataclass(slots=True)
+class ConnectorOutput:
+    """``KVConnectorOutput`` of one model step."""
+
+    finished_recving: list[str] = field(default_factory=list)
+    finished_sending: list[str] = field(default_factory=list)
+    failed_recving: list[str] = field(default_factory=list)
+    invalid_block_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ConnectorOutput":
+        return cls(
+            finished_recving=_strs(_get(d, "finished_recving", []), "finished_recving"),
+            finished_sending=_strs(_get(d, "finished_sending", []), "finished_sending"),
+            failed_recving=_strs(_get(d, "failed_recving", []), "failed_recving"),
+            invalid_block_ids=_ints(_get(d, "invalid_block_ids", []), "invalid_block_ids"),
+        )
+
+    def is_empty(self) -> bool:
+        return not (self.finished_recving or self.finished_sending or self.failed_recving
+                    or self.invalid_block_ids)
+
+
+@dataclass(slots=True)
+class Output:
+    """``Scheduler.update_from_output`` for one step: the model's sampled tokens
+    (inputs) and what the scheduler made of them (outputs)."""
+
+    seq: int
+    step: int
+    sampled: dict[str, list[int]] = field(default_factory=dict)  # raw, before stop trimming
+    connector: ConnectorOutput | None = field(default=None, metadata=_OMIT)
+    finished: dict[str, str] = field(default_factory=dict)  # req -> finish reason
+    states: list[RequestState] = field(default_factory=list)
+    kind: str = "output"
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Output":
+        sampled = _obj(_get(d, "sampled", {}), "sampled")
+        for k, v in sampled.items():
+            _ints(v, f"sampled.{k}")
+        finished = _obj(_get(d, "finished", {}), "finished")
+        for k, v in finished.items():
+            _choice(v, f"finished.{k}", FINISH_REASONS)
+        conn = _get(d, "connector", None)
+        return cls(
+            seq=_int(_get(d, "seq"), "seq"),
+            step=_int(_get(d, "step"), "step"),
+            sampled=sampled,
+            connector=None if conn is None else ConnectorOutput.from_json(_obj(conn, "connector")),
+            finished=finished,
+            states=_list_of(_get(d, "states", []), "states", RequestState),
+        )
+
+
+@dataclass(slots=True)
+class PrefillStats:
+    """vLLM 0.32's ``PrefillStats`` as emitted with a request's first output."""
+
+    num_prompt_tokens: int
+    num_local_cached_tokens: int
+    num_external_cached_tokens: int
+    num_cached_tokens: int
+    num_computed_tokens: int
+    num_cache_creation_tokens: int
+
+    @classmethod
+    def from_json(cls, d: dict) -> "PrefillStats":
+        return cls(**{f.name: _int(_get(d, f.name), f"prefill_stats.{f.name}", -MAX_COUNT)
+                      for f in fields(cls)})
+
+
+@dataclass(slots=True)
+class LegacyCounters:
+    """The per-request counters of older V1 engines, as sent with the first output.
+    Values are recorded as the engine held them, negative ones included."""
+
+    num_cached_tokens: int
+    num_external_computed_tokens: int
+
+    @classmethod
+    def from_json(cls, d: dict) -> "LegacyCounters":
+        return cls(
+            num_cached_tokens=_int(_get(d, "num_cached_tokens"), "legacy.num_cached_tokens", -MAX_COUNT),
+            num_external_computed_tokens=_int(_get(d, "num_external_computed_tokens"),
+                                              "legacy.num_external_computed_tokens", -MAX_COUNT),
+        )
+
+
+@dataclass(slots=True)
+class PromptStats:
+    """The prompt-token accounting a request's first output carried."""
+
+    seq: int
+    step: int
+    req: str
+    prefill_stats: PrefillStats | None = field(default=None, metadata=_OMIT)
+    legacy: LegacyCounters | None = field(default=None, metadata=_OMIT)
+    kind: str = "prompt_stats"
+
+    @classmethod
+    def from_json(cls, d: dict) -> "PromptStats":
+        ps, lg = _get(d, "prefill_stats", None), _get(d, "legacy", None)
+        if ps is None and lg is None:
+            raise SchemaError("a prompt_stats record needs 'prefill_stats' or 'legacy'")
+        return cls(
+            seq=_int(_get(d, "seq"), "seq"),
+            step=_int(_get(d, "step"), "step"),
+            req=_str(_get(d, "req"), "req"),
+            prefill_stats=None if ps is None else PrefillStats.from_json(_obj(ps, "prefill_stats")),
+            legacy=None if lg is None else LegacyCounters.from_json(_obj(lg, "legacy")),
+        )
+
+
+@dataclass(slots=True)
+class End:
+    """The last record of a trace the recorder closed. A trace without it was cut off."""
+
+    seq: int
+    status: str = "complete"
+    error: str | None = field(default=None, metadata=_OMIT)
+    dropped_events: int = 0
+    kind: str = "end"
+
+    @classmethod
+    def from_json(cls, d: dict) -> "End":
+        return cls(
+            seq=_int(_get(d, "seq"), "seq"),
+            status=_choice(_get(d, "status", "complete"), "status", END_STATUSES),
+            error=_opt_str(_get(d, "error", None), "error"),
+            dropped_events=_int(_get(d, "dropped_events", 0), "dropped_events"),
+        )
+
+
+Event = Arrival | Abort | Step | Output | PromptStats | End
+
+EVENT_TYPES: dict[str, type] = {
+    "arrival": Arrival,
+    "abort": Abort,
+    "step": Step,
+    "output": Output,
+    "prompt_stats": PromptStats,
+    "end": End,
+}
+
+
+def decode(obj: Any) -> Event:
+    """A parsed JSON object → its event class. Raises SchemaError."""
+    if type(obj) is not dict:
+        raise SchemaError(f"a record must be a JSON object, got {_tname(obj)}")
+    kind = obj.get("kind")
+    cls = EVENT_TYPES.get(kind) if type(kind) is str else None
+    if cls is None:
+        if kind == "header":
+            raise SchemaError("a second header record")
+        raise SchemaError(f"unknown event kind {kind!r}")
+    return cls.from_json(obj)
+
+
+def decode_header(obj: Any) -> Header:
+    if type(obj) is not dict or obj.get("kind") != "header":
+        raise SchemaError("missing header: the first record must have kind 'header'")
+    return Header.from_json(obj)
+
+
+def to_json(event: Any) -> dict:
+    return _to_json(event)

@@ -1,0 +1,243 @@
+"""Reading and writing trace files: JSON Lines, plain, gzip or zstd.
+
+The reader streams: it holds one line at a time. A malformed record raises
+``TraceError`` naming the file and line. A last line that was cut off (an engine
+killed mid-write, a truncated compressed stream) is not an error: iteration stops
+before it and ``TraceReader.truncation`` says where.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import os
+from pathlib import Path
+from typing import IO, Iterator
+
+import orjson
+
+from .events import End, Event, Header, SchemaError, decode, decode_header, to_json
+
+GZIP_MAGIC = b"\x1f\x8b"
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+# A single record larger than this is corrupt; stops a bad file from eating memory.
+MAX_LINE_BYTES = 256 << 20
+
+
+class TraceError(Exception):
+    """Unusable input. ``str()`` is the one-line message the CLI prints (exit code 2)."""
+
+    exit_code = 2
+
+    def __init__(self, path: str | os.PathLike, line: int | None, problem: str):
+        self.path, self.line, self.problem = str(path), line, problem
+        where = f"{self.path}:{line}" if line is not None else self.path
+        super().__init__(f"{where}: {problem}")
+
+
+def _open_binary_read(path: Path) -> IO[bytes]:
+    raw = open(path, "rb")
+    magic = raw.read(4)
+    raw.seek(0)
+    if magic[:2] == GZIP_MAGIC:
+        return gzip.GzipFile(fileobj=raw, mode="rb")
+    if magic == ZSTD_MAGIC:
+        import zstandard
+
+        return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True, closefd=True)
+    return raw
+
+
+class TraceReader:
+    """Iterate a trace's events after its header.
+
+    >>> r = TraceReader("run.jsonl.gz")
+    >>> r.header.config.block_size
+    >>> for ev in r: ...
+    >>> r.truncation   # None, or "line 812 is cut off" etc.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.truncation: str | None = None
+        self.end: End | None = None
+        self.last_line = 0
+        try:
+            self._fh = io.BufferedReader(_open_binary_read(self.path), buffer_size=1 << 20)
+        except OSError as e:
+            raise TraceError(self.path, None, f"cannot open: {e.strerror or e}") from None
+        first = self._next_raw()
+        if first is None:
+            self.close()
+            raise TraceError(self.path, None, "empty file: no header record")
+        lineno, raw, complete = first
+        obj = self._parse(lineno, raw, complete)
+        if obj is None:
+            self.close()
+            raise TraceError(self.path, 1, "the header record is cut off")
+        try:
+            self.header: Header = decode_header(obj)
+        except SchemaError as e:
+            self.close()
+            raise TraceError(self.path, lineno, str(e)) from None
+
+    # -- raw lines -------------------------------------------------------------
+
+    def _lines(self) -> Iterator[tuple[int, bytes, bool]]:
+        lineno = 0
+        while True:
+            try:
+                raw = self._fh.readline(MAX_LINE_BYTES + 1)
+            except (EOFError, OSError, gzip.BadGzipFile) as e:
+                # Truncated or corrupt compressed stream: whatever came before stands.
+                self.truncation = f"compressed stream ends early after line {lineno} ({_reason(e)})"
+                return
+            except Exception as e:  # zstandard raises its own ZstdError
+                if type(e).__name__ == "ZstdError":
+                    self.truncation = f"compressed stream ends early after line {lineno} ({e})"
+                    return
+                raise
+            if not raw:
+                return
+            lineno += 1
+            if len(raw) > MAX_LINE_BYTES:
+                raise TraceError(self.path, lineno, f"record longer than {MAX_LINE_BYTES} bytes")
+            complete = raw.endswith(b"\n")
+            if raw.strip() == b"":
+                continue
+            yield lineno, raw, complete
+
+    def _next_raw(self):
+        if not hasattr(self, "_raw_iter"):
+            self._raw_iter = self._lines()
+        return next(self._raw_iter, None)
+
+    def _parse(self, lineno: int, raw: bytes, complete: bool):
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError as e:
+            if not complete:
+                self.truncation = f"line {lineno} is cut off mid-record"
+                return None
+            if b"\x00" in raw or not _mostly_text(raw):
+                raise TraceError(self.path, lineno, "binary data, not a JSON record") from None
+            raise TraceError(self.path, lineno, f"not JSON ({_short(e)})") from None
+
+    # -- events ----------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Event]:
+        last_seq = -1
+        while True:
+            item = self._next_raw()
+            if item is None:
+                break
+            lineno, raw, complete = item
+            self.last_line = lineno
+            obj = self._parse(lineno, raw, complete)
+            if obj is None:
+                break
+            try:
+                ev = decode(obj)
+            except SchemaError as e:
+                raise TraceError(self.path, lineno, str(e)) from None
+            if ev.seq <= last_seq:
+                raise TraceError(self.path, lineno,
+                                 f"sequence number {ev.seq} does not follow {last_seq}")
+            last_seq = ev.seq
+            if self.end is not None:
+                raise TraceError(self.path, lineno, "record after the 'end' record")
+            if isinstance(ev, End):
+                self.end = ev
+            yield ev
+        self.close()
+        if self.end is None and self.truncation is None:
+            self.truncation = f"no 'end' record after line {self.last_line}: the recording was cut off"
+
+    def close(self) -> None:
+        fh = getattr(self, "_fh", None)
+        if fh is not None:
+            try:
+                fh.close()
+            except Exception:
+                pass
+
+    def __enter__(self) -> "TraceReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _mostly_text(raw: bytes) -> bool:
+    sample = raw[:256]
+    return sum(32 <= b < 127 or b in (9, 10, 13) for b in sample) >= 0.9 * len(sample)
+
+
+def _short(e: Exception) -> str:
+    return str(e).split("\n")[0][:120]
+
+
+def _reason(e: Exception) -> str:
+    return _short(e) or type(e).__name__
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _open_binary_write(path: Path) -> IO[bytes]:
+    # Traces hold users' prompts: readable by their owner only.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    raw = os.fdopen(fd, "wb")
+    name = path.name
+    if name.endswith(".gz"):
+        return gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=6)
+    if name.endswith(".zst"):
+        import zstandard
+
+        return zstandard.ZstdCompressor(level=3).stream_writer(raw, closefd=True)
+    return raw
+
+
+class TraceWriter:
+    """Write a header, then events. The compression follows the file name
+    (``.gz``, ``.zst`` or plain)."""
+
+    def __init__(self, path: str | os.PathLike, header: Header):
+        self.path = Path(path)
+        self._fh = io.BufferedWriter(_open_binary_write(self.path), buffer_size=1 << 20)
+        self._seq = 0
+        self._closed = False
+        self._write_obj(to_json(header))
+
+    def next_seq(self) -> int:
+        s = self._seq
+        self._seq += 1
+        return s
+
+    def write(self, event: Event) -> None:
+        self._write_obj(to_json(event))
+
+    def write_raw(self, obj: dict) -> None:
+        self._write_obj(obj)
+
+    def _write_obj(self, obj: dict) -> None:
+        self._fh.write(orjson.dumps(obj, option=orjson.OPT_APPEND_NEWLINE))
+
+    def flush(self) -> None:
+        self._fh.flush()
+
+    def close(self, status: str = "complete", error: str | None = None, dropped_events: int = 0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.write(End(seq=self.next_seq(), status=status, error=error, dropped_events=dropped_events))
+        self._fh.close()
+
+    def __enter__(self) -> "TraceWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is None:
+            self.close()
+        else:
+            self.close(status="interrupted", error=f"{type(exc).__name__}: {exc}")
