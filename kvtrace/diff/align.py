@@ -1,0 +1,434 @@
+"""``diff_files``: compare two traces request by request.
+
+Two runs of the same workload rarely number their steps alike: one engine may
+take an extra empty step, or admit a request one step later. So the diff does
+not compare step k with step k. It follows each request through its own
+history and compares like with like:
+
+* ``arrival``      what the request asked for (prompt, max_tokens, priority, ...);
+* ``schedule``     the k-th time the request was scheduled: new, resumed or
+                   running, the lookup that admitted it, pre-step
+                   num_computed_tokens, num_scheduled_tokens, blocks, and the
+                   request's state right after that schedule();
+* ``output``       what update_from_output made of that k-th schedule: sampled
+                   tokens and the state afterwards;
+* ``preempt``      each preemption, counted by how many schedules preceded it;
+* ``load``         connector finished_recving / failed_recving for the request;
+* ``prompt_stats`` PrefillStats or the legacy counters;
+* ``finish``       finish reason, and after how many schedules.
+
+Each channel is a queue per side. An item is compared as soon as the other
+side has its counterpart, then dropped, so memory follows the live requests
+and the lag between the two files, not their length. A request's first
+divergence (the earliest in trace A) is kept once both sides have finished it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from ..findings import Divergence
+from ..trace.events import Abort, Arrival, End, Header, Output, PromptStats, Step, to_json
+from ..trace.io import TraceReader
+
+CHANNELS = ("arrival", "schedule", "output", "preempt", "load", "prompt_stats", "finish")
+# Outputs are matched to their step; forget unmatched steps older than this.
+_OUTPUT_WINDOW = 8
+
+
+@dataclass(slots=True)
+class DiffResult:
+    path_a: str
+    path_b: str
+    header_a: Header
+    header_b: Header
+    divergences: list[Divergence]
+    only_a: list[str]
+    only_b: list[str]
+    requests_compared: int
+    divergent_requests: int
+    steps_a: int
+    steps_b: int
+    truncation_a: str | None = None
+    truncation_b: str | None = None
+
+    @property
+    def identical(self) -> bool:
+        return not self.divergences
+
+    def summary(self) -> dict:
+        return {
+            "requests_compared": self.requests_compared,
+            "divergent_requests": self.divergent_requests,
+            "only_in_a": self.only_a,
+            "only_in_b": self.only_b,
+            "steps_a": self.steps_a,
+            "steps_b": self.steps_b,
+        }
+
+    def to_json(self) -> dict:
+        return {
+            "a": {"path": self.path_a, "engine": self.header_a.engine,
+                  "engine_version": self.header_a.engine_version,
+                  "steps": self.steps_a, "truncation": self.truncation_a},
+            "b": {"path": self.path_b, "engine": self.header_b.engine,
+                  "engine_version": self.header_b.engine_version,
+                  "steps": self.steps_b, "truncation": self.truncation_b},
+            "summary": self.summary(),
+            "divergences": [d.to_json() for d in self.divergences],
+        }
+
+
+def diff_files(path_a: str | os.PathLike, path_b: str | os.PathLike) -> DiffResult:
+    """Compare trace A (the one under study) with trace B (the expectation).
+
+    Raises ``TraceError`` when either file is unusable.
+    """
+    with TraceReader(path_a) as ra, TraceReader(path_b) as rb:
+        d = _Differ(ra, rb)
+        d.run()
+        return DiffResult(
+            path_a=str(path_a), path_b=str(path_b),
+            header_a=ra.header, header_b=rb.header,
+            divergences=d.header_divs + [dv for _, dv in sorted(d.found, key=lambda kd: kd[0])],
+            only_a=d.only["a"], only_b=d.only["b"],
+            requests_compared=d.compared,
+            divergent_requests=len(d.found) - len(d.only["a"]) - len(d.only["b"]),
+            steps_a=d.sides["a"].steps, steps_b=d.sides["b"].steps,
+            truncation_a=ra.truncation, truncation_b=rb.truncation,
+        )
+
+
+# --------------------------------------------------------------------------- histories
+
+
+@dataclass(slots=True)
+class _Item:
+    step: int | None
+    seq: int
+    line: int
+    value: dict
+
+
+@dataclass(slots=True)
+class _History:
+    """One request as one trace tells it, minus what was already compared."""
+
+    channels: dict[str, deque] = field(default_factory=lambda: {c: deque() for c in CHANNELS})
+    n_sched: int = 0
+    lookup: dict | None = None
+    finished: bool = False
+    done: bool = False
+    last: tuple[int | None, int, int] = (None, 0, 0)  # step, seq, line of the latest item
+
+
+@dataclass(slots=True)
+class _Pair:
+    req: str
+    a: _History | None = None
+    b: _History | None = None
+    compared: dict[str, int] = field(default_factory=lambda: {c: 0 for c in CHANNELS})
+    broken: set = field(default_factory=set)
+    best: tuple[float, Divergence] | None = None
+
+    def offer(self, key: float, div: Divergence) -> None:
+        if self.best is None or key < self.best[0]:
+            self.best = (key, div)
+
+
+class _Side:
+    def __init__(self, name: str, reader: TraceReader):
+        self.name = name
+        self.reader = reader
+        self.events: Iterator = iter(reader)
+        self.exhausted = False
+        self.steps = 0
+        self.read = 0
+        self.cur_step: int | None = None
+        self.waiting = 0  # requests done here whose counterpart is not done yet
+        self.just_finished: list[str] = []
+        self.sched_at: dict[int, dict[str, int]] = {}
+
+
+class _Differ:
+    def __init__(self, ra: TraceReader, rb: TraceReader):
+        self.sides = {"a": _Side("a", ra), "b": _Side("b", rb)}
+        self.pairs: dict[str, _Pair] = {}
+        self.found: list[tuple[float, Divergence]] = []
+        self.only: dict[str, list[str]] = {"a": [], "b": []}
+        self.compared = 0
+        self.header_divs = _header_divs(ra.header, rb.header)
+
+    # -- driving ---------------------------------------------------------------
+
+    def run(self) -> None:
+        a, b = self.sides["a"], self.sides["b"]
+        while not (a.exhausted and b.exhausted):
+            if a.exhausted:
+                self._advance(b)
+            elif b.exhausted:
+                self._advance(a)
+            elif a.waiting > b.waiting:
+                self._advance(b)
+            elif b.waiting > a.waiting:
+                self._advance(a)
+            else:
+                self._advance(a if a.read <= b.read else b)
+        for req in list(self.pairs):
+            self._finalize(self.pairs.pop(req))
+
+    def _advance(self, side: _Side) -> None:
+        ev = next(side.events, None)
+        if ev is None:
+            side.exhausted = True
+            self._promote_finished(side)
+            return
+        side.read += 1
+        line = side.reader.last_line
+        if isinstance(ev, Step):
+            self._promote_finished(side)
+            self._on_step(side, ev, line)
+        elif isinstance(ev, Output):
+            self._on_output(side, ev, line)
+        elif isinstance(ev, Arrival):
+            self._on_arrival(side, ev, line)
+        elif isinstance(ev, Abort):
+            for req in ev.reqs:
+                self._finish(side, req, "abort", side.cur_step, ev.seq, line)
+        elif isinstance(ev, PromptStats):
+            v: dict[str, Any] = {}
+            if ev.prefill_stats is not None:
+                v.update((f"prefill_stats.{k}", x) for k, x in to_json(ev.prefill_stats).items())
+            if ev.legacy is not None:
+                v.update((f"legacy.{k}", x) for k, x in to_json(ev.legacy).items())
+            self._add(side, ev.req, "prompt_stats", _Item(ev.step, ev.seq, line, v))
+        elif isinstance(ev, End):
+            pass
+
+    # -- events ----------------------------------------------------------------
+
+    def _on_arrival(self, side: _Side, ev: Arrival, line: int) -> None:
+        pair = self.pairs.get(ev.req)
+        if pair is None:
+            pair = self.pairs[ev.req] = _Pair(ev.req)
+        if getattr(pair, side.name) is None:
+            setattr(pair, side.name, _History())
+        v = to_json(ev)
+        for k in ("seq", "req", "kind", "arrival_time"):
+            v.pop(k, None)
+        self._add(side, ev.req, "arrival", _Item(side.cur_step, ev.seq, line, v))
+
+    def _on_step(self, side: _Side, ev: Step, line: int) -> None:
+        side.steps += 1
+        side.cur_step = ev.step
+        for k in [s for s in side.sched_at if s < ev.step - _OUTPUT_WINDOW]:
+            del side.sched_at[k]
+        for lk in ev.lookups:
+            h = self._hist(side, lk.req)
+            if h is not None:
+                h.lookup = {"lookup.local": lk.local, "lookup.ext": lk.ext,
+                            "lookup.load_async": lk.load_async}
+        for req in ev.preempted:
+            h = self._hist(side, req)
+            if h is not None:
+                self._add(side, req, "preempt",
+                          _Item(ev.step, ev.seq, line, {"after_schedules": h.n_sched}))
+        states = {st.req: st for st in ev.states}
+        at: dict[str, int] = {}
+        entries = [("new", s, "block_ids", s.block_ids) for s in ev.new]
+        entries += [("resumed", s, "block_ids", s.block_ids) for s in ev.resumed]
+        entries += [("running", s, "new_block_ids", s.new_block_ids) for s in ev.running]
+        for how, s, blocks_name, blocks in entries:
+            h = self._hist(side, s.req)
+            if h is None:
+                continue
+            v: dict[str, Any] = {"scheduled_as": how}
+            if h.lookup is not None:
+                v.update(h.lookup)
+                h.lookup = None
+            v["num_computed_tokens"] = s.num_computed_tokens
+            v["num_scheduled_tokens"] = s.num_scheduled_tokens
+            v[blocks_name] = blocks
+            st = states.get(s.req)
+            if st is not None:
+                v.update(_state(st, "state"))
+            at[s.req] = h.n_sched
+            h.n_sched += 1
+            self._add(side, s.req, "schedule", _Item(ev.step, ev.seq, line, v))
+        side.sched_at[ev.step] = at
+
+    def _on_output(self, side: _Side, ev: Output, line: int) -> None:
+        states = {st.req: st for st in ev.states}
+        for req in side.sched_at.pop(ev.step, {}):
+            if self._hist(side, req) is None:
+                continue
+            v: dict[str, Any] = {"sampled": ev.sampled.get(req, [])}
+            st = states.get(req)
+            if st is not None:
+                v.update(_state(st, "output_state"))
+            self._add(side, req, "output", _Item(ev.step, ev.seq, line, v))
+        if ev.connector is not None:
+            for what in ("finished_recving", "failed_recving"):
+                for req in getattr(ev.connector, what):
+                    h = self._hist(side, req)
+                    if h is not None:
+                        self._add(side, req, "load", _Item(
+                            ev.step, ev.seq, line, {"event": what, "after_schedules": h.n_sched}))
+        for req, reason in ev.finished.items():
+            self._finish(side, req, reason, ev.step, ev.seq, line)
+
+    def _finish(self, side: _Side, req: str, reason: str, step, seq: int, line: int) -> None:
+        h = self._hist(side, req)
+        if h is None or h.finished:
+            return
+        h.finished = True
+        self._add(side, req, "finish",
+                  _Item(step, seq, line, {"finish_reason": reason, "after_schedules": h.n_sched}))
+        side.just_finished.append(req)
+
+    def _promote_finished(self, side: _Side) -> None:
+        """A finished request is done once its side reaches the next step (its
+        prompt stats may follow the output that finished it), or its end."""
+        reqs = list(self.pairs) if side.exhausted else side.just_finished
+        side.just_finished = []
+        other = self.sides["b" if side.name == "a" else "a"]
+        for req in reqs:
+            pair = self.pairs.get(req)
+            h = None if pair is None else getattr(pair, side.name)
+            if h is None or h.done:
+                continue
+            h.done = True
+            oh = getattr(pair, other.name)
+            if oh is not None and oh.done:
+                other.waiting -= 1
+                self._finalize(self.pairs.pop(req))
+            else:
+                side.waiting += 1
+
+    # -- comparing -------------------------------------------------------------
+
+    def _hist(self, side: _Side, req: str) -> _History | None:
+        pair = self.pairs.get(req)
+        return None if pair is None else getattr(pair, side.name)
+
+    def _add(self, side: _Side, req: str, channel: str, item: _Item) -> None:
+        pair = self.pairs.get(req)
+        h = None if pair is None else getattr(pair, side.name)
+        if h is None:
+            return
+        h.channels[channel].append(item)
+        h.last = (item.step, item.seq, item.line)
+        if pair.a is not None and pair.b is not None:
+            self._compare(pair, channel)
+
+    def _compare(self, pair: _Pair, channel: str) -> None:
+        qa, qb = pair.a.channels[channel], pair.b.channels[channel]
+        while qa and qb:
+            ia, ib = qa.popleft(), qb.popleft()
+            k = pair.compared[channel]
+            pair.compared[channel] = k + 1
+            if channel in pair.broken:
+                continue
+            if pair.best is not None and pair.best[0] < ia.seq:
+                continue  # an earlier divergence is already known
+            for name in _union(ia.value, ib.value):
+                va, vb = ia.value.get(name), ib.value.get(name)
+                if va != vb:
+                    pair.broken.add(channel)
+                    pair.offer(ia.seq, Divergence(
+                        step=ia.step, req=pair.req, field=name, recorded=va, expected=vb,
+                        rule=f"{_what(channel, k, pair.req)} differs", kind="diff",
+                        seq=ia.seq, line=ia.line))
+                    break
+
+    def _finalize(self, pair: _Pair) -> None:
+        if pair.a is None or pair.b is None:
+            side = "a" if pair.b is None else "b"
+            self.only[side].append(pair.req)
+            h = pair.a if side == "a" else pair.b
+            first = next((q[0] for q in h.channels.values() if q), None)
+            key = first.seq if side == "a" and first is not None else math.inf
+            self.found.append((key, Divergence(
+                step=first.step if side == "a" and first else None, req=pair.req, field="request",
+                recorded="present" if side == "a" else None,
+                expected="present" if side == "b" else None,
+                rule=f"request only in {side.upper()}", kind="diff",
+                seq=first.seq if side == "a" and first else None,
+                line=first.line if side == "a" and first else None)))
+            return
+        self.compared += 1
+        for channel in CHANNELS:
+            self._compare(pair, channel)
+            if channel in pair.broken:
+                continue
+            qa, qb = pair.a.channels[channel], pair.b.channels[channel]
+            k = pair.compared[channel]
+            if qa:
+                ia = qa[0]
+                pair.offer(ia.seq, Divergence(
+                    step=ia.step, req=pair.req, field=channel, recorded=ia.value, expected=None,
+                    rule=f"{_what(channel, k, pair.req)} only in A", kind="diff",
+                    seq=ia.seq, line=ia.line))
+            elif qb:
+                step, seq, line = pair.a.last
+                pair.offer(seq + 0.5, Divergence(
+                    step=step, req=pair.req, field=channel, recorded=None, expected=qb[0].value,
+                    rule=f"{_what(channel, k, pair.req)} only in B", kind="diff",
+                    seq=None, line=None))
+        if pair.best is not None:
+            self.found.append(pair.best)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _state(st, prefix: str) -> dict:
+    return {f"{prefix}.status": st.status,
+            f"{prefix}.num_computed_tokens": st.num_computed_tokens,
+            f"{prefix}.num_tokens": st.num_tokens,
+            f"{prefix}.num_preemptions": st.num_preemptions,
+            f"{prefix}.block_ids": st.block_ids}
+
+
+def _union(a: dict, b: dict) -> list[str]:
+    return list(a) + [k for k in b if k not in a]
+
+
+def _ordinal(n: int) -> str:
+    if 10 <= n % 100 <= 20:
+        return f"{n}th"
+    return f"{n}{ {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th') }"
+
+
+def _what(channel: str, k: int, req: str) -> str:
+    nth = _ordinal(k + 1)
+    return {
+        "arrival": f"arrival of {req}",
+        "schedule": f"{nth} schedule of {req}",
+        "output": f"output of the {nth} schedule of {req}",
+        "preempt": f"{nth} preemption of {req}",
+        "load": f"{nth} KV-load event of {req}",
+        "prompt_stats": f"prompt stats of {req}",
+        "finish": f"finish of {req}",
+    }[channel]
+
+
+def _flatten(obj: Any, prefix: str) -> dict:
+    if isinstance(obj, dict):
+        out: dict = {}
+        for k, v in obj.items():
+            out.update(_flatten(v, f"{prefix}.{k}"))
+        return out
+    return {prefix: obj}
+
+
+def _header_divs(ha: Header, hb: Header) -> list[Divergence]:
+    fa = _flatten(to_json(ha.config), "config") | _flatten(ha.features, "features")
+    fb = _flatten(to_json(hb.config), "config") | _flatten(hb.features, "features")
+    return [Divergence(step=None, req=None, field=k, recorded=fa.get(k), expected=fb.get(k),
+                       rule="the two runs were configured differently", kind="diff")
+            for k in _union(fa, fb) if fa.get(k) != fb.get(k)]

@@ -1,0 +1,113 @@
+"""Small hand-made traces for format, diff and CLI tests.
+
+``write_mini_trace`` runs a toy schedule (whole-prompt prefill, then one token
+per step, blocks handed out in order) and writes it with TraceWriter. The
+numbers are self-consistent but do not come from the reference scheduler.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from kvtrace.trace.events import (
+    Arrival, Header, Output, PromptStats, PrefillStats, RequestState, ScheduledNew,
+    ScheduledRunning, SchedulerConfig, Step,
+)
+from kvtrace.trace.io import TraceWriter
+
+BLOCK = 4
+
+
+def mini_header(**meta) -> Header:
+    return Header(
+        engine="embedded", engine_version="test",
+        config=SchedulerConfig(block_size=BLOCK, num_blocks=64, max_num_batched_tokens=64,
+                               max_num_seqs=8, max_model_len=128),
+        meta=meta,
+    )
+
+
+def write_mini_trace(
+    path: Path,
+    *,
+    requests: dict[str, int] | None = None,
+    max_tokens: int = 3,
+    empty_step_at: int | None = None,
+    edit: Callable[[object], None] | None = None,
+    close: bool = True,
+) -> Path:
+    """Write a toy trace. ``requests`` maps request id to prompt length.
+    ``empty_step_at`` inserts a step that schedules nothing before that step
+    index, shifting the numbering of all later steps. ``edit`` is called on
+    every event before it is written (to plant a difference)."""
+    requests = requests or {"r0": 6, "r1": 5, "r2": 9}
+    w = TraceWriter(path, mini_header())
+    emit = (lambda ev: (edit(ev), w.write(ev))) if edit else w.write
+    live: dict[str, dict] = {}
+    next_block = 1
+    for i, (req, n) in enumerate(requests.items()):
+        prompt = [(i * 31 + j) % 97 + 1 for j in range(n)]
+        emit(Arrival(seq=w.next_seq(), req=req, prompt_token_ids=prompt, max_tokens=max_tokens,
+                     arrival_time=float(i)))
+        live[req] = {"tokens": n, "computed": 0, "blocks": [], "out": 0, "new": True}
+    step = 0
+    logical = 0
+    while live:
+        if empty_step_at is not None and logical == empty_step_at:
+            emit(Step(seq=w.next_seq(), step=step,
+                      states=[_state(r, s) for r, s in live.items()]))
+            emit(Output(seq=w.next_seq(), step=step))
+            step += 1
+            empty_step_at = None
+            continue
+        new, running = [], []
+        for req, s in live.items():
+            n = s["tokens"] - s["computed"]
+            need = -(-(s["tokens"]) // BLOCK) - len(s["blocks"])
+            blocks = list(range(next_block, next_block + max(need, 0)))
+            next_block += len(blocks)
+            s["blocks"] += blocks
+            if s["new"]:
+                new.append(ScheduledNew(req=req, num_computed_tokens=s["computed"],
+                                        num_scheduled_tokens=n, block_ids=list(s["blocks"])))
+            else:
+                running.append(ScheduledRunning(req=req, num_computed_tokens=s["computed"],
+                                                num_scheduled_tokens=n, new_block_ids=blocks))
+            s["computed"] += n
+        states = [_state(r, s) for r, s in live.items()]
+        emit(Step(seq=w.next_seq(), step=step, new=new, running=running, states=states))
+        sampled, finished = {}, {}
+        for req, s in live.items():
+            tok = (s["tokens"] * 7 + s["out"]) % 97 + 1
+            sampled[req] = [tok]
+            s["tokens"] += 1
+            s["out"] += 1
+            if s["out"] >= max_tokens:
+                finished[req] = "length"
+        out_states = [_state(r, s, "FINISHED_LENGTH_CAPPED" if r in finished else "RUNNING")
+                      for r, s in live.items()]
+        emit(Output(seq=w.next_seq(), step=step, sampled=sampled, finished=finished,
+                    states=out_states))
+        for req, s in live.items():
+            if s["new"]:
+                p = s["tokens"] - 1
+                emit(PromptStats(seq=w.next_seq(), step=step, req=req, prefill_stats=PrefillStats(
+                    num_prompt_tokens=p, num_local_cached_tokens=0, num_external_cached_tokens=0,
+                    num_cached_tokens=0, num_computed_tokens=p, num_cache_creation_tokens=0)))
+                s["new"] = False
+        for req in finished:
+            del live[req]
+        step += 1
+        logical += 1
+    if close:
+        w.close()
+    else:
+        w.flush()
+        w._fh.close()
+    return path
+
+
+def _state(req: str, s: dict, status: str = "RUNNING") -> RequestState:
+    return RequestState(req=req, status=status, num_computed_tokens=s["computed"],
+                        num_tokens=s["tokens"], num_preemptions=0, block_ids=list(s["blocks"]))
