@@ -1,0 +1,1 @@
+"""Reporters: they consume replay and diff results and never read traces."""

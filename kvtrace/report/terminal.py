@@ -1,0 +1,191 @@
+"""Render divergences for people (a rich table) and for machines (JSON).
+
+Reporters only consume results: a replay result (``divergences``, ``header``,
+``steps``, ``truncation``) or a ``DiffResult``. They never read traces.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import orjson
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from ..findings import Divergence, first_per_request
+
+MAX_ROWS = 50
+MAX_VALUE_CHARS = 48
+
+
+def make_console(stderr: bool = False) -> Console:
+    """A console that is plain (no colour, wide enough for the table) when the
+    output is not a terminal."""
+    c = Console(stderr=stderr, highlight=False)
+    if not c.is_terminal and "COLUMNS" not in os.environ:
+        c = Console(stderr=stderr, highlight=False, width=160)
+    return c
+
+
+# --------------------------------------------------------------------------- values
+
+
+def format_value(v: Any, limit: int = MAX_VALUE_CHARS) -> str:
+    """A short, readable form of a recorded or expected value."""
+    if v is None:
+        return "—"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, list):
+        s = "[" + ", ".join(format_value(x, limit) for x in v) + "]"
+        if len(s) > limit:
+            head = s[: limit - 12].rsplit(",", 1)[0]
+            s = f"{head}, … ({len(v)} items)]"
+    elif isinstance(v, dict):
+        s = ", ".join(f"{k}={format_value(x, limit)}" for k, x in v.items())
+    else:
+        s = str(v)
+    if len(s) > limit:
+        s = s[: limit - 1] + "…"
+    return s
+
+
+def replayed_up_to(truncation: str | None, verb: str = "replayed") -> str | None:
+    """The note a truncated trace gets: "replayed up to line N: <why>"."""
+    if not truncation:
+        return None
+    if "no 'end' record" in truncation:
+        return truncation
+    m = re.search(r"line (\d+) is cut off", truncation)
+    if m:
+        return f"{verb} up to line {int(m.group(1)) - 1}: {truncation}"
+    m = re.search(r"after line (\d+)", truncation)
+    if m:
+        return f"{verb} up to line {m.group(1)}: {truncation}"
+    return f"{verb} up to the cut: {truncation}"
+
+
+# --------------------------------------------------------------------------- table
+
+
+def divergence_table(divs: list[Divergence], max_rows: int = MAX_ROWS) -> tuple[Table, int]:
+    """The table (first divergence of each request first) and how many rows were left out."""
+    ordered = first_per_request(divs)
+    table = Table(show_lines=False, header_style="bold", expand=False)
+    table.add_column("step", justify="right", no_wrap=True)
+    table.add_column("request", no_wrap=True)
+    table.add_column("field", no_wrap=True)
+    table.add_column("recorded", style="red")
+    table.add_column("expected", style="green")
+    table.add_column("rule")
+    for d in ordered[:max_rows]:
+        table.add_row(
+            "—" if d.step is None else str(d.step),
+            "(all)" if d.req is None else d.req,
+            d.field,
+            Text(format_value(d.recorded)),
+            Text(format_value(d.expected)),
+            Text(d.rule),
+        )
+    return table, max(0, len(ordered) - max_rows)
+
+
+def _print_divergences(console: Console, divs: list[Divergence], max_rows: int) -> None:
+    if not divs:
+        return
+    table, left_out = divergence_table(divs, max_rows)
+    console.print(table)
+    if left_out:
+        console.print(f"… and {left_out} more rows (use --json for all of them)")
+
+
+def _trace_line(path: str, header: Any, steps: Any) -> str:
+    engine = getattr(header, "engine", "?")
+    version = getattr(header, "engine_version", "")
+    parts = [str(path), f"engine {engine} {version}".rstrip()]
+    if steps is not None:
+        parts.append(f"{steps} steps")
+    return " · ".join(parts)
+
+
+# --------------------------------------------------------------------------- replay
+
+
+def print_replay(result: Any, path: str, console: Console | None = None,
+                 max_rows: int = MAX_ROWS) -> None:
+    console = console or make_console()
+    divs: list[Divergence] = list(result.divergences)
+    console.print(Text(_trace_line(path, result.header, getattr(result, "steps", None)), style="bold"))
+    note = replayed_up_to(getattr(result, "truncation", None))
+    if note:
+        console.print(Text(f"truncated: {note}", style="yellow"))
+    _print_divergences(console, divs, max_rows)
+    console.print(Text(_replay_summary(divs), style="red" if divs else "green"))
+
+
+def _replay_summary(divs: list[Divergence]) -> str:
+    if not divs:
+        return "no divergence: the trace matches the reference scheduler"
+    reqs = {d.req for d in divs if d.req is not None}
+    first = min(divs, key=lambda d: (d.step is None, d.step or 0, d.seq or 0))
+    where = f"step {first.step}" if first.step is not None else "outside any step"
+    who = f", request {first.req}" if first.req is not None else ""
+    return (f"{len(divs)} divergence{'s' if len(divs) != 1 else ''} in {len(reqs)} "
+            f"request{'s' if len(reqs) != 1 else ''}; first at {where}{who}, field {first.field}")
+
+
+def replay_json(result: Any, path: str) -> bytes:
+    header = result.header
+    doc = {
+        "trace": str(path),
+        "engine": getattr(header, "engine", None),
+        "engine_version": getattr(header, "engine_version", None),
+        "steps": getattr(result, "steps", None),
+        "truncation": getattr(result, "truncation", None),
+        "divergences": [d.to_json() for d in first_per_request(list(result.divergences))],
+    }
+    return _dumps(doc)
+
+
+# --------------------------------------------------------------------------- diff
+
+
+def print_diff(result: Any, console: Console | None = None, max_rows: int = MAX_ROWS) -> None:
+    console = console or make_console()
+    for tag, path, header, steps, trunc in (
+        ("A", result.path_a, result.header_a, result.steps_a, result.truncation_a),
+        ("B", result.path_b, result.header_b, result.steps_b, result.truncation_b),
+    ):
+        console.print(Text(f"{tag}: {_trace_line(path, header, steps)}", style="bold"))
+        if trunc:
+            console.print(Text(f"   truncated: {replayed_up_to(trunc, 'read')}",
+                               style="yellow"))
+    console.print("recorded = A, expected = B")
+    _print_divergences(console, result.divergences, max_rows)
+    s = result.summary()
+    line = (f"{s['requests_compared']} requests compared, "
+            f"{s['divergent_requests']} diverge")
+    if s["only_in_a"]:
+        line += f"; only in A: {_names(s['only_in_a'])}"
+    if s["only_in_b"]:
+        line += f"; only in B: {_names(s['only_in_b'])}"
+    line += f"; steps: A {s['steps_a']}, B {s['steps_b']}"
+    console.print(Text(line, style="red" if result.divergences else "green"))
+
+
+def _names(reqs: list[str], limit: int = 8) -> str:
+    shown = ", ".join(reqs[:limit])
+    return shown + (f" … ({len(reqs)} in all)" if len(reqs) > limit else "")
+
+
+def diff_json(result: Any) -> bytes:
+    doc = result.to_json()
+    doc["divergences"] = [d.to_json() for d in first_per_request(list(result.divergences))]
+    return _dumps(doc)
+
+
+def _dumps(doc: dict) -> bytes:
+    return orjson.dumps(doc, default=str, option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE)
