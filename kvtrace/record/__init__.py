@@ -1,0 +1,1 @@
+"""Recording real engines' scheduler decisions (vLLM V1)."""

@@ -1,0 +1,68 @@
+"""vLLM general plugin: record scheduler decisions when ``KVTRACE_OUT`` is set.
+
+Declared in pyproject.toml as::
+
+    [project.entry-points."vllm.general_plugins"]
+    kvtrace = "kvtrace.record.vllm_plugin:register"
+
+vLLM loads general plugins in every process (front end, engine core, workers),
+and the engine core loads them before it resolves its scheduler class with
+``vllm_config.scheduler_config.get_scheduler_cls()`` (vllm/v1/engine/core.py).
+``register()`` wraps that method so that whatever class it resolves (vLLM's
+``Scheduler``, ``AsyncScheduler`` or a user's ``scheduler_cls``) is returned as a
+recording subclass built by ``make_recording_scheduler``.
+
+* Without ``KVTRACE_OUT`` in the environment ``register()`` does nothing.
+* It is idempotent, and harmless in processes that never build a scheduler.
+* ``KVTRACE_OUT`` is read when a scheduler is constructed, so one process may
+  record several engines by changing it in between. A second scheduler in the
+  same process with the same path, or a data-parallel rank other than 0, writes
+  to the path with ``.dp<rank>``/``.pid<pid>`` inserted before the extension.
+* The trace is closed (End record) by ``Scheduler.shutdown`` and, failing that,
+  at process exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger("kvtrace.record")
+
+_PATCHED_ATTR = "_kvtrace_wrapped"
+
+
+def register() -> None:
+    if not os.environ.get("KVTRACE_OUT"):
+        return
+    try:
+        install()
+    except Exception:
+        logger.exception("kvtrace: could not install the recording hook; vLLM runs unrecorded")
+
+
+def install() -> bool:
+    """Patch ``SchedulerConfig.get_scheduler_cls``. Returns False if already done."""
+    from vllm.config.scheduler import SchedulerConfig
+
+    orig = SchedulerConfig.get_scheduler_cls
+    if getattr(orig, _PATCHED_ATTR, False):
+        return False
+
+    def get_scheduler_cls(self, *args, **kwargs):
+        base = orig(self, *args, **kwargs)
+        if not os.environ.get("KVTRACE_OUT"):
+            return base
+        try:
+            from kvtrace.record.vllm_recorder import make_recording_scheduler
+
+            return make_recording_scheduler(base)
+        except Exception:
+            logger.exception("kvtrace: could not wrap %r; vLLM runs unrecorded", base)
+            return base
+
+    setattr(get_scheduler_cls, _PATCHED_ATTR, True)
+    get_scheduler_cls.__wrapped__ = orig  # type: ignore[attr-defined]
+    get_scheduler_cls.__doc__ = orig.__doc__
+    SchedulerConfig.get_scheduler_cls = get_scheduler_cls
+    return True

@@ -1,0 +1,719 @@
+"""Record vLLM V1 scheduler decisions as a kvtrace trace.
+
+``make_recording_scheduler(base_cls)`` returns a subclass of ``base_cls`` (vLLM's
+``Scheduler``, ``AsyncScheduler`` or a user's own ``scheduler_cls``) that records,
+in call order:
+
+* ``add_request``      -> ``Arrival``
+* ``finish_requests``  -> ``Abort`` (only ``FINISHED_ABORTED`` calls from outside
+  ``update_from_output``)
+* ``schedule``         -> ``Step`` (with the connector's lookups and load plan,
+  captured by wrapping ``self.connector.get_num_new_matched_tokens`` and
+  ``self.connector.update_state_after_alloc`` on the instance)
+* ``update_from_output`` -> ``Output`` and one ``PromptStats`` per request's first
+  output that carries prompt accounting
+* shutdown / process exit -> ``End``
+
+Rules the recorder keeps:
+
+* The real method always runs; the recorder never changes arguments or results.
+* Every capture is wrapped: the first exception is logged once, the trace is
+  marked failed (``End.status == "recorder-error"``), recording stops and the
+  engine carries on.
+* Capture on the hot path only copies lists and ints into event objects. Sequence
+  numbers, JSON and compression happen on a background thread fed by a bounded
+  queue. When the queue is full the event is dropped and counted; the trace then
+  ends with ``status "recorder-error"`` and ``dropped_events > 0``.
+
+Which file a scheduler writes is decided by ``open_recorder`` (see
+``kvtrace.record.vllm_plugin``); a scheduler class built here with no
+destination configured records nothing.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import queue
+import threading
+import weakref
+from pathlib import Path
+from typing import Any
+
+from kvtrace.trace.events import (
+    STATUSES,
+    Abort,
+    Arrival,
+    ConnectorConfig,
+    ConnectorOutput,
+    End,
+    Header,
+    KVLoad,
+    LegacyCounters,
+    Lookup,
+    Output,
+    PrefillStats,
+    PromptStats,
+    RequestState,
+    ScheduledNew,
+    ScheduledRunning,
+    SchedulerConfig,
+    Step,
+)
+from kvtrace.trace.io import TraceWriter
+
+logger = logging.getLogger("kvtrace.record")
+
+ENV_OUT = "KVTRACE_OUT"
+ENV_QUEUE = "KVTRACE_QUEUE_SIZE"
+DEFAULT_QUEUE_SIZE = 1 << 16
+
+# vLLM status names that the trace schema folds into one of its own.
+_STATUS_FOLD = {
+    "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR": "WAITING",
+    "WAITING_FOR_STREAMING_REQ": "WAITING",
+    "FINISHED_REPETITION": "FINISHED_STOPPED",
+}
+_REASONS = {"stop": "stop", "length": "length", "abort": "abort", "error": "error",
+            "repetition": "stop"}
+
+_STOP = object()
+
+
+# --------------------------------------------------------------------------- sink
+
+
+class TraceSink:
+    """A TraceWriter behind a bounded queue and one writer thread.
+
+    ``put`` never blocks and never raises. ``close`` writes the End record."""
+
+    def __init__(self, path: str | os.PathLike, header: Header, maxsize: int | None = None):
+        if maxsize is None:
+            maxsize = int(os.environ.get(ENV_QUEUE, DEFAULT_QUEUE_SIZE))
+        self.path = Path(path)
+        self._writer = TraceWriter(self.path, header)  # may raise: caller handles it
+        self._q: queue.Queue = queue.Queue(maxsize=max(1, maxsize))
+        self.dropped = 0
+        self.write_error: str | None = None
+        self.closed = False
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="kvtrace-writer", daemon=True)
+        self._thread.start()
+
+    def put(self, ev: Any) -> None:
+        if self.closed:
+            return
+        try:
+            self._q.put_nowait(ev)
+        except queue.Full:
+            self.dropped += 1
+
+    def _run(self) -> None:
+        w = self._writer
+        while True:
+            item = self._q.get()
+            if type(item) is tuple and item and item[0] is _STOP:
+                self._finish(item[1], item[2])
+                return
+            if self.write_error is not None:
+                continue
+            try:
+                item.seq = w.next_seq()
+                w.write(item)
+            except Exception as e:  # disk full, a bug in serialisation ...
+                self.write_error = f"writing the trace failed: {type(e).__name__}: {e}"
+                logger.error("kvtrace: %s; recording stopped, the engine is unaffected",
+                             self.write_error)
+
+    def _finish(self, status: str, error: str | None) -> None:
+        if self.write_error is not None:
+            status, error = "recorder-error", self.write_error
+        if self.dropped and status == "complete":
+            status = "recorder-error"
+            error = f"{self.dropped} events dropped: the trace writer could not keep up"
+        try:
+            self._writer.close(status=status, error=error, dropped_events=self.dropped)
+        except Exception as e:
+            logger.error("kvtrace: closing the trace %s failed: %s", self.path, e)
+            try:
+                self._writer._fh.close()
+            except Exception:
+                pass
+
+    def close(self, status: str = "complete", error: str | None = None,
+              timeout: float = 60.0) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+        try:
+            self._q.put((_STOP, status, error), timeout=timeout)
+        except queue.Full:
+            logger.error("kvtrace: trace writer is stuck; %s may lack its end record", self.path)
+            return
+        self._thread.join(timeout)
+
+
+# --------------------------------------------------------------------------- capture helpers
+
+
+def _status(req: Any) -> str:
+    name = req.status.name
+    if name in STATUSES:
+        return name
+    return _STATUS_FOLD.get(name, "WAITING")
+
+
+def _first_group(block_ids: Any) -> list[int]:
+    """vLLM passes block ids as a tuple of per-group lists (or a list of such)."""
+    if block_ids is None:
+        return []
+    if len(block_ids) and not isinstance(block_ids[0], int):
+        return list(block_ids[0])
+    return list(block_ids)
+
+
+def _counters_shape() -> str:
+    try:
+        from vllm.v1.engine import EngineCoreOutput
+
+        names = set(getattr(EngineCoreOutput, "__struct_fields__", ()))
+    except Exception:
+        names = set()
+    if "prefill_stats" in names:
+        return "prefill_stats"
+    if "num_cached_tokens" in names:
+        return "legacy"
+    return "prefill_stats"
+
+
+def _finish_reason(r: Any) -> str | None:
+    if r is None:
+        return None
+    name = getattr(r, "name", None) or str(r)
+    return _REASONS.get(name.lower(), "stop")
+
+
+def build_header(sched: Any, meta: dict | None = None) -> Header:
+    """The trace header for a constructed vLLM scheduler."""
+    import vllm
+
+    vc = sched.vllm_config
+    sc = vc.scheduler_config
+    cc = vc.cache_config
+    kvm = sched.kv_cache_manager
+    ktc = vc.kv_transfer_config
+    conn = None
+    if ktc is not None and getattr(ktc, "kv_connector", None):
+        policy = getattr(ktc, "kv_load_failure_policy", "fail")
+        conn = ConnectorConfig(name=str(ktc.kv_connector),
+                               load_failure_policy=policy if policy in ("fail", "recompute") else "fail")
+    num_blocks = getattr(getattr(kvm, "block_pool", None), "num_gpu_blocks", None)
+    if num_blocks is None:
+        num_blocks = cc.num_gpu_blocks
+    mnst = getattr(sched, "max_num_scheduled_tokens", None) or sc.max_num_batched_tokens
+    cfg = SchedulerConfig(
+        block_size=int(sched.block_size),
+        num_blocks=int(num_blocks),
+        max_num_batched_tokens=int(sc.max_num_batched_tokens),
+        max_num_seqs=int(sc.max_num_seqs),
+        max_model_len=int(getattr(sched, "max_model_len", vc.model_config.max_model_len)),
+        enable_prefix_caching=bool(cc.enable_prefix_caching),
+        policy=str(getattr(sc, "policy", "fcfs")),
+        long_prefill_token_threshold=int(getattr(sc, "long_prefill_token_threshold", 0) or 0),
+        max_num_scheduled_tokens=int(mnst),
+        watermark_blocks=int(getattr(kvm, "watermark_blocks", 0) or 0),
+        connector=conn,
+    )
+    kcc = getattr(sched, "kv_cache_config", None)
+    groups = kcc.kv_cache_groups if kcc is not None else []
+    pc = vc.parallel_config
+    features = {
+        "async_scheduling": bool(getattr(sc, "async_scheduling", False)),
+        "num_speculative_tokens": int(getattr(sched, "num_spec_tokens", 0) or 0),
+        "num_lookahead_tokens": int(getattr(sched, "num_lookahead_tokens", 0) or 0),
+        "num_kv_cache_groups": len(groups),
+        "kv_cache_group_kinds": [type(g.kv_cache_spec).__name__ for g in groups],
+        "hash_block_size": int(getattr(sched, "hash_block_size", sched.block_size)),
+        "pipeline_parallel_size": int(getattr(pc, "pipeline_parallel_size", 1)),
+        "data_parallel_size": int(getattr(pc, "data_parallel_size", 1)),
+        "decode_context_parallel_size": int(getattr(pc, "decode_context_parallel_size", 1)),
+        "use_v2_model_runner": bool(getattr(vc, "use_v2_model_runner", False)),
+        "enable_chunked_prefill": bool(getattr(sc, "enable_chunked_prefill", True)),
+        "max_num_active_seqs": getattr(sc, "max_num_active_seqs", None),
+        "long_prefill_token_threshold_adaptive": bool(
+            getattr(sc, "long_prefill_token_threshold_adaptive", False)),
+        "scheduler_reserve_full_isl": bool(getattr(sc, "scheduler_reserve_full_isl", False)),
+        "watermark": float(getattr(sc, "watermark", 0.0) or 0.0),
+        "prefix_caching_hash_algo": str(getattr(cc, "prefix_caching_hash_algo", "")),
+        "prefix_replay_tokens": int(getattr(sched, "prefix_replay_tokens", 0) or 0),
+        "use_eagle": bool(getattr(sched, "use_eagle", False)),
+        "has_mamba_layers": bool(getattr(sched, "has_mamba_layers", False)),
+        "multimodal": bool(getattr(vc.model_config, "is_multimodal_model", False)),
+        "kv_role": getattr(ktc, "kv_role", None) if ktc is not None else None,
+        "scheduler_cls": f"{type(sched).__mro__[1].__module__}.{type(sched).__mro__[1].__qualname__}",
+    }
+    m = {"recorder": "kvtrace.record.vllm_recorder", "pid": os.getpid(),
+         "data_parallel_rank": int(getattr(pc, "data_parallel_rank", 0) or 0)}
+    if meta:
+        m.update(meta)
+    return Header(engine="vllm", engine_version=str(getattr(vllm, "__version__", "unknown")),
+                  config=cfg, counters=_counters_shape(), features=features, meta=m)
+
+
+# --------------------------------------------------------------------------- recorder
+
+
+class Recorder:
+    """Per-scheduler capture state. All public ``on_*`` methods may raise; the
+    scheduler subclass catches and calls ``fail``."""
+
+    def __init__(self, sched: Any, sink: TraceSink):
+        self._sched_ref = weakref.ref(sched)
+        self.sink = sink
+        self.failed: str | None = None
+        self.active = True
+        self.step_index = 0
+        self.has_connector = getattr(sched, "connector", None) is not None
+        # Per-step capture, reset at every schedule().
+        self.lookups: list[Lookup] = []
+        self.loads: list[KVLoad] = []
+        self.last_local: dict[str, int] = {}
+        self.preempt_order: list[str] = []
+        # SchedulerOutput identity -> step index (FIFO, for async / PP engines).
+        self.pending: list[tuple[Any, int]] = []
+        self.stats_done: set[str] = set()
+        self.in_update = False
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def fail(self, where: str, exc: BaseException) -> None:
+        if self.failed is None:
+            self.failed = f"{where}: {type(exc).__name__}: {exc}"
+            logger.exception("kvtrace: recorder failed in %s; recording stopped, the engine is "
+                             "unaffected", where)
+        self.active = False
+        self.close()
+
+    def close(self) -> None:
+        if self.sink.closed:
+            return
+        if self.failed is not None:
+            self.sink.close("recorder-error", self.failed)
+        else:
+            self.sink.close("complete")
+        _ACTIVE.discard(self)
+
+    # -- inputs ----------------------------------------------------------------
+
+    def on_add_request(self, request: Any) -> None:
+        sp = request.sampling_params
+        self.sink.put(Arrival(
+            seq=0,
+            req=str(request.request_id),
+            prompt_token_ids=list(request.prompt_token_ids or ()),
+            max_tokens=int(request.max_tokens),
+            arrival_time=float(request.arrival_time or 0.0),
+            priority=int(request.priority or 0),
+            cache_salt=request.cache_salt,
+            eos_token_id=None if sp is None else sp.eos_token_id,
+            stop_token_ids=[] if sp is None else list(sp.stop_token_ids or ()),
+            min_tokens=0 if sp is None else int(sp.min_tokens or 0),
+            ignore_eos=False if sp is None else bool(sp.ignore_eos),
+            skip_reading_prefix_cache=bool(getattr(request, "skip_reading_prefix_cache", False)),
+        ))
+
+    def on_abort(self, request_ids: Any, sched: Any) -> None:
+        if request_ids is None:
+            ids = list(sched.requests.keys())
+        elif isinstance(request_ids, str):
+            ids = [request_ids]
+        else:
+            ids = list(dict.fromkeys(request_ids))
+        self.sink.put(Abort(seq=0, reqs=[str(i) for i in ids]))
+
+    def on_lookup(self, request: Any, local: int, result: Any) -> None:
+        ext, load_async = (result if result is not None else (None, False))
+        rid = str(request.request_id)
+        self.last_local[rid] = int(local)
+        self.lookups.append(Lookup(req=rid, local=int(local),
+                                   ext=None if ext is None else int(ext),
+                                   load_async=bool(load_async)))
+
+    def on_alloc(self, request: Any, num_external_tokens: int) -> None:
+        if num_external_tokens and num_external_tokens > 0:
+            rid = str(request.request_id)
+            start = self.last_local.get(rid, 0)
+            self.loads.append(KVLoad(req=rid, start=start, end=start + int(num_external_tokens)))
+
+    def on_preempt(self, request: Any) -> None:
+        self.preempt_order.append(str(request.request_id))
+
+    def begin_step(self) -> None:
+        self.lookups = []
+        self.loads = []
+        self.last_local = {}
+        self.preempt_order = []
+
+    # -- state -----------------------------------------------------------------
+
+    def state(self, sched: Any, rid: str, req: Any = None) -> RequestState | None:
+        if req is None:
+            req = sched.requests.get(rid)
+        if req is None:
+            return None
+        try:
+            blocks = list(sched.kv_cache_manager.get_block_ids(rid)[0])
+        except Exception:
+            blocks = []
+        return RequestState(req=rid, status=_status(req),
+                            num_computed_tokens=int(req.num_computed_tokens),
+                            num_tokens=int(req.num_tokens),
+                            num_preemptions=int(getattr(req, "num_preemptions", 0)),
+                            block_ids=blocks)
+
+    # -- schedule --------------------------------------------------------------
+
+    def on_schedule(self, sched: Any, out: Any) -> None:
+        step = self.step_index
+        self.step_index += 1
+        nst = out.num_scheduled_tokens
+        new = [ScheduledNew(req=r.req_id, num_computed_tokens=int(r.num_computed_tokens),
+                            num_scheduled_tokens=int(nst.get(r.req_id, 0)),
+                            block_ids=_first_group(r.block_ids))
+               for r in out.scheduled_new_reqs]
+        resumed: list[ScheduledNew] = []
+        running: list[ScheduledRunning] = []
+        cd = out.scheduled_cached_reqs
+        resumed_ids = cd.resumed_req_ids
+        for i, rid in enumerate(cd.req_ids):
+            nb = cd.new_block_ids[i]
+            if rid in resumed_ids:
+                resumed.append(ScheduledNew(req=rid, num_computed_tokens=int(cd.num_computed_tokens[i]),
+                                            num_scheduled_tokens=int(nst.get(rid, 0)),
+                                            block_ids=_first_group(nb)))
+            else:
+                running.append(ScheduledRunning(req=rid, num_computed_tokens=int(cd.num_computed_tokens[i]),
+                                                num_scheduled_tokens=int(nst.get(rid, 0)),
+                                                new_block_ids=_first_group(nb)))
+        pre_set = out.preempted_req_ids or set()
+        preempted = [r for r in self.preempt_order if r in pre_set]
+        preempted += sorted(r for r in pre_set if r not in set(preempted))
+        finished = sorted(out.finished_req_ids or ())
+        ids = list(nst.keys()) + preempted + [lk.req for lk in self.lookups]
+        states = []
+        for rid in dict.fromkeys(ids):
+            st = self.state(sched, rid)
+            if st is not None:
+                states.append(st)
+        try:
+            free = int(sched.kv_cache_manager.block_pool.get_num_free_blocks())
+        except Exception:
+            free = None
+        self.sink.put(Step(seq=0, step=step, new=new, resumed=resumed, running=running,
+                           preempted=preempted, finished=finished, lookups=self.lookups,
+                           loads=self.loads if self.has_connector else None,
+                           states=states, num_free_blocks=free))
+        self.pending.append((out, step))
+        if len(self.pending) > 64:  # outputs that never came back (engine error paths)
+            del self.pending[0]
+
+    # -- update_from_output -----------------------------------------------------
+
+    def pre_update(self, sched: Any, so: Any, mro: Any) -> tuple:
+        step = None
+        for i, (o, s) in enumerate(self.pending):
+            if o is so:
+                step = s
+                del self.pending[i]
+                break
+        if step is None:
+            step = self.step_index - 1
+        sampled: dict[str, list[int]] = {}
+        toks = mro.sampled_token_ids
+        idx = mro.req_id_to_index
+        if toks is not None and len(toks):
+            for rid in so.num_scheduled_tokens:
+                i = idx.get(rid)
+                if i is None or i >= len(toks):
+                    continue
+                t = toks[i]
+                if len(t):
+                    sampled[rid] = [int(x) for x in t]
+        kco = mro.kv_connector_output
+        conn = None
+        named: list[str] = []
+        if kco is not None:
+            conn = ConnectorOutput(
+                finished_recving=sorted(kco.finished_recving or ()),
+                finished_sending=sorted(kco.finished_sending or ()),
+                failed_recving=sorted(getattr(kco, "failed_recving", None) or ()),
+                invalid_block_ids=sorted(int(b) for b in (kco.invalid_block_ids or ())),
+            )
+            named = conn.finished_recving + conn.finished_sending + conn.failed_recving
+        ids = list(dict.fromkeys(list(so.num_scheduled_tokens.keys()) + named))
+        reqs = {rid: sched.requests.get(rid) for rid in ids}
+        return step, sampled, conn, reqs
+
+    def post_update(self, sched: Any, ctx: tuple, result: Any) -> None:
+        step, sampled, conn, reqs = ctx
+        finished: dict[str, str] = {}
+        stats: list[PromptStats] = []
+        for eco in (result or {}).values():
+            for o in getattr(eco, "outputs", ()) or ():
+                rid = o.request_id
+                if rid not in reqs:
+                    reqs[rid] = sched.requests.get(rid)
+                fr = _finish_reason(o.finish_reason)
+                if fr is not None:
+                    finished[rid] = fr
+                ps = getattr(o, "prefill_stats", None)
+                if ps is not None:
+                    stats.append(PromptStats(seq=0, step=step, req=rid, prefill_stats=PrefillStats(
+                        num_prompt_tokens=int(ps.num_prompt_tokens),
+                        num_local_cached_tokens=int(ps.num_local_cached_tokens),
+                        num_external_cached_tokens=int(ps.num_external_cached_tokens),
+                        num_cached_tokens=int(ps.num_cached_tokens),
+                        num_computed_tokens=int(ps.num_computed_tokens),
+                        num_cache_creation_tokens=int(ps.num_cache_creation_tokens))))
+                    self.stats_done.add(rid)
+                elif rid not in self.stats_done and hasattr(o, "num_cached_tokens"):
+                    # Legacy engines: the pair rides on the first output.
+                    req = reqs.get(rid)
+                    ext = getattr(req, "num_external_computed_tokens", None)
+                    stats.append(PromptStats(seq=0, step=step, req=rid, legacy=LegacyCounters(
+                        num_cached_tokens=int(o.num_cached_tokens),
+                        num_external_computed_tokens=int(ext if ext is not None else 0))))
+                    self.stats_done.add(rid)
+        states = []
+        for rid, req in reqs.items():
+            if req is None:
+                continue
+            st = self.state(sched, rid, req)
+            if st is not None:
+                states.append(st)
+        self.sink.put(Output(seq=0, step=step, sampled=sampled, connector=conn,
+                             finished=finished, states=states))
+        for ev in stats:
+            self.sink.put(ev)
+
+
+_ACTIVE: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
+_CLAIMED: dict[str, int] = {}
+_CLAIM_LOCK = threading.Lock()
+
+
+def close_all() -> None:
+    """Close every open recorder of this process (writes their End records)."""
+    for rec in list(_ACTIVE):
+        try:
+            rec.close()
+        except Exception:
+            logger.exception("kvtrace: closing a recorder failed")
+
+
+atexit.register(close_all)
+
+
+def _destination(sched: Any) -> str | None:
+    out = os.environ.get(ENV_OUT)
+    if not out:
+        return None
+    pc = sched.vllm_config.parallel_config
+    rank = int(getattr(pc, "data_parallel_rank", 0) or 0)
+    p = Path(out)
+    with _CLAIM_LOCK:
+        n = _CLAIMED.get(out, 0)
+        _CLAIMED[out] = n + 1
+    if rank == 0 and n == 0:
+        return out
+    # Several schedulers in one process, or a data-parallel rank: suffix the name.
+    name = p.name
+    stem, ext = name, ""
+    for e in (".jsonl.gz", ".jsonl.zst", ".jsonl", ".gz", ".zst"):
+        if name.endswith(e):
+            stem, ext = name[: -len(e)], e
+            break
+    tag = f".dp{rank}" if rank else ""
+    tag += f".pid{os.getpid()}" + (f".{n}" if n else "")
+    return str(p.with_name(stem + tag + ext))
+
+
+def open_recorder(sched: Any) -> Recorder | None:
+    dest = _destination(sched)
+    if dest is None:
+        return None
+    try:
+        header = build_header(sched, meta={"path": dest})
+        sink = TraceSink(dest, header)
+    except Exception as e:
+        logger.error("kvtrace: cannot record to %s (%s: %s); the engine runs without recording",
+                     dest, type(e).__name__, e)
+        return None
+    rec = Recorder(sched, sink)
+    _ACTIVE.add(rec)
+    logger.info("kvtrace: recording scheduler decisions to %s", dest)
+    return rec
+
+
+# --------------------------------------------------------------------------- scheduler subclass
+
+
+def _wrap_connector(sched: Any, rec: Recorder) -> None:
+    conn = getattr(sched, "connector", None)
+    if conn is None:
+        return
+    orig_lookup = conn.get_num_new_matched_tokens
+    orig_alloc = conn.update_state_after_alloc
+
+    def get_num_new_matched_tokens(request, num_computed_tokens, *args, **kwargs):
+        result = orig_lookup(request, num_computed_tokens, *args, **kwargs)
+        if rec.active:
+            try:
+                rec.on_lookup(request, num_computed_tokens, result)
+            except Exception as e:
+                rec.fail("get_num_new_matched_tokens", e)
+        return result
+
+    def update_state_after_alloc(request, blocks, num_external_tokens, *args, **kwargs):
+        result = orig_alloc(request, blocks, num_external_tokens, *args, **kwargs)
+        if rec.active:
+            try:
+                rec.on_alloc(request, num_external_tokens)
+            except Exception as e:
+                rec.fail("update_state_after_alloc", e)
+        return result
+
+    conn.get_num_new_matched_tokens = get_num_new_matched_tokens
+    conn.update_state_after_alloc = update_state_after_alloc
+
+
+_CLASS_CACHE: dict[type, type] = {}
+
+
+def make_recording_scheduler(base_cls: type) -> type:
+    """A subclass of ``base_cls`` that records its decisions (see the module doc).
+    Wrapping an already-recording class returns it unchanged."""
+    if getattr(base_cls, "_kvtrace_recording", False):
+        return base_cls
+    cached = _CLASS_CACHE.get(base_cls)
+    if cached is not None:
+        return cached
+
+    class RecordingScheduler(base_cls):  # type: ignore[misc, valid-type]
+        _kvtrace_recording = True
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._kvtrace = None
+            try:
+                rec = open_recorder(self)
+                if rec is not None:
+                    _wrap_connector(self, rec)
+                    self._kvtrace = rec
+            except Exception:
+                logger.exception("kvtrace: recorder set-up failed; the engine runs without recording")
+                self._kvtrace = None
+
+        def _kv_rec(self):
+            rec = getattr(self, "_kvtrace", None)
+            return rec if rec is not None and rec.active else None
+
+        def add_request(self, request, *args, **kwargs):
+            rec = self._kv_rec()
+            is_new = False
+            if rec is not None:
+                try:
+                    is_new = request.request_id not in self.requests
+                except Exception:
+                    is_new = False
+            result = super().add_request(request, *args, **kwargs)
+            if rec is not None and is_new and rec.active:
+                try:
+                    rec.on_add_request(request)
+                except Exception as e:
+                    rec.fail("add_request", e)
+            return result
+
+        def finish_requests(self, request_ids, finished_status, *args, **kwargs):
+            rec = self._kv_rec()
+            ids = request_ids
+            if rec is not None and not rec.in_update:
+                try:
+                    from vllm.v1.request import RequestStatus
+
+                    if finished_status == RequestStatus.FINISHED_ABORTED:
+                        if ids is not None and not isinstance(ids, str):
+                            ids = list(ids)  # an iterator must survive being read twice
+                        rec.on_abort(ids, self)
+                except Exception as e:
+                    rec.fail("finish_requests", e)
+            return super().finish_requests(ids, finished_status, *args, **kwargs)
+
+        def _preempt_request(self, request, *args, **kwargs):
+            result = super()._preempt_request(request, *args, **kwargs)
+            rec = self._kv_rec()
+            if rec is not None:
+                try:
+                    rec.on_preempt(request)
+                except Exception as e:
+                    rec.fail("_preempt_request", e)
+            return result
+
+        def schedule(self, *args, **kwargs):
+            rec = self._kv_rec()
+            if rec is not None:
+                try:
+                    rec.begin_step()
+                except Exception as e:
+                    rec.fail("schedule", e)
+            out = super().schedule(*args, **kwargs)
+            rec = self._kv_rec()
+            if rec is not None:
+                try:
+                    rec.on_schedule(self, out)
+                except Exception as e:
+                    rec.fail("schedule", e)
+            return out
+
+        def update_from_output(self, scheduler_output, model_runner_output, *args, **kwargs):
+            rec = self._kv_rec()
+            ctx = None
+            if rec is not None:
+                try:
+                    ctx = rec.pre_update(self, scheduler_output, model_runner_output)
+                except Exception as e:
+                    rec.fail("update_from_output", e)
+                    ctx = None
+                rec.in_update = True
+            try:
+                result = super().update_from_output(scheduler_output, model_runner_output,
+                                                    *args, **kwargs)
+            finally:
+                if rec is not None:
+                    rec.in_update = False
+            if ctx is not None and rec.active:
+                try:
+                    rec.post_update(self, ctx, result)
+                except Exception as e:
+                    rec.fail("update_from_output", e)
+            return result
+
+        def shutdown(self, *args, **kwargs):
+            try:
+                return super().shutdown(*args, **kwargs)
+            finally:
+                rec = getattr(self, "_kvtrace", None)
+                if rec is not None:
+                    try:
+                        rec.close()
+                    except Exception:
+                        logger.exception("kvtrace: closing the trace failed")
+
+    RecordingScheduler.__name__ = f"Recording{base_cls.__name__}"
+    RecordingScheduler.__qualname__ = RecordingScheduler.__name__
+    RecordingScheduler.__module__ = __name__
+    _CLASS_CACHE[base_cls] = RecordingScheduler
+    return RecordingScheduler
