@@ -63,9 +63,12 @@ class TraceReader:
         self.end: End | None = None
         self.last_line = 0
         try:
-            self._fh = io.BufferedReader(_open_binary_read(self.path), buffer_size=1 << 20)
+            fh = _open_binary_read(self.path)
         except OSError as e:
             raise TraceError(self.path, None, f"cannot open: {e.strerror or e}") from None
+        # GzipFile buffers by itself. Wrapping it in a second, larger buffer would
+        # lose every line of the last chunk when a cut-off stream raises EOFError.
+        self._fh = fh if isinstance(fh, gzip.GzipFile) else io.BufferedReader(fh, buffer_size=1 << 20)
         first = self._next_raw()
         if first is None:
             self.close()
