@@ -1,0 +1,309 @@
+"""The trace format on disk: round trips, compression, permissions, damaged files."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import stat
+
+import orjson
+import pytest
+
+from kvtrace.trace import TraceError, TraceReader, TraceWriter
+from kvtrace.trace.events import (
+    Abort, Arrival, ConnectorOutput, End, KVLoad, LegacyCounters, Lookup, Output, PrefillStats,
+    PromptStats, RequestState, ScheduledNew, ScheduledRunning, Step, to_json,
+)
+
+from mini_traces import mini_header, write_mini_trace
+
+
+def _events(w: TraceWriter) -> list:
+    """One event of every kind, with every optional part filled in."""
+    s = w.next_seq
+    return [
+        Arrival(seq=s(), req="a", prompt_token_ids=[1, 2, 3, 4, 5], max_tokens=4, arrival_time=0.5,
+                priority=-1, cache_salt="salt", eos_token_id=2, stop_token_ids=[7], min_tokens=1,
+                ignore_eos=True, skip_reading_prefix_cache=True),
+        Step(seq=s(), step=0,
+             new=[ScheduledNew(req="a", num_computed_tokens=4, num_scheduled_tokens=1, block_ids=[1, 2])],
+             resumed=[ScheduledNew(req="b", num_computed_tokens=0, num_scheduled_tokens=3, block_ids=[3])],
+             running=[ScheduledRunning(req="c", num_computed_tokens=8, num_scheduled_tokens=1,
+                                       new_block_ids=[4])],
+             preempted=["d"], finished=["e"],
+             lookups=[Lookup(req="a", local=0, ext=4, load_async=False),
+                      Lookup(req="f", local=4, ext=None)],
+             loads=[KVLoad(req="a", start=0, end=4)],
+             states=[RequestState(req="a", status="RUNNING", num_computed_tokens=5, num_tokens=5,
+                                  num_preemptions=0, block_ids=[1, 2])],
+             num_free_blocks=9),
+        Output(seq=s(), step=0, sampled={"a": [9], "c": []},
+               connector=ConnectorOutput(finished_recving=["f"], finished_sending=["e"],
+                                         failed_recving=["g"], invalid_block_ids=[5]),
+               finished={"a": "length"},
+               states=[RequestState(req="a", status="FINISHED_LENGTH_CAPPED", num_computed_tokens=5,
+                                    num_tokens=6, num_preemptions=0, block_ids=[1, 2])]),
+        PromptStats(seq=s(), step=0, req="a",
+                    prefill_stats=PrefillStats(num_prompt_tokens=5, num_local_cached_tokens=0,
+                                               num_external_cached_tokens=4, num_cached_tokens=4,
+                                               num_computed_tokens=1, num_cache_creation_tokens=0),
+                    legacy=LegacyCounters(num_cached_tokens=-1, num_external_computed_tokens=-3)),
+        Abort(seq=s(), reqs=["b", "c"]),
+    ]
+
+
+@pytest.mark.parametrize("name", ["t.jsonl", "t.jsonl.gz", "t.jsonl.zst"])
+def test_round_trip(tmp_path, name):
+    path = tmp_path / name
+    with TraceWriter(path, mini_header(workload="x")) as w:
+        written = _events(w)
+        for ev in written:
+            w.write(ev)
+    r = TraceReader(path)
+    assert r.header == mini_header(workload="x")
+    got = list(r)
+    assert got[:-1] == written
+    assert isinstance(got[-1], End) and got[-1].status == "complete"
+    assert r.end == got[-1]
+    assert r.truncation is None
+    raw = path.read_bytes()
+    if name.endswith(".gz"):
+        assert raw[:2] == b"\x1f\x8b"
+    elif name.endswith(".zst"):
+        assert raw[:4] == b"\x28\xb5\x2f\xfd"
+    else:
+        assert raw.startswith(b"{")
+
+
+def test_compression_detected_by_content_not_name(tmp_path):
+    gz = write_mini_trace(tmp_path / "t.jsonl.gz")
+    renamed = tmp_path / "renamed.jsonl"
+    os.rename(gz, renamed)
+    assert len(list(TraceReader(renamed))) > 5
+
+
+def test_files_are_private(tmp_path):
+    for name in ("p.jsonl", "p.jsonl.gz", "p.jsonl.zst"):
+        path = write_mini_trace(tmp_path / name)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_optional_fields_are_omitted(tmp_path):
+    path = tmp_path / "t.jsonl"
+    with TraceWriter(path, mini_header()) as w:
+        w.write(Step(seq=w.next_seq(), step=0))
+    step = orjson.loads(path.read_bytes().splitlines()[1])
+    assert "loads" not in step and "num_free_blocks" not in step
+    end = orjson.loads(path.read_bytes().splitlines()[2])
+    assert end == {"seq": 1, "status": "complete", "dropped_events": 0, "kind": "end"}
+
+
+def test_interrupted_writer_says_so(tmp_path):
+    path = tmp_path / "t.jsonl"
+    with pytest.raises(RuntimeError):
+        with TraceWriter(path, mini_header()) as w:
+            w.write(Step(seq=w.next_seq(), step=0))
+            raise RuntimeError("engine died")
+    r = TraceReader(path)
+    list(r)
+    assert r.end.status == "interrupted" and "engine died" in r.end.error
+
+
+# --------------------------------------------------------------------------- truncation
+
+
+def _lines(path) -> list[bytes]:
+    return path.read_bytes().splitlines(keepends=True)
+
+
+def test_plain_last_line_cut_off(tmp_path):
+    path = write_mini_trace(tmp_path / "t.jsonl")
+    lines = _lines(path)
+    cut = b"".join(lines[:-3]) + lines[-3][: len(lines[-3]) // 2]
+    path.write_bytes(cut)
+    r = TraceReader(path)
+    events = list(r)
+    assert len(events) == len(lines) - 4  # header, and the cut line, are not events
+    assert r.truncation == f"line {len(lines) - 2} is cut off mid-record"
+    assert r.end is None
+
+
+def test_no_end_record_is_reported(tmp_path):
+    path = write_mini_trace(tmp_path / "t.jsonl")
+    lines = _lines(path)
+    path.write_bytes(b"".join(lines[:-1]))
+    r = TraceReader(path)
+    assert len(list(r)) == len(lines) - 2
+    assert "no 'end' record" in r.truncation and "cut off" in r.truncation
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.9])
+def test_gzip_cut_mid_stream(tmp_path, fraction):
+    full = write_mini_trace(tmp_path / "full.jsonl.gz", requests={f"r{i}": 5 + i for i in range(40)},
+                            max_tokens=20)
+    total = len(list(TraceReader(full)))
+    raw = full.read_bytes()
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(raw[: int(len(raw) * fraction)])
+    r = TraceReader(cut)
+    events = list(r)
+    assert 0 < len(events) < total
+    assert r.truncation is not None
+    # Everything before the cut is intact and in order.
+    assert [e.seq for e in events] == list(range(len(events)))
+
+
+def test_zstd_cut_mid_stream(tmp_path):
+    full = write_mini_trace(tmp_path / "full.jsonl.zst", requests={f"r{i}": 5 + i for i in range(40)},
+                            max_tokens=20)
+    total = len(list(TraceReader(full)))
+    raw = full.read_bytes()
+    cut = tmp_path / "cut.jsonl.zst"
+    cut.write_bytes(raw[: len(raw) // 2])
+    r = TraceReader(cut)
+    events = list(r)
+    assert 0 < len(events) < total
+    assert r.truncation is not None
+    assert [e.seq for e in events] == list(range(len(events)))
+
+
+# --------------------------------------------------------------------------- unusable input
+
+
+def _write_lines(path, objs) -> None:
+    path.write_bytes(b"".join(o if isinstance(o, bytes) else orjson.dumps(o) + b"\n" for o in objs))
+
+
+def _header_obj() -> dict:
+    return to_json(mini_header())
+
+
+def _read_all(path):
+    return list(TraceReader(path))
+
+
+def test_malformed_middle_line_names_file_and_line(tmp_path):
+    path = write_mini_trace(tmp_path / "t.jsonl")
+    lines = _lines(path)
+    lines[4] = b'{"seq": 4, "kind": "step", oops}\n'
+    path.write_bytes(b"".join(lines))
+    with pytest.raises(TraceError) as e:
+        _read_all(path)
+    assert str(e.value).startswith(f"{path}:5: not JSON")
+    assert e.value.exit_code == 2 and e.value.line == 5
+
+
+def test_empty_file(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_bytes(b"")
+    with pytest.raises(TraceError, match="empty file"):
+        TraceReader(path)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(TraceError, match="cannot open"):
+        TraceReader(tmp_path / "nope.jsonl")
+
+
+def test_missing_header(tmp_path):
+    path = tmp_path / "t.jsonl"
+    _write_lines(path, [{"seq": 0, "kind": "abort", "reqs": []}])
+    with pytest.raises(TraceError, match=r":1: missing header"):
+        TraceReader(path)
+
+
+def test_wrong_schema_version(tmp_path):
+    path = tmp_path / "t.jsonl"
+    _write_lines(path, [_header_obj() | {"schema": 99}])
+    with pytest.raises(TraceError, match="unsupported schema version 99"):
+        TraceReader(path)
+
+
+def test_unknown_kind(tmp_path):
+    path = tmp_path / "t.jsonl"
+    _write_lines(path, [_header_obj(), {"seq": 0, "kind": "teleport"}])
+    with pytest.raises(TraceError, match=r"t.jsonl:2: unknown event kind 'teleport'"):
+        _read_all(path)
+
+
+def test_second_header(tmp_path):
+    path = tmp_path / "t.jsonl"
+    _write_lines(path, [_header_obj(), _header_obj()])
+    with pytest.raises(TraceError, match=r":2: a second header"):
+        _read_all(path)
+
+
+@pytest.mark.parametrize("bad,message", [
+    ({"seq": 0, "kind": "step", "step": "3"}, "field 'step' must be an integer, got a string"),
+    ({"seq": 0, "kind": "step", "step": 1, "new": [{"req": "a", "num_computed_tokens": -1,
+                                                      "num_scheduled_tokens": 1, "block_ids": []}]},
+     "field 'num_computed_tokens' is out of range: -1"),
+    ({"seq": 0, "kind": "arrival", "req": "a", "prompt_token_ids": [1, "x"], "max_tokens": 1},
+     "must be a list of integers"),
+    ({"seq": 0, "kind": "arrival", "req": "a", "prompt_token_ids": [], "max_tokens": 1},
+     "'prompt_token_ids' is empty"),
+    ({"seq": 0, "kind": "output", "step": 0, "finished": {"a": "tired"}}, "must be one of"),
+    ({"seq": 0, "kind": "abort"}, "missing field 'reqs'"),
+    ({"seq": True, "kind": "abort", "reqs": []}, "field 'seq' must be an integer, got a boolean"),
+    ([1, 2], "a record must be a JSON object"),
+])
+def test_wrong_types(tmp_path, bad, message):
+    path = tmp_path / "t.jsonl"
+    _write_lines(path, [_header_obj(), bad])
+    with pytest.raises(TraceError, match=r"t.jsonl:2: ") as e:
+        _read_all(path)
+    assert message in str(e.value)
+
+
+def test_bad_header_types(tmp_path):
+    path = tmp_path / "t.jsonl"
+    h = _header_obj()
+    h["config"]["block_size"] = 0
+    _write_lines(path, [h])
+    with pytest.raises(TraceError, match=r":1: field 'block_size' is out of range"):
+        TraceReader(path)
+
+
+def test_binary_garbage(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(bytes(range(256)) * 4 + b"\n")
+    with pytest.raises(TraceError, match=r":1: binary data"):
+        TraceReader(path)
+
+
+def test_binary_garbage_after_header(tmp_path):
+    path = tmp_path / "t.jsonl"
+    _write_lines(path, [_header_obj(), b"\x00\x01\x02\xff\xfe garbage\n"])
+    with pytest.raises(TraceError, match=r":2: binary data"):
+        _read_all(path)
+
+
+def test_gzip_with_garbage_inside(tmp_path):
+    path = tmp_path / "t.jsonl.gz"
+    path.write_bytes(gzip.compress(orjson.dumps(_header_obj()) + b"\n" + b"\xff" * 200 + b"\n"))
+    with pytest.raises(TraceError, match=r":2: "):
+        _read_all(path)
+
+
+@pytest.mark.parametrize("seqs", [[0, 0], [3, 2]])
+def test_non_increasing_seq(tmp_path, seqs):
+    path = tmp_path / "t.jsonl"
+    _write_lines(path, [_header_obj()] + [{"seq": s, "kind": "abort", "reqs": []} for s in seqs])
+    with pytest.raises(TraceError, match=rf":3: sequence number {seqs[1]} does not follow {seqs[0]}"):
+        _read_all(path)
+
+
+def test_record_after_end(tmp_path):
+    path = tmp_path / "t.jsonl"
+    _write_lines(path, [_header_obj(), {"seq": 0, "kind": "end"}, {"seq": 1, "kind": "abort", "reqs": []}])
+    with pytest.raises(TraceError, match=r":3: record after the 'end' record"):
+        _read_all(path)
+
+
+def test_blank_lines_are_skipped(tmp_path):
+    path = tmp_path / "t.jsonl"
+    _write_lines(path, [_header_obj(), b"\n", {"seq": 0, "kind": "abort", "reqs": ["x"]}, b"  \n",
+                        {"seq": 1, "kind": "end"}])
+    r = TraceReader(path)
+    assert [e.kind for e in r] == ["abort", "end"]
+    assert r.truncation is None
