@@ -1,0 +1,233 @@
+"""diff_files: alignment by request and by each request's own history."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtrace.diff import diff_files
+from kvtrace.trace import TraceError
+from kvtrace.trace.events import Abort, Output, PromptStats, Step
+
+from mini_traces import write_mini_trace
+
+
+def _bump_running_nct(req: str, step: int, by: int = 1):
+    def edit(ev):
+        if isinstance(ev, Step) and ev.step == step:
+            for s in ev.running:
+                if s.req == req:
+                    s.num_computed_tokens += by
+    return edit
+
+
+@pytest.mark.parametrize("name", ["a.jsonl", "a.jsonl.gz", "a.jsonl.zst"])
+def test_self_diff_is_empty(tmp_path, name):
+    a = write_mini_trace(tmp_path / name)
+    r = diff_files(a, a)
+    assert r.divergences == []
+    assert r.identical
+    assert r.only_a == [] and r.only_b == []
+    assert r.requests_compared == 3 and r.divergent_requests == 0
+    assert r.steps_a == r.steps_b == 3
+
+
+def test_modified_copy_names_request_and_step(tmp_path):
+    a = write_mini_trace(tmp_path / "a.jsonl")
+    b = write_mini_trace(tmp_path / "b.jsonl", edit=_bump_running_nct("r2", step=2, by=3))
+    r = diff_files(b, a)
+    assert len(r.divergences) == 1
+    d = r.divergences[0]
+    assert (d.step, d.req, d.field) == (2, "r2", "num_computed_tokens")
+    assert (d.recorded, d.expected) == (13, 10)
+    assert d.kind == "diff" and d.rule == "3rd schedule of r2 differs"
+    assert d.line is not None and d.seq is not None
+    assert r.divergent_requests == 1 and r.requests_compared == 3
+
+
+def test_direction_a_is_recorded_b_is_expected(tmp_path):
+    a = write_mini_trace(tmp_path / "a.jsonl")
+    b = write_mini_trace(tmp_path / "b.jsonl", edit=_bump_running_nct("r1", step=1))
+    d = diff_files(a, b).divergences[0]
+    assert (d.req, d.step, d.recorded, d.expected) == ("r1", 1, 5, 6)
+
+
+def test_shifted_step_numbering_still_aligns(tmp_path):
+    a = write_mini_trace(tmp_path / "a.jsonl")
+    b = write_mini_trace(tmp_path / "b.jsonl.gz", empty_step_at=1)
+    r = diff_files(a, b)
+    assert r.divergences == []
+    assert (r.steps_a, r.steps_b) == (3, 4)
+
+
+def test_shifted_numbering_reports_step_of_trace_a(tmp_path):
+    # B has an extra empty step (its steps are numbered one higher after it)
+    # and a planted difference at its step 3, which is step 2 in A.
+    a = write_mini_trace(tmp_path / "a.jsonl")
+    b = write_mini_trace(tmp_path / "b.jsonl", empty_step_at=1, edit=_bump_running_nct("r0", step=3))
+    r = diff_files(a, b)
+    assert [(d.step, d.req, d.field) for d in r.divergences] == [(2, "r0", "num_computed_tokens")]
+
+
+def test_first_divergence_per_request_only(tmp_path):
+    def edit(ev):
+        _bump_running_nct("r2", step=1)(ev)
+        _bump_running_nct("r2", step=2)(ev)
+        if isinstance(ev, Output) and ev.step == 2 and "r0" in ev.sampled:
+            ev.sampled["r0"] = [ev.sampled["r0"][0] + 1]
+    a = write_mini_trace(tmp_path / "a.jsonl")
+    b = write_mini_trace(tmp_path / "b.jsonl", edit=edit)
+    r = diff_files(b, a)
+    got = {(d.req, d.step, d.field) for d in r.divergences}
+    assert got == {("r2", 1, "num_computed_tokens"), ("r0", 2, "sampled")}
+    assert r.divergent_requests == 2
+
+
+def test_earliest_channel_wins(tmp_path):
+    # The prompt stats (written after step 0's output) differ, and so does a
+    # later schedule: the earlier one in trace A is reported.
+    def edit(ev):
+        _bump_running_nct("r1", step=2)(ev)
+        if isinstance(ev, PromptStats) and ev.req == "r1":
+            ev.prefill_stats.num_local_cached_tokens = 4
+    a = write_mini_trace(tmp_path / "a.jsonl")
+    b = write_mini_trace(tmp_path / "b.jsonl", edit=edit)
+    [d] = diff_files(b, a).divergences
+    assert (d.req, d.step, d.field) == ("r1", 0, "prefill_stats.num_local_cached_tokens")
+
+
+def test_requests_only_in_one_trace(tmp_path):
+    a = write_mini_trace(tmp_path / "a.jsonl", requests={"r0": 6, "r1": 5, "r2": 9})
+    b = write_mini_trace(tmp_path / "b.jsonl", requests={"r0": 6, "r1": 5, "r3": 4})
+    r = diff_files(a, b)
+    assert r.only_a == ["r2"] and r.only_b == ["r3"]
+    assert {(d.req, d.rule) for d in r.divergences} == {("r2", "request only in A"),
+                                                        ("r3", "request only in B")}
+    assert r.requests_compared == 2 and r.divergent_requests == 0
+
+
+def test_more_schedules_in_one_trace(tmp_path):
+    a = write_mini_trace(tmp_path / "a.jsonl", max_tokens=3)
+    b = write_mini_trace(tmp_path / "b.jsonl", max_tokens=4)
+    r = diff_files(a, b)
+    by_req = {d.req: d for d in r.divergences}
+    assert set(by_req) == {"r0", "r1", "r2"}
+    assert by_req["r0"].field == "max_tokens"  # the arrival differs first
+
+
+def test_finish_reason_differs(tmp_path):
+    def edit(ev):
+        if isinstance(ev, Output) and "r1" in ev.finished:
+            ev.finished["r1"] = "stop"
+    a = write_mini_trace(tmp_path / "a.jsonl")
+    b = write_mini_trace(tmp_path / "b.jsonl", edit=edit)
+    [d] = diff_files(a, b).divergences
+    assert (d.req, d.field, d.recorded, d.expected) == ("r1", "finish_reason", "length", "stop")
+
+
+def _one_request_trace(path, finish_with_abort: bool):
+    from kvtrace.trace import TraceWriter
+    from kvtrace.trace.events import Arrival, ScheduledNew
+
+    from mini_traces import mini_header
+
+    with TraceWriter(path, mini_header()) as w:
+        w.write(Arrival(seq=w.next_seq(), req="x", prompt_token_ids=[1, 2, 3], max_tokens=2))
+        w.write(Step(seq=w.next_seq(), step=0, new=[ScheduledNew(
+            req="x", num_computed_tokens=0, num_scheduled_tokens=3, block_ids=[1])]))
+        if finish_with_abort:
+            w.write(Output(seq=w.next_seq(), step=0, sampled={"x": [5]}))
+            w.write(Abort(seq=w.next_seq(), reqs=["x"]))
+        else:
+            w.write(Output(seq=w.next_seq(), step=0, sampled={"x": [5]}, finished={"x": "length"}))
+    return path
+
+
+def test_abort_counts_as_finish(tmp_path):
+    aborted = _one_request_trace(tmp_path / "a.jsonl", finish_with_abort=True)
+    capped = _one_request_trace(tmp_path / "b.jsonl", finish_with_abort=False)
+    assert diff_files(aborted, aborted).divergences == []
+    [d] = diff_files(aborted, capped).divergences
+    assert (d.req, d.field, d.recorded, d.expected) == ("x", "finish_reason", "abort", "length")
+
+
+def test_config_difference_is_reported(tmp_path):
+    from kvtrace.trace.events import Header, SchedulerConfig
+    import mini_traces
+
+    a = write_mini_trace(tmp_path / "a.jsonl")
+    orig = mini_traces.mini_header
+    try:
+        mini_traces.mini_header = lambda **m: Header(
+            engine="vllm", engine_version="0.32.0",
+            config=SchedulerConfig(block_size=4, num_blocks=32, max_num_batched_tokens=64,
+                                   max_num_seqs=8, max_model_len=128))
+        b = write_mini_trace(tmp_path / "b.jsonl")
+    finally:
+        mini_traces.mini_header = orig
+    [d] = diff_files(a, b).divergences
+    assert (d.req, d.field, d.recorded, d.expected) == (None, "config.num_blocks", 64, 32)
+
+
+def test_truncated_trace_is_diffed_up_to_the_cut(tmp_path):
+    a = write_mini_trace(tmp_path / "a.jsonl")
+    lines = a.read_bytes().splitlines(keepends=True)
+    cut = tmp_path / "cut.jsonl"
+    cut.write_bytes(b"".join(lines[:-6]) + lines[-6][:10])
+    r = diff_files(cut, cut)
+    assert r.divergences == []
+    assert "cut off" in r.truncation_a
+    r = diff_files(cut, a)
+    assert r.truncation_a and r.truncation_b is None
+    assert r.divergences  # the cut trace lacks the last outputs and finishes
+
+
+def test_unusable_input_raises_trace_error(tmp_path):
+    a = write_mini_trace(tmp_path / "a.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b"not json\n")
+    with pytest.raises(TraceError):
+        diff_files(a, bad)
+
+
+def test_memory_follows_live_requests(tmp_path):
+    """Requests that come and go one after another: the differ drops each one
+    once both sides have finished it, so it never holds more than a few."""
+    import kvtrace.diff.align as align
+    from kvtrace.trace import TraceWriter
+    from kvtrace.trace.events import Arrival, ScheduledNew
+
+    from mini_traces import mini_header
+
+    def write(path, shift):
+        with TraceWriter(path, mini_header()) as w:
+            step = 0
+            for i in range(300):
+                req = f"r{i}"
+                w.write(Arrival(seq=w.next_seq(), req=req, prompt_token_ids=[i + 1, 2], max_tokens=1))
+                if shift and i % 7 == 0:
+                    w.write(Step(seq=w.next_seq(), step=step))
+                    step += 1
+                w.write(Step(seq=w.next_seq(), step=step, new=[ScheduledNew(
+                    req=req, num_computed_tokens=0, num_scheduled_tokens=2, block_ids=[1])]))
+                w.write(Output(seq=w.next_seq(), step=step, sampled={req: [3]}, finished={req: "length"}))
+                step += 1
+        return path
+
+    a = write(tmp_path / "a.jsonl", shift=False)
+    b = write(tmp_path / "b.jsonl", shift=True)
+    peak = 0
+    orig = align._Differ._advance
+
+    def spy(self, side):
+        nonlocal peak
+        orig(self, side)
+        peak = max(peak, len(self.pairs))
+
+    align._Differ._advance = spy
+    try:
+        r = diff_files(a, b)
+    finally:
+        align._Differ._advance = orig
+    assert r.divergences == [] and r.requests_compared == 300
+    assert r.steps_b > r.steps_a
+    assert peak <= 4
