@@ -19,6 +19,8 @@ import click
 EXIT_OK, EXIT_DIVERGENT, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 
 WORKLOADS = ("shared-prefix", "kv-pressure", "offload", "load-failures")
+# The vLLM recorder's workloads, under the embedded engine's names where they match.
+_VLLM_ALIASES = {"shared-prefix": "prefix", "kv-pressure": "preemption"}
 _VLLM_HINT = "; recording vLLM needs the [vllm] extra: pip install -e '.[vllm]'"
 FAULTS = (
     "stale-cached-on-preempt",
@@ -63,40 +65,48 @@ def cli() -> None:
 @cli.command(context_settings={"allow_interspersed_args": False})
 @click.option("-o", "--out", "out", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="Trace file to write (.jsonl, .jsonl.gz or .jsonl.zst).")
-@click.option("--workload", type=click.Choice(WORKLOADS), default="shared-prefix", show_default=True,
-              help="Built-in workload to run.")
+@click.option("--workload", default=None,
+              help=f"Built-in workload. Embedded engine: {', '.join(WORKLOADS)} (default "
+                   f"{WORKLOADS[0]}). vLLM: prefix, preemption, connector (default prefix).")
 @click.option("--fault", type=click.Choice(FAULTS), default=None,
               help="Put a known scheduler bug back into the embedded engine.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Workload and sampler seed.")
 @click.option("--engine", type=click.Choice(("embedded", "vllm")), default="embedded",
               show_default=True, help="Engine to record.")
 @click.option("--model", type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="Model directory for --engine vllm.")
+              help="Model directory for --engine vllm (default: a tiny random-weight Llama, "
+                   "built locally).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-def record(out: Path, workload: str, fault: str | None, seed: int, engine: str,
+def record(out: Path, workload: str | None, fault: str | None, seed: int, engine: str,
            model: Path | None, command: tuple[str, ...]) -> int:
-    """Record a trace.
+    """Record a trace, from the embedded engine, an offline vLLM run, or any
+    command given after -- (for example a vLLM server).
 
     \b
     kvtrace record -o run.jsonl.gz --workload offload --fault async-load-overshoot
-    kvtrace record -o run.jsonl.gz --engine vllm --model ./tiny-llama --workload kv-pressure
-    kvtrace record -o run.jsonl.gz -- python -m vllm.entrypoints.openai.api_server ...
+    kvtrace record -o run.jsonl.gz --engine vllm --workload preemption
+    kvtrace record -o run.jsonl.gz -- python -m vllm.entrypoints.openai.api_server --model DIR
     """
     if command:
-        if fault:
-            raise UsageProblem("--fault applies to the embedded engine, not to a command")
+        if fault or workload or model:
+            raise UsageProblem("--workload, --fault and --model do not apply to a command after --")
         record_command = _load("kvtrace.record.vllm_run", "record_command", _VLLM_HINT)
         return int(record_command(out, list(command)) or 0)
     if engine == "vllm":
-        if model is None:
-            raise UsageProblem("--engine vllm needs --model PATH (or a command after --)")
         if fault:
             raise UsageProblem("--fault applies to the embedded engine only")
         record_vllm_offline = _load("kvtrace.record.vllm_run", "record_vllm_offline", _VLLM_HINT)
-        record_vllm_offline(model, out, workload)
+        known = _load("kvtrace.record.vllm_run", "WORKLOADS")
+        name = _VLLM_ALIASES.get(workload or "prefix", workload or "prefix")
+        if name not in known:
+            raise UsageProblem(f"unknown vLLM workload {workload!r}; known: {', '.join(known)}")
+        record_vllm_offline(None if model is None else str(model), out, name)
     else:
         if model is not None:
             raise UsageProblem("--model needs --engine vllm")
+        workload = workload or WORKLOADS[0]
+        if workload not in WORKLOADS:
+            raise UsageProblem(f"unknown workload {workload!r}; known: {', '.join(WORKLOADS)}")
         record_embedded = _load("kvtrace.engine", "record_embedded")
         record_embedded(out, workload=workload, fault=fault, seed=seed)
     click.echo(f"wrote {out}")
