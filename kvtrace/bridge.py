@@ -1,0 +1,153 @@
+"""Conversions between trace events and reference-scheduler objects.
+
+The embedded engine uses these to write what the reference decided as a trace,
+and the replayer uses them to feed a trace's inputs to the reference (and, with
+``-o``, to write the replayed trace). Nothing else crosses between kvtrace.trace
+and kvtrace.reference.
+"""
+
+from __future__ import annotations
+
+from kvtrace.reference import (ModelOutput, Request, RequestOutput, Scheduler, SchedulerConfig,
+                               SchedulerOutput)
+from kvtrace.trace import events as ev
+
+
+def config_from_header(header: ev.Header) -> SchedulerConfig:
+    c = header.config
+    return SchedulerConfig(
+        block_size=c.block_size,
+        num_blocks=c.num_blocks,
+        max_num_batched_tokens=c.max_num_batched_tokens,
+        max_num_seqs=c.max_num_seqs,
+        max_model_len=c.max_model_len,
+        enable_prefix_caching=c.enable_prefix_caching,
+        policy=c.policy,
+        long_prefill_token_threshold=c.long_prefill_token_threshold,
+        max_num_scheduled_tokens=c.max_num_scheduled_tokens,
+        watermark_blocks=c.watermark_blocks,
+        load_failure_policy=c.connector.load_failure_policy if c.connector else "fail",
+    )
+
+
+def header_config(cfg: SchedulerConfig, connector_name: str | None) -> ev.SchedulerConfig:
+    return ev.SchedulerConfig(
+        block_size=cfg.block_size,
+        num_blocks=cfg.num_blocks,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_num_seqs=cfg.max_num_seqs,
+        max_model_len=cfg.max_model_len,
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        policy=cfg.policy,
+        long_prefill_token_threshold=cfg.long_prefill_token_threshold,
+        max_num_scheduled_tokens=cfg.max_num_scheduled_tokens,
+        watermark_blocks=cfg.watermark_blocks,
+        connector=(ev.ConnectorConfig(connector_name, cfg.load_failure_policy)
+                   if connector_name else None),
+    )
+
+
+def request_from_arrival(a: ev.Arrival, block_size: int) -> Request:
+    return Request(
+        request_id=a.req,
+        prompt_token_ids=list(a.prompt_token_ids),
+        max_tokens=a.max_tokens,
+        block_size=block_size,
+        arrival_time=a.arrival_time,
+        priority=a.priority,
+        cache_salt=a.cache_salt,
+        eos_token_id=a.eos_token_id,
+        stop_token_ids=tuple(a.stop_token_ids),
+        ignore_eos=a.ignore_eos,
+        skip_reading_prefix_cache=a.skip_reading_prefix_cache,
+    )
+
+
+def model_output_from_event(o: ev.Output) -> ModelOutput:
+    c = o.connector or ev.ConnectorOutput()
+    return ModelOutput(
+        sampled_token_ids=o.sampled,
+        finished_recving=set(c.finished_recving),
+        finished_sending=set(c.finished_sending),
+        failed_recving=set(c.failed_recving),
+        invalid_block_ids=set(c.invalid_block_ids),
+    )
+
+
+def connector_output_event(m: ModelOutput) -> ev.ConnectorOutput | None:
+    c = ev.ConnectorOutput(sorted(m.finished_recving), sorted(m.finished_sending),
+                           sorted(m.failed_recving), sorted(m.invalid_block_ids))
+    return None if c.is_empty() else c
+
+
+def request_state(sched: Scheduler, r: Request) -> ev.RequestState:
+    return ev.RequestState(
+        req=r.request_id,
+        status=r.status.name,
+        num_computed_tokens=r.num_computed_tokens,
+        num_tokens=r.num_tokens,
+        num_preemptions=r.num_preemptions,
+        block_ids=sched.kv.get_block_ids(r.request_id),
+    )
+
+
+def step_event(seq: int, step: int, out: SchedulerOutput, sched: Scheduler,
+               lookups: list[ev.Lookup], loads: list[ev.KVLoad] | None) -> ev.Step:
+    """What one schedule() decided, with the state of every request it touched:
+    scheduled, preempted or looked up."""
+    touched: dict[str, None] = dict.fromkeys(out.num_scheduled_tokens)
+    touched.update(dict.fromkeys(sorted(out.preempted_req_ids)))
+    touched.update(dict.fromkeys(lk.req for lk in lookups))
+    states = [request_state(sched, sched.requests[rid]) for rid in touched if rid in sched.requests]
+    return ev.Step(
+        seq=seq,
+        step=step,
+        new=[ev.ScheduledNew(s.req_id, s.num_computed_tokens, s.num_scheduled_tokens, s.block_ids)
+             for s in out.new],
+        resumed=[ev.ScheduledNew(s.req_id, s.num_computed_tokens, s.num_scheduled_tokens, s.block_ids)
+                 for s in out.resumed],
+        running=[ev.ScheduledRunning(s.req_id, s.num_computed_tokens, s.num_scheduled_tokens,
+                                     s.block_ids) for s in out.running],
+        preempted=sorted(out.preempted_req_ids),
+        finished=sorted(out.finished_req_ids),
+        lookups=lookups,
+        loads=loads,
+        states=states,
+        num_free_blocks=sched.kv.pool.num_free_blocks,
+    )
+
+
+def touched_by_output(sched: Scheduler, out: SchedulerOutput, model: ModelOutput) -> list[Request]:
+    """The requests an update_from_output() may change; call before the update,
+    since finished requests leave ``sched.requests``."""
+    ids = dict.fromkeys(out.num_scheduled_tokens)
+    for group in (model.failed_recving, model.finished_recving, model.finished_sending):
+        ids.update(dict.fromkeys(sorted(group)))
+    return [sched.requests[i] for i in ids if i in sched.requests]
+
+
+def output_events(seq_fn, step: int, model: ModelOutput, results: list[RequestOutput],
+                  sched: Scheduler, touched: list[Request]) -> list:
+    """The Output event for one update_from_output(), then one PromptStats per
+    request whose first output it carried."""
+    out = ev.Output(
+        seq=seq_fn(),
+        step=step,
+        sampled={k: list(v) for k, v in model.sampled_token_ids.items() if v},
+        connector=connector_output_event(model),
+        finished={r.req_id: r.finish_reason for r in results if r.finish_reason},
+        states=[request_state(sched, r) for r in touched],
+    )
+    events: list = [out]
+    for r in results:
+        if r.prefill_stats is None:
+            continue
+        ps = r.prefill_stats
+        events.append(ev.PromptStats(
+            seq=seq_fn(), step=step, req=r.req_id,
+            prefill_stats=ev.PrefillStats(
+                ps.num_prompt_tokens, ps.num_local_cached_tokens, ps.num_external_cached_tokens,
+                ps.num_cached_tokens, ps.num_computed_tokens, ps.num_cache_creation_tokens),
+            legacy=(ev.LegacyCounters(*r.legacy_counters) if r.legacy_counters else None),
+        ))
+    return events

@@ -1,0 +1,16 @@
+"""The reference scheduler: an independent, readable model of vLLM V1's scheduler
+(baseline profile of the semantics doc). It knows nothing about traces.
+
+Read in this order: request.py, block_pool.py, kv_manager.py, scheduler.py.
+"""
+
+from .config import SchedulerConfig
+from .interface import Connector, ModelOutput, RequestOutput, ScheduledRequest, SchedulerOutput
+from .request import FINISH_REASONS, PrefillStats, Request, Status
+from .scheduler import Scheduler, SchedulerAssertion
+
+__all__ = [
+    "Connector", "FINISH_REASONS", "ModelOutput", "PrefillStats", "Request", "RequestOutput",
+    "ScheduledRequest", "Scheduler", "SchedulerAssertion", "SchedulerConfig", "SchedulerOutput",
+    "Status",
+]

@@ -1,0 +1,151 @@
+"""The block pool: ids, reference counts, the free queue and the prefix-cache map
+(semantics doc 4.3 to 4.5).
+
+The free queue's order decides which block id the engine hands out next, so it is
+an explicit doubly linked list, as in the engine:
+
+* allocation pops from the head, and evicts the popped block's hash;
+* a freed block with no hash goes to the head (reused first);
+* a freed block with a hash goes to the tail (evicted last, LRU);
+* a prefix hit on a free block takes it out of the middle.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+
+class Block:
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "hash_num_tokens", "prev", "next")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: bytes | None = None
+        self.hash_num_tokens = 0          # tokens covered by the chain ending at this block
+        self.prev: Block | None = None    # free-queue links
+        self.next: Block | None = None
+
+    def __repr__(self) -> str:
+        return f"Block({self.block_id}, ref={self.ref_cnt})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks with O(1) removal from the middle."""
+
+    def __init__(self, blocks: list[Block]):
+        self.head, self.tail = Block(-1), Block(-1)   # sentinels
+        self.head.next, self.tail.prev = self.tail, self.head
+        self.num_free = 0
+        self.append_n(blocks)
+
+    def popleft_n(self, n: int) -> list[Block]:
+        out = []
+        for _ in range(n):
+            b = self.head.next
+            assert b is not self.tail, "free queue is empty"
+            self.remove(b)
+            out.append(b)
+        return out
+
+    def remove(self, b: Block) -> None:
+        b.prev.next, b.next.prev = b.next, b.prev
+        b.prev = b.next = None
+        self.num_free -= 1
+
+    def prepend_n(self, blocks: list[Block]) -> None:
+        """Put ``blocks`` at the head, keeping their order (blocks[0] is popped first)."""
+        after = self.head
+        for b in blocks:
+            self._insert_after(after, b)
+            after = b
+
+    def append_n(self, blocks: list[Block]) -> None:
+        for b in blocks:
+            self._insert_after(self.tail.prev, b)
+
+    def _insert_after(self, at: Block, b: Block) -> None:
+        b.prev, b.next = at, at.next
+        at.next.prev = b
+        at.next = b
+        self.num_free += 1
+
+    def ids(self) -> list[int]:
+        out, b = [], self.head.next
+        while b is not self.tail:
+            out.append(b.block_id)
+            b = b.next
+        return out
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool):
+        self.enable_caching = enable_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        # Block 0 is taken at once as the null block; it is never handed out.
+        self.null_block = self.free_queue.popleft_n(1)[0]
+        # hash -> {block_id: block}, insertion ordered; a hit takes the first.
+        self.cached: dict[bytes, dict[int, Block]] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free
+
+    def get_cached_block(self, block_hash: bytes) -> Block | None:
+        entry = self.cached.get(block_hash)
+        return next(iter(entry.values())) if entry else None
+
+    def get_new_blocks(self, n: int) -> list[Block]:
+        assert n <= self.num_free_blocks, f"cannot get {n} free blocks"
+        blocks = self.free_queue.popleft_n(n)
+        for b in blocks:
+            if self.enable_caching:
+                self._evict(b)
+            assert b.ref_cnt == 0
+            b.ref_cnt = 1
+        return blocks
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        """A prefix hit: one more reference, and out of the free queue if it was free."""
+        for b in blocks:
+            if b.ref_cnt == 0 and b is not self.null_block:
+                self.free_queue.remove(b)
+            b.ref_cnt += 1
+
+    def free_blocks(self, ordered: Iterable[Block]) -> None:
+        """Drop one reference from each block; ``ordered`` is in eviction order."""
+        to_head, to_tail = [], []
+        for b in ordered:
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0 and b is not self.null_block:
+                (to_head if b.block_hash is None or not self.enable_caching else to_tail).append(b)
+        self.free_queue.prepend_n(to_head)
+        self.free_queue.append_n(to_tail)
+
+    def cache_full_blocks(self, block_hashes: list[bytes], blocks: list[Block],
+                          num_cached: int, num_full: int, block_size: int) -> None:
+        """Make blocks[num_cached:num_full] hash-visible."""
+        for i in range(num_cached, num_full):
+            b = blocks[i]
+            if b is self.null_block:
+                continue
+            if b.block_hash is not None:
+                self._evict(b)
+            b.block_hash = block_hashes[i]
+            b.hash_num_tokens = (i + 1) * block_size
+            self.cached.setdefault(b.block_hash, {})[b.block_id] = b
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """Drop hashes only; reference counts are untouched."""
+        for i in block_ids:
+            self._evict(self.blocks[i])
+
+    def _evict(self, b: Block) -> None:
+        if b.block_hash is None:
+            return
+        entry = self.cached[b.block_hash]
+        del entry[b.block_id]
+        if not entry:
+            del self.cached[b.block_hash]
+        b.block_hash, b.hash_num_tokens = None, 0

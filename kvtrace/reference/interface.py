@@ -1,0 +1,71 @@
+"""What goes into and comes out of the scheduler: the connector it consults, the
+model output it is fed, and the decisions it returns (semantics doc 2.3, 3)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from .request import PrefillStats, Request
+
+
+class Connector(Protocol):
+    """The scheduler side of an external KV store (CB)."""
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        """External tokens beyond the local hit, and whether they load
+        asynchronously. None means "cannot tell yet; ask again next step"."""
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int],
+                                 num_external_tokens: int) -> None:
+        """Called after every successful waiting-queue allocation."""
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+        """Called when a request finishes; True delays freeing its blocks."""
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    req_id: str
+    num_computed_tokens: int     # before this step
+    num_scheduled_tokens: int
+    block_ids: list[int]         # whole table (new, resumed) or new blocks only (running)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    new: list[ScheduledRequest]
+    resumed: list[ScheduledRequest]
+    running: list[ScheduledRequest]
+    num_scheduled_tokens: dict[str, int]
+    preempted_req_ids: set[str]
+    finished_req_ids: set[str]
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+@dataclass(slots=True)
+class ModelOutput:
+    """What the model runner (and the worker side of the connector) returns."""
+
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    finished_recving: set[str] = field(default_factory=set)
+    finished_sending: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+    invalid_block_ids: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One ``EngineCoreOutput``."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    prefill_stats: PrefillStats | None = None
+    # (num_cached_tokens, num_external_computed_tokens) of a legacy engine,
+    # sent with the first output.
+    legacy_counters: tuple[int, int] | None = None

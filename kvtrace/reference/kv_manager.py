@@ -1,0 +1,136 @@
+"""The KV-cache manager for one full-attention group (semantics doc 4.6, 4.7).
+
+It owns each request's block table and how many of its leading blocks are
+hash-visible (``num_cached_block``), and turns "this request needs n more
+tokens" into block-pool operations.
+"""
+
+from __future__ import annotations
+
+from .block_pool import Block, BlockPool
+from .config import SchedulerConfig
+from .request import Request, Status
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, config: SchedulerConfig):
+        self.block_size = config.block_size
+        self.max_model_len = config.max_model_len
+        self.enable_caching = config.enable_prefix_caching
+        self.watermark_blocks = config.watermark_blocks
+        self.pool = BlockPool(config.num_blocks, config.enable_prefix_caching)
+        self.req_to_blocks: dict[str, list[Block]] = {}
+        self.num_cached_block: dict[str, int] = {}
+
+    # -- lookups ---------------------------------------------------------------
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
+        """The longest run of cached blocks at the head of the request's hash chain,
+        capped so that at least one token is left to compute (KM:264-321)."""
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            return [], 0
+        max_hit_tokens = request.num_tokens - 1
+        hits = []
+        for h in request.block_hashes[: max_hit_tokens // self.block_size]:
+            block = self.pool.get_cached_block(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def get_block_ids(self, req_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(req_id, ())]
+
+    def estimate_cached_tokens(self, req_id: str) -> int:
+        """Largest hash-covered prefix among the request's blocks (KM:751-780)."""
+        return max((b.hash_num_tokens for b in self.req_to_blocks.get(req_id, ())), default=0)
+
+    # -- allocation ------------------------------------------------------------
+
+    def num_blocks_to_allocate(self, req_id: str, num_tokens: int, hits: list[Block]) -> int:
+        """New blocks needed for ``num_tokens`` slots, counting hits on free
+        blocks, which leave the free queue too (ST:175-265)."""
+        required = cdiv(num_tokens, self.block_size)
+        held = len(self.req_to_blocks.get(req_id, ()))
+        if req_id in self.num_cached_block:
+            return max(required - held, 0)
+        free_hits = sum(1 for b in hits if b.ref_cnt == 0)
+        return max(required - (len(hits) + held), 0) + free_hits
+
+    def remaining_blocks(self, request: Request) -> int:
+        """Blocks the request still needs to hold its whole sequence (S:3060)."""
+        num_tokens = min(request.num_tokens, self.max_model_len)
+        return self.num_blocks_to_allocate(request.request_id, num_tokens, [])
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        hits: list[Block] = (),
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+    ) -> list[Block] | None:
+        """Give the request slots for ``num_new_tokens`` more tokens. Returns the
+        newly allocated blocks, or None (and changes nothing) when they do not fit.
+
+        Table layout after the first admission: [hits][external][new].
+        """
+        req_id = request.request_id
+        local = request.num_computed_tokens + num_new_computed_tokens
+        total = min(local + num_external_computed_tokens, self.max_model_len)
+        need_slots = min(total + num_new_tokens, self.max_model_len)
+
+        watermark = 0
+        if has_scheduled_reqs and request.status in (Status.WAITING, Status.PREEMPTED):
+            watermark = self.watermark_blocks
+        needed = self.num_blocks_to_allocate(req_id, need_slots, hits)
+        if needed + watermark > self.pool.num_free_blocks - reserved_blocks:
+            return None
+
+        table = self.req_to_blocks.setdefault(req_id, [])
+        if hits or num_external_computed_tokens > 0:
+            # First admission: adopt the hits, then give the external tokens blocks.
+            # All touches happen before any pop, so a pop cannot evict a hit.
+            assert not table
+            self.pool.touch(hits)
+            table.extend(hits)
+            self.num_cached_block[req_id] = len(table)
+            if num_external_computed_tokens > 0:
+                n_ext = cdiv(local + num_external_computed_tokens, self.block_size) - len(table)
+                table.extend(self.pool.get_new_blocks(max(0, n_ext)))
+
+        new_blocks = self.pool.get_new_blocks(max(0, cdiv(need_slots, self.block_size) - len(table)))
+        table.extend(new_blocks)
+
+        if not delay_cache_blocks:
+            self.cache_blocks(request, min(total + num_new_tokens, request.num_tokens))
+        return new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Make every full block among the first ``num_tokens`` tokens hash-visible."""
+        if not self.enable_caching:
+            return
+        req_id = request.request_id
+        num_cached = self.num_cached_block.get(req_id, 0)
+        num_full = num_tokens // self.block_size
+        if num_cached >= num_full:
+            return
+        self.pool.cache_full_blocks(request.block_hashes, self.req_to_blocks[req_id],
+                                    num_cached, num_full, self.block_size)
+        self.num_cached_block[req_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release the table, tail first, so a chain's tail is evicted before its head."""
+        table = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_block.pop(request.request_id, None)
+        self.pool.free_blocks(reversed(table))
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        self.pool.evict_blocks(block_ids)

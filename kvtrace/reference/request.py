@@ -1,0 +1,136 @@
+"""A request as the scheduler sees it (semantics doc 1)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from .hashing import extend_block_hashes
+
+
+class Status(IntEnum):
+    WAITING = 1
+    WAITING_FOR_REMOTE_KVS = 2
+    RUNNING = 3
+    PREEMPTED = 4
+    FINISHED_STOPPED = 5
+    FINISHED_LENGTH_CAPPED = 6
+    FINISHED_ABORTED = 7
+    FINISHED_IGNORED = 8
+    FINISHED_ERROR = 9
+
+    @property
+    def is_finished(self) -> bool:
+        return self > Status.PREEMPTED
+
+
+FINISH_REASONS = {
+    Status.FINISHED_STOPPED: "stop",
+    Status.FINISHED_LENGTH_CAPPED: "length",
+    Status.FINISHED_IGNORED: "length",
+    Status.FINISHED_ABORTED: "abort",
+    Status.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(slots=True)
+class PrefillStats:
+    """How the first scheduled prefill split into local hits, external hits and
+    compute (MS:307-346)."""
+
+    num_prompt_tokens: int = 0
+    num_local_cached_tokens: int = 0
+    num_external_cached_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_computed_tokens: int = 0
+    num_cache_creation_tokens: int = 0
+
+    def set(self, prompt: int, local: int, external: int) -> None:
+        assert local + external <= prompt
+        self.num_prompt_tokens = prompt
+        self.num_local_cached_tokens = local
+        self.num_external_cached_tokens = external
+        self.num_cached_tokens = local + external
+        self.num_computed_tokens = prompt - (local + external)
+
+    def finalize(self, cached_tokens: int) -> None:
+        self.num_cache_creation_tokens = max(
+            0, min(cached_tokens, self.num_prompt_tokens) - self.num_cached_tokens)
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    block_size: int
+    arrival_time: float = 0.0
+    priority: int = 0
+    cache_salt: str | None = None
+    eos_token_id: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_reading_prefix_cache: bool = False
+
+    status: Status = Status.WAITING
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
+    prefill_stats: PrefillStats | None = field(default_factory=PrefillStats)
+    # Legacy per-request counters of older V1 engines (semantics doc 1.5), kept by
+    # the maintainers' rule: both taken once, from the first scheduled prefill.
+    legacy_num_cached_tokens: int = -1
+    legacy_num_external_computed_tokens: int = 0
+    # Every (local, external, async) split a lookup produced, in order; the
+    # replayer checks emitted counters against these.
+    lookup_history: list[tuple[int, int, bool]] = field(default_factory=list)
+    invalid_block_hits: int = 0   # how many times a load failure truncated this request
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+        extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt)
+
+    def take_prefill_stats(self) -> PrefillStats | None:
+        stats, self.prefill_stats = self.prefill_stats, None
+        return stats
+
+    def __lt__(self, other: "Request") -> bool:
+        """Priority-queue order: priority, then arrival time, then id."""
+        return ((self.priority, self.arrival_time, self.request_id)
+                < (other.priority, other.arrival_time, other.request_id))
+
+
+def check_stop(request: Request, max_model_len: int) -> bool:
+    """After appending one token: has the request finished? (SU:98-140)"""
+    last = request.all_token_ids[-1]
+    if request.eos_token_id is not None and not request.ignore_eos and last == request.eos_token_id:
+        request.status = Status.FINISHED_STOPPED
+        return True
+    if last in request.stop_token_ids:
+        request.status = Status.FINISHED_STOPPED
+        return True
+    if request.num_tokens >= max_model_len or request.num_output_tokens >= request.max_tokens:
+        request.status = Status.FINISHED_LENGTH_CAPPED
+        return True
+    return False

@@ -1,0 +1,460 @@
+"""The reference scheduler: vLLM V1's synchronous ``Scheduler`` in the baseline
+profile of the semantics doc (one full-attention group, no speculative decoding,
+no async scheduling, no pipeline parallelism, no encoder inputs).
+
+One ``schedule()`` call is two passes (semantics doc 2):
+
+1. the running pass gives every running request its next chunk, preempting
+   from the back of ``running`` (or the lowest priority) when blocks run out;
+2. the waiting pass, skipped in a step that preempted, admits requests from the
+   waiting queues: a fresh prefix lookup (local, then the connector), then an
+   allocation, then either RUNNING or, for an async load, WAITING_FOR_REMOTE_KVS.
+
+``update_from_output()`` applies load failures, appends sampled tokens, stops
+and frees finished requests, and records finished transfers (semantics doc 3).
+
+Methods whose names start with ``_`` and are listed under "rules" are the
+places where engines have had bugs; the embedded engine's faults override them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from .block_pool import Block
+from .config import SchedulerConfig
+from .interface import Connector, ModelOutput, RequestOutput, ScheduledRequest, SchedulerOutput
+from .kv_manager import KVCacheManager
+from .queues import make_queue
+from .request import FINISH_REASONS, Request, Status, check_stop
+
+
+class SchedulerAssertion(AssertionError):
+    """The engine itself would have failed an assertion here (for example a sync
+    external hit that covers the whole prompt, S:1170)."""
+
+    def __init__(self, req_id: str, rule: str):
+        self.req_id, self.rule = req_id, rule
+        super().__init__(f"{req_id}: {rule}")
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, connector: Connector | None = None):
+        self.config = config
+        self.block_size = config.block_size
+        self.max_model_len = config.max_model_len
+        self.kv = KVCacheManager(config)
+        self.connector = connector
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_queue(config.policy)
+        self.kv_holding_waiting = make_queue(config.policy)  # requests that hold blocks
+        self.running: list[Request] = []
+        # Reported in the next SchedulerOutput, then cleared.
+        self.finished_req_ids: set[str] = set()
+        self.preempted_req_ids: set[str] = set()
+        # Async loads the worker reported finished / failed, applied at next schedule().
+        self.finished_recving_ids: set[str] = set()
+        self.failed_recving_ids: set[str] = set()
+        # Requests still prefilling: async loads count their remaining blocks as reserved.
+        self.inflight_prefills: set[Request] = set()
+
+    # ------------------------------------------------------------------ inputs
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.add(request)
+        self.requests[request.request_id] = request
+
+    def finish_requests(self, req_ids, status: Status) -> list[Request]:
+        """Finish requests from outside (an abort), or with an error (S:2649-2712)."""
+        finished = []
+        for req_id in req_ids:
+            r = self.requests.get(req_id)
+            if r is None or r.is_finished:
+                continue
+            finished.append(r)
+        running = {r for r in finished if r.status == Status.RUNNING}
+        waiting = {r for r in finished if r.status != Status.RUNNING}
+        if running:
+            self.running = [r for r in self.running if r not in running]
+        if waiting:
+            self.waiting.remove_all(waiting)
+            self.kv_holding_waiting.remove_all(waiting)
+        for r in finished:
+            delay_free = False
+            if r.status == Status.WAITING_FOR_REMOTE_KVS:
+                # Its blocks are still being written by the load: free them on finished_recving.
+                delay_free = r.request_id not in self.finished_recving_ids
+                self.finished_recving_ids.discard(r.request_id)
+                self.failed_recving_ids.discard(r.request_id)
+            r.status = status
+            self._free_request(r, delay_free)
+        return finished
+
+    # ------------------------------------------------------------------ schedule
+
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        token_budget = cfg.token_budget
+        input_budget = cfg.max_num_batched_tokens
+        scheduled_running: list[Request] = []
+        scheduled_new: list[Request] = []
+        scheduled_resumed: list[Request] = []
+        preempted: list[Request] = []
+        new_blocks: dict[str, list[Block]] = {}
+        num_scheduled: dict[str, int] = {}
+
+        # The threshold only matters when someone else could use the budget (S:643).
+        num_eligible = len(self.running) + len(self.waiting) + len(self.kv_holding_waiting)
+        threshold = cfg.long_prefill_token_threshold if num_eligible > 1 else 0
+
+        # 1. Running requests, in order.
+        i = 0
+        while i < len(self.running) and token_budget > 0 and input_budget > 0:
+            r = self.running[i]
+            n = r.num_tokens - r.num_computed_tokens
+            if 0 < threshold < n:
+                n = threshold
+            n = min(n, token_budget, input_budget, self.max_model_len - r.num_computed_tokens - 1)
+            if n <= 0:
+                i += 1
+                continue
+            blocks = self.kv.allocate_slots(r, n)
+            while blocks is None:
+                victim = self._pick_victim()
+                if cfg.policy == "priority":
+                    at = self.running.index(victim)
+                    del self.running[at]
+                    if at < i:
+                        i -= 1
+                    if victim in scheduled_running:   # undo its scheduling in this step
+                        scheduled_running.remove(victim)
+                        restored = num_scheduled.pop(victim.request_id)
+                        token_budget += restored
+                        input_budget += restored
+                        new_blocks.pop(victim.request_id)
+                else:
+                    self.running.pop()
+                self._preempt_request(victim)
+                preempted.append(victim)
+                if victim is r:
+                    break
+                blocks = self.kv.allocate_slots(r, n)
+            if blocks is None:
+                break
+            scheduled_running.append(r)
+            new_blocks[r.request_id] = blocks
+            num_scheduled[r.request_id] = n
+            token_budget -= n
+            input_budget -= n
+            i += 1
+
+        # 2. Waiting requests; not in a step that preempted (S:900).
+        if not preempted:
+            skipped_waiting: deque[Request] = deque()
+            skipped_holding: deque[Request] = deque()
+
+            def skip(queue) -> None:
+                r = queue.pop_request()
+                holds = r.num_computed_tokens > 0 or r.status == Status.WAITING_FOR_REMOTE_KVS
+                (skipped_holding if holds else skipped_waiting).appendleft(r)
+
+            while token_budget > 0:
+                queue = self.kv_holding_waiting if self.kv_holding_waiting else self.waiting
+                if not queue or input_budget <= 0:
+                    break
+                if len(self.running) >= cfg.max_num_seqs:
+                    break
+                r = queue.peek()
+                if not self._ready_to_schedule(r):
+                    skip(queue)
+                    continue
+
+                hits: list[Block] = []
+                num_local = num_external = 0
+                load_async = False
+                if r.num_computed_tokens == 0:
+                    # A fresh lookup: first admission, a retry, or a resume after preemption.
+                    hits, num_local = self._local_prefix_hit(r)
+                    if self.connector is not None:
+                        ext, load_async = self.connector.get_num_new_matched_tokens(r, num_local)
+                        if r.skip_reading_prefix_cache:
+                            ext, load_async = 0, False
+                        if ext is None:
+                            skip(queue)
+                            continue
+                        num_external = ext
+                    num_computed = num_local + num_external
+                    if num_computed > r.num_tokens:
+                        raise SchedulerAssertion(r.request_id, "S:1048 local + external hit exceeds num_tokens")
+                    self._record_lookup(r, num_local, num_external, load_async)
+                else:
+                    # An async load that has completed: its blocks are already in place.
+                    num_computed = r.num_computed_tokens
+
+                if load_async:
+                    n = 0
+                else:
+                    n = r.num_tokens - num_computed
+                    if 0 < threshold < n:
+                        n = threshold
+                    n = min(n, token_budget, input_budget)
+                    if n <= 0:
+                        raise SchedulerAssertion(
+                            r.request_id, "S:1170 a sync external hit must leave a token to compute")
+
+                reserved = 0
+                if load_async:
+                    # Keep the blocks that in-flight prefills still need (S:1245).
+                    reserved = sum(self.kv.remaining_blocks(x) for x in self.inflight_prefills)
+                blocks = self.kv.allocate_slots(
+                    r, n, num_local, hits, num_external,
+                    delay_cache_blocks=load_async, reserved_blocks=reserved,
+                    has_scheduled_reqs=bool(self.running))
+                if blocks is None:
+                    break   # head-of-line: the whole waiting pass stops
+
+                if self.connector is not None:
+                    self.connector.update_state_after_alloc(
+                        r, self.kv.get_block_ids(r.request_id), num_external)
+
+                if load_async:
+                    r.status = Status.WAITING_FOR_REMOTE_KVS
+                    r.num_computed_tokens = num_computed
+                    self.inflight_prefills.add(r)
+                    skip(queue)
+                    continue
+
+                queue.pop_request()
+                self.running.append(r)
+                (scheduled_new if r.status == Status.WAITING else scheduled_resumed).append(r)
+                num_scheduled[r.request_id] = n
+                token_budget -= n
+                input_budget -= n
+                r.status = Status.RUNNING
+                r.num_computed_tokens = num_computed
+                self._on_admitted(r)
+                if num_computed + n < r.num_tokens:
+                    self.inflight_prefills.add(r)
+
+            if skipped_holding:
+                self.kv_holding_waiting.prepend_all(skipped_holding)
+            if skipped_waiting:
+                self.waiting.prepend_all(skipped_waiting)
+
+        def entry(r: Request, block_ids: list[int]) -> ScheduledRequest:
+            return ScheduledRequest(r.request_id, r.num_computed_tokens,
+                                    num_scheduled[r.request_id], block_ids)
+
+        out = SchedulerOutput(
+            new=[entry(r, self.kv.get_block_ids(r.request_id)) for r in scheduled_new],
+            resumed=[entry(r, self.kv.get_block_ids(r.request_id)) for r in scheduled_resumed],
+            running=[entry(r, [b.block_id for b in new_blocks[r.request_id]])
+                     for r in scheduled_running],
+            num_scheduled_tokens=num_scheduled,
+            preempted_req_ids=self.preempted_req_ids,
+            finished_req_ids=self.finished_req_ids,
+        )
+        # num_computed_tokens is advanced when a step is scheduled, not when it completes.
+        for req_id, n in num_scheduled.items():
+            r = self.requests[req_id]
+            r.num_computed_tokens += n
+            if r.num_computed_tokens >= r.num_tokens:
+                self.inflight_prefills.discard(r)
+        self.finished_req_ids = set()
+        self.preempted_req_ids = set()
+        return out
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _ready_to_schedule(self, r: Request) -> bool:
+        """A request waiting for an async load is ready once the load finished (S:3175)."""
+        if r.status != Status.WAITING_FOR_REMOTE_KVS:
+            return True
+        if r.request_id not in self.finished_recving_ids:
+            return False
+        self._finish_remote_kv_load(r)
+        self.finished_recving_ids.discard(r.request_id)
+        r.status = Status.PREEMPTED if r.num_preemptions else Status.WAITING
+        return True
+
+    # ------------------------------------------------------------------ rules
+
+    def _local_prefix_hit(self, r: Request) -> tuple[list[Block], int]:
+        """A fresh local lookup against the live prefix cache."""
+        return self.kv.get_computed_blocks(r)
+
+    def _record_lookup(self, r: Request, num_local: int, num_external: int, load_async: bool) -> None:
+        """Prompt accounting at S:1074-1081: the stats describe the first scheduled
+        prefill, so lookups after a preemption leave them alone."""
+        r.lookup_history.append((num_local, num_external, load_async))
+        if r.prefill_stats is not None and r.num_preemptions <= 0:
+            r.prefill_stats.set(r.num_prompt_tokens, num_local, num_external)
+            r.legacy_num_external_computed_tokens = num_external
+
+    def _on_admitted(self, r: Request) -> None:
+        """A request became RUNNING. The legacy count is set once (−1 sentinel)."""
+        if r.legacy_num_cached_tokens < 0:
+            r.legacy_num_cached_tokens = r.num_computed_tokens
+
+    def _finish_remote_kv_load(self, r: Request) -> None:
+        """An async load completed: its blocks become hash-visible, and a load that
+        covered every token gives one back, to be recomputed (S:3123-3173)."""
+        if r.request_id in self.failed_recving_ids:
+            if r.num_computed_tokens:
+                self.kv.cache_blocks(r, r.num_computed_tokens)
+            else:
+                self.kv.free(r)   # nothing valid; the retry may hit locally
+            self.failed_recving_ids.discard(r.request_id)
+        else:
+            self.kv.cache_blocks(r, r.num_computed_tokens)
+        if r.num_computed_tokens == r.num_tokens:
+            r.num_computed_tokens = r.num_tokens - 1
+
+    def _preempt_request(self, r: Request) -> None:
+        """Free every block and send the request to the head of the waiting queue (S:1571)."""
+        assert r.status == Status.RUNNING
+        self.kv.free(r)
+        self.inflight_prefills.discard(r)
+        r.status = Status.PREEMPTED
+        r.num_computed_tokens = 0
+        r.num_preemptions += 1
+        self.waiting.prepend(r)
+        self.preempted_req_ids.add(r.request_id)
+
+    def _truncate_for_invalid_block(self, r: Request, block_index: int, pre: int) -> None:
+        """A block of r failed to load: r is computed only up to that block (S:3315)."""
+        r.num_computed_tokens = block_index * self.block_size
+        r.invalid_block_hits += 1
+
+    # ------------------------------------------------------------------ update
+
+    def update_from_output(self, out: SchedulerOutput, model: ModelOutput) -> list[RequestOutput]:
+        failed: set[str] = set()
+        if model.failed_recving:
+            failed |= self._handle_failed_recving(model.failed_recving)
+        if model.invalid_block_ids:
+            failed |= self._handle_invalid_blocks(model.invalid_block_ids, out.num_scheduled_tokens)
+
+        outputs: list[RequestOutput] = []
+        stopped_running: set[Request] = set()
+        stopped_waiting: set[Request] = set()
+        for req_id in out.num_scheduled_tokens:
+            r = self.requests.get(req_id)
+            if req_id in failed or r is None or r.is_finished:
+                continue
+            new_tokens = list(model.sampled_token_ids.get(req_id, ()))
+            stopped = False
+            status_before = r.status
+            for k, token in enumerate(new_tokens):
+                r.append_output_token(token)
+                if check_stop(r, self.max_model_len):
+                    stopped = True
+                    del new_tokens[k + 1:]
+                    break
+            if not (new_tokens or stopped):
+                continue
+            stats = r.take_prefill_stats()
+            legacy = None
+            if stats is not None:
+                stats.finalize(self.kv.estimate_cached_tokens(req_id))
+                legacy = (r.legacy_num_cached_tokens, r.legacy_num_external_computed_tokens)
+            reason = None
+            if stopped:
+                reason = FINISH_REASONS[r.status]
+                self._free_request(r)
+                (stopped_running if status_before == Status.RUNNING else stopped_waiting).add(r)
+            outputs.append(RequestOutput(req_id, new_tokens, reason, stats, legacy))
+
+        if stopped_running:
+            self.running = [r for r in self.running if r not in stopped_running]
+        if stopped_waiting:
+            self.waiting.remove_all(stopped_waiting)
+            self.kv_holding_waiting.remove_all(stopped_waiting)
+
+        if failed and self.config.load_failure_policy == "fail":
+            for r in self.finish_requests(sorted(failed), Status.FINISHED_ERROR):
+                outputs.append(RequestOutput(r.request_id, [], FINISH_REASONS[r.status]))
+
+        for req_id in model.finished_recving:
+            r = self.requests[req_id]
+            if r.status == Status.WAITING_FOR_REMOTE_KVS:
+                self.finished_recving_ids.add(req_id)
+            else:
+                assert r.is_finished
+                self._free_blocks(r)
+        for req_id in model.finished_sending:
+            self._free_blocks(self.requests[req_id])
+        return outputs
+
+    def _free_request(self, r: Request, delay_free: bool = False) -> None:
+        assert r.is_finished
+        self.inflight_prefills.discard(r)
+        if self.connector is not None:
+            delay_free |= bool(self.connector.request_finished(r, self.kv.get_block_ids(r.request_id)))
+        self.finished_req_ids.add(r.request_id)
+        if not delay_free:
+            self._free_blocks(r)
+
+    def _free_blocks(self, r: Request) -> None:
+        self.kv.free(r)
+        del self.requests[r.request_id]
+
+    # ------------------------------------------------------------------ load failures
+
+    def _handle_failed_recving(self, req_ids: set[str]) -> set[str]:
+        """Whole async loads that failed (S:3341)."""
+        affected = set()
+        for req_id in req_ids:
+            r = self.requests.get(req_id)
+            if r is not None and r.status == Status.WAITING_FOR_REMOTE_KVS:
+                affected.add(req_id)
+                if self.config.load_failure_policy == "recompute":
+                    r.num_computed_tokens = 0
+                    self.failed_recving_ids.add(req_id)
+        return set() if self.config.load_failure_policy == "recompute" else affected
+
+    def _handle_invalid_blocks(self, invalid: set[int], num_scheduled: dict[str, int]) -> set[str]:
+        """Blocks that failed to load: async loads first, then running requests (S:3356)."""
+        loading = [r for r in self.kv_holding_waiting if r.status == Status.WAITING_FOR_REMOTE_KVS]
+        claimed: set[int] = set()
+        async_failed, _ = self._truncate_requests(loading, invalid, num_scheduled, claimed)
+        sync_failed, to_evict = self._truncate_requests(self.running, invalid, num_scheduled, claimed)
+        if not (async_failed or sync_failed):
+            return set()
+        if self.config.load_failure_policy == "fail":
+            self.kv.evict_blocks(to_evict)
+            return async_failed | sync_failed
+        self.failed_recving_ids |= async_failed
+        return sync_failed
+
+    def _truncate_requests(self, requests, invalid: set[int], num_scheduled: dict[str, int],
+                           claimed: set[int]) -> tuple[set[str], set[int]]:
+        """Cut each request back to its first failed block (S:3237-3339). A block
+        another request already claimed in this call is shared: the claimer
+        recomputes it, and this request keeps its pre-step count."""
+        affected: set[str] = set()
+        to_evict: set[int] = set()
+        for r in requests:
+            table = self.kv.get_block_ids(r.request_id)
+            pre = r.num_computed_tokens - num_scheduled.get(r.request_id, 0)
+            hit = truncated = False
+            for idx, block_id in enumerate(table[: -(-pre // self.block_size)]):
+                if block_id not in invalid:
+                    continue
+                hit = True
+                if block_id in claimed:
+                    continue
+                claimed.add(block_id)
+                if truncated:
+                    continue
+                truncated = True
+                self._truncate_for_invalid_block(r, idx, pre)
+                to_evict.update(table[idx:])
+            if hit:
+                if not truncated:
+                    r.num_computed_tokens = pre
+                affected.add(r.request_id)
+        return affected, to_evict

@@ -1,0 +1,261 @@
+"""Comparisons between what the engine recorded and what the reference decided,
+and the invariants of section 5 of the semantics doc, checked on the recording
+itself. Each function returns a list of Divergence; none of them changes state."""
+
+from __future__ import annotations
+
+from kvtrace.findings import Divergence
+from kvtrace.reference import Request, RequestOutput, Scheduler, SchedulerOutput
+from kvtrace.trace import events as ev
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# --------------------------------------------------------------------------- step
+
+
+def compare_step(rec: ev.Step, out: SchedulerOutput, sched: Scheduler, line: int | None
+                 ) -> list[Divergence]:
+    """The recorded SchedulerOutput against the reference's, field by field."""
+    divs: list[Divergence] = []
+
+    def d(req, field, recorded, expected, rule, kind="counter"):
+        divs.append(Divergence(rec.step, req, field, recorded, expected, rule, kind, rec.seq, line))
+
+    recorded = {s.req: ("new", s) for s in rec.new}
+    recorded.update({s.req: ("resumed", s) for s in rec.resumed})
+    recorded.update({s.req: ("running", s) for s in rec.running})
+    expected = {s.req_id: ("new", s) for s in out.new}
+    expected.update({s.req_id: ("resumed", s) for s in out.resumed})
+    expected.update({s.req_id: ("running", s) for s in out.running})
+
+    for req in _union(recorded, expected):
+        r, e = recorded.get(req), expected.get(req)
+        if r is None or e is None:
+            d(req, "scheduled", r[1].num_scheduled_tokens if r else None,
+              e[1].num_scheduled_tokens if e else None,
+              "2.1/2.2: which requests a step schedules", kind="counter")
+            continue
+        (rq, rs), (eq, es) = r, e
+        if rs.num_computed_tokens != es.num_computed_tokens:
+            d(req, "num_computed_tokens", rs.num_computed_tokens, es.num_computed_tokens,
+              _nct_rule(eq))
+        if rs.num_scheduled_tokens != es.num_scheduled_tokens:
+            d(req, "num_scheduled_tokens", rs.num_scheduled_tokens, es.num_scheduled_tokens,
+              "2.1/2.2: chunk = min(remaining, threshold, token budget)")
+        if rq != eq:
+            d(req, "queue", rq, eq, "2.3: new, resumed or running")
+        rec_blocks = rs.block_ids if rq != "running" else rs.new_block_ids
+        if rec_blocks != es.block_ids:
+            field = "block_ids" if rq != "running" else "new_block_ids"
+            d(req, field, rec_blocks, es.block_ids,
+              "4.5: block ids follow the free-queue discipline", kind="block")
+
+    for req in sorted(set(rec.preempted) ^ out.preempted_req_ids):
+        d(req, "preempted", req in rec.preempted, req in out.preempted_req_ids,
+          "2.1: the victim is the last running request (FCFS) or the lowest priority")
+    for req in sorted(set(rec.finished) ^ out.finished_req_ids):
+        d(req, "finished_req_ids", req in rec.finished, req in out.finished_req_ids,
+          "2.3: finished_req_ids lists requests freed since the last step")
+    divs.extend(compare_states(rec.step, rec.states, sched, {}, rec.seq, line))
+    if rec.num_free_blocks is not None and rec.num_free_blocks != sched.kv.pool.num_free_blocks:
+        d(None, "num_free_blocks", rec.num_free_blocks, sched.kv.pool.num_free_blocks,
+          "B5: free blocks = blocks with no reference", kind="block")
+    return divs
+
+
+def _nct_rule(queue: str) -> str:
+    if queue == "running":
+        return "1.3: num_computed_tokens advances by the scheduled tokens"
+    return "1.3: admission sets num_computed_tokens = local + external hit (T-1 after a full async load)"
+
+
+def _union(a: dict, b: dict) -> list:
+    return list(dict.fromkeys([*a, *b]))
+
+
+def compare_states(step: int, states: list[ev.RequestState], sched: Scheduler,
+                   extra: dict[str, Request], seq: int, line: int | None) -> list[Divergence]:
+    divs = []
+    for s in states:
+        r = sched.requests.get(s.req) or extra.get(s.req)
+        if r is None:
+            divs.append(Divergence(step, s.req, "state", s.status, None,
+                                   "the reference holds no such live request", "counter", seq, line))
+            continue
+        blocks = sched.kv.get_block_ids(s.req)
+        for field, got, want, rule, kind in (
+            ("status", s.status, r.status.name, "1.4: status transitions", "counter"),
+            ("state.num_computed_tokens", s.num_computed_tokens, r.num_computed_tokens,
+             "1.3: every write to num_computed_tokens", "counter"),
+            ("num_tokens", s.num_tokens, r.num_tokens, "1.1: num_tokens = prompt + outputs", "counter"),
+            ("num_preemptions", s.num_preemptions, r.num_preemptions, "I6", "counter"),
+            ("state.block_ids", s.block_ids, blocks, "4.5/4.7: the block table", "block"),
+        ):
+            if got != want:
+                divs.append(Divergence(step, s.req, field, got, want, rule, kind, seq, line))
+    return divs
+
+
+# --------------------------------------------------------------------------- output
+
+
+def compare_output(rec: ev.Output, results: list[RequestOutput], sched: Scheduler,
+                   touched: list[Request], line: int | None) -> list[Divergence]:
+    divs = []
+    expected = {r.req_id: r.finish_reason for r in results if r.finish_reason}
+    for req in _union(rec.finished, expected):
+        if rec.finished.get(req) != expected.get(req):
+            divs.append(Divergence(rec.step, req, "finish_reason", rec.finished.get(req),
+                                   expected.get(req), "3: check_stop and load-failure policy",
+                                   "counter", rec.seq, line))
+    divs.extend(compare_states(rec.step, rec.states, sched, {r.request_id: r for r in touched},
+                               rec.seq, line))
+    return divs
+
+
+def compare_prompt_stats(rec: ev.PromptStats, expected: RequestOutput | None, ref: Request | None,
+                         line: int | None) -> list[Divergence]:
+    divs: list[Divergence] = []
+
+    def d(field, recorded, want, rule, kind="stats"):
+        divs.append(Divergence(rec.step, rec.req, field, recorded, want, rule, kind, rec.seq, line))
+
+    ps = rec.prefill_stats
+    if ps is not None:
+        want = expected.prefill_stats if expected else None
+        if want is None:
+            d("prefill_stats", "present", None, "1.2: stats ride on the first output only")
+        else:
+            for name in ("num_prompt_tokens", "num_local_cached_tokens", "num_external_cached_tokens",
+                         "num_cached_tokens", "num_computed_tokens", "num_cache_creation_tokens"):
+                if getattr(ps, name) != getattr(want, name):
+                    d(f"prefill_stats.{name}", getattr(ps, name), getattr(want, name),
+                      "5.3: PrefillStats describe the last lookup before the first preemption")
+                    break
+        divs.extend(_prefill_invariants(ps, d))
+    if rec.legacy is not None:
+        divs.extend(_legacy_checks(rec.legacy, expected, ref, d))
+    return divs
+
+
+def _prefill_invariants(ps: ev.PrefillStats, d) -> list:
+    L, E, P = ps.num_local_cached_tokens, ps.num_external_cached_tokens, ps.num_prompt_tokens
+    if L < 0 or E < 0 or L + E > P:
+        d("prefill_stats", (L, E, P), "0 <= L, 0 <= E, L + E <= P", "5.3 (MS:327-340)", "invariant")
+    elif ps.num_cached_tokens != L + E or ps.num_computed_tokens != P - L - E:
+        d("prefill_stats", (ps.num_cached_tokens, ps.num_computed_tokens), (L + E, P - L - E),
+          "5.3: cached = L + E, computed = P - L - E", "invariant")
+    return []
+
+
+def _legacy_checks(lg: ev.LegacyCounters, expected: RequestOutput | None, ref: Request | None, d
+                   ) -> list:
+    """Legacy counters are checked by their invariants and by consistency with one
+    lookup, not against one release's exact rule (bug-classes.md)."""
+    nc, ne = lg.num_cached_tokens, lg.num_external_computed_tokens
+    P = ref.num_prompt_tokens if ref else None
+    want = expected.legacy_counters if expected else None
+    rec_ = 1 if P is not None and nc + 1 == P else 0
+    if nc < 0:
+        d("legacy.num_cached_tokens", nc, want and want[0],
+          "legacy: num_cached_tokens >= 0 when emitted; -1 is the unset sentinel (PR #37354)", "invariant")
+    elif ne < 0:
+        d("legacy.num_external_computed_tokens", ne, want and want[1],
+          "legacy: num_external_computed_tokens >= 0 (issue #36533, PR #36638)", "invariant")
+    elif ne > nc + rec_:
+        d("legacy.num_external_computed_tokens", ne, want and want[1],
+          "legacy: next <= num_cached_tokens + recomputed, so local_cache_hit >= 0 (PR #36752)",
+          "invariant")
+    elif P is not None and nc + rec_ > P:
+        d("legacy.num_cached_tokens", nc, want and want[0],
+          "legacy: num_cached_tokens + recomputed <= prompt_len", "invariant")
+    elif ref is not None and not _from_one_lookup(nc, ne, ref):
+        d("legacy.num_external_computed_tokens", (nc, ne), want,
+          "legacy: both counters must come from the same lookup", "invariant")
+    return []
+
+
+def _from_one_lookup(nc: int, ne: int, ref: Request) -> bool:
+    for local, ext, load_async in ref.lookup_history:
+        cached_ok = nc == local + ext or (load_async and nc == local + ext - 1)
+        ext_ok = ne == ext or (ref.invalid_block_hits and 0 <= ne <= ext)
+        if cached_ok and ext_ok:
+            return True
+    return not ref.lookup_history and ne == 0
+
+
+# --------------------------------------------------------------------------- invariants
+
+
+def step_invariants(rec: ev.Step, cfg: ev.SchedulerConfig, prev_preemptions: dict[str, int],
+                    line: int | None) -> list[Divergence]:
+    """Section 5 checks that need only the recording."""
+    divs: list[Divergence] = []
+
+    def d(req, field, recorded, expected, rule, kind="invariant"):
+        divs.append(Divergence(rec.step, req, field, recorded, expected, rule, kind, rec.seq, line))
+
+    sched = rec.scheduled()
+    total = sum(sched.values())
+    budget = cfg.max_num_scheduled_tokens or cfg.max_num_batched_tokens
+    if total > budget:
+        d(None, "total_num_scheduled_tokens", total, budget, "I5: sum of scheduled tokens <= budget")
+    for req, n in sched.items():
+        if n <= 0:
+            d(req, "num_scheduled_tokens", n, "> 0", "I5: every scheduled request has n > 0")
+    seen: set[str] = set()
+    for s in [*rec.new, *rec.resumed, *rec.running]:
+        if s.req in seen:
+            d(s.req, "scheduled", "twice", "once", "I5: a request is scheduled at most once per step")
+        seen.add(s.req)
+    for s in rec.states:
+        if s.req in sched:
+            need = _cdiv(min(s.num_computed_tokens, cfg.max_model_len), cfg.block_size)
+            if len(s.block_ids) < need:
+                d(s.req, "state.block_ids", len(s.block_ids), f">= {need}",
+                  "B1: the table covers every computed token", "block")
+            if s.num_computed_tokens > s.num_tokens:
+                d(s.req, "state.num_computed_tokens", s.num_computed_tokens, f"<= {s.num_tokens}",
+                  "I1: c <= T after schedule()")
+        # I4; a request whose async load completed may wait holding its loaded blocks.
+        if s.status in ("WAITING", "PREEMPTED") and (s.num_computed_tokens == 0) != (not s.block_ids):
+            d(s.req, "status", (s.status, s.num_computed_tokens, len(s.block_ids)),
+              "c == 0 and no blocks, or a completed async load",
+              "I4: a waiting or preempted request holds nothing")
+        before = prev_preemptions.get(s.req, 0)
+        want = before + (1 if s.req in rec.preempted else 0)
+        if s.num_preemptions != want:
+            d(s.req, "num_preemptions", s.num_preemptions, want,
+              "I6: +1 per appearance in preempted_req_ids")
+        prev_preemptions[s.req] = s.num_preemptions
+    for b in (*(x for s in rec.states for x in s.block_ids),
+              *(x for s in [*rec.new, *rec.resumed] for x in s.block_ids),
+              *(x for s in rec.running for x in s.new_block_ids)):
+        if not 0 < b < cfg.num_blocks:
+            d(None, "block_ids", b, f"1..{cfg.num_blocks - 1}", "4.5: allocatable ids", "block")
+            break
+    divs.extend(_loads_cover_hits(rec, d))
+    return divs
+
+
+def _loads_cover_hits(rec: ev.Step, d) -> list:
+    """Every external hit that was admitted must be loaded (bug class e)."""
+    if rec.loads is None:
+        return []
+    admitted = {s.req for s in [*rec.new, *rec.resumed]}
+    admitted |= {s.req for s in rec.states if s.status == "WAITING_FOR_REMOTE_KVS"}
+    last_lookup = {lk.req: lk for lk in rec.lookups}
+    for req in sorted(admitted):
+        lk = last_lookup.get(req)
+        if lk is None or not lk.ext:
+            continue
+        want = (lk.local, lk.local + lk.ext)
+        covered = any(ld.req == req and ld.start <= want[0] and ld.end >= want[1] for ld in rec.loads)
+        if not covered:
+            got = [(ld.start, ld.end) for ld in rec.loads if ld.req == req] or None
+            d(req, "kv_load", got, list(want),
+              "an admitted external hit must be loaded (LMCache #1969, PR #2007)")
+    return []

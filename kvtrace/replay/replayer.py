@@ -1,0 +1,219 @@
+"""Replay: feed a trace's inputs through the reference scheduler, in the recorded
+call order, and compare every recorded output with the reference's.
+
+Inputs taken from the trace: arrivals, aborts, the connector's answers, sampled
+tokens and the connector output. Everything else is recomputed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from kvtrace import bridge
+from kvtrace.findings import Divergence
+from kvtrace.reference import Request, RequestOutput, Scheduler, SchedulerAssertion, SchedulerOutput, Status
+from kvtrace.trace import TraceError, TraceReader, TraceWriter
+from kvtrace.trace import events as ev
+
+from . import checks
+from .connector import RecordedConnector
+
+# Engine features the reference does not model; a trace that turns one on is refused.
+UNSUPPORTED = {
+    "async_scheduling": "async scheduling",
+    "num_speculative_tokens": "speculative decoding",
+    "pipeline_parallel_size": "pipeline parallelism",
+}
+
+
+@dataclass
+class ReplayResult:
+    path: str
+    header: ev.Header
+    divergences: list[Divergence] = field(default_factory=list)
+    steps: int = 0
+    events: int = 0
+    truncation: str | None = None     # where and why the trace stops early
+    stopped: str | None = None        # why replay stopped before the end of the trace
+    end: ev.End | None = None
+
+
+def _check_supported(header: ev.Header, path) -> None:
+    for key, what in UNSUPPORTED.items():
+        v = header.features.get(key)
+        if v and v != 1:
+            raise TraceError(path, 1, f"{what} is on ({key}={v}); the reference models the "
+                                      "synchronous baseline scheduler only")
+    groups = header.features.get("kv_cache_groups", 1)
+    if groups != 1:
+        raise TraceError(path, 1, f"{groups} KV-cache groups; the reference models one "
+                                  "full-attention group")
+
+
+class Replayer:
+    """Event-at-a-time replay. ``feed`` takes the events of one trace in order."""
+
+    def __init__(self, header: ev.Header, path: str = "<trace>", out: TraceWriter | None = None):
+        self.header = header
+        self.path = path
+        self.cfg = header.config
+        self.connector = RecordedConnector()
+        self.sched = Scheduler(bridge.config_from_header(header),
+                               self.connector if header.config.connector else None)
+        self.out = out
+        self.divergences: list[Divergence] = []
+        self.steps = 0
+        self.stopped: str | None = None
+        self._outputs: dict[int, SchedulerOutput] = {}         # step -> output awaiting update
+        self._expected_stats: dict[str, RequestOutput] = {}   # req -> first output, awaiting stats
+        self._finished_refs: dict[str, Request] = {}          # finished requests, for their stats
+        self._preemptions: dict[str, int] = {}
+        self._arrived: set[str] = set()
+
+    def feed(self, e, line: int | None = None) -> None:
+        if self.stopped:
+            return
+        try:
+            if isinstance(e, ev.Arrival):
+                self._arrival(e, line)
+            elif isinstance(e, ev.Abort):
+                self.sched.finish_requests(e.reqs, Status.FINISHED_ABORTED)
+                self._write(ev.Abort(self._seq(), e.reqs))
+            elif isinstance(e, ev.Step):
+                self._step(e, line)
+            elif isinstance(e, ev.Output):
+                self._output(e, line)
+            elif isinstance(e, ev.PromptStats):
+                self._prompt_stats(e, line)
+        except SchedulerAssertion as a:
+            step = getattr(e, "step", None)
+            self.divergences.append(Divergence(step, a.req_id, "assertion", "scheduled", "engine assertion",
+                                               a.rule, "invariant", e.seq, line))
+            self.stopped = f"the engine would have failed an assertion at step {step}: {a.rule}"
+
+    # -- events ------------------------------------------------------------------
+
+    def _arrival(self, a: ev.Arrival, line) -> None:
+        if a.req in self.sched.requests:
+            raise TraceError(self.path, line, f"request '{a.req}' arrives twice")
+        self._arrived.add(a.req)
+        self.sched.add_request(bridge.request_from_arrival(a, self.cfg.block_size))
+        self._write(ev.Arrival(**{**_fields(a), "seq": self._seq()}))
+
+    def _step(self, rec: ev.Step, line) -> None:
+        if rec.step < self.steps:
+            raise TraceError(self.path, line, f"step {rec.step} does not follow step {self.steps - 1}")
+        for req in rec.scheduled():
+            if req not in self._arrived:
+                raise TraceError(self.path, line, f"step {rec.step} schedules unknown request '{req}'")
+        self.steps = rec.step + 1
+        self.divergences.extend(checks.step_invariants(rec, self.cfg, self._preemptions, line))
+        self.connector.start_step(rec.step, rec.lookups)
+        out = self.sched.schedule()
+        self.connector.end_step()
+        self.divergences.extend(self.connector.divergences)
+        self.connector.divergences = []
+        self.divergences.extend(checks.compare_step(rec, out, self.sched, line))
+        self._outputs[rec.step] = out
+        if self.out:
+            loads = self.connector.loads if self.cfg.connector else None
+            self._write(bridge.step_event(self._seq(), rec.step, out, self.sched,
+                                          self.connector.made, loads))
+
+    def _output(self, rec: ev.Output, line) -> None:
+        out = self._outputs.pop(rec.step, None)
+        if out is None:
+            raise TraceError(self.path, line, f"output for step {rec.step}, which was not scheduled "
+                                              "or already had its output")
+        self._unmatched_stats()
+        model = bridge.model_output_from_event(rec)
+        for req in [*model.finished_recving, *model.finished_sending]:
+            if req not in self.sched.requests:
+                self.divergences.append(Divergence(
+                    rec.step, req, "connector", "finished transfer", "no such live request",
+                    "3.5: transfers finish only for requests that hold blocks", "counter", rec.seq, line))
+        model.finished_recving &= self.sched.requests.keys()
+        model.finished_sending &= self.sched.requests.keys()
+        touched = bridge.touched_by_output(self.sched, out, model)
+        results = self.sched.update_from_output(out, model)
+        self.divergences.extend(checks.compare_output(rec, results, self.sched, touched, line))
+        for r in results:
+            if r.prefill_stats is not None:
+                self._expected_stats[r.req_id] = r
+        for r in touched:
+            if r.is_finished:
+                self._finished_refs[r.request_id] = r
+        if self.out:
+            for e in bridge.output_events(self._seq, rec.step, model, results, self.sched, touched):
+                self._write(e)
+
+    def _prompt_stats(self, rec: ev.PromptStats, line) -> None:
+        expected = self._expected_stats.pop(rec.req, None)
+        ref = self.sched.requests.get(rec.req) or self._finished_refs.get(rec.req)
+        self.divergences.extend(checks.compare_prompt_stats(rec, expected, ref, line))
+
+    def _unmatched_stats(self) -> None:
+        """Stats the reference emitted that the engine's trace never carried."""
+        for req, r in self._expected_stats.items():
+            self.divergences.append(Divergence(
+                None, req, "prompt_stats", None, "emitted with the first output",
+                "1.2: the first output carries the request's prompt stats", "stats"))
+        self._expected_stats.clear()
+        self._finished_refs.clear()
+
+    # -- helpers -----------------------------------------------------------------
+
+    def _seq(self) -> int:
+        return self.out.next_seq() if self.out else 0
+
+    def _write(self, e) -> None:
+        if self.out:
+            self.out.write(e)
+
+
+def _fields(obj) -> dict:
+    return {k: getattr(obj, k) for k in obj.__slots__ if k != "kind"}
+
+
+def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
+                device: str = "auto") -> ReplayResult:
+    """Replay one trace file. Raises TraceError for unusable input."""
+    reader = TraceReader(path)
+    header = reader.header
+    _check_supported(header, path)
+    writer = None
+    if out is not None:
+        replayed = ev.Header(engine="kvtrace-reference", engine_version=_version(),
+                             config=header.config, counters=header.counters, features=header.features,
+                             meta={"replayed_from": str(path), "recorded_engine": header.engine,
+                                   "recorded_engine_version": header.engine_version})
+        writer = TraceWriter(out, replayed)
+    rp = Replayer(header, str(path), writer)
+    result = ReplayResult(path=str(path), header=header)
+    try:
+        with reader:
+            for e in reader:
+                result.events += 1
+                rp.feed(e, reader.last_line)
+                if isinstance(e, ev.End):
+                    result.end = e
+    finally:
+        if writer is not None:
+            writer.close(status="complete" if reader.truncation is None else "interrupted",
+                         error=reader.truncation)
+    if reader.truncation is None:
+        rp._unmatched_stats()
+    result.divergences = rp.divergences
+    result.steps = rp.steps
+    result.truncation = reader.truncation
+    result.stopped = rp.stopped
+    if result.end is not None and result.end.status != "complete":
+        result.truncation = (f"the recorder marked this trace '{result.end.status}'"
+                             + (f": {result.end.error}" if result.end.error else ""))
+    return result
+
+
+def _version() -> str:
+    from kvtrace import __version__
+    return __version__
