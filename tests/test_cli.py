@@ -1,0 +1,285 @@
+"""The kvtrace command: exit codes, output, and one-line errors."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import orjson
+import pytest
+
+from kvtrace import cli
+from kvtrace.findings import Divergence
+from kvtrace.trace.events import Step
+
+from mini_traces import mini_header, write_mini_trace
+
+
+def run(capsys, *argv):
+    code = cli.run(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _edit_nct(req="r2", step=2):
+    def edit(ev):
+        if isinstance(ev, Step) and ev.step == step:
+            for s in ev.running:
+                if s.req == req:
+                    s.num_computed_tokens += 1
+    return edit
+
+
+def _has(module: str, name: str) -> bool:
+    try:
+        return hasattr(importlib.import_module(module), name)
+    except ImportError:
+        return False
+
+
+# --------------------------------------------------------------------------- diff
+
+
+def test_diff_identical_exits_0(tmp_path, capsys):
+    a = write_mini_trace(tmp_path / "a.jsonl.gz")
+    code, out, err = run(capsys, "diff", str(a), str(a))
+    assert code == 0, err
+    assert "3 requests compared, 0 diverge" in out
+    assert err == ""
+
+
+def test_diff_divergent_exits_1_and_names_request(tmp_path, capsys):
+    a = write_mini_trace(tmp_path / "a.jsonl")
+    b = write_mini_trace(tmp_path / "b.jsonl", edit=_edit_nct())
+    code, out, err = run(capsys, "diff", str(b), str(a))
+    assert code == 1
+    assert "r2" in out and "num_computed_tokens" in out and "3rd schedule of r2" in out
+    assert "1 diverge" in out
+
+
+def test_diff_json(tmp_path, capsys):
+    a = write_mini_trace(tmp_path / "a.jsonl")
+    b = write_mini_trace(tmp_path / "b.jsonl", edit=_edit_nct())
+    code, out, _ = run(capsys, "diff", "--json", str(b), str(a))
+    assert code == 1
+    doc = orjson.loads(out)
+    assert doc["summary"]["divergent_requests"] == 1
+    [d] = doc["divergences"]
+    assert (d["step"], d["req"], d["field"], d["recorded"], d["expected"], d["kind"]) == (
+        2, "r2", "num_computed_tokens", 11, 10, "diff")
+
+
+def test_diff_reports_truncation(tmp_path, capsys):
+    a = write_mini_trace(tmp_path / "a.jsonl")
+    lines = a.read_bytes().splitlines(keepends=True)
+    cut = tmp_path / "cut.jsonl"
+    cut.write_bytes(b"".join(lines[:-4]) + lines[-4][:7])
+    code, out, _ = run(capsys, "diff", str(cut), str(cut))
+    assert code == 0
+    assert f"read up to line {len(lines) - 4}" in out
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def _one_line_error(err: str, *needles: str) -> None:
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("kvtrace: ")
+    for n in needles:
+        assert n in lines[0]
+
+
+def test_missing_file_exits_2(tmp_path, capsys):
+    a = write_mini_trace(tmp_path / "a.jsonl")
+    code, out, err = run(capsys, "diff", str(a), str(tmp_path / "nope.jsonl"))
+    assert code == 2
+    _one_line_error(err, "nope.jsonl", "cannot open")
+
+
+def test_malformed_line_exits_2_naming_line(tmp_path, capsys):
+    a = write_mini_trace(tmp_path / "a.jsonl")
+    lines = a.read_bytes().splitlines(keepends=True)
+    lines[3] = b"{nope\n"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b"".join(lines))
+    code, _, err = run(capsys, "diff", str(bad), str(a))
+    assert code == 2
+    _one_line_error(err, f"{bad}:4:", "not JSON")
+
+
+def test_garbage_exits_2(tmp_path, capsys):
+    bad = tmp_path / "bad.bin"
+    bad.write_bytes(os.urandom(4096))
+    code, _, err = run(capsys, "diff", str(bad), str(bad))
+    assert code == 2
+    _one_line_error(err)
+
+
+@pytest.mark.parametrize("argv", [
+    ["diff"],
+    ["diff", "only-one"],
+    ["no-such-command"],
+    ["replay", "x.jsonl", "--device", "tpu"],
+    ["record"],
+    ["record", "-o", "x.jsonl", "--fault", "no-such-fault"],
+    ["diff", "--bogus", "a", "b"],
+])
+def test_usage_errors_exit_2(capsys, argv):
+    code, _, err = run(capsys, *argv)
+    assert code == 2
+    assert "Traceback" not in err and "Error" in err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["record", "-o", "x.jsonl", "--workload", "nope"], "unknown workload"),
+    (["record", "-o", "x.jsonl", "--model", "."], "--model needs --engine vllm"),
+    (["record", "-o", "x.jsonl", "--engine", "vllm", "--fault", "async-load-overshoot"],
+     "embedded engine only"),
+    (["record", "-o", "x.jsonl", "--fault", "async-load-overshoot", "--", "true"], "do not apply"),
+])
+def test_record_argument_problems_exit_2(capsys, argv, needle):
+    code, _, err = run(capsys, *argv)
+    assert code == 2
+    _one_line_error(err, needle)
+
+
+def test_help_and_version_exit_0(capsys):
+    code, out, _ = run(capsys, "--help")
+    assert code == 0 and "record" in out and "replay" in out and "diff" in out
+    code, out, _ = run(capsys, "--version")
+    assert code == 0 and "kvtrace" in out
+
+
+def test_internal_error_exits_3_with_hint(tmp_path, capsys, monkeypatch):
+    import kvtrace.diff
+
+    def boom(a, b):
+        raise RuntimeError("something\nbroke")
+
+    monkeypatch.setattr(kvtrace.diff, "diff_files", boom)
+    monkeypatch.delenv("KVTRACE_DEBUG", raising=False)
+    code, _, err = run(capsys, "diff", "a", "b")
+    assert code == 3
+    _one_line_error(err, "internal error", "RuntimeError: something broke", "KVTRACE_DEBUG=1")
+
+
+def test_debug_shows_traceback(tmp_path, capsys, monkeypatch):
+    import kvtrace.diff
+
+    def boom(a, b):
+        raise RuntimeError("broke")
+
+    monkeypatch.setattr(kvtrace.diff, "diff_files", boom)
+    monkeypatch.setenv("KVTRACE_DEBUG", "1")
+    code, _, err = run(capsys, "diff", "a", "b")
+    assert code == 3
+    assert "Traceback" in err and "kvtrace: internal error: RuntimeError: broke" in err
+
+
+def test_exception_with_exit_code_is_honoured(capsys, monkeypatch):
+    import kvtrace.diff
+
+    class Refused(Exception):
+        exit_code = 4
+
+    def refuse(a, b):
+        raise Refused("trace uses async scheduling, which replay does not model")
+
+    monkeypatch.setattr(kvtrace.diff, "diff_files", refuse)
+    code, _, err = run(capsys, "diff", "a", "b")
+    assert code == 4
+    _one_line_error(err, "async scheduling")
+
+
+def test_real_process_no_traceback(tmp_path):
+    """Through the interpreter, as a user runs it: no stdin, one line on stderr."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"kind": "header", "schema": 7}\n')
+    p = subprocess.run([sys.executable, "-m", "kvtrace.cli", "diff", str(bad), str(bad)],
+                       capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
+    assert p.returncode == 2
+    _one_line_error(p.stderr, "unsupported schema version 7")
+
+
+# --------------------------------------------------------------------------- replay / record plumbing
+
+
+def _fake_replay_result(divs):
+    return SimpleNamespace(divergences=divs, header=mini_header(), steps=3,
+                           truncation="line 9 is cut off mid-record")
+
+
+@pytest.mark.skipif(not _has("kvtrace.replay", "replay_file"), reason="kvtrace.replay not built yet")
+def test_replay_plumbing(tmp_path, capsys, monkeypatch):
+    import kvtrace.replay
+
+    calls = []
+
+    def fake(path, out=None, **kw):
+        calls.append((str(path), out, kw))
+        div = Divergence(step=4, req="r1", field="num_computed_tokens", recorded=32, expected=20,
+                         rule="S:1337 async-load admission sets c = L + E")
+        return _fake_replay_result([div] if "bad" in str(path) else [])
+
+    monkeypatch.setattr(kvtrace.replay, "replay_file", fake)
+    code, out, _ = run(capsys, "replay", "good.jsonl")
+    assert code == 0 and "no divergence" in out
+    assert "replayed up to line 8: line 9 is cut off mid-record" in out
+    code, out, _ = run(capsys, "replay", "bad.jsonl", "-o", str(tmp_path / "o.jsonl"))
+    assert code == 1 and "r1" in out and "S:1337" in out
+    assert calls[-1][1] == tmp_path / "o.jsonl"
+    code, out, _ = run(capsys, "replay", "--json", "bad.jsonl")
+    doc = orjson.loads(out)
+    assert code == 1 and doc["divergences"][0]["req"] == "r1"
+    assert doc["truncation"] == "line 9 is cut off mid-record"
+
+
+@pytest.mark.skipif(not _has("kvtrace.engine", "record_embedded"), reason="kvtrace.engine not built yet")
+def test_record_embedded_plumbing(tmp_path, capsys, monkeypatch):
+    import kvtrace.engine
+
+    calls = []
+    monkeypatch.setattr(kvtrace.engine, "record_embedded",
+                        lambda out, **kw: calls.append((out, kw)))
+    out_path = tmp_path / "t.jsonl.gz"
+    code, out, _ = run(capsys, "record", "-o", str(out_path), "--workload", "offload",
+                       "--fault", "async-load-overshoot", "--seed", "7")
+    assert code == 0 and f"wrote {out_path}" in out
+    assert calls == [(out_path, {"workload": "offload", "fault": "async-load-overshoot", "seed": 7})]
+
+
+@pytest.mark.skipif(not _has("kvtrace.record.vllm_run", "record_command"),
+                    reason="kvtrace.record.vllm_run not built yet")
+def test_record_command_plumbing(tmp_path, capsys, monkeypatch):
+    import kvtrace.record.vllm_run as vr
+
+    calls = []
+
+    def fake(out, argv):
+        calls.append((out, argv))
+        return 5
+
+    monkeypatch.setattr(vr, "record_command", fake)
+    out_path = tmp_path / "t.jsonl"
+    code, _, _ = run(capsys, "record", "-o", str(out_path), "--", "python", "-m", "x", "--port", "1")
+    assert code == 5
+    assert calls == [(out_path, ["python", "-m", "x", "--port", "1"])]
+
+
+@pytest.mark.skipif(not _has("kvtrace.record.vllm_run", "record_vllm_offline"),
+                    reason="kvtrace.record.vllm_run not built yet")
+def test_record_vllm_plumbing(tmp_path, capsys, monkeypatch):
+    import kvtrace.record.vllm_run as vr
+
+    calls = []
+    monkeypatch.setattr(vr, "record_vllm_offline", lambda m, o, w: calls.append((m, o, w)))
+    out_path = tmp_path / "t.jsonl"
+    code, _, err = run(capsys, "record", "-o", str(out_path), "--engine", "vllm",
+                       "--workload", "kv-pressure", "--model", str(tmp_path))
+    assert code == 0, err
+    assert calls == [(str(tmp_path), out_path, "preemption")]
