@@ -122,6 +122,12 @@ def print_replay(result: Any, path: str, console: Console | None = None,
     note = replayed_up_to(getattr(result, "truncation", None))
     if note:
         console.print(Text(f"truncated: {note}", style="yellow"))
+    end = getattr(result, "end", None)
+    if end is not None and (end.status != "complete" or end.dropped_events):
+        why = f": {end.error}" if end.error else ""
+        dropped = f", {end.dropped_events} events dropped" if end.dropped_events else ""
+        console.print(Text(f"the recorder closed this trace as '{end.status}'{dropped}{why}",
+                           style="yellow"))
     _print_divergences(console, divs, max_rows)
     console.print(Text(_replay_summary(divs), style="red" if divs else "green"))
 
