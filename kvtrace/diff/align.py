@@ -426,9 +426,16 @@ def _flatten(obj: Any, prefix: str) -> dict:
     return {prefix: obj}
 
 
+# Engine features that say nothing about scheduling decisions.
+_IGNORED_FEATURES = ("scheduler_cls",)
+
+
 def _header_divs(ha: Header, hb: Header) -> list[Divergence]:
-    fa = _flatten(to_json(ha.config), "config") | _flatten(ha.features, "features")
-    fb = _flatten(to_json(hb.config), "config") | _flatten(hb.features, "features")
+    """The scheduler configs must agree. Engine features are compared only where
+    both traces name them: recorders of different engines list different ones."""
+    common = [k for k in ha.features if k in hb.features and k not in _IGNORED_FEATURES]
+    fa = _flatten(to_json(ha.config), "config") | _flatten({k: ha.features[k] for k in common}, "features")
+    fb = _flatten(to_json(hb.config), "config") | _flatten({k: hb.features[k] for k in common}, "features")
     return [Divergence(step=None, req=None, field=k, recorded=fa.get(k), expected=fb.get(k),
                        rule="the two runs were configured differently", kind="diff")
             for k in _union(fa, fb) if fa.get(k) != fb.get(k)]
