@@ -45,7 +45,7 @@ def _check_supported(header: ev.Header, path) -> None:
         if v and v != 1:
             raise TraceError(path, 1, f"{what} is on ({key}={v}); the reference models the "
                                       "synchronous baseline scheduler only")
-    groups = header.features.get("kv_cache_groups", 1)
+    groups = header.features.get("num_kv_cache_groups", 1)
     if groups != 1:
         raise TraceError(path, 1, f"{groups} KV-cache groups; the reference models one "
                                   "full-attention group")
