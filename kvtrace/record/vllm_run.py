@@ -1,0 +1,186 @@
+"""Run real vLLM workloads with recording on.
+
+``record_vllm_offline(model_dir, out_path, workload="prefix", **engine_kwargs) -> dict``
+    Runs an offline ``vllm.LLM`` workload in this process (engine core in-process
+    unless ``VLLM_ENABLE_V1_MULTIPROCESSING`` is already set) while the kvtrace
+    plugin records the scheduler to ``out_path`` (.jsonl, .jsonl.gz or .jsonl.zst).
+    ``model_dir`` may be None: the tiny random Llama (``tiny_model``) is used.
+    ``workload`` is one of ``WORKLOADS`` ("prefix", "preemption", "connector") or a
+    dict ``{"prompts": [[ids...], ...], "max_tokens": int, "engine": {...},
+    "sampling": {...}}``. ``engine_kwargs`` override the workload's ``LLM(...)``
+    arguments. Returns ``{"path": out_path, "outputs": {index: [token ids]},
+    "finish_reasons": {index: str}}``.
+
+``record_command(out_path, argv) -> int``
+    Runs any command (for example ``python -m vllm.entrypoints.openai.api_server
+    --model DIR ...``) with ``KVTRACE_OUT=out_path`` in its environment and returns
+    its exit code. Every engine core it starts records through the plugin; the
+    trace is closed when the engine shuts down.
+
+``run_workload(model_dir, workload, **engine_kwargs) -> dict``
+    The same workload without recording (for comparing generated tokens).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any
+
+from kvtrace.record.tiny_model import ensure_tiny_model
+
+BASE_ENGINE = dict(
+    skip_tokenizer_init=True,
+    dtype="bfloat16",
+    block_size=32,
+    enable_prefix_caching=True,
+    max_model_len=256,
+    max_num_seqs=8,
+    max_num_batched_tokens=256,
+    enforce_eager=True,
+    seed=0,
+    gpu_memory_utilization=0.2,
+)
+
+
+def _prefix_prompts() -> list[list[int]]:
+    # Two families sharing 40..42 leading tokens, plus a repeat of the first prompt.
+    a = list(range(10, 74))
+    b = list(range(300, 364))
+    out = []
+    for i in range(6):
+        fam = a if i % 2 == 0 else b
+        out.append(fam[: 40 + (i % 3)] + [100 + i] * 28)
+    out.append(list(out[0]))
+    return out
+
+
+def _preemption_prompts() -> list[list[int]]:
+    a = list(range(10, 74))
+    b = list(range(300, 364))
+    return [(a if i % 2 == 0 else b)[:40] + [100 + i] * 28 for i in range(8)]
+
+
+def _connector_prompts() -> list[list[int]]:
+    # Six unrelated prompts (one per connector scenario) and a seventh that shares
+    # its first two blocks with the first, for a local hit next to an external one.
+    lens = [80, 90, 75, 110, 100, 110]
+    out = [[(37 * i + 5 * j) % 480 + 16 for j in range(n)] for i, n in enumerate(lens)]
+    out.append(out[0][:64] + [501] * 20)
+    return out
+
+
+SCRIPTED = "kvtrace.record.scripted_connector"
+
+WORKLOADS: dict[str, dict] = {
+    # Shared prefixes, a repeated prompt, enough KV for everything.
+    "prefix": dict(prompts=_prefix_prompts(), max_tokens=24,
+                   engine=dict(num_gpu_blocks_override=64)),
+    # A KV cache too small for the batch: preemptions and re-prefills.
+    "preemption": dict(prompts=_preemption_prompts(), max_tokens=64,
+                       engine=dict(num_gpu_blocks_override=16)),
+    # Scripted external hits: sync, async, async covering the whole prompt,
+    # a hit that grows after preemption, a failed async load (request level),
+    # and a failed sync block load (block level), under the "recompute" policy.
+    "connector": dict(
+        prompts=_connector_prompts(), max_tokens=40,
+        engine=dict(num_gpu_blocks_override=20, kv_transfer_config=dict(
+            kv_connector="ScriptedConnector", kv_connector_module_path=SCRIPTED,
+            kv_role="kv_consumer", kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"rules": [
+                {"req": "0", "hit": 48},                                  # sync, mid-block end
+                {"req": "1", "hit": 64, "async": True, "delay_steps": 2,   # async, asked
+                 "not_ready_steps": 1},                                    # twice
+
+                {"req": "2", "hit": 500, "async": True},                   # async, full prompt
+                {"req": "3", "hits": [40, 96]},                            # grows after preemption
+                {"req": "4", "hit": 80, "async": True, "fail": "request"}, # request-level failure
+                {"req": "5", "hit": 96, "fail": "blocks", "fail_blocks": [1]},  # block-level failure
+                {"req": "6", "hit": 40},                                   # local hit covers it
+            ]}))),
+}
+
+
+def _resolve(workload: Any) -> dict:
+    if isinstance(workload, str):
+        try:
+            return WORKLOADS[workload]
+        except KeyError:
+            raise ValueError(f"unknown workload {workload!r}; known: {', '.join(WORKLOADS)}") from None
+    return dict(workload)
+
+
+def run_workload(model_dir: str | None, workload: Any = "prefix", **engine_kwargs: Any) -> dict:
+    """Run ``workload`` with vLLM's ``LLM`` in this process; return outputs."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM, SamplingParams
+
+    wl = _resolve(workload)
+    model = model_dir or ensure_tiny_model()
+    kwargs = dict(BASE_ENGINE)
+    kwargs.update(wl.get("engine", {}))
+    kwargs.update(engine_kwargs)
+    if "kv_transfer_config" in kwargs and isinstance(kwargs["kv_transfer_config"], dict):
+        from vllm.config import KVTransferConfig
+
+        kwargs["kv_transfer_config"] = KVTransferConfig(**kwargs["kv_transfer_config"])
+    llm = LLM(model=model, **kwargs)
+    try:
+        sp = dict(max_tokens=wl.get("max_tokens", 32), ignore_eos=True, temperature=0.0)
+        sp.update(wl.get("sampling", {}))
+        prompts = [{"prompt_token_ids": list(p)} for p in wl["prompts"]]
+        outs = llm.generate(prompts, SamplingParams(**sp), use_tqdm=False)
+        result = {
+            "outputs": {i: list(o.outputs[0].token_ids) for i, o in enumerate(outs)},
+            "finish_reasons": {i: str(o.outputs[0].finish_reason) for i, o in enumerate(outs)},
+        }
+    finally:
+        shutdown_llm(llm)
+    return result
+
+
+def shutdown_llm(llm: Any) -> None:
+    """Shut the engine down now (closes the trace) instead of at garbage collection."""
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+
+
+def record_vllm_offline(model_dir: str | None, out_path: str | os.PathLike,
+                        workload: Any = "prefix", **engine_kwargs: Any) -> dict:
+    """Run ``workload`` with the recorder writing to ``out_path``."""
+    from kvtrace.record import vllm_plugin
+
+    out_path = os.fspath(out_path)
+    old = os.environ.get("KVTRACE_OUT")
+    os.environ["KVTRACE_OUT"] = out_path
+    try:
+        vllm_plugin.install()
+        result = run_workload(model_dir, workload, **engine_kwargs)
+    finally:
+        from kvtrace.record.vllm_recorder import close_all
+
+        close_all()
+        if old is None:
+            os.environ.pop("KVTRACE_OUT", None)
+        else:
+            os.environ["KVTRACE_OUT"] = old
+    result["path"] = out_path
+    return result
+
+
+def record_command(out_path: str | os.PathLike, argv: list[str]) -> int:
+    """Run ``argv`` with ``KVTRACE_OUT`` set; return its exit code."""
+    if not argv:
+        raise ValueError("no command given")
+    env = dict(os.environ)
+    env["KVTRACE_OUT"] = os.path.abspath(os.fspath(out_path))
+    try:
+        return subprocess.call(list(argv), env=env)
+    except FileNotFoundError:
+        print(f"kvtrace: command not found: {argv[0]}", file=sys.stderr)
+        return 127
+    except KeyboardInterrupt:
+        return 130

