@@ -72,6 +72,8 @@ class TraceReader:
         first = self._next_raw()
         if first is None:
             self.close()
+            if self.truncation:
+                raise TraceError(self.path, 1, f"the header record is cut off: {self.truncation}")
             raise TraceError(self.path, None, "empty file: no header record")
         lineno, raw, complete = first
         obj = self._parse(lineno, raw, complete)
