@@ -1,0 +1,46 @@
+"""vLLM scheduler subclasses that put known bugs back, for testing kvtrace.
+
+Pass one as ``scheduler_cls`` (class or dotted path) to a vLLM engine; the recorder
+wraps it like any user scheduler. Names follow docs/bug-classes.
+
+``AsyncLoadOvershootScheduler`` ("async-load-overshoot", vLLM before PR #34616):
+    when an async KV load completes, ``num_computed_tokens`` is recomputed as
+    ``min(len(blocks) * block_size, num_tokens)`` (minus one when that equals
+    ``num_tokens``) instead of keeping ``local + external``. A load that ends
+    mid-block and before the end of the prompt is overshot.
+
+``NoResetOnPreemptScheduler`` ("stale-computed-on-preempt"): after a preemption
+    ``num_computed_tokens`` keeps its pre-preemption value instead of 0, so the
+    resumed request skips the prefix lookup and counts positions whose blocks were
+    freed as computed.
+"""
+
+from __future__ import annotations
+
+from vllm.v1.core.sched.scheduler import Scheduler
+
+
+class AsyncLoadOvershootScheduler(Scheduler):
+    def _update_waiting_for_remote_kv(self, request) -> None:
+        failed = request.request_id in self.failed_recving_kv_req_ids
+        super()._update_waiting_for_remote_kv(request)
+        if failed:
+            return
+        num_blocks = len(self.kv_cache_manager.get_block_ids(request.request_id)[0])
+        n = min(num_blocks * self.block_size, request.num_tokens)
+        if n == request.num_tokens:
+            n -= 1
+        request.num_computed_tokens = n
+
+
+class NoResetOnPreemptScheduler(Scheduler):
+    def _preempt_request(self, request, *args, **kwargs) -> None:
+        stale = request.num_computed_tokens
+        super()._preempt_request(request, *args, **kwargs)
+        request.num_computed_tokens = stale
+
+
+FAULTS = {
+    "async-load-overshoot": "kvtrace.record.fault_schedulers.AsyncLoadOvershootScheduler",
+    "stale-computed-on-preempt": "kvtrace.record.fault_schedulers.NoResetOnPreemptScheduler",
+}
