@@ -57,7 +57,7 @@ def test_diff_divergent_exits_1_and_names_request(tmp_path, capsys):
     code, out, err = run(capsys, "diff", str(b), str(a))
     assert code == 1
     assert "r2" in out and "num_computed_tokens" in out and "3rd schedule of r2" in out
-    assert "1 diverge" in out
+    assert "3 requests compared, 1 diverges" in out
 
 
 def test_diff_json(tmp_path, capsys):

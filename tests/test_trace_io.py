@@ -307,3 +307,18 @@ def test_blank_lines_are_skipped(tmp_path):
     r = TraceReader(path)
     assert [e.kind for e in r] == ["abort", "end"]
     assert r.truncation is None
+
+
+def test_docs_worked_example_reads(tmp_path):
+    """The example in docs/trace-format.md is a valid, complete trace."""
+    from pathlib import Path
+
+    doc = (Path(__file__).parent.parent / "docs" / "trace-format.md").read_text()
+    block = doc.split("```jsonl\n", 1)[1].split("```", 1)[0]
+    path = tmp_path / "example.jsonl"
+    path.write_text(block)
+    r = TraceReader(path)
+    kinds = [e.kind for e in r]
+    assert kinds == ["arrival", "step", "output", "step", "output", "prompt_stats", "step",
+                     "output", "end"]
+    assert r.truncation is None and r.end.status == "complete"

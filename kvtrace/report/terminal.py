@@ -172,8 +172,8 @@ def print_diff(result: Any, console: Console | None = None, max_rows: int = MAX_
     console.print("recorded = A, expected = B")
     _print_divergences(console, result.divergences, max_rows)
     s = result.summary()
-    line = (f"{s['requests_compared']} requests compared, "
-            f"{s['divergent_requests']} diverge")
+    n, bad = s["requests_compared"], s["divergent_requests"]
+    line = f"{n} request{'s' if n != 1 else ''} compared, {bad} diverge{'s' if bad == 1 else ''}"
     if s["only_in_a"]:
         line += f"; only in A: {_names(s['only_in_a'])}"
     if s["only_in_b"]:
