@@ -1,0 +1,116 @@
+"""``--fault NAME``: the five bug classes of bug-classes.md, put back into the
+embedded engine. Each is a scheduler subclass overriding one or two of the
+reference's rule methods, or (no-reload-after-preempt) a store behaviour. The
+reference itself stays correct, which is what lets replay find them.
+
+Every fault notes in the engine's FaultLog each place where it really changed
+what the engine did, so tests can check a replay's findings independently.
+"""
+
+from __future__ import annotations
+
+from kvtrace.reference import Request
+
+from .scheduler import EngineScheduler
+
+
+class StaleCachedOnPreempt(EngineScheduler):
+    """vLLM PR #36752: the legacy num_cached_tokens is set once (first admission)
+    but num_external_computed_tokens is re-assigned at every lookup, the resume
+    after a preemption included, so the emitted pair comes from two lookups."""
+
+    def _record_lookup(self, r: Request, num_local: int, num_external: int, load_async: bool) -> None:
+        before = r.legacy_num_external_computed_tokens
+        super()._record_lookup(r, num_local, num_external, load_async)
+        r.legacy_num_external_computed_tokens = num_external
+        if r.prefill_stats is not None and before != num_external and r.num_preemptions > 0:
+            self.fault_log.note(r.request_id, f"legacy num_external_computed_tokens {before} -> "
+                                              f"{num_external} at a lookup after preemption")
+
+
+class NegativeExternalOnInvalidBlocks(EngineScheduler):
+    """vLLM issue #36533: a block load failure subtracts every affected token,
+    locally computed ones included, from num_external_computed_tokens."""
+
+    def _truncate_for_invalid_block(self, r: Request, block_index: int, pre: int) -> None:
+        super()._truncate_for_invalid_block(r, block_index, pre)
+        if r.prefill_stats is None:   # the counters were already sent
+            return
+        affected = pre - block_index * self.block_size
+        before = r.legacy_num_external_computed_tokens
+        r.legacy_num_external_computed_tokens = before - affected
+        self.fault_log.note(r.request_id, f"legacy num_external_computed_tokens {before} -> "
+                                          f"{before - affected} (subtracted {affected} affected tokens)")
+
+
+class StaleComputedAfterFailedSchedule(EngineScheduler):
+    """vLLM PR #18957: the local hit of a request whose admission failed is
+    memoised and reused at the next attempt, though eviction changed the cache."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._memo: dict[str, tuple[list, int]] = {}
+
+    def _local_prefix_hit(self, r: Request):
+        fresh = super()._local_prefix_hit(r)
+        memo = self._memo.get(r.request_id)
+        if memo is None:
+            self._memo[r.request_id] = fresh
+            return fresh
+        memo_ids = [b.block_id for b in memo[0]]
+        fresh_ids = [b.block_id for b in fresh[0]]
+        if memo_ids != fresh_ids or memo[1] != fresh[1]:
+            self.fault_log.note(r.request_id, f"reused memoised hit {memo[1]} tokens {memo_ids}; "
+                                              f"a fresh lookup gives {fresh[1]} tokens {fresh_ids}")
+        return memo
+
+    def _on_admitted(self, r: Request) -> None:
+        self._memo.pop(r.request_id, None)
+        super()._on_admitted(r)
+
+
+class AsyncLoadOvershoot(EngineScheduler):
+    """vLLM PR #34616: after an async load, num_computed_tokens is derived from
+    the number of allocated blocks, overshooting a load that ends mid-block."""
+
+    def _finish_remote_kv_load(self, r: Request) -> None:
+        failed = r.request_id in self.failed_recving_ids
+        super()._finish_remote_kv_load(r)
+        if failed:
+            return
+        n = min(len(self.kv.get_block_ids(r.request_id)) * self.block_size, r.num_tokens)
+        if n == r.num_tokens:
+            n -= 1
+        if n != r.num_computed_tokens:
+            self.fault_log.note(r.request_id, f"num_computed_tokens {r.num_computed_tokens} -> {n} "
+                                              f"after the async load")
+            r.num_computed_tokens = n
+
+
+# Fault name -> scheduler class. no-reload-after-preempt lives in the store.
+SCHEDULERS: dict[str | None, type[EngineScheduler]] = {
+    None: EngineScheduler,
+    "stale-cached-on-preempt": StaleCachedOnPreempt,
+    "negative-external-on-invalid-blocks": NegativeExternalOnInvalidBlocks,
+    "stale-computed-after-failed-schedule": StaleComputedAfterFailedSchedule,
+    "no-reload-after-preempt": EngineScheduler,
+    "async-load-overshoot": AsyncLoadOvershoot,
+}
+STORE_FAULTS = {"no-reload-after-preempt"}
+FAULTS = tuple(name for name in SCHEDULERS if name is not None)
+
+# The built-in workload on which each fault shows.
+FAULT_WORKLOADS: dict[str, str] = {
+    "stale-cached-on-preempt": "offload",
+    "negative-external-on-invalid-blocks": "load-failures",
+    "stale-computed-after-failed-schedule": "kv-pressure",
+    "no-reload-after-preempt": "offload",
+    "async-load-overshoot": "offload",
+}
+
+
+def scheduler_class(fault: str | None) -> type[EngineScheduler]:
+    try:
+        return SCHEDULERS[fault]
+    except KeyError:
+        raise ValueError(f"unknown fault {fault!r}; choose one of {', '.join(FAULTS)}") from None

@@ -1,0 +1,149 @@
+"""Built-in workloads: an engine configuration and a timed list of arrivals.
+
+Every workload is a function of the seed alone. Prompts are random token ids
+built from shared pieces (system prompts, documents), so that requests hit each
+other's blocks in the prefix cache and in the external store.
+
+* ``shared-prefix``: chat with a few shared system prompts; prefix-cache hits,
+  one request aborted while waiting and one while running.
+* ``kv-pressure``: a small KV cache, long prompts and outputs; preemptions.
+* ``offload``: an external store, preloaded with documents whose lengths end
+  mid-block; sync and async external hits; the store saves on finish and on
+  preemption, so a resumed request finds more of itself than before.
+* ``load-failures``: the store with the "recompute" load-failure policy; some
+  async loads fail whole (failed_recving), some sync loads lose a block
+  (invalid_block_ids), some of those reported a step late.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+from kvtrace.reference import SchedulerConfig
+
+from .kv_store import StoreSettings
+from .sampler import FIRST_ORDINARY_TOKEN
+
+VOCAB_SIZE = 32000
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedArrival:
+    step: int
+    req: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+    priority: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedAbort:
+    step: int
+    req: str
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    name: str
+    config: SchedulerConfig
+    arrivals: tuple[PlannedArrival, ...]
+    aborts: tuple[PlannedAbort, ...] = ()
+    store: StoreSettings | None = None
+    vocab_size: int = VOCAB_SIZE
+    eos_probability: float = 0.0
+
+
+def _tokens(rng: random.Random, n: int) -> tuple[int, ...]:
+    return tuple(rng.randrange(FIRST_ORDINARY_TOKEN, VOCAB_SIZE) for _ in range(n))
+
+
+def _arrival_steps(rng: random.Random, n: int, gaps: tuple[int, ...]) -> list[int]:
+    steps, t = [], 0
+    for _ in range(n):
+        steps.append(t)
+        t += rng.choice(gaps)
+    return steps
+
+
+def _rng(name: str, seed: int) -> random.Random:
+    return random.Random(f"{name}:{seed}")
+
+
+# --------------------------------------------------------------------------- workloads
+
+
+def shared_prefix(seed: int) -> Workload:
+    rng = _rng("shared-prefix", seed)
+    config = SchedulerConfig(block_size=8, num_blocks=96, max_num_batched_tokens=96,
+                             max_num_seqs=6, max_model_len=512)
+    systems = [_tokens(rng, rng.randint(20, 60)) for _ in range(3)]
+    arrivals = []
+    for i, step in enumerate(_arrival_steps(rng, 28, (0, 1, 1, 2, 3))):
+        prompt = rng.choice(systems) + _tokens(rng, rng.randint(6, 40))
+        arrivals.append(PlannedArrival(step, f"chat-{i}", prompt, rng.randint(4, 24)))
+    aborts = (
+        PlannedAbort(arrivals[9].step, arrivals[9].req),          # still waiting
+        PlannedAbort(arrivals[17].step + 4, arrivals[17].req),    # running by then
+    )
+    return Workload("shared-prefix", config, tuple(arrivals), aborts, eos_probability=0.03)
+
+
+def kv_pressure(seed: int) -> Workload:
+    rng = _rng("kv-pressure", seed)
+    config = SchedulerConfig(block_size=8, num_blocks=33, max_num_batched_tokens=64,
+                             max_num_seqs=6, max_model_len=512, long_prefill_token_threshold=32)
+    prefixes = [_tokens(rng, 24), _tokens(rng, 40)]
+    arrivals = []
+    for i, step in enumerate(_arrival_steps(rng, 16, (0, 1, 2))):
+        prompt = rng.choice(prefixes) + _tokens(rng, rng.randint(16, 70))
+        arrivals.append(PlannedArrival(step, f"long-{i}", prompt, rng.randint(20, 60)))
+    return Workload("kv-pressure", config, tuple(arrivals))
+
+
+def _document_workload(name: str, seed: int, store: Callable[[tuple], StoreSettings],
+                       load_failure_policy: str, num_requests: int) -> Workload:
+    rng = _rng(name, seed)
+    config = SchedulerConfig(block_size=8, num_blocks=41, max_num_batched_tokens=48,
+                             max_num_seqs=5, max_model_len=512, long_prefill_token_threshold=24,
+                             load_failure_policy=load_failure_policy)
+    # Document lengths end mid-block, so loads of them do too.
+    documents = [_tokens(rng, 8 * rng.randint(3, 8) + rng.randint(1, 7)) for _ in range(4)]
+    preload = tuple(documents[:3])          # the fourth is only ever saved by requests
+    arrivals = []
+    for i, step in enumerate(_arrival_steps(rng, num_requests, (0, 1, 2, 3))):
+        prompt = rng.choice(documents) + _tokens(rng, rng.randint(10, 50))
+        arrivals.append(PlannedArrival(step, f"doc-{i}", prompt, rng.randint(16, 48)))
+    return Workload(name, config, tuple(arrivals), store=store(preload))
+
+
+def offload(seed: int) -> Workload:
+    return _document_workload(
+        "offload", seed, lambda preload: StoreSettings(
+            capacity_tokens=3000, preload=preload, async_fraction=0.4, async_delay_steps=2),
+        "fail", num_requests=22)
+
+
+def load_failures(seed: int) -> Workload:
+    return _document_workload(
+        "load-failures", seed, lambda preload: StoreSettings(
+            capacity_tokens=3000, preload=preload, async_fraction=0.5, async_delay_steps=1,
+            failed_recving_fraction=0.5, invalid_blocks_fraction=0.6, late_failure_fraction=0.5),
+        "recompute", num_requests=20)
+
+
+WORKLOADS: dict[str, Callable[[int], Workload]] = {
+    "shared-prefix": shared_prefix,
+    "kv-pressure": kv_pressure,
+    "offload": offload,
+    "load-failures": load_failures,
+}
+
+
+def build_workload(name: str, seed: int = 0) -> Workload:
+    try:
+        make = WORKLOADS[name]
+    except KeyError:
+        raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}") from None
+    return make(seed)
