@@ -45,27 +45,31 @@ class NegativeExternalOnInvalidBlocks(EngineScheduler):
 
 class StaleComputedAfterFailedSchedule(EngineScheduler):
     """vLLM PR #18957: the local hit of a request whose admission failed is
-    memoised and reused at the next attempt, though eviction changed the cache."""
+    memoised and reused at the next attempt, though eviction changed the cache.
+    The log names the admissions that used a stale memo."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._memo: dict[str, tuple[list, int]] = {}
+        self._stale: dict[str, str] = {}   # req -> how its last lookup differed
 
     def _local_prefix_hit(self, r: Request):
         fresh = super()._local_prefix_hit(r)
-        memo = self._memo.get(r.request_id)
-        if memo is None:
-            self._memo[r.request_id] = fresh
-            return fresh
+        memo = self._memo.setdefault(r.request_id, fresh)
         memo_ids = [b.block_id for b in memo[0]]
         fresh_ids = [b.block_id for b in fresh[0]]
         if memo_ids != fresh_ids or memo[1] != fresh[1]:
-            self.fault_log.note(r.request_id, f"reused memoised hit {memo[1]} tokens {memo_ids}; "
-                                              f"a fresh lookup gives {fresh[1]} tokens {fresh_ids}")
+            self._stale[r.request_id] = (f"admitted with a memoised hit of {memo[1]} tokens "
+                                         f"{memo_ids}; a fresh lookup gives {fresh[1]} {fresh_ids}")
+        else:
+            self._stale.pop(r.request_id, None)
         return memo
 
     def _on_admitted(self, r: Request) -> None:
         self._memo.pop(r.request_id, None)
+        note = self._stale.pop(r.request_id, None)
+        if note is not None:
+            self.fault_log.note(r.request_id, note)
         super()._on_admitted(r)
 
 

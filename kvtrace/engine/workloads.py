@@ -106,14 +106,14 @@ def _document_workload(name: str, seed: int, store: Callable[[tuple], StoreSetti
                        load_failure_policy: str, num_requests: int) -> Workload:
     rng = _rng(name, seed)
     config = SchedulerConfig(block_size=8, num_blocks=41, max_num_batched_tokens=48,
-                             max_num_seqs=5, max_model_len=512, long_prefill_token_threshold=24,
+                             max_num_seqs=5, max_model_len=512, long_prefill_token_threshold=16,
                              load_failure_policy=load_failure_policy)
     # Document lengths end mid-block, so loads of them do too.
     documents = [_tokens(rng, 8 * rng.randint(3, 8) + rng.randint(1, 7)) for _ in range(4)]
     preload = tuple(documents[:3])          # the fourth is only ever saved by requests
     arrivals = []
     for i, step in enumerate(_arrival_steps(rng, num_requests, (0, 1, 2, 3))):
-        prompt = rng.choice(documents) + _tokens(rng, rng.randint(10, 50))
+        prompt = rng.choice(documents) + _tokens(rng, rng.randint(20, 80))
         arrivals.append(PlannedArrival(step, f"doc-{i}", prompt, rng.randint(16, 48)))
     return Workload(name, config, tuple(arrivals), store=store(preload))
 
