@@ -1,0 +1,377 @@
+"""Shadow KV cache: clean schedules stay silent, content bugs are named."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+import torch
+
+from kvtrace.replay import shadow_kv as sk
+from kvtrace.replay.shadow_kv import ShadowKV
+
+B = 4
+M = (1 << 64) - 1
+
+
+# --------------------------------------------------------------------------- reference hash
+
+
+def _mix_ref(x: int) -> int:
+    x &= M
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & M
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & M
+    return x ^ (x >> 31)
+
+
+def _fp_ref(tokens: list[int]) -> list[int]:
+    """The documented prefix fingerprint, in plain Python integers, as signed int64."""
+    out, acc = [], 1
+    for j, t in enumerate(tokens):
+        term = _mix_ref((t * 0x9E3779B97F4A7C15 + _mix_ref(j + 0xD1B54A32D192ED03)) & M) & ~1
+        acc = (acc + term) & M
+        out.append(acc - (1 << 64) if acc >> 63 else acc)
+    return out
+
+
+def test_mix64_matches_unsigned_splitmix():
+    rng = random.Random(1)
+    xs = [rng.getrandbits(64) for _ in range(2000)] + [0, 1, M, 1 << 63, (1 << 63) - 1]
+    got = sk.mix64(torch.tensor([sk._s64(x) for x in xs], dtype=torch.int64)).tolist()
+    assert [g & M for g in got] == [_mix_ref(x) for x in xs]
+
+
+def test_prefix_fingerprints_match_reference_and_are_odd():
+    rng = random.Random(2)
+    toks = [rng.randrange(0, 1 << 40) for _ in range(500)]
+    got = sk.prefix_fingerprints(toks).tolist()
+    assert got == _fp_ref(toks)
+    assert all(v & 1 for v in got)
+
+
+def test_incremental_fingerprints_equal_one_shot():
+    rng = random.Random(3)
+    toks = [rng.randrange(50_000) for _ in range(300)]
+    s = ShadowKV(8, B, "cpu")
+    s.add_request("a", toks[:37])
+    s.add_request("filler", [1] * 5)
+    s.step(0, [], [])
+    i = 37
+    while i < len(toks):           # grow past the arena segment several times
+        k = rng.randrange(1, 9)
+        s.append_tokens("a", toks[i:i + k])
+        s.append_tokens("filler", [2])
+        i += k
+        if rng.random() < 0.3:
+            s.step(1, [], [])
+    assert s.prefix_fingerprints("a").tolist() == _fp_ref(toks)
+    assert s.prefix_fingerprints("filler").tolist() == _fp_ref([1] * 5 + [2] * (s.num_tokens("filler") - 5))
+
+
+def test_fingerprints_separate_tokens_and_positions():
+    g = torch.Generator().manual_seed(4)
+    n = 200_000
+    tok = torch.randint(0, 1 << 31, (n,), generator=g)
+    pos = torch.randint(0, 1 << 20, (n,), generator=g)
+    terms = sk.token_terms(tok, pos)
+    pairs = torch.unique(tok * (1 << 20) + pos).numel()
+    assert torch.unique(terms).numel() == pairs            # no two distinct (t, j) share a term
+    # Same token at different positions, different tokens at one position.
+    assert torch.unique(sk.token_terms(torch.full((n,), 7), torch.arange(n))).numel() == n
+    assert torch.unique(sk.token_terms(torch.arange(n), torch.full((n,), 7))).numel() == n
+    # Prefix fingerprints of many random sequences: equal only for equal prefixes.
+    seqs = torch.randint(0, 8, (5000, 12), generator=g)   # small vocab: many shared prefixes
+    pos = torch.arange(12).expand_as(seqs)
+    fps = torch.cumsum(sk.token_terms(seqs, pos), 1) + sk.FP_INIT
+    assert torch.equal(fps[17], sk.prefix_fingerprints(seqs[17]))
+    last = fps[:, -1]
+    assert torch.unique(last).numel() == torch.unique(seqs, dim=0).shape[0]
+    a, b = seqs[0].tolist(), seqs[0].tolist()
+    b[-1] = (b[-1] + 1) % 8
+    fa, fb = sk.prefix_fingerprints(a), sk.prefix_fingerprints(b)
+    assert torch.equal(fa[:-1], fb[:-1]) and fa[-1] != fb[-1]
+    # A prefix at a shifted position is a different fingerprint.
+    assert sk.prefix_fingerprints(a, start=1)[-1] != fa[-1]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 30_000) for _ in range(n)]
+
+
+def _one(divs, req: str, step: int):
+    assert len(divs) == 1, divs
+    d = divs[0]
+    assert (d.kind, d.field, d.req, d.step) == ("kv-content", "kv-content", req, step)
+    return d
+
+
+def _where(d) -> tuple[int, int, int]:
+    m = re.match(r"block (\d+) slot (\d+) \(position (\d+)\)", d.recorded)
+    assert m, d.recorded
+    return tuple(int(x) for x in m.groups())
+
+
+def _count(d) -> tuple[int, int]:
+    m = re.search(r"(\d+) of (\d+) positions read are wrong", d.recorded)
+    assert m, d.recorded
+    return int(m.group(1)), int(m.group(2))
+
+
+# --------------------------------------------------------------------------- clean runs
+
+
+def test_clean_chunked_prefill_decode_and_shared_prefix():
+    s = ShadowKV(32, B, "cpu")
+    pa = _prompt(1, 13)
+    s.add_request("a", pa)
+    ta = [3, 4, 5, 6]
+    assert s.step(0, [], [("a", 0, 5, ta)]) == []          # chunked prefill: 5 + 8
+    assert s.step(1, [], [("a", 5, 8, ta)]) == []
+    s.append_tokens("a", [777])
+    for st in range(2, 8):                                   # decode, crossing a block edge
+        ntok = 13 + st - 1
+        table = ta if ntok <= len(ta) * B else ta + [9]
+        assert s.step(st, [], [("a", ntok - 1, 1, table)]) == []
+        s.append_tokens("a", [1000 + st])
+    # b shares a's first 8 prompt tokens: a prefix-cache hit on blocks 3 and 4.
+    pb = pa[:8] + _prompt(2, 6)
+    s.add_request("b", pb)
+    tb = [3, 4, 11, 12]
+    assert s.step(8, [], [("b", 8, 6, tb), ("a", 19, 1, ta + [9])]) == []
+    s.append_tokens("b", [5])
+    s.append_tokens("a", [6])
+    assert s.step(9, [], [("b", 14, 1, tb), ("a", 20, 1, ta + [9])]) == []
+    s.drop_request("a")                                      # a finishes; its blocks keep their content
+    s.add_request("c", pa[:8] + [1, 2])                      # and still serve an exact hit
+    assert s.step(10, [], [("c", 8, 2, [3, 4, 13]), ("b", 15, 0, tb)]) == []
+    assert s.slots_checked == 5 + sum(range(13, 19)) + 8 + 19 + 14 + 20 + 8 + 15
+
+
+def test_clean_external_load_at_block_boundary_and_mid_block():
+    s = ShadowKV(16, B, "cpu")
+    s.add_request("a", _prompt(3, 14))
+    t = [2, 5, 7, 8]
+    # local hit 0, external hit 6 (ends mid-block): nct = L + E = 6 is right.
+    assert s.step(0, [("a", 0, 6, t)], [("a", 6, 8, t)]) == []
+    s.append_tokens("a", [1])
+    assert s.step(1, [], [("a", 14, 1, t)]) == []
+
+
+def test_a_slot_rewritten_with_the_same_prefix_is_fine():
+    s = ShadowKV(8, B, "cpu")
+    p = _prompt(4, 8)
+    s.add_request("a", p)
+    s.add_request("b", p)
+    assert s.step(0, [], [("a", 0, 8, [1, 2]), ("b", 0, 8, [1, 2])]) == []  # same slots, same content
+    s.append_tokens("a", [9])
+    s.append_tokens("b", [9])
+    assert s.step(1, [], [("a", 8, 1, [1, 2, 3]), ("b", 8, 1, [1, 2, 4])]) == []
+
+
+# --------------------------------------------------------------------------- the bug classes
+
+
+def test_async_load_overshoot():
+    s = ShadowKV(16, B, "cpu")
+    s.add_request("a", _prompt(5, 20))
+    t = [4, 6, 9, 10, 11]
+    # External hit E = 6 from L = 0, loaded asynchronously; the buggy engine sets
+    # nct = cdiv(6, 4) * 4 = 8, so positions 6 and 7 count as computed unloaded.
+    assert s.step(0, [("a", 0, 6, t)], []) == []
+    d = _one(s.step(1, [], [("a", 8, 12, t)]), "a", 1)
+    assert _where(d) == (6, 2, 6)
+    assert "never written" in d.recorded
+    assert _count(d) == (2, 8)
+    assert d.expected == "prefix of a up to position 6"
+
+
+def test_async_load_overshoot_into_a_reused_block_names_the_old_writer():
+    s = ShadowKV(16, B, "cpu")
+    s.add_request("old", _prompt(6, 8))
+    assert s.step(0, [], [("old", 0, 8, [6, 7])]) == []
+    s.drop_request("old")
+    s.add_request("a", _prompt(7, 20))
+    t = [4, 6, 9, 10, 11]
+    s.step(1, [("a", 0, 6, t)], [])
+    d = _one(s.step(2, [], [("a", 8, 12, t)]), "a", 2)
+    assert _where(d) == (6, 2, 6)
+    assert "written by old at step 0 (its position 2)" in d.recorded
+
+
+def test_missing_reload_after_preemption():
+    s = ShadowKV(32, B, "cpu")
+    s.add_request("a", _prompt(8, 12))
+    ta = [1, 2, 3]
+    assert s.step(0, [], [("a", 0, 12, ta)]) == []
+    s.append_tokens("a", [5])
+    # a is preempted, its blocks are freed and taken by b.
+    s.add_request("b", _prompt(9, 12))
+    assert s.step(1, [], [("b", 0, 12, [1, 2, 3])]) == []
+    # a resumes with an external hit of 8 on fresh blocks 20, 21, 22: nct = 8,
+    # but the connector plans no load.
+    d = _one(s.step(2, [], [("a", 8, 5, [20, 21, 22, 23])]), "a", 2)
+    assert _where(d) == (20, 0, 0)
+    assert "never written" in d.recorded and _count(d) == (8, 8)
+    # The same resume with the load in place is clean.
+    s2 = ShadowKV(32, B, "cpu")
+    s2.add_request("a", _prompt(8, 12))
+    s2.step(0, [], [("a", 0, 12, ta)])
+    s2.append_tokens("a", [5])
+    assert s2.step(2, [("a", 0, 8, [20, 21, 22, 23])], [("a", 8, 5, [20, 21, 22, 23])]) == []
+
+
+def test_missing_reload_on_blocks_another_request_wrote():
+    s = ShadowKV(32, B, "cpu")
+    s.add_request("a", _prompt(10, 12))
+    s.step(0, [], [("a", 0, 12, [1, 2, 3])])
+    s.add_request("b", _prompt(11, 12))
+    s.step(1, [], [("b", 0, 12, [1, 2, 3])])                # b got a's freed blocks
+    d = _one(s.step(2, [], [("a", 8, 4, [1, 2, 3])]), "a", 2)  # resumed onto them, no load
+    assert _where(d) == (1, 0, 0)
+    assert "written by b at step 1 (its position 0)" in d.recorded
+
+
+def test_block_freed_while_in_use_and_reused():
+    s = ShadowKV(32, B, "cpu")
+    s.add_request("a", _prompt(12, 10))
+    ta = [5, 6, 7]
+    assert s.step(0, [], [("a", 0, 10, ta)]) == []
+    s.append_tokens("a", [1])
+    # Block 6 is freed while a still runs, and handed to b, which writes it.
+    s.add_request("b", _prompt(13, 6))
+    assert s.step(1, [], [("a", 10, 1, ta), ("b", 0, 6, [6, 8])]) == []
+    s.append_tokens("a", [2])
+    s.append_tokens("b", [3])
+    d = _one(s.step(2, [], [("a", 11, 1, ta), ("b", 6, 1, [6, 8])]), "a", 2)
+    assert _where(d) == (6, 0, 4)
+    assert "written by b at step 1 (its position 0)" in d.recorded
+    assert _count(d) == (4, 11)
+
+
+def test_wrong_prefix_cache_hit():
+    s = ShadowKV(32, B, "cpu")
+    pa = _prompt(14, 8)
+    s.add_request("a", pa)
+    assert s.step(0, [], [("a", 0, 8, [2, 3])]) == []
+    # b's first block matches a's, its second does not, but the cache hands out both.
+    pb = pa[:4] + _prompt(15, 4) + [9, 9]
+    s.add_request("b", pb)
+    d = _one(s.step(1, [], [("b", 8, 2, [2, 3, 4])]), "b", 1)
+    assert _where(d) == (3, 0, 4)
+    assert "written by a at step 0 (its position 4)" in d.recorded
+    assert d.expected == "prefix of b up to position 4"
+    assert _count(d) == (4, 8)
+
+
+def test_one_divergence_per_request_per_step_and_several_requests():
+    s = ShadowKV(32, B, "cpu")
+    for r in ("a", "b", "c"):
+        s.add_request(r, _prompt(ord(r), 9))
+    divs = s.step(0, [], [("a", 8, 1, [1, 2, 3]), ("b", 0, 9, [4, 5, 6]), ("c", 5, 4, [7, 8, 9])])
+    assert [(d.req, _where(d), _count(d)) for d in divs] == [
+        ("a", (1, 0, 0), (8, 8)), ("c", (7, 0, 0), (5, 5))]
+
+
+def test_table_too_short_and_block_out_of_range():
+    s = ShadowKV(8, B, "cpu")
+    s.add_request("a", _prompt(16, 12))
+    s.step(0, [], [("a", 0, 12, [1, 2, 3])])
+    s.append_tokens("a", [1])
+    d = _one(s.step(1, [], [("a", 12, 1, [1, 2])]), "a", 1)
+    assert "no block" in d.recorded
+    d = _one(s.step(2, [], [("a", 12, 1, [1, 2, 99, 4])]), "a", 2)
+    assert "outside the cache" in d.recorded and _where(d) == (99, 0, 8)
+
+
+def test_counts_beyond_known_tokens():
+    s = ShadowKV(8, B, "cpu")
+    s.add_request("a", _prompt(17, 5))
+    s.step(0, [], [("a", 0, 5, [1, 2])])
+    d = _one(s.step(1, [], [("a", 7, 1, [1, 2])]), "a", 1)
+    assert "only 5 tokens" in d.recorded
+
+
+def test_duplicate_write_keeps_fingerprint_and_writer_together():
+    s = ShadowKV(8, B, "cpu")
+    s.add_request("a", _prompt(18, 4))
+    s.add_request("b", _prompt(19, 4))
+    s.step(0, [], [("a", 0, 4, [3]), ("b", 0, 4, [3])])
+    held = s.fp[3].tolist()
+    owner = s.ids[s.writer_req[3, 0]]
+    assert held == s.prefix_fingerprints(owner).tolist()
+    assert s.writer_req[3].unique().numel() == 1
+
+
+def test_unknown_request_is_an_error():
+    s = ShadowKV(8, B, "cpu")
+    with pytest.raises(KeyError, match="'x'"):
+        s.step(0, [], [("x", 0, 1, [1])])
+
+
+def test_many_requests_grow_and_compact_the_arena():
+    rng = random.Random(20)
+    s = ShadowKV(512, B, "cpu")
+    live: dict[str, list[int]] = {}
+    for i in range(200):
+        r = f"r{i}"
+        live[r] = _prompt(100 + i, rng.randrange(1, 40))
+        s.add_request(r, live[r])
+        if i % 3 == 0:
+            gone = rng.choice(sorted(live))
+            s.drop_request(gone)
+            del live[gone]
+        for q in rng.sample(sorted(live), min(5, len(live))):
+            extra = [rng.randrange(100) for _ in range(rng.randrange(1, 20))]
+            s.append_tokens(q, extra)
+            live[q] += extra
+        s.step(i, [], [])
+    for r, toks in live.items():
+        assert s.prefix_fingerprints(r).tolist() == _fp_ref(toks)
+
+
+# --------------------------------------------------------------------------- devices
+
+
+def test_cpu_device():
+    s = ShadowKV(4, B, "cpu")
+    assert s.device == torch.device("cpu")
+    assert s.fp.shape == (4, B) and s.fp.dtype == torch.int64 and s.fp.device.type == "cpu"
+    assert s.writer_req.shape == (4, B) and int(s.writer_req.min()) == -1
+
+
+def test_auto_device_follows_cuda_availability():
+    want = "cuda" if torch.cuda.is_available() else "cpu"
+    assert ShadowKV(4, B).device.type == want
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present")
+def test_cuda_without_cuda_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="sees no CUDA device"):
+        ShadowKV(4, B, "cuda")
+
+
+def test_bad_device_and_sizes():
+    with pytest.raises(ValueError, match="unknown device"):
+        ShadowKV(4, B, "tpu")
+    with pytest.raises(ValueError, match="num_blocks"):
+        ShadowKV(0, B, "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_cpu():
+    outs = []
+    for dev in ("cpu", "cuda"):
+        s = ShadowKV(32, B, dev)
+        s.add_request("a", _prompt(14, 8))
+        s.step(0, [], [("a", 0, 8, [2, 3])])
+        s.add_request("b", _prompt(14, 4) + _prompt(15, 6))
+        outs.append([d.to_json() for d in s.step(1, [], [("b", 8, 2, [2, 3, 4])])])
+        assert s.prefix_fingerprints("a").tolist() == _fp_ref(_prompt(14, 8))
+    assert outs[0] == outs[1] and len(outs[0]) == 1
