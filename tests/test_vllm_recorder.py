@@ -342,3 +342,49 @@ def test_engine_core_in_a_subprocess_records(tmp_path, model_dir):
     assert evs[-1].kind == "end" and evs[-1].status == "complete", r.truncation
     assert len([e for e in evs if e.kind == "arrival"]) == 2
     assert len([e for e in evs if e.kind == "step"]) >= 8
+
+
+# ----------------------------------------------------------------------------- aborts, fail policy
+
+
+def test_abort_and_load_failures_under_fail_policy(tmp_path, model_dir, monkeypatch):
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    from kvtrace.record.vllm_run import shutdown_llm
+
+    out = tmp_path / "af.jsonl.gz"
+    monkeypatch.setenv("KVTRACE_OUT", str(out))
+    prompts = [[(11 * i + 3 * j) % 480 + 16 for j in range(90)] for i in range(4)]
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", block_size=32,
+              max_model_len=256, enforce_eager=True, seed=0, gpu_memory_utilization=0.2,
+              num_gpu_blocks_override=32,
+              kv_transfer_config=KVTransferConfig(
+                  kv_connector="ScriptedConnector", kv_connector_module_path=SCRIPTED,
+                  kv_role="kv_consumer", kv_connector_extra_config={"rules": [
+                      {"req": "a", "hit": 64, "async": True, "fail": "request"},
+                      {"req": "b", "hit": 70, "fail": "blocks", "fail_blocks": [1]},
+                      {"req": "c", "hit": 50, "async": True, "fail": "blocks", "fail_blocks": [1]}]}))
+    eng = llm.llm_engine
+    sp = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.0)
+    for rid, prompt in zip("abcd", prompts):
+        eng.add_request(rid, {"prompt_token_ids": prompt}, sp)
+    fin, n = {}, 0
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                fin[o.request_id] = o.outputs[0].finish_reason
+        n += 1
+        if n == 3:
+            eng.abort_request(["d"])
+    shutdown_llm(llm)
+    assert fin == {"a": "error", "b": "error", "c": "error"}
+    r, evs = read_all(out)
+    assert r.header.config.connector.load_failure_policy == "fail"
+    aborts = [e for e in evs if e.kind == "abort"]
+    assert len(aborts) == 1 and aborts[0].reqs[0].startswith("d")
+    first_out = next(e for e in evs if e.kind == "output")
+    assert sorted(first_out.finished.values()) == ["error"] * 3
+    assert first_out.connector.failed_recving and first_out.connector.invalid_block_ids
+    assert all(s.status in ("FINISHED_ERROR", "RUNNING") for s in first_out.states)
+    assert evs[-1].status == "complete"
