@@ -129,7 +129,7 @@ def load_failures(seed: int) -> Workload:
     return _document_workload(
         "load-failures", seed, lambda preload: StoreSettings(
             capacity_tokens=3000, preload=preload, async_fraction=0.5, async_delay_steps=1,
-            failed_recving_fraction=0.5, invalid_blocks_fraction=0.6, late_failure_fraction=0.5),
+            failed_recving_fraction=0.5, invalid_blocks_fraction=0.8, late_failure_fraction=0.7),
         "recompute", num_requests=20)
 
 
