@@ -78,6 +78,8 @@ list concatenation of block ids), never over tokens.
 
 from __future__ import annotations
 
+from array import array
+
 import torch
 
 from kvtrace.findings import Divergence
@@ -150,24 +152,27 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _excl_cumsum(xs: list[int]) -> list[int]:
-    out, acc = [], 0
-    for x in xs:
-        out.append(acc)
-        acc += x
-    return out
+def _i64(values: list[int], device: torch.device) -> torch.Tensor:
+    """A Python int list as an int64 tensor on ``device`` (through a C array: several
+    times faster than torch.tensor on long lists)."""
+    if not values:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    t = torch.frombuffer(array("q", values), dtype=torch.int64)
+    return t if device.type == "cpu" else t.to(device)
 
 
 class _Req:
-    __slots__ = ("idx", "row", "rows", "n_fp", "pending", "ntok")
+    __slots__ = ("idx", "row", "rows", "n_fp", "pending", "ntok", "trow", "table")
 
-    def __init__(self, idx: int):
+    def __init__(self, idx: int, trow: int):
         self.idx = idx          # index into ShadowKV.ids
         self.row = 0            # first arena row of this request's fingerprints
         self.rows = 0           # arena rows reserved
         self.n_fp = 0           # fingerprints already in the arena
         self.pending: list[int] = []  # tokens whose fingerprints are not computed yet
         self.ntok = 0           # n_fp + len(pending)
+        self.trow = trow        # row of the device block-table matrix
+        self.table: list[int] = []    # the block table as last copied to the device
 
 
 class ShadowKV:
@@ -202,6 +207,9 @@ class ShadowKV:
         self._pending: dict[str, _Req] = {}      # requests with tokens awaiting fingerprints
         self._arena = torch.zeros((64, B), dtype=torch.int64, device=dev)
         self._top = 0                            # next free arena row
+        # Block tables of live requests, one row each, updated only where they change.
+        self._tmat = torch.zeros((64, 64), dtype=torch.int64, device=dev)
+        self._tfree: list[int] = list(range(63, -1, -1))
         # Counters, for reports and benchmarks.
         self.slots_checked = 0
         self.slots_written = 0
@@ -241,7 +249,13 @@ class ShadowKV:
         if idx is None:
             idx = self._intern[req] = len(self.ids)
             self.ids.append(req)
-        r = self._reqs[req] = _Req(idx)
+        if not self._tfree:
+            rows, cols = self._tmat.shape
+            grown = torch.zeros((2 * rows, cols), dtype=torch.int64, device=self.device)
+            grown[:rows] = self._tmat
+            self._tmat = grown
+            self._tfree = list(range(2 * rows - 1, rows - 1, -1))
+        r = self._reqs[req] = _Req(idx, self._tfree.pop())
         if prompt_token_ids:
             r.pending = list(prompt_token_ids)
             r.ntok = len(r.pending)
@@ -255,8 +269,10 @@ class ShadowKV:
             self._pending[req] = r
 
     def drop_request(self, req: str) -> None:
-        self._reqs.pop(req, None)
+        r = self._reqs.pop(req, None)
         self._pending.pop(req, None)
+        if r is not None:
+            self._tfree.append(r.trow)
 
     def num_tokens(self, req: str) -> int:
         return self._req(req).ntok
@@ -272,6 +288,23 @@ class ShadowKV:
         if r is None:
             raise KeyError(f"request '{req}' is not in the shadow cache (never added, or dropped)")
         return r
+
+    def _sync_table(self, r: _Req, table: list[int]) -> None:
+        """Bring the request's device block-table row up to ``table``; usually a no-op."""
+        old = r.table
+        if table == old:
+            return
+        n, k = len(table), len(old)
+        if n > self._tmat.shape[1]:
+            rows, cols = self._tmat.shape
+            grown = torch.zeros((rows, max(n, 2 * cols)), dtype=torch.int64, device=self.device)
+            grown[:, :cols] = self._tmat
+            self._tmat = grown
+        if k < n and table[:k] == old:          # the table grew: copy the new tail only
+            self._tmat[r.trow, k:n] = _i64(table[k:], self.device)
+        else:
+            self._tmat[r.trow, :n] = _i64(table, self.device)
+        r.table = list(table)
 
     # -- arena: block-aligned per-request fingerprint segments ------------------------
 
@@ -306,8 +339,7 @@ class ShadowKV:
         used = _cdiv(r.n_fp, self.block_size)
         rows = self._rows_for(ntok)
         r.rows = 0  # the old segment is dead; a compaction inside _alloc must not keep it
-        old_row = r.row
-        old = self._arena[old_row: old_row + used].clone() if used else None
+        old = self._arena[r.row: r.row + used].clone() if used else None
         row = self._alloc(rows)
         if used:
             self._arena[row: row + used] = old
@@ -323,30 +355,25 @@ class ShadowKV:
             self._ensure(r, r.ntok)
         B, dev = self.block_size, self.device
         toks: list[int] = []
-        lens, starts, dests, prevs = [], [], [], []
+        meta: list[int] = []                # per request: first, start position, arena offset
+        total = 0
         for r in pend:                      # ... then read the final offsets
             k = len(r.pending)
             toks.extend(r.pending)
-            lens.append(k)
-            starts.append(r.n_fp)
-            dests.append(r.row * B + r.n_fp)
-            prevs.append(r.row * B + r.n_fp - 1 if r.n_fp else -1)
+            meta += (total, r.n_fp, r.row * B + r.n_fp)
+            total += k
             r.n_fp += k
             r.pending = []
-        total = len(toks)
+        first, start, dest = _i64(meta, dev).view(-1, 3).unbind(1)
         i64 = dict(dtype=torch.int64, device=dev)
-        tok = torch.tensor(toks, **i64)
-        lens_t = torch.tensor(lens, **i64)
-        first_t = torch.tensor(_excl_cumsum(lens), **i64)
-        seg = torch.repeat_interleave(torch.arange(len(pend), **i64), lens_t, output_size=total)
-        local = torch.arange(total, **i64) - first_t[seg]
-        pos = torch.tensor(starts, **i64)[seg] + local
-        cs = torch.cumsum(token_terms(tok, pos), 0)
-        before = torch.where(first_t > 0, cs[(first_t - 1).clamp(min=0)], 0)
+        lens = torch.diff(first, append=torch.tensor([total], **i64))
+        seg = torch.repeat_interleave(torch.arange(len(pend), **i64), lens, output_size=total)
+        local = torch.arange(total, **i64) - first[seg]
+        cs = torch.cumsum(token_terms(_i64(toks, dev), start[seg] + local), 0)
+        before = torch.where(first > 0, cs[(first - 1).clamp(min=0)], 0)
         arena = self._arena.view(-1)
-        prev_t = torch.tensor(prevs, **i64)
-        prev_fp = torch.where(prev_t >= 0, arena[prev_t.clamp(min=0)], FP_INIT)
-        arena[torch.tensor(dests, **i64)[seg] + local] = cs - before[seg] + prev_fp[seg]
+        prev = torch.where(start > 0, arena[(dest - 1).clamp(min=0)], FP_INIT)
+        arena[dest[seg] + local] = cs - before[seg] + prev[seg]
 
     # -- the step ------------------------------------------------------------------
 
@@ -367,33 +394,30 @@ class ShadowKV:
         """Write the fingerprints of positions [start, end) of each item's request
         into the slots its block table names. Returns the number of slots written."""
         B, dev = self.block_size, self.device
-        flat: list[int] = []
-        lens, starts, toffs, abases, idxs = [], [], [], [], []
+        meta: list[int] = []                # per item: first, start, table row, arena offset, request
+        total = 0
         for req, start, end, table in items:
             r = self._req(req)
             start = max(start, 0)
             end = min(end, r.ntok, len(table) * B)
             if end <= start:
                 continue
-            lens.append(end - start)
-            starts.append(start)
-            toffs.append(len(flat))
-            abases.append(r.row * B)
-            idxs.append(r.idx)
-            flat.extend(table)
-        if not lens:
+            self._sync_table(r, table)
+            meta += (total, start, r.trow, r.row * B, r.idx)
+            total += end - start
+        if not total:
             return 0
-        total = sum(lens)
         i64 = dict(dtype=torch.int64, device=dev)
-        lens_t = torch.tensor(lens, **i64)
-        seg = torch.repeat_interleave(torch.arange(len(lens), **i64), lens_t, output_size=total)
-        local = torch.arange(total, **i64) - torch.tensor(_excl_cumsum(lens), **i64)[seg]
-        pos = torch.tensor(starts, **i64)[seg] + local
-        blk = torch.tensor(flat, **i64)[torch.tensor(toffs, **i64)[seg] + pos // B]
+        first, start, trow, abase, who = _i64(meta, dev).view(-1, 5).unbind(1)
+        lens = torch.diff(first, append=torch.tensor([total], **i64))
+        seg = torch.repeat_interleave(torch.arange(first.numel(), **i64), lens, output_size=total)
+        pos = start[seg] + torch.arange(total, **i64) - first[seg]
+        cols = self._tmat.shape[1]
+        blk = self._tmat.view(-1).index_select(0, trow[seg] * cols + pos // B)
         blk = torch.where((blk < 0) | (blk >= self.num_blocks), self.num_blocks, blk)
         slot = blk * B + pos % B
-        val = self._arena.view(-1)[torch.tensor(abases, **i64)[seg] + pos]
-        who = torch.tensor(idxs, dtype=torch.int32, device=dev)[seg]
+        val = self._arena.view(-1).index_select(0, abase[seg] + pos)
+        who = who[seg]
         # Two writes to one slot in one step: keep the last, so that the fingerprint
         # and the writer of a slot always come from the same write.
         uniq, inv = torch.unique(slot, return_inverse=True)
@@ -401,18 +425,19 @@ class ShadowKV:
             last = torch.zeros(uniq.numel(), **i64).scatter_reduce(
                 0, inv, torch.arange(total, **i64), "amax", include_self=False)
             slot, val, who, pos = uniq, val[last], who[last], pos[last]
-        self._fp[slot] = val
-        self._wreq[slot] = who
-        self._wstep[slot] = step
-        self._wpos[slot] = pos.to(torch.int32)
-        self._wload[slot] = loaded
+        self._fp.index_copy_(0, slot, val)
+        self._wreq.index_copy_(0, slot, who.to(torch.int32))
+        self._wstep.index_fill_(0, slot, step)
+        self._wpos.index_copy_(0, slot, pos.to(torch.int32))
+        self._wload.index_fill_(0, slot, loaded)
         return total
 
     def _check(self, step: int, scheduled) -> list[Divergence]:
         B, dev = self.block_size, self.device
         divs: list[Divergence] = []
-        flat: list[int] = []                # read prefix of every table, concatenated
-        nbs, lims, arows, reqs = [], [], [], []
+        meta: list[int] = []                # per request: first row, table row, limit, arena row
+        reqs: list[str] = []
+        nrows = checked = 0
         for req, c, _n, table in scheduled:
             r = self._req(req)
             lim = c
@@ -432,25 +457,25 @@ class ShadowKV:
                 lim = len(table) * B
             if lim <= 0:
                 continue
-            nb = _cdiv(lim, B)
-            flat.extend(table[:nb])
-            nbs.append(nb)
-            lims.append(lim)
-            arows.append(r.row)
+            self._sync_table(r, table)
+            meta += (nrows, r.trow, lim, r.row)
             reqs.append(req)
-        if not nbs:
+            nrows += -(-lim // B)
+            checked += lim
+        if not reqs:
             return divs
-        nrows = len(flat)
-        self.slots_checked += sum(lims)
+        self.slots_checked += checked
         i64 = dict(dtype=torch.int64, device=dev)
-        nb_t = torch.tensor(nbs, **i64)
-        rreq = torch.repeat_interleave(torch.arange(len(nbs), **i64), nb_t, output_size=nrows)
-        bi = torch.arange(nrows, **i64) - torch.tensor(_excl_cumsum(nbs), **i64)[rreq]
-        blk = torch.tensor(flat, **i64)
+        first, trow, lims, arow = _i64(meta, dev).view(-1, 4).unbind(1)
+        nbs = torch.diff(first, append=torch.tensor([nrows], **i64))
+        rreq = torch.repeat_interleave(torch.arange(len(reqs), **i64), nbs, output_size=nrows)
+        bi = torch.arange(nrows, **i64) - first[rreq]
+        cols = self._tmat.shape[1]
+        blk = self._tmat.view(-1).index_select(0, trow[rreq] * cols + bi)
         oob = (blk < 0) | (blk >= self.num_blocks)
         held = self._fp.view(-1, B).index_select(0, torch.where(oob, self.num_blocks, blk))
-        want = self._arena.index_select(0, torch.tensor(arows, **i64)[rreq] + bi)
-        rowlim = (torch.tensor(lims, **i64)[rreq] - bi * B).clamp(max=B)
+        want = self._arena.index_select(0, arow[rreq] + bi)
+        rowlim = (lims[rreq] - bi * B).clamp(max=B)
         col = torch.arange(B, **i64)
         bad = ((held != want) | oob[:, None]) & (col[None, :] < rowlim[:, None])
         if not bool(bad.any()):
@@ -460,16 +485,16 @@ class ShadowKV:
         row = where // B
         owner = rreq[row]
         uo, counts = torch.unique_consecutive(owner, return_counts=True)
-        first = where[torch.cumsum(counts, 0) - counts]
-        frow, fcol = first // B, first % B
+        first_bad = where[torch.cumsum(counts, 0) - counts]
+        frow, fcol = first_bad // B, first_bad % B
         fblk = blk[frow]
         fslot = torch.where(oob[frow], self.num_blocks, fblk) * B + fcol
         info = torch.stack([
-            uo, counts, fblk, bi[frow] * B + fcol, fcol,
+            uo, counts, lims[uo], fblk, bi[frow] * B + fcol, fcol,
             self._wreq[fslot].long(), self._wstep[fslot].long(), self._wpos[fslot].long(),
             self._wload[fslot].long(),
         ]).tolist()
-        for k, cnt, b, p, s, wr, ws, wp, wl in zip(*info):
+        for k, cnt, lim, b, p, s, wr, ws, wp, wl in zip(*info):
             req = reqs[k]
             where_s = f"block {b} slot {s} (position {p})"
             if not 0 <= b < self.num_blocks:
@@ -481,6 +506,6 @@ class ShadowKV:
                 what = f"{verb} {self.ids[wr]} at step {ws} (its position {wp})"
             divs.append(Divergence(
                 step, req, "kv-content",
-                f"{where_s}: {what}; {cnt} of {lims[k]} positions read are wrong",
+                f"{where_s}: {what}; {cnt} of {lim} positions read are wrong",
                 f"prefix of {req} up to position {p}", RULE, "kv-content"))
         return divs
