@@ -315,7 +315,7 @@ def test_connector_trace_has_lookups_loads_and_failures(tmp_path, model_dir):
 # ----------------------------------------------------------------------------- subprocess engine core
 
 
-def test_engine_core_in_a_subprocess_records(tmp_path, model_dir):
+def test_engine_core_in_a_subprocess_records(tmp_path, model_dir, monkeypatch):
     out = tmp_path / "mp.jsonl.gz"
     script = textwrap.dedent(f"""
         import os
@@ -331,12 +331,13 @@ def test_engine_core_in_a_subprocess_records(tmp_path, model_dir):
         print("TOKENS", [list(o.outputs[0].token_ids) for o in outs])
         llm.llm_engine.engine_core.shutdown()
     """)
-    env = dict(os.environ)
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-    env["KVTRACE_OUT"] = str(out)
-    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
+    from kvtrace.record.vllm_run import record_command
+
+    log = tmp_path / "mp.log"
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    rc = record_command(out, ["bash", "-c", f'"{sys.executable}" -c "$0" > "{log}" 2>&1', script])
+    assert rc == 0, log.read_text()[-3000:]
+    assert "TOKENS" in log.read_text()
     r, evs = read_all(out)
     assert r.header.meta["pid"] != os.getpid()
     assert evs[-1].kind == "end" and evs[-1].status == "complete", r.truncation
@@ -388,3 +389,21 @@ def test_abort_and_load_failures_under_fail_policy(tmp_path, model_dir, monkeypa
     assert first_out.connector.failed_recving and first_out.connector.invalid_block_ids
     assert all(s.status in ("FINISHED_ERROR", "RUNNING") for s in first_out.states)
     assert evs[-1].status == "complete"
+
+
+def test_destination_names_for_several_schedulers(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    def sched(rank):
+        return SimpleNamespace(vllm_config=SimpleNamespace(
+            parallel_config=SimpleNamespace(data_parallel_rank=rank)))
+
+    base = str(tmp_path / "run.jsonl.gz")
+    monkeypatch.setenv("KVTRACE_OUT", base)
+    first = vllm_recorder._destination(sched(0))
+    second = vllm_recorder._destination(sched(0))
+    rank1 = vllm_recorder._destination(sched(1))
+    assert first == base
+    assert second != base and second.endswith(".jsonl.gz") and f".pid{os.getpid()}" in second
+    assert ".dp1." in rank1 and rank1.endswith(".jsonl.gz")
+    assert len({first, second, rank1}) == 3

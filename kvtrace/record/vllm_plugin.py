@@ -56,6 +56,7 @@ def install() -> bool:
         try:
             from kvtrace.record.vllm_recorder import make_recording_scheduler
 
+            _hook_engine_shutdown()
             return make_recording_scheduler(base)
         except Exception:
             logger.exception("kvtrace: could not wrap %r; vLLM runs unrecorded", base)
@@ -66,3 +67,32 @@ def install() -> bool:
     get_scheduler_cls.__doc__ = orig.__doc__
     SchedulerConfig.get_scheduler_cls = get_scheduler_cls
     return True
+
+
+def _hook_engine_shutdown() -> None:
+    """Close traces at the start of ``EngineCore.shutdown``.
+
+    The scheduler's own ``shutdown`` runs last, after the executor has waited for
+    its workers; a front end that force-kills the engine core process (the API
+    server does, right after SIGTERM) kills it before that point. Closing first
+    writes the End record while there is still time."""
+    try:
+        from vllm.v1.engine.core import EngineCore
+    except Exception:
+        return
+    orig = EngineCore.shutdown
+    if getattr(orig, _PATCHED_ATTR, False):
+        return
+
+    def shutdown(self, *args, **kwargs):
+        try:
+            from kvtrace.record.vllm_recorder import close_all
+
+            close_all()
+        except Exception:
+            logger.exception("kvtrace: closing traces at engine shutdown failed")
+        return orig(self, *args, **kwargs)
+
+    setattr(shutdown, _PATCHED_ATTR, True)
+    shutdown.__wrapped__ = orig  # type: ignore[attr-defined]
+    EngineCore.shutdown = shutdown

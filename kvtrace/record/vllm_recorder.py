@@ -68,6 +68,7 @@ logger = logging.getLogger("kvtrace.record")
 ENV_OUT = "KVTRACE_OUT"
 ENV_QUEUE = "KVTRACE_QUEUE_SIZE"
 DEFAULT_QUEUE_SIZE = 1 << 16
+FLUSH_IDLE_S = 0.25  # flush after this long without events
 
 # vLLM status names that the trace schema folds into one of its own.
 _STATUS_FOLD = {
@@ -112,8 +113,22 @@ class TraceSink:
 
     def _run(self) -> None:
         w = self._writer
+        dirty = True  # the header
         while True:
-            item = self._q.get()
+            try:
+                item = self._q.get(timeout=FLUSH_IDLE_S)
+            except queue.Empty:
+                # Idle: push what we have to disk, so that an engine killed without
+                # a shutdown (SIGKILL) leaves a readable, merely cut-off trace.
+                if dirty and self.write_error is None:
+                    try:
+                        w.flush()
+                    except Exception as e:
+                        self.write_error = f"writing the trace failed: {type(e).__name__}: {e}"
+                        logger.error("kvtrace: %s; recording stopped, the engine is unaffected",
+                                     self.write_error)
+                dirty = False
+                continue
             if type(item) is tuple and item and item[0] is _STOP:
                 self._finish(item[1], item[2])
                 return
@@ -122,6 +137,7 @@ class TraceSink:
             try:
                 item.seq = w.next_seq()
                 w.write(item)
+                dirty = True
             except Exception as e:  # disk full, a bug in serialisation ...
                 self.write_error = f"writing the trace failed: {type(e).__name__}: {e}"
                 logger.error("kvtrace: %s; recording stopped, the engine is unaffected",
@@ -282,6 +298,7 @@ class Recorder:
         self.loads: list[KVLoad] = []
         self.last_local: dict[str, int] = {}
         self.preempt_order: list[str] = []
+        self.preempted_out: set[str] = set()  # preempted, not yet resumed
         # SchedulerOutput identity -> step index (FIFO, for async / PP engines).
         self.pending: list[tuple[Any, int]] = []
         self.stats_done: set[str] = set()
@@ -350,6 +367,7 @@ class Recorder:
 
     def on_preempt(self, request: Any) -> None:
         self.preempt_order.append(str(request.request_id))
+        self.preempted_out.add(str(request.request_id))
 
     def begin_step(self) -> None:
         self.lookups = []
@@ -380,17 +398,25 @@ class Recorder:
         step = self.step_index
         self.step_index += 1
         nst = out.num_scheduled_tokens
-        new = [ScheduledNew(req=r.req_id, num_computed_tokens=int(r.num_computed_tokens),
-                            num_scheduled_tokens=int(nst.get(r.req_id, 0)),
-                            block_ids=_first_group(r.block_ids))
-               for r in out.scheduled_new_reqs]
+        new: list[ScheduledNew] = []
         resumed: list[ScheduledNew] = []
+        for r in out.scheduled_new_reqs:
+            item = ScheduledNew(req=r.req_id, num_computed_tokens=int(r.num_computed_tokens),
+                                num_scheduled_tokens=int(nst.get(r.req_id, 0)),
+                                block_ids=_first_group(r.block_ids))
+            # The V2 model runner folds resumed requests into scheduled_new_reqs.
+            if r.req_id in self.preempted_out:
+                self.preempted_out.discard(r.req_id)
+                resumed.append(item)
+            else:
+                new.append(item)
         running: list[ScheduledRunning] = []
         cd = out.scheduled_cached_reqs
         resumed_ids = cd.resumed_req_ids
         for i, rid in enumerate(cd.req_ids):
             nb = cd.new_block_ids[i]
             if rid in resumed_ids:
+                self.preempted_out.discard(rid)
                 resumed.append(ScheduledNew(req=rid, num_computed_tokens=int(cd.num_computed_tokens[i]),
                                             num_scheduled_tokens=int(nst.get(rid, 0)),
                                             block_ids=_first_group(nb)))
@@ -469,6 +495,7 @@ class Recorder:
                 fr = _finish_reason(o.finish_reason)
                 if fr is not None:
                     finished[rid] = fr
+                    self.preempted_out.discard(rid)
                 ps = getattr(o, "prefill_stats", None)
                 if ps is not None:
                     stats.append(PromptStats(seq=0, step=step, req=rid, prefill_stats=PrefillStats(
