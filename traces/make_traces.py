@@ -22,12 +22,21 @@ TRACES = {
     "preemption": "preemption",
     "connector": "connector",
 }
+# Traces of vLLM with a bug put back (kvtrace.record.fault_schedulers), in faults/.
+FAULT_TRACES = ["async-load-overshoot", "stale-computed-on-preempt"]
 
 
 def main(names: list[str]) -> int:
-    for name in names or list(TRACES):
-        out = HERE / f"{name}.jsonl.gz"
-        record_vllm_offline(None, out, TRACES[name])
+    from kvtrace.record.fault_schedulers import FAULT_WORKLOADS, FAULTS
+
+    for name in names or list(TRACES) + FAULT_TRACES:
+        if name in FAULTS:
+            out = HERE / "faults" / f"{name}.jsonl.gz"
+            out.parent.mkdir(exist_ok=True)
+            record_vllm_offline(None, out, FAULT_WORKLOADS[name], scheduler_cls=FAULTS[name])
+        else:
+            out = HERE / f"{name}.jsonl.gz"
+            record_vllm_offline(None, out, TRACES[name])
         print(f"{out}: {out.stat().st_size} bytes")
     return 0
 

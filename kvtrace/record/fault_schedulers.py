@@ -44,3 +44,9 @@ FAULTS = {
     "async-load-overshoot": "kvtrace.record.fault_schedulers.AsyncLoadOvershootScheduler",
     "stale-computed-on-preempt": "kvtrace.record.fault_schedulers.NoResetOnPreemptScheduler",
 }
+
+# The vllm_run workload that triggers each fault.
+FAULT_WORKLOADS = {
+    "async-load-overshoot": "async-partial",
+    "stale-computed-on-preempt": "preemption",
+}

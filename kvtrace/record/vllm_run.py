@@ -99,6 +99,15 @@ WORKLOADS: dict[str, dict] = {
                 {"req": "5", "hit": 96, "fail": "blocks", "fail_blocks": [1]},  # block-level failure
                 {"req": "6", "hit": 40},                                   # local hit covers it
             ]}))),
+    # One async external hit of 40 tokens (ends mid-block, before the prompt's end):
+    # the trigger for the "async-load-overshoot" fault.
+    "async-partial": dict(
+        prompts=[[(7 * j) % 400 + 20 for j in range(100)], [(5 * j) % 400 + 30 for j in range(70)]],
+        max_tokens=8,
+        engine=dict(num_gpu_blocks_override=20, kv_transfer_config=dict(
+            kv_connector="ScriptedConnector", kv_connector_module_path=SCRIPTED,
+            kv_role="kv_consumer",
+            kv_connector_extra_config={"rules": [{"req": "0", "hit": 40, "async": True}]}))),
 }
 
 
