@@ -147,7 +147,11 @@ def replay(trace: Path, out: Path | None, as_json: bool, device: str) -> int:
 @click.argument("a", type=click.Path(dir_okay=False, path_type=Path))
 @click.argument("b", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def diff(a: Path, b: Path, as_json: bool) -> int:
+@click.option("--match", type=click.Choice(("auto", "id", "id-prefix", "arrival")), default="auto",
+              show_default=True,
+              help="Pair requests by id, by id without vLLM's random suffix, or by order of "
+                   "arrival; auto picks from the first arrivals.")
+def diff(a: Path, b: Path, as_json: bool, match: str) -> int:
     """Compare trace A with trace B, request by request.
 
     Requests are aligned by id and by their own scheduling history, so traces
@@ -158,7 +162,7 @@ def diff(a: Path, b: Path, as_json: bool) -> int:
     from kvtrace.diff import diff_files
     from kvtrace.report import terminal
 
-    result = diff_files(a, b)
+    result = diff_files(a, b, match=match)
     if as_json:
         sys.stdout.buffer.write(terminal.diff_json(result))
         sys.stdout.flush()

@@ -158,7 +158,7 @@ def test_help_and_version_exit_0(capsys):
 def test_internal_error_exits_3_with_hint(tmp_path, capsys, monkeypatch):
     import kvtrace.diff
 
-    def boom(a, b):
+    def boom(a, b, **kw):
         raise RuntimeError("something\nbroke")
 
     monkeypatch.setattr(kvtrace.diff, "diff_files", boom)
@@ -171,7 +171,7 @@ def test_internal_error_exits_3_with_hint(tmp_path, capsys, monkeypatch):
 def test_debug_shows_traceback(tmp_path, capsys, monkeypatch):
     import kvtrace.diff
 
-    def boom(a, b):
+    def boom(a, b, **kw):
         raise RuntimeError("broke")
 
     monkeypatch.setattr(kvtrace.diff, "diff_files", boom)
@@ -187,7 +187,7 @@ def test_exception_with_exit_code_is_honoured(capsys, monkeypatch):
     class Refused(Exception):
         exit_code = 4
 
-    def refuse(a, b):
+    def refuse(a, b, **kw):
         raise Refused("trace uses async scheduling, which replay does not model")
 
     monkeypatch.setattr(kvtrace.diff, "diff_files", refuse)

@@ -231,3 +231,45 @@ def test_memory_follows_live_requests(tmp_path):
     assert r.divergences == [] and r.requests_compared == 300
     assert r.steps_b > r.steps_a
     assert peak <= 4
+
+
+def _renamed(ids: dict[str, str]):
+    """An edit that renames requests everywhere they appear."""
+    from kvtrace.trace.events import Arrival
+
+    def edit(ev):
+        if isinstance(ev, (Arrival, PromptStats)):
+            ev.req = ids.get(ev.req, ev.req)
+        elif isinstance(ev, Step):
+            for part in (ev.new, ev.resumed, ev.running, ev.states):
+                for s in part:
+                    s.req = ids.get(s.req, s.req)
+        elif isinstance(ev, Output):
+            for name in ("sampled", "finished"):
+                d = getattr(ev, name)
+                setattr(ev, name, {ids.get(k, k): v for k, v in d.items()})
+            for s in ev.states:
+                s.req = ids.get(s.req, s.req)
+    return edit
+
+
+def test_vllm_random_suffixes_are_matched(tmp_path):
+    a = write_mini_trace(tmp_path / "a.jsonl", edit=_renamed(
+        {"r0": "0-a34120fd", "r1": "1-82ed55e5", "r2": "2-99241a46"}))
+    b = write_mini_trace(tmp_path / "b.jsonl", edit=lambda ev: (
+        _renamed({"r0": "0-989c6896", "r1": "1-bb6a7300", "r2": "2-96b2092e"})(ev),
+        _bump_running_nct("2-96b2092e", step=2)(ev)))
+    r = diff_files(a, b)
+    assert r.matched_by == "id-prefix"
+    [d] = r.divergences
+    assert (d.req, d.step, d.field) == ("2-99241a46", 2, "num_computed_tokens")
+    assert r.requests_compared == 3
+
+
+def test_unrelated_ids_are_matched_by_arrival(tmp_path):
+    a = write_mini_trace(tmp_path / "a.jsonl")
+    b = write_mini_trace(tmp_path / "b.jsonl", edit=_renamed({"r0": "x", "r1": "y", "r2": "z"}))
+    r = diff_files(a, b)
+    assert r.matched_by == "arrival" and r.divergences == []
+    r = diff_files(a, b, match="id")
+    assert sorted(r.only_a) == ["r0", "r1", "r2"] and sorted(r.only_b) == ["x", "y", "z"]

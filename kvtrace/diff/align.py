@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -55,6 +56,7 @@ class DiffResult:
     steps_b: int
     truncation_a: str | None = None
     truncation_b: str | None = None
+    matched_by: str = "id"  # how requests were paired (see diff_files)
 
     @property
     def identical(self) -> bool:
@@ -68,6 +70,7 @@ class DiffResult:
             "only_in_b": self.only_b,
             "steps_a": self.steps_a,
             "steps_b": self.steps_b,
+            "matched_by": self.matched_by,
         }
 
     def to_json(self) -> dict:
@@ -83,13 +86,23 @@ class DiffResult:
         }
 
 
-def diff_files(path_a: str | os.PathLike, path_b: str | os.PathLike) -> DiffResult:
+def diff_files(path_a: str | os.PathLike, path_b: str | os.PathLike,
+               match: str = "auto") -> DiffResult:
     """Compare trace A (the one under study) with trace B (the expectation).
+
+    ``match`` says how requests are paired: ``id`` (same request id),
+    ``id-prefix`` (same id once vLLM's random ``-xxxxxxxx`` suffix is removed),
+    ``arrival`` (the k-th arrival in A with the k-th in B), or ``auto``, which
+    picks one from the first arrival of each trace.
 
     Raises ``TraceError`` when either file is unusable.
     """
+    if match not in MATCH_MODES:
+        raise ValueError(f"match must be one of {', '.join(MATCH_MODES)}")
     with TraceReader(path_a) as ra, TraceReader(path_b) as rb:
-        d = _Differ(ra, rb)
+        if match == "auto":
+            match = choose_match(path_a, path_b)
+        d = _Differ(ra, rb, match)
         d.run()
         return DiffResult(
             path_a=str(path_a), path_b=str(path_b),
@@ -100,6 +113,7 @@ def diff_files(path_a: str | os.PathLike, path_b: str | os.PathLike) -> DiffResu
             divergent_requests=len(d.found) - len(d.only["a"]) - len(d.only["b"]),
             steps_a=d.sides["a"].steps, steps_b=d.sides["b"].steps,
             truncation_a=ra.truncation, truncation_b=rb.truncation,
+            matched_by=match,
         )
 
 
@@ -128,12 +142,17 @@ class _History:
 
 @dataclass(slots=True)
 class _Pair:
-    req: str
+    key: str
+    ids: dict = field(default_factory=dict)  # side name -> that trace's request id
     a: _History | None = None
     b: _History | None = None
     compared: dict[str, int] = field(default_factory=lambda: {c: 0 for c in CHANNELS})
     broken: set = field(default_factory=set)
     best: tuple[float, Divergence] | None = None
+
+    @property
+    def req(self) -> str:
+        return self.ids.get("a") or self.ids.get("b")
 
     def offer(self, key: float, div: Divergence) -> None:
         if self.best is None or key < self.best[0]:
@@ -150,12 +169,15 @@ class _Side:
         self.read = 0
         self.cur_step: int | None = None
         self.waiting = 0  # requests done here whose counterpart is not done yet
-        self.just_finished: list[str] = []
+        self.just_finished: list[str] = []  # pair keys
+        self.keys: dict[str, str] = {}  # this trace's request id -> pair key
+        self.arrivals = 0
         self.sched_at: dict[int, dict[str, int]] = {}
 
 
 class _Differ:
-    def __init__(self, ra: TraceReader, rb: TraceReader):
+    def __init__(self, ra: TraceReader, rb: TraceReader, match: str = "id"):
+        self.match = match
         self.sides = {"a": _Side("a", ra), "b": _Side("b", rb)}
         self.pairs: dict[str, _Pair] = {}
         self.found: list[tuple[float, Divergence]] = []
@@ -212,11 +234,15 @@ class _Differ:
     # -- events ----------------------------------------------------------------
 
     def _on_arrival(self, side: _Side, ev: Arrival, line: int) -> None:
-        pair = self.pairs.get(ev.req)
+        key = _match_key(self.match, ev.req, side.arrivals)
+        side.arrivals += 1
+        side.keys[ev.req] = key
+        pair = self.pairs.get(key)
         if pair is None:
-            pair = self.pairs[ev.req] = _Pair(ev.req)
+            pair = self.pairs[key] = _Pair(key)
         if getattr(pair, side.name) is None:
             setattr(pair, side.name, _History())
+            pair.ids[side.name] = ev.req
         v = to_json(ev)
         for k in ("seq", "req", "kind", "arrival_time"):
             v.pop(k, None)
@@ -288,7 +314,7 @@ class _Differ:
         h.finished = True
         self._add(side, req, "finish",
                   _Item(step, seq, line, {"finish_reason": reason, "after_schedules": h.n_sched}))
-        side.just_finished.append(req)
+        side.just_finished.append(side.keys[req])
 
     def _promote_finished(self, side: _Side) -> None:
         """A finished request is done once its side reaches the next step (its
@@ -296,8 +322,8 @@ class _Differ:
         reqs = list(self.pairs) if side.exhausted else side.just_finished
         side.just_finished = []
         other = self.sides["b" if side.name == "a" else "a"]
-        for req in reqs:
-            pair = self.pairs.get(req)
+        for key in reqs:
+            pair = self.pairs.get(key)
             h = None if pair is None else getattr(pair, side.name)
             if h is None or h.done:
                 continue
@@ -305,18 +331,18 @@ class _Differ:
             oh = getattr(pair, other.name)
             if oh is not None and oh.done:
                 other.waiting -= 1
-                self._finalize(self.pairs.pop(req))
+                self._finalize(self.pairs.pop(key))
             else:
                 side.waiting += 1
 
     # -- comparing -------------------------------------------------------------
 
     def _hist(self, side: _Side, req: str) -> _History | None:
-        pair = self.pairs.get(req)
+        pair = self.pairs.get(side.keys.get(req))
         return None if pair is None else getattr(pair, side.name)
 
     def _add(self, side: _Side, req: str, channel: str, item: _Item) -> None:
-        pair = self.pairs.get(req)
+        pair = self.pairs.get(side.keys.get(req))
         h = None if pair is None else getattr(pair, side.name)
         if h is None:
             return
@@ -346,14 +372,17 @@ class _Differ:
                     break
 
     def _finalize(self, pair: _Pair) -> None:
+        for name, rid in pair.ids.items():
+            if self.sides[name].keys.get(rid) == pair.key:
+                del self.sides[name].keys[rid]
         if pair.a is None or pair.b is None:
             side = "a" if pair.b is None else "b"
-            self.only[side].append(pair.req)
+            self.only[side].append(pair.ids[side])
             h = pair.a if side == "a" else pair.b
             first = next((q[0] for q in h.channels.values() if q), None)
             key = first.seq if side == "a" and first is not None else math.inf
             self.found.append((key, Divergence(
-                step=first.step if side == "a" and first else None, req=pair.req, field="request",
+                step=first.step if side == "a" and first else None, req=pair.ids[side], field="request",
                 recorded="present" if side == "a" else None,
                 expected="present" if side == "b" else None,
                 rule=f"request only in {side.upper()}", kind="diff",
@@ -384,6 +413,39 @@ class _Differ:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+# vLLM appends a random suffix to every request id ("0-a34120fd"), so two runs of
+# one workload share no ids; the part before it is the id the caller chose.
+_RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+MATCH_MODES = ("auto", "id", "id-prefix", "arrival")
+
+
+def _match_key(mode: str, req: str, ordinal: int) -> str:
+    if mode == "id-prefix":
+        return _RANDOM_SUFFIX.sub("", req)
+    if mode == "arrival":
+        return f"#{ordinal}"
+    return req
+
+
+def _first_arrival(path) -> str | None:
+    with TraceReader(path) as r:
+        for ev in r:
+            if isinstance(ev, Arrival):
+                return ev.req
+    return None
+
+
+def choose_match(path_a, path_b) -> str:
+    """How to pair requests: by id when the traces share ids, by the id without
+    vLLM's random suffix when only that matches, else by order of arrival."""
+    fa, fb = _first_arrival(path_a), _first_arrival(path_b)
+    if fa is None or fb is None or fa == fb:
+        return "id"
+    if _RANDOM_SUFFIX.sub("", fa) == _RANDOM_SUFFIX.sub("", fb):
+        return "id-prefix"
+    return "arrival"
 
 
 def _state(st, prefix: str) -> dict:

@@ -169,7 +169,9 @@ def print_diff(result: Any, console: Console | None = None, max_rows: int = MAX_
         if trunc:
             console.print(Text(f"   truncated: {replayed_up_to(trunc, 'read')}",
                                style="yellow"))
-    console.print("recorded = A, expected = B")
+    paired = {"id": "by request id", "id-prefix": "by request id without vLLM's random suffix",
+              "arrival": "by order of arrival"}.get(getattr(result, "matched_by", "id"), "")
+    console.print(f"recorded = A, expected = B; requests paired {paired}")
     _print_divergences(console, result.divergences, max_rows)
     s = result.summary()
     n, bad = s["requests_compared"], s["divergent_requests"]
