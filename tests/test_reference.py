@@ -1,0 +1,248 @@
+"""The reference scheduler against rules of the semantics doc, with expectations
+worked out by hand from the doc (section numbers cited), not copied from a run."""
+
+from __future__ import annotations
+
+from kvtrace.reference import ModelOutput, Request, Scheduler, SchedulerConfig, Status
+from kvtrace.reference.block_pool import BlockPool
+
+B = 4
+
+
+def cfg(**kw) -> SchedulerConfig:
+    base = dict(block_size=B, num_blocks=16, max_num_batched_tokens=64, max_num_seqs=8,
+                max_model_len=128)
+    base.update(kw)
+    return SchedulerConfig(**base)
+
+
+def req(rid: str, tokens: list[int], max_tokens: int = 8, **kw) -> Request:
+    return Request(rid, tokens, max_tokens=max_tokens, block_size=B, **kw)
+
+
+def decode_tokens(s: Scheduler, out) -> ModelOutput:
+    """One sampled token for every request whose prefill is complete."""
+    return ModelOutput({rid: [7] for rid in out.num_scheduled_tokens
+                        if s.requests[rid].num_computed_tokens >= s.requests[rid].num_tokens})
+
+
+class FixedConnector:
+    """Answers every lookup with a fixed external hit."""
+
+    def __init__(self, ext: int, load_async: bool):
+        self.ext, self.load_async, self.calls = ext, load_async, []
+
+    def get_num_new_matched_tokens(self, r, n):
+        self.calls.append((r.request_id, n))
+        ext = self.ext.get(r.request_id, 0) if isinstance(self.ext, dict) else self.ext
+        return ext, self.load_async
+
+    def update_state_after_alloc(self, r, block_ids, e):
+        pass
+
+    def request_finished(self, r, block_ids):
+        return False
+
+
+# --------------------------------------------------------------------------- block pool (4.5)
+
+
+def test_pool_hands_out_ids_from_one_in_order_and_never_the_null_block():
+    pool = BlockPool(6, enable_caching=True)
+    assert [b.block_id for b in pool.get_new_blocks(5)] == [1, 2, 3, 4, 5]
+    assert pool.num_free_blocks == 0
+
+
+def test_unhashed_blocks_freed_in_reverse_go_to_the_head_tail_block_first():
+    pool = BlockPool(8, enable_caching=True)
+    table = pool.get_new_blocks(3)                      # ids 1, 2, 3
+    pool.free_blocks(reversed(table))                    # frees 3, 2, 1
+    # LIFO: the last block of the table is reused first.
+    assert [b.block_id for b in pool.get_new_blocks(3)] == [3, 2, 1]
+
+
+def test_hashed_blocks_go_to_the_tail_and_a_hit_takes_one_from_the_middle():
+    pool = BlockPool(6, enable_caching=True)
+    table = pool.get_new_blocks(2)                       # 1, 2; free queue now 3, 4, 5
+    pool.cache_full_blocks([b"h1", b"h2"], table, 0, 2, B)
+    pool.free_blocks(reversed(table))                    # appended: 2 then 1
+    assert pool.free_queue.ids() == [3, 4, 5, 2, 1]
+    hit = pool.get_cached_block(b"h1")
+    pool.touch([hit])
+    assert pool.free_queue.ids() == [3, 4, 5, 2]
+    # Popping a hashed block evicts its hash.
+    got = pool.get_new_blocks(4)
+    assert got[-1].block_id == 2 and pool.get_cached_block(b"h2") is None
+
+
+# --------------------------------------------------------------------------- lookups (4.6)
+
+
+def test_local_hit_leaves_one_token_so_an_aligned_cached_prompt_recomputes_its_last_block():
+    s = Scheduler(cfg())
+    prompt = list(range(8))                              # exactly 2 blocks
+    s.add_request(req("a", prompt))
+    s.update_from_output(s.schedule(), ModelOutput({"a": [99]}))
+    s.add_request(req("b", prompt))
+    out = s.schedule()
+    b = next(x for x in out.new if x.req_id == "b")
+    # hit capped at num_tokens - 1 = 7 -> one whole block (4 tokens), block-granular
+    assert b.num_computed_tokens == 4 and b.num_scheduled_tokens == 4
+    a_table = s.kv.get_block_ids("a")
+    assert b.block_ids[0] == a_table[0] and b.block_ids[1] != a_table[1]
+
+
+def test_blocks_are_hash_visible_from_the_step_that_allocates_them():
+    s = Scheduler(cfg())
+    s.add_request(req("a", list(range(12))))
+    s.add_request(req("b", list(range(12))))
+    out = s.schedule()
+    a, b = out.new
+    # b hits a's first two blocks in the same waiting pass (4.3), before a's forward pass.
+    assert b.num_computed_tokens == 8 and b.block_ids[:2] == a.block_ids[:2]
+
+
+# --------------------------------------------------------------------------- budgets (2.1, 2.2)
+
+
+def test_chunked_prefill_under_token_budget_and_threshold_only_with_company():
+    s = Scheduler(cfg(max_num_batched_tokens=10, long_prefill_token_threshold=3))
+    s.add_request(req("solo", list(range(20))))
+    out = s.schedule()
+    # alone: the threshold is off (S:643), the budget caps the chunk
+    assert out.num_scheduled_tokens == {"solo": 10}
+    s.update_from_output(out, ModelOutput())
+    s.add_request(req("other", list(range(100, 120))))
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"solo": 3, "other": 3}
+
+
+def test_max_num_seqs_stops_admission():
+    s = Scheduler(cfg(max_num_seqs=2))
+    for i in range(3):
+        s.add_request(req(f"r{i}", [i] * 5))
+    assert set(s.schedule().num_scheduled_tokens) == {"r0", "r1"}
+
+
+def test_fcfs_preempts_the_last_running_request_and_skips_the_waiting_pass():
+    s = Scheduler(cfg(num_blocks=5, max_num_batched_tokens=64))   # 4 usable blocks
+    s.add_request(req("a", list(range(8)), max_tokens=20))          # 2 blocks
+    s.add_request(req("b", list(range(100, 108)), max_tokens=20))   # 2 blocks
+    out = s.schedule()
+    s.update_from_output(out, decode_tokens(s, out))   # a, b now hold 9 tokens each
+    s.add_request(req("c", [5, 5]))
+    out = s.schedule()
+    # a needs a 3rd block; none free -> b (last) is preempted; a gets b's freed block.
+    assert out.preempted_req_ids == {"b"} and set(out.num_scheduled_tokens) == {"a"}
+    assert s.requests["b"].status == Status.PREEMPTED and s.requests["b"].num_computed_tokens == 0
+    assert s.requests["c"].status == Status.WAITING   # no admission in a step that preempted
+
+
+def test_priority_preempts_the_lowest_priority_request():
+    s = Scheduler(cfg(num_blocks=5, policy="priority"))
+    s.add_request(req("low", list(range(8)), max_tokens=20, priority=5, arrival_time=0))
+    s.add_request(req("high", list(range(100, 108)), max_tokens=20, priority=0, arrival_time=1))
+    out = s.schedule()
+    s.update_from_output(out, decode_tokens(s, out))
+    out = s.schedule()
+    assert out.preempted_req_ids == {"low"}
+
+
+# --------------------------------------------------------------------------- external loads (1.3, 3)
+
+
+def test_async_full_hit_completes_with_the_last_token_left_to_compute():
+    conn = FixedConnector(ext=8, load_async=True)
+    s = Scheduler(cfg(), conn)
+    s.add_request(req("a", list(range(8))))
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {} and s.requests["a"].status == Status.WAITING_FOR_REMOTE_KVS
+    assert s.requests["a"].num_computed_tokens == 8
+    s.update_from_output(out, ModelOutput(finished_recving={"a"}))
+    out = s.schedule()
+    (a,) = out.new
+    assert a.num_computed_tokens == 7 and a.num_scheduled_tokens == 1   # S:3171-3172
+    assert conn.calls == [("a", 0)]                                     # no second lookup
+    stats = s.update_from_output(out, ModelOutput({"a": [1]}))[0].prefill_stats
+    assert (stats.num_local_cached_tokens, stats.num_external_cached_tokens,
+            stats.num_computed_tokens) == (0, 8, 0)
+
+
+def test_prefill_stats_keep_the_first_admission_after_a_preemption():
+    conn = FixedConnector(ext=0, load_async=False)
+    s = Scheduler(cfg(num_blocks=5, max_num_batched_tokens=5), conn)   # 4 usable blocks
+    s.add_request(req("a", list(range(8)), max_tokens=3))   # at most 11 tokens: 3 blocks
+    out = s.schedule()                                   # a: 5 of 8, 2 blocks
+    s.update_from_output(out, decode_tokens(s, out))
+    s.add_request(req("b", list(range(100, 108)), max_tokens=20))
+    out = s.schedule()                                   # a: 3 (done), b: 2 of 8, 1 block
+    assert out.num_scheduled_tokens == {"a": 3, "b": 2}
+    s.update_from_output(out, decode_tokens(s, out))
+    out = s.schedule()                                   # a takes the last block; b needs one more
+    assert out.preempted_req_ids == {"b"}                # b preempted mid-prefill, before any output
+    conn.ext = {"b": 4}                                  # the external store grew meanwhile
+    for _ in range(20):
+        if "b" in {x.req_id for x in out.resumed}:
+            break
+        s.update_from_output(out, decode_tokens(s, out))
+        out = s.schedule()
+    assert next(x for x in out.resumed if x.req_id == "b").num_computed_tokens == 4
+    for _ in range(20):
+        res = {r.req_id: r for r in s.update_from_output(out, decode_tokens(s, out))}
+        if "b" in res:
+            break
+        out = s.schedule()
+    stats = res["b"].prefill_stats
+    # S:1074: only lookups before the first preemption set the stats
+    assert (stats.num_local_cached_tokens, stats.num_external_cached_tokens) == (0, 0)
+    assert res["b"].legacy_counters == (0, 0)
+
+
+def test_invalid_block_truncates_to_the_block_and_a_shared_block_reverts_the_other():
+    conn = FixedConnector(ext=6, load_async=False)
+    s = Scheduler(cfg(load_failure_policy="recompute"), conn)
+    s.add_request(req("a", list(range(12))))
+    out = s.schedule()
+    (a,) = out.new
+    assert a.num_computed_tokens == 6 and a.num_scheduled_tokens == 6
+    bad = a.block_ids[1]                                 # holds positions 4..7
+    res = s.update_from_output(out, ModelOutput({"a": [1]}, invalid_block_ids={bad}))
+    assert res == []                                     # the step's output is skipped
+    assert s.requests["a"].num_computed_tokens == 4      # idx 1 * block size
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"a": 8}
+
+
+def test_fail_policy_finishes_the_request_with_an_error():
+    conn = FixedConnector(ext=4, load_async=True)
+    s = Scheduler(cfg(), conn)
+    s.add_request(req("a", list(range(10))))
+    out = s.schedule()
+    res = s.update_from_output(out, ModelOutput(failed_recving={"a"}, finished_recving={"a"}))
+    assert [(r.req_id, r.finish_reason) for r in res] == [("a", "error")]
+    assert "a" not in s.requests and s.kv.pool.num_free_blocks == 15
+
+
+def test_abort_while_loading_keeps_blocks_until_the_load_finishes():
+    conn = FixedConnector(ext=4, load_async=True)
+    s = Scheduler(cfg(), conn)
+    s.add_request(req("a", list(range(10))))
+    out = s.schedule()
+    held = len(s.kv.get_block_ids("a"))
+    s.finish_requests(["a"], Status.FINISHED_ABORTED)
+    assert s.kv.pool.num_free_blocks == 15 - held
+    s.update_from_output(out, ModelOutput(finished_recving={"a"}))
+    assert s.kv.pool.num_free_blocks == 15 and "a" not in s.requests
+
+
+def test_stop_token_and_length_cap():
+    s = Scheduler(cfg())
+    s.add_request(req("a", [1, 2, 3], max_tokens=5, eos_token_id=9))
+    s.add_request(req("b", [4, 5, 6], max_tokens=2))
+    out = s.schedule()
+    res = {r.req_id: r for r in s.update_from_output(out, ModelOutput({"a": [9], "b": [1]}))}
+    assert res["a"].finish_reason == "stop" and res["b"].finish_reason is None
+    out = s.schedule()
+    res = {r.req_id: r for r in s.update_from_output(out, ModelOutput({"b": [1]}))}
+    assert res["b"].finish_reason == "length"
+    assert out.finished_req_ids == {"a"}
