@@ -244,14 +244,16 @@ def test_block_freed_while_in_use_and_reused():
     ta = [5, 6, 7]
     assert s.step(0, [], [("a", 0, 10, ta)]) == []
     s.append_tokens("a", [1])
-    # Block 6 is freed while a still runs, and handed to b, which writes it.
+    # Block 6 is freed while a still runs, and handed to b, which writes it. In the
+    # same forward pass b's write lands before a's attention reads: wrong at step 1.
     s.add_request("b", _prompt(13, 6))
-    assert s.step(1, [], [("a", 10, 1, ta), ("b", 0, 6, [6, 8])]) == []
+    d = _one(s.step(1, [], [("a", 10, 1, ta), ("b", 0, 6, [6, 8])]), "a", 1)
+    assert _where(d) == (6, 0, 4)
+    assert "written by b at step 1 (its position 0)" in d.recorded
+    assert _count(d) == (4, 10)
     s.append_tokens("a", [2])
     s.append_tokens("b", [3])
     d = _one(s.step(2, [], [("a", 11, 1, ta), ("b", 6, 1, [6, 8])]), "a", 2)
-    assert _where(d) == (6, 0, 4)
-    assert "written by b at step 1 (its position 0)" in d.recorded
     assert _count(d) == (4, 11)
 
 

@@ -222,7 +222,7 @@ def step_invariants(rec: ev.Step, cfg: ev.SchedulerConfig, prev_preemptions: dic
                   "I1: c <= T after schedule()")
         # I4; a request whose async load completed may wait holding its loaded blocks.
         if s.status in ("WAITING", "PREEMPTED") and (s.num_computed_tokens == 0) != (not s.block_ids):
-            d(s.req, "status", (s.status, s.num_computed_tokens, len(s.block_ids)),
+            d(s.req, "state.num_computed_tokens", (s.status, s.num_computed_tokens, len(s.block_ids)),
               "c == 0 and no blocks, or a completed async load",
               "I4: a waiting or preempted request holds nothing")
         before = prev_preemptions.get(s.req, 0)

@@ -18,6 +18,7 @@ from kvtrace.trace import events as ev
 
 from . import checks
 from .connector import RecordedConnector
+from .content import ContentCheck
 
 # Engine features the reference does not model; a trace that turns one on is refused.
 UNSUPPORTED = {
@@ -36,6 +37,8 @@ class ReplayResult:
     events: int = 0
     truncation: str | None = None     # where and why the trace stops early
     stopped: str | None = None        # why replay stopped before the end of the trace
+    device: str | None = None         # where the shadow-KV check ran; None when off
+    assumed_loads: bool = False       # the trace had no load plan; loads were inferred
     end: ev.End | None = None
 
 
@@ -54,7 +57,8 @@ def _check_supported(header: ev.Header, path) -> None:
 class Replayer:
     """Event-at-a-time replay. ``feed`` takes the events of one trace in order."""
 
-    def __init__(self, header: ev.Header, path: str = "<trace>", out: TraceWriter | None = None):
+    def __init__(self, header: ev.Header, path: str = "<trace>", out: TraceWriter | None = None,
+                 device: str | None = "auto"):
         self.header = header
         self.path = path
         self.cfg = header.config
@@ -62,6 +66,8 @@ class Replayer:
         self.sched = Scheduler(bridge.config_from_header(header),
                                self.connector if header.config.connector else None)
         self.out = out
+        # The shadow-KV content check; device None turns it off.
+        self.content = ContentCheck(header.config, device) if device else None
         self.divergences: list[Divergence] = []
         self.steps = 0
         self.stopped: str | None = None
@@ -79,6 +85,8 @@ class Replayer:
                 self._arrival(e, line)
             elif isinstance(e, ev.Abort):
                 self.sched.finish_requests(e.reqs, Status.FINISHED_ABORTED)
+                if self.content:
+                    self.content.abort(e.reqs)
                 self._write(ev.Abort(self._seq(), e.reqs))
             elif isinstance(e, ev.Step):
                 self._step(e, line)
@@ -99,6 +107,8 @@ class Replayer:
             raise TraceError(self.path, line, f"request '{a.req}' arrives twice")
         self._arrived.add(a.req)
         self.sched.add_request(bridge.request_from_arrival(a, self.cfg.block_size))
+        if self.content:
+            self.content.arrival(a)
         self._write(ev.Arrival(**{**_fields(a), "seq": self._seq()}))
 
     def _step(self, rec: ev.Step, line) -> None:
@@ -115,6 +125,8 @@ class Replayer:
         self.divergences.extend(self.connector.divergences)
         self.connector.divergences = []
         self.divergences.extend(checks.compare_step(rec, out, self.sched, line))
+        if self.content:
+            self.divergences.extend(self.content.step(rec, line))
         self._outputs[rec.step] = out
         if self.out:
             loads = self.connector.loads if self.cfg.connector else None
@@ -138,6 +150,8 @@ class Replayer:
         touched = bridge.touched_by_output(self.sched, out, model)
         results = self.sched.update_from_output(out, model)
         self.divergences.extend(checks.compare_output(rec, results, self.sched, touched, line))
+        if self.content:
+            self.content.output(rec)
         for r in results:
             if r.prefill_stats is not None:
                 self._expected_stats[r.req_id] = r
@@ -189,7 +203,10 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
                              meta={"replayed_from": str(path), "recorded_engine": header.engine,
                                    "recorded_engine_version": header.engine_version})
         writer = TraceWriter(out, replayed)
-    rp = Replayer(header, str(path), writer)
+    if device == "cpu" or (device == "auto" and not _cuda()):
+        import torch
+        torch.set_num_threads(1)   # the check is many small ops: threads only add overhead
+    rp = Replayer(header, str(path), writer, device)
     result = ReplayResult(path=str(path), header=header)
     try:
         with reader:
@@ -208,10 +225,18 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
     result.steps = rp.steps
     result.truncation = reader.truncation
     result.stopped = rp.stopped
+    if rp.content:
+        result.device = str(rp.content.kv.device)
+        result.assumed_loads = rp.content.assumed_loads
     if result.end is not None and result.end.status != "complete":
         result.truncation = (f"the recorder marked this trace '{result.end.status}'"
                              + (f": {result.end.error}" if result.end.error else ""))
     return result
+
+
+def _cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
 
 
 def _version() -> str:

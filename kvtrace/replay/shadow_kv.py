@@ -11,11 +11,14 @@ Step semantics, in this order:
 1. loads: an external load of positions [start, end) of a request writes, into
    the slots its block table names, the fingerprints of the request's own prefix
    (the external store is assumed to hold the request's own prefix);
-2. check: for every scheduled request, every position p < num_computed_tokens
+2. write: positions [c, c + n) of each scheduled request (clipped to the tokens
+   the request is known to have) get their fingerprints. In the engine every
+   layer writes the step's KV before its attention reads, so a request may read
+   what another writes in the same step (a prefix hit on a block allocated
+   earlier in the same schedule());
+3. check: for every scheduled request, every position p < num_computed_tokens
    (taken before the step) is read through its block table, and the slot must
-   hold the fingerprint of the request's prefix ending at p;
-3. write: positions [c, c + n) of each scheduled request (clipped to the tokens
-   the request is known to have) get their fingerprints.
+   hold the fingerprint of the request's prefix ending at p.
 
 Every written slot also records its writer: the request (an index into an
 interned table of request ids), the step, the writer's position and whether it
@@ -274,6 +277,10 @@ class ShadowKV:
         if r is not None:
             self._tfree.append(r.trow)
 
+    def __contains__(self, req: str) -> bool:
+        """Whether ``req`` is live in the shadow cache (added and not dropped)."""
+        return req in self._reqs
+
     def num_tokens(self, req: str) -> int:
         return self._req(req).ntok
 
@@ -384,11 +391,13 @@ class ShadowKV:
         self._materialise()
         if loads:
             self.slots_loaded += self._write(step, loads, loaded=True)
-        divs = self._check(step, scheduled)
+        # Within one forward pass every layer writes the step's KV before attention
+        # reads it, so a request may read what another request writes in the same step
+        # (a prefix hit on a block allocated earlier in the same schedule(), 4.3).
         writes = [(req, c, c + n, table) for req, c, n, table in scheduled if n > 0]
         if writes:
             self.slots_written += self._write(step, writes, loaded=False)
-        return divs
+        return self._check(step, scheduled)
 
     def _write(self, step: int, items, loaded: bool) -> int:
         """Write the fingerprints of positions [start, end) of each item's request

@@ -1,0 +1,84 @@
+"""Feeds the shadow KV cache from what the engine recorded.
+
+The content check uses only the recording: the engine's own block tables,
+num_computed_tokens, loads and accepted tokens. So it checks a trace on its own
+terms, and flags wrong KV even where every counter agrees with the reference.
+"""
+
+from __future__ import annotations
+
+from kvtrace.findings import Divergence
+from kvtrace.trace import events as ev
+
+from .shadow_kv import ShadowKV
+
+FINISHED = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_ABORTED",
+            "FINISHED_IGNORED", "FINISHED_ERROR")
+
+
+class ContentCheck:
+    def __init__(self, cfg: ev.SchedulerConfig, device: str = "auto"):
+        self.kv = ShadowKV(cfg.num_blocks, cfg.block_size, device)
+        self.has_connector = cfg.connector is not None
+        self.tables: dict[str, list[int]] = {}     # the engine's table per live request
+        self.assumed_loads = False                  # loads inferred from lookups, not recorded
+
+    def arrival(self, a: ev.Arrival) -> None:
+        self.kv.add_request(a.req, a.prompt_token_ids)
+
+    def abort(self, reqs: list[str]) -> None:
+        for req in reqs:
+            self._drop(req)
+
+    def step(self, rec: ev.Step, line: int | None) -> list[Divergence]:
+        for req in rec.preempted:
+            self.tables.pop(req, None)
+        for s in (*rec.new, *rec.resumed):
+            self.tables[s.req] = list(s.block_ids)
+        for s in rec.running:
+            self.tables.setdefault(s.req, []).extend(s.new_block_ids)
+        for st in rec.states:
+            self.tables[st.req] = list(st.block_ids)
+        loads = [(ld.req, ld.start, ld.end, self.tables.get(ld.req, []))
+                 for ld in self._loads(rec) if ld.req in self.kv]
+        scheduled = [(s.req, s.num_computed_tokens, s.num_scheduled_tokens, self.tables.get(s.req, []))
+                     for s in (*rec.new, *rec.resumed, *rec.running) if s.req in self.kv]
+        divs = self.kv.step(rec.step, loads, scheduled)
+        for d in divs:
+            d.seq, d.line = rec.seq, line
+        return divs
+
+    def output(self, rec: ev.Output) -> None:
+        states = {s.req: s for s in rec.states}
+        for req, tokens in rec.sampled.items():
+            if req not in self.kv:
+                continue
+            st = states.get(req)
+            # The engine drops a step's tokens for a request hit by a load failure:
+            # its recorded token count says how many it kept.
+            keep = len(tokens) if st is None else max(0, st.num_tokens - self.kv.num_tokens(req))
+            if keep:
+                self.kv.append_tokens(req, tokens[:keep])
+        for st in rec.states:
+            if st.status in FINISHED:
+                self._drop(st.req)
+        for req in rec.finished:
+            self._drop(req)
+
+    def _loads(self, rec: ev.Step) -> list[ev.KVLoad]:
+        if rec.loads is not None:
+            return rec.loads
+        if not self.has_connector:
+            return []
+        # No load plan in the trace: assume every admitted external hit was loaded.
+        self.assumed_loads = True
+        last = {lk.req: lk for lk in rec.lookups}
+        admitted = [s.req for s in (*rec.new, *rec.resumed)]
+        admitted += [s.req for s in rec.states if s.status == "WAITING_FOR_REMOTE_KVS"]
+        return [ev.KVLoad(r, last[r].local, last[r].local + last[r].ext)
+                for r in admitted if r in last and last[r].ext]
+
+    def _drop(self, req: str) -> None:
+        self.tables.pop(req, None)
+        if req in self.kv:
+            self.kv.drop_request(req)
