@@ -1,0 +1,132 @@
+"""The shadow-KV content check on whole traces: clean traces have no kv-content
+divergence; KV corruption is caught as kv-content, also in traces edited so that
+every counter still agrees with the reference."""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+
+import orjson
+import pytest
+
+from kvtrace.engine import FAULT_WORKLOADS, record_embedded
+from kvtrace.replay import replay_file
+
+TRACES = Path(__file__).resolve().parent.parent / "traces"
+COUNTER_KINDS = {"counter", "stats", "lookup"}
+
+
+def content(divs):
+    return [d for d in divs if d.kind == "kv-content"]
+
+
+def load(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        return [orjson.loads(line) for line in f if line.strip()]
+
+
+def save(records: list[dict], path: Path) -> Path:
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
+    return path
+
+
+@pytest.mark.parametrize("path", sorted(TRACES.glob("*.jsonl.gz")), ids=lambda p: p.name)
+def test_real_vllm_traces_have_no_content_divergence(path):
+    assert content(replay_file(path).divergences) == []
+
+
+def test_real_vllm_async_load_overshoot_is_caught_as_content():
+    divs = content(replay_file(TRACES / "faults" / "async-load-overshoot.jsonl.gz").divergences)
+    assert divs and "never written" in divs[0].recorded
+
+
+@pytest.mark.parametrize("fault", ["async-load-overshoot", "no-reload-after-preempt"])
+def test_embedded_faults_that_corrupt_kv_are_caught_where_they_fire(tmp_path, fault):
+    res = record_embedded(tmp_path / "t.jsonl", workload=FAULT_WORKLOADS[fault], fault=fault)
+    divs = content(replay_file(res.path).divergences)
+    first = res.fault_log[0]
+    mine = [d for d in divs if d.req == first.req]
+    assert mine, f"no kv-content divergence for {first.req}"
+    assert mine[0].step >= first.step
+
+
+# --------------------------------------------------------------------------- edited traces
+
+
+def _clean_offload(tmp_path) -> list[dict]:
+    res = record_embedded(tmp_path / "clean.jsonl", workload="offload", seed=0)
+    recs = load(res.path)
+    assert replay_file(res.path).divergences == []
+    return recs
+
+
+def test_missing_load_is_caught_even_when_every_counter_matches(tmp_path):
+    recs = _clean_offload(tmp_path)
+    # Drop the first planned load: the engine counts the hit but never loads it.
+    step = next(r for r in recs if r["kind"] == "step" and r.get("loads"))
+    victim = step["loads"].pop(0)["req"]
+    divs = replay_file(save(recs, tmp_path / "edited.jsonl")).divergences
+    assert not [d for d in divs if d.kind in COUNTER_KINDS]
+    hit = [d for d in content(divs) if d.req == victim]
+    assert hit and "never written" in hit[0].recorded
+
+
+def _first_admission_with_hit(recs: list[dict]):
+    for r in recs:
+        if r["kind"] != "step":
+            continue
+        for s in r["new"]:
+            if s["num_computed_tokens"] > 0 and s["block_ids"]:
+                return r, s
+    raise AssertionError("no admission with a prefix hit")
+
+
+def test_wrong_prefix_hit_is_caught_even_when_every_counter_matches(tmp_path):
+    res = record_embedded(tmp_path / "clean.jsonl", workload="shared-prefix", seed=0)
+    recs = load(res.path)
+    step, entry = _first_admission_with_hit(recs)
+    req, good = entry["req"], entry["block_ids"][0]
+    # Point the hit at a block that some other request computed with other tokens.
+    written = {b for r in recs[: recs.index(step)] if r["kind"] == "step"
+               for s in r["states"] if s["req"] != req for b in s["block_ids"]}
+    wrong = next(b for b in sorted(written) if b != good and b not in entry["block_ids"])
+    for r in recs[recs.index(step):]:
+        for group in ("new", "resumed", "states"):
+            for s in r.get(group, []):
+                if s["req"] == req:
+                    s["block_ids"] = [wrong if b == good else b for b in s["block_ids"]]
+    divs = replay_file(save(recs, tmp_path / "edited.jsonl")).divergences
+    assert not [d for d in divs if d.kind in COUNTER_KINDS]
+    hit = [d for d in content(divs) if d.req == req]
+    assert hit and hit[0].step == step["step"]
+    assert f"block {wrong} " in hit[0].recorded and "written by" in hit[0].recorded
+
+
+def test_block_reused_while_in_use_is_caught_even_when_every_counter_matches(tmp_path):
+    res = record_embedded(tmp_path / "clean.jsonl", workload="shared-prefix", seed=1)
+    recs = load(res.path)
+    steps = [r for r in recs if r["kind"] == "step"]
+    # Find a step that admits a request while another request keeps running.
+    for st in steps:
+        running = {s["req"] for s in st["running"]}
+        newcomer = next((s for s in st["new"] if s["num_computed_tokens"] == 0), None)
+        if running and newcomer:
+            break
+    else:
+        raise AssertionError("no step admits a request beside a running one")
+    owner = sorted(running)[0]
+    owner_table = next(s["block_ids"] for s in st["states"] if s["req"] == owner)
+    stolen, given = owner_table[0], newcomer["block_ids"][0]
+    # The engine hands the owner's first block to the newcomer as if it were free.
+    for r in recs[recs.index(st):]:
+        for group in ("new", "resumed", "states"):
+            for s in r.get(group, []):
+                if s["req"] == newcomer["req"]:
+                    s["block_ids"] = [stolen if b == given else b for b in s["block_ids"]]
+    divs = replay_file(save(recs, tmp_path / "edited.jsonl")).divergences
+    assert not [d for d in divs if d.kind in COUNTER_KINDS]
+    hit = [d for d in content(divs) if d.req == owner]
+    assert hit and hit[0].step == st["step"]
+    assert f"written by {newcomer['req']} at step {st['step']}" in hit[0].recorded
