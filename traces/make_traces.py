@@ -21,6 +21,7 @@ TRACES = {
     "prefix-sharing": "prefix",
     "preemption": "preemption",
     "connector": "connector",
+    "priority": "priority",
 }
 # Traces of vLLM with a bug put back (kvtrace.record.fault_schedulers), in faults/.
 FAULT_TRACES = ["async-load-overshoot", "stale-computed-on-preempt"]

@@ -7,7 +7,7 @@
     ``model_dir`` may be None: the tiny random Llama (``tiny_model``) is used.
     ``workload`` is one of ``WORKLOADS`` ("prefix", "preemption", "connector") or a
     dict ``{"prompts": [[ids...], ...], "max_tokens": int, "engine": {...},
-    "sampling": {...}}``. ``engine_kwargs`` override the workload's ``LLM(...)``
+    "sampling": {...}, "priority": [int, ...]}``. ``engine_kwargs`` override the workload's ``LLM(...)``
     arguments. Returns ``{"path": out_path, "outputs": {index: [token ids]},
     "finish_reasons": {index: str}}``.
 
@@ -99,6 +99,12 @@ WORKLOADS: dict[str, dict] = {
                 {"req": "5", "hit": 96, "fail": "blocks", "fail_blocks": [1]},  # block-level failure
                 {"req": "6", "hit": 40},                                   # local hit covers it
             ]}))),
+    # Priority scheduling with chunked long prefills under a small KV cache.
+    "priority": dict(
+        prompts=[[(17 * i + 3 * j) % 480 + 16 for j in range(60 + 13 * i)] for i in range(10)],
+        max_tokens=48, priority=[i % 3 for i in range(10)],
+        engine=dict(num_gpu_blocks_override=18, scheduling_policy="priority",
+                    long_prefill_token_threshold=48, max_num_batched_tokens=128)),
     # One async external hit of 40 tokens (ends mid-block, before the prompt's end):
     # the trigger for the "async-load-overshoot" fault.
     "async-partial": dict(
@@ -139,7 +145,10 @@ def run_workload(model_dir: str | None, workload: Any = "prefix", **engine_kwarg
         sp = dict(max_tokens=wl.get("max_tokens", 32), ignore_eos=True, temperature=0.0)
         sp.update(wl.get("sampling", {}))
         prompts = [{"prompt_token_ids": list(p)} for p in wl["prompts"]]
-        outs = llm.generate(prompts, SamplingParams(**sp), use_tqdm=False)
+        gen_kwargs = {}
+        if wl.get("priority") is not None:
+            gen_kwargs["priority"] = list(wl["priority"])
+        outs = llm.generate(prompts, SamplingParams(**sp), use_tqdm=False, **gen_kwargs)
         result = {
             "outputs": {i: list(o.outputs[0].token_ids) for i, o in enumerate(outs)},
             "finish_reasons": {i: str(o.outputs[0].finish_reason) for i, o in enumerate(outs)},
