@@ -83,6 +83,11 @@ class KVCacheManager:
         Table layout after the first admission: [hits][external][new].
         """
         req_id = request.request_id
+        table = self.req_to_blocks.get(req_id)
+        if table is not None and not hits and not num_external_computed_tokens:
+            # A request that already holds blocks: top up its table (ST:229-235).
+            return self._top_up(request, table, num_new_tokens, delay_cache_blocks, reserved_blocks,
+                                has_scheduled_reqs)
         local = request.num_computed_tokens + num_new_computed_tokens
         total = min(local + num_external_computed_tokens, self.max_model_len)
         need_slots = min(total + num_new_tokens, self.max_model_len)
@@ -109,6 +114,25 @@ class KVCacheManager:
         new_blocks = self.pool.get_new_blocks(max(0, cdiv(need_slots, self.block_size) - len(table)))
         table.extend(new_blocks)
 
+        if not delay_cache_blocks:
+            self.cache_blocks(request, min(total + num_new_tokens, request.num_tokens))
+        return new_blocks
+
+    def _top_up(self, request: Request, table: list[Block], num_new_tokens: int,
+                delay_cache_blocks: bool, reserved_blocks: int, has_scheduled_reqs: bool
+                ) -> list[Block] | None:
+        """allocate_slots for a request with a table and nothing to adopt: the same
+        arithmetic as below with hits = [] and no external tokens."""
+        total = min(request.num_computed_tokens, self.max_model_len)
+        need_slots = min(total + num_new_tokens, self.max_model_len)
+        needed = max(cdiv(need_slots, self.block_size) - len(table), 0)
+        watermark = 0
+        if has_scheduled_reqs and request.status in (Status.WAITING, Status.PREEMPTED):
+            watermark = self.watermark_blocks
+        if needed + watermark > self.pool.num_free_blocks - reserved_blocks:
+            return None
+        new_blocks = self.pool.get_new_blocks(needed) if needed else []
+        table.extend(new_blocks)
         if not delay_cache_blocks:
             self.cache_blocks(request, min(total + num_new_tokens, request.num_tokens))
         return new_blocks

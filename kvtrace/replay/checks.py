@@ -86,17 +86,21 @@ def compare_states(step: int, states: list[ev.RequestState], sched: Scheduler,
                                    "the reference holds no such live request", "counter", seq, line))
             continue
         blocks = sched.kv.get_block_ids(s.req)
-        for field, got, want, rule, kind in (
-            ("status", s.status, r.status.name, "1.4: status transitions", "counter"),
-            ("state.num_computed_tokens", s.num_computed_tokens, r.num_computed_tokens,
-             "1.3: every write to num_computed_tokens", "counter"),
-            ("num_tokens", s.num_tokens, r.num_tokens, "1.1: num_tokens = prompt + outputs", "counter"),
-            ("num_preemptions", s.num_preemptions, r.num_preemptions, "I6", "counter"),
-            ("state.block_ids", s.block_ids, blocks, "4.5/4.7: the block table", "block"),
-        ):
-            if got != want:
-                divs.append(Divergence(step, s.req, field, got, want, rule, kind, seq, line))
+        want = (r.status.name, r.num_computed_tokens, r.num_tokens, r.num_preemptions, blocks)
+        got = (s.status, s.num_computed_tokens, s.num_tokens, s.num_preemptions, s.block_ids)
+        if got == want:
+            continue
+        for field, g, w, rule, kind in zip(_STATE_FIELDS, got, want, _STATE_RULES, _STATE_KINDS):
+            if g != w:
+                divs.append(Divergence(step, s.req, field, g, w, rule, kind, seq, line))
     return divs
+
+
+_STATE_FIELDS = ("status", "state.num_computed_tokens", "num_tokens", "num_preemptions",
+                 "state.block_ids")
+_STATE_RULES = ("1.4: status transitions", "1.3: every write to num_computed_tokens",
+                "1.1: num_tokens = prompt + outputs", "I6", "4.5/4.7: the block table")
+_STATE_KINDS = ("counter", "counter", "counter", "counter", "block")
 
 
 # --------------------------------------------------------------------------- output
@@ -231,12 +235,13 @@ def step_invariants(rec: ev.Step, cfg: ev.SchedulerConfig, prev_preemptions: dic
             d(s.req, "num_preemptions", s.num_preemptions, want,
               "I6: +1 per appearance in preempted_req_ids")
         prev_preemptions[s.req] = s.num_preemptions
-    for b in (*(x for s in rec.states for x in s.block_ids),
-              *(x for s in [*rec.new, *rec.resumed] for x in s.block_ids),
-              *(x for s in rec.running for x in s.new_block_ids)):
-        if not 0 < b < cfg.num_blocks:
-            d(None, "block_ids", b, f"1..{cfg.num_blocks - 1}", "4.5: allocatable ids", "block")
-            break
+    tables = [s.block_ids for s in (*rec.states, *rec.new, *rec.resumed)]
+    tables += [s.new_block_ids for s in rec.running]
+    lo = min((min(t) for t in tables if t), default=1)
+    hi = max((max(t) for t in tables if t), default=1)
+    if lo < 1 or hi >= cfg.num_blocks:
+        d(None, "block_ids", lo if lo < 1 else hi, f"1..{cfg.num_blocks - 1}",
+          "4.5: allocatable ids", "block")
     divs.extend(_loads_cover_hits(rec, d))
     return divs
 
