@@ -77,9 +77,9 @@ def divergence_table(divs: list[Divergence], max_rows: int = MAX_ROWS) -> tuple[
     table = Table(show_lines=False, header_style="bold", expand=False)
     table.add_column("step", justify="right", no_wrap=True)
     table.add_column("request", no_wrap=True)
-    table.add_column("field", no_wrap=True)
-    table.add_column("recorded", style="red")
-    table.add_column("expected", style="green")
+    table.add_column("field", overflow="fold")
+    table.add_column("recorded", style="red", max_width=24, overflow="fold")
+    table.add_column("expected", style="green", max_width=24, overflow="fold")
     table.add_column("rule")
     for d in ordered[:max_rows]:
         table.add_row(
