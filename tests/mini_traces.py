@@ -65,7 +65,9 @@ def write_mini_trace(
         for req, s in live.items():
             n = s["tokens"] - s["computed"]
             need = -(-(s["tokens"]) // BLOCK) - len(s["blocks"])
-            blocks = list(range(next_block, next_block + max(need, 0)))
+            # Ids wrap around inside the header's pool (1..63): the reader refuses ids
+            # outside it, and the toy schedule never frees a block.
+            blocks = [(b - 1) % 63 + 1 for b in range(next_block, next_block + max(need, 0))]
             next_block += len(blocks)
             s["blocks"] += blocks
             if s["new"]:

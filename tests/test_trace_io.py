@@ -25,6 +25,8 @@ def _events(w: TraceWriter) -> list:
         Arrival(seq=s(), req="a", prompt_token_ids=[1, 2, 3, 4, 5], max_tokens=4, arrival_time=0.5,
                 priority=-1, cache_salt="salt", eos_token_id=2, stop_token_ids=[7], min_tokens=1,
                 ignore_eos=True, skip_reading_prefix_cache=True),
+        # The reader checks that every request a record names has arrived.
+        *[Arrival(seq=s(), req=r, prompt_token_ids=[1], max_tokens=1) for r in "bcdefg"],
         Step(seq=s(), step=0,
              new=[ScheduledNew(req="a", num_computed_tokens=4, num_scheduled_tokens=1, block_ids=[1, 2])],
              resumed=[ScheduledNew(req="b", num_computed_tokens=0, num_scheduled_tokens=3, block_ids=[3])],

@@ -34,6 +34,11 @@ END_STATUSES = ("complete", "recorder-error", "interrupted")
 
 # Sanity bounds: a value above these is a corrupt trace, not a big run.
 MAX_COUNT = 1 << 40
+# The most KV slots (num_blocks * block_size) and the longest max_model_len a
+# header may claim: about 2 billion tokens, far beyond any real deployment. Replay
+# sizes its shadow KV cache by the header, so an absurd header must not reach it.
+MAX_KV_SLOTS = 1 << 31
+MAX_MODEL_LEN = 1 << 31
 
 
 class SchemaError(ValueError):
@@ -48,8 +53,12 @@ def _int(v: Any, name: str, lo: int = 0) -> int:
     if type(v) is not int:
         raise SchemaError(f"field '{name}' must be an integer, got {_tname(v)}")
     if v < lo or v > MAX_COUNT:
-        raise SchemaError(f"field '{name}' is out of range: {v}")
+        raise SchemaError(f"field '{name}' is out of range: {v} (allowed: {_bound(lo)}..2^40)")
     return v
+
+
+def _bound(lo: int) -> str:
+    return "-2^40" if lo == -MAX_COUNT else str(lo)
 
 
 def _opt_int(v: Any, name: str, lo: int = 0) -> int | None:
@@ -85,7 +94,8 @@ def _ints(v: Any, name: str, lo: int = 0) -> list[int]:
         if type(x) is not int:
             raise SchemaError(f"field '{name}' must be a list of integers, found {_tname(x)}")
         if x < lo or x > MAX_COUNT:
-            raise SchemaError(f"field '{name}' holds an out-of-range value: {x}")
+            raise SchemaError(f"field '{name}' holds an out-of-range value: {x} "
+                              f"(allowed: {_bound(lo)}..2^40)")
     return v
 
 
@@ -195,6 +205,11 @@ class SchedulerConfig:
             watermark_blocks=_int(_get(d, "watermark_blocks", 0), "watermark_blocks"),
             connector=None if conn is None else ConnectorConfig.from_json(_obj(conn, "connector")),
         )
+        if cfg.num_blocks * cfg.block_size > MAX_KV_SLOTS:
+            raise SchemaError(f"absurd KV cache: num_blocks * block_size = "
+                              f"{cfg.num_blocks * cfg.block_size} slots (at most 2^31)")
+        if cfg.max_model_len > MAX_MODEL_LEN:
+            raise SchemaError(f"field 'max_model_len' is absurd: {cfg.max_model_len} (at most 2^31)")
         return cfg
 
     @property

@@ -11,17 +11,26 @@ from __future__ import annotations
 import gzip
 import io
 import os
+import zlib
 from pathlib import Path
 from typing import IO, Iterator
 
 import orjson
 
 from .events import End, Event, Header, SchemaError, decode, decode_header, to_json
+from .validate import Validator
 
 GZIP_MAGIC = b"\x1f\x8b"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 # A single record larger than this is corrupt; stops a bad file from eating memory.
 MAX_LINE_BYTES = 256 << 20
+# The most bytes (after decompression) a reader takes from one file. A bound on
+# what a decompression bomb can cost in time; memory is bounded by the line limit.
+MAX_TOTAL_BYTES = 64 << 30
+# Both can be changed through the environment, for unusual traces or for tests.
+ENV_MAX_LINE_BYTES = "KVTRACE_MAX_LINE_BYTES"
+ENV_MAX_BYTES = "KVTRACE_MAX_BYTES"
+_CHUNK = 1 << 20
 
 
 class TraceError(Exception):
@@ -33,6 +42,19 @@ class TraceError(Exception):
         self.path, self.line, self.problem = str(path), line, problem
         where = f"{self.path}:{line}" if line is not None else self.path
         super().__init__(f"{where}: {problem}")
+
+
+def _env_bytes(name: str, default: int) -> int:
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return default
+    try:
+        n = int(v)
+    except ValueError:
+        raise TraceError(name, None, f"must be a number of bytes, got {v!r}") from None
+    if n <= 0:
+        raise TraceError(name, None, f"must be positive, got {n}")
+    return n
 
 
 def _open_binary_read(path: Path) -> IO[bytes]:
@@ -48,6 +70,11 @@ def _open_binary_read(path: Path) -> IO[bytes]:
     return raw
 
 
+def _is_stream_damage(e: Exception) -> bool:
+    """A truncated or corrupt compressed stream (as opposed to a bug)."""
+    return isinstance(e, (EOFError, OSError, zlib.error)) or type(e).__name__ == "ZstdError"
+
+
 class TraceReader:
     """Iterate a trace's events after its header.
 
@@ -55,20 +82,26 @@ class TraceReader:
     >>> r.header.config.block_size
     >>> for ev in r: ...
     >>> r.truncation   # None, or "line 812 is cut off" etc.
+
+    ``validate`` (on by default) also checks each record against the header and
+    the records before it (validate.py): block ids in the pool, request ids that
+    arrived, step order. Turn it off only to read a file for repair.
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, validate: bool = True):
         self.path = Path(path)
         self.truncation: str | None = None
         self.end: End | None = None
         self.last_line = 0
+        self.max_line_bytes = _env_bytes(ENV_MAX_LINE_BYTES, MAX_LINE_BYTES)
+        self.max_total_bytes = _env_bytes(ENV_MAX_BYTES, MAX_TOTAL_BYTES)
+        self.bytes_read = 0
         try:
             fh = _open_binary_read(self.path)
         except OSError as e:
             raise TraceError(self.path, None, f"cannot open: {e.strerror or e}") from None
-        # GzipFile buffers by itself. Wrapping it in a second, larger buffer would
-        # lose every line of the last chunk when a cut-off stream raises EOFError.
-        self._fh = fh if isinstance(fh, gzip.GzipFile) else io.BufferedReader(fh, buffer_size=1 << 20)
+        self._fh = fh
+        self._read = getattr(fh, "read1", fh.read)
         first = self._next_raw()
         if first is None:
             self.close()
@@ -76,6 +109,9 @@ class TraceReader:
                 raise TraceError(self.path, 1, f"the header record is cut off: {self.truncation}")
             raise TraceError(self.path, None, "empty file: no header record")
         lineno, raw, complete = first
+        if not complete and (b"\x00" in raw or not _mostly_text(raw)):
+            self.close()
+            raise TraceError(self.path, lineno, "binary data, not a JSON record")
         obj = self._parse(lineno, raw, complete)
         if obj is None:
             self.close()
@@ -85,32 +121,67 @@ class TraceReader:
         except SchemaError as e:
             self.close()
             raise TraceError(self.path, lineno, str(e)) from None
+        self._validator = Validator(self.header) if validate else None
 
     # -- raw lines -------------------------------------------------------------
 
     def _lines(self) -> Iterator[tuple[int, bytes, bool]]:
+        """(line number, bytes, ends with a newline) for every non-blank line.
+        Reads in chunks, so a line without an end costs at most the line limit."""
         lineno = 0
+        pieces: list[bytes] = []   # the current, unfinished line
+        plen = 0
+        max_line, max_total = self.max_line_bytes, self.max_total_bytes
         while True:
             try:
-                raw = self._fh.readline(MAX_LINE_BYTES + 1)
-            except (EOFError, OSError, gzip.BadGzipFile) as e:
+                chunk = self._read(_CHUNK)
+            except Exception as e:
+                if not _is_stream_damage(e):
+                    raise
                 # Truncated or corrupt compressed stream: whatever came before stands.
                 self.truncation = f"compressed stream ends early after line {lineno} ({_reason(e)})"
                 return
-            except Exception as e:  # zstandard raises its own ZstdError
-                if type(e).__name__ == "ZstdError":
-                    self.truncation = f"compressed stream ends early after line {lineno} ({e})"
-                    return
-                raise
-            if not raw:
-                return
-            lineno += 1
-            if len(raw) > MAX_LINE_BYTES:
-                raise TraceError(self.path, lineno, f"record longer than {MAX_LINE_BYTES} bytes")
-            complete = raw.endswith(b"\n")
-            if raw.strip() == b"":
+            if not chunk:
+                break
+            self.bytes_read += len(chunk)
+            if self.bytes_read > max_total:
+                raise TraceError(self.path, lineno + 1,
+                                 f"more than {max_total} bytes of trace data; refusing to read on "
+                                 f"(a decompression bomb? set {ENV_MAX_BYTES} to allow more)")
+            if not pieces and chunk.isspace():   # a run of blank lines
+                lineno += chunk.count(b"\n")
                 continue
-            yield lineno, raw, complete
+            start = 0
+            while True:
+                nl = chunk.find(b"\n", start)
+                if nl < 0:
+                    if start < len(chunk):
+                        rest = chunk[start:]
+                        pieces.append(rest)
+                        plen += len(rest)
+                        if plen > max_line:
+                            raise TraceError(self.path, lineno + 1, _too_long(max_line))
+                    break
+                part = chunk[start:nl + 1]
+                start = nl + 1
+                lineno += 1
+                if pieces:
+                    if plen + len(part) > max_line:
+                        raise TraceError(self.path, lineno, _too_long(max_line))
+                    pieces.append(part)
+                    raw = b"".join(pieces)
+                    pieces, plen = [], 0
+                else:
+                    if len(part) > max_line:
+                        raise TraceError(self.path, lineno, _too_long(max_line))
+                    raw = part
+                if raw.isspace():
+                    continue
+                yield lineno, raw, True
+        if pieces:
+            raw = b"".join(pieces)
+            if not raw.isspace():
+                yield lineno + 1, raw, False
 
     def _next_raw(self):
         if not hasattr(self, "_raw_iter"):
@@ -151,6 +222,11 @@ class TraceReader:
             last_seq = ev.seq
             if self.end is not None:
                 raise TraceError(self.path, lineno, "record after the 'end' record")
+            if self._validator is not None:
+                try:
+                    self._validator.check(ev)
+                except SchemaError as e:
+                    raise TraceError(self.path, lineno, str(e)) from None
             if isinstance(ev, End):
                 self.end = ev
             yield ev
@@ -176,6 +252,11 @@ class TraceReader:
 def _mostly_text(raw: bytes) -> bool:
     sample = raw[:256]
     return sum(32 <= b < 127 or b in (9, 10, 13) for b in sample) >= 0.9 * len(sample)
+
+
+def _too_long(limit: int) -> str:
+    return (f"record longer than {limit} bytes without a line break "
+            f"(set {ENV_MAX_LINE_BYTES} to allow longer records)")
 
 
 def _short(e: Exception) -> str:

@@ -1,0 +1,133 @@
+"""Checks that need more than one line: a record against the header and against
+the records before it.
+
+``decode`` checks each record on its own (types, fields, signs). ``Validator``
+then checks what only the whole file can say is wrong, so that every consumer of
+``TraceReader`` (replay and diff alike) refuses the same unusable input:
+
+* block ids must exist in the header's pool (``0 .. num_blocks-1``; block 0 is
+  vLLM's null block, whose use is an engine bug that replay reports as a
+  divergence rather than a broken file);
+* token counts and positions may not exceed what the header allows anywhere
+  (``max_model_len`` plus the whole KV cache): a larger one is a corrupt file;
+* ``num_free_blocks`` may not exceed ``num_blocks``;
+* every request named by a step, an output or a prompt_stats record must have
+  arrived earlier in the file (aborts are exempt: vLLM's ``finish_requests``
+  ignores ids it does not know, and the recorder writes the call as made);
+* ``step`` numbers strictly increase; an output names a step already recorded,
+  and outputs come in step order (also under async scheduling); a prompt_stats
+  record names a step already recorded.
+
+Each check raises ``SchemaError`` with the problem; the reader adds file and line.
+Memory grows with the number of distinct requests, not with the length of the file.
+"""
+
+from __future__ import annotations
+
+from . import events as ev
+from .events import SchemaError
+
+
+class Validator:
+    def __init__(self, header: ev.Header):
+        cfg = header.config
+        self.num_blocks = cfg.num_blocks
+        self.token_limit = cfg.max_model_len + cfg.num_blocks * cfg.block_size
+        self.arrived: set[str] = set()
+        self.last_step = -1
+        self.last_output_step = -1
+
+    # -- entry -------------------------------------------------------------------
+
+    def check(self, e) -> None:
+        if isinstance(e, ev.Arrival):
+            self.arrived.add(e.req)
+        elif isinstance(e, ev.Step):
+            self._step(e)
+        elif isinstance(e, ev.Output):
+            self._output(e)
+        elif isinstance(e, ev.PromptStats):
+            if e.step > self.last_step:
+                raise SchemaError(f"prompt_stats for step {e.step}, which has not been scheduled "
+                                  f"(the last step is {self.last_step})")
+            self._known(e.req, "req")
+
+    # -- records -----------------------------------------------------------------
+
+    def _step(self, s: ev.Step) -> None:
+        if s.step <= self.last_step:
+            raise SchemaError(f"step {s.step} does not follow step {self.last_step}: "
+                              "step numbers must increase")
+        for name, items in (("new", s.new), ("resumed", s.resumed)):
+            for x in items:
+                self._known(x.req, f"{name}.req")
+                self._tokens(x.num_computed_tokens, f"{name}.num_computed_tokens")
+                self._tokens(x.num_scheduled_tokens, f"{name}.num_scheduled_tokens")
+                self._blocks(x.block_ids, f"{name}.block_ids")
+        for x in s.running:
+            self._known(x.req, "running.req")
+            self._tokens(x.num_computed_tokens, "running.num_computed_tokens")
+            self._tokens(x.num_scheduled_tokens, "running.num_scheduled_tokens")
+            self._blocks(x.new_block_ids, "running.new_block_ids")
+        for req in s.preempted:
+            self._known(req, "preempted")
+        for req in s.finished:
+            self._known(req, "finished")
+        for lk in s.lookups:
+            self._known(lk.req, "lookups.req")
+            self._tokens(lk.local, "lookups.local")
+            if lk.ext is not None:
+                self._tokens(lk.ext, "lookups.ext")
+        for ld in s.loads or ():
+            self._known(ld.req, "loads.req")
+            self._tokens(ld.start, "loads.start")
+            self._tokens(ld.end, "loads.end")
+        self._states(s.states)
+        if s.num_free_blocks is not None and s.num_free_blocks > self.num_blocks:
+            raise SchemaError(f"field 'num_free_blocks' is {s.num_free_blocks}, more than the "
+                              f"{self.num_blocks} blocks of the header's pool")
+        self.last_step = s.step
+
+    def _output(self, o: ev.Output) -> None:
+        if o.step > self.last_step:
+            raise SchemaError(f"output for step {o.step}, which has not been scheduled "
+                              f"(the last step is {self.last_step})")
+        if o.step <= self.last_output_step:
+            raise SchemaError(f"output for step {o.step} after the output for step "
+                              f"{self.last_output_step}: outputs come once per step, in step order")
+        self.last_output_step = o.step
+        for req in o.sampled:
+            self._known(req, "sampled")
+        for req in o.finished:
+            self._known(req, "finished")
+        c = o.connector
+        if c is not None:
+            for name in ("finished_recving", "finished_sending", "failed_recving"):
+                for req in getattr(c, name):
+                    self._known(req, f"connector.{name}")
+            self._blocks(c.invalid_block_ids, "connector.invalid_block_ids")
+        self._states(o.states)
+
+    def _states(self, states: list[ev.RequestState]) -> None:
+        for st in states:
+            self._known(st.req, "states.req")
+            self._tokens(st.num_computed_tokens, "states.num_computed_tokens")
+            self._tokens(st.num_tokens, "states.num_tokens")
+            self._blocks(st.block_ids, "states.block_ids")
+
+    # -- values ------------------------------------------------------------------
+
+    def _known(self, req: str, name: str) -> None:
+        if req not in self.arrived:
+            raise SchemaError(f"field '{name}' names request {req!r}, which never arrived")
+
+    def _tokens(self, n: int, name: str) -> None:
+        if n > self.token_limit:
+            raise SchemaError(f"field '{name}' is absurd: {n} tokens, more than max_model_len "
+                              f"plus the whole KV cache ({self.token_limit})")
+
+    def _blocks(self, ids: list[int], name: str) -> None:
+        for b in ids:
+            if b >= self.num_blocks:
+                raise SchemaError(f"block id {b} in '{name}' is out of range: the header's pool "
+                                  f"has ids 0..{self.num_blocks - 1} (num_blocks = {self.num_blocks})")
