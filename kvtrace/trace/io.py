@@ -319,6 +319,17 @@ class TraceWriter:
         self.write(End(seq=self.next_seq(), status=status, error=error, dropped_events=dropped_events))
         self._fh.close()
 
+    def finish(self, end: End | None) -> None:
+        """Close the file ending with ``end`` as given (its own seq and status), or
+        with no end record at all when ``end`` is None: a copy of a trace that was
+        cut off stays cut off."""
+        if self._closed:
+            return
+        self._closed = True
+        if end is not None:
+            self.write(end)
+        self._fh.close()
+
     def __enter__(self) -> "TraceWriter":
         return self
 

@@ -1,0 +1,154 @@
+"""Redaction: replace every token id in a trace with a keyed pseudonym.
+
+Traces hold users' prompts as token ids. A redacted trace keeps everything the
+scheduler depends on and nothing of the text:
+
+* The pseudonym of a token id is a keyed permutation of the id space
+  ``0 .. 2^40`` (the ids a trace may hold): a Feistel network with 8 rounds whose
+  round function is HMAC-SHA256 under the key, cycle-walked into the range.
+  Equal ids get equal pseudonyms and different ids different ones, so prefix
+  sharing, block hashes, stop tokens and the shadow-KV fingerprints replay as
+  before, with zero divergences on a clean trace.
+* Every field that holds token ids is mapped: ``prompt_token_ids``,
+  ``eos_token_id`` and ``stop_token_ids`` of arrivals, and ``sampled`` of
+  outputs. Nothing else in the format holds token ids.
+* Pseudonyms spread over 2^40 values, so one lands inside a real vocabulary
+  (at most a few hundred thousand ids) with probability below 2^-20: the
+  redacted file shows no original id sequence.
+* The key is random (``os.urandom(32)``) unless one is given, and it is never
+  written to the output. Without it the mapping cannot be inverted or
+  recomputed. Give the same key to redact several traces consistently (for
+  ``kvtrace diff``).
+
+Not redacted: request ids, ``cache_salt``, the header's ``meta``. These come
+from the engine and the recorder, not from the prompt text; ``meta`` is
+replaced by a note that the trace was redacted, plus the original engine and
+recorder names.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from dataclasses import dataclass
+
+from kvtrace.trace import TraceReader, TraceWriter
+from kvtrace.trace import events as ev
+
+DOMAIN_MAX = ev.MAX_COUNT          # token ids are ints in 0 .. 2^40
+_HALF = 21                         # 42-bit Feistel network, cycle-walked into 0 .. 2^40
+_MASK = (1 << _HALF) - 1
+_ROUNDS = 8
+KEY_BYTES = 32
+# meta keys kept from the original header: what produced the trace, not what it was fed.
+_KEEP_META = ("recorder", "workload", "fault", "seed")
+
+
+class Redactor:
+    """A keyed permutation of token ids, memoised per distinct id."""
+
+    def __init__(self, key: bytes | None = None):
+        if key is None:
+            key = os.urandom(KEY_BYTES)
+        if not isinstance(key, (bytes, bytearray)) or len(key) < 16:
+            raise ValueError("a redaction key must be at least 16 bytes")
+        self._key = bytes(key)
+        self._memo: dict[int, int] = {}
+
+    def token(self, t: int) -> int:
+        p = self._memo.get(t)
+        if p is None:
+            if not 0 <= t <= DOMAIN_MAX:
+                raise ValueError(f"token id {t} is outside 0..2^40")
+            p = self._feistel(t)
+            while p > DOMAIN_MAX:          # cycle walking keeps it a permutation of 0..2^40
+                p = self._feistel(p)
+            self._memo[t] = p
+        return p
+
+    def tokens(self, ts: list[int]) -> list[int]:
+        return [self.token(t) for t in ts]
+
+    @property
+    def distinct(self) -> int:
+        return len(self._memo)
+
+    def _feistel(self, x: int) -> int:
+        left, right = x >> _HALF, x & _MASK
+        key = self._key
+        for i in range(_ROUNDS):
+            mac = hmac.digest(key, bytes((i,)) + right.to_bytes(3, "big"), "sha256")
+            left, right = right, left ^ (int.from_bytes(mac[:3], "big") & _MASK)
+        return (left << _HALF) | right
+
+    # -- events ------------------------------------------------------------------
+
+    def event(self, e):
+        """The event with its token ids replaced (the object is changed in place)."""
+        if isinstance(e, ev.Arrival):
+            e.prompt_token_ids = self.tokens(e.prompt_token_ids)
+            e.stop_token_ids = self.tokens(e.stop_token_ids)
+            if e.eos_token_id is not None:
+                e.eos_token_id = self.token(e.eos_token_id)
+        elif isinstance(e, ev.Output):
+            e.sampled = {req: self.tokens(ts) for req, ts in e.sampled.items()}
+        return e
+
+
+@dataclass
+class RedactSummary:
+    src: str
+    dst: str
+    events: int = 0
+    arrivals: int = 0
+    tokens: int = 0              # token ids replaced
+    distinct_tokens: int = 0
+    truncation: str | None = None
+
+    def __str__(self) -> str:
+        s = (f"redacted {self.src} -> {self.dst}: {self.events} events, {self.arrivals} requests, "
+             f"{self.tokens} token ids ({self.distinct_tokens} distinct) replaced")
+        if self.truncation:
+            s += f"; the input stops early ({self.truncation}), and so does the copy"
+        return s
+
+
+def redact_file(src: str | os.PathLike, dst: str | os.PathLike, key: bytes | None = None
+                ) -> RedactSummary:
+    """Write a redacted copy of trace ``src`` to ``dst`` (mode 0600, compression from
+    the name). ``key`` None draws a random key, which is not kept anywhere.
+    Raises TraceError for unusable input. A trace that was cut off is copied up to
+    its cut, without an ``end`` record, so that the copy reads as cut off too."""
+    if os.path.abspath(src) == os.path.abspath(dst):
+        raise ValueError("redact into a new file, not over the input")
+    red = Redactor(key)
+    summary = RedactSummary(str(src), str(dst))
+    with TraceReader(src) as reader:
+        h = reader.header
+        meta = {k: h.meta[k] for k in _KEEP_META if k in h.meta}
+        meta["redacted"] = "token ids replaced by keyed pseudonyms (HMAC-SHA256 Feistel)"
+        header = ev.Header(engine=h.engine, engine_version=h.engine_version, config=h.config,
+                           counters=h.counters, features=h.features, meta=meta)
+        writer = TraceWriter(dst, header)
+        end = None
+        try:
+            for e in reader:
+                summary.events += 1
+                if isinstance(e, ev.Arrival):
+                    summary.arrivals += 1
+                    summary.tokens += len(e.prompt_token_ids) + len(e.stop_token_ids) + (
+                        e.eos_token_id is not None)
+                elif isinstance(e, ev.Output):
+                    summary.tokens += sum(len(ts) for ts in e.sampled.values())
+                if isinstance(e, ev.End):
+                    end = e
+                    continue
+                writer.write(red.event(e))
+        except BaseException:
+            writer.finish(None)
+            os.unlink(dst)   # no half-written copy left behind
+            raise
+        writer.finish(end)
+        summary.truncation = reader.truncation
+    summary.distinct_tokens = red.distinct
+    return summary
