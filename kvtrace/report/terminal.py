@@ -136,11 +136,18 @@ def _replay_summary(divs: list[Divergence]) -> str:
     if not divs:
         return "no divergence: the trace matches the reference scheduler"
     reqs = {d.req for d in divs if d.req is not None}
-    first = min(divs, key=lambda d: (d.step is None, d.step or 0, d.seq or 0))
+    first = _first(divs)
     where = f"step {first.step}" if first.step is not None else "outside any step"
     who = f", request {first.req}" if first.req is not None else ""
     return (f"{len(divs)} divergence{'s' if len(divs) != 1 else ''} in {len(reqs)} "
             f"request{'s' if len(reqs) != 1 else ''}; first at {where}{who}, field {first.field}")
+
+
+def _first(divs: list[Divergence]) -> Divergence | None:
+    """The earliest divergence: lowest step, then lowest sequence number."""
+    if not divs:
+        return None
+    return min(divs, key=lambda d: (d.step is None, d.step or 0, d.seq is None, d.seq or 0))
 
 
 def replay_json(result: Any, path: str) -> bytes:
@@ -181,6 +188,11 @@ def print_diff(result: Any, console: Console | None = None, max_rows: int = MAX_
     if s["only_in_b"]:
         line += f"; only in B: {_names(s['only_in_b'])}"
     line += f"; steps: A {s['steps_a']}, B {s['steps_b']}"
+    first = _first(result.divergences)
+    if first is not None and first.step is not None:
+        line += f"; first divergence at step {first.step} of A"
+        line += f", request {first.req}" if first.req is not None else ""
+        line += f", field {first.field}"
     console.print(Text(line, style="red" if result.divergences else "green"))
 
 
