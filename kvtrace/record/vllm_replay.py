@@ -1,0 +1,517 @@
+"""Differential replay: feed a trace's inputs through the installed vLLM's own scheduler.
+
+``replay_through_vllm(trace_path, out_path, scheduler_cls=None) -> VllmReplayResult``
+
+No model is loaded and no forward pass runs. The scheduler is built from the
+trace header (block size, pool size, budgets, policy, prefix caching, chunking
+threshold, connector and its load-failure policy) and then driven with the
+recorded inputs, in the recorded call order:
+
+* ``arrival``  -> a vLLM ``Request`` (prompt, ``SamplingParams`` with max_tokens,
+  min_tokens, ignore_eos, stop tokens and eos, arrival time, priority, cache
+  salt, and vLLM's own block hasher so that prefix caching works)
+  -> ``add_request``;
+* ``abort``    -> ``finish_requests(ids, FINISHED_ABORTED)``;
+* ``step``     -> ``schedule()``; a replay connector answers every
+  ``get_num_new_matched_tokens`` call with the recorded answer for that request
+  in that step, in call order;
+* ``output``   -> ``update_from_output(the SchedulerOutput of that step,
+  ModelRunnerOutput)`` with the recorded sampled tokens for the requests this
+  scheduler scheduled (an empty list for those the recording has none for) and
+  the recorded ``KVConnectorOutput``.
+
+The scheduler class (vLLM's ``Scheduler`` by default, or any subclass given as a
+class or a dotted path) is wrapped by ``kvtrace.record.vllm_recorder``, which
+writes its decisions to ``out_path`` as a kvtrace trace. ``kvtrace diff
+RECORDED out_path`` then shows where this scheduler and the recorded one part.
+
+What the replay cannot reproduce is reported in the result rather than
+guessed at: lookups this scheduler made that the recording has no answer for
+(answered "no external hit"), recorded answers left unused, and sampled tokens
+for requests this scheduler did not schedule.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import tempfile
+import time
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvtrace.trace import events as ev
+from kvtrace.trace.io import TraceError, TraceReader
+
+# Engine features the replay cannot set up; a trace that turns one on is refused.
+_UNSUPPORTED = {
+    "async_scheduling": "async scheduling",
+    "num_speculative_tokens": "speculative decoding",
+    "pipeline_parallel_size": "pipeline parallelism",
+    "decode_context_parallel_size": "decode context parallelism",
+    "use_eagle": "EAGLE",
+    "has_mamba_layers": "Mamba layers",
+    "multimodal": "multimodal inputs",
+    "prefix_replay_tokens": "prefix replay windows",
+}
+
+# The module the replay connector is loaded from. vLLM's connector factory looks
+# the recorded connector name up as an attribute of this module, and every name
+# resolves to ReplayConnector, so the replayed header names the recorded connector.
+_CONNECTOR_MODULE = "kvtrace.record._vllm_replay_connectors"
+
+
+@dataclass
+class VllmReplayResult:
+    path: str                     # the recorded trace
+    out: str                      # the trace this scheduler's decisions were written to
+    scheduler_cls: str            # dotted name of the scheduler class that ran
+    vllm_version: str
+    steps: int = 0                # schedule() calls made
+    events: int = 0               # recorded events fed
+    seconds: float = 0.0          # wall time of the replay loop (set-up excluded)
+    setup_seconds: float = 0.0    # building the config and the scheduler
+    truncation: str | None = None  # where and why the recorded trace stops early
+    stopped: str | None = None    # why the replay stopped before the end of the trace
+    # "step S: REQ looked up (local=L) with no recorded answer; answered 0"
+    unanswered_lookups: list[str] = field(default_factory=list)
+    # "step S: recorded lookup of REQ (local=L, ext=E) was not asked for"
+    unused_lookups: list[str] = field(default_factory=list)
+    # "step S: sampled tokens for REQ, which this scheduler did not schedule"
+    dropped_samples: list[str] = field(default_factory=list)
+
+    @property
+    def steps_per_s(self) -> float:
+        return self.steps / self.seconds if self.seconds > 0 else float("inf")
+
+    @property
+    def faithful_inputs(self) -> bool:
+        """True when every recorded input was used exactly as recorded."""
+        return not (self.unanswered_lookups or self.unused_lookups or self.dropped_samples
+                    or self.stopped)
+
+    def summary(self) -> dict:
+        return {
+            "path": self.path, "out": self.out, "scheduler_cls": self.scheduler_cls,
+            "vllm_version": self.vllm_version, "steps": self.steps, "events": self.events,
+            "seconds": round(self.seconds, 4), "setup_seconds": round(self.setup_seconds, 3),
+            "steps_per_s": round(self.steps_per_s, 1) if self.seconds > 0 else None,
+            "truncation": self.truncation, "stopped": self.stopped,
+            "unanswered_lookups": self.unanswered_lookups, "unused_lookups": self.unused_lookups,
+            "dropped_samples": self.dropped_samples,
+        }
+
+
+# --------------------------------------------------------------------------- connector
+
+
+def _connector_base():
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    return KVConnectorBase_V1
+
+
+def _make_connector_cls() -> type:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+    )
+
+    class ReplayConnector(KVConnectorBase_V1):
+        """Scheduler side only: answers lookups from the recording, moves no data.
+
+        ``start_step(step, lookups)`` loads the recorded lookups of one step.
+        Each ``get_num_new_matched_tokens(request, local)`` call takes the first
+        unused recorded lookup of that request in that step."""
+
+        def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
+            super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+            self.step = -1
+            self.pending: list[ev.Lookup] = []
+            self.unanswered: list[str] = []
+            self.unused: list[str] = []
+
+        def start_step(self, step: int, lookups: list[ev.Lookup]) -> None:
+            self.step = step
+            self.pending = list(lookups)
+
+        def end_step(self) -> None:
+            for lk in self.pending:
+                self.unused.append(f"step {self.step}: recorded lookup of {lk.req} "
+                                   f"(local={lk.local}, ext={lk.ext}) was not asked for")
+            self.pending = []
+
+        # -- scheduler side ------------------------------------------------------
+
+        def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
+            rid = request.request_id
+            for i, lk in enumerate(self.pending):
+                if lk.req == rid:
+                    del self.pending[i]
+                    return lk.ext, (lk.load_async if lk.ext is not None else False)
+            self.unanswered.append(f"step {self.step}: {rid} looked up (local={num_computed_tokens}) "
+                                   "with no recorded answer; answered 0")
+            return 0, False
+
+        def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+            return
+
+        def build_connector_meta(self, scheduler_output: Any) -> Any:
+            return KVConnectorMetadata()
+
+        def request_finished(self, request: Any, block_ids: Any):
+            return False, None
+
+        # -- worker side (never called: there is no worker) ------------------------
+
+        def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+            raise RuntimeError("the replay connector has no worker side")
+
+        def wait_for_layer_load(self, layer_name: str) -> None:
+            raise RuntimeError("the replay connector has no worker side")
+
+        def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                          **kwargs: Any) -> None:
+            raise RuntimeError("the replay connector has no worker side")
+
+        def wait_for_save(self) -> None:
+            raise RuntimeError("the replay connector has no worker side")
+
+    return ReplayConnector
+
+
+def _connector_module() -> types.ModuleType:
+    mod = sys.modules.get(_CONNECTOR_MODULE)
+    if mod is None:
+        mod = types.ModuleType(_CONNECTOR_MODULE, "Replay connectors for kvtrace.record.vllm_replay")
+        mod.ReplayConnector = _make_connector_cls()
+
+        def __getattr__(name: str):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return mod.ReplayConnector
+
+        mod.__getattr__ = __getattr__
+        sys.modules[_CONNECTOR_MODULE] = mod
+    return mod
+
+
+# --------------------------------------------------------------------------- config
+
+
+def _model_dir(max_model_len: int) -> str:
+    """A model directory with a config.json only (no weights, no tokenizer):
+    enough for vLLM's ModelConfig. Cached under the temp directory."""
+    mpe = max(4096, int(max_model_len))
+    d = Path(tempfile.gettempdir()) / f"kvtrace-vllm-replay-model-{mpe}"
+    cfg = d / "config.json"
+    if not cfg.exists():
+        d.mkdir(parents=True, exist_ok=True)
+        body = {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 128,
+            "vocab_size": 512, "max_position_embeddings": mpe, "bos_token_id": 1,
+            "eos_token_id": 2, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6,
+        }
+        tmp = d / f".config.json.{os.getpid()}"
+        tmp.write_text(json.dumps(body))
+        os.replace(tmp, cfg)
+    return str(d)
+
+
+def check_supported(header: ev.Header, path: str = "<trace>") -> None:
+    """Raise TraceError for a trace whose engine features this replay cannot set up."""
+    f = header.features
+    for key, what in _UNSUPPORTED.items():
+        v = f.get(key)
+        if v and v != 1:
+            raise TraceError(path, 1, f"{what} is on ({key}={v}); replay through vLLM's scheduler "
+                                      "sets up the synchronous single-group baseline only")
+    groups = f.get("num_kv_cache_groups", 1)
+    if groups != 1:
+        raise TraceError(path, 1, f"{groups} KV-cache groups; replay through vLLM's scheduler "
+                                  "sets up one full-attention group")
+    if f.get("hash_block_size", header.config.block_size) != header.config.block_size:
+        raise TraceError(path, 1, "hash_block_size differs from block_size; not set up by this replay")
+
+
+def build_vllm_config(header: ev.Header) -> Any:
+    """A VllmConfig for the trace's scheduler settings, with no model behind it."""
+    from vllm.config import (CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
+                             VllmConfig)
+
+    c, f = header.config, header.features
+    model_config = ModelConfig(model=_model_dir(c.max_model_len), skip_tokenizer_init=True,
+                               max_model_len=c.max_model_len, dtype="bfloat16", seed=0)
+    cache_config = CacheConfig(
+        block_size=c.block_size,
+        enable_prefix_caching=c.enable_prefix_caching,
+        prefix_caching_hash_algo=str(f.get("prefix_caching_hash_algo") or "sha256"),
+    )
+    cache_config.num_gpu_blocks = c.num_blocks
+    sched_kwargs: dict[str, Any] = dict(
+        max_num_batched_tokens=c.max_num_batched_tokens,
+        max_num_seqs=c.max_num_seqs,
+        max_model_len=c.max_model_len,
+        is_encoder_decoder=False,
+        policy=c.policy,
+        long_prefill_token_threshold=c.long_prefill_token_threshold,
+        enable_chunked_prefill=bool(f.get("enable_chunked_prefill", True)),
+        scheduler_reserve_full_isl=bool(f.get("scheduler_reserve_full_isl", True)),
+        long_prefill_token_threshold_adaptive=bool(f.get("long_prefill_token_threshold_adaptive",
+                                                         False)),
+        max_num_active_seqs=f.get("max_num_active_seqs"),
+    )
+    if c.max_num_scheduled_tokens is not None and c.max_num_scheduled_tokens != c.max_num_batched_tokens:
+        sched_kwargs["max_num_scheduled_tokens"] = c.max_num_scheduled_tokens
+    if c.connector is not None:
+        sched_kwargs["disable_hybrid_kv_cache_manager"] = True
+    scheduler_config = SchedulerConfig(**sched_kwargs)
+    kv_transfer_config = None
+    if c.connector is not None:
+        _connector_module()
+        kv_transfer_config = KVTransferConfig(
+            kv_connector=c.connector.name,
+            kv_connector_module_path=_CONNECTOR_MODULE,
+            kv_role=f.get("kv_role") or "kv_both",
+            kv_load_failure_policy=c.connector.load_failure_policy,
+        )
+    vc = VllmConfig(model_config=model_config, cache_config=cache_config,
+                    scheduler_config=scheduler_config, kv_transfer_config=kv_transfer_config)
+    # VllmConfig may re-derive some settings; the trace's values win.
+    vc.cache_config.num_gpu_blocks = c.num_blocks
+    vc.cache_config.block_size = c.block_size
+    vc.cache_config.enable_prefix_caching = c.enable_prefix_caching
+    return vc
+
+
+def build_kv_cache_config(num_blocks: int, block_size: int) -> Any:
+    """One full-attention group of ``num_blocks`` blocks (block 0 is vLLM's null block)."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=32,
+                             dtype=torch.bfloat16)
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)],
+                         hash_block_size=block_size, cache_hit_alignment_tokens=block_size)
+
+
+def resolve_scheduler_cls(scheduler_cls: str | type | None) -> type:
+    """vLLM's Scheduler for None; a class as is; ``pkg.mod.Cls`` (or ``pkg.mod:Cls``) imported."""
+    if scheduler_cls is None:
+        from vllm.v1.core.sched.scheduler import Scheduler
+        return Scheduler
+    if isinstance(scheduler_cls, type):
+        return scheduler_cls
+    name = str(scheduler_cls).strip()
+    if name in ("vllm", "default"):
+        return resolve_scheduler_cls(None)
+    mod_name, sep, attr = name.partition(":")
+    if not sep:
+        mod_name, _, attr = name.rpartition(".")
+    if not mod_name or not attr:
+        raise ValueError(f"scheduler class {name!r} is not a dotted path (package.module.Class)")
+    try:
+        obj = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ValueError(f"cannot import {mod_name!r} for scheduler class {name!r}: {e}") from e
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(f"{mod_name!r} has no attribute {attr!r}") from None
+    if not isinstance(obj, type):
+        raise ValueError(f"{name!r} is not a class")
+    return obj
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def build_scheduler(header: ev.Header, out_path: str | os.PathLike, scheduler_cls: type,
+                    meta: dict | None = None) -> Any:
+    """``scheduler_cls`` wrapped by the kvtrace recorder, configured from the header,
+    recording to ``out_path``."""
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from kvtrace.record import vllm_recorder as vr
+
+    vc = build_vllm_config(header)
+    kcc = build_kv_cache_config(header.config.num_blocks, header.config.block_size)
+    cls = vr.make_recording_scheduler(scheduler_cls)
+    # The recorder's own destination (KVTRACE_OUT) must not catch this scheduler:
+    # it records to out_path only.
+    saved = os.environ.pop(vr.ENV_OUT, None)
+    try:
+        sched = cls(vllm_config=vc, kv_cache_config=kcc,
+                    structured_output_manager=StructuredOutputManager(vc),
+                    block_size=header.config.block_size, hash_block_size=header.config.block_size,
+                    include_finished_set=False, log_stats=True)
+    finally:
+        if saved is not None:
+            os.environ[vr.ENV_OUT] = saved
+    if sched.kv_cache_manager.watermark_blocks != header.config.watermark_blocks:
+        sched.kv_cache_manager.watermark_blocks = header.config.watermark_blocks
+    out_header = vr.build_header(sched, meta=meta)
+    sink = vr.TraceSink(out_path, out_header)
+    rec = vr.Recorder(sched, sink)
+    vr._wrap_connector(sched, rec)
+    sched._kvtrace = rec
+    vr._ACTIVE.add(rec)
+    return sched
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def _request(a: ev.Arrival, block_hasher: Any) -> Any:
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    sp = SamplingParams(max_tokens=a.max_tokens, min_tokens=min(a.min_tokens, a.max_tokens),
+                        ignore_eos=a.ignore_eos, stop_token_ids=list(a.stop_token_ids),
+                        temperature=0.0,
+                        skip_reading_prefix_cache=a.skip_reading_prefix_cache or None)
+    sp.update_from_generation_config({}, eos_token_id=a.eos_token_id)
+    return Request(request_id=a.req, prompt_token_ids=list(a.prompt_token_ids),
+                   sampling_params=sp, pooling_params=None, arrival_time=a.arrival_time,
+                   cache_salt=a.cache_salt, priority=a.priority, block_hasher=block_hasher)
+
+
+def _model_output(rec: ev.Output, so: Any, dropped: list[str]) -> Any:
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    req_ids = list(so.num_scheduled_tokens)
+    scheduled = set(req_ids)
+    for rid in rec.sampled:
+        if rid not in scheduled:
+            dropped.append(f"step {rec.step}: sampled tokens for {rid}, which this scheduler "
+                           "did not schedule")
+    kco = None
+    if rec.connector is not None:
+        c = rec.connector
+        kco = KVConnectorOutput(
+            finished_sending=set(c.finished_sending) or None,
+            finished_recving=set(c.finished_recving) or None,
+            invalid_block_ids=set(c.invalid_block_ids),
+            failed_recving=set(c.failed_recving),
+        )
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+        sampled_token_ids=[list(rec.sampled.get(rid, ())) for rid in req_ids],
+        logprobs=None, prompt_logprobs_dict={}, pooler_output=[],
+        kv_connector_output=kco,
+    )
+
+
+# --------------------------------------------------------------------------- replay
+
+
+def replay_through_vllm(trace_path: str | os.PathLike, out_path: str | os.PathLike,
+                        scheduler_cls: str | type | None = None) -> VllmReplayResult:
+    """Replay ``trace_path`` through vLLM's scheduler (or ``scheduler_cls``), writing
+    its decisions to ``out_path``. Raises TraceError for an unusable or unsupported
+    trace and ValueError for a scheduler class that cannot be loaded. An exception
+    raised by the scheduler itself stops the replay; the result says where
+    (``stopped``) and the written trace ends with status ``interrupted``."""
+    import vllm
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import RequestStatus
+
+    t0 = time.perf_counter()
+    trace_path, out_path = os.fspath(trace_path), os.fspath(out_path)
+    cls = resolve_scheduler_cls(scheduler_cls)
+    reader = TraceReader(trace_path)
+    header = reader.header
+    try:
+        check_supported(header, trace_path)
+        sched = build_scheduler(header, out_path, cls, meta={
+            "replayed_from": trace_path, "recorded_engine": header.engine,
+            "recorded_engine_version": header.engine_version,
+            "recorded_scheduler_cls": header.features.get("scheduler_cls"),
+            "replay": "kvtrace.record.vllm_replay"})
+    except BaseException:
+        reader.close()
+        raise
+    rec = sched._kvtrace
+    block_hasher = None
+    if header.config.enable_prefix_caching or header.config.connector is not None:
+        hash_fn = get_hash_fn_by_name(str(header.features.get("prefix_caching_hash_algo")
+                                          or "sha256"))
+        init_none_hash(hash_fn)
+        block_hasher = get_request_block_hasher(header.config.block_size, hash_fn)
+    conn = sched.connector
+    result = VllmReplayResult(path=trace_path, out=out_path, scheduler_cls=_qualname(cls),
+                              vllm_version=str(getattr(vllm, "__version__", "unknown")))
+    result.setup_seconds = time.perf_counter() - t0
+    outputs: dict[int, Any] = {}
+    status, error = "complete", None
+    t1 = time.perf_counter()
+    try:
+        with reader:
+            for e in reader:
+                result.events += 1
+                where = f"{type(e).__name__.lower()} seq {e.seq} (line {reader.last_line})"
+                try:
+                    if isinstance(e, ev.Arrival):
+                        sched.add_request(_request(e, block_hasher))
+                    elif isinstance(e, ev.Abort):
+                        sched.finish_requests(list(e.reqs), RequestStatus.FINISHED_ABORTED)
+                    elif isinstance(e, ev.Step):
+                        if conn is not None:
+                            conn.start_step(e.step, e.lookups)
+                        outputs[e.step] = sched.schedule()
+                        result.steps += 1
+                        if conn is not None:
+                            conn.end_step()
+                    elif isinstance(e, ev.Output):
+                        so = outputs.pop(e.step, None)
+                        if so is None:
+                            raise TraceError(trace_path, reader.last_line,
+                                             f"output for step {e.step}, which was not scheduled "
+                                             "or already had its output")
+                        sched.update_from_output(so, _model_output(e, so, result.dropped_samples))
+                except TraceError:
+                    raise
+                except Exception as x:  # the scheduler under test failed
+                    result.stopped = f"{type(x).__name__} at {where}: {x}"
+                    status, error = "interrupted", f"the scheduler raised {result.stopped}"
+                    break
+        result.truncation = reader.truncation
+        if status == "complete" and reader.truncation is not None:
+            status, error = "interrupted", f"the recorded trace stops early: {reader.truncation}"
+    except BaseException as x:
+        status, error = "interrupted", f"{type(x).__name__}: {x}"
+        raise
+    finally:
+        result.seconds = time.perf_counter() - t1
+        if conn is not None:
+            result.unanswered_lookups = conn.unanswered
+            result.unused_lookups = conn.unused
+        _close(sched, rec, status, error)
+    return result
+
+
+def _close(sched: Any, rec: Any, status: str, error: str | None) -> None:
+    from kvtrace.record import vllm_recorder as vr
+
+    if rec is not None:
+        if rec.failed is not None:
+            rec.sink.close("recorder-error", rec.failed)
+        else:
+            rec.sink.close(status, error)
+        vr._ACTIVE.discard(rec)
+        rec.active = False
+    try:
+        if sched.connector is not None:
+            sched.connector.shutdown()
+    except Exception:
+        pass
