@@ -14,7 +14,9 @@ from kvtrace.trace import events as ev
 
 
 def config_from_header(header: ev.Header) -> SchedulerConfig:
-    c = header.config
+    """Scheduler settings from the header; three of them ride in ``features``,
+    with vLLM 0.32's defaults when a trace does not name them."""
+    c, f = header.config, header.features
     return SchedulerConfig(
         block_size=c.block_size,
         num_blocks=c.num_blocks,
@@ -27,7 +29,19 @@ def config_from_header(header: ev.Header) -> SchedulerConfig:
         max_num_scheduled_tokens=c.max_num_scheduled_tokens,
         watermark_blocks=c.watermark_blocks,
         load_failure_policy=c.connector.load_failure_policy if c.connector else "fail",
+        reserve_full_isl=bool(f.get("scheduler_reserve_full_isl", True)),
+        adaptive_long_prefill_threshold=bool(f.get("long_prefill_token_threshold_adaptive", False)),
+        max_num_active_seqs=f.get("max_num_active_seqs"),
     )
+
+
+def header_features(cfg: SchedulerConfig) -> dict:
+    """The settings config_from_header reads from ``features``."""
+    return {
+        "scheduler_reserve_full_isl": cfg.reserve_full_isl,
+        "long_prefill_token_threshold_adaptive": cfg.adaptive_long_prefill_threshold,
+        "max_num_active_seqs": cfg.max_num_active_seqs,
+    }
 
 
 def header_config(cfg: SchedulerConfig, connector_name: str | None) -> ev.SchedulerConfig:

@@ -246,3 +246,23 @@ def test_stop_token_and_length_cap():
     res = {r.req_id: r for r in s.update_from_output(out, ModelOutput({"b": [1]}))}
     assert res["b"].finish_reason == "length"
     assert out.finished_req_ids == {"a"}
+
+
+def test_admission_needs_room_for_the_whole_sequence_by_default():
+    # 4 usable blocks; a's first chunk takes 1. b's first chunk (4 tokens) needs 1
+    # block, but its whole 16-token prompt needs 4: only 3 are free (KM:522-539).
+    for reserve, admitted in ((True, False), (False, True)):
+        s = Scheduler(cfg(num_blocks=5, max_num_batched_tokens=12, long_prefill_token_threshold=4,
+                          reserve_full_isl=reserve))
+        s.add_request(req("a", list(range(8)), max_tokens=2))
+        s.add_request(req("b", list(range(100, 116)), max_tokens=2))
+        out = s.schedule()
+        assert ("b" in out.num_scheduled_tokens) is admitted, reserve
+        assert out.num_scheduled_tokens["a"] == 4
+
+
+def test_max_num_active_seqs_caps_admission_below_max_num_seqs():
+    s = Scheduler(cfg(max_num_seqs=8, max_num_active_seqs=1))
+    s.add_request(req("a", [1, 2, 3]))
+    s.add_request(req("b", [4, 5, 6]))
+    assert set(s.schedule().num_scheduled_tokens) == {"a"}

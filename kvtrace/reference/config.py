@@ -18,6 +18,13 @@ class SchedulerConfig:
     max_num_scheduled_tokens: int | None = None
     watermark_blocks: int = 0
     load_failure_policy: str = "fail"    # what a failed KV load does: "fail" or "recompute"
+    # Admit a waiting request only if its whole sequence fits, not just its first
+    # chunk (vLLM's scheduler_reserve_full_isl, on by default).
+    reserve_full_isl: bool = True
+    # Raise long_prefill_token_threshold to a fair share of the budget (S:650-655).
+    adaptive_long_prefill_threshold: bool = False
+    # Requests admitted into RUNNING at once; None means max_num_seqs.
+    max_num_active_seqs: int | None = None
 
     @property
     def token_budget(self) -> int:

@@ -76,13 +76,21 @@ class KVCacheManager:
         delay_cache_blocks: bool = False,
         reserved_blocks: int = 0,
         has_scheduled_reqs: bool = True,
+        full_sequence_must_fit: bool = False,
     ) -> list[Block] | None:
         """Give the request slots for ``num_new_tokens`` more tokens. Returns the
         newly allocated blocks, or None (and changes nothing) when they do not fit.
+        With ``full_sequence_must_fit``, the whole sequence must fit, not just this
+        chunk (KM:522-539).
 
         Table layout after the first admission: [hits][external][new].
         """
         req_id = request.request_id
+        if full_sequence_must_fit:
+            full = min(request.num_tokens, self.max_model_len)
+            needed = self.num_blocks_to_allocate(req_id, full, hits)
+            if needed + self._watermark(request, has_scheduled_reqs) > self.pool.num_free_blocks:
+                return None
         table = self.req_to_blocks.get(req_id)
         if table is not None and not hits and not num_external_computed_tokens:
             # A request that already holds blocks: top up its table (ST:229-235).
@@ -92,10 +100,8 @@ class KVCacheManager:
         total = min(local + num_external_computed_tokens, self.max_model_len)
         need_slots = min(total + num_new_tokens, self.max_model_len)
 
-        watermark = 0
-        if has_scheduled_reqs and request.status in (Status.WAITING, Status.PREEMPTED):
-            watermark = self.watermark_blocks
         needed = self.num_blocks_to_allocate(req_id, need_slots, hits)
+        watermark = self._watermark(request, has_scheduled_reqs)
         if needed + watermark > self.pool.num_free_blocks - reserved_blocks:
             return None
 
@@ -126,9 +132,7 @@ class KVCacheManager:
         total = min(request.num_computed_tokens, self.max_model_len)
         need_slots = min(total + num_new_tokens, self.max_model_len)
         needed = max(cdiv(need_slots, self.block_size) - len(table), 0)
-        watermark = 0
-        if has_scheduled_reqs and request.status in (Status.WAITING, Status.PREEMPTED):
-            watermark = self.watermark_blocks
+        watermark = self._watermark(request, has_scheduled_reqs)
         if needed + watermark > self.pool.num_free_blocks - reserved_blocks:
             return None
         new_blocks = self.pool.get_new_blocks(needed) if needed else []
@@ -136,6 +140,12 @@ class KVCacheManager:
         if not delay_cache_blocks:
             self.cache_blocks(request, min(total + num_new_tokens, request.num_tokens))
         return new_blocks
+
+    def _watermark(self, request: Request, has_scheduled_reqs: bool) -> int:
+        """Headroom kept free when admitting waiting or preempted requests (KM:509-516)."""
+        if has_scheduled_reqs and request.status in (Status.WAITING, Status.PREEMPTED):
+            return self.watermark_blocks
+        return 0
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Make every full block among the first ``num_tokens`` tokens hash-visible."""

@@ -106,6 +106,9 @@ class Scheduler:
         # The threshold only matters when someone else could use the budget (S:643).
         num_eligible = len(self.running) + len(self.waiting) + len(self.kv_holding_waiting)
         threshold = cfg.long_prefill_token_threshold if num_eligible > 1 else 0
+        if threshold and cfg.adaptive_long_prefill_threshold:
+            threshold = max(threshold, input_budget // num_eligible)
+        max_active = cfg.max_num_active_seqs or cfg.max_num_seqs
 
         # 1. Running requests, in order.
         i = 0
@@ -162,7 +165,7 @@ class Scheduler:
                 queue = self.kv_holding_waiting if self.kv_holding_waiting else self.waiting
                 if not queue or input_budget <= 0:
                     break
-                if len(self.running) >= cfg.max_num_seqs:
+                if len(self.running) >= max_active:
                     break
                 r = queue.peek()
                 if not self._ready_to_schedule(r):
@@ -209,7 +212,8 @@ class Scheduler:
                 blocks = self.kv.allocate_slots(
                     r, n, num_local, hits, num_external,
                     delay_cache_blocks=load_async, reserved_blocks=reserved,
-                    has_scheduled_reqs=bool(self.running))
+                    has_scheduled_reqs=bool(self.running),
+                    full_sequence_must_fit=cfg.reserve_full_isl)
                 if blocks is None:
                     break   # head-of-line: the whole waiting pass stops
 
