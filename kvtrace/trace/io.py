@@ -107,7 +107,10 @@ class TraceReader:
             self.close()
             if self.truncation:
                 raise TraceError(self.path, 1, f"the header record is cut off: {self.truncation}")
-            raise TraceError(self.path, None, "empty file: no header record")
+            if self.bytes_read == 0 and not isinstance(self._fh, io.BufferedReader):
+                raise TraceError(self.path, 1, "the compressed stream holds no data: no header "
+                                               "record (cut off before the first record?)")
+            raise TraceError(self.path, 1, "empty file: no header record")
         lineno, raw, complete = first
         if not complete and (b"\x00" in raw or not _mostly_text(raw)):
             self.close()
@@ -139,7 +142,8 @@ class TraceReader:
                 if not _is_stream_damage(e):
                     raise
                 # Truncated or corrupt compressed stream: whatever came before stands.
-                self.truncation = f"compressed stream ends early after line {lineno} ({_reason(e)})"
+                what = "ends early" if isinstance(e, EOFError) else "is damaged"
+                self.truncation = f"compressed stream {what} after line {lineno} ({_reason(e)})"
                 return
             if not chunk:
                 break
