@@ -314,3 +314,148 @@ def test_unsupported_feature_is_refused_by_replay(base, tmp_path, capsys, featur
     code, _, err = _run(capsys, "replay", "--device", "cpu", bad)
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert f"{bad}:1: {message}" in err
+
+
+# --------------------------------------------------------------------------- cut-off traces
+
+
+def _real_trace_bytes() -> bytes:
+    from pathlib import Path
+
+    return gzip.decompress((Path(__file__).parent.parent / "traces" / "prefix-sharing.jsonl.gz").read_bytes())
+
+
+@pytest.mark.parametrize("kind", ["plain", "gz", "zst"])
+def test_engine_killed_mid_write(tmp_path, capsys, kind):
+    """A real trace cut at many points: replay never crashes, exits 0 or 1, and
+    says where the trace stops (or refuses a cut inside the header with exit 2)."""
+    from kvtrace.replay import replay_file
+
+    data = _real_trace_bytes()
+    header_end = data.index(b"\n") + 1
+    raw = data if kind == "plain" else _compress(kind, data)
+    rng = random.Random(kind)
+    cuts = sorted({rng.randrange(1, len(raw)) for _ in range(7)} | {len(raw) - 1})
+    for cut in cuts:
+        path = tmp_path / (f"cut-{cut}.jsonl" + ("" if kind == "plain" else f".{kind}"))
+        path.write_bytes(raw[:cut])
+        if kind == "plain" and cut < header_end:
+            code, _, err = _run(capsys, "replay", "--device", "cpu", path)
+            assert code == 2 and "Traceback" not in err
+            continue
+        try:
+            result = replay_file(path, device="cpu")
+        except Exception as e:    # only a cut inside the header may refuse
+            assert type(e).__name__ == "TraceError" and ":1:" in str(e), e
+            continue
+        # A cut in the last bytes may leave every record intact (zstd does not
+        # notice a frame that lost its last bytes): then the trace is complete.
+        assert result.truncation or (result.end and result.end.status == "complete"), cut
+        assert result.divergences == [], (cut, result.divergences[:2])
+        code, out, err = _run(capsys, "replay", "--device", "cpu", path)
+        assert code == 0 and "Traceback" not in err
+        if result.truncation:
+            assert re.search(r"replayed up to line \d+|cut off", out), out
+
+
+# --------------------------------------------------------------------------- safety
+
+
+def _bomb_rss(tmp_path, payload: bytes, kind: str) -> tuple[int, str, int]:
+    """Peak RSS (KiB) of `kvtrace diff BOMB BOMB` in a fresh interpreter, its stderr, exit code."""
+    import subprocess
+    import sys
+
+    path = tmp_path / f"bomb.{kind}"
+    # One compressed 16 MiB member (gzip) or frame (zstd), repeated: both formats
+    # read concatenated members as one stream.
+    member = (gzip.compress(payload[0], compresslevel=1) if kind == "gz"
+              else zstandard.ZstdCompressor(level=1).compress(payload[0]))
+    path.write_bytes(member * (len(payload) // (16 << 20)))
+    code = ("import resource, sys\nfrom kvtrace import cli\n"
+            "rc = cli.run(['diff', sys.argv[1], sys.argv[1]])\n"
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\nsys.exit(rc)\n")
+    p = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,
+                       timeout=120, stdin=subprocess.DEVNULL)
+    return int(p.stdout.strip().splitlines()[-1]), p.stderr, p.returncode
+
+
+class _Payload:
+    """1 GiB, described by one 16 MiB block written 64 times."""
+
+    def __init__(self, block: bytes):
+        self.block = block
+
+    def __len__(self):
+        return 1 << 30
+
+    def __getitem__(self, s):
+        return self.block
+
+
+@pytest.mark.parametrize("kind", ["gz", "zst"])
+@pytest.mark.parametrize("what", ["zeros", "repeated-line"])
+def test_decompression_bomb(tmp_path, kind, what):
+    """1 GiB of zeros (one endless line) or of one repeated valid-looking line:
+    refused with exit 2 naming file:line, peak memory far below the bomb's size."""
+    if what == "zeros":
+        block = bytes(16 << 20)
+        needle = "record longer than"
+    else:
+        line = b'{"kind":"abort","seq":1,"reqs":["x"]}\n'
+        block = line * ((16 << 20) // len(line))
+        needle = "missing header"     # refused at once: the stream is not read on
+    rss_kib, err, rc = _bomb_rss(tmp_path, _Payload(block), kind)
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err
+    assert re.match(rf"kvtrace: \S*bomb\.{kind}:\d+: ", lines[0]) and needle in lines[0], lines[0]
+    assert rss_kib < 400 * 1024, rss_kib
+
+
+def test_bomb_of_blank_lines_hits_the_total_bound(tmp_path, monkeypatch):
+    """Blank lines are skipped; a gigabyte of them is read in bulk and stops at KVTRACE_MAX_BYTES."""
+    from kvtrace.trace import TraceError, TraceReader
+
+    header = _real_trace_bytes().split(b"\n", 1)[0] + b"\n"
+    path = tmp_path / "blank.gz"
+    with gzip.open(path, "wb", compresslevel=1) as f:
+        f.write(header)
+        for _ in range(16):
+            f.write(b"\n" * (16 << 20))
+    monkeypatch.setenv("KVTRACE_MAX_BYTES", str(128 << 20))
+    with pytest.raises(TraceError, match=r"blank\.gz:\d+: more than 134217728 bytes"):
+        list(TraceReader(path))
+
+
+def test_read_path_has_no_pickle_or_eval():
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent / "kvtrace"
+    banned = re.compile(r"\bpickle\b|\beval\(|\bexec\(|\bmarshal\b|\bshelve\b|yaml\.load\(|torch\.load\(")
+    for sub in ("trace", "replay", "diff"):
+        for f in sorted((root / sub).rglob("*.py")):
+            for i, text in enumerate(f.read_text().splitlines(), 1):
+                code = text.split("#", 1)[0]
+                assert not banned.search(code), f"{f}:{i}: {text.strip()}"
+
+
+@pytest.mark.parametrize("name", ["t.jsonl", "t.jsonl.gz", "t.jsonl.zst"])
+def test_written_files_are_owner_only(tmp_path, name):
+    import os
+    import stat
+
+    from kvtrace.redact import redact_file
+    from kvtrace.trace import TraceWriter
+
+    from mini_traces import mini_header
+
+    old = os.umask(0)            # even with a permissive umask
+    try:
+        with TraceWriter(tmp_path / name, mini_header()):
+            pass
+        redact_file(tmp_path / name, tmp_path / ("r-" + name))
+    finally:
+        os.umask(old)
+    for p in (tmp_path / name, tmp_path / ("r-" + name)):
+        assert stat.S_IMODE(p.stat().st_mode) == 0o600, p
