@@ -63,6 +63,7 @@ _UNSUPPORTED = {
 # the recorded connector name up as an attribute of this module, and every name
 # resolves to ReplayConnector, so the replayed header names the recorded connector.
 _CONNECTOR_MODULE = "kvtrace.record._vllm_replay_connectors"
+_NOTES = 5  # entries of each input-note list that summary() shows
 
 
 @dataclass
@@ -101,8 +102,12 @@ class VllmReplayResult:
             "seconds": round(self.seconds, 4), "setup_seconds": round(self.setup_seconds, 3),
             "steps_per_s": round(self.steps_per_s, 1) if self.seconds > 0 else None,
             "truncation": self.truncation, "stopped": self.stopped,
-            "unanswered_lookups": self.unanswered_lookups, "unused_lookups": self.unused_lookups,
-            "dropped_samples": self.dropped_samples,
+            # Counts, with the first few entries of each list.
+            "unanswered_lookups": len(self.unanswered_lookups),
+            "unused_lookups": len(self.unused_lookups),
+            "dropped_samples": len(self.dropped_samples),
+            "input_notes": (self.unanswered_lookups[:_NOTES] + self.unused_lookups[:_NOTES]
+                            + self.dropped_samples[:_NOTES]),
         }
 
 
@@ -359,6 +364,12 @@ def build_scheduler(header: ev.Header, out_path: str | os.PathLike, scheduler_cl
     if sched.kv_cache_manager.watermark_blocks != header.config.watermark_blocks:
         sched.kv_cache_manager.watermark_blocks = header.config.watermark_blocks
     out_header = vr.build_header(sched, meta=meta)
+    # Null means "equal to max_num_batched_tokens": keep the recording's spelling
+    # where the two say the same, so that a header comparison sees no difference.
+    oc = out_header.config
+    if header.config.max_num_scheduled_tokens is None and \
+            oc.max_num_scheduled_tokens == oc.max_num_batched_tokens:
+        oc.max_num_scheduled_tokens = None
     sink = vr.TraceSink(out_path, out_header)
     rec = vr.Recorder(sched, sink)
     vr._wrap_connector(sched, rec)
@@ -459,7 +470,10 @@ def replay_through_vllm(trace_path: str | os.PathLike, out_path: str | os.PathLi
         with reader:
             for e in reader:
                 result.events += 1
-                where = f"{type(e).__name__.lower()} seq {e.seq} (line {reader.last_line})"
+                step = getattr(e, "step", None)
+                where = (f"{getattr(e, 'kind', type(e).__name__.lower())}"
+                         + (f" {step}" if step is not None else "")
+                         + f" (seq {e.seq}, line {reader.last_line})")
                 try:
                     if isinstance(e, ev.Arrival):
                         sched.add_request(_request(e, block_hasher))
