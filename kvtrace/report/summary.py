@@ -1,0 +1,546 @@
+"""One pass over a trace: the run summary and per-request timelines.
+
+``summarize(path)`` reads a trace with ``TraceReader`` once and returns a
+``RunSummary``: counts (requests, steps, preemptions, finishes), prompt-token
+accounting (local and external hit rates), lookups and loads, and step series
+(KV blocks in use, scheduled tokens, running and live requests). It also keeps
+a ``RequestTimeline`` for the requests a caller asks for: the first
+``max_timelines`` by arrival, plus every id in ``keep``.
+
+Memory grows with the number of requests alive at once, not with the length of
+the trace: a request's state is dropped when it finishes, series are
+downsampled as they grow (``Series``, min/max buckets), and the marks of one
+timeline are capped. Only a timeline built with ``history=True`` (one request,
+for ``kvtrace show --request``) keeps every step the request was scheduled.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from ..trace import events as ev
+from ..trace.io import TraceReader
+
+SERIES_POINTS = 2000        # at most this many points per run-level series
+TIMELINE_POINTS = 600       # ... and per request series
+MAX_MARKS = 400             # marks kept per request timeline
+MAX_RUN_MARKS = 2000        # preemption steps kept for the run-level charts
+
+
+# --------------------------------------------------------------------------- series
+
+
+class Series:
+    """A step series downsampled on the fly.
+
+    Points arrive with non-decreasing x. They fall into buckets of ``width``
+    consecutive x values; a bucket keeps its lowest and its highest point (and
+    the last one, for step-function plots), so spikes survive downsampling. When
+    there are more than ``max_points // 2`` buckets, the width doubles and
+    neighbouring buckets merge. Memory is bounded by ``max_points``.
+    """
+
+    __slots__ = ("max_buckets", "width", "buckets", "count", "last")
+
+    def __init__(self, max_points: int = SERIES_POINTS):
+        self.max_buckets = max(1, max_points // 2)
+        self.width = 1
+        # [key, (x, y) of min, (x, y) of max]
+        self.buckets: list[list] = []
+        self.count = 0
+        self.last: tuple[int, float] | None = None
+
+    def add(self, x: int, y: float) -> None:
+        self.count += 1
+        self.last = (x, y)
+        key = x // self.width
+        b = self.buckets[-1] if self.buckets else None
+        if b is not None and b[0] == key:
+            if y < b[1][1]:
+                b[1] = (x, y)
+            if y >= b[2][1]:
+                b[2] = (x, y)
+            return
+        self.buckets.append([key, (x, y), (x, y)])
+        if len(self.buckets) > self.max_buckets:
+            self._halve()
+
+    def _halve(self) -> None:
+        self.width *= 2
+        merged: list[list] = []
+        for key, lo, hi in self.buckets:
+            k = min(lo[0], hi[0]) // self.width
+            if merged and merged[-1][0] == k:
+                m = merged[-1]
+                if lo[1] < m[1][1]:
+                    m[1] = lo
+                if hi[1] >= m[2][1]:
+                    m[2] = hi
+            else:
+                merged.append([k, lo, hi])
+        self.buckets = merged
+
+    def points(self) -> list[tuple[int, float]]:
+        """The kept points in x order (min and max of each bucket), plus the last."""
+        out: list[tuple[int, float]] = []
+        for _, lo, hi in self.buckets:
+            pair = (lo, hi) if lo[0] <= hi[0] else (hi, lo)
+            for p in pair:
+                if not out or out[-1] != p:
+                    out.append(p)
+        if self.last is not None and (not out or out[-1] != self.last):
+            if out and out[-1][0] > self.last[0]:
+                return out
+            out.append(self.last)
+        return out
+
+    @property
+    def max(self) -> float | None:
+        return max((b[2][1] for b in self.buckets), default=None)
+
+    def __len__(self) -> int:
+        return self.count
+
+
+# --------------------------------------------------------------------------- records
+
+
+@dataclass(slots=True)
+class Mark:
+    """Something that happened to a request at a step: admitted, preempted, a load..."""
+    step: int
+    kind: str     # arrival, lookup, async-wait, not-ready, load, admitted, resumed,
+                  # preempted, load-done, load-failed, finished, aborted
+    text: str = ""
+
+
+@dataclass(slots=True)
+class HistoryRow:
+    """One step in which the request was scheduled (``history=True`` only)."""
+    step: int
+    how: str              # "new", "resumed" or "running"
+    phase: str            # "prefill" or "decode"
+    computed: int         # pre-step num_computed_tokens
+    scheduled: int        # num_scheduled_tokens
+    new_blocks: list[int]
+    blocks: int           # table length after the step
+    computed_after: int   # num_computed_tokens after the step
+    status: str           # status after the step
+
+
+@dataclass
+class RequestTimeline:
+    req: str
+    index: int                        # arrival order, from 0
+    prompt_len: int
+    max_tokens: int
+    priority: int
+    arrival_time: float
+    arrival_step: int                 # the step index that followed the arrival
+    arrival_line: int
+    computed: Series = field(default_factory=lambda: Series(TIMELINE_POINTS))
+    cached: Series = field(default_factory=lambda: Series(TIMELINE_POINTS))
+    external: Series = field(default_factory=lambda: Series(TIMELINE_POINTS))
+    blocks: Series = field(default_factory=lambda: Series(TIMELINE_POINTS))
+    marks: list[Mark] = field(default_factory=list)
+    marks_left_out: int = 0
+    history: list[HistoryRow] | None = None
+    first_step: int | None = None
+    last_step: int | None = None
+    steps_scheduled: int = 0
+    tokens_scheduled: int = 0
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    finish_step: int | None = None
+    prefill_stats: ev.PrefillStats | None = None
+    legacy: ev.LegacyCounters | None = None
+    stats_step: int | None = None
+
+    def mark(self, step: int, kind: str, text: str = "") -> None:
+        if self.history is not None or len(self.marks) < MAX_MARKS:
+            self.marks.append(Mark(step, kind, text))
+        else:
+            self.marks_left_out += 1
+
+
+@dataclass
+class RunSummary:
+    path: str
+    header: ev.Header
+    steps: int = 0
+    events: int = 0
+    requests: int = 0
+    finished: Counter = field(default_factory=Counter)   # finish reason -> count
+    aborted: int = 0
+    preemptions: int = 0
+    preempted_requests: int = 0
+    scheduled_tokens: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    max_live: int = 0
+    # prompt-token accounting (from prompt_stats)
+    stats_requests: int = 0
+    prompt_tokens: int = 0
+    local_cached_tokens: int = 0
+    external_cached_tokens: int = 0
+    cache_creation_tokens: int = 0
+    # connector
+    lookups: int = 0
+    lookups_not_ready: int = 0
+    lookups_async: int = 0
+    lookup_local_tokens: int = 0
+    lookup_external_tokens: int = 0
+    loads: int = 0
+    load_tokens: int = 0
+    finished_recving: int = 0
+    failed_recving: int = 0
+    invalid_blocks: int = 0
+    # series over steps
+    kv_used: Series = field(default_factory=Series)           # blocks in use after each step
+    sched_tokens: Series = field(default_factory=Series)      # tokens scheduled per step
+    running: Series = field(default_factory=Series)           # requests scheduled per step
+    live: Series = field(default_factory=Series)              # requests arrived and not finished
+    preemption_steps: list[int] = field(default_factory=list)
+    peak_kv_used: int | None = None
+    kv_used_sum: int = 0
+    kv_samples: int = 0
+    # timelines
+    timelines: dict[str, RequestTimeline] = field(default_factory=dict)
+    truncation: str | None = None
+    end: ev.End | None = None
+    last_line: int = 0
+
+    @property
+    def usable_blocks(self) -> int:
+        return self.header.config.num_blocks - 1
+
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        """Share of prompt tokens served by the local prefix cache."""
+        return self.local_cached_tokens / self.prompt_tokens if self.prompt_tokens else None
+
+    @property
+    def external_hit_rate(self) -> float | None:
+        """Share of prompt tokens served by the KV connector."""
+        return self.external_cached_tokens / self.prompt_tokens if self.prompt_tokens else None
+
+    @property
+    def mean_kv_used(self) -> float | None:
+        return self.kv_used_sum / self.kv_samples if self.kv_samples else None
+
+    @property
+    def timelines_left_out(self) -> int:
+        return max(0, self.requests - len(self.timelines))
+
+
+# --------------------------------------------------------------------------- pass
+
+
+@dataclass(slots=True)
+class _Live:
+    """What the pass holds for a request between its arrival and its finish."""
+    prompt_len: int
+    num_tokens: int
+    computed: int = 0
+    blocks: int = 0
+    preempted_once: bool = False
+    local: int | None = None          # the last lookup's local hit
+    ext: int | None = None            # ... and its answer
+    tl: RequestTimeline | None = None
+
+
+def phase_of(computed: int, scheduled: int, prompt_len: int, num_tokens: int) -> str:
+    """Whether a scheduled chunk is a prefill (prompt or recomputed tokens) or a decode."""
+    if computed < prompt_len or computed < num_tokens - 1:
+        return "prefill"
+    return "decode"
+
+
+def summarize(path, keep: Iterable[str] | Callable[[str], bool] | None = None,
+              max_timelines: int = 50, history: Callable[[str], bool] | None = None,
+              reader: TraceReader | None = None) -> RunSummary:
+    """Read ``path`` once and summarize it.
+
+    A timeline is kept for the first ``max_timelines`` requests in arrival order
+    and for every request in ``keep`` (a collection of ids or a predicate).
+    ``history`` says which requests also keep every scheduled step.
+    Raises ``TraceError`` for unusable input, like every reader of traces.
+    """
+    if keep is None:
+        want = lambda r: False  # noqa: E731
+    elif callable(keep):
+        want = keep
+    else:
+        ids = set(keep)
+        want = ids.__contains__
+    hist = history or (lambda r: False)
+    r = reader or TraceReader(path)
+    s = RunSummary(path=str(path), header=r.header)
+    p = _Pass(s, want, max_timelines, hist)
+    with r:
+        for e in r:
+            s.events += 1
+            p.feed(e, r.last_line)
+    s.truncation = r.truncation
+    s.end = r.end
+    s.last_line = r.last_line
+    return s
+
+
+class _Pass:
+    def __init__(self, s: RunSummary, want, max_timelines: int, hist):
+        self.s = s
+        self.want = want
+        self.max_timelines = max_timelines
+        self.hist = hist
+        self.live: dict[str, _Live] = {}
+        self.usable = s.usable_blocks
+
+    def feed(self, e, line: int) -> None:
+        if isinstance(e, ev.Step):
+            self._step(e)
+        elif isinstance(e, ev.Output):
+            self._output(e)
+        elif isinstance(e, ev.Arrival):
+            self._arrival(e, line)
+        elif isinstance(e, ev.PromptStats):
+            self._stats(e)
+        elif isinstance(e, ev.Abort):
+            for req in e.reqs:
+                self._finish(req, self.s.steps, "abort")
+
+    # -- records ----------------------------------------------------------------
+
+    def _arrival(self, e: ev.Arrival, line: int) -> None:
+        s = self.s
+        index = s.requests
+        s.requests += 1
+        lv = _Live(prompt_len=len(e.prompt_token_ids), num_tokens=len(e.prompt_token_ids))
+        if index < self.max_timelines or self.want(e.req) or self.hist(e.req):
+            tl = RequestTimeline(req=e.req, index=index, prompt_len=lv.prompt_len,
+                                 max_tokens=e.max_tokens, priority=e.priority,
+                                 arrival_time=e.arrival_time, arrival_step=s.steps,
+                                 arrival_line=line)
+            if self.hist(e.req):
+                tl.history = []
+            tl.computed.add(s.steps, 0)
+            tl.blocks.add(s.steps, 0)
+            tl.mark(s.steps, "arrival", f"prompt {lv.prompt_len} tokens, max_tokens {e.max_tokens}")
+            s.timelines[e.req] = tl
+            lv.tl = tl
+        self.live[e.req] = lv
+        s.max_live = max(s.max_live, len(self.live))
+
+    def _step(self, e: ev.Step) -> None:
+        s = self.s
+        k = e.step
+        s.steps = k + 1
+        states = {st.req: st for st in e.states}
+        for lk in e.lookups:
+            s.lookups += 1
+            lv = self.live.get(lk.req)
+            if lk.ext is None:
+                s.lookups_not_ready += 1
+            else:
+                s.lookup_local_tokens += lk.local
+                s.lookup_external_tokens += lk.ext
+                if lk.load_async:
+                    s.lookups_async += 1
+            if lv is None:
+                continue
+            again = (lv.local, lv.ext) == (lk.local, lk.ext)
+            lv.local, lv.ext = lk.local, lk.ext
+            if lv.tl is not None and not again:
+                if lk.ext is None:
+                    lv.tl.mark(k, "not-ready", f"local {lk.local}, connector not ready")
+                elif lk.load_async:
+                    lv.tl.mark(k, "async-wait", f"local {lk.local}, external {lk.ext} loading "
+                                                "asynchronously (WAITING_FOR_REMOTE_KVS)")
+                else:
+                    lv.tl.mark(k, "lookup", f"local {lk.local}, external {lk.ext}")
+        for ld in e.loads or ():
+            s.loads += 1
+            s.load_tokens += max(0, ld.end - ld.start)
+            lv = self.live.get(ld.req)
+            if lv is not None and lv.tl is not None:
+                lv.tl.mark(k, "load", f"load tokens [{ld.start}, {ld.end})")
+        for req in e.preempted:
+            s.preemptions += 1
+            if len(s.preemption_steps) < MAX_RUN_MARKS:
+                s.preemption_steps.append(k)
+            lv = self.live.get(req)
+            if lv is None:
+                continue
+            if not lv.preempted_once:
+                lv.preempted_once = True
+                s.preempted_requests += 1
+            if lv.tl is not None:
+                lv.tl.num_preemptions += 1
+                lv.tl.mark(k, "preempted", f"preempted with {lv.computed} tokens computed")
+        total = 0
+        for how, items in (("new", e.new), ("resumed", e.resumed), ("running", e.running)):
+            for it in items:
+                total += it.num_scheduled_tokens
+                self._scheduled(k, how, it, states.get(it.req))
+        s.scheduled_tokens += total
+        s.sched_tokens.add(k, total)
+        s.running.add(k, len(e.new) + len(e.resumed) + len(e.running))
+        # Unscheduled requests whose state the step reports (preempted, waiting for a load).
+        scheduled = {it.req for it in e.new} | {it.req for it in e.resumed} | {it.req for it in e.running}
+        for req, st in states.items():
+            lv = self.live.get(req)
+            if lv is None or req in scheduled:
+                continue
+            self._apply_state(k, lv, st)
+        if e.num_free_blocks is not None:
+            used = self.usable - e.num_free_blocks
+            s.kv_used.add(k, used)
+            s.peak_kv_used = used if s.peak_kv_used is None else max(s.peak_kv_used, used)
+            s.kv_used_sum += used
+            s.kv_samples += 1
+        for req in e.finished:
+            if req in self.live:
+                self._finish(req, k, None)
+        s.live.add(k, len(self.live))
+
+    def _scheduled(self, k: int, how: str, it, st: ev.RequestState | None) -> None:
+        lv = self.live.get(it.req)
+        if lv is None:
+            return
+        s = self.s
+        pre = it.num_computed_tokens
+        n = it.num_scheduled_tokens
+        num_tokens = st.num_tokens if st is not None else lv.num_tokens
+        phase = phase_of(pre, n, lv.prompt_len, num_tokens)
+        if phase == "prefill":
+            s.prefill_tokens += n
+        else:
+            s.decode_tokens += n
+        if isinstance(it, ev.ScheduledNew):
+            # A request admitted after an async load already holds its loaded blocks.
+            new_blocks = list(it.block_ids[lv.blocks:])
+            nblocks = len(it.block_ids)
+        else:
+            new_blocks = list(it.new_block_ids)
+            nblocks = lv.blocks + len(new_blocks)
+        tl = lv.tl
+        if how in ("new", "resumed"):
+            # The admission's split of computed tokens: local prefix hit, external hit.
+            local = lv.local if lv.local is not None else pre
+            ext = (lv.ext or 0) if lv.local is not None else 0
+            if tl is not None:
+                tl.cached.add(k, local)
+                tl.external.add(k, ext)
+                what = "admitted" if how == "new" else "resumed"
+                tl.mark(k, what, f"{what} with {pre} tokens computed (local {local}, external {ext}), "
+                                 f"{n} scheduled, {len(it.block_ids)} blocks")
+            lv.local = lv.ext = None
+        lv.blocks = nblocks
+        lv.computed = pre + n
+        lv.num_tokens = num_tokens
+        status = "RUNNING"
+        if st is not None:
+            lv.computed = st.num_computed_tokens
+            lv.blocks = len(st.block_ids)
+            status = st.status
+        if tl is not None:
+            tl.computed.add(k, lv.computed)
+            tl.blocks.add(k, lv.blocks)
+            if tl.first_step is None:
+                tl.first_step = k
+            tl.last_step = k
+            tl.steps_scheduled += 1
+            tl.tokens_scheduled += n
+            if tl.history is not None:
+                tl.history.append(HistoryRow(step=k, how=how, phase=phase, computed=pre, scheduled=n,
+                                             new_blocks=new_blocks, blocks=lv.blocks,
+                                             computed_after=lv.computed, status=status))
+
+    def _apply_state(self, k: int, lv: _Live, st: ev.RequestState) -> None:
+        lv.computed = st.num_computed_tokens
+        lv.blocks = len(st.block_ids)
+        lv.num_tokens = st.num_tokens
+        if lv.tl is not None:
+            lv.tl.computed.add(k, lv.computed)
+            lv.tl.blocks.add(k, lv.blocks)
+
+    def _output(self, e: ev.Output) -> None:
+        k = e.step
+        for st in e.states:
+            lv = self.live.get(st.req)
+            if lv is not None:
+                lv.num_tokens = st.num_tokens
+                lv.computed = st.num_computed_tokens
+                lv.blocks = len(st.block_ids)
+        c = e.connector
+        if c is not None:
+            s = self.s
+            s.finished_recving += len(c.finished_recving)
+            s.failed_recving += len(c.failed_recving)
+            s.invalid_blocks += len(c.invalid_block_ids)
+            for req in c.failed_recving:
+                lv = self.live.get(req)
+                if lv is not None and lv.tl is not None:
+                    lv.tl.mark(k, "load-failed", "the connector reports the load failed")
+            for req in c.finished_recving:
+                lv = self.live.get(req)
+                if lv is not None and lv.tl is not None and req not in c.failed_recving:
+                    lv.tl.mark(k, "load-done", "asynchronous load finished")
+            if c.invalid_block_ids:
+                bad = set(c.invalid_block_ids)
+                for req, st in ((st.req, st) for st in e.states):
+                    lv = self.live.get(req)
+                    if lv is not None and lv.tl is not None and bad.intersection(st.block_ids):
+                        lv.tl.mark(k, "load-failed",
+                                   f"blocks {sorted(bad.intersection(st.block_ids))} failed to load")
+        for req, reason in e.finished.items():
+            self._finish(req, k, reason)
+        for st in e.states:
+            if st.status.startswith("FINISHED") and st.req in self.live:
+                self._finish(st.req, k, st.status[len("FINISHED_"):].lower())
+
+    def _stats(self, e: ev.PromptStats) -> None:
+        s = self.s
+        lv = self.live.get(e.req)
+        tl = s.timelines.get(e.req)
+        ps = e.prefill_stats
+        if ps is not None:
+            s.stats_requests += 1
+            s.prompt_tokens += max(0, ps.num_prompt_tokens)
+            s.local_cached_tokens += max(0, ps.num_local_cached_tokens)
+            s.external_cached_tokens += max(0, ps.num_external_cached_tokens)
+            s.cache_creation_tokens += max(0, ps.num_cache_creation_tokens)
+        elif e.legacy is not None:
+            lg = e.legacy
+            prompt = lv.prompt_len if lv is not None else (tl.prompt_len if tl is not None else 0)
+            if lg.num_cached_tokens >= 0:
+                s.stats_requests += 1
+                s.prompt_tokens += prompt
+                ext = min(max(0, lg.num_external_computed_tokens), lg.num_cached_tokens)
+                s.external_cached_tokens += ext
+                s.local_cached_tokens += lg.num_cached_tokens - ext
+        if tl is not None:
+            tl.prefill_stats = ps
+            tl.legacy = e.legacy
+            tl.stats_step = e.step
+
+    def _finish(self, req: str, k: int, reason: str | None) -> None:
+        lv = self.live.pop(req, None)
+        if lv is None:
+            return
+        s = self.s
+        reason = reason or "freed"
+        if reason == "abort":
+            s.aborted += 1
+        s.finished[reason] += 1
+        if lv.tl is not None:
+            lv.tl.finish_reason = reason
+            lv.tl.finish_step = k
+            lv.tl.mark(k, "aborted" if reason == "abort" else "finished", f"finished: {reason}")
+            lv.tl.blocks.add(k + 1, 0)
+
+
+def percent(x: float | None) -> str:
+    return "—" if x is None else f"{100 * x:.1f}%"
