@@ -1,0 +1,378 @@
+"""Properties checked on random inputs (hypothesis):
+
+* random workloads and engine configurations, run through the embedded engine,
+  replay with zero divergences;
+* an injected fault is flagged whenever it fired (a non-empty fault log means at
+  least one divergence);
+* diff is symmetric: diff(A, B) and diff(B, A) name the same requests and
+  fields, with recorded and expected swapped;
+* reading a written trace gives back the same events (plain, gzip, zstd);
+* redaction keeps replay exact and leaves no original token sequence.
+
+Example counts are small so that the file runs in well under a minute on two cores.
+"""
+
+from __future__ import annotations
+
+import gzip
+import random
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import kvtrace
+from kvtrace import bridge
+from kvtrace.engine import FAULT_WORKLOADS, FAULTS, record_embedded
+from kvtrace.engine.engine import CONNECTOR_NAME, ENGINE_NAME, RecordResult, _Engine
+from kvtrace.engine.faults import STORE_FAULTS
+from kvtrace.engine.kv_store import StoreSettings
+from kvtrace.engine.sampler import FIRST_ORDINARY_TOKEN
+from kvtrace.engine.workloads import PlannedAbort, PlannedArrival, Workload
+from kvtrace.reference import SchedulerConfig
+from kvtrace.trace import TraceReader, TraceWriter
+from kvtrace.trace import events as ev
+
+TRACES = Path(__file__).parent.parent / "traces"
+SLOW = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
+                                                  HealthCheck.data_too_large])
+
+
+# --------------------------------------------------------------------------- random workloads
+
+
+@st.composite
+def workloads(draw, store: bool | None = None) -> Workload:
+    """A random engine configuration and a timed list of arrivals and aborts.
+    Sizes keep every request satisfiable, so the engine always finishes."""
+    seed = draw(st.integers(0, 2 ** 32 - 1))
+    rng = random.Random(seed)
+    block_size = draw(st.sampled_from([1, 2, 4, 8, 16]))
+    n_req = draw(st.integers(1, 10))
+    max_prompt = draw(st.integers(4, 96))
+    max_out = draw(st.integers(1, 24))
+    max_model_len = max_prompt + max_out + draw(st.integers(0, 32))
+    need = -(-max_model_len // block_size)           # blocks of the longest request
+    num_blocks = 1 + need + draw(st.integers(0, 3 * need))
+    with_store = draw(st.booleans()) if store is None else store
+    policy_fail = draw(st.sampled_from(["fail", "recompute"]))
+    config = SchedulerConfig(
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_num_batched_tokens=draw(st.integers(8, 256)),
+        max_num_seqs=draw(st.integers(1, 8)),
+        max_model_len=max_model_len,
+        enable_prefix_caching=draw(st.booleans()),
+        policy=draw(st.sampled_from(["fcfs", "priority"])),
+        long_prefill_token_threshold=draw(st.sampled_from([0, 0, 8, 16, 48])),
+        load_failure_policy=policy_fail,
+    )
+    vocab = draw(st.sampled_from([FIRST_ORDINARY_TOKEN + 16, 1000, 32000]))
+
+    def toks(n):
+        return tuple(rng.randrange(FIRST_ORDINARY_TOKEN, vocab) for _ in range(n))
+
+    prefixes = [toks(rng.randint(1, max_prompt)) for _ in range(rng.randint(1, 3))]
+    arrivals, t = [], 0
+    for i in range(n_req):
+        p = rng.choice(prefixes) if rng.random() < 0.7 else ()
+        p = (p + toks(rng.randint(1, max_prompt)))[:max_prompt]
+        arrivals.append(PlannedArrival(t, f"q{i}", p, rng.randint(1, max_out), rng.randint(0, 2)))
+        t += rng.choice((0, 0, 1, 2, 4))
+    aborts = tuple(PlannedAbort(a.step + rng.randint(0, 6), a.req)
+                   for a in arrivals if rng.random() < draw(st.sampled_from([0.0, 0.2])))
+    settings_ = None
+    if with_store:
+        fails = policy_fail == "recompute" and draw(st.booleans())
+        settings_ = StoreSettings(
+            capacity_tokens=rng.randint(50, 3000),
+            preload=tuple(prefixes[: rng.randint(0, len(prefixes))]),
+            min_hit_tokens=rng.choice((1, block_size)),
+            async_fraction=rng.choice((0.0, 0.3, 0.7)),
+            async_delay_steps=rng.randint(1, 3),
+            failed_recving_fraction=0.4 if fails else 0.0,
+            invalid_blocks_fraction=0.5 if fails else 0.0,
+            late_failure_fraction=0.5 if fails else 0.0,
+        )
+    return Workload(f"random-{seed}", config, tuple(arrivals), aborts, settings_, vocab,
+                    eos_probability=draw(st.sampled_from([0.0, 0.05])))
+
+
+def record_workload(wl: Workload, path: Path, fault: str | None = None, seed: int = 0) -> RecordResult:
+    """record_embedded for a workload built here (the engine takes only named ones)."""
+    engine = _Engine(wl, fault, seed)
+    header = ev.Header(engine=ENGINE_NAME, engine_version=kvtrace.__version__,
+                       config=bridge.header_config(wl.config, CONNECTOR_NAME if wl.store else None),
+                       counters="legacy", meta={"workload": wl.name, "fault": fault, "seed": seed})
+    result = RecordResult(path, requests=len(wl.arrivals))
+    with TraceWriter(path, header) as w:
+        engine.run(w, "both", result)
+    result.fault_log = list(engine.fault_log)
+    return result
+
+
+def _replay(path):
+    from kvtrace.replay import replay_file
+
+    return replay_file(path, device="cpu")
+
+
+def _show(divs) -> str:
+    return "\n".join(f"step {d.step} {d.req} {d.field}: {d.recorded!r} != {d.expected!r} ({d.rule})"
+                     for d in divs[:5])
+
+
+@settings(max_examples=25, **SLOW)
+@given(wl=workloads())
+def test_random_workloads_replay_clean(tmp_path_factory, wl):
+    path = tmp_path_factory.mktemp("wl") / "t.jsonl"
+    record_workload(wl, path)
+    result = _replay(path)
+    assert result.truncation is None and result.stopped is None
+    assert result.divergences == [], f"{wl}\n{_show(result.divergences)}"
+
+
+# --------------------------------------------------------------------------- faults
+
+
+@settings(max_examples=10, **SLOW)
+@given(wl=workloads(store=True), fault=st.sampled_from(FAULTS))
+def test_fault_is_flagged_whenever_it_fires_random(tmp_path_factory, wl, fault):
+    path = tmp_path_factory.mktemp("f") / "t.jsonl"
+    rec = record_workload(wl, path, fault)
+    if rec.fault_log:
+        result = _replay(path)
+        assert result.divergences, f"{fault} fired {rec.fault_log[:3]} but replay found nothing\n{wl}"
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+@settings(max_examples=2, **SLOW)
+@given(seed=st.integers(0, 10 ** 6))
+def test_fault_is_flagged_whenever_it_fires_builtin(tmp_path_factory, fault, seed):
+    path = tmp_path_factory.mktemp("fb") / "t.jsonl"
+    rec = record_embedded(path, workload=FAULT_WORKLOADS[fault], fault=fault, seed=seed)
+    if rec.fault_log:
+        assert _replay(path).divergences, f"{fault} seed {seed}: fired {rec.fault_log[:3]}, not flagged"
+
+
+# --------------------------------------------------------------------------- diff
+
+
+def _diff_key(divs, swap: bool) -> list:
+    out = []
+    for d in divs:
+        rec, exp = (d.expected, d.recorded) if swap else (d.recorded, d.expected)
+        out.append((d.req, d.field, repr(rec), repr(exp)))
+    return sorted(out)
+
+
+@settings(max_examples=6, **SLOW)
+@given(workload=st.sampled_from(["kv-pressure", "offload", "shared-prefix"]),
+       fault=st.sampled_from([None, *FAULTS]), seed=st.integers(0, 1000),
+       other_seed=st.integers(0, 1))
+def test_diff_is_symmetric(tmp_path_factory, workload, fault, seed, other_seed):
+    from kvtrace.diff import diff_files
+
+    if fault in STORE_FAULTS and workload != "offload":
+        fault = None
+    d = tmp_path_factory.mktemp("d")
+    a, b = d / "a.jsonl", d / "b.jsonl.gz"
+    record_embedded(a, workload=workload, seed=seed)
+    record_embedded(b, workload=workload, fault=fault, seed=seed + other_seed)
+    ab, ba = diff_files(a, b), diff_files(b, a)
+    assert _diff_key(ab.divergences, False) == _diff_key(ba.divergences, True)
+
+
+# --------------------------------------------------------------------------- round trip
+
+_ints = st.integers(0, ev.MAX_COUNT)
+_small = st.integers(0, 1 << 20)
+_ids = st.text(st.characters(blacklist_categories=("Cs",)), max_size=12)
+_tok_lists = st.lists(_ints, max_size=8)
+_states = st.builds(ev.RequestState, req=_ids, status=st.sampled_from(ev.STATUSES), num_computed_tokens=_ints,
+                    num_tokens=_ints, num_preemptions=_ints, block_ids=_tok_lists)
+_new = st.builds(ev.ScheduledNew, req=_ids, num_computed_tokens=_ints, num_scheduled_tokens=_ints,
+                 block_ids=_tok_lists)
+_running = st.builds(ev.ScheduledRunning, req=_ids, num_computed_tokens=_ints, num_scheduled_tokens=_ints,
+                     new_block_ids=_tok_lists)
+_signed = st.integers(-ev.MAX_COUNT, ev.MAX_COUNT)
+
+
+def _event_strategies():
+    seq = st.just(0)
+    return st.one_of(
+        st.builds(ev.Arrival, seq=seq, req=_ids, prompt_token_ids=st.lists(_ints, min_size=1, max_size=8),
+                  max_tokens=_ints, arrival_time=st.floats(allow_nan=False, allow_infinity=False),
+                  priority=_signed, cache_salt=st.none() | _ids, eos_token_id=st.none() | _ints,
+                  stop_token_ids=_tok_lists, min_tokens=_ints, ignore_eos=st.booleans(),
+                  skip_reading_prefix_cache=st.booleans()),
+        st.builds(ev.Abort, seq=seq, reqs=st.lists(_ids, max_size=4)),
+        st.builds(ev.Step, seq=seq, step=_ints, new=st.lists(_new, max_size=3),
+                  resumed=st.lists(_new, max_size=2), running=st.lists(_running, max_size=3),
+                  preempted=st.lists(_ids, max_size=3), finished=st.lists(_ids, max_size=3),
+                  lookups=st.lists(st.builds(ev.Lookup, req=_ids, local=_ints, ext=st.none() | _ints,
+                                             load_async=st.booleans()), max_size=3),
+                  loads=st.none() | st.lists(st.builds(ev.KVLoad, req=_ids, start=_ints, end=_ints),
+                                             max_size=3),
+                  states=st.lists(_states, max_size=3), num_free_blocks=st.none() | _ints),
+        st.builds(ev.Output, seq=seq, step=_ints, sampled=st.dictionaries(_ids, _tok_lists, max_size=3),
+                  connector=st.none() | st.builds(
+                      ev.ConnectorOutput, finished_recving=st.lists(_ids, max_size=2),
+                      finished_sending=st.lists(_ids, max_size=2), failed_recving=st.lists(_ids, max_size=2),
+                      invalid_block_ids=_tok_lists),
+                  finished=st.dictionaries(_ids, st.sampled_from(ev.FINISH_REASONS), max_size=3),
+                  states=st.lists(_states, max_size=3)),
+        st.builds(ev.PromptStats, seq=seq, step=_ints, req=_ids,
+                  prefill_stats=st.builds(ev.PrefillStats, *[_signed] * 6),
+                  legacy=st.none() | st.builds(ev.LegacyCounters, _signed, _signed)),
+    )
+
+
+_headers = st.builds(
+    ev.Header, engine=_ids, engine_version=_ids,
+    config=st.builds(ev.SchedulerConfig, block_size=st.integers(1, 256), num_blocks=st.integers(2, 1 << 20),
+                     max_num_batched_tokens=st.integers(1, 1 << 20), max_num_seqs=st.integers(1, 1024),
+                     max_model_len=st.integers(1, 1 << 24), enable_prefix_caching=st.booleans(),
+                     policy=st.sampled_from(ev.POLICIES), long_prefill_token_threshold=_small,
+                     max_num_scheduled_tokens=st.none() | st.integers(1, 1 << 20), watermark_blocks=_small,
+                     connector=st.none() | st.builds(ev.ConnectorConfig, name=_ids,
+                                                     load_failure_policy=st.sampled_from(["fail", "recompute"]))),
+    counters=st.sampled_from(ev.COUNTER_SHAPES),
+    features=st.dictionaries(_ids, st.integers(0, 4) | st.booleans(), max_size=3),
+    meta=st.dictionaries(_ids, _ids | st.integers(0, 100), max_size=3),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(header=_headers, events=st.lists(_event_strategies(), max_size=8),
+       gaps=st.lists(st.integers(1, 5), min_size=9, max_size=9),
+       end=st.none() | st.builds(ev.End, seq=st.just(0), status=st.sampled_from(ev.END_STATUSES),
+                                 error=st.none() | _ids, dropped_events=_small),
+       suffix=st.sampled_from(["jsonl", "jsonl.gz", "jsonl.zst"]))
+def test_round_trip(tmp_path_factory, header, events, gaps, end, suffix):
+    seq = 0
+    for e, g in zip([*events, end], gaps):
+        if e is not None:
+            seq += g
+            e.seq = seq
+    path = tmp_path_factory.mktemp("rt") / f"t.{suffix}"
+    w = TraceWriter(path, header)
+    for e in events:
+        w.write(e)
+    w.finish(end)
+    r = TraceReader(path, validate=False)   # random events name requests that never arrived
+    assert r.header == header
+    got = list(r)
+    assert got == events + ([end] if end else [])
+    assert r.end == end
+    assert (r.truncation is None) == (end is not None)
+
+
+# --------------------------------------------------------------------------- redaction
+
+
+def _ngrams(seqs, n=4) -> set:
+    return {tuple(s[i:i + n]) for s in seqs for i in range(len(s) - n + 1)}
+
+
+def _prompts(path) -> tuple[list[list[int]], dict]:
+    prompts, sampled = [], {}
+    for e in TraceReader(path):
+        if isinstance(e, ev.Arrival):
+            prompts.append(e.prompt_token_ids)
+        elif isinstance(e, ev.Output):
+            for req, ts in e.sampled.items():
+                sampled.setdefault(req, []).extend(ts)
+    return prompts, sampled
+
+
+def _check_redacted(src, dst, summary):
+    p0, s0 = _prompts(src)
+    p1, s1 = _prompts(dst)
+    assert len(p0) == len(p1) == summary.arrivals
+    # Same id -> same pseudonym, different ids -> different pseudonyms.
+    mapping: dict[int, int] = {}
+    for a, b in zip([*p0, *s0.values()], [*p1, *s1.values()]):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert mapping.setdefault(x, y) == y
+    assert len(set(mapping.values())) == len(mapping)
+    # No original token sequence of length >= 4 is left anywhere in the file.
+    assert not _ngrams(p0) & _ngrams([*p1, *s1.values()])
+    raw = dst.read_bytes()
+    text = gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw
+    for seq in list(_ngrams(p0))[:200]:
+        assert ",".join(map(str, seq)).encode() not in text
+
+
+@pytest.mark.parametrize("workload", ["shared-prefix", "kv-pressure", "offload", "load-failures"])
+def test_redacted_embedded_traces_replay_clean(tmp_path, workload):
+    from kvtrace.redact import redact_file
+
+    src, dst = tmp_path / "t.jsonl", tmp_path / "r.jsonl"
+    record_embedded(src, workload=workload, seed=3)
+    summary = redact_file(src, dst)
+    _check_redacted(src, dst, summary)
+    assert _replay(dst).divergences == []
+
+
+@pytest.mark.parametrize("name", ["prefix-sharing", "preemption", "connector", "priority"])
+def test_redacted_real_traces_replay_clean(tmp_path, name):
+    from kvtrace.redact import redact_file
+
+    src, dst = TRACES / f"{name}.jsonl.gz", tmp_path / "r.jsonl.gz"
+    summary = redact_file(src, dst)
+    _check_redacted(src, dst, summary)
+    result = _replay(dst)
+    assert result.divergences == [] and result.truncation is None
+
+
+def test_redacted_fault_trace_keeps_its_divergences(tmp_path):
+    from kvtrace.redact import redact_file
+
+    src = TRACES / "faults" / "async-load-overshoot.jsonl.gz"
+    redact_file(src, tmp_path / "r.jsonl")
+    a, b = _replay(src), _replay(tmp_path / "r.jsonl")
+    assert [(d.step, d.req, d.field) for d in a.divergences] == [(d.step, d.req, d.field) for d in b.divergences]
+    assert b.divergences
+
+
+def test_redacted_cut_trace_stays_cut(tmp_path):
+    from kvtrace.redact import redact_file
+
+    raw = gzip.decompress((TRACES / "preemption.jsonl.gz").read_bytes())
+    cut = tmp_path / "cut.jsonl"
+    cut.write_bytes(raw[: len(raw) // 2])
+    summary = redact_file(cut, tmp_path / "r.jsonl")
+    assert summary.truncation and "cut off" in summary.truncation
+    r = TraceReader(tmp_path / "r.jsonl")
+    list(r)
+    assert r.end is None and r.truncation
+
+
+def test_key_is_not_stored_and_keys_differ(tmp_path):
+    from kvtrace.redact import redact_file
+
+    src = TRACES / "prefix-sharing.jsonl.gz"
+    key = bytes(range(32))
+    redact_file(src, tmp_path / "a.jsonl", key)
+    redact_file(src, tmp_path / "b.jsonl", key)
+    redact_file(src, tmp_path / "c.jsonl")
+    a, b, c = (_prompts(tmp_path / f"{x}.jsonl")[0] for x in "abc")
+    assert a == b and a != c                       # a given key is reproducible; the default is random
+    text = (tmp_path / "a.jsonl").read_bytes()
+    assert key.hex().encode() not in text and b"redacted" in text
+
+
+@settings(max_examples=50, deadline=None)
+@given(key=st.binary(min_size=16, max_size=64), tokens=st.lists(st.integers(0, ev.MAX_COUNT), max_size=50))
+def test_pseudonyms_are_a_permutation(key, tokens):
+    from kvtrace.redact import Redactor
+
+    r1, r2 = Redactor(key), Redactor(key)
+    p1 = r1.tokens(tokens)
+    assert p1 == r2.tokens(list(reversed(tokens)))[::-1]           # deterministic per key
+    assert all(0 <= p <= ev.MAX_COUNT for p in p1)                 # stays a valid token id
+    assert len(set(p1)) == len(set(tokens))                         # injective
+    assert r1.token(ev.MAX_COUNT) <= ev.MAX_COUNT
