@@ -62,6 +62,7 @@ def record_embedded(out_path: str | os.PathLike, workload: str = "shared-prefix"
         engine_version=kvtrace.__version__,
         config=bridge.header_config(wl.config, CONNECTOR_NAME if wl.store else None),
         counters="prefill_stats" if counters == "prefill_stats" else "legacy",
+        features=bridge.header_features(wl.config),
         meta={"workload": workload, "fault": fault, "seed": seed},
     )
     result = RecordResult(Path(out_path), requests=len(wl.arrivals))
