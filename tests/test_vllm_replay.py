@@ -298,3 +298,14 @@ def test_scheduler_class_resolution():
                 "vllm.v1.core.sched.scheduler.logger"):
         with pytest.raises(ValueError):
             resolve_scheduler_cls(bad)
+
+
+def test_legacy_counters_in_the_recording_are_named_as_a_known_difference(tmp_path):
+    from kvtrace.engine import record_embedded
+
+    rec_path = tmp_path / "emb.jsonl.gz"
+    record_embedded(rec_path, workload="shared-prefix", seed=0)  # PrefillStats and legacy pair
+    res = replay_through_vllm(rec_path, tmp_path / "vllm.jsonl.gz")
+    assert any("'legacy' prompt counters" in n for n in res.notes)
+    d = diff_files(rec_path, tmp_path / "vllm.jsonl.gz")
+    assert d.divergences and {x.field.split(".")[0] for x in d.divergences} == {"legacy"}

@@ -78,6 +78,8 @@ class VllmReplayResult:
     setup_seconds: float = 0.0    # building the config and the scheduler
     truncation: str | None = None  # where and why the recorded trace stops early
     stopped: str | None = None    # why the replay stopped before the end of the trace
+    # Differences the replay cannot avoid, known before it starts.
+    notes: list[str] = field(default_factory=list)
     # "step S: REQ looked up (local=L) with no recorded answer; answered 0"
     unanswered_lookups: list[str] = field(default_factory=list)
     # "step S: recorded lookup of REQ (local=L, ext=E) was not asked for"
@@ -101,7 +103,7 @@ class VllmReplayResult:
             "vllm_version": self.vllm_version, "steps": self.steps, "events": self.events,
             "seconds": round(self.seconds, 4), "setup_seconds": round(self.setup_seconds, 3),
             "steps_per_s": round(self.steps_per_s, 1) if self.seconds > 0 else None,
-            "truncation": self.truncation, "stopped": self.stopped,
+            "truncation": self.truncation, "stopped": self.stopped, "notes": self.notes,
             # Counts, with the first few entries of each list.
             "unanswered_lookups": len(self.unanswered_lookups),
             "unused_lookups": len(self.unused_lookups),
@@ -340,9 +342,9 @@ def _qualname(cls: type) -> str:
 
 
 def build_scheduler(header: ev.Header, out_path: str | os.PathLike, scheduler_cls: type,
-                    meta: dict | None = None) -> Any:
+                    meta: dict | None = None) -> tuple[Any, ev.Header]:
     """``scheduler_cls`` wrapped by the kvtrace recorder, configured from the header,
-    recording to ``out_path``."""
+    recording to ``out_path``; and the header written there."""
     from vllm.v1.structured_output import StructuredOutputManager
 
     from kvtrace.record import vllm_recorder as vr
@@ -375,7 +377,7 @@ def build_scheduler(header: ev.Header, out_path: str | os.PathLike, scheduler_cl
     vr._wrap_connector(sched, rec)
     sched._kvtrace = rec
     vr._ACTIVE.add(rec)
-    return sched
+    return sched, out_header
 
 
 # --------------------------------------------------------------------------- inputs
@@ -444,7 +446,7 @@ def replay_through_vllm(trace_path: str | os.PathLike, out_path: str | os.PathLi
     header = reader.header
     try:
         check_supported(header, trace_path)
-        sched = build_scheduler(header, out_path, cls, meta={
+        sched, out_header = build_scheduler(header, out_path, cls, meta={
             "replayed_from": trace_path, "recorded_engine": header.engine,
             "recorded_engine_version": header.engine_version,
             "recorded_scheduler_cls": header.features.get("scheduler_cls"),
@@ -463,6 +465,9 @@ def replay_through_vllm(trace_path: str | os.PathLike, out_path: str | os.PathLi
     result = VllmReplayResult(path=trace_path, out=out_path, scheduler_cls=_qualname(cls),
                               vllm_version=str(getattr(vllm, "__version__", "unknown")))
     result.setup_seconds = time.perf_counter() - t0
+    if header.counters != out_header.counters:
+        result.notes.append(f"the recording carries '{header.counters}' prompt counters and this "
+                            "vLLM emits PrefillStats: prompt_stats records differ in those fields")
     outputs: dict[int, Any] = {}
     status, error = "complete", None
     t1 = time.perf_counter()
