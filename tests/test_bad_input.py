@@ -372,9 +372,12 @@ def _bomb_rss(tmp_path, payload: bytes, kind: str) -> tuple[int, str, int]:
     member = (gzip.compress(payload[0], compresslevel=1) if kind == "gz"
               else zstandard.ZstdCompressor(level=1).compress(payload[0]))
     path.write_bytes(member * (len(payload) // (16 << 20)))
-    code = ("import resource, sys\nfrom kvtrace import cli\n"
+    # VmHWM, not getrusage: ru_maxrss survives exec, so a child forked from a big
+    # test process would report the parent's peak.
+    code = ("import re, sys\nfrom kvtrace import cli\n"
             "rc = cli.run(['diff', sys.argv[1], sys.argv[1]])\n"
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\nsys.exit(rc)\n")
+            "print(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1))\n"
+            "sys.exit(rc)\n")
     p = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,
                        timeout=120, stdin=subprocess.DEVNULL)
     return int(p.stdout.strip().splitlines()[-1]), p.stderr, p.returncode
