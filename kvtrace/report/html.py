@@ -510,7 +510,7 @@ def _path(pts: list, sx, sy, kind: str, x_end: float) -> str:
         else:
             d.append(f"H{sx(x):.1f} V{sy(y):.1f}")
     if kind != "line":
-        d.append(f"H{sx(min(x_end, pts[-1][0] + 1)):.1f}")
+        d.append(f"H{sx(max(x_end, pts[-1][0])):.1f}")
     return " ".join(d)
 
 
