@@ -309,3 +309,27 @@ def test_legacy_counters_in_the_recording_are_named_as_a_known_difference(tmp_pa
     assert any("'legacy' prompt counters" in n for n in res.notes)
     d = diff_files(rec_path, tmp_path / "vllm.jsonl.gz")
     assert d.divergences and {x.field.split(".")[0] for x in d.divergences} == {"legacy"}
+
+
+@pytest.mark.parametrize("features, words", [
+    ({"async_scheduling": True}, "async scheduling is on"),
+    ({"num_speculative_tokens": 1}, "speculative decoding is on"),
+    ({"pipeline_parallel_size": 2}, "pipeline parallelism is on"),
+    ({"num_kv_cache_groups": 2}, "2 KV-cache groups"),
+])
+def test_traces_with_features_outside_the_baseline_are_refused(features, words, tmp_path):
+    from kvtrace.trace.io import TraceError
+
+    src = ROOT / "traces" / "prefix-sharing.jsonl.gz"
+    edited = tmp_path / "edited.jsonl.gz"
+    with gzip.open(src, "rt") as fi, gzip.open(edited, "wt") as fo:
+        for i, line in enumerate(fi):
+            if i == 0:
+                obj = json.loads(line)
+                obj["features"].update(features)
+                line = json.dumps(obj) + "\n"
+            fo.write(line)
+    out = tmp_path / "vllm.jsonl.gz"
+    with pytest.raises(TraceError, match=words):
+        replay_through_vllm(edited, out)
+    assert not out.exists()
