@@ -119,11 +119,6 @@ class VllmReplayResult:
 # --------------------------------------------------------------------------- connector
 
 
-def _connector_base():
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
-    return KVConnectorBase_V1
-
-
 def _make_connector_cls() -> type:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
         KVConnectorBase_V1,
