@@ -304,10 +304,8 @@ def test_garbage_inside_gzip(base, tmp_path, capsys):
 @pytest.mark.parametrize("features,message", [
     ({"num_speculative_tokens": 2}, "speculative decoding is on"),
     ({"num_kv_cache_groups": 2}, "2 KV-cache groups"),
-    pytest.param({"async_scheduling": True}, "async scheduling is on", marks=pytest.mark.xfail(
-        strict=False, reason="replayer._check_supported reads True as 1 (True == 1), so "
-                            "async_scheduling=true passes; it should test `v not in (None, False, 0, 1)` "
-                            "only for counts and `v is True` for flags")),
+    ({"async_scheduling": True}, "async scheduling is on"),
+    ({"pipeline_parallel_size": 2}, "pipeline parallelism is on"),
 ])
 def test_unsupported_feature_is_refused_by_replay(base, tmp_path, capsys, features, message):
     bad = _edit(base, tmp_path, lambda o: o[0].__setitem__("features", features))

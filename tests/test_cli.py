@@ -127,7 +127,6 @@ def test_garbage_exits_2(tmp_path, capsys):
     ["no-such-command"],
     ["replay", "x.jsonl", "--device", "tpu"],
     ["record"],
-    ["record", "-o", "x.jsonl", "--fault", "no-such-fault"],
     ["diff", "--bogus", "a", "b"],
 ])
 def test_usage_errors_exit_2(capsys, argv):
@@ -139,8 +138,10 @@ def test_usage_errors_exit_2(capsys, argv):
 @pytest.mark.parametrize("argv,needle", [
     (["record", "-o", "x.jsonl", "--workload", "nope"], "unknown workload"),
     (["record", "-o", "x.jsonl", "--model", "."], "--model needs --engine vllm"),
-    (["record", "-o", "x.jsonl", "--engine", "vllm", "--fault", "async-load-overshoot"],
-     "embedded engine only"),
+    (["record", "-o", "x.jsonl", "--fault", "no-such-fault"], "unknown fault 'no-such-fault'"),
+    (["record", "-o", "x.jsonl", "--engine", "vllm", "--fault", "no-reload-after-preempt"],
+     "vLLM fault"),
+    (["replay", "a.jsonl", "b.jsonl", "-o", "c.jsonl"], "-o needs a single trace"),
     (["record", "-o", "x.jsonl", "--fault", "async-load-overshoot", "--", "true"], "do not apply"),
 ])
 def test_record_argument_problems_exit_2(capsys, argv, needle):

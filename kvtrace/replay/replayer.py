@@ -45,7 +45,8 @@ class ReplayResult:
 def _check_supported(header: ev.Header, path) -> None:
     for key, what in UNSUPPORTED.items():
         v = header.features.get(key)
-        if v and v != 1:
+        # A flag is on when it is true; a size is on when it is above 1.
+        if v is True or (type(v) is int and v > 1) or (key == "num_speculative_tokens" and v):
             raise TraceError(path, 1, f"{what} is on ({key}={v}); the reference models the "
                                       "synchronous baseline scheduler only")
     groups = header.features.get("num_kv_cache_groups", 1)
@@ -191,8 +192,12 @@ def _fields(obj) -> dict:
 
 
 def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
-                device: str = "auto") -> ReplayResult:
-    """Replay one trace file. Raises TraceError for unusable input."""
+                device: str | None = "auto", progress=None) -> ReplayResult:
+    """Replay one trace file. Raises TraceError for unusable input.
+
+    ``device`` is where the shadow-KV check runs ("auto", "cpu", "cuda"), or None
+    to skip it. ``progress``, if given, is called now and then with the number of
+    steps replayed so far."""
     reader = TraceReader(path)
     header = reader.header
     _check_supported(header, path)
@@ -215,6 +220,8 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
                 rp.feed(e, reader.last_line)
                 if isinstance(e, ev.End):
                     result.end = e
+                elif progress is not None and not result.events % 4096:
+                    progress(rp.steps)
     finally:
         if writer is not None:
             writer.close(status="complete" if reader.truncation is None else "interrupted",

@@ -163,6 +163,40 @@ def replay_json(result: Any, path: str) -> bytes:
     return _dumps(doc)
 
 
+def print_replay_many(results: list, console: Console | None = None, max_rows: int = MAX_ROWS) -> None:
+    """Several traces replayed together: a line per trace, then one combined table
+    whose request column names the trace too."""
+    console = console or make_console()
+    combined: list[Divergence] = []
+    for path, result, error in results:
+        if error:
+            console.print(Text(f"{path}: unusable: {error}", style="red"))
+            continue
+        line = _trace_line(path, result.header, result.steps)
+        note = replayed_up_to(result.truncation)
+        console.print(Text(f"{line}: {_replay_summary(result.divergences)}"
+                           + (f" (truncated: {note})" if note else ""),
+                           style="red" if result.divergences else "green"))
+        name = os.path.basename(str(path))
+        for d in result.divergences:
+            combined.append(Divergence(d.step, f"{name}:{d.req}", d.field, d.recorded, d.expected,
+                                       d.rule, d.kind, d.seq, d.line))
+    _print_divergences(console, combined, max_rows)
+    bad = sum(1 for _, r, e in results if e or r.divergences)
+    console.print(Text(f"{len(results)} traces, {bad} with divergences or unusable",
+                       style="red" if bad else "green"))
+
+
+def replay_many_json(results: list) -> bytes:
+    docs = []
+    for path, result, error in results:
+        if error:
+            docs.append({"trace": str(path), "error": error})
+        else:
+            docs.append(orjson.loads(replay_json(result, str(path))))
+    return _dumps({"traces": docs})
+
+
 # --------------------------------------------------------------------------- diff
 
 

@@ -1,0 +1,13 @@
+"""One module per subcommand; ``COMMANDS`` is what the ``kvtrace`` group registers."""
+
+from . import diff, record, redact, replay, report
+
+COMMANDS = {
+    "record": record.command,
+    "replay": replay.command,
+    "diff": diff.command,
+    "report": report.report,
+    "export": report.export,
+    "show": report.show,
+    "redact": redact.command,
+}

@@ -1,0 +1,38 @@
+"""What every command shares: exit codes, lazy imports, argument errors."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+EXIT_OK, EXIT_DIVERGENT, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
+VLLM_HINT = "; this needs the [vllm] extra: pip install -e '.[vllm]'"
+
+
+class UsageProblem(Exception):
+    """Arguments that make sense to click but not together."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class Unavailable(Exception):
+    """A part of kvtrace (or an optional dependency) that this install lacks."""
+
+    exit_code = EXIT_INTERNAL
+
+
+def load(module: str, name: str, hint: str = ""):
+    """Import ``module.name`` when a command needs it, with a one-line error if it cannot."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        missing = getattr(e, "name", None) or ""
+        if missing.split(".")[0] != "vllm":
+            hint = ""
+        raise Unavailable(f"{module}.{name} is not available ({e}){hint}") from e
+
+
+def show_progress() -> bool:
+    """Progress bars only for a person at a terminal: never in pipes or CI."""
+    return sys.stderr.isatty() and not os.environ.get("CI") and not os.environ.get("KVTRACE_QUIET")

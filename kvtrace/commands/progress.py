@@ -1,0 +1,22 @@
+"""A rich progress line on stderr for long runs, and a no-op elsewhere."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+from ._common import show_progress
+
+
+@contextlib.contextmanager
+def progress(what: str, unit: str) -> Iterator[Callable[[int], None]]:
+    """Yields ``advance(n)``: call it with the running count of ``unit``."""
+    if not show_progress():
+        yield lambda n: None
+        return
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn(f"{what} [bold]{{task.completed:,}}[/] {unit}"),
+                  TimeElapsedColumn(), transient=True) as bar:
+        task = bar.add_task(what, total=None)
+        yield lambda n: bar.update(task, completed=n)

@@ -1,0 +1,102 @@
+"""``kvtrace record``: the embedded engine, an offline vLLM run, or any command."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ._common import EXIT_OK, VLLM_HINT, UsageProblem, load
+from .progress import progress
+
+WORKLOADS = ("shared-prefix", "kv-pressure", "offload", "load-failures")
+# The vLLM recorder's workloads, under the embedded engine's names where they match.
+VLLM_ALIASES = {"shared-prefix": "prefix", "kv-pressure": "preemption"}
+FAULTS = (
+    "stale-cached-on-preempt",
+    "negative-external-on-invalid-blocks",
+    "stale-computed-after-failed-schedule",
+    "no-reload-after-preempt",
+    "async-load-overshoot",
+)
+
+
+@click.command(context_settings={"allow_interspersed_args": False})
+@click.option("-o", "--out", "out", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Trace file to write (.jsonl, .jsonl.gz or .jsonl.zst).")
+@click.option("--workload", default=None,
+              help=f"Built-in workload. Embedded engine: {', '.join(WORKLOADS)} (default "
+                   f"{WORKLOADS[0]}). vLLM: prefix, preemption, connector, priority, "
+                   "async-partial (default prefix).")
+@click.option("--fault", default=None,
+              help=f"Put a known scheduler bug back in. Embedded engine: {', '.join(FAULTS)}. "
+                   "vLLM (a scheduler subclass): async-load-overshoot, stale-computed-on-preempt.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Workload and sampler seed.")
+@click.option("--engine", type=click.Choice(("embedded", "vllm")), default="embedded",
+              show_default=True, help="Engine to record.")
+@click.option("--model", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Model directory for --engine vllm (default: a tiny random-weight Llama, "
+                   "built locally).")
+@click.option("--redact", is_flag=True,
+              help="Replace token ids with keyed pseudonyms in the written trace.")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+def command(out: Path, workload: str | None, fault: str | None, seed: int, engine: str,
+            model: Path | None, redact: bool, command: tuple[str, ...]) -> int:
+    """Record a trace, from the embedded engine, an offline vLLM run, or any
+    command given after -- (for example a vLLM server).
+
+    \b
+    kvtrace record -o run.jsonl.gz --workload offload --fault async-load-overshoot
+    kvtrace record -o run.jsonl.gz --engine vllm --workload preemption
+    kvtrace record -o run.jsonl.gz -- python -m vllm.entrypoints.openai.api_server --model DIR
+    """
+    target = out.with_name(out.name + ".plain") if redact else out
+    if command:
+        if fault or workload or model:
+            raise UsageProblem("--workload, --fault and --model do not apply to a command after --")
+        record_command = load("kvtrace.record.vllm_run", "record_command", VLLM_HINT)
+        code = int(record_command(target, list(command)) or 0)
+    elif engine == "vllm":
+        _record_vllm(target, workload, fault, model)
+        code = EXIT_OK
+    else:
+        _record_embedded(target, workload, fault, seed, model)
+        code = EXIT_OK
+    if redact:
+        from kvtrace.redact import redact_file
+
+        redact_file(target, out)
+        target.unlink()
+    click.echo(f"wrote {out}")
+    return code
+
+
+def _record_embedded(out: Path, workload: str | None, fault: str | None, seed: int,
+                     model: Path | None) -> None:
+    if model is not None:
+        raise UsageProblem("--model needs --engine vllm")
+    workload = workload or WORKLOADS[0]
+    if workload not in WORKLOADS:
+        raise UsageProblem(f"unknown workload {workload!r}; known: {', '.join(WORKLOADS)}")
+    if fault is not None and fault not in FAULTS:
+        raise UsageProblem(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
+    record_embedded = load("kvtrace.engine", "record_embedded")
+    with progress("recording", "steps"):
+        record_embedded(out, workload=workload, fault=fault, seed=seed)
+
+
+def _record_vllm(out: Path, workload: str | None, fault: str | None, model: Path | None) -> None:
+    record_vllm_offline = load("kvtrace.record.vllm_run", "record_vllm_offline", VLLM_HINT)
+    known = load("kvtrace.record.vllm_run", "WORKLOADS", VLLM_HINT)
+    extra = {}
+    if fault is not None:
+        faults = load("kvtrace.record.fault_schedulers", "FAULTS", VLLM_HINT)
+        if fault not in faults:
+            raise UsageProblem(f"unknown vLLM fault {fault!r}; known: {', '.join(faults)}")
+        extra["scheduler_cls"] = faults[fault]
+        if workload is None:
+            workload = load("kvtrace.record.fault_schedulers", "FAULT_WORKLOADS")[fault]
+    name = VLLM_ALIASES.get(workload or "prefix", workload or "prefix")
+    if name not in known:
+        raise UsageProblem(f"unknown vLLM workload {workload!r}; known: {', '.join(known)}")
+    record_vllm_offline(None if model is None else str(model), out, name, **extra)

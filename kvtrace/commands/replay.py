@@ -1,0 +1,126 @@
+"""``kvtrace replay TRACE...``: replay through the reference (or vLLM's own) scheduler."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import click
+
+from ._common import EXIT_BAD_INPUT, EXIT_DIVERGENT, EXIT_OK, VLLM_HINT, UsageProblem, load
+from .progress import progress
+
+
+@click.command()
+@click.argument("traces", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-o", "--out", "out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write the replayed trace (the scheduler's decisions) here.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option("--device", type=click.Choice(("auto", "cpu", "cuda")), default="auto",
+              show_default=True, help="Where the shadow KV-content check runs.")
+@click.option("--kv-check/--no-kv-check", default=True, show_default=True,
+              help="Check what every KV slot holds (the shadow-KV check).")
+@click.option("--scheduler", type=click.Choice(("reference", "vllm")), default="reference",
+              show_default=True,
+              help="Replay through kvtrace's reference scheduler, or through the installed "
+                   "vLLM's own Scheduler (no model), then diff its decisions with the recording.")
+@click.option("--scheduler-cls", default=None, metavar="DOTTED.PATH",
+              help="A scheduler class to replay through instead of vLLM's Scheduler, for "
+                   "example a patched subclass (implies --scheduler vllm).")
+@click.option("-j", "--jobs", type=int, default=0,
+              help="Replay several traces in parallel on this many processes (default: cores).")
+def command(traces: tuple[Path, ...], out: Path | None, as_json: bool, device: str, kv_check: bool,
+            scheduler: str, scheduler_cls: str | None, jobs: int) -> int:
+    """Replay TRACE through the reference scheduler and report divergences.
+
+    Several traces (one per engine rank or replica, say) are replayed in
+    parallel, with one combined report. Exit 0 when every trace matches, 1 when
+    any diverges, 2 when any is unusable.
+    """
+    if scheduler_cls:
+        scheduler = "vllm"
+    if scheduler == "vllm":
+        if len(traces) != 1:
+            raise UsageProblem("--scheduler vllm replays one trace at a time")
+        return _through_vllm(traces[0], out, as_json, scheduler_cls)
+    if len(traces) > 1:
+        if out is not None:
+            raise UsageProblem("-o needs a single trace")
+        return _many(traces, as_json, device if kv_check else None, jobs)
+    return _one(traces[0], out, as_json, device if kv_check else None)
+
+
+def _one(trace: Path, out: Path | None, as_json: bool, device: str | None) -> int:
+    from kvtrace.replay import replay_file
+    from kvtrace.report import terminal
+
+    with progress(f"replaying {trace.name}", "steps") as advance:
+        result = replay_file(trace, out=out, device=device, progress=advance)
+    if as_json:
+        sys.stdout.buffer.write(terminal.replay_json(result, str(trace)))
+        sys.stdout.flush()
+    else:
+        terminal.print_replay(result, str(trace))
+    return EXIT_DIVERGENT if result.divergences else EXIT_OK
+
+
+def _replay_quietly(args: tuple[str, str | None]):
+    """Worker: one trace; unusable input comes back as its message."""
+    from kvtrace.replay import replay_file
+    from kvtrace.trace import TraceError
+
+    path, device = args
+    try:
+        return path, replay_file(path, device=device), None
+    except TraceError as e:
+        return path, None, str(e)
+
+
+def _many(traces: tuple[Path, ...], as_json: bool, device: str | None, jobs: int) -> int:
+    from kvtrace.report import terminal
+
+    jobs = jobs or min(len(traces), os.cpu_count() or 1)
+    work = [(str(t), device) for t in traces]
+    with progress(f"replaying {len(traces)} traces", "done") as advance:
+        if jobs == 1:
+            results = []
+            for i, w in enumerate(work):
+                results.append(_replay_quietly(w))
+                advance(i + 1)
+        else:
+            with ProcessPoolExecutor(max_workers=jobs) as pool:
+                results = list(pool.map(_replay_quietly, work))
+    if as_json:
+        sys.stdout.buffer.write(terminal.replay_many_json(results))
+        sys.stdout.flush()
+    else:
+        terminal.print_replay_many(results)
+    if any(err for _, _, err in results):
+        return EXIT_BAD_INPUT
+    return EXIT_DIVERGENT if any(r.divergences for _, r, _ in results) else EXIT_OK
+
+
+def _through_vllm(trace: Path, out: Path | None, as_json: bool, scheduler_cls: str | None) -> int:
+    from kvtrace.diff import diff_files
+    from kvtrace.report import terminal
+
+    replay_through_vllm = load("kvtrace.record.vllm_replay", "replay_through_vllm", VLLM_HINT)
+    if out is None:
+        out = Path(tempfile.mkdtemp(prefix="kvtrace-")) / (trace.name.split(".")[0] + ".vllm.jsonl.gz")
+    run = replay_through_vllm(trace, out, scheduler_cls)
+    result = diff_files(trace, out)
+    if as_json:
+        sys.stdout.buffer.write(terminal.diff_json(result))
+        sys.stdout.flush()
+    else:
+        console = terminal.make_console()
+        console.print(f"replayed through {run.scheduler_cls} (vLLM {run.vllm_version}): "
+                      f"{run.steps} steps in {run.seconds:.2f} s; its decisions are in {out}")
+        for note in [*run.notes, *run.unanswered_lookups[:5], *run.unused_lookups[:5],
+                     *run.dropped_samples[:5]]:
+            console.print(f"note: {note}")
+        terminal.print_diff(result, console)
+    return EXIT_DIVERGENT if result.divergences else EXIT_OK
