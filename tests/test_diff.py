@@ -273,3 +273,16 @@ def test_unrelated_ids_are_matched_by_arrival(tmp_path):
     assert r.matched_by == "arrival" and r.divergences == []
     r = diff_files(a, b, match="id")
     assert sorted(r.only_a) == ["r0", "r1", "r2"] and sorted(r.only_b) == ["x", "y", "z"]
+
+
+def test_diff_names_a_skipped_load_at_the_admission_that_skipped_it(tmp_path):
+    from kvtrace.engine import record_embedded
+
+    clean = record_embedded(tmp_path / "clean.jsonl", workload="offload", seed=0)
+    bad = record_embedded(tmp_path / "bad.jsonl", workload="offload", seed=0,
+                          fault="no-reload-after-preempt")
+    first = bad.fault_log[0]
+    result = diff_files(bad.path, clean.path)
+    mine = [d for d in result.divergences if d.req == first.req]
+    assert mine and mine[0].step == first.step and mine[0].field == "kv_load"
+    assert mine[0].recorded is None and mine[0].expected

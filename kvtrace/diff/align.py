@@ -36,7 +36,7 @@ from ..findings import Divergence
 from ..trace.events import Abort, Arrival, End, Header, Output, PromptStats, Step, to_json
 from ..trace.io import TraceReader
 
-CHANNELS = ("arrival", "schedule", "output", "preempt", "load", "prompt_stats", "finish")
+CHANNELS = ("arrival", "schedule", "output", "preempt", "plan", "load", "prompt_stats", "finish")
 # Outputs are matched to their step; forget unmatched steps older than this.
 _OUTPUT_WINDOW = 8
 
@@ -184,6 +184,8 @@ class _Differ:
         self.only: dict[str, list[str]] = {"a": [], "b": []}
         self.compared = 0
         self.header_divs = _header_divs(ra.header, rb.header)
+        # Load plans are compared only when both engines ran a connector (both record one).
+        self.compare_plans = ra.header.config.connector is not None and rb.header.config.connector is not None
 
     # -- driving ---------------------------------------------------------------
 
@@ -263,6 +265,18 @@ class _Differ:
             if h is not None:
                 self._add(side, req, "preempt",
                           _Item(ev.step, ev.seq, line, {"after_schedules": h.n_sched}))
+        # The connector's load plan: with the schedule record of a request admitted
+        # in this step, on its own channel for an async load (not scheduled yet).
+        plans: dict[str, list] = {}
+        if self.compare_plans and ev.loads is not None:
+            for ld in ev.loads:
+                plans.setdefault(ld.req, []).append([ld.start, ld.end])
+        scheduled_now = {s.req for s in (*ev.new, *ev.resumed, *ev.running)}
+        for req, spans in plans.items():
+            h = self._hist(side, req)
+            if h is not None and req not in scheduled_now:
+                self._add(side, req, "plan", _Item(ev.step, ev.seq, line, {
+                    "kv_load": spans, "after_schedules": h.n_sched}))
         states = {st.req: st for st in ev.states}
         at: dict[str, int] = {}
         entries = [("new", s, "block_ids", s.block_ids) for s in ev.new]
@@ -279,6 +293,8 @@ class _Differ:
             v["num_computed_tokens"] = s.num_computed_tokens
             v["num_scheduled_tokens"] = s.num_scheduled_tokens
             v[blocks_name] = blocks
+            if self.compare_plans and how != "running":
+                v["kv_load"] = plans.get(s.req)
             st = states.get(s.req)
             if st is not None:
                 v.update(_state(st, "state"))
@@ -473,6 +489,7 @@ def _what(channel: str, k: int, req: str) -> str:
         "schedule": f"{nth} schedule of {req}",
         "output": f"output of the {nth} schedule of {req}",
         "preempt": f"{nth} preemption of {req}",
+        "plan": f"{nth} planned KV load of {req}",
         "load": f"{nth} KV-load event of {req}",
         "prompt_stats": f"prompt stats of {req}",
         "finish": f"finish of {req}",
@@ -492,12 +509,21 @@ def _flatten(obj: Any, prefix: str) -> dict:
 _IGNORED_FEATURES = ("scheduler_cls",)
 
 
+def _config(h: Header) -> dict:
+    """The config as JSON, with an unset max_num_scheduled_tokens spelled out
+    (it means max_num_batched_tokens)."""
+    c = to_json(h.config)
+    if c.get("max_num_scheduled_tokens") is None:
+        c["max_num_scheduled_tokens"] = c["max_num_batched_tokens"]
+    return c
+
+
 def _header_divs(ha: Header, hb: Header) -> list[Divergence]:
     """The scheduler configs must agree. Engine features are compared only where
     both traces name them: recorders of different engines list different ones."""
     common = [k for k in ha.features if k in hb.features and k not in _IGNORED_FEATURES]
-    fa = _flatten(to_json(ha.config), "config") | _flatten({k: ha.features[k] for k in common}, "features")
-    fb = _flatten(to_json(hb.config), "config") | _flatten({k: hb.features[k] for k in common}, "features")
+    fa = _flatten(_config(ha), "config") | _flatten({k: ha.features[k] for k in common}, "features")
+    fb = _flatten(_config(hb), "config") | _flatten({k: hb.features[k] for k in common}, "features")
     return [Divergence(step=None, req=None, field=k, recorded=fa.get(k), expected=fb.get(k),
                        rule="the two runs were configured differently", kind="diff")
             for k in _union(fa, fb) if fa.get(k) != fb.get(k)]
