@@ -210,6 +210,12 @@ def test_offload_has_sync_and_async_hits_and_hits_that_grow_after_preemption(cle
         assert st.num_computed_tokens == lk.local + lk.ext
     # An async hit that ends inside a block and before the end of the sequence.
     assert any((lk.local + lk.ext) % B and lk.local + lk.ext < st.num_tokens for _, lk, st in async_)
+    # A full async hit (a regenerated prompt): once loaded, one token is given
+    # back to be recomputed.
+    full = {lk.req: st.num_tokens for _, lk, st in async_ if lk.local + lk.ext == st.num_tokens}
+    assert full
+    assert any(x.num_computed_tokens == full[x.req] - 1
+               for s in steps(events) for x in s.new + s.resumed if x.req in full)
     # Every admitted hit was loaded: the step's load plan covers it exactly.
     for s, lk, _ in sync + async_:
         assert any(ld.req == lk.req and (ld.start, ld.end) == (lk.local, lk.local + lk.ext)
@@ -269,6 +275,21 @@ def test_every_fault_has_a_workload():
     assert set(FAULT_WORKLOADS.values()) <= set(WORKLOADS)
 
 
+# Faults on the legacy counters may also change them where no rule breaks (an
+# external count re-captured together with its cached count, or decremented but
+# still non-negative); the log names only the emissions that break the rule.
+LEGACY_FAULTS = {"stale-cached-on-preempt", "negative-external-on-invalid-blocks"}
+
+
+def _only_legacy_external_differs(a, b) -> bool:
+    if not (isinstance(a, ev.PromptStats) and isinstance(b, ev.PromptStats)):
+        return False
+    ja, jb = ev.to_json(a), ev.to_json(b)
+    ja["legacy"].pop("num_external_computed_tokens")
+    jb["legacy"].pop("num_external_computed_tokens")
+    return ja == jb and b.legacy.num_external_computed_tokens >= 0
+
+
 @pytest.mark.parametrize("fault", list(FAULT_WORKLOADS))
 def test_fault_fires_and_changes_nothing_before_it_fires(clean, faulted, fault):
     """The fault log is non-empty, and the faulted trace equals the clean one up
@@ -278,10 +299,12 @@ def test_fault_fires_and_changes_nothing_before_it_fires(clean, faulted, fault):
     assert header.meta["fault"] == fault
     first_logged = min(e.step for e in res.fault_log)
     _, _, clean_events = clean[FAULT_WORKLOADS[fault]]
-    first_diff = next(i for i, (a, b) in enumerate(zip(clean_events, events))
-                      if ev.to_json(a) != ev.to_json(b))
-    step_of_diff = getattr(events[first_diff], "step", None)
-    assert step_of_diff is not None and step_of_diff >= first_logged
+    differ = [(a, b) for a, b in zip(clean_events, events) if ev.to_json(a) != ev.to_json(b)]
+    assert differ
+    for a, b in differ:
+        if getattr(b, "step", None) is not None and b.step >= first_logged:
+            break
+        assert fault in LEGACY_FAULTS and _only_legacy_external_differs(a, b), (a, b)
 
 
 def test_stale_cached_on_preempt_emits_a_negative_local_cache_hit(faulted):
@@ -298,9 +321,9 @@ def test_stale_cached_on_preempt_emits_a_negative_local_cache_hit(faulted):
 
 def test_negative_external_on_invalid_blocks_emits_a_negative_external_count(faulted):
     res, _, events = faulted["negative-external-on-invalid-blocks"]
-    negative = [p.req for p in prompt_stats(events) if p.legacy.num_external_computed_tokens < 0]
+    negative = {(p.step, p.req) for p in prompt_stats(events) if p.legacy.num_external_computed_tokens < 0}
     assert negative
-    assert set(negative) <= {e.req for e in res.fault_log}
+    assert negative == {(e.step, e.req) for e in res.fault_log}
 
 
 def _blocks_at_two_positions(events) -> list[tuple[int, int]]:

@@ -14,33 +14,46 @@ from kvtrace.reference import Request
 from .scheduler import EngineScheduler
 
 
+def _from_one_lookup(r: Request, num_cached: int, num_external: int) -> bool:
+    """Could one lookup have produced this legacy pair? (An async full hit gives
+    one token back, so its cached count is one less than the hit.)"""
+    for local, ext, load_async in r.lookup_history:
+        hit = local + ext
+        if ext == num_external and (num_cached == hit or (load_async and num_cached == hit - 1)):
+            return True
+    return False
+
+
 class StaleCachedOnPreempt(EngineScheduler):
     """vLLM PR #36752: the legacy num_cached_tokens is set once (first admission)
     but num_external_computed_tokens is re-assigned at every lookup, the resume
-    after a preemption included, so the emitted pair comes from two lookups."""
+    after a preemption included, so the emitted pair can come from two lookups.
+    The log names the emitted pairs that no single lookup produced."""
 
     def _record_lookup(self, r: Request, num_local: int, num_external: int, load_async: bool) -> None:
-        before = r.legacy_num_external_computed_tokens
         super()._record_lookup(r, num_local, num_external, load_async)
         r.legacy_num_external_computed_tokens = num_external
-        if r.prefill_stats is not None and before != num_external and r.num_preemptions > 0:
-            self.fault_log.note(r.request_id, f"legacy num_external_computed_tokens {before} -> "
-                                              f"{num_external} at a lookup after preemption")
+
+    def _on_counters_emitted(self, r: Request, num_cached: int, num_external: int) -> None:
+        if r.num_preemptions > 0 and not _from_one_lookup(r, num_cached, num_external):
+            self.fault_log.note(r.request_id, f"emitted legacy pair ({num_cached}, {num_external}): "
+                                              f"the external count of a lookup after preemption")
 
 
 class NegativeExternalOnInvalidBlocks(EngineScheduler):
     """vLLM issue #36533: a block load failure subtracts every affected token,
-    locally computed ones included, from num_external_computed_tokens."""
+    locally computed ones included, from num_external_computed_tokens. The log
+    names the emitted counts that went negative."""
 
     def _truncate_for_invalid_block(self, r: Request, block_index: int, pre: int) -> None:
         super()._truncate_for_invalid_block(r, block_index, pre)
-        if r.prefill_stats is None:   # the counters were already sent
-            return
-        affected = pre - block_index * self.block_size
-        before = r.legacy_num_external_computed_tokens
-        r.legacy_num_external_computed_tokens = before - affected
-        self.fault_log.note(r.request_id, f"legacy num_external_computed_tokens {before} -> "
-                                          f"{before - affected} (subtracted {affected} affected tokens)")
+        if r.prefill_stats is not None:   # not sent yet
+            r.legacy_num_external_computed_tokens -= pre - block_index * self.block_size
+
+    def _on_counters_emitted(self, r: Request, num_cached: int, num_external: int) -> None:
+        if num_external < 0:
+            self.fault_log.note(r.request_id, f"emitted legacy num_external_computed_tokens "
+                                              f"{num_external} after a block load failure")
 
 
 class StaleComputedAfterFailedSchedule(EngineScheduler):

@@ -4,7 +4,7 @@ preempted). The faults subclass this."""
 
 from __future__ import annotations
 
-from kvtrace.reference import Request, Scheduler, SchedulerConfig
+from kvtrace.reference import ModelOutput, Request, RequestOutput, Scheduler, SchedulerConfig, SchedulerOutput
 
 from .fault_log import FaultLog
 from .kv_store import ExternalKVStore
@@ -21,3 +21,14 @@ class EngineScheduler(Scheduler):
         if self.store is not None:
             self.store.save_computed(r)
         super()._preempt_request(r)
+
+    def update_from_output(self, out: SchedulerOutput, model: ModelOutput) -> list[RequestOutput]:
+        requests = {rid: self.requests[rid] for rid in out.num_scheduled_tokens if rid in self.requests}
+        results = super().update_from_output(out, model)
+        for res in results:
+            if res.legacy_counters is not None and res.req_id in requests:
+                self._on_counters_emitted(requests[res.req_id], *res.legacy_counters)
+        return results
+
+    def _on_counters_emitted(self, r: Request, num_cached: int, num_external: int) -> None:
+        """A request's first output carried its legacy counters."""

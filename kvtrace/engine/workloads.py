@@ -113,7 +113,12 @@ def _document_workload(name: str, seed: int, store: Callable[[tuple], StoreSetti
     preload = tuple(documents[:3])          # the fourth is only ever saved by requests
     arrivals = []
     for i, step in enumerate(_arrival_steps(rng, num_requests, (0, 1, 2, 3))):
-        prompt = rng.choice(documents) + _tokens(rng, rng.randint(20, 80))
+        if i % 4 == 3 and i >= 7:
+            # A regenerated answer: the prompt of an earlier request, which the
+            # store may hold whole (a full external hit).
+            prompt = arrivals[i - 6].prompt
+        else:
+            prompt = rng.choice(documents) + _tokens(rng, rng.randint(20, 80))
         arrivals.append(PlannedArrival(step, f"doc-{i}", prompt, rng.randint(16, 48)))
     return Workload(name, config, tuple(arrivals), store=store(preload))
 
