@@ -126,7 +126,8 @@ class ExternalKVStore:
         if self.skip_reload_after_preempt and request.num_preemptions > 0:
             self.fault_log.note(request.request_id,
                                 f"no load planned for resumed hit [{load.start}, {load.end})")
-            if load.load_async:   # still report it done, or the request would wait forever
+            if load.load_async:   # still report it done, or the request would wait forever;
+                # due < 0: the worker dates it when it next runs
                 self._reports.append(_Report(-1, load.req, "recv"))
             return
         self._plan.append(KVLoad(load.req, load.start, load.end))

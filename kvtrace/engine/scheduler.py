@@ -4,7 +4,8 @@ preempted). The faults subclass this."""
 
 from __future__ import annotations
 
-from kvtrace.reference import ModelOutput, Request, RequestOutput, Scheduler, SchedulerConfig, SchedulerOutput
+from kvtrace.reference import (ModelOutput, Request, RequestOutput, Scheduler, SchedulerConfig,
+                               SchedulerOutput)
 
 from .fault_log import FaultLog
 from .kv_store import ExternalKVStore
