@@ -32,7 +32,17 @@ from .workloads import Workload, build_workload
 
 ENGINE_NAME = "kvtrace-embedded"
 CONNECTOR_NAME = "kvtrace-simulated-store"
-MAX_STEPS = 20000
+MAX_STEPS = 2_000_000
+# Steps with nothing scheduled (and no transfer in flight) after which the engine
+# gives up: the scheduler is stuck, as vLLM 0.32's is in some load-failure cases
+# (docs/findings.md).
+STALL_STEPS = 256
+
+
+class EngineStalled(RuntimeError):
+    """The run could not finish. The trace is written, and ends as 'interrupted'."""
+
+    exit_code = 1
 COUNTERS = ("both", "legacy", "prefill_stats")
 
 
@@ -51,11 +61,18 @@ def record_embedded(out_path: str | os.PathLike, workload: str = "shared-prefix"
 
     ``counters`` says which prompt accounting the PromptStats events carry:
     "both" (vLLM 0.32's PrefillStats and the legacy pair), "legacy" or
-    "prefill_stats".
+    "prefill_stats". Raises EngineStalled (after writing the trace) when the
+    scheduler gets stuck.
     """
+    return record_workload(out_path, build_workload(workload, seed), fault, seed, counters)
+
+
+def record_workload(out_path: str | os.PathLike, wl: Workload, fault: str | None = None,
+                    seed: int = 0, counters: str = "both") -> RecordResult:
+    """``record_embedded`` for a Workload built by the caller."""
     if counters not in COUNTERS:
         raise ValueError(f"unknown counters {counters!r}; choose one of {', '.join(COUNTERS)}")
-    wl = build_workload(workload, seed)
+    workload = wl.name
     engine = _Engine(wl, fault, seed)
     header = ev.Header(
         engine=ENGINE_NAME,
@@ -91,7 +108,7 @@ class _Engine:
         wl, sched = self.wl, self.sched
         arrivals = sorted(wl.arrivals, key=lambda a: a.step)
         aborts = sorted(wl.aborts, key=lambda a: a.step)
-        ai = bi = 0
+        ai = bi = idle = 0
         for step in range(MAX_STEPS):
             self.fault_log.step = step
             while ai < len(arrivals) and arrivals[ai].step <= step:
@@ -121,7 +138,14 @@ class _Engine:
             if (ai == len(arrivals) and bi == len(aborts) and not sched.requests
                     and not (self.store and self.store.has_pending())):
                 return
-        raise RuntimeError(f"workload {wl.name!r} did not finish within {MAX_STEPS} steps")
+            idle = 0 if out.num_scheduled_tokens else idle + 1
+            if idle >= STALL_STEPS and not (self.store and self.store.has_pending()):
+                raise EngineStalled(
+                    f"the engine stalled: nothing scheduled for {idle} steps (up to step {step}) "
+                    f"while {len(sched.requests)} requests wait; the trace up to there is in "
+                    f"{writer.path}")
+        raise EngineStalled(f"workload {wl.name!r} did not finish within {MAX_STEPS} steps; "
+                            f"the trace up to there is in {writer.path}")
 
     def _arrive(self, writer: TraceWriter, a) -> None:
         arrival = ev.Arrival(seq=writer.next_seq(), req=a.req, prompt_token_ids=list(a.prompt),

@@ -19,6 +19,7 @@ from kvtrace.trace import events as ev
 from . import checks
 from .connector import RecordedConnector
 from .content import ContentCheck
+from .liveness import ProgressWatch
 
 # Engine features the reference does not model; a trace that turns one on is refused.
 UNSUPPORTED = {
@@ -39,6 +40,7 @@ class ReplayResult:
     stopped: str | None = None        # why replay stopped before the end of the trace
     device: str | None = None         # where the shadow-KV check ran; None when off
     assumed_loads: bool = False       # the trace had no load plan; loads were inferred
+    slots_checked: int = 0            # KV slots the shadow-KV check verified
     end: ev.End | None = None
 
 
@@ -77,6 +79,7 @@ class Replayer:
         self._finished_refs: dict[str, Request] = {}          # finished requests, for their stats
         self._preemptions: dict[str, int] = {}
         self._arrived: set[str] = set()
+        self._progress = ProgressWatch()
 
     def feed(self, e, line: int | None = None) -> None:
         if self.stopped:
@@ -126,6 +129,7 @@ class Replayer:
         self.divergences.extend(self.connector.divergences)
         self.connector.divergences = []
         self.divergences.extend(checks.compare_step(rec, out, self.sched, line))
+        self.divergences.extend(self._progress.after_schedule(rec.step, out, self.sched, rec.seq, line))
         if self.content:
             self.divergences.extend(self.content.step(rec, line))
         self._outputs[rec.step] = out
@@ -235,9 +239,7 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
     if rp.content:
         result.device = str(rp.content.kv.device)
         result.assumed_loads = rp.content.assumed_loads
-    if result.end is not None and result.end.status != "complete":
-        result.truncation = (f"the recorder marked this trace '{result.end.status}'"
-                             + (f": {result.end.error}" if result.end.error else ""))
+        result.slots_checked = rp.content.kv.slots_checked
     return result
 
 

@@ -1,0 +1,117 @@
+"""kvtrace's benchmark: ``python -m bench`` prints one table of figures, each next
+to the limit it is measured against, all measured in the same run.
+
+* recorder overhead on a real vLLM engine (recorded / unrecorded wall time);
+* the embedded engine producing a large trace (its own wall time);
+* parsing that trace only (the floor for anything that reads it);
+* replay through the reference, with and without the shadow-KV check;
+* diff of the trace with itself, in MB/s of trace text per input;
+* trace size per scheduled request-step, plain and compressed;
+* peak memory of each phase, and replay's peak memory on a 100x shorter
+  trace of the same workload (memory must stay flat as traces grow).
+
+Each phase runs in a fresh process, so its peak memory is its own.
+
+    python -m bench                 # full scale: 100k requests, >= 1M steps
+    python -m bench --quick         # 2k requests, about 20k steps
+    python -m bench --no-vllm       # skip the recorder-overhead phase
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def _child(phase: str, **kw) -> dict:
+    """Run one phase in a fresh interpreter; it prints one JSON line."""
+    cmd = [sys.executable, "-m", "bench.phases", phase, json.dumps(kw)]
+    out = subprocess.run(cmd, cwd=HERE.parent, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"bench phase {phase} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="kvtrace benchmark")
+    ap.add_argument("--quick", action="store_true", help="2k requests instead of 100k")
+    ap.add_argument("--requests", type=int, default=None)
+    ap.add_argument("--no-vllm", action="store_true", help="skip the recorder-overhead phase")
+    ap.add_argument("--no-kv", action="store_true", help="skip replay with the shadow-KV check")
+    ap.add_argument("--dir", default=None, help="where to write the traces (default: a temp dir)")
+    args = ap.parse_args()
+    n = args.requests or (2000 if args.quick else 100_000)
+    work = Path(args.dir or tempfile.mkdtemp(prefix="kvtrace-bench-"))
+    big, small = work / f"scale-{n}.jsonl.zst", work / f"scale-{max(n // 100, 100)}.jsonl.zst"
+    rows: list[tuple[str, str, str]] = []
+    t_start = time.perf_counter()
+
+    if not args.no_vllm:
+        r = _child("recorder")
+        rows.append(("recorder overhead (vLLM, tiny model)",
+                     f"{r['ratio_median']:.3f}x engine time (min {r['ratio_min']:.3f}, max {r['ratio_max']:.3f},"
+                     f" {r['rounds']} interleaved rounds)", f"<= {r['target']:.2f}x"))
+
+    eng = _child("engine", out=str(big), requests=n)
+    _child("engine", out=str(small), requests=max(n // 100, 100))
+    size = _child("size", trace=str(big))
+    parse = _child("parse", trace=str(big))
+    rep = _child("replay", trace=str(big), kv=False)
+    rep_small = _child("replay", trace=str(small), kv=False)
+    rep_kv = None if args.no_kv else _child("replay", trace=str(big), kv=True)
+    dif = _child("diff", trace=str(big))
+
+    steps, reqsteps, tokens = size["steps"], size["request_steps"], size["scheduled_tokens"]
+    rows += [
+        ("trace", f"{size['requests']:,} requests, {steps:,} steps, {reqsteps:,} scheduled "
+                  f"request-steps, {tokens:,} scheduled tokens", ">= 100k requests, >= 1M steps"),
+        ("engine producing it (embedded)", f"{eng['seconds']:.1f} s, {steps / eng['seconds']:,.0f} steps/s,"
+                                           f" peak {_mb(eng['peak_rss'])}", "the engine's own time"),
+        ("trace size, plain", f"{size['plain_bytes'] / reqsteps:,.0f} B per scheduled request-step "
+                              f"({_mb(size['plain_bytes'])})", ""),
+        ("trace size, zstd", f"{size['zst_bytes'] / reqsteps:,.1f} B per scheduled request-step "
+                             f"({_mb(size['zst_bytes'])})", ""),
+        ("trace size, gzip", f"{size['gz_bytes'] / reqsteps:,.1f} B per scheduled request-step "
+                             f"({_mb(size['gz_bytes'])})", ""),
+        ("parse only (floor)", f"{parse['seconds']:.1f} s, {steps / parse['seconds']:,.0f} steps/s, "
+                               f"peak {_mb(parse['peak_rss'])}", "the floor"),
+        ("replay (counters, blocks, invariants)",
+         f"{rep['seconds']:.1f} s, {steps / rep['seconds']:,.0f} steps/s, "
+         f"{tokens / rep['seconds']:,.0f} tokens/s = {parse['seconds'] / rep['seconds']:.0%} of parse, "
+         f"{eng['seconds'] / rep['seconds']:.2f}x engine speed; peak {_mb(rep['peak_rss'])}",
+         ">= 50% of parse"),
+    ]
+    if rep_kv:
+        rows.append(("replay + shadow-KV check (cpu)",
+                     f"{rep_kv['seconds']:.1f} s, {steps / rep_kv['seconds']:,.0f} steps/s, "
+                     f"{rep_kv['slots'] / rep_kv['seconds'] / 1e6:,.1f} M slots/s = "
+                     f"{parse['seconds'] / rep_kv['seconds']:.0%} of parse; peak {_mb(rep_kv['peak_rss'])}",
+                     ">= 50% of parse"))
+    rows += [
+        ("replay memory, flat?", f"{_mb(rep_small['peak_rss'])} at {rep_small['steps']:,} steps vs "
+                                 f"{_mb(rep['peak_rss'])} at {steps:,} steps "
+                                 f"({rep['peak_rss'] / rep_small['peak_rss']:.2f}x)", "flat"),
+        ("diff (trace with itself)", f"{dif['seconds']:.1f} s, {size['plain_bytes'] / dif['seconds'] / 1e6:,.1f}"
+                                     f" MB/s of trace text per input, peak {_mb(dif['peak_rss'])}",
+         ">= 100 MB/s per input"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    print(f"kvtrace benchmark ({time.perf_counter() - t_start:.0f} s, traces in {work})")
+    for name, figure, limit in rows:
+        print(f"  {name:<{width}}  {figure}" + (f"   [target {limit}]" if limit else ""))
+
+
+if __name__ == "__main__":
+    main()

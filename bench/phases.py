@@ -1,0 +1,128 @@
+"""The phases of ``python -m bench``, each run in its own process:
+``python -m bench.phases PHASE '{json args}'`` prints one JSON line."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import random
+import resource
+import sys
+import time
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def scale_workload(requests: int, seed: int = 0):
+    """A long serving run: shared system prompts, a steady arrival rate that keeps
+    about eight requests running, and a KV cache small enough to preempt now and then."""
+    from kvtrace.engine.workloads import PlannedArrival, Workload
+    from kvtrace.reference import SchedulerConfig
+
+    rng = random.Random(f"scale:{seed}")
+    config = SchedulerConfig(block_size=16, num_blocks=128, max_num_batched_tokens=256,
+                             max_num_seqs=8, max_model_len=1024, long_prefill_token_threshold=64)
+    systems = [tuple(rng.randrange(4, 32000) for _ in range(rng.randint(32, 96))) for _ in range(6)]
+    arrivals, step = [], 0
+    for i in range(requests):
+        prompt = rng.choice(systems) + tuple(rng.randrange(4, 32000) for _ in range(rng.randint(16, 64)))
+        arrivals.append(PlannedArrival(step, f"r{i}", prompt, rng.randint(40, 100)))
+        step += rng.randint(7, 12)
+    return Workload("scale", config, tuple(arrivals))
+
+
+def engine(out: str, requests: int) -> dict:
+    from kvtrace.engine import record_workload
+
+    t = time.perf_counter()
+    res = record_workload(out, scale_workload(requests), counters="prefill_stats")
+    return {"seconds": time.perf_counter() - t, "steps": res.steps, "peak_rss": _peak_rss()}
+
+
+def size(trace: str) -> dict:
+    """Bytes of trace text, its compressed sizes, and what the trace holds."""
+    import os
+    from pathlib import Path
+
+    import orjson
+
+    from kvtrace.trace.io import _open_binary_read
+
+    steps = request_steps = tokens = requests = plain = 0
+    counter = _Counter()
+    gzw = gzip.GzipFile(fileobj=counter, mode="wb", compresslevel=6)
+    with _open_binary_read(Path(trace)) as f:
+        for line in f:
+            plain += len(line)
+            gzw.write(line)
+            o = orjson.loads(line)
+            kind = o.get("kind")
+            if kind == "step":
+                steps += 1
+                for group in ("new", "resumed", "running"):
+                    request_steps += len(o.get(group, ()))
+                    tokens += sum(s["num_scheduled_tokens"] for s in o.get(group, ()))
+            elif kind == "arrival":
+                requests += 1
+    gzw.close()
+    return {"steps": steps, "request_steps": request_steps, "scheduled_tokens": tokens,
+            "requests": requests, "plain_bytes": plain, "zst_bytes": os.path.getsize(trace),
+            "gz_bytes": counter.n}
+
+
+class _Counter(io.RawIOBase):
+    """A sink that only counts bytes."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        self.n += len(b)
+        return len(b)
+
+
+def parse(trace: str) -> dict:
+    from kvtrace.trace import TraceReader
+
+    t = time.perf_counter()
+    n = sum(1 for _ in TraceReader(trace))
+    return {"seconds": time.perf_counter() - t, "events": n, "peak_rss": _peak_rss()}
+
+
+def replay(trace: str, kv: bool) -> dict:
+    from kvtrace.replay import replay_file
+
+    t = time.perf_counter()
+    r = replay_file(trace, device="cpu" if kv else None)
+    seconds = time.perf_counter() - t
+    if r.divergences:
+        raise SystemExit(f"{len(r.divergences)} divergences on a clean trace: {r.divergences[0]}")
+    return {"seconds": seconds, "steps": r.steps, "peak_rss": _peak_rss(),
+            "slots": getattr(r, "slots_checked", 0)}
+
+
+def diff(trace: str) -> dict:
+    from kvtrace.diff import diff_files
+
+    t = time.perf_counter()
+    r = diff_files(trace, trace)
+    if r.divergences:
+        raise SystemExit(f"a trace differs from itself: {r.divergences[0]}")
+    return {"seconds": time.perf_counter() - t, "peak_rss": _peak_rss()}
+
+
+def recorder() -> dict:
+    from bench.recorder_overhead import run
+
+    return run()
+
+
+if __name__ == "__main__":
+    phase, kwargs = sys.argv[1], json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
+    print(json.dumps(globals()[phase](**kwargs)))

@@ -1,0 +1,75 @@
+"""Engine bugs kvtrace found (docs/findings.md), kept as regression tests.
+
+vLLM 0.32 stalls when a request's async KV load fails under the "recompute"
+policy: the request stays in ``_inflight_prefills`` after its blocks are freed,
+so its own re-admission reserves its whole sequence twice, never fits, and
+blocks the waiting queue. The reference scheduler reproduces this faithfully;
+replay flags it through the liveness check; vLLM's own scheduler, fed the same
+inputs, makes the same decisions.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtrace.engine import EngineStalled, record_embedded
+from kvtrace.replay import replay_file
+from kvtrace.trace import TraceReader
+from kvtrace.trace import events as ev
+
+WORKLOAD, SEED = "load-failures", 16
+
+
+@pytest.fixture(scope="module")
+def stalled(tmp_path_factory):
+    path = tmp_path_factory.mktemp("stall") / "stall.jsonl"
+    with pytest.raises(EngineStalled):
+        record_embedded(path, workload=WORKLOAD, seed=SEED, counters="prefill_stats")
+    return path
+
+
+def _failed_then_idle(path):
+    """From the trace alone: the request whose async load failed, and the first
+    step after which nothing is ever scheduled again."""
+    failed, last_busy = None, None
+    for e in TraceReader(path):
+        if isinstance(e, ev.Output) and e.connector and e.connector.failed_recving and failed is None:
+            failed = e.connector.failed_recving[0]
+        if isinstance(e, ev.Step) and e.scheduled():
+            last_busy = e.step
+    return failed, last_busy + 1
+
+
+def test_the_stall_is_flagged_as_the_only_divergence(stalled):
+    failed, idle_from = _failed_then_idle(stalled)
+    divs = replay_file(stalled, device=None).divergences
+    assert [(d.field, d.req) for d in divs] == [("progress", failed)]
+    assert divs[0].step == idle_from + 63          # the 64th idle step
+    assert "itself included" in divs[0].rule
+
+
+def test_the_trace_says_it_was_cut_short(stalled):
+    r = TraceReader(stalled)
+    list(r)
+    assert r.end is not None and r.end.status == "interrupted" and "stalled" in r.end.error
+
+
+@pytest.mark.vllm
+def test_vllm_own_scheduler_stalls_the_same_way(stalled, tmp_path):
+    from _require import require
+
+    require("vllm", "vLLM is not installed: this finding is checked against vLLM's scheduler")
+    from kvtrace.diff import diff_files
+    from kvtrace.record.vllm_replay import replay_through_vllm
+
+    out = tmp_path / "vllm.jsonl"
+    run = replay_through_vllm(stalled, out)
+    assert run.stopped is None and not run.unanswered_lookups and not run.unused_lookups
+    assert diff_files(stalled, out).divergences == []
+    failed, idle_from = _failed_then_idle(out)
+    with TraceReader(out) as r:
+        steps = [e for e in r if isinstance(e, ev.Step)]
+    # vLLM keeps looking the failed request up, step after step, and schedules nothing.
+    tail = [s for s in steps if s.step >= idle_from]
+    assert len(tail) > 64 and all(not s.scheduled() for s in tail)
+    assert all([lk.req for lk in s.lookups] == [failed] for s in tail)
