@@ -126,6 +126,16 @@ class _Item:
     seq: int
     line: int
     value: dict
+    # Where the item sits in its request's own history: (schedules counted when it
+    # was seen, rank of its channel). Both traces number a request's history the
+    # same way, so "which divergence comes first" does not depend on which trace is A.
+    pos: tuple = ()
+
+
+# The order of items seen with the same schedule count: a schedule (counted as it
+# is seen), its output and what rides with it, then what happens before the next.
+_RANK = {"schedule": -1, "arrival": 0, "output": 0, "prompt_stats": 1, "finish": 1,
+         "preempt": 2, "plan": 2, "load": 2}
 
 
 @dataclass(slots=True)
@@ -148,13 +158,13 @@ class _Pair:
     b: _History | None = None
     compared: dict[str, int] = field(default_factory=lambda: {c: 0 for c in CHANNELS})
     broken: set = field(default_factory=set)
-    best: tuple[float, Divergence] | None = None
+    best: tuple[tuple, Divergence] | None = None
 
     @property
     def req(self) -> str:
         return self.ids.get("a") or self.ids.get("b")
 
-    def offer(self, key: float, div: Divergence) -> None:
+    def offer(self, key: tuple, div: Divergence) -> None:
         if self.best is None or key < self.best[0]:
             self.best = (key, div)
 
@@ -362,6 +372,7 @@ class _Differ:
         h = None if pair is None else getattr(pair, side.name)
         if h is None:
             return
+        item.pos = (h.n_sched, _RANK[channel])
         h.channels[channel].append(item)
         h.last = (item.step, item.seq, item.line)
         if pair.a is not None and pair.b is not None:
@@ -375,13 +386,14 @@ class _Differ:
             pair.compared[channel] = k + 1
             if channel in pair.broken:
                 continue
-            if pair.best is not None and pair.best[0] < ia.seq:
+            key = min(ia.pos, ib.pos)
+            if pair.best is not None and pair.best[0] < key:
                 continue  # an earlier divergence is already known
             for name in _union(ia.value, ib.value):
                 va, vb = ia.value.get(name), ib.value.get(name)
                 if va != vb:
                     pair.broken.add(channel)
-                    pair.offer(ia.seq, Divergence(
+                    pair.offer(key, Divergence(
                         step=ia.step, req=pair.req, field=name, recorded=va, expected=vb,
                         rule=f"{_what(channel, k, pair.req)} differs", kind="diff",
                         seq=ia.seq, line=ia.line))
@@ -414,18 +426,19 @@ class _Differ:
             k = pair.compared[channel]
             if qa:
                 ia = qa[0]
-                pair.offer(ia.seq, Divergence(
+                pair.offer(ia.pos, Divergence(
                     step=ia.step, req=pair.req, field=channel, recorded=ia.value, expected=None,
                     rule=f"{_what(channel, k, pair.req)} only in A", kind="diff",
                     seq=ia.seq, line=ia.line))
             elif qb:
                 step, seq, line = pair.a.last
-                pair.offer(seq + 0.5, Divergence(
+                pair.offer(qb[0].pos, Divergence(
                     step=step, req=pair.req, field=channel, recorded=None, expected=qb[0].value,
                     rule=f"{_what(channel, k, pair.req)} only in B", kind="diff",
                     seq=None, line=None))
         if pair.best is not None:
-            self.found.append(pair.best)
+            div = pair.best[1]
+            self.found.append((div.seq if div.seq is not None else math.inf, div))
 
 
 # --------------------------------------------------------------------------- helpers
