@@ -55,7 +55,7 @@ def size(trace: str) -> dict:
     counter = _Counter()
     gzw = gzip.GzipFile(fileobj=counter, mode="wb", compresslevel=6)
     with _open_binary_read(Path(trace)) as f:
-        for line in f:
+        for line in _lines(f):
             plain += len(line)
             gzw.write(line)
             o = orjson.loads(line)
@@ -71,6 +71,16 @@ def size(trace: str) -> dict:
     return {"steps": steps, "request_steps": request_steps, "scheduled_tokens": tokens,
             "requests": requests, "plain_bytes": plain, "zst_bytes": os.path.getsize(trace),
             "gz_bytes": counter.n}
+
+
+def _lines(f):
+    rest = b""
+    while chunk := f.read(1 << 20):
+        *whole, rest = (rest + chunk).split(b"\n")
+        for line in whole:
+            yield line + b"\n"
+    if rest:
+        yield rest
 
 
 class _Counter(io.RawIOBase):

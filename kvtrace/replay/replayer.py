@@ -18,7 +18,6 @@ from kvtrace.trace import events as ev
 
 from . import checks
 from .connector import RecordedConnector
-from .content import ContentCheck
 from .liveness import ProgressWatch
 
 # Engine features the reference does not model; a trace that turns one on is refused.
@@ -70,7 +69,11 @@ class Replayer:
                                self.connector if header.config.connector else None)
         self.out = out
         # The shadow-KV content check; device None turns it off.
-        self.content = ContentCheck(header.config, device) if device else None
+        self.content = None
+        if device:
+            from .content import ContentCheck   # imports torch; only when the check runs
+
+            self.content = ContentCheck(header.config, device)
         self.divergences: list[Divergence] = []
         self.steps = 0
         self.stopped: str | None = None
