@@ -453,6 +453,8 @@ def test_written_files_are_owner_only(tmp_path, name):
 
     old = os.umask(0)            # even with a permissive umask
     try:
+        (tmp_path / name).write_bytes(b"")   # and over a file that was readable by all
+        (tmp_path / name).chmod(0o644)
         with TraceWriter(tmp_path / name, mini_header()):
             pass
         redact_file(tmp_path / name, tmp_path / ("r-" + name))

@@ -277,6 +277,7 @@ def _reason(e: Exception) -> str:
 def _open_binary_write(path: Path) -> IO[bytes]:
     # Traces hold users' prompts: readable by their owner only.
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)   # also when writing over an existing file
     raw = os.fdopen(fd, "wb")
     name = path.name
     if name.endswith(".gz"):
