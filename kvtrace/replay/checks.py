@@ -139,24 +139,23 @@ def compare_prompt_stats(rec: ev.PromptStats, expected: RequestOutput | None, re
                     d(f"prefill_stats.{name}", getattr(ps, name), getattr(want, name),
                       "5.3: PrefillStats describe the last lookup before the first preemption")
                     break
-        divs.extend(_prefill_invariants(ps, d))
+        _prefill_invariants(ps, d)
     if rec.legacy is not None:
-        divs.extend(_legacy_checks(rec.legacy, expected, ref, d))
+        _legacy_checks(rec.legacy, expected, ref, d)
     return divs
 
 
-def _prefill_invariants(ps: ev.PrefillStats, d) -> list:
+def _prefill_invariants(ps: ev.PrefillStats, d) -> None:
     L, E, P = ps.num_local_cached_tokens, ps.num_external_cached_tokens, ps.num_prompt_tokens
     if L < 0 or E < 0 or L + E > P:
         d("prefill_stats", (L, E, P), "0 <= L, 0 <= E, L + E <= P", "5.3 (MS:327-340)", "invariant")
     elif ps.num_cached_tokens != L + E or ps.num_computed_tokens != P - L - E:
         d("prefill_stats", (ps.num_cached_tokens, ps.num_computed_tokens), (L + E, P - L - E),
           "5.3: cached = L + E, computed = P - L - E", "invariant")
-    return []
 
 
 def _legacy_checks(lg: ev.LegacyCounters, expected: RequestOutput | None, ref: Request | None, d
-                   ) -> list:
+                   ) -> None:
     """Legacy counters are checked by their invariants and by consistency with one
     lookup, not against one release's exact rule (bug-classes.md)."""
     nc, ne = lg.num_cached_tokens, lg.num_external_computed_tokens
@@ -179,7 +178,6 @@ def _legacy_checks(lg: ev.LegacyCounters, expected: RequestOutput | None, ref: R
     elif ref is not None and not _from_one_lookup(nc, ne, ref):
         d("legacy.num_external_computed_tokens", (nc, ne), want,
           "legacy: both counters must come from the same lookup", "invariant")
-    return []
 
 
 def _from_one_lookup(nc: int, ne: int, ref: Request) -> bool:
@@ -242,14 +240,14 @@ def step_invariants(rec: ev.Step, cfg: ev.SchedulerConfig, prev_preemptions: dic
     if lo < 1 or hi >= cfg.num_blocks:
         d(None, "block_ids", lo if lo < 1 else hi, f"1..{cfg.num_blocks - 1}",
           "4.5: allocatable ids", "block")
-    divs.extend(_loads_cover_hits(rec, d))
+    _loads_cover_hits(rec, d)
     return divs
 
 
-def _loads_cover_hits(rec: ev.Step, d) -> list:
+def _loads_cover_hits(rec: ev.Step, d) -> None:
     """Every external hit that was admitted must be loaded (bug class e)."""
     if rec.loads is None:
-        return []
+        return
     admitted = {s.req for s in [*rec.new, *rec.resumed]}
     admitted |= {s.req for s in rec.states if s.status == "WAITING_FOR_REMOTE_KVS"}
     last_lookup = {lk.req: lk for lk in rec.lookups}
@@ -263,4 +261,3 @@ def _loads_cover_hits(rec: ev.Step, d) -> list:
             got = [(ld.start, ld.end) for ld in rec.loads if ld.req == req] or None
             d(req, "kv_load", got, list(want),
               "an admitted external hit must be loaded (LMCache #1969, PR #2007)")
-    return []
