@@ -20,6 +20,7 @@ places where engines have had bugs; the embedded engine's faults override them.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass, field
 
 from .block_pool import Block
 from .config import SchedulerConfig
@@ -93,173 +94,165 @@ class Scheduler:
     # ------------------------------------------------------------------ schedule
 
     def schedule(self) -> SchedulerOutput:
-        cfg = self.config
-        token_budget = cfg.token_budget
-        input_budget = cfg.max_num_batched_tokens
-        scheduled_running: list[Request] = []
-        scheduled_new: list[Request] = []
-        scheduled_resumed: list[Request] = []
-        preempted: list[Request] = []
-        new_blocks: dict[str, list[Block]] = {}
-        num_scheduled: dict[str, int] = {}
+        step = _Step(self.config.token_budget, self.config.max_num_batched_tokens,
+                     self._long_prefill_threshold())
+        self._schedule_running(step)
+        if not step.preempted:          # no admissions in a step that preempted (S:900)
+            self._schedule_waiting(step)
+        return self._finish_step(step)
 
-        # The threshold only matters when someone else could use the budget (S:643).
+    def _long_prefill_threshold(self) -> int:
+        """The chunk cap only matters when someone else could use the budget (S:643-655)."""
+        cfg = self.config
         num_eligible = len(self.running) + len(self.waiting) + len(self.kv_holding_waiting)
         threshold = cfg.long_prefill_token_threshold if num_eligible > 1 else 0
         if threshold and cfg.adaptive_long_prefill_threshold:
-            threshold = max(threshold, input_budget // num_eligible)
-        max_active = cfg.max_num_active_seqs or cfg.max_num_seqs
+            threshold = max(threshold, cfg.max_num_batched_tokens // num_eligible)
+        return threshold
 
-        # 1. Running requests, in order.
+    def _schedule_running(self, step: "_Step") -> None:
+        """Give every running request its next chunk, in order. When blocks run out,
+        preempt from the back (FCFS) or the lowest priority, possibly the request
+        itself, and stop at the first request that cannot be given room (S:657-888)."""
         i = 0
-        while i < len(self.running) and token_budget > 0 and input_budget > 0:
+        while i < len(self.running) and step.has_budget():
             r = self.running[i]
-            n = r.num_tokens - r.num_computed_tokens
-            if 0 < threshold < n:
-                n = threshold
-            n = min(n, token_budget, input_budget, self.max_model_len - r.num_computed_tokens - 1)
+            n = min(step.chunk(r.num_tokens - r.num_computed_tokens),
+                    self.max_model_len - r.num_computed_tokens - 1)
             if n <= 0:
                 i += 1
                 continue
             blocks = self.kv.allocate_slots(r, n)
             while blocks is None:
                 victim = self._pick_victim()
-                if cfg.policy == "priority":
+                if self.config.policy == "priority":
                     at = self.running.index(victim)
                     del self.running[at]
                     if at < i:
                         i -= 1
-                    if victim in scheduled_running:   # undo its scheduling in this step
-                        scheduled_running.remove(victim)
-                        restored = num_scheduled.pop(victim.request_id)
-                        token_budget += restored
-                        input_budget += restored
-                        new_blocks.pop(victim.request_id)
+                    if victim in step.running:
+                        step.undo(victim)
                 else:
                     self.running.pop()
                 self._preempt_request(victim)
-                preempted.append(victim)
+                step.preempted.append(victim)
                 if victim is r:
                     break
                 blocks = self.kv.allocate_slots(r, n)
             if blocks is None:
                 break
-            scheduled_running.append(r)
-            new_blocks[r.request_id] = blocks
-            num_scheduled[r.request_id] = n
-            token_budget -= n
-            input_budget -= n
+            step.running.append(r)
+            step.new_blocks[r.request_id] = blocks
+            step.take(r, n)
             i += 1
 
-        # 2. Waiting requests; not in a step that preempted (S:900).
-        if not preempted:
-            skipped_waiting: deque[Request] = deque()
-            skipped_holding: deque[Request] = deque()
+    def _schedule_waiting(self, step: "_Step") -> None:
+        """Admit waiting requests, those holding blocks first, until one does not fit
+        (S:899-1401). Each admission is a fresh lookup (local prefix cache, then the
+        connector) unless the request's async load has completed; an async load
+        moves the request to WAITING_FOR_REMOTE_KVS instead of RUNNING. Requests
+        skipped on the way go back to the head of their queue, in order."""
+        max_active = self.config.max_num_active_seqs or self.config.max_num_seqs
+        skipped_waiting: deque[Request] = deque()
+        skipped_holding: deque[Request] = deque()
 
-            def skip(queue) -> None:
-                r = queue.pop_request()
-                holds = r.num_computed_tokens > 0 or r.status == Status.WAITING_FOR_REMOTE_KVS
-                (skipped_holding if holds else skipped_waiting).appendleft(r)
+        def skip(queue) -> None:
+            r = queue.pop_request()
+            holds = r.num_computed_tokens > 0 or r.status == Status.WAITING_FOR_REMOTE_KVS
+            (skipped_holding if holds else skipped_waiting).appendleft(r)
 
-            while token_budget > 0:
-                queue = self.kv_holding_waiting if self.kv_holding_waiting else self.waiting
-                if not queue or input_budget <= 0:
-                    break
-                if len(self.running) >= max_active:
-                    break
-                r = queue.peek()
-                if not self._ready_to_schedule(r):
-                    skip(queue)
-                    continue
+        while step.token_budget > 0:
+            queue = self.kv_holding_waiting if self.kv_holding_waiting else self.waiting
+            if not queue or step.input_budget <= 0 or len(self.running) >= max_active:
+                break
+            r = queue.peek()
+            if not self._ready_to_schedule(r):
+                skip(queue)
+                continue
 
-                hits: list[Block] = []
-                num_local = num_external = 0
-                load_async = False
-                if r.num_computed_tokens == 0:
-                    # A fresh lookup: first admission, a retry, or a resume after preemption.
-                    hits, num_local = self._local_prefix_hit(r)
-                    if self.connector is not None:
-                        ext, load_async = self.connector.get_num_new_matched_tokens(r, num_local)
-                        if r.skip_reading_prefix_cache:
-                            ext, load_async = 0, False
-                        if ext is None:
-                            skip(queue)
-                            continue
-                        num_external = ext
-                    num_computed = num_local + num_external
-                    if num_computed > r.num_tokens:
-                        raise SchedulerAssertion(r.request_id, "S:1048 local + external hit exceeds num_tokens")
-                    self._record_lookup(r, num_local, num_external, load_async)
-                else:
-                    # An async load that has completed: its blocks are already in place.
-                    num_computed = r.num_computed_tokens
-
-                if load_async:
-                    n = 0
-                else:
-                    n = r.num_tokens - num_computed
-                    if 0 < threshold < n:
-                        n = threshold
-                    n = min(n, token_budget, input_budget)
-                    if n <= 0:
-                        raise SchedulerAssertion(
-                            r.request_id, "S:1170 a sync external hit must leave a token to compute")
-
-                reserved = 0
-                if load_async:
-                    # Keep the blocks that in-flight prefills still need (S:1245).
-                    reserved = sum(self.kv.remaining_blocks(x) for x in self.inflight_prefills)
-                blocks = self.kv.allocate_slots(
-                    r, n, num_local, hits, num_external,
-                    delay_cache_blocks=load_async, reserved_blocks=reserved,
-                    has_scheduled_reqs=bool(self.running),
-                    full_sequence_must_fit=cfg.reserve_full_isl)
-                if blocks is None:
-                    break   # head-of-line: the whole waiting pass stops
-
+            hits: list[Block] = []
+            num_local = num_external = 0
+            load_async = False
+            if r.num_computed_tokens == 0:
+                # A fresh lookup: first admission, a retry, or a resume after preemption.
+                hits, num_local = self._local_prefix_hit(r)
                 if self.connector is not None:
-                    self.connector.update_state_after_alloc(
-                        r, self.kv.get_block_ids(r.request_id), num_external)
+                    ext, load_async = self.connector.get_num_new_matched_tokens(r, num_local)
+                    if r.skip_reading_prefix_cache:
+                        ext, load_async = 0, False
+                    if ext is None:             # the connector cannot tell yet
+                        skip(queue)
+                        continue
+                    num_external = ext
+                num_computed = num_local + num_external
+                if num_computed > r.num_tokens:
+                    raise SchedulerAssertion(r.request_id, "S:1048 local + external hit exceeds num_tokens")
+                self._record_lookup(r, num_local, num_external, load_async)
+            else:
+                # An async load that has completed: its blocks are already in place.
+                num_computed = r.num_computed_tokens
 
-                if load_async:
-                    r.status = Status.WAITING_FOR_REMOTE_KVS
-                    r.num_computed_tokens = num_computed
-                    self.inflight_prefills.add(r)
-                    skip(queue)
-                    continue
+            n = 0
+            reserved = 0
+            if load_async:
+                # Keep the blocks that in-flight prefills still need (S:1245).
+                reserved = sum(self.kv.remaining_blocks(x) for x in self.inflight_prefills)
+            else:
+                n = step.chunk(r.num_tokens - num_computed)
+                if n <= 0:
+                    raise SchedulerAssertion(
+                        r.request_id, "S:1170 a sync external hit must leave a token to compute")
+            blocks = self.kv.allocate_slots(
+                r, n, num_local, hits, num_external,
+                delay_cache_blocks=load_async, reserved_blocks=reserved,
+                has_scheduled_reqs=bool(self.running),
+                full_sequence_must_fit=self.config.reserve_full_isl)
+            if blocks is None:
+                break   # head-of-line: the whole waiting pass stops
 
-                queue.pop_request()
-                self.running.append(r)
-                (scheduled_new if r.status == Status.WAITING else scheduled_resumed).append(r)
-                num_scheduled[r.request_id] = n
-                token_budget -= n
-                input_budget -= n
-                r.status = Status.RUNNING
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(
+                    r, self.kv.get_block_ids(r.request_id), num_external)
+
+            if load_async:
+                r.status = Status.WAITING_FOR_REMOTE_KVS
                 r.num_computed_tokens = num_computed
-                self._on_admitted(r)
-                if num_computed + n < r.num_tokens:
-                    self.inflight_prefills.add(r)
+                self.inflight_prefills.add(r)
+                skip(queue)
+                continue
 
-            if skipped_holding:
-                self.kv_holding_waiting.prepend_all(skipped_holding)
-            if skipped_waiting:
-                self.waiting.prepend_all(skipped_waiting)
+            queue.pop_request()
+            self.running.append(r)
+            (step.new if r.status == Status.WAITING else step.resumed).append(r)
+            step.take(r, n)
+            r.status = Status.RUNNING
+            r.num_computed_tokens = num_computed
+            self._on_admitted(r)
+            if num_computed + n < r.num_tokens:
+                self.inflight_prefills.add(r)
 
+        if skipped_holding:
+            self.kv_holding_waiting.prepend_all(skipped_holding)
+        if skipped_waiting:
+            self.waiting.prepend_all(skipped_waiting)
+
+    def _finish_step(self, step: "_Step") -> SchedulerOutput:
+        """Build the output (pre-step counts), then advance num_computed_tokens:
+        it counts a step's tokens when the step is scheduled, not when it completes."""
         def entry(r: Request, block_ids: list[int]) -> ScheduledRequest:
             return ScheduledRequest(r.request_id, r.num_computed_tokens,
-                                    num_scheduled[r.request_id], block_ids)
+                                    step.num_scheduled[r.request_id], block_ids)
 
         out = SchedulerOutput(
-            new=[entry(r, self.kv.get_block_ids(r.request_id)) for r in scheduled_new],
-            resumed=[entry(r, self.kv.get_block_ids(r.request_id)) for r in scheduled_resumed],
-            running=[entry(r, [b.block_id for b in new_blocks[r.request_id]])
-                     for r in scheduled_running],
-            num_scheduled_tokens=num_scheduled,
+            new=[entry(r, self.kv.get_block_ids(r.request_id)) for r in step.new],
+            resumed=[entry(r, self.kv.get_block_ids(r.request_id)) for r in step.resumed],
+            running=[entry(r, [b.block_id for b in step.new_blocks[r.request_id]])
+                     for r in step.running],
+            num_scheduled_tokens=step.num_scheduled,
             preempted_req_ids=self.preempted_req_ids,
             finished_req_ids=self.finished_req_ids,
         )
-        # num_computed_tokens is advanced when a step is scheduled, not when it completes.
-        for req_id, n in num_scheduled.items():
+        for req_id, n in step.num_scheduled.items():
             r = self.requests[req_id]
             r.num_computed_tokens += n
             if r.num_computed_tokens >= r.num_tokens:
@@ -462,3 +455,40 @@ class Scheduler:
                     r.num_computed_tokens = pre
                 affected.add(r.request_id)
         return affected, to_evict
+
+
+@dataclass(slots=True)
+class _Step:
+    """What one schedule() call has decided so far, and the budget left."""
+
+    token_budget: int
+    input_budget: int
+    threshold: int                      # long_prefill_token_threshold in force, 0 = none
+    running: list[Request] = field(default_factory=list)
+    new: list[Request] = field(default_factory=list)
+    resumed: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    new_blocks: dict[str, list[Block]] = field(default_factory=dict)   # running requests only
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+
+    def has_budget(self) -> bool:
+        return self.token_budget > 0 and self.input_budget > 0
+
+    def chunk(self, remaining: int) -> int:
+        """How much of ``remaining`` fits: capped by the threshold and both budgets."""
+        if 0 < self.threshold < remaining:
+            remaining = self.threshold
+        return min(remaining, self.token_budget, self.input_budget)
+
+    def take(self, r: Request, n: int) -> None:
+        self.num_scheduled[r.request_id] = n
+        self.token_budget -= n
+        self.input_budget -= n
+
+    def undo(self, r: Request) -> None:
+        """A priority victim already scheduled in this step gives its budget back."""
+        self.running.remove(r)
+        n = self.num_scheduled.pop(r.request_id)
+        self.token_budget += n
+        self.input_budget += n
+        self.new_blocks.pop(r.request_id)
