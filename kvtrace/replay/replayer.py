@@ -166,6 +166,7 @@ class Replayer:
         for r in touched:
             if r.is_finished:
                 self._finished_refs[r.request_id] = r
+                self._preemptions.pop(r.request_id, None)   # memory follows live requests
         if self.out:
             for e in bridge.output_events(self._seq, rec.step, model, results, self.sched, touched):
                 self._write(e)
