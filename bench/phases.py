@@ -30,7 +30,7 @@ def scale_workload(requests: int, seed: int = 0):
     for i in range(requests):
         prompt = rng.choice(systems) + tuple(rng.randrange(4, 32000) for _ in range(rng.randint(16, 64)))
         arrivals.append(PlannedArrival(step, f"r{i}", prompt, rng.randint(40, 100)))
-        step += rng.randint(7, 12)
+        step += rng.randint(8, 13)
     return Workload("scale", config, tuple(arrivals))
 
 

@@ -31,7 +31,7 @@ def _prompts(rnd: random.Random, n: int) -> list[list[int]]:
             for i in range(n)]
 
 
-def run(rounds: int = 7, requests: int = 48, max_tokens: int = 48) -> dict:
+def run(rounds: int = 7, requests: int = 48, max_tokens: int = 48, suffix: str = ".jsonl.zst") -> dict:
     scratch = Path(tempfile.mkdtemp(prefix="kvtrace-bench-"))
     for var in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR"):
         os.environ.setdefault(var, str(scratch / var.lower()))
@@ -49,7 +49,7 @@ def run(rounds: int = 7, requests: int = 48, max_tokens: int = 48) -> dict:
     model = str(ensure_tiny_model())
     engine = dict(BASE_ENGINE, num_gpu_blocks_override=48, max_num_seqs=16)
     plain = LLM(model=model, **engine)
-    trace = scratch / "overhead.jsonl.zst"
+    trace = scratch / f"overhead{suffix}"
     os.environ["KVTRACE_OUT"] = str(trace)
     recorded = LLM(model=model, **engine)
     os.environ.pop("KVTRACE_OUT")
@@ -96,8 +96,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--suffix", default=".jsonl.zst", help="trace file ending: .jsonl, .jsonl.gz, .jsonl.zst")
     args = ap.parse_args()
-    r = run(args.rounds, args.requests)
+    r = run(args.rounds, args.requests, suffix=args.suffix)
     print(f"recorder overhead on vLLM ({r['rounds']} interleaved rounds of {r['requests_per_round']} requests)")
     print(f"  unrecorded generate, median  {r['unrecorded_s_median']:.3f} s")
     print(f"  recorded generate, median    {r['recorded_s_median']:.3f} s")

@@ -90,14 +90,23 @@ def test_files_are_private(tmp_path):
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
 
 
-def test_optional_fields_are_omitted(tmp_path):
+def test_unset_optional_fields_are_null_and_may_be_left_out(tmp_path):
     path = tmp_path / "t.jsonl"
     with TraceWriter(path, mini_header()) as w:
         w.write(Step(seq=w.next_seq(), step=0))
-    step = orjson.loads(path.read_bytes().splitlines()[1])
-    assert "loads" not in step and "num_free_blocks" not in step
-    end = orjson.loads(path.read_bytes().splitlines()[2])
-    assert end == {"seq": 1, "status": "complete", "dropped_events": 0, "kind": "end"}
+    lines = path.read_bytes().splitlines()
+    step = orjson.loads(lines[1])
+    assert step["loads"] is None and step["num_free_blocks"] is None
+    end = orjson.loads(lines[2])
+    assert end == {"seq": 1, "status": "complete", "error": None, "dropped_events": 0, "kind": "end"}
+    # The same records with those fields left out read back the same.
+    for rec in (step, end):
+        for k in [k for k, v in rec.items() if v is None]:
+            del rec[k]
+    path.write_bytes(b"\n".join([lines[0], orjson.dumps(step), orjson.dumps(end)]) + b"\n")
+    events = list(TraceReader(path))
+    assert events[0].loads is None and events[0].num_free_blocks is None
+    assert events[1].error is None
 
 
 def test_interrupted_writer_says_so(tmp_path):

@@ -27,6 +27,7 @@ STATUSES = (
     "FINISHED_IGNORED",
     "FINISHED_ERROR",
 )
+_STATUS_SET = frozenset(STATUSES)
 FINISH_REASONS = ("stop", "length", "abort", "error")
 POLICIES = ("fcfs", "priority")
 COUNTER_SHAPES = ("prefill_stats", "legacy")
@@ -87,7 +88,14 @@ def _bool(v: Any, name: str) -> bool:
     return v
 
 
+_INT_ONLY = {int}
+
+
 def _ints(v: Any, name: str, lo: int = 0) -> list[int]:
+    # The common case checked by C-level calls; the loop below names the problem.
+    if type(v) is list and (not v or (set(map(type, v)) == _INT_ONLY
+                                      and min(v) >= lo and max(v) <= MAX_COUNT)):
+        return v
     if type(v) is not list:
         raise SchemaError(f"field '{name}' must be a list of integers, got {_tname(v)}")
     for x in v:
@@ -390,6 +398,16 @@ class RequestState:
 
     @classmethod
     def from_json(cls, d: dict) -> "RequestState":
+        # Fast path for a well-formed record; anything else takes the checks below,
+        # which name the field and the problem.
+        if len(d) == 6:
+            req, status, c, t, p, b = (d.get("req"), d.get("status"), d.get("num_computed_tokens"),
+                                       d.get("num_tokens"), d.get("num_preemptions"), d.get("block_ids"))
+            if (type(req) is str and type(status) is str and status in _STATUS_SET and type(c) is int and type(t) is int
+                    and type(p) is int and 0 <= c <= MAX_COUNT and 0 <= t <= MAX_COUNT
+                    and 0 <= p <= MAX_COUNT and type(b) is list
+                    and (not b or (set(map(type, b)) == _INT_ONLY and min(b) >= 0 and max(b) <= MAX_COUNT))):
+                return cls(req, status, c, t, p, b)
         return cls(
             req=_str(_get(d, "req"), "states.req"),
             status=_choice(_get(d, "status"), "states.status", STATUSES),

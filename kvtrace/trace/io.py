@@ -306,7 +306,8 @@ class TraceWriter:
         return s
 
     def write(self, event: Event) -> None:
-        self._write_obj(to_json(event))
+        # orjson writes the dataclass itself (in C), optional fields as null.
+        self._fh.write(orjson.dumps(event, option=orjson.OPT_APPEND_NEWLINE))
 
     def write_raw(self, obj: dict) -> None:
         self._write_obj(obj)

@@ -19,13 +19,21 @@ then checks what only the whole file can say is wrong, so that every consumer of
   record names a step already recorded.
 
 Each check raises ``SchemaError`` with the problem; the reader adds file and line.
-Memory grows with the number of distinct requests, not with the length of the file.
+Memory follows the live requests: a finished request is remembered only among the
+last ``RECENT_FINISHED`` finished ones, which is ample for the records that may
+still name it (its prompt stats, the next step's ``finished``, a delayed
+``finished_sending``).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from . import events as ev
 from .events import SchemaError
+
+RECENT_FINISHED = 65536
+FINISHED_STATUSES = frozenset(s for s in ev.STATUSES if s.startswith("FINISHED_"))
 
 
 class Validator:
@@ -33,7 +41,8 @@ class Validator:
         cfg = header.config
         self.num_blocks = cfg.num_blocks
         self.token_limit = cfg.max_model_len + cfg.num_blocks * cfg.block_size
-        self.arrived: set[str] = set()
+        self.live: set[str] = set()
+        self.finished: OrderedDict[str, None] = OrderedDict()   # the most recent ones
         self.last_step = -1
         self.last_output_step = -1
 
@@ -41,7 +50,10 @@ class Validator:
 
     def check(self, e) -> None:
         if isinstance(e, ev.Arrival):
-            self.arrived.add(e.req)
+            self.live.add(e.req)
+        elif isinstance(e, ev.Abort):
+            for req in e.reqs:
+                self._finish(req)
         elif isinstance(e, ev.Step):
             self._step(e)
         elif isinstance(e, ev.Output):
@@ -107,6 +119,18 @@ class Validator:
                     self._known(req, f"connector.{name}")
             self._blocks(c.invalid_block_ids, "connector.invalid_block_ids")
         self._states(o.states)
+        for req in o.finished:
+            self._finish(req)
+        for st in o.states:
+            if st.status in FINISHED_STATUSES:
+                self._finish(st.req)
+
+    def _finish(self, req: str) -> None:
+        if req in self.live:
+            self.live.discard(req)
+            self.finished[req] = None
+            if len(self.finished) > RECENT_FINISHED:
+                self.finished.popitem(last=False)
 
     def _states(self, states: list[ev.RequestState]) -> None:
         for st in states:
@@ -118,7 +142,7 @@ class Validator:
     # -- values ------------------------------------------------------------------
 
     def _known(self, req: str, name: str) -> None:
-        if req not in self.arrived:
+        if req not in self.live and req not in self.finished:
             raise SchemaError(f"field '{name}' names request {req!r}, which never arrived")
 
     def _tokens(self, n: int, name: str) -> None:
@@ -127,6 +151,8 @@ class Validator:
                               f"plus the whole KV cache ({self.token_limit})")
 
     def _blocks(self, ids: list[int], name: str) -> None:
+        if not ids or max(ids) < self.num_blocks:
+            return
         for b in ids:
             if b >= self.num_blocks:
                 raise SchemaError(f"block id {b} in '{name}' is out of range: the header's pool "
