@@ -63,7 +63,8 @@ def main() -> None:
         r = _child("recorder")
         rows.append(("recorder overhead (vLLM, tiny model)",
                      f"{r['ratio_median']:.3f}x engine time (min {r['ratio_min']:.3f}, max {r['ratio_max']:.3f},"
-                     f" {r['rounds']} interleaved rounds)", f"<= {r['target']:.2f}x"))
+                     f" {r['rounds']} interleaved rounds); {r['recorder_us_per_step']:.0f} us per step on an "
+                     f"engine step of {r['engine_ms_per_step']:.2f} ms", f"<= {r['target']:.2f}x"))
 
     eng = _child("engine", out=str(big), requests=n)
     _child("engine", out=str(small), requests=max(n // 100, 100))

@@ -79,7 +79,13 @@ def run(rounds: int = 7, requests: int = 48, max_tokens: int = 48, suffix: str =
         ratios.append(b / a)
     shutdown_llm(recorded)
     shutdown_llm(plain)
+    steps = _count_steps(trace)
+    steps_per_round = steps / (rounds + 1) if steps else 0
     return {
+        "steps_per_round": steps_per_round,
+        "engine_ms_per_step": 1e3 * statistics.median(plain_s) / steps_per_round if steps else 0.0,
+        "recorder_us_per_step": (1e6 * (statistics.median(rec_s) - statistics.median(plain_s))
+                                 / steps_per_round) if steps else 0.0,
         "rounds": rounds,
         "requests_per_round": requests,
         "unrecorded_s_median": statistics.median(plain_s),
@@ -90,6 +96,15 @@ def run(rounds: int = 7, requests: int = 48, max_tokens: int = 48, suffix: str =
         "trace_bytes": trace.stat().st_size if trace.exists() else 0,
         "target": TARGET,
     }
+
+
+def _count_steps(trace: Path) -> int:
+    from kvtrace.trace import TraceReader
+    from kvtrace.trace.events import Step
+
+    if not trace.exists():
+        return 0
+    return sum(1 for e in TraceReader(trace) if isinstance(e, Step))
 
 
 def main() -> None:
@@ -104,6 +119,8 @@ def main() -> None:
     print(f"  recorded generate, median    {r['recorded_s_median']:.3f} s")
     print(f"  ratio recorded/unrecorded    median {r['ratio_median']:.3f}  "
           f"(min {r['ratio_min']:.3f}, max {r['ratio_max']:.3f})  target <= {TARGET:.2f}")
+    print(f"  per step: engine {r['engine_ms_per_step']:.2f} ms, recorder {r['recorder_us_per_step']:.0f} us "
+          f"({r['steps_per_round']:.0f} steps per round)")
 
 
 if __name__ == "__main__":
