@@ -285,3 +285,14 @@ def test_record_vllm_plumbing(tmp_path, capsys, monkeypatch):
                        "--workload", "kv-pressure", "--model", str(tmp_path))
     assert code == 0, err
     assert calls == [(str(tmp_path), out_path, "preemption")]
+
+
+def test_repeated_divergences_fold_into_one_row():
+    from kvtrace.findings import Divergence
+    from kvtrace.report.terminal import fold_repeats
+
+    divs = [Divergence(s, "r", "kv-content", "x", "y", "rule") for s in (5, 6, 6, 7, 9)]
+    divs.insert(2, Divergence(6, "q", "kv-content", "x", "y", "rule"))
+    rows = [(d.req, d.step, n, last) for d, n, last in fold_repeats(divs)]
+    # 5..7 is one run of r (4 rows); q stands alone; r again at 9 is a new run.
+    assert rows == [("r", 5, 4, 7), ("q", 6, 1, 6), ("r", 9, 1, 9)]

@@ -71,9 +71,29 @@ def replayed_up_to(truncation: str | None, verb: str = "replayed") -> str | None
 # --------------------------------------------------------------------------- table
 
 
+def fold_repeats(divs: list[Divergence]) -> list[tuple[Divergence, int, int | None]]:
+    """(divergence, times, last step): a divergence of the same request, field and
+    rule at the following steps (a slot that stays wrong, a count that stays off)
+    is folded into the first one, which then says how often and until when."""
+    rows: list[tuple[Divergence, int, int | None]] = []
+    open_rows: dict[tuple, int] = {}
+    for d in divs:
+        key = (d.req, d.field, d.rule)
+        at = open_rows.get(key)
+        if at is not None:
+            first, n, last = rows[at]
+            if d.step is not None and last is not None and d.step in (last, last + 1):
+                rows[at] = (first, n + 1, d.step)
+                continue
+        open_rows[key] = len(rows)
+        rows.append((d, 1, d.step))
+    return rows
+
+
 def divergence_table(divs: list[Divergence], max_rows: int = MAX_ROWS) -> tuple[Table, int]:
-    """The table (first divergence of each request first) and how many rows were left out."""
-    ordered = first_per_request(divs)
+    """The table (first divergence of each request first, repeats folded) and how
+    many rows were left out."""
+    ordered = fold_repeats(first_per_request(divs))
     table = Table(show_lines=False, header_style="bold", expand=False)
     table.add_column("step", justify="right", no_wrap=True)
     table.add_column("request", no_wrap=True)
@@ -81,9 +101,12 @@ def divergence_table(divs: list[Divergence], max_rows: int = MAX_ROWS) -> tuple[
     table.add_column("recorded", style="red", max_width=24, overflow="fold")
     table.add_column("expected", style="green", max_width=24, overflow="fold")
     table.add_column("rule")
-    for d in ordered[:max_rows]:
+    for d, times, last in ordered[:max_rows]:
+        step = "—" if d.step is None else str(d.step)
+        if times > 1:
+            step += (f"–{last}" if last != d.step else "") + f" ({times}×)"
         table.add_row(
-            "—" if d.step is None else str(d.step),
+            step,
             "(all)" if d.req is None else d.req,
             d.field,
             Text(format_value(d.recorded)),
