@@ -24,6 +24,7 @@ class KVCacheManager:
         self.watermark_blocks = config.watermark_blocks
         self.pool = BlockPool(config.num_blocks, config.enable_prefix_caching)
         self.req_to_blocks: dict[str, list[Block]] = {}
+        self.req_to_ids: dict[str, list[int]] = {}        # the same tables, as block ids
         self.num_cached_block: dict[str, int] = {}
 
     # -- lookups ---------------------------------------------------------------
@@ -43,7 +44,11 @@ class KVCacheManager:
         return hits, len(hits) * self.block_size
 
     def get_block_ids(self, req_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(req_id, ())]
+        return list(self.req_to_ids.get(req_id, ()))
+
+    def _extend(self, req_id: str, table: list[Block], blocks: list[Block]) -> None:
+        table.extend(blocks)
+        self.req_to_ids.setdefault(req_id, []).extend(b.block_id for b in blocks)
 
     def estimate_cached_tokens(self, req_id: str) -> int:
         """Largest hash-covered prefix among the request's blocks (KM:751-780)."""
@@ -111,14 +116,14 @@ class KVCacheManager:
             # All touches happen before any pop, so a pop cannot evict a hit.
             assert not table
             self.pool.touch(hits)
-            table.extend(hits)
+            self._extend(req_id, table, hits)
             self.num_cached_block[req_id] = len(table)
             if num_external_computed_tokens > 0:
                 n_ext = cdiv(local + num_external_computed_tokens, self.block_size) - len(table)
-                table.extend(self.pool.get_new_blocks(max(0, n_ext)))
+                self._extend(req_id, table, self.pool.get_new_blocks(max(0, n_ext)))
 
         new_blocks = self.pool.get_new_blocks(max(0, cdiv(need_slots, self.block_size) - len(table)))
-        table.extend(new_blocks)
+        self._extend(req_id, table, new_blocks)
 
         if not delay_cache_blocks:
             self.cache_blocks(request, min(total + num_new_tokens, request.num_tokens))
@@ -136,7 +141,8 @@ class KVCacheManager:
         if needed + watermark > self.pool.num_free_blocks - reserved_blocks:
             return None
         new_blocks = self.pool.get_new_blocks(needed) if needed else []
-        table.extend(new_blocks)
+        if new_blocks:
+            self._extend(request.request_id, table, new_blocks)
         if not delay_cache_blocks:
             self.cache_blocks(request, min(total + num_new_tokens, request.num_tokens))
         return new_blocks
@@ -163,6 +169,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release the table, tail first, so a chain's tail is evicted before its head."""
         table = self.req_to_blocks.pop(request.request_id, [])
+        self.req_to_ids.pop(request.request_id, None)
         self.num_cached_block.pop(request.request_id, None)
         self.pool.free_blocks(reversed(table))
 
