@@ -24,8 +24,9 @@ from hypothesis import strategies as st
 
 import kvtrace
 from kvtrace import bridge
-from kvtrace.engine import FAULT_WORKLOADS, FAULTS, record_embedded
-from kvtrace.engine.engine import CONNECTOR_NAME, ENGINE_NAME, RecordResult, _Engine
+from kvtrace.engine import FAULT_WORKLOADS, FAULTS, EngineStalled, build_workload
+from kvtrace.engine import record_workload as engine_record
+from kvtrace.engine.engine import RecordResult
 from kvtrace.engine.faults import STORE_FAULTS
 from kvtrace.engine.kv_store import StoreSettings
 from kvtrace.engine.sampler import FIRST_ORDINARY_TOKEN
@@ -100,16 +101,20 @@ def workloads(draw, store: bool | None = None) -> Workload:
 
 
 def record_workload(wl: Workload, path: Path, fault: str | None = None, seed: int = 0) -> RecordResult:
-    """record_embedded for a workload built here (the engine takes only named ones)."""
-    engine = _Engine(wl, fault, seed)
-    header = ev.Header(engine=ENGINE_NAME, engine_version=kvtrace.__version__,
-                       config=bridge.header_config(wl.config, CONNECTOR_NAME if wl.store else None),
-                       counters="legacy", meta={"workload": wl.name, "fault": fault, "seed": seed})
-    result = RecordResult(path, requests=len(wl.arrivals))
-    with TraceWriter(path, header) as w:
-        engine.run(w, "both", result)
-    result.fault_log = list(engine.fault_log)
+    """Record a workload built here. A run that stalls (vLLM 0.32's scheduler can,
+    see docs/findings.md) comes back with ``stalled`` set and its trace written."""
+    try:
+        result = engine_record(path, wl, fault, seed)
+        result.stalled = False
+    except EngineStalled as stall:
+        result = stall.result
+        result.stalled = True
     return result
+
+
+def _only_the_stall(result, divs) -> bool:
+    """A stalled run's trace replays with the stall flagged and nothing else."""
+    return result.stalled and divs and all(d.field == "progress" for d in divs)
 
 
 def _replay(path):
@@ -127,9 +132,13 @@ def _show(divs) -> str:
 @given(wl=workloads())
 def test_random_workloads_replay_clean(tmp_path_factory, wl):
     path = tmp_path_factory.mktemp("wl") / "t.jsonl"
-    record_workload(wl, path)
+    rec = record_workload(wl, path)
     result = _replay(path)
-    assert result.truncation is None and result.stopped is None
+    assert result.stopped is None
+    if _only_the_stall(rec, result.divergences):
+        return
+    assert not rec.stalled, f"the engine stalled, and replay did not flag it\n{wl}"
+    assert result.truncation is None
     assert result.divergences == [], f"{wl}\n{_show(result.divergences)}"
 
 
@@ -142,8 +151,8 @@ def test_fault_is_flagged_whenever_it_fires_random(tmp_path_factory, wl, fault):
     path = tmp_path_factory.mktemp("f") / "t.jsonl"
     rec = record_workload(wl, path, fault)
     if rec.fault_log:
-        result = _replay(path)
-        assert result.divergences, f"{fault} fired {rec.fault_log[:3]} but replay found nothing\n{wl}"
+        found = [d for d in _replay(path).divergences if d.field != "progress"]
+        assert found, f"{fault} fired {rec.fault_log[:3]} but replay found nothing\n{wl}"
 
 
 @pytest.mark.parametrize("fault", FAULTS)
@@ -151,9 +160,10 @@ def test_fault_is_flagged_whenever_it_fires_random(tmp_path_factory, wl, fault):
 @given(seed=st.integers(0, 10 ** 6))
 def test_fault_is_flagged_whenever_it_fires_builtin(tmp_path_factory, fault, seed):
     path = tmp_path_factory.mktemp("fb") / "t.jsonl"
-    rec = record_embedded(path, workload=FAULT_WORKLOADS[fault], fault=fault, seed=seed)
+    rec = record_workload(build_workload(FAULT_WORKLOADS[fault], seed), path, fault, seed)
     if rec.fault_log:
-        assert _replay(path).divergences, f"{fault} seed {seed}: fired {rec.fault_log[:3]}, not flagged"
+        found = [d for d in _replay(path).divergences if d.field != "progress"]
+        assert found, f"{fault} seed {seed}: fired {rec.fault_log[:3]}, not flagged"
 
 
 # --------------------------------------------------------------------------- diff
@@ -178,8 +188,8 @@ def test_diff_is_symmetric(tmp_path_factory, workload, fault, seed, other_seed):
         fault = None
     d = tmp_path_factory.mktemp("d")
     a, b = d / "a.jsonl", d / "b.jsonl.gz"
-    record_embedded(a, workload=workload, seed=seed)
-    record_embedded(b, workload=workload, fault=fault, seed=seed + other_seed)
+    record_workload(build_workload(workload, seed), a, seed=seed)
+    record_workload(build_workload(workload, seed + other_seed), b, fault, seed + other_seed)
     ab, ba = diff_files(a, b), diff_files(b, a)
     assert _diff_key(ab.divergences, False) == _diff_key(ba.divergences, True)
 
@@ -311,7 +321,7 @@ def test_redacted_embedded_traces_replay_clean(tmp_path, workload):
     from kvtrace.redact import redact_file
 
     src, dst = tmp_path / "t.jsonl", tmp_path / "r.jsonl"
-    record_embedded(src, workload=workload, seed=3)
+    record_workload(build_workload(workload, 3), src, seed=3)
     summary = redact_file(src, dst)
     _check_redacted(src, dst, summary)
     assert _replay(dst).divergences == []

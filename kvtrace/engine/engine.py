@@ -83,9 +83,14 @@ def record_workload(out_path: str | os.PathLike, wl: Workload, fault: str | None
         meta={"workload": workload, "fault": fault, "seed": seed},
     )
     result = RecordResult(Path(out_path), requests=len(wl.arrivals))
-    with TraceWriter(out_path, header) as writer:
-        engine.run(writer, counters, result)
-    result.fault_log = list(engine.fault_log)
+    try:
+        with TraceWriter(out_path, header) as writer:
+            engine.run(writer, counters, result)
+    except EngineStalled as stall:
+        stall.result = result          # the trace and the fault log up to the stall
+        raise
+    finally:
+        result.fault_log = list(engine.fault_log)
     return result
 
 
