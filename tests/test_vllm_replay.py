@@ -333,3 +333,17 @@ def test_traces_with_features_outside_the_baseline_are_refused(features, words, 
     with pytest.raises(TraceError, match=words):
         replay_through_vllm(edited, out)
     assert not out.exists()
+
+
+def test_cli_replay_through_vllm_exit_codes(tmp_path):
+    from kvtrace.cli import run
+
+    out = tmp_path / "v.jsonl"
+    assert run(["replay", str(ROOT / "traces" / "connector.jsonl.gz"), "--scheduler", "vllm",
+                "-o", str(out)]) == 0
+    assert out.exists()
+    # The recording of a patched scheduler, replayed through the unpatched one: exit 1.
+    assert run(["replay", str(FAULTS / "async-load-overshoot.jsonl.gz"), "--scheduler", "vllm"]) == 1
+    # ... and through the same patched class: the decisions agree, exit 0.
+    assert run(["replay", str(FAULTS / "async-load-overshoot.jsonl.gz"), "--scheduler-cls",
+                "kvtrace.record.fault_schedulers.AsyncLoadOvershootScheduler"]) == 0
