@@ -306,6 +306,14 @@ class Recorder:
 
     # -- lifecycle -------------------------------------------------------------
 
+    def guard(self, where: str, capture, *args):
+        """Run one capture step. An error in it stops recording, never the engine."""
+        try:
+            return capture(*args)
+        except Exception as e:
+            self.fail(where, e)
+            return None
+
     def fail(self, where: str, exc: BaseException) -> None:
         if self.failed is None:
             self.failed = f"{where}: {type(exc).__name__}: {exc}"
@@ -658,10 +666,7 @@ def make_recording_scheduler(base_cls: type) -> type:
                     is_new = False
             result = super().add_request(request, *args, **kwargs)
             if rec is not None and is_new and rec.active:
-                try:
-                    rec.on_add_request(request)
-                except Exception as e:
-                    rec.fail("add_request", e)
+                rec.guard("add_request", rec.on_add_request, request)
             return result
 
         def finish_requests(self, request_ids, finished_status, *args, **kwargs):
@@ -683,37 +688,25 @@ def make_recording_scheduler(base_cls: type) -> type:
             result = super()._preempt_request(request, *args, **kwargs)
             rec = self._kv_rec()
             if rec is not None:
-                try:
-                    rec.on_preempt(request)
-                except Exception as e:
-                    rec.fail("_preempt_request", e)
+                rec.guard("_preempt_request", rec.on_preempt, request)
             return result
 
         def schedule(self, *args, **kwargs):
             rec = self._kv_rec()
             if rec is not None:
-                try:
-                    rec.begin_step()
-                except Exception as e:
-                    rec.fail("schedule", e)
+                rec.guard("schedule", rec.begin_step)
             out = super().schedule(*args, **kwargs)
             rec = self._kv_rec()
             if rec is not None:
-                try:
-                    rec.on_schedule(self, out)
-                except Exception as e:
-                    rec.fail("schedule", e)
+                rec.guard("schedule", rec.on_schedule, self, out)
             return out
 
         def update_from_output(self, scheduler_output, model_runner_output, *args, **kwargs):
             rec = self._kv_rec()
             ctx = None
             if rec is not None:
-                try:
-                    ctx = rec.pre_update(self, scheduler_output, model_runner_output)
-                except Exception as e:
-                    rec.fail("update_from_output", e)
-                    ctx = None
+                ctx = rec.guard("update_from_output", rec.pre_update, self, scheduler_output,
+                                model_runner_output)
                 rec.in_update = True
             try:
                 result = super().update_from_output(scheduler_output, model_runner_output,
@@ -722,10 +715,7 @@ def make_recording_scheduler(base_cls: type) -> type:
                 if rec is not None:
                     rec.in_update = False
             if ctx is not None and rec.active:
-                try:
-                    rec.post_update(self, ctx, result)
-                except Exception as e:
-                    rec.fail("update_from_output", e)
+                rec.guard("update_from_output", rec.post_update, self, ctx, result)
             return result
 
         def shutdown(self, *args, **kwargs):
