@@ -132,8 +132,10 @@ class KVCacheManager:
     def _top_up(self, request: Request, table: list[Block], num_new_tokens: int,
                 delay_cache_blocks: bool, reserved_blocks: int, has_scheduled_reqs: bool
                 ) -> list[Block] | None:
-        """allocate_slots for a request with a table and nothing to adopt: the same
-        arithmetic as below with hits = [] and no external tokens."""
+        """allocate_slots for a request that holds a table and adopts nothing: the
+        arithmetic of allocate_slots with no hits and no external tokens, kept
+        apart because it is by far the most common call (every running request,
+        every step)."""
         total = min(request.num_computed_tokens, self.max_model_len)
         need_slots = min(total + num_new_tokens, self.max_model_len)
         needed = max(cdiv(need_slots, self.block_size) - len(table), 0)
