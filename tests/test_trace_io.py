@@ -333,3 +333,7 @@ def test_docs_worked_example_reads(tmp_path):
     assert kinds == ["arrival", "step", "output", "step", "output", "prompt_stats", "step",
                      "output", "end"]
     assert r.truncation is None and r.end.status == "complete"
+    # ... and, as the document says, it replays through the reference with no divergence.
+    from kvtrace.replay import replay_file
+
+    assert replay_file(path, device="cpu").divergences == []
