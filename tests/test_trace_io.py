@@ -337,3 +337,20 @@ def test_docs_worked_example_reads(tmp_path):
     from kvtrace.replay import replay_file
 
     assert replay_file(path, device="cpu").divergences == []
+
+
+@pytest.mark.parametrize("name", ["t.jsonl", "t.jsonl.gz", "t.jsonl.zst"])
+def test_flushed_events_survive_a_writer_that_never_closes(tmp_path, name):
+    # A recording engine killed after a flush leaves a file readable up to the flush.
+    import shutil
+
+    path = tmp_path / name
+    w = TraceWriter(path, mini_header())
+    w.write(Step(seq=w.next_seq(), step=0))
+    w.flush()
+    killed = tmp_path / ("killed-" + name)
+    shutil.copy(path, killed)          # the bytes on disk at that moment
+    r = TraceReader(killed)
+    assert [e.kind for e in r] == ["step"]
+    assert r.truncation is not None and r.end is None
+    w.close()

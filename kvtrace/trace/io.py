@@ -295,7 +295,8 @@ class TraceWriter:
 
     def __init__(self, path: str | os.PathLike, header: Header):
         self.path = Path(path)
-        self._fh = io.BufferedWriter(_open_binary_write(self.path), buffer_size=1 << 20)
+        self._inner = _open_binary_write(self.path)     # file, or gzip/zstd stream over it
+        self._fh = io.BufferedWriter(self._inner, buffer_size=1 << 20)
         self._seq = 0
         self._closed = False
         self._write_obj(to_json(header))
@@ -316,7 +317,10 @@ class TraceWriter:
         self._fh.write(orjson.dumps(obj, option=orjson.OPT_APPEND_NEWLINE))
 
     def flush(self) -> None:
+        """Everything written so far reaches the file, compressed stream included,
+        so that a process killed afterwards leaves a trace readable up to here."""
         self._fh.flush()
+        self._inner.flush()     # gzip: a sync flush; zstd: the end of a block; plain: the OS
 
     def close(self, status: str = "complete", error: str | None = None, dropped_events: int = 0) -> None:
         if self._closed:
