@@ -34,19 +34,14 @@ SCRIPTED = "kvtrace.record.scripted_connector"
 @pytest.fixture(scope="module", autouse=True)
 def _scratch(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-scratch")
-    old = {k: os.environ.get(k) for k in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR",
-                                          "VLLM_ENABLE_V1_MULTIPROCESSING", "KVTRACE_OUT")}
-    os.environ.setdefault("VLLM_CACHE_ROOT", str(root / "vllm"))
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.pop("KVTRACE_OUT", None)
-    vllm_plugin.install()
-    yield
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CACHE_ROOT", os.environ.get("VLLM_CACHE_ROOT", str(root / "vllm")))
+        mp.setenv("TORCHINDUCTOR_CACHE_DIR",
+                  os.environ.get("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor")))
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        mp.delenv("KVTRACE_OUT", raising=False)
+        vllm_plugin.install()
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -41,15 +41,10 @@ FAULTS = ROOT / "traces" / "faults"
 @pytest.fixture(scope="module", autouse=True)
 def _scratch(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-replay-scratch")
-    old = {k: os.environ.get(k) for k in ("VLLM_CACHE_ROOT", "KVTRACE_OUT")}
-    os.environ.setdefault("VLLM_CACHE_ROOT", str(root / "vllm"))
-    os.environ.pop("KVTRACE_OUT", None)
-    yield
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CACHE_ROOT", os.environ.get("VLLM_CACHE_ROOT", str(root / "vllm")))
+        mp.delenv("KVTRACE_OUT", raising=False)
+        yield
 
 
 def events(path):

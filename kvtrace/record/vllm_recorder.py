@@ -47,7 +47,6 @@ from kvtrace.trace.events import (
     Arrival,
     ConnectorConfig,
     ConnectorOutput,
-    End,
     Header,
     KVLoad,
     LegacyCounters,

@@ -15,12 +15,12 @@ from __future__ import annotations
 import html
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 from ..findings import Divergence
 from ..trace.io import TraceError
-from .summary import RequestTimeline, RunSummary, Series, percent, summarize
+from .summary import RequestTimeline, RunSummary, percent, summarize
 from .terminal import format_value, replayed_up_to
 
 MAX_REQUESTS = 40          # timelines drawn for the first requests by arrival ...
@@ -274,7 +274,6 @@ def _req_link(s: RunSummary, req: str) -> str:
 
 
 def _request_section(s: RunSummary, by_req: dict[str | None, list[Divergence]]) -> str:
-    e = html.escape
     tls = sorted(s.timelines.values(), key=lambda t: t.index)
     out = ['<section id="requests"><h2>Request timelines</h2>',
            '<p class="controls"><label>filter by request id <input id="req-filter" type="search" '

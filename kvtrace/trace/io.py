@@ -310,9 +310,6 @@ class TraceWriter:
         # orjson writes the dataclass itself (in C), optional fields as null.
         self._fh.write(orjson.dumps(event, option=orjson.OPT_APPEND_NEWLINE))
 
-    def write_raw(self, obj: dict) -> None:
-        self._write_obj(obj)
-
     def _write_obj(self, obj: dict) -> None:
         self._fh.write(orjson.dumps(obj, option=orjson.OPT_APPEND_NEWLINE))
 
