@@ -20,8 +20,9 @@ Rules the recorder keeps:
 * Every capture is wrapped: the first exception is logged once, the trace is
   marked failed (``End.status == "recorder-error"``), recording stops and the
   engine carries on.
-* Capture on the hot path only copies lists and ints into event objects. Sequence
-  numbers, JSON and compression happen on a background thread fed by a bounded
+* Capture on the engine's thread only copies ids and counts into tuples, and
+  reads block tables incrementally (``BlockIds``). Sequence numbers, the schema's
+  records, JSON and compression happen on a background thread fed by a bounded
   queue. When the queue is full the event is dropped and counted; the trace then
   ends with ``status "recorder-error"`` and ``dropped_events > 0``.
 
@@ -35,9 +36,11 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import queue
 import threading
+import time
 import weakref
+from dataclasses import fields
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -78,26 +81,32 @@ _STATUS_FOLD = {
 _REASONS = {"stop": "stop", "length": "length", "abort": "abort", "error": "error",
             "repetition": "stop"}
 
-_STOP = object()
-
-
 # --------------------------------------------------------------------------- sink
 
 
 class TraceSink:
-    """A TraceWriter behind a bounded queue and one writer thread.
+    """A TraceWriter fed through a bounded in-memory queue by one writer thread.
 
-    ``put`` never blocks and never raises. ``close`` writes the End record."""
+    ``put`` never blocks and never raises: it appends to a deque (atomic, no lock,
+    no wake-up), or drops and counts the event when ``maxsize`` events are waiting.
+    The writer thread wakes every ``POLL_S`` and writes whatever has piled up, so
+    the engine's thread pays for neither a lock nor a thread switch per event.
+    ``close`` writes the End record."""
+
+    POLL_S = 0.01
 
     def __init__(self, path: str | os.PathLike, header: Header, maxsize: int | None = None):
         if maxsize is None:
             maxsize = int(os.environ.get(ENV_QUEUE, DEFAULT_QUEUE_SIZE))
         self.path = Path(path)
         self._writer = TraceWriter(self.path, header)  # may raise: caller handles it
-        self._q: queue.Queue = queue.Queue(maxsize=max(1, maxsize))
+        self._q: deque = deque()
+        self.maxsize = max(1, maxsize)
         self.dropped = 0
         self.write_error: str | None = None
         self.closed = False
+        self._stop: tuple[str, str | None] | None = None
+        self._wake = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="kvtrace-writer", daemon=True)
         self._thread.start()
@@ -105,42 +114,47 @@ class TraceSink:
     def put(self, ev: Any) -> None:
         if self.closed:
             return
-        try:
-            self._q.put_nowait(ev)
-        except queue.Full:
+        if len(self._q) >= self.maxsize:
             self.dropped += 1
+        else:
+            self._q.append(ev)
 
     def _run(self) -> None:
         w = self._writer
+        q = self._q
         dirty = True  # the header
+        idle_since = time.monotonic()
         while True:
-            try:
-                item = self._q.get(timeout=FLUSH_IDLE_S)
-            except queue.Empty:
+            if q:
+                while q:
+                    item = q.popleft()
+                    if self.write_error is not None:
+                        continue
+                    try:
+                        item.seq = w.next_seq()
+                        w.write(_encode(item))
+                        dirty = True
+                    except Exception as e:  # disk full, a bug in serialisation ...
+                        self._failed(e)
+                idle_since = time.monotonic()
+                continue
+            if self._stop is not None:
+                self._finish(*self._stop)
+                return
+            if dirty and time.monotonic() - idle_since >= FLUSH_IDLE_S:
                 # Idle: push what we have to disk, so that an engine killed without
                 # a shutdown (SIGKILL) leaves a readable, merely cut-off trace.
-                if dirty and self.write_error is None:
+                if self.write_error is None:
                     try:
                         w.flush()
                     except Exception as e:
-                        self.write_error = f"writing the trace failed: {type(e).__name__}: {e}"
-                        logger.error("kvtrace: %s; recording stopped, the engine is unaffected",
-                                     self.write_error)
+                        self._failed(e)
                 dirty = False
-                continue
-            if type(item) is tuple and item and item[0] is _STOP:
-                self._finish(item[1], item[2])
-                return
-            if self.write_error is not None:
-                continue
-            try:
-                item.seq = w.next_seq()
-                w.write(item)
-                dirty = True
-            except Exception as e:  # disk full, a bug in serialisation ...
-                self.write_error = f"writing the trace failed: {type(e).__name__}: {e}"
-                logger.error("kvtrace: %s; recording stopped, the engine is unaffected",
-                             self.write_error)
+            self._wake.wait(self.POLL_S)
+
+    def _failed(self, e: Exception) -> None:
+        self.write_error = f"writing the trace failed: {type(e).__name__}: {e}"
+        logger.error("kvtrace: %s; recording stopped, the engine is unaffected", self.write_error)
 
     def _finish(self, status: str, error: str | None) -> None:
         if self.write_error is not None:
@@ -163,22 +177,112 @@ class TraceSink:
             if self.closed:
                 return
             self.closed = True
-        try:
-            self._q.put((_STOP, status, error), timeout=timeout)
-        except queue.Full:
-            logger.error("kvtrace: trace writer is stuck; %s may lack its end record", self.path)
-            return
+        self._stop = (status, error)
+        self._wake.set()
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.error("kvtrace: trace writer is stuck; %s may lack its end record", self.path)
 
 
 # --------------------------------------------------------------------------- capture helpers
 
 
+# Step and Output events leave the engine's thread holding plain tuples where the
+# schema has ScheduledNew, ScheduledRunning and RequestState records: building
+# those objects, and having orjson walk dataclasses, would cost the engine's
+# thread (through the GIL) several times what the capture itself costs.
+_EVENT_FIELDS = {cls: tuple(f.name for f in fields(cls)) for cls in (Step, Output)}
+_NEW_FIELDS = tuple(f.name for f in fields(ScheduledNew))
+_RUNNING_FIELDS = tuple(f.name for f in fields(ScheduledRunning))
+_STATE_FIELDS = tuple(f.name for f in fields(RequestState))
+
+
+def _encode(ev: Any) -> Any:
+    """On the writer thread: what TraceWriter.write serializes for ``ev``. Step
+    and Output become plain dicts with the schema's field names and order;
+    other events are written as they are."""
+    names = _EVENT_FIELDS.get(type(ev))
+    if names is None:
+        return ev
+    d = {name: getattr(ev, name) for name in names}
+    d["states"] = [dict(zip(_STATE_FIELDS, t)) for t in d["states"]]
+    if type(ev) is Step:
+        d["new"] = [dict(zip(_NEW_FIELDS, t)) for t in d["new"]]
+        d["resumed"] = [dict(zip(_NEW_FIELDS, t)) for t in d["resumed"]]
+        d["running"] = [dict(zip(_RUNNING_FIELDS, t)) for t in d["running"]]
+    return d
+
+
+_STATUS_NAMES: dict[Any, str] = {}
+
+
 def _status(req: Any) -> str:
-    name = req.status.name
-    if name in STATUSES:
-        return name
-    return _STATUS_FOLD.get(name, "WAITING")
+    st = req.status
+    name = _STATUS_NAMES.get(st)
+    if name is None:
+        name = st.name
+        if name not in STATUSES:
+            name = _STATUS_FOLD.get(name, "WAITING")
+        _STATUS_NAMES[st] = name
+    return name
+
+
+class BlockIds:
+    """Each request's block ids, read from the KV-cache manager at every snapshot.
+
+    Building the list from the manager's block objects costs a few microseconds per
+    request, twice per step. With one full-attention group, the manager's list of a
+    request's blocks only grows, or is dropped when the request frees its blocks.
+    So the ids are kept per request, with the list they were read from: the same
+    list at the same length gives the same ids, and a longer one adds only the
+    blocks appended since (after checking that its first and last known blocks are
+    unchanged). Anything else is read again in full. Any other cache layout asks
+    the manager's own ``get_block_ids``. The lists handed out are never mutated
+    afterwards, since events hold them."""
+
+    def __init__(self, sched: Any):
+        self._kvm = sched.kv_cache_manager
+        self.table: dict | None = None
+        self.known: dict[str, tuple[list, list[int]]] = {}
+        try:
+            managers = self._kvm.coordinator.single_type_managers
+            if len(managers) == 1 and type(managers[0]).__name__ == "FullAttentionManager":
+                self.table = managers[0].req_to_blocks
+        except Exception:
+            self.table = None
+
+    def get(self, rid: str) -> list[int]:
+        if self.table is None:
+            try:
+                return list(self._kvm.get_block_ids(rid)[0])
+            except Exception:
+                return []
+        blocks = self.table.get(rid)
+        known = self.known.get(rid)
+        if known is not None and known[0] is blocks and len(known[1]) == len(blocks):
+            return known[1]
+        return self.read(rid, blocks)
+
+    def read(self, rid: str, blocks: list | None) -> list[int]:
+        """``get`` when the ids kept for ``rid`` are not known to be current."""
+        if not blocks:
+            self.known.pop(rid, None)
+            return []
+        known = self.known.get(rid)
+        if known is not None and known[0] is blocks:
+            ids = known[1]
+            m = len(ids)
+            if m < len(blocks) and ids[0] == blocks[0].block_id and ids[-1] == blocks[m - 1].block_id:
+                ids = ids + [b.block_id for b in blocks[m:]]
+                self.known[rid] = (blocks, ids)
+                return ids
+        ids = [b.block_id for b in blocks]
+        self.known[rid] = (blocks, ids)
+        return ids
+
+    def forget(self, rids: Any) -> None:
+        for rid in rids:
+            self.known.pop(rid, None)
 
 
 def _first_group(block_ids: Any) -> list[int]:
@@ -302,6 +406,7 @@ class Recorder:
         self.pending: list[tuple[Any, int]] = []
         self.stats_done: set[str] = set()
         self.in_update = False
+        self.block_ids = BlockIds(sched)
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -384,20 +489,29 @@ class Recorder:
 
     # -- state -----------------------------------------------------------------
 
-    def state(self, sched: Any, rid: str, req: Any = None) -> RequestState | None:
-        if req is None:
-            req = sched.requests.get(rid)
-        if req is None:
-            return None
-        try:
-            blocks = list(sched.kv_cache_manager.get_block_ids(rid)[0])
-        except Exception:
-            blocks = []
-        return RequestState(req=rid, status=_status(req),
-                            num_computed_tokens=int(req.num_computed_tokens),
-                            num_tokens=int(req.num_tokens),
-                            num_preemptions=int(getattr(req, "num_preemptions", 0)),
-                            block_ids=blocks)
+    def states(self, pairs: Any) -> list[tuple]:
+        """Each (request id, request) as a plain tuple, skipping requests the
+        engine no longer holds, in ``RequestState`` field order (see ``_encode``). The hottest loop of the recorder: the
+        common case of ``BlockIds.get`` is inlined."""
+        bids = self.block_ids
+        table, known = bids.table, bids.known
+        names = _STATUS_NAMES
+        out = []
+        for rid, req in pairs:
+            if req is None:
+                continue
+            if table is None:
+                ids = bids.get(rid)
+            else:
+                blocks = table.get(rid)
+                k = known.get(rid)
+                if k is not None and k[0] is blocks and len(k[1]) == len(blocks):
+                    ids = k[1]
+                else:
+                    ids = bids.read(rid, blocks)
+            out.append((rid, names.get(req.status) or _status(req), req.num_computed_tokens,
+                        req.num_tokens, getattr(req, "num_preemptions", 0), ids))
+        return out
 
     # -- schedule --------------------------------------------------------------
 
@@ -405,42 +519,37 @@ class Recorder:
         step = self.step_index
         self.step_index += 1
         nst = out.num_scheduled_tokens
-        new: list[ScheduledNew] = []
-        resumed: list[ScheduledNew] = []
+        # Tuples in ScheduledNew / ScheduledRunning field order (see _encode).
+        new: list[tuple] = []
+        resumed: list[tuple] = []
         for r in out.scheduled_new_reqs:
-            item = ScheduledNew(req=r.req_id, num_computed_tokens=int(r.num_computed_tokens),
-                                num_scheduled_tokens=int(nst.get(r.req_id, 0)),
-                                block_ids=_first_group(r.block_ids))
+            item = (r.req_id, r.num_computed_tokens, nst.get(r.req_id, 0), _first_group(r.block_ids))
             # The V2 model runner folds resumed requests into scheduled_new_reqs.
             if r.req_id in self.preempted_out:
                 self.preempted_out.discard(r.req_id)
                 resumed.append(item)
             else:
                 new.append(item)
-        running: list[ScheduledRunning] = []
+        running: list[tuple] = []
         cd = out.scheduled_cached_reqs
         resumed_ids = cd.resumed_req_ids
         for i, rid in enumerate(cd.req_ids):
             nb = cd.new_block_ids[i]
             if rid in resumed_ids:
                 self.preempted_out.discard(rid)
-                resumed.append(ScheduledNew(req=rid, num_computed_tokens=int(cd.num_computed_tokens[i]),
-                                            num_scheduled_tokens=int(nst.get(rid, 0)),
-                                            block_ids=_first_group(nb)))
+                resumed.append((rid, cd.num_computed_tokens[i], nst.get(rid, 0), _first_group(nb)))
             else:
-                running.append(ScheduledRunning(req=rid, num_computed_tokens=int(cd.num_computed_tokens[i]),
-                                                num_scheduled_tokens=int(nst.get(rid, 0)),
-                                                new_block_ids=_first_group(nb)))
+                running.append((rid, cd.num_computed_tokens[i], nst.get(rid, 0), _first_group(nb)))
         pre_set = out.preempted_req_ids or set()
         preempted = [r for r in self.preempt_order if r in pre_set]
         preempted += sorted(r for r in pre_set if r not in set(preempted))
         finished = sorted(out.finished_req_ids or ())
+        if finished:  # gone from the engine: forget them
+            self.block_ids.forget(finished)
+            self.stats_done.difference_update(finished)
         ids = list(nst.keys()) + preempted + [lk.req for lk in self.lookups]
-        states = []
-        for rid in dict.fromkeys(ids):
-            st = self.state(sched, rid)
-            if st is not None:
-                states.append(st)
+        get = sched.requests.get
+        states = self.states([(rid, get(rid)) for rid in dict.fromkeys(ids)])
         try:
             free = int(sched.kv_cache_manager.block_pool.get_num_free_blocks())
         except Exception:
@@ -474,7 +583,7 @@ class Recorder:
                     continue
                 t = toks[i]
                 if len(t):
-                    sampled[rid] = [int(x) for x in t]
+                    sampled[rid] = list(t)
         kco = mro.kv_connector_output
         conn = None
         named: list[str] = []
@@ -499,9 +608,8 @@ class Recorder:
                 rid = o.request_id
                 if rid not in reqs:
                     reqs[rid] = sched.requests.get(rid)
-                fr = _finish_reason(o.finish_reason)
-                if fr is not None:
-                    finished[rid] = fr
+                if o.finish_reason is not None:
+                    finished[rid] = _finish_reason(o.finish_reason)
                     self.preempted_out.discard(rid)
                 ps = getattr(o, "prefill_stats", None)
                 if ps is not None:
@@ -521,13 +629,7 @@ class Recorder:
                         num_cached_tokens=int(o.num_cached_tokens),
                         num_external_computed_tokens=int(ext if ext is not None else 0))))
                     self.stats_done.add(rid)
-        states = []
-        for rid, req in reqs.items():
-            if req is None:
-                continue
-            st = self.state(sched, rid, req)
-            if st is not None:
-                states.append(st)
+        states = self.states(reqs.items())
         self.sink.put(Output(seq=0, step=step, sampled=sampled, connector=conn,
                              finished=finished, states=states))
         for ev in stats:

@@ -289,6 +289,9 @@ def _open_binary_write(path: Path) -> IO[bytes]:
     return raw
 
 
+_DUMPS = orjson.OPT_APPEND_NEWLINE | orjson.OPT_SERIALIZE_NUMPY
+
+
 class TraceWriter:
     """Write a header, then events. The compression follows the file name
     (``.gz``, ``.zst`` or plain)."""
@@ -306,9 +309,10 @@ class TraceWriter:
         self._seq += 1
         return s
 
-    def write(self, event: Event) -> None:
-        # orjson writes the dataclass itself (in C), optional fields as null.
-        self._fh.write(orjson.dumps(event, option=orjson.OPT_APPEND_NEWLINE))
+    def write(self, event: Event | dict) -> None:
+        # orjson writes the dataclass (or a dict of its fields) itself, optional
+        # fields as null, numpy integers as integers.
+        self._fh.write(orjson.dumps(event, option=_DUMPS))
 
     def _write_obj(self, obj: dict) -> None:
         self._fh.write(orjson.dumps(obj, option=orjson.OPT_APPEND_NEWLINE))
