@@ -151,7 +151,8 @@ class KVCacheManager:
 
     def _watermark(self, request: Request, has_scheduled_reqs: bool) -> int:
         """Headroom kept free when admitting waiting or preempted requests (KM:509-516)."""
-        if has_scheduled_reqs and request.status in (Status.WAITING, Status.PREEMPTED):
+        if self.watermark_blocks and has_scheduled_reqs and request.status in (Status.WAITING,
+                                                                               Status.PREEMPTED):
             return self.watermark_blocks
         return 0
 

@@ -24,6 +24,48 @@ def compare_step(rec: ev.Step, out: SchedulerOutput, sched: Scheduler, line: int
     def d(req, field, recorded, expected, rule, kind="counter"):
         divs.append(Divergence(rec.step, req, field, recorded, expected, rule, kind, rec.seq, line))
 
+    if not (_same(rec.new, out.new) and _same(rec.resumed, out.resumed)
+            and _same_running(rec.running, out.running)):
+        _compare_scheduled(rec, out, d)
+    if rec.preempted or out.preempted_req_ids:
+        for req in sorted(set(rec.preempted) ^ out.preempted_req_ids):
+            d(req, "preempted", req in rec.preempted, req in out.preempted_req_ids,
+              "2.1: the victim is the last running request (FCFS) or the lowest priority")
+    if rec.finished or out.finished_req_ids:
+        for req in sorted(set(rec.finished) ^ out.finished_req_ids):
+            d(req, "finished_req_ids", req in rec.finished, req in out.finished_req_ids,
+              "2.3: finished_req_ids lists requests freed since the last step")
+    divs.extend(compare_states(rec.step, rec.states, sched, {}, rec.seq, line))
+    if rec.num_free_blocks is not None and rec.num_free_blocks != sched.kv.pool.num_free_blocks:
+        d(None, "num_free_blocks", rec.num_free_blocks, sched.kv.pool.num_free_blocks,
+          "B5: free blocks = blocks with no reference", kind="block")
+    return divs
+
+
+def _same(recorded: list[ev.ScheduledNew], expected: list) -> bool:
+    """The common case, decided without building anything: the same requests in
+    the same order, with the same counts and tables."""
+    if len(recorded) != len(expected):
+        return False
+    for s, e in zip(recorded, expected):
+        if (s.req != e.req_id or s.num_computed_tokens != e.num_computed_tokens
+                or s.num_scheduled_tokens != e.num_scheduled_tokens or s.block_ids != e.block_ids):
+            return False
+    return True
+
+
+def _same_running(recorded: list[ev.ScheduledRunning], expected: list) -> bool:
+    if len(recorded) != len(expected):
+        return False
+    for s, e in zip(recorded, expected):
+        if (s.req != e.req_id or s.num_computed_tokens != e.num_computed_tokens
+                or s.num_scheduled_tokens != e.num_scheduled_tokens or s.new_block_ids != e.block_ids):
+            return False
+    return True
+
+
+def _compare_scheduled(rec: ev.Step, out: SchedulerOutput, d) -> None:
+    """Request by request, whatever the order: what differs, and where."""
     recorded = {s.req: ("new", s) for s in rec.new}
     recorded.update({s.req: ("resumed", s) for s in rec.resumed})
     recorded.update({s.req: ("running", s) for s in rec.running})
@@ -53,18 +95,6 @@ def compare_step(rec: ev.Step, out: SchedulerOutput, sched: Scheduler, line: int
             d(req, field, rec_blocks, es.block_ids,
               "4.5: block ids follow the free-queue discipline", kind="block")
 
-    for req in sorted(set(rec.preempted) ^ out.preempted_req_ids):
-        d(req, "preempted", req in rec.preempted, req in out.preempted_req_ids,
-          "2.1: the victim is the last running request (FCFS) or the lowest priority")
-    for req in sorted(set(rec.finished) ^ out.finished_req_ids):
-        d(req, "finished_req_ids", req in rec.finished, req in out.finished_req_ids,
-          "2.3: finished_req_ids lists requests freed since the last step")
-    divs.extend(compare_states(rec.step, rec.states, sched, {}, rec.seq, line))
-    if rec.num_free_blocks is not None and rec.num_free_blocks != sched.kv.pool.num_free_blocks:
-        d(None, "num_free_blocks", rec.num_free_blocks, sched.kv.pool.num_free_blocks,
-          "B5: free blocks = blocks with no reference", kind="block")
-    return divs
-
 
 def _nct_rule(queue: str) -> str:
     if queue == "running":
@@ -79,17 +109,20 @@ def _union(a: dict, b: dict) -> list:
 def compare_states(step: int, states: list[ev.RequestState], sched: Scheduler,
                    extra: dict[str, Request], seq: int, line: int | None) -> list[Divergence]:
     divs = []
+    live, tables = sched.requests, sched.kv.req_to_ids
     for s in states:
-        r = sched.requests.get(s.req) or extra.get(s.req)
+        r = live.get(s.req) or extra.get(s.req)
         if r is None:
             divs.append(Divergence(step, s.req, "state", s.status, None,
                                    "the reference holds no such live request", "counter", seq, line))
             continue
-        blocks = sched.kv.req_to_ids.get(s.req, [])     # read only: no copy
+        blocks = tables.get(s.req, [])     # read only: no copy
+        if (s.num_computed_tokens == r.num_computed_tokens and s.num_tokens == r.num_tokens
+                and s.status == _STATUS_NAMES[r.status] and s.num_preemptions == r.num_preemptions
+                and s.block_ids == blocks):
+            continue
         want = (_STATUS_NAMES[r.status], r.num_computed_tokens, r.num_tokens, r.num_preemptions, blocks)
         got = (s.status, s.num_computed_tokens, s.num_tokens, s.num_preemptions, s.block_ids)
-        if got == want:
-            continue
         for field, g, w, rule, kind in zip(_STATE_FIELDS, got, want, _STATE_RULES, _STATE_KINDS):
             if g != w:
                 divs.append(Divergence(step, s.req, field, g, w, rule, kind, seq, line))
@@ -201,22 +234,27 @@ def step_invariants(rec: ev.Step, cfg: ev.SchedulerConfig, prev_preemptions: dic
     def d(req, field, recorded, expected, rule, kind="invariant"):
         divs.append(Divergence(rec.step, req, field, recorded, expected, rule, kind, rec.seq, line))
 
-    sched = rec.scheduled()
+    scheduled = [*rec.new, *rec.resumed, *rec.running]
+    sched = {s.req: s.num_scheduled_tokens for s in scheduled}
     total = sum(sched.values())
     budget = cfg.max_num_scheduled_tokens or cfg.max_num_batched_tokens
     if total > budget:
         d(None, "total_num_scheduled_tokens", total, budget, "I5: sum of scheduled tokens <= budget")
-    for req, n in sched.items():
-        if n <= 0:
-            d(req, "num_scheduled_tokens", n, "> 0", "I5: every scheduled request has n > 0")
-    seen: set[str] = set()
-    for s in [*rec.new, *rec.resumed, *rec.running]:
-        if s.req in seen:
-            d(s.req, "scheduled", "twice", "once", "I5: a request is scheduled at most once per step")
-        seen.add(s.req)
+    if sched and min(sched.values()) <= 0:
+        for req, n in sched.items():
+            if n <= 0:
+                d(req, "num_scheduled_tokens", n, "> 0", "I5: every scheduled request has n > 0")
+    if len(sched) != len(scheduled):
+        seen: set[str] = set()
+        for s in scheduled:
+            if s.req in seen:
+                d(s.req, "scheduled", "twice", "once", "I5: a request is scheduled at most once per step")
+            seen.add(s.req)
+    max_len, block_size = cfg.max_model_len, cfg.block_size
+    preempted = rec.preempted
     for s in rec.states:
         if s.req in sched:
-            need = _cdiv(min(s.num_computed_tokens, cfg.max_model_len), cfg.block_size)
+            need = _cdiv(min(s.num_computed_tokens, max_len), block_size)
             if len(s.block_ids) < need:
                 d(s.req, "state.block_ids", len(s.block_ids), f">= {need}",
                   "B1: the table covers every computed token", "block")
@@ -229,16 +267,17 @@ def step_invariants(rec: ev.Step, cfg: ev.SchedulerConfig, prev_preemptions: dic
               "c == 0 and no blocks, or a completed async load",
               "I4: a waiting or preempted request holds nothing")
         before = prev_preemptions.get(s.req, 0)
-        want = before + (1 if s.req in rec.preempted else 0)
+        want = before + 1 if preempted and s.req in preempted else before
         if s.num_preemptions != want:
             d(s.req, "num_preemptions", s.num_preemptions, want,
               "I6: +1 per appearance in preempted_req_ids")
-        prev_preemptions[s.req] = s.num_preemptions
+        if s.num_preemptions != before:
+            prev_preemptions[s.req] = s.num_preemptions
     # Ids past the pool are refused by the reader; handing out the null block 0 is an
     # engine bug.
-    tables = [s.block_ids for s in (*rec.states, *rec.new, *rec.resumed)]
-    tables += [s.new_block_ids for s in rec.running]
-    if any(0 in t for t in tables):
+    if (any(0 in s.block_ids for s in rec.states) or any(0 in s.block_ids for s in rec.new)
+            or any(0 in s.block_ids for s in rec.resumed)
+            or any(0 in s.new_block_ids for s in rec.running)):
         d(None, "block_ids", 0, f"1..{cfg.num_blocks - 1}", "4.5: block 0 is the null block", "block")
     _loads_cover_hits(rec, d)
     return divs

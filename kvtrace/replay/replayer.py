@@ -87,19 +87,17 @@ class Replayer:
         if self.stopped:
             return
         try:
-            if isinstance(e, ev.Arrival):
-                self._arrival(e, line)
-            elif isinstance(e, ev.Abort):
-                self.sched.finish_requests(e.reqs, Status.FINISHED_ABORTED)
-                if self.content:
-                    self.content.abort(e.reqs)
-                self._write(ev.Abort(self._seq(), e.reqs))
-            elif isinstance(e, ev.Step):
+            kind = type(e)
+            if kind is ev.Step:
                 self._step(e, line)
-            elif isinstance(e, ev.Output):
+            elif kind is ev.Output:
                 self._output(e, line)
-            elif isinstance(e, ev.PromptStats):
+            elif kind is ev.Arrival:
+                self._arrival(e, line)
+            elif kind is ev.PromptStats:
                 self._prompt_stats(e, line)
+            elif kind is ev.Abort:
+                self._abort(e)
         except SchedulerAssertion as a:
             step = getattr(e, "step", None)
             self.divergences.append(Divergence(step, a.req_id, "assertion", "scheduled", "engine assertion",
@@ -115,6 +113,12 @@ class Replayer:
         if self.content:
             self.content.arrival(a)
         self._write(ev.Arrival(**{**_fields(a), "seq": self._seq()}))
+
+    def _abort(self, e: ev.Abort) -> None:
+        self.sched.finish_requests(e.reqs, Status.FINISHED_ABORTED)
+        if self.content:
+            self.content.abort(e.reqs)
+        self._write(ev.Abort(self._seq(), e.reqs))
 
     def _step(self, rec: ev.Step, line) -> None:
         if rec.step < self.steps:
