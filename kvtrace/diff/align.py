@@ -384,7 +384,7 @@ class _Differ:
             ia, ib = qa.popleft(), qb.popleft()
             k = pair.compared[channel]
             pair.compared[channel] = k + 1
-            if channel in pair.broken:
+            if channel in pair.broken or ia.value == ib.value:
                 continue
             key = min(ia.pos, ib.pos)
             if pair.best is not None and pair.best[0] < key:
@@ -477,12 +477,14 @@ def choose_match(path_a, path_b) -> str:
     return "arrival"
 
 
+_STATE_KEYS = {prefix: tuple(f"{prefix}.{name}" for name in
+                             ("status", "num_computed_tokens", "num_tokens", "num_preemptions", "block_ids"))
+               for prefix in ("state", "output_state")}
+
+
 def _state(st, prefix: str) -> dict:
-    return {f"{prefix}.status": st.status,
-            f"{prefix}.num_computed_tokens": st.num_computed_tokens,
-            f"{prefix}.num_tokens": st.num_tokens,
-            f"{prefix}.num_preemptions": st.num_preemptions,
-            f"{prefix}.block_ids": st.block_ids}
+    return dict(zip(_STATE_KEYS[prefix], (st.status, st.num_computed_tokens, st.num_tokens,
+                                          st.num_preemptions, st.block_ids)))
 
 
 def _union(a: dict, b: dict) -> list[str]:
