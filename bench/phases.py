@@ -97,6 +97,24 @@ class _Counter(io.RawIOBase):
         return len(b)
 
 
+def json_only(trace: str) -> dict:
+    """Decompress and orjson-parse every line, keeping nothing: what any reader of
+    JSON Lines pays before it looks at a record."""
+    from pathlib import Path
+
+    import orjson
+
+    from kvtrace.trace.io import _open_binary_read
+
+    t = time.perf_counter()
+    n = 0
+    with _open_binary_read(Path(trace)) as f:
+        for line in _lines(f):
+            orjson.loads(line)
+            n += 1
+    return {"seconds": time.perf_counter() - t, "lines": n, "peak_rss": _peak_rss()}
+
+
 def parse(trace: str) -> dict:
     from kvtrace.trace import TraceReader
 
