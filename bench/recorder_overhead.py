@@ -15,7 +15,7 @@ the heap is frozen (vLLM's own ``freeze_gc_heap``, which its engine calls after
 start-up), so that a full garbage collection of the model's objects does not
 land in a random round.
 
-    python -m bench.recorder_overhead [--rounds 41] [--requests 16]
+    python -m bench.recorder_overhead [--rounds 101] [--requests 16]
 
 Needs the [vllm] extra.
 """
@@ -44,7 +44,7 @@ def _scheduler(llm):
     return llm.llm_engine.engine_core.engine_core.scheduler
 
 
-def run(rounds: int = 41, requests: int = 16, max_tokens: int = 48, suffix: str = ".jsonl.zst") -> dict:
+def run(rounds: int = 101, requests: int = 16, max_tokens: int = 48, suffix: str = ".jsonl.zst") -> dict:
     scratch = Path(tempfile.mkdtemp(prefix="kvtrace-bench-"))
     for var in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR"):
         os.environ.setdefault(var, str(scratch / var.lower()))
@@ -118,7 +118,7 @@ def run(rounds: int = 41, requests: int = 16, max_tokens: int = 48, suffix: str 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=41)
+    ap.add_argument("--rounds", type=int, default=101)
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--suffix", default=".jsonl.zst", help="trace file ending: .jsonl, .jsonl.gz, .jsonl.zst")
     args = ap.parse_args()
