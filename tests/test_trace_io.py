@@ -354,3 +354,17 @@ def test_flushed_events_survive_a_writer_that_never_closes(tmp_path, name):
     assert [e.kind for e in r] == ["step"]
     assert r.truncation is not None and r.end is None
     w.close()
+
+
+def test_finished_requests_never_forget_and_rarely_confuse():
+    """The validator's memory of finished requests is fixed in size: it must still
+    know every finished id, and take few never-seen ids for finished ones."""
+    from kvtrace.trace.validate import FinishedRequests
+
+    finished = FinishedRequests()
+    ids = [f"req-{i}" for i in range(100_000)]
+    for req in ids:
+        finished.add(req)
+    assert all(req in finished for req in ids)
+    confused = sum(f"other-{i}" in finished for i in range(100_000))
+    assert confused <= 10      # expected about 0.5 at this load (see the class docstring)
