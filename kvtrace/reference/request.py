@@ -74,6 +74,8 @@ class Request:
 
     status: Status = Status.WAITING
     all_token_ids: list[int] = field(default_factory=list)
+    # len(all_token_ids), kept in step with it: read many times per step.
+    num_tokens: int = field(init=False, default=0)
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
@@ -89,15 +91,12 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        self.num_tokens = len(self.all_token_ids)
         extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt)
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
@@ -109,6 +108,7 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+        self.num_tokens += 1
         extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt)
 
     def take_prefill_stats(self) -> PrefillStats | None:
