@@ -22,8 +22,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import kvtrace
-from kvtrace import bridge
 from kvtrace.engine import FAULT_WORKLOADS, FAULTS, EngineStalled, build_workload
 from kvtrace.engine import record_workload as engine_record
 from kvtrace.engine.engine import RecordResult

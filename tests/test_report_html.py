@@ -28,7 +28,6 @@ import numpy as np
 import pytest
 
 from kvtrace.findings import Divergence
-from kvtrace.replay import replay_file
 from kvtrace.report import html as report_html
 from kvtrace.report.html import write_html_report
 from kvtrace.report.summary import SERIES_POINTS
@@ -87,7 +86,7 @@ def test_long_trace_is_downsampled(tmp_path):
     from test_show import _one_long_request
 
     trace = _one_long_request(tmp_path / "long.jsonl.gz", decode_steps=6000)
-    rep = write_html_report(trace, tmp_path / "l.html", divergences=[])
+    write_html_report(trace, tmp_path / "l.html", divergences=[])
     page = (tmp_path / "l.html").read_text()
     for d in re.findall(r'<path class="series[^"]*" d="([^"]*)"', page):
         assert d.count("H") <= SERIES_POINTS + 2

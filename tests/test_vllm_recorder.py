@@ -6,13 +6,10 @@ Nothing of vLLM is mocked. Each test starts an engine in-process
 
 from __future__ import annotations
 
-import gzip
 import os
-import subprocess
 import sys
 import textwrap
 import threading
-from pathlib import Path
 
 import pytest
 
@@ -128,7 +125,7 @@ def test_recorded_run_generates_the_same_tokens(tmp_path, model_dir):
 # ----------------------------------------------------------------------------- robustness
 
 
-def test_unwritable_destination_leaves_the_engine_alone(tmp_path, model_dir):
+def test_missing_directory_leaves_the_engine_alone(tmp_path, model_dir):
     plain = run_workload(model_dir, SMALL)
     dest = tmp_path / "no" / "such" / "dir" / "t.jsonl"
     recorded = record_vllm_offline(model_dir, dest, SMALL)
