@@ -212,11 +212,13 @@ def main(argv=None) -> int:
     t_gen = time.perf_counter() - t0
     sched_reqs = sum(len(st["scheduled"]) for st in steps)
 
-    # warm-up on a short prefix of the schedule, then the timed run
-    run_replay(ShadowKV(args.num_blocks, B, str(dev)), steps[:50])
-    s = ShadowKV(args.num_blocks, B, str(dev))
-    t_step, t_all, ndiv = run_replay(s, steps)
-    t_full, full_slots, full_reps = run_full_check(args.num_blocks, B, str(dev), args.full_reps)
+    # warm-up on a short prefix of the schedule, then the timed run; in inference
+    # mode, as replay runs the check
+    with torch.inference_mode():
+        run_replay(ShadowKV(args.num_blocks, B, str(dev)), steps[:50])
+        s = ShadowKV(args.num_blocks, B, str(dev))
+        t_step, t_all, ndiv = run_replay(s, steps)
+        t_full, full_slots, full_reps = run_full_check(args.num_blocks, B, str(dev), args.full_reps)
     bw, bw_bytes = bandwidth(dev)
     ceiling = bw / BYTES_PER_SLOT
 
