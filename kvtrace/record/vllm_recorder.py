@@ -491,26 +491,14 @@ class Recorder:
 
     def states(self, pairs: Any) -> list[tuple]:
         """Each (request id, request) as a plain tuple, skipping requests the
-        engine no longer holds, in ``RequestState`` field order (see ``_encode``). The hottest loop of the recorder: the
-        common case of ``BlockIds.get`` is inlined."""
-        bids = self.block_ids
-        table, known = bids.table, bids.known
+        engine no longer holds, in ``RequestState`` field order (see ``_encode``)."""
+        block_ids = self.block_ids.get
         names = _STATUS_NAMES
         out = []
         for rid, req in pairs:
-            if req is None:
-                continue
-            if table is None:
-                ids = bids.get(rid)
-            else:
-                blocks = table.get(rid)
-                k = known.get(rid)
-                if k is not None and k[0] is blocks and len(k[1]) == len(blocks):
-                    ids = k[1]
-                else:
-                    ids = bids.read(rid, blocks)
-            out.append((rid, names.get(req.status) or _status(req), req.num_computed_tokens,
-                        req.num_tokens, getattr(req, "num_preemptions", 0), ids))
+            if req is not None:
+                out.append((rid, names.get(req.status) or _status(req), req.num_computed_tokens,
+                            req.num_tokens, getattr(req, "num_preemptions", 0), block_ids(rid)))
         return out
 
     # -- schedule --------------------------------------------------------------

@@ -25,7 +25,7 @@ def compare_step(rec: ev.Step, out: SchedulerOutput, sched: Scheduler, line: int
         divs.append(Divergence(rec.step, req, field, recorded, expected, rule, kind, rec.seq, line))
 
     if not (_same(rec.new, out.new) and _same(rec.resumed, out.resumed)
-            and _same_running(rec.running, out.running)):
+            and _same(rec.running, out.running, "new_block_ids")):
         _compare_scheduled(rec, out, d)
     if rec.preempted or out.preempted_req_ids:
         for req in sorted(set(rec.preempted) ^ out.preempted_req_ids):
@@ -42,24 +42,16 @@ def compare_step(rec: ev.Step, out: SchedulerOutput, sched: Scheduler, line: int
     return divs
 
 
-def _same(recorded: list[ev.ScheduledNew], expected: list) -> bool:
+def _same(recorded: list, expected: list, blocks: str = "block_ids") -> bool:
     """The common case, decided without building anything: the same requests in
-    the same order, with the same counts and tables."""
+    the same order, with the same counts and tables. ``blocks`` names the recorded
+    table: ``block_ids`` (new, resumed) or ``new_block_ids`` (running)."""
     if len(recorded) != len(expected):
         return False
     for s, e in zip(recorded, expected):
         if (s.req != e.req_id or s.num_computed_tokens != e.num_computed_tokens
-                or s.num_scheduled_tokens != e.num_scheduled_tokens or s.block_ids != e.block_ids):
-            return False
-    return True
-
-
-def _same_running(recorded: list[ev.ScheduledRunning], expected: list) -> bool:
-    if len(recorded) != len(expected):
-        return False
-    for s, e in zip(recorded, expected):
-        if (s.req != e.req_id or s.num_computed_tokens != e.num_computed_tokens
-                or s.num_scheduled_tokens != e.num_scheduled_tokens or s.new_block_ids != e.block_ids):
+                or s.num_scheduled_tokens != e.num_scheduled_tokens
+                or getattr(s, blocks) != e.block_ids):
             return False
     return True
 
