@@ -123,38 +123,41 @@ def test_recorded_run_generates_the_same_tokens(tmp_path, model_dir):
 
 
 def test_incremental_block_tables_equal_the_managers_own(tmp_path, model_dir, monkeypatch):
-    """The recorder reads block tables incrementally (BlockIds). At every snapshot
-    of a run with preemptions, what it records must equal what vLLM's own
-    get_block_ids returns at that moment, and the incremental path must be used."""
+    """The engine's thread keeps a reference to each request's block list and its
+    length; the writer thread reads the ids later, incrementally (BlockTables).
+    Every block table in the trace must equal what vLLM's own get_block_ids
+    returned at the moment of that snapshot, over a run with preemptions, and
+    most snapshots must reuse ids already read."""
     real_states = vllm_recorder.Recorder.states
-    real_read = vllm_recorder.BlockIds.read
-    seen = {"snapshots": 0, "reads": 0, "mismatches": []}
+    wanted: list[list[tuple[str, list[int]]]] = []
+    tables: list = []
 
-    def checked_states(self, pairs):
-        pairs = list(pairs)
-        out = real_states(self, pairs)
+    def checked_states(self, rids, reqs):
+        raw = real_states(self, rids, reqs)
         kvm = self._sched_ref().kv_cache_manager
-        for rid, _status, _nct, _nt, _np, ids in out:
-            seen["snapshots"] += 1
-            want = list(kvm.get_block_ids(rid)[0])
-            if ids != want:
-                seen["mismatches"].append((rid, ids, want))
-        return out
+        wanted.append([(c[0], list(kvm.get_block_ids(c[0])[0])) for c in raw[0]])
+        return raw
 
-    def counted_read(self, rid, blocks):
-        seen["reads"] += 1
-        return real_read(self, rid, blocks)
+    class CountedTables(vllm_recorder.BlockTables):
+        def __init__(self):
+            super().__init__()
+            tables.append(self)
 
     monkeypatch.setattr(vllm_recorder.Recorder, "states", checked_states)
-    monkeypatch.setattr(vllm_recorder.BlockIds, "read", counted_read)
+    monkeypatch.setattr(vllm_recorder, "BlockTables", CountedTables)
     out = tmp_path / "p.jsonl"
     record_vllm_offline(model_dir, out, "preemption")
     r, evs = read_all(out)
     assert evs[-1].status == "complete"
     assert any(s.preempted for s in evs if s.kind == "step")
-    assert seen["mismatches"] == []
+    recorded = [[(s.req, s.block_ids) for s in e.states] for e in evs if e.kind in ("step", "output")]
+    assert len(recorded) == len(wanted) > 100
+    assert sum(len(x) for x in wanted) > 500
+    mismatches = [(i, got, want) for i, (got, want) in enumerate(zip(recorded, wanted)) if got != want]
+    assert mismatches == []
     # Most snapshots reuse the ids already read; some had to read again.
-    assert 0 < seen["reads"] < seen["snapshots"] / 2
+    assert len(tables) == 1
+    assert 0 < tables[0].reads < sum(len(x) for x in wanted) / 2
 
 
 # ----------------------------------------------------------------------------- robustness

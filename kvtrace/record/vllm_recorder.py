@@ -20,10 +20,11 @@ Rules the recorder keeps:
 * Every capture is wrapped: the first exception is logged once, the trace is
   marked failed (``End.status == "recorder-error"``), recording stops and the
   engine carries on.
-* Capture on the engine's thread only copies ids and counts into tuples, and
-  reads block tables incrementally (``BlockIds``). Sequence numbers, the schema's
-  records, JSON and compression happen on a background thread fed by a bounded
-  queue. When the queue is full the event is dropped and counted; the trace then
+* Capture on the engine's thread only copies the engine's lists and counters
+  (``RawStep``, ``RawOutput``), mostly with C-level calls, and keeps a reference
+  to each request's block list with its length; the writer thread reads the ids
+  (``BlockTables``). Sequence numbers, the schema's records, JSON and
+  compression happen on that thread, fed by a bounded queue. When the queue is full the event is dropped and counted; the trace then
   ends with ``status "recorder-error"`` and ``dropped_events > 0``.
 
 Which file a scheduler writes is decided by ``open_recorder`` (see
@@ -34,6 +35,8 @@ destination configured records nothing.
 from __future__ import annotations
 
 import atexit
+import itertools
+import operator
 import logging
 import os
 import threading
@@ -100,6 +103,7 @@ class TraceSink:
             maxsize = int(os.environ.get(ENV_QUEUE, DEFAULT_QUEUE_SIZE))
         self.path = Path(path)
         self._writer = TraceWriter(self.path, header)  # may raise: caller handles it
+        self.encode = Encoder()
         self._q: deque = deque()
         self.maxsize = max(1, maxsize)
         self.dropped = 0
@@ -131,8 +135,7 @@ class TraceSink:
                     if self.write_error is not None:
                         continue
                     try:
-                        item.seq = w.next_seq()
-                        w.write(_encode(item))
+                        w.write(self.encode(item, w.next_seq()))
                         dirty = True
                     except Exception as e:  # disk full, a bug in serialisation ...
                         self._failed(e)
@@ -187,102 +190,180 @@ class TraceSink:
 # --------------------------------------------------------------------------- capture helpers
 
 
-# Step and Output events leave the engine's thread holding plain tuples where the
-# schema has ScheduledNew, ScheduledRunning and RequestState records: building
-# those objects, and having orjson walk dataclasses, would cost the engine's
-# thread (through the GIL) several times what the capture itself costs.
-_EVENT_FIELDS = {cls: tuple(f.name for f in fields(cls)) for cls in (Step, Output)}
+# Step and Output events leave the engine's thread as "raw" tuples (``RawStep``,
+# ``RawOutput``): copies of the engine's own lists and dicts, taken with C-level
+# calls (``list``, ``dict``, ``map``), with no per-request Python loop where one
+# can be avoided. The writer thread's ``Encoder`` turns them into the schema's
+# records. Building ScheduledNew / RequestState objects on the engine's thread,
+# or a Python loop per request, would cost the engine's thread several times
+# what copying costs.
+_STEP_FIELDS = tuple(f.name for f in fields(Step))
+_OUTPUT_FIELDS = tuple(f.name for f in fields(Output))
 _NEW_FIELDS = tuple(f.name for f in fields(ScheduledNew))
 _RUNNING_FIELDS = tuple(f.name for f in fields(ScheduledRunning))
 _STATE_FIELDS = tuple(f.name for f in fields(RequestState))
 
+# One request's counters, read in one C call: (request_id, status, computed, tokens, preemptions).
+_READ_STATE = operator.attrgetter("request_id", "status", "num_computed_tokens", "num_tokens",
+                                  "num_preemptions")
 
-def _encode(ev: Any) -> Any:
-    """On the writer thread: what TraceWriter.write serializes for ``ev``. Step
-    and Output become plain dicts with the schema's field names and order;
-    other events are written as they are."""
-    names = _EVENT_FIELDS.get(type(ev))
-    if names is None:
-        return ev
-    d = {name: getattr(ev, name) for name in names}
-    d["states"] = [dict(zip(_STATE_FIELDS, t)) for t in d["states"]]
-    if type(ev) is Step:
-        d["new"] = [dict(zip(_NEW_FIELDS, t)) for t in d["new"]]
-        d["resumed"] = [dict(zip(_NEW_FIELDS, t)) for t in d["resumed"]]
-        d["running"] = [dict(zip(_RUNNING_FIELDS, t)) for t in d["running"]]
-    return d
+
+def _read_state_slow(req: Any) -> tuple:
+    """``_READ_STATE`` for engines whose requests lack ``num_preemptions``."""
+    return (req.request_id, req.status, req.num_computed_tokens, req.num_tokens,
+            getattr(req, "num_preemptions", 0))
+
+
+class RawStep(tuple):
+    """(step, new, resumed, running, preempted, finished, lookups, loads, states,
+    num_free_blocks): ``new`` and ``resumed`` hold tuples in ScheduledNew field
+    order; ``running`` is ``(req_ids, num_computed_tokens, new_block_ids,
+    num_scheduled_tokens)``, copies of the scheduler output's columns; ``states``
+    is a ``RawStates``."""
+
+    __slots__ = ()
+
+
+class RawOutput(tuple):
+    """(step, sampled, connector, finished, states): ``sampled`` is
+    ``(req_ids, sampled_token_ids, req_id_to_index)``, copies of the model
+    output's; ``states`` is a ``RawStates``."""
+
+    __slots__ = ()
+
+
+# RawStates: (counters, blocks, lengths). ``counters`` holds one _READ_STATE tuple
+# per request. With a block table to read incrementally, ``blocks`` holds each
+# request's list of block objects *as the KV manager holds it* and ``lengths``
+# its length at the snapshot: the list only grows while the request holds it, so
+# its first ``length`` blocks are the request's table at that moment, whenever
+# the writer reads them. Otherwise ``blocks`` holds lists of ids, read at the
+# snapshot, and ``lengths`` is None.
 
 
 _STATUS_NAMES: dict[Any, str] = {}
 
 
-def _status(req: Any) -> str:
-    st = req.status
+def _status_name(st: Any) -> str:
     name = _STATUS_NAMES.get(st)
     if name is None:
-        name = st.name
+        name = getattr(st, "name", str(st))
         if name not in STATUSES:
             name = _STATUS_FOLD.get(name, "WAITING")
         _STATUS_NAMES[st] = name
     return name
 
 
-class BlockIds:
-    """Each request's block ids, read from the KV-cache manager at every snapshot.
+class BlockTables:
+    """On the writer thread: block ids from the block lists that snapshots hold.
 
-    Building the list from the manager's block objects costs a few microseconds per
-    request, twice per step. With one full-attention group, the manager's list of a
-    request's blocks only grows, or is dropped when the request frees its blocks.
-    So the ids are kept per request, with the list they were read from: the same
-    list at the same length gives the same ids, and a longer one adds only the
-    blocks appended since (after checking that its first and last known blocks are
-    unchanged). Anything else is read again in full. Any other cache layout asks
-    the manager's own ``get_block_ids``. The lists handed out are never mutated
-    afterwards, since events hold them."""
+    With one full-attention group, the KV manager's list of a request's blocks only
+    grows (``append``/``extend``), or is dropped when the request frees its blocks.
+    So the ids are kept per request with the list they were read from: the same
+    list at a known length gives ids already read, and a longer one adds only the
+    blocks appended since (after checking that its first and last known blocks
+    are unchanged). Anything else is read again in full. The id lists handed out
+    are never mutated afterwards, since records hold them."""
 
-    def __init__(self, sched: Any):
-        self._kvm = sched.kv_cache_manager
-        self.table: dict | None = None
+    def __init__(self) -> None:
         self.known: dict[str, tuple[list, list[int]]] = {}
-        try:
-            managers = self._kvm.coordinator.single_type_managers
-            if len(managers) == 1 and type(managers[0]).__name__ == "FullAttentionManager":
-                self.table = managers[0].req_to_blocks
-        except Exception:
-            self.table = None
+        self.reads = 0  # lists read from their first block
 
-    def get(self, rid: str) -> list[int]:
-        if self.table is None:
-            try:
-                return list(self._kvm.get_block_ids(rid)[0])
-            except Exception:
-                return []
-        blocks = self.table.get(rid)
-        known = self.known.get(rid)
-        if known is not None and known[0] is blocks and len(known[1]) == len(blocks):
-            return known[1]
-        return self.read(rid, blocks)
-
-    def read(self, rid: str, blocks: list | None) -> list[int]:
-        """``get`` when the ids kept for ``rid`` are not known to be current."""
-        if not blocks:
-            self.known.pop(rid, None)
-            return []
+    def ids(self, rid: str, blocks: Any, n: int) -> list[int]:
         known = self.known.get(rid)
         if known is not None and known[0] is blocks:
             ids = known[1]
             m = len(ids)
-            if m < len(blocks) and ids[0] == blocks[0].block_id and ids[-1] == blocks[m - 1].block_id:
-                ids = ids + [b.block_id for b in blocks[m:]]
+            if m == n:
+                return ids
+            if m > n:
+                return ids[:n]
+            if m and ids[0] == blocks[0].block_id and ids[-1] == blocks[m - 1].block_id:
+                ids = ids + [b.block_id for b in blocks[m:n]]
                 self.known[rid] = (blocks, ids)
                 return ids
-        ids = [b.block_id for b in blocks]
+        self.reads += 1
+        if not n:
+            self.known.pop(rid, None)
+            return []
+        ids = [b.block_id for b in blocks[:n]]
         self.known[rid] = (blocks, ids)
         return ids
 
     def forget(self, rids: Any) -> None:
         for rid in rids:
             self.known.pop(rid, None)
+
+
+class Encoder:
+    """On the writer thread: what ``TraceWriter.write`` serializes for each item
+    of the queue. ``RawStep`` and ``RawOutput`` become plain dicts with the
+    schema's field names and order (orjson walks dicts several times faster than
+    dataclasses); other events are written as they are."""
+
+    def __init__(self) -> None:
+        self.blocks = BlockTables()
+
+    def __call__(self, item: Any, seq: int) -> Any:
+        t = type(item)
+        if t is RawStep:
+            return self.step(item, seq)
+        if t is RawOutput:
+            return self.output(item, seq)
+        item.seq = seq
+        return item
+
+    def states(self, raw: tuple) -> list[dict]:
+        counters, blocks, lengths = raw
+        names = _STATE_FIELDS
+        if lengths is None:
+            return [dict(zip(names, (rid, _status_name(st), c, t, p, b)))
+                    for (rid, st, c, t, p), b in zip(counters, blocks)]
+        ids = self.blocks.ids
+        return [dict(zip(names, (rid, _status_name(st), c, t, p, ids(rid, b, n))))
+                for (rid, st, c, t, p), b, n in zip(counters, blocks, lengths)]
+
+    def step(self, raw: RawStep, seq: int) -> dict:
+        step, new, resumed, running, preempted, finished, lookups, loads, states, free = raw
+        rids, ncts, nbis, nst = running
+        d = dict(zip(_STEP_FIELDS, (
+            seq, step,
+            [dict(zip(_NEW_FIELDS, t)) for t in new],
+            [dict(zip(_NEW_FIELDS, t)) for t in resumed],
+            [dict(zip(_RUNNING_FIELDS, (rid, c, nst.get(rid, 0), _first_group(nb))))
+             for rid, c, nb in zip(rids, ncts, nbis)],
+            preempted, finished, lookups, loads, self.states(states), free, "step")))
+        if finished:  # gone from the engine: forget them (after this step's states)
+            self.blocks.forget(finished)
+        return d
+
+    def output(self, raw: RawOutput, seq: int) -> dict:
+        step, (rids, toks, index), connector, finished, states = raw
+        sampled = {}
+        if toks:
+            n = len(toks)
+            for rid in rids:
+                i = index.get(rid)
+                if i is not None and i < n and len(toks[i]):
+                    sampled[rid] = toks[i]
+        return dict(zip(_OUTPUT_FIELDS, (seq, step, sampled, connector, finished,
+                                         self.states(states), "output")))
+
+
+_NO_BLOCKS = itertools.repeat(())  # the default for each table.get in a map
+
+
+def _block_table(kvm: Any) -> dict | None:
+    """The KV manager's request -> block list table when it can be read as
+    ``BlockTables`` expects (one full-attention group), else None: the
+    manager's own ``get_block_ids`` is asked instead."""
+    try:
+        managers = kvm.coordinator.single_type_managers
+        if len(managers) == 1 and type(managers[0]).__name__ == "FullAttentionManager":
+            return managers[0].req_to_blocks
+    except Exception:
+        pass
+    return None
 
 
 def _first_group(block_ids: Any) -> list[int]:
@@ -406,7 +487,10 @@ class Recorder:
         self.pending: list[tuple[Any, int]] = []
         self.stats_done: set[str] = set()
         self.in_update = False
-        self.block_ids = BlockIds(sched)
+        self.legacy_counters = _counters_shape() == "legacy"
+        self.kvm = sched.kv_cache_manager
+        self.table = _block_table(self.kvm)
+        self.read_state = _READ_STATE
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -489,25 +573,37 @@ class Recorder:
 
     # -- state -----------------------------------------------------------------
 
-    def states(self, pairs: Any) -> list[tuple]:
-        """Each (request id, request) as a plain tuple, skipping requests the
-        engine no longer holds, in ``RequestState`` field order (see ``_encode``)."""
-        block_ids = self.block_ids.get
-        names = _STATUS_NAMES
-        out = []
-        for rid, req in pairs:
-            if req is not None:
-                out.append((rid, names.get(req.status) or _status(req), req.num_computed_tokens,
-                            req.num_tokens, getattr(req, "num_preemptions", 0), block_ids(rid)))
-        return out
+    def states(self, rids: list, reqs: list) -> tuple:
+        """A RawStates snapshot (see ``RawStep``) of ``reqs``, the requests with
+        ids ``rids``, skipping those the engine no longer holds (None)."""
+        if None in reqs:
+            kept = [(rid, req) for rid, req in zip(rids, reqs) if req is not None]
+            rids = [rid for rid, _ in kept]
+            reqs = [req for _, req in kept]
+        try:
+            counters = list(map(self.read_state, reqs))
+        except AttributeError:  # an engine whose requests lack num_preemptions
+            self.read_state = _read_state_slow
+            counters = list(map(_read_state_slow, reqs))
+        table = self.table
+        if table is None:
+            return counters, [self._read_ids(rid) for rid in rids], None
+        blocks = list(map(table.get, rids, _NO_BLOCKS))
+        return counters, blocks, list(map(len, blocks))
+
+    def _read_ids(self, rid: str) -> list[int]:
+        try:
+            return list(self.kvm.get_block_ids(rid)[0])
+        except Exception:
+            return []
 
     # -- schedule --------------------------------------------------------------
 
     def on_schedule(self, sched: Any, out: Any) -> None:
         step = self.step_index
         self.step_index += 1
-        nst = out.num_scheduled_tokens
-        # Tuples in ScheduledNew / ScheduledRunning field order (see _encode).
+        nst = dict(out.num_scheduled_tokens)
+        # Tuples in ScheduledNew field order (see Encoder.step).
         new: list[tuple] = []
         resumed: list[tuple] = []
         for r in out.scheduled_new_reqs:
@@ -518,34 +614,35 @@ class Recorder:
                 resumed.append(item)
             else:
                 new.append(item)
-        running: list[tuple] = []
         cd = out.scheduled_cached_reqs
+        rids, ncts, nbis = list(cd.req_ids), list(cd.num_computed_tokens), list(cd.new_block_ids)
         resumed_ids = cd.resumed_req_ids
-        for i, rid in enumerate(cd.req_ids):
-            nb = cd.new_block_ids[i]
-            if rid in resumed_ids:
-                self.preempted_out.discard(rid)
-                resumed.append((rid, cd.num_computed_tokens[i], nst.get(rid, 0), _first_group(nb)))
-            else:
-                running.append((rid, cd.num_computed_tokens[i], nst.get(rid, 0), _first_group(nb)))
+        if resumed_ids:
+            keep = []
+            for i, rid in enumerate(rids):
+                if rid in resumed_ids:
+                    self.preempted_out.discard(rid)
+                    resumed.append((rid, ncts[i], nst.get(rid, 0), _first_group(nbis[i])))
+                else:
+                    keep.append(i)
+            rids, ncts, nbis = [rids[i] for i in keep], [ncts[i] for i in keep], [nbis[i] for i in keep]
         pre_set = out.preempted_req_ids or set()
         preempted = [r for r in self.preempt_order if r in pre_set]
         preempted += sorted(r for r in pre_set if r not in set(preempted))
         finished = sorted(out.finished_req_ids or ())
-        if finished:  # gone from the engine: forget them
-            self.block_ids.forget(finished)
+        if finished:
             self.stats_done.difference_update(finished)
-        ids = list(nst.keys()) + preempted + [lk.req for lk in self.lookups]
-        get = sched.requests.get
-        states = self.states([(rid, get(rid)) for rid in dict.fromkeys(ids)])
+        ids = list(nst)
+        if preempted or self.lookups:
+            ids = list(dict.fromkeys(ids + preempted + [lk.req for lk in self.lookups]))
+        states = self.states(ids, list(map(sched.requests.get, ids)))
         try:
-            free = int(sched.kv_cache_manager.block_pool.get_num_free_blocks())
+            free = int(self.kvm.block_pool.get_num_free_blocks())
         except Exception:
             free = None
-        self.sink.put(Step(seq=0, step=step, new=new, resumed=resumed, running=running,
-                           preempted=preempted, finished=finished, lookups=self.lookups,
-                           loads=self.loads if self.has_connector else None,
-                           states=states, num_free_blocks=free))
+        self.sink.put(RawStep((step, new, resumed, (rids, ncts, nbis, nst), preempted, finished,
+                               self.lookups, self.loads if self.has_connector else None,
+                               states, free)))
         self.pending.append((out, step))
         if len(self.pending) > 64:  # outputs that never came back (engine error paths)
             del self.pending[0]
@@ -561,20 +658,15 @@ class Recorder:
                 break
         if step is None:
             step = self.step_index - 1
-        sampled: dict[str, list[int]] = {}
+        rids = list(so.num_scheduled_tokens)
         toks = mro.sampled_token_ids
-        idx = mro.req_id_to_index
-        if toks is not None and len(toks):
-            for rid in so.num_scheduled_tokens:
-                i = idx.get(rid)
-                if i is None or i >= len(toks):
-                    continue
-                t = toks[i]
-                if len(t):
-                    sampled[rid] = list(t)
+        # Copies: the update trims the lists it stops, and the index is the model
+        # runner's live one.
+        sampled = (rids, list(map(list, toks)) if toks is not None and len(toks) else [],
+                   dict(mro.req_id_to_index or {}))
         kco = mro.kv_connector_output
         conn = None
-        named: list[str] = []
+        ids = rids
         if kco is not None:
             conn = ConnectorOutput(
                 finished_recving=sorted(kco.finished_recving or ()),
@@ -583,8 +675,9 @@ class Recorder:
                 invalid_block_ids=sorted(int(b) for b in (kco.invalid_block_ids or ())),
             )
             named = conn.finished_recving + conn.finished_sending + conn.failed_recving
-        ids = list(dict.fromkeys(list(so.num_scheduled_tokens.keys()) + named))
-        reqs = {rid: sched.requests.get(rid) for rid in ids}
+            if named:
+                ids = list(dict.fromkeys(rids + named))
+        reqs = dict(zip(ids, map(sched.requests.get, ids)))
         return step, sampled, conn, reqs
 
     def post_update(self, sched: Any, ctx: tuple, result: Any) -> None:
@@ -609,7 +702,7 @@ class Recorder:
                         num_computed_tokens=int(ps.num_computed_tokens),
                         num_cache_creation_tokens=int(ps.num_cache_creation_tokens))))
                     self.stats_done.add(rid)
-                elif rid not in self.stats_done and hasattr(o, "num_cached_tokens"):
+                elif self.legacy_counters and rid not in self.stats_done:
                     # Legacy engines: the pair rides on the first output.
                     req = reqs.get(rid)
                     ext = getattr(req, "num_external_computed_tokens", None)
@@ -617,9 +710,8 @@ class Recorder:
                         num_cached_tokens=int(o.num_cached_tokens),
                         num_external_computed_tokens=int(ext if ext is not None else 0))))
                     self.stats_done.add(rid)
-        states = self.states(reqs.items())
-        self.sink.put(Output(seq=0, step=step, sampled=sampled, connector=conn,
-                             finished=finished, states=states))
+        states = self.states(list(reqs), list(reqs.values()))
+        self.sink.put(RawOutput((step, sampled, conn, finished, states)))
         for ev in stats:
             self.sink.put(ev)
 
