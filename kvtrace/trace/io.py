@@ -274,19 +274,25 @@ def _reason(e: Exception) -> str:
 # --------------------------------------------------------------------------- writing
 
 
-def _open_binary_write(path: Path) -> IO[bytes]:
-    # Traces hold users' prompts: readable by their owner only.
+def open_trace_file(path: str | os.PathLike) -> int:
+    """A descriptor for writing the trace ``path``, created or emptied. Traces
+    hold users' prompts: readable by their owner only."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.fchmod(fd, 0o600)   # also when writing over an existing file
-    raw = os.fdopen(fd, "wb")
+    return fd
+
+
+def _open_binary_write(path: Path, fd: int | None = None) -> tuple[IO[bytes], IO[bytes]]:
+    """(stream to write, the file under it): the compression follows the name."""
+    raw = os.fdopen(open_trace_file(path) if fd is None else fd, "wb")
     name = path.name
     if name.endswith(".gz"):
-        return gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=6)
+        return gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=6), raw
     if name.endswith(".zst"):
         import zstandard
 
-        return zstandard.ZstdCompressor(level=3).stream_writer(raw, closefd=True)
-    return raw
+        return zstandard.ZstdCompressor(level=3).stream_writer(raw, closefd=True), raw
+    return raw, raw
 
 
 _DUMPS = orjson.OPT_APPEND_NEWLINE | orjson.OPT_SERIALIZE_NUMPY
@@ -294,11 +300,13 @@ _DUMPS = orjson.OPT_APPEND_NEWLINE | orjson.OPT_SERIALIZE_NUMPY
 
 class TraceWriter:
     """Write a header, then events. The compression follows the file name
-    (``.gz``, ``.zst`` or plain)."""
+    (``.gz``, ``.zst`` or plain). ``fd``: an open descriptor for ``path`` to
+    write to (see ``open_trace_file``), which the writer then owns."""
 
-    def __init__(self, path: str | os.PathLike, header: Header):
+    def __init__(self, path: str | os.PathLike, header: Header, fd: int | None = None):
         self.path = Path(path)
-        self._inner = _open_binary_write(self.path)     # file, or gzip/zstd stream over it
+        # file, or gzip/zstd stream over it
+        self._inner, self._raw = _open_binary_write(self.path, fd)
         self._fh = io.BufferedWriter(self._inner, buffer_size=1 << 20)
         self._seq = 0
         self._closed = False
@@ -328,7 +336,7 @@ class TraceWriter:
             return
         self._closed = True
         self.write(End(seq=self.next_seq(), status=status, error=error, dropped_events=dropped_events))
-        self._fh.close()
+        self._close_files()
 
     def finish(self, end: End | None) -> None:
         """Close the file ending with ``end`` as given (its own seq and status), or
@@ -339,7 +347,13 @@ class TraceWriter:
         self._closed = True
         if end is not None:
             self.write(end)
-        self._fh.close()
+        self._close_files()
+
+    def _close_files(self) -> None:
+        try:
+            self._fh.close()
+        finally:
+            self._raw.close()   # gzip leaves the file under it open
 
     def __enter__(self) -> "TraceWriter":
         return self

@@ -1,0 +1,484 @@
+"""Where the recorder's events go: a bounded queue, then the trace file.
+
+Data flow, one way::
+
+    engine's thread        writer thread (engine's process)     trace writer
+    ---------------        --------------------------------     ------------
+    capture -> put() ----> Resolver: block ids, statuses -----> Records -> TraceWriter
+
+The engine's thread only appends to a deque (``put`` never blocks and never
+raises). What happens after that runs elsewhere:
+
+* ``ProcessSink`` (the default): the writer thread reads the block ids that only
+  the engine's process can read, and sends each event as one JSON line through a
+  pipe to ``python -m kvtrace.record.writer_process``. That process builds the
+  schema's records, serializes, compresses and writes the file. Almost none of
+  this work holds the engine's GIL, and a trace is finished properly even when the
+  engine dies without shutting down: the writer process sees the pipe close and
+  ends the file where the events end.
+* ``TraceSink``: all of it on the writer thread, in the engine's process
+  (``KVTRACE_WRITER=thread``). Used where no process may be started.
+
+When ``maxsize`` events are waiting, ``put`` drops the event and counts it; the
+trace then ends with ``status "recorder-error"`` and ``dropped_events > 0``.
+
+Queue items are the schema's events (``Arrival``, ``Abort``, ``PromptStats``),
+or ``RawStep`` / ``RawOutput``: copies of the engine's own lists and counters,
+taken on its thread with as little Python per request as possible, which
+``Resolver`` and ``Records`` turn into ``step`` and ``output`` records.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from kvtrace.trace.events import (
+    STATUSES,
+    Header,
+    Output,
+    RequestState,
+    ScheduledNew,
+    ScheduledRunning,
+    Step,
+    to_json,
+)
+from kvtrace.trace.io import TraceWriter, open_trace_file
+
+logger = logging.getLogger("kvtrace.record")
+
+ENV_QUEUE = "KVTRACE_QUEUE_SIZE"
+ENV_WRITER = "KVTRACE_WRITER"       # "process" (default) or "thread"
+DEFAULT_QUEUE_SIZE = 1 << 16
+FLUSH_IDLE_S = 0.25  # flush after this long without events
+
+# vLLM status names that the trace schema folds into one of its own.
+STATUS_FOLD = {
+    "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR": "WAITING",
+    "WAITING_FOR_STREAMING_REQ": "WAITING",
+    "FINISHED_REPETITION": "FINISHED_STOPPED",
+}
+
+_STEP_FIELDS = tuple(f.name for f in fields(Step))
+_OUTPUT_FIELDS = tuple(f.name for f in fields(Output))
+_NEW_FIELDS = tuple(f.name for f in fields(ScheduledNew))
+_RUNNING_FIELDS = tuple(f.name for f in fields(ScheduledRunning))
+_STATE_FIELDS = tuple(f.name for f in fields(RequestState))
+
+
+# --------------------------------------------------------------------------- queue items
+
+
+class RawStep(tuple):
+    """(step, new, resumed, running, preempted, finished, lookups, loads, states,
+    num_free_blocks): ``new`` and ``resumed`` hold tuples in ScheduledNew field
+    order; ``running`` is ``(req_ids, num_computed_tokens, new_block_ids,
+    num_scheduled_tokens)``, copies of the scheduler output's columns; ``states``
+    is a raw states snapshot (below)."""
+
+    __slots__ = ()
+
+
+class RawOutput(tuple):
+    """(step, sampled, connector, finished, states): ``sampled`` is
+    ``(req_ids, sampled_token_ids, req_id_to_index)``, copies of the model
+    output's; ``states`` is a raw states snapshot (below)."""
+
+    __slots__ = ()
+
+
+# A raw states snapshot is (req_ids, counters, blocks, lengths). ``counters`` holds
+# (request_id, status, num_computed_tokens, num_tokens, num_preemptions) per
+# request. With a block table to read incrementally, ``blocks`` holds each
+# request's list of block objects *as the KV manager holds it* and ``lengths``
+# its length at the snapshot: the list only grows while the request holds it, so
+# its first ``length`` blocks are the request's table at that moment, whenever
+# they are read. Otherwise ``blocks`` holds lists of ids, read at the snapshot,
+# and ``lengths`` is None.
+
+
+def first_group(block_ids: Any) -> list[int]:
+    """vLLM passes block ids as a tuple of per-group lists (or a list of such)."""
+    if block_ids is None:
+        return []
+    if len(block_ids) and not isinstance(block_ids[0], int):
+        return list(block_ids[0])
+    return list(block_ids)
+
+
+def status_name(name: str) -> str:
+    """The schema's status for a vLLM ``RequestStatus`` name."""
+    if name in STATUSES:
+        return name
+    return STATUS_FOLD.get(name, "WAITING")
+
+
+# --------------------------------------------------------------------------- resolving (engine's process)
+
+
+class BlockTables:
+    """Block ids from the block lists that snapshots hold.
+
+    With one full-attention group, the KV manager's list of a request's blocks only
+    grows (``append``/``extend``), or is dropped when the request frees its blocks.
+    So the ids are kept per request with the list they were read from: the same
+    list at a known length gives ids already read, and a longer one adds only the
+    blocks appended since (after checking that its first and last known blocks
+    are unchanged). Anything else is read again in full. The id lists handed out
+    are never mutated afterwards, since records hold them."""
+
+    def __init__(self) -> None:
+        self.known: dict[str, tuple[list, list[int]]] = {}
+        self.reads = 0  # lists read from their first block
+
+    def ids(self, rid: str, blocks: Any, n: int) -> list[int]:
+        known = self.known.get(rid)
+        if known is not None and known[0] is blocks:
+            ids = known[1]
+            m = len(ids)
+            if m == n:
+                return ids
+            if m > n:
+                return ids[:n]
+            if m and ids[0] == blocks[0].block_id and ids[-1] == blocks[m - 1].block_id:
+                ids = ids + [b.block_id for b in blocks[m:n]]
+                self.known[rid] = (blocks, ids)
+                return ids
+        self.reads += 1
+        if not n:
+            self.known.pop(rid, None)
+            return []
+        ids = [b.block_id for b in blocks[:n]]
+        self.known[rid] = (blocks, ids)
+        return ids
+
+    def forget(self, rids: Any) -> None:
+        for rid in rids:
+            self.known.pop(rid, None)
+
+
+class Resolver:
+    """In the engine's process: what only it can read. ``RawStep`` and
+    ``RawOutput`` become plain tuples tagged ``"step"`` / ``"output"`` with
+    block ids in place of block lists. A status class not seen before is
+    announced first, as ``("statuses", [[value, schema name], ...])``: statuses
+    travel as their enum values. Other events pass unchanged."""
+
+    def __init__(self) -> None:
+        self.blocks = BlockTables()
+        self._status_classes: set[type] = set()
+
+    def __call__(self, item: Any, out: list) -> None:
+        t = type(item)
+        if t is RawStep:
+            step, new, resumed, running, preempted, finished, lookups, loads, states, free = item
+            states = self._states(states, out)
+            if finished:  # gone from the engine: forget them (after this step's states)
+                self.blocks.forget(finished)
+            out.append(("step", step, new, resumed, running, preempted, finished, lookups, loads,
+                        states, free))
+        elif t is RawOutput:
+            step, sampled, connector, finished, states = item
+            out.append(("output", step, sampled, connector, finished, self._states(states, out)))
+        else:
+            out.append(item)
+
+    def _states(self, raw: tuple, out: list) -> tuple:
+        rids, counters, blocks, lengths = raw
+        if counters:
+            cls = type(counters[0][1])
+            if cls not in self._status_classes:
+                self._status_classes.add(cls)
+                out.append(("statuses", _status_table(cls)))
+        if lengths is None:
+            return counters, blocks
+        return counters, list(map(self.blocks.ids, rids, blocks, lengths))
+
+
+def _status_table(cls: type) -> list:
+    try:
+        table = [[m.value, status_name(m.name)] for m in cls]  # vLLM's RequestStatus (an IntEnum)
+        orjson.dumps(table)
+        return table
+    except Exception:
+        return []
+
+
+# --------------------------------------------------------------------------- records (writer)
+
+
+class Records:
+    """What ``TraceWriter.write`` serializes for each resolved item: ``"step"``
+    and ``"output"`` tuples (or the lists JSON made of them) become dicts with
+    the schema's field names and order (orjson walks dicts several times faster
+    than dataclasses); events, or the dicts JSON made of them, get their
+    sequence number from ``next_seq``. Returns None for the ``"statuses"``
+    announcement, which takes no sequence number."""
+
+    def __init__(self) -> None:
+        self.statuses: dict[Any, str] = {}
+
+    def __call__(self, item: Any, next_seq) -> Any:
+        if type(item) is dict:
+            item["seq"] = next_seq()
+            return item
+        if type(item) not in (tuple, list):
+            item.seq = next_seq()
+            return item
+        tag = item[0]
+        if tag == "step":
+            return self.step(item, next_seq())
+        if tag == "output":
+            return self.output(item, next_seq())
+        if tag == "statuses":
+            self.statuses.update({value: name for value, name in item[1]})
+            return None
+        raise ValueError(f"unknown item {tag!r}")
+
+    def states(self, raw: Any) -> list[dict]:
+        counters, ids = raw
+        names = self.statuses
+        return [dict(zip(_STATE_FIELDS, (rid, names.get(st) or _unknown_status(st), c, t, p, b)))
+                for (rid, st, c, t, p), b in zip(counters, ids)]
+
+    def step(self, item: Any, seq: int) -> dict:
+        _, step, new, resumed, running, preempted, finished, lookups, loads, states, free = item
+        rids, ncts, nbis, nst = running
+        return dict(zip(_STEP_FIELDS, (
+            seq, step,
+            [dict(zip(_NEW_FIELDS, t)) for t in new],
+            [dict(zip(_NEW_FIELDS, t)) for t in resumed],
+            [dict(zip(_RUNNING_FIELDS, (rid, c, nst.get(rid, 0), first_group(nb))))
+             for rid, c, nb in zip(rids, ncts, nbis)],
+            preempted, finished, lookups, loads, self.states(states), free, "step")))
+
+    def output(self, item: Any, seq: int) -> dict:
+        _, step, (rids, toks, index), connector, finished, states = item
+        sampled = {}
+        if toks:
+            n = len(toks)
+            for rid in rids:
+                i = index.get(rid)
+                if i is not None and i < n and len(toks[i]):
+                    sampled[rid] = toks[i]
+        return dict(zip(_OUTPUT_FIELDS, (seq, step, sampled, connector, finished,
+                                         self.states(states), "output")))
+
+
+def _unknown_status(st: Any) -> str:
+    return status_name(getattr(st, "name", str(st)))
+
+
+# --------------------------------------------------------------------------- sinks
+
+
+class _QueueSink:
+    """A bounded deque that one writer thread drains. ``put`` appends (atomic, no
+    lock, no wake-up) or drops and counts; the thread wakes every ``POLL_S`` and
+    hands whatever has piled up to ``_write``, so the engine's thread pays for
+    neither a lock nor a thread switch per event. ``close`` ends the trace."""
+
+    POLL_S = 0.01
+
+    def __init__(self, path: str | os.PathLike, maxsize: int | None):
+        if maxsize is None:
+            maxsize = int(os.environ.get(ENV_QUEUE, DEFAULT_QUEUE_SIZE))
+        self.path = Path(path)
+        self._q: deque = deque()
+        self.maxsize = max(1, maxsize)
+        self.dropped = 0
+        self.write_error: str | None = None
+        self.closed = False
+        self._stop: tuple[str, str | None] | None = None
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="kvtrace-writer", daemon=True)
+
+    def put(self, ev: Any) -> None:
+        if self.closed:
+            return
+        if len(self._q) >= self.maxsize:
+            self.dropped += 1
+        else:
+            self._q.append(ev)
+
+    def _run(self) -> None:
+        q = self._q
+        dirty = True  # the header
+        idle_since = time.monotonic()
+        while True:
+            if q:
+                batch = []
+                while q:
+                    batch.append(q.popleft())
+                if self.write_error is None:
+                    try:
+                        self._write(batch)
+                        dirty = True
+                    except Exception as e:  # disk full, a dead writer process ...
+                        self._failed(e)
+                idle_since = time.monotonic()
+                continue
+            if self._stop is not None:
+                self._finish(*self._stop)
+                return
+            if dirty and time.monotonic() - idle_since >= FLUSH_IDLE_S:
+                # Idle: push what we have to disk, so that an engine killed without
+                # a shutdown (SIGKILL) leaves a readable, merely cut-off trace.
+                if self.write_error is None:
+                    try:
+                        self._flush()
+                    except Exception as e:
+                        self._failed(e)
+                dirty = False
+            self._wake.wait(self.POLL_S)
+
+    def _failed(self, e: Exception) -> None:
+        self.write_error = f"writing the trace failed: {type(e).__name__}: {e}"
+        logger.error("kvtrace: %s; recording stopped, the engine is unaffected", self.write_error)
+
+    def _end_status(self, status: str, error: str | None) -> tuple[str, str | None]:
+        if self.write_error is not None:
+            return "recorder-error", self.write_error
+        if self.dropped and status == "complete":
+            return "recorder-error", f"{self.dropped} events dropped: the trace writer could not keep up"
+        return status, error
+
+    def close(self, status: str = "complete", error: str | None = None,
+              timeout: float = 60.0) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+        self._stop = (status, error)
+        self._wake.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.error("kvtrace: trace writer is stuck; %s may lack its end record", self.path)
+
+    # Subclasses: write a batch of queue items, flush, write the end.
+    def _write(self, batch: list) -> None:
+        raise NotImplementedError
+
+    def _flush(self) -> None:
+        raise NotImplementedError
+
+    def _finish(self, status: str, error: str | None) -> None:
+        raise NotImplementedError
+
+
+class TraceSink(_QueueSink):
+    """The whole pipeline on the writer thread, in this process."""
+
+    def __init__(self, path: str | os.PathLike, header: Header, maxsize: int | None = None):
+        super().__init__(path, maxsize)
+        self._writer = TraceWriter(self.path, header)  # may raise: caller handles it
+        self._resolve = Resolver()
+        self._records = Records()
+        self._thread.start()
+
+    def _write(self, batch: list) -> None:
+        w = self._writer
+        resolved: list = []
+        for item in batch:
+            self._resolve(item, resolved)
+        for item in resolved:
+            rec = self._records(item, w.next_seq)
+            if rec is not None:
+                w.write(rec)
+
+    def _flush(self) -> None:
+        self._writer.flush()
+
+    def _finish(self, status: str, error: str | None) -> None:
+        status, error = self._end_status(status, error)
+        try:
+            self._writer.close(status=status, error=error, dropped_events=self.dropped)
+        except Exception as e:
+            logger.error("kvtrace: closing the trace %s failed: %s", self.path, e)
+            try:
+                self._writer._fh.close()
+            except Exception:
+                pass
+
+
+_DUMPS = orjson.OPT_APPEND_NEWLINE | orjson.OPT_SERIALIZE_NUMPY
+
+
+class ProcessSink(_QueueSink):
+    """Resolve on the writer thread, then send JSON lines to a writer process.
+
+    The trace file is opened here, so that a path that cannot be written fails at
+    once, in the engine's process; the writer process inherits the open file.
+    The first line it reads is the header, the last ``["end", status, error,
+    dropped]``. Should the pipe close without that line (the engine died), it
+    ends the file after the last event it received, with no end record."""
+
+    def __init__(self, path: str | os.PathLike, header: Header, maxsize: int | None = None):
+        super().__init__(path, maxsize)
+        raw = open_trace_file(self.path)  # may raise: caller handles it
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "kvtrace.record.writer_process", str(self.path), str(raw)],
+                stdin=subprocess.PIPE, pass_fds=(raw,), close_fds=True, env=_child_env())
+        finally:
+            os.close(raw)
+        self._pipe = self._proc.stdin.fileno()
+        self._resolve = Resolver()
+        self._send(orjson.dumps(to_json(header), option=orjson.OPT_APPEND_NEWLINE))
+        self._thread.start()
+
+    def _send(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            n = os.write(self._pipe, view)   # blocks while the pipe is full (GIL released)
+            view = view[n:]
+
+    def _write(self, batch: list) -> None:
+        resolved: list = []
+        for item in batch:
+            self._resolve(item, resolved)
+        self._send(b"".join([orjson.dumps(x, option=_DUMPS) for x in resolved]))
+
+    def _flush(self) -> None:
+        self._send(b'["flush"]\n')
+
+    def _finish(self, status: str, error: str | None) -> None:
+        status, error = self._end_status(status, error)
+        try:
+            if self._proc.poll() is None:
+                self._send(orjson.dumps(["end", status, error, self.dropped], option=_DUMPS))
+            self._proc.stdin.close()
+            rc = self._proc.wait(60)
+            if rc != 0:
+                logger.error("kvtrace: the trace writer process for %s exited with %s", self.path, rc)
+        except Exception as e:
+            logger.error("kvtrace: closing the trace %s failed: %s", self.path, e)
+
+
+def _child_env() -> dict[str, str]:
+    """The writer process imports kvtrace from where this process did."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def open_sink(path: str | os.PathLike, header: Header, maxsize: int | None = None) -> _QueueSink:
+    """The sink ``KVTRACE_WRITER`` asks for: ``process`` (default) or ``thread``."""
+    kind = os.environ.get(ENV_WRITER, "process").strip().lower() or "process"
+    if kind == "thread":
+        return TraceSink(path, header, maxsize)
+    if kind != "process":
+        raise ValueError(f"{ENV_WRITER}={kind!r}: expected 'process' or 'thread'")
+    return ProcessSink(path, header, maxsize)

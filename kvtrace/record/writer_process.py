@@ -1,0 +1,108 @@
+"""The trace writer process: JSON lines in, a trace file out.
+
+Started by ``kvtrace.record.sink.ProcessSink`` as
+``python -m kvtrace.record.writer_process PATH FD``, with the trace file already
+open as descriptor FD. It reads its standard input, where the engine's process
+sends, one JSON line each:
+
+* first, the header;
+* resolved items: events, ``["step", ...]``, ``["output", ...]`` and
+  ``["statuses", ...]`` (see ``Resolver``), which ``Records`` turns into records;
+* ``["flush"]`` when the engine has been idle: everything so far goes to the file;
+* last, ``["end", status, error, dropped_events]``: the end record, then exit.
+
+It ignores SIGINT and SIGTERM: a Ctrl-C or a ``kill`` of the process group must
+not cut the trace short while the engine shuts down and sends its end. When the
+pipe closes without an end line (the engine died), the file ends after the last
+event received, without an end record, and reads as cut off.
+
+A failure to write (a full disk) is reported once on standard error; later
+events are dropped and the end record, if it can still be written, says
+``recorder-error``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import orjson
+
+from kvtrace.record.sink import Records
+from kvtrace.trace.events import Header
+from kvtrace.trace.io import TraceWriter
+
+
+def _lines(fd: int):
+    """Complete lines read from ``fd`` until it closes."""
+    rest = b""
+    while True:
+        chunk = os.read(fd, 1 << 20)
+        if not chunk:
+            return
+        lines = (rest + chunk).split(b"\n")
+        rest = lines.pop()
+        yield from lines
+
+
+def _say(msg: str) -> None:
+    print(f"kvtrace: {msg}", file=sys.stderr, flush=True)
+
+
+def serve(fd_in: int, path: str, fd_out: int) -> int:
+    """Write the trace ``path`` (open as ``fd_out``) from the lines on ``fd_in``.
+    Returns the exit status: 0 when the file holds everything it was sent."""
+    lines = _lines(fd_in)
+    first = next(lines, None)
+    if first is None:
+        os.close(fd_out)
+        return 1
+    try:
+        writer = TraceWriter(path, Header.from_json(orjson.loads(first)), fd=fd_out)
+    except Exception as e:
+        _say(f"cannot write the trace {path}: {type(e).__name__}: {e}")
+        return 1
+    records = Records()
+    error: str | None = None
+    for line in lines:
+        try:
+            item = orjson.loads(line)
+            tag = item[0] if type(item) is list else None
+            if tag == "end":
+                _, status, message, dropped = item
+                if error is not None:
+                    status, message = "recorder-error", error
+                writer.close(status=status, error=message, dropped_events=dropped)
+                return 0 if error is None else 1
+            if error is not None:
+                continue
+            if tag == "flush":
+                writer.flush()
+                continue
+            rec = records(item, writer.next_seq)
+            if rec is not None:
+                writer.write(rec)
+        except Exception as e:
+            if error is None:
+                error = f"writing the trace failed: {type(e).__name__}: {e}"
+                _say(f"{error}; recording stopped, the engine is unaffected")
+    # The engine is gone without an end line: the trace stops where its events stop.
+    try:
+        writer.finish(None)
+    except Exception as e:
+        _say(f"closing the trace {path} failed: {type(e).__name__}: {e}")
+        return 1
+    return 0 if error is None else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    path, fd = argv[0], int(argv[1])
+    return serve(sys.stdin.fileno(), path, fd)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""The recorder's sinks without an engine: the writer process writes what the
+in-process writer writes, ends a trace whose engine died where its events end,
+and survives a failing disk; block tables read incrementally stay exact."""
+
+from __future__ import annotations
+
+import enum
+import errno
+import os
+import time
+
+import orjson
+import pytest
+
+from kvtrace.record import sink as sink_mod
+from kvtrace.record import writer_process
+from kvtrace.record.sink import BlockTables, ProcessSink, RawOutput, RawStep, TraceSink
+from kvtrace.trace.events import (
+    Abort,
+    Arrival,
+    ConnectorOutput,
+    Header,
+    KVLoad,
+    Lookup,
+    PrefillStats,
+    PromptStats,
+    SchedulerConfig,
+    to_json,
+)
+from kvtrace.trace.io import TraceReader, TraceWriter, open_trace_file
+
+
+class Status(enum.IntEnum):  # vLLM's RequestStatus numbering, in part
+    WAITING = 1
+    WAITING_FOR_STREAMING_REQ = 4
+    RUNNING = 5
+    PREEMPTED = 6
+    FINISHED_REPETITION = 12
+
+
+class Block:
+    def __init__(self, i: int):
+        self.block_id = i
+
+
+def header() -> Header:
+    return Header(engine="vllm", engine_version="test",
+                  config=SchedulerConfig(block_size=16, num_blocks=64, max_num_batched_tokens=64,
+                                         max_num_seqs=4, max_model_len=256))
+
+
+def feed(sink) -> None:
+    """Events as the recorder queues them: a request's block list grows between
+    snapshots, another's is replaced (preempted and resumed)."""
+    a_blocks = [Block(3), Block(7)]
+    b_blocks = [Block(1)]
+    sink.put(Arrival(seq=0, req="a", prompt_token_ids=[1, 2, 3], max_tokens=4, arrival_time=1.5))
+    sink.put(Arrival(seq=0, req="b", prompt_token_ids=[4, 5], max_tokens=2, arrival_time=2.0))
+    states = (["a", "b"], [("a", Status.RUNNING, 0, 3, 0), ("b", Status.WAITING_FOR_STREAMING_REQ, 0, 2, 0)],
+              [a_blocks, b_blocks], [2, 1])
+    sink.put(RawStep((0, [("a", 0, 3, [3, 7])], [], ([], [], [], {}), [], [],
+                      [Lookup(req="a", local=0, ext=2, load_async=False)],
+                      [KVLoad(req="a", start=0, end=2)], states, 60)))
+    a_blocks.append(Block(9))
+    sink.put(RawOutput((0, (["a"], [[42]], {"a": 0}),
+                        ConnectorOutput(finished_recving=["a"], finished_sending=[],
+                                        failed_recving=[], invalid_block_ids=[]),
+                        {}, (["a"], [("a", Status.RUNNING, 3, 4, 0)], [a_blocks], [3]))))
+    b_new = [Block(11), Block(12)]
+    sink.put(RawStep((1, [], [], (["a"], [3], [([9],)], {"a": 1}), ["b"], [], [], None,
+                      (["a", "b"], [("a", Status.RUNNING, 3, 4, 0), ("b", Status.PREEMPTED, 0, 2, 1)],
+                       [a_blocks, b_new], [3, 2]), 59)))
+    sink.put(RawOutput((1, (["a"], [[7, 8]], {"a": 0}), None, {"a": "stop"},
+                        (["a"], [("a", Status.FINISHED_REPETITION, 4, 6, 0)], [a_blocks], [3]))))
+    sink.put(PromptStats(seq=0, step=1, req="a", prefill_stats=PrefillStats(
+        num_prompt_tokens=3, num_local_cached_tokens=0, num_external_cached_tokens=2,
+        num_cached_tokens=2, num_computed_tokens=3, num_cache_creation_tokens=1)))
+    sink.put(Abort(seq=0, reqs=["b"]))
+
+
+def test_writer_process_writes_what_the_thread_writes(tmp_path):
+    paths = {}
+    for name, cls, suffix in (("thread", TraceSink, ".jsonl"), ("process", ProcessSink, ".jsonl.zst")):
+        paths[name] = tmp_path / f"{name}{suffix}"
+        s = cls(paths[name], header())
+        feed(s)
+        s.close()
+    read = {name: list(TraceReader(p)) for name, p in paths.items()}
+    assert read["thread"] == read["process"]
+    evs = read["process"]
+    assert [e.kind for e in evs] == ["arrival", "arrival", "step", "output", "step", "output",
+                                     "prompt_stats", "abort", "end"]
+    assert [e.seq for e in evs] == list(range(9))
+    step0, out0, step1, out1 = evs[2:6]
+    assert [(s.req, s.status, s.block_ids) for s in step0.states] == \
+        [("a", "RUNNING", [3, 7]), ("b", "WAITING", [1])]
+    assert out0.sampled == {"a": [42]} and out0.connector.finished_recving == ["a"]
+    assert out0.states[0].block_ids == [3, 7, 9]
+    assert [(r.req, r.num_computed_tokens, r.num_scheduled_tokens, r.new_block_ids)
+            for r in step1.running] == [("a", 3, 1, [9])]
+    assert step1.states[1].block_ids == [11, 12] and step1.states[1].num_preemptions == 1
+    assert out1.states[0].status == "FINISHED_STOPPED" and out1.finished == {"a": "stop"}
+    assert evs[-1].status == "complete"
+
+
+def test_engine_death_leaves_a_trace_cut_after_its_last_event(tmp_path):
+    """The pipe closes without an end line, as when the engine is killed: the
+    writer process still writes every event it received, then stops."""
+    path = tmp_path / "cut.jsonl.gz"
+    s = ProcessSink(path, header())
+    feed(s)
+    deadline = time.monotonic() + 10
+    while s._q and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)                      # the writer thread's last send
+    os.close(s._pipe)                     # the engine's end of the pipe goes away
+    assert s._proc.wait(10) == 0
+    r = TraceReader(path)
+    evs = list(r)
+    assert [e.kind for e in evs][-1] == "abort" and len(evs) == 8
+    assert r.end is None and "cut off" in r.truncation
+
+
+def test_a_failing_disk_ends_the_trace_with_recorder_error(tmp_path, monkeypatch):
+    """The writer process's side: after a write fails, later events are dropped
+    and the end record says why."""
+    real = TraceWriter.write
+    calls = {"n": 0}
+
+    def failing(self, rec):
+        calls["n"] += 1
+        kind = rec["kind"] if isinstance(rec, dict) else rec.kind
+        if calls["n"] == 3 and kind != "end":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, rec)
+
+    monkeypatch.setattr(TraceWriter, "write", failing)
+    path = tmp_path / "full.jsonl"
+    r_fd, w_fd = os.pipe()
+    lines = [orjson.dumps(to_json(header()))]
+    lines += [orjson.dumps(Abort(seq=0, reqs=[f"r{i}"])) for i in range(5)]
+    lines.append(orjson.dumps(["end", "complete", None, 0]))
+    os.write(w_fd, b"\n".join(lines) + b"\n")
+    os.close(w_fd)
+    assert writer_process.serve(r_fd, str(path), open_trace_file(path)) == 1
+    evs = list(TraceReader(path))
+    assert [e.kind for e in evs] == ["abort", "abort", "end"]
+    assert evs[-1].status == "recorder-error" and "No space left" in evs[-1].error
+
+
+def test_a_path_that_cannot_be_written_fails_in_the_engines_process(tmp_path):
+    with pytest.raises(OSError):
+        ProcessSink(tmp_path / "no" / "such" / "dir" / "t.jsonl", header())
+
+
+def test_unknown_writer_kind_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv(sink_mod.ENV_WRITER, "carrier-pigeon")
+    with pytest.raises(ValueError, match="KVTRACE_WRITER"):
+        sink_mod.open_sink(tmp_path / "t.jsonl", header())
+
+
+def test_block_tables_follow_growth_replacement_and_rewrites():
+    t = BlockTables()
+    blocks = [Block(5), Block(6)]
+    assert t.ids("a", blocks, 2) == [5, 6] and t.reads == 1
+    first = t.ids("a", blocks, 2)
+    assert first == [5, 6] and t.reads == 1            # same list, same length: kept
+    blocks.append(Block(8))
+    assert t.ids("a", blocks, 3) == [5, 6, 8] and t.reads == 1   # grown: only the new block read
+    assert first == [5, 6]                              # handed-out lists never change
+    assert t.ids("a", blocks, 2) == [5, 6]              # an older snapshot of the same list
+    blocks[0] = Block(40)                               # rewritten in place: noticed, read again
+    blocks.append(Block(9))
+    assert t.ids("a", blocks, 4) == [40, 6, 8, 9] and t.reads == 2
+    assert t.ids("a", [Block(1)], 1) == [1] and t.reads == 3     # a new list (after preemption)
+    assert t.ids("a", (), 0) == [] and "a" not in t.known
+    t.ids("b", [Block(2)], 1)
+    t.forget(["b"])
+    assert t.known == {}
