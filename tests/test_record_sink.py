@@ -177,3 +177,41 @@ def test_block_tables_follow_growth_replacement_and_rewrites():
     t.ids("b", [Block(2)], 1)
     t.forget(["b"])
     assert t.known == {}
+
+
+def test_state_snapshots_skip_requests_gone_and_read_old_request_shapes():
+    """Recorder.states: a request the engine no longer holds is skipped; an engine
+    whose requests have no num_preemptions records 0; block lists are kept by
+    reference with their length at the snapshot."""
+    from kvtrace.record.vllm_recorder import Recorder
+
+    class FullAttentionManager:
+        def __init__(self):
+            self.req_to_blocks = {}
+
+    class KVM:
+        def __init__(self):
+            self.coordinator = type("C", (), {})()
+            self.coordinator.single_type_managers = [FullAttentionManager()]
+
+    class Sched:
+        connector = None
+
+        def __init__(self):
+            self.kv_cache_manager = KVM()
+
+    class Req:
+        def __init__(self, rid, preemptions=None):
+            self.request_id, self.status, self.num_computed_tokens, self.num_tokens = rid, Status.RUNNING, 3, 5
+            if preemptions is not None:
+                self.num_preemptions = preemptions
+
+    sched = Sched()
+    table = sched.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks
+    table["a"] = [Block(4), Block(6)]
+    rec = Recorder(sched, sink=None)
+    rids, counters, blocks, lengths = rec.states(["a", "gone", "b"], [Req("a", 2), None, Req("b", 1)])
+    assert rids == ["a", "b"] and counters == [("a", Status.RUNNING, 3, 5, 2), ("b", Status.RUNNING, 3, 5, 1)]
+    assert blocks[0] is table["a"] and lengths == [2, 0]
+    rids, counters, _, _ = rec.states(["c"], [Req("c")])
+    assert counters == [("c", Status.RUNNING, 3, 5, 0)]

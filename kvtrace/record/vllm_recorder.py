@@ -303,15 +303,19 @@ class Recorder:
     def states(self, rids: list, reqs: list) -> tuple:
         """A raw states snapshot (see ``kvtrace.record.sink``) of ``reqs``, the
         requests with ids ``rids``, skipping those the engine no longer holds (None)."""
-        if None in reqs:
+        try:
+            counters = list(map(self.read_state, reqs))
+        except AttributeError:
+            # A request the engine no longer holds (None), or an engine whose
+            # requests lack num_preemptions: both are rare, and checked only here.
             kept = [(rid, req) for rid, req in zip(rids, reqs) if req is not None]
             rids = [rid for rid, _ in kept]
             reqs = [req for _, req in kept]
-        try:
-            counters = list(map(self.read_state, reqs))
-        except AttributeError:  # an engine whose requests lack num_preemptions
-            self.read_state = _read_state_slow
-            counters = list(map(_read_state_slow, reqs))
+            try:
+                counters = list(map(self.read_state, reqs))
+            except AttributeError:
+                self.read_state = _read_state_slow
+                counters = list(map(_read_state_slow, reqs))
         table = self.table
         if table is None:
             return rids, counters, [self._read_ids(rid) for rid in rids], None
@@ -353,9 +357,11 @@ class Recorder:
                 else:
                     keep.append(i)
             rids, ncts, nbis = [rids[i] for i in keep], [ncts[i] for i in keep], [nbis[i] for i in keep]
-        pre_set = out.preempted_req_ids or set()
-        preempted = [r for r in self.preempt_order if r in pre_set]
-        preempted += sorted(r for r in pre_set if r not in set(preempted))
+        pre_set = out.preempted_req_ids
+        preempted = []
+        if pre_set:
+            preempted = [r for r in self.preempt_order if r in pre_set]
+            preempted += sorted(r for r in pre_set if r not in set(preempted))
         finished = sorted(out.finished_req_ids or ())
         if finished:
             self.stats_done.difference_update(finished)
