@@ -113,8 +113,10 @@ def test_engine_death_leaves_a_trace_cut_after_its_last_event(tmp_path):
     while s._q and time.monotonic() < deadline:
         time.sleep(0.01)
     time.sleep(0.05)                      # the writer thread's last send
-    os.close(s._pipe)                     # the engine's end of the pipe goes away
+    s.write_error = "the engine is gone"  # its thread sends nothing more
+    s._proc.stdin.close()                 # the engine's end of the pipe goes away
     assert s._proc.wait(10) == 0
+    s.close()
     r = TraceReader(path)
     evs = list(r)
     assert [e.kind for e in evs][-1] == "abort" and len(evs) == 8

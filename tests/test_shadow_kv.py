@@ -377,3 +377,148 @@ def test_cuda_matches_cpu():
         outs.append([d.to_json() for d in s.step(1, [], [("b", 8, 2, [2, 3, 4])])])
         assert s.prefix_fingerprints("a").tolist() == _fp_ref(_prompt(14, 8))
     assert outs[0] == outs[1] and len(outs[0]) == 1
+
+
+# --------------------------------------------------------------------------- batches
+
+
+def _chaos(seed: int):
+    """A random run: requests come, grow and go; steps write and read through
+    tables that are right, shared, too short, out of range or plain wrong; loads
+    land anywhere. Yields the operations both caches see."""
+    rng = random.Random(seed)
+    nblocks = 12
+    live: dict[str, int] = {}
+    tables: dict[str, list[int]] = {}
+    n = 0
+    for step in range(120):
+        if len(live) < 5 or rng.random() < 0.3:
+            r = f"r{n}"
+            n += 1
+            live[r] = rng.randrange(1, 3 * B + 3)
+            tables[r] = []
+            yield ("add", r, _prompt(1000 + n, live[r]))
+        if live and rng.random() < 0.15:
+            gone = rng.choice(sorted(live))
+            del live[gone]
+            yield ("drop", gone)
+        loads, sched = [], []
+        for r in rng.sample(sorted(live), min(len(live), rng.randrange(1, 5))):
+            need = -(-live[r] // B) + rng.choice([0, 0, 0, 1, -1])
+            t = tables[r]
+            while len(t) < need:
+                t.append(rng.randrange(0, nblocks + (2 if rng.random() < 0.05 else 0)))
+            if t and rng.random() < 0.05:
+                t[rng.randrange(len(t))] = rng.randrange(nblocks)
+            c = rng.randrange(0, live[r] + 2)
+            k = rng.randrange(0, 2 * B)
+            if rng.random() < 0.2:
+                loads.append((r, rng.randrange(0, c + 1), c + rng.randrange(0, B), list(t)))
+            sched.append((r, c, k, list(t)))
+        yield ("step", step, loads, sched)
+        for r in list(live):
+            if rng.random() < 0.5:
+                extra = [rng.randrange(500) for _ in range(rng.randrange(1, 4))]
+                live[r] += len(extra)
+                yield ("append", r, extra)
+
+
+class _SlotModel:
+    """The documented step semantics, one slot and one position at a time, in
+    plain Python: what the batched tensor code must report, word for word."""
+
+    def __init__(self, num_blocks: int):
+        self.nb = num_blocks
+        self.tokens: dict[str, list[int]] = {}
+        self.slots: dict[tuple[int, int], tuple] = {}   # (block, slot) -> fp, writer, step, pos, loaded
+
+    def add_request(self, req, toks):
+        self.tokens[req] = list(toks)
+
+    def append_tokens(self, req, toks):
+        self.tokens[req] += toks
+
+    def drop_request(self, req):
+        self.tokens.pop(req, None)
+
+    def _slot(self, table, p):
+        b = table[p // B]
+        return (b if 0 <= b < self.nb else self.nb, p % B)
+
+    def _write(self, step, req, start, end, table, loaded):
+        fps = _fp_ref(self.tokens[req])
+        for p in range(max(start, 0), min(end, len(fps), len(table) * B)):
+            self.slots[self._slot(table, p)] = (fps[p], req, step, p, loaded)
+
+    def step(self, step, loads, sched):
+        for req, start, end, table in loads:
+            self._write(step, req, start, end, table, True)
+        for req, c, n, table in sched:
+            if n > 0:
+                self._write(step, req, c, c + n, table, False)
+        words, late = [], []
+        for req, c, _n, table in sched:
+            ntok, lim = len(self.tokens[req]), c
+            if lim > ntok:
+                words.append((req, f"position {ntok}: the request has only {ntok} tokens, but "
+                                   f"{c} count as computed", c - 1))
+                lim = ntok
+            if lim > len(table) * B:
+                words.append((req, f"position {len(table) * B}: no block for it (the block table has "
+                                   f"{len(table)} blocks), but {c} positions count as computed", c - 1))
+                lim = len(table) * B
+            fps = _fp_ref(self.tokens[req])
+            bad = [p for p in range(max(lim, 0)) if not 0 <= table[p // B] < self.nb
+                   or self.slots.get(self._slot(table, p), (0,))[0] != fps[p]]
+            if bad:
+                p = bad[0]
+                blk = table[p // B]
+                if not 0 <= blk < self.nb:
+                    what = f"block id {blk} is outside the cache ({self.nb} blocks)"
+                elif self._slot(table, p) not in self.slots:
+                    what = "never written"
+                else:
+                    _, who, ws, wp, wl = self.slots[self._slot(table, p)]
+                    what = f"{'loaded for' if wl else 'written by'} {who} at step {ws} (its position {wp})"
+                late.append((req, f"block {blk} slot {p % B} (position {p}): {what}; "
+                                  f"{len(bad)} of {lim} positions read are wrong", p))
+        return [{"step": step, "req": req, "recorded": text, "expected": f"prefix of {req} up to position {p}"}
+                for req, text, p in words + late]
+
+
+def _words(divs) -> list[dict]:
+    return [{"step": d.step, "req": d.req, "recorded": d.recorded, "expected": d.expected} for d in divs]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_batched_steps_report_what_single_steps_and_a_slot_model_report(seed, monkeypatch):
+    """Queued steps, evaluated together, give the same divergences (same words,
+    same writers) and leave the same cache as steps checked one at a time, and
+    both say what a plain slot-by-slot model of the semantics says, with requests
+    added, grown (moving their fingerprints) and dropped in between."""
+    monkeypatch.setattr(ShadowKV, "BATCH_STEPS", 7)
+    if seed % 2:   # batches also cut by slots read, and heavy steps on their own
+        monkeypatch.setattr(ShadowKV, "BATCH_SLOTS", 40)
+    one, many, model = ShadowKV(12, B, "cpu"), ShadowKV(12, B, "cpu"), _SlotModel(12)
+    single: dict[int, list] = {}
+    batched: dict[int, list] = {}
+    modelled: dict[int, list] = {}
+    for op in _chaos(seed):
+        if op[0] == "step":
+            _, step, loads, sched = op
+            single[step] = _words(one.step(step, loads, sched))
+            modelled[step] = model.step(step, loads, sched)
+            for tag, divs in many.queue(step, loads, sched, tag=step):
+                batched[tag] = _words(divs)
+        else:
+            for s in (one, many, model):
+                {"add": s.add_request, "append": s.append_tokens, "drop": s.drop_request}[op[0]](*op[1:])
+    for tag, divs in many.flush():
+        batched[tag] = _words(divs)
+    assert single == modelled
+    assert batched == single
+    assert sum(len(v) for v in single.values()) > 10        # the run did go wrong, often
+    for name in ("fp", "writer_req", "writer_step", "writer_pos", "writer_loaded"):
+        assert torch.equal(getattr(one, name), getattr(many, name)), name
+    assert (one.slots_checked, one.slots_written, one.slots_loaded) == \
+        (many.slots_checked, many.slots_written, many.slots_loaded)

@@ -30,7 +30,10 @@ class ContentCheck:
         for req in reqs:
             self._drop(req)
 
-    def step(self, rec: ev.Step, line: int | None) -> list[Divergence]:
+    def step(self, rec: ev.Step, line: int | None, tag: object = None
+             ) -> list[tuple[object, list[Divergence]]]:
+        """Queue the step's check. Returns the steps checked meanwhile, as (tag,
+        divergences) in step order; ``flush`` returns the rest."""
         for req in rec.preempted:
             self.tables.pop(req, None)
         for s in (*rec.new, *rec.resumed):
@@ -43,10 +46,20 @@ class ContentCheck:
                  for ld in self._loads(rec) if ld.req in self.kv]
         scheduled = [(s.req, s.num_computed_tokens, s.num_scheduled_tokens, self.tables.get(s.req, []))
                      for s in (*rec.new, *rec.resumed, *rec.running) if s.req in self.kv]
-        divs = self.kv.step(rec.step, loads, scheduled)
-        for d in divs:
-            d.seq, d.line = rec.seq, line
-        return divs
+        return self._placed(self.kv.queue(rec.step, loads, scheduled, (tag, rec.seq, line)))
+
+    def flush(self) -> list[tuple[object, list[Divergence]]]:
+        """Check every queued step."""
+        return self._placed(self.kv.flush())
+
+    @staticmethod
+    def _placed(ready: list) -> list[tuple[object, list[Divergence]]]:
+        out = []
+        for (tag, seq, line), divs in ready:
+            for d in divs:
+                d.seq, d.line = seq, line
+            out.append((tag, divs))
+        return out
 
     def output(self, rec: ev.Output) -> None:
         states = {s.req: s for s in rec.states}

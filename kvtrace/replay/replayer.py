@@ -106,6 +106,18 @@ class Replayer:
                                                a.rule, "invariant", e.seq, line))
             self.stopped = f"the engine would have failed an assertion at step {step}: {a.rule}"
 
+    def finish(self) -> None:
+        """The end of the trace: the content check's queued steps are checked."""
+        if self.content:
+            self._place(self.content.flush())
+
+    def _place(self, ready: list) -> None:
+        """The content check reports its steps in batches: each step's divergences
+        go where they would have gone had it been checked at once (the length of
+        the list when the step was queued)."""
+        for at, divs in reversed(ready):
+            self.divergences[at:at] = divs
+
     # -- events ------------------------------------------------------------------
 
     def _arrival(self, a: ev.Arrival, line) -> None:
@@ -135,7 +147,7 @@ class Replayer:
         self.divergences.extend(checks.compare_step(rec, out, self.sched, line))
         self.divergences.extend(self._progress.after_schedule(rec.step, out, self.sched, rec.seq, line))
         if self.content:
-            self.divergences.extend(self.content.step(rec, line))
+            self._place(self.content.step(rec, line, len(self.divergences)))
         self._outputs[rec.step] = out
         if self.out:
             loads = self.connector.loads if self.cfg.connector else None
@@ -231,6 +243,7 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
                     result.end = e
                 elif progress is not None and not result.events % 4096:
                     progress(rp.steps)
+            rp.finish()
     finally:
         if writer is not None:
             writer.close(status="complete" if reader.truncation is None else "interrupted",

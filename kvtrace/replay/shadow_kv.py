@@ -70,13 +70,30 @@ random-function model already counts).
 
 Performance
 -----------
-The check is one batched gather-and-compare per step over all scheduled
-requests: the block tables' read prefixes are concatenated into one index
-tensor, the slot fingerprints are gathered a block row at a time from the
-(num_blocks, block_size) tensor, the expected fingerprints a block row at a time
-from a block-aligned per-request arena, and the two are compared with a mask for
-the tail of each request's last block. Python loops run over requests (and over
-list concatenation of block ids), never over tokens.
+The check runs a fixed number of torch operations per *batch* of steps, not per
+step: torch's cost per operation (microseconds on CPU, a kernel launch on CUDA)
+is what a step of small tensors costs. ``queue`` records a step as flat lists
+of integers (per request, never per token): its block tables, arena offsets and
+positions. A batch (up to ``BATCH_STEPS`` steps, or ``BATCH_SLOTS`` slots read)
+is then evaluated at once:
+
+1. the fingerprints of every pending token are computed (one segmented cumsum);
+2. the batch's writes are expanded to one entry per position and sorted by
+   (slot, step), keeping the order of writing among equals;
+3. every read is gathered a block row at a time from the state *before* the
+   batch; a read of a slot that the batch writes at or before the read's step
+   (marked per slot with the first step that writes it) takes the last such
+   write instead, found by binary search in the sorted writes. Within one step
+   writes come before reads, as the step semantics say;
+4. the state becomes each slot's last write.
+
+A step that reads more than ``BATCH_SLOTS`` slots is evaluated on its own, with
+its writes applied first; a batch ends early when a request's fingerprints must
+move in a compaction of the arena (queued steps hold arena offsets; a segment
+that only grows leaves its old rows in place, with what fits computed first).
+A batch reports each of its steps' divergences in the words, and the order,
+that checking the steps one at a time would (tests/test_shadow_kv.py checks
+both against a slot-by-slot model of these semantics).
 """
 
 from __future__ import annotations
@@ -164,18 +181,40 @@ def _i64(values: list[int], device: torch.device) -> torch.Tensor:
     return t if device.type == "cpu" else t.to(device)
 
 
-class _Req:
-    __slots__ = ("idx", "row", "rows", "n_fp", "pending", "ntok", "trow", "table")
+_NOT_WRITTEN = 1 << 62
 
-    def __init__(self, idx: int, trow: int):
+
+class _Req:
+    __slots__ = ("idx", "row", "rows", "n_fp", "pending", "ntok")
+
+    def __init__(self, idx: int):
         self.idx = idx          # index into ShadowKV.ids
         self.row = 0            # first arena row of this request's fingerprints
         self.rows = 0           # arena rows reserved
         self.n_fp = 0           # fingerprints already in the arena
         self.pending: list[int] = []  # tokens whose fingerprints are not computed yet
         self.ntok = 0           # n_fp + len(pending)
-        self.trow = trow        # row of the device block-table matrix
-        self.table: list[int] = []    # the block table as last copied to the device
+
+
+class _Batch:
+    """Steps queued for one evaluation, as flat lists of integers (one entry per
+    request and step, never per token)."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[int, object, list[Divergence]]] = []  # step, tag, divergences
+        self.tables: list[int] = []      # every item's block table, concatenated
+        self.writes: list[int] = []      # per write: first, length, start, table offset,
+        #                                   arena offset, request, step slot, step, loaded
+        self.n_writes = 0                # positions written
+        self.reads: list[int] = []       # per read: first row, rows, table offset, limit,
+        #                                   arena row, step slot
+        self.read_reqs: list[str] = []
+        self.n_rows = 0                  # block rows read
+
+    def table(self, ids: list[int]) -> int:
+        off = len(self.tables)
+        self.tables += ids
+        return off
 
 
 class ShadowKV:
@@ -185,7 +224,14 @@ class ShadowKV:
     ``fp`` (int64 fingerprint, 0 = never written), ``writer_req`` (int32 index
     into ``ids``, -1 = never written), ``writer_step``, ``writer_pos`` (int32) and
     ``writer_loaded`` (bool: the slot was last written by an external load).
+    They hold the state after the last evaluated step (see ``queue``).
     """
+
+    # A batch is evaluated when it holds this many steps, or this many slots read
+    # (small enough for its tensors to stay in the CPU's caches). A step that reads
+    # more is evaluated on its own.
+    BATCH_STEPS = 64
+    BATCH_SLOTS = 1 << 16
 
     def __init__(self, num_blocks: int, block_size: int, device: str = "auto"):
         if type(num_blocks) is not int or num_blocks < 1:
@@ -204,15 +250,19 @@ class ShadowKV:
         self._wstep = torch.full((n,), -1, dtype=torch.int32, device=dev)
         self._wpos = torch.full((n,), -1, dtype=torch.int32, device=dev)
         self._wload = torch.zeros(n, dtype=torch.bool, device=dev)
+        # While a batch is evaluated: per slot, the first step slot of the batch that
+        # writes it (_NOT_WRITTEN otherwise).
+        self._first = torch.full((n,), _NOT_WRITTEN, dtype=torch.int64, device=dev)
         self.ids: list[str] = []                 # interned request ids
         self._intern: dict[str, int] = {}
         self._reqs: dict[str, _Req] = {}
-        self._pending: dict[str, _Req] = {}      # requests with tokens awaiting fingerprints
+        # Requests with tokens awaiting fingerprints (keyed by the request object:
+        # a dropped request stays here while queued steps may read its tokens).
+        self._pending: dict[_Req, None] = {}
         self._arena = torch.zeros((64, B), dtype=torch.int64, device=dev)
         self._top = 0                            # next free arena row
-        # Block tables of live requests, one row each, updated only where they change.
-        self._tmat = torch.zeros((64, 64), dtype=torch.int64, device=dev)
-        self._tfree: list[int] = list(range(63, -1, -1))
+        self._batch = _Batch()
+        self._ready: list[tuple[object, list[Divergence]]] = []
         # Counters, for reports and benchmarks.
         self.slots_checked = 0
         self.slots_written = 0
@@ -252,30 +302,25 @@ class ShadowKV:
         if idx is None:
             idx = self._intern[req] = len(self.ids)
             self.ids.append(req)
-        if not self._tfree:
-            rows, cols = self._tmat.shape
-            grown = torch.zeros((2 * rows, cols), dtype=torch.int64, device=self.device)
-            grown[:rows] = self._tmat
-            self._tmat = grown
-            self._tfree = list(range(2 * rows - 1, rows - 1, -1))
-        r = self._reqs[req] = _Req(idx, self._tfree.pop())
+        r = self._reqs[req] = _Req(idx)
         if prompt_token_ids:
             r.pending = list(prompt_token_ids)
             r.ntok = len(r.pending)
-            self._pending[req] = r
+            self._pending[r] = None
 
     def append_tokens(self, req: str, token_ids: list[int]) -> None:
         r = self._req(req)
         if token_ids:
             r.pending.extend(token_ids)
             r.ntok += len(token_ids)
-            self._pending[req] = r
+            self._pending[r] = None
 
     def drop_request(self, req: str) -> None:
+        # Its arena rows, and its pending tokens, stay until the queued steps are
+        # evaluated: they may still read them.
         r = self._reqs.pop(req, None)
-        self._pending.pop(req, None)
-        if r is not None:
-            self._tfree.append(r.trow)
+        if r is not None and not self._batch.steps:
+            self._pending.pop(r, None)
 
     def __contains__(self, req: str) -> bool:
         """Whether ``req`` is live in the shadow cache (added and not dropped)."""
@@ -286,8 +331,9 @@ class ShadowKV:
 
     def prefix_fingerprints(self, req: str) -> torch.Tensor:
         """The request's prefix fingerprints, position 0 onwards (a copy)."""
-        self._materialise()
         r = self._req(req)
+        self._ensure(r, r.ntok)
+        self._materialise()
         return self._arena.view(-1)[r.row * self.block_size: r.row * self.block_size + r.n_fp].clone()
 
     def _req(self, req: str) -> _Req:
@@ -295,23 +341,6 @@ class ShadowKV:
         if r is None:
             raise KeyError(f"request '{req}' is not in the shadow cache (never added, or dropped)")
         return r
-
-    def _sync_table(self, r: _Req, table: list[int]) -> None:
-        """Bring the request's device block-table row up to ``table``; usually a no-op."""
-        old = r.table
-        if table == old:
-            return
-        n, k = len(table), len(old)
-        if n > self._tmat.shape[1]:
-            rows, cols = self._tmat.shape
-            grown = torch.zeros((rows, max(n, 2 * cols)), dtype=torch.int64, device=self.device)
-            grown[:, :cols] = self._tmat
-            self._tmat = grown
-        if k < n and table[:k] == old:          # the table grew: copy the new tail only
-            self._tmat[r.trow, k:n] = _i64(table[k:], self.device)
-        else:
-            self._tmat[r.trow, :n] = _i64(table, self.device)
-        r.table = list(table)
 
     # -- arena: block-aligned per-request fingerprint segments ------------------------
 
@@ -326,10 +355,12 @@ class ShadowKV:
         return row
 
     def _compact(self, extra: int) -> None:
-        """Move live segments to the front of a (possibly larger) arena."""
+        """Move live segments to the front of a (possibly larger) arena. Queued
+        steps hold arena offsets: they are evaluated first."""
+        self._evaluate()
         B = self.block_size
         live = sum(r.rows for r in self._reqs.values())
-        cap = max(64, 2 * (live + extra))
+        cap = max(64, 4 * (live + extra))   # room to spare: each compaction ends a batch
         old, new = self._arena, torch.zeros((cap, B), dtype=torch.int64, device=self.device)
         top = 0
         for r in self._reqs.values():
@@ -341,8 +372,13 @@ class ShadowKV:
         self._arena, self._top = new, top
 
     def _ensure(self, r: _Req, ntok: int) -> None:
+        """Room in the arena for ``ntok`` of the request's fingerprints. A segment
+        that moves leaves its old rows as they are, for the queued steps that read
+        them, with every pending token that fits there computed first."""
         if ntok <= r.rows * self.block_size:
             return
+        if r.pending and r.n_fp < r.rows * self.block_size:
+            self._materialise([r])
         used = _cdiv(r.n_fp, self.block_size)
         rows = self._rows_for(ntok)
         r.rows = 0  # the old segment is dead; a compaction inside _alloc must not keep it
@@ -352,29 +388,34 @@ class ShadowKV:
             self._arena[row: row + used] = old
         r.row, r.rows = row, rows
 
-    def _materialise(self) -> None:
-        """Compute the fingerprints of every pending token of every request, in one batch."""
-        if not self._pending:
+    def _materialise(self, reqs: list[_Req] | None = None) -> None:
+        """Compute the fingerprints of the pending tokens of ``reqs`` (default: every
+        request), in one batch, as far as each request's arena segment reaches;
+        what does not fit stays pending until ``_ensure`` makes room."""
+        pend = list(self._pending) if reqs is None else reqs
+        if not pend:
             return
-        pend = list(self._pending.values())
-        self._pending.clear()
-        for r in pend:                      # first reserve (may move segments) ...
-            self._ensure(r, r.ntok)
         B, dev = self.block_size, self.device
         toks: list[int] = []
         meta: list[int] = []                # per request: first, start position, arena offset
         total = 0
-        for r in pend:                      # ... then read the final offsets
-            k = len(r.pending)
-            toks.extend(r.pending)
+        for r in pend:
+            k = min(len(r.pending), r.rows * B - r.n_fp)
+            if k <= 0:
+                continue
+            toks += r.pending[:k]
             meta += (total, r.n_fp, r.row * B + r.n_fp)
             total += k
             r.n_fp += k
-            r.pending = []
+            del r.pending[:k]
+            if not r.pending:
+                self._pending.pop(r, None)
+        if not total:
+            return
         first, start, dest = _i64(meta, dev).view(-1, 3).unbind(1)
         i64 = dict(dtype=torch.int64, device=dev)
         lens = torch.diff(first, append=torch.tensor([total], **i64))
-        seg = torch.repeat_interleave(torch.arange(len(pend), **i64), lens, output_size=total)
+        seg = torch.repeat_interleave(torch.arange(first.numel(), **i64), lens, output_size=total)
         local = torch.arange(total, **i64) - first[seg]
         cs = torch.cumsum(token_terms(_i64(toks, dev), start[seg] + local), 0)
         before = torch.where(first > 0, cs[(first - 1).clamp(min=0)], 0)
@@ -388,22 +429,58 @@ class ShadowKV:
              loads: list[tuple[str, int, int, list[int]]],
              scheduled: list[tuple[str, int, int, list[int]]],
              ) -> list[Divergence]:
-        self._materialise()
+        """Check one step at once: ``queue`` it, then ``flush``."""
+        ready = self.queue(step, loads, scheduled) + self.flush()
+        return [d for _, divs in ready for d in divs]
+
+    def queue(self, step: int,
+              loads: list[tuple[str, int, int, list[int]]],
+              scheduled: list[tuple[str, int, int, list[int]]],
+              tag: object = None) -> list[tuple[object, list[Divergence]]]:
+        """Add one step to the batch: ``loads`` as (request, start, end, block table),
+        ``scheduled`` as (request, num_computed_tokens, num_scheduled_tokens, block
+        table). Returns the steps evaluated meanwhile, as (tag, divergences) in step
+        order; the rest come out of a later ``queue`` or ``flush``.
+
+        Steps are evaluated together (see "Batches" in the module docstring), so
+        that the per-operation cost of torch is paid once per batch, not per step."""
+        # Room first: making room may move segments and evaluate the batch, which
+        # must happen before this step takes any arena offset.
+        for req, *_ in (*loads, *scheduled):
+            r = self._req(req)
+            self._ensure(r, r.ntok)
+        if self._batch.n_rows * self.block_size + sum(c for _, c, _, _ in scheduled) > self.BATCH_SLOTS:
+            self._evaluate()                # a heavy step goes on its own
+        b = self._batch
+        slot = len(b.steps)
+        divs: list[Divergence] = []
+        b.steps.append((step, tag, divs))
         if loads:
-            self.slots_loaded += self._write(step, loads, loaded=True)
+            self.slots_loaded += self._queue_writes(b, step, slot, loads, loaded=True)
         # Within one forward pass every layer writes the step's KV before attention
         # reads it, so a request may read what another request writes in the same step
         # (a prefix hit on a block allocated earlier in the same schedule(), 4.3).
         writes = [(req, c, c + n, table) for req, c, n, table in scheduled if n > 0]
         if writes:
-            self.slots_written += self._write(step, writes, loaded=False)
-        return self._check(step, scheduled)
+            self.slots_written += self._queue_writes(b, step, slot, writes, loaded=False)
+        self._queue_reads(b, step, slot, scheduled, divs)
+        if len(b.steps) >= self.BATCH_STEPS or b.n_rows * self.block_size >= self.BATCH_SLOTS:
+            self._evaluate()
+        return self._take()
 
-    def _write(self, step: int, items, loaded: bool) -> int:
-        """Write the fingerprints of positions [start, end) of each item's request
-        into the slots its block table names. Returns the number of slots written."""
-        B, dev = self.block_size, self.device
-        meta: list[int] = []                # per item: first, start, table row, arena offset, request
+    def flush(self) -> list[tuple[object, list[Divergence]]]:
+        """Evaluate every queued step; returns (tag, divergences) per step not yet returned."""
+        self._evaluate()
+        return self._take()
+
+    def _take(self) -> list[tuple[object, list[Divergence]]]:
+        ready, self._ready = self._ready, []
+        return ready
+
+    def _queue_writes(self, b: _Batch, step: int, slot: int, items, loaded: bool) -> int:
+        """Queue writing the fingerprints of positions [start, end) of each item's
+        request into the slots its block table names. Returns the positions queued."""
+        B = self.block_size
         total = 0
         for req, start, end, table in items:
             r = self._req(req)
@@ -411,42 +488,16 @@ class ShadowKV:
             end = min(end, r.ntok, len(table) * B)
             if end <= start:
                 continue
-            self._sync_table(r, table)
-            meta += (total, start, r.trow, r.row * B, r.idx)
+            b.writes += (b.n_writes, end - start, start, b.table(table), r.row * B, r.idx,
+                         slot, step, loaded)
+            b.n_writes += end - start
             total += end - start
-        if not total:
-            return 0
-        i64 = dict(dtype=torch.int64, device=dev)
-        first, start, trow, abase, who = _i64(meta, dev).view(-1, 5).unbind(1)
-        lens = torch.diff(first, append=torch.tensor([total], **i64))
-        seg = torch.repeat_interleave(torch.arange(first.numel(), **i64), lens, output_size=total)
-        pos = start[seg] + torch.arange(total, **i64) - first[seg]
-        cols = self._tmat.shape[1]
-        blk = self._tmat.view(-1).index_select(0, trow[seg] * cols + pos // B)
-        blk = torch.where((blk < 0) | (blk >= self.num_blocks), self.num_blocks, blk)
-        slot = blk * B + pos % B
-        val = self._arena.view(-1).index_select(0, abase[seg] + pos)
-        who = who[seg]
-        # Two writes to one slot in one step: keep the last, so that the fingerprint
-        # and the writer of a slot always come from the same write.
-        uniq, inv = torch.unique(slot, return_inverse=True)
-        if uniq.numel() != total:
-            last = torch.zeros(uniq.numel(), **i64).scatter_reduce(
-                0, inv, torch.arange(total, **i64), "amax", include_self=False)
-            slot, val, who, pos = uniq, val[last], who[last], pos[last]
-        self._fp.index_copy_(0, slot, val)
-        self._wreq.index_copy_(0, slot, who.to(torch.int32))
-        self._wstep.index_fill_(0, slot, step)
-        self._wpos.index_copy_(0, slot, pos.to(torch.int32))
-        self._wload.index_fill_(0, slot, loaded)
         return total
 
-    def _check(self, step: int, scheduled) -> list[Divergence]:
-        B, dev = self.block_size, self.device
-        divs: list[Divergence] = []
-        meta: list[int] = []                # per request: first row, table row, limit, arena row
-        reqs: list[str] = []
-        nrows = checked = 0
+    def _queue_reads(self, b: _Batch, step: int, slot: int, scheduled, divs: list) -> None:
+        """Queue reading, for each scheduled request, every position before its
+        num_computed_tokens through its block table."""
+        B = self.block_size
         for req, c, _n, table in scheduled:
             r = self._req(req)
             lim = c
@@ -466,55 +517,132 @@ class ShadowKV:
                 lim = len(table) * B
             if lim <= 0:
                 continue
-            self._sync_table(r, table)
-            meta += (nrows, r.trow, lim, r.row)
-            reqs.append(req)
-            nrows += -(-lim // B)
-            checked += lim
-        if not reqs:
-            return divs
-        self.slots_checked += checked
+            rows = -(-lim // B)
+            b.reads += (b.n_rows, rows, b.table(table[:rows]), lim, r.row, slot)
+            b.read_reqs.append(req)
+            b.n_rows += rows
+            self.slots_checked += lim
+
+    def _evaluate(self) -> None:
+        """Evaluate the queued steps: their writes, in order, and every read against
+        the slot as it stood at its own step."""
+        b = self._batch
+        if not b.steps:
+            return
+        self._materialise()                 # every position a queued step uses
+        self._batch = _Batch()
+        for r in [r for r in self._pending if self._reqs.get(self.ids[r.idx]) is not r]:
+            del self._pending[r]            # dropped: no step reads its tokens any more
+        tables = _i64(b.tables, self.device)
+        w = self._write_log(b, tables) if b.n_writes else None
+        if w is not None and len(b.steps) == 1:
+            # One step: its writes land first, and its reads see them in the state.
+            self._apply(w)
+            w = None
+        if b.read_reqs:
+            self._check(b, tables, w)
+        if w is not None:
+            self._apply(w)
+        self._ready += [(tag, divs) for _step, tag, divs in b.steps]
+
+    def _apply(self, w: tuple) -> None:
+        """The state after the writes of ``w``: each slot's last write."""
+        wslot, wval, who, wpos, wstep, wload = w[:6]
+        uslot, counts = torch.unique_consecutive(wslot, return_counts=True)
+        last = torch.cumsum(counts, 0) - 1
+        self._fp.index_copy_(0, uslot, wval[last])
+        self._wreq.index_copy_(0, uslot, who[last].to(torch.int32))
+        self._wstep.index_copy_(0, uslot, wstep[last].to(torch.int32))
+        self._wpos.index_copy_(0, uslot, wpos[last].to(torch.int32))
+        self._wload.index_copy_(0, uslot, wload[last].to(torch.bool))
+        self._first.index_fill_(0, uslot, _NOT_WRITTEN)
+
+    def _write_log(self, b: _Batch, tables: torch.Tensor) -> tuple:
+        """Every queued write, one entry per position, sorted by (slot, step slot)
+        with the order of writing kept among equals; and the sort keys."""
+        B, dev, nb = self.block_size, self.device, self.num_blocks
+        K = len(b.steps)
         i64 = dict(dtype=torch.int64, device=dev)
-        first, trow, lims, arow = _i64(meta, dev).view(-1, 4).unbind(1)
-        nbs = torch.diff(first, append=torch.tensor([nrows], **i64))
-        rreq = torch.repeat_interleave(torch.arange(len(reqs), **i64), nbs, output_size=nrows)
+        total = b.n_writes
+        first, lens, start, toff, abase, who, slot, step, loaded = \
+            _i64(b.writes, dev).view(-1, 9).unbind(1)
+        seg = torch.repeat_interleave(torch.arange(first.numel(), **i64), lens, output_size=total)
+        pos = start[seg] + torch.arange(total, **i64) - first[seg]
+        blk = tables.index_select(0, toff[seg] + pos // B)
+        blk = torch.where((blk < 0) | (blk >= nb), nb, blk)
+        wslot = blk * B + pos % B
+        key = wslot * K + slot[seg]
+        key, order = torch.sort(key, stable=True)
+        seg = seg[order]
+        wslot = wslot[order]
+        self._first.scatter_reduce_(0, wslot, slot[seg], "amin")
+        return (wslot, self._arena.view(-1).index_select(0, abase[seg] + pos[order]),
+                who[seg], pos[order], step[seg], loaded[seg], key)
+
+    def _check(self, b: _Batch, tables: torch.Tensor, w: tuple | None) -> None:
+        """Every queued read against the slot as it stood at the read's step: the
+        last write to it in the batch at or before that step, else the state
+        before the batch. Divergences go to their steps' lists."""
+        B, dev, nb = self.block_size, self.device, self.num_blocks
+        K = len(b.steps)
+        i64 = dict(dtype=torch.int64, device=dev)
+        nrows = b.n_rows
+        first, rows, toff, lims, arow, slot = _i64(b.reads, dev).view(-1, 6).unbind(1)
+        rreq = torch.repeat_interleave(torch.arange(first.numel(), **i64), rows, output_size=nrows)
         bi = torch.arange(nrows, **i64) - first[rreq]
-        cols = self._tmat.shape[1]
-        blk = self._tmat.view(-1).index_select(0, trow[rreq] * cols + bi)
-        oob = (blk < 0) | (blk >= self.num_blocks)
-        held = self._fp.view(-1, B).index_select(0, torch.where(oob, self.num_blocks, blk))
+        blk = tables.index_select(0, toff[rreq] + bi)
+        oob = (blk < 0) | (blk >= nb)
+        blkc = torch.where(oob, nb, blk)
+        col = torch.arange(B, **i64)
+        rstep = slot[rreq][:, None]
+        held = self._fp.view(-1, B).index_select(0, blkc)      # the state before the batch
+        hit = None
+        if w is not None:
+            # Slots written in the batch at or before the read's step (few) take the
+            # last such write: a binary search in the sorted write log.
+            wval, key = w[1], w[6]
+            hit = self._first.view(-1, B).index_select(0, blkc) <= rstep
+            sel = hit.view(-1).nonzero().squeeze(1)
+            if sel.numel():
+                r = sel // B
+                j = torch.searchsorted(key, (blkc[r] * B + sel % B) * K + slot[rreq[r]], right=True) - 1
+                held.view(-1)[sel] = wval[j]
         want = self._arena.index_select(0, arow[rreq] + bi)
         rowlim = (lims[rreq] - bi * B).clamp(max=B)
-        col = torch.arange(B, **i64)
         bad = ((held != want) | oob[:, None]) & (col[None, :] < rowlim[:, None])
         if not bool(bad.any()):
-            return divs
-        # Rare path: name the first bad position of each request, and count them all.
+            return
+        # Rare path: name the first bad position of each read, and count them all.
         where = bad.view(-1).nonzero().squeeze(1)
-        row = where // B
-        owner = rreq[row]
+        owner = rreq[where // B]
         uo, counts = torch.unique_consecutive(owner, return_counts=True)
         first_bad = where[torch.cumsum(counts, 0) - counts]
         frow, fcol = first_bad // B, first_bad % B
-        fblk = blk[frow]
-        fslot = torch.where(oob[frow], self.num_blocks, fblk) * B + fcol
-        info = torch.stack([
-            uo, counts, lims[uo], fblk, bi[frow] * B + fcol, fcol,
-            self._wreq[fslot].long(), self._wstep[fslot].long(), self._wpos[fslot].long(),
-            self._wload[fslot].long(),
-        ]).tolist()
-        for k, cnt, lim, b, p, s, wr, ws, wp, wl in zip(*info):
-            req = reqs[k]
-            where_s = f"block {b} slot {s} (position {p})"
-            if not 0 <= b < self.num_blocks:
-                what = f"block id {b} is outside the cache ({self.num_blocks} blocks)"
-            elif wr < 0:
+        fslot = blkc[frow] * B + fcol
+        wr, ws = self._wreq[fslot].long(), self._wstep[fslot].long()
+        wp, wl = self._wpos[fslot].long(), self._wload[fslot].long()
+        if hit is not None:                 # the writer at the read's own step
+            fhit = hit.view(-1)[first_bad]
+            fj = (torch.searchsorted(key, fslot * K + slot[rreq[frow]], right=True) - 1).clamp(min=0)
+            who, wpos, wstep, wload = w[2], w[3], w[4], w[5]
+            wr = torch.where(fhit, who[fj], wr)
+            ws = torch.where(fhit, wstep[fj], ws)
+            wp = torch.where(fhit, wpos[fj], wp)
+            wl = torch.where(fhit, wload[fj], wl)
+        info = torch.stack([uo, counts, lims[uo], blk[frow], bi[frow] * B + fcol, fcol,
+                            slot[uo], wr, ws, wp, wl]).tolist()
+        for k, cnt, lim, blkid, p, s, sl, wreq, wstep, wpos, wload in zip(*info):
+            req = b.read_reqs[k]
+            step = b.steps[sl][0]
+            where_s = f"block {blkid} slot {s} (position {p})"
+            if not 0 <= blkid < nb:
+                what = f"block id {blkid} is outside the cache ({nb} blocks)"
+            elif wreq < 0:
                 what = "never written"
             else:
-                verb = "loaded for" if wl else "written by"
-                what = f"{verb} {self.ids[wr]} at step {ws} (its position {wp})"
-            divs.append(Divergence(
+                verb = "loaded for" if wload else "written by"
+                what = f"{verb} {self.ids[wreq]} at step {wstep} (its position {wpos})"
+            b.steps[sl][2].append(Divergence(
                 step, req, "kv-content",
                 f"{where_s}: {what}; {cnt} of {lim} positions read are wrong",
                 f"prefix of {req} up to position {p}", RULE, "kv-content"))
-        return divs
