@@ -114,7 +114,7 @@ def test_engine_death_leaves_a_trace_cut_after_its_last_event(tmp_path):
         time.sleep(0.01)
     time.sleep(0.05)                      # the writer thread's last send
     s.write_error = "the engine is gone"  # its thread sends nothing more
-    s._proc.stdin.close()                 # the engine's end of the pipe goes away
+    s._sock.close()                       # the engine's end of the connection goes away
     assert s._proc.wait(10) == 0
     s.close()
     r = TraceReader(path)
@@ -217,3 +217,28 @@ def test_state_snapshots_skip_requests_gone_and_read_old_request_shapes():
     assert blocks[0] is table["a"] and lengths == [2, 0]
     rids, counters, _, _ = rec.states(["c"], [Req("c")])
     assert counters == [("c", Status.RUNNING, 3, 5, 0)]
+
+
+def test_a_dead_writer_never_raises_sigpipe_in_the_engine(tmp_path):
+    """Some hosts restore SIGPIPE's default action (which kills the process). A
+    writer process that died must still only make the recorder log and stop."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import signal, time
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+        from test_record_sink import feed, header
+        from kvtrace.record.sink import ProcessSink
+        s = ProcessSink({str(tmp_path / "t.jsonl")!r}, header())
+        s._proc.kill(); s._proc.wait()
+        feed(s)
+        time.sleep(0.3)
+        s.close()
+        print("engine alive;", s.write_error)
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "engine alive; writing the trace failed: BrokenPipeError" in p.stdout

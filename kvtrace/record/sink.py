@@ -30,12 +30,15 @@ taken on its thread with as little Python per request as possible, which
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
+import socket
 import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import fields
 from pathlib import Path
@@ -355,13 +358,19 @@ class _QueueSink:
         return status, error
 
     def close(self, status: str = "complete", error: str | None = None,
-              timeout: float = 60.0) -> None:
+              timeout: float = 60.0, wait: bool = True) -> None:
+        """End the trace with ``status``: the writer writes what is queued, then the
+        end record. With ``wait``, until it has (at most ``timeout`` seconds)."""
         with self._lock:
-            if self.closed:
-                return
-            self.closed = True
-        self._stop = (status, error)
-        self._wake.set()
+            if not self.closed:
+                self.closed = True
+                self._stop = (status, error)
+                self._wake.set()
+        if wait:
+            self.join(timeout)
+
+    def join(self, timeout: float = 60.0) -> None:
+        """Wait for the writer to finish after ``close``."""
         self._thread.join(timeout)
         if self._thread.is_alive():
             logger.error("kvtrace: trace writer is stuck; %s may lack its end record", self.path)
@@ -421,28 +430,47 @@ class ProcessSink(_QueueSink):
     The trace file is opened here, so that a path that cannot be written fails at
     once, in the engine's process; the writer process inherits the open file.
     The first line it reads is the header, the last ``["end", status, error,
-    dropped]``. Should the pipe close without that line (the engine died), it
-    ends the file after the last event it received, with no end record."""
+    dropped]``. Should the connection close without that line (the engine
+    died), it ends the file after the last event it received, with no end record.
+
+    The connection is a socket pair written with MSG_NOSIGNAL: a writer process
+    that died makes a send fail, never raises SIGPIPE in the engine. The writer
+    process runs in its own session, so that a Ctrl-C or a signal to the engine's
+    process group does not cut the trace short; it ends when the connection
+    closes. A process forked from the engine (without exec) closes its copy of
+    the connection, so that it cannot keep the writer waiting."""
 
     def __init__(self, path: str | os.PathLike, header: Header, maxsize: int | None = None):
         super().__init__(path, maxsize)
         raw = open_trace_file(self.path)  # may raise: caller handles it
+        if raw < 3:  # never where the writer process's stdin/stdout/stderr go
+            raw, low = fcntl.fcntl(raw, fcntl.F_DUPFD_CLOEXEC, 3), raw
+            os.close(low)
+        mine, theirs = socket.socketpair()
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "kvtrace.record.writer_process", str(self.path), str(raw)],
-                stdin=subprocess.PIPE, pass_fds=(raw,), close_fds=True, env=_child_env())
+                stdin=theirs.fileno(), pass_fds=(raw,), close_fds=True, env=_child_env(),
+                start_new_session=True)
+        except BaseException:
+            mine.close()
+            raise
         finally:
             os.close(raw)
-        self._pipe = self._proc.stdin.fileno()
+            theirs.close()
+        self._sock = mine
+        _OPEN.add(self)
         self._resolve = Resolver()
-        self._send(orjson.dumps(to_json(header), option=orjson.OPT_APPEND_NEWLINE))
+        try:
+            self._send(orjson.dumps(to_json(header), option=orjson.OPT_APPEND_NEWLINE))
+        except BaseException:
+            self._hang_up()
+            raise
         self._thread.start()
 
     def _send(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            n = os.write(self._pipe, view)   # blocks while the pipe is full (GIL released)
-            view = view[n:]
+        # Blocks while the writer process is behind (the GIL is released meanwhile).
+        self._sock.sendall(data, socket.MSG_NOSIGNAL)
 
     def _write(self, batch: list) -> None:
         resolved: list = []
@@ -458,12 +486,37 @@ class ProcessSink(_QueueSink):
         try:
             if self._proc.poll() is None:
                 self._send(orjson.dumps(["end", status, error, self.dropped], option=_DUMPS))
-            self._proc.stdin.close()
-            rc = self._proc.wait(60)
-            if rc != 0:
-                logger.error("kvtrace: the trace writer process for %s exited with %s", self.path, rc)
         except Exception as e:
-            logger.error("kvtrace: closing the trace %s failed: %s", self.path, e)
+            logger.error("kvtrace: ending the trace %s failed: %s", self.path, e)
+        finally:
+            self._hang_up()
+
+    def _hang_up(self) -> None:
+        """Close the connection and reap the writer process."""
+        _OPEN.discard(self)
+        self._sock.close()
+        try:
+            rc = self._proc.wait(60)
+        except subprocess.TimeoutExpired:
+            logger.error("kvtrace: the trace writer process for %s is still running", self.path)
+            return
+        if rc != 0:
+            logger.error("kvtrace: the trace writer process for %s exited with %s", self.path, rc)
+
+
+_OPEN: "weakref.WeakSet[ProcessSink]" = weakref.WeakSet()
+
+
+def _close_in_forked_child() -> None:
+    for sink in list(_OPEN):
+        try:
+            sink._sock.close()
+        except Exception:
+            pass
+    _OPEN.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_forked_child)
 
 
 def _child_env() -> dict[str, str]:

@@ -214,7 +214,6 @@ class Recorder:
         self.pending: list[tuple[Any, int]] = []
         self.stats_done: set[str] = set()
         self.in_update = False
-        self.legacy_counters = _counters_shape() == "legacy"
         self.kvm = sched.kv_cache_manager
         self.table = _block_table(self.kvm)
         self.read_state = _READ_STATE
@@ -235,16 +234,20 @@ class Recorder:
             logger.exception("kvtrace: recorder failed in %s; recording stopped, the engine is "
                              "unaffected", where)
         self.active = False
-        self.close()
+        self.close(wait=False)   # on the engine's thread: the writer finishes on its own
 
-    def close(self) -> None:
-        if self.sink.closed:
-            return
-        if self.failed is not None:
-            self.sink.close("recorder-error", self.failed)
-        else:
-            self.sink.close("complete")
-        _ACTIVE.discard(self)
+    def close(self, wait: bool = True) -> None:
+        """End the trace. With ``wait``, until the writer has written its end
+        (shutdown, process exit); otherwise only ask it to."""
+        if not self.sink.closed:
+            if self.failed is not None:
+                self.sink.close("recorder-error", self.failed, wait=wait)
+            else:
+                self.sink.close("complete", wait=wait)
+        elif wait:
+            self.sink.join()
+        if wait:
+            _ACTIVE.discard(self)
 
     # -- inputs ----------------------------------------------------------------
 
@@ -435,7 +438,7 @@ class Recorder:
                         num_computed_tokens=int(ps.num_computed_tokens),
                         num_cache_creation_tokens=int(ps.num_cache_creation_tokens))))
                     self.stats_done.add(rid)
-                elif self.legacy_counters and rid not in self.stats_done:
+                elif rid not in self.stats_done and hasattr(o, "num_cached_tokens"):
                     # Legacy engines: the pair rides on the first output.
                     req = reqs.get(rid)
                     ext = getattr(req, "num_external_computed_tokens", None)

@@ -77,6 +77,7 @@ class Replayer:
 
             self.content = ContentCheck(header.config, device)
         self.divergences: list[Divergence] = []
+        self._kv_placed = 0   # content-check divergences placed in the list so far
         self.steps = 0
         self.stopped: str | None = None
         self._outputs: dict[int, SchedulerOutput] = {}         # step -> output awaiting update
@@ -112,11 +113,15 @@ class Replayer:
             self._place(self.content.flush())
 
     def _place(self, ready: list) -> None:
-        """The content check reports its steps in batches: each step's divergences
-        go where they would have gone had it been checked at once (the length of
-        the list when the step was queued)."""
-        for at, divs in reversed(ready):
+        """The content check reports its steps in batches, in step order: each
+        step's divergences go where they would have gone had it been checked at
+        once. A step is tagged with how many other divergences came before it;
+        the content divergences of earlier steps, placed already, come before it
+        too."""
+        for before, divs in ready:
+            at = before + self._kv_placed
             self.divergences[at:at] = divs
+            self._kv_placed += len(divs)
 
     # -- events ------------------------------------------------------------------
 
@@ -147,7 +152,7 @@ class Replayer:
         self.divergences.extend(checks.compare_step(rec, out, self.sched, line))
         self.divergences.extend(self._progress.after_schedule(rec.step, out, self.sched, rec.seq, line))
         if self.content:
-            self._place(self.content.step(rec, line, len(self.divergences)))
+            self._place(self.content.step(rec, line, len(self.divergences) - self._kv_placed))
         self._outputs[rec.step] = out
         if self.out:
             loads = self.connector.loads if self.cfg.connector else None

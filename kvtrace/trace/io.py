@@ -335,8 +335,10 @@ class TraceWriter:
         if self._closed:
             return
         self._closed = True
-        self.write(End(seq=self.next_seq(), status=status, error=error, dropped_events=dropped_events))
-        self._close_files()
+        try:
+            self.write(End(seq=self.next_seq(), status=status, error=error, dropped_events=dropped_events))
+        finally:
+            self._close_files()
 
     def finish(self, end: End | None) -> None:
         """Close the file ending with ``end`` as given (its own seq and status), or
@@ -345,9 +347,11 @@ class TraceWriter:
         if self._closed:
             return
         self._closed = True
-        if end is not None:
-            self.write(end)
-        self._close_files()
+        try:
+            if end is not None:
+                self.write(end)
+        finally:
+            self._close_files()
 
     def _close_files(self) -> None:
         try:
