@@ -9,10 +9,6 @@ from kvtrace.reference import Request, RequestOutput, Scheduler, SchedulerOutput
 from kvtrace.trace import events as ev
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 # --------------------------------------------------------------------------- step
 
 
@@ -244,9 +240,12 @@ def step_invariants(rec: ev.Step, cfg: ev.SchedulerConfig, prev_preemptions: dic
             seen.add(s.req)
     max_len, block_size = cfg.max_model_len, cfg.block_size
     preempted = rec.preempted
+    null_block = False
     for s in rec.states:
+        if 0 in s.block_ids:
+            null_block = True
         if s.req in sched:
-            need = _cdiv(min(s.num_computed_tokens, max_len), block_size)
+            need = -(-min(s.num_computed_tokens, max_len) // block_size)
             if len(s.block_ids) < need:
                 d(s.req, "state.block_ids", len(s.block_ids), f">= {need}",
                   "B1: the table covers every computed token", "block")
@@ -267,7 +266,7 @@ def step_invariants(rec: ev.Step, cfg: ev.SchedulerConfig, prev_preemptions: dic
             prev_preemptions[s.req] = s.num_preemptions
     # Ids past the pool are refused by the reader; handing out the null block 0 is an
     # engine bug.
-    if (any(0 in s.block_ids for s in rec.states) or any(0 in s.block_ids for s in rec.new)
+    if (null_block or any(0 in s.block_ids for s in rec.new)
             or any(0 in s.block_ids for s in rec.resumed)
             or any(0 in s.new_block_ids for s in rec.running)):
         d(None, "block_ids", 0, f"1..{cfg.num_blocks - 1}", "4.5: block 0 is the null block", "block")
