@@ -89,3 +89,25 @@ def test_broken_legacy_counters_are_named_where_they_are_emitted(faulted, fault)
     assert broken
     for p in broken:
         assert _has(divs, p.step, p.req, "legacy.num_external_computed_tokens"), p
+
+
+@pytest.mark.parametrize("where", ["states", "running"])
+def test_handing_out_the_null_block_is_named(tmp_path, where):
+    """Block 0 is vLLM's null block: a table that holds it is an engine bug,
+    found in a request's state or in the blocks a running request was given."""
+    import orjson
+
+    res = record_embedded(tmp_path / "t.jsonl", workload="kv-pressure", seed=0)
+    lines = res.path.read_bytes().splitlines()
+    for i, line in enumerate(lines):
+        rec = orjson.loads(line)
+        if rec.get("kind") == "step" and rec["step"] > 5 and rec[where]:
+            field = "block_ids" if where == "states" else "new_block_ids"
+            rec[where][0][field] = [0] + rec[where][0][field][1:] if rec[where][0][field] else [0]
+            lines[i] = orjson.dumps(rec)
+            step = rec["step"]
+            break
+    edited = tmp_path / "edited.jsonl"
+    edited.write_bytes(b"\n".join(lines) + b"\n")
+    null = [d for d in _divergences(edited) if d.rule == "4.5: block 0 is the null block"]
+    assert null and null[0].step == step
