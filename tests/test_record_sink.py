@@ -242,3 +242,18 @@ def test_a_dead_writer_never_raises_sigpipe_in_the_engine(tmp_path):
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
     assert p.returncode == 0, p.stderr
     assert "engine alive; writing the trace failed: BrokenPipeError" in p.stdout
+
+
+def test_without_a_writer_process_the_trace_is_written_from_a_thread(tmp_path, monkeypatch, caplog):
+    def no_processes(*a, **k):
+        raise OSError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(sink_mod.subprocess, "Popen", no_processes)
+    with caplog.at_level("WARNING", logger="kvtrace.record"):
+        s = sink_mod.open_sink(tmp_path / "t.jsonl", header())
+    assert type(s) is TraceSink
+    assert any("cannot start the trace writer process" in r.getMessage() for r in caplog.records)
+    feed(s)
+    s.close()
+    evs = list(TraceReader(tmp_path / "t.jsonl"))
+    assert len(evs) == 9 and evs[-1].status == "complete"

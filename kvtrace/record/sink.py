@@ -448,12 +448,16 @@ class ProcessSink(_QueueSink):
             os.close(low)
         mine, theirs = socket.socketpair()
         try:
+            if not sys.executable:
+                raise WriterProcessError("this Python does not know its own executable")
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "kvtrace.record.writer_process", str(self.path), str(raw)],
                 stdin=theirs.fileno(), pass_fds=(raw,), close_fds=True, env=_child_env(),
                 start_new_session=True)
-        except BaseException:
+        except BaseException as e:
             mine.close()
+            if isinstance(e, (OSError, ValueError)):
+                raise WriterProcessError(f"{type(e).__name__}: {e}") from e
             raise
         finally:
             os.close(raw)
@@ -504,6 +508,10 @@ class ProcessSink(_QueueSink):
             logger.error("kvtrace: the trace writer process for %s exited with %s", self.path, rc)
 
 
+class WriterProcessError(RuntimeError):
+    """The writer process could not be started."""
+
+
 _OPEN: "weakref.WeakSet[ProcessSink]" = weakref.WeakSet()
 
 
@@ -528,10 +536,17 @@ def _child_env() -> dict[str, str]:
 
 
 def open_sink(path: str | os.PathLike, header: Header, maxsize: int | None = None) -> _QueueSink:
-    """The sink ``KVTRACE_WRITER`` asks for: ``process`` (default) or ``thread``."""
+    """The sink ``KVTRACE_WRITER`` asks for: ``process`` (default) or ``thread``.
+    When the writer process cannot be started, the writer runs in this process
+    (and says so): a trace written more slowly beats no trace."""
     kind = os.environ.get(ENV_WRITER, "process").strip().lower() or "process"
     if kind == "thread":
         return TraceSink(path, header, maxsize)
     if kind != "process":
         raise ValueError(f"{ENV_WRITER}={kind!r}: expected 'process' or 'thread'")
-    return ProcessSink(path, header, maxsize)
+    try:
+        return ProcessSink(path, header, maxsize)
+    except WriterProcessError as e:
+        logger.warning("kvtrace: cannot start the trace writer process (%s); writing %s from "
+                       "a thread of this process instead", e, path)
+        return TraceSink(path, header, maxsize)
