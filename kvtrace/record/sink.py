@@ -11,13 +11,13 @@ raises). What happens after that runs elsewhere:
 
 * ``ProcessSink`` (the default): the writer thread reads the block ids that only
   the engine's process can read, and sends each event as one JSON line through a
-  pipe to ``python -m kvtrace.record.writer_process``. That process builds the
-  schema's records, serializes, compresses and writes the file. Almost none of
-  this work holds the engine's GIL, and a trace is finished properly even when the
-  engine dies without shutting down: the writer process sees the pipe close and
-  ends the file where the events end.
+  socket pair to ``python -m kvtrace.record.writer_process``. That process builds
+  the schema's records, serializes, compresses and writes the file. Almost none
+  of this work holds the engine's GIL, and a trace is finished properly even when
+  the engine dies without shutting down: the writer process sees the connection
+  close and ends the file where the events end.
 * ``TraceSink``: all of it on the writer thread, in the engine's process
-  (``KVTRACE_WRITER=thread``). Used where no process may be started.
+  (``KVTRACE_WRITER=thread``, or when the writer process cannot be started).
 
 When ``maxsize`` events are waiting, ``put`` drops the event and counts it; the
 trace then ends with ``status "recorder-error"`` and ``dropped_events > 0``.
