@@ -56,7 +56,7 @@ from kvtrace.trace.events import (
     Step,
     to_json,
 )
-from kvtrace.trace.io import TraceWriter, open_trace_file
+from kvtrace.trace.io import JSON_LINE, TraceWriter, open_trace_file
 
 logger = logging.getLogger("kvtrace.record")
 
@@ -306,6 +306,14 @@ class _QueueSink:
         self._wake = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="kvtrace-writer", daemon=True)
+        self._resolve = Resolver()
+
+    def _resolved(self, batch: list) -> list:
+        """The batch as ``Resolver`` leaves it (block ids read, statuses announced)."""
+        out: list = []
+        for item in batch:
+            self._resolve(item, out)
+        return out
 
     def put(self, ev: Any) -> None:
         if self.closed:
@@ -392,16 +400,12 @@ class TraceSink(_QueueSink):
     def __init__(self, path: str | os.PathLike, header: Header, maxsize: int | None = None):
         super().__init__(path, maxsize)
         self._writer = TraceWriter(self.path, header)  # may raise: caller handles it
-        self._resolve = Resolver()
         self._records = Records()
         self._thread.start()
 
     def _write(self, batch: list) -> None:
         w = self._writer
-        resolved: list = []
-        for item in batch:
-            self._resolve(item, resolved)
-        for item in resolved:
+        for item in self._resolved(batch):
             rec = self._records(item, w.next_seq)
             if rec is not None:
                 w.write(rec)
@@ -411,17 +415,10 @@ class TraceSink(_QueueSink):
 
     def _finish(self, status: str, error: str | None) -> None:
         status, error = self._end_status(status, error)
-        try:
+        try:   # the writer closes its files even when the end record fails
             self._writer.close(status=status, error=error, dropped_events=self.dropped)
         except Exception as e:
             logger.error("kvtrace: closing the trace %s failed: %s", self.path, e)
-            try:
-                self._writer._fh.close()
-            except Exception:
-                pass
-
-
-_DUMPS = orjson.OPT_APPEND_NEWLINE | orjson.OPT_SERIALIZE_NUMPY
 
 
 class ProcessSink(_QueueSink):
@@ -464,7 +461,6 @@ class ProcessSink(_QueueSink):
             theirs.close()
         self._sock = mine
         _OPEN.add(self)
-        self._resolve = Resolver()
         try:
             self._send(orjson.dumps(to_json(header), option=orjson.OPT_APPEND_NEWLINE))
         except BaseException:
@@ -477,10 +473,7 @@ class ProcessSink(_QueueSink):
         self._sock.sendall(data, socket.MSG_NOSIGNAL)
 
     def _write(self, batch: list) -> None:
-        resolved: list = []
-        for item in batch:
-            self._resolve(item, resolved)
-        self._send(b"".join([orjson.dumps(x, option=_DUMPS) for x in resolved]))
+        self._send(b"".join([orjson.dumps(x, option=JSON_LINE) for x in self._resolved(batch)]))
 
     def _flush(self) -> None:
         self._send(b'["flush"]\n')
@@ -489,7 +482,7 @@ class ProcessSink(_QueueSink):
         status, error = self._end_status(status, error)
         try:
             if self._proc.poll() is None:
-                self._send(orjson.dumps(["end", status, error, self.dropped], option=_DUMPS))
+                self._send(orjson.dumps(["end", status, error, self.dropped], option=JSON_LINE))
         except Exception as e:
             logger.error("kvtrace: ending the trace %s failed: %s", self.path, e)
         finally:

@@ -8,7 +8,6 @@ tokens and the connector output. Everything else is recomputed.
 from __future__ import annotations
 
 import contextlib
-
 import os
 from dataclasses import dataclass, field
 

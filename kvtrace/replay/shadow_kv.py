@@ -442,7 +442,7 @@ class ShadowKV:
         table). Returns the steps evaluated meanwhile, as (tag, divergences) in step
         order; the rest come out of a later ``queue`` or ``flush``.
 
-        Steps are evaluated together (see "Batches" in the module docstring), so
+        Steps are evaluated together (see "Performance" in the module docstring), so
         that the per-operation cost of torch is paid once per batch, not per step."""
         # Room first: making room may move segments and evaluate the batch, which
         # must happen before this step takes any arena offset.

@@ -295,7 +295,8 @@ def _open_binary_write(path: Path, fd: int | None = None) -> tuple[IO[bytes], IO
     return raw, raw
 
 
-_DUMPS = orjson.OPT_APPEND_NEWLINE | orjson.OPT_SERIALIZE_NUMPY
+# One record per line: numpy integers written as integers.
+JSON_LINE = orjson.OPT_APPEND_NEWLINE | orjson.OPT_SERIALIZE_NUMPY
 
 
 class TraceWriter:
@@ -320,7 +321,7 @@ class TraceWriter:
     def write(self, event: Event | dict) -> None:
         # orjson writes the dataclass (or a dict of its fields) itself, optional
         # fields as null, numpy integers as integers.
-        self._fh.write(orjson.dumps(event, option=_DUMPS))
+        self._fh.write(orjson.dumps(event, option=JSON_LINE))
 
     def _write_obj(self, obj: dict) -> None:
         self._fh.write(orjson.dumps(obj, option=orjson.OPT_APPEND_NEWLINE))
