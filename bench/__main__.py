@@ -65,7 +65,7 @@ def main() -> None:
                      f"{r['ratio_median']:.3f}x engine time (quartiles {r['ratio_q1']:.3f}-{r['ratio_q3']:.3f},"
                      f" {r['rounds']} interleaved rounds; unrecorded/unrecorded {r['control_median']:.3f});"
                      f" {r['recorder_us_per_step']:.0f} us per step on an engine step of "
-                     f"{r['engine_ms_per_step']:.2f} ms; measured directly: capture on the engine's thread "
+                     f"{r['engine_ms_per_step']:.2f} ms; measured directly: on the engine's thread "
                      f"{r['capture_us_per_step']:.0f} us + writer thread {r['writer_us_per_step']:.0f} us"
                      f" = {r['own_ratio']:.3f}x", f"<= {r['target']:.2f}x"))
 

@@ -27,7 +27,7 @@ from kvtrace.trace.events import (
     SchedulerConfig,
     to_json,
 )
-from kvtrace.trace.io import TraceReader, TraceWriter, open_trace_file
+from kvtrace.trace.io import TraceError, TraceReader, TraceWriter, open_trace_file
 
 
 class Status(enum.IntEnum):  # vLLM's RequestStatus numbering, in part
@@ -110,10 +110,10 @@ def test_engine_death_leaves_a_trace_cut_after_its_last_event(tmp_path):
     s = ProcessSink(path, header())
     feed(s)
     deadline = time.monotonic() + 10
-    while s._q and time.monotonic() < deadline:
+    while s._out and time.monotonic() < deadline:  # the writer thread sends what waits
         time.sleep(0.01)
-    time.sleep(0.05)                      # the writer thread's last send
-    s.write_error = "the engine is gone"  # its thread sends nothing more
+    assert not s._out
+    s.write_error = "the engine is gone"  # nothing more is sent
     s._sock.close()                       # the engine's end of the connection goes away
     assert s._proc.wait(10) == 0
     s.close()
@@ -121,6 +121,60 @@ def test_engine_death_leaves_a_trace_cut_after_its_last_event(tmp_path):
     evs = list(r)
     assert [e.kind for e in evs][-1] == "abort" and len(evs) == 8
     assert r.end is None and "cut off" in r.truncation
+
+
+def test_a_quiet_engine_leaves_its_events_on_disk(tmp_path):
+    """Events put just before the engine goes quiet reach the file while the
+    engine still runs: the writer thread sends what waits, and the writer process
+    flushes when nothing has come for a while."""
+    path = tmp_path / "quiet.jsonl.zst"
+    s = ProcessSink(path, header())
+    feed(s)
+    deadline = time.monotonic() + 10
+    evs: list = []
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        try:
+            evs = list(TraceReader(path))
+        except TraceError:   # nothing on disk yet
+            continue
+        if len(evs) == 8:
+            break
+    assert s._proc.poll() is None       # still running: nothing was closed
+    assert len(evs) == 8 and evs[-1].kind == "abort"
+    s.close()
+    assert list(TraceReader(path))[-1].status == "complete"
+
+
+def test_a_stalled_writer_process_never_blocks_the_engine(tmp_path):
+    """With the writer process stopped, ``put`` still returns at once: lines wait
+    in the engine's process, at most ``maxsize`` events, and the rest are counted
+    as dropped. Once the writer runs again, the trace holds every event kept and
+    says how many were dropped."""
+    import signal
+    import threading
+
+    path = tmp_path / "stalled.jsonl"
+    s = ProcessSink(path, header(), maxsize=50)
+    os.kill(s._proc.pid, signal.SIGSTOP)
+    try:
+        big = [f"request-{i:06d}" for i in range(2000)]   # about 34 kB per event
+        def engine():
+            for _ in range(200):
+                s.put(Abort(seq=0, reqs=big))
+                time.sleep(0.001)
+        t = threading.Thread(target=engine)
+        t.start()
+        t.join(30)
+        assert not t.is_alive(), "put blocked on a stalled writer process"
+        assert s.dropped > 0 and s.dropped < 200
+    finally:
+        os.kill(s._proc.pid, signal.SIGCONT)
+    s.close()
+    r = TraceReader(path)
+    evs = list(r)
+    assert len(evs) - 1 + s.dropped == 200
+    assert evs[-1].status == "recorder-error" and evs[-1].dropped_events == s.dropped
 
 
 def test_a_failing_disk_ends_the_trace_with_recorder_error(tmp_path, monkeypatch):
@@ -257,3 +311,14 @@ def test_without_a_writer_process_the_trace_is_written_from_a_thread(tmp_path, m
     s.close()
     evs = list(TraceReader(tmp_path / "t.jsonl"))
     assert len(evs) == 9 and evs[-1].status == "complete"
+
+
+def test_the_writer_process_imports_kvtrace_from_where_the_engine_did(monkeypatch):
+    """A source tree goes first on the writer process's PYTHONPATH; an installed
+    kvtrace (in site-packages) leaves the user's PYTHONPATH as it is."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(sink_mod.__file__))))
+    monkeypatch.setenv("PYTHONPATH", "/the/users/own")
+    monkeypatch.setattr(sink_mod, "_site_dirs", lambda: set())
+    assert sink_mod._child_env()["PYTHONPATH"] == os.pathsep.join([root, "/the/users/own"])
+    monkeypatch.setattr(sink_mod, "_site_dirs", lambda: {sink_mod.Path(root).resolve()})
+    assert sink_mod._child_env()["PYTHONPATH"] == "/the/users/own"

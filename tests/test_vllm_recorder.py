@@ -123,8 +123,8 @@ def test_recorded_run_generates_the_same_tokens(tmp_path, model_dir):
 
 
 def test_incremental_block_tables_equal_the_managers_own(tmp_path, model_dir, monkeypatch):
-    """The engine's thread keeps a reference to each request's block list and its
-    length; the writer thread reads the ids later, incrementally (BlockTables).
+    """Capture keeps a reference to each request's block list and its length; the
+    sink reads the ids from it, incrementally (BlockTables).
     Every block table in the trace must equal what vLLM's own get_block_ids
     returned at the moment of that snapshot, over a run with preemptions, and
     most snapshots must reuse ids already read."""

@@ -1,31 +1,37 @@
-"""Where the recorder's events go: a bounded queue, then the trace file.
+"""Where the recorder's events go: from the engine's thread to the trace file.
 
 Data flow, one way::
 
-    engine's thread        writer thread (engine's process)     trace writer
-    ---------------        --------------------------------     ------------
-    capture -> put() ----> Resolver: block ids, statuses -----> Records -> TraceWriter
+    engine's thread                                         trace writer
+    ---------------                                         ------------
+    capture -> put() -> Resolver: block ids, statuses ----> Records -> TraceWriter
 
-The engine's thread only appends to a deque (``put`` never blocks and never
-raises). What happens after that runs elsewhere:
+``put`` never blocks and never raises. Two sinks split the work differently:
 
-* ``ProcessSink`` (the default): the writer thread reads the block ids that only
-  the engine's process can read, and sends each event as one JSON line through a
-  socket pair to ``python -m kvtrace.record.writer_process``. That process builds
-  the schema's records, serializes, compresses and writes the file. Almost none
-  of this work holds the engine's GIL, and a trace is finished properly even when
-  the engine dies without shutting down: the writer process sees the connection
-  close and ends the file where the events end.
-* ``TraceSink``: all of it on the writer thread, in the engine's process
-  (``KVTRACE_WRITER=thread``, or when the writer process cannot be started).
+* ``ProcessSink`` (the default): ``put`` reads, on the engine's thread, the block
+  ids that only the engine's process can read, and encodes the event as one JSON
+  line. At most every ``ProcessSink.SEND_S`` the lines that have piled up go,
+  without blocking, through a socket pair to ``python -m
+  kvtrace.record.writer_process``. That process builds the schema's records,
+  serializes, compresses and writes the file, outside the engine's GIL. A trace
+  is finished properly even when the engine dies without shutting down: the
+  writer process sees the connection close and ends the file where the events
+  end. A writer thread sends lines left waiting when the engine goes quiet.
+* ``TraceSink``: ``put`` appends to a deque, and a writer thread in the engine's
+  process does all the rest (``KVTRACE_WRITER=thread``, or when the writer
+  process cannot be started).
+
+Encoding on the engine's thread costs it about what handing events to a thread
+did, and saves the GIL hand-offs of a thread that wakes to take them: on a
+small CPU engine those cost more than the work itself (docs/performance.md).
 
 When ``maxsize`` events are waiting, ``put`` drops the event and counts it; the
 trace then ends with ``status "recorder-error"`` and ``dropped_events > 0``.
 
-Queue items are the schema's events (``Arrival``, ``Abort``, ``PromptStats``),
-or ``RawStep`` / ``RawOutput``: copies of the engine's own lists and counters,
-taken on its thread with as little Python per request as possible, which
-``Resolver`` and ``Records`` turn into ``step`` and ``output`` records.
+Events are the schema's (``Arrival``, ``Abort``, ``PromptStats``), or ``RawStep``
+/ ``RawOutput``: copies of the engine's own lists and counters, taken on its
+thread with as little Python per request as possible, which ``Resolver`` and
+``Records`` turn into ``step`` and ``output`` records.
 """
 
 from __future__ import annotations
@@ -285,19 +291,17 @@ def _unknown_status(st: Any) -> str:
 # --------------------------------------------------------------------------- sinks
 
 
-class _QueueSink:
-    """A bounded deque that one writer thread drains. ``put`` appends (atomic, no
-    lock, no wake-up) or drops and counts; the thread wakes every ``POLL_S`` and
-    hands whatever has piled up to ``_write``, so the engine's thread pays for
-    neither a lock nor a thread switch per event. ``close`` ends the trace."""
+class _Sink:
+    """What both sinks share: the writer thread, the drop count, how a write
+    failure stops recording, and how the trace ends. ``put`` never blocks and
+    never raises; ``close`` ends the trace."""
 
-    POLL_S = 0.01
+    POLL_S = 0.01  # how often the writer thread looks for work
 
     def __init__(self, path: str | os.PathLike, maxsize: int | None):
         if maxsize is None:
             maxsize = int(os.environ.get(ENV_QUEUE, DEFAULT_QUEUE_SIZE))
         self.path = Path(path)
-        self._q: deque = deque()
         self.maxsize = max(1, maxsize)
         self.dropped = 0
         self.write_error: str | None = None
@@ -314,6 +318,55 @@ class _QueueSink:
         for item in batch:
             self._resolve(item, out)
         return out
+
+    def _failed(self, e: Exception) -> None:
+        self.write_error = f"writing the trace failed: {type(e).__name__}: {e}"
+        logger.error("kvtrace: %s; recording stopped, the engine is unaffected", self.write_error)
+
+    def _end_status(self, status: str, error: str | None) -> tuple[str, str | None]:
+        if self.write_error is not None:
+            return "recorder-error", self.write_error
+        if self.dropped and status == "complete":
+            return "recorder-error", f"{self.dropped} events dropped: the trace writer could not keep up"
+        return status, error
+
+    def close(self, status: str = "complete", error: str | None = None,
+              timeout: float = 60.0, wait: bool = True) -> None:
+        """End the trace with ``status``: the writer thread writes what is waiting,
+        then the end record. With ``wait``, until it has (at most ``timeout``
+        seconds). Events put after this are not recorded."""
+        with self._lock:
+            if not self.closed:
+                self.closed = True
+                self._stop = (status, error)
+                self._wake.set()
+        if wait:
+            self.join(timeout)
+
+    def join(self, timeout: float = 60.0) -> None:
+        """Wait for the writer to finish after ``close``."""
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.error("kvtrace: trace writer is stuck; %s may lack its end record", self.path)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class TraceSink(_Sink):
+    """The whole pipeline on the writer thread, in this process.
+
+    ``put`` appends to a bounded deque (atomic, no lock, no wake-up) or drops and
+    counts; the thread wakes every ``POLL_S`` and writes whatever has piled up,
+    so the engine's thread pays for neither a lock nor a thread switch per event.
+    After ``FLUSH_IDLE_S`` without events it pushes what it has to disk."""
+
+    def __init__(self, path: str | os.PathLike, header: Header, maxsize: int | None = None):
+        super().__init__(path, maxsize)
+        self._q: deque = deque()
+        self._writer = TraceWriter(self.path, header)  # may raise: caller handles it
+        self._records = Records()
+        self._thread.start()
 
     def put(self, ev: Any) -> None:
         if self.closed:
@@ -336,7 +389,7 @@ class _QueueSink:
                     try:
                         self._write(batch)
                         dirty = True
-                    except Exception as e:  # disk full, a dead writer process ...
+                    except Exception as e:  # disk full ...
                         self._failed(e)
                 idle_since = time.monotonic()
                 continue
@@ -348,60 +401,11 @@ class _QueueSink:
                 # a shutdown (SIGKILL) leaves a readable, merely cut-off trace.
                 if self.write_error is None:
                     try:
-                        self._flush()
+                        self._writer.flush()
                     except Exception as e:
                         self._failed(e)
                 dirty = False
             self._wake.wait(self.POLL_S)
-
-    def _failed(self, e: Exception) -> None:
-        self.write_error = f"writing the trace failed: {type(e).__name__}: {e}"
-        logger.error("kvtrace: %s; recording stopped, the engine is unaffected", self.write_error)
-
-    def _end_status(self, status: str, error: str | None) -> tuple[str, str | None]:
-        if self.write_error is not None:
-            return "recorder-error", self.write_error
-        if self.dropped and status == "complete":
-            return "recorder-error", f"{self.dropped} events dropped: the trace writer could not keep up"
-        return status, error
-
-    def close(self, status: str = "complete", error: str | None = None,
-              timeout: float = 60.0, wait: bool = True) -> None:
-        """End the trace with ``status``: the writer writes what is queued, then the
-        end record. With ``wait``, until it has (at most ``timeout`` seconds)."""
-        with self._lock:
-            if not self.closed:
-                self.closed = True
-                self._stop = (status, error)
-                self._wake.set()
-        if wait:
-            self.join(timeout)
-
-    def join(self, timeout: float = 60.0) -> None:
-        """Wait for the writer to finish after ``close``."""
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            logger.error("kvtrace: trace writer is stuck; %s may lack its end record", self.path)
-
-    # Subclasses: write a batch of queue items, flush, write the end.
-    def _write(self, batch: list) -> None:
-        raise NotImplementedError
-
-    def _flush(self) -> None:
-        raise NotImplementedError
-
-    def _finish(self, status: str, error: str | None) -> None:
-        raise NotImplementedError
-
-
-class TraceSink(_QueueSink):
-    """The whole pipeline on the writer thread, in this process."""
-
-    def __init__(self, path: str | os.PathLike, header: Header, maxsize: int | None = None):
-        super().__init__(path, maxsize)
-        self._writer = TraceWriter(self.path, header)  # may raise: caller handles it
-        self._records = Records()
-        self._thread.start()
 
     def _write(self, batch: list) -> None:
         w = self._writer
@@ -409,9 +413,6 @@ class TraceSink(_QueueSink):
             rec = self._records(item, w.next_seq)
             if rec is not None:
                 w.write(rec)
-
-    def _flush(self) -> None:
-        self._writer.flush()
 
     def _finish(self, status: str, error: str | None) -> None:
         status, error = self._end_status(status, error)
@@ -421,24 +422,40 @@ class TraceSink(_QueueSink):
             logger.error("kvtrace: closing the trace %s failed: %s", self.path, e)
 
 
-class ProcessSink(_QueueSink):
-    """Resolve on the writer thread, then send JSON lines to a writer process.
+class ProcessSink(_Sink):
+    """Resolve and encode on the engine's thread, write in a writer process.
 
-    The trace file is opened here, so that a path that cannot be written fails at
-    once, in the engine's process; the writer process inherits the open file.
-    The first line it reads is the header, the last ``["end", status, error,
-    dropped]``. Should the connection close without that line (the engine
-    died), it ends the file after the last event it received, with no end record.
+    ``put`` reads the block ids that only the engine's process can read and
+    encodes the event as one JSON line (together about as much work as handing
+    it to a thread, without the GIL hand-offs a thread costs the engine). At
+    most every ``SEND_S`` it hands the lines that have piled up to a socket pair,
+    without blocking: what the socket does not take waits for the next send. At
+    most ``maxsize`` events wait; more are dropped and counted. The writer
+    thread only sends lines left waiting when the engine goes quiet, and the end.
 
-    The connection is a socket pair written with MSG_NOSIGNAL: a writer process
-    that died makes a send fail, never raises SIGPIPE in the engine. The writer
-    process runs in its own session, so that a Ctrl-C or a signal to the engine's
+    ``python -m kvtrace.record.writer_process`` reads the lines, builds the
+    schema's records, serializes, compresses and writes the file, outside the
+    engine's GIL. The trace file is opened here, so that a path that cannot be
+    written fails at once, in the engine's process; the writer process inherits
+    the open file. The first line it reads is the header, the last ``["end",
+    status, error, dropped]``. Should the connection close without that line
+    (the engine died), it ends the file after the last event it received, with
+    no end record.
+
+    The socket pair is written with MSG_NOSIGNAL: a writer process that died
+    makes a send fail, never raises SIGPIPE in the engine. The writer process
+    runs in its own session, so that a Ctrl-C or a signal to the engine's
     process group does not cut the trace short; it ends when the connection
     closes. A process forked from the engine (without exec) closes its copy of
     the connection, so that it cannot keep the writer waiting."""
 
+    SEND_S = 0.05   # each send wakes the writer process: a few per second is enough
+    POLL_S = 0.05
+
     def __init__(self, path: str | os.PathLike, header: Header, maxsize: int | None = None):
         super().__init__(path, maxsize)
+        self._out: deque[bytes] = deque()  # encoded events the socket has not taken yet
+        self._sent_at = time.monotonic()
         raw = open_trace_file(self.path)  # may raise: caller handles it
         if raw < 3:  # never where the writer process's stdin/stdout/stderr go
             raw, low = fcntl.fcntl(raw, fcntl.F_DUPFD_CLOEXEC, 3), raw
@@ -462,29 +479,74 @@ class ProcessSink(_QueueSink):
         self._sock = mine
         _OPEN.add(self)
         try:
-            self._send(orjson.dumps(to_json(header), option=orjson.OPT_APPEND_NEWLINE))
+            self._sock.sendall(orjson.dumps(to_json(header), option=orjson.OPT_APPEND_NEWLINE),
+                               socket.MSG_NOSIGNAL)
         except BaseException:
             self._hang_up()
             raise
         self._thread.start()
 
-    def _send(self, data: bytes) -> None:
-        # Blocks while the writer process is behind (the GIL is released meanwhile).
-        self._sock.sendall(data, socket.MSG_NOSIGNAL)
+    def put(self, ev: Any) -> None:
+        with self._lock:
+            if self.closed or self.write_error is not None:
+                return
+            if len(self._out) >= self.maxsize:
+                self.dropped += 1
+                return
+            try:
+                lines: list = []
+                self._resolve(ev, lines)
+                self._out.append(b"".join([orjson.dumps(x, option=JSON_LINE) for x in lines]))
+                if time.monotonic() - self._sent_at >= self.SEND_S:
+                    self._send_waiting()
+            except Exception as e:  # a dead writer process ...
+                self._failed(e)
 
-    def _write(self, batch: list) -> None:
-        self._send(b"".join([orjson.dumps(x, option=JSON_LINE) for x in self._resolved(batch)]))
+    def _send_waiting(self) -> None:
+        """Hand the waiting lines to the socket, as many as it takes without
+        blocking (the lock is held)."""
+        self._sent_at = time.monotonic()
+        out = self._out
+        data = b"".join(out)
+        try:
+            n = self._sock.send(data, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+        except BlockingIOError:
+            return            # the writer process is behind: the lines wait
+        if n == len(data):
+            out.clear()
+            return
+        while n >= len(out[0]):
+            n -= len(out.popleft())
+        if n:
+            out[0] = out[0][n:]
 
-    def _flush(self) -> None:
-        self._send(b'["flush"]\n')
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(self.POLL_S)
+            with self._lock:
+                stop = self._stop
+                if (stop is None and self._out and self.write_error is None
+                        and time.monotonic() - self._sent_at >= self.SEND_S):
+                    try:
+                        self._send_waiting()
+                    except Exception as e:
+                        self._failed(e)
+            if stop is not None:
+                self._finish(*stop)
+                return
 
     def _finish(self, status: str, error: str | None) -> None:
+        # Closed: nothing is put any more, so the lines left need no lock.
         status, error = self._end_status(status, error)
+        rest = b"".join(self._out) if self.write_error is None else b""
+        self._out.clear()
         try:
-            if self._proc.poll() is None:
-                self._send(orjson.dumps(["end", status, error, self.dropped], option=JSON_LINE))
-        except Exception as e:
-            logger.error("kvtrace: ending the trace %s failed: %s", self.path, e)
+            if self.write_error is None or self._proc.poll() is None:
+                end = orjson.dumps(["end", status, error, self.dropped], option=JSON_LINE)
+                self._sock.sendall(rest + end, socket.MSG_NOSIGNAL)
+        except Exception as e:   # a dead writer process: reported once
+            if self.write_error is None:
+                self._failed(e)
         finally:
             self._hang_up()
 
@@ -509,7 +571,11 @@ _OPEN: "weakref.WeakSet[ProcessSink]" = weakref.WeakSet()
 
 
 def _close_in_forked_child() -> None:
+    # A forked child has no writer thread, and the lock may have been held by a
+    # thread that does not exist there: the child's copy of the sink records nothing.
     for sink in list(_OPEN):
+        sink.closed = True
+        sink._lock = threading.Lock()
         try:
             sink._sock.close()
         except Exception:
@@ -521,14 +587,27 @@ os.register_at_fork(after_in_child=_close_in_forked_child)
 
 
 def _child_env() -> dict[str, str]:
-    """The writer process imports kvtrace from where this process did."""
+    """The writer process imports kvtrace from where this process did: from a
+    source tree, that tree goes first on its PYTHONPATH. An installed kvtrace is
+    found in site-packages anyway, which then stays behind the user's own
+    PYTHONPATH entries."""
     env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    root = Path(__file__).resolve().parents[2]
+    if root in _site_dirs():
+        return env
+    env["PYTHONPATH"] = str(root) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 
 
-def open_sink(path: str | os.PathLike, header: Header, maxsize: int | None = None) -> _QueueSink:
+def _site_dirs() -> set[Path]:
+    import site
+
+    dirs = list(site.getsitepackages()) if hasattr(site, "getsitepackages") else []
+    dirs.append(site.getusersitepackages())
+    return {Path(d).resolve() for d in dirs}
+
+
+def open_sink(path: str | os.PathLike, header: Header, maxsize: int | None = None) -> _Sink:
     """The sink ``KVTRACE_WRITER`` asks for: ``process`` (default) or ``thread``.
     When the writer process cannot be started, the writer runs in this process
     (and says so): a trace written more slowly beats no trace."""

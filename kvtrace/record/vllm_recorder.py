@@ -20,13 +20,13 @@ Rules the recorder keeps:
 * Every capture is wrapped: the first exception is logged once, the trace is
   marked failed (``End.status == "recorder-error"``), recording stops and the
   engine carries on.
-* Capture on the engine's thread only copies the engine's lists and counters
-  (``RawStep``, ``RawOutput``), mostly with C-level calls, and keeps a reference
-  to each request's block list with its length, into a bounded queue. Block
-  ids, the schema's records, JSON and compression happen elsewhere: see
-  ``kvtrace.record.sink`` (by default a writer process). When the queue is full
-  the event is dropped and counted; the trace then ends with
-  ``status "recorder-error"`` and ``dropped_events > 0``.
+* Capture copies the engine's lists and counters (``RawStep``, ``RawOutput``),
+  mostly with C-level calls, and keeps a reference to each request's block list
+  with its length, so that block ids can be read incrementally. The sink reads
+  them and encodes one JSON line per event; the schema's records, serialization
+  and compression happen in a writer process: see ``kvtrace.record.sink``. When
+  too many events wait, the event is dropped and counted; the trace then ends
+  with ``status "recorder-error"`` and ``dropped_events > 0``.
 
 Which file a scheduler writes is decided by ``open_recorder`` (see
 ``kvtrace.record.vllm_plugin``); a scheduler class built here with no

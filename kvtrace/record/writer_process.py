@@ -8,8 +8,10 @@ sends, one JSON line each:
 * first, the header;
 * resolved items: events, ``["step", ...]``, ``["output", ...]`` and
   ``["statuses", ...]`` (see ``Resolver``), which ``Records`` turns into records;
-* ``["flush"]`` when the engine has been idle: everything so far goes to the file;
 * last, ``["end", status, error, dropped_events]``: the end record, then exit.
+
+When nothing has come for ``FLUSH_IDLE_S``, everything so far goes to the file,
+so that an engine killed without a shutdown leaves a readable trace.
 
 It ignores SIGINT and SIGTERM: a Ctrl-C or a ``kill`` of the process group must
 not cut the trace short while the engine shuts down and sends its end. When the
@@ -24,20 +26,30 @@ events are dropped and the end record, if it can still be written, says
 from __future__ import annotations
 
 import os
+import select
 import signal
 import sys
 
 import orjson
 
-from kvtrace.record.sink import Records
+from kvtrace.record.sink import FLUSH_IDLE_S, Records
 from kvtrace.trace.events import Header
 from kvtrace.trace.io import TraceWriter
 
 
+IDLE = None  # what ``_lines`` yields after FLUSH_IDLE_S without input
+
+
 def _lines(fd: int):
-    """Complete lines read from ``fd`` until it closes."""
+    """Complete lines read from ``fd`` until it closes; ``IDLE`` once whenever
+    nothing has come for ``FLUSH_IDLE_S``."""
     rest = b""
+    poll = select.poll()
+    poll.register(fd, select.POLLIN)
     while True:
+        if not poll.poll(FLUSH_IDLE_S * 1000):
+            yield IDLE
+            poll.poll()
         chunk = os.read(fd, 1 << 20)
         if not chunk:
             return
@@ -54,7 +66,7 @@ def serve(fd_in: int, path: str, fd_out: int) -> int:
     """Write the trace ``path`` (open as ``fd_out``) from the lines on ``fd_in``.
     Returns the exit status: 0 when the file holds everything it was sent."""
     lines = _lines(fd_in)
-    first = next(lines, None)
+    first = next((line for line in lines if line is not IDLE), None)
     if first is None:
         os.close(fd_out)
         return 1
@@ -67,6 +79,10 @@ def serve(fd_in: int, path: str, fd_out: int) -> int:
     error: str | None = None
     for line in lines:
         try:
+            if line is IDLE:
+                if error is None:
+                    writer.flush()
+                continue
             item = orjson.loads(line)
             tag = item[0] if type(item) is list else None
             if tag == "end":
@@ -76,9 +92,6 @@ def serve(fd_in: int, path: str, fd_out: int) -> int:
                 writer.close(status=status, error=message, dropped_events=dropped)
                 return 0 if error is None else 1
             if error is not None:
-                continue
-            if tag == "flush":
-                writer.flush()
                 continue
             rec = records(item, writer.next_seq)
             if rec is not None:
