@@ -123,16 +123,19 @@ def parse(trace: str) -> dict:
     return {"seconds": time.perf_counter() - t, "events": n, "peak_rss": _peak_rss()}
 
 
-def replay(trace: str, kv: bool) -> dict:
+def replay(trace: str, kv: bool, worker: bool | None = None) -> dict:
+    """Replay; with ``kv``, the content check runs in a worker process or not as
+    ``worker`` says (None: as replay decides)."""
     from kvtrace.replay import replay_file
 
     t = time.perf_counter()
-    r = replay_file(trace, device="cpu" if kv else None)
+    r = replay_file(trace, device="cpu" if kv else None, content_worker=worker if kv else False)
     seconds = time.perf_counter() - t
     if r.divergences:
         raise SystemExit(f"{len(r.divergences)} divergences on a clean trace: {r.divergences[0]}")
+    worker_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     return {"seconds": seconds, "steps": r.steps, "peak_rss": _peak_rss(),
-            "slots": getattr(r, "slots_checked", 0)}
+            "worker_peak_rss": worker_rss, "slots": getattr(r, "slots_checked", 0)}
 
 
 def diff(trace: str) -> dict:

@@ -12,6 +12,7 @@ import time
 import orjson
 import pytest
 
+from kvtrace import _child as child_mod
 from kvtrace.record import sink as sink_mod
 from kvtrace.record import writer_process
 from kvtrace.record.sink import BlockTables, ProcessSink, RawOutput, RawStep, TraceSink
@@ -316,9 +317,9 @@ def test_without_a_writer_process_the_trace_is_written_from_a_thread(tmp_path, m
 def test_the_writer_process_imports_kvtrace_from_where_the_engine_did(monkeypatch):
     """A source tree goes first on the writer process's PYTHONPATH; an installed
     kvtrace (in site-packages) leaves the user's PYTHONPATH as it is."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(sink_mod.__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(child_mod.__file__)))
     monkeypatch.setenv("PYTHONPATH", "/the/users/own")
-    monkeypatch.setattr(sink_mod, "_site_dirs", lambda: set())
-    assert sink_mod._child_env()["PYTHONPATH"] == os.pathsep.join([root, "/the/users/own"])
-    monkeypatch.setattr(sink_mod, "_site_dirs", lambda: {sink_mod.Path(root).resolve()})
-    assert sink_mod._child_env()["PYTHONPATH"] == "/the/users/own"
+    monkeypatch.setattr(child_mod, "_site_dirs", lambda: set())
+    assert child_mod.child_env()["PYTHONPATH"] == os.pathsep.join([root, "/the/users/own"])
+    monkeypatch.setattr(child_mod, "_site_dirs", lambda: {child_mod.Path(root).resolve()})
+    assert child_mod.child_env()["PYTHONPATH"] == "/the/users/own"

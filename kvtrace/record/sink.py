@@ -52,6 +52,7 @@ from typing import Any
 
 import orjson
 
+from kvtrace._child import child_env
 from kvtrace.trace.events import (
     STATUSES,
     Header,
@@ -466,7 +467,7 @@ class ProcessSink(_Sink):
                 raise WriterProcessError("this Python does not know its own executable")
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "kvtrace.record.writer_process", str(self.path), str(raw)],
-                stdin=theirs.fileno(), pass_fds=(raw,), close_fds=True, env=_child_env(),
+                stdin=theirs.fileno(), pass_fds=(raw,), close_fds=True, env=child_env(),
                 start_new_session=True)
         except BaseException as e:
             mine.close()
@@ -584,27 +585,6 @@ def _close_in_forked_child() -> None:
 
 
 os.register_at_fork(after_in_child=_close_in_forked_child)
-
-
-def _child_env() -> dict[str, str]:
-    """The writer process imports kvtrace from where this process did: from a
-    source tree, that tree goes first on its PYTHONPATH. An installed kvtrace is
-    found in site-packages anyway, which then stays behind the user's own
-    PYTHONPATH entries."""
-    env = dict(os.environ)
-    root = Path(__file__).resolve().parents[2]
-    if root in _site_dirs():
-        return env
-    env["PYTHONPATH"] = str(root) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
-
-
-def _site_dirs() -> set[Path]:
-    import site
-
-    dirs = list(site.getsitepackages()) if hasattr(site, "getsitepackages") else []
-    dirs.append(site.getusersitepackages())
-    return {Path(d).resolve() for d in dirs}
 
 
 def open_sink(path: str | os.PathLike, header: Header, maxsize: int | None = None) -> _Sink:

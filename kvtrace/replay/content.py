@@ -23,6 +23,14 @@ class ContentCheck:
         self.tables: dict[str, list[int]] = {}     # the engine's table per live request
         self.assumed_loads = False                  # loads inferred from lookups, not recorded
 
+    @property
+    def device(self) -> str:
+        return str(self.kv.device)
+
+    @property
+    def slots_checked(self) -> int:
+        return self.kv.slots_checked
+
     def arrival(self, a: ev.Arrival) -> None:
         self.kv.add_request(a.req, a.prompt_token_ids)
 

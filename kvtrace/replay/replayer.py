@@ -61,7 +61,7 @@ class Replayer:
     """Event-at-a-time replay. ``feed`` takes the events of one trace in order."""
 
     def __init__(self, header: ev.Header, path: str = "<trace>", out: TraceWriter | None = None,
-                 device: str | None = "auto"):
+                 device: str | None = "auto", content_worker: bool = False):
         self.header = header
         self.path = path
         self.cfg = header.config
@@ -69,9 +69,14 @@ class Replayer:
         self.sched = Scheduler(bridge.config_from_header(header),
                                self.connector if header.config.connector else None)
         self.out = out
-        # The shadow-KV content check; device None turns it off.
+        # The shadow-KV content check; device None turns it off. With
+        # ``content_worker`` it runs in a second process that reads ``path`` itself.
         self.content = None
-        if device:
+        if device and content_worker:
+            from .content_worker import ContentWorker
+
+            self.content = ContentWorker(path, device)
+        elif device:
             from .content import ContentCheck   # imports torch; only when the check runs
 
             self.content = ContentCheck(header.config, device)
@@ -110,6 +115,11 @@ class Replayer:
         """The end of the trace: the content check's queued steps are checked."""
         if self.content:
             self._place(self.content.flush())
+
+    def close(self) -> None:
+        """Stop a content worker that is still running (replay ended early)."""
+        if self.content is not None and hasattr(self.content, "close"):
+            self.content.close()
 
     def _place(self, ready: list) -> None:
         """The content check reports its steps in batches, in step order: each
@@ -217,12 +227,15 @@ def _fields(obj) -> dict:
 
 
 def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
-                device: str | None = "auto", progress=None) -> ReplayResult:
+                device: str | None = "auto", progress=None,
+                content_worker: bool | None = None) -> ReplayResult:
     """Replay one trace file. Raises TraceError for unusable input.
 
     ``device`` is where the shadow-KV check runs ("auto", "cpu", "cuda"), or None
     to skip it. ``progress``, if given, is called now and then with the number of
-    steps replayed so far."""
+    steps replayed so far. ``content_worker`` runs the check in a second process
+    (content_worker.py); None decides by the file's size and the machine's cores.
+    The result is the same either way."""
     reader = TraceReader(path)
     header = reader.header
     _check_supported(header, path)
@@ -233,13 +246,18 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
                              meta={"replayed_from": str(path), "recorded_engine": header.engine,
                                    "recorded_engine_version": header.engine_version})
         writer = TraceWriter(out, replayed)
-    if device == "cpu" or (device == "auto" and not _cuda()):
+    if device and content_worker is None:
+        from .content_worker import wanted
+
+        content_worker = wanted(path)
+    in_process = bool(device) and not content_worker
+    if in_process and (device == "cpu" or (device == "auto" and not _cuda())):
         import torch
         torch.set_num_threads(1)   # the check is many small ops: threads only add overhead
-    rp = Replayer(header, str(path), writer, device)
+    rp = Replayer(header, str(path), writer, device, content_worker=bool(content_worker))
     result = ReplayResult(path=str(path), header=header)
     try:
-        with reader, _no_autograd(rp.content is not None):
+        with reader, _no_autograd(in_process):
             for e in reader:
                 result.events += 1
                 rp.feed(e, reader.last_line)
@@ -249,6 +267,7 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
                     progress(rp.steps)
             rp.finish()
     finally:
+        rp.close()
         if writer is not None:
             writer.close(status="complete" if reader.truncation is None else "interrupted",
                          error=reader.truncation)
@@ -259,9 +278,9 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
     result.truncation = reader.truncation
     result.stopped = rp.stopped
     if rp.content:
-        result.device = str(rp.content.kv.device)
+        result.device = rp.content.device
         result.assumed_loads = rp.content.assumed_loads
-        result.slots_checked = rp.content.kv.slots_checked
+        result.slots_checked = rp.content.slots_checked
     return result
 
 

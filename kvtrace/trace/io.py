@@ -13,7 +13,7 @@ import io
 import os
 import zlib
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Any, Iterator
 
 import orjson
 
@@ -237,6 +237,23 @@ class TraceReader:
         self.close()
         if self.end is None and self.truncation is None:
             self.truncation = f"no 'end' record after line {self.last_line}: the recording was cut off"
+
+    def records(self) -> Iterator[tuple[int, Any]]:
+        """(line number, parsed JSON) for each record after the header, not decoded
+        into events and not checked: for a second reader of a file whose events
+        another reader checks (the replay's content worker). Stops where the file
+        is cut off, like iteration."""
+        while True:
+            item = self._next_raw()
+            if item is None:
+                break
+            lineno, raw, complete = item
+            self.last_line = lineno
+            obj = self._parse(lineno, raw, complete)
+            if obj is None:
+                break
+            yield lineno, obj
+        self.close()
 
     def close(self) -> None:
         fh = getattr(self, "_fh", None)

@@ -1,0 +1,162 @@
+"""The content check in a worker process gives the replay the same result as the
+check in process: the same divergences, in the same order and the same words,
+also when replay stops early, the trace is cut off, or a record is bad."""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+
+import orjson
+import pytest
+
+from kvtrace.engine import FAULT_WORKLOADS, record_embedded
+from kvtrace.replay import content_worker, replay_file
+from kvtrace.replay.replayer import Replayer
+from kvtrace.trace import TraceError, TraceReader
+
+TRACES = Path(__file__).resolve().parent.parent / "traces"
+
+
+def both(path, **kw) -> tuple:
+    """(in process, in a worker): the replay results as JSON, and the check's counts."""
+    out = []
+    for worker in (False, True):
+        r = replay_file(path, device="cpu", content_worker=worker, **kw)
+        out.append(([d.to_json() for d in r.divergences], r.slots_checked, r.assumed_loads,
+                    r.device, r.stopped, r.truncation))
+    return out[0], out[1]
+
+
+def kv(divs: list[dict]) -> list[dict]:
+    return [d for d in divs if d["kind"] == "kv-content"]
+
+
+def records(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        return [orjson.loads(line) for line in f if line.strip()]
+
+
+def save(recs: list[dict], path: Path) -> Path:
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in recs))
+    return path
+
+
+@pytest.fixture(scope="module")
+def faulty(tmp_path_factory) -> Path:
+    """An embedded-engine trace whose KV goes wrong several times, among counter
+    divergences."""
+    d = tmp_path_factory.mktemp("worker")
+    res = record_embedded(d / "t.jsonl", workload=FAULT_WORKLOADS["no-reload-after-preempt"],
+                          fault="no-reload-after-preempt")
+    return res.path
+
+
+@pytest.mark.parametrize("path", sorted(TRACES.glob("*.jsonl.gz")) + sorted(TRACES.glob("faults/*.jsonl.gz")),
+                         ids=lambda p: p.name)
+def test_real_vllm_traces_replay_the_same_with_a_worker(path):
+    here, there = both(path)
+    assert there == here
+    assert here[1] > 0   # the check ran
+
+
+def test_divergences_keep_their_place_among_the_others(faulty, monkeypatch):
+    """Content divergences interleave with counter divergences; with the main
+    process far ahead of the worker, or made to wait for it, they land where the
+    check in process puts them."""
+    here, there = both(faulty)
+    divs = here[0]
+    assert len(kv(divs)) >= 2 and len({d["kind"] for d in divs}) >= 2
+    assert there == here
+    monkeypatch.setattr(content_worker, "MAX_LAG", 1)   # wait for the worker at every step
+    assert both(faulty)[1] == here
+
+
+def test_a_trace_cut_off_replays_the_same_up_to_the_cut(faulty, tmp_path):
+    recs = records(faulty)
+    steps = [i for i, r in enumerate(recs) if r["kind"] == "step"]
+    cut = steps[len(steps) * 3 // 4]
+    data = b"".join(orjson.dumps(r) + b"\n" for r in recs[:cut]) + orjson.dumps(recs[cut])[:40]
+    path = tmp_path / "cut.jsonl"
+    path.write_bytes(data)
+    here, there = both(path)
+    assert here[5] and "cut off" in here[5]
+    assert kv(here[0])
+    assert there == here
+
+
+def test_a_replay_stopped_by_an_engine_assertion_drops_later_content_results(faulty, tmp_path):
+    """Replay stops at the assertion; the worker checks the whole file, but what
+    it finds after the stop is not reported."""
+    recs = records(faulty)
+    whole = replay_file(faulty, device="cpu", content_worker=False)
+    last_kv = max(d.seq for d in whole.divergences if d.kind == "kv-content")
+    # A step between the first content divergence and the last, where the
+    # connector's answer now claims more cached tokens than the request has.
+    first_kv = min(d.seq for d in whole.divergences if d.kind == "kv-content")
+    at = next(i for i, r in enumerate(recs) if r["kind"] == "step" and first_kv < r["seq"] < last_kv
+              and r.get("lookups"))
+    for lk in recs[at]["lookups"]:
+        lk["ext"] = 800 - lk["local"]
+    path = save(recs, tmp_path / "stops.jsonl")
+    here, there = both(path)
+    assert here[4] and "assertion" in here[4]
+    assert kv(here[0]) and max(d["seq"] for d in kv(here[0])) < recs[at]["seq"]
+    assert there == here
+
+
+def test_bad_input_gets_the_same_error_and_leaves_no_worker(faulty, tmp_path):
+    recs = records(faulty)
+    mid = len(recs) // 2
+    recs[mid]["seq"] = "seven"
+    path = save(recs, tmp_path / "bad.jsonl")
+    errors = []
+    for worker in (False, True):
+        with pytest.raises(TraceError) as e:
+            replay_file(path, device="cpu", content_worker=worker)
+        errors.append(str(e.value))
+    assert errors[0] == errors[1] and f":{mid + 1}: field 'seq'" in errors[0]   # the header is line 1
+
+
+def test_a_worker_that_dies_is_an_error_not_a_clean_replay(faulty):
+    """Results the worker never sent must not read as 'no divergence'."""
+    reader = TraceReader(faulty)
+    rp = Replayer(reader.header, str(faulty), device="cpu", content_worker=True)
+    rp.content._proc.kill()
+    rp.content._proc.wait()
+    with reader:
+        for e in reader:
+            rp.feed(e, reader.last_line)
+    with pytest.raises(content_worker.ContentWorkerError, match="exit code -9"):
+        rp.finish()
+    rp.close()
+
+
+def test_when_the_worker_is_used(tmp_path, monkeypatch):
+    small = tmp_path / "small.jsonl"
+    small.write_bytes(b"{}\n")
+    big = tmp_path / "big.jsonl"
+    with open(big, "wb") as f:
+        f.truncate(content_worker.MIN_BYTES)
+    monkeypatch.delenv(content_worker.ENV, raising=False)
+    monkeypatch.setattr(content_worker.os, "cpu_count", lambda: 2)
+    assert not content_worker.wanted(small) and content_worker.wanted(big)
+    monkeypatch.setattr(content_worker.os, "cpu_count", lambda: 1)
+    assert not content_worker.wanted(big)
+    monkeypatch.setenv(content_worker.ENV, "1")
+    assert content_worker.wanted(small)
+    monkeypatch.setenv(content_worker.ENV, "0")
+    assert not content_worker.wanted(big)
+
+
+def test_the_command_reports_the_same_with_a_worker(faulty, monkeypatch, capsysbinary):
+    from kvtrace.cli import run
+
+    outputs = []
+    for choice in ("0", "1"):
+        monkeypatch.setenv(content_worker.ENV, choice)
+        assert run(["replay", "--json", "--device", "cpu", str(faulty)]) == 1
+        outputs.append(capsysbinary.readouterr().out)
+    assert b"kv-content" in outputs[0]
+    assert outputs[1] == outputs[0]
