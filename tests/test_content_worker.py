@@ -160,3 +160,18 @@ def test_the_command_reports_the_same_with_a_worker(faulty, monkeypatch, capsysb
         outputs.append(capsysbinary.readouterr().out)
     assert b"kv-content" in outputs[0]
     assert outputs[1] == outputs[0]
+
+
+def test_a_trace_that_grows_during_replay_is_an_error(faulty, tmp_path):
+    """The worker reads the file on its own: if it saw a shorter file than the
+    main process (a trace still being written), replay says so instead of
+    reporting steps as checked."""
+    recs = records(faulty)
+    short = save(recs[: len(recs) // 2], tmp_path / "short.jsonl")
+    rp = Replayer(TraceReader(short).header, str(short), device="cpu", content_worker=True)
+    with TraceReader(faulty) as reader:
+        for e in reader:
+            rp.feed(e, reader.last_line)
+    with pytest.raises(content_worker.ContentWorkerError, match="still being written"):
+        rp.finish()
+    rp.close()

@@ -13,14 +13,19 @@ that check and only decodes the fields the content check reads, without
 validating them. A record the main process refuses ends the replay there, with
 the main process's error, whatever the worker made of it.
 
-Results come back in step order as ``("ready", through_line, [(line,
-divergences), ...])``: every step up to ``through_line`` has been checked, and
-the listed ones have divergences. The main process gives each step the place it
-would have had with the check in process (``ContentWorker.step`` returns the
-same ``(tag, divergences)`` as ``ContentCheck.step``), so a replay reports the
-same divergences, in the same order, either way. Results for lines the main
-process never reached (a replay stopped at an engine assertion, or cut short by
-bad input) are dropped.
+The worker reports in step order, per step: (line, divergences or None, slots
+checked so far, loads assumed so far). The main process pairs each of its own
+steps with the worker's result for the same line and gives its divergences the
+place they would have had with the check in process (``ContentWorker.step``
+returns what ``ContentCheck.step`` returns), so a replay reports the same
+divergences, in the same order and words, and the same counts, either way.
+Results for steps the main process never replayed (a replay stopped at an
+engine assertion) are dropped. A worker that stops before a step the main
+process replayed is an error (``ContentWorkerError``), never a clean replay.
+
+Memory stays bounded on both sides: the main process reads only a bounded
+number of results ahead of its own steps (a worker that is ahead then waits on
+the pipe), and waits for the worker when it is ``MAX_LAG`` steps ahead.
 """
 
 from __future__ import annotations
@@ -121,8 +126,12 @@ class ContentWorker:
             self._receive()
             out += self._match()
         if self._tags:   # steps replayed here that the worker never checked
-            raise ContentWorkerError(f"the content check stopped at line {self._end['line']} "
-                                     f"of the trace: {self._end['error']}")
+            line, error = self._end["line"], self._end["error"]
+            if error is None:   # it read the whole file, and the file was shorter
+                raise ContentWorkerError(
+                    f"the trace grew after line {line} while it was replayed (is it still being "
+                    f"written?): replay it once it is complete, or with {ENV}=0")
+            raise ContentWorkerError(f"the content check stopped at line {line} of the trace: {error}")
         self.device = self._end["device"]
         return out
 
