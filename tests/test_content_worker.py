@@ -125,10 +125,10 @@ def test_a_worker_that_dies_is_an_error_not_a_clean_replay(faulty):
     rp = Replayer(reader.header, str(faulty), device="cpu", content_worker=True)
     rp.content._proc.kill()
     rp.content._proc.wait()
-    with reader:
-        for e in reader:
-            rp.feed(e, reader.last_line)
     with pytest.raises(content_worker.ContentWorkerError, match="exit code -9"):
+        with reader:
+            for e in reader:
+                rp.feed(e, reader.last_line)
         rp.finish()
     rp.close()
 
@@ -174,4 +174,23 @@ def test_a_trace_that_grows_during_replay_is_an_error(faulty, tmp_path):
             rp.feed(e, reader.last_line)
     with pytest.raises(content_worker.ContentWorkerError, match="still being written"):
         rp.finish()
+    rp.close()
+
+
+def test_a_worker_that_cannot_start_its_check_fails_the_replay_early(faulty, monkeypatch):
+    """A device the worker cannot use ends the replay at once, with the reason."""
+    import time
+
+    from kvtrace.replay import replayer
+
+    reader = TraceReader(faulty)
+    rp = Replayer(reader.header, str(faulty), device="no-such-device", content_worker=True)
+    deadline = time.monotonic() + 60
+    with pytest.raises(content_worker.ContentWorkerError, match="unknown device 'no-such-device'"):
+        with reader:
+            for e in reader:
+                rp.feed(e, reader.last_line)
+                if isinstance(e, replayer.ev.Step):
+                    time.sleep(0.05)        # give the worker time to start
+                assert time.monotonic() < deadline
     rp.close()

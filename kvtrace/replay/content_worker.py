@@ -19,8 +19,8 @@ steps with the worker's result for the same line and gives its divergences the
 place they would have had with the check in process (``ContentWorker.step``
 returns what ``ContentCheck.step`` returns), so a replay reports the same
 divergences, in the same order and words, and the same counts, either way.
-Results for steps the main process never replayed (a replay stopped at an
-engine assertion) are dropped. A worker that stops before a step the main
+Once the main process has every result it needs (a replay stopped at an
+engine assertion needs none past the stop), it stops the worker. A worker that stops before a step the main
 process replayed is an error (``ContentWorkerError``), never a clean replay.
 
 Memory stays bounded on both sides: the main process reads only a bounded
@@ -113,6 +113,8 @@ class ContentWorker:
         # so that its results do not pile up here.
         while self._end is None and len(self._results) < MAX_AHEAD and self._conn.poll():
             self._receive()
+        if self._end is not None and self._end["error"] and not self._end["line"]:
+            self._failed()   # before reading any record: the device, the file
         out = self._match()
         while len(self._tags) > MAX_LAG and self._end is None:   # the worker is behind
             self._receive()
@@ -120,20 +122,24 @@ class ContentWorker:
         return out
 
     def flush(self) -> list[tuple[object, list[Divergence]]]:
-        """Wait for the worker to finish the file; the remaining results."""
+        """Wait for the worker's results for every step replayed here; returns
+        those not returned yet. The rest of the worker's work is not needed (a
+        replay that stopped early): ``close`` stops it."""
         out = self._match()
-        while self._end is None:
+        while (self._tags or self.device is None) and self._end is None:
             self._receive()
             out += self._match()
         if self._tags:   # steps replayed here that the worker never checked
-            line, error = self._end["line"], self._end["error"]
-            if error is None:   # it read the whole file, and the file was shorter
-                raise ContentWorkerError(
-                    f"the trace grew after line {line} while it was replayed (is it still being "
-                    f"written?): replay it once it is complete, or with {ENV}=0")
-            raise ContentWorkerError(f"the content check stopped at line {line} of the trace: {error}")
-        self.device = self._end["device"]
+            self._failed()
         return out
+
+    def _failed(self):
+        line, error = self._end["line"], self._end["error"]
+        if error is None:   # it read the whole file, and the file was shorter
+            raise ContentWorkerError(
+                f"the trace grew after line {line} while it was replayed (is it still being "
+                f"written?): replay it once it is complete, or with {ENV}=0")
+        raise ContentWorkerError(f"the content check stopped at line {line} of the trace: {error}")
 
     def close(self) -> None:
         if self._proc.poll() is None:
@@ -153,6 +159,8 @@ class ContentWorker:
             return
         if msg[0] == "ready":
             self._results.extend(msg[1])
+        elif msg[0] == "device":
+            self.device = msg[1]
         else:   # ("end", report)
             self._end = msg[1]
 
@@ -161,16 +169,13 @@ class ContentWorker:
         out = []
         tags, results = self._tags, self._results
         while tags and results:
-            line, tag = tags[0]
-            at, divs, self.slots_checked, self.assumed_loads = results[0]
-            if at > line:
-                raise ContentWorkerError(f"the content check has no result for line {line}")
-            results.popleft()
-            if at == line:
-                tags.popleft()
-                if divs:
-                    out.append((tag, divs))
-            # at < line: a step this process never replayed
+            line, tag = tags.popleft()
+            at, divs, self.slots_checked, self.assumed_loads = results.popleft()
+            if at != line:
+                raise ContentWorkerError(f"the content check's result for line {at} came where "
+                                         f"line {line} was expected")
+            if divs:
+                out.append((tag, divs))
         return out
 
 
@@ -187,7 +192,7 @@ def _serve(path: str, device: str, conn: Connection) -> None:
     from .content import ContentCheck
 
     torch.set_num_threads(1)   # the main process has the other core
-    report = {"line": 0, "error": None, "device": None}
+    report = {"line": 0, "error": None}
     queued: deque[tuple[int, int, bool]] = deque()   # per step queued: line, counts then
     done: list[tuple] = []
 
@@ -204,7 +209,7 @@ def _serve(path: str, device: str, conn: Connection) -> None:
     try:
         reader = TraceReader(path, validate=False)
         check = ContentCheck(reader.header.config, device)
-        report["device"] = check.device
+        conn.send(("device", check.device))
         with torch.inference_mode():
             for n, (line, obj) in enumerate(reader.records(), 1):
                 kind = obj.get("kind")
