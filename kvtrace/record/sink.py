@@ -451,6 +451,7 @@ class ProcessSink(_Sink):
     the connection, so that it cannot keep the writer waiting."""
 
     SEND_S = 0.05   # each send wakes the writer process: a few per second is enough
+    SEND_MAX = 1 << 20   # bytes offered to the socket at once
     POLL_S = 0.05
 
     def __init__(self, path: str | os.PathLike, header: Header, maxsize: int | None = None):
@@ -508,15 +509,17 @@ class ProcessSink(_Sink):
         blocking (the lock is held)."""
         self._sent_at = time.monotonic()
         out = self._out
-        data = b"".join(out)
+        take, size = [], 0
+        for lines in out:   # no more than the socket can take: lines may pile up
+            take.append(lines)
+            size += len(lines)
+            if size >= self.SEND_MAX:
+                break
         try:
-            n = self._sock.send(data, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+            n = self._sock.send(b"".join(take), socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
         except BlockingIOError:
             return            # the writer process is behind: the lines wait
-        if n == len(data):
-            out.clear()
-            return
-        while n >= len(out[0]):
+        while out and n >= len(out[0]):
             n -= len(out.popleft())
         if n:
             out[0] = out[0][n:]
