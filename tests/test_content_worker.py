@@ -106,6 +106,39 @@ def test_a_replay_stopped_by_an_engine_assertion_drops_later_content_results(fau
     assert there == here
 
 
+def test_records_after_the_stop_that_fail_the_worker_do_not_fail_the_replay(faulty, tmp_path):
+    """After an engine assertion the main process reads nothing more, but the
+    worker goes on; a record there that breaks the check (a live request arriving
+    again) must not cost the results of the steps before the stop."""
+    recs = records(faulty)
+    whole = replay_file(faulty, device="cpu", content_worker=False)
+    kv_seqs = [d.seq for d in whole.divergences if d.kind == "kv-content"]
+    at = next(i for i, r in enumerate(recs) if r["kind"] == "step" and min(kv_seqs) < r["seq"] < max(kv_seqs)
+              and r.get("lookups"))
+    for lk in recs[at]["lookups"]:
+        lk["ext"] = 800 - lk["local"]
+    live = recs[at]["states"][0]["req"]
+    again = dict(next(r for r in recs if r["kind"] == "arrival" and r["req"] == live))
+    for r in recs:
+        if "seq" in r:
+            r["seq"] *= 2
+    again["seq"] = recs[at]["seq"] + 1
+    recs.insert(at + 1, again)
+    here, there = both(save(recs, tmp_path / "again.jsonl"))
+    assert here[4] and kv(here[0])
+    assert there == here
+
+
+def test_a_check_that_never_starts_fails_even_without_steps(tmp_path):
+    header = records(TRACES / "preemption.jsonl.gz")[0]
+    arrival = next(r for r in records(TRACES / "preemption.jsonl.gz") if r["kind"] == "arrival")
+    path = save([header, dict(arrival, seq=1)], tmp_path / "no-steps.jsonl")
+    with pytest.raises(ValueError, match="unknown device"):
+        replay_file(path, device="no-such-device", content_worker=False)
+    with pytest.raises(content_worker.ContentWorkerError, match="unknown device"):
+        replay_file(path, device="no-such-device", content_worker=True)
+
+
 def test_bad_input_gets_the_same_error_and_leaves_no_worker(faulty, tmp_path):
     recs = records(faulty)
     mid = len(recs) // 2

@@ -178,6 +178,32 @@ def test_a_stalled_writer_process_never_blocks_the_engine(tmp_path):
     assert evs[-1].status == "recorder-error" and evs[-1].dropped_events == s.dropped
 
 
+def test_an_event_that_cannot_be_encoded_ends_the_trace_whole(tmp_path):
+    """An error in put after the socket took part of a line: the rest of the
+    waiting lines still go before the end line, so the trace ends with its end
+    record (recorder-error, naming the problem), not with half a line."""
+    import signal
+
+    path = tmp_path / "enc.jsonl"
+    s = ProcessSink(path, header())
+    os.kill(s._proc.pid, signal.SIGSTOP)
+    try:
+        big = [f"request-{i:06d}" for i in range(2000)]
+        for _ in range(30):                   # more than the socket holds: lines wait
+            s.put(Abort(seq=0, reqs=big))
+            time.sleep(0.01)
+        s._sent_at = 0.0
+        s.put(object())                       # not a trace event: cannot be encoded
+        assert s.write_error and "TypeError" in s.write_error and s._out
+    finally:
+        os.kill(s._proc.pid, signal.SIGCONT)
+    s.close()
+    r = TraceReader(path)
+    evs = list(r)
+    assert r.end is not None and evs[-1].status == "recorder-error" and "TypeError" in evs[-1].error
+    assert len(evs) == 31 and all(e.kind == "abort" for e in evs[:-1])
+
+
 def test_a_failing_disk_ends_the_trace_with_recorder_error(tmp_path, monkeypatch):
     """The writer process's side: after a write fails, later events are dropped
     and the end record says why."""

@@ -540,9 +540,11 @@ class ProcessSink(_Sink):
                 return
 
     def _finish(self, status: str, error: str | None) -> None:
-        # Closed: nothing is put any more, so the lines left need no lock.
+        # Closed: nothing is put any more, so the lines left need no lock. They are
+        # sent even after an error in put: the first may be partly sent already,
+        # and the end line must not be glued to half a line.
         status, error = self._end_status(status, error)
-        rest = b"".join(self._out) if self.write_error is None else b""
+        rest = b"".join(self._out)
         self._out.clear()
         try:
             if self.write_error is None or self._proc.poll() is None:

@@ -88,6 +88,7 @@ class ContentWorker:
         self._conn = Connection(mine, writable=False)
         self._tags: deque[tuple[int, object]] = deque()   # (line, tag) of steps replayed here
         self._results: deque[tuple] = deque()   # the worker's, per step, not matched yet
+        self._last = 0                          # the line of the worker's last result
         self._end: dict | None = None
         # What ContentCheck offers after a replay, as of the last step replayed here.
         self.assumed_loads = False
@@ -113,9 +114,9 @@ class ContentWorker:
         # so that its results do not pile up here.
         while self._end is None and len(self._results) < MAX_AHEAD and self._conn.poll():
             self._receive()
-        if self._end is not None and self._end["error"] and not self._end["line"]:
-            self._failed()   # before reading any record: the device, the file
         out = self._match()
+        if self._end is not None and self._tags:
+            self._failed()   # the worker is done, and has no result for this step
         while len(self._tags) > MAX_LAG and self._end is None:   # the worker is behind
             self._receive()
             out += self._match()
@@ -129,11 +130,13 @@ class ContentWorker:
         while (self._tags or self.device is None) and self._end is None:
             self._receive()
             out += self._match()
-        if self._tags:   # steps replayed here that the worker never checked
+        if self._tags or self.device is None:   # steps never checked, or no check at all
             self._failed()
         return out
 
     def _failed(self):
+        if self._end is None:
+            self._end = {"line": self._last, "error": "no report"}
         line, error = self._end["line"], self._end["error"]
         if error is None:   # it read the whole file, and the file was shorter
             raise ContentWorkerError(
@@ -148,17 +151,19 @@ class ContentWorker:
             self._proc.wait(10)
         except subprocess.TimeoutExpired:
             self._proc.kill()
+            self._proc.wait()
         self._conn.close()
 
     def _receive(self) -> None:
         try:
             msg = self._conn.recv()
         except EOFError:
-            self._end = {"line": self._results[-1][0] if self._results else 0,
-                         "error": f"its process ended (exit code {self._proc.wait()})"}
+            self._end = {"line": self._last, "error": f"its process ended (exit code {self._proc.wait()})"}
             return
         if msg[0] == "ready":
             self._results.extend(msg[1])
+            if msg[1]:
+                self._last = msg[1][-1][0]
         elif msg[0] == "device":
             self.device = msg[1]
         else:   # ("end", report)
@@ -228,6 +233,11 @@ def _serve(path: str, device: str, conn: Connection) -> None:
             ready(check.flush())
     except Exception as e:   # a record the main process refuses, or a bug
         report["error"] = f"{type(e).__name__}: {e}"
+        try:   # the steps queued before the failing record still count
+            with torch.inference_mode():   # the shadow cache's tensors were made in it
+                ready([r for r in check.flush() if r[0] < line])
+        except Exception:
+            pass
     report["line"] = line
     try:
         send()
