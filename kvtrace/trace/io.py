@@ -207,15 +207,7 @@ class TraceReader:
 
     def __iter__(self) -> Iterator[Event]:
         last_seq = -1
-        while True:
-            item = self._next_raw()
-            if item is None:
-                break
-            lineno, raw, complete = item
-            self.last_line = lineno
-            obj = self._parse(lineno, raw, complete)
-            if obj is None:
-                break
+        for lineno, obj in self.records():
             try:
                 ev = decode(obj)
             except SchemaError as e:
@@ -234,15 +226,14 @@ class TraceReader:
             if isinstance(ev, End):
                 self.end = ev
             yield ev
-        self.close()
         if self.end is None and self.truncation is None:
             self.truncation = f"no 'end' record after line {self.last_line}: the recording was cut off"
 
     def records(self) -> Iterator[tuple[int, Any]]:
         """(line number, parsed JSON) for each record after the header, not decoded
-        into events and not checked: for a second reader of a file whose events
-        another reader checks (the replay's content worker). Stops where the file
-        is cut off, like iteration."""
+        into events and not checked; iteration decodes and checks them. On its own,
+        for a second reader of a file whose events another reader checks (the
+        replay's content worker). Stops where the file is cut off, and closes it."""
         while True:
             item = self._next_raw()
             if item is None:
