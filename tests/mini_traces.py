@@ -1,4 +1,5 @@
-"""Small hand-made traces for format, diff and CLI tests.
+"""Small hand-made traces for format, diff and CLI tests, and the records of a
+trace file as dicts, for tests that edit traces (``load_records``/``save_records``).
 
 ``write_mini_trace`` runs a toy schedule (whole-prompt prefill, then one token
 per step, blocks handed out in order) and writes it with TraceWriter. The
@@ -7,8 +8,11 @@ numbers are self-consistent but do not come from the reference scheduler.
 
 from __future__ import annotations
 
+import gzip
 from pathlib import Path
 from typing import Callable
+
+import orjson
 
 from kvtrace.trace.events import (
     Arrival, Header, Output, PromptStats, PrefillStats, RequestState, ScheduledNew,
@@ -113,3 +117,16 @@ def write_mini_trace(
 def _state(req: str, s: dict, status: str = "RUNNING") -> RequestState:
     return RequestState(req=req, status=status, num_computed_tokens=s["computed"],
                         num_tokens=s["tokens"], num_preemptions=0, block_ids=list(s["blocks"]))
+
+
+def load_records(path: Path) -> list[dict]:
+    """Every record of a trace file (plain or gzip), header first, as dicts."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        return [orjson.loads(line) for line in f if line.strip()]
+
+
+def save_records(records: list[dict], path: Path) -> Path:
+    """Write ``records`` as a plain trace file; returns ``path``."""
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
+    return path

@@ -4,14 +4,14 @@ every counter still agrees with the reference."""
 
 from __future__ import annotations
 
-import gzip
 from pathlib import Path
 
-import orjson
 import pytest
 
 from kvtrace.engine import FAULT_WORKLOADS, record_embedded
 from kvtrace.replay import replay_file
+
+from mini_traces import load_records, save_records
 
 TRACES = Path(__file__).resolve().parent.parent / "traces"
 COUNTER_KINDS = {"counter", "stats", "lookup"}
@@ -19,17 +19,6 @@ COUNTER_KINDS = {"counter", "stats", "lookup"}
 
 def content(divs):
     return [d for d in divs if d.kind == "kv-content"]
-
-
-def load(path: Path) -> list[dict]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        return [orjson.loads(line) for line in f if line.strip()]
-
-
-def save(records: list[dict], path: Path) -> Path:
-    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
-    return path
 
 
 @pytest.mark.parametrize("path", sorted(TRACES.glob("*.jsonl.gz")), ids=lambda p: p.name)
@@ -77,7 +66,7 @@ def test_batches_place_divergences_as_single_steps_would(tmp_path, fault, monkey
 
 def _clean_offload(tmp_path) -> list[dict]:
     res = record_embedded(tmp_path / "clean.jsonl", workload="offload", seed=0)
-    recs = load(res.path)
+    recs = load_records(res.path)
     assert replay_file(res.path).divergences == []
     return recs
 
@@ -87,7 +76,7 @@ def test_missing_load_is_caught_even_when_every_counter_matches(tmp_path):
     # Drop the first planned load: the engine counts the hit but never loads it.
     step = next(r for r in recs if r["kind"] == "step" and r.get("loads"))
     victim = step["loads"].pop(0)["req"]
-    divs = replay_file(save(recs, tmp_path / "edited.jsonl")).divergences
+    divs = replay_file(save_records(recs, tmp_path / "edited.jsonl")).divergences
     assert not [d for d in divs if d.kind in COUNTER_KINDS]
     hit = [d for d in content(divs) if d.req == victim]
     assert hit and "never written" in hit[0].recorded
@@ -105,7 +94,7 @@ def _first_admission_with_hit(recs: list[dict]):
 
 def test_wrong_prefix_hit_is_caught_even_when_every_counter_matches(tmp_path):
     res = record_embedded(tmp_path / "clean.jsonl", workload="shared-prefix", seed=0)
-    recs = load(res.path)
+    recs = load_records(res.path)
     step, entry = _first_admission_with_hit(recs)
     req, good = entry["req"], entry["block_ids"][0]
     # Point the hit at a block that some other request computed with other tokens.
@@ -117,7 +106,7 @@ def test_wrong_prefix_hit_is_caught_even_when_every_counter_matches(tmp_path):
             for s in r.get(group, []):
                 if s["req"] == req:
                     s["block_ids"] = [wrong if b == good else b for b in s["block_ids"]]
-    divs = replay_file(save(recs, tmp_path / "edited.jsonl")).divergences
+    divs = replay_file(save_records(recs, tmp_path / "edited.jsonl")).divergences
     assert not [d for d in divs if d.kind in COUNTER_KINDS]
     hit = [d for d in content(divs) if d.req == req]
     assert hit and hit[0].step == step["step"]
@@ -126,7 +115,7 @@ def test_wrong_prefix_hit_is_caught_even_when_every_counter_matches(tmp_path):
 
 def test_block_reused_while_in_use_is_caught_even_when_every_counter_matches(tmp_path):
     res = record_embedded(tmp_path / "clean.jsonl", workload="shared-prefix", seed=1)
-    recs = load(res.path)
+    recs = load_records(res.path)
     steps = [r for r in recs if r["kind"] == "step"]
     # Find a step that admits a request while another request keeps running.
     for st in steps:
@@ -145,7 +134,7 @@ def test_block_reused_while_in_use_is_caught_even_when_every_counter_matches(tmp
             for s in r.get(group, []):
                 if s["req"] == newcomer["req"]:
                     s["block_ids"] = [stolen if b == given else b for b in s["block_ids"]]
-    divs = replay_file(save(recs, tmp_path / "edited.jsonl")).divergences
+    divs = replay_file(save_records(recs, tmp_path / "edited.jsonl")).divergences
     assert not [d for d in divs if d.kind in COUNTER_KINDS]
     hit = [d for d in content(divs) if d.req == owner]
     assert hit and hit[0].step == st["step"]

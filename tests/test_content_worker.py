@@ -4,7 +4,6 @@ also when replay stops early, the trace is cut off, or a record is bad."""
 
 from __future__ import annotations
 
-import gzip
 from pathlib import Path
 
 import orjson
@@ -14,6 +13,8 @@ from kvtrace.engine import FAULT_WORKLOADS, record_embedded
 from kvtrace.replay import content_worker, replay_file
 from kvtrace.replay.replayer import Replayer
 from kvtrace.trace import TraceError, TraceReader
+
+from mini_traces import load_records, save_records
 
 TRACES = Path(__file__).resolve().parent.parent / "traces"
 
@@ -30,17 +31,6 @@ def both(path, **kw) -> tuple:
 
 def kv(divs: list[dict]) -> list[dict]:
     return [d for d in divs if d["kind"] == "kv-content"]
-
-
-def records(path: Path) -> list[dict]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        return [orjson.loads(line) for line in f if line.strip()]
-
-
-def save(recs: list[dict], path: Path) -> Path:
-    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in recs))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +64,7 @@ def test_divergences_keep_their_place_among_the_others(faulty, monkeypatch):
 
 
 def test_a_trace_cut_off_replays_the_same_up_to_the_cut(faulty, tmp_path):
-    recs = records(faulty)
+    recs = load_records(faulty)
     steps = [i for i, r in enumerate(recs) if r["kind"] == "step"]
     cut = steps[len(steps) * 3 // 4]
     data = b"".join(orjson.dumps(r) + b"\n" for r in recs[:cut]) + orjson.dumps(recs[cut])[:40]
@@ -89,7 +79,7 @@ def test_a_trace_cut_off_replays_the_same_up_to_the_cut(faulty, tmp_path):
 def test_a_replay_stopped_by_an_engine_assertion_drops_later_content_results(faulty, tmp_path):
     """Replay stops at the assertion; the worker checks the whole file, but what
     it finds after the stop is not reported."""
-    recs = records(faulty)
+    recs = load_records(faulty)
     whole = replay_file(faulty, device="cpu", content_worker=False)
     last_kv = max(d.seq for d in whole.divergences if d.kind == "kv-content")
     # A step between the first content divergence and the last, where the
@@ -99,7 +89,7 @@ def test_a_replay_stopped_by_an_engine_assertion_drops_later_content_results(fau
               and r.get("lookups"))
     for lk in recs[at]["lookups"]:
         lk["ext"] = 800 - lk["local"]
-    path = save(recs, tmp_path / "stops.jsonl")
+    path = save_records(recs, tmp_path / "stops.jsonl")
     here, there = both(path)
     assert here[4] and "assertion" in here[4]
     assert kv(here[0]) and max(d["seq"] for d in kv(here[0])) < recs[at]["seq"]
@@ -110,7 +100,7 @@ def test_records_after_the_stop_that_fail_the_worker_do_not_fail_the_replay(faul
     """After an engine assertion the main process reads nothing more, but the
     worker goes on; a record there that breaks the check (a live request arriving
     again) must not cost the results of the steps before the stop."""
-    recs = records(faulty)
+    recs = load_records(faulty)
     whole = replay_file(faulty, device="cpu", content_worker=False)
     kv_seqs = [d.seq for d in whole.divergences if d.kind == "kv-content"]
     at = next(i for i, r in enumerate(recs) if r["kind"] == "step" and min(kv_seqs) < r["seq"] < max(kv_seqs)
@@ -124,15 +114,15 @@ def test_records_after_the_stop_that_fail_the_worker_do_not_fail_the_replay(faul
             r["seq"] *= 2
     again["seq"] = recs[at]["seq"] + 1
     recs.insert(at + 1, again)
-    here, there = both(save(recs, tmp_path / "again.jsonl"))
+    here, there = both(save_records(recs, tmp_path / "again.jsonl"))
     assert here[4] and kv(here[0])
     assert there == here
 
 
 def test_a_check_that_never_starts_fails_even_without_steps(tmp_path):
-    header = records(TRACES / "preemption.jsonl.gz")[0]
-    arrival = next(r for r in records(TRACES / "preemption.jsonl.gz") if r["kind"] == "arrival")
-    path = save([header, dict(arrival, seq=1)], tmp_path / "no-steps.jsonl")
+    header = load_records(TRACES / "preemption.jsonl.gz")[0]
+    arrival = next(r for r in load_records(TRACES / "preemption.jsonl.gz") if r["kind"] == "arrival")
+    path = save_records([header, dict(arrival, seq=1)], tmp_path / "no-steps.jsonl")
     with pytest.raises(ValueError, match="unknown device"):
         replay_file(path, device="no-such-device", content_worker=False)
     with pytest.raises(content_worker.ContentWorkerError, match="unknown device"):
@@ -140,10 +130,10 @@ def test_a_check_that_never_starts_fails_even_without_steps(tmp_path):
 
 
 def test_bad_input_gets_the_same_error_and_leaves_no_worker(faulty, tmp_path):
-    recs = records(faulty)
+    recs = load_records(faulty)
     mid = len(recs) // 2
     recs[mid]["seq"] = "seven"
-    path = save(recs, tmp_path / "bad.jsonl")
+    path = save_records(recs, tmp_path / "bad.jsonl")
     errors = []
     for worker in (False, True):
         with pytest.raises(TraceError) as e:
@@ -199,8 +189,8 @@ def test_a_trace_that_grows_during_replay_is_an_error(faulty, tmp_path):
     """The worker reads the file on its own: if it saw a shorter file than the
     main process (a trace still being written), replay says so instead of
     reporting steps as checked."""
-    recs = records(faulty)
-    short = save(recs[: len(recs) // 2], tmp_path / "short.jsonl")
+    recs = load_records(faulty)
+    short = save_records(recs[: len(recs) // 2], tmp_path / "short.jsonl")
     rp = Replayer(TraceReader(short).header, str(short), device="cpu", content_worker=True)
     with TraceReader(faulty) as reader:
         for e in reader:
