@@ -129,6 +129,7 @@ def run(rounds: int = 101, requests: int = 16, max_tokens: int = 48, suffix: str
     sched._kvtrace = rec
     shutdown_llm(llm)
     q = statistics.quantiles(ratios, n=4)
+    cq = statistics.quantiles(cpu_ratios, n=4)
     return {
         "steps_per_round": steps_per_round,
         "engine_ms_per_step": 1e3 * statistics.median(plain_s) / steps_per_round,
@@ -142,8 +143,8 @@ def run(rounds: int = 101, requests: int = 16, max_tokens: int = 48, suffix: str
         "ratio_q3": q[2],
         "control_median": statistics.median(controls),
         "cpu_ratio_median": statistics.median(cpu_ratios),
-        "cpu_ratio_q1": statistics.quantiles(cpu_ratios, n=4)[0],
-        "cpu_ratio_q3": statistics.quantiles(cpu_ratios, n=4)[2],
+        "cpu_ratio_q1": cq[0],
+        "cpu_ratio_q3": cq[2],
         "cpu_control_median": statistics.median(cpu_controls),
         "capture_us_per_step": capture_us,
         "writer_us_per_step": writer_us,

@@ -313,13 +313,6 @@ class _Sink:
         self._thread = threading.Thread(target=self._run, name="kvtrace-writer", daemon=True)
         self._resolve = Resolver()
 
-    def _resolved(self, batch: list) -> list:
-        """The batch as ``Resolver`` leaves it (block ids read, statuses announced)."""
-        out: list = []
-        for item in batch:
-            self._resolve(item, out)
-        return out
-
     def _failed(self, e: Exception) -> None:
         self.write_error = f"writing the trace failed: {type(e).__name__}: {e}"
         logger.error("kvtrace: %s; recording stopped, the engine is unaffected", self.write_error)
@@ -410,7 +403,10 @@ class TraceSink(_Sink):
 
     def _write(self, batch: list) -> None:
         w = self._writer
-        for item in self._resolved(batch):
+        resolved: list = []
+        for item in batch:
+            self._resolve(item, resolved)
+        for item in resolved:
             rec = self._records(item, w.next_seq)
             if rec is not None:
                 w.write(rec)

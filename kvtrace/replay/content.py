@@ -69,6 +69,9 @@ class ContentCheck:
             out.append((tag, divs))
         return out
 
+    def close(self) -> None:
+        """Nothing to stop: the check runs in this process (see ContentWorker)."""
+
     def output(self, rec: ev.Output) -> None:
         states = {s.req: s for s in rec.states}
         for req, tokens in rec.sampled.items():

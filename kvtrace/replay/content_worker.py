@@ -33,11 +33,11 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import stat
 import subprocess
 import sys
 from collections import deque
 from multiprocessing.connection import Connection
-from pathlib import Path
 
 from kvtrace._child import child_env
 from kvtrace.findings import Divergence
@@ -60,9 +60,10 @@ def wanted(path: str | os.PathLike) -> bool:
     if choice in ("0", "1"):
         return choice == "1"
     try:
-        big = Path(path).stat().st_size >= MIN_BYTES and Path(path).is_file()
+        st = os.stat(path)
     except OSError:
         return False
+    big = stat.S_ISREG(st.st_mode) and st.st_size >= MIN_BYTES
     return big and (os.cpu_count() or 1) >= 2 and not multiprocessing.parent_process()
 
 

@@ -118,7 +118,7 @@ class Replayer:
 
     def close(self) -> None:
         """Stop a content worker that is still running (replay ended early)."""
-        if self.content is not None and hasattr(self.content, "close"):
+        if self.content is not None:
             self.content.close()
 
     def _place(self, ready: list) -> None:
