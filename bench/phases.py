@@ -124,12 +124,13 @@ def parse(trace: str) -> dict:
 
 
 def replay(trace: str, kv: bool, worker: bool | None = None) -> dict:
-    """Replay; with ``kv``, the content check runs in a worker process or not as
-    ``worker`` says (None: as replay decides)."""
+    """Replay, with the content check if ``kv``; with ``worker``, part of the work
+    runs in a worker process (the content check, or else the record checks);
+    None: as replay decides."""
     from kvtrace.replay import replay_file
 
     t = time.perf_counter()
-    r = replay_file(trace, device="cpu" if kv else None, content_worker=worker if kv else False)
+    r = replay_file(trace, device="cpu" if kv else None, worker=worker)
     seconds = time.perf_counter() - t
     if r.divergences:
         raise SystemExit(f"{len(r.divergences)} divergences on a clean trace: {r.divergences[0]}")

@@ -1,8 +1,12 @@
-"""What kvtrace's own child processes (the trace writer, the content worker) need."""
+"""What kvtrace's own child processes (the trace writer, replay's workers) need."""
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 
@@ -26,3 +30,46 @@ def _site_dirs() -> set[Path]:
     dirs = list(site.getsitepackages()) if hasattr(site, "getsitepackages") else []
     dirs.append(site.getusersitepackages())
     return {Path(d).resolve() for d in dirs}
+
+
+def spawn(module: str, *args: str) -> tuple[subprocess.Popen, Connection]:
+    """Start ``python -m module *args FD``, where FD is the writing end of a pipe
+    for it to report on. Returns the process and the reading end."""
+    theirs, mine = os.pipe()[::-1]
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", module, *args, str(theirs)],
+                                stdin=subprocess.DEVNULL, pass_fds=(theirs,), env=child_env())
+    except BaseException:
+        os.close(mine)
+        raise
+    finally:
+        os.close(theirs)
+    return proc, Connection(mine, writable=False)
+
+
+def stop(proc: subprocess.Popen, conn: Connection) -> None:
+    """Stop a process ``spawn`` started, if it still runs, and reap it."""
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    conn.close()
+
+
+def worker_main(serve, argv: list[str]) -> int:
+    """The main of a process ``spawn`` started: ``serve(*argv[:-1], conn)`` on the
+    pipe's writing end, then the messages it returns, if the reader still listens."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the process that started it stops it
+    *args, fd = argv
+    conn = Connection(int(fd), readable=False)
+    last = serve(*args, conn)
+    try:
+        for msg in last:
+            conn.send(msg)
+        conn.close()
+    except OSError:   # the reader is gone
+        pass
+    return 0

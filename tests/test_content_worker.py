@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from kvtrace.engine import FAULT_WORKLOADS, record_embedded
-from kvtrace.replay import content_worker, replay_file
+from kvtrace.replay import content_worker, replay_file, workers
 from kvtrace.replay.replayer import Replayer
 from kvtrace.trace import TraceError, TraceReader
 
@@ -23,7 +23,7 @@ def both(path, **kw) -> tuple:
     """(in process, in a worker): the replay results as JSON, and the check's counts."""
     out = []
     for worker in (False, True):
-        r = replay_file(path, device="cpu", content_worker=worker, **kw)
+        r = replay_file(path, device="cpu", worker=worker, **kw)
         out.append(([d.to_json() for d in r.divergences], r.slots_checked, r.assumed_loads,
                     r.device, r.stopped, r.truncation))
     return out[0], out[1]
@@ -80,7 +80,7 @@ def test_a_replay_stopped_by_an_engine_assertion_drops_later_content_results(fau
     """Replay stops at the assertion; the worker checks the whole file, but what
     it finds after the stop is not reported."""
     recs = load_records(faulty)
-    whole = replay_file(faulty, device="cpu", content_worker=False)
+    whole = replay_file(faulty, device="cpu", worker=False)
     last_kv = max(d.seq for d in whole.divergences if d.kind == "kv-content")
     # A step between the first content divergence and the last, where the
     # connector's answer now claims more cached tokens than the request has.
@@ -101,7 +101,7 @@ def test_records_after_the_stop_that_fail_the_worker_do_not_fail_the_replay(faul
     worker goes on; a record there that breaks the check (a live request arriving
     again) must not cost the results of the steps before the stop."""
     recs = load_records(faulty)
-    whole = replay_file(faulty, device="cpu", content_worker=False)
+    whole = replay_file(faulty, device="cpu", worker=False)
     kv_seqs = [d.seq for d in whole.divergences if d.kind == "kv-content"]
     at = next(i for i, r in enumerate(recs) if r["kind"] == "step" and min(kv_seqs) < r["seq"] < max(kv_seqs)
               and r.get("lookups"))
@@ -124,9 +124,9 @@ def test_a_check_that_never_starts_fails_even_without_steps(tmp_path):
     arrival = next(r for r in load_records(TRACES / "preemption.jsonl.gz") if r["kind"] == "arrival")
     path = save_records([header, dict(arrival, seq=1)], tmp_path / "no-steps.jsonl")
     with pytest.raises(ValueError, match="unknown device"):
-        replay_file(path, device="no-such-device", content_worker=False)
+        replay_file(path, device="no-such-device", worker=False)
     with pytest.raises(content_worker.ContentWorkerError, match="unknown device"):
-        replay_file(path, device="no-such-device", content_worker=True)
+        replay_file(path, device="no-such-device", worker=True)
 
 
 def test_bad_input_gets_the_same_error_and_leaves_no_worker(faulty, tmp_path):
@@ -137,7 +137,7 @@ def test_bad_input_gets_the_same_error_and_leaves_no_worker(faulty, tmp_path):
     errors = []
     for worker in (False, True):
         with pytest.raises(TraceError) as e:
-            replay_file(path, device="cpu", content_worker=worker)
+            replay_file(path, device="cpu", worker=worker)
         errors.append(str(e.value))
     assert errors[0] == errors[1] and f":{mid + 1}: field 'seq'" in errors[0]   # the header is line 1
 
@@ -156,29 +156,12 @@ def test_a_worker_that_dies_is_an_error_not_a_clean_replay(faulty):
     rp.close()
 
 
-def test_when_the_worker_is_used(tmp_path, monkeypatch):
-    small = tmp_path / "small.jsonl"
-    small.write_bytes(b"{}\n")
-    big = tmp_path / "big.jsonl"
-    with open(big, "wb") as f:
-        f.truncate(content_worker.MIN_BYTES)
-    monkeypatch.delenv(content_worker.ENV, raising=False)
-    monkeypatch.setattr(content_worker.os, "cpu_count", lambda: 2)
-    assert not content_worker.wanted(small) and content_worker.wanted(big)
-    monkeypatch.setattr(content_worker.os, "cpu_count", lambda: 1)
-    assert not content_worker.wanted(big)
-    monkeypatch.setenv(content_worker.ENV, "1")
-    assert content_worker.wanted(small)
-    monkeypatch.setenv(content_worker.ENV, "0")
-    assert not content_worker.wanted(big)
-
-
 def test_the_command_reports_the_same_with_a_worker(faulty, monkeypatch, capsysbinary):
     from kvtrace.cli import run
 
     outputs = []
     for choice in ("0", "1"):
-        monkeypatch.setenv(content_worker.ENV, choice)
+        monkeypatch.setenv(workers.ENV, choice)
         assert run(["replay", "--json", "--device", "cpu", str(faulty)]) == 1
         outputs.append(capsysbinary.readouterr().out)
     assert b"kv-content" in outputs[0]

@@ -9,9 +9,9 @@ worker process that reads the same file on its own, beside the main process:
     worker process: read JSON            -> ContentCheck          -> results
 
 The main process checks every record (docs/bad-input.md); the worker trusts
-that check and only decodes the fields the content check reads, without
-validating them. A record the main process refuses ends the replay there, with
-the main process's error, whatever the worker made of it.
+that check and decodes records without checking them (trace/trusted.py). A
+record the main process refuses ends the replay there, with the main process's
+error, whatever the worker made of it.
 
 The worker reports in step order, per step: (line, divergences or None, slots
 checked so far, loads assumed so far). The main process pairs each of its own
@@ -30,23 +30,18 @@ the pipe), and waits for the worker when it is ``MAX_LAG`` steps ahead.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import signal
-import stat
-import subprocess
 import sys
 from collections import deque
 from multiprocessing.connection import Connection
 
-from kvtrace._child import child_env
+from kvtrace._child import spawn, stop, worker_main
 from kvtrace.findings import Divergence
 from kvtrace.trace import events as ev
+from kvtrace.trace import trusted
 
-# Use the worker for files at least this large (bytes on disk); the worker's start
-# (a fresh interpreter importing torch) costs about a second.
-MIN_BYTES = 8 << 20
-ENV = "KVTRACE_CONTENT_WORKER"   # "1": always, "0": never; unset: by size
+from .workers import ENV, WorkerError
+
 # Steps the main process may be ahead of the worker before it waits for results,
 # and results of the worker it reads ahead of its own steps.
 MAX_LAG = 1 << 16
@@ -54,20 +49,7 @@ MAX_AHEAD = 1 << 13
 _REPORT_EVERY = 2048             # records between reports from the worker
 
 
-def wanted(path: str | os.PathLike) -> bool:
-    """Whether replay of ``path`` should run the content check in a worker."""
-    choice = os.environ.get(ENV, "").strip()
-    if choice in ("0", "1"):
-        return choice == "1"
-    try:
-        st = os.stat(path)
-    except OSError:
-        return False
-    big = stat.S_ISREG(st.st_mode) and st.st_size >= MIN_BYTES
-    return big and (os.cpu_count() or 1) >= 2 and not multiprocessing.parent_process()
-
-
-class ContentWorkerError(RuntimeError):
+class ContentWorkerError(WorkerError):
     """The worker failed on a record the main process accepted."""
 
 
@@ -76,17 +58,7 @@ class ContentWorker:
     that reads the trace ``path`` itself."""
 
     def __init__(self, path: str | os.PathLike, device: str = "auto"):
-        theirs, mine = os.pipe()[::-1]
-        try:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", "kvtrace.replay.content_worker", str(path), device, str(theirs)],
-                stdin=subprocess.DEVNULL, pass_fds=(theirs,), env=child_env())
-        except BaseException:
-            os.close(mine)
-            raise
-        finally:
-            os.close(theirs)
-        self._conn = Connection(mine, writable=False)
+        self._proc, self._conn = spawn("kvtrace.replay.content_worker", str(path), device)
         self._tags: deque[tuple[int, object]] = deque()   # (line, tag) of steps replayed here
         self._results: deque[tuple] = deque()   # the worker's, per step, not matched yet
         self._last = 0                          # the line of the worker's last result
@@ -146,14 +118,7 @@ class ContentWorker:
         raise ContentWorkerError(f"the content check stopped at line {line} of the trace: {error}")
 
     def close(self) -> None:
-        if self._proc.poll() is None:
-            self._proc.terminate()
-        try:
-            self._proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
-        self._conn.close()
+        stop(self._proc, self._conn)
 
     def _receive(self) -> None:
         try:
@@ -188,9 +153,10 @@ class ContentWorker:
 # --------------------------------------------------------------------------- the worker
 
 
-def _serve(path: str, device: str, conn: Connection) -> None:
+def _serve(path: str, device: str, conn: Connection) -> list[tuple]:
     """The worker process: check the trace ``path``; report to ``conn``, per step,
-    (line, divergences or None, slots checked so far, loads assumed so far)."""
+    (line, divergences or None, slots checked so far, loads assumed so far).
+    Returns the last reports: the results not sent yet, and ("end", report)."""
     import torch
 
     from kvtrace.trace.io import TraceReader
@@ -220,13 +186,13 @@ def _serve(path: str, device: str, conn: Connection) -> None:
             for n, (line, obj) in enumerate(reader.records(), 1):
                 kind = obj.get("kind")
                 if kind == "step":
-                    results = check.step(_step(obj), line, line)
+                    results = check.step(trusted.step(obj), line, line)
                     queued.append((line, check.slots_checked, check.assumed_loads))
                     ready(results)
                 elif kind == "output":
-                    check.output(_output(obj))
+                    check.output(trusted.output(obj))
                 elif kind == "arrival":
-                    check.arrival(_arrival(obj))
+                    check.arrival(trusted.decode(obj))
                 elif kind == "abort":
                     check.abort(obj["reqs"])
                 if not n % _REPORT_EVERY:
@@ -240,61 +206,8 @@ def _serve(path: str, device: str, conn: Connection) -> None:
         except Exception:
             pass
     report["line"] = line
-    try:
-        send()
-        conn.send(("end", report))
-        conn.close()
-    except OSError:   # the main process is gone
-        pass
-
-
-def main(argv: list[str]) -> int:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the main process stops it
-    path, device, fd = argv
-    _serve(path, device, Connection(int(fd), readable=False))
-    return 0
-
-
-# Records as the main process has checked them: built without checks, with only
-# the fields the content check reads filled in faithfully.
-
-def _arrival(d: dict) -> ev.Arrival:
-    return ev.Arrival(d["seq"], d["req"], d["prompt_token_ids"], d["max_tokens"])
-
-
-def _state(d: dict) -> ev.RequestState:
-    return ev.RequestState(d["req"], d["status"], d["num_computed_tokens"], d["num_tokens"],
-                           d["num_preemptions"], d["block_ids"])
-
-
-def _new(d: dict) -> ev.ScheduledNew:
-    return ev.ScheduledNew(d["req"], d["num_computed_tokens"], d["num_scheduled_tokens"],
-                           d["block_ids"])
-
-
-def _running(d: dict) -> ev.ScheduledRunning:
-    return ev.ScheduledRunning(d["req"], d["num_computed_tokens"], d["num_scheduled_tokens"],
-                               d["new_block_ids"])
-
-
-def _step(d: dict) -> ev.Step:
-    loads = d.get("loads")
-    return ev.Step(
-        d["seq"], d["step"],
-        [_new(x) for x in d.get("new", ())],
-        [_new(x) for x in d.get("resumed", ())],
-        [_running(x) for x in d.get("running", ())],
-        d.get("preempted", []), d.get("finished", []),
-        [ev.Lookup.from_json(x) for x in d.get("lookups", ())],
-        None if loads is None else [ev.KVLoad(x["req"], x["start"], x["end"]) for x in loads],
-        [_state(x) for x in d.get("states", ())],
-    )
-
-
-def _output(d: dict) -> ev.Output:
-    return ev.Output(d["seq"], d["step"], d.get("sampled", {}), None, d.get("finished", {}),
-                     [_state(x) for x in d.get("states", ())])
+    return [("ready", done), ("end", report)]
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(worker_main(_serve, sys.argv[1:]))

@@ -20,6 +20,7 @@ from kvtrace.trace import events as ev
 from . import checks
 from .connector import RecordedConnector
 from .liveness import ProgressWatch
+from .workers import wanted
 
 # Engine features the reference does not model; a trace that turns one on is refused.
 UNSUPPORTED = {
@@ -228,14 +229,16 @@ def _fields(obj) -> dict:
 
 def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
                 device: str | None = "auto", progress=None,
-                content_worker: bool | None = None) -> ReplayResult:
+                worker: bool | None = None) -> ReplayResult:
     """Replay one trace file. Raises TraceError for unusable input.
 
     ``device`` is where the shadow-KV check runs ("auto", "cpu", "cuda"), or None
     to skip it. ``progress``, if given, is called now and then with the number of
-    steps replayed so far. ``content_worker`` runs the check in a second process
-    (content_worker.py); None decides by the file's size and the machine's cores.
-    The result is the same either way."""
+    steps replayed so far. ``worker`` runs part of the work in a second process
+    that reads the same file: the content check when it is on
+    (content_worker.py), the record checks when it is off (record_worker.py);
+    None decides by the file's size and the machine's cores (workers.py). The
+    result is the same either way."""
     reader = TraceReader(path)
     header = reader.header
     _check_supported(header, path)
@@ -246,19 +249,23 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
                              meta={"replayed_from": str(path), "recorded_engine": header.engine,
                                    "recorded_engine_version": header.engine_version})
         writer = TraceWriter(out, replayed)
-    if device and content_worker is None:
-        from .content_worker import wanted
-
-        content_worker = wanted(path)
+    if worker is None:
+        worker = wanted(path)
+    content_worker = bool(device) and worker
     in_process = bool(device) and not content_worker
     if in_process and (device == "cpu" or (device == "auto" and not _cuda())):
         import torch
         torch.set_num_threads(1)   # the check is many small ops: threads only add overhead
-    rp = Replayer(header, str(path), writer, device, content_worker=bool(content_worker))
+    rp = Replayer(header, str(path), writer, device, content_worker=content_worker)
     result = ReplayResult(path=str(path), header=header)
+    record_worker = None
+    if worker and not device:
+        from .record_worker import RecordWorker   # a module the worker runs as __main__
+
+        record_worker = RecordWorker(path)
     try:
         with reader, _no_autograd(in_process):
-            for e in reader:
+            for e in (reader if record_worker is None else reader.checked_elsewhere(record_worker)):
                 result.events += 1
                 rp.feed(e, reader.last_line)
                 if isinstance(e, ev.End):
@@ -268,6 +275,8 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
             rp.finish()
     finally:
         rp.close()
+        if record_worker is not None:
+            record_worker.close()
         if writer is not None:
             writer.close(status="complete" if reader.truncation is None else "interrupted",
                          error=reader.truncation)

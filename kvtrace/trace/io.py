@@ -17,6 +17,7 @@ from typing import IO, Any, Iterator
 
 import orjson
 
+from . import trusted
 from .events import End, Event, Header, SchemaError, decode, decode_header, to_json
 from .validate import Validator
 
@@ -226,6 +227,26 @@ class TraceReader:
             if isinstance(ev, End):
                 self.end = ev
             yield ev
+        self._note_no_end()
+
+    def checked_elsewhere(self, gate) -> Iterator[Event]:
+        """The events of a file whose records another reader of it checks: each
+        record is decoded without checks (trusted.py) once ``gate`` says that the
+        other reader has passed its line: ``gate.through`` is the last line it has
+        checked, and ``gate.wait(line)`` returns when it has checked ``line``, or
+        raises its TraceError for that line or one before it. Same events, same
+        cut, same errors as iteration, as long as the other reader reads the same
+        bytes (replay's record worker)."""
+        for lineno, obj in self.records():
+            if lineno > gate.through:
+                gate.wait(lineno)
+            ev = trusted.decode(obj)
+            if type(ev) is End:
+                self.end = ev
+            yield ev
+        self._note_no_end()
+
+    def _note_no_end(self) -> None:
         if self.end is None and self.truncation is None:
             self.truncation = f"no 'end' record after line {self.last_line}: the recording was cut off"
 

@@ -1,0 +1,111 @@
+"""The record checks of one large trace, in a second process.
+
+Replay without the content check spends about half its time checking and
+decoding records (docs/bad-input.md) and half replaying them. So for a large
+trace, a worker process reads the same file on its own and checks every record
+as any reader does, while the main process decodes the same records without
+checks (trace/trusted.py) and replays them:
+
+    worker process: read + check records          -> "checked through line N"
+    main process:   read JSON -> decode unchecked -> reference scheduler -> compare
+
+The main process never acts on a record the worker has not passed: before it
+decodes the record at line L, it waits until the worker has checked line L
+(``TraceReader.checked_elsewhere``). Where the worker finds a bad record, the
+main process raises the worker's error when it reaches that line, so replay
+stops with the same one-line error, at the same line, as in one process. Both
+read the same bytes, so they see the same cut in a truncated trace.
+
+A worker that stops before a line the main process needs is an error
+(``RecordWorkerError``), never a clean replay.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from multiprocessing.connection import Connection
+
+from kvtrace._child import spawn, stop, worker_main
+from kvtrace.trace import TraceError, TraceReader
+
+from .workers import ENV, WorkerError
+
+_REPORT_EVERY = 256   # records between reports from the worker
+
+
+class RecordWorkerError(WorkerError):
+    """The worker stopped before it had checked a record the main process reached."""
+
+
+class RecordWorker:
+    """The gate ``TraceReader.checked_elsewhere`` reads through: a worker process
+    that checks the records of ``path``."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = str(path)
+        self._proc, self._conn = spawn("kvtrace.replay.record_worker", self.path)
+        self.through = 0            # the worker has checked every record up to this line
+        self._end: dict | None = None
+
+    def wait(self, line: int) -> None:
+        """Return once the worker has checked the record at ``line``. Raise the
+        worker's TraceError if it found a bad record at or before ``line``."""
+        while self.through < line:
+            if self._end is not None:
+                self._stopped()
+            self._receive()
+
+    def close(self) -> None:
+        stop(self._proc, self._conn)
+
+    def _receive(self) -> None:
+        try:
+            kind, value = self._conn.recv()
+        except EOFError:
+            self._end = {"line": self.through, "problem": None,
+                         "bug": f"its process ended (exit code {self._proc.wait()})"}
+            return
+        if kind == "through":
+            self.through = value
+        else:   # ("end", report): every record before the report's line is good
+            self._end = value
+            line = value["line"] or 0
+            self.through = max(self.through, line - (value["problem"] is not None))
+
+    def _stopped(self):
+        end = self._end
+        if end["problem"] is not None:
+            raise TraceError(self.path, end["line"], end["problem"])
+        if end["bug"] is not None:
+            raise RecordWorkerError(f"the record check stopped after line {end['line']} of the "
+                                    f"trace: {end['bug']}")
+        raise RecordWorkerError(
+            f"the trace grew after line {end['line']} while it was replayed (is it still being "
+            f"written?): replay it once it is complete, or with {ENV}=0")
+
+
+# --------------------------------------------------------------------------- the worker
+
+
+def _serve(path: str, conn: Connection) -> list[tuple]:
+    """The worker process: read ``path`` as any reader does; report to ``conn``
+    ("through", line) now and then. Returns the last report, ("end", report)."""
+    report = {"line": 0, "problem": None, "bug": None}
+    reader = None
+    try:
+        reader = TraceReader(path)
+        with reader:
+            for n, _ in enumerate(reader, 1):
+                if not n % _REPORT_EVERY:
+                    conn.send(("through", reader.last_line))
+        report["line"] = reader.last_line
+    except TraceError as e:
+        report.update(line=e.line, problem=e.problem)
+    except Exception as e:   # a bug
+        report.update(line=getattr(reader, "last_line", 0), bug=f"{type(e).__name__}: {e}")
+    return [("end", report)]
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main(_serve, sys.argv[1:]))

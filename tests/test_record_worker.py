@@ -1,0 +1,208 @@
+"""Replay with the record checks in a worker process gives the same result as
+replay in one process: the same report on good traces, the same cut on a
+truncated one, and the same one-line error, at the same line, on bad input. The
+main process never acts on a record the worker has not passed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+
+from kvtrace.engine import FAULT_WORKLOADS, record_embedded
+from kvtrace.replay import replay_file, workers
+from kvtrace.replay.record_worker import RecordWorker, RecordWorkerError
+from kvtrace.trace import TraceError, TraceReader, trusted
+from kvtrace.trace.events import decode
+
+from mini_traces import load_records, save_records
+
+TRACES = Path(__file__).resolve().parent.parent / "traces"
+REAL = sorted(TRACES.glob("*.jsonl.gz")) + sorted(TRACES.glob("faults/*.jsonl.gz"))
+
+
+def result(path, worker: bool) -> tuple:
+    r = replay_file(path, device=None, worker=worker)
+    return ([d.to_json() for d in r.divergences], r.steps, r.events, r.truncation, r.stopped,
+            r.end)
+
+
+def error(path, worker: bool) -> str:
+    with pytest.raises(TraceError) as e:
+        replay_file(path, device=None, worker=worker)
+    return str(e.value)
+
+
+@pytest.fixture(scope="module")
+def faulty(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("records")
+    return record_embedded(d / "t.jsonl", workload=FAULT_WORKLOADS["no-reload-after-preempt"],
+                           fault="no-reload-after-preempt").path
+
+
+def test_unchecked_decoding_builds_the_checked_events():
+    """Over every record of the real traces, whose steps and outputs use every
+    field (connector output, load plans, free-block counts included)."""
+    seen = set()
+    for path in REAL:
+        for rec in load_records(path)[1:]:
+            seen.update((rec["kind"], k) for k in rec)
+            assert trusted.decode(rec) == decode(rec), (path.name, rec["seq"])
+    assert {("step", "loads"), ("step", "lookups"), ("step", "num_free_blocks"), ("output", "connector"),
+            ("step", "resumed"), ("step", "preempted"), ("prompt_stats", "prefill_stats")} <= seen
+
+
+@pytest.mark.parametrize("path", REAL, ids=lambda p: p.name)
+def test_real_vllm_traces_replay_the_same_with_a_worker(path):
+    here = result(path, False)
+    assert result(path, True) == here
+    assert here[1] > 0
+
+
+def test_a_trace_with_divergences_replays_the_same(faulty):
+    here = result(faulty, False)
+    assert here[0]   # the fault is found
+    assert result(faulty, True) == here
+
+
+def test_a_trace_cut_off_replays_the_same_up_to_the_cut(faulty, tmp_path):
+    recs = load_records(faulty)
+    cut = len(recs) * 2 // 3
+    path = tmp_path / "cut.jsonl"
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in recs[:cut]) + orjson.dumps(recs[cut])[:40])
+    here = result(path, False)
+    assert here[3] and "cut off" in here[3] and here[2] == cut - 1
+    assert result(path, True) == here
+
+
+def _step_at(recs, nth=2):
+    return [i for i, r in enumerate(recs) if r["kind"] == "step" and r.get("running")][nth]
+
+
+def _bad_schema(recs):
+    recs[len(recs) // 2]["seq"] = "seven"
+
+
+def _unknown_request(recs):   # only the reader's cross-record checks catch it
+    recs[_step_at(recs)]["running"][0]["req"] = "nobody"
+
+
+def _undecodable(recs):       # would break an unchecked decoder, and the reference after it
+    recs[_step_at(recs)]["running"] = [{"req": 5}]
+
+
+def _block_out_of_range(recs):
+    recs[_step_at(recs)]["running"][0]["new_block_ids"] = [10 ** 9]
+
+
+def _out_of_order(recs):
+    recs[_step_at(recs)]["seq"] = 0
+
+
+def _after_the_end(recs):
+    recs.append(dict(recs[-2], seq=recs[-1]["seq"] + 1))
+
+
+@pytest.mark.parametrize("spoil", [_bad_schema, _unknown_request, _undecodable, _block_out_of_range,
+                                   _out_of_order, _after_the_end], ids=lambda f: f.__name__[1:])
+def test_bad_input_gets_the_same_error_at_the_same_line(faulty, tmp_path, spoil):
+    recs = load_records(faulty)
+    spoil(recs)
+    path = save_records(recs, tmp_path / "bad.jsonl")
+    here = error(path, False)
+    assert here.startswith(f"{path}:")
+    assert error(path, True) == here
+
+
+def test_a_line_that_is_not_json_gets_the_same_error(faulty, tmp_path):
+    lines = Path(faulty).read_bytes().splitlines(keepends=True)
+    lines[len(lines) // 2] = b'{"kind": "step", "seq": \n'
+    path = tmp_path / "notjson.jsonl"
+    path.write_bytes(b"".join(lines))
+    here = error(path, False)
+    assert f":{len(lines) // 2 + 1}: not JSON" in here
+    assert error(path, True) == here
+
+
+class Gate:
+    """The gate interface, with the worker's verdicts given by the test."""
+
+    def __init__(self, bad_line: int | None = None, path="t"):
+        self.through, self.bad_line, self.path, self.asked = 0, bad_line, path, []
+
+    def wait(self, line):
+        self.asked.append(line)
+        if self.bad_line is not None and line >= self.bad_line:
+            raise TraceError(self.path, self.bad_line, "bad")
+        self.through = line + 3   # the worker reports a few lines at a time
+        if self.bad_line is not None:
+            self.through = min(self.through, self.bad_line - 1)
+
+
+def test_no_record_is_decoded_before_the_worker_passes_its_line(faulty):
+    reader = TraceReader(faulty)
+    gate = Gate(bad_line=40)
+    got = []
+    with pytest.raises(TraceError, match=":40: bad"):
+        for e in reader.checked_elsewhere(gate):
+            assert reader.last_line <= gate.through
+            got.append(e.seq)
+    assert gate.asked[-1] == 40 and len(gate.asked) > 5
+    assert got == [e.seq for e in TraceReader(faulty)][:38]   # lines 2..39
+
+
+def test_a_worker_that_dies_is_an_error_not_a_clean_replay(faulty):
+    gate = RecordWorker(faulty)
+    gate._proc.kill()
+    gate._proc.wait()
+    with pytest.raises(RecordWorkerError, match="exit code -9"):
+        for _ in TraceReader(faulty).checked_elsewhere(gate):
+            pass
+    gate.close()
+
+
+def test_a_trace_that_grows_during_replay_is_an_error(faulty, tmp_path):
+    """The worker read a shorter file than the main process: the main process
+    cannot go on unchecked."""
+    recs = load_records(faulty)
+    short = save_records(recs[: len(recs) // 2], tmp_path / "short.jsonl")
+    gate = RecordWorker(short)
+    with pytest.raises(RecordWorkerError, match="still being written"):
+        for _ in TraceReader(faulty).checked_elsewhere(gate):
+            pass
+    gate.close()
+
+
+def test_the_command_reports_the_same_with_a_worker(faulty, tmp_path, monkeypatch, capsysbinary):
+    from kvtrace.cli import run
+
+    recs = load_records(faulty)
+    _unknown_request(recs)
+    bad = save_records(recs, tmp_path / "bad.jsonl")
+    outputs = []
+    for choice in ("0", "1"):
+        monkeypatch.setenv(workers.ENV, choice)
+        assert run(["replay", "--json", "--no-kv-check", str(faulty)]) == 1
+        assert run(["replay", "--no-kv-check", str(bad)]) == 2
+        outputs.append(capsysbinary.readouterr())
+    assert b"\"kind\": \"invariant\"" in outputs[0].out
+    assert b"never arrived" in outputs[0].err and outputs[0].err.count(b"\n") == 1
+    assert outputs[1] == outputs[0]
+
+
+def test_when_a_worker_is_used(tmp_path, monkeypatch):
+    small = tmp_path / "small.jsonl"
+    small.write_bytes(b"{}\n")
+    big = tmp_path / "big.jsonl"
+    with open(big, "wb") as f:
+        f.truncate(workers.MIN_BYTES)
+    monkeypatch.delenv(workers.ENV, raising=False)
+    monkeypatch.setattr(workers.os, "cpu_count", lambda: 2)
+    assert not workers.wanted(small) and workers.wanted(big)
+    monkeypatch.setattr(workers.os, "cpu_count", lambda: 1)
+    assert not workers.wanted(big)
+    monkeypatch.setenv(workers.ENV, "1")
+    assert workers.wanted(small)
+    monkeypatch.setenv(workers.ENV, "0")
+    assert not workers.wanted(big)
