@@ -32,13 +32,16 @@ def _site_dirs() -> set[Path]:
     return {Path(d).resolve() for d in dirs}
 
 
-def spawn(module: str, *args: str) -> tuple[subprocess.Popen, Connection]:
-    """Start ``python -m module *args FD``, where FD is the writing end of a pipe
-    for it to report on. Returns the process and the reading end."""
+def spawn(module: str, *args: str, share: int | None = None) -> tuple[subprocess.Popen, Connection]:
+    """Start ``python -m module *args SHARE FD``, where FD is the writing end of a
+    pipe for it to report on, and SHARE the descriptor ``share`` of this process
+    (a file it is to read too), passed on under the same number, or "-". Returns
+    the process and the reading end."""
     theirs, mine = os.pipe()[::-1]
+    fds = (theirs,) if share is None else (theirs, share)
     try:
-        proc = subprocess.Popen([sys.executable, "-m", module, *args, str(theirs)],
-                                stdin=subprocess.DEVNULL, pass_fds=(theirs,), env=child_env())
+        proc = subprocess.Popen([sys.executable, "-m", module, *args, "-" if share is None else str(share),
+                                 str(theirs)], stdin=subprocess.DEVNULL, pass_fds=fds, env=child_env())
     except BaseException:
         os.close(mine)
         raise

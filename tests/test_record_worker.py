@@ -206,3 +206,103 @@ def test_when_a_worker_is_used(tmp_path, monkeypatch):
     assert workers.wanted(small)
     monkeypatch.setenv(workers.ENV, "0")
     assert not workers.wanted(big)
+
+
+def test_a_cut_off_last_line_the_worker_saw_is_not_passed(faulty, tmp_path):
+    """The worker read the file while its last line was cut off; the main
+    process reads it complete. The completed line was never checked, so the main
+    process must not replay it."""
+    recs = load_records(faulty)
+    cut = tmp_path / "cut.jsonl"
+    cut.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in recs[:-1]) + orjson.dumps(recs[-1])[:20])
+    gate = RecordWorker(cut)
+    got = 0
+    with pytest.raises(RecordWorkerError, match="still being written"):
+        for _ in TraceReader(faulty).checked_elsewhere(gate):
+            got += 1
+    gate.close()
+    assert got == len(recs) - 2   # every record but the header and the cut one
+
+
+def test_a_worker_bug_on_a_record_does_not_pass_it(faulty, monkeypatch):
+    """A worker that fails on the last record, other than by finding it bad, has
+    not checked it: the replay fails there instead of ending clean."""
+    from multiprocessing import Pipe
+
+    from kvtrace.replay import record_worker
+
+    last = len(load_records(faulty))
+
+    class Failing(TraceReader):
+        def __iter__(self):
+            for e in super().__iter__():
+                if self.last_line == last:
+                    raise RuntimeError("a bug")
+                yield e
+
+    monkeypatch.setattr(record_worker, "TraceReader", Failing)
+    theirs, mine = Pipe(duplex=False)
+    for msg in record_worker._serve(str(faulty), "-", mine):
+        mine.send(msg)
+    gate = RecordWorker.__new__(RecordWorker)
+    gate.path, gate._conn, gate.through, gate._end = str(faulty), theirs, 0, None
+    with pytest.raises(RecordWorkerError, match=f"stopped after line {last - 1} .*a bug"):
+        for _ in TraceReader(faulty).checked_elsewhere(gate):
+            pass
+
+
+def test_the_error_names_the_file_as_one_process_does(faulty, tmp_path, monkeypatch):
+    recs = load_records(faulty)
+    _unknown_request(recs)
+    save_records(recs, tmp_path / "bad.jsonl")
+    monkeypatch.chdir(tmp_path)
+    for spelling in ("./bad.jsonl", f"{tmp_path}//bad.jsonl"):
+        assert error(spelling, True) == error(spelling, False)
+
+
+@pytest.mark.parametrize("change", ["replaced", "removed"])
+def test_the_worker_reads_the_file_the_main_process_has_open(faulty, tmp_path, change):
+    """Once replay has opened a trace, its name may be given to another file or
+    removed (log rotation): the worker still checks the file being replayed."""
+    recs = load_records(faulty)
+    path = save_records(recs, tmp_path / "t.jsonl")
+    reader = TraceReader(path)
+    if change == "replaced":
+        _unknown_request(recs)
+        save_records(recs, tmp_path / "other.jsonl").replace(path)
+    else:
+        path.unlink()
+    gate = RecordWorker(reader.path, reader.fileno)
+    got = [e.seq for e in reader.checked_elsewhere(gate)]
+    gate.close()
+    assert got == [e.seq for e in TraceReader(faulty)]
+
+
+def test_the_content_worker_reads_the_file_the_main_process_has_open(faulty, tmp_path):
+    from kvtrace.replay.replayer import Replayer
+
+    here = replay_file(faulty, device="cpu", worker=False)
+    recs = load_records(faulty)
+    path = save_records(recs, tmp_path / "t.jsonl")
+    reader = TraceReader(path)
+    save_records(recs[: len(recs) // 3], tmp_path / "short.jsonl").replace(path)
+    rp = Replayer(reader.header, str(path), device="cpu", content_worker=True, fileno=reader.fileno)
+    with reader:
+        for e in reader:
+            rp.feed(e, reader.last_line)
+    rp.finish()
+    rp.close()
+    assert [d.to_json() for d in rp.divergences] == [d.to_json() for d in here.divergences]
+    assert rp.content.slots_checked == here.slots_checked > 0
+
+
+def test_a_refused_trace_leaves_no_open_file(tmp_path):
+    import os
+
+    recs = load_records(TRACES / "preemption.jsonl.gz")
+    recs[0]["features"]["async_scheduling"] = True
+    path = save_records(recs, tmp_path / "async.jsonl")
+    before = len(os.listdir("/proc/self/fd"))
+    for worker in (False, True, False):
+        assert "async scheduling" in error(path, worker)
+    assert len(os.listdir("/proc/self/fd")) == before

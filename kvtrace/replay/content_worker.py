@@ -57,8 +57,10 @@ class ContentWorker:
     """``ContentCheck``'s interface, with the check running in a worker process
     that reads the trace ``path`` itself."""
 
-    def __init__(self, path: str | os.PathLike, device: str = "auto"):
-        self._proc, self._conn = spawn("kvtrace.replay.content_worker", str(path), device)
+    def __init__(self, path: str | os.PathLike, device: str = "auto", fileno: int | None = None):
+        """``fileno``: the descriptor of the main process's reader of ``path``; the
+        worker then reads the very file it reads (``SharedFile``)."""
+        self._proc, self._conn = spawn("kvtrace.replay.content_worker", str(path), device, share=fileno)
         self._tags: deque[tuple[int, object]] = deque()   # (line, tag) of steps replayed here
         self._results: deque[tuple] = deque()   # the worker's, per step, not matched yet
         self._last = 0                          # the line of the worker's last result
@@ -153,7 +155,7 @@ class ContentWorker:
 # --------------------------------------------------------------------------- the worker
 
 
-def _serve(path: str, device: str, conn: Connection) -> list[tuple]:
+def _serve(path: str, device: str, fd: str, conn: Connection) -> list[tuple]:
     """The worker process: check the trace ``path``; report to ``conn``, per step,
     (line, divergences or None, slots checked so far, loads assumed so far).
     Returns the last reports: the results not sent yet, and ("end", report)."""
@@ -179,7 +181,7 @@ def _serve(path: str, device: str, conn: Connection) -> list[tuple]:
 
     line = 0
     try:
-        reader = TraceReader(path, validate=False)
+        reader = TraceReader(path, validate=False, fd=None if fd == "-" else int(fd))
         check = ContentCheck(reader.header.config, device)
         conn.send(("device", check.device))
         with torch.inference_mode():

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from multiprocessing.connection import Connection
 
 from kvtrace._child import spawn, stop, worker_main
@@ -42,9 +43,11 @@ class RecordWorker:
     """The gate ``TraceReader.checked_elsewhere`` reads through: a worker process
     that checks the records of ``path``."""
 
-    def __init__(self, path: str | os.PathLike):
-        self.path = str(path)
-        self._proc, self._conn = spawn("kvtrace.replay.record_worker", self.path)
+    def __init__(self, path: str | os.PathLike, fileno: int | None = None):
+        """``fileno``: the descriptor of this process's reader of ``path``; the
+        worker then reads the very file it reads (``SharedFile``)."""
+        self.path = str(Path(path))   # as TraceReader names it
+        self._proc, self._conn = spawn("kvtrace.replay.record_worker", self.path, share=fileno)
         self.through = 0            # the worker has checked every record up to this line
         self._end: dict | None = None
 
@@ -63,47 +66,49 @@ class RecordWorker:
         try:
             kind, value = self._conn.recv()
         except EOFError:
-            self._end = {"line": self.through, "problem": None,
+            self._end = {"through": self.through, "line": None, "problem": None,
                          "bug": f"its process ended (exit code {self._proc.wait()})"}
             return
         if kind == "through":
             self.through = value
-        else:   # ("end", report): every record before the report's line is good
+        else:   # ("end", report)
             self._end = value
-            line = value["line"] or 0
-            self.through = max(self.through, line - (value["problem"] is not None))
+            self.through = max(self.through, value["through"])
 
     def _stopped(self):
         end = self._end
         if end["problem"] is not None:
             raise TraceError(self.path, end["line"], end["problem"])
         if end["bug"] is not None:
-            raise RecordWorkerError(f"the record check stopped after line {end['line']} of the "
+            raise RecordWorkerError(f"the record check stopped after line {end['through']} of the "
                                     f"trace: {end['bug']}")
         raise RecordWorkerError(
-            f"the trace grew after line {end['line']} while it was replayed (is it still being "
+            f"the trace grew after line {end['through']} while it was replayed (is it still being "
             f"written?): replay it once it is complete, or with {ENV}=0")
 
 
 # --------------------------------------------------------------------------- the worker
 
 
-def _serve(path: str, conn: Connection) -> list[tuple]:
-    """The worker process: read ``path`` as any reader does; report to ``conn``
-    ("through", line) now and then. Returns the last report, ("end", report)."""
-    report = {"line": 0, "problem": None, "bug": None}
+def _serve(path: str, fd: str, conn: Connection) -> list[tuple]:
+    """The worker process: read the trace (descriptor ``fd``, or else ``path``)
+    as any reader does; report to ``conn`` ("through", line) now and then, for
+    the last record checked. Returns the last report, ("end", report): the last
+    record checked, and what stopped the check early (a bad record's line and
+    problem, or a bug)."""
+    report = {"through": 0, "line": None, "problem": None, "bug": None}
     reader = None
     try:
-        reader = TraceReader(path)
+        reader = TraceReader(path, fd=None if fd == "-" else int(fd))
         with reader:
             for n, _ in enumerate(reader, 1):
+                report["through"] = reader.last_line
                 if not n % _REPORT_EVERY:
                     conn.send(("through", reader.last_line))
-        report["line"] = reader.last_line
     except TraceError as e:
         report.update(line=e.line, problem=e.problem)
     except Exception as e:   # a bug
-        report.update(line=getattr(reader, "last_line", 0), bug=f"{type(e).__name__}: {e}")
+        report["bug"] = f"{type(e).__name__}: {e}"
     return [("end", report)]
 
 

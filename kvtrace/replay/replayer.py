@@ -62,7 +62,7 @@ class Replayer:
     """Event-at-a-time replay. ``feed`` takes the events of one trace in order."""
 
     def __init__(self, header: ev.Header, path: str = "<trace>", out: TraceWriter | None = None,
-                 device: str | None = "auto", content_worker: bool = False):
+                 device: str | None = "auto", content_worker: bool = False, fileno: int | None = None):
         self.header = header
         self.path = path
         self.cfg = header.config
@@ -71,12 +71,13 @@ class Replayer:
                                self.connector if header.config.connector else None)
         self.out = out
         # The shadow-KV content check; device None turns it off. With
-        # ``content_worker`` it runs in a second process that reads ``path`` itself.
+        # ``content_worker`` it runs in a second process that reads ``path`` itself
+        # (through ``fileno``, this process's descriptor of it, when given).
         self.content = None
         if device and content_worker:
             from .content_worker import ContentWorker
 
-            self.content = ContentWorker(path, device)
+            self.content = ContentWorker(path, device, fileno)
         elif device:
             from .content import ContentCheck   # imports torch; only when the check runs
 
@@ -241,7 +242,11 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
     result is the same either way."""
     reader = TraceReader(path)
     header = reader.header
-    _check_supported(header, path)
+    try:
+        _check_supported(header, path)
+    except TraceError:
+        reader.close()
+        raise
     writer = None
     if out is not None:
         replayed = ev.Header(engine="kvtrace-reference", engine_version=_version(),
@@ -256,13 +261,13 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
     if in_process and (device == "cpu" or (device == "auto" and not _cuda())):
         import torch
         torch.set_num_threads(1)   # the check is many small ops: threads only add overhead
-    rp = Replayer(header, str(path), writer, device, content_worker=content_worker)
+    rp = Replayer(header, str(path), writer, device, content_worker=content_worker, fileno=reader.fileno)
     result = ReplayResult(path=str(path), header=header)
     record_worker = None
     if worker and not device:
         from .record_worker import RecordWorker   # a module the worker runs as __main__
 
-        record_worker = RecordWorker(path)
+        record_worker = RecordWorker(reader.path, reader.fileno)
     try:
         with reader, _no_autograd(in_process):
             for e in (reader if record_worker is None else reader.checked_elsewhere(record_worker)):

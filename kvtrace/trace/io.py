@@ -59,7 +59,11 @@ def _env_bytes(name: str, default: int) -> int:
 
 
 def _open_binary_read(path: Path) -> IO[bytes]:
-    raw = open(path, "rb")
+    return _decompressing(open(path, "rb"))
+
+
+def _decompressing(raw: IO[bytes]) -> IO[bytes]:
+    """The trace's bytes, through gzip or zstd when the file starts with its magic."""
     magic = raw.read(4)
     raw.seek(0)
     if magic[:2] == GZIP_MAGIC:
@@ -69,6 +73,45 @@ def _open_binary_read(path: Path) -> IO[bytes]:
 
         return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True, closefd=True)
     return raw
+
+
+class SharedFile(io.RawIOBase):
+    """A descriptor of a file that another process has open too, read at this
+    reader's own offset (``os.pread``), so that neither moves the other's place.
+    Replay's workers read the trace through the descriptor of the main process's
+    reader: the very file it reads, even if the name has since been renamed,
+    replaced or removed."""
+
+    def __init__(self, fd: int):
+        self.fd, self.pos = fd, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        data = os.pread(self.fd, len(b), self.pos)
+        b[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: os.fstat(self.fd).st_size}[whence]
+        self.pos = base + offset
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def close(self) -> None:
+        if not self.closed:
+            os.close(self.fd)
+        super().close()
 
 
 def _is_stream_damage(e: Exception) -> bool:
@@ -89,7 +132,10 @@ class TraceReader:
     arrived, step order. Turn it off only to read a file for repair.
     """
 
-    def __init__(self, path: str | os.PathLike, validate: bool = True):
+    def __init__(self, path: str | os.PathLike, validate: bool = True, fd: int | None = None):
+        """``fd``: read this descriptor, shared with another process, instead of
+        opening ``path``, which then only names the file in messages (see
+        ``SharedFile``). The reader closes it."""
         self.path = Path(path)
         self.truncation: str | None = None
         self.end: End | None = None
@@ -98,7 +144,9 @@ class TraceReader:
         self.max_total_bytes = _env_bytes(ENV_MAX_BYTES, MAX_TOTAL_BYTES)
         self.bytes_read = 0
         try:
-            fh = _open_binary_read(self.path)
+            raw = open(self.path, "rb") if fd is None else io.BufferedReader(SharedFile(fd), _CHUNK)
+            self.fileno = raw.fileno()   # for a worker to read the same file (SharedFile)
+            fh = _decompressing(raw)
         except OSError as e:
             raise TraceError(self.path, None, f"cannot open: {e.strerror or e}") from None
         self._fh = fh
