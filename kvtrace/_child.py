@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
@@ -38,16 +39,26 @@ def spawn(module: str, *args: str, share: int | None = None) -> tuple[subprocess
     (a file it is to read too), passed on under the same number, or "-". Returns
     the process and the reading end."""
     theirs, mine = os.pipe()[::-1]
-    fds = (theirs,) if share is None else (theirs, share)
+    # The child's descriptors 0-2 are its standard streams: what it is to keep
+    # goes above them, whatever numbers it has here (0 to 2 when this process
+    # started with them closed).
+    fds = [_above_stdio(theirs)] + ([] if share is None else [_above_stdio(share)])
+    os.close(theirs)
     try:
-        proc = subprocess.Popen([sys.executable, "-m", module, *args, "-" if share is None else str(share),
-                                 str(theirs)], stdin=subprocess.DEVNULL, pass_fds=fds, env=child_env())
+        proc = subprocess.Popen([sys.executable, "-m", module, *args, "-" if share is None else str(fds[1]),
+                                 str(fds[0])], stdin=subprocess.DEVNULL, pass_fds=fds, env=child_env())
     except BaseException:
         os.close(mine)
         raise
     finally:
-        os.close(theirs)
+        for fd in fds:
+            os.close(fd)
     return proc, Connection(mine, writable=False)
+
+
+def _above_stdio(fd: int) -> int:
+    """A copy of ``fd`` numbered 3 or above, closed on exec unless passed on."""
+    return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)
 
 
 def stop(proc: subprocess.Popen, conn: Connection) -> None:

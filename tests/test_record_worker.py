@@ -296,13 +296,55 @@ def test_the_content_worker_reads_the_file_the_main_process_has_open(faulty, tmp
     assert rp.content.slots_checked == here.slots_checked > 0
 
 
-def test_a_refused_trace_leaves_no_open_file(tmp_path):
+def _open_fds() -> int:
     import os
 
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
+def test_a_refused_trace_leaves_no_open_file(tmp_path, suffix):
     recs = load_records(TRACES / "preemption.jsonl.gz")
     recs[0]["features"]["async_scheduling"] = True
-    path = save_records(recs, tmp_path / "async.jsonl")
-    before = len(os.listdir("/proc/self/fd"))
+    path = save_records(recs, tmp_path / f"async{suffix}")
+    bad_header = tmp_path / f"header{suffix}"
+    save_records([{"kind": "header"}], bad_header)
+    before = _open_fds()
     for worker in (False, True, False):
         assert "async scheduling" in error(path, worker)
-    assert len(os.listdir("/proc/self/fd")) == before
+        assert ":1: " in error(bad_header, worker)
+    assert _open_fds() == before
+
+
+def test_a_worker_that_cannot_start_leaves_nothing_open(faulty, tmp_path, monkeypatch):
+    """The replayed trace it was writing says that replay stopped."""
+    import sys
+
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-python"))
+    before = _open_fds()
+    for device in (None, "cpu"):
+        out = tmp_path / f"out-{device}.jsonl"
+        with pytest.raises(OSError):
+            replay_file(faulty, out=out, device=device, worker=True)
+        end = load_records(out)[-1]
+        assert end["kind"] == "end" and end["status"] == "interrupted" and "no-python" in end["error"]
+    assert _open_fds() == before
+
+
+def test_workers_work_when_standard_streams_are_closed(faulty):
+    """With descriptor 0 closed, the trace's own descriptor may be 0, which is
+    the worker's standard input."""
+    import subprocess
+    import sys
+
+    script = ("import sys; from kvtrace.replay import replay_file\n"
+              "for device in (None, 'cpu'):\n"
+              "    for worker in (False, True):\n"
+              "        r = replay_file(sys.argv[1], device=device, worker=worker)\n"
+              "        print(device, worker, r.steps, len(r.divergences), r.slots_checked, file=sys.stderr)\n")
+    run = subprocess.run(["bash", "-c", f'"{sys.executable}" -c "$0" "$1" 0<&-', script, str(faulty)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    lines = run.stderr.split("\n")[:4]
+    assert lines[0].split()[2:] == lines[1].split()[2:] and lines[2].split()[2:] == lines[3].split()[2:]
+    assert int(lines[0].split()[2]) > 0 and int(lines[2].split()[4]) > 0

@@ -368,3 +368,24 @@ def test_finished_requests_never_forget_and_rarely_confuse():
     assert all(req in finished for req in ids)
     confused = sum(f"other-{i}" in finished for i in range(100_000))
     assert confused <= 10      # expected about 0.5 at this load (see the class docstring)
+
+
+def test_the_reader_closes_its_file_also_under_gzip_and_on_a_bad_header(tmp_path):
+    """Closing a reader closes the file itself, not only the decompressor over it
+    (gzip leaves the file open), and a reader that refuses its header closes its
+    file even while the error, which holds the reader, is still alive."""
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    gz = write_mini_trace(tmp_path / "t.jsonl.gz")
+    before = fds()
+    reader = TraceReader(gz)
+    assert fds() == before + 1
+    reader.close()
+    assert fds() == before
+    bad = tmp_path / "bad.jsonl.gz"
+    with gzip.open(bad, "wb") as f:
+        f.write(b"not json\n")
+    with pytest.raises(TraceError, match=":1: not JSON") as e:
+        TraceReader(bad)
+    assert fds() == before, e.value

@@ -242,34 +242,32 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
     result is the same either way."""
     reader = TraceReader(path)
     header = reader.header
+    writer = rp = record_worker = None
+    failed = None   # why replay stopped before the end of the trace
     try:
         _check_supported(header, path)
-    except TraceError:
-        reader.close()
-        raise
-    writer = None
-    if out is not None:
-        replayed = ev.Header(engine="kvtrace-reference", engine_version=_version(),
-                             config=header.config, counters=header.counters, features=header.features,
-                             meta={"replayed_from": str(path), "recorded_engine": header.engine,
-                                   "recorded_engine_version": header.engine_version})
-        writer = TraceWriter(out, replayed)
-    if worker is None:
-        worker = wanted(path)
-    content_worker = bool(device) and worker
-    in_process = bool(device) and not content_worker
-    if in_process and (device == "cpu" or (device == "auto" and not _cuda())):
-        import torch
-        torch.set_num_threads(1)   # the check is many small ops: threads only add overhead
-    rp = Replayer(header, str(path), writer, device, content_worker=content_worker, fileno=reader.fileno)
-    result = ReplayResult(path=str(path), header=header)
-    record_worker = None
-    if worker and not device:
-        from .record_worker import RecordWorker   # a module the worker runs as __main__
+        if out is not None:
+            replayed = ev.Header(engine="kvtrace-reference", engine_version=_version(),
+                                 config=header.config, counters=header.counters,
+                                 features=header.features,
+                                 meta={"replayed_from": str(path), "recorded_engine": header.engine,
+                                       "recorded_engine_version": header.engine_version})
+            writer = TraceWriter(out, replayed)
+        if worker is None:
+            worker = wanted(path)
+        content_worker = bool(device) and worker
+        in_process = bool(device) and not content_worker
+        if in_process and (device == "cpu" or (device == "auto" and not _cuda())):
+            import torch
+            torch.set_num_threads(1)   # the check is many small ops: threads only add overhead
+        rp = Replayer(header, str(path), writer, device, content_worker=content_worker,
+                      fileno=reader.fileno)
+        result = ReplayResult(path=str(path), header=header)
+        if worker and not device:
+            from .record_worker import RecordWorker   # a module the worker runs as __main__
 
-        record_worker = RecordWorker(reader.path, reader.fileno)
-    try:
-        with reader, _no_autograd(in_process):
+            record_worker = RecordWorker(reader.path, reader.fileno)
+        with _no_autograd(in_process):
             for e in (reader if record_worker is None else reader.checked_elsewhere(record_worker)):
                 result.events += 1
                 rp.feed(e, reader.last_line)
@@ -278,13 +276,17 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
                 elif progress is not None and not result.events % 4096:
                     progress(rp.steps)
             rp.finish()
+    except BaseException as e:
+        failed = f"replay stopped: {e}" if str(e) else f"replay stopped: {type(e).__name__}"
+        raise
     finally:
-        rp.close()
-        if record_worker is not None:
-            record_worker.close()
+        reader.close()
+        for part in (rp, record_worker):
+            if part is not None:
+                part.close()
         if writer is not None:
-            writer.close(status="complete" if reader.truncation is None else "interrupted",
-                         error=reader.truncation)
+            error = failed or reader.truncation
+            writer.close(status="interrupted" if error else "complete", error=error)
     if reader.truncation is None:
         rp._unmatched_stats()
     result.divergences = rp.divergences

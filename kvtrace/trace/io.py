@@ -145,15 +145,26 @@ class TraceReader:
         self.bytes_read = 0
         try:
             raw = open(self.path, "rb") if fd is None else io.BufferedReader(SharedFile(fd), _CHUNK)
-            self.fileno = raw.fileno()   # for a worker to read the same file (SharedFile)
-            fh = _decompressing(raw)
+        except OSError as e:
+            raise TraceError(self.path, None, f"cannot open: {e.strerror or e}") from None
+        self._raw = raw
+        self.fileno = raw.fileno()   # for a worker to read the same file (SharedFile)
+        try:
+            self.header: Header = self._read_header()
+        except BaseException:
+            self.close()
+            raise
+        self._validator = Validator(self.header) if validate else None
+
+    def _read_header(self) -> Header:
+        try:
+            fh = _decompressing(self._raw)
         except OSError as e:
             raise TraceError(self.path, None, f"cannot open: {e.strerror or e}") from None
         self._fh = fh
         self._read = getattr(fh, "read1", fh.read)
         first = self._next_raw()
         if first is None:
-            self.close()
             if self.truncation:
                 raise TraceError(self.path, 1, f"the header record is cut off: {self.truncation}")
             if self.bytes_read == 0 and not isinstance(self._fh, io.BufferedReader):
@@ -162,18 +173,14 @@ class TraceReader:
             raise TraceError(self.path, 1, "empty file: no header record")
         lineno, raw, complete = first
         if not complete and (b"\x00" in raw or not _mostly_text(raw)):
-            self.close()
             raise TraceError(self.path, lineno, "binary data, not a JSON record")
         obj = self._parse(lineno, raw, complete)
         if obj is None:
-            self.close()
             raise TraceError(self.path, 1, "the header record is cut off")
         try:
-            self.header: Header = decode_header(obj)
+            return decode_header(obj)
         except SchemaError as e:
-            self.close()
             raise TraceError(self.path, lineno, str(e)) from None
-        self._validator = Validator(self.header) if validate else None
 
     # -- raw lines -------------------------------------------------------------
 
@@ -316,12 +323,13 @@ class TraceReader:
         self.close()
 
     def close(self) -> None:
-        fh = getattr(self, "_fh", None)
-        if fh is not None:
-            try:
-                fh.close()
-            except Exception:
-                pass
+        # A GzipFile leaves the file under it open: close both.
+        for f in (getattr(self, "_fh", None), getattr(self, "_raw", None)):
+            if f is not None:
+                try:
+                    f.close()
+                except Exception:
+                    pass
 
     def __enter__(self) -> "TraceReader":
         return self
