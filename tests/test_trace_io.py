@@ -389,3 +389,24 @@ def test_the_reader_closes_its_file_also_under_gzip_and_on_a_bad_header(tmp_path
     with pytest.raises(TraceError, match=":1: not JSON") as e:
         TraceReader(bad)
     assert fds() == before, e.value
+
+
+def test_a_shared_file_reads_at_its_own_offset(tmp_path):
+    import io
+
+    from kvtrace.trace.io import SharedFile
+
+    path = tmp_path / "f"
+    path.write_bytes(b"0123456789")
+    with open(path, "rb") as mine:
+        assert mine.read(3) == b"012"
+        shared = SharedFile(os.dup(mine.fileno()))
+        assert shared.read(4) == b"0123" and mine.read(2) == b"34"
+        assert shared.seek(-2, io.SEEK_END) == 8 and shared.read(5) == b"89" and shared.read(5) == b""
+        assert shared.seek(1) == 1 and shared.seek(2, io.SEEK_CUR) == 3 and shared.read(1) == b"3"
+        with pytest.raises(ValueError):
+            shared.seek(-1)
+        shared.close()
+        with pytest.raises(ValueError):
+            shared.read(1)
+        assert mine.read() == b"56789"   # its own descriptor is still open

@@ -92,15 +92,26 @@ class SharedFile(io.RawIOBase):
         return True
 
     def readinto(self, b) -> int:
+        if self.closed:
+            raise ValueError("read of a closed file")
         data = os.pread(self.fd, len(b), self.pos)
         b[: len(data)] = data
         self.pos += len(data)
         return len(data)
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: os.fstat(self.fd).st_size}[whence]
-        self.pos = base + offset
-        return self.pos
+        if whence == io.SEEK_SET:
+            pos = offset
+        elif whence == io.SEEK_CUR:
+            pos = self.pos + offset
+        elif whence == io.SEEK_END:
+            pos = os.fstat(self.fd).st_size + offset
+        else:
+            raise ValueError(f"invalid whence ({whence})")
+        if pos < 0:
+            raise ValueError(f"negative seek position {pos}")
+        self.pos = pos
+        return pos
 
     def tell(self) -> int:
         return self.pos
@@ -110,8 +121,10 @@ class SharedFile(io.RawIOBase):
 
     def close(self) -> None:
         if not self.closed:
-            os.close(self.fd)
-        super().close()
+            try:
+                os.close(self.fd)
+            finally:
+                super().close()
 
 
 def _is_stream_damage(e: Exception) -> bool:
