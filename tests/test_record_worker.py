@@ -348,3 +348,13 @@ def test_workers_work_when_standard_streams_are_closed(faulty):
     lines = run.stderr.split("\n")[:4]
     assert lines[0].split()[2:] == lines[1].split()[2:] and lines[2].split()[2:] == lines[3].split()[2:]
     assert int(lines[0].split()[2]) > 0 and int(lines[2].split()[4]) > 0
+
+
+@pytest.mark.parametrize("device", [None, "cpu"])
+def test_the_replayed_trace_is_the_same_with_a_worker(faulty, tmp_path, device):
+    outs = []
+    for worker in (False, True):
+        out = tmp_path / f"out-{worker}.jsonl"
+        replay_file(faulty, out=out, device=device, worker=worker)
+        outs.append(out.read_bytes())
+    assert outs[0] == outs[1] and outs[0].count(b"\n") > 100
