@@ -317,6 +317,25 @@ def test_unknown_request_is_an_error():
         s.step(0, [], [("x", 0, 1, [1])])
 
 
+def test_a_request_told_how_long_it_may_grow_keeps_its_place_in_the_arena():
+    rows = {}
+    for most in (0, 120):
+        s = ShadowKV(64, B, "cpu")
+        s.add_request("a", _prompt(30, 10), most=most)
+        seen = set()
+        toks = _prompt(30, 10)
+        for step in range(110):
+            table = list(range(1, -(-len(toks) // B) + 1))
+            s.step(step, [], [("a", len(toks) - 1, 1, table)])
+            seen.add(s._reqs["a"].row)
+            extra = [step % 97 + 3]
+            s.append_tokens("a", extra)
+            toks += extra
+        assert s.prefix_fingerprints("a").tolist() == _fp_ref(toks)
+        rows[most] = len(seen)
+    assert rows[120] == 1 and rows[0] > 2
+
+
 def test_many_requests_grow_and_compact_the_arena():
     rng = random.Random(20)
     s = ShadowKV(512, B, "cpu")
@@ -510,9 +529,14 @@ def test_batched_steps_report_what_single_steps_and_a_slot_model_report(seed, mo
             modelled[step] = model.step(step, loads, sched)
             for tag, divs in many.queue(step, loads, sched, tag=step):
                 batched[tag] = _words(divs)
+        elif op[0] == "add":   # only one cache is told how long each request may grow
+            _, req, toks = op
+            one.add_request(req, toks)
+            many.add_request(req, toks, most=len(toks) + seed % 4 * 3)
+            model.add_request(req, toks)
         else:
             for s in (one, many, model):
-                {"add": s.add_request, "append": s.append_tokens, "drop": s.drop_request}[op[0]](*op[1:])
+                {"append": s.append_tokens, "drop": s.drop_request}[op[0]](*op[1:])
     for tag, divs in many.flush():
         batched[tag] = _words(divs)
     assert single == modelled

@@ -20,6 +20,7 @@ class ContentCheck:
     def __init__(self, cfg: ev.SchedulerConfig, device: str = "auto"):
         self.kv = ShadowKV(cfg.num_blocks, cfg.block_size, device)
         self.has_connector = cfg.connector is not None
+        self.max_model_len = cfg.max_model_len
         self.tables: dict[str, list[int]] = {}     # the engine's table per live request
         self.assumed_loads = False                  # loads inferred from lookups, not recorded
 
@@ -32,7 +33,8 @@ class ContentCheck:
         return self.kv.slots_checked
 
     def arrival(self, a: ev.Arrival) -> None:
-        self.kv.add_request(a.req, a.prompt_token_ids)
+        most = min(len(a.prompt_token_ids) + a.max_tokens, self.max_model_len)
+        self.kv.add_request(a.req, a.prompt_token_ids, most)
 
     def abort(self, reqs: list[str]) -> None:
         for req in reqs:

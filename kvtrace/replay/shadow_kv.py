@@ -91,6 +91,10 @@ A step that reads more than ``BATCH_SLOTS`` slots is evaluated on its own, with
 its writes applied first; a batch ends early when a request's fingerprints must
 move in a compaction of the arena (queued steps hold arena offsets; a segment
 that only grows leaves its old rows in place, with what fits computed first).
+A segment is sized with room to grow; for a request whose longest length is
+known (prompt plus max_tokens, from its arrival), with room for that length
+when it is not far off, so that most requests never move (about a tenth less
+time for the whole check on the benchmark's trace).
 A batch reports each of its steps' divergences in the words, and the order,
 that checking the steps one at a time would (tests/test_shadow_kv.py checks
 both against a slot-by-slot model of these semantics).
@@ -185,7 +189,7 @@ _NOT_WRITTEN = 1 << 62
 
 
 class _Req:
-    __slots__ = ("idx", "row", "rows", "n_fp", "pending", "ntok")
+    __slots__ = ("idx", "row", "rows", "n_fp", "pending", "ntok", "most")
 
     def __init__(self, idx: int):
         self.idx = idx          # index into ShadowKV.ids
@@ -194,6 +198,7 @@ class _Req:
         self.n_fp = 0           # fingerprints already in the arena
         self.pending: list[int] = []  # tokens whose fingerprints are not computed yet
         self.ntok = 0           # n_fp + len(pending)
+        self.most = 0           # the most tokens it can reach, if known (a hint)
 
 
 class _Batch:
@@ -295,7 +300,10 @@ class ShadowKV:
 
     # -- requests ------------------------------------------------------------------
 
-    def add_request(self, req: str, prompt_token_ids: list[int]) -> None:
+    def add_request(self, req: str, prompt_token_ids: list[int], most: int = 0) -> None:
+        """``most``: the most tokens the request can reach (prompt plus
+        max_tokens), if known. It only sizes the room the request's fingerprints
+        get in the arena, so that a request rarely has to move as it grows."""
         if req in self._reqs:
             raise ValueError(f"request '{req}' is already in the shadow cache")
         idx = self._intern.get(req)
@@ -303,6 +311,7 @@ class ShadowKV:
             idx = self._intern[req] = len(self.ids)
             self.ids.append(req)
         r = self._reqs[req] = _Req(idx)
+        r.most = most
         if prompt_token_ids:
             r.pending = list(prompt_token_ids)
             r.ntok = len(r.pending)
@@ -344,8 +353,12 @@ class ShadowKV:
 
     # -- arena: block-aligned per-request fingerprint segments ------------------------
 
-    def _rows_for(self, ntok: int) -> int:
-        return _cdiv(ntok + ntok // 2 + self.block_size, self.block_size)
+    def _rows_for(self, ntok: int, most: int = 0) -> int:
+        """Rows for ``ntok`` fingerprints and room to grow: half as many again, or
+        up to the most the request can reach, if that is known and not far off
+        (at most twice ``ntok`` and 1024 more)."""
+        room = max(ntok + ntok // 2 + self.block_size, min(most, 2 * ntok + 1024))
+        return _cdiv(room, self.block_size)
 
     def _alloc(self, rows: int) -> int:
         if self._top + rows > self._arena.shape[0]:
@@ -380,7 +393,7 @@ class ShadowKV:
         if r.pending and r.n_fp < r.rows * self.block_size:
             self._materialise([r])
         used = _cdiv(r.n_fp, self.block_size)
-        rows = self._rows_for(ntok)
+        rows = self._rows_for(ntok, r.most)
         r.rows = 0  # the old segment is dead; a compaction inside _alloc must not keep it
         old = self._arena[r.row: r.row + used].clone() if used else None
         row = self._alloc(rows)
