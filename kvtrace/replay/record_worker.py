@@ -14,7 +14,8 @@ decodes the record at line L, it waits until the worker has checked line L
 (``TraceReader.checked_elsewhere``). Where the worker finds a bad record, the
 main process raises the worker's error when it reaches that line, so replay
 stops with the same one-line error, at the same line, as in one process. Both
-read the same bytes, so they see the same cut in a truncated trace.
+read the same file (the worker through the main process's descriptor of it), so
+they see the same cut in a truncated trace.
 
 A worker that stops before a line the main process needs is an error
 (``RecordWorkerError``), never a clean replay.
@@ -24,8 +25,8 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 from kvtrace._child import spawn, stop, worker_main
 from kvtrace.trace import TraceError, TraceReader
