@@ -34,15 +34,15 @@ def _site_dirs() -> set[Path]:
 
 
 def spawn(module: str, *args: str, share: int | None = None) -> tuple[subprocess.Popen, Connection]:
-    """Start ``python -m module *args SHARE FD``, where FD is the writing end of a
-    pipe for it to report on, and SHARE the descriptor ``share`` of this process
-    (a file it is to read too), passed on under the same number, or "-". Returns
-    the process and the reading end."""
+    """Start ``python -m module *args SHARE FD`` (its main is ``worker_main``),
+    where FD is the writing end of a pipe for it to report on, and SHARE its copy
+    of this process's descriptor ``share`` (a file it is to read too), or "-".
+    Returns the process and the reading end."""
     theirs, mine = os.pipe()[::-1]
     # The child's descriptors 0-2 are its standard streams: what it is to keep
     # goes above them, whatever numbers it has here (0 to 2 when this process
     # started with them closed).
-    fds = [_above_stdio(theirs)] + ([] if share is None else [_above_stdio(share)])
+    fds = [above_stdio(theirs)] + ([] if share is None else [above_stdio(share)])
     os.close(theirs)
     try:
         proc = subprocess.Popen([sys.executable, "-m", module, *args, "-" if share is None else str(fds[1]),
@@ -56,7 +56,7 @@ def spawn(module: str, *args: str, share: int | None = None) -> tuple[subprocess
     return proc, Connection(mine, writable=False)
 
 
-def _above_stdio(fd: int) -> int:
+def above_stdio(fd: int) -> int:
     """A copy of ``fd`` numbered 3 or above, closed on exec unless passed on."""
     return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)
 
@@ -74,12 +74,13 @@ def stop(proc: subprocess.Popen, conn: Connection) -> None:
 
 
 def worker_main(serve, argv: list[str]) -> int:
-    """The main of a process ``spawn`` started: ``serve(*argv[:-1], conn)`` on the
-    pipe's writing end, then the messages it returns, if the reader still listens."""
+    """The main of a process ``spawn`` started: ``serve(*args, share, conn)``, with
+    the descriptor it shares (or None) and the pipe's writing end, then the
+    messages it returns, if the reader still listens."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the process that started it stops it
-    *args, fd = argv
+    *args, share, fd = argv
     conn = Connection(int(fd), readable=False)
-    last = serve(*args, conn)
+    last = serve(*args, None if share == "-" else int(share), conn)
     try:
         for msg in last:
             conn.send(msg)

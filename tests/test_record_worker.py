@@ -242,7 +242,7 @@ def test_a_worker_bug_on_a_record_does_not_pass_it(faulty, monkeypatch):
 
     monkeypatch.setattr(record_worker, "TraceReader", Failing)
     theirs, mine = Pipe(duplex=False)
-    for msg in record_worker._serve(str(faulty), "-", mine):
+    for msg in record_worker._serve(str(faulty), None, mine):
         mine.send(msg)
     gate = RecordWorker.__new__(RecordWorker)
     gate.path, gate._conn, gate.through, gate._end = str(faulty), theirs, 0, None

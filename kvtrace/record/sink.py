@@ -36,7 +36,6 @@ thread with as little Python per request as possible, which ``Resolver`` and
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import socket
@@ -52,7 +51,7 @@ from typing import Any
 
 import orjson
 
-from kvtrace._child import child_env
+from kvtrace._child import above_stdio, child_env
 from kvtrace.trace.events import (
     STATUSES,
     Header,
@@ -456,7 +455,7 @@ class ProcessSink(_Sink):
         self._sent_at = time.monotonic()
         raw = open_trace_file(self.path)  # may raise: caller handles it
         if raw < 3:  # never where the writer process's stdin/stdout/stderr go
-            raw, low = fcntl.fcntl(raw, fcntl.F_DUPFD_CLOEXEC, 3), raw
+            raw, low = above_stdio(raw), raw
             os.close(low)
         mine, theirs = socket.socketpair()
         try:

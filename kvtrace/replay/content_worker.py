@@ -155,7 +155,7 @@ class ContentWorker:
 # --------------------------------------------------------------------------- the worker
 
 
-def _serve(path: str, device: str, fd: str, conn: Connection) -> list[tuple]:
+def _serve(path: str, device: str, fd: int | None, conn: Connection) -> list[tuple]:
     """The worker process: check the trace ``path``; report to ``conn``, per step,
     (line, divergences or None, slots checked so far, loads assumed so far).
     Returns the last reports: the results not sent yet, and ("end", report)."""
@@ -181,7 +181,7 @@ def _serve(path: str, device: str, fd: str, conn: Connection) -> list[tuple]:
 
     line = 0
     try:
-        reader = TraceReader(path, validate=False, fd=None if fd == "-" else int(fd))
+        reader = TraceReader(path, validate=False, fd=fd)
         check = ContentCheck(reader.header.config, device)
         conn.send(("device", check.device))
         with torch.inference_mode():

@@ -91,7 +91,7 @@ class RecordWorker:
 # --------------------------------------------------------------------------- the worker
 
 
-def _serve(path: str, fd: str, conn: Connection) -> list[tuple]:
+def _serve(path: str, fd: int | None, conn: Connection) -> list[tuple]:
     """The worker process: read the trace (descriptor ``fd``, or else ``path``)
     as any reader does; report to ``conn`` ("through", line) now and then, for
     the last record checked. Returns the last report, ("end", report): the last
@@ -100,7 +100,7 @@ def _serve(path: str, fd: str, conn: Connection) -> list[tuple]:
     report = {"through": 0, "line": None, "problem": None, "bug": None}
     reader = None
     try:
-        reader = TraceReader(path, fd=None if fd == "-" else int(fd))
+        reader = TraceReader(path, fd=fd)
         with reader:
             for n, _ in enumerate(reader, 1):
                 report["through"] = reader.last_line
