@@ -501,9 +501,8 @@ class ShadowKV:
         that the per-operation cost of torch is paid once per batch, not per step."""
         # Room first: making room may move segments and evaluate the batch, which
         # must happen before this step takes any arena offset.
-        for req, *_ in (*loads, *scheduled):
-            r = self._req(req)
-            self._ensure(r, r.ntok)
+        loads = [(self._room(req), start, end, table) for req, start, end, table in loads]
+        scheduled = [(self._room(req), c, n, table) for req, c, n, table in scheduled]
         if self._batch.n_rows * self.block_size + sum(c for _, c, _, _ in scheduled) > self.BATCH_SLOTS:
             self._evaluate()                # a heavy step goes on its own
         b = self._batch
@@ -511,17 +510,25 @@ class ShadowKV:
         divs: list[Divergence] = []
         b.steps.append((step, tag, divs))
         if loads:
+            loads = [(r, start, end, table, b.table(table)) for r, start, end, table in loads]
             self.slots_loaded += self._queue_writes(b, step, slot, loads, loaded=True)
+        # A scheduled request writes and reads through the same table: one copy.
+        scheduled = [(r, c, n, table, b.table(table)) for r, c, n, table in scheduled]
         # Within one forward pass every layer writes the step's KV before attention
         # reads it, so a request may read what another request writes in the same step
         # (a prefix hit on a block allocated earlier in the same schedule(), 4.3).
-        writes = [(req, c, c + n, table) for req, c, n, table in scheduled if n > 0]
+        writes = [(r, c, c + n, table, off) for r, c, n, table, off in scheduled if n > 0]
         if writes:
             self.slots_written += self._queue_writes(b, step, slot, writes, loaded=False)
         self._queue_reads(b, step, slot, scheduled, divs)
         if len(b.steps) >= self.BATCH_STEPS or b.n_rows * self.block_size >= self.BATCH_SLOTS:
             self._evaluate()
         return self._take()
+
+    def _room(self, req: str) -> _Req:
+        r = self._req(req)
+        self._ensure(r, r.ntok)
+        return r
 
     def flush(self) -> list[tuple[object, list[Divergence]]]:
         """Evaluate every queued step; returns (tag, divergences) per step not yet returned."""
@@ -534,11 +541,11 @@ class ShadowKV:
 
     def _queue_writes(self, b: _Batch, step: int, slot: int, items, loaded: bool) -> int:
         """Queue writing the fingerprints of positions [start, end) of each item's
-        request into the slots its block table names. Returns the positions queued."""
+        request into the slots its block table names (items: request, start, end,
+        table, the table's offset in the batch). Returns the positions queued."""
         B = self.block_size
         total = 0
-        for req, start, end, table in items:
-            r = self._req(req)
+        for r, start, end, table, off in items:
             start = max(start, 0)
             end = min(end, r.ntok, len(table) * B)
             if end <= start:
@@ -548,20 +555,20 @@ class ShadowKV:
                 if holders:
                     for other, row in list(holders.items()):
                         self._uncheck(other, row)
-            b.writes += (b.n_writes, end - start, start, b.table(table), r.row * B, r.idx,
-                         slot, step, loaded)
+            b.writes += (b.n_writes, end - start, start, off, r.row * B, r.idx, slot, step, loaded)
             b.n_writes += end - start
             total += end - start
         return total
 
     def _queue_reads(self, b: _Batch, step: int, slot: int, scheduled, divs: list) -> None:
         """Queue reading, for each scheduled request, every position before its
-        num_computed_tokens through its block table."""
+        num_computed_tokens through its block table (items: request, c, n, table,
+        the table's offset in the batch)."""
         B = self.block_size
-        for req, c, _n, table in scheduled:
-            r = self._req(req)
+        for r, c, _n, table, off in scheduled:
             lim = c
             if lim > r.ntok:
+                req = self.ids[r.idx]
                 divs.append(Divergence(
                     step, req, "kv-content",
                     f"position {r.ntok}: the request has only {r.ntok} tokens, but "
@@ -569,6 +576,7 @@ class ShadowKV:
                     "kv-content"))
                 lim = r.ntok
             if lim > len(table) * B:
+                req = self.ids[r.idx]
                 divs.append(Divergence(
                     step, req, "kv-content",
                     f"position {len(table) * B}: no block for it (the block table has "
@@ -579,7 +587,7 @@ class ShadowKV:
                 continue
             rows = -(-lim // B)
             skip = self._skippable(r, table, lim) if self.skip_checked else 0
-            b.reads += (rows, b.table(table[:rows]), lim, r.row, slot, skip)
+            b.reads += (rows, off, lim, r.row, slot, skip)
             b.read_reqs.append(r)
             b.n_rows += rows
             b.n_compared += rows - skip
