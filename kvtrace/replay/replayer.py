@@ -230,16 +230,17 @@ def _fields(obj) -> dict:
 
 def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
                 device: str | None = "auto", progress=None,
-                worker: bool | None = None) -> ReplayResult:
+                worker: bool | int | None = None) -> ReplayResult:
     """Replay one trace file. Raises TraceError for unusable input.
 
     ``device`` is where the shadow-KV check runs ("auto", "cpu", "cuda"), or None
     to skip it. ``progress``, if given, is called now and then with the number of
-    steps replayed so far. ``worker`` runs part of the work in a second process
-    that reads the same file: the content check when it is on
+    steps replayed so far. ``worker`` runs part of the work in worker processes
+    that read the same file: with 1 (or True), the content check when it is on
     (content_worker.py), the record checks when it is off (record_worker.py);
-    None decides by the file's size and the machine's cores (workers.py). The
-    result is the same either way."""
+    with 2, the record checks as well beside the content check; None decides by
+    the file's size and the machine's cores (workers.py). The result is the same
+    either way."""
     reader = TraceReader(path)
     header = reader.header
     writer = rp = record_worker = None
@@ -253,9 +254,8 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
                                  meta={"replayed_from": str(path), "recorded_engine": header.engine,
                                        "recorded_engine_version": header.engine_version})
             writer = TraceWriter(out, replayed)
-        if worker is None:
-            worker = wanted(path)
-        content_worker = bool(device) and worker
+        workers = wanted(path) if worker is None else int(worker)
+        content_worker = bool(device) and workers >= 1
         in_process = bool(device) and not content_worker
         if in_process and (device == "cpu" or (device == "auto" and not _cuda())):
             import torch
@@ -263,7 +263,7 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
         rp = Replayer(header, str(path), writer, device, content_worker=content_worker,
                       fileno=reader.fileno)
         result = ReplayResult(path=str(path), header=header)
-        if worker and not device:
+        if workers >= (2 if device else 1):
             from .record_worker import RecordWorker   # a module the worker runs as __main__
 
             record_worker = RecordWorker(reader.path, reader.fileno)
