@@ -127,8 +127,9 @@ def replay(trace: str, kv: bool, worker: bool | None = None) -> dict:
     """Replay, with the content check if ``kv``; with ``worker``, part of the work
     runs in a worker process (the content check, or else the record checks);
     None: as replay decides."""
-    from kvtrace.replay import replay_file
+    from kvtrace.replay import replay_file, workers
 
+    used = workers.wanted(trace) if worker is None else int(worker)
     t = time.perf_counter()
     r = replay_file(trace, device="cpu" if kv else None, worker=worker)
     seconds = time.perf_counter() - t
@@ -136,7 +137,8 @@ def replay(trace: str, kv: bool, worker: bool | None = None) -> dict:
         raise SystemExit(f"{len(r.divergences)} divergences on a clean trace: {r.divergences[0]}")
     worker_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     return {"seconds": seconds, "steps": r.steps, "peak_rss": _peak_rss(),
-            "worker_peak_rss": worker_rss, "slots": getattr(r, "slots_checked", 0)}
+            "worker_peak_rss": worker_rss, "slots": getattr(r, "slots_checked", 0),
+            "workers": used if kv or used < 2 else 1}
 
 
 def diff(trace: str) -> dict:
