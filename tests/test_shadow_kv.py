@@ -694,6 +694,17 @@ def test_a_checked_row_written_by_another_request_is_compared_again():
     assert _count(d) == (2, 10)
 
 
+def test_a_read_within_checked_rows_compares_nothing():
+    s = ShadowKV(32, B, "cpu")
+    s.add_request("a", _prompt(33, 8))
+    assert s.step(0, [], [("a", 0, 8, [3, 4, 5])]) == []
+    s.append_tokens("a", [1])
+    assert s.step(1, [], [("a", 8, 1, [3, 4, 5])]) == []       # rows 0 and 1 checked
+    checked, compared = s.slots_checked, s.slots_compared
+    assert s.step(2, [], [("a", 6, 0, [3, 4, 5])]) == []       # ends inside row 1
+    assert (s.slots_checked - checked, s.slots_compared - compared) == (6, 0)
+
+
 def test_a_checked_row_under_a_changed_table_is_compared_again():
     s = ShadowKV(32, B, "cpu")
     s.add_request("a", _prompt(32, 8))

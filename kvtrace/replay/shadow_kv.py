@@ -309,7 +309,7 @@ class ShadowKV:
         self._holders: dict[int, dict[_Req, int]] = {}
         # Counters, for reports and benchmarks.
         self.slots_checked = 0          # slot reads checked, by comparison or unchanged since
-        self.slots_compared = 0         # of which compared in this step's batch
+        self.slots_compared = 0         # of which compared (the rest: unchanged since)
         self.slots_written = 0
         self.slots_loaded = 0
 
@@ -592,7 +592,7 @@ class ShadowKV:
             b.n_rows += rows
             b.n_compared += rows - skip
             self.slots_checked += lim
-            self.slots_compared += lim - skip * B
+            self.slots_compared += max(lim - skip * B, 0)   # a skipped last row may be partial
 
     # -- reads already checked -------------------------------------------------------
 
