@@ -9,7 +9,6 @@ from pathlib import Path
 import orjson
 import pytest
 
-from kvtrace.engine import FAULT_WORKLOADS, record_embedded
 from kvtrace.replay import content_worker, replay_file, workers
 from kvtrace.replay.replayer import Replayer
 from kvtrace.trace import TraceError, TraceReader
@@ -31,16 +30,6 @@ def both(path, **kw) -> tuple:
 
 def kv(divs: list[dict]) -> list[dict]:
     return [d for d in divs if d["kind"] == "kv-content"]
-
-
-@pytest.fixture(scope="module")
-def faulty(tmp_path_factory) -> Path:
-    """An embedded-engine trace whose KV goes wrong several times, among counter
-    divergences."""
-    d = tmp_path_factory.mktemp("worker")
-    res = record_embedded(d / "t.jsonl", workload=FAULT_WORKLOADS["no-reload-after-preempt"],
-                          fault="no-reload-after-preempt")
-    return res.path
 
 
 @pytest.mark.parametrize("path", sorted(TRACES.glob("*.jsonl.gz")) + sorted(TRACES.glob("faults/*.jsonl.gz")),

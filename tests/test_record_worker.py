@@ -10,7 +10,6 @@ from pathlib import Path
 import orjson
 import pytest
 
-from kvtrace.engine import FAULT_WORKLOADS, record_embedded
 from kvtrace.replay import replay_file, workers
 from kvtrace.replay.record_worker import RecordWorker, RecordWorkerError
 from kvtrace.trace import TraceError, TraceReader, trusted
@@ -22,23 +21,16 @@ TRACES = Path(__file__).resolve().parent.parent / "traces"
 REAL = sorted(TRACES.glob("*.jsonl.gz")) + sorted(TRACES.glob("faults/*.jsonl.gz"))
 
 
-def result(path, worker: bool) -> tuple:
-    r = replay_file(path, device=None, worker=worker)
+def result(path, worker: int, device: str | None = None) -> tuple:
+    r = replay_file(path, device=device, worker=worker)
     return ([d.to_json() for d in r.divergences], r.steps, r.events, r.truncation, r.stopped,
-            r.end)
+            r.end, r.slots_checked, r.assumed_loads)
 
 
-def error(path, worker: bool) -> str:
+def error(path, worker: int, device: str | None = None) -> str:
     with pytest.raises(TraceError) as e:
-        replay_file(path, device=None, worker=worker)
+        replay_file(path, device=device, worker=worker)
     return str(e.value)
-
-
-@pytest.fixture(scope="module")
-def faulty(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("records")
-    return record_embedded(d / "t.jsonl", workload=FAULT_WORKLOADS["no-reload-after-preempt"],
-                           fault="no-reload-after-preempt").path
 
 
 def test_unchecked_decoding_builds_the_checked_events():

@@ -6,15 +6,13 @@ trace."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import orjson
 import pytest
 
-from kvtrace.engine import FAULT_WORKLOADS, record_embedded
 from kvtrace.replay import content_worker, record_worker, replay_file, workers
-from kvtrace.trace import TraceError
 
+import test_record_worker as rw
 from mini_traces import load_records, save_records
 from test_record_worker import (REAL, _after_the_end, _bad_schema, _block_out_of_range,
                                 _out_of_order, _undecodable, _unknown_request)
@@ -37,22 +35,11 @@ def started(monkeypatch) -> list[str]:
 
 
 def result(path, worker: int) -> tuple:
-    r = replay_file(path, device="cpu", worker=worker)
-    return ([d.to_json() for d in r.divergences], r.steps, r.events, r.truncation, r.stopped,
-            r.end, r.slots_checked, r.assumed_loads)
+    return rw.result(path, worker, "cpu")
 
 
 def error(path, worker: int) -> str:
-    with pytest.raises(TraceError) as e:
-        replay_file(path, device="cpu", worker=worker)
-    return str(e.value)
-
-
-@pytest.fixture(scope="module")
-def faulty(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("records")
-    return record_embedded(d / "t.jsonl", workload=FAULT_WORKLOADS["no-reload-after-preempt"],
-                           fault="no-reload-after-preempt").path
+    return rw.error(path, worker, "cpu")
 
 
 @pytest.mark.parametrize("path", REAL, ids=lambda p: p.name)
