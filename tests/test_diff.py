@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import copy
+from pathlib import Path
+
 import pytest
 
 from kvtrace.diff import diff_files
 from kvtrace.trace import TraceError
 from kvtrace.trace.events import Abort, Output, PromptStats, Step
 
-from mini_traces import write_mini_trace
+from mini_traces import load_records, save_records, write_mini_trace
 
 
 def _bump_running_nct(req: str, step: int, by: int = 1):
@@ -100,8 +103,11 @@ def test_requests_only_in_one_trace(tmp_path):
     b = write_mini_trace(tmp_path / "b.jsonl", requests={"r0": 6, "r1": 5, "r3": 4})
     r = diff_files(a, b)
     assert r.only_a == ["r2"] and r.only_b == ["r3"]
-    assert {(d.req, d.rule) for d in r.divergences} == {("r2", "request only in A"),
-                                                        ("r3", "request only in B")}
+    # A request only in B has no place in A: the row names its arrival in B.
+    r3_line = next(n for n, text in enumerate(b.read_text().splitlines(), 1)
+                   if '"arrival"' in text and '"r3"' in text)
+    assert {(d.req, d.rule) for d in r.divergences} == {
+        ("r2", "request only in A"), ("r3", f"request only in B (B's line {r3_line})")}
     assert r.requests_compared == 2 and r.divergent_requests == 0
 
 
@@ -178,7 +184,187 @@ def test_truncated_trace_is_diffed_up_to_the_cut(tmp_path):
     assert "cut off" in r.truncation_a
     r = diff_files(cut, a)
     assert r.truncation_a and r.truncation_b is None
-    assert r.divergences  # the cut trace lacks the last outputs and finishes
+    # What only the whole trace holds after the cut is not a divergence.
+    assert r.divergences == [] and r.identical
+    assert sorted(r.cut_short) == ["r0", "r1", "r2"] and r.requests_compared == 3
+    # Both ways round.
+    r = diff_files(a, cut)
+    assert r.divergences == [] and sorted(r.cut_short) == ["r0", "r1", "r2"]
+
+
+def test_a_divergence_before_the_cut_is_still_found(tmp_path):
+    a = write_mini_trace(tmp_path / "a.jsonl")
+    b = write_mini_trace(tmp_path / "b.jsonl", edit=_bump_running_nct("r1", 1))
+    lines = b.read_bytes().splitlines(keepends=True)
+    cut = tmp_path / "cut.jsonl"
+    cut.write_bytes(b"".join(lines[:-3]) + lines[-3][:10])   # in step 2, after step 1's output
+    r = diff_files(cut, a)
+    assert r.truncation_a
+    assert [(d.req, d.step, d.field) for d in r.divergences] == [("r1", 1, "num_computed_tokens")]
+    assert "r1" not in r.cut_short and r.cut_short
+
+
+# --------------------------------------------------------------------------- embedded recordings
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory) -> dict:
+    """Embedded recordings: with preemptions, and with a connector (aborts,
+    async loads), as records."""
+    from kvtrace.engine import record_embedded
+
+    d = tmp_path_factory.mktemp("recorded")
+    return {name: load_records(record_embedded(d / f"{name}.jsonl", workload=name).path)
+            for name in ("kv-pressure", "offload")}
+
+
+def _line_of(records: list[dict], rec: dict) -> int:
+    return next(n for n, r in enumerate(records, 1) if r is rec)
+
+
+def test_a_preempted_requests_state_is_compared(recorded, tmp_path):
+    """A preemption that leaves a stale counter is named at the preemption, not
+    when the request comes back."""
+    recs = recorded["kv-pressure"]
+    b = save_records(recs, tmp_path / "b.jsonl")
+    spoilt = copy.deepcopy(recs)
+    step = next(r for r in spoilt if r["kind"] == "step" and r["preempted"])
+    victim = step["preempted"][0]
+    state = next(st for st in step["states"] if st["req"] == victim)
+    assert state["status"] == "PREEMPTED" and state["num_computed_tokens"] == 0
+    state["num_computed_tokens"] = 37
+    a = save_records(spoilt, tmp_path / "a.jsonl")
+    r = diff_files(a, b)
+    assert [(d.req, d.step, d.line, d.field, d.recorded, d.expected) for d in r.divergences] == [
+        (victim, step["step"], _line_of(spoilt, step), "state.num_computed_tokens", 37, 0)]
+    assert r.divergences[0].rule == f"1st preemption of {victim} differs"
+
+
+def test_what_a_trace_says_of_a_request_after_it_finished_is_not_compared(recorded, tmp_path):
+    """A request aborted while its async load is in flight, whose load then
+    completes: both traces say so, B some steps later and with another request
+    finishing early. Only that other request diverges, whichever trace is A
+    (and so however far one trace is read ahead of the other)."""
+    recs = copy.deepcopy(recorded["offload"])
+    asks = next(i for i, r in enumerate(recs) if r["kind"] == "step"
+                and any(lk["load_async"] for lk in r.get("lookups") or ()))
+    victim = next(lk["req"] for lk in recs[asks]["lookups"] if lk["load_async"])
+    done = next(i for i, r in enumerate(recs) if i > asks and r["kind"] == "output"
+                and victim in ((r.get("connector") or {}).get("finished_recving") or ()))
+    # Abort it just before the step whose output completes its load: nothing
+    # more of it after that but the completion.
+    assert recs[done - 1]["kind"] == "step"
+    a_recs = (recs[:done - 1] + [{"kind": "abort", "seq": 0, "reqs": [victim]}]
+              + _without(recs[done - 1:done], victim) + [recs[done]] + _without(recs[done + 1:], victim))
+    _renumber(a_recs)
+    # B: another request finishes at step 20 instead of after the victim's load
+    # completes, and five idle steps come after step 0: B is read behind A then.
+    b_recs = copy.deepcopy(a_recs)
+    at = next(i for i, r in enumerate(b_recs) if r["kind"] == "output" and r["step"] == 20)
+    finish = {req: r["step"] for r in a_recs if r["kind"] == "output" for req in r["finished"]}
+    other = max((req for req in b_recs[at]["sampled"] if req != victim), key=finish.get)
+    assert finish[other] > recs[done]["step"]
+    b_recs[at]["finished"][other] = "length"
+    b_recs = b_recs[:at + 1] + _without(b_recs[at + 1:], other)
+    for _ in range(5):
+        _idle_step_before(b_recs, 1)
+    a = save_records(a_recs, tmp_path / "a.jsonl")
+    b = save_records(b_recs, tmp_path / "b.jsonl")
+    for x, y in ((a, b), (b, a)):
+        r = diff_files(x, y)
+        assert {d.req for d in r.divergences} == {other}, [d.to_json() for d in r.divergences]
+
+
+def _without(records: list[dict], req: str) -> list[dict]:
+    """``records`` with every mention of ``req`` removed."""
+    out = []
+    for r in copy.deepcopy(records):
+        kind = r["kind"]
+        if kind in ("arrival", "prompt_stats") and r["req"] == req:
+            continue
+        if kind == "step":
+            for name in ("new", "resumed", "running", "lookups", "states"):
+                r[name] = [x for x in r.get(name) or [] if x["req"] != req]
+            if r.get("loads"):
+                r["loads"] = [x for x in r["loads"] if x["req"] != req]
+            for name in ("preempted", "finished"):
+                r[name] = [x for x in r.get(name) or [] if x != req]
+        if kind == "output":
+            for name in ("sampled", "finished"):
+                r[name] = {k: v for k, v in (r.get(name) or {}).items() if k != req}
+            r["states"] = [x for x in r.get("states") or [] if x["req"] != req]
+            if r.get("connector"):
+                for name in ("finished_recving", "finished_sending", "failed_recving"):
+                    r["connector"][name] = [x for x in r["connector"].get(name) or [] if x != req]
+        out.append(r)
+    return out
+
+
+def _renumber(records: list[dict]) -> None:
+    for n, r in enumerate(records[1:]):
+        r["seq"] = n
+
+
+def _idle_step_before(records: list[dict], n: int) -> None:
+    """A step that schedules nothing before step ``n``; later steps renumbered."""
+    at = next(i for i, r in enumerate(records) if r["kind"] == "step" and r["step"] == n)
+    for r in records:
+        if r["kind"] in ("step", "output", "prompt_stats") and r["step"] >= n:
+            r["step"] += 1
+    records[at:at] = [{"kind": "step", "seq": 0, "step": n}, {"kind": "output", "seq": 0, "step": n}]
+    _renumber(records)
+
+
+def test_the_end_records_are_reported(recorded, tmp_path, capsys):
+    from kvtrace.cli import run
+
+    recs = copy.deepcopy(recorded["offload"])
+    b = save_records(recs, tmp_path / "b.jsonl")
+    assert recs[-1]["kind"] == "end"
+    recs[-1].update(status="recorder-error", error="boom", dropped_events=3)
+    a = save_records(recs, tmp_path / "a.jsonl")
+    r = diff_files(a, b)
+    assert r.divergences == []
+    assert (r.end_a.status, r.end_a.error, r.end_a.dropped_events) == ("recorder-error", "boom", 3)
+    assert r.to_json()["a"]["end"] == {"status": "recorder-error", "error": "boom", "dropped_events": 3}
+    assert r.to_json()["b"]["end"]["status"] == "complete"
+    assert run(["diff", str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    assert "the recorder closed this trace as 'recorder-error', 3 events dropped: boom" in out
+
+
+def test_auto_pairs_by_id_when_one_trace_lacks_the_first_request(recorded, tmp_path):
+    recs = recorded["offload"]
+    first = next(r["req"] for r in recs if r["kind"] == "arrival")
+    a = save_records(_without(recs, first), tmp_path / "a.jsonl")
+    b = save_records(recs, tmp_path / "b.jsonl")
+    r = diff_files(a, b)
+    assert r.matched_by == "id"
+    assert r.only_b == [first] and r.only_a == []
+    assert [d.req for d in r.divergences] == [first]
+
+
+@pytest.mark.parametrize("shape", ["prefill_stats", "legacy"])
+def test_prompt_stats_are_compared_in_the_shapes_both_traces_carry(tmp_path, shape):
+    """An engine that emits one shape of prompt stats, against a trace that
+    carries both (kvtrace's own traces do): the shape they share is compared,
+    the other is not a divergence."""
+    from kvtrace.engine import record_embedded
+
+    one = load_records(record_embedded(tmp_path / "one.jsonl", workload="offload", counters=shape).path)
+    both = record_embedded(tmp_path / "both.jsonl", workload="offload").path
+    other = "legacy" if shape == "prefill_stats" else "prefill_stats"
+    stats = [r for r in one if r["kind"] == "prompt_stats"]
+    assert stats and all(r.get(shape) and not r.get(other) for r in stats)
+    assert all(r.get("legacy") and r.get("prefill_stats")
+               for r in load_records(both) if r["kind"] == "prompt_stats")
+    assert diff_files(save_records(one, tmp_path / "a.jsonl"), both).divergences == []
+    # A change in the shape they share is found.
+    name, value = next(iter(stats[0][shape].items()))
+    stats[0][shape][name] = value + 5
+    r = diff_files(save_records(one, tmp_path / "a.jsonl"), both)
+    assert [(d.req, d.field, d.recorded, d.expected) for d in r.divergences] == [
+        (stats[0]["req"], f"{shape}.{name}", value + 5, value)]
 
 
 def test_unusable_input_raises_trace_error(tmp_path):
@@ -286,3 +472,26 @@ def test_diff_names_a_skipped_load_at_the_admission_that_skipped_it(tmp_path):
     mine = [d for d in result.divergences if d.req == first.req]
     assert mine and mine[0].step == first.step and mine[0].field == "kv_load"
     assert mine[0].recorded is None and mine[0].expected
+
+
+TRACES = Path(__file__).resolve().parent.parent / "traces"
+
+
+@pytest.mark.parametrize("path", sorted(TRACES.glob("*.jsonl.gz")) + sorted(TRACES.glob("faults/*.jsonl.gz")),
+                         ids=lambda p: p.name)
+def test_a_vllm_recording_and_its_replay(path, tmp_path):
+    """``kvtrace replay -o`` writes what the reference scheduler decided; diffed
+    with the recording, it agrees where replay found nothing, and where replay
+    found a divergence, diff's first one is at the same step."""
+    from kvtrace.replay import replay_file
+
+    out = tmp_path / "replayed.jsonl"
+    rep = replay_file(path, out=out, device=None, worker=0)
+    r = diff_files(path, out)
+    assert r.requests_compared > 0 and not r.only_a and not r.only_b
+    if not rep.divergences:
+        assert r.divergences == [], [d.to_json() for d in r.divergences]
+    else:
+        assert r.divergences
+        first = min(d.step for d in rep.divergences if d.step is not None)
+        assert min(d.step for d in r.divergences if d.step is not None) == first

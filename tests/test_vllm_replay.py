@@ -156,29 +156,25 @@ def test_async_load_overshoot_diverges_where_the_recording_breaks_the_rule(tmp_p
     assert replay_file(out, device=None).divergences == []
 
 
-def test_stale_computed_after_preemption_diverges_at_the_first_resume(tmp_path):
+def test_stale_computed_after_preemption_diverges_at_the_preemption(tmp_path):
     trace = FAULTS / "stale-computed-on-preempt.jsonl.gz"
     # Derive it from the recording: _preempt_request sets num_computed_tokens = 0
     # (semantics §2.1). A request whose state in the step that preempted it says
-    # otherwise carries a stale count, and vLLM's scheduler departs from the
-    # recording when that request is next admitted: the resumed entry's pre-step
-    # num_computed_tokens is the stale count, where vLLM does a fresh lookup.
+    # otherwise carries a stale count; vLLM's own run of the same inputs shows
+    # 0 there, and the diff names that preemption as the request's first
+    # divergence (later, vLLM also departs from the recording where the request
+    # is next admitted: a fresh lookup instead of the stale count).
     _, rec, _ = events(trace)
-    stale: dict[str, int] = {}
-    resume_steps: dict[int, dict[str, int]] = {}
+    stale: dict[int, dict[str, int]] = {}
     for e in rec:
-        if not isinstance(e, ev.Step):
-            continue
-        st = {s.req: s for s in e.states}
-        for s in e.resumed:
-            if s.req in stale:
-                resume_steps.setdefault(e.step, {})[s.req] = stale.pop(s.req)
-        for q in e.preempted:
-            if st[q].num_computed_tokens != 0:
-                stale[q] = st[q].num_computed_tokens
-    assert resume_steps, "the fault trace should resume a request with a stale count"
-    first_step = min(resume_steps)
-    first_reqs = resume_steps[first_step]
+        if isinstance(e, ev.Step):
+            st = {s.req: s for s in e.states}
+            for q in e.preempted:
+                if st[q].num_computed_tokens != 0:
+                    stale.setdefault(e.step, {})[q] = st[q].num_computed_tokens
+    assert stale, "the fault trace should preempt a request with a stale count"
+    first_step = min(stale)
+    first_reqs = stale[first_step]
 
     out = tmp_path / "vllm.jsonl.gz"
     res = replay_through_vllm(trace, out)
@@ -187,18 +183,11 @@ def test_stale_computed_after_preemption_diverges_at_the_first_resume(tmp_path):
     first = _first(d.divergences)
     assert first.step == first_step
     at_first = {x.req: x for x in d.divergences if x.step == first_step}
-    # The stale resumes diverge here; a request admitted in the same step may also
-    # get other blocks as a knock-on (the stale ones took different ones).
-    assert set(first_reqs) <= set(at_first)
-    assert all(x.field in ("block_ids", "new_block_ids")
-               for req, x in at_first.items() if req not in first_reqs)
-    block = TraceReader(trace).header.config.block_size
-    for req in first_reqs:
+    assert set(at_first) == set(first_reqs)
+    for req, count in first_reqs.items():
         x = at_first[req]
-        assert x.field == "num_computed_tokens"
-        assert x.recorded == first_reqs[req]
-        # vLLM's fresh lookup: a block-aligned local hit, below the stale count.
-        assert x.expected % block == 0 and x.expected < x.recorded
+        assert (x.field, x.recorded, x.expected) == ("state.num_computed_tokens", count, 0)
+        assert x.rule == f"1st preemption of {req} differs"
     assert replay_file(out, device=None).divergences == []
 
 
@@ -302,8 +291,9 @@ def test_legacy_counters_in_the_recording_are_named_as_a_known_difference(tmp_pa
     record_embedded(rec_path, workload="shared-prefix", seed=0)  # PrefillStats and legacy pair
     res = replay_through_vllm(rec_path, tmp_path / "vllm.jsonl.gz")
     assert any("'legacy' prompt counters" in n for n in res.notes)
+    # vLLM 0.32 emits PrefillStats only: the diff compares those, and they agree.
     d = diff_files(rec_path, tmp_path / "vllm.jsonl.gz")
-    assert d.divergences and {x.field.split(".")[0] for x in d.divergences} == {"legacy"}
+    assert d.divergences == [] and d.requests_compared > 0
 
 
 @pytest.mark.parametrize("features, words", [

@@ -17,7 +17,7 @@ from ._common import EXIT_DIVERGENT, EXIT_OK
 @click.option("--match", type=click.Choice(("auto", "id", "id-prefix", "arrival")), default="auto",
               show_default=True,
               help="Pair requests by id, by id without vLLM's random suffix, or by order of "
-                   "arrival; auto picks from the first arrivals.")
+                   "arrival; auto picks what most of the first 1000 arrivals share.")
 def command(a: Path, b: Path, as_json: bool, match: str) -> int:
     """Compare trace A with trace B, request by request.
 

@@ -57,6 +57,11 @@ class DiffResult:
     truncation_a: str | None = None
     truncation_b: str | None = None
     matched_by: str = "id"  # how requests were paired (see diff_files)
+    end_a: End | None = None   # each trace's end record (None: cut off)
+    end_b: End | None = None
+    # Requests a cut-off trace holds only before its cut: their history in the
+    # other trace after the cut is not compared.
+    cut_short: list[str] = field(default_factory=list)
 
     @property
     def identical(self) -> bool:
@@ -71,16 +76,19 @@ class DiffResult:
             "steps_a": self.steps_a,
             "steps_b": self.steps_b,
             "matched_by": self.matched_by,
+            "cut_short": self.cut_short,
         }
 
     def to_json(self) -> dict:
         return {
             "a": {"path": self.path_a, "engine": self.header_a.engine,
                   "engine_version": self.header_a.engine_version,
-                  "steps": self.steps_a, "truncation": self.truncation_a},
+                  "steps": self.steps_a, "truncation": self.truncation_a,
+                  "end": _end_json(self.end_a)},
             "b": {"path": self.path_b, "engine": self.header_b.engine,
                   "engine_version": self.header_b.engine_version,
-                  "steps": self.steps_b, "truncation": self.truncation_b},
+                  "steps": self.steps_b, "truncation": self.truncation_b,
+                  "end": _end_json(self.end_b)},
             "summary": self.summary(),
             "divergences": [d.to_json() for d in self.divergences],
         }
@@ -93,7 +101,7 @@ def diff_files(path_a: str | os.PathLike, path_b: str | os.PathLike,
     ``match`` says how requests are paired: ``id`` (same request id),
     ``id-prefix`` (same id once vLLM's random ``-xxxxxxxx`` suffix is removed),
     ``arrival`` (the k-th arrival in A with the k-th in B), or ``auto``, which
-    picks one from the first arrival of each trace.
+    picks one from the first arrivals of each trace (``choose_match``).
 
     Raises ``TraceError`` when either file is unusable.
     """
@@ -113,8 +121,14 @@ def diff_files(path_a: str | os.PathLike, path_b: str | os.PathLike,
             divergent_requests=len(d.found) - len(d.only["a"]) - len(d.only["b"]),
             steps_a=d.sides["a"].steps, steps_b=d.sides["b"].steps,
             truncation_a=ra.truncation, truncation_b=rb.truncation,
-            matched_by=match,
+            matched_by=match, end_a=ra.end, end_b=rb.end, cut_short=d.cut_short,
         )
+
+
+def _end_json(end: End | None) -> dict | None:
+    if end is None:
+        return None
+    return {"status": end.status, "error": end.error, "dropped_events": end.dropped_events}
 
 
 # --------------------------------------------------------------------------- histories
@@ -147,6 +161,7 @@ class _History:
     lookup: dict | None = None
     finished: bool = False
     done: bool = False
+    arrived_after: int | None = None   # the last step before its arrival
     last: tuple[int | None, int, int] = (None, 0, 0)  # step, seq, line of the latest item
 
 
@@ -193,6 +208,7 @@ class _Differ:
         self.found: list[tuple[float, Divergence]] = []
         self.only: dict[str, list[str]] = {"a": [], "b": []}
         self.compared = 0
+        self.cut_short: list[str] = []
         self.header_divs = _header_divs(ra.header, rb.header)
         # Load plans are compared only when both engines ran a connector (both record one).
         self.compare_plans = ra.header.config.connector is not None and rb.header.config.connector is not None
@@ -253,12 +269,12 @@ class _Differ:
         if pair is None:
             pair = self.pairs[key] = _Pair(key)
         if getattr(pair, side.name) is None:
-            setattr(pair, side.name, _History())
+            setattr(pair, side.name, _History(arrived_after=side.cur_step))
             pair.ids[side.name] = ev.req
         v = to_json(ev)
         for k in ("seq", "req", "kind", "arrival_time"):
             v.pop(k, None)
-        self._add(side, ev.req, "arrival", _Item(side.cur_step, ev.seq, line, v))
+        self._add(side, ev.req, "arrival", _Item(None, ev.seq, line, v))
 
     def _on_step(self, side: _Side, ev: Step, line: int) -> None:
         side.steps += 1
@@ -270,11 +286,15 @@ class _Differ:
             if h is not None:
                 h.lookup = {"lookup.local": lk.local, "lookup.ext": lk.ext,
                             "lookup.load_async": lk.load_async}
+        states = {st.req: st for st in ev.states}
         for req in ev.preempted:
             h = self._hist(side, req)
             if h is not None:
-                self._add(side, req, "preempt",
-                          _Item(ev.step, ev.seq, line, {"after_schedules": h.n_sched}))
+                v = {"after_schedules": h.n_sched}
+                st = states.get(req)
+                if st is not None:   # what preemption left of the request's counters
+                    v.update(_state(st, "state"))
+                self._add(side, req, "preempt", _Item(ev.step, ev.seq, line, v))
         # The connector's load plan: with the schedule record of a request admitted
         # in this step, on its own channel for an async load (not scheduled yet).
         plans: dict[str, list] = {}
@@ -287,7 +307,6 @@ class _Differ:
             if h is not None and req not in scheduled_now:
                 self._add(side, req, "plan", _Item(ev.step, ev.seq, line, {
                     "kv_load": spans, "after_schedules": h.n_sched}))
-        states = {st.req: st for st in ev.states}
         at: dict[str, int] = {}
         entries = [("new", s, "block_ids", s.block_ids) for s in ev.new]
         entries += [("resumed", s, "block_ids", s.block_ids) for s in ev.resumed]
@@ -370,7 +389,11 @@ class _Differ:
     def _add(self, side: _Side, req: str, channel: str, item: _Item) -> None:
         pair = self.pairs.get(side.keys.get(req))
         h = None if pair is None else getattr(pair, side.name)
-        if h is None:
+        if h is None or h.done:
+            # A request's history ends at its finish, with what rides on the same
+            # output (its prompt stats): what a trace says of it after its next
+            # step (a transfer that completes after an abort) is not compared, so
+            # that both traces end it alike however far apart they are read.
             return
         item.pos = (h.n_sched, _RANK[channel])
         h.channels[channel].append(item)
@@ -389,7 +412,10 @@ class _Differ:
             key = min(ia.pos, ib.pos)
             if pair.best is not None and pair.best[0] < key:
                 continue  # an earlier divergence is already known
-            for name in _union(ia.value, ib.value):
+            names = _union(ia.value, ib.value)
+            if channel == "prompt_stats":
+                names = _common_stats(ia.value, ib.value)
+            for name in names:
                 va, vb = ia.value.get(name), ib.value.get(name)
                 if va != vb:
                     pair.broken.add(channel)
@@ -399,30 +425,52 @@ class _Differ:
                         seq=ia.seq, line=ia.line))
                     break
 
+    def _past_cut(self, name: str, pair: _Pair) -> bool:
+        """Whether trace ``name`` was cut off before the end of this request's
+        history (or, holding none of it, before the step where the other trace
+        has it arrive): what only the other trace holds is then not a divergence."""
+        side = self.sides[name]
+        if side.reader.truncation is None:
+            return False
+        h = getattr(pair, name)
+        if h is not None:
+            return not h.finished
+        other = pair.b if name == "a" else pair.a
+        return side.cur_step is None or other.arrived_after is None or other.arrived_after >= side.cur_step
+
     def _finalize(self, pair: _Pair) -> None:
         for name, rid in pair.ids.items():
             if self.sides[name].keys.get(rid) == pair.key:
                 del self.sides[name].keys[rid]
         if pair.a is None or pair.b is None:
             side = "a" if pair.b is None else "b"
+            if self._past_cut("b" if side == "a" else "a", pair):
+                self.cut_short.append(pair.ids[side])
+                return
             self.only[side].append(pair.ids[side])
             h = pair.a if side == "a" else pair.b
             first = next((q[0] for q in h.channels.values() if q), None)
-            key = first.seq if side == "a" and first is not None else math.inf
-            self.found.append((key, Divergence(
-                step=first.step if side == "a" and first else None, req=pair.ids[side], field="request",
+            in_a = side == "a" and first is not None
+            rule = "request only in A" if side == "a" else "request only in B" + (
+                f" ({_place_in_b(first)})" if first is not None else "")
+            self.found.append((first.seq if in_a else math.inf, Divergence(
+                step=first.step if in_a else None, req=pair.ids[side], field="request",
                 recorded="present" if side == "a" else None,
                 expected="present" if side == "b" else None,
-                rule=f"request only in {side.upper()}", kind="diff",
-                seq=first.seq if side == "a" and first else None,
-                line=first.line if side == "a" and first else None)))
+                rule=rule, kind="diff",
+                seq=first.seq if in_a else None, line=first.line if in_a else None)))
             return
         self.compared += 1
+        cut = {name: self._past_cut(name, pair) for name in ("a", "b")}
         for channel in CHANNELS:
             self._compare(pair, channel)
             if channel in pair.broken:
                 continue
             qa, qb = pair.a.channels[channel], pair.b.channels[channel]
+            if cut["b"]:
+                qa = ()   # B ends before A's rest of this request
+            if cut["a"]:
+                qb = ()
             k = pair.compared[channel]
             if qa:
                 ia = qa[0]
@@ -430,12 +478,14 @@ class _Differ:
                     step=ia.step, req=pair.req, field=channel, recorded=ia.value, expected=None,
                     rule=f"{_what(channel, k, pair.req)} only in A", kind="diff",
                     seq=ia.seq, line=ia.line))
-            elif qb:
-                step, seq, line = pair.a.last
-                pair.offer(qb[0].pos, Divergence(
-                    step=step, req=pair.req, field=channel, recorded=None, expected=qb[0].value,
-                    rule=f"{_what(channel, k, pair.req)} only in B", kind="diff",
+            elif qb:   # nowhere in A: B's place is named instead
+                ib = qb[0]
+                pair.offer(ib.pos, Divergence(
+                    step=None, req=pair.req, field=channel, recorded=None, expected=ib.value,
+                    rule=f"{_what(channel, k, pair.req)} only in B ({_place_in_b(ib)})", kind="diff",
                     seq=None, line=None))
+        if pair.best is None and (cut["a"] or cut["b"]):
+            self.cut_short.append(pair.req)
         if pair.best is not None:
             div = pair.best[1]
             self.found.append((div.seq if div.seq is not None else math.inf, div))
@@ -458,21 +508,33 @@ def _match_key(mode: str, req: str, ordinal: int) -> str:
     return req
 
 
-def _first_arrival(path) -> str | None:
+# How many arrivals of each trace ``choose_match`` looks at.
+MATCH_SAMPLE = 1000
+
+
+def _first_arrivals(path, n: int = MATCH_SAMPLE) -> list[str]:
+    ids: list[str] = []
     with TraceReader(path) as r:
         for ev in r:
             if isinstance(ev, Arrival):
-                return ev.req
-    return None
+                ids.append(ev.req)
+                if len(ids) >= n:
+                    break
+    return ids
 
 
 def choose_match(path_a, path_b) -> str:
-    """How to pair requests: by id when the traces share ids, by the id without
-    vLLM's random suffix when only that matches, else by order of arrival."""
-    fa, fb = _first_arrival(path_a), _first_arrival(path_b)
-    if fa is None or fb is None or fa == fb:
+    """How to pair requests, from the first ``MATCH_SAMPLE`` arrivals of each
+    trace: by id when most of them share ids, by the id without vLLM's random
+    suffix when most share that, else by order of arrival."""
+    fa, fb = _first_arrivals(path_a), _first_arrivals(path_b)
+    if not fa or not fb:
         return "id"
-    if _RANDOM_SUFFIX.sub("", fa) == _RANDOM_SUFFIX.sub("", fb):
+    fewer = min(len(fa), len(fb))
+    if 2 * len(set(fa) & set(fb)) > fewer:
+        return "id"
+    pa = {_RANDOM_SUFFIX.sub("", r) for r in fa}
+    if 2 * len(pa & {_RANDOM_SUFFIX.sub("", r) for r in fb}) > fewer:
         return "id-prefix"
     return "arrival"
 
@@ -485,6 +547,20 @@ _STATE_KEYS = {prefix: tuple(f"{prefix}.{name}" for name in
 def _state(st, prefix: str) -> dict:
     return dict(zip(_STATE_KEYS[prefix], (st.status, st.num_computed_tokens, st.num_tokens,
                                           st.num_preemptions, st.block_ids)))
+
+
+def _common_stats(a: dict, b: dict) -> list[str]:
+    """Prompt stats are compared in the shapes both traces carry: an engine
+    emits PrefillStats, the legacy pair or both (the header's ``counters``
+    names the one it is built around), and one trace's extra shape is nothing
+    the other contradicts."""
+    shapes = {k.split(".")[0] for k in a} & {k.split(".")[0] for k in b}
+    return [k for k in _union(a, b) if k.split(".")[0] in shapes]
+
+
+def _place_in_b(item: _Item) -> str:
+    return (f"B's step {item.step}, line {item.line}" if item.step is not None
+            else f"B's line {item.line}")
 
 
 def _union(a: dict, b: dict) -> list[str]:

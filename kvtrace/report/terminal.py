@@ -90,10 +90,11 @@ def fold_repeats(divs: list[Divergence]) -> list[tuple[Divergence, int, int | No
     return rows
 
 
-def divergence_table(divs: list[Divergence], max_rows: int = MAX_ROWS) -> tuple[Table, int]:
-    """The table (first divergence of each request first, repeats folded) and how
-    many rows were left out."""
-    ordered = fold_repeats(first_per_request(divs))
+def divergence_table(divs: list[Divergence], max_rows: int = MAX_ROWS,
+                     per_request: bool = True) -> tuple[Table, int]:
+    """The table (first divergence of each request first unless ``per_request``
+    is off, repeats folded) and how many rows were left out."""
+    ordered = fold_repeats(first_per_request(divs) if per_request else list(divs))
     table = Table(show_lines=False, header_style="bold", expand=False)
     table.add_column("step", justify="right", no_wrap=True)
     table.add_column("request", no_wrap=True)
@@ -116,10 +117,11 @@ def divergence_table(divs: list[Divergence], max_rows: int = MAX_ROWS) -> tuple[
     return table, max(0, len(ordered) - max_rows)
 
 
-def _print_divergences(console: Console, divs: list[Divergence], max_rows: int) -> None:
+def _print_divergences(console: Console, divs: list[Divergence], max_rows: int,
+                       per_request: bool = True) -> None:
     if not divs:
         return
-    table, left_out = divergence_table(divs, max_rows)
+    table, left_out = divergence_table(divs, max_rows, per_request)
     console.print(table)
     if left_out:
         console.print(f"… and {left_out} more rows (use --json for all of them)")
@@ -145,14 +147,20 @@ def print_replay(result: Any, path: str, console: Console | None = None,
     note = replayed_up_to(getattr(result, "truncation", None))
     if note:
         console.print(Text(f"truncated: {note}", style="yellow"))
-    end = getattr(result, "end", None)
-    if end is not None and (end.status != "complete" or end.dropped_events):
-        why = f": {end.error}" if end.error else ""
-        dropped = f", {end.dropped_events} events dropped" if end.dropped_events else ""
-        console.print(Text(f"the recorder closed this trace as '{end.status}'{dropped}{why}",
-                           style="yellow"))
+    note = end_note(getattr(result, "end", None))
+    if note:
+        console.print(Text(note, style="yellow"))
     _print_divergences(console, divs, max_rows)
     console.print(Text(_replay_summary(divs), style="red" if divs else "green"))
+
+
+def end_note(end: Any) -> str | None:
+    """What a trace's end record says, when the recording did not end cleanly."""
+    if end is None or (end.status == "complete" and not end.dropped_events):
+        return None
+    why = f": {end.error}" if end.error else ""
+    dropped = f", {end.dropped_events} events dropped" if end.dropped_events else ""
+    return f"the recorder closed this trace as '{end.status}'{dropped}{why}"
 
 
 def _replay_summary(divs: list[Divergence]) -> str:
@@ -225,18 +233,22 @@ def replay_many_json(results: list) -> bytes:
 
 def print_diff(result: Any, console: Console | None = None, max_rows: int = MAX_ROWS) -> None:
     console = console or make_console()
-    for tag, path, header, steps, trunc in (
-        ("A", result.path_a, result.header_a, result.steps_a, result.truncation_a),
-        ("B", result.path_b, result.header_b, result.steps_b, result.truncation_b),
+    for tag, path, header, steps, trunc, end in (
+        ("A", result.path_a, result.header_a, result.steps_a, result.truncation_a, result.end_a),
+        ("B", result.path_b, result.header_b, result.steps_b, result.truncation_b, result.end_b),
     ):
         console.print(Text(f"{tag}: {_trace_line(path, header, steps)}", style="bold"))
         if trunc:
             console.print(Text(f"   truncated: {replayed_up_to(trunc, 'read')}",
                                style="yellow"))
+        note = end_note(end)
+        if note:
+            console.print(Text(f"   {note}", style="yellow"))
     paired = {"id": "by request id", "id-prefix": "by request id without vLLM's random suffix",
               "arrival": "by order of arrival"}.get(getattr(result, "matched_by", "id"), "")
     console.print(f"recorded = A, expected = B; requests paired {paired}")
-    _print_divergences(console, result.divergences, max_rows)
+    # One divergence per request already, in A's order: configs, then requests.
+    _print_divergences(console, result.divergences, max_rows, per_request=False)
     s = result.summary()
     n, bad = s["requests_compared"], s["divergent_requests"]
     line = f"{n} request{'s' if n != 1 else ''} compared, {bad} diverge{'s' if bad == 1 else ''}"
@@ -245,11 +257,15 @@ def print_diff(result: Any, console: Console | None = None, max_rows: int = MAX_
     if s["only_in_b"]:
         line += f"; only in B: {_names(s['only_in_b'])}"
     line += f"; steps: A {s['steps_a']}, B {s['steps_b']}"
-    first = _first(result.divergences)
-    if first is not None and first.step is not None:
-        line += f"; first divergence at step {first.step} of A"
-        line += f", request {first.req}" if first.req is not None else ""
-        line += f", field {first.field}"
+    if s["cut_short"]:
+        n_cut = len(s["cut_short"])
+        line += (f"; {n_cut} request{'s' if n_cut != 1 else ''} compared only up to a trace's "
+                 "cut")
+    # The earliest in A (requests only in B, which have no place in A, come last).
+    first = next((d for d in result.divergences if d.req is not None), None)
+    if first is not None and first.line is not None:
+        where = f"step {first.step}, line {first.line}" if first.step is not None else f"line {first.line}"
+        line += f"; first divergence at {where} of A, request {first.req}, field {first.field}"
     console.print(Text(line, style="red" if result.divergences else "green"))
 
 
@@ -259,9 +275,7 @@ def _names(reqs: list[str], limit: int = 8) -> str:
 
 
 def diff_json(result: Any) -> bytes:
-    doc = result.to_json()
-    doc["divergences"] = [d.to_json() for d in first_per_request(list(result.divergences))]
-    return _dumps(doc)
+    return _dumps(result.to_json())
 
 
 def _dumps(doc: dict) -> bytes:
