@@ -495,3 +495,23 @@ def test_a_vllm_recording_and_its_replay(path, tmp_path):
         assert r.divergences
         first = min(d.step for d in rep.divergences if d.step is not None)
         assert min(d.step for d in r.divergences if d.step is not None) == first
+
+
+def test_every_lookup_is_compared_where_it_happened(recorded, tmp_path):
+    """While an async load is in flight the scheduler asks the connector every
+    step; a different answer to the first of those questions is named at its
+    own step, not lost among the later ones or moved to the admission."""
+    recs = copy.deepcopy(recorded["offload"])
+    b = save_records(recs, tmp_path / "b.jsonl")
+    asked = [r for r in recs if r["kind"] == "step" and any(lk["load_async"] for lk in r.get("lookups") or ())]
+    first = asked[0]
+    lk = next(x for x in first["lookups"] if x["load_async"])
+    assert sum(x["req"] == lk["req"] for r in asked for x in r["lookups"]) > 1   # asked again later
+    lk["ext"] += 1
+    r = diff_files(save_records(recs, tmp_path / "a.jsonl"), b)
+    n = 1 + sum(x["req"] == lk["req"] for rec in recs[:recs.index(first)] if rec["kind"] == "step"
+                for x in rec.get("lookups") or ())
+    nth = {1: "1st", 2: "2nd", 3: "3rd"}.get(n, f"{n}th")
+    assert [(d.req, d.step, d.line, d.field, d.recorded, d.expected, d.rule) for d in r.divergences] == [
+        (lk["req"], first["step"], _line_of(recs, first), "lookup.ext", lk["ext"], lk["ext"] - 1,
+         f"{nth} lookup of {lk['req']} differs")]

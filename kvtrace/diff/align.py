@@ -6,10 +6,11 @@ not compare step k with step k. It follows each request through its own
 history and compares like with like:
 
 * ``arrival``      what the request asked for (prompt, max_tokens, priority, ...);
+* ``lookup``       the k-th time the scheduler asked the connector about the
+                   request (every step while an async load is in flight);
 * ``schedule``     the k-th time the request was scheduled: new, resumed or
-                   running, the lookup that admitted it, pre-step
-                   num_computed_tokens, num_scheduled_tokens, blocks, and the
-                   request's state right after that schedule();
+                   running, pre-step num_computed_tokens, num_scheduled_tokens,
+                   blocks, and the request's state right after that schedule();
 * ``output``       what update_from_output made of that k-th schedule: sampled
                    tokens and the state afterwards;
 * ``preempt``      each preemption, counted by how many schedules preceded it;
@@ -36,7 +37,7 @@ from ..findings import Divergence
 from ..trace.events import Abort, Arrival, End, Header, Output, PromptStats, Step, to_json
 from ..trace.io import TraceReader
 
-CHANNELS = ("arrival", "schedule", "output", "preempt", "plan", "load", "prompt_stats", "finish")
+CHANNELS = ("arrival", "lookup", "schedule", "output", "preempt", "plan", "load", "prompt_stats", "finish")
 # Outputs are matched to their step; forget unmatched steps older than this.
 _OUTPUT_WINDOW = 8
 
@@ -147,9 +148,10 @@ class _Item:
 
 
 # The order of items seen with the same schedule count: a schedule (counted as it
-# is seen), its output and what rides with it, then what happens before the next.
+# is seen), its output and what rides with it, then what happens before the next
+# (a lookup last: it comes just before the schedule it may admit).
 _RANK = {"schedule": -1, "arrival": 0, "output": 0, "prompt_stats": 1, "finish": 1,
-         "preempt": 2, "plan": 2, "load": 2}
+         "preempt": 2, "plan": 2, "load": 2, "lookup": 3}
 
 
 @dataclass(slots=True)
@@ -158,7 +160,6 @@ class _History:
 
     channels: dict[str, deque] = field(default_factory=lambda: {c: deque() for c in CHANNELS})
     n_sched: int = 0
-    lookup: dict | None = None
     finished: bool = False
     done: bool = False
     arrived_after: int | None = None   # the last step before its arrival
@@ -282,10 +283,8 @@ class _Differ:
         for k in [s for s in side.sched_at if s < ev.step - _OUTPUT_WINDOW]:
             del side.sched_at[k]
         for lk in ev.lookups:
-            h = self._hist(side, lk.req)
-            if h is not None:
-                h.lookup = {"lookup.local": lk.local, "lookup.ext": lk.ext,
-                            "lookup.load_async": lk.load_async}
+            self._add(side, lk.req, "lookup", _Item(ev.step, ev.seq, line, {
+                "lookup.local": lk.local, "lookup.ext": lk.ext, "lookup.load_async": lk.load_async}))
         states = {st.req: st for st in ev.states}
         for req in ev.preempted:
             h = self._hist(side, req)
@@ -316,9 +315,6 @@ class _Differ:
             if h is None:
                 continue
             v: dict[str, Any] = {"scheduled_as": how}
-            if h.lookup is not None:
-                v.update(h.lookup)
-                h.lookup = None
             v["num_computed_tokens"] = s.num_computed_tokens
             v["num_scheduled_tokens"] = s.num_scheduled_tokens
             v[blocks_name] = blocks
@@ -577,6 +573,7 @@ def _what(channel: str, k: int, req: str) -> str:
     nth = _ordinal(k + 1)
     return {
         "arrival": f"arrival of {req}",
+        "lookup": f"{nth} lookup of {req}",
         "schedule": f"{nth} schedule of {req}",
         "output": f"output of the {nth} schedule of {req}",
         "preempt": f"{nth} preemption of {req}",
