@@ -13,7 +13,9 @@ from kvtrace.replay import content_worker, replay_file, workers
 from kvtrace.replay.replayer import Replayer
 from kvtrace.trace import TraceError, TraceReader
 
+import test_record_worker as rw
 from mini_traces import load_records, save_records
+from test_record_worker import REAL
 
 TRACES = Path(__file__).resolve().parent.parent / "traces"
 
@@ -188,4 +190,128 @@ def test_a_worker_that_cannot_start_its_check_fails_the_replay_early(faulty, mon
                 if isinstance(e, replayer.ev.Step):
                     time.sleep(0.05)        # give the worker time to start
                 assert time.monotonic() < deadline
+    rp.close()
+
+
+# --------------------------------------------------------------------------- the checks across records
+# The content check's worker runs the reader's checks across records too, and
+# the main process hands them over to it once it has caught up. Where that
+# happens depends on timing; these tests choose the line, and count the main
+# process's own checks, so that the worker's verdict is what they test.
+
+
+@pytest.fixture
+def hand_over(monkeypatch) -> dict:
+    """``hand_over["at"] = line`` makes the main process hand the checks across
+    records over at ``line`` (None: never); ``hand_over["took"]`` is where it
+    did, and ``hand_over["own"]`` how many records it checked itself."""
+    from kvtrace.trace import validate
+
+    state: dict = {"at": None, "took": None, "own": 0}
+
+    def caught_up(self, line):
+        if state["at"] is None or line < state["at"]:
+            return False
+        state["took"] = line
+        self.wait(line)
+        return True
+
+    real_check = validate.Validator.check
+
+    def check(self, e):
+        state["own"] += 1
+        return real_check(self, e)
+
+    monkeypatch.setattr(content_worker.ContentWorker, "caught_up", caught_up)
+    monkeypatch.setattr(validate.Validator, "check", check)
+    return state
+
+
+@pytest.mark.parametrize("path", REAL, ids=lambda p: p.name)
+def test_real_vllm_traces_replay_the_same_when_the_worker_checks_across_records(path, hand_over):
+    here = rw.result(path, 0, "cpu")
+    assert hand_over["own"] > 0
+    hand_over["own"] = 0
+    hand_over["at"] = 2   # the first record after the header
+    assert rw.result(path, 1, "cpu") == here
+    assert hand_over["took"] == 2 and hand_over["own"] == 0
+
+
+@pytest.mark.parametrize("spoil", [rw._bad_schema, rw._unknown_request, rw._undecodable,
+                                   rw._block_out_of_range, rw._out_of_order, rw._after_the_end],
+                         ids=lambda f: f.__name__[1:])
+@pytest.mark.parametrize("at", ["start", "the bad line", "never"])
+def test_bad_input_gets_the_same_error_wherever_the_checks_are_handed_over(faulty, tmp_path, spoil,
+                                                                           at, hand_over):
+    recs = load_records(faulty)
+    spoil(recs)
+    path = save_records(recs, tmp_path / "bad.jsonl")
+    here = rw.error(path, 0, "cpu")
+    assert here.startswith(f"{path}:")
+    bad_line = int(here[len(f"{path}:"):].split(":")[0])
+    hand_over["at"] = {"start": 2, "the bad line": bad_line, "never": None}[at]
+    hand_over["own"] = 0
+    assert rw.error(path, 1, "cpu") == here
+    # Lines 2 to the bad one reach the checks across records, but for a record
+    # its own checks refuse.
+    across = spoil in (rw._unknown_request, rw._block_out_of_range)
+    if at == "start":   # the worker's checks alone
+        assert hand_over["own"] == 0 and hand_over["took"] == 2
+    if at == "never":
+        assert hand_over["took"] is None and hand_over["own"] == bad_line - 2 + across
+    if at == "the bad line" and across:   # the worker refuses it
+        assert hand_over["took"] == bad_line and hand_over["own"] == bad_line - 2
+
+
+@pytest.mark.parametrize("at", [2, None], ids=["handed-over", "kept"])
+def test_a_cut_trace_replays_the_same_when_the_worker_checks_across_records(faulty, tmp_path, at,
+                                                                             hand_over):
+    recs = load_records(faulty)
+    cut = len(recs) * 2 // 3
+    path = tmp_path / "cut.jsonl"
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in recs[:cut]) + orjson.dumps(recs[cut])[:40])
+    here = rw.result(path, 0, "cpu")
+    assert here[3] and "cut off" in here[3] and kv(here[0])
+    hand_over["at"] = at
+    assert rw.result(path, 1, "cpu") == here
+    assert hand_over["took"] == at
+
+
+def test_a_check_that_fails_after_the_stop_still_passes_the_later_records(faulty, tmp_path, hand_over):
+    """The worker's content check breaks on a record after an engine assertion;
+    the main process, which has handed the checks across records over, still
+    needs the worker to pass every later record, and gets the replay it gets in
+    one process."""
+    recs = load_records(faulty)
+    whole = replay_file(faulty, device="cpu", worker=False)
+    kv_seqs = [d.seq for d in whole.divergences if d.kind == "kv-content"]
+    at = next(i for i, r in enumerate(recs) if r["kind"] == "step" and min(kv_seqs) < r["seq"] < max(kv_seqs)
+              and r.get("lookups"))
+    for lk in recs[at]["lookups"]:
+        lk["ext"] = 800 - lk["local"]
+    live = recs[at]["states"][0]["req"]
+    again = dict(next(r for r in recs if r["kind"] == "arrival" and r["req"] == live))
+    for r in recs:
+        if "seq" in r:
+            r["seq"] *= 2
+    again["seq"] = recs[at]["seq"] + 1
+    recs.insert(at + 1, again)
+    path = save_records(recs, tmp_path / "again.jsonl")
+    here = rw.result(path, 0, "cpu")
+    assert here[4] and kv(here[0])
+    hand_over.update(at=2, own=0)
+    assert rw.result(path, 1, "cpu") == here
+    assert hand_over["took"] == 2 and hand_over["own"] == 0
+
+
+def test_a_trace_that_grows_after_the_hand_over_is_an_error(faulty, tmp_path, hand_over):
+    recs = load_records(faulty)
+    short = save_records(recs[: len(recs) // 2], tmp_path / "short.jsonl")
+    rp = Replayer(TraceReader(short).header, str(short), device="cpu", content_worker=True, gate=True)
+    hand_over["at"] = 2
+    with pytest.raises(content_worker.ContentWorkerError, match="still being written"):
+        with TraceReader(faulty) as reader:
+            for e in reader.validated_elsewhere(rp.content):
+                rp.feed(e, reader.last_line)
+    assert hand_over["took"] == 2 and reader.last_line == len(recs) // 2 + 1
     rp.close()

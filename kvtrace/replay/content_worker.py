@@ -33,12 +33,14 @@ from __future__ import annotations
 import os
 import sys
 from collections import deque
+from pathlib import Path
 from multiprocessing.connection import Connection
 
 from kvtrace._child import spawn, stop, worker_main
 from kvtrace.findings import Divergence
 from kvtrace.trace import events as ev
-from kvtrace.trace import trusted
+from kvtrace.trace import TraceError, trusted
+from kvtrace.trace.events import SchemaError
 
 from .workers import ENV, WorkerError
 
@@ -57,10 +59,16 @@ class ContentWorker:
     """``ContentCheck``'s interface, with the check running in a worker process
     that reads the trace ``path`` itself."""
 
-    def __init__(self, path: str | os.PathLike, device: str = "auto", fileno: int | None = None):
+    def __init__(self, path: str | os.PathLike, device: str = "auto", fileno: int | None = None,
+                 validate: bool = False):
         """``fileno``: the descriptor of the main process's reader of ``path``; the
-        worker then reads the very file it reads (``SharedFile``)."""
-        self._proc, self._conn = spawn("kvtrace.replay.content_worker", str(path), device, share=fileno)
+        worker then reads the very file it reads (``SharedFile``). With
+        ``validate`` the worker runs the checks across records as well, and this
+        is a gate for ``TraceReader.validated_elsewhere``."""
+        self.path = str(Path(path))   # as TraceReader names it
+        self._proc, self._conn = spawn("kvtrace.replay.content_worker", self.path, device,
+                                       "1" if validate else "0", share=fileno)
+        self.through = 0   # the checks across records have passed every line up to this one
         self._tags: deque[tuple[int, object]] = deque()   # (line, tag) of steps replayed here
         self._results: deque[tuple] = deque()   # the worker's, per step, not matched yet
         self._last = 0                          # the line of the worker's last result
@@ -119,6 +127,23 @@ class ContentWorker:
                 f"written?): replay it once it is complete, or with {ENV}=0")
         raise ContentWorkerError(f"the content check stopped at line {line} of the trace: {error}")
 
+    # The gate: see TraceReader.validated_elsewhere.
+    def caught_up(self, line: int) -> bool:
+        """Whether the worker's checks across records have passed ``line`` (as
+        far as its reports read so far say)."""
+        return self.through >= line
+
+    def wait(self, line: int) -> None:
+        """Return once the worker's checks across records have passed ``line``.
+        Raise the TraceError of a record they refuse at or before ``line``."""
+        while self.through < line:
+            if self._end is not None:
+                problem = self._end.get("problem")
+                if problem is not None:
+                    raise TraceError(self.path, *problem)
+                self._failed()
+            self._receive()
+
     def close(self) -> None:
         stop(self._proc, self._conn)
 
@@ -132,6 +157,7 @@ class ContentWorker:
             self._results.extend(msg[1])
             if msg[1]:
                 self._last = msg[1][-1][0]
+            self.through = msg[2]
         elif msg[0] == "device":
             self.device = msg[1]
         else:   # ("end", report)
@@ -155,18 +181,24 @@ class ContentWorker:
 # --------------------------------------------------------------------------- the worker
 
 
-def _serve(path: str, device: str, fd: int | None, conn: Connection) -> list[tuple]:
+def _serve(path: str, device: str, validate: str, fd: int | None, conn: Connection) -> list[tuple]:
     """The worker process: check the trace ``path``; report to ``conn``, per step,
-    (line, divergences or None, slots checked so far, loads assumed so far).
-    Returns the last reports: the results not sent yet, and ("end", report)."""
+    (line, divergences or None, slots checked so far, loads assumed so far), and
+    with ``validate`` ("1") run the checks across records too and report the
+    last line they passed. Returns the last reports: the results not sent yet,
+    and ("end", report)."""
     import torch
 
     from kvtrace.trace.io import TraceReader
+    from kvtrace.trace.validate import Validator
 
     from .content import ContentCheck
 
     torch.set_num_threads(1)   # the main process has the other core
-    report = {"line": 0, "error": None}
+    # line: where the check stopped (the last line read when it did not), and
+    # error: why, or None. through: the last line the checks across records
+    # passed; problem: [line, what] for a record they refuse.
+    report = {"line": 0, "error": None, "through": 0, "problem": None}
     queued: deque[tuple[int, int, bool]] = deque()   # per step queued: line, counts then
     done: list[tuple] = []
 
@@ -176,39 +208,74 @@ def _serve(path: str, device: str, fd: int | None, conn: Connection) -> list[tup
             done.append((at, divs or None, slots, assumed))
 
     def send() -> None:
-        conn.send(("ready", done[:]))
+        conn.send(("ready", done[:], report["through"]))
         done.clear()
 
-    line = 0
-    try:
-        reader = TraceReader(path, validate=False, fd=fd)
-        check = ContentCheck(reader.header.config, device)
-        conn.send(("device", check.device))
-        with torch.inference_mode():
-            for n, (line, obj) in enumerate(reader.records(), 1):
-                kind = obj.get("kind")
-                if kind == "step":
-                    results = check.step(trusted.step(obj), line, line)
-                    queued.append((line, check.slots_checked, check.assumed_loads))
-                    ready(results)
-                elif kind == "output":
-                    check.output(trusted.output(obj))
-                elif kind == "arrival":
-                    check.arrival(trusted.decode(obj))
-                elif kind == "abort":
-                    check.abort(obj["reqs"])
-                if not n % _REPORT_EVERY:
-                    send()
-            ready(check.flush())
-    except Exception as e:   # a record the main process refuses, or a bug
-        report["error"] = f"{type(e).__name__}: {e}"
-        try:   # the steps queued before the failing record still count
+    def stop_check(line: int, error: str) -> None:
+        """The check stops before ``line``: the steps queued before it still count."""
+        nonlocal check
+        report.update(line=line, error=error)
+        try:
             with torch.inference_mode():   # the shadow cache's tensors were made in it
                 ready([r for r in check.flush() if r[0] < line])
         except Exception:
             pass
-    report["line"] = line
-    return [("ready", done), ("end", report)]
+        check = None
+
+    line = 0
+    check = None
+    try:
+        reader = TraceReader(path, validate=False, fd=fd)
+        check = ContentCheck(reader.header.config, device)
+        validator = Validator(reader.header) if validate == "1" else None
+        conn.send(("device", check.device))
+        with torch.inference_mode():
+            for n, (line, obj) in enumerate(reader.records(), 1):
+                e = None
+                if validator is not None:
+                    e = trusted.decode(obj)
+                    try:
+                        validator.check(e)
+                    except SchemaError as problem:
+                        report["problem"] = [line, str(problem)]
+                        break
+                if check is not None:
+                    try:
+                        _check(check, obj, e, line, queued, ready)
+                    except Exception as error:   # a record the main process refuses, or a bug
+                        stop_check(line, f"{type(error).__name__}: {error}")
+                        if validator is None:
+                            break
+                report["through"] = line
+                if not n % _REPORT_EVERY:
+                    send()
+            if check is not None:
+                if report["problem"] is None:
+                    ready(check.flush())
+                    report["line"] = line
+                else:   # the main process stops before the refused record
+                    stop_check(line, "a record the checks across records refuse")
+    except Exception as error:   # a record the main process refuses, or a bug
+        if check is not None:
+            stop_check(line, f"{type(error).__name__}: {error}")
+        else:
+            report.update(line=line, error=f"{type(error).__name__}: {error}")
+    return [("ready", done, report["through"]), ("end", report)]
+
+
+def _check(check, obj: dict, e, line: int, queued: deque, ready) -> None:
+    """Give one record to the check (``e``: the record's event, when decoded already)."""
+    kind = obj.get("kind")
+    if kind == "step":
+        results = check.step(trusted.step(obj) if e is None else e, line, line)
+        queued.append((line, check.slots_checked, check.assumed_loads))
+        ready(results)
+    elif kind == "output":
+        check.output(trusted.output(obj) if e is None else e)
+    elif kind == "arrival":
+        check.arrival(trusted.decode(obj) if e is None else e)
+    elif kind == "abort":
+        check.abort(obj["reqs"])
 
 
 if __name__ == "__main__":

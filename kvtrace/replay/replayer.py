@@ -62,7 +62,8 @@ class Replayer:
     """Event-at-a-time replay. ``feed`` takes the events of one trace in order."""
 
     def __init__(self, header: ev.Header, path: str = "<trace>", out: TraceWriter | None = None,
-                 device: str | None = "auto", content_worker: bool = False, fileno: int | None = None):
+                 device: str | None = "auto", content_worker: bool = False, fileno: int | None = None,
+                 gate: bool = False):
         self.header = header
         self.path = path
         self.cfg = header.config
@@ -72,12 +73,13 @@ class Replayer:
         self.out = out
         # The shadow-KV content check; device None turns it off. With
         # ``content_worker`` it runs in a second process that reads ``path`` itself
-        # (through ``fileno``, this process's descriptor of it, when given).
+        # (through ``fileno``, this process's descriptor of it, when given), and
+        # with ``gate`` runs the checks across records too (content_worker.py).
         self.content = None
         if device and content_worker:
             from .content_worker import ContentWorker
 
-            self.content = ContentWorker(path, device, fileno)
+            self.content = ContentWorker(path, device, fileno, validate=gate)
         elif device:
             from .content import ContentCheck   # imports torch; only when the check runs
 
@@ -260,15 +262,23 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
         if in_process and (device == "cpu" or (device == "auto" and not _cuda())):
             import torch
             torch.set_num_threads(1)   # the check is many small ops: threads only add overhead
+        # The record checks' worker, when there is one, checks every record; else
+        # the content check's worker takes the checks across records over once it
+        # has caught up with this process.
         rp = Replayer(header, str(path), writer, device, content_worker=content_worker,
-                      fileno=reader.fileno)
+                      fileno=reader.fileno, gate=content_worker and workers < 2)
         result = ReplayResult(path=str(path), header=header)
         if workers >= (2 if device else 1):
             from .record_worker import RecordWorker   # a module the worker runs as __main__
 
             record_worker = RecordWorker(reader.path, reader.fileno)
+            events = reader.checked_elsewhere(record_worker)
+        elif content_worker:
+            events = reader.validated_elsewhere(rp.content)
+        else:
+            events = reader
         with _no_autograd(in_process):
-            for e in (reader if record_worker is None else reader.checked_elsewhere(record_worker)):
+            for e in events:
                 result.events += 1
                 rp.feed(e, reader.last_line)
                 if isinstance(e, ev.End):

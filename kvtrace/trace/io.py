@@ -275,6 +275,20 @@ class TraceReader:
     # -- events ----------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Event]:
+        return self._events(self._validator)
+
+    def validated_elsewhere(self, gate) -> Iterator[Event]:
+        """The events of a file whose checks across records (validate.py) another
+        reader of it runs as well, from its first record: each record gets its
+        own checks here, and the checks across records here too until the other
+        reader has caught up, at the first record whose line ``gate.caught_up``
+        says it has checked. From there on, each record waits for ``gate`` as in
+        ``checked_elsewhere``. Same events, same cut, same errors as iteration,
+        as long as the other reader reads the same bytes (replay's content
+        worker)."""
+        return self._events(self._validator, gate)
+
+    def _events(self, validator: Validator | None, gate=None) -> Iterator[Event]:
         last_seq = -1
         for lineno, obj in self.records():
             try:
@@ -287,11 +301,16 @@ class TraceReader:
             last_seq = ev.seq
             if self.end is not None:
                 raise TraceError(self.path, lineno, "record after the 'end' record")
-            if self._validator is not None:
-                try:
-                    self._validator.check(ev)
-                except SchemaError as e:
-                    raise TraceError(self.path, lineno, str(e)) from None
+            if validator is not None:
+                if gate is not None and gate.caught_up(lineno):
+                    validator = None   # the other reader checks from here on
+                else:
+                    try:
+                        validator.check(ev)
+                    except SchemaError as e:
+                        raise TraceError(self.path, lineno, str(e)) from None
+            if validator is None and gate is not None and lineno > gate.through:
+                gate.wait(lineno)
             if isinstance(ev, End):
                 self.end = ev
             yield ev
