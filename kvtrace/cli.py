@@ -15,7 +15,7 @@ import traceback
 import click
 
 from kvtrace.commands import COMMANDS
-from kvtrace.commands._common import EXIT_INTERNAL, EXIT_OK
+from kvtrace.commands._common import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_OK
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -41,8 +41,10 @@ def run(argv: list[str] | None = None) -> int:
         return rv if isinstance(rv, int) else EXIT_OK
     except click.exceptions.Exit as e:
         return e.exit_code
-    except click.ClickException as e:  # usage errors: click's own message, exit 2
-        e.show()
+    except click.ClickException as e:  # usage errors: click's message on one line, exit 2
+        ctx = getattr(e, "ctx", None)
+        hint = f" (see '{ctx.command_path} -h')" if ctx is not None else ""
+        _say(_one_line(e.format_message()) + hint)
         return e.exit_code
     except click.exceptions.Abort:
         _say("interrupted")
@@ -53,16 +55,30 @@ def run(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         _quiet_stdout()
         return EXIT_OK
-    except Exception as e:
+    except OSError as e:
+        if e.filename is None:
+            return _internal(e, debug)
+        # A file named on the command line that cannot be read or written.
         if debug:
             traceback.print_exc()
-        code = getattr(e, "exit_code", None)
-        if isinstance(code, int) and not isinstance(code, bool):
-            _say(_one_line(str(e)) or type(e).__name__)
-            return code
-        hint = "" if debug else " (set KVTRACE_DEBUG=1 for the traceback)"
-        _say(f"internal error: {type(e).__name__}: {_one_line(str(e))}{hint}")
-        return EXIT_INTERNAL
+        _say(f"{e.filename}: {e.strerror or _one_line(str(e))}")
+        return EXIT_BAD_INPUT
+    except Exception as e:
+        return _internal(e, debug)
+
+
+def _internal(e: Exception, debug: bool) -> int:
+    """An error with its own exit code (a trace that cannot be used, arguments
+    that do not fit), else an internal error."""
+    if debug:
+        traceback.print_exc()
+    code = getattr(e, "exit_code", None)
+    if isinstance(code, int) and not isinstance(code, bool):
+        _say(_one_line(str(e)) or type(e).__name__)
+        return code
+    hint = "" if debug else " (set KVTRACE_DEBUG=1 for the traceback)"
+    _say(f"internal error: {type(e).__name__}: {_one_line(str(e))}{hint}")
+    return EXIT_INTERNAL
 
 
 def _one_line(msg: str) -> str:

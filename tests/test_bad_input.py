@@ -122,7 +122,50 @@ def test_sequence_not_increasing(base, tmp_path, capsys):
     _assert_rejected(capsys, bad, base, 4, "sequence number 1 does not follow 1")
 
 
+def test_a_null_line_is_a_bad_record_not_the_end_of_the_trace(base, tmp_path, capsys):
+    """JSON ``null`` is a value: the trace goes on after it, and must not be
+    read as cut off there (every record after it would be lost)."""
+    bad = _edit(base, tmp_path, lambda o: o.insert(5, b"null\n"))
+    _assert_rejected(capsys, bad, base, 6, "a record must be a JSON object, got null")
+    for argv in (["show", bad], ["redact", bad, tmp_path / "copy.jsonl"]):
+        code, _, err = _run(capsys, *argv)
+        assert code == 2 and err.strip() == f"kvtrace: {bad}:6: a record must be a JSON object, got null"
+
+
+def test_a_null_header(base, tmp_path, capsys):
+    bad = _edit(base, tmp_path, lambda o: o.__setitem__(0, b"null\n"))
+    _assert_rejected(capsys, bad, base, 1, "missing header: the first record must have kind 'header'")
+
+
+def test_a_trace_of_only_a_header_is_cut_after_line_1(base, tmp_path, capsys):
+    path = tmp_path / "header-only.jsonl"
+    path.write_bytes(base.read_bytes().splitlines(keepends=True)[0])
+    code, out, _ = _run(capsys, "replay", "--no-kv-check", path)
+    assert code == 0 and "no 'end' record after line 1" in out
+
+
 # --------------------------------------------------------------------------- records
+
+
+def test_a_prompt_longer_than_max_model_len(base, tmp_path, capsys):
+    """The engine refuses such a request before its scheduler sees it."""
+    def edit(o):
+        o[1]["prompt_token_ids"] = o[1]["prompt_token_ids"] * (o[0]["config"]["max_model_len"] + 1)
+    bad = _edit(base, tmp_path, edit)
+    _assert_rejected(capsys, bad, base, 2, "tokens, longer than the header's max_model_len")
+
+
+@pytest.mark.parametrize("features,message", [
+    ({"max_num_active_seqs": "4"}, "field 'features.max_num_active_seqs' must be an integer of at least 1, got '4'"),
+    ({"scheduler_reserve_full_isl": "no"}, "field 'features.scheduler_reserve_full_isl' must be true or false"),
+    ({"async_scheduling": "true"}, "field 'features.async_scheduling' must be true or false"),
+    ({"pipeline_parallel_size": 2.0}, "field 'features.pipeline_parallel_size' must be an integer"),
+])
+def test_a_feature_of_the_wrong_type_is_refused_by_replay(base, tmp_path, capsys, features, message):
+    bad = _edit(base, tmp_path, lambda o: o[0]["features"].update(features))
+    code, _, err = _run(capsys, "replay", "--device", "cpu", bad)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert f"{bad}:1: {message}" in err
 
 
 def test_unknown_event_kind(base, tmp_path, capsys):
@@ -169,8 +212,26 @@ def test_count_absurd_for_header(base, tmp_path, capsys):
 
 
 def test_absurd_header(base, tmp_path, capsys):
-    bad = _edit(base, tmp_path, lambda o: o[0]["config"].__setitem__("num_blocks", 2 ** 40))
+    bad = _edit(base, tmp_path, lambda o: o[0]["config"].update(num_blocks=2 ** 20, block_size=2 ** 12))
     _assert_rejected(capsys, bad, base, 1, "absurd KV cache")
+
+
+def test_absurd_number_of_blocks(base, tmp_path, capsys):
+    bad = _edit(base, tmp_path, lambda o: o[0]["config"].update(num_blocks=2 ** 25, block_size=1))
+    _assert_rejected(capsys, bad, base, 1, "field 'num_blocks' is absurd: 33554432 (at most 2^24)")
+
+
+def test_a_kv_cache_whose_shadow_does_not_fit_is_refused_at_once(base, tmp_path, capsys):
+    """2^31 slots pass the format's bound, but their shadow needs 58 GiB: replay
+    says so before allocating anything, and names the way out."""
+    import os
+
+    bad = _edit(base, tmp_path, lambda o: o[0]["config"].update(num_blocks=2 ** 24, block_size=128))
+    have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert 29 * (2 ** 24 + 1) * 128 > have // 2, "this machine could hold it: the test needs a bigger cache"
+    code, _, err = _run(capsys, "replay", "--device", "cpu", bad)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"{bad}:1: the shadow-KV check of this KV cache" in err and "--no-kv-check" in err
 
 
 def test_free_blocks_beyond_pool(base, tmp_path, capsys):

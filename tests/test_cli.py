@@ -6,6 +6,7 @@ import importlib
 import os
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import orjson
@@ -16,6 +17,8 @@ from kvtrace.findings import Divergence
 from kvtrace.trace.events import Step
 
 from mini_traces import mini_header, write_mini_trace
+
+TRACES = Path(__file__).resolve().parent.parent / "traces"
 
 
 def run(capsys, *argv):
@@ -122,18 +125,79 @@ def test_garbage_exits_2(tmp_path, capsys):
     _one_line_error(err)
 
 
-@pytest.mark.parametrize("argv", [
-    ["diff"],
-    ["diff", "only-one"],
-    ["no-such-command"],
-    ["replay", "x.jsonl", "--device", "tpu"],
-    ["record"],
-    ["diff", "--bogus", "a", "b"],
+@pytest.mark.parametrize("argv,needle", [
+    (["diff"], "Missing argument 'A'"),
+    (["diff", "only-one"], "Missing argument 'B'"),
+    (["no-such-command"], "No such command 'no-such-command'"),
+    (["replay", "x.jsonl", "--device", "tpu"], "'tpu' is not one of"),
+    (["record"], "Missing option '-o'"),
+    (["diff", "--bogus", "a", "b"], "No such option '--bogus'"),
+    (["replay", "-j", "-1", "a", "b"], "-1 is not in the range x>=0"),
 ])
-def test_usage_errors_exit_2(capsys, argv):
+def test_usage_errors_exit_2_with_one_line(capsys, argv, needle):
     code, _, err = run(capsys, *argv)
     assert code == 2
-    assert "Traceback" not in err and "Error" in err
+    _one_line_error(err, needle)
+
+
+def test_a_directory_for_a_trace_is_one_line(capsys, tmp_path):
+    for argv in (["replay", str(tmp_path)], ["diff", str(tmp_path), str(tmp_path)], ["show", str(tmp_path)]):
+        code, _, err = run(capsys, *argv)
+        assert code == 2
+        _one_line_error(err, str(tmp_path), "is a directory")
+
+
+def test_an_output_that_cannot_be_written_is_one_line(capsys, tmp_path):
+    trace = str(TRACES / "preemption.jsonl.gz")
+    missing = tmp_path / "no" / "such" / "dir" / "out.jsonl"
+    for argv in (["replay", "--no-kv-check", trace, "-o", str(missing)],
+                 ["export", "--no-divergences", trace, "-o", str(missing)],
+                 ["report", trace, "-o", str(missing)]):
+        code, _, err = run(capsys, *argv)
+        assert code == 2, argv
+        _one_line_error(err, str(missing), "No such file or directory")
+
+
+def test_an_output_never_overwrites_the_trace_being_read(capsys, tmp_path):
+    """Not by its name, not through a link, not for any command that writes."""
+    import shutil
+
+    trace = tmp_path / "t.jsonl.gz"
+    shutil.copy(TRACES / "preemption.jsonl.gz", trace)
+    link = tmp_path / "link.jsonl.gz"
+    link.symlink_to(trace)
+    before = trace.read_bytes()
+    for argv in (["replay", "--no-kv-check", str(trace), "-o", str(trace)],
+                 ["replay", "--no-kv-check", str(trace), "-o", str(link)],
+                 ["export", "--no-divergences", str(trace), "-o", str(link)],
+                 ["report", str(trace), "-o", str(trace)],
+                 ["redact", str(trace), str(link)]):
+        code, _, err = run(capsys, *argv)
+        assert code == 2, argv
+        _one_line_error(err, "this is the file being read")
+        assert trace.read_bytes() == before, argv
+
+
+def test_markup_and_control_characters_in_a_trace_are_shown_as_text(capsys, tmp_path):
+    """A request id is data: rich markup in it is not parsed (a closing tag
+    used to crash the table), and control characters do not reach the terminal."""
+    from mini_traces import load_records, save_records
+
+    recs = load_records(TRACES / "faults" / "async-load-overshoot.jsonl.gz")
+    req = next(r["req"] for r in recs if r["kind"] == "arrival")
+    odd = "[/x]\x1b]0;t" + req
+
+    def rename(x):
+        if isinstance(x, dict):
+            return {(odd if k == req else k): rename(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [rename(v) for v in x]
+        return odd if x == req else x
+
+    path = save_records([rename(r) for r in recs], tmp_path / "odd.jsonl")
+    code, out, err = run(capsys, "replay", "--no-kv-check", str(path))
+    assert code == 1, err
+    assert "[/x]" in out and "\x1b" not in out and "\\x1b]0;t" in out
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -297,3 +361,24 @@ def test_repeated_divergences_fold_into_one_row():
     rows = [(d.req, d.step, n, last) for d, n, last in fold_repeats(divs)]
     # 5..7 is one run of r (4 rows); q stands alone; r again at 9 is a new run.
     assert rows == [("r", 5, 4, 7), ("q", 6, 1, 6), ("r", 9, 1, 9)]
+
+
+@pytest.mark.parametrize("what", ["finished_recving", "finished_sending"])
+def test_a_finished_transfer_for_a_running_request_is_the_engines_assertion(capsys, tmp_path, what):
+    """vLLM asserts that a finished transfer names a request that waits for it or
+    has finished (S:3230, S:2747): replay reports the assertion (exit 1), it
+    does not crash (exit 3)."""
+    from mini_traces import load_records, save_records
+
+    recs = load_records(TRACES / "connector.jsonl.gz")
+    out = next(r for r in recs if r["kind"] == "output" and r.get("connector")
+               and any(st["status"] == "RUNNING" for st in r["states"]))
+    running = next(st["req"] for st in out["states"] if st["status"] == "RUNNING")
+    out["connector"][what] = sorted({*out["connector"][what], running})
+    path = save_records(recs, tmp_path / "t.jsonl")
+    code, stdout, err = run(capsys, "replay", "--no-kv-check", "--json", str(path))
+    assert code == 1, err
+    doc = orjson.loads(stdout)
+    first = doc["divergences"][0]
+    assert (first["field"], first["req"], first["step"]) == ("assertion", running, out["step"])
+    assert first["rule"].startswith("S:3230" if what == "finished_recving" else "S:2747")

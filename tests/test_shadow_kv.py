@@ -714,3 +714,14 @@ def test_a_checked_row_under_a_changed_table_is_compared_again():
     d = _one(s.step(2, [], [("a", 8, 1, [3, 9, 5])]), "a", 2)
     assert _where(d) == (9, 0, 4)
     assert "never written" in d.recorded
+
+
+def test_the_memory_replay_reserves_per_slot_is_the_shadow_caches():
+    """replay refuses a KV cache whose shadow would not fit before building it,
+    from a count of bytes per slot that must match ShadowKV's tensors."""
+    from kvtrace.replay.replayer import SHADOW_BYTES_PER_SLOT
+
+    kv = ShadowKV(num_blocks=7, block_size=4, device="cpu")
+    per_slot = sum(t.element_size() * t.numel() for t in
+                   (kv._fp, kv._wreq, kv._wstep, kv._wpos, kv._wload, kv._first)) / ((7 + 1) * 4)
+    assert per_slot == SHADOW_BYTES_PER_SLOT

@@ -22,6 +22,23 @@ class Unavailable(Exception):
     exit_code = EXIT_INTERNAL
 
 
+def refuse_to_overwrite(out, *inputs) -> None:
+    """Writing ``out`` must never destroy a file the command reads: the same
+    name, a link to it, or another name of it."""
+    if out is None:
+        return
+    for src in inputs:
+        if src is None:
+            continue
+        try:
+            same = os.path.samefile(out, src)
+        except OSError:   # one of them does not exist (yet)
+            continue
+        if same:
+            raise UsageProblem(f"{out}: this is the file being read ({src}); write the output "
+                               "elsewhere")
+
+
 def load(module: str, name: str, hint: str = ""):
     """Import ``module.name`` when a command needs it, with a one-line error if it cannot."""
     try:

@@ -14,9 +14,12 @@ def progress(what: str, unit: str) -> Iterator[Callable[[int], None]]:
     if not show_progress():
         yield lambda n: None
         return
+    from rich.markup import escape
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    with Progress(SpinnerColumn(), TextColumn(f"{what} [bold]{{task.completed:,}}[/] {unit}"),
+    # A file name is text: neither markup nor a format field.
+    label = escape(what).replace("{", "{{").replace("}", "}}")
+    with Progress(SpinnerColumn(), TextColumn(f"{label} [bold]{{task.completed:,}}[/] {unit}"),
                   TimeElapsedColumn(), transient=True) as bar:
         task = bar.add_task(what, total=None)
         yield lambda n: bar.update(task, completed=n)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from ._common import EXIT_OK, UsageProblem
+from ._common import EXIT_OK, UsageProblem, refuse_to_overwrite
 
 
 @click.command()
@@ -22,6 +22,7 @@ def command(src: Path, dst: Path, key_hex: str | None, key_file: Path | None) ->
     still replays exactly while no original token id remains."""
     from kvtrace.redact import redact_file
 
+    refuse_to_overwrite(dst, src)
     if key_hex and key_file:
         raise UsageProblem("give --key-hex or --key-file, not both")
     try:

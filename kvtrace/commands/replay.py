@@ -10,7 +10,8 @@ from pathlib import Path
 
 import click
 
-from ._common import EXIT_BAD_INPUT, EXIT_DIVERGENT, EXIT_OK, VLLM_HINT, UsageProblem, load
+from ._common import (EXIT_BAD_INPUT, EXIT_DIVERGENT, EXIT_INTERNAL, EXIT_OK, VLLM_HINT, UsageProblem, load,
+                      refuse_to_overwrite)
 from .progress import progress
 
 
@@ -30,7 +31,7 @@ from .progress import progress
 @click.option("--scheduler-cls", default=None, metavar="DOTTED.PATH",
               help="A scheduler class to replay through instead of vLLM's Scheduler, for "
                    "example a patched subclass (implies --scheduler vllm).")
-@click.option("-j", "--jobs", type=int, default=0,
+@click.option("-j", "--jobs", type=click.IntRange(min=0), default=0,
               help="Replay several traces in parallel on this many processes (default: cores).")
 def command(traces: tuple[Path, ...], out: Path | None, as_json: bool, device: str, kv_check: bool,
             scheduler: str, scheduler_cls: str | None, jobs: int) -> int:
@@ -40,6 +41,7 @@ def command(traces: tuple[Path, ...], out: Path | None, as_json: bool, device: s
     parallel, with one combined report. Exit 0 when every trace matches, 1 when
     any diverges, 2 when any is unusable.
     """
+    refuse_to_overwrite(out, *traces)
     if scheduler_cls:
         scheduler = "vllm"
     if scheduler == "vllm":
@@ -67,8 +69,12 @@ def _one(trace: Path, out: Path | None, as_json: bool, device: str | None) -> in
     return EXIT_DIVERGENT if result.divergences else EXIT_OK
 
 
+_INTERNAL = "internal error: "
+
+
 def _replay_quietly(args: tuple[str, str | None]):
-    """Worker: one trace; unusable input comes back as its message."""
+    """Worker: one trace; unusable input comes back as its message, and so does
+    an internal error (the other traces' results still count)."""
     from kvtrace.replay import replay_file
     from kvtrace.trace import TraceError
 
@@ -77,6 +83,8 @@ def _replay_quietly(args: tuple[str, str | None]):
         return path, replay_file(path, device=device), None
     except TraceError as e:
         return path, None, str(e)
+    except Exception as e:
+        return path, None, f"{path}: {_INTERNAL}{type(e).__name__}: {' '.join(str(e).split())}"
 
 
 def _many(traces: tuple[Path, ...], as_json: bool, device: str | None, jobs: int) -> int:
@@ -98,7 +106,12 @@ def _many(traces: tuple[Path, ...], as_json: bool, device: str | None, jobs: int
         sys.stdout.flush()
     else:
         terminal.print_replay_many(results)
-    if any(err for _, _, err in results):
+    errors = [err for _, _, err in results if err]
+    for err in errors:   # each on one line on stderr as well, as with a single trace
+        print(f"kvtrace: {err}", file=sys.stderr)
+    if any(_INTERNAL in err for err in errors):
+        return EXIT_INTERNAL
+    if errors:
         return EXIT_BAD_INPUT
     return EXIT_DIVERGENT if any(r.divergences for _, r, _ in results) else EXIT_OK
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from ._common import EXIT_DIVERGENT, EXIT_OK
+from ._common import EXIT_DIVERGENT, EXIT_OK, refuse_to_overwrite
 from .progress import progress
 
 
@@ -23,6 +23,8 @@ def report(trace: Path, out: Path, against: Path | None) -> int:
     Exit 0 when there is no divergence, 1 when there are, 2 for unusable input.
     """
     from kvtrace.report.html import write_html_report
+
+    refuse_to_overwrite(out, trace, against)
 
     with progress(f"reporting {trace.name}", "steps"):
         rep = write_html_report(trace, out, against=against)
@@ -42,6 +44,8 @@ def export(trace: Path, fmt: str, out: Path, divergences: bool) -> int:
     chunks, decode, preempted, loading KV), counters for free blocks and
     scheduled tokens, and divergences as instant events."""
     from kvtrace.report.perfetto import export_perfetto
+
+    refuse_to_overwrite(out, trace)
 
     divs = None
     if divergences:

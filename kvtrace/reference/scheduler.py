@@ -380,10 +380,11 @@ class Scheduler:
             if r.status == Status.WAITING_FOR_REMOTE_KVS:
                 self.finished_recving_ids.add(req_id)
             else:
-                assert r.is_finished
-                self._free_blocks(r)
+                self._free_blocks(r, "S:3230 a finished load for a request that neither waits "
+                                     "for it nor has finished")
         for req_id in model.finished_sending:
-            self._free_blocks(self.requests[req_id])
+            self._free_blocks(self.requests[req_id], "S:2747 a finished send for a request "
+                                                     "that has not finished")
         return outputs
 
     def _free_request(self, r: Request, delay_free: bool = False) -> None:
@@ -395,7 +396,10 @@ class Scheduler:
         if not delay_free:
             self._free_blocks(r)
 
-    def _free_blocks(self, r: Request) -> None:
+    def _free_blocks(self, r: Request, rule: str = "S:2747 freeing the blocks of a request "
+                                                    "that has not finished") -> None:
+        if not r.is_finished:   # the engine asserts it
+            raise SchedulerAssertion(r.request_id, rule)
         self.kv.free(r)
         del self.requests[r.request_id]
 

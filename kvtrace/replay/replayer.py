@@ -45,7 +45,54 @@ class ReplayResult:
     end: ev.End | None = None
 
 
+# The header's features that replay reads, and what each must be: a flag, or a
+# count (an integer, 1 or more), where None means "not named".
+_FEATURE_TYPES = {
+    "async_scheduling": "flag", "num_speculative_tokens": "count0",
+    "pipeline_parallel_size": "count", "num_kv_cache_groups": "count",
+    "scheduler_reserve_full_isl": "flag", "long_prefill_token_threshold_adaptive": "flag",
+    "max_num_active_seqs": "count",
+}
+
+
+def _check_features(header: ev.Header, path) -> None:
+    """A feature replay reads must have its type: a string "true" is not a flag."""
+    for key, kind in _FEATURE_TYPES.items():
+        v = header.features.get(key)
+        if v is None:
+            continue
+        if kind == "flag" and type(v) is not bool:
+            raise TraceError(path, 1, f"field 'features.{key}' must be true or false, got {v!r}")
+        low = 0 if kind == "count0" else 1
+        if kind != "flag" and (type(v) is not int or v < low):
+            raise TraceError(path, 1, f"field 'features.{key}' must be an integer of at least "
+                                      f"{low}, got {v!r}")
+
+
+# ShadowKV's tensors per KV slot (fingerprint, writer, step, position, loaded,
+# first write), in bytes; kept here so that the main process need not import torch.
+SHADOW_BYTES_PER_SLOT = 8 + 4 + 4 + 4 + 1 + 8
+
+
+def _check_fits(header: ev.Header, path) -> None:
+    """The shadow-KV check holds a few tensors the size of the KV cache: a
+    header whose cache cannot fit in this machine's memory is refused at once,
+    not after filling it."""
+    cfg = header.config
+    need = SHADOW_BYTES_PER_SLOT * (cfg.num_blocks + 1) * cfg.block_size
+    try:
+        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return
+    if need > have // 2:
+        raise TraceError(path, 1, f"the shadow-KV check of this KV cache ({cfg.num_blocks} blocks of "
+                                  f"{cfg.block_size} slots) needs {need / 2**30:.1f} GiB, more than "
+                                  f"half of this machine's {have / 2**30:.1f} GiB: replay it with "
+                                  "--no-kv-check")
+
+
 def _check_supported(header: ev.Header, path) -> None:
+    _check_features(header, path)
     for key, what in UNSUPPORTED.items():
         v = header.features.get(key)
         # A flag is on when it is true; a size is on when it is above 1.
@@ -249,6 +296,8 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
     failed = None   # why replay stopped before the end of the trace
     try:
         _check_supported(header, path)
+        if device:
+            _check_fits(header, path)
         if out is not None:
             replayed = ev.Header(engine="kvtrace-reference", engine_version=_version(),
                                  config=header.config, counters=header.counters,

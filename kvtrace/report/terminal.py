@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any
+from typing import Any, Iterable
 
 import orjson
 from rich.console import Console
+from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
@@ -21,12 +22,28 @@ MAX_ROWS = 50
 MAX_VALUE_CHARS = 48
 
 
+# C0 and C1 control characters, shown as escapes: a request id from a trace
+# must not move the cursor, clear the screen or retitle the terminal.
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x20), *range(0x7F, 0xA0)) if chr(c) not in "\n\t"}
+
+
+class _PlainConsole(Console):
+    """A console that prints text as text: no markup (a request id like
+    ``[/x]`` is shown, not parsed) and no control characters from the data
+    (the console's own styles and cursor moves pass)."""
+
+    def _render_buffer(self, buffer: Iterable[Segment]) -> str:
+        return super()._render_buffer(
+            seg if seg.control else Segment(seg.text.translate(_CONTROLS), seg.style, seg.control)
+            for seg in buffer)
+
+
 def make_console(stderr: bool = False) -> Console:
     """A console that is plain (no colour, wide enough for the table) when the
     output is not a terminal."""
-    c = Console(stderr=stderr, highlight=False)
+    c = _PlainConsole(stderr=stderr, highlight=False, markup=False)
     if not c.is_terminal and "COLUMNS" not in os.environ:
-        c = Console(stderr=stderr, highlight=False, width=160)
+        c = _PlainConsole(stderr=stderr, highlight=False, markup=False, width=160)
     return c
 
 

@@ -39,6 +39,7 @@ MAX_COUNT = 1 << 40
 # header may claim: about 2 billion tokens, far beyond any real deployment. Replay
 # sizes its shadow KV cache by the header, so an absurd header must not reach it.
 MAX_KV_SLOTS = 1 << 31
+MAX_NUM_BLOCKS = 1 << 24   # 16.7 million blocks: far above any engine's pool
 MAX_MODEL_LEN = 1 << 31
 
 
@@ -213,6 +214,8 @@ class SchedulerConfig:
             watermark_blocks=_int(_get(d, "watermark_blocks", 0), "watermark_blocks"),
             connector=None if conn is None else ConnectorConfig.from_json(_obj(conn, "connector")),
         )
+        if cfg.num_blocks > MAX_NUM_BLOCKS:
+            raise SchemaError(f"field 'num_blocks' is absurd: {cfg.num_blocks} (at most 2^24)")
         if cfg.num_blocks * cfg.block_size > MAX_KV_SLOTS:
             raise SchemaError(f"absurd KV cache: num_blocks * block_size = "
                               f"{cfg.num_blocks * cfg.block_size} slots (at most 2^31)")

@@ -32,6 +32,7 @@ MAX_TOTAL_BYTES = 64 << 30
 ENV_MAX_LINE_BYTES = "KVTRACE_MAX_LINE_BYTES"
 ENV_MAX_BYTES = "KVTRACE_MAX_BYTES"
 _CHUNK = 1 << 20
+_CUT = object()   # what _parse returns for a line cut off mid-record
 
 
 class TraceError(Exception):
@@ -167,6 +168,7 @@ class TraceReader:
         except BaseException:
             self.close()
             raise
+        self.last_line = self._header_line
         self._validator = Validator(self.header) if validate else None
 
     def _read_header(self) -> Header:
@@ -185,10 +187,11 @@ class TraceReader:
                                                "record (cut off before the first record?)")
             raise TraceError(self.path, 1, "empty file: no header record")
         lineno, raw, complete = first
+        self._header_line = lineno
         if not complete and (b"\x00" in raw or not _mostly_text(raw)):
             raise TraceError(self.path, lineno, "binary data, not a JSON record")
         obj = self._parse(lineno, raw, complete)
-        if obj is None:
+        if obj is _CUT:
             raise TraceError(self.path, 1, "the header record is cut off")
         try:
             return decode_header(obj)
@@ -262,12 +265,14 @@ class TraceReader:
         return next(self._raw_iter, None)
 
     def _parse(self, lineno: int, raw: bytes, complete: bool):
+        """The line's JSON value, or ``_CUT`` for a last line cut off mid-record
+        (a line that reads ``null`` is a value, and a bad record)."""
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError as e:
             if not complete:
                 self.truncation = f"line {lineno} is cut off mid-record"
-                return None
+                return _CUT
             if b"\x00" in raw or not _mostly_text(raw):
                 raise TraceError(self.path, lineno, "binary data, not a JSON record") from None
             raise TraceError(self.path, lineno, f"not JSON ({_short(e)})") from None
@@ -349,7 +354,7 @@ class TraceReader:
             lineno, raw, complete = item
             self.last_line = lineno
             obj = self._parse(lineno, raw, complete)
-            if obj is None:
+            if obj is _CUT:
                 break
             yield lineno, obj
         self.close()

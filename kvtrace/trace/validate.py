@@ -67,6 +67,7 @@ class Validator:
         cfg = header.config
         self.num_blocks = cfg.num_blocks
         self.token_limit = cfg.max_model_len + cfg.num_blocks * cfg.block_size
+        self.max_model_len = cfg.max_model_len
         self.live: set[str] = set()
         self.finished = FinishedRequests()
         self.last_step = -1
@@ -76,6 +77,9 @@ class Validator:
 
     def check(self, e) -> None:
         if isinstance(e, ev.Arrival):
+            if len(e.prompt_token_ids) > self.max_model_len:   # the engine refuses these
+                raise SchemaError(f"a prompt of {len(e.prompt_token_ids)} tokens, longer than "
+                                  f"the header's max_model_len {self.max_model_len}")
             self.live.add(e.req)
         elif isinstance(e, ev.Abort):
             for req in e.reqs:
