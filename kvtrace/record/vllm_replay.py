@@ -466,7 +466,8 @@ def replay_through_vllm(trace_path: str | os.PathLike, out_path: str | os.PathLi
     result.setup_seconds = time.perf_counter() - t0
     if header.counters != out_header.counters:
         result.notes.append(f"the recording carries '{header.counters}' prompt counters and this "
-                            "vLLM emits PrefillStats: prompt_stats records differ in those fields")
+                            "vLLM emits PrefillStats: the diff compares prompt stats in the shapes "
+                            "both traces carry")
     outputs: dict[int, Any] = {}
     status, error = "complete", None
     t1 = time.perf_counter()

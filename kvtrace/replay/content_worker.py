@@ -246,7 +246,8 @@ def _serve(path: str, device: str, validate: str, fd: int | None, conn: Connecti
                         stop_check(line, f"{type(error).__name__}: {error}")
                         if validator is None:
                             break
-                report["through"] = line
+                if validator is not None:
+                    report["through"] = line
                 if not n % _REPORT_EVERY:
                     send()
             if check is not None:
