@@ -147,6 +147,20 @@ def test_a_trace_of_only_a_header_is_cut_after_line_1(base, tmp_path, capsys):
 # --------------------------------------------------------------------------- records
 
 
+def test_a_live_request_arriving_again(base, tmp_path, capsys):
+    """Refused by every command alike (replay used to be the only one)."""
+    def edit(o):
+        again = dict(o[1], seq=o[2]["seq"])
+        for rec in o[2:]:
+            rec["seq"] += 1
+        o.insert(2, again)   # line 3, right after the first arrival
+    bad = _edit(base, tmp_path, edit)
+    _assert_rejected(capsys, bad, base, 3, f"request '{_objs(base)[1]['req']}' arrives twice")
+    for argv in (["show", bad], ["redact", bad, tmp_path / "copy.jsonl"]):
+        code, _, err = _run(capsys, *argv)
+        assert code == 2 and err.strip().endswith("arrives twice"), (argv[0], err)
+
+
 def test_a_prompt_longer_than_max_model_len(base, tmp_path, capsys):
     """The engine refuses such a request before its scheduler sees it."""
     def edit(o):

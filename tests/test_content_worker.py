@@ -87,10 +87,9 @@ def test_a_replay_stopped_by_an_engine_assertion_drops_later_content_results(fau
     assert there == here
 
 
-def test_records_after_the_stop_that_fail_the_worker_do_not_fail_the_replay(faulty, tmp_path):
-    """After an engine assertion the main process reads nothing more, but the
-    worker goes on; a record there that breaks the check (a live request arriving
-    again) must not cost the results of the steps before the stop."""
+def _stopped_early(faulty) -> tuple[list[dict], int]:
+    """The faulty trace with an engine assertion between its first content
+    divergence and its last, and the line of the first step after it."""
     recs = load_records(faulty)
     whole = replay_file(faulty, device="cpu", worker=False)
     kv_seqs = [d.seq for d in whole.divergences if d.kind == "kv-content"]
@@ -98,16 +97,56 @@ def test_records_after_the_stop_that_fail_the_worker_do_not_fail_the_replay(faul
               and r.get("lookups"))
     for lk in recs[at]["lookups"]:
         lk["ext"] = 800 - lk["local"]
-    live = recs[at]["states"][0]["req"]
-    again = dict(next(r for r in recs if r["kind"] == "arrival" and r["req"] == live))
-    for r in recs:
-        if "seq" in r:
-            r["seq"] *= 2
-    again["seq"] = recs[at]["seq"] + 1
-    recs.insert(at + 1, again)
-    here, there = both(save_records(recs, tmp_path / "again.jsonl"))
-    assert here[4] and kv(here[0])
-    assert there == here
+    after = next(i for i in range(at + 1, len(recs)) if recs[i]["kind"] == "step")
+    return recs, after + 1   # the header is line 1
+
+
+# The content check is robust to every record the reader passes, so a check
+# that breaks is made so: the worker processes of a test load this hook.
+_HOOK = """
+import os
+_at = os.environ.get("KVTRACE_TEST_BREAK_CHECK_AT")
+if _at:
+    from kvtrace.replay import content
+    _real = content.ContentCheck.step
+    def _step(self, rec, line, tag=None):
+        if line is not None and line >= int(_at):
+            raise RuntimeError("the check broken on purpose")
+        return _real(self, rec, line, tag)
+    content.ContentCheck.step = _step
+"""
+
+
+@pytest.fixture
+def break_the_worker_check(monkeypatch, tmp_path):
+    """``break_the_worker_check(line)``: worker processes started from now on
+    raise in their content check at the first step at or after ``line``."""
+    import os
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_HOOK)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
+    return lambda line: monkeypatch.setenv("KVTRACE_TEST_BREAK_CHECK_AT", str(line))
+
+
+def test_records_after_the_stop_that_fail_the_worker_do_not_fail_the_replay(faulty, tmp_path,
+                                                                            break_the_worker_check):
+    """After an engine assertion the main process replays nothing more, but the
+    worker goes on; its check breaking there must not cost the results of the
+    steps before the stop."""
+    recs, after = _stopped_early(faulty)
+    path = save_records(recs, tmp_path / "stops.jsonl")
+    here = replay_file(path, device="cpu", worker=False)
+    assert here.stopped and kv([d.to_json() for d in here.divergences])
+    break_the_worker_check(after)
+    there = replay_file(path, device="cpu", worker=True)
+    assert [d.to_json() for d in there.divergences] == [d.to_json() for d in here.divergences]
+    assert (there.slots_checked, there.stopped) == (here.slots_checked, here.stopped)
+    # The hook does break the worker: a replay that needs a result past it fails.
+    break_the_worker_check(3)
+    with pytest.raises(content_worker.ContentWorkerError, match="the check broken on purpose"):
+        replay_file(path, device="cpu", worker=True)
 
 
 def test_a_check_that_never_starts_fails_even_without_steps(tmp_path):
@@ -277,29 +316,18 @@ def test_a_cut_trace_replays_the_same_when_the_worker_checks_across_records(faul
     assert hand_over["took"] == at
 
 
-def test_a_check_that_fails_after_the_stop_still_passes_the_later_records(faulty, tmp_path, hand_over):
-    """The worker's content check breaks on a record after an engine assertion;
-    the main process, which has handed the checks across records over, still
-    needs the worker to pass every later record, and gets the replay it gets in
-    one process."""
-    recs = load_records(faulty)
-    whole = replay_file(faulty, device="cpu", worker=False)
-    kv_seqs = [d.seq for d in whole.divergences if d.kind == "kv-content"]
-    at = next(i for i, r in enumerate(recs) if r["kind"] == "step" and min(kv_seqs) < r["seq"] < max(kv_seqs)
-              and r.get("lookups"))
-    for lk in recs[at]["lookups"]:
-        lk["ext"] = 800 - lk["local"]
-    live = recs[at]["states"][0]["req"]
-    again = dict(next(r for r in recs if r["kind"] == "arrival" and r["req"] == live))
-    for r in recs:
-        if "seq" in r:
-            r["seq"] *= 2
-    again["seq"] = recs[at]["seq"] + 1
-    recs.insert(at + 1, again)
-    path = save_records(recs, tmp_path / "again.jsonl")
+def test_a_check_that_fails_after_the_stop_still_passes_the_later_records(faulty, tmp_path, hand_over,
+                                                                        break_the_worker_check):
+    """The worker's content check breaks after an engine assertion; the main
+    process, which has handed the checks across records over, still needs the
+    worker to pass every later record, and gets the replay it gets in one
+    process."""
+    recs, after = _stopped_early(faulty)
+    path = save_records(recs, tmp_path / "stops.jsonl")
     here = rw.result(path, 0, "cpu")
     assert here[4] and kv(here[0])
     hand_over.update(at=2, own=0)
+    break_the_worker_check(after)
     assert rw.result(path, 1, "cpu") == here
     assert hand_over["took"] == 2 and hand_over["own"] == 0
 

@@ -77,6 +77,8 @@ class Validator:
 
     def check(self, e) -> None:
         if isinstance(e, ev.Arrival):
+            if e.req in self.live:   # an id comes back only once its request has finished
+                raise SchemaError(f"request '{e.req}' arrives twice")
             if len(e.prompt_token_ids) > self.max_model_len:   # the engine refuses these
                 raise SchemaError(f"a prompt of {len(e.prompt_token_ids)} tokens, longer than "
                                   f"the header's max_model_len {self.max_model_len}")
