@@ -15,7 +15,7 @@ import traceback
 import click
 
 from kvtrace.commands import COMMANDS
-from kvtrace.commands._common import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_OK
+from kvtrace.commands._common import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_OK, say
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -86,10 +86,7 @@ def _one_line(msg: str) -> str:
 
 
 def _say(msg: str) -> None:
-    try:
-        print(f"kvtrace: {msg}", file=sys.stderr, flush=True)
-    except Exception:
-        pass
+    say(msg)
 
 
 def _quiet_stdout() -> None:

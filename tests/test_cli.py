@@ -382,3 +382,29 @@ def test_a_finished_transfer_for_a_running_request_is_the_engines_assertion(caps
     first = doc["divergences"][0]
     assert (first["field"], first["req"], first["step"]) == ("assertion", running, out["step"])
     assert first["rule"].startswith("S:3230" if what == "finished_recving" else "S:2747")
+
+
+def test_control_characters_in_an_error_message_are_escaped(capsys, tmp_path):
+    from mini_traces import load_records, save_records
+
+    recs = load_records(TRACES / "preemption.jsonl.gz")
+    out = next(i for i, r in enumerate(recs) if r["kind"] == "output")
+    recs[out]["sampled"] = {"x\x1b]0;t\x07": "not a list"}
+    path = save_records(recs, tmp_path / "ctl.jsonl")
+    code, _, err = run(capsys, "replay", "--no-kv-check", str(path))
+    assert code == 2
+    _one_line_error(err, "\\x1b]0;t\\x07")
+    assert "\x1b" not in err and "\x07" not in err
+
+
+def test_a_bad_trace_among_several_is_bad_input_whatever_its_message_says(capsys, tmp_path):
+    """The exit code of several traces comes from what went wrong, not from the
+    words of a message, which may quote the trace."""
+    from mini_traces import load_records, save_records
+
+    recs = load_records(TRACES / "preemption.jsonl.gz")
+    recs[3]["kind"] = "internal error: oops"
+    bad = save_records(recs, tmp_path / "bad.jsonl")
+    code, _, err = run(capsys, "replay", "--no-kv-check", "-j", "1", str(TRACES / "preemption.jsonl.gz"), str(bad))
+    assert code == 2
+    _one_line_error(err, f"{bad}:4:")

@@ -343,3 +343,4 @@ def test_a_trace_that_grows_after_the_hand_over_is_an_error(faulty, tmp_path, ha
                 rp.feed(e, reader.last_line)
     assert hand_over["took"] == 2 and reader.last_line == len(recs) // 2 + 1
     rp.close()
+

@@ -515,3 +515,91 @@ def test_every_lookup_is_compared_where_it_happened(recorded, tmp_path):
     assert [(d.req, d.step, d.line, d.field, d.recorded, d.expected, d.rule) for d in r.divergences] == [
         (lk["req"], first["step"], _line_of(recs, first), "lookup.ext", lk["ext"], lk["ext"] - 1,
          f"{nth} lookup of {lk['req']} differs")]
+
+
+def test_what_the_other_trace_holds_before_the_cut_is_still_compared(tmp_path):
+    """B runs r0-r2 in steps 0-2, then r9 in steps 3-5; A is the same except that
+    it never schedules r2, and its recording has no end record. B's schedules of
+    r2 come before A's cut (step 5): they are divergences, not past the cut."""
+    one = load_records(write_mini_trace(tmp_path / "one.jsonl"))
+    two = load_records(write_mini_trace(tmp_path / "two.jsonl", requests={"r9": 6}))
+    nseq = max(r["seq"] for r in one[1:-1]) + 1
+    for r in two[1:-1]:
+        r["seq"] += nseq
+        if "step" in r:
+            r["step"] += 3
+    b_recs = one[:-1] + two[1:-1] + [dict(one[-1], seq=10 ** 6)]
+    a_recs = [r for r in _without(b_recs, "r2")]
+    a_arrival = next(r for r in b_recs if r["kind"] == "arrival" and r["req"] == "r2")
+    a_recs.insert(b_recs.index(a_arrival), copy.deepcopy(a_arrival))   # r2 arrives, never runs
+    b = save_records(b_recs, tmp_path / "b.jsonl")
+    for name, recs in (("whole", a_recs), ("cut", a_recs[:-1])):
+        r = diff_files(save_records(recs, tmp_path / f"a-{name}.jsonl"), b)
+        assert (r.truncation_a is not None) == (name == "cut")
+        assert [(d.req, d.rule) for d in r.divergences] == [("r2", "1st schedule of r2 only in B (B's step 0, line 5)")], name
+
+
+def test_a_cut_between_an_output_and_its_prompt_stats_is_no_divergence(tmp_path):
+    """The output of step 0 finishes every request; A is cut inside the prompt
+    stats that follow it. They may lie past the cut: not a divergence."""
+    whole = write_mini_trace(tmp_path / "whole.jsonl", max_tokens=1)
+    lines = whole.read_bytes().splitlines(keepends=True)
+    assert b'"prompt_stats"' in lines[6] or b'prefill_stats' in lines[6]
+    cut = tmp_path / "cut.jsonl"
+    cut.write_bytes(b"".join(lines[:6]) + lines[6][:20])
+    for x, y in ((cut, whole), (whole, cut)):
+        r = diff_files(x, y)
+        assert r.divergences == [] and r.cut_short, [d.to_json() for d in r.divergences]
+
+
+def test_an_id_used_again_after_its_request_finished_is_still_compared(tmp_path):
+    """r0 comes back once its first request has finished (vLLM allows it); the
+    two traces differ only in the second r0's block table."""
+    one = load_records(write_mini_trace(tmp_path / "one.jsonl", requests={"r0": 6, "r1": 5, "r2": 9}))
+    two = load_records(write_mini_trace(tmp_path / "two.jsonl", requests={"r0": 6}))
+    head, body, end = one[0], one[1:-1], one[-1]
+    nseq = max(r["seq"] for r in body) + 1
+    nstep = max(r["step"] for r in body if r["kind"] == "step") + 1
+
+    def again(blocks):
+        out = []
+        for r in copy.deepcopy(two[1:-1]):
+            r["seq"] += nseq
+            if "step" in r:
+                r["step"] += nstep
+            for x in r.get("new", []) if blocks else ():
+                x["block_ids"] = blocks
+            out.append(r)
+        return out
+
+    a = save_records([head] + body + again(None) + [dict(end, seq=10 ** 6)], tmp_path / "a.jsonl")
+    b = save_records([head] + body + again([40, 41]) + [dict(end, seq=10 ** 6)], tmp_path / "b.jsonl")
+    for x, y in ((a, b), (b, a)):
+        r = diff_files(x, y)
+        assert [(d.req, d.step, d.field) for d in r.divergences] == [("r0", nstep, "block_ids")]
+
+
+def test_a_request_admitted_a_step_later_still_lines_up(recorded, tmp_path):
+    """B has one more step before a request's admission, in which the engine
+    looked it up (the same answer) and could not admit it yet."""
+    recs = recorded["offload"]
+    i = next(i for i, r in enumerate(recs) if r["kind"] == "step" and r["step"] > 5 and r.get("new")
+             and any(lk["req"] == r["new"][0]["req"] and not lk["load_async"] for lk in r.get("lookups") or ()))
+    s = recs[i]
+    req = s["new"][0]["req"]
+    lk = next(x for x in s["lookups"] if x["req"] == req)
+    st = next(x for x in s["states"] if x["req"] == req)
+    extra = {"kind": "step", "seq": 0, "step": s["step"], "new": [], "resumed": [], "running": [],
+             "preempted": [], "finished": [], "lookups": [lk], "loads": [],
+             "states": [dict(st, status="WAITING", num_computed_tokens=0, block_ids=[])],
+             "num_free_blocks": s.get("num_free_blocks")}
+    extra_out = {"kind": "output", "seq": 0, "step": s["step"], "sampled": {}, "finished": {}, "states": []}
+    b = copy.deepcopy(recs)
+    for r in b[i:]:
+        if "step" in r:
+            r["step"] += 1
+    b[i:i] = [extra, extra_out]
+    _renumber(b)
+    a = save_records(recs, tmp_path / "a.jsonl")
+    r = diff_files(a, save_records(b, tmp_path / "b.jsonl"))
+    assert r.divergences == [], [d.to_json() for d in r.divergences]

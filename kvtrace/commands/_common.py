@@ -22,6 +22,19 @@ class Unavailable(Exception):
     exit_code = EXIT_INTERNAL
 
 
+# Control characters in a message (a field name or an id from a trace) are
+# shown as escapes: a trace must not clear or retitle the terminal.
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x20), *range(0x7F, 0xA0))}
+
+
+def say(msg: str) -> None:
+    """One line on stderr: ``kvtrace: MSG``."""
+    try:
+        print(f"kvtrace: {msg.translate(_CONTROLS)}", file=sys.stderr, flush=True)
+    except Exception:
+        pass
+
+
 def refuse_to_overwrite(out, *inputs) -> None:
     """Writing ``out`` must never destroy a file the command reads: the same
     name, a link to it, or another name of it."""

@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from ._common import (EXIT_BAD_INPUT, EXIT_DIVERGENT, EXIT_INTERNAL, EXIT_OK, VLLM_HINT, UsageProblem, load,
-                      refuse_to_overwrite)
+                      refuse_to_overwrite, say)
 from .progress import progress
 
 
@@ -69,7 +69,8 @@ def _one(trace: Path, out: Path | None, as_json: bool, device: str | None) -> in
     return EXIT_DIVERGENT if result.divergences else EXIT_OK
 
 
-_INTERNAL = "internal error: "
+class _Internal(str):
+    """The message of an internal error (not of unusable input) in one trace."""
 
 
 def _replay_quietly(args: tuple[str, str | None]):
@@ -84,7 +85,8 @@ def _replay_quietly(args: tuple[str, str | None]):
     except TraceError as e:
         return path, None, str(e)
     except Exception as e:
-        return path, None, f"{path}: {_INTERNAL}{type(e).__name__}: {' '.join(str(e).split())}"
+        return path, None, _Internal(f"{path}: internal error: {type(e).__name__}: "
+                                     f"{' '.join(str(e).split())}")
 
 
 def _many(traces: tuple[Path, ...], as_json: bool, device: str | None, jobs: int) -> int:
@@ -108,8 +110,8 @@ def _many(traces: tuple[Path, ...], as_json: bool, device: str | None, jobs: int
         terminal.print_replay_many(results)
     errors = [err for _, _, err in results if err]
     for err in errors:   # each on one line on stderr as well, as with a single trace
-        print(f"kvtrace: {err}", file=sys.stderr)
-    if any(_INTERNAL in err for err in errors):
+        say(err)
+    if any(isinstance(err, _Internal) for err in errors):
         return EXIT_INTERNAL
     if errors:
         return EXIT_BAD_INPUT

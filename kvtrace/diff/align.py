@@ -6,8 +6,9 @@ not compare step k with step k. It follows each request through its own
 history and compares like with like:
 
 * ``arrival``      what the request asked for (prompt, max_tokens, priority, ...);
-* ``lookup``       the k-th time the scheduler asked the connector about the
-                   request (every step while an async load is in flight);
+* ``lookup``       the k-th answer the connector gave about the request (it is
+                   asked every step while the request waits; a repeated answer
+                   is not a new item);
 * ``schedule``     the k-th time the request was scheduled: new, resumed or
                    running, pre-step num_computed_tokens, num_scheduled_tokens,
                    blocks, and the request's state right after that schedule();
@@ -163,6 +164,7 @@ class _History:
     finished: bool = False
     done: bool = False
     arrived_after: int | None = None   # the last step before its arrival
+    last_lookup: dict | None = None    # the answer of its last lookup since it was last scheduled
     last: tuple[int | None, int, int] = (None, 0, 0)  # step, seq, line of the latest item
 
 
@@ -269,9 +271,18 @@ class _Differ:
         pair = self.pairs.get(key)
         if pair is None:
             pair = self.pairs[key] = _Pair(key)
-        if getattr(pair, side.name) is None:
+        h = getattr(pair, side.name)
+        if h is None:
             setattr(pair, side.name, _History(arrived_after=side.cur_step))
             pair.ids[side.name] = ev.req
+        elif h.finished:
+            # An id used again once its request finished, while the other trace
+            # still holds the first one: the two go on as one history.
+            if h.done:
+                side.waiting -= 1
+            elif key in side.just_finished:
+                side.just_finished.remove(key)
+            h.finished = h.done = False
         v = to_json(ev)
         for k in ("seq", "req", "kind", "arrival_time"):
             v.pop(k, None)
@@ -283,8 +294,14 @@ class _Differ:
         for k in [s for s in side.sched_at if s < ev.step - _OUTPUT_WINDOW]:
             del side.sched_at[k]
         for lk in ev.lookups:
-            self._add(side, lk.req, "lookup", _Item(ev.step, ev.seq, line, {
-                "lookup.local": lk.local, "lookup.ext": lk.ext, "lookup.load_async": lk.load_async}))
+            # A request that waits (for space, or for its async load) is looked up
+            # every step; only a change in the answer is a new item, so that a
+            # request admitted a step later still lines up.
+            h = self._hist(side, lk.req)
+            v = {"lookup.local": lk.local, "lookup.ext": lk.ext, "lookup.load_async": lk.load_async}
+            if h is not None and v != h.last_lookup:
+                h.last_lookup = v
+                self._add(side, lk.req, "lookup", _Item(ev.step, ev.seq, line, v))
         states = {st.req: st for st in ev.states}
         for req in ev.preempted:
             h = self._hist(side, req)
@@ -325,6 +342,7 @@ class _Differ:
                 v.update(_state(st, "state"))
             at[s.req] = h.n_sched
             h.n_sched += 1
+            h.last_lookup = None
             self._add(side, s.req, "schedule", _Item(ev.step, ev.seq, line, v))
         side.sched_at[ev.step] = at
 
@@ -421,18 +439,15 @@ class _Differ:
                         seq=ia.seq, line=ia.line))
                     break
 
-    def _past_cut(self, name: str, pair: _Pair) -> bool:
-        """Whether trace ``name`` was cut off before the end of this request's
-        history (or, holding none of it, before the step where the other trace
-        has it arrive): what only the other trace holds is then not a divergence."""
+    def _cut_step(self, name: str) -> int | None:
+        """For a trace that was cut off, the last step it holds (-1: none);
+        None for a whole trace. Whatever the other trace has at that step or
+        later may lie past the cut (a step's output and prompt stats come after
+        it), and is not a divergence."""
         side = self.sides[name]
         if side.reader.truncation is None:
-            return False
-        h = getattr(pair, name)
-        if h is not None:
-            return not h.finished
-        other = pair.b if name == "a" else pair.a
-        return side.cur_step is None or other.arrived_after is None or other.arrived_after >= side.cur_step
+            return None
+        return -1 if side.cur_step is None else side.cur_step
 
     def _finalize(self, pair: _Pair) -> None:
         for name, rid in pair.ids.items():
@@ -440,8 +455,10 @@ class _Differ:
                 del self.sides[name].keys[rid]
         if pair.a is None or pair.b is None:
             side = "a" if pair.b is None else "b"
-            if self._past_cut("b" if side == "a" else "a", pair):
-                self.cut_short.append(pair.ids[side])
+            cut = self._cut_step("b" if side == "a" else "a")
+            h = pair.a if side == "a" else pair.b
+            if cut is not None and _at(h.arrived_after) >= cut:
+                self.cut_short.append(pair.ids[side])   # it may arrive past the cut
                 return
             self.only[side].append(pair.ids[side])
             h = pair.a if side == "a" else pair.b
@@ -457,16 +474,21 @@ class _Differ:
                 seq=first.seq if in_a else None, line=first.line if in_a else None)))
             return
         self.compared += 1
-        cut = {name: self._past_cut(name, pair) for name in ("a", "b")}
+        cut_a, cut_b = self._cut_step("a"), self._cut_step("b")
+        past_cut = False
         for channel in CHANNELS:
             self._compare(pair, channel)
             if channel in pair.broken:
                 continue
             qa, qb = pair.a.channels[channel], pair.b.channels[channel]
-            if cut["b"]:
-                qa = ()   # B ends before A's rest of this request
-            if cut["a"]:
-                qb = ()
+            if cut_b is not None:   # what only A holds from B's cut on
+                kept = [i for i in qa if _at(i.step) < cut_b]
+                past_cut |= len(kept) < len(qa)
+                qa = kept
+            if cut_a is not None:
+                kept = [i for i in qb if _at(i.step) < cut_a]
+                past_cut |= len(kept) < len(qb)
+                qb = kept
             k = pair.compared[channel]
             if qa:
                 ia = qa[0]
@@ -480,7 +502,7 @@ class _Differ:
                     step=None, req=pair.req, field=channel, recorded=None, expected=ib.value,
                     rule=f"{_what(channel, k, pair.req)} only in B ({_place_in_b(ib)})", kind="diff",
                     seq=None, line=None))
-        if pair.best is None and (cut["a"] or cut["b"]):
+        if pair.best is None and past_cut:
             self.cut_short.append(pair.req)
         if pair.best is not None:
             div = pair.best[1]
@@ -508,14 +530,17 @@ def _match_key(mode: str, req: str, ordinal: int) -> str:
 MATCH_SAMPLE = 1000
 
 
-def _first_arrivals(path, n: int = MATCH_SAMPLE) -> list[str]:
+def _first_arrivals(path, n: int = MATCH_SAMPLE, records: int = 10 * MATCH_SAMPLE) -> list[str]:
+    """The ids of the first ``n`` arrivals, within the first ``records`` records."""
     ids: list[str] = []
     with TraceReader(path) as r:
-        for ev in r:
+        for k, ev in enumerate(r):
             if isinstance(ev, Arrival):
                 ids.append(ev.req)
                 if len(ids) >= n:
                     break
+            if k >= records:
+                break
     return ids
 
 
@@ -526,8 +551,9 @@ def choose_match(path_a, path_b) -> str:
     fa, fb = _first_arrivals(path_a), _first_arrivals(path_b)
     if not fa or not fb:
         return "id"
+    fa, fb = set(fa), set(fb)
     fewer = min(len(fa), len(fb))
-    if 2 * len(set(fa) & set(fb)) > fewer:
+    if 2 * len(fa & fb) > fewer:
         return "id"
     pa = {_RANDOM_SUFFIX.sub("", r) for r in fa}
     if 2 * len(pa & {_RANDOM_SUFFIX.sub("", r) for r in fb}) > fewer:
@@ -543,6 +569,11 @@ _STATE_KEYS = {prefix: tuple(f"{prefix}.{name}" for name in
 def _state(st, prefix: str) -> dict:
     return dict(zip(_STATE_KEYS[prefix], (st.status, st.num_computed_tokens, st.num_tokens,
                                           st.num_preemptions, st.block_ids)))
+
+
+def _at(step: int | None) -> int:
+    """A step for comparing with a cut (an arrival before any step: -1)."""
+    return -1 if step is None else step
 
 
 def _common_stats(a: dict, b: dict) -> list[str]:

@@ -69,6 +69,7 @@ class ContentWorker:
         self._proc, self._conn = spawn("kvtrace.replay.content_worker", self.path, device,
                                        "1" if validate else "0", share=fileno)
         self.through = 0   # the checks across records have passed every line up to this one
+        self._last_needed: int | None = None   # once replay has stopped: the last step it needs
         self._tags: deque[tuple[int, object]] = deque()   # (line, tag) of steps replayed here
         self._results: deque[tuple] = deque()   # the worker's, per step, not matched yet
         self._last = 0                          # the line of the worker's last result
@@ -127,6 +128,12 @@ class ContentWorker:
                 f"written?): replay it once it is complete, or with {ENV}=0")
         raise ContentWorkerError(f"the content check stopped at line {line} of the trace: {error}")
 
+    def stop_after(self) -> None:
+        """Replay has stopped (an engine assertion): results for steps after the
+        ones replayed so far are dropped as they come. The worker's checks
+        across records are still waited for, as far as the main process reads."""
+        self._last_needed = self._tags[-1][0] if self._tags else 0
+
     # The gate: see TraceReader.validated_elsewhere.
     def caught_up(self, line: int) -> bool:
         """Whether the worker's checks across records have passed ``line`` (as
@@ -154,7 +161,10 @@ class ContentWorker:
             self._end = {"line": self._last, "error": f"its process ended (exit code {self._proc.wait()})"}
             return
         if msg[0] == "ready":
-            self._results.extend(msg[1])
+            if self._last_needed is None:
+                self._results.extend(msg[1])
+            else:
+                self._results.extend(r for r in msg[1] if r[0] <= self._last_needed)
             if msg[1]:
                 self._last = msg[1][-1][0]
             self.through = msg[2]

@@ -161,6 +161,9 @@ class Replayer:
             self.divergences.append(Divergence(step, a.req_id, "assertion", "scheduled", "engine assertion",
                                                a.rule, "invariant", e.seq, line))
             self.stopped = f"the engine would have failed an assertion at step {step}: {a.rule}"
+            stop_after = getattr(self.content, "stop_after", None)   # a content worker
+            if stop_after is not None:
+                stop_after()
 
     def finish(self) -> None:
         """The end of the trace: the content check's queued steps are checked."""
