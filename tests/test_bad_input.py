@@ -76,6 +76,8 @@ def test_not_json(base, tmp_path, capsys):
 def test_wrong_schema_version(base, tmp_path, capsys):
     bad = _edit(base, tmp_path, lambda o: o[0].__setitem__("schema", 2))
     _assert_rejected(capsys, bad, base, 1, "unsupported schema version 2 (this kvtrace reads 1)")
+    bad = _edit(base, tmp_path, lambda o: o[0].__setitem__("schema", True))
+    _assert_rejected(capsys, bad, base, 1, "unsupported schema version True (this kvtrace reads 1)")
 
 
 def test_missing_header(base, tmp_path, capsys):
@@ -161,12 +163,17 @@ def test_a_live_request_arriving_again(base, tmp_path, capsys):
         assert code == 2 and err.strip().endswith("arrives twice"), (argv[0], err)
 
 
-def test_a_prompt_longer_than_max_model_len(base, tmp_path, capsys):
-    """The engine refuses such a request before its scheduler sees it."""
+@pytest.mark.parametrize("extra", [0, 1, 500])
+def test_a_prompt_with_no_room_within_max_model_len(base, tmp_path, capsys, extra):
+    """vLLM refuses a prompt of max_model_len tokens or more (it leaves no room
+    for an output token) before its scheduler sees it."""
+    mml = _objs(base)[0]["config"]["max_model_len"]
+
     def edit(o):
-        o[1]["prompt_token_ids"] = o[1]["prompt_token_ids"] * (o[0]["config"]["max_model_len"] + 1)
+        o[1]["prompt_token_ids"] = (o[1]["prompt_token_ids"] * (mml + extra))[:mml + extra]
     bad = _edit(base, tmp_path, edit)
-    _assert_rejected(capsys, bad, base, 2, "tokens, longer than the header's max_model_len")
+    _assert_rejected(capsys, bad, base, 2, f"a prompt of {mml + extra} tokens leaves no room for an "
+                                           f"output token within the header's max_model_len {mml}")
 
 
 @pytest.mark.parametrize("features,message", [

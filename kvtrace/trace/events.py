@@ -244,7 +244,7 @@ class Header:
     @classmethod
     def from_json(cls, d: dict) -> "Header":
         schema = _get(d, "schema")
-        if schema != SCHEMA_VERSION:
+        if type(schema) is not int or schema != SCHEMA_VERSION:   # true == 1 in Python
             raise SchemaError(f"unsupported schema version {schema!r} (this kvtrace reads {SCHEMA_VERSION})")
         return cls(
             engine=_str(_get(d, "engine"), "engine"),

@@ -79,9 +79,10 @@ class Validator:
         if isinstance(e, ev.Arrival):
             if e.req in self.live:   # an id comes back only once its request has finished
                 raise SchemaError(f"request '{e.req}' arrives twice")
-            if len(e.prompt_token_ids) > self.max_model_len:   # the engine refuses these
-                raise SchemaError(f"a prompt of {len(e.prompt_token_ids)} tokens, longer than "
-                                  f"the header's max_model_len {self.max_model_len}")
+            if len(e.prompt_token_ids) >= self.max_model_len:   # the engine refuses these
+                raise SchemaError(f"a prompt of {len(e.prompt_token_ids)} tokens leaves no room "
+                                  f"for an output token within the header's max_model_len "
+                                  f"{self.max_model_len}")
             self.live.add(e.req)
         elif isinstance(e, ev.Abort):
             for req in e.reqs:
