@@ -44,13 +44,13 @@ def run(argv: list[str] | None = None) -> int:
     except click.ClickException as e:  # usage errors: click's message on one line, exit 2
         ctx = getattr(e, "ctx", None)
         hint = f" (see '{ctx.command_path} -h')" if ctx is not None else ""
-        _say(_one_line(e.format_message()) + hint)
+        say(_one_line(e.format_message()) + hint)
         return e.exit_code
     except click.exceptions.Abort:
-        _say("interrupted")
+        say("interrupted")
         return 130
     except KeyboardInterrupt:
-        _say("interrupted")
+        say("interrupted")
         return 130
     except BrokenPipeError:
         _quiet_stdout()
@@ -61,7 +61,7 @@ def run(argv: list[str] | None = None) -> int:
         # A file named on the command line that cannot be read or written.
         if debug:
             traceback.print_exc()
-        _say(f"{e.filename}: {e.strerror or _one_line(str(e))}")
+        say(f"{e.filename}: {e.strerror or _one_line(str(e))}")
         return EXIT_BAD_INPUT
     except Exception as e:
         return _internal(e, debug)
@@ -74,19 +74,15 @@ def _internal(e: Exception, debug: bool) -> int:
         traceback.print_exc()
     code = getattr(e, "exit_code", None)
     if isinstance(code, int) and not isinstance(code, bool):
-        _say(_one_line(str(e)) or type(e).__name__)
+        say(_one_line(str(e)) or type(e).__name__)
         return code
     hint = "" if debug else " (set KVTRACE_DEBUG=1 for the traceback)"
-    _say(f"internal error: {type(e).__name__}: {_one_line(str(e))}{hint}")
+    say(f"internal error: {type(e).__name__}: {_one_line(str(e))}{hint}")
     return EXIT_INTERNAL
 
 
 def _one_line(msg: str) -> str:
     return " ".join(msg.split())
-
-
-def _say(msg: str) -> None:
-    say(msg)
 
 
 def _quiet_stdout() -> None:

@@ -6,6 +6,8 @@ import importlib
 import os
 import sys
 
+from kvtrace._text import CONTROL_ESCAPES
+
 EXIT_OK, EXIT_DIVERGENT, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 VLLM_HINT = "; this needs the [vllm] extra: pip install -e '.[vllm]'"
 
@@ -22,15 +24,11 @@ class Unavailable(Exception):
     exit_code = EXIT_INTERNAL
 
 
-# Control characters in a message (a field name or an id from a trace) are
-# shown as escapes: a trace must not clear or retitle the terminal.
-_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x20), *range(0x7F, 0xA0))}
-
-
 def say(msg: str) -> None:
-    """One line on stderr: ``kvtrace: MSG``."""
+    """One line on stderr: ``kvtrace: MSG``, its control characters (from a
+    field name or an id of a trace) shown as escapes."""
     try:
-        print(f"kvtrace: {msg.translate(_CONTROLS)}", file=sys.stderr, flush=True)
+        print(f"kvtrace: {msg.translate(CONTROL_ESCAPES)}", file=sys.stderr, flush=True)
     except Exception:
         pass
 

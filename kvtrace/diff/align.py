@@ -426,9 +426,8 @@ class _Differ:
             key = min(ia.pos, ib.pos)
             if pair.best is not None and pair.best[0] < key:
                 continue  # an earlier divergence is already known
-            names = _union(ia.value, ib.value)
-            if channel == "prompt_stats":
-                names = _common_stats(ia.value, ib.value)
+            names = (_common_stats(ia.value, ib.value) if channel == "prompt_stats"
+                     else _union(ia.value, ib.value))
             for name in names:
                 va, vb = ia.value.get(name), ib.value.get(name)
                 if va != vb:
@@ -461,7 +460,6 @@ class _Differ:
                 self.cut_short.append(pair.ids[side])   # it may arrive past the cut
                 return
             self.only[side].append(pair.ids[side])
-            h = pair.a if side == "a" else pair.b
             first = next((q[0] for q in h.channels.values() if q), None)
             in_a = side == "a" and first is not None
             rule = "request only in A" if side == "a" else "request only in B" + (

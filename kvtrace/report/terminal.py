@@ -16,15 +16,11 @@ from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
+from .._text import CONTROL_ESCAPES_BUT_LAYOUT
 from ..findings import Divergence, first_per_request
 
 MAX_ROWS = 50
 MAX_VALUE_CHARS = 48
-
-
-# C0 and C1 control characters, shown as escapes: a request id from a trace
-# must not move the cursor, clear the screen or retitle the terminal.
-_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x20), *range(0x7F, 0xA0)) if chr(c) not in "\n\t"}
 
 
 class _PlainConsole(Console):
@@ -34,7 +30,8 @@ class _PlainConsole(Console):
 
     def _render_buffer(self, buffer: Iterable[Segment]) -> str:
         return super()._render_buffer(
-            seg if seg.control else Segment(seg.text.translate(_CONTROLS), seg.style, seg.control)
+            seg if seg.control else Segment(seg.text.translate(CONTROL_ESCAPES_BUT_LAYOUT), seg.style,
+                                            seg.control)
             for seg in buffer)
 
 

@@ -168,7 +168,6 @@ class TraceReader:
         except BaseException:
             self.close()
             raise
-        self.last_line = self._header_line
         self._validator = Validator(self.header) if validate else None
 
     def _read_header(self) -> Header:
@@ -187,7 +186,7 @@ class TraceReader:
                                                "record (cut off before the first record?)")
             raise TraceError(self.path, 1, "empty file: no header record")
         lineno, raw, complete = first
-        self._header_line = lineno
+        self.last_line = lineno
         if not complete and (b"\x00" in raw or not _mostly_text(raw)):
             raise TraceError(self.path, lineno, "binary data, not a JSON record")
         obj = self._parse(lineno, raw, complete)
