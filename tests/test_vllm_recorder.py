@@ -459,6 +459,68 @@ def test_abort_and_load_failures_under_fail_policy(tmp_path, model_dir, monkeypa
     assert evs[-1].status == "complete"
 
 
+def test_an_abort_of_several_requests_is_recorded_in_the_order_vllm_frees_them(tmp_path, model_dir,
+                                                                              monkeypatch):
+    """vLLM 0.32 frees the requests of one abort call in the iteration order of a
+    set of their ids, not in the order given. The pool is full when four requests
+    are aborted in an order that set does not keep, so the next blocks handed out
+    are theirs, in the order they were freed. The trace must list them in that
+    order (seen here on the KV manager, not through the recorder), and the
+    reference must replay it with zero divergences, block ids included."""
+    import itertools
+
+    from vllm import LLM, SamplingParams
+
+    from kvtrace.record.vllm_run import shutdown_llm
+    from kvtrace.replay import replay_file
+
+    out = tmp_path / "ab.jsonl"
+    monkeypatch.setenv("KVTRACE_OUT", str(out))
+    # Six prompts of two blocks each fill the twelve usable blocks exactly.
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", block_size=32,
+              max_model_len=256, enforce_eager=True, seed=0, gpu_memory_utilization=0.2,
+              num_gpu_blocks_override=13, max_num_seqs=8, max_num_batched_tokens=512)
+    eng = llm.llm_engine
+    sched = eng.engine_core.engine_core.scheduler
+    sp = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
+    for i in range(6):
+        eng.add_request(f"r{i}", {"prompt_token_ids": [(29 * i + j) % 480 + 16 for j in range(64)]}, sp)
+    eng.step()
+    assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == 0
+    internal = list(sched.requests)[:4]
+    order = next((list(p) for p in itertools.permutations(internal) if list(set(p)) != list(p)), None)
+    assert order is not None, "every order of these ids is the order of their set"
+    freed: list[str] = []
+    kvm_free = sched.kv_cache_manager.free
+
+    def watched_free(request, *args, **kwargs):
+        freed.append(request.request_id)
+        return kvm_free(request, *args, **kwargs)
+
+    monkeypatch.setattr(sched.kv_cache_manager, "free", watched_free)
+    eng.abort_request(order, internal=True)
+    monkeypatch.setattr(sched.kv_cache_manager, "free", kvm_free)
+    assert sorted(freed) == sorted(order) and freed != order
+    while eng.has_unfinished_requests():
+        eng.step()
+    shutdown_llm(llm)
+
+    r, evs = read_all(out)
+    assert evs[-1].status == "complete"
+    aborts = [e for e in evs if e.kind == "abort"]
+    assert [a.reqs for a in aborts] == [freed]
+    # The blocks freed first went to the requests that grew next.
+    at = evs.index(aborts[0])
+    freed_blocks = {b for e in evs[:at] if e.kind == "step" for s in e.states if s.req in freed
+                    for b in s.block_ids}
+    later = [b for e in evs[at:] if e.kind == "step" for x in e.running for b in x.new_block_ids]
+    assert later and set(later) <= freed_blocks
+    result = replay_file(out, device="cpu")
+    assert result.stopped is None and result.truncation is None
+    assert result.divergences == [], [(d.step, d.req, d.field, d.recorded, d.expected)
+                                      for d in result.divergences[:5]]
+
+
 def test_destination_names_for_several_schedulers(tmp_path, monkeypatch):
     from types import SimpleNamespace
 

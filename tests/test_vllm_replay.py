@@ -225,6 +225,87 @@ def test_embedded_engine_trace_block_ids_reproduced_by_vllm(tmp_path):
     assert any(isinstance(e, ev.Step) and e.preempted for e in got)
 
 
+def _abort_workload(first: str, second: str):
+    """Four requests fill the pool exactly (two blocks each); ``first`` and
+    ``second`` are aborted in one call before the step in which the other two
+    each need one more block. Those are the first two blocks freed, so the order
+    the aborted requests are freed in decides them."""
+    from kvtrace.engine.workloads import PlannedAbort, PlannedArrival, Workload
+    from kvtrace.reference import SchedulerConfig
+
+    config = SchedulerConfig(block_size=2, num_blocks=9, max_num_batched_tokens=64, max_num_seqs=8,
+                             max_model_len=16, enable_prefix_caching=False, policy="fcfs",
+                             long_prefill_token_threshold=0)
+    arrivals = tuple(PlannedArrival(0, req, tuple(range(100 + 10 * i, 104 + 10 * i)), 8, 0)
+                     for i, req in enumerate((first, second, "c", "d")))
+    return Workload("abort-order", config, arrivals, (PlannedAbort(1, first), PlannedAbort(1, second)),
+                    None, 32000)
+
+
+def test_an_abort_of_several_requests_replays_in_the_recorded_order(tmp_path):
+    """Given several ids in one call, vLLM frees them in the iteration order of a
+    set of them, which differs between processes. The replay frees them in the
+    order the trace gives, whatever this process's order: ids are chosen here
+    so that this process's set would free them the other way round."""
+    from kvtrace.engine import record_workload
+
+    first, second = next((a, b) for a, b in ((f"q5-{i}", f"q6-{i}") for i in range(1000))
+                         if list({a, b}) == [b, a])
+    rec_path = tmp_path / "emb.jsonl"
+    record_workload(rec_path, _abort_workload(first, second), counters="prefill_stats")
+    _, recorded, _ = events(rec_path)
+    aborts = [e for e in recorded if isinstance(e, ev.Abort)]
+    assert [a.reqs for a in aborts] == [[first, second]]
+    # The aborted requests' blocks are handed out again right after the abort.
+    at = recorded.index(aborts[0])
+    theirs = {b for e in recorded[:at] if isinstance(e, ev.Step) for s in e.states
+              if s.req in (first, second) for b in s.block_ids}
+    after = next(e for e in recorded[at:] if isinstance(e, ev.Step))
+    assert {b for x in after.running for b in x.new_block_ids} & theirs
+
+    out = tmp_path / "vllm.jsonl"
+    res = replay_through_vllm(rec_path, out)
+    assert res.faithful_inputs, res.summary()
+    d = diff_files(rec_path, out)
+    assert d.divergences == [], [x.to_json() for x in d.divergences[:5]]
+
+
+# --------------------------------------------------------------------------- random workloads
+
+
+def _vllm_accepts(wl) -> bool:
+    # vLLM's config check refuses a long-prefill threshold above max_model_len
+    # (tested above); the embedded engine takes it.
+    return wl.config.long_prefill_token_threshold <= wl.config.max_model_len
+
+
+@pytest.mark.parametrize("store", [False, True], ids=["no-connector", "connector"])
+def test_random_embedded_workloads_replay_identically_through_vllm(store, tmp_path_factory):
+    """Random workloads and engine settings (tests/test_properties.py) run on the
+    embedded engine, whose scheduler is the reference, then through vLLM's own
+    Scheduler with the same inputs: every decision, block ids included, must be
+    the same. Runs that stall are compared too, up to the stall. This is how the
+    abort-order behaviour above was found."""
+    from hypothesis import HealthCheck, given, settings
+
+    from test_properties import record_workload, workloads
+
+    @settings(max_examples=120 if store else 150, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(wl=workloads(store=store).filter(_vllm_accepts))
+    def check(wl):
+        root = tmp_path_factory.mktemp("wl")
+        rec_path, out = root / "emb.jsonl", root / "vllm.jsonl"
+        record_workload(wl, rec_path)
+        res = replay_through_vllm(rec_path, out)
+        assert res.faithful_inputs, (wl, res.summary())
+        assert res.stopped is None, (wl, res.stopped)
+        d = diff_files(rec_path, out)
+        assert d.divergences == [], (wl, [x.to_json() for x in d.divergences[:3]])
+
+    check()
+
+
 # --------------------------------------------------------------------------- behaviour
 
 
@@ -317,6 +398,31 @@ def test_traces_with_features_outside_the_baseline_are_refused(features, words, 
     out = tmp_path / "vllm.jsonl.gz"
     with pytest.raises(TraceError, match=words):
         replay_through_vllm(edited, out)
+    assert not out.exists()
+
+
+def test_a_configuration_vllm_refuses_is_bad_input_not_a_crash(tmp_path, capsys):
+    """The embedded engine takes a long-prefill threshold above max_model_len;
+    vLLM's own config check refuses it. That is one line naming the header, exit
+    2, in vLLM's words, not an internal error."""
+    from kvtrace.cli import run
+
+    src = ROOT / "traces" / "prefix-sharing.jsonl.gz"
+    edited = tmp_path / "edited.jsonl.gz"
+    with gzip.open(src, "rt") as fi, gzip.open(edited, "wt") as fo:
+        for i, line in enumerate(fi):
+            if i == 0:
+                obj = json.loads(line)
+                obj["config"]["long_prefill_token_threshold"] = obj["config"]["max_model_len"] + 1
+                line = json.dumps(obj) + "\n"
+            fo.write(line)
+    out = tmp_path / "vllm.jsonl"
+    capsys.readouterr()
+    assert run(["replay", str(edited), "--scheduler", "vllm", "-o", str(out)]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("kvtrace:")]
+    assert len(err) == 1
+    assert err[0].startswith(f"kvtrace: {edited}:1: vLLM ")
+    assert "refuses this trace's configuration: long_prefill_token_threshold" in err[0]
     assert not out.exists()
 
 

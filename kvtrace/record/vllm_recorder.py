@@ -6,7 +6,8 @@ in call order:
 
 * ``add_request``      -> ``Arrival``
 * ``finish_requests``  -> ``Abort`` (only ``FINISHED_ABORTED`` calls from outside
-  ``update_from_output``)
+  ``update_from_output``), its ids in the order the engine frees them, seen
+  by wrapping ``_free_request``
 * ``schedule``         -> ``Step`` (with the connector's lookups and load plan,
   captured by wrapping ``self.connector.get_num_new_matched_tokens`` and
   ``self.connector.update_state_after_alloc`` on the instance)
@@ -214,6 +215,9 @@ class Recorder:
         self.pending: list[tuple[Any, int]] = []
         self.stats_done: set[str] = set()
         self.in_update = False
+        # During an abort call: its ids, and those the engine has freed so far.
+        self.aborting: list[str] | None = None
+        self.freed: list[str] | None = None
         self.kvm = sched.kv_cache_manager
         self.table = _block_table(self.kvm)
         self.read_state = _READ_STATE
@@ -268,14 +272,32 @@ class Recorder:
             skip_reading_prefix_cache=bool(getattr(request, "skip_reading_prefix_cache", False)),
         ))
 
-    def on_abort(self, request_ids: Any, sched: Any) -> None:
+    def begin_abort(self, request_ids: Any, sched: Any) -> None:
+        """An abort call starts: note its ids, and watch the order in which the
+        engine frees them (``on_free``)."""
         if request_ids is None:
             ids = list(sched.requests.keys())
         elif isinstance(request_ids, str):
             ids = [request_ids]
         else:
             ids = list(dict.fromkeys(request_ids))
-        self.sink.put(Abort(seq=0, reqs=[str(i) for i in ids]))
+        self.aborting = [str(i) for i in ids]
+        self.freed = []
+
+    def on_free(self, request: Any) -> None:
+        if self.freed is not None:
+            self.freed.append(str(request.request_id))
+
+    def end_abort(self) -> None:
+        """The abort call returned (or raised): record it, its ids in the order
+        the engine freed them, then those it left alone (unknown or finished).
+        The order decides which blocks the freed requests' return to the pool in,
+        and vLLM 0.32 frees the ids of one call in the iteration order of a set
+        of them (S:2668), which differs between processes."""
+        ids, freed = self.aborting, self.freed
+        self.aborting = self.freed = None
+        if ids is not None:
+            self.sink.put(Abort(seq=0, reqs=list(dict.fromkeys(freed + ids))))
 
     def on_lookup(self, request: Any, local: int, result: Any) -> None:
         ext, load_async = (result if result is not None else (None, False))
@@ -589,6 +611,7 @@ def make_recording_scheduler(base_cls: type) -> type:
         def finish_requests(self, request_ids, finished_status, *args, **kwargs):
             rec = self._kv_rec()
             ids = request_ids
+            aborting = False
             if rec is not None and not rec.in_update:
                 try:
                     from vllm.v1.request import RequestStatus
@@ -596,10 +619,22 @@ def make_recording_scheduler(base_cls: type) -> type:
                     if finished_status == RequestStatus.FINISHED_ABORTED:
                         if ids is not None and not isinstance(ids, str):
                             ids = list(ids)  # an iterator must survive being read twice
-                        rec.on_abort(ids, self)
+                        rec.begin_abort(ids, self)
+                        aborting = True
                 except Exception as e:
                     rec.fail("finish_requests", e)
-            return super().finish_requests(ids, finished_status, *args, **kwargs)
+            try:
+                return super().finish_requests(ids, finished_status, *args, **kwargs)
+            finally:
+                if aborting and rec.active:
+                    rec.guard("finish_requests", rec.end_abort)
+
+        if hasattr(base_cls, "_free_request"):
+            def _free_request(self, request, *args, **kwargs):
+                rec = self._kv_rec()
+                if rec is not None and rec.freed is not None:
+                    rec.guard("_free_request", rec.on_free, request)
+                return super()._free_request(request, *args, **kwargs)
 
         def _preempt_request(self, request, *args, **kwargs):
             result = super()._preempt_request(request, *args, **kwargs)

@@ -11,7 +11,8 @@ recorded inputs, in the recorded call order:
   min_tokens, ignore_eos, stop tokens and eos, arrival time, priority, cache
   salt, and vLLM's own block hasher so that prefix caching works)
   -> ``add_request``;
-* ``abort``    -> ``finish_requests(ids, FINISHED_ABORTED)``;
+* ``abort``    -> ``finish_requests(id, FINISHED_ABORTED)`` for each id, in the
+  recorded order (the order the recorded engine freed them);
 * ``step``     -> ``schedule()``; a replay connector answers every
   ``get_num_new_matched_tokens`` call with the recorded answer for that request
   in that step, in call order;
@@ -245,8 +246,29 @@ def check_supported(header: ev.Header, path: str = "<trace>") -> None:
         raise TraceError(path, 1, "hash_block_size differs from block_size; not set up by this replay")
 
 
+class ConfigRefused(ValueError):
+    """The installed vLLM refuses the trace's configuration (its own check)."""
+
+
 def build_vllm_config(header: ev.Header) -> Any:
-    """A VllmConfig for the trace's scheduler settings, with no model behind it."""
+    """A VllmConfig for the trace's scheduler settings, with no model behind it.
+    Raises ConfigRefused, with vLLM's own reason, for settings vLLM refuses."""
+    try:
+        return _build_vllm_config(header)
+    except ValueError as e:   # pydantic's ValidationError is one
+        raise ConfigRefused(_reason(e)) from e
+
+
+def _reason(e: ValueError) -> str:
+    """The line of a vLLM config error that says what is wrong."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    said = next((ln for ln in lines if ln.startswith("Value error, ")), None)
+    if said is not None:
+        return said[len("Value error, "):].split(" [type=")[0]
+    return lines[0] if lines else type(e).__name__
+
+
+def _build_vllm_config(header: ev.Header) -> Any:
     from vllm.config import (CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
                              VllmConfig)
 
@@ -450,6 +472,10 @@ def replay_through_vllm(trace_path: str | os.PathLike, out_path: str | os.PathLi
             "recorded_engine_version": header.engine_version,
             "recorded_scheduler_cls": header.features.get("scheduler_cls"),
             "replay": "kvtrace.record.vllm_replay"})
+    except ConfigRefused as e:
+        reader.close()
+        raise TraceError(trace_path, 1, f"vLLM {getattr(vllm, '__version__', '')} refuses this "
+                                        f"trace's configuration: {e}") from None
     except BaseException:
         reader.close()
         raise
@@ -483,7 +509,11 @@ def replay_through_vllm(trace_path: str | os.PathLike, out_path: str | os.PathLi
                     if isinstance(e, ev.Arrival):
                         sched.add_request(_request(e, block_hasher))
                     elif isinstance(e, ev.Abort):
-                        sched.finish_requests(list(e.reqs), RequestStatus.FINISHED_ABORTED)
+                        # One call per id, in the recorded order: given several ids,
+                        # vLLM frees them in the order of a set of them (S:2668),
+                        # which changes from one process to the next.
+                        for rid in e.reqs:
+                            sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
                     elif isinstance(e, ev.Step):
                         if conn is not None:
                             conn.start_step(e.step, e.lookups)
