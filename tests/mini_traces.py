@@ -130,3 +130,21 @@ def save_records(records: list[dict], path: Path) -> Path:
     """Write ``records`` as a plain trace file; returns ``path``."""
     path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
     return path
+
+
+def abort_workload(first: str, second: str):
+    """An embedded-engine workload: four requests fill the pool exactly (two
+    blocks each); ``first`` and ``second`` are aborted in one call before the
+    step in which the other two each need one more block. Those are the first
+    two blocks freed, so the order the aborted requests are freed in decides
+    them."""
+    from kvtrace.engine.workloads import PlannedAbort, PlannedArrival, Workload
+    from kvtrace.reference import SchedulerConfig
+
+    config = SchedulerConfig(block_size=2, num_blocks=9, max_num_batched_tokens=64, max_num_seqs=8,
+                             max_model_len=16, enable_prefix_caching=False, policy="fcfs",
+                             long_prefill_token_threshold=0)
+    arrivals = tuple(PlannedArrival(0, req, tuple(range(100 + 10 * i, 104 + 10 * i)), 8, 0)
+                     for i, req in enumerate((first, second, "c", "d")))
+    return Workload("abort-order", config, arrivals, (PlannedAbort(1, first), PlannedAbort(1, second)),
+                    None, 32000)

@@ -30,6 +30,7 @@ from kvtrace.record.vllm_replay import replay_through_vllm, resolve_scheduler_cl
 from kvtrace.replay import replay_file  # noqa: E402
 from kvtrace.trace import events as ev  # noqa: E402
 from kvtrace.trace.io import TraceReader  # noqa: E402
+from mini_traces import abort_workload  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -225,23 +226,6 @@ def test_embedded_engine_trace_block_ids_reproduced_by_vllm(tmp_path):
     assert any(isinstance(e, ev.Step) and e.preempted for e in got)
 
 
-def _abort_workload(first: str, second: str):
-    """Four requests fill the pool exactly (two blocks each); ``first`` and
-    ``second`` are aborted in one call before the step in which the other two
-    each need one more block. Those are the first two blocks freed, so the order
-    the aborted requests are freed in decides them."""
-    from kvtrace.engine.workloads import PlannedAbort, PlannedArrival, Workload
-    from kvtrace.reference import SchedulerConfig
-
-    config = SchedulerConfig(block_size=2, num_blocks=9, max_num_batched_tokens=64, max_num_seqs=8,
-                             max_model_len=16, enable_prefix_caching=False, policy="fcfs",
-                             long_prefill_token_threshold=0)
-    arrivals = tuple(PlannedArrival(0, req, tuple(range(100 + 10 * i, 104 + 10 * i)), 8, 0)
-                     for i, req in enumerate((first, second, "c", "d")))
-    return Workload("abort-order", config, arrivals, (PlannedAbort(1, first), PlannedAbort(1, second)),
-                    None, 32000)
-
-
 def test_an_abort_of_several_requests_replays_in_the_recorded_order(tmp_path):
     """Given several ids in one call, vLLM frees them in the iteration order of a
     set of them, which differs between processes. The replay frees them in the
@@ -252,7 +236,7 @@ def test_an_abort_of_several_requests_replays_in_the_recorded_order(tmp_path):
     first, second = next((a, b) for a, b in ((f"q5-{i}", f"q6-{i}") for i in range(1000))
                          if list({a, b}) == [b, a])
     rec_path = tmp_path / "emb.jsonl"
-    record_workload(rec_path, _abort_workload(first, second), counters="prefill_stats")
+    record_workload(rec_path, abort_workload(first, second), counters="prefill_stats")
     _, recorded, _ = events(rec_path)
     aborts = [e for e in recorded if isinstance(e, ev.Abort)]
     assert [a.reqs for a in aborts] == [[first, second]]
