@@ -148,3 +148,22 @@ def abort_workload(first: str, second: str):
                      for i, req in enumerate((first, second, "c", "d")))
     return Workload("abort-order", config, arrivals, (PlannedAbort(1, first), PlannedAbort(1, second)),
                     None, 32000)
+
+
+def one_token_full_hit_workload():
+    """An embedded-engine workload: a one-token prompt whose whole prompt the
+    KV store holds and loads asynchronously, beside an ordinary request. When
+    the load completes, the full-hit rule takes its num_computed_tokens back to
+    0, which starts another lookup and another load (docs/findings.md)."""
+    from kvtrace.engine.kv_store import StoreSettings
+    from kvtrace.engine.workloads import PlannedArrival, Workload
+    from kvtrace.reference import SchedulerConfig
+
+    config = SchedulerConfig(block_size=2, num_blocks=32, max_num_batched_tokens=64, max_num_seqs=4,
+                             max_model_len=32, enable_prefix_caching=True, policy="fcfs",
+                             long_prefill_token_threshold=0)
+    arrivals = (PlannedArrival(0, "one", (500,), 4, 0),
+                PlannedArrival(0, "other", tuple(range(600, 610)), 6, 0))
+    store = StoreSettings(capacity_tokens=64, preload=((500,),), min_hit_tokens=1,
+                          async_fraction=1.0, async_delay_steps=1)
+    return Workload("one-token-full-hit", config, arrivals, (), store, 32000)

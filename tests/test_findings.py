@@ -6,6 +6,10 @@ so its own re-admission reserves its whole sequence twice, never fits, and
 blocks the waiting queue. The reference scheduler reproduces this faithfully;
 replay flags it through the liveness check; vLLM's own scheduler, fed the same
 inputs, makes the same decisions.
+
+vLLM 0.32 also loads a one-token prompt with a full async hit again every time
+its load completes, so it never runs. Replay's liveness check names it (vLLM's
+agreement: tests/test_vllm_replay.py).
 """
 
 from __future__ import annotations
@@ -73,3 +77,21 @@ def test_vllm_own_scheduler_stalls_the_same_way(stalled, tmp_path):
     tail = [s for s in steps if s.step >= idle_from]
     assert len(tail) > 64 and all(not s.scheduled() for s in tail)
     assert all([lk.req for lk in s.lookups] == [failed] for s in tail)
+
+
+def test_a_one_token_prompt_loaded_again_and_again_is_named_once(tmp_path):
+    from kvtrace.engine import record_workload
+    from kvtrace.replay.liveness import RELOAD_LIMIT
+
+    from mini_traces import one_token_full_hit_workload
+
+    path = tmp_path / "one.jsonl"
+    with pytest.raises(EngineStalled):
+        record_workload(path, one_token_full_hit_workload(), counters="prefill_stats")
+    load_steps = [e.step for e in TraceReader(path)
+                  if isinstance(e, ev.Step) and any(x.req == "one" for x in e.loads or ())]
+    assert len(load_steps) > RELOAD_LIMIT
+    divs = replay_file(path, device=None).divergences
+    assert [(d.req, d.field, d.kind) for d in divs] == [("one", "progress", "invariant")]
+    assert divs[0].step == load_steps[RELOAD_LIMIT - 1]
+    assert "one-token prompt" in divs[0].rule

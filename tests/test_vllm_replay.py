@@ -30,7 +30,7 @@ from kvtrace.record.vllm_replay import replay_through_vllm, resolve_scheduler_cl
 from kvtrace.replay import replay_file  # noqa: E402
 from kvtrace.trace import events as ev  # noqa: E402
 from kvtrace.trace.io import TraceReader  # noqa: E402
-from mini_traces import abort_workload  # noqa: E402
+from mini_traces import abort_workload, one_token_full_hit_workload  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -247,6 +247,32 @@ def test_an_abort_of_several_requests_replays_in_the_recorded_order(tmp_path):
     after = next(e for e in recorded[at:] if isinstance(e, ev.Step))
     assert {b for x in after.running for b in x.new_block_ids} & theirs
 
+    out = tmp_path / "vllm.jsonl"
+    res = replay_through_vllm(rec_path, out)
+    assert res.faithful_inputs, res.summary()
+    d = diff_files(rec_path, out)
+    assert d.divergences == [], [x.to_json() for x in d.divergences[:5]]
+
+
+def test_a_one_token_prompt_with_a_full_async_hit_is_loaded_again_as_vllm_does(tmp_path):
+    """After its async load completes, the full-hit rule takes a one-token
+    prompt back to num_computed_tokens 0 (S:3171-3172), so vLLM looks it up
+    again while it still holds its block, and loads it again. The reference
+    used to fail an assertion there; it now does what vLLM does. The request is
+    never scheduled: the embedded engine stops as stalled, and vLLM's own
+    scheduler, given the same inputs, makes the same decisions to the end
+    (replay's liveness check: tests/test_findings.py)."""
+    from kvtrace.engine import EngineStalled, record_workload
+
+    rec_path = tmp_path / "emb.jsonl"
+    with pytest.raises(EngineStalled):
+        record_workload(rec_path, one_token_full_hit_workload(), counters="prefill_stats")
+    _, recorded, _ = events(rec_path)
+    steps = [e for e in recorded if isinstance(e, ev.Step)]
+    loads = [x for s in steps for x in (s.loads or []) if x.req == "one"]
+    assert len(loads) > 10 and all((x.start, x.end) == (0, 1) for x in loads)
+    assert not any(x.req == "one" for s in steps for x in s.new + s.resumed + s.running)
+    assert any(x.req == "other" for s in steps for x in s.new)
     out = tmp_path / "vllm.jsonl"
     res = replay_through_vllm(rec_path, out)
     assert res.faithful_inputs, res.summary()

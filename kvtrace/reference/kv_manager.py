@@ -111,7 +111,13 @@ class KVCacheManager:
             return None
 
         table = self.req_to_blocks.setdefault(req_id, [])
-        if hits or num_external_computed_tokens > 0:
+        if req_id in self.num_cached_block and num_external_computed_tokens > 0:
+            # A request the manager tracks already, looked up again: a one-token
+            # prompt whose full async hit left it at num_computed_tokens 0
+            # (S:3171-3172). Nothing is adopted or loaded into new blocks
+            # (KC:283-289); the table only grows to cover the slots below.
+            assert not hits
+        elif hits or num_external_computed_tokens > 0:
             # First admission: adopt the hits, then give the external tokens blocks.
             # All touches happen before any pop, so a pop cannot evict a hit.
             assert not table

@@ -6,6 +6,13 @@ async KV load that is still in flight. After ``STALL_STEPS`` consecutive steps
 with nothing scheduled and a ready request waiting, replay reports one
 ``progress`` divergence (per stall). Engines that wait on in-flight loads, or
 that are simply idle, are not flagged.
+
+A request that is loaded again and again without ever running is stuck too, even
+though each of its loads completes: after ``RELOAD_LIMIT`` KV loads since it was
+last scheduled, replay reports one ``progress`` divergence for it. (vLLM 0.32
+does this to a one-token prompt with a full async hit: the full-hit rule takes it
+back to ``num_computed_tokens`` 0 when its load completes, S:3171-3172, which
+starts another lookup and another load.)
 """
 
 from __future__ import annotations
@@ -14,16 +21,45 @@ from kvtrace.findings import Divergence
 from kvtrace.reference import Scheduler, SchedulerOutput, Status
 
 STALL_STEPS = 64
+RELOAD_LIMIT = 8
 
 
 class ProgressWatch:
-    def __init__(self, limit: int = STALL_STEPS):
+    def __init__(self, limit: int = STALL_STEPS, reload_limit: int = RELOAD_LIMIT):
         self.limit = limit
+        self.reload_limit = reload_limit
         self.idle = 0          # consecutive steps with a ready request and nothing scheduled
         self.since: int | None = None
+        self.loads: dict[str, int] = {}   # request -> KV loads since it was last scheduled
 
     def after_schedule(self, step: int, out: SchedulerOutput, sched: Scheduler,
-                       seq: int | None, line: int | None) -> list[Divergence]:
+                       seq: int | None, line: int | None,
+                       loads: list | None = None) -> list[Divergence]:
+        """The divergences this step shows; ``loads`` are the KV loads the
+        reference's admissions made in it (``KVLoad``)."""
+        return (self._reloads(step, out, sched, seq, line, loads or ())
+                + self._stall(step, out, sched, seq, line))
+
+    def _reloads(self, step, out, sched, seq, line, loads) -> list[Divergence]:
+        found = []
+        for load in loads:
+            n = self.loads[load.req] = self.loads.get(load.req, 0) + 1
+            if n == self.reload_limit:
+                r = sched.requests.get(load.req)
+                why = (" (a one-token prompt: each completed full hit takes it back to "
+                       "num_computed_tokens 0, S:3171-3172)" if r is not None and r.num_tokens == 1 else "")
+                found.append(Divergence(
+                    step, load.req, "progress", f"{n} KV loads since it was last scheduled",
+                    "a request whose KV load completed is scheduled, not loaded again",
+                    f"liveness: {load.req} is looked up and loaded again each time its load "
+                    f"completes, and never runs{why}", "invariant", seq, line))
+        for req in out.num_scheduled_tokens:
+            self.loads.pop(req, None)
+        for req in out.finished_req_ids:
+            self.loads.pop(req, None)
+        return found
+
+    def _stall(self, step, out, sched, seq, line) -> list[Divergence]:
         head = None if out.num_scheduled_tokens else _ready_head(sched)
         if head is None:
             self.idle, self.since = 0, None

@@ -213,7 +213,8 @@ class Replayer:
         self.divergences.extend(self.connector.divergences)
         self.connector.divergences = []
         self.divergences.extend(checks.compare_step(rec, out, self.sched, line))
-        self.divergences.extend(self._progress.after_schedule(rec.step, out, self.sched, rec.seq, line))
+        self.divergences.extend(self._progress.after_schedule(rec.step, out, self.sched, rec.seq, line,
+                                                              self.connector.loads))
         if self.content:
             self._place(self.content.step(rec, line, len(self.divergences) - self._kv_placed))
         self._outputs[rec.step] = out
