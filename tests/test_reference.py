@@ -213,6 +213,33 @@ def test_invalid_block_truncates_to_the_block_and_a_shared_block_reverts_the_oth
     assert out.num_scheduled_tokens == {"a": 8}
 
 
+def test_a_shared_block_an_async_load_claimed_is_claimed_again_by_a_running_request():
+    """S:3274: the async loads and the running requests are two passes, each
+    with its own set of claimed blocks. A shared block that failed is claimed
+    by the first async load holding it, and claimed again by the first running
+    request holding it, which is cut back to that block too."""
+
+    class Conn(FixedConnector):
+        def get_num_new_matched_tokens(self, r, n):
+            return {"l": (4, True), "r": (4, False)}.get(r.request_id, (0, False))
+
+    s = Scheduler(cfg(load_failure_policy="recompute"), Conn(0, False))
+    s.add_request(req("p", list(range(8)) + [100, 101, 102, 103], max_tokens=1))
+    s.update_from_output(s.schedule(), ModelOutput({"p": [99]}))   # p finishes; its blocks stay cached
+    assert "p" not in s.requests
+    s.add_request(req("l", list(range(8)) + list(range(200, 208))))
+    s.add_request(req("r", list(range(8)) + list(range(300, 308))))
+    out = s.schedule()
+    l_, r_ = s.requests["l"], s.requests["r"]
+    assert l_.status == Status.WAITING_FOR_REMOTE_KVS and l_.num_computed_tokens == 12
+    assert out.num_scheduled_tokens == {"r": 4} and r_.num_computed_tokens == 16
+    shared = s.kv.get_block_ids("l")[1]                   # p's second block, hit by both
+    assert s.kv.get_block_ids("r")[1] == shared
+    s.update_from_output(out, ModelOutput({"r": [1]}, invalid_block_ids={shared}))
+    assert l_.num_computed_tokens == 4                    # idx 1 * block size (async pass)
+    assert r_.num_computed_tokens == 4                    # claimed again (sync pass), not 12
+
+
 def test_fail_policy_finishes_the_request_with_an_error():
     conn = FixedConnector(ext=4, load_async=True)
     s = Scheduler(cfg(), conn)

@@ -418,11 +418,12 @@ class Scheduler:
         return set() if self.config.load_failure_policy == "recompute" else affected
 
     def _handle_invalid_blocks(self, invalid: set[int], num_scheduled: dict[str, int]) -> set[str]:
-        """Blocks that failed to load: async loads first, then running requests (S:3356)."""
+        """Blocks that failed to load: async loads first, then running requests
+        (S:3356). Each pass claims shared blocks afresh (S:3274): a block an async load
+        claimed is claimed again by the first running request that holds it."""
         loading = [r for r in self.kv_holding_waiting if r.status == Status.WAITING_FOR_REMOTE_KVS]
-        claimed: set[int] = set()
-        async_failed, _ = self._truncate_requests(loading, invalid, num_scheduled, claimed)
-        sync_failed, to_evict = self._truncate_requests(self.running, invalid, num_scheduled, claimed)
+        async_failed, _ = self._truncate_requests(loading, invalid, num_scheduled)
+        sync_failed, to_evict = self._truncate_requests(self.running, invalid, num_scheduled)
         if not (async_failed or sync_failed):
             return set()
         if self.config.load_failure_policy == "fail":
@@ -431,13 +432,14 @@ class Scheduler:
         self.failed_recving_ids |= async_failed
         return sync_failed
 
-    def _truncate_requests(self, requests, invalid: set[int], num_scheduled: dict[str, int],
-                           claimed: set[int]) -> tuple[set[str], set[int]]:
+    def _truncate_requests(self, requests, invalid: set[int],
+                           num_scheduled: dict[str, int]) -> tuple[set[str], set[int]]:
         """Cut each request back to its first failed block (S:3237-3339). A block
         another request already claimed in this call is shared: the claimer
         recomputes it, and this request keeps its pre-step count."""
         affected: set[str] = set()
         to_evict: set[int] = set()
+        claimed: set[int] = set()
         for r in requests:
             table = self.kv.get_block_ids(r.request_id)
             pre = r.num_computed_tokens - num_scheduled.get(r.request_id, 0)
