@@ -42,15 +42,16 @@ SLOW = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCh
 
 
 @st.composite
-def workloads(draw, store: bool | None = None) -> Workload:
+def workloads(draw, store: bool | None = None, large: bool = False) -> Workload:
     """A random engine configuration and a timed list of arrivals and aborts.
-    Sizes keep every request satisfiable, so the engine always finishes."""
+    Sizes keep every request satisfiable, so the engine always finishes.
+    ``large``: more requests (up to 60), longer prompts and outputs."""
     seed = draw(st.integers(0, 2 ** 32 - 1))
     rng = random.Random(seed)
     block_size = draw(st.sampled_from([1, 2, 4, 8, 16]))
-    n_req = draw(st.integers(1, 10))
-    max_prompt = draw(st.integers(4, 96))
-    max_out = draw(st.integers(1, 24))
+    n_req = draw(st.integers(10, 60) if large else st.integers(1, 10))
+    max_prompt = draw(st.integers(4, 200 if large else 96))
+    max_out = draw(st.integers(1, 64 if large else 24))
     max_model_len = max_prompt + max_out + draw(st.integers(0, 32))
     need = -(-max_model_len // block_size)           # blocks of the longest request
     num_blocks = 1 + need + draw(st.integers(0, 3 * need))
