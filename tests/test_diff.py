@@ -616,24 +616,6 @@ def _abort_pair(tmp_path):
     return a, load_records(a)
 
 
-def test_an_abort_freed_in_another_order_is_named_at_the_abort(tmp_path):
-    """Two traces whose engines freed the requests of one abort in opposite
-    orders: the first divergence of each is the order, at the abort's step and
-    line, before the block ids that follow from it."""
-    a, records = _abort_pair(tmp_path)
-    at = next(i for i, r in enumerate(records) if r.get("kind") == "abort")
-    assert records[at]["reqs"] == ["x", "y"]
-    records[at]["reqs"] = ["y", "x"]
-    b = save_records(records, tmp_path / "b.jsonl")
-    r = diff_files(a, b)
-    got = {d.req: d for d in r.divergences}
-    assert set(got) == {"x", "y"}
-    assert (got["x"].field, got["x"].recorded, got["x"].expected) == ("aborted_after", [], ["y"])
-    assert (got["y"].field, got["y"].recorded, got["y"].expected) == ("aborted_after", ["x"], [])
-    assert all(d.line == at + 1 and d.step == records[at - 1]["step"] for d in got.values())
-    assert "freed in another order" in got["x"].rule
-
-
 def test_an_abort_split_into_one_call_per_request_in_the_same_order_is_no_divergence(tmp_path):
     """vLLM replay finishes an abort's ids one call per id: the same order
     before the same step is the same abort."""

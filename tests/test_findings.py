@@ -95,3 +95,44 @@ def test_a_one_token_prompt_loaded_again_and_again_is_named_once(tmp_path):
     assert [(d.req, d.field, d.kind) for d in divs] == [("one", "progress", "invariant")]
     assert divs[0].step == load_steps[RELOAD_LIMIT - 1]
     assert "one-token prompt" in divs[0].rule
+
+
+def test_loads_that_fail_and_are_retried_are_not_a_loop():
+    """A connector whose async loads of a request fail every time, under the
+    recompute policy: the engine retries each one, rightly, so the liveness
+    rule for repeated loads must not count them. The reference is driven
+    directly, with the watch fed as replay feeds it."""
+    from kvtrace.reference import ModelOutput, Scheduler, SchedulerConfig
+    from kvtrace.reference import Request
+    from kvtrace.replay.liveness import RELOAD_LIMIT, ProgressWatch
+
+    class FailingStore:
+        def __init__(self):
+            self.loads = []
+
+        def get_num_new_matched_tokens(self, r, n):
+            return 8, True
+
+        def update_state_after_alloc(self, r, block_ids, ext):
+            if ext > 0:
+                self.loads.append(ev.KVLoad(r.request_id, 0, ext))
+
+        def request_finished(self, r, block_ids):
+            return False
+
+    store = FailingStore()
+    s = Scheduler(SchedulerConfig(block_size=4, num_blocks=16, max_num_batched_tokens=64, max_num_seqs=8,
+                                  max_model_len=128, load_failure_policy="recompute"), store)
+    s.add_request(Request("a", list(range(12)), max_tokens=8, block_size=4))
+    watch, loading, found, loads = ProgressWatch(), set(), [], 0
+    for step in range(4 * RELOAD_LIMIT):
+        store.loads = []
+        out = s.schedule()
+        found += watch.after_schedule(step, out, s, None, None, store.loads)
+        loads += len(store.loads)
+        model = ModelOutput(finished_recving=set(loading), failed_recving=set(loading))
+        loading = {x.req for x in store.loads}
+        watch.after_output(model.failed_recving, model.invalid_block_ids)
+        s.update_from_output(out, model)
+    assert loads >= 2 * RELOAD_LIMIT         # it was loaded again and again
+    assert found == []

@@ -420,6 +420,40 @@ def test_traces_with_features_outside_the_baseline_are_refused(features, words, 
     assert not out.exists()
 
 
+class _AbortsOneByOne(Scheduler):
+    """Aborts the first id itself, then calls finish_requests again for the rest."""
+
+    def finish_requests(self, request_ids, finished_status):
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        if len(ids) > 1:
+            first = Scheduler.finish_requests(self, ids[:1], finished_status)
+            return first + self.finish_requests(ids[1:], finished_status)
+        return super().finish_requests(ids, finished_status)
+
+
+def test_an_abort_inside_an_abort_loses_no_request(tmp_path):
+    """A scheduler class whose abort calls finish_requests again: the inner call
+    is recorded on its own, and the outer one keeps its ids."""
+    from vllm.v1.request import RequestStatus
+
+    from kvtrace.engine import record_workload
+    from kvtrace.record.vllm_replay import _close, _request, build_scheduler
+
+    rec_path = tmp_path / "emb.jsonl"
+    record_workload(rec_path, abort_workload("x", "y"), counters="prefill_stats")
+    h, recorded, _ = events(rec_path)
+    out = tmp_path / "nested.jsonl"
+    sched, _ = build_scheduler(h, out, _AbortsOneByOne)
+    for e in recorded:
+        if isinstance(e, ev.Arrival):
+            sched.add_request(_request(e, None))
+    sched.finish_requests(["x", "y"], RequestStatus.FINISHED_ABORTED)
+    _close(sched, sched._kvtrace, "complete", None)
+    _, got, _ = events(out)
+    aborts = [e.reqs for e in got if isinstance(e, ev.Abort)]
+    assert aborts == [["y"], ["x", "y"]]   # the inner call ends first; x was freed by the outer
+
+
 def test_a_configuration_vllm_refuses_is_bad_input_not_a_crash(tmp_path, capsys):
     """The embedded engine takes a long-prefill threshold above max_model_len;
     vLLM's own config check refuses it. That is one line naming the header, exit

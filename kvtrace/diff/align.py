@@ -201,7 +201,6 @@ class _Side:
         self.keys: dict[str, str] = {}  # this trace's request id -> pair key
         self.arrivals = 0
         self.sched_at: dict[int, dict[str, int]] = {}
-        self.aborted: list[str] = []  # pair keys of the requests aborted since the last step
 
 
 class _Differ:
@@ -252,12 +251,7 @@ class _Differ:
             self._on_arrival(side, ev, line)
         elif isinstance(ev, Abort):
             for req in ev.reqs:
-                # Which requests aborted before it since the last step: the order
-                # the engine freed them in decides the blocks handed out next.
-                before = list(side.aborted)
-                if self._finish(side, req, "abort", side.cur_step, ev.seq, line,
-                                {"aborted_after": before}):
-                    side.aborted.append(side.keys[req])
+                self._finish(side, req, "abort", side.cur_step, ev.seq, line)
         elif isinstance(ev, PromptStats):
             v: dict[str, Any] = {}
             if ev.prefill_stats is not None:
@@ -297,7 +291,6 @@ class _Differ:
     def _on_step(self, side: _Side, ev: Step, line: int) -> None:
         side.steps += 1
         side.cur_step = ev.step
-        side.aborted = []
         for k in [s for s in side.sched_at if s < ev.step - _OUTPUT_WINDOW]:
             del side.sched_at[k]
         for lk in ev.lookups:
@@ -373,17 +366,14 @@ class _Differ:
         for req, reason in ev.finished.items():
             self._finish(side, req, reason, ev.step, ev.seq, line)
 
-    def _finish(self, side: _Side, req: str, reason: str, step, seq: int, line: int,
-                more: dict | None = None) -> bool:
-        """Finish ``req``'s history here; False when it has none or is finished."""
+    def _finish(self, side: _Side, req: str, reason: str, step, seq: int, line: int) -> None:
         h = self._hist(side, req)
         if h is None or h.finished:
-            return False
+            return
         h.finished = True
-        self._add(side, req, "finish", _Item(step, seq, line, {
-            "finish_reason": reason, "after_schedules": h.n_sched, **(more or {})}))
+        self._add(side, req, "finish",
+                  _Item(step, seq, line, {"finish_reason": reason, "after_schedules": h.n_sched}))
         side.just_finished.append(side.keys[req])
-        return True
 
     def _promote_finished(self, side: _Side) -> None:
         """A finished request is done once its side reaches the next step (its
@@ -442,13 +432,10 @@ class _Differ:
                 va, vb = ia.value.get(name), ib.value.get(name)
                 if va != vb:
                     pair.broken.add(channel)
-                    rule = f"{_what(channel, k, pair.req)} differs"
-                    if name == "aborted_after":
-                        rule += (": the requests aborted at this step were freed in another "
-                                 "order, which decides the blocks handed out next")
                     pair.offer(key, Divergence(
                         step=ia.step, req=pair.req, field=name, recorded=va, expected=vb,
-                        rule=rule, kind="diff", seq=ia.seq, line=ia.line))
+                        rule=f"{_what(channel, k, pair.req)} differs", kind="diff",
+                        seq=ia.seq, line=ia.line))
                     break
 
     def _cut_step(self, name: str) -> int | None:

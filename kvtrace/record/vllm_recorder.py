@@ -215,9 +215,8 @@ class Recorder:
         self.pending: list[tuple[Any, int]] = []
         self.stats_done: set[str] = set()
         self.in_update = False
-        # During an abort call: its ids, and those the engine has freed so far.
-        self.aborting: list[str] | None = None
-        self.freed: list[str] | None = None
+        # Abort calls under way (innermost last): their ids, and those freed so far.
+        self.aborts: list[tuple[list[str], list[str]]] = []
         self.kvm = sched.kv_cache_manager
         self.table = _block_table(self.kvm)
         self.read_state = _READ_STATE
@@ -281,12 +280,11 @@ class Recorder:
             ids = [request_ids]
         else:
             ids = list(dict.fromkeys(request_ids))
-        self.aborting = [str(i) for i in ids]
-        self.freed = []
+        self.aborts.append(([str(i) for i in ids], []))
 
     def on_free(self, request: Any) -> None:
-        if self.freed is not None:
-            self.freed.append(str(request.request_id))
+        if self.aborts:
+            self.aborts[-1][1].append(str(request.request_id))
 
     def end_abort(self) -> None:
         """The abort call returned (or raised): record it, its ids in the order
@@ -294,10 +292,8 @@ class Recorder:
         The order decides which blocks the freed requests' return to the pool in,
         and vLLM 0.32 frees the ids of one call in the iteration order of a set
         of them (S:2668), which differs between processes."""
-        ids, freed = self.aborting, self.freed
-        self.aborting = self.freed = None
-        if ids is not None:
-            self.sink.put(Abort(seq=0, reqs=list(dict.fromkeys(freed + ids))))
+        ids, freed = self.aborts.pop()
+        self.sink.put(Abort(seq=0, reqs=list(dict.fromkeys(freed + ids))))
 
     def on_lookup(self, request: Any, local: int, result: Any) -> None:
         ext, load_async = (result if result is not None else (None, False))
@@ -632,7 +628,7 @@ def make_recording_scheduler(base_cls: type) -> type:
         if hasattr(base_cls, "_free_request"):
             def _free_request(self, request, *args, **kwargs):
                 rec = self._kv_rec()
-                if rec is not None and rec.freed is not None:
+                if rec is not None and rec.aborts:
                     rec.guard("_free_request", rec.on_free, request)
                 return super()._free_request(request, *args, **kwargs)
 

@@ -253,13 +253,15 @@ class ConfigRefused(ValueError):
 def build_vllm_config(header: ev.Header) -> Any:
     """A VllmConfig for the trace's scheduler settings, with no model behind it.
     Raises ConfigRefused, with vLLM's own reason, for settings vLLM refuses."""
+    from pydantic import ValidationError
+
     try:
         return _build_vllm_config(header)
-    except ValueError as e:   # pydantic's ValidationError is one
+    except ValidationError as e:   # what vLLM's config classes raise for bad settings
         raise ConfigRefused(_reason(e)) from e
 
 
-def _reason(e: ValueError) -> str:
+def _reason(e: Exception) -> str:
     """The line of a vLLM config error that says what is wrong."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
     said = next((ln for ln in lines if ln.startswith("Value error, ")), None)

@@ -8,11 +8,13 @@ with nothing scheduled and a ready request waiting, replay reports one
 that are simply idle, are not flagged.
 
 A request that is loaded again and again without ever running is stuck too, even
-though each of its loads completes: after ``RELOAD_LIMIT`` KV loads since it was
-last scheduled, replay reports one ``progress`` divergence for it. (vLLM 0.32
-does this to a one-token prompt with a full async hit: the full-hit rule takes it
-back to ``num_computed_tokens`` 0 when its load completes, S:3171-3172, which
-starts another lookup and another load.)
+though each of its loads succeeds: after ``RELOAD_LIMIT`` KV loads since it was
+last scheduled, none of which failed, replay reports a ``progress`` divergence
+for it. A failed load (``failed_recving``, or any ``invalid_block_ids``) starts
+the count again, since retrying one is what an engine should do. (vLLM 0.32
+loops this way on a one-token prompt with a full async hit: the full-hit rule
+takes it back to ``num_computed_tokens`` 0 when its load completes,
+S:3171-3172, which starts another lookup and another load.)
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ class ProgressWatch:
         self.reload_limit = reload_limit
         self.idle = 0          # consecutive steps with a ready request and nothing scheduled
         self.since: int | None = None
-        self.loads: dict[str, int] = {}   # request -> KV loads since it was last scheduled
+        self.loads: dict[str, int] = {}   # request -> KV loads since it last ran or a load failed
 
     def after_schedule(self, step: int, out: SchedulerOutput, sched: Scheduler,
                        seq: int | None, line: int | None,
@@ -39,6 +41,14 @@ class ProgressWatch:
         reference's admissions made in it (``KVLoad``)."""
         return (self._reloads(step, out, sched, seq, line, loads or ())
                 + self._stall(step, out, sched, seq, line))
+
+    def after_output(self, failed_recving: set[str], invalid_block_ids: set[int]) -> None:
+        """A failed load is retried, rightly: it starts its request's count again
+        (for invalid blocks, which do not name their request, every count)."""
+        if invalid_block_ids:
+            self.loads.clear()
+        for req in failed_recving:
+            self.loads.pop(req, None)
 
     def _reloads(self, step, out, sched, seq, line, loads) -> list[Divergence]:
         found = []
@@ -49,7 +59,7 @@ class ProgressWatch:
                 why = (" (a one-token prompt: each completed full hit takes it back to "
                        "num_computed_tokens 0, S:3171-3172)" if r is not None and r.num_tokens == 1 else "")
                 found.append(Divergence(
-                    step, load.req, "progress", f"{n} KV loads since it was last scheduled",
+                    step, load.req, "progress", f"{n} KV loads since it was last scheduled, none failed",
                     "a request whose KV load completed is scheduled, not loaded again",
                     f"liveness: {load.req} is looked up and loaded again each time its load "
                     f"completes, and never runs{why}", "invariant", seq, line))
