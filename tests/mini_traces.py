@@ -167,3 +167,23 @@ def one_token_full_hit_workload():
     store = StoreSettings(capacity_tokens=64, preload=((500,),), min_hit_tokens=1,
                           async_fraction=1.0, async_delay_steps=1)
     return Workload("one-token-full-hit", config, arrivals, (), store, 32000)
+
+
+def preemption_loop_workload():
+    """An embedded-engine workload (found by a random search) on which vLLM 0.32,
+    with ``scheduler_reserve_full_isl`` off, priority scheduling and chunked long
+    prefills, admits and preempts three requests again and again, and never
+    finishes them (docs/findings.md)."""
+    from kvtrace.engine.workloads import PlannedArrival, Workload
+    from kvtrace.reference import SchedulerConfig
+
+    config = SchedulerConfig(block_size=2, num_blocks=44, max_num_batched_tokens=178, max_num_seqs=4,
+                             max_model_len=83, enable_prefix_caching=False, policy="priority",
+                             long_prefill_token_threshold=16, max_num_scheduled_tokens=89,
+                             watermark_blocks=1, reserve_full_isl=False)
+    shape = [(0, 45, 2, 2), (1, 52, 2, 1), (5, 21, 4, 0), (7, 10, 5, 0), (9, 65, 4, 1),
+             (9, 30, 3, 2), (9, 41, 4, 1), (9, 58, 2, 1), (9, 46, 5, 2)]
+    arrivals = tuple(PlannedArrival(step, f"q{i}", tuple(range(1000 + 100 * i, 1000 + 100 * i + n)),
+                                    max_tokens, priority)
+                     for i, (step, n, max_tokens, priority) in enumerate(shape))
+    return Workload("preemption-loop", config, arrivals, (), None, 32000, eos_probability=0.05)

@@ -10,6 +10,10 @@ inputs, makes the same decisions.
 vLLM 0.32 also loads a one-token prompt with a full async hit again every time
 its load completes, so it never runs. Replay's liveness check names it (vLLM's
 agreement: tests/test_vllm_replay.py).
+
+And with scheduler_reserve_full_isl off, priority scheduling and chunked long
+prefills, it can admit and preempt the same requests forever. Replay's liveness
+check names each of them; vLLM's own scheduler does the same on the same inputs.
 """
 
 from __future__ import annotations
@@ -136,3 +140,55 @@ def test_loads_that_fail_and_are_retried_are_not_a_loop():
         s.update_from_output(out, model)
     assert loads >= 2 * RELOAD_LIMIT         # it was loaded again and again
     assert found == []
+
+
+@pytest.fixture(scope="module")
+def preemption_loop(tmp_path_factory):
+    from kvtrace.engine import engine as embedded
+    from kvtrace.engine import record_workload
+
+    from mini_traces import preemption_loop_workload
+
+    path = tmp_path_factory.mktemp("loop") / "loop.jsonl"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(embedded, "MAX_STEPS", 400)
+        with pytest.raises(EngineStalled, match="did not finish"):
+            record_workload(path, preemption_loop_workload(), counters="prefill_stats")
+    return path
+
+
+def test_requests_preempted_again_and_again_are_named(preemption_loop):
+    """Counted from the trace alone: the step at which each request reaches
+    PREEMPT_LIMIT preemptions without a sampled token in between."""
+    from kvtrace.replay.liveness import PREEMPT_LIMIT
+
+    count: dict[str, int] = {}
+    reached: list[tuple[int, str]] = []
+    for e in TraceReader(preemption_loop):
+        if isinstance(e, ev.Step):
+            for req in sorted(e.preempted):
+                count[req] = count.get(req, 0) + 1
+                if count[req] == PREEMPT_LIMIT:
+                    reached.append((e.step, req))
+        elif isinstance(e, ev.Output):
+            for req, tokens in e.sampled.items():
+                if tokens:
+                    count.pop(req, None)
+    assert len(reached) >= 2
+    divs = replay_file(preemption_loop, device=None).divergences
+    assert [(d.step, d.req) for d in divs] == reached
+    assert all(d.field == "progress" and "preempted again and again" in d.rule for d in divs)
+
+
+@pytest.mark.vllm
+def test_vllm_own_scheduler_loops_the_same_way(preemption_loop, tmp_path):
+    from _require import require
+
+    require("vllm", "vLLM is not installed: this finding is checked against vLLM's scheduler")
+    from kvtrace.diff import diff_files
+    from kvtrace.record.vllm_replay import replay_through_vllm
+
+    out = tmp_path / "vllm.jsonl"
+    res = replay_through_vllm(preemption_loop, out)
+    assert res.faithful_inputs and res.steps == 400
+    assert diff_files(preemption_loop, out).divergences == []

@@ -15,6 +15,12 @@ the count again, since retrying one is what an engine should do. (vLLM 0.32
 loops this way on a one-token prompt with a full async hit: the full-hit rule
 takes it back to ``num_computed_tokens`` 0 when its load completes,
 S:3171-3172, which starts another lookup and another load.)
+
+A request preempted again and again without producing a token is stuck as well:
+after ``PREEMPT_LIMIT`` preemptions since its last sampled token (or its
+arrival), replay reports a ``progress`` divergence for it. (vLLM 0.32 loops this
+way with ``scheduler_reserve_full_isl`` off, priority scheduling and chunked
+long prefills: docs/findings.md.)
 """
 
 from __future__ import annotations
@@ -24,12 +30,16 @@ from kvtrace.reference import Scheduler, SchedulerOutput, Status
 
 STALL_STEPS = 64
 RELOAD_LIMIT = 8
+PREEMPT_LIMIT = 16
 
 
 class ProgressWatch:
-    def __init__(self, limit: int = STALL_STEPS, reload_limit: int = RELOAD_LIMIT):
+    def __init__(self, limit: int = STALL_STEPS, reload_limit: int = RELOAD_LIMIT,
+                 preempt_limit: int = PREEMPT_LIMIT):
         self.limit = limit
         self.reload_limit = reload_limit
+        self.preempt_limit = preempt_limit
+        self.preempted: dict[str, int] = {}   # request -> preemptions since its last sampled token
         self.idle = 0          # consecutive steps with a ready request and nothing scheduled
         self.since: int | None = None
         self.loads: dict[str, int] = {}   # request -> KV loads since it last ran or a load failed
@@ -40,15 +50,36 @@ class ProgressWatch:
         """The divergences this step shows; ``loads`` are the KV loads the
         reference's admissions made in it (``KVLoad``)."""
         return (self._reloads(step, out, sched, seq, line, loads or ())
+                + self._preemptions(step, out, seq, line)
                 + self._stall(step, out, sched, seq, line))
 
-    def after_output(self, failed_recving: set[str], invalid_block_ids: set[int]) -> None:
-        """A failed load is retried, rightly: it starts its request's count again
-        (for invalid blocks, which do not name their request, every count)."""
+    def after_output(self, failed_recving: set[str], invalid_block_ids: set[int],
+                     sampled: dict[str, list[int]] | None = None) -> None:
+        """A failed load is retried, rightly: it starts its request's count of
+        loads again (for invalid blocks, which do not name their request, every
+        count). A sampled token is progress: it starts the request's count of
+        preemptions again."""
         if invalid_block_ids:
             self.loads.clear()
         for req in failed_recving:
             self.loads.pop(req, None)
+        for req, tokens in (sampled or {}).items():
+            if tokens:
+                self.preempted.pop(req, None)
+
+    def _preemptions(self, step, out, seq, line) -> list[Divergence]:
+        found = []
+        for req in sorted(out.preempted_req_ids):
+            n = self.preempted[req] = self.preempted.get(req, 0) + 1
+            if n == self.preempt_limit:
+                found.append(Divergence(
+                    step, req, "progress", f"preempted {n} times since its last sampled token",
+                    "a preempted request makes progress once it is scheduled again",
+                    f"liveness: {req} is admitted and preempted again and again without "
+                    "producing a token", "invariant", seq, line))
+        for req in out.finished_req_ids:
+            self.preempted.pop(req, None)
+        return found
 
     def _reloads(self, step, out, sched, seq, line, loads) -> list[Divergence]:
         found = []

@@ -238,7 +238,8 @@ class Replayer:
         model.finished_recving &= self.sched.requests.keys()
         model.finished_sending &= self.sched.requests.keys()
         touched = bridge.touched_by_output(self.sched, out, model)
-        self._progress.after_output(model.failed_recving, model.invalid_block_ids)
+        self._progress.after_output(model.failed_recving, model.invalid_block_ids,
+                                    model.sampled_token_ids)
         results = self.sched.update_from_output(out, model)
         self.divergences.extend(checks.compare_output(rec, results, self.sched, touched, line))
         if self.content:
