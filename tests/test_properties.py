@@ -57,16 +57,24 @@ def workloads(draw, store: bool | None = None, large: bool = False) -> Workload:
     num_blocks = 1 + need + draw(st.integers(0, 3 * need))
     with_store = draw(st.booleans()) if store is None else store
     policy_fail = draw(st.sampled_from(["fail", "recompute"]))
+    max_num_batched_tokens = draw(st.integers(8, 256))
+    max_num_seqs = draw(st.integers(1, 8))
     config = SchedulerConfig(
         block_size=block_size,
         num_blocks=num_blocks,
-        max_num_batched_tokens=draw(st.integers(8, 256)),
-        max_num_seqs=draw(st.integers(1, 8)),
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
         enable_prefix_caching=draw(st.booleans()),
         policy=draw(st.sampled_from(["fcfs", "priority"])),
         long_prefill_token_threshold=draw(st.sampled_from([0, 0, 8, 16, 48])),
         load_failure_policy=policy_fail,
+        # Less common settings, each off most of the time.
+        max_num_scheduled_tokens=draw(st.sampled_from([None, None, None, max_num_batched_tokens // 2])),
+        watermark_blocks=draw(st.sampled_from([0, 0, 0, 1, 3])),
+        reserve_full_isl=draw(st.sampled_from([True, True, False])),
+        adaptive_long_prefill_threshold=draw(st.sampled_from([False, False, False, True])),
+        max_num_active_seqs=draw(st.sampled_from([None, None, None, max(1, max_num_seqs // 2)])),
     )
     vocab = draw(st.sampled_from([FIRST_ORDINARY_TOKEN + 16, 1000, 32000]))
 

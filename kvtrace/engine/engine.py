@@ -37,6 +37,10 @@ MAX_STEPS = 2_000_000
 # gives up: the scheduler is stuck, as vLLM 0.32's is in some load-failure cases
 # (docs/findings.md).
 STALL_STEPS = 256
+# Preemptions of one request without a sampled token in between after which the
+# engine gives up: it is in a preemption loop, as vLLM 0.32 can be without
+# full-sequence reservation (docs/findings.md).
+LOOP_PREEMPTIONS = 256
 
 
 class EngineStalled(RuntimeError):
@@ -114,6 +118,7 @@ class _Engine:
         arrivals = sorted(wl.arrivals, key=lambda a: a.step)
         aborts = sorted(wl.aborts, key=lambda a: a.step)
         ai = bi = idle = 0
+        preempted: dict[str, int] = {}   # request -> preemptions since its last sampled token
         for step in range(MAX_STEPS):
             self.fault_log.step = step
             while ai < len(arrivals) and arrivals[ai].step <= step:
@@ -132,6 +137,10 @@ class _Engine:
             result.preemptions += len(out.preempted_req_ids)
 
             model = ModelOutput(sampled_token_ids=self.sampler.sample(sched, out))
+            for req in out.preempted_req_ids:
+                preempted[req] = preempted.get(req, 0) + 1
+            for req in model.sampled_token_ids:
+                preempted.pop(req, None)
             if self.store is not None:
                 self.store.worker_step(step, sched, model)
             touched = bridge.touched_by_output(sched, out, model)
@@ -143,6 +152,14 @@ class _Engine:
             if (ai == len(arrivals) and bi == len(aborts) and not sched.requests
                     and not (self.store and self.store.has_pending())):
                 return
+            looping = [req for req, n in preempted.items() if n >= LOOP_PREEMPTIONS]
+            if looping:
+                raise EngineStalled(
+                    f"the engine is in a preemption loop: {looping[0]} was preempted "
+                    f"{LOOP_PREEMPTIONS} times without producing a token (up to step {step}); "
+                    f"the trace up to there is in {writer.path}")
+            for req in out.finished_req_ids:
+                preempted.pop(req, None)
             idle = 0 if out.num_scheduled_tokens else idle + 1
             if idle >= STALL_STEPS and not (self.store and self.store.has_pending()):
                 raise EngineStalled(
