@@ -400,6 +400,21 @@ def test_legacy_counters_in_the_recording_are_named_as_a_known_difference(tmp_pa
     assert d.divergences == [] and d.requests_compared > 0
 
 
+def _edited_header(tmp_path, edit) -> Path:
+    """A copy of a real trace whose header ``edit`` (a function of the header's
+    dict) has changed."""
+    edited = tmp_path / "edited.jsonl.gz"
+    with gzip.open(ROOT / "traces" / "prefix-sharing.jsonl.gz", "rt") as fi, \
+            gzip.open(edited, "wt") as fo:
+        for i, line in enumerate(fi):
+            if i == 0:
+                obj = json.loads(line)
+                edit(obj)
+                line = json.dumps(obj) + "\n"
+            fo.write(line)
+    return edited
+
+
 @pytest.mark.parametrize("features, words", [
     ({"async_scheduling": True}, "async scheduling is on"),
     ({"num_speculative_tokens": 1}, "speculative decoding is on"),
@@ -409,15 +424,7 @@ def test_legacy_counters_in_the_recording_are_named_as_a_known_difference(tmp_pa
 def test_traces_with_features_outside_the_baseline_are_refused(features, words, tmp_path):
     from kvtrace.trace.io import TraceError
 
-    src = ROOT / "traces" / "prefix-sharing.jsonl.gz"
-    edited = tmp_path / "edited.jsonl.gz"
-    with gzip.open(src, "rt") as fi, gzip.open(edited, "wt") as fo:
-        for i, line in enumerate(fi):
-            if i == 0:
-                obj = json.loads(line)
-                obj["features"].update(features)
-                line = json.dumps(obj) + "\n"
-            fo.write(line)
+    edited = _edited_header(tmp_path, lambda h: h["features"].update(features))
     out = tmp_path / "vllm.jsonl.gz"
     with pytest.raises(TraceError, match=words):
         replay_through_vllm(edited, out)
@@ -464,15 +471,10 @@ def test_a_configuration_vllm_refuses_is_bad_input_not_a_crash(tmp_path, capsys)
     2, in vLLM's words, not an internal error."""
     from kvtrace.cli import run
 
-    src = ROOT / "traces" / "prefix-sharing.jsonl.gz"
-    edited = tmp_path / "edited.jsonl.gz"
-    with gzip.open(src, "rt") as fi, gzip.open(edited, "wt") as fo:
-        for i, line in enumerate(fi):
-            if i == 0:
-                obj = json.loads(line)
-                obj["config"]["long_prefill_token_threshold"] = obj["config"]["max_model_len"] + 1
-                line = json.dumps(obj) + "\n"
-            fo.write(line)
+    def over_the_length(h):
+        h["config"]["long_prefill_token_threshold"] = h["config"]["max_model_len"] + 1
+
+    edited = _edited_header(tmp_path, over_the_length)
     out = tmp_path / "vllm.jsonl"
     capsys.readouterr()
     assert run(["replay", str(edited), "--scheduler", "vllm", "-o", str(out)]) == 2

@@ -289,7 +289,7 @@ class Recorder:
     def end_abort(self) -> None:
         """The abort call returned (or raised): record it, its ids in the order
         the engine freed them, then those it left alone (unknown or finished).
-        The order decides which blocks the freed requests' return to the pool in,
+        The order decides the order in which their blocks return to the pool,
         and vLLM 0.32 frees the ids of one call in the iteration order of a set
         of them (S:2668), which differs between processes."""
         ids, freed = self.aborts.pop()
