@@ -11,7 +11,9 @@ to the limit it is measured against, all measured in the same run.
 * replay through the reference, with and without the shadow-KV check, each
   with worker processes as replay chooses them for a large trace on this
   machine (workers.py), and all in one process;
-* diff of the trace with itself, in MB/s of trace text per input;
+* diff of the trace with itself, in MB/s of trace text per input, with a
+  worker process per input as diff chooses them for a large trace, and all in
+  one process;
 * trace size per scheduled request-step, plain and compressed;
 * peak memory of each phase, and replay's peak memory on a 100x shorter
   trace of the same workload (memory must stay flat as traces grow).
@@ -94,7 +96,8 @@ def main() -> None:
     rep_small = _child("replay", trace=str(small), kv=False, worker=False)
     rep_kv = None if args.no_kv else beside_parses("replay", trace=str(big), kv=True, worker=None)
     rep_kv1 = None if args.no_kv else beside_parses("replay", trace=str(big), kv=True, worker=False)
-    dif = beside_parses("diff", trace=str(big))
+    dif = beside_parses("diff", trace=str(big), worker=None)
+    dif1 = beside_parses("diff", trace=str(big), worker=False)
     parse = parses[0]
     spread = sorted(p["seconds"] for p in parses)
 
@@ -142,16 +145,22 @@ def main() -> None:
         ("replay memory (one process), flat?", f"{_mb(rep_small['peak_rss'])} at {rep_small['steps']:,} steps"
                                                f" vs {_mb(rep1['peak_rss'])} at {steps:,} steps "
                                                f"({rep1['peak_rss'] / rep_small['peak_rss']:.2f}x)", "flat"),
-        ("diff (trace with itself)", f"{dif['seconds']:.1f} s, {size['plain_bytes'] / dif['seconds'] / 1e6:,.1f}"
-                                     f" MB/s of trace text per input = {2 * dif['floor'] / dif['seconds']:.0%}"
-                                     f" of parsing both inputs ({size['plain_bytes'] / dif['floor'] / 2e6:,.1f}"
-                                     f" MB/s per input, beside it); peak {_mb(dif['peak_rss'])}",
-         ">= 100 MB/s per input"),
+        (f"diff (trace with itself), default: {dif['workers']} worker(s)", _diff_figure(size, dif)
+         + f"; peak {_mb(dif['peak_rss'])} + worker {_mb(dif['worker_peak_rss'])}", ">= 100 MB/s per input"),
+        ("diff (trace with itself), all in one process", _diff_figure(size, dif1)
+         + f"; peak {_mb(dif1['peak_rss'])}", ""),
     ]
     width = max(len(r[0]) for r in rows)
     print(f"kvtrace benchmark ({time.perf_counter() - t_start:.0f} s, traces in {work})")
     for name, figure, limit in rows:
         print(f"  {name:<{width}}  {figure}" + (f"   [target {limit}]" if limit else ""))
+
+
+def _diff_figure(size: dict, dif: dict) -> str:
+    per_input = size["plain_bytes"] / dif["seconds"] / 1e6
+    return (f"{dif['seconds']:.1f} s, {per_input:,.1f} MB/s of trace text per input = "
+            f"{2 * dif['floor'] / dif['seconds']:.0%} of parsing both inputs "
+            f"({size['plain_bytes'] / dif['floor'] / 2e6:,.1f} MB/s per input, beside it)")
 
 
 if __name__ == "__main__":

@@ -141,14 +141,20 @@ def replay(trace: str, kv: bool, worker: bool | None = None) -> dict:
             "workers": used if kv or used < 2 else 1}
 
 
-def diff(trace: str) -> dict:
+def diff(trace: str, worker: bool | None = None) -> dict:
+    """Diff of the trace with itself; with ``worker``, each input's records are
+    checked in a worker process of its own; None: as diff decides."""
     from kvtrace.diff import diff_files
+    from kvtrace.replay import workers
 
+    used = workers.wanted(trace) >= 1 if worker is None else worker
     t = time.perf_counter()
-    r = diff_files(trace, trace)
+    r = diff_files(trace, trace, worker=worker)
     if r.divergences:
         raise SystemExit(f"a trace differs from itself: {r.divergences[0]}")
-    return {"seconds": time.perf_counter() - t, "peak_rss": _peak_rss()}
+    return {"seconds": time.perf_counter() - t, "peak_rss": _peak_rss(),
+            "worker_peak_rss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
+            "workers": 2 if used else 0}
 
 
 def recorder() -> dict:

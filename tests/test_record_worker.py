@@ -350,3 +350,66 @@ def test_the_replayed_trace_is_the_same_with_a_worker(faulty, tmp_path, device):
         replay_file(faulty, out=out, device=device, worker=worker)
         outs.append(out.read_bytes())
     assert outs[0] == outs[1] and outs[0].count(b"\n") > 100
+
+
+# --------------------------------------------------------------------------- diff
+
+
+def diffed(a, b, worker: bool) -> tuple:
+    from kvtrace.diff import diff_files
+
+    r = diff_files(a, b, worker=worker)
+    return ([d.to_json() for d in r.divergences], r.summary(), r.truncation_a, r.truncation_b,
+            r.end_a, r.end_b)
+
+
+def diff_error(a, b, worker: bool) -> str:
+    from kvtrace.diff import diff_files
+
+    with pytest.raises(TraceError) as e:
+        diff_files(a, b, worker=worker)
+    return str(e.value)
+
+
+def test_diff_with_a_worker_per_input_reports_the_same(faulty, tmp_path):
+    """Diff checks each input's records in a worker process of its own on large
+    files: the same divergences, cuts and ends as in one process."""
+    recs = load_records(faulty)
+    i = _step_at(recs, 3)
+    recs[i]["running"][0]["num_computed_tokens"] += 1
+    changed = save_records(recs, tmp_path / "changed.jsonl")
+    here = diffed(changed, faulty, False)
+    assert here[0] and here[0][0]["field"] == "num_computed_tokens"
+    assert diffed(changed, faulty, True) == here
+    cut = tmp_path / "cut.jsonl"
+    cut.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in recs[:i + 5]) + orjson.dumps(recs[i + 5])[:30])
+    here = diffed(faulty, cut, False)
+    assert here[3] and "cut off" in here[3]
+    assert diffed(faulty, cut, True) == here
+
+
+@pytest.mark.parametrize("spoil", [_bad_schema, _unknown_request, _undecodable, _out_of_order],
+                         ids=lambda f: f.__name__[1:])
+def test_diff_with_a_worker_gets_the_same_error_at_the_same_line(faulty, tmp_path, spoil):
+    recs = load_records(faulty)
+    spoil(recs)
+    bad = save_records(recs, tmp_path / "bad.jsonl")
+    for a, b in ((bad, faulty), (faulty, bad)):
+        here = diff_error(a, b, False)
+        assert here.startswith(f"{bad}:")
+        assert diff_error(a, b, True) == here
+
+
+def test_diff_tells_its_progress_in_steps(faulty, monkeypatch):
+    from kvtrace.diff import align, diff_files
+
+    monkeypatch.setattr(align, "PROGRESS_EVERY", 64)
+    seen: list[int] = []
+    recs = load_records(faulty)
+    r = diff_files(faulty, faulty, progress=seen.append)
+    steps = sum(1 for rec in recs if rec["kind"] == "step")
+    assert r.steps_a == steps
+    # Every 64 reads across both traces: each record after the header, and each
+    # trace's end of file.
+    assert len(seen) == (2 * len(recs)) // 64 >= 4
+    assert seen == sorted(seen) and 0 < seen[0] < seen[-1] <= steps

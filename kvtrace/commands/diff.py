@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from ._common import EXIT_DIVERGENT, EXIT_OK
+from .progress import progress
 
 
 @click.command()
@@ -29,7 +30,8 @@ def command(a: Path, b: Path, as_json: bool, match: str) -> int:
     from kvtrace.diff import diff_files
     from kvtrace.report import terminal
 
-    result = diff_files(a, b, match=match)
+    with progress(f"diffing {a.name} with {b.name}", "steps") as advance:
+        result = diff_files(a, b, match=match, progress=advance)
     if as_json:
         sys.stdout.buffer.write(terminal.diff_json(result))
         sys.stdout.flush()

@@ -27,18 +27,20 @@ divergence (the earliest in trace A) is kept once both sides have finished it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from ..findings import Divergence
 from ..trace.events import Abort, Arrival, End, Header, Output, PromptStats, Step, to_json
 from ..trace.io import TraceReader
 
 CHANNELS = ("arrival", "lookup", "schedule", "output", "preempt", "plan", "load", "prompt_stats", "finish")
+PROGRESS_EVERY = 4096   # records read (both traces) between progress calls
 # Outputs are matched to their step; forget unmatched steps older than this.
 _OUTPUT_WINDOW = 8
 
@@ -97,23 +99,28 @@ class DiffResult:
 
 
 def diff_files(path_a: str | os.PathLike, path_b: str | os.PathLike,
-               match: str = "auto") -> DiffResult:
+               match: str = "auto", progress: Callable[[int], None] | None = None,
+               worker: bool | None = None) -> DiffResult:
     """Compare trace A (the one under study) with trace B (the expectation).
 
     ``match`` says how requests are paired: ``id`` (same request id),
     ``id-prefix`` (same id once vLLM's random ``-xxxxxxxx`` suffix is removed),
     ``arrival`` (the k-th arrival in A with the k-th in B), or ``auto``, which
     picks one from the first arrivals of each trace (``choose_match``).
+    ``progress`` is called now and then with the steps read so far (the more
+    of the two traces). ``worker``: whether each input's records are checked
+    in a worker process of its own (``_events``); None decides by the file's
+    size and the cores, as replay does.
 
     Raises ``TraceError`` when either file is unusable.
     """
     if match not in MATCH_MODES:
         raise ValueError(f"match must be one of {', '.join(MATCH_MODES)}")
-    with TraceReader(path_a) as ra, TraceReader(path_b) as rb:
+    with TraceReader(path_a) as ra, TraceReader(path_b) as rb, contextlib.ExitStack() as workers:
         if match == "auto":
             match = choose_match(path_a, path_b)
-        d = _Differ(ra, rb, match)
-        d.run()
+        d = _Differ(ra, rb, match, _events(ra, workers, worker), _events(rb, workers, worker))
+        d.run(progress)
         return DiffResult(
             path_a=str(path_a), path_b=str(path_b),
             header_a=ra.header, header_b=rb.header,
@@ -125,6 +132,26 @@ def diff_files(path_a: str | os.PathLike, path_b: str | os.PathLike,
             truncation_a=ra.truncation, truncation_b=rb.truncation,
             matched_by=match, end_a=ra.end, end_b=rb.end, cut_short=d.cut_short,
         )
+
+
+def _events(reader: TraceReader, workers: contextlib.ExitStack, worker: bool | None) -> Iterator:
+    """The events of one input. With a worker, a worker process checks its
+    records while this process decodes them unchecked behind it, as replay does
+    (kvtrace/replay/record_worker.py): the same events, cut and errors as
+    iterating the reader, with the checks, about half of a diff's work, off
+    this process. By default a file large enough for replay to use a worker
+    gets one (``KVTRACE_REPLAY_WORKER=0`` keeps diff in one process too)."""
+    if worker is None:
+        from ..replay.workers import wanted
+
+        worker = wanted(reader.path) >= 1
+    if not worker:
+        return iter(reader)
+    from ..replay.record_worker import RecordWorker   # a module the worker runs as __main__
+
+    gate = RecordWorker(reader.path, reader.fileno)
+    workers.callback(gate.close)
+    return reader.checked_elsewhere(gate)
 
 
 def _end_json(end: End | None) -> dict | None:
@@ -188,10 +215,10 @@ class _Pair:
 
 
 class _Side:
-    def __init__(self, name: str, reader: TraceReader):
+    def __init__(self, name: str, reader: TraceReader, events: Iterator | None = None):
         self.name = name
         self.reader = reader
-        self.events: Iterator = iter(reader)
+        self.events: Iterator = iter(reader) if events is None else events
         self.exhausted = False
         self.steps = 0
         self.read = 0
@@ -204,9 +231,10 @@ class _Side:
 
 
 class _Differ:
-    def __init__(self, ra: TraceReader, rb: TraceReader, match: str = "id"):
+    def __init__(self, ra: TraceReader, rb: TraceReader, match: str = "id",
+                 events_a: Iterator | None = None, events_b: Iterator | None = None):
         self.match = match
-        self.sides = {"a": _Side("a", ra), "b": _Side("b", rb)}
+        self.sides = {"a": _Side("a", ra, events_a), "b": _Side("b", rb, events_b)}
         self.pairs: dict[str, _Pair] = {}
         self.found: list[tuple[float, Divergence]] = []
         self.only: dict[str, list[str]] = {"a": [], "b": []}
@@ -218,9 +246,13 @@ class _Differ:
 
     # -- driving ---------------------------------------------------------------
 
-    def run(self) -> None:
+    def run(self, progress: Callable[[int], None] | None = None) -> None:
         a, b = self.sides["a"], self.sides["b"]
+        n = 0
         while not (a.exhausted and b.exhausted):
+            n += 1
+            if progress is not None and not n % PROGRESS_EVERY:
+                progress(max(a.steps, b.steps))
             if a.exhausted:
                 self._advance(b)
             elif b.exhausted:

@@ -1,4 +1,5 @@
-"""The record checks of one large trace, in a second process.
+"""The record checks of one large trace, in a second process (replay, and each
+input of diff).
 
 Replay without the content check spends about half its time checking and
 decoding records (docs/bad-input.md) and half replaying them. So for a large
@@ -84,8 +85,8 @@ class RecordWorker:
             raise RecordWorkerError(f"the record check stopped after line {end['through']} of the "
                                     f"trace: {end['bug']}")
         raise RecordWorkerError(
-            f"the trace grew after line {end['through']} while it was replayed (is it still being "
-            f"written?): replay it once it is complete, or with {ENV}=0")
+            f"the trace grew after line {end['through']} while it was read (is it still being "
+            f"written?): read it once it is complete, or with {ENV}=0")
 
 
 # --------------------------------------------------------------------------- the worker
