@@ -165,14 +165,27 @@ def _end_json(end: End | None) -> dict | None:
 
 @dataclass(slots=True)
 class _Item:
+    """One thing a trace says of a request: the fields ``names`` with ``values``.
+    Two items are equal when both are; the fields are made a dict only to
+    report a difference."""
+
     step: int | None
     seq: int
     line: int
-    value: dict
+    names: tuple
+    values: tuple
     # Where the item sits in its request's own history: (schedules counted when it
     # was seen, rank of its channel). Both traces number a request's history the
     # same way, so "which divergence comes first" does not depend on which trace is A.
     pos: tuple = ()
+
+    @property
+    def value(self) -> dict:
+        return dict(zip(self.names, self.values))
+
+
+def _item(step: int | None, seq: int, line: int, value: dict) -> _Item:
+    return _Item(step, seq, line, tuple(value), tuple(value.values()))
 
 
 # The order of items seen with the same schedule count: a schedule (counted as it
@@ -191,8 +204,7 @@ class _History:
     finished: bool = False
     done: bool = False
     arrived_after: int | None = None   # the last step before its arrival
-    last_lookup: dict | None = None    # the answer of its last lookup since it was last scheduled
-    last: tuple[int | None, int, int] = (None, 0, 0)  # step, seq, line of the latest item
+    last_lookup: tuple | None = None   # the answer of its last lookup since it was last scheduled
 
 
 @dataclass(slots=True)
@@ -290,7 +302,7 @@ class _Differ:
                 v.update((f"prefill_stats.{k}", x) for k, x in to_json(ev.prefill_stats).items())
             if ev.legacy is not None:
                 v.update((f"legacy.{k}", x) for k, x in to_json(ev.legacy).items())
-            self._add(side, ev.req, "prompt_stats", _Item(ev.step, ev.seq, line, v))
+            self._add(side, ev.req, "prompt_stats", _item(ev.step, ev.seq, line, v))
         elif isinstance(ev, End):
             pass
 
@@ -318,7 +330,7 @@ class _Differ:
         v = to_json(ev)
         for k in ("seq", "req", "kind", "arrival_time"):
             v.pop(k, None)
-        self._add(side, ev.req, "arrival", _Item(None, ev.seq, line, v))
+        self._add(side, ev.req, "arrival", _item(None, ev.seq, line, v))
 
     def _on_step(self, side: _Side, ev: Step, line: int) -> None:
         side.steps += 1
@@ -329,11 +341,11 @@ class _Differ:
             # A request that waits (for space, or for its async load) is looked up
             # every step; only a change in the answer is a new item, so that a
             # request admitted a step later still lines up.
-            h = self._hist(side, lk.req)
-            v = {"lookup.local": lk.local, "lookup.ext": lk.ext, "lookup.load_async": lk.load_async}
+            pair, h = self._pair_hist(side, lk.req)
+            v = (lk.local, lk.ext, lk.load_async)
             if h is not None and v != h.last_lookup:
                 h.last_lookup = v
-                self._add(side, lk.req, "lookup", _Item(ev.step, ev.seq, line, v))
+                self._push(pair, h, "lookup", _Item(ev.step, ev.seq, line, _LOOKUP, v))
         states = {st.req: st for st in ev.states}
         for req in ev.preempted:
             h = self._hist(side, req)
@@ -341,8 +353,8 @@ class _Differ:
                 v = {"after_schedules": h.n_sched}
                 st = states.get(req)
                 if st is not None:   # what preemption left of the request's counters
-                    v.update(_state(st, "state"))
-                self._add(side, req, "preempt", _Item(ev.step, ev.seq, line, v))
+                    v.update(zip(_STATE_KEYS["state"], _state(st)))
+                self._add(side, req, "preempt", _item(ev.step, ev.seq, line, v))
         # The connector's load plan: with the schedule record of a request admitted
         # in this step, on its own channel for an async load (not scheduled yet).
         plans: dict[str, list] = {}
@@ -353,47 +365,49 @@ class _Differ:
         for req, spans in plans.items():
             h = self._hist(side, req)
             if h is not None and req not in scheduled_now:
-                self._add(side, req, "plan", _Item(ev.step, ev.seq, line, {
+                self._add(side, req, "plan", _item(ev.step, ev.seq, line, {
                     "kv_load": spans, "after_schedules": h.n_sched}))
         at: dict[str, int] = {}
-        entries = [("new", s, "block_ids", s.block_ids) for s in ev.new]
-        entries += [("resumed", s, "block_ids", s.block_ids) for s in ev.resumed]
-        entries += [("running", s, "new_block_ids", s.new_block_ids) for s in ev.running]
-        for how, s, blocks_name, blocks in entries:
-            h = self._hist(side, s.req)
+        entries = [("new", s, s.block_ids) for s in ev.new]
+        entries += [("resumed", s, s.block_ids) for s in ev.resumed]
+        entries += [("running", s, s.new_block_ids) for s in ev.running]
+        for how, s, blocks in entries:
+            pair, h = self._pair_hist(side, s.req)
             if h is None:
                 continue
-            v: dict[str, Any] = {"scheduled_as": how}
-            v["num_computed_tokens"] = s.num_computed_tokens
-            v["num_scheduled_tokens"] = s.num_scheduled_tokens
-            v[blocks_name] = blocks
-            if self.compare_plans and how != "running":
-                v["kv_load"] = plans.get(s.req)
+            v = (how, s.num_computed_tokens, s.num_scheduled_tokens, blocks)
+            plan = self.compare_plans and how != "running"
+            if plan:
+                v += (plans.get(s.req),)
             st = states.get(s.req)
             if st is not None:
-                v.update(_state(st, "state"))
+                v += _state(st)
             at[s.req] = h.n_sched
             h.n_sched += 1
             h.last_lookup = None
-            self._add(side, s.req, "schedule", _Item(ev.step, ev.seq, line, v))
+            names = _SCHEDULE[how != "running", plan, st is not None]
+            self._push(pair, h, "schedule", _Item(ev.step, ev.seq, line, names, v))
         side.sched_at[ev.step] = at
 
     def _on_output(self, side: _Side, ev: Output, line: int) -> None:
         states = {st.req: st for st in ev.states}
         for req in side.sched_at.pop(ev.step, {}):
-            if self._hist(side, req) is None:
+            pair, h = self._pair_hist(side, req)
+            if h is None:
                 continue
-            v: dict[str, Any] = {"sampled": ev.sampled.get(req, [])}
             st = states.get(req)
-            if st is not None:
-                v.update(_state(st, "output_state"))
-            self._add(side, req, "output", _Item(ev.step, ev.seq, line, v))
+            if st is None:
+                self._push(pair, h, "output", _Item(ev.step, ev.seq, line, _OUTPUT[False],
+                                                    (ev.sampled.get(req, []),)))
+            else:
+                self._push(pair, h, "output", _Item(ev.step, ev.seq, line, _OUTPUT[True],
+                                                    (ev.sampled.get(req, []), *_state(st))))
         if ev.connector is not None:
             for what in ("finished_recving", "failed_recving"):
                 for req in getattr(ev.connector, what):
                     h = self._hist(side, req)
                     if h is not None:
-                        self._add(side, req, "load", _Item(
+                        self._add(side, req, "load", _item(
                             ev.step, ev.seq, line, {"event": what, "after_schedules": h.n_sched}))
         for req, reason in ev.finished.items():
             self._finish(side, req, reason, ev.step, ev.seq, line)
@@ -404,7 +418,7 @@ class _Differ:
             return
         h.finished = True
         self._add(side, req, "finish",
-                  _Item(step, seq, line, {"finish_reason": reason, "after_schedules": h.n_sched}))
+                  _item(step, seq, line, {"finish_reason": reason, "after_schedules": h.n_sched}))
         side.just_finished.append(side.keys[req])
 
     def _promote_finished(self, side: _Side) -> None:
@@ -429,13 +443,21 @@ class _Differ:
     # -- comparing -------------------------------------------------------------
 
     def _hist(self, side: _Side, req: str) -> _History | None:
+        return self._pair_hist(side, req)[1]
+
+    def _pair_hist(self, side: _Side, req: str) -> tuple[_Pair | None, _History | None]:
         pair = self.pairs.get(side.keys.get(req))
-        return None if pair is None else getattr(pair, side.name)
+        return (None, None) if pair is None else (pair, getattr(pair, side.name))
 
     def _add(self, side: _Side, req: str, channel: str, item: _Item) -> None:
-        pair = self.pairs.get(side.keys.get(req))
-        h = None if pair is None else getattr(pair, side.name)
-        if h is None or h.done:
+        pair, h = self._pair_hist(side, req)
+        if h is not None:
+            self._push(pair, h, channel, item)
+
+    def _push(self, pair: _Pair, h: _History, channel: str, item: _Item) -> None:
+        """Add ``item`` to ``h``, the history of one side of ``pair``, and compare
+        what both sides now hold on ``channel``."""
+        if h.done:
             # A request's history ends at its finish, with what rides on the same
             # output (its prompt stats): what a trace says of it after its next
             # step (a transfer that completes after an abort) is not compared, so
@@ -443,7 +465,6 @@ class _Differ:
             return
         item.pos = (h.n_sched, _RANK[channel])
         h.channels[channel].append(item)
-        h.last = (item.step, item.seq, item.line)
         if pair.a is not None and pair.b is not None:
             self._compare(pair, channel)
 
@@ -453,15 +474,17 @@ class _Differ:
             ia, ib = qa.popleft(), qb.popleft()
             k = pair.compared[channel]
             pair.compared[channel] = k + 1
-            if channel in pair.broken or ia.value == ib.value:
+            if channel in pair.broken or (ia.values == ib.values and ia.names == ib.names):
                 continue
+            da, db = ia.value, ib.value
+            if da == db:
+                continue   # the same fields, found in another order
             key = min(ia.pos, ib.pos)
             if pair.best is not None and pair.best[0] < key:
                 continue  # an earlier divergence is already known
-            names = (_common_stats(ia.value, ib.value) if channel == "prompt_stats"
-                     else _union(ia.value, ib.value))
+            names = _common_stats(da, db) if channel == "prompt_stats" else _union(da, db)
             for name in names:
-                va, vb = ia.value.get(name), ib.value.get(name)
+                va, vb = da.get(name), db.get(name)
                 if va != vb:
                     pair.broken.add(channel)
                     pair.offer(key, Divergence(
@@ -594,11 +617,18 @@ def choose_match(path_a, path_b) -> str:
 _STATE_KEYS = {prefix: tuple(f"{prefix}.{name}" for name in
                              ("status", "num_computed_tokens", "num_tokens", "num_preemptions", "block_ids"))
                for prefix in ("state", "output_state")}
+_LOOKUP = ("lookup.local", "lookup.ext", "lookup.load_async")
+# The fields of a schedule item, by (admitted: new or resumed, with its load plan,
+# with the request's state), and of an output item, by (with the state).
+_SCHEDULE = {(admitted, plan, state): ("scheduled_as", "num_computed_tokens", "num_scheduled_tokens",
+                                       "block_ids" if admitted else "new_block_ids")
+             + (("kv_load",) if plan else ()) + (_STATE_KEYS["state"] if state else ())
+             for admitted in (False, True) for plan in (False, True) for state in (False, True)}
+_OUTPUT = {False: ("sampled",), True: ("sampled",) + _STATE_KEYS["output_state"]}
 
 
-def _state(st, prefix: str) -> dict:
-    return dict(zip(_STATE_KEYS[prefix], (st.status, st.num_computed_tokens, st.num_tokens,
-                                          st.num_preemptions, st.block_ids)))
+def _state(st) -> tuple:
+    return (st.status, st.num_computed_tokens, st.num_tokens, st.num_preemptions, st.block_ids)
 
 
 def _at(step: int | None) -> int:

@@ -156,10 +156,15 @@ def _to_json(obj: Any) -> Any:
             out[f.name] = _to_json(v)
         return out
     if isinstance(obj, list):
+        if _SCALARS.issuperset(map(type, obj)):   # token and block ids: no call per item
+            return list(obj)
         return [_to_json(x) for x in obj]
     if isinstance(obj, dict):
         return {k: _to_json(v) for k, v in obj.items()}
     return obj
+
+
+_SCALARS = frozenset((int, float, str, bool, type(None)))
 
 
 _OMIT = {"omit_none": True}
