@@ -154,16 +154,76 @@ def test_a_worker_that_dies_is_an_error_not_a_clean_replay(faulty):
     gate.close()
 
 
-def test_a_trace_that_grows_during_replay_is_an_error(faulty, tmp_path):
-    """The worker read a shorter file than the main process: the main process
-    cannot go on unchecked."""
+def test_a_trace_that_grows_while_it_is_read_stops_where_the_worker_did(faulty, tmp_path):
+    """The worker read a shorter file than the main process (a trace still being
+    written): the main process cannot go on unchecked, so it stops where the
+    worker did, with the worker's cut, as one reader of the shorter file would."""
     recs = load_records(faulty)
-    short = save_records(recs[: len(recs) // 2], tmp_path / "short.jsonl")
+    half = len(recs) // 2
+    short = save_records(recs[:half], tmp_path / "short.jsonl")
+    alone = TraceReader(short)
+    want = [e.seq for e in alone]
     gate = RecordWorker(short)
-    with pytest.raises(RecordWorkerError, match="still being written"):
-        for _ in TraceReader(faulty).checked_elsewhere(gate):
-            pass
+    reader = TraceReader(faulty)
+    got = [e.seq for e in reader.checked_elsewhere(gate)]
     gate.close()
+    assert got == want and len(got) == half - 1
+    assert reader.truncation == f"{alone.truncation}; the file has grown since (is it still being written?)"
+    assert f"after line {half}" in alone.truncation
+
+
+def _grow_after_the_workers_end(monkeypatch, path, rest: bytes):
+    """Have ``path`` grow by ``rest`` once every record worker started from now on
+    has read it to its end and stopped: a recording still being written."""
+    from kvtrace.replay import record_worker
+
+    started = []
+    orig = record_worker.RecordWorker.__init__
+
+    def init(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
+        started.append(self)
+
+    monkeypatch.setattr(record_worker.RecordWorker, "__init__", init)
+
+    grown = []
+
+    def grow(_steps):
+        if started and not grown:
+            for w in started:
+                w._proc.wait(30)
+            with open(path, "ab") as f:
+                f.write(rest)
+            grown.append(True)
+    return grow
+
+
+def test_diff_and_replay_of_a_trace_still_being_written_stop_at_the_workers_cut(faulty, tmp_path,
+                                                                                monkeypatch):
+    from kvtrace.diff import align, diff_files
+    from kvtrace.replay import replayer
+
+    recs = load_records(faulty)
+    half = len(recs) // 2
+    lines = [orjson.dumps(r) + b"\n" for r in recs]
+    live = tmp_path / "live.jsonl"
+    live.write_bytes(b"".join(lines[:half]))
+    monkeypatch.setattr(align, "PROGRESS_EVERY", 16)
+    grow = _grow_after_the_workers_end(monkeypatch, live, b"".join(lines[half:]))
+    r = diff_files(live, faulty, worker=True, progress=grow)
+    assert live.stat().st_size == faulty.stat().st_size   # it grew while it was read
+    assert r.truncation_a.endswith("the file has grown since (is it still being written?)")
+    assert f"after line {half}" in r.truncation_a
+    # What the worker read, compared as a cut-off trace: no divergence.
+    assert r.identical and r.cut_short
+    live.write_bytes(b"".join(lines[:half]))
+    grow = _grow_after_the_workers_end(monkeypatch, live, b"".join(lines[half:]))
+    monkeypatch.setattr(replayer, "PROGRESS_EVERY", 16)
+    res = replay_file(live, device=None, worker=True, progress=grow)
+    assert res.truncation.endswith("(is it still being written?)")
+    alone = replay_file(save_records(recs[:half], tmp_path / "h.jsonl"), device=None, worker=False)
+    assert res.truncation.startswith(alone.truncation)
+    assert [d.to_json() for d in res.divergences] == [d.to_json() for d in alone.divergences]
 
 
 def test_the_command_reports_the_same_with_a_worker(faulty, tmp_path, monkeypatch, capsysbinary):
@@ -203,17 +263,20 @@ def test_when_a_worker_is_used(tmp_path, monkeypatch):
 def test_a_cut_off_last_line_the_worker_saw_is_not_passed(faulty, tmp_path):
     """The worker read the file while its last line was cut off; the main
     process reads it complete. The completed line was never checked, so the main
-    process must not replay it."""
+    process must not replay it: it stops there, with the worker's cut."""
     recs = load_records(faulty)
     cut = tmp_path / "cut.jsonl"
     cut.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in recs[:-1]) + orjson.dumps(recs[-1])[:20])
     gate = RecordWorker(cut)
     got = 0
-    with pytest.raises(RecordWorkerError, match="still being written"):
-        for _ in TraceReader(faulty).checked_elsewhere(gate):
-            got += 1
+    reader = TraceReader(faulty)
+    for _ in reader.checked_elsewhere(gate):
+        got += 1
     gate.close()
     assert got == len(recs) - 2   # every record but the header and the cut one
+    assert reader.truncation == (f"line {len(recs)} is cut off mid-record; "
+                                 "the file has grown since (is it still being written?)")
+    assert reader.end is None
 
 
 def test_a_worker_bug_on_a_record_does_not_pass_it(faulty, monkeypatch):

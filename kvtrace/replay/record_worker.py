@@ -19,7 +19,10 @@ read the same file (the worker through the main process's descriptor of it), so
 they see the same cut in a truncated trace.
 
 A worker that stops before a line the main process needs is an error
-(``RecordWorkerError``), never a clean replay.
+(``RecordWorkerError``), never a clean replay, except when it read the whole
+file and the file has grown since (a trace still being written): the main
+process then stops where the worker did, with the worker's cut, as one process
+reading the file at that moment would have.
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ from pathlib import Path
 
 from kvtrace._child import spawn, stop, worker_main
 from kvtrace.trace import TraceError, TraceReader
+from kvtrace.trace.io import ReadShorter
 
-from .workers import ENV, WorkerError
+from .workers import WorkerError
 
 _REPORT_EVERY = 256   # records between reports from the worker
 
@@ -84,9 +88,7 @@ class RecordWorker:
         if end["bug"] is not None:
             raise RecordWorkerError(f"the record check stopped after line {end['through']} of the "
                                     f"trace: {end['bug']}")
-        raise RecordWorkerError(
-            f"the trace grew after line {end['through']} while it was read (is it still being "
-            f"written?): read it once it is complete, or with {ENV}=0")
+        raise ReadShorter(end["through"], end.get("truncation"))
 
 
 # --------------------------------------------------------------------------- the worker
@@ -107,6 +109,7 @@ def _serve(path: str, fd: int | None, conn: Connection) -> list[tuple]:
                 report["through"] = reader.last_line
                 if not n % _REPORT_EVERY:
                     conn.send(("through", reader.last_line))
+        report["truncation"] = reader.truncation
     except TraceError as e:
         report.update(line=e.line, problem=e.problem)
     except Exception as e:   # a bug

@@ -30,6 +30,9 @@ UNSUPPORTED = {
 }
 
 
+PROGRESS_EVERY = 4096   # events between progress calls
+
+
 @dataclass
 class ReplayResult:
     path: str
@@ -338,7 +341,7 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
                 rp.feed(e, reader.last_line)
                 if isinstance(e, ev.End):
                     result.end = e
-                elif progress is not None and not result.events % 4096:
+                elif progress is not None and not result.events % PROGRESS_EVERY:
                     progress(rp.steps)
             rp.finish()
     except BaseException as e:

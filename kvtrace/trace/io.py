@@ -133,6 +133,16 @@ def _is_stream_damage(e: Exception) -> bool:
     return isinstance(e, (EOFError, OSError, zlib.error)) or type(e).__name__ == "ZstdError"
 
 
+class ReadShorter(Exception):
+    """The reader that checks a file for another one met the file's end before a
+    line the other has read: the file grew in between. ``through``: its last
+    record; ``truncation``: how it found the file cut, if it did."""
+
+    def __init__(self, through: int, truncation: str | None):
+        super().__init__(f"the file ended after line {through} when it was checked")
+        self.through, self.truncation = through, truncation
+
+
 class TraceReader:
     """Iterate a trace's events after its header.
 
@@ -327,10 +337,22 @@ class TraceReader:
         checked, and ``gate.wait(line)`` returns when it has checked ``line``, or
         raises its TraceError for that line or one before it. Same events, same
         cut, same errors as iteration, as long as the other reader reads the same
-        bytes (replay's record worker)."""
-        for lineno, obj in self.records():
+        bytes (replay's record worker). Should the file grow after the other
+        reader met its end (a trace still being written), ``gate.wait`` raises
+        ``ReadShorter`` and the events stop where the other reader's did, with
+        its cut."""
+        records = self.records()
+        for lineno, obj in records:
             if lineno > gate.through:
-                gate.wait(lineno)
+                try:
+                    gate.wait(lineno)
+                except ReadShorter as e:
+                    # The file grew after the other reader met its end: stop where
+                    # it did, as reading the file then would have.
+                    records.close()
+                    self.truncation = (f"{e.truncation or f'no record after line {e.through}'}; "
+                                       "the file has grown since (is it still being written?)")
+                    break
             ev = trusted.decode(obj)
             if type(ev) is End:
                 self.end = ev
