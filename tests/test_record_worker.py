@@ -451,8 +451,8 @@ def test_diff_with_a_worker_per_input_reports_the_same(faulty, tmp_path):
     assert diffed(faulty, cut, True) == here
 
 
-@pytest.mark.parametrize("spoil", [_bad_schema, _unknown_request, _undecodable, _out_of_order],
-                         ids=lambda f: f.__name__[1:])
+@pytest.mark.parametrize("spoil", [_bad_schema, _unknown_request, _undecodable, _block_out_of_range,
+                                   _out_of_order, _after_the_end], ids=lambda f: f.__name__[1:])
 def test_diff_with_a_worker_gets_the_same_error_at_the_same_line(faulty, tmp_path, spoil):
     recs = load_records(faulty)
     spoil(recs)
@@ -476,3 +476,31 @@ def test_diff_tells_its_progress_in_steps(faulty, monkeypatch):
     # trace's end of file.
     assert len(seen) == (2 * len(recs)) // 64 >= 4
     assert seen == sorted(seen) and 0 < seen[0] < seen[-1] <= steps
+
+
+def test_diff_starts_a_worker_per_input_as_replay_would_start_one(faulty, monkeypatch):
+    """By default, each input large enough for replay to use a worker gets one;
+    KVTRACE_REPLAY_WORKER=0 keeps diff in one process."""
+    from kvtrace.diff import diff_files
+    from kvtrace.replay import record_worker
+
+    started = []
+    orig = record_worker.RecordWorker.__init__
+
+    def init(self, path, *args, **kwargs):
+        orig(self, path, *args, **kwargs)
+        started.append(str(path))
+
+    monkeypatch.setattr(record_worker.RecordWorker, "__init__", init)
+    monkeypatch.delenv(workers.ENV, raising=False)
+    monkeypatch.setattr(workers.os, "cpu_count", lambda: 2)
+    small = diff_files(faulty, faulty)
+    assert started == []   # a small file: no worker
+    monkeypatch.setattr(workers, "MIN_BYTES", 1)
+    big = diff_files(faulty, faulty)
+    assert started == [str(faulty), str(faulty)]
+    assert [d.to_json() for d in big.divergences] == [d.to_json() for d in small.divergences]
+    assert big.summary() == small.summary()
+    monkeypatch.setenv(workers.ENV, "0")
+    diff_files(faulty, faulty)
+    assert len(started) == 2
