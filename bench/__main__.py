@@ -121,25 +121,25 @@ def main() -> None:
                                f"phases below: {spread[0]:.1f}-{spread[-1]:.1f} s", "the floor"),
         (f"replay (counters, blocks, invariants), default: {rep['workers']} worker(s)",
          f"{rep['seconds']:.1f} s, {steps / rep['seconds']:,.0f} steps/s, "
-         f"{tokens / rep['seconds']:,.0f} tokens/s = {rep['floor'] / rep['seconds']:.0%} of parse "
+         f"{tokens / rep['seconds']:,.0f} tokens/s = {rep['floor'] / rep['seconds']:.1%} of parse "
          f"({rep['floor']:.1f} s beside it), {eng['seconds'] / rep['seconds']:.2f}x engine speed; "
          f"peak {_mb(rep['peak_rss'])} + worker {_mb(rep['worker_peak_rss'])}", ">= 50% of parse"),
         ("replay (counters, blocks, invariants), all in one process",
          f"{rep1['seconds']:.1f} s, {steps / rep1['seconds']:,.0f} steps/s, "
-         f"{tokens / rep1['seconds']:,.0f} tokens/s = {rep1['floor'] / rep1['seconds']:.0%} of parse "
+         f"{tokens / rep1['seconds']:,.0f} tokens/s = {rep1['floor'] / rep1['seconds']:.1%} of parse "
          f"({rep1['floor']:.1f} s beside it); peak {_mb(rep1['peak_rss'])}", ""),
     ]
     if rep_kv:
         rows.append((f"replay + KV check (cpu), default: {rep_kv['workers']} worker(s)",
                      f"{rep_kv['seconds']:.1f} s, {steps / rep_kv['seconds']:,.0f} steps/s, "
                      f"{rep_kv['slots'] / rep_kv['seconds'] / 1e6:,.1f} M slots/s verified = "
-                     f"{rep_kv['floor'] / rep_kv['seconds']:.0%} of parse ({rep_kv['floor']:.1f} s beside it); "
+                     f"{rep_kv['floor'] / rep_kv['seconds']:.1%} of parse ({rep_kv['floor']:.1f} s beside it); "
                      f"peak {_mb(rep_kv['peak_rss'])} + workers {_mb(rep_kv['worker_peak_rss'])}",
                      ">= 50% of parse"))
         rows.append(("replay + KV check (cpu), all in one process",
                      f"{rep_kv1['seconds']:.1f} s, {steps / rep_kv1['seconds']:,.0f} steps/s, "
                      f"{rep_kv1['slots'] / rep_kv1['seconds'] / 1e6:,.1f} M slots/s verified = "
-                     f"{rep_kv1['floor'] / rep_kv1['seconds']:.0%} of parse ({rep_kv1['floor']:.1f} s beside it);"
+                     f"{rep_kv1['floor'] / rep_kv1['seconds']:.1%} of parse ({rep_kv1['floor']:.1f} s beside it);"
                      f" peak {_mb(rep_kv1['peak_rss'])}", ""))
     rows += [
         ("replay memory (one process), flat?", f"{_mb(rep_small['peak_rss'])} at {rep_small['steps']:,} steps"
