@@ -96,8 +96,12 @@ def _after_the_end(recs):
     recs.append(dict(recs[-2], seq=recs[-1]["seq"] + 1))
 
 
-@pytest.mark.parametrize("spoil", [_bad_schema, _unknown_request, _undecodable, _block_out_of_range,
-                                   _out_of_order, _after_the_end], ids=lambda f: f.__name__[1:])
+SPOILERS = pytest.mark.parametrize(
+    "spoil", [_bad_schema, _unknown_request, _undecodable, _block_out_of_range, _out_of_order,
+              _after_the_end], ids=lambda f: f.__name__[1:])
+
+
+@SPOILERS
 def test_bad_input_gets_the_same_error_at_the_same_line(faulty, tmp_path, spoil):
     recs = load_records(faulty)
     spoil(recs)
@@ -172,9 +176,8 @@ def test_a_trace_that_grows_while_it_is_read_stops_where_the_worker_did(faulty, 
     assert f"after line {half}" in alone.truncation
 
 
-def _grow_after_the_workers_end(monkeypatch, path, rest: bytes):
-    """Have ``path`` grow by ``rest`` once every record worker started from now on
-    has read it to its end and stopped: a recording still being written."""
+def _started_workers(monkeypatch) -> list:
+    """The record workers started from now on, as they start."""
     from kvtrace.replay import record_worker
 
     started = []
@@ -185,7 +188,13 @@ def _grow_after_the_workers_end(monkeypatch, path, rest: bytes):
         started.append(self)
 
     monkeypatch.setattr(record_worker.RecordWorker, "__init__", init)
+    return started
 
+
+def _grow_after_the_workers_end(monkeypatch, path, rest: bytes):
+    """Have ``path`` grow by ``rest`` once every record worker started from now on
+    has read it to its end and stopped: a recording still being written."""
+    started = _started_workers(monkeypatch)
     grown = []
 
     def grow(_steps):
@@ -451,8 +460,7 @@ def test_diff_with_a_worker_per_input_reports_the_same(faulty, tmp_path):
     assert diffed(faulty, cut, True) == here
 
 
-@pytest.mark.parametrize("spoil", [_bad_schema, _unknown_request, _undecodable, _block_out_of_range,
-                                   _out_of_order, _after_the_end], ids=lambda f: f.__name__[1:])
+@SPOILERS
 def test_diff_with_a_worker_gets_the_same_error_at_the_same_line(faulty, tmp_path, spoil):
     recs = load_records(faulty)
     spoil(recs)
@@ -482,23 +490,15 @@ def test_diff_starts_a_worker_per_input_as_replay_would_start_one(faulty, monkey
     """By default, each input large enough for replay to use a worker gets one;
     KVTRACE_REPLAY_WORKER=0 keeps diff in one process."""
     from kvtrace.diff import diff_files
-    from kvtrace.replay import record_worker
 
-    started = []
-    orig = record_worker.RecordWorker.__init__
-
-    def init(self, path, *args, **kwargs):
-        orig(self, path, *args, **kwargs)
-        started.append(str(path))
-
-    monkeypatch.setattr(record_worker.RecordWorker, "__init__", init)
+    started = _started_workers(monkeypatch)
     monkeypatch.delenv(workers.ENV, raising=False)
     monkeypatch.setattr(workers.os, "cpu_count", lambda: 2)
     small = diff_files(faulty, faulty)
     assert started == []   # a small file: no worker
     monkeypatch.setattr(workers, "MIN_BYTES", 1)
     big = diff_files(faulty, faulty)
-    assert started == [str(faulty), str(faulty)]
+    assert [w.path for w in started] == [str(faulty), str(faulty)]
     assert [d.to_json() for d in big.divergences] == [d.to_json() for d in small.divergences]
     assert big.summary() == small.summary()
     monkeypatch.setenv(workers.ENV, "0")

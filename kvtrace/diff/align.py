@@ -227,10 +227,10 @@ class _Pair:
 
 
 class _Side:
-    def __init__(self, name: str, reader: TraceReader, events: Iterator | None = None):
+    def __init__(self, name: str, reader: TraceReader, events: Iterator):
         self.name = name
         self.reader = reader
-        self.events: Iterator = iter(reader) if events is None else events
+        self.events = events   # the reader's events (see _events)
         self.exhausted = False
         self.steps = 0
         self.read = 0
@@ -243,8 +243,8 @@ class _Side:
 
 
 class _Differ:
-    def __init__(self, ra: TraceReader, rb: TraceReader, match: str = "id",
-                 events_a: Iterator | None = None, events_b: Iterator | None = None):
+    def __init__(self, ra: TraceReader, rb: TraceReader, match: str,
+                 events_a: Iterator, events_b: Iterator):
         self.match = match
         self.sides = {"a": _Side("a", ra, events_a), "b": _Side("b", rb, events_b)}
         self.pairs: dict[str, _Pair] = {}
