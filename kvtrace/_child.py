@@ -9,6 +9,7 @@ import subprocess
 import sys
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Sequence
 
 
 def child_env() -> dict[str, str]:
@@ -33,20 +34,21 @@ def _site_dirs() -> set[Path]:
     return {Path(d).resolve() for d in dirs}
 
 
-def spawn(module: str, *args: str, share: int | None = None) -> tuple[subprocess.Popen, Connection]:
+def spawn(module: str, *args: str, share: Sequence[int] = ()) -> tuple[subprocess.Popen, Connection]:
     """Start ``python -m module *args SHARE FD`` (its main is ``worker_main``),
-    where FD is the writing end of a pipe for it to report on, and SHARE its copy
-    of this process's descriptor ``share`` (a file it is to read too), or "-".
-    Returns the process and the reading end."""
+    where FD is the writing end of a pipe for it to report on, and SHARE its
+    copies of this process's descriptors ``share`` (a file it is to read too),
+    joined by commas, or "-". Returns the process and the reading end."""
     theirs, mine = os.pipe()[::-1]
     # The child's descriptors 0-2 are its standard streams: what it is to keep
     # goes above them, whatever numbers it has here (0 to 2 when this process
     # started with them closed).
-    fds = [above_stdio(theirs)] + ([] if share is None else [above_stdio(share)])
+    fds = [above_stdio(theirs)] + [above_stdio(fd) for fd in share]
     os.close(theirs)
     try:
-        proc = subprocess.Popen([sys.executable, "-m", module, *args, "-" if share is None else str(fds[1]),
-                                 str(fds[0])], stdin=subprocess.DEVNULL, pass_fds=fds, env=child_env())
+        proc = subprocess.Popen([sys.executable, "-m", module, *args,
+                                 ",".join(map(str, fds[1:])) or "-", str(fds[0])],
+                                stdin=subprocess.DEVNULL, pass_fds=fds, env=child_env())
     except BaseException:
         os.close(mine)
         raise
@@ -75,12 +77,12 @@ def stop(proc: subprocess.Popen, conn: Connection) -> None:
 
 def worker_main(serve, argv: list[str]) -> int:
     """The main of a process ``spawn`` started: ``serve(*args, share, conn)``, with
-    the descriptor it shares (or None) and the pipe's writing end, then the
-    messages it returns, if the reader still listens."""
+    the descriptors it shares (a tuple, or None) and the pipe's writing end,
+    then the messages it returns, if the reader still listens."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the process that started it stops it
     *args, share, fd = argv
     conn = Connection(int(fd), readable=False)
-    last = serve(*args, None if share == "-" else int(share), conn)
+    last = serve(*args, None if share == "-" else tuple(map(int, share.split(","))), conn)
     try:
         for msg in last:
             conn.send(msg)

@@ -408,3 +408,43 @@ def test_a_bad_trace_among_several_is_bad_input_whatever_its_message_says(capsys
     code, _, err = run(capsys, "replay", "--no-kv-check", "-j", "1", str(TRACES / "preemption.jsonl.gz"), str(bad))
     assert code == 2
     _one_line_error(err, f"{bad}:4:")
+
+
+def _pipe(path: Path) -> str:
+    """A pipe that carries ``path``'s bytes, named as a shell's ``<(...)`` names it."""
+    import threading
+
+    r, w = os.pipe()
+
+    def feed():
+        with os.fdopen(w, "wb") as f:
+            try:
+                f.write(path.read_bytes())
+            except BrokenPipeError:
+                pass
+    threading.Thread(target=feed, daemon=True).start()
+    return f"/dev/fd/{r}"
+
+
+def test_a_trace_read_from_a_pipe_replays_as_from_its_file(capsys, monkeypatch):
+    trace = TRACES / "preemption.jsonl.gz"
+    monkeypatch.setenv("KVTRACE_REPLAY_WORKER", "1")   # a pipe has one reader: no worker
+    want = run(capsys, "replay", "--json", "--no-kv-check", str(trace))
+    fd = _pipe(trace)
+    got = run(capsys, "replay", "--json", "--no-kv-check", fd)
+    os.close(int(fd.rsplit("/", 1)[1]))
+    assert got[0] == want[0] == 0
+    assert orjson.loads(got[1])["steps"] == orjson.loads(want[1])["steps"] > 0
+
+
+def test_diff_of_a_pipe_needs_a_match_mode(capsys):
+    trace = TRACES / "preemption.jsonl.gz"
+    fd = _pipe(trace)
+    code, _, err = run(capsys, "diff", fd, str(trace))
+    os.close(int(fd.rsplit("/", 1)[1]))
+    assert code == 2
+    _one_line_error(err, fd, "give --match")
+    fd = _pipe(trace)
+    code, out, _ = run(capsys, "diff", "--match", "id", fd, str(trace))
+    os.close(int(fd.rsplit("/", 1)[1]))
+    assert code == 0 and "0 diverge" in out

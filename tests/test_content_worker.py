@@ -198,17 +198,19 @@ def test_the_command_reports_the_same_with_a_worker(faulty, monkeypatch, capsysb
     assert outputs[1] == outputs[0]
 
 
-def test_a_trace_that_grows_during_replay_is_an_error(faulty, tmp_path):
-    """The worker reads the file on its own: if it saw a shorter file than the
-    main process (a trace still being written), replay says so instead of
-    reporting steps as checked."""
+def test_a_worker_that_read_less_than_was_replayed_is_an_error(faulty, tmp_path):
+    """A worker that found the file's end before a step the main process
+    replayed (here: it was given a shorter file; replay shares one file and one
+    end between them) has not checked that step: replay says so instead of
+    reporting it as checked."""
     recs = load_records(faulty)
     short = save_records(recs[: len(recs) // 2], tmp_path / "short.jsonl")
     rp = Replayer(TraceReader(short).header, str(short), device="cpu", content_worker=True)
     with TraceReader(faulty) as reader:
         for e in reader:
             rp.feed(e, reader.last_line)
-    with pytest.raises(content_worker.ContentWorkerError, match="still being written"):
+    with pytest.raises(content_worker.ContentWorkerError,
+                       match=r"stopped at line \d+ of the trace: it found the end of the file there"):
         rp.finish()
     rp.close()
 
@@ -332,12 +334,14 @@ def test_a_check_that_fails_after_the_stop_still_passes_the_later_records(faulty
     assert hand_over["took"] == 2 and hand_over["own"] == 0
 
 
-def test_a_trace_that_grows_after_the_hand_over_is_an_error(faulty, tmp_path, hand_over):
+def test_a_worker_that_read_less_than_the_hand_over_needs_is_an_error(faulty, tmp_path, hand_over):
+    """As above, past the hand-over: the main process waits for the worker's
+    checks of each line, and a worker that has ended without them is an error."""
     recs = load_records(faulty)
     short = save_records(recs[: len(recs) // 2], tmp_path / "short.jsonl")
     rp = Replayer(TraceReader(short).header, str(short), device="cpu", content_worker=True, gate=True)
     hand_over["at"] = 2
-    with pytest.raises(content_worker.ContentWorkerError, match="still being written"):
+    with pytest.raises(content_worker.ContentWorkerError, match="it found the end of the file there"):
         with TraceReader(faulty) as reader:
             for e in reader.validated_elsewhere(rp.content):
                 rp.feed(e, reader.last_line)

@@ -5,6 +5,8 @@ main process never acts on a record the worker has not passed."""
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import orjson
@@ -158,17 +160,23 @@ def test_a_worker_that_dies_is_an_error_not_a_clean_replay(faulty):
     gate.close()
 
 
-def test_a_trace_that_grows_while_it_is_read_stops_where_the_worker_did(faulty, tmp_path):
-    """The worker read a shorter file than the main process (a trace still being
-    written): the main process cannot go on unchecked, so it stops where the
-    worker did, with the worker's cut, as one reader of the shorter file would."""
+def test_a_trace_that_grows_after_the_worker_met_its_end_stops_there(faulty, tmp_path):
+    """The worker read the file to its end, and the file grew after (a trace
+    still being written): the main process reads no further than the worker did,
+    so it replays only records the worker checked, and says where and why it
+    stopped."""
     recs = load_records(faulty)
     half = len(recs) // 2
-    short = save_records(recs[:half], tmp_path / "short.jsonl")
-    alone = TraceReader(short)
+    lines = [orjson.dumps(r) + b"\n" for r in recs]
+    alone = TraceReader(save_records(recs[:half], tmp_path / "short.jsonl"))
     want = [e.seq for e in alone]
-    gate = RecordWorker(short)
-    reader = TraceReader(faulty)
+    live = tmp_path / "live.jsonl"
+    live.write_bytes(b"".join(lines[:half]))
+    reader = TraceReader(live)
+    gate = RecordWorker(reader.path, reader.share())
+    assert gate._proc.wait(30) == 0   # it has read the whole file
+    with open(live, "ab") as f:
+        f.write(b"".join(lines[half:]))
     got = [e.seq for e in reader.checked_elsewhere(gate)]
     gate.close()
     assert got == want and len(got) == half - 1
@@ -191,48 +199,74 @@ def _started_workers(monkeypatch) -> list:
     return started
 
 
-def _grow_after_the_workers_end(monkeypatch, path, rest: bytes):
-    """Have ``path`` grow by ``rest`` once every record worker started from now on
-    has read it to its end and stopped: a recording still being written."""
-    started = _started_workers(monkeypatch)
+def _still_being_written(monkeypatch, tmp_path, recs: list) -> tuple[Path, int, object]:
+    """A trace that holds the first half of ``recs`` and gets the rest once a
+    reader of it has met its end, the first time the returned progress callback
+    runs: a recording still being written. The main process is then still in
+    its first chunk of the file, so a worker is the one that met the end.
+    Returns the file, the half, and the callback."""
+    from kvtrace.trace import io as trace_io
+
+    half = len(recs) // 2
+    lines = [orjson.dumps(r) + b"\n" for r in recs]
+    path = tmp_path / "live.jsonl"
+    path.write_bytes(b"".join(lines[:half]))
+    rest = b"".join(lines[half:])
+
+    shared = []
+    orig = trace_io.TraceReader.share
+
+    def share(self):
+        fds = orig(self)
+        shared.append(fds[1])
+        return fds
+
+    monkeypatch.setattr(trace_io.TraceReader, "share", share)
     grown = []
 
     def grow(_steps):
-        if started and not grown:
-            for w in started:
-                w._proc.wait(30)
+        if shared and not grown:
+            deadline = time.monotonic() + 60
+            while len(os.pread(shared[0], 8, 0)) < 8:   # SharedEnd: nobody met the end yet
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
             with open(path, "ab") as f:
                 f.write(rest)
             grown.append(True)
-    return grow
+    return path, half, grow
 
 
-def test_diff_and_replay_of_a_trace_still_being_written_stop_at_the_workers_cut(faulty, tmp_path,
-                                                                                monkeypatch):
-    from kvtrace.diff import align, diff_files
+@pytest.mark.parametrize("device", [None, "cpu"])
+def test_replay_of_a_trace_still_being_written_stops_at_the_workers_end(faulty, tmp_path,
+                                                                        monkeypatch, device):
+    """With the record checks' worker, or the content check's: the main process
+    replays what the worker read, as one process reading the file then would,
+    and says that the file has grown since."""
     from kvtrace.replay import replayer
 
     recs = load_records(faulty)
-    half = len(recs) // 2
-    lines = [orjson.dumps(r) + b"\n" for r in recs]
-    live = tmp_path / "live.jsonl"
-    live.write_bytes(b"".join(lines[:half]))
-    monkeypatch.setattr(align, "PROGRESS_EVERY", 16)
-    grow = _grow_after_the_workers_end(monkeypatch, live, b"".join(lines[half:]))
-    r = diff_files(live, faulty, worker=True, progress=grow)
+    live, half, grow = _still_being_written(monkeypatch, tmp_path, recs)
+    monkeypatch.setattr(replayer, "PROGRESS_EVERY", 16)
+    res = replay_file(live, device=device, worker=True, progress=grow)
     assert live.stat().st_size == faulty.stat().st_size   # it grew while it was read
+    alone = replay_file(save_records(recs[:half], tmp_path / "h.jsonl"), device=device, worker=False)
+    assert f"after line {half}" in alone.truncation
+    assert res.truncation == f"{alone.truncation}; the file has grown since (is it still being written?)"
+    assert [d.to_json() for d in res.divergences] == [d.to_json() for d in alone.divergences]
+    assert res.slots_checked == alone.slots_checked and res.steps == alone.steps
+
+
+def test_diff_of_a_trace_still_being_written_stops_at_the_workers_end(faulty, tmp_path, monkeypatch):
+    from kvtrace.diff import align, diff_files
+
+    live, half, grow = _still_being_written(monkeypatch, tmp_path, load_records(faulty))
+    monkeypatch.setattr(align, "PROGRESS_EVERY", 16)
+    r = diff_files(live, faulty, worker=True, progress=grow)
+    assert live.stat().st_size == faulty.stat().st_size
     assert r.truncation_a.endswith("the file has grown since (is it still being written?)")
     assert f"after line {half}" in r.truncation_a
     # What the worker read, compared as a cut-off trace: no divergence.
     assert r.identical and r.cut_short
-    live.write_bytes(b"".join(lines[:half]))
-    grow = _grow_after_the_workers_end(monkeypatch, live, b"".join(lines[half:]))
-    monkeypatch.setattr(replayer, "PROGRESS_EVERY", 16)
-    res = replay_file(live, device=None, worker=True, progress=grow)
-    assert res.truncation.endswith("(is it still being written?)")
-    alone = replay_file(save_records(recs[:half], tmp_path / "h.jsonl"), device=None, worker=False)
-    assert res.truncation.startswith(alone.truncation)
-    assert [d.to_json() for d in res.divergences] == [d.to_json() for d in alone.divergences]
 
 
 def test_the_command_reports_the_same_with_a_worker(faulty, tmp_path, monkeypatch, capsysbinary):
@@ -271,16 +305,19 @@ def test_when_a_worker_is_used(tmp_path, monkeypatch):
 
 def test_a_cut_off_last_line_the_worker_saw_is_not_passed(faulty, tmp_path):
     """The worker read the file while its last line was cut off; the main
-    process reads it complete. The completed line was never checked, so the main
-    process must not replay it: it stops there, with the worker's cut."""
+    process reads it once it is complete. The completed line was never checked,
+    so the main process must not replay it: it stops there, with the worker's cut."""
     recs = load_records(faulty)
-    cut = tmp_path / "cut.jsonl"
-    cut.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in recs[:-1]) + orjson.dumps(recs[-1])[:20])
-    gate = RecordWorker(cut)
-    got = 0
-    reader = TraceReader(faulty)
-    for _ in reader.checked_elsewhere(gate):
-        got += 1
+    whole = b"".join(orjson.dumps(r) + b"\n" for r in recs)
+    cut = len(whole) - len(orjson.dumps(recs[-1])) + 20
+    live = tmp_path / "live.jsonl"
+    live.write_bytes(whole[:cut])
+    reader = TraceReader(live)
+    gate = RecordWorker(reader.path, reader.share())
+    assert gate._proc.wait(30) == 0
+    with open(live, "ab") as f:
+        f.write(whole[cut:])
+    got = sum(1 for _ in reader.checked_elsewhere(gate))
     gate.close()
     assert got == len(recs) - 2   # every record but the header and the cut one
     assert reader.truncation == (f"line {len(recs)} is cut off mid-record; "
@@ -336,7 +373,7 @@ def test_the_worker_reads_the_file_the_main_process_has_open(faulty, tmp_path, c
         save_records(recs, tmp_path / "other.jsonl").replace(path)
     else:
         path.unlink()
-    gate = RecordWorker(reader.path, reader.fileno)
+    gate = RecordWorker(reader.path, reader.share())
     got = [e.seq for e in reader.checked_elsewhere(gate)]
     gate.close()
     assert got == [e.seq for e in TraceReader(faulty)]
@@ -350,7 +387,8 @@ def test_the_content_worker_reads_the_file_the_main_process_has_open(faulty, tmp
     path = save_records(recs, tmp_path / "t.jsonl")
     reader = TraceReader(path)
     save_records(recs[: len(recs) // 3], tmp_path / "short.jsonl").replace(path)
-    rp = Replayer(reader.header, str(path), device="cpu", content_worker=True, fileno=reader.fileno)
+    rp = Replayer(reader.header, str(path), device="cpu", content_worker=True,
+                  shared=reader.share())
     with reader:
         for e in reader:
             rp.feed(e, reader.last_line)

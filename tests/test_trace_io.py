@@ -410,3 +410,79 @@ def test_a_shared_file_reads_at_its_own_offset(tmp_path):
         with pytest.raises(ValueError):
             shared.read(1)
         assert mine.read() == b"56789"   # its own descriptor is still open
+
+
+GROWN = "; the file has grown since (is it still being written?)"
+
+
+def _sharing(reader: TraceReader) -> TraceReader:
+    """A second reader of ``reader``'s file that shares it, as a worker would."""
+    fd, end = reader.share()
+    return TraceReader(reader.path, shared=(os.dup(fd), os.dup(end)))
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
+def test_a_reader_stops_where_the_reader_sharing_its_file_met_its_end(tmp_path, suffix):
+    """A trace still being written: the worker's reader meets its end first and
+    fixes it there; the main process's reader, reading on after the file grew,
+    stops there too. Both read the same records and report the same cut; only
+    the one that was stopped short says that the file has grown."""
+    whole_path = write_mini_trace(tmp_path / f"whole{suffix}", requests={"a": 20, "b": 9})
+    data = whole_path.read_bytes()
+    live = tmp_path / f"live{suffix}"
+    live.write_bytes(data[: len(data) * 2 // 3])
+    alone = TraceReader(live)
+    want = [e.seq for e in alone]
+    assert alone.truncation and 0 < len(want) < len(list(TraceReader(whole_path)))
+    main = TraceReader(live)
+    worker = _sharing(main)
+    assert [e.seq for e in worker] == want
+    live.write_bytes(data)   # the recording goes on
+    assert [e.seq for e in main] == want
+    assert worker.truncation == alone.truncation
+    assert main.truncation == alone.truncation + GROWN
+
+
+def test_the_first_reader_to_meet_the_end_fixes_it_for_all(tmp_path):
+    """Either side may meet the end first; every read after that, by any of
+    them, stops there."""
+    from kvtrace.trace.io import SharedEnd, SharedFile
+
+    path = tmp_path / "f"
+    path.write_bytes(b"0123")
+    fd = os.open(path, os.O_RDONLY)
+    end = SharedEnd()
+    a, b, c = (SharedFile(os.dup(fd), SharedEnd(os.dup(end.fd))) for _ in range(3))
+    assert b.read(2) == b"01" and a.read(10) == b"0123"
+    assert a.read(10) == b""   # a met the end, at 4
+    with open(path, "ab") as f:
+        f.write(b"4567")
+    assert b.read(10) == b"23" and b.read(10) == b"" and c.read(10) == b"0123"
+    assert a.end.met and not a.end.grown and b.end.grown and c.end.grown
+    fresh = SharedFile(os.dup(fd))   # a reader that shares no end reads on
+    assert fresh.read(10) == b"01234567"
+    for f in (a, b, c, fresh):
+        f.close()
+    end.close()
+    os.close(fd)
+
+
+def test_a_shared_file_that_did_not_grow_reads_as_alone(tmp_path):
+    path = write_mini_trace(tmp_path / "t.jsonl", requests={"a": 20})
+    one = TraceReader(path)
+    two = _sharing(one)
+    assert [e.seq for e in one] == [e.seq for e in two] == [e.seq for e in TraceReader(path)]
+    assert one.truncation is None and two.truncation is None and one.end == two.end
+
+
+def test_a_pipe_is_read_by_one_reader(tmp_path):
+    path = write_mini_trace(tmp_path / "t.jsonl", requests={"a": 20})
+    r, w = os.pipe()
+    os.write(w, path.read_bytes())
+    os.close(w)
+    reader = TraceReader(f"/dev/fd/{r}")
+    assert not reader.shareable
+    with pytest.raises(ValueError, match="not a regular file"):
+        reader.share()
+    assert [e.seq for e in reader] == [e.seq for e in TraceReader(path)]
+    os.close(r)

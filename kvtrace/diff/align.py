@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator
 
 from ..findings import Divergence
 from ..trace.events import Abort, Arrival, End, Header, Output, PromptStats, Step, to_json
-from ..trace.io import TraceReader
+from ..trace.io import TraceError, TraceReader
 
 CHANNELS = ("arrival", "lookup", "schedule", "output", "preempt", "plan", "load", "prompt_stats", "finish")
 PROGRESS_EVERY = 4096   # records read (both traces) between progress calls
@@ -118,6 +118,11 @@ def diff_files(path_a: str | os.PathLike, path_b: str | os.PathLike,
         raise ValueError(f"match must be one of {', '.join(MATCH_MODES)}")
     with TraceReader(path_a) as ra, TraceReader(path_b) as rb, contextlib.ExitStack() as workers:
         if match == "auto":
+            for r in (ra, rb):
+                if not r.shareable:
+                    raise TraceError(r.path, None, "a pipe can be read only once, and --match auto "
+                                                   "reads the start of each trace before the diff: "
+                                                   "give --match id, id-prefix or arrival")
             match = choose_match(path_a, path_b)
         d = _Differ(ra, rb, match, _events(ra, workers, worker), _events(rb, workers, worker))
         d.run(progress)
@@ -145,11 +150,11 @@ def _events(reader: TraceReader, workers: contextlib.ExitStack, worker: bool | N
         from ..replay.workers import wanted
 
         worker = wanted(reader.path) >= 1
-    if not worker:
+    if not worker or not reader.shareable:   # a pipe has one reader
         return iter(reader)
     from ..replay.record_worker import RecordWorker   # a module the worker runs as __main__
 
-    gate = RecordWorker(reader.path, reader.fileno)
+    gate = RecordWorker(reader.path, reader.share())
     workers.callback(gate.close)
     return reader.checked_elsewhere(gate)
 

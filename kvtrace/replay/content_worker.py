@@ -42,7 +42,7 @@ from kvtrace.trace import events as ev
 from kvtrace.trace import TraceError, trusted
 from kvtrace.trace.events import SchemaError
 
-from .workers import ENV, WorkerError
+from .workers import WorkerError
 
 # Steps the main process may be ahead of the worker before it waits for results,
 # and results of the worker it reads ahead of its own steps.
@@ -59,15 +59,15 @@ class ContentWorker:
     """``ContentCheck``'s interface, with the check running in a worker process
     that reads the trace ``path`` itself."""
 
-    def __init__(self, path: str | os.PathLike, device: str = "auto", fileno: int | None = None,
-                 validate: bool = False):
-        """``fileno``: the descriptor of the main process's reader of ``path``; the
-        worker then reads the very file it reads (``SharedFile``). With
+    def __init__(self, path: str | os.PathLike, device: str = "auto",
+                 shared: tuple[int, int] | None = None, validate: bool = False):
+        """``shared``: from the main process's reader of ``path``
+        (``TraceReader.share``); the worker then reads the very bytes it reads. With
         ``validate`` the worker runs the checks across records as well, and this
         is a gate for ``TraceReader.validated_elsewhere``."""
         self.path = str(Path(path))   # as TraceReader names it
         self._proc, self._conn = spawn("kvtrace.replay.content_worker", self.path, device,
-                                       "1" if validate else "0", share=fileno)
+                                       "1" if validate else "0", share=shared or ())
         self.through = 0   # the checks across records have passed every line up to this one
         self._last_needed: int | None = None   # once replay has stopped: the last step it needs
         self._tags: deque[tuple[int, object]] = deque()   # (line, tag) of steps replayed here
@@ -122,11 +122,8 @@ class ContentWorker:
         if self._end is None:
             self._end = {"line": self._last, "error": "no report"}
         line, error = self._end["line"], self._end["error"]
-        if error is None:   # it read the whole file, and the file was shorter
-            raise ContentWorkerError(
-                f"the trace grew after line {line} while it was replayed (is it still being "
-                f"written?): replay it once it is complete, or with {ENV}=0")
-        raise ContentWorkerError(f"the content check stopped at line {line} of the trace: {error}")
+        raise ContentWorkerError(f"the content check stopped at line {line} of the trace: "
+                                 f"{error or 'it found the end of the file there'}")
 
     def stop_after(self) -> None:
         """Replay has stopped (an engine assertion): results for steps after the
@@ -191,7 +188,8 @@ class ContentWorker:
 # --------------------------------------------------------------------------- the worker
 
 
-def _serve(path: str, device: str, validate: str, fd: int | None, conn: Connection) -> list[tuple]:
+def _serve(path: str, device: str, validate: str, shared: tuple[int, int] | None,
+           conn: Connection) -> list[tuple]:
     """The worker process: check the trace ``path``; report to ``conn``, per step,
     (line, divergences or None, slots checked so far, loads assumed so far), and
     with ``validate`` ("1") run the checks across records too and report the
@@ -235,7 +233,7 @@ def _serve(path: str, device: str, validate: str, fd: int | None, conn: Connecti
     line = 0
     check = None
     try:
-        reader = TraceReader(path, validate=False, fd=fd)
+        reader = TraceReader(path, validate=False, shared=shared)
         check = ContentCheck(reader.header.config, device)
         validator = Validator(reader.header) if validate == "1" else None
         conn.send(("device", check.device))

@@ -15,14 +15,12 @@ decodes the record at line L, it waits until the worker has checked line L
 (``TraceReader.checked_elsewhere``). Where the worker finds a bad record, the
 main process raises the worker's error when it reaches that line, so replay
 stops with the same one-line error, at the same line, as in one process. Both
-read the same file (the worker through the main process's descriptor of it), so
-they see the same cut in a truncated trace.
+read the same bytes (``TraceReader.share``): the same open file, up to the same
+end even when something still appends to it, so they see the same cut in a
+truncated trace and in one still being written.
 
 A worker that stops before a line the main process needs is an error
-(``RecordWorkerError``), never a clean replay, except when it read the whole
-file and the file has grown since (a trace still being written): the main
-process then stops where the worker did, with the worker's cut, as one process
-reading the file at that moment would have.
+(``RecordWorkerError``), never a clean replay.
 """
 
 from __future__ import annotations
@@ -34,7 +32,6 @@ from pathlib import Path
 
 from kvtrace._child import spawn, stop, worker_main
 from kvtrace.trace import TraceError, TraceReader
-from kvtrace.trace.io import ReadShorter
 
 from .workers import WorkerError
 
@@ -49,11 +46,11 @@ class RecordWorker:
     """The gate ``TraceReader.checked_elsewhere`` reads through: a worker process
     that checks the records of ``path``."""
 
-    def __init__(self, path: str | os.PathLike, fileno: int | None = None):
-        """``fileno``: the descriptor of this process's reader of ``path``; the
-        worker then reads the very file it reads (``SharedFile``)."""
+    def __init__(self, path: str | os.PathLike, shared: tuple[int, int] | None = None):
+        """``shared``: from this process's reader of ``path`` (``TraceReader.share``);
+        the worker then reads the very bytes it reads."""
         self.path = str(Path(path))   # as TraceReader names it
-        self._proc, self._conn = spawn("kvtrace.replay.record_worker", self.path, share=fileno)
+        self._proc, self._conn = spawn("kvtrace.replay.record_worker", self.path, share=shared or ())
         self.through = 0            # the worker has checked every record up to this line
         self._end: dict | None = None
 
@@ -85,31 +82,27 @@ class RecordWorker:
         end = self._end
         if end["problem"] is not None:
             raise TraceError(self.path, end["line"], end["problem"])
-        if end["bug"] is not None:
-            raise RecordWorkerError(f"the record check stopped after line {end['through']} of the "
-                                    f"trace: {end['bug']}")
-        raise ReadShorter(end["through"], end.get("truncation"))
+        raise RecordWorkerError(f"the record check stopped after line {end['through']} of the "
+                                f"trace: {end['bug'] or 'it found the end of the file there'}")
 
 
 # --------------------------------------------------------------------------- the worker
 
 
-def _serve(path: str, fd: int | None, conn: Connection) -> list[tuple]:
-    """The worker process: read the trace (descriptor ``fd``, or else ``path``)
+def _serve(path: str, shared: tuple[int, int] | None, conn: Connection) -> list[tuple]:
+    """The worker process: read the trace (through ``shared``, or else ``path``)
     as any reader does; report to ``conn`` ("through", line) now and then, for
     the last record checked. Returns the last report, ("end", report): the last
     record checked, and what stopped the check early (a bad record's line and
     problem, or a bug)."""
     report = {"through": 0, "line": None, "problem": None, "bug": None}
-    reader = None
     try:
-        reader = TraceReader(path, fd=fd)
+        reader = TraceReader(path, shared=shared)
         with reader:
             for n, _ in enumerate(reader, 1):
                 report["through"] = reader.last_line
                 if not n % _REPORT_EVERY:
                     conn.send(("through", reader.last_line))
-        report["truncation"] = reader.truncation
     except TraceError as e:
         report.update(line=e.line, problem=e.problem)
     except Exception as e:   # a bug

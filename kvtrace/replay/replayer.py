@@ -112,7 +112,8 @@ class Replayer:
     """Event-at-a-time replay. ``feed`` takes the events of one trace in order."""
 
     def __init__(self, header: ev.Header, path: str = "<trace>", out: TraceWriter | None = None,
-                 device: str | None = "auto", content_worker: bool = False, fileno: int | None = None,
+                 device: str | None = "auto", content_worker: bool = False,
+                 shared: tuple[int, int] | None = None,
                  gate: bool = False):
         self.header = header
         self.path = path
@@ -123,13 +124,13 @@ class Replayer:
         self.out = out
         # The shadow-KV content check; device None turns it off. With
         # ``content_worker`` it runs in a second process that reads ``path`` itself
-        # (through ``fileno``, this process's descriptor of it, when given), and
+        # (through ``shared``, from this process's reader of it, when given), and
         # with ``gate`` runs the checks across records too (content_worker.py).
         self.content = None
         if device and content_worker:
             from .content_worker import ContentWorker
 
-            self.content = ContentWorker(path, device, fileno, validate=gate)
+            self.content = ContentWorker(path, device, shared, validate=gate)
         elif device:
             from .content import ContentCheck   # imports torch; only when the check runs
 
@@ -314,7 +315,7 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
                                  meta={"replayed_from": str(path), "recorded_engine": header.engine,
                                        "recorded_engine_version": header.engine_version})
             writer = TraceWriter(out, replayed)
-        workers = wanted(path) if worker is None else int(worker)
+        workers = (wanted(path) if worker is None else int(worker)) if reader.shareable else 0
         content_worker = bool(device) and workers >= 1
         in_process = bool(device) and not content_worker
         if in_process and (device == "cpu" or (device == "auto" and not _cuda())):
@@ -324,12 +325,13 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
         # the content check's worker takes the checks across records over once it
         # has caught up with this process.
         rp = Replayer(header, str(path), writer, device, content_worker=content_worker,
-                      fileno=reader.fileno, gate=content_worker and workers < 2)
+                      shared=reader.share() if content_worker else None,
+                      gate=content_worker and workers < 2)
         result = ReplayResult(path=str(path), header=header)
         if workers >= (2 if device else 1):
             from .record_worker import RecordWorker   # a module the worker runs as __main__
 
-            record_worker = RecordWorker(reader.path, reader.fileno)
+            record_worker = RecordWorker(reader.path, reader.share())
             events = reader.checked_elsewhere(record_worker)
         elif content_worker:
             events = reader.validated_elsewhere(rp.content)

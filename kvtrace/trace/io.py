@@ -9,8 +9,12 @@ before it and ``TraceReader.truncation`` says where.
 from __future__ import annotations
 
 import gzip
+import errno
+import fcntl
 import io
 import os
+import stat
+import tempfile
 import zlib
 from pathlib import Path
 from typing import IO, Any, Iterator
@@ -65,8 +69,7 @@ def _open_binary_read(path: Path) -> IO[bytes]:
 
 def _decompressing(raw: IO[bytes]) -> IO[bytes]:
     """The trace's bytes, through gzip or zstd when the file starts with its magic."""
-    magic = raw.read(4)
-    raw.seek(0)
+    magic = raw.peek(4)[:4]   # without reading it: a pipe cannot seek back
     if magic[:2] == GZIP_MAGIC:
         return gzip.GzipFile(fileobj=raw, mode="rb")
     if magic == ZSTD_MAGIC:
@@ -77,30 +80,39 @@ def _decompressing(raw: IO[bytes]) -> IO[bytes]:
 
 
 class SharedFile(io.RawIOBase):
-    """A descriptor of a file that another process has open too, read at this
-    reader's own offset (``os.pread``), so that neither moves the other's place.
-    Replay's workers read the trace through the descriptor of the main process's
-    reader: the very file it reads, even if the name has since been renamed,
-    replaced or removed."""
+    """A descriptor of a file read at this reader's own offset (``os.pread``), so
+    that no other reader of the same open file moves its place. Replay's workers
+    read the trace through the descriptor of the main process's reader: the very
+    file it reads, even if the name has since been renamed, replaced or removed.
+    With ``end``, reads stop where the first of those readers met the file's end
+    (``SharedEnd``). A descriptor that cannot be read at an offset (a pipe) is
+    read in order."""
 
-    def __init__(self, fd: int):
-        self.fd, self.pos = fd, 0
+    def __init__(self, fd: int, end: "SharedEnd | None" = None):
+        self.fd, self.pos, self.end = fd, 0, end
+        self._at_offset = stat.S_ISREG(os.fstat(fd).st_mode)
 
     def readable(self) -> bool:
         return True
 
     def seekable(self) -> bool:
-        return True
+        return self._at_offset
 
     def readinto(self, b) -> int:
         if self.closed:
             raise ValueError("read of a closed file")
-        data = os.pread(self.fd, len(b), self.pos)
-        b[: len(data)] = data
-        self.pos += len(data)
-        return len(data)
+        if not self._at_offset:
+            n = os.readv(self.fd, [b])
+        elif self.end is not None:
+            n = self.end.readinto(self.fd, b, self.pos)
+        else:
+            n = os.preadv(self.fd, [b], self.pos)
+        self.pos += n
+        return n
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if not self._at_offset:
+            raise io.UnsupportedOperation("seek")
         if whence == io.SEEK_SET:
             pos = offset
         elif whence == io.SEEK_CUR:
@@ -124,23 +136,77 @@ class SharedFile(io.RawIOBase):
         if not self.closed:
             try:
                 os.close(self.fd)
+                if self.end is not None:
+                    self.end.close()
             finally:
                 super().close()
+
+
+class SharedEnd:
+    """Where the readers of one file in several processes (replay's main process
+    and its workers) agree that the file ends, while something may still be
+    appending to it (a trace still being recorded). Each reads at its own pace,
+    so without this they could meet its end at different places. The first
+    reader to meet the end fixes it there for all of them, and later reads by any
+    of them stop at that offset: they all read the same bytes, so they all find
+    the same records and the same cut.
+
+    The offset lives in a small scratch file that the readers share (``fd``,
+    made here when not given). Until the end is known, each read and the look
+    at the offset happen under a lock on that file (``fcntl.lockf``), so that
+    no reader reads past the end in the moment between another meeting it and
+    fixing it. After that, reads need no lock."""
+
+    def __init__(self, fd: int | None = None):
+        if fd is None:
+            fd, name = tempfile.mkstemp(prefix="kvtrace-end-")
+            os.unlink(name)
+        self.fd = fd
+        self.at: int | None = None   # the end, once known
+        self.met = False             # this reader met it first
+        self.grown = False           # a read here stopped at it while the file went on
+
+    def readinto(self, fd: int, b, pos: int) -> int:
+        """Read ``fd`` at ``pos`` into ``b``, up to the end."""
+        if self.at is None:
+            fcntl.lockf(self.fd, fcntl.LOCK_EX)
+            try:
+                known = os.pread(self.fd, 8, 0)
+                if len(known) == 8:
+                    self.at = int.from_bytes(known, "little")
+                else:
+                    n = os.preadv(fd, [b], pos)
+                    if n == 0 and len(b):   # this reader met the end first
+                        os.pwrite(self.fd, pos.to_bytes(8, "little"), 0)
+                        self.at, self.met = pos, True
+                    return n
+            finally:
+                fcntl.lockf(self.fd, fcntl.LOCK_UN)
+        want = len(b)
+        room = max(0, min(want, self.at - pos))
+        n = os.preadv(fd, [memoryview(b)[:room]], pos) if room else 0
+        if n < want and not (self.met or self.grown):
+            self.grown = os.fstat(fd).st_size > self.at
+        return n
+
+    def close(self) -> None:
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+
+def _open_read(path: Path) -> int:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    if stat.S_ISDIR(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+    return fd
 
 
 def _is_stream_damage(e: Exception) -> bool:
     """A truncated or corrupt compressed stream (as opposed to a bug)."""
     return isinstance(e, (EOFError, OSError, zlib.error)) or type(e).__name__ == "ZstdError"
-
-
-class ReadShorter(Exception):
-    """The reader that checks a file for another one met the file's end before a
-    line the other has read: the file grew in between. ``through``: its last
-    record; ``truncation``: how it found the file cut, if it did."""
-
-    def __init__(self, through: int, truncation: str | None):
-        super().__init__(f"the file ended after line {through} when it was checked")
-        self.through, self.truncation = through, truncation
 
 
 class TraceReader:
@@ -156,10 +222,11 @@ class TraceReader:
     arrived, step order. Turn it off only to read a file for repair.
     """
 
-    def __init__(self, path: str | os.PathLike, validate: bool = True, fd: int | None = None):
-        """``fd``: read this descriptor, shared with another process, instead of
-        opening ``path``, which then only names the file in messages (see
-        ``SharedFile``). The reader closes it."""
+    def __init__(self, path: str | os.PathLike, validate: bool = True,
+                 shared: tuple[int, int] | None = None):
+        """``shared``: read the file through these descriptors, from another
+        process's reader (its ``share()``), instead of opening ``path``, which
+        then only names the file in messages. The reader closes them."""
         self.path = Path(path)
         self.truncation: str | None = None
         self.end: End | None = None
@@ -168,17 +235,36 @@ class TraceReader:
         self.max_total_bytes = _env_bytes(ENV_MAX_BYTES, MAX_TOTAL_BYTES)
         self.bytes_read = 0
         try:
-            raw = open(self.path, "rb") if fd is None else io.BufferedReader(SharedFile(fd), _CHUNK)
+            if shared is None:
+                self._file = SharedFile(_open_read(self.path))
+            else:
+                self._file = SharedFile(shared[0], SharedEnd(shared[1]))
         except OSError as e:
             raise TraceError(self.path, None, f"cannot open: {e.strerror or e}") from None
-        self._raw = raw
-        self.fileno = raw.fileno()   # for a worker to read the same file (SharedFile)
+        self._raw = io.BufferedReader(self._file, _CHUNK)
         try:
             self.header: Header = self._read_header()
         except BaseException:
             self.close()
             raise
         self._validator = Validator(self.header) if validate else None
+
+    @property
+    def shareable(self) -> bool:
+        """Whether ``share`` can give another reader the same bytes: a regular file,
+        not a pipe, which only one reader can read."""
+        return self._file.seekable()
+
+    def share(self) -> tuple[int, int]:
+        """Descriptors for a reader in another process (``shared``) that is to read
+        the very bytes this one reads: the same open file, and the same end
+        should something still be appending to it (``SharedEnd``). Only for a
+        regular file (``shareable``)."""
+        if not self.shareable:
+            raise ValueError(f"{self.path} is not a regular file: only one reader can read it")
+        if self._file.end is None:
+            self._file.end = SharedEnd()
+        return self._file.fd, self._file.end.fd
 
     def _read_header(self) -> Header:
         try:
@@ -337,22 +423,10 @@ class TraceReader:
         checked, and ``gate.wait(line)`` returns when it has checked ``line``, or
         raises its TraceError for that line or one before it. Same events, same
         cut, same errors as iteration, as long as the other reader reads the same
-        bytes (replay's record worker). Should the file grow after the other
-        reader met its end (a trace still being written), ``gate.wait`` raises
-        ``ReadShorter`` and the events stop where the other reader's did, with
-        its cut."""
-        records = self.records()
-        for lineno, obj in records:
+        bytes (replay's record worker, through ``share()``)."""
+        for lineno, obj in self.records():
             if lineno > gate.through:
-                try:
-                    gate.wait(lineno)
-                except ReadShorter as e:
-                    # The file grew after the other reader met its end: stop where
-                    # it did, as reading the file then would have.
-                    records.close()
-                    self.truncation = (f"{e.truncation or f'no record after line {e.through}'}; "
-                                       "the file has grown since (is it still being written?)")
-                    break
+                gate.wait(lineno)
             ev = trusted.decode(obj)
             if type(ev) is End:
                 self.end = ev
@@ -362,6 +436,10 @@ class TraceReader:
     def _note_no_end(self) -> None:
         if self.end is None and self.truncation is None:
             self.truncation = f"no 'end' record after line {self.last_line}: the recording was cut off"
+        shared = self._file.end
+        if self.truncation is not None and shared is not None and shared.grown:
+            # Another reader of the file met its end first: this one stopped there too.
+            self.truncation += "; the file has grown since (is it still being written?)"
 
     def records(self) -> Iterator[tuple[int, Any]]:
         """(line number, parsed JSON) for each record after the header, not decoded
