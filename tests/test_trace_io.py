@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import os
 import stat
+from pathlib import Path
 
 import orjson
 import pytest
@@ -15,7 +16,7 @@ from kvtrace.trace.events import (
     PromptStats, RequestState, ScheduledNew, ScheduledRunning, Step, to_json,
 )
 
-from mini_traces import mini_header, write_mini_trace
+from mini_traces import load_records, mini_header, write_mini_trace
 
 
 def _events(w: TraceWriter) -> list:
@@ -486,3 +487,71 @@ def test_a_pipe_is_read_by_one_reader(tmp_path):
         reader.share()
     assert [e.seq for e in reader] == [e.seq for e in TraceReader(path)]
     os.close(r)
+
+
+# Values that break one field of a record in every way the checks tell apart.
+_BAD_VALUES = [None, -1, 1 << 41, "x", "RUNNING", "stop", 1.5, True, [], [1, "x"], [-1], [1 << 41],
+               {}, {"a": [1]}, {"a": "stop"}, {"a": "nope"}]
+
+
+def _corrupt(rec: dict, rng) -> None:
+    """Change, add or remove one field of one object of ``rec``, at any depth."""
+    def objects(v):
+        if isinstance(v, dict):
+            yield v
+            for x in v.values():
+                yield from objects(x)
+        elif isinstance(v, list):
+            for x in v:
+                yield from objects(x)
+    obj = rng.choice([o for o in objects(rec) if o is not rec] or [rec])
+    what = rng.random()
+    if what < 0.15 and obj:
+        del obj[rng.choice(sorted(obj))]
+    elif what < 0.25:
+        obj["extra"] = 1
+    elif obj:
+        key = rng.choice(sorted(obj))
+        if isinstance(obj[key], list) and obj[key] and rng.random() < 0.5:
+            obj[key][rng.randrange(len(obj[key]))] = rng.choice(_BAD_VALUES)
+        else:
+            obj[key] = rng.choice(_BAD_VALUES)
+
+
+def _decoded(rec: dict):
+    from kvtrace.trace.events import SchemaError, decode
+
+    try:
+        return decode(rec)
+    except SchemaError as e:
+        return f"SchemaError: {e}"
+
+
+def test_lists_checked_at_once_decode_as_item_by_item(monkeypatch):
+    """The checks of a whole list of requests (``from_rows``) accept exactly the
+    records that the checks of each item accept, with the same events, and
+    leave every other record to them, so the errors are the same words: over
+    every step and output of the real traces, each also with one field broken
+    at random, many times over."""
+    import copy
+    import random
+
+    from kvtrace.trace import events as ev
+    from mini_traces import load_records
+
+    traces = Path(__file__).resolve().parent.parent / "traces"
+    recs = [r for p in sorted(traces.glob("*.jsonl.gz")) for r in load_records(p)[1:]
+            if r["kind"] in ("step", "output")]
+    rng = random.Random(7)
+    cases = recs + []
+    for _ in range(4000):
+        rec = copy.deepcopy(rng.choice(recs))
+        _corrupt(rec, rng)
+        cases.append(rec)
+    at_once = [_decoded(copy.deepcopy(r)) for r in cases]
+    for cls in (ev.ScheduledNew, ev.ScheduledRunning, ev.RequestState):
+        monkeypatch.delattr(cls, "from_rows")
+    one_by_one = [_decoded(copy.deepcopy(r)) for r in cases]
+    assert at_once == one_by_one
+    errors = sum(isinstance(x, str) for x in at_once)
+    assert 1000 < errors < len(cases) - len(recs)   # most broken records are refused, not all

@@ -12,6 +12,8 @@ docs/trace-format.md is the prose version of this file; keep them together.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from itertools import chain, starmap
+from operator import itemgetter
 from typing import Any
 
 SCHEMA_VERSION = 1
@@ -29,6 +31,7 @@ STATUSES = (
 )
 _STATUS_SET = frozenset(STATUSES)
 FINISH_REASONS = ("stop", "length", "abort", "error")
+_FINISH_SET = frozenset(FINISH_REASONS)
 POLICIES = ("fcfs", "priority")
 COUNTER_SHAPES = ("prefill_stats", "legacy")
 END_STATUSES = ("complete", "recorder-error", "interrupted")
@@ -129,7 +132,40 @@ def _obj(v: Any, name: str) -> dict:
 def _list_of(v: Any, name: str, cls: type) -> list:
     if type(v) is not list:
         raise SchemaError(f"field '{name}' must be a list, got {_tname(v)}")
+    if v and hasattr(cls, "from_rows"):
+        out = cls.from_rows(v)
+        if out is not None:
+            return out
     return [cls.from_json(_obj(x, name)) for x in v]
+
+
+# A whole list of objects of one kind checked at once, by C-level passes over
+# its columns (``from_rows``): about half the time of checking them one by one
+# on the lists of requests that make up most of a trace. Anything those passes
+# do not accept goes through ``from_json`` item by item, which accepts the same
+# objects and names the problem in the others.
+_DICT, _STR, _LIST = {dict}, {str}, {list}
+
+
+def _rows(v: list, keys: itemgetter, width: int) -> list[tuple] | None:
+    """Each object's fields, in ``keys``' order, when every item of ``v`` is an
+    object with those ``width`` keys and no others; else None."""
+    if set(map(type, v)) != _DICT or set(map(len, v)) != {width}:
+        return None
+    try:
+        return list(map(keys, v))
+    except KeyError:
+        return None
+
+
+def _counts_ok(xs: tuple | list) -> bool:
+    """Every item an integer in 0..2^40 (``_int``'s check)."""
+    return not xs or (set(map(type, xs)) == _INT_ONLY and min(xs) >= 0 and max(xs) <= MAX_COUNT)
+
+
+def _id_lists_ok(lists: tuple) -> bool:
+    """Every item a list of integers in 0..2^40 (``_ints``' check)."""
+    return set(map(type, lists)) == _LIST and _counts_ok(list(chain.from_iterable(lists)))
 
 
 def _tname(v: Any) -> str:
@@ -373,6 +409,10 @@ class ScheduledNew:
             block_ids=_ints(_get(d, "block_ids"), "block_ids"),
         )
 
+    @classmethod
+    def from_rows(cls, v: list) -> "list[ScheduledNew] | None":
+        return _scheduled(cls, v, _rows(v, _NEW_KEYS, 4))
+
 
 @dataclass(slots=True)
 class ScheduledRunning:
@@ -391,6 +431,23 @@ class ScheduledRunning:
             num_scheduled_tokens=_int(_get(d, "num_scheduled_tokens"), "num_scheduled_tokens"),
             new_block_ids=_ints(_get(d, "new_block_ids"), "new_block_ids"),
         )
+
+    @classmethod
+    def from_rows(cls, v: list) -> "list[ScheduledRunning] | None":
+        return _scheduled(cls, v, _rows(v, _RUNNING_KEYS, 4))
+
+
+_NEW_KEYS = itemgetter("req", "num_computed_tokens", "num_scheduled_tokens", "block_ids")
+_RUNNING_KEYS = itemgetter("req", "num_computed_tokens", "num_scheduled_tokens", "new_block_ids")
+
+
+def _scheduled(cls: type, v: list, rows: list[tuple] | None) -> list | None:
+    if rows is None:
+        return None
+    reqs, computed, scheduled, blocks = zip(*rows)
+    if set(map(type, reqs)) == _STR and _counts_ok(computed + scheduled) and _id_lists_ok(blocks):
+        return list(starmap(cls, rows))
+    return None
 
 
 @dataclass(slots=True)
@@ -424,6 +481,21 @@ class RequestState:
             num_preemptions=_int(_get(d, "num_preemptions"), "states.num_preemptions"),
             block_ids=_ints(_get(d, "block_ids"), "states.block_ids"),
         )
+
+    @classmethod
+    def from_rows(cls, v: list) -> "list[RequestState] | None":
+        rows = _rows(v, _STATE_KEYS, 6)
+        if rows is None:
+            return None
+        reqs, statuses, computed, tokens, preemptions, blocks = zip(*rows)
+        if (set(map(type, reqs)) == _STR and set(map(type, statuses)) == _STR
+                and _STATUS_SET.issuperset(statuses) and _counts_ok(computed + tokens + preemptions)
+                and _id_lists_ok(blocks)):
+            return list(starmap(cls, rows))
+        return None
+
+
+_STATE_KEYS = itemgetter("req", "status", "num_computed_tokens", "num_tokens", "num_preemptions", "block_ids")
 
 
 @dataclass(slots=True)
@@ -511,11 +583,14 @@ class Output:
     @classmethod
     def from_json(cls, d: dict) -> "Output":
         sampled = _obj(_get(d, "sampled", {}), "sampled")
-        for k, v in sampled.items():
-            _ints(v, f"sampled.{k}")
+        if not _id_lists_ok(tuple(sampled.values())):
+            for k, v in sampled.items():
+                _ints(v, f"sampled.{k}")
         finished = _obj(_get(d, "finished", {}), "finished")
-        for k, v in finished.items():
-            _choice(v, f"finished.{k}", FINISH_REASONS)
+        reasons = finished.values()
+        if not (set(map(type, reasons)) <= _STR and _FINISH_SET.issuperset(reasons)):
+            for k, v in finished.items():
+                _choice(v, f"finished.{k}", FINISH_REASONS)
         conn = _get(d, "connector", None)
         return cls(
             seq=_int(_get(d, "seq"), "seq"),
