@@ -37,8 +37,9 @@ def _site_dirs() -> set[Path]:
 def spawn(module: str, *args: str, share: Sequence[int] = ()) -> tuple[subprocess.Popen, Connection]:
     """Start ``python -m module *args SHARE FD`` (its main is ``worker_main``),
     where FD is the writing end of a pipe for it to report on, and SHARE its
-    copies of this process's descriptors ``share`` (a file it is to read too),
-    joined by commas, or "-". Returns the process and the reading end."""
+    copies of this process's descriptors ``share`` (for a worker: the trace and
+    the scratch file of their shared end, ``TraceReader.share``), joined by
+    commas, or "-". Returns the process and the reading end."""
     theirs, mine = os.pipe()[::-1]
     # The child's descriptors 0-2 are its standard streams: what it is to keep
     # goes above them, whatever numbers it has here (0 to 2 when this process

@@ -410,31 +410,54 @@ def test_a_bad_trace_among_several_is_bad_input_whatever_its_message_says(capsys
     _one_line_error(err, f"{bad}:4:")
 
 
-def _pipe(path: Path) -> str:
-    """A pipe that carries ``path``'s bytes, named as a shell's ``<(...)`` names it."""
+def _pipe(path: Path, first: int = 0) -> str:
+    """A pipe that carries ``path``'s bytes, named as a shell's ``<(...)`` names
+    it; with ``first``, its first ``first`` bytes come a moment before the rest."""
     import threading
+    import time
 
     r, w = os.pipe()
+    data = path.read_bytes()
 
     def feed():
-        with os.fdopen(w, "wb") as f:
+        with os.fdopen(w, "wb", buffering=0) as f:
             try:
-                f.write(path.read_bytes())
+                if first:
+                    f.write(data[:first])
+                    time.sleep(0.2)
+                f.write(data[first:])
             except BrokenPipeError:
                 pass
     threading.Thread(target=feed, daemon=True).start()
     return f"/dev/fd/{r}"
 
 
-def test_a_trace_read_from_a_pipe_replays_as_from_its_file(capsys, monkeypatch):
+@pytest.mark.parametrize("first", [0, 1, 2])
+def test_a_trace_read_from_a_pipe_replays_as_from_its_file(capsys, monkeypatch, first):
+    """Also when the pipe's first read gives less than the compression's magic."""
     trace = TRACES / "preemption.jsonl.gz"
     monkeypatch.setenv("KVTRACE_REPLAY_WORKER", "1")   # a pipe has one reader: no worker
     want = run(capsys, "replay", "--json", "--no-kv-check", str(trace))
-    fd = _pipe(trace)
+    fd = _pipe(trace, first)
     got = run(capsys, "replay", "--json", "--no-kv-check", fd)
     os.close(int(fd.rsplit("/", 1)[1]))
     assert got[0] == want[0] == 0
     assert orjson.loads(got[1])["steps"] == orjson.loads(want[1])["steps"] > 0
+
+
+@pytest.mark.parametrize("argv", [["report", "-o", "{out}", "{fifo}"],
+                                  ["report", "-o", "{out}", "--against", "{fifo}", "{trace}"],
+                                  ["export", "-o", "{out}", "{fifo}"]])
+def test_commands_that_read_a_trace_twice_refuse_a_pipe(capsys, tmp_path, argv):
+    """A pipe's data goes to one read only; a named pipe would make the second
+    read wait for ever. Refused at once, on one line."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    names = {"out": str(tmp_path / "out"), "fifo": str(fifo), "trace": str(TRACES / "preemption.jsonl.gz")}
+    code, _, err = run(capsys, *[a.format(**names) for a in argv])
+    assert code == 2
+    _one_line_error(err, str(fifo), "not a regular file", "save it to a file first")
+    assert not (tmp_path / "out").exists()
 
 
 def test_diff_of_a_pipe_needs_a_match_mode(capsys):

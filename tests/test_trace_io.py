@@ -426,8 +426,8 @@ def _sharing(reader: TraceReader) -> TraceReader:
 def test_a_reader_stops_where_the_reader_sharing_its_file_met_its_end(tmp_path, suffix):
     """A trace still being written: the worker's reader meets its end first and
     fixes it there; the main process's reader, reading on after the file grew,
-    stops there too. Both read the same records and report the same cut; only
-    the one that was stopped short says that the file has grown."""
+    stops there too. Both read the same records and report the same cut; the
+    one that finished after the file grew says so."""
     whole_path = write_mini_trace(tmp_path / f"whole{suffix}", requests={"a": 20, "b": 9})
     data = whole_path.read_bytes()
     live = tmp_path / f"live{suffix}"
@@ -456,12 +456,13 @@ def test_the_first_reader_to_meet_the_end_fixes_it_for_all(tmp_path):
     a, b, c = (SharedFile(os.dup(fd), SharedEnd(os.dup(end.fd))) for _ in range(3))
     assert b.read(2) == b"01" and a.read(10) == b"0123"
     assert a.read(10) == b""   # a met the end, at 4
+    assert not a.grown()
     with open(path, "ab") as f:
         f.write(b"4567")
-    assert b.read(10) == b"23" and b.read(10) == b"" and c.read(10) == b"0123"
-    assert a.end.met and not a.end.grown and b.end.grown and c.end.grown
+    assert b.read(10) == b"23" and b.read(10) == b"" and c.read(10) == b"0123" and c.read(1) == b""
+    assert a.grown() and b.grown() and c.grown()   # each found the end at 4, and the file goes on
     fresh = SharedFile(os.dup(fd))   # a reader that shares no end reads on
-    assert fresh.read(10) == b"01234567"
+    assert fresh.read(10) == b"01234567" and not fresh.grown()
     for f in (a, b, c, fresh):
         f.close()
     end.close()

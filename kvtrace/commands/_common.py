@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import stat
 import sys
 
 from kvtrace._text import CONTROL_ESCAPES
@@ -48,6 +49,22 @@ def refuse_to_overwrite(out, *inputs) -> None:
         if same:
             raise UsageProblem(f"{out}: this is the file being read ({src}); write the output "
                                "elsewhere")
+
+
+def refuse_pipes(*inputs) -> None:
+    """For a command that reads its inputs more than once: a pipe (anything but
+    a regular file) gives its data to one read only, and a named pipe would wait
+    for a writer that never comes."""
+    for src in inputs:
+        if src is None:
+            continue
+        try:
+            regular = stat.S_ISREG(os.stat(src).st_mode)
+        except OSError:   # the reader names the problem
+            continue
+        if not regular:
+            raise UsageProblem(f"{src}: not a regular file (a pipe?): this command reads its "
+                               "input more than once; save it to a file first")
 
 
 def load(module: str, name: str, hint: str = ""):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from ._common import EXIT_DIVERGENT, EXIT_OK, refuse_to_overwrite
+from ._common import EXIT_DIVERGENT, EXIT_OK, refuse_pipes, refuse_to_overwrite
 from .progress import progress
 
 
@@ -25,6 +25,7 @@ def report(trace: Path, out: Path, against: Path | None) -> int:
     from kvtrace.report.html import write_html_report
 
     refuse_to_overwrite(out, trace, against)
+    refuse_pipes(trace, against)
 
     with progress(f"reporting {trace.name}", "steps"):
         rep = write_html_report(trace, out, against=against)
@@ -49,6 +50,7 @@ def export(trace: Path, fmt: str, out: Path, divergences: bool) -> int:
 
     divs = None
     if divergences:
+        refuse_pipes(trace)
         from kvtrace.replay import replay_file
 
         with progress(f"replaying {trace.name}", "steps") as advance:

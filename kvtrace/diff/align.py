@@ -120,9 +120,10 @@ def diff_files(path_a: str | os.PathLike, path_b: str | os.PathLike,
         if match == "auto":
             for r in (ra, rb):
                 if not r.shareable:
-                    raise TraceError(r.path, None, "a pipe can be read only once, and --match auto "
-                                                   "reads the start of each trace before the diff: "
-                                                   "give --match id, id-prefix or arrival")
+                    raise TraceError(r.path, None, "not a regular file (a pipe?), which can be read "
+                                                   "only once, and --match auto reads the start of "
+                                                   "each trace before the diff: give --match id, "
+                                                   "id-prefix or arrival")
             match = choose_match(path_a, path_b)
         d = _Differ(ra, rb, match, _events(ra, workers, worker), _events(rb, workers, worker))
         d.run(progress)
@@ -150,7 +151,7 @@ def _events(reader: TraceReader, workers: contextlib.ExitStack, worker: bool | N
         from ..replay.workers import wanted
 
         worker = wanted(reader.path) >= 1
-    if not worker or not reader.shareable:   # a pipe has one reader
+    if not worker or not reader.shareable:   # a pipe has one reader only
         return iter(reader)
     from ..replay.record_worker import RecordWorker   # a module the worker runs as __main__
 

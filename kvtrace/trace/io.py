@@ -69,7 +69,12 @@ def _open_binary_read(path: Path) -> IO[bytes]:
 
 def _decompressing(raw: IO[bytes]) -> IO[bytes]:
     """The trace's bytes, through gzip or zstd when the file starts with its magic."""
-    magic = raw.peek(4)[:4]   # without reading it: a pipe cannot seek back
+    if raw.seekable():
+        magic = raw.read(4)
+        raw.seek(0)
+    else:   # a pipe cannot seek back: read the magic, then give it back
+        magic = raw.read(4)
+        raw = io.BufferedReader(_Prefixed(magic, raw), _CHUNK)
     if magic[:2] == GZIP_MAGIC:
         return gzip.GzipFile(fileobj=raw, mode="rb")
     if magic == ZSTD_MAGIC:
@@ -91,6 +96,7 @@ class SharedFile(io.RawIOBase):
     def __init__(self, fd: int, end: "SharedEnd | None" = None):
         self.fd, self.pos, self.end = fd, 0, end
         self._at_offset = stat.S_ISREG(os.fstat(fd).st_mode)
+        self.ended_at: int | None = None   # where a read first found nothing more
 
     def readable(self) -> bool:
         return True
@@ -107,8 +113,16 @@ class SharedFile(io.RawIOBase):
             n = self.end.readinto(self.fd, b, self.pos)
         else:
             n = os.preadv(self.fd, [b], self.pos)
+        if n == 0 and len(b) and self.ended_at is None:
+            self.ended_at = self.pos
         self.pos += n
         return n
+
+    def grown(self) -> bool:
+        """Whether the file has grown past where this reader found its end (or
+        the end its readers agreed on): a trace still being written."""
+        return (self._at_offset and self.ended_at is not None and not self.closed
+                and os.fstat(self.fd).st_size > self.ended_at)
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         if not self._at_offset:
@@ -136,8 +150,34 @@ class SharedFile(io.RawIOBase):
         if not self.closed:
             try:
                 os.close(self.fd)
+            finally:
                 if self.end is not None:
                     self.end.close()
+                super().close()
+
+
+class _Prefixed(io.RawIOBase):
+    """``head``, then the rest of ``rest``: a stream whose first bytes were read
+    already (from a pipe, which cannot seek back)."""
+
+    def __init__(self, head: bytes, rest: IO[bytes]):
+        self._head, self._rest = head, rest
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        if self._head:
+            n = min(len(b), len(self._head))
+            b[:n] = self._head[:n]
+            self._head = self._head[n:]
+            return n
+        return self._rest.readinto(b)
+
+    def close(self) -> None:
+        if not self.closed:
+            try:
+                self._rest.close()
             finally:
                 super().close()
 
@@ -163,8 +203,6 @@ class SharedEnd:
             os.unlink(name)
         self.fd = fd
         self.at: int | None = None   # the end, once known
-        self.met = False             # this reader met it first
-        self.grown = False           # a read here stopped at it while the file went on
 
     def readinto(self, fd: int, b, pos: int) -> int:
         """Read ``fd`` at ``pos`` into ``b``, up to the end."""
@@ -178,16 +216,12 @@ class SharedEnd:
                     n = os.preadv(fd, [b], pos)
                     if n == 0 and len(b):   # this reader met the end first
                         os.pwrite(self.fd, pos.to_bytes(8, "little"), 0)
-                        self.at, self.met = pos, True
+                        self.at = pos
                     return n
             finally:
                 fcntl.lockf(self.fd, fcntl.LOCK_UN)
-        want = len(b)
-        room = max(0, min(want, self.at - pos))
-        n = os.preadv(fd, [memoryview(b)[:room]], pos) if room else 0
-        if n < want and not (self.met or self.grown):
-            self.grown = os.fstat(fd).st_size > self.at
-        return n
+        room = max(0, min(len(b), self.at - pos))
+        return os.preadv(fd, [memoryview(b)[:room]], pos) if room else 0
 
     def close(self) -> None:
         try:
@@ -234,6 +268,7 @@ class TraceReader:
         self.max_line_bytes = _env_bytes(ENV_MAX_LINE_BYTES, MAX_LINE_BYTES)
         self.max_total_bytes = _env_bytes(ENV_MAX_BYTES, MAX_TOTAL_BYTES)
         self.bytes_read = 0
+        self._grown = False   # the file grew past where this reader found its end
         try:
             if shared is None:
                 self._file = SharedFile(_open_read(self.path))
@@ -251,8 +286,8 @@ class TraceReader:
 
     @property
     def shareable(self) -> bool:
-        """Whether ``share`` can give another reader the same bytes: a regular file,
-        not a pipe, which only one reader can read."""
+        """Whether ``share`` can give another reader the same bytes: a regular
+        file, not a pipe or anything else that only one reader can read."""
         return self._file.seekable()
 
     def share(self) -> tuple[int, int]:
@@ -436,9 +471,7 @@ class TraceReader:
     def _note_no_end(self) -> None:
         if self.end is None and self.truncation is None:
             self.truncation = f"no 'end' record after line {self.last_line}: the recording was cut off"
-        shared = self._file.end
-        if self.truncation is not None and shared is not None and shared.grown:
-            # Another reader of the file met its end first: this one stopped there too.
+        if self.truncation is not None and self._grown:
             self.truncation += "; the file has grown since (is it still being written?)"
 
     def records(self) -> Iterator[tuple[int, Any]]:
@@ -456,6 +489,7 @@ class TraceReader:
             if obj is _CUT:
                 break
             yield lineno, obj
+        self._grown = self._file.grown()
         self.close()
 
     def close(self) -> None:
