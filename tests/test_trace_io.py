@@ -556,3 +556,32 @@ def test_lists_checked_at_once_decode_as_item_by_item(monkeypatch):
     assert at_once == one_by_one
     errors = sum(isinstance(x, str) for x in at_once)
     assert 1000 < errors < len(cases) - len(recs)   # most broken records are refused, not all
+
+
+def test_a_shared_end_without_locks_still_bounds_the_reads(tmp_path, monkeypatch):
+    """On a file system whose files cannot be locked, the readers still agree on
+    the end; only the moment between meeting it and fixing it is unguarded."""
+    from kvtrace.trace import io as trace_io
+    from kvtrace.trace.io import SharedEnd, SharedFile
+
+    tried = []
+
+    def no_locks(fd, op):
+        tried.append(op)
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setattr(trace_io.fcntl, "lockf", no_locks)
+    path = tmp_path / "f"
+    path.write_bytes(b"0123")
+    fd = os.open(path, os.O_RDONLY)
+    end = SharedEnd()
+    a, b = (SharedFile(os.dup(fd), SharedEnd(os.dup(end.fd))) for _ in range(2))
+    assert a.read(10) == b"0123" and a.read(10) == b""
+    with open(path, "ab") as f:
+        f.write(b"4567")
+    assert b.read(10) == b"0123" and b.read(10) == b"" and b.seek(0, 2) == 4
+    for f in (a, b):
+        f.close()
+    end.close()
+    os.close(fd)
+    assert len(tried) == 2   # each reader tried once, then went on without

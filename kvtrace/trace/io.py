@@ -132,7 +132,10 @@ class SharedFile(io.RawIOBase):
         elif whence == io.SEEK_CUR:
             pos = self.pos + offset
         elif whence == io.SEEK_END:
-            pos = os.fstat(self.fd).st_size + offset
+            size = os.fstat(self.fd).st_size
+            if self.end is not None and self.end.at is not None:
+                size = min(size, self.end.at)
+            pos = size + offset
         else:
             raise ValueError(f"invalid whence ({whence})")
         if pos < 0:
@@ -203,11 +206,12 @@ class SharedEnd:
             os.unlink(name)
         self.fd = fd
         self.at: int | None = None   # the end, once known
+        self._locking = True
 
     def readinto(self, fd: int, b, pos: int) -> int:
         """Read ``fd`` at ``pos`` into ``b``, up to the end."""
         if self.at is None:
-            fcntl.lockf(self.fd, fcntl.LOCK_EX)
+            self._lock(fcntl.LOCK_EX)
             try:
                 known = os.pread(self.fd, 8, 0)
                 if len(known) == 8:
@@ -219,9 +223,19 @@ class SharedEnd:
                         self.at = pos
                     return n
             finally:
-                fcntl.lockf(self.fd, fcntl.LOCK_UN)
+                self._lock(fcntl.LOCK_UN)
         room = max(0, min(len(b), self.at - pos))
         return os.preadv(fd, [memoryview(b)[:room]], pos) if room else 0
+
+    def _lock(self, op: int) -> None:
+        if self._locking:
+            try:
+                fcntl.lockf(self.fd, op)
+            except OSError:
+                # A file system without locks: the readers go on without them,
+                # and only the moment between meeting the end and fixing it is
+                # left open.
+                self._locking = False
 
     def close(self) -> None:
         try:
