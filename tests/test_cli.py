@@ -460,6 +460,16 @@ def test_commands_that_read_a_trace_twice_refuse_a_pipe(capsys, tmp_path, argv):
     assert not (tmp_path / "out").exists()
 
 
+def test_diff_of_a_named_pipe_without_a_writer_is_refused_at_once(capsys, tmp_path):
+    """Choosing the match mode reads the start of each input first: a named pipe
+    is refused before it is opened, which would wait for a writer."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    code, _, err = run(capsys, "diff", str(TRACES / "preemption.jsonl.gz"), str(fifo))
+    assert code == 2
+    _one_line_error(err, str(fifo), "give --match")
+
+
 def test_diff_of_a_pipe_needs_a_match_mode(capsys):
     trace = TRACES / "preemption.jsonl.gz"
     fd = _pipe(trace)

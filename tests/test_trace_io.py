@@ -552,6 +552,9 @@ def test_lists_checked_at_once_decode_as_item_by_item(monkeypatch):
     at_once = [_decoded(copy.deepcopy(r)) for r in cases]
     for cls in (ev.ScheduledNew, ev.ScheduledRunning, ev.RequestState):
         monkeypatch.delattr(cls, "from_rows")
+    # An output's sampled tokens and finish reasons, checked one by one too.
+    monkeypatch.setattr(ev, "_id_lists_ok", lambda lists: False)
+    monkeypatch.setattr(ev, "_reasons_ok", lambda reasons: False)
     one_by_one = [_decoded(copy.deepcopy(r)) for r in cases]
     assert at_once == one_by_one
     errors = sum(isinstance(x, str) for x in at_once)

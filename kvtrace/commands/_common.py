@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import stat
 import sys
 
 from kvtrace._text import CONTROL_ESCAPES
@@ -55,14 +54,10 @@ def refuse_pipes(*inputs) -> None:
     """For a command that reads its inputs more than once: a pipe (anything but
     a regular file) gives its data to one read only, and a named pipe would wait
     for a writer that never comes."""
+    from kvtrace.trace.io import not_regular
+
     for src in inputs:
-        if src is None:
-            continue
-        try:
-            regular = stat.S_ISREG(os.stat(src).st_mode)
-        except OSError:   # the reader names the problem
-            continue
-        if not regular:
+        if src is not None and not_regular(src):
             raise UsageProblem(f"{src}: not a regular file (a pipe?): this command reads its "
                                "input more than once; save it to a file first")
 

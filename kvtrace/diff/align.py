@@ -33,11 +33,12 @@ import os
 import re
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..findings import Divergence
 from ..trace.events import Abort, Arrival, End, Header, Output, PromptStats, Step, to_json
-from ..trace.io import TraceError, TraceReader
+from ..trace.io import TraceError, TraceReader, not_regular
 
 CHANNELS = ("arrival", "lookup", "schedule", "output", "preempt", "plan", "load", "prompt_stats", "finish")
 PROGRESS_EVERY = 4096   # records read (both traces) between progress calls
@@ -116,14 +117,11 @@ def diff_files(path_a: str | os.PathLike, path_b: str | os.PathLike,
     """
     if match not in MATCH_MODES:
         raise ValueError(f"match must be one of {', '.join(MATCH_MODES)}")
+    if match == "auto":
+        for path in (path_a, path_b):
+            _refuse_pipe(path)
     with TraceReader(path_a) as ra, TraceReader(path_b) as rb, contextlib.ExitStack() as workers:
         if match == "auto":
-            for r in (ra, rb):
-                if not r.shareable:
-                    raise TraceError(r.path, None, "not a regular file (a pipe?), which can be read "
-                                                   "only once, and --match auto reads the start of "
-                                                   "each trace before the diff: give --match id, "
-                                                   "id-prefix or arrival")
             match = choose_match(path_a, path_b)
         d = _Differ(ra, rb, match, _events(ra, workers, worker), _events(rb, workers, worker))
         d.run(progress)
@@ -138,6 +136,16 @@ def diff_files(path_a: str | os.PathLike, path_b: str | os.PathLike,
             truncation_a=ra.truncation, truncation_b=rb.truncation,
             matched_by=match, end_a=ra.end, end_b=rb.end, cut_short=d.cut_short,
         )
+
+
+def _refuse_pipe(path) -> None:
+    """``--match auto`` reads the start of each input before the diff: an input
+    that is not a regular file is refused before it is opened (a named pipe
+    would wait for a writer)."""
+    if not_regular(path):
+        raise TraceError(Path(path), None, "not a regular file (a pipe?), which can be read only "
+                                           "once, and --match auto reads the start of each trace "
+                                           "before the diff: give --match id, id-prefix or arrival")
 
 
 def _events(reader: TraceReader, workers: contextlib.ExitStack, worker: bool | None) -> Iterator:

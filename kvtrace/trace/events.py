@@ -168,6 +168,11 @@ def _id_lists_ok(lists: tuple) -> bool:
     return set(map(type, lists)) == _LIST and _counts_ok(list(chain.from_iterable(lists)))
 
 
+def _reasons_ok(reasons) -> bool:
+    """Every item a finish reason (``_choice``'s check)."""
+    return set(map(type, reasons)) <= _STR and _FINISH_SET.issuperset(reasons)
+
+
 def _tname(v: Any) -> str:
     return {dict: "an object", list: "a list", str: "a string", bool: "a boolean",
             int: "an integer", float: "a number", type(None): "null"}.get(type(v), type(v).__name__)
@@ -587,8 +592,7 @@ class Output:
             for k, v in sampled.items():
                 _ints(v, f"sampled.{k}")
         finished = _obj(_get(d, "finished", {}), "finished")
-        reasons = finished.values()
-        if not (set(map(type, reasons)) <= _STR and _FINISH_SET.issuperset(reasons)):
+        if not _reasons_ok(finished.values()):
             for k, v in finished.items():
                 _choice(v, f"finished.{k}", FINISH_REASONS)
         conn = _get(d, "connector", None)

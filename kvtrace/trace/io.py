@@ -244,6 +244,17 @@ class SharedEnd:
             pass
 
 
+def not_regular(path: str | os.PathLike) -> bool:
+    """Whether ``path`` names something other than a regular file (a pipe, a
+    device), which only one reader can read, without opening it (a named pipe
+    would wait for a writer). False when it cannot be looked at: the reader then
+    names the problem."""
+    try:
+        return not stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
 def _open_read(path: Path) -> int:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     if stat.S_ISDIR(os.fstat(fd).st_mode):
