@@ -16,6 +16,53 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _children() -> list[int]:
+    """This process's child processes (Linux: each thread's ``children`` list)."""
+    import os
+
+    pids = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/children") as f:
+                pids += map(int, f.read().split())
+        except OSError:
+            pass
+    return pids
+
+
+class _ChildPeaks:
+    """The peak resident size of each worker process this process starts, as the
+    worker's own high-water mark (``VmHWM``), read every 0.2 s while it runs.
+    ``RUSAGE_CHILDREN`` would count the main process's resident size at the
+    moment it started the worker, and only the largest worker."""
+
+    def __init__(self):
+        import threading
+
+        self.peaks: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.2):
+            for pid in _children():
+                try:
+                    with open(f"/proc/{pid}/status") as f:
+                        hwm = [line for line in f if line.startswith("VmHWM:")]
+                except OSError:
+                    continue
+                if hwm:
+                    peak = int(hwm[0].split()[1]) * 1024
+                    self.peaks[pid] = max(self.peaks.get(pid, 0), peak)
+
+    def stop(self) -> list[int]:
+        """The workers' peaks, largest first."""
+        self._stop.set()
+        self._thread.join()
+        return sorted(self.peaks.values(), reverse=True)
+
+
 def scale_workload(requests: int, seed: int = 0):
     """A long serving run: shared system prompts, a steady arrival rate that keeps
     about eight requests running, and a KV cache small enough to preempt now and then."""
@@ -130,14 +177,14 @@ def replay(trace: str, kv: bool, worker: bool | None = None) -> dict:
     from kvtrace.replay import replay_file, workers
 
     used = workers.wanted(trace) if worker is None else int(worker)
+    children = _ChildPeaks()
     t = time.perf_counter()
     r = replay_file(trace, device="cpu" if kv else None, worker=worker)
     seconds = time.perf_counter() - t
     if r.divergences:
         raise SystemExit(f"{len(r.divergences)} divergences on a clean trace: {r.divergences[0]}")
-    worker_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     return {"seconds": seconds, "steps": r.steps, "peak_rss": _peak_rss(),
-            "worker_peak_rss": worker_rss, "slots": getattr(r, "slots_checked", 0),
+            "worker_peak_rss": children.stop(), "slots": getattr(r, "slots_checked", 0),
             "workers": used if kv or used < 2 else 1}
 
 
@@ -148,12 +195,13 @@ def diff(trace: str, worker: bool | None = None) -> dict:
     from kvtrace.replay import workers
 
     used = workers.wanted(trace) >= 1 if worker is None else worker
+    children = _ChildPeaks()
     t = time.perf_counter()
     r = diff_files(trace, trace, worker=worker)
+    seconds = time.perf_counter() - t
     if r.divergences:
         raise SystemExit(f"a trace differs from itself: {r.divergences[0]}")
-    return {"seconds": time.perf_counter() - t, "peak_rss": _peak_rss(),
-            "worker_peak_rss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
+    return {"seconds": seconds, "peak_rss": _peak_rss(), "worker_peak_rss": children.stop(),
             "workers": 2 if used else 0}
 
 
