@@ -8,9 +8,9 @@ before it and ``TraceReader.truncation`` says where.
 
 from __future__ import annotations
 
-import gzip
 import errno
 import fcntl
+import gzip
 import io
 import os
 import stat
@@ -69,11 +69,10 @@ def _open_binary_read(path: Path) -> IO[bytes]:
 
 def _decompressing(raw: IO[bytes]) -> IO[bytes]:
     """The trace's bytes, through gzip or zstd when the file starts with its magic."""
+    magic = raw.read(4)
     if raw.seekable():
-        magic = raw.read(4)
         raw.seek(0)
-    else:   # a pipe cannot seek back: read the magic, then give it back
-        magic = raw.read(4)
+    else:   # a pipe cannot seek back: give the magic back
         raw = io.BufferedReader(_Prefixed(magic, raw), _CHUNK)
     if magic[:2] == GZIP_MAGIC:
         return gzip.GzipFile(fileobj=raw, mode="rb")
@@ -256,7 +255,7 @@ def not_regular(path: str | os.PathLike) -> bool:
 
 
 def _open_read(path: Path) -> int:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    fd = os.open(path, os.O_RDONLY)
     if stat.S_ISDIR(os.fstat(fd).st_mode):
         os.close(fd)
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
