@@ -14,7 +14,7 @@ from kvtrace.trace import events as ev
 
 
 def config_from_header(header: ev.Header) -> SchedulerConfig:
-    """Scheduler settings from the header; three of them ride in ``features``,
+    """Scheduler settings from the header; four of them ride in ``features``,
     with vLLM 0.32's defaults when a trace does not name them."""
     c, f = header.config, header.features
     return SchedulerConfig(
@@ -32,6 +32,7 @@ def config_from_header(header: ev.Header) -> SchedulerConfig:
         reserve_full_isl=bool(f.get("scheduler_reserve_full_isl", True)),
         adaptive_long_prefill_threshold=bool(f.get("long_prefill_token_threshold_adaptive", False)),
         max_num_active_seqs=f.get("max_num_active_seqs"),
+        async_scheduling=bool(f.get("async_scheduling", False)),
     )
 
 
@@ -41,6 +42,7 @@ def header_features(cfg: SchedulerConfig) -> dict:
         "scheduler_reserve_full_isl": cfg.reserve_full_isl,
         "long_prefill_token_threshold_adaptive": cfg.adaptive_long_prefill_threshold,
         "max_num_active_seqs": cfg.max_num_active_seqs,
+        "async_scheduling": cfg.async_scheduling,
     }
 
 

@@ -386,7 +386,6 @@ def test_garbage_inside_gzip(base, tmp_path, capsys):
 @pytest.mark.parametrize("features,message", [
     ({"num_speculative_tokens": 2}, "speculative decoding is on"),
     ({"num_kv_cache_groups": 2}, "2 KV-cache groups"),
-    ({"async_scheduling": True}, "async scheduling is on"),
     ({"pipeline_parallel_size": 2}, "pipeline parallelism is on"),
 ])
 def test_unsupported_feature_is_refused_by_replay(base, tmp_path, capsys, features, message):

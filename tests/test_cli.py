@@ -317,7 +317,35 @@ def test_record_embedded_plumbing(tmp_path, capsys, monkeypatch):
     code, out, _ = run(capsys, "record", "-o", str(out_path), "--workload", "offload",
                        "--fault", "async-load-overshoot", "--seed", "7")
     assert code == 0 and f"wrote {out_path}" in out
-    assert calls == [(out_path, {"workload": "offload", "fault": "async-load-overshoot", "seed": 7})]
+    assert calls == [(out_path, {"workload": "offload", "fault": "async-load-overshoot", "seed": 7,
+                                 "async_scheduling": False})]
+    code, _, _ = run(capsys, "record", "-o", str(out_path), "--workload", "kv-pressure",
+                     "--async-scheduling")
+    assert code == 0 and calls[-1][1]["async_scheduling"] is True
+
+
+def test_record_async_scheduling_on_the_embedded_engine(tmp_path, capsys):
+    from kvtrace.replay import replay_file
+    from kvtrace.trace.io import TraceReader
+
+    out_path = tmp_path / "a.jsonl"
+    code, _, _ = run(capsys, "record", "-o", str(out_path), "--workload", "kv-pressure",
+                     "--async-scheduling")
+    assert code == 0
+    with TraceReader(out_path) as r:
+        assert r.header.features["async_scheduling"] is True
+        order = [(e.kind, e.step) for e in r if e.kind in ("step", "output")]
+    # the output of step N comes after the schedule of step N+1
+    assert order[:4] == [("step", 0), ("step", 1), ("output", 0), ("step", 2)]
+    assert replay_file(out_path, device="cpu").divergences == []
+    # not with an external store, nor with a command
+    code, _, err = run(capsys, "record", "-o", str(tmp_path / "b.jsonl"), "--workload", "offload",
+                       "--async-scheduling")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "external store" in err
+    assert not (tmp_path / "b.jsonl").exists()
+    code, _, err = run(capsys, "record", "-o", str(tmp_path / "c.jsonl"), "--async-scheduling",
+                       "--", "true")
+    assert code == 2 and "--async-scheduling" in err
 
 
 @pytest.mark.skipif(not _has("kvtrace.record.vllm_run", "record_command"),

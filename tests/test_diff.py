@@ -482,7 +482,9 @@ TRACES = Path(__file__).resolve().parent.parent / "traces"
 def test_a_vllm_recording_and_its_replay(path, tmp_path):
     """``kvtrace replay -o`` writes what the reference scheduler decided; diffed
     with the recording, it agrees where replay found nothing, and where replay
-    found a divergence, diff's first one is at the same step."""
+    found a divergence, diff's first one is on the same line of the recording
+    (under async scheduling an output record follows the next step's, so the
+    first by line is not the first by step number)."""
     from kvtrace.replay import replay_file
 
     out = tmp_path / "replayed.jsonl"
@@ -493,8 +495,8 @@ def test_a_vllm_recording_and_its_replay(path, tmp_path):
         assert r.divergences == [], [d.to_json() for d in r.divergences]
     else:
         assert r.divergences
-        first = min(d.step for d in rep.divergences if d.step is not None)
-        assert min(d.step for d in r.divergences if d.step is not None) == first
+        first = min(d.line for d in rep.divergences if d.line is not None)
+        assert min(d.line for d in r.divergences if d.line is not None) == first
 
 
 def test_every_lookup_is_compared_where_it_happened(recorded, tmp_path):

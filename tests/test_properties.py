@@ -42,10 +42,13 @@ SLOW = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCh
 
 
 @st.composite
-def workloads(draw, store: bool | None = None, large: bool = False) -> Workload:
+def workloads(draw, store: bool | None = None, large: bool = False,
+              async_scheduling: bool | None = False) -> Workload:
     """A random engine configuration and a timed list of arrivals and aborts.
     Sizes keep every request satisfiable, so the engine always finishes.
-    ``large``: more requests (up to 60), longer prompts and outputs."""
+    ``large``: more requests (up to 60), longer prompts and outputs.
+    ``async_scheduling``: on, off, or (None) drawn for a workload without a store
+    (async scheduling is modelled without a connector); True means no store."""
     seed = draw(st.integers(0, 2 ** 32 - 1))
     rng = random.Random(seed)
     block_size = draw(st.sampled_from([1, 2, 4, 8, 16]))
@@ -56,6 +59,10 @@ def workloads(draw, store: bool | None = None, large: bool = False) -> Workload:
     need = -(-max_model_len // block_size)           # blocks of the longest request
     num_blocks = 1 + need + draw(st.integers(0, 3 * need))
     with_store = draw(st.booleans()) if store is None else store
+    if async_scheduling is None:
+        async_scheduling = not with_store and draw(st.booleans())
+    elif async_scheduling:
+        with_store = False
     policy_fail = draw(st.sampled_from(["fail", "recompute"]))
     max_num_batched_tokens = draw(st.integers(8, 256))
     max_num_seqs = draw(st.integers(1, 8))
@@ -75,6 +82,7 @@ def workloads(draw, store: bool | None = None, large: bool = False) -> Workload:
         reserve_full_isl=draw(st.sampled_from([True, True, False])),
         adaptive_long_prefill_threshold=draw(st.sampled_from([False, False, False, True])),
         max_num_active_seqs=draw(st.sampled_from([None, None, None, max(1, max_num_seqs // 2)])),
+        async_scheduling=async_scheduling,
     )
     vocab = draw(st.sampled_from([FIRST_ORDINARY_TOKEN + 16, 1000, 32000]))
 
@@ -136,7 +144,7 @@ def _show(divs) -> str:
 
 
 @settings(max_examples=25, **SLOW)
-@given(wl=workloads())
+@given(wl=workloads(async_scheduling=None))
 def test_random_workloads_replay_clean(tmp_path_factory, wl):
     path = tmp_path_factory.mktemp("wl") / "t.jsonl"
     rec = record_workload(wl, path)

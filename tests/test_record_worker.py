@@ -407,13 +407,13 @@ def _open_fds() -> int:
 @pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
 def test_a_refused_trace_leaves_no_open_file(tmp_path, suffix):
     recs = load_records(TRACES / "preemption.jsonl.gz")
-    recs[0]["features"]["async_scheduling"] = True
-    path = save_records(recs, tmp_path / f"async{suffix}")
+    recs[0]["features"]["num_speculative_tokens"] = 1
+    path = save_records(recs, tmp_path / f"spec{suffix}")
     bad_header = tmp_path / f"header{suffix}"
     save_records([{"kind": "header"}], bad_header)
     before = _open_fds()
     for worker in (False, True, False):
-        assert "async scheduling" in error(path, worker)
+        assert "speculative decoding" in error(path, worker)
         assert ":1: " in error(bad_header, worker)
     assert _open_fds() == before
 

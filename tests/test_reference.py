@@ -293,3 +293,70 @@ def test_max_num_active_seqs_caps_admission_below_max_num_seqs():
     s.add_request(req("a", [1, 2, 3]))
     s.add_request(req("b", [4, 5, 6]))
     assert set(s.schedule().num_scheduled_tokens) == {"a"}
+
+
+# --------------------------------------------------------------------------- async scheduling (AS)
+
+
+def test_async_decode_holds_a_placeholder_and_skips_the_step_past_max_tokens():
+    """AsyncScheduler (AS:25-78, S:664-678), worked by hand for a 6-token prompt,
+    max_tokens 3, with the engine's order: step N+1 is scheduled before step N's
+    output comes back, at most two steps in flight."""
+    s = Scheduler(cfg(async_scheduling=True))
+    r = req("a", [1, 2, 3, 4, 5, 6], max_tokens=3)
+    s.add_request(r)
+    out0 = s.schedule()                       # the prefill samples the 1st token
+    assert out0.num_scheduled_tokens == {"a": 6}
+    assert (r.num_computed_tokens, r.num_output_placeholders) == (6, 1)
+    out1 = s.schedule()                       # T = 6 + 1 placeholder - c 6 = 1
+    assert out1.num_scheduled_tokens == {"a": 1}
+    assert (r.num_computed_tokens, r.num_output_placeholders) == (7, 2)
+    s.update_from_output(out0, ModelOutput({"a": [11]}))
+    assert (r.num_tokens, r.num_output_placeholders) == (7, 1)
+    # the output caches blocks up to c - placeholders = 6: one full block of 4
+    assert s.kv.num_cached_block["a"] == 1
+    out2 = s.schedule()                       # 7 + 2 - 1 = 8 < 6 + 3: one more step
+    assert out2.num_scheduled_tokens == {"a": 1}
+    assert (r.num_computed_tokens, r.num_output_placeholders) == (8, 2)
+    s.update_from_output(out1, ModelOutput({"a": [12]}))
+    assert (r.num_tokens, r.num_output_placeholders) == (8, 1)
+    assert s.kv.num_cached_block["a"] == 1    # 8 - 1 = 7 tokens: still one full block
+    out3 = s.schedule()                       # 8 + 2 - 1 = 9 >= 9: the last token is in flight
+    assert out3.num_scheduled_tokens == {}
+    res = s.update_from_output(out2, ModelOutput({"a": [13]}))
+    assert [(o.req_id, o.new_token_ids, o.finish_reason) for o in res] == [("a", [13], "length")]
+    assert "a" not in s.requests
+
+
+def test_async_preemption_makes_output_in_flight_stale():
+    """A request preempted while its step is in flight (S:1596-1607): its
+    placeholders go to 0 and its in-flight tokens become stale; the stale output's
+    token is still appended but changes no counter, and until it is back the
+    request is not admitted again (S:934, S:2080-2087)."""
+    s = Scheduler(cfg(async_scheduling=True))
+    r = req("a", [1, 2, 3, 4, 5, 6])
+    s.add_request(r)
+    out0 = s.schedule()
+    s.running.remove(r)                       # as the running pass does before preempting
+    s._preempt_request(r)
+    assert (r.num_computed_tokens, r.num_output_placeholders) == (0, 0)
+    assert (r.num_in_flight_tokens, r.num_stale_output_tokens) == (6, 6)
+    assert s.schedule().num_scheduled_tokens == {}   # skipped: stale output still to come
+    s.update_from_output(out0, ModelOutput({"a": [11]}))
+    assert (r.num_tokens, r.num_output_placeholders, r.num_stale_output_tokens) == (7, 0, 0)
+    assert r.status == Status.PREEMPTED and s.kv.num_cached_block.get("a", 0) == 0
+    # Resumed with a fresh lookup: the first block, cached when it was allocated
+    # (4.3) and freed to the tail, is a local hit of 4; the other 3 tokens, the
+    # stale token among them, are computed again.
+    out = s.schedule()
+    assert [(x.req_id, x.num_computed_tokens) for x in out.resumed] == [("a", 4)]
+    assert out.num_scheduled_tokens == {"a": 3}
+
+
+def test_synchronous_scheduler_holds_no_placeholder():
+    s = Scheduler(cfg())
+    r = req("a", [1, 2, 3, 4, 5, 6], max_tokens=3)
+    s.add_request(r)
+    s.schedule()
+    assert (r.num_computed_tokens, r.num_output_placeholders) == (6, 0)
+    assert s.schedule().num_scheduled_tokens == {}   # nothing to compute until the token is back

@@ -122,6 +122,34 @@ def test_recorded_run_generates_the_same_tokens(tmp_path, model_dir):
                 assert st.status == "PREEMPTED" and st.num_computed_tokens == 0 and st.block_ids == []
 
 
+def test_async_scheduling_engine_is_recorded_unchanged_and_replays_clean(tmp_path, model_dir):
+    """vLLM's AsyncScheduler with its batch queue (the default on GPUs; the
+    workload runner keeps it on over the CPU platform's default): the recorder
+    leaves the generated tokens alone, the trace shows steps scheduled before the
+    previous step's output, and the reference replays it with no divergence."""
+    from kvtrace.replay import replay_file
+
+    plain = run_workload(model_dir, "async-preemption")
+    out = tmp_path / "async.jsonl.gz"
+    recorded = record_vllm_offline(model_dir, out, "async-preemption")
+    assert recorded["outputs"] == plain["outputs"]
+    r, evs = read_all(out)
+    assert r.header.features["async_scheduling"] is True
+    assert r.header.features["scheduler_cls"] == "vllm.v1.core.sched.async_scheduler.AsyncScheduler"
+    assert evs[-1].status == "complete"
+    ahead = 0   # steps recorded while the step before them had no output yet
+    outputs = set()
+    for e in evs:
+        if e.kind == "output":
+            outputs.add(e.step)
+        elif e.kind == "step" and e.step > 0 and e.step - 1 not in outputs:
+            ahead += 1
+    assert ahead > 10
+    assert any(s.preempted for s in evs if s.kind == "step")
+    res = replay_file(out, device="cpu", worker=0)
+    assert res.divergences == [] and res.slots_checked > 0
+
+
 def test_incremental_block_tables_equal_the_managers_own(tmp_path, model_dir, monkeypatch):
     """Capture keeps a reference to each request's block list and its length; the
     sink reads the ids from it, incrementally (BlockTables).

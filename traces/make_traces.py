@@ -22,9 +22,12 @@ TRACES = {
     "preemption": "preemption",
     "connector": "connector",
     "priority": "priority",
+    "async-preemption": "async-preemption",
+    "async-priority": "async-priority",
 }
 # Traces of vLLM with a bug put back (kvtrace.record.fault_schedulers), in faults/.
-FAULT_TRACES = ["async-load-overshoot", "stale-computed-on-preempt"]
+FAULT_TRACES = ["async-load-overshoot", "stale-computed-on-preempt",
+                "async-stale-computed-on-preempt"]
 
 
 def main(names: list[str]) -> int:

@@ -27,21 +27,28 @@ FAULTS = (
 @click.option("--workload", default=None,
               help=f"Built-in workload. Embedded engine: {', '.join(WORKLOADS)} (default "
                    f"{WORKLOADS[0]}). vLLM: prefix, preemption, connector, priority, "
-                   "async-partial (default prefix).")
+                   "async-partial, and async-preemption and async-priority (vLLM's "
+                   "AsyncScheduler) (default prefix).")
 @click.option("--fault", default=None,
               help=f"Put a known scheduler bug back in. Embedded engine: {', '.join(FAULTS)}. "
-                   "vLLM (a scheduler subclass): async-load-overshoot, stale-computed-on-preempt.")
+                   "vLLM (a scheduler subclass): async-load-overshoot, stale-computed-on-preempt, "
+                   "async-stale-computed-on-preempt.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Workload and sampler seed.")
 @click.option("--engine", type=click.Choice(("embedded", "vllm")), default="embedded",
               show_default=True, help="Engine to record.")
 @click.option("--model", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Model directory for --engine vllm (default: a tiny random-weight Llama, "
                    "built locally).")
+@click.option("--async-scheduling", "async_scheduling", is_flag=True,
+              help="Schedule step N+1 before step N's output is back, as vLLM's AsyncScheduler "
+                   "does (the default on GPUs). Embedded engine: workloads without an external "
+                   "store.")
 @click.option("--redact", is_flag=True,
               help="Replace token ids with keyed pseudonyms in the written trace.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def command(out: Path, workload: str | None, fault: str | None, seed: int, engine: str,
-            model: Path | None, redact: bool, command: tuple[str, ...]) -> int:
+            model: Path | None, async_scheduling: bool, redact: bool,
+            command: tuple[str, ...]) -> int:
     """Record a trace, from the embedded engine, an offline vLLM run, or any
     command given after -- (for example a vLLM server).
 
@@ -52,15 +59,16 @@ def command(out: Path, workload: str | None, fault: str | None, seed: int, engin
     """
     target = out.with_name(out.name + ".plain") if redact else out
     if command:
-        if fault or workload or model:
-            raise UsageProblem("--workload, --fault and --model do not apply to a command after --")
+        if fault or workload or model or async_scheduling:
+            raise UsageProblem("--workload, --fault, --model and --async-scheduling do not apply "
+                               "to a command after --")
         record_command = load("kvtrace.record.vllm_run", "record_command", VLLM_HINT)
         code = int(record_command(target, list(command)) or 0)
     elif engine == "vllm":
-        _record_vllm(target, workload, fault, model)
+        _record_vllm(target, workload, fault, model, async_scheduling)
         code = EXIT_OK
     else:
-        _record_embedded(target, workload, fault, seed, model)
+        _record_embedded(target, workload, fault, seed, model, async_scheduling)
         code = EXIT_OK
     if redact:
         from kvtrace.redact import redact_file
@@ -72,7 +80,7 @@ def command(out: Path, workload: str | None, fault: str | None, seed: int, engin
 
 
 def _record_embedded(out: Path, workload: str | None, fault: str | None, seed: int,
-                     model: Path | None) -> None:
+                     model: Path | None, async_scheduling: bool) -> None:
     if model is not None:
         raise UsageProblem("--model needs --engine vllm")
     workload = workload or WORKLOADS[0]
@@ -82,10 +90,15 @@ def _record_embedded(out: Path, workload: str | None, fault: str | None, seed: i
         raise UsageProblem(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
     record_embedded = load("kvtrace.engine", "record_embedded")
     with progress("recording", "steps"):
-        record_embedded(out, workload=workload, fault=fault, seed=seed)
+        try:
+            record_embedded(out, workload=workload, fault=fault, seed=seed,
+                            async_scheduling=async_scheduling)
+        except ValueError as e:   # a combination the engine does not run
+            raise UsageProblem(str(e)) from None
 
 
-def _record_vllm(out: Path, workload: str | None, fault: str | None, model: Path | None) -> None:
+def _record_vllm(out: Path, workload: str | None, fault: str | None, model: Path | None,
+                 async_scheduling: bool) -> None:
     record_vllm_offline = load("kvtrace.record.vllm_run", "record_vllm_offline", VLLM_HINT)
     known = load("kvtrace.record.vllm_run", "WORKLOADS", VLLM_HINT)
     extra = {}
@@ -99,4 +112,6 @@ def _record_vllm(out: Path, workload: str | None, fault: str | None, model: Path
     name = VLLM_ALIASES.get(workload or "prefix", workload or "prefix")
     if name not in known:
         raise UsageProblem(f"unknown vLLM workload {workload!r}; known: {', '.join(known)}")
+    if async_scheduling:
+        extra["async_scheduling"] = True
     record_vllm_offline(None if model is None else str(model), out, name, **extra)

@@ -207,6 +207,10 @@ def _item(step: int | None, seq: int, line: int, value: dict) -> _Item:
 # (a lookup last: it comes just before the schedule it may admit).
 _RANK = {"schedule": -1, "arrival": 0, "output": 0, "prompt_stats": 1, "finish": 1,
          "preempt": 2, "plan": 2, "load": 2, "lookup": 3}
+# Under async scheduling a request can be preempted while its last schedule is
+# in flight: that schedule's output, and what rides with it, comes after the
+# preemption (S:1596-1606), and before the lookup that may admit it again.
+_STALE_RANK = {"output": 2.3, "prompt_stats": 2.6, "finish": 2.6}
 
 
 @dataclass(slots=True)
@@ -218,6 +222,7 @@ class _History:
     finished: bool = False
     done: bool = False
     arrived_after: int | None = None   # the last step before its arrival
+    preempted_after: int = -1          # schedules counted at its last preemption
     last_lookup: tuple | None = None   # the answer of its last lookup since it was last scheduled
 
 
@@ -369,6 +374,7 @@ class _Differ:
                 if st is not None:   # what preemption left of the request's counters
                     v.update(zip(_STATE_KEYS["state"], _state(st)))
                 self._add(side, req, "preempt", _item(ev.step, ev.seq, line, v))
+                h.preempted_after = h.n_sched
         # The connector's load plan: with the schedule record of a request admitted
         # in this step, on its own channel for an async load (not scheduled yet).
         plans: dict[str, list] = {}
@@ -477,7 +483,10 @@ class _Differ:
             # step (a transfer that completes after an abort) is not compared, so
             # that both traces end it alike however far apart they are read.
             return
-        item.pos = (h.n_sched, _RANK[channel])
+        rank = _RANK[channel]
+        if h.preempted_after == h.n_sched and channel in _STALE_RANK:
+            rank = _STALE_RANK[channel]   # the output of a schedule made before the preemption
+        item.pos = (h.n_sched, rank)
         h.channels[channel].append(item)
         if pair.a is not None and pair.b is not None:
             self._compare(pair, channel)

@@ -9,12 +9,15 @@ One step is what vLLM's engine core does in one iteration:
     update_from_output(out, model)        -> an Output event, PromptStats events
 
 update_from_output runs after every schedule(), also when nothing was scheduled.
+Under async scheduling (the workload's config says so) the update for step N
+comes after schedule() for step N+1, as in vLLM's engine core.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import kvtrace
@@ -60,15 +63,21 @@ class RecordResult:
 
 
 def record_embedded(out_path: str | os.PathLike, workload: str = "shared-prefix",
-                    fault: str | None = None, seed: int = 0, counters: str = "both") -> RecordResult:
+                    fault: str | None = None, seed: int = 0, counters: str = "both",
+                    async_scheduling: bool = False) -> RecordResult:
     """Run a built-in workload on the embedded engine and write its trace.
 
     ``counters`` says which prompt accounting the PromptStats events carry:
     "both" (vLLM 0.32's PrefillStats and the legacy pair), "legacy" or
-    "prefill_stats". Raises EngineStalled (after writing the trace) when the
+    "prefill_stats". ``async_scheduling`` runs the engine as vLLM's
+    AsyncScheduler and batch queue do (not with a workload's external store:
+    ValueError). Raises EngineStalled (after writing the trace) when the
     scheduler gets stuck.
     """
-    return record_workload(out_path, build_workload(workload, seed), fault, seed, counters)
+    wl = build_workload(workload, seed)
+    if async_scheduling:
+        wl = replace(wl, config=replace(wl.config, async_scheduling=True))
+    return record_workload(out_path, wl, fault, seed, counters)
 
 
 def record_workload(out_path: str | os.PathLike, wl: Workload, fault: str | None = None,
@@ -110,64 +119,121 @@ class _Engine:
             self.lookups = LookupRecorder(self.store)
         elif fault in STORE_FAULTS:
             raise ValueError(f"fault {fault!r} needs a workload with an external store")
+        if wl.store is not None and wl.config.async_scheduling:
+            raise ValueError(f"workload {wl.name!r} has an external store; async scheduling is "
+                             "modelled without a connector")
         self.sched = scheduler_class(fault)(wl.config, self.lookups, self.store, self.fault_log)
         self.sampler = Sampler(seed, wl.vocab_size, wl.eos_probability)
 
     def run(self, writer: TraceWriter, counters: str, result: RecordResult) -> None:
-        wl, sched = self.wl, self.sched
-        arrivals = sorted(wl.arrivals, key=lambda a: a.step)
-        aborts = sorted(wl.aborts, key=lambda a: a.step)
-        ai = bi = idle = 0
-        preempted: dict[str, int] = {}   # request -> preemptions since its last sampled token
+        """Synchronous engine steps: each schedule() is followed by its update."""
+        if self.wl.config.async_scheduling:
+            return self._run_async(writer, counters, result)
+        arrivals, aborts = self._plan()
         for step in range(MAX_STEPS):
             self.fault_log.step = step
-            while ai < len(arrivals) and arrivals[ai].step <= step:
-                self._arrive(writer, arrivals[ai])
-                ai += 1
-            due = []
-            while bi < len(aborts) and aborts[bi].step <= step:
-                due.append(aborts[bi].req)
-                bi += 1
-            self._abort(writer, due)
-
-            out = sched.schedule()
-            lookups = self.lookups.take() if self.lookups else []
-            loads = self.store.take_loads() if self.store else None
-            writer.write(bridge.step_event(writer.next_seq(), step, out, sched, lookups, loads))
-            result.preemptions += len(out.preempted_req_ids)
-
-            model = ModelOutput(sampled_token_ids=self.sampler.sample(sched, out))
-            for req in out.preempted_req_ids:
-                preempted[req] = preempted.get(req, 0) + 1
-            for req in model.sampled_token_ids:
-                preempted.pop(req, None)
-            if self.store is not None:
-                self.store.worker_step(step, sched, model)
-            touched = bridge.touched_by_output(sched, out, model)
-            results = sched.update_from_output(out, model)
-            for event in bridge.output_events(writer.next_seq, step, model, results, sched, touched):
-                writer.write(_keep_counters(event, counters))
-
+            self._arrivals_due(writer, arrivals, step)
+            self._aborts_due(writer, aborts, step)
+            out, model = self._schedule(writer, step, result)
+            self._update(writer, step, out, model, counters)
             result.steps = step + 1
-            if (ai == len(arrivals) and bi == len(aborts) and not sched.requests
-                    and not (self.store and self.store.has_pending())):
+            if self._finished(arrivals, aborts):
                 return
-            looping = [req for req, n in preempted.items() if n >= LOOP_PREEMPTIONS]
-            if looping:
-                raise EngineStalled(
-                    f"the engine is in a preemption loop: {looping[0]} was preempted "
-                    f"{LOOP_PREEMPTIONS} times without producing a token (up to step {step}); "
-                    f"the trace up to there is in {writer.path}")
-            for req in out.finished_req_ids:
-                preempted.pop(req, None)
-            idle = 0 if out.num_scheduled_tokens else idle + 1
-            if idle >= STALL_STEPS and not (self.store and self.store.has_pending()):
-                raise EngineStalled(
-                    f"the engine stalled: nothing scheduled for {idle} steps (up to step {step}) "
-                    f"while {len(sched.requests)} requests wait; the trace up to there is in "
-                    f"{writer.path}")
-        raise EngineStalled(f"workload {wl.name!r} did not finish within {MAX_STEPS} steps; "
-                            f"the trace up to there is in {writer.path}")
+            self._check_progress(writer, step, out)
+        raise self._too_long(writer)
+
+    def _run_async(self, writer: TraceWriter, counters: str, result: RecordResult) -> None:
+        """Async scheduling, as vLLM's engine core runs its batch queue of two
+        (EC:698-790): schedule() for step N+1 comes before the update for step
+        N, whose aborts are applied just before it."""
+        arrivals, aborts = self._plan()
+        in_flight: deque = deque()   # (step, out, model), oldest first
+        for step in range(MAX_STEPS):
+            self.fault_log.step = step
+            self._arrivals_due(writer, arrivals, step)
+            out, model = self._schedule(writer, step, result)
+            in_flight.append((step, out, model))
+            result.steps = step + 1
+            if len(in_flight) < 2 and (out.num_scheduled_tokens or self.sched.requests):
+                continue   # the queue is not full: schedule the next step first
+            self._aborts_due(writer, aborts, step)
+            done_step, done_out, done_model = in_flight.popleft()
+            self._update(writer, done_step, done_out, done_model, counters)
+            if self._finished(arrivals, aborts):
+                while in_flight:   # no request left: the queue is drained (EC:761-768)
+                    self._update(writer, *in_flight.popleft(), counters)
+                return
+            self._check_progress(writer, step, done_out)
+        raise self._too_long(writer)
+
+    # -- one engine step, in parts -------------------------------------------------
+
+    def _plan(self) -> tuple[list, list]:
+        self._ai = self._bi = self._idle = 0
+        self._preempted: dict[str, int] = {}   # request -> preemptions since its last token
+        return (sorted(self.wl.arrivals, key=lambda a: a.step),
+                sorted(self.wl.aborts, key=lambda a: a.step))
+
+    def _arrivals_due(self, writer: TraceWriter, arrivals: list, step: int) -> None:
+        while self._ai < len(arrivals) and arrivals[self._ai].step <= step:
+            self._arrive(writer, arrivals[self._ai])
+            self._ai += 1
+
+    def _aborts_due(self, writer: TraceWriter, aborts: list, step: int) -> None:
+        due = []
+        while self._bi < len(aborts) and aborts[self._bi].step <= step:
+            due.append(aborts[self._bi].req)
+            self._bi += 1
+        self._abort(writer, due)
+
+    def _schedule(self, writer: TraceWriter, step: int, result: RecordResult):
+        """schedule(), its step record, and what the model samples for it."""
+        sched = self.sched
+        out = sched.schedule()
+        lookups = self.lookups.take() if self.lookups else []
+        loads = self.store.take_loads() if self.store else None
+        writer.write(bridge.step_event(writer.next_seq(), step, out, sched, lookups, loads))
+        result.preemptions += len(out.preempted_req_ids)
+        return out, ModelOutput(sampled_token_ids=self.sampler.sample(sched, out))
+
+    def _update(self, writer: TraceWriter, step: int, out, model: ModelOutput, counters: str) -> None:
+        """The store's worker for the step, then update_from_output and its records."""
+        sched, preempted = self.sched, self._preempted
+        for req in out.preempted_req_ids:
+            preempted[req] = preempted.get(req, 0) + 1
+        for req in model.sampled_token_ids:
+            preempted.pop(req, None)
+        if self.store is not None:
+            self.store.worker_step(step, sched, model)
+        touched = bridge.touched_by_output(sched, out, model)
+        results = sched.update_from_output(out, model)
+        for event in bridge.output_events(writer.next_seq, step, model, results, sched, touched):
+            writer.write(_keep_counters(event, counters))
+
+    def _finished(self, arrivals: list, aborts: list) -> bool:
+        return (self._ai == len(arrivals) and self._bi == len(aborts) and not self.sched.requests
+                and not (self.store and self.store.has_pending()))
+
+    def _check_progress(self, writer: TraceWriter, step: int, out) -> None:
+        """Give up on a preemption loop or a stall (the trace so far is kept)."""
+        looping = [req for req, n in self._preempted.items() if n >= LOOP_PREEMPTIONS]
+        if looping:
+            raise EngineStalled(
+                f"the engine is in a preemption loop: {looping[0]} was preempted "
+                f"{LOOP_PREEMPTIONS} times without producing a token (up to step {step}); "
+                f"the trace up to there is in {writer.path}")
+        for req in out.finished_req_ids:
+            self._preempted.pop(req, None)
+        self._idle = 0 if out.num_scheduled_tokens else self._idle + 1
+        if self._idle >= STALL_STEPS and not (self.store and self.store.has_pending()):
+            raise EngineStalled(
+                f"the engine stalled: nothing scheduled for {self._idle} steps (up to step {step}) "
+                f"while {len(self.sched.requests)} requests wait; the trace up to there is in "
+                f"{writer.path}")
+
+    def _too_long(self, writer: TraceWriter) -> EngineStalled:
+        return EngineStalled(f"workload {self.wl.name!r} did not finish within {MAX_STEPS} steps; "
+                             f"the trace up to there is in {writer.path}")
 
     def _arrive(self, writer: TraceWriter, a) -> None:
         arrival = ev.Arrival(seq=writer.next_seq(), req=a.req, prompt_token_ids=list(a.prompt),

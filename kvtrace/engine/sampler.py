@@ -1,9 +1,11 @@
 """The token sampler: what the model would return for one step.
 
-A request gets exactly one token in a step iff, after schedule(), its whole
-sequence is computed (its prefill is complete). The token is a hash of the seed,
-the request id and the token's position, so a request re-prefilled after a
-preemption samples the same tokens again.
+A request gets exactly one token in a step iff that step is not a prefill chunk
+(after schedule(), its whole sequence is computed). The token is a hash of the
+seed, the request id and the token's position, so a request re-prefilled after
+a preemption samples the same tokens again. Tokens are drawn right after
+schedule(): under async scheduling the output comes back a step later, and the
+token's position counts the tokens of the steps still in flight before it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class Sampler:
         sampled: dict[str, list[int]] = {}
         for req_id in out.num_scheduled_tokens:
             r = sched.requests[req_id]
-            if r.num_computed_tokens >= r.num_tokens:
-                sampled[req_id] = [self.token(req_id, r.num_tokens)]
+            if not r.is_prefill_chunk:
+                ahead = max(r.num_output_placeholders - 1, 0)   # tokens in flight before it
+                sampled[req_id] = [self.token(req_id, r.num_tokens + ahead)]
         return sampled

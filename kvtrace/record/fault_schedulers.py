@@ -12,11 +12,13 @@ wraps it like any user scheduler. Names follow docs/bug-classes.
 ``NoResetOnPreemptScheduler`` ("stale-computed-on-preempt"): after a preemption
     ``num_computed_tokens`` keeps its pre-preemption value instead of 0, so the
     resumed request skips the prefix lookup and counts positions whose blocks were
-    freed as computed.
+    freed as computed. ``AsyncNoResetOnPreemptScheduler``
+    ("async-stale-computed-on-preempt") is the same bug in vLLM's ``AsyncScheduler``.
 """
 
 from __future__ import annotations
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 
@@ -33,20 +35,31 @@ class AsyncLoadOvershootScheduler(Scheduler):
         request.num_computed_tokens = n
 
 
-class NoResetOnPreemptScheduler(Scheduler):
+class _NoResetOnPreempt:
     def _preempt_request(self, request, *args, **kwargs) -> None:
         stale = request.num_computed_tokens
         super()._preempt_request(request, *args, **kwargs)
         request.num_computed_tokens = stale
 
 
+class NoResetOnPreemptScheduler(_NoResetOnPreempt, Scheduler):
+    pass
+
+
+class AsyncNoResetOnPreemptScheduler(_NoResetOnPreempt, AsyncScheduler):
+    pass
+
+
 FAULTS = {
     "async-load-overshoot": "kvtrace.record.fault_schedulers.AsyncLoadOvershootScheduler",
     "stale-computed-on-preempt": "kvtrace.record.fault_schedulers.NoResetOnPreemptScheduler",
+    "async-stale-computed-on-preempt":
+        "kvtrace.record.fault_schedulers.AsyncNoResetOnPreemptScheduler",
 }
 
 # The vllm_run workload that triggers each fault.
 FAULT_WORKLOADS = {
     "async-load-overshoot": "async-partial",
     "stale-computed-on-preempt": "preemption",
+    "async-stale-computed-on-preempt": "async-preemption",
 }

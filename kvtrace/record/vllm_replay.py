@@ -51,7 +51,6 @@ from kvtrace.trace.io import TraceError, TraceReader
 # Engine features the replay cannot set up; a trace that turns one on is refused.
 # Flags and counts are "on" when truthy; sizes when they are not 1.
 _UNSUPPORTED_FLAGS = {
-    "async_scheduling": "async scheduling",
     "use_eagle": "EAGLE",
     "has_mamba_layers": "Mamba layers",
     "multimodal": "multimodal inputs",
@@ -237,7 +236,7 @@ def check_supported(header: ev.Header, path: str = "<trace>") -> None:
     if on:
         key, what = on[0]
         raise TraceError(path, 1, f"{what} is on ({key}={f[key]!r}); replay through vLLM's "
-                                  "scheduler sets up the synchronous single-group baseline only")
+                                  "scheduler sets up the single-group baseline only")
     groups = f.get("num_kv_cache_groups", 1)
     if groups != 1:
         raise TraceError(path, 1, f"{groups} KV-cache groups; replay through vLLM's scheduler "
@@ -312,6 +311,9 @@ def _build_vllm_config(header: ev.Header) -> Any:
         )
     vc = VllmConfig(model_config=model_config, cache_config=cache_config,
                     scheduler_config=scheduler_config, kv_transfer_config=kv_transfer_config)
+    # Set afterwards: vLLM's CPU platform turns async scheduling off while it
+    # builds the config (it has no use for it there).
+    vc.scheduler_config.async_scheduling = f.get("async_scheduling") is True
     # VllmConfig may re-derive some settings; the trace's values win.
     vc.cache_config.num_gpu_blocks = c.num_blocks
     vc.cache_config.block_size = c.block_size
@@ -331,16 +333,20 @@ def build_kv_cache_config(num_blocks: int, block_size: int) -> Any:
                          hash_block_size=block_size, cache_hit_alignment_tokens=block_size)
 
 
-def resolve_scheduler_cls(scheduler_cls: str | type | None) -> type:
-    """vLLM's Scheduler for None; a class as is; ``pkg.mod.Cls`` (or ``pkg.mod:Cls``) imported."""
+def resolve_scheduler_cls(scheduler_cls: str | type | None, async_scheduling: bool = False) -> type:
+    """vLLM's Scheduler for None (its AsyncScheduler with ``async_scheduling``);
+    a class as is; ``pkg.mod.Cls`` (or ``pkg.mod:Cls``) imported."""
     if scheduler_cls is None:
+        if async_scheduling:
+            from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+            return AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
         return Scheduler
     if isinstance(scheduler_cls, type):
         return scheduler_cls
     name = str(scheduler_cls).strip()
     if name in ("vllm", "default"):
-        return resolve_scheduler_cls(None)
+        return resolve_scheduler_cls(None, async_scheduling)
     mod_name, sep, attr = name.partition(":")
     if not sep:
         mod_name, _, attr = name.rpartition(".")
@@ -464,9 +470,13 @@ def replay_through_vllm(trace_path: str | os.PathLike, out_path: str | os.PathLi
 
     t0 = time.perf_counter()
     trace_path, out_path = os.fspath(trace_path), os.fspath(out_path)
-    cls = resolve_scheduler_cls(scheduler_cls)
     reader = TraceReader(trace_path)
     header = reader.header
+    try:
+        cls = resolve_scheduler_cls(scheduler_cls, header.features.get("async_scheduling") is True)
+    except BaseException:
+        reader.close()
+        raise
     try:
         check_supported(header, trace_path)
         sched, out_header = build_scheduler(header, out_path, cls, meta={

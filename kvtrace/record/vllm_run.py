@@ -19,10 +19,17 @@
 
 ``run_workload(model_dir, workload, **engine_kwargs) -> dict``
     The same workload without recording (for comparing generated tokens).
+
+``async_scheduling=True`` among the engine arguments runs vLLM's
+``AsyncScheduler``, which schedules step N+1 before step N's output is back.
+vLLM's CPU platform turns async scheduling off while it builds the engine's
+config (it has no need of it on CPU); these runners turn it back on when asked,
+and the engine core then runs its batch queue as it does on a GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -105,6 +112,16 @@ WORKLOADS: dict[str, dict] = {
         max_tokens=48, priority=[i % 3 for i in range(10)],
         engine=dict(num_gpu_blocks_override=18, scheduling_policy="priority",
                     long_prefill_token_threshold=48, max_num_batched_tokens=128)),
+    # The preemption and priority workloads under async scheduling: stale output
+    # of preempted requests, and no step past max_tokens.
+    "async-preemption": dict(prompts=_preemption_prompts(), max_tokens=64,
+                             engine=dict(num_gpu_blocks_override=16, async_scheduling=True)),
+    "async-priority": dict(
+        prompts=[[(17 * i + 3 * j) % 480 + 16 for j in range(60 + 13 * i)] for i in range(10)],
+        max_tokens=48, priority=[i % 3 for i in range(10)],
+        engine=dict(num_gpu_blocks_override=18, scheduling_policy="priority",
+                    long_prefill_token_threshold=48, max_num_batched_tokens=128,
+                    async_scheduling=True)),
     # One async external hit of 40 tokens (ends mid-block, before the prompt's end):
     # the trigger for the "async-load-overshoot" fault.
     "async-partial": dict(
@@ -140,7 +157,8 @@ def run_workload(model_dir: str | None, workload: Any = "prefix", **engine_kwarg
         from vllm.config import KVTransferConfig
 
         kwargs["kv_transfer_config"] = KVTransferConfig(**kwargs["kv_transfer_config"])
-    llm = LLM(model=model, **kwargs)
+    with _async_scheduling_kept(bool(kwargs.get("async_scheduling"))):
+        llm = LLM(model=model, **kwargs)
     try:
         sp = dict(max_tokens=wl.get("max_tokens", 32), ignore_eos=True, temperature=0.0)
         sp.update(wl.get("sampling", {}))
@@ -156,6 +174,32 @@ def run_workload(model_dir: str | None, workload: Any = "prefix", **engine_kwarg
     finally:
         shutdown_llm(llm)
     return result
+
+
+@contextlib.contextmanager
+def _async_scheduling_kept(wanted: bool):
+    """While an engine is built: keep ``async_scheduling`` on where vLLM's CPU
+    platform would turn it off."""
+    if not wanted:
+        yield
+        return
+    from vllm.platforms import current_platform
+
+    cls = type(current_platform)
+    if not current_platform.is_cpu():
+        yield
+        return
+    original = cls.__dict__["check_and_update_config"]
+
+    def check_and_update_config(klass, vllm_config):
+        original.__func__(klass, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = True
+
+    cls.check_and_update_config = classmethod(check_and_update_config)
+    try:
+        yield
+    finally:
+        cls.check_and_update_config = original
 
 
 def shutdown_llm(llm: Any) -> None:

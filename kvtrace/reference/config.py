@@ -25,6 +25,9 @@ class SchedulerConfig:
     adaptive_long_prefill_threshold: bool = False
     # Requests admitted into RUNNING at once; None means max_num_seqs.
     max_num_active_seqs: int | None = None
+    # vLLM's AsyncScheduler: step N+1 is scheduled before step N's output comes
+    # back, so a decoding request holds a placeholder for its unsampled token.
+    async_scheduling: bool = False
 
     @property
     def token_budget(self) -> int:

@@ -78,6 +78,15 @@ class Request:
     num_tokens: int = field(init=False, default=0)
     num_computed_tokens: int = 0
     num_preemptions: int = 0
+    # Async scheduling (semantics doc 1.1): tokens scheduled whose sampled token
+    # has not come back yet, counted inside num_computed_tokens.
+    num_output_placeholders: int = 0
+    # Scheduled tokens whose step's output has not been processed yet, and the
+    # part of them that a preemption made stale (S:1596-1606).
+    num_in_flight_tokens: int = 0
+    num_stale_output_tokens: int = 0
+    # Set by each schedule() of the request: False when the step samples a token.
+    is_prefill_chunk: bool = True
     block_hashes: list[bytes] = field(default_factory=list)
     prefill_stats: PrefillStats | None = field(default_factory=PrefillStats)
     # Legacy per-request counters of older V1 engines (semantics doc 1.5), kept by

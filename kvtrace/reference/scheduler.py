@@ -1,6 +1,7 @@
-"""The reference scheduler: vLLM V1's synchronous ``Scheduler`` in the baseline
-profile of the semantics doc (one full-attention group, no speculative decoding,
-no async scheduling, no pipeline parallelism, no encoder inputs).
+"""The reference scheduler: vLLM V1's ``Scheduler`` in the baseline profile of
+the semantics doc (one full-attention group, no speculative decoding, no
+pipeline parallelism, no encoder inputs), and its ``AsyncScheduler`` when the
+config says ``async_scheduling``.
 
 One ``schedule()`` call is two passes (semantics doc 2):
 
@@ -12,6 +13,14 @@ One ``schedule()`` call is two passes (semantics doc 2):
 
 ``update_from_output()`` applies load failures, appends sampled tokens, stops
 and frees finished requests, and records finished transfers (semantics doc 3).
+
+Under async scheduling the engine schedules step N+1 before step N's output
+comes back. A decoding request then holds one output placeholder per sampled
+token still to come, counted inside ``num_computed_tokens``; the output takes
+them back and caches the blocks its tokens filled (``AS:25-78``). A preempted
+request's output still in flight is stale: its tokens are appended, but it
+changes no counter, and the request is not admitted again until it has come
+back (S:934, S:1596-1606, S:2080-2087).
 
 Methods whose names start with ``_`` and are listed under "rules" are the
 places where engines have had bugs; the embedded engine's faults override them.
@@ -117,7 +126,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and step.has_budget():
             r = self.running[i]
-            n = min(step.chunk(r.num_tokens - r.num_computed_tokens),
+            if self._reached_max_tokens(r):
+                i += 1
+                continue
+            n = min(step.chunk(r.num_tokens + r.num_output_placeholders - r.num_computed_tokens),
                     self.max_model_len - r.num_computed_tokens - 1)
             if n <= 0:
                 i += 1
@@ -166,8 +178,8 @@ class Scheduler:
             if not queue or step.input_budget <= 0 or len(self.running) >= max_active:
                 break
             r = queue.peek()
-            if not self._ready_to_schedule(r):
-                skip(queue)
+            if not self._ready_to_schedule(r) or r.num_stale_output_tokens:
+                skip(queue)     # a load still running, or stale output still in flight
                 continue
 
             hits: list[Block] = []
@@ -255,11 +267,23 @@ class Scheduler:
         for req_id, n in step.num_scheduled.items():
             r = self.requests[req_id]
             r.num_computed_tokens += n
-            if r.num_computed_tokens >= r.num_tokens:
+            r.num_in_flight_tokens += n
+            r.is_prefill_chunk = r.num_computed_tokens < r.num_tokens + r.num_output_placeholders
+            if not r.is_prefill_chunk:
+                # This step samples a token (S:1634, AS:33-47).
                 self.inflight_prefills.discard(r)
+                if self.config.async_scheduling:
+                    r.num_output_placeholders += 1
         self.finished_req_ids = set()
         self.preempted_req_ids = set()
         return out
+
+    def _reached_max_tokens(self, r: Request) -> bool:
+        """Async scheduling: the steps in flight already sample the request's
+        last token, so another one would be wasted (S:664-678)."""
+        return (r.num_output_placeholders > 0
+                and r.num_computed_tokens + 2 - r.num_output_placeholders
+                >= r.num_prompt_tokens + r.max_tokens)
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -317,6 +341,8 @@ class Scheduler:
         self.inflight_prefills.discard(r)
         r.status = Status.PREEMPTED
         r.num_computed_tokens = 0
+        r.num_stale_output_tokens = r.num_in_flight_tokens   # S:1596-1607
+        r.num_output_placeholders = 0
         r.num_preemptions += 1
         self.waiting.prepend(r)
         self.preempted_req_ids.add(r.request_id)
@@ -338,8 +364,14 @@ class Scheduler:
         outputs: list[RequestOutput] = []
         stopped_running: set[Request] = set()
         stopped_waiting: set[Request] = set()
-        for req_id in out.num_scheduled_tokens:
+        for req_id, n in out.num_scheduled_tokens.items():
             r = self.requests.get(req_id)
+            stale = False
+            if r is not None:
+                r.num_in_flight_tokens -= n
+                if r.num_stale_output_tokens > 0:    # preempted since it was scheduled
+                    stale = True
+                    r.num_stale_output_tokens -= n
             if req_id in failed or r is None or r.is_finished:
                 continue
             new_tokens = list(model.sampled_token_ids.get(req_id, ()))
@@ -351,6 +383,8 @@ class Scheduler:
                     stopped = True
                     del new_tokens[k + 1:]
                     break
+            if new_tokens and self.config.async_scheduling:
+                self._take_placeholders(r, len(new_tokens), stale, status_before)
             if not (new_tokens or stopped):
                 continue
             stats = r.take_prefill_stats()
@@ -386,6 +420,17 @@ class Scheduler:
             self._free_blocks(self.requests[req_id], "S:2747 a finished send for a request "
                                                      "that has not finished")
         return outputs
+
+    def _take_placeholders(self, r: Request, n: int, stale: bool, status_before: Status) -> None:
+        """Async scheduling: sampled tokens replace their placeholders (a stale
+        output's were zeroed at preemption), and the blocks they complete become
+        hash-visible (AS:59-78)."""
+        if not stale:
+            r.num_output_placeholders -= n
+            if r.num_output_placeholders < 0:
+                raise SchedulerAssertion(r.request_id, "AS:70 more sampled tokens than placeholders")
+        if status_before == Status.RUNNING:
+            self.kv.cache_blocks(r, r.num_computed_tokens - r.num_output_placeholders)
 
     def _free_request(self, r: Request, delay_free: bool = False) -> None:
         assert r.is_finished

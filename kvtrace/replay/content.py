@@ -3,9 +3,18 @@
 The content check uses only the recording: the engine's own block tables,
 num_computed_tokens, loads and accepted tokens. So it checks a trace on its own
 terms, and flags wrong KV even where every counter agrees with the reference.
+
+Under async scheduling the engine schedules step N+1 before step N's output
+comes back, and step N+1 writes the KV of the token that output brings. The
+check then holds each step back until the outputs of the steps before it have
+arrived, and takes steps and outputs in the order a synchronous engine would
+have made them (step N, output N, step N+1); the results of a held step come
+back with a later call.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 from kvtrace.findings import Divergence
 from kvtrace.trace import events as ev
@@ -17,12 +26,21 @@ FINISHED = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_ABORTED",
 
 
 class ContentCheck:
-    def __init__(self, cfg: ev.SchedulerConfig, device: str = "auto"):
+    # Async scheduling: steps held at most, should an output never come (an engine
+    # error path); the oldest step still waiting for one then goes on without it.
+    MAX_HELD = 64
+
+    def __init__(self, cfg: ev.SchedulerConfig, device: str = "auto",
+                 async_scheduling: bool = False):
         self.kv = ShadowKV(cfg.num_blocks, cfg.block_size, device)
         self.has_connector = cfg.connector is not None
         self.max_model_len = cfg.max_model_len
         self.tables: dict[str, list[int]] = {}     # the engine's table per live request
         self.assumed_loads = False                  # loads inferred from lookups, not recorded
+        self.async_scheduling = async_scheduling
+        self._held: deque[tuple] = deque()          # (step, line, tag) not checked yet
+        self._held_outputs: deque[ev.Output] = deque()
+        self._awaiting: set[int] = set()            # steps that scheduled work, output not in
 
     @property
     def device(self) -> str:
@@ -44,14 +62,45 @@ class ContentCheck:
              ) -> list[tuple[object, list[Divergence]]]:
         """Queue the step's check. Returns the steps checked meanwhile, as (tag,
         divergences) in step order; ``flush`` returns the rest."""
+        if not self.async_scheduling:
+            return self._step(rec, line, tag)
+        self._held.append((rec, line, tag))
+        if rec.new or rec.resumed or rec.running:
+            self._awaiting.add(rec.step)
+        if len(self._held) > self.MAX_HELD and self._awaiting:
+            self._awaiting.discard(min(self._awaiting))
+        return self._release()
+
+    def _release(self, everything: bool = False) -> list[tuple[object, list[Divergence]]]:
+        """Take held steps and outputs in a synchronous engine's order: an output
+        before any later step, and a step once no earlier step's output is still
+        to come (``everything``: at the end, whatever is held)."""
+        out = []
+        held, outputs = self._held, self._held_outputs
+        while held or outputs:
+            if outputs and (not held or outputs[0].step < held[0][0].step):
+                self._output(outputs.popleft())
+            elif held and (everything or min(self._awaiting, default=held[0][0].step)
+                           >= held[0][0].step):
+                out += self._step(*held.popleft())
+            else:
+                break
+        return out
+
+    def _step(self, rec: ev.Step, line: int | None, tag: object
+              ) -> list[tuple[object, list[Divergence]]]:
         for req in rec.preempted:
             self.tables.pop(req, None)
+        kv = self.kv   # a request that finished (or never arrived) gets no table
         for s in (*rec.new, *rec.resumed):
-            self.tables[s.req] = list(s.block_ids)
+            if s.req in kv:
+                self.tables[s.req] = list(s.block_ids)
         for s in rec.running:
-            self.tables.setdefault(s.req, []).extend(s.new_block_ids)
+            if s.req in kv:
+                self.tables.setdefault(s.req, []).extend(s.new_block_ids)
         for st in rec.states:
-            self.tables[st.req] = list(st.block_ids)
+            if st.req in kv:
+                self.tables[st.req] = list(st.block_ids)
         loads = [(ld.req, ld.start, ld.end, self.tables.get(ld.req, []))
                  for ld in self._loads(rec) if ld.req in self.kv]
         scheduled = [(s.req, s.num_computed_tokens, s.num_scheduled_tokens, self.tables.get(s.req, []))
@@ -60,7 +109,8 @@ class ContentCheck:
 
     def flush(self) -> list[tuple[object, list[Divergence]]]:
         """Check every queued step."""
-        return self._placed(self.kv.flush())
+        out = self._release(everything=True) if self.async_scheduling else []
+        return out + self._placed(self.kv.flush())
 
     @staticmethod
     def _placed(ready: list) -> list[tuple[object, list[Divergence]]]:
@@ -75,6 +125,12 @@ class ContentCheck:
         """Nothing to stop: the check runs in this process (see ContentWorker)."""
 
     def output(self, rec: ev.Output) -> None:
+        if not self.async_scheduling:
+            return self._output(rec)
+        self._awaiting.discard(rec.step)
+        self._held_outputs.append(rec)
+
+    def _output(self, rec: ev.Output) -> None:
         states = {s.req: s for s in rec.states}
         for req, tokens in rec.sampled.items():
             if req not in self.kv:

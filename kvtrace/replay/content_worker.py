@@ -234,7 +234,8 @@ def _serve(path: str, device: str, validate: str, shared: tuple[int, int] | None
     check = None
     try:
         reader = TraceReader(path, validate=False, shared=shared)
-        check = ContentCheck(reader.header.config, device)
+        check = ContentCheck(reader.header.config, device,
+                             reader.header.features.get("async_scheduling") is True)
         validator = Validator(reader.header) if validate == "1" else None
         conn.send(("device", check.device))
         with torch.inference_mode():

@@ -24,7 +24,6 @@ from .workers import wanted
 
 # Engine features the reference does not model; a trace that turns one on is refused.
 UNSUPPORTED = {
-    "async_scheduling": "async scheduling",
     "num_speculative_tokens": "speculative decoding",
     "pipeline_parallel_size": "pipeline parallelism",
 }
@@ -102,6 +101,11 @@ def _check_supported(header: ev.Header, path) -> None:
         if v is True or (type(v) is int and v > 1) or (key == "num_speculative_tokens" and v):
             raise TraceError(path, 1, f"{what} is on ({key}={v}); the reference models the "
                                       "synchronous baseline scheduler only")
+    if header.features.get("async_scheduling") is True and header.config.connector is not None:
+        # With a connector, async scheduling also defers block frees (consumers)
+        # and drops stale output (producers) by the connector's own rules.
+        raise TraceError(path, 1, "async scheduling with a KV connector; the reference models "
+                                  "async scheduling without one")
     groups = header.features.get("num_kv_cache_groups", 1)
     if groups != 1:
         raise TraceError(path, 1, f"{groups} KV-cache groups; the reference models one "
@@ -134,7 +138,8 @@ class Replayer:
         elif device:
             from .content import ContentCheck   # imports torch; only when the check runs
 
-            self.content = ContentCheck(header.config, device)
+            self.content = ContentCheck(header.config, device,
+                                        header.features.get("async_scheduling") is True)
         self.divergences: list[Divergence] = []
         self._kv_placed = 0   # content-check divergences placed in the list so far
         self.steps = 0
@@ -144,6 +149,11 @@ class Replayer:
         self._finished_refs: dict[str, Request] = {}          # finished requests, for their stats
         self._preemptions: dict[str, int] = {}
         self._progress = ProgressWatch()
+        # Async scheduling: per request, the recorded steps that scheduled it and
+        # have no recorded output yet (the I1 check's allowance for placeholders),
+        # and the ids each such step scheduled.
+        self._in_flight: dict[str, int] | None = {} if self.sched.config.async_scheduling else None
+        self._in_flight_ids: dict[int, list[str]] = {}
 
     def feed(self, e, line: int | None = None) -> None:
         if self.stopped:
@@ -210,7 +220,13 @@ class Replayer:
         if rec.step < self.steps:
             raise TraceError(self.path, line, f"step {rec.step} does not follow step {self.steps - 1}")
         self.steps = rec.step + 1
-        self.divergences.extend(checks.step_invariants(rec, self.cfg, self._preemptions, line))
+        if self._in_flight is not None:
+            ids = [s.req for s in (*rec.new, *rec.resumed, *rec.running)]
+            if ids:
+                self._in_flight_ids[rec.step] = ids
+                _count_in_flight(self._in_flight, ids, +1)
+        self.divergences.extend(checks.step_invariants(rec, self.cfg, self._preemptions, line,
+                                                       self._in_flight))
         self.connector.start_step(rec.step, rec.lookups)
         out = self.sched.schedule()
         self.connector.end_step()
@@ -232,6 +248,8 @@ class Replayer:
         if out is None:
             raise TraceError(self.path, line, f"output for step {rec.step}, which was not scheduled "
                                               "or already had its output")
+        if self._in_flight is not None:
+            _count_in_flight(self._in_flight, self._in_flight_ids.pop(rec.step, ()), -1)
         self._unmatched_stats()
         model = bridge.model_output_from_event(rec)
         for req in [*model.finished_recving, *model.finished_sending]:
@@ -281,6 +299,17 @@ class Replayer:
     def _write(self, e) -> None:
         if self.out:
             self.out.write(e)
+
+
+def _count_in_flight(in_flight: dict[str, int], ids: list[str], delta: int) -> None:
+    """Add ``delta`` to the count of each request a recorded step scheduled; a
+    count that reaches 0 is dropped."""
+    for req in ids:
+        n = in_flight.get(req, 0) + delta
+        if n > 0:
+            in_flight[req] = n
+        else:
+            in_flight.pop(req, None)
 
 
 def _fields(obj) -> dict:

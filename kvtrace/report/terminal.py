@@ -189,10 +189,12 @@ def _replay_summary(divs: list[Divergence]) -> str:
 
 
 def _first(divs: list[Divergence]) -> Divergence | None:
-    """The earliest divergence: lowest step, then lowest sequence number."""
+    """The earliest divergence in record order: lowest sequence number, then
+    lowest step. (Under async scheduling the output record of step N comes after
+    the record of step N+1, so the lowest step is not always the earliest.)"""
     if not divs:
         return None
-    return min(divs, key=lambda d: (d.step is None, d.step or 0, d.seq is None, d.seq or 0))
+    return min(divs, key=lambda d: (d.seq is None, d.seq or 0, d.step is None, d.step or 0))
 
 
 def replay_json(result: Any, path: str) -> bytes:

@@ -1,0 +1,140 @@
+"""Async scheduling: traces of vLLM's ``AsyncScheduler``, recorded from a real
+engine (traces/async-*.jsonl.gz, traces/README.md), replay through the
+reference with no divergence, and what that needs is worked out here from the
+recordings themselves: steps scheduled while earlier ones are in flight, output
+placeholders inside num_computed_tokens, and KV written for tokens that an
+output brings only later."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvtrace.replay import replay_file
+from kvtrace.replay.content import ContentCheck
+from kvtrace.trace import events as ev
+from kvtrace.trace.io import TraceReader
+
+from mini_traces import load_records, save_records
+
+TRACES = Path(__file__).resolve().parent.parent / "traces"
+ASYNC = sorted(TRACES.glob("async-*.jsonl.gz"))
+byname = pytest.mark.parametrize("path", ASYNC, ids=lambda p: p.name)
+
+
+def _scheduled(rec: dict) -> list[dict]:
+    return [*rec["new"], *rec["resumed"], *rec["running"]]
+
+
+def _in_flight(records: list[dict]):
+    """Per step record: (its index, {req: recorded steps scheduling it, this one
+    included, whose output is not recorded yet}), worked out from the order of
+    the records alone."""
+    pending: dict[int, list[str]] = {}
+    for i, rec in enumerate(records):
+        if rec["kind"] == "step":
+            ids = [s["req"] for s in _scheduled(rec)]
+            if ids:
+                pending[rec["step"]] = ids
+            counts: dict[str, int] = {}
+            for reqs in pending.values():
+                for q in reqs:
+                    counts[q] = counts.get(q, 0) + 1
+            yield i, counts
+        elif rec["kind"] == "output":
+            pending.pop(rec["step"], None)
+
+
+def test_there_are_async_traces():
+    assert len(ASYNC) >= 2
+
+
+@byname
+def test_the_engine_scheduled_steps_while_others_were_in_flight(path):
+    records = load_records(path)
+    f = records[0]["features"]
+    assert f["async_scheduling"] is True and f["scheduler_cls"].endswith(".AsyncScheduler")
+    steps = [r for r in records if r["kind"] == "step" and _scheduled(r)]
+    overlapped = [counts for _, counts in _in_flight(records) if any(n > 1 for n in counts.values())]
+    assert len(overlapped) > len(steps) // 2
+
+
+@byname
+def test_async_traces_replay_with_no_divergence_and_their_kv_checked(path):
+    res = replay_file(path, device="cpu", worker=0)
+    assert res.divergences == [] and res.stopped is None
+    assert res.slots_checked > 0
+
+
+@byname
+def test_read_as_synchronous_the_trace_breaks_where_a_step_ran_ahead_of_an_output(path, tmp_path):
+    """A synchronous engine never schedules a request whose computed tokens
+    already cover every token it has: the first step record that does so is
+    where a synchronous reading of the recording must part from it (its line:
+    the output records in between carry their own, earlier, step numbers)."""
+    records = load_records(path)
+    tokens: dict[str, int] = {}
+    ahead = None   # the line of that step record (the header is line 1)
+    for line, rec in enumerate(records, 1):
+        if rec["kind"] == "arrival":
+            tokens[rec["req"]] = len(rec["prompt_token_ids"])
+        elif rec["kind"] in ("step", "output"):
+            if rec["kind"] == "step" and ahead is None:
+                if any(s["num_computed_tokens"] >= tokens[s["req"]] for s in _scheduled(rec)):
+                    ahead = line
+            for st in rec["states"]:
+                tokens[st["req"]] = st["num_tokens"]
+    assert ahead is not None
+    records[0]["features"]["async_scheduling"] = False
+    sync = replay_file(save_records(records, tmp_path / "sync.jsonl"), device=None)
+    assert sync.divergences and min(d.line for d in sync.divergences) == ahead
+
+
+@byname
+def test_the_content_check_takes_each_output_before_the_steps_that_follow_it(path):
+    """Step N+1 writes the KV of the token step N samples; the check must hold
+    it until that output is in. Fed in the recorded order without holding, the
+    check finds slots never written."""
+    found = {}
+    for hold in (False, True):
+        with TraceReader(path) as reader:
+            check = ContentCheck(reader.header.config, "cpu", async_scheduling=hold)
+            divs = []
+            for e in reader:
+                if isinstance(e, ev.Arrival):
+                    check.arrival(e)
+                elif isinstance(e, ev.Step):
+                    divs += [d for _, ds in check.step(e, reader.last_line) for d in ds]
+                elif isinstance(e, ev.Output):
+                    check.output(e)
+                elif isinstance(e, ev.Abort):
+                    check.abort(e.reqs)
+            divs += [d for _, ds in check.flush() for d in ds]
+            found[hold] = (divs, check.slots_checked)
+    assert found[True] == ([], found[True][1]) and found[True][1] > 0
+    assert any("never written" in str(d.recorded) for d in found[False][0])
+
+
+def test_each_step_in_flight_allows_one_placeholder_and_no_more(tmp_path):
+    """I1 under async scheduling: each step in flight for a request may hold an
+    output placeholder inside num_computed_tokens, but the token the latest one
+    samples is not computed yet, so c <= T + (steps in flight - 1). Find a
+    state the recording puts exactly at that bound, then push it one past."""
+    path = TRACES / "async-preemption.jsonl.gz"
+    records = load_records(path)
+    at = None
+    for i, counts in _in_flight(records):
+        for k, st in enumerate(records[i]["states"]):
+            allowed = counts.get(st["req"], 0)
+            if allowed >= 2 and st["num_computed_tokens"] == st["num_tokens"] + allowed - 1:
+                at = (i, k, records[i]["step"], st["req"])
+                break
+        if at:
+            break
+    assert at is not None, "the recording should reach the bound with two steps in flight"
+    i, k, step, req = at
+    records[i]["states"][k]["num_computed_tokens"] += 1
+    divs = replay_file(save_records(records, tmp_path / "over.jsonl"), device=None).divergences
+    rule = "I1: c <= T + steps in flight - 1 after schedule()"
+    assert [(d.step, d.req) for d in divs if d.rule == rule] == [(step, req)]
