@@ -138,3 +138,48 @@ def test_each_step_in_flight_allows_one_placeholder_and_no_more(tmp_path):
     divs = replay_file(save_records(records, tmp_path / "over.jsonl"), device=None).divergences
     rule = "I1: c <= T + steps in flight - 1 after schedule()"
     assert [(d.step, d.req) for d in divs if d.rule == rule] == [(step, req)]
+
+
+def test_an_abort_while_its_step_is_in_flight_leaves_that_step_s_writes(tmp_path):
+    """Request a is aborted while its prefill chunk is in flight; b, admitted
+    after the abort, hits the blocks that chunk fills (they were cached when
+    allocated, 4.3). The engine runs a's step before b's, so the KV b reads is
+    right, and the content check must take the abort only after a's step."""
+    from dataclasses import replace
+
+    from kvtrace.engine import record_workload
+    from kvtrace.engine.workloads import PlannedAbort, PlannedArrival, Workload
+    from kvtrace.reference import SchedulerConfig
+
+    shared = tuple(range(10, 42))   # 8 blocks of 4
+    cfg = SchedulerConfig(block_size=4, num_blocks=64, max_num_batched_tokens=16, max_num_seqs=4,
+                          max_model_len=128, async_scheduling=True)
+    wl = Workload("abort-in-flight", cfg,
+                  arrivals=(PlannedArrival(0, "a", shared + (100, 101, 102), 4),
+                            PlannedArrival(0, "b", shared + (200, 201, 202), 4)),
+                  aborts=(PlannedAbort(1, "a"),), vocab_size=1000)
+    path = tmp_path / "t.jsonl"
+    record_workload(path, wl)
+    records = load_records(path)
+    # From the recording: the abort comes while a step that wrote a's blocks has
+    # no output yet, and b is later admitted on a hit into those blocks.
+    at = next(i for i, r in enumerate(records) if r["kind"] == "abort")
+    outputs_before = {r["step"] for r in records[:at] if r["kind"] == "output"}
+    in_flight = [r for r in records[:at] if r["kind"] == "step" and r["step"] not in outputs_before
+                 and any(s["req"] == "a" for s in _scheduled(r))]
+    assert in_flight
+    a_blocks = {b for r in records[:at] if r["kind"] == "step"
+                for s in r["new"] + r["running"] if s["req"] == "a"
+                for b in s.get("block_ids", s.get("new_block_ids", []))}
+    written = {b for s in in_flight[-1]["running"] + in_flight[-1]["new"] if s["req"] == "a"
+               for b in s.get("block_ids", s.get("new_block_ids", []))}
+    admitted = [s for r in records[at:] if r["kind"] == "step" for s in r["new"] if s["req"] == "b"]
+    assert admitted and admitted[0]["num_computed_tokens"] > 0
+    assert written & set(admitted[0]["block_ids"]) and written <= a_blocks
+    for worker in (0, 1):
+        res = replay_file(path, device="cpu", worker=worker)
+        assert res.divergences == [] and res.slots_checked > 0
+    # the same workload, synchronous, as a control
+    sync = tmp_path / "sync.jsonl"
+    record_workload(sync, replace(wl, config=replace(cfg, async_scheduling=False)))
+    assert replay_file(sync, device="cpu").divergences == []

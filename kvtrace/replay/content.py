@@ -9,7 +9,10 @@ comes back, and step N+1 writes the KV of the token that output brings. The
 check then holds each step back until the outputs of the steps before it have
 arrived, and takes steps and outputs in the order a synchronous engine would
 have made them (step N, output N, step N+1); the results of a held step come
-back with a later call.
+back with a later call. An abort is applied once the last step recorded before
+it has been checked: the engine still runs that step's writes, and a request
+scheduled later may read them (a prefix hit on blocks the aborted request was
+filling).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ class ContentCheck:
         self.tables: dict[str, list[int]] = {}     # the engine's table per live request
         self.assumed_loads = False                  # loads inferred from lookups, not recorded
         self.async_scheduling = async_scheduling
-        self._held: deque[tuple] = deque()          # (step, line, tag) not checked yet
+        self._held: deque[tuple] = deque()          # (step, line, tag, aborts after it)
         self._held_outputs: deque[ev.Output] = deque()
         self._awaiting: set[int] = set()            # steps that scheduled work, output not in
 
@@ -55,6 +58,9 @@ class ContentCheck:
         self.kv.add_request(a.req, a.prompt_token_ids, most)
 
     def abort(self, reqs: list[str]) -> None:
+        if self._held:   # async scheduling: after the step recorded before it
+            self._held[-1][3].extend(reqs)
+            return
         for req in reqs:
             self._drop(req)
 
@@ -64,7 +70,7 @@ class ContentCheck:
         divergences) in step order; ``flush`` returns the rest."""
         if not self.async_scheduling:
             return self._step(rec, line, tag)
-        self._held.append((rec, line, tag))
+        self._held.append((rec, line, tag, []))
         if rec.new or rec.resumed or rec.running:
             self._awaiting.add(rec.step)
         if len(self._held) > self.MAX_HELD and self._awaiting:
@@ -82,7 +88,9 @@ class ContentCheck:
                 self._output(outputs.popleft())
             elif held and (everything or min(self._awaiting, default=held[0][0].step)
                            >= held[0][0].step):
-                out += self._step(*held.popleft())
+                rec, line, tag, aborted = held.popleft()
+                out += self._step(rec, line, tag)
+                self.abort(aborted)
             else:
                 break
         return out
