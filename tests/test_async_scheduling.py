@@ -100,20 +100,47 @@ def test_the_content_check_takes_each_output_before_the_steps_that_follow_it(pat
     for hold in (False, True):
         with TraceReader(path) as reader:
             check = ContentCheck(reader.header.config, "cpu", async_scheduling=hold)
-            divs = []
-            for e in reader:
-                if isinstance(e, ev.Arrival):
-                    check.arrival(e)
-                elif isinstance(e, ev.Step):
-                    divs += [d for _, ds in check.step(e, reader.last_line) for d in ds]
-                elif isinstance(e, ev.Output):
-                    check.output(e)
-                elif isinstance(e, ev.Abort):
-                    check.abort(e.reqs)
-            divs += [d for _, ds in check.flush() for d in ds]
-            found[hold] = (divs, check.slots_checked)
+            results, _ = _feed(check, reader)
+            found[hold] = ([d for _, ds in results for d in ds], check.slots_checked)
+            tables = check.tables
     assert found[True] == ([], found[True][1]) and found[True][1] > 0
     assert any("never written" in str(d.recorded) for d in found[False][0])
+    assert tables == {}   # every request finished: the check holds nothing for it
+
+
+def _feed(check, reader, drop=lambda e: False):
+    """Give a trace's events to a ContentCheck; returns its results, and the
+    most steps it held at once."""
+    results, held = [], 0
+    for e in reader:
+        if drop(e):
+            continue
+        if isinstance(e, ev.Arrival):
+            check.arrival(e)
+        elif isinstance(e, ev.Step):
+            results += check.step(e, reader.last_line)
+        elif isinstance(e, ev.Output):
+            check.output(e)
+        elif isinstance(e, ev.Abort):
+            check.abort(e.reqs)
+        held = max(held, len(check._held))
+    return results + check.flush(), held
+
+
+def test_a_missing_output_holds_the_check_back_only_so_far():
+    """An output that never comes (an engine error path) must not hold every
+    later step back: past MAX_HELD steps the oldest goes on without it."""
+    path = TRACES / "async-preemption.jsonl.gz"
+    with TraceReader(path) as reader:
+        steps = sum(isinstance(e, ev.Step) for e in reader)
+    with TraceReader(path) as reader:
+        check = ContentCheck(reader.header.config, "cpu", async_scheduling=True)
+        results, held = _feed(check, reader, lambda e: isinstance(e, ev.Output) and e.step == 5)
+    assert held == ContentCheck.MAX_HELD < steps
+    assert len(results) == steps
+    with TraceReader(path) as reader:   # with every output, a step or two at most
+        _, held = _feed(ContentCheck(reader.header.config, "cpu", async_scheduling=True), reader)
+    assert held <= 2
 
 
 def test_each_step_in_flight_allows_one_placeholder_and_no_more(tmp_path):
@@ -123,15 +150,12 @@ def test_each_step_in_flight_allows_one_placeholder_and_no_more(tmp_path):
     state the recording puts exactly at that bound, then push it one past."""
     path = TRACES / "async-preemption.jsonl.gz"
     records = load_records(path)
-    at = None
+    at = None   # the last state at the bound: the counts must also come down as outputs come
     for i, counts in _in_flight(records):
         for k, st in enumerate(records[i]["states"]):
             allowed = counts.get(st["req"], 0)
             if allowed >= 2 and st["num_computed_tokens"] == st["num_tokens"] + allowed - 1:
                 at = (i, k, records[i]["step"], st["req"])
-                break
-        if at:
-            break
     assert at is not None, "the recording should reach the bound with two steps in flight"
     i, k, step, req = at
     records[i]["states"][k]["num_computed_tokens"] += 1
@@ -183,3 +207,83 @@ def test_an_abort_while_its_step_is_in_flight_leaves_that_step_s_writes(tmp_path
     sync = tmp_path / "sync.jsonl"
     record_workload(sync, replace(wl, config=replace(cfg, async_scheduling=False)))
     assert replay_file(sync, device="cpu").divergences == []
+
+
+def test_an_id_reused_right_after_its_last_output_is_a_new_request(tmp_path):
+    """A's finishing output is held (the step after it is still in flight) when
+    a new request arrives with the same id: the check must take the output, and
+    forget the first A, before the arrival."""
+    from kvtrace.engine import record_workload
+    from kvtrace.engine.workloads import PlannedArrival, Workload
+    from kvtrace.reference import SchedulerConfig
+
+    cfg = SchedulerConfig(block_size=4, num_blocks=64, max_num_batched_tokens=16, max_num_seqs=4,
+                          max_model_len=128, async_scheduling=True)
+    wl = Workload("reuse", cfg, (PlannedArrival(0, "A", tuple(range(1000, 1006)), 1),
+                                 PlannedArrival(2, "A", tuple(range(2000, 2006)), 2)),
+                  vocab_size=3000)
+    path = tmp_path / "t.jsonl"
+    record_workload(path, wl)
+    records = load_records(path)
+    kinds = [(r["kind"], r.get("req")) for r in records]
+    second = [i for i, k in enumerate(kinds) if k == ("arrival", "A")][1]
+    finished = [i for i, r in enumerate(records) if r["kind"] == "output" and "A" in r["finished"]]
+    assert finished and finished[0] < second   # A finished, then A arrives again
+    for worker in (0, 1):
+        res = replay_file(path, device="cpu", worker=worker)
+        assert res.divergences == [] and res.slots_checked > 0
+
+
+def test_the_worker_counts_the_slots_checked_as_one_process_does(tmp_path):
+    """Cut where the last step still has work in flight: the steps the check
+    held until the end count the same either way."""
+    records = load_records(TRACES / "async-preemption.jsonl.gz")
+    steps = [i for i, r in enumerate(records) if r["kind"] == "step" and _scheduled(r)]
+    cut = save_records(records[: steps[len(steps) * 3 // 4] + 1], tmp_path / "cut.jsonl")
+    one, two = (replay_file(cut, device="cpu", worker=w) for w in (0, 1))
+    assert one.truncation is not None and one.slots_checked > 0
+    assert (two.slots_checked, two.divergences) == (one.slots_checked, one.divergences)
+
+
+def test_the_summary_names_the_divergence_on_the_earliest_line():
+    """Under async scheduling the output of step N follows the record of step
+    N+1: the summary's first divergence is the earliest in the file."""
+    from kvtrace.report.terminal import _replay_summary as summary_line
+
+    res = replay_file(TRACES / "faults" / "async-stale-computed-on-preempt.jsonl.gz", device=None)
+    earliest = min(res.divergences, key=lambda d: d.line)
+    assert min(d.step for d in res.divergences if d.step is not None) < earliest.step
+    assert f"first at step {earliest.step}, request {earliest.req}" in summary_line(res.divergences)
+
+
+def test_a_step_in_flight_for_a_request_that_stopped_leaves_nothing_behind(tmp_path):
+    """A request that stops on a sampled token (EOS) has its next step already
+    scheduled: when that step is checked the request is gone, and the check
+    keeps no table for it (memory follows the live requests)."""
+    from kvtrace.engine import record_workload
+    from kvtrace.engine.workloads import PlannedArrival, Workload
+    from kvtrace.reference import SchedulerConfig
+
+    cfg = SchedulerConfig(block_size=4, num_blocks=128, max_num_batched_tokens=64, max_num_seqs=8,
+                          max_model_len=128, async_scheduling=True)
+    arrivals = tuple(PlannedArrival(i, f"r{i}", tuple(range(100 * i + 10, 100 * i + 30)), 40)
+                     for i in range(8))
+    path = tmp_path / "t.jsonl"
+    record_workload(path, Workload("eos", cfg, arrivals, vocab_size=1000, eos_probability=0.2))
+    records = load_records(path)
+    stopped = {}   # request -> line of the output that stopped it
+    for line, r in enumerate(records, 1):
+        if r["kind"] == "output":
+            for req, why in r["finished"].items():
+                if why == "stop":
+                    stopped[req] = (line, r["step"])
+    # a step after the stopping one, recorded before that output, scheduled it
+    ahead = [req for line, r in enumerate(records, 1) if r["kind"] == "step"
+             for req in (s["req"] for s in _scheduled(r))
+             if req in stopped and r["step"] > stopped[req][1] and line < stopped[req][0]]
+    assert ahead
+    with TraceReader(path) as reader:
+        check = ContentCheck(reader.header.config, "cpu", async_scheduling=True)
+        results, _ = _feed(check, reader)
+    assert [d for _, ds in results for d in ds] == [] and check.slots_checked > 0
+    assert check.tables == {}

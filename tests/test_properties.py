@@ -28,7 +28,7 @@ from kvtrace.engine.engine import RecordResult
 from kvtrace.engine.faults import STORE_FAULTS
 from kvtrace.engine.kv_store import StoreSettings
 from kvtrace.engine.sampler import FIRST_ORDINARY_TOKEN
-from kvtrace.engine.workloads import PlannedAbort, PlannedArrival, Workload
+from kvtrace.engine.workloads import PlannedAbort, PlannedArrival, PlannedReset, Workload
 from kvtrace.reference import SchedulerConfig
 from kvtrace.trace import TraceReader, TraceWriter
 from kvtrace.trace import events as ev
@@ -111,8 +111,13 @@ def workloads(draw, store: bool | None = None, large: bool = False,
             invalid_blocks_fraction=0.5 if fails else 0.0,
             late_failure_fraction=0.5 if fails else 0.0,
         )
+    # reset_prefix_cache now and then, preempting the running requests for it only
+    # without a store (a load in flight keeps its blocks, and vLLM then refuses).
+    resets = tuple(PlannedReset(rng.randint(0, max(t, 1) + 8),
+                                not with_store and rng.random() < 0.5)
+                   for _ in range(draw(st.sampled_from([0, 0, 1, 3]))))
     return Workload(f"random-{seed}", config, tuple(arrivals), aborts, settings_, vocab,
-                    eos_probability=draw(st.sampled_from([0.0, 0.05])))
+                    eos_probability=draw(st.sampled_from([0.0, 0.05])), resets=resets)
 
 
 def record_workload(wl: Workload, path: Path, fault: str | None = None, seed: int = 0) -> RecordResult:

@@ -487,6 +487,63 @@ def test_abort_and_load_failures_under_fail_policy(tmp_path, model_dir, monkeypa
     assert evs[-1].status == "complete"
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_reset_prefix_cache_of_running_requests_is_recorded_and_replays_clean(
+        tmp_path, model_dir, monkeypatch, async_scheduling):
+    """``reset_prefix_cache(reset_running_requests=True)`` in the middle of a
+    run (RLHF weight updates do this): every running request is preempted, its
+    output in flight dropped, and the prefix cache emptied. The recording says
+    so, the reference replays it with no divergence, and without the reset
+    record it cannot."""
+    from vllm import LLM, SamplingParams
+
+    from kvtrace.record.vllm_run import _async_scheduling_kept, shutdown_llm
+    from kvtrace.replay import replay_file
+    from mini_traces import load_records, save_records
+
+    out = tmp_path / "reset.jsonl"
+    monkeypatch.setenv("KVTRACE_OUT", str(out))
+    prefix = list(range(20, 84))   # two full blocks shared by every prompt
+    prompts = [prefix + [(7 * i + j) % 400 + 100 for j in range(20)] for i in range(4)]
+    with _async_scheduling_kept(async_scheduling):
+        llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", block_size=32,
+                  max_model_len=256, enforce_eager=True, seed=0, gpu_memory_utilization=0.2,
+                  num_gpu_blocks_override=32, enable_prefix_caching=True,
+                  async_scheduling=async_scheduling)
+    eng = llm.llm_engine
+    sp = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0)
+    for i, prompt in enumerate(prompts):
+        eng.add_request(f"p{i}", {"prompt_token_ids": prompt}, sp)
+    n = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        n += 1
+        if n == 4:
+            assert llm.reset_prefix_cache(reset_running_requests=True)
+    shutdown_llm(llm)
+    records = load_records(out)
+    assert records[0]["features"]["async_scheduling"] is async_scheduling
+    at = [i for i, r in enumerate(records) if r["kind"] == "reset_prefix_cache"]
+    assert len(at) == 1
+    reset = records[at[0]]
+    assert reset["reset_running_requests"] is True and reset["succeeded"] is True
+    # every request running before the reset is preempted, as the next step says
+    before = [r for r in records[:at[0]] if r["kind"] == "step"][-1]
+    running = {s["req"] for s in before["states"] if s["status"] == "RUNNING"}
+    after = next(r for r in records[at[0]:] if r["kind"] == "step")
+    assert running and set(after["preempted"]) == running
+    # and comes back with no local hit: the cached prefix is gone
+    readmitted = [s for r in records[at[0]:] if r["kind"] == "step" for s in r["resumed"]]
+    assert {s["req"] for s in readmitted} == running
+    assert readmitted[0]["num_computed_tokens"] == 0
+    res = replay_file(out, device="cpu", worker=0)
+    assert res.divergences == [] and res.slots_checked > 0
+    # Without the reset record the reference keeps the requests running.
+    cut = save_records(records[:at[0]] + records[at[0] + 1:], tmp_path / "no-reset.jsonl")
+    divs = replay_file(cut, device=None).divergences
+    assert divs and min(d.line for d in divs if d.line) == at[0] + 1   # the next record's line
+
+
 def test_an_abort_of_several_requests_is_recorded_in_the_order_vllm_frees_them(tmp_path, model_dir,
                                                                               monkeypatch):
     """vLLM 0.32 frees the requests of one abort call in the iteration order of a

@@ -134,6 +134,7 @@ class _Engine:
             self.fault_log.step = step
             self._arrivals_due(writer, arrivals, step)
             self._aborts_due(writer, aborts, step)
+            self._resets_due(writer, step)
             out, model = self._schedule(writer, step, result)
             self._update(writer, step, out, model, counters)
             result.steps = step + 1
@@ -151,6 +152,7 @@ class _Engine:
         for step in range(MAX_STEPS):
             self.fault_log.step = step
             self._arrivals_due(writer, arrivals, step)
+            self._resets_due(writer, step)
             out, model = self._schedule(writer, step, result)
             in_flight.append((step, out, model))
             result.steps = step + 1
@@ -169,7 +171,8 @@ class _Engine:
     # -- one engine step, in parts -------------------------------------------------
 
     def _plan(self) -> tuple[list, list]:
-        self._ai = self._bi = self._idle = 0
+        self._ai = self._bi = self._ri = self._idle = 0
+        self._resets = sorted(self.wl.resets, key=lambda r: r.step)
         self._preempted: dict[str, int] = {}   # request -> preemptions since its last token
         return (sorted(self.wl.arrivals, key=lambda a: a.step),
                 sorted(self.wl.aborts, key=lambda a: a.step))
@@ -178,6 +181,13 @@ class _Engine:
         while self._ai < len(arrivals) and arrivals[self._ai].step <= step:
             self._arrive(writer, arrivals[self._ai])
             self._ai += 1
+
+    def _resets_due(self, writer: TraceWriter, step: int) -> None:
+        while self._ri < len(self._resets) and self._resets[self._ri].step <= step:
+            running = self._resets[self._ri].reset_running_requests
+            ok = self.sched.reset_prefix_cache(running)
+            writer.write(ev.ResetPrefixCache(writer.next_seq(), running, ok))
+            self._ri += 1
 
     def _aborts_due(self, writer: TraceWriter, aborts: list, step: int) -> None:
         due = []
@@ -211,6 +221,7 @@ class _Engine:
             writer.write(_keep_counters(event, counters))
 
     def _finished(self, arrivals: list, aborts: list) -> bool:
+        # Resets planned after the last request has finished are not made.
         return (self._ai == len(arrivals) and self._bi == len(aborts) and not self.sched.requests
                 and not (self.store and self.store.has_pending()))
 

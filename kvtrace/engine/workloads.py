@@ -45,6 +45,15 @@ class PlannedAbort:
 
 
 @dataclass(frozen=True, slots=True)
+class PlannedReset:
+    """``reset_prefix_cache`` before the step's schedule(); with
+    ``reset_running_requests`` every running request is preempted for it."""
+
+    step: int
+    reset_running_requests: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class Workload:
     name: str
     config: SchedulerConfig
@@ -53,6 +62,7 @@ class Workload:
     store: StoreSettings | None = None
     vocab_size: int = VOCAB_SIZE
     eos_probability: float = 0.0
+    resets: tuple[PlannedReset, ...] = ()
 
 
 def _tokens(rng: random.Random, n: int) -> tuple[int, ...]:

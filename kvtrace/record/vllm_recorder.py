@@ -5,6 +5,8 @@
 in call order:
 
 * ``add_request``      -> ``Arrival``
+* ``reset_prefix_cache`` -> ``ResetPrefixCache`` (whether running requests were
+  preempted for it, and whether it succeeded)
 * ``finish_requests``  -> ``Abort`` (only ``FINISHED_ABORTED`` calls from outside
   ``update_from_output``), its ids in the order the engine frees them, seen
   by wrapping ``_free_request``
@@ -64,6 +66,7 @@ from kvtrace.trace.events import (
     Lookup,
     PrefillStats,
     PromptStats,
+    ResetPrefixCache,
     SchedulerConfig,
 )
 
@@ -295,6 +298,10 @@ class Recorder:
         ids, freed = self.aborts.pop()
         self.sink.put(Abort(seq=0, reqs=list(dict.fromkeys(freed + ids))))
 
+    def on_reset(self, reset_running_requests: Any, result: Any) -> None:
+        self.sink.put(ResetPrefixCache(seq=0, reset_running_requests=bool(reset_running_requests),
+                                       succeeded=bool(result)))
+
     def on_lookup(self, request: Any, local: int, result: Any) -> None:
         ext, load_async = (result if result is not None else (None, False))
         rid = str(request.request_id)
@@ -314,10 +321,11 @@ class Recorder:
         self.preempted_out.add(str(request.request_id))
 
     def begin_step(self) -> None:
+        # preempt_order is kept: a reset_prefix_cache between two steps preempts
+        # too, and the next step reports it (on_schedule clears it).
         self.lookups = []
         self.loads = []
         self.last_local = {}
-        self.preempt_order = []
 
     # -- state -----------------------------------------------------------------
 
@@ -381,8 +389,9 @@ class Recorder:
         pre_set = out.preempted_req_ids
         preempted = []
         if pre_set:
-            preempted = [r for r in self.preempt_order if r in pre_set]
+            preempted = [r for r in dict.fromkeys(self.preempt_order) if r in pre_set]
             preempted += sorted(r for r in pre_set if r not in set(preempted))
+        self.preempt_order = []
         finished = sorted(out.finished_req_ids or ())
         if finished:
             self.stats_done.difference_update(finished)
@@ -631,6 +640,14 @@ def make_recording_scheduler(base_cls: type) -> type:
                 if rec is not None and rec.aborts:
                     rec.guard("_free_request", rec.on_free, request)
                 return super()._free_request(request, *args, **kwargs)
+
+        def reset_prefix_cache(self, *args, **kwargs):
+            result = super().reset_prefix_cache(*args, **kwargs)
+            rec = self._kv_rec()
+            if rec is not None:
+                running = kwargs.get("reset_running_requests", args[0] if args else False)
+                rec.guard("reset_prefix_cache", rec.on_reset, running, result)
+            return result
 
         def _preempt_request(self, request, *args, **kwargs):
             result = super()._preempt_request(request, *args, **kwargs)

@@ -13,6 +13,7 @@ recorded inputs, in the recorded call order:
   -> ``add_request``;
 * ``abort``    -> ``finish_requests(id, FINISHED_ABORTED)`` for each id, in the
   recorded order (the order the recorded engine freed them);
+* ``reset_prefix_cache`` -> ``reset_prefix_cache(reset_running_requests)``;
 * ``step``     -> ``schedule()``; a replay connector answers every
   ``get_num_new_matched_tokens`` call with the recorded answer for that request
   in that step, in call order;
@@ -526,6 +527,8 @@ def replay_through_vllm(trace_path: str | os.PathLike, out_path: str | os.PathLi
                         # which changes from one process to the next.
                         for rid in e.reqs:
                             sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+                    elif isinstance(e, ev.ResetPrefixCache):
+                        sched.reset_prefix_cache(reset_running_requests=e.reset_running_requests)
                     elif isinstance(e, ev.Step):
                         if conn is not None:
                             conn.start_step(e.step, e.lookups)

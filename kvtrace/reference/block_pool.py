@@ -136,6 +136,16 @@ class BlockPool:
             b.hash_num_tokens = (i + 1) * block_size
             self.cached.setdefault(b.block_hash, {})[b.block_id] = b
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every hash, if no block is in use; the free queue keeps its
+        order (BP:827-866)."""
+        if self.num_free_blocks != len(self.blocks) - 1:   # the null block is always in use
+            return False
+        self.cached.clear()
+        for b in self.blocks:
+            b.block_hash, b.hash_num_tokens = None, 0
+        return True
+
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drop hashes only; reference counts are untouched."""
         for i in block_ids:

@@ -182,5 +182,8 @@ class KVCacheManager:
         self.num_cached_block.pop(request.request_id, None)
         self.pool.free_blocks(reversed(table))
 
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
     def evict_blocks(self, block_ids: set[int]) -> None:
         self.pool.evict_blocks(block_ids)

@@ -85,6 +85,7 @@ class Request:
     # part of them that a preemption made stale (S:1596-1606).
     num_in_flight_tokens: int = 0
     num_stale_output_tokens: int = 0
+    drop_stale_output: bool = False   # the stale output is discarded, not delivered
     # Set by each schedule() of the request: False when the step samples a token.
     is_prefill_chunk: bool = True
     block_hashes: list[bytes] = field(default_factory=list)

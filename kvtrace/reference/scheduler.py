@@ -20,7 +20,9 @@ token still to come, counted inside ``num_computed_tokens``; the output takes
 them back and caches the blocks its tokens filled (``AS:25-78``). A preempted
 request's output still in flight is stale: its tokens are appended, but it
 changes no counter, and the request is not admitted again until it has come
-back (S:934, S:1596-1606, S:2080-2087).
+back (S:934, S:1596-1606, S:2080-2087). A request preempted by
+``reset_prefix_cache`` drops its stale output instead, and may be admitted
+again at once.
 
 Methods whose names start with ``_`` and are listed under "rules" are the
 places where engines have had bugs; the embedded engine's faults override them.
@@ -178,8 +180,9 @@ class Scheduler:
             if not queue or step.input_budget <= 0 or len(self.running) >= max_active:
                 break
             r = queue.peek()
-            if not self._ready_to_schedule(r) or r.num_stale_output_tokens:
-                skip(queue)     # a load still running, or stale output still in flight
+            if not self._ready_to_schedule(r) or (r.num_stale_output_tokens
+                                                  and not r.drop_stale_output):
+                skip(queue)     # a load still running, or stale output still to deliver
                 continue
 
             hits: list[Block] = []
@@ -334,14 +337,18 @@ class Scheduler:
         if r.num_computed_tokens == r.num_tokens:
             r.num_computed_tokens = r.num_tokens - 1
 
-    def _preempt_request(self, r: Request) -> None:
+    def _preempt_request(self, r: Request, drop_stale_output: bool = False) -> None:
         """Free every block and send the request to the head of the waiting queue (S:1571)."""
         assert r.status == Status.RUNNING
         self.kv.free(r)
         self.inflight_prefills.discard(r)
         r.status = Status.PREEMPTED
         r.num_computed_tokens = 0
-        r.num_stale_output_tokens = r.num_in_flight_tokens   # S:1596-1607
+        # Output still in flight becomes stale (S:1596-1607); a stale share not yet
+        # drained that was to be dropped stays dropped.
+        r.drop_stale_output = drop_stale_output or (r.drop_stale_output
+                                                    and r.num_stale_output_tokens > 0)
+        r.num_stale_output_tokens = r.num_in_flight_tokens
         r.num_output_placeholders = 0
         r.num_preemptions += 1
         self.waiting.prepend(r)
@@ -373,6 +380,8 @@ class Scheduler:
                     stale = True
                     r.num_stale_output_tokens -= n
             if req_id in failed or r is None or r.is_finished:
+                continue
+            if stale and r.drop_stale_output:
                 continue
             new_tokens = list(model.sampled_token_ids.get(req_id, ()))
             stopped = False
@@ -431,6 +440,20 @@ class Scheduler:
                 raise SchedulerAssertion(r.request_id, "AS:70 more sampled tokens than placeholders")
         if status_before == Status.RUNNING:
             self.kv.cache_blocks(r, r.num_computed_tokens - r.num_output_placeholders)
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached block (S:2840-2880), as RLHF weight updates do.
+        With ``reset_running_requests`` every running request is preempted
+        first, the last one first, and its output in flight is dropped; the reset
+        succeeds only when no block is in use."""
+        if reset_running_requests:
+            while self.running:
+                self._preempt_request(self.running.pop(), drop_stale_output=True)
+        ok = self.kv.reset_prefix_cache()
+        if reset_running_requests and not ok:
+            raise SchedulerAssertion("*", "S:2868 the prefix cache cannot be reset with every "
+                                          "running request preempted")
+        return ok
 
     def _free_request(self, r: Request, delay_free: bool = False) -> None:
         assert r.is_finished

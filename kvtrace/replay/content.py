@@ -9,8 +9,9 @@ comes back, and step N+1 writes the KV of the token that output brings. The
 check then holds each step back until the outputs of the steps before it have
 arrived, and takes steps and outputs in the order a synchronous engine would
 have made them (step N, output N, step N+1); the results of a held step come
-back with a later call. An abort is applied once the last step recorded before
-it has been checked: the engine still runs that step's writes, and a request
+back with a later call (an output is taken as soon as it can be, so that a
+request it finishes is gone before an arrival reuses its id). An abort is
+applied once the last step recorded before it has been checked: the engine still runs that step's writes, and a request
 scheduled later may read them (a prefix hit on blocks the aborted request was
 filling).
 """
@@ -34,7 +35,7 @@ class ContentCheck:
     MAX_HELD = 64
 
     def __init__(self, cfg: ev.SchedulerConfig, device: str = "auto",
-                 async_scheduling: bool = False):
+                 async_scheduling: bool = False, keep_counts: bool = False):
         self.kv = ShadowKV(cfg.num_blocks, cfg.block_size, device)
         self.has_connector = cfg.connector is not None
         self.max_model_len = cfg.max_model_len
@@ -44,6 +45,10 @@ class ContentCheck:
         self._held: deque[tuple] = deque()          # (step, line, tag, aborts after it)
         self._held_outputs: deque[ev.Output] = deque()
         self._awaiting: set[int] = set()            # steps that scheduled work, output not in
+        self._ready: list = []                      # results of steps released meanwhile
+        # With keep_counts, (slots checked, loads assumed) as each step is queued,
+        # in step order, for a caller that reports them per step (the worker).
+        self.counts: deque[tuple[int, bool]] | None = deque() if keep_counts else None
 
     @property
     def device(self) -> str:
@@ -75,13 +80,16 @@ class ContentCheck:
             self._awaiting.add(rec.step)
         if len(self._held) > self.MAX_HELD and self._awaiting:
             self._awaiting.discard(min(self._awaiting))
-        return self._release()
+        self._release()
+        out, self._ready = self._ready, []
+        return out
 
-    def _release(self, everything: bool = False) -> list[tuple[object, list[Divergence]]]:
+    def _release(self, everything: bool = False) -> None:
         """Take held steps and outputs in a synchronous engine's order: an output
         before any later step, and a step once no earlier step's output is still
-        to come (``everything``: at the end, whatever is held)."""
-        out = []
+        to come (``everything``: at the end, whatever is held). The steps'
+        results wait in ``_ready``."""
+        out = self._ready
         held, outputs = self._held, self._held_outputs
         while held or outputs:
             if outputs and (not held or outputs[0].step < held[0][0].step):
@@ -90,10 +98,10 @@ class ContentCheck:
                            >= held[0][0].step):
                 rec, line, tag, aborted = held.popleft()
                 out += self._step(rec, line, tag)
-                self.abort(aborted)
+                for req in aborted:
+                    self._drop(req)
             else:
                 break
-        return out
 
     def _step(self, rec: ev.Step, line: int | None, tag: object
               ) -> list[tuple[object, list[Divergence]]]:
@@ -113,11 +121,16 @@ class ContentCheck:
                  for ld in self._loads(rec) if ld.req in self.kv]
         scheduled = [(s.req, s.num_computed_tokens, s.num_scheduled_tokens, self.tables.get(s.req, []))
                      for s in (*rec.new, *rec.resumed, *rec.running) if s.req in self.kv]
-        return self._placed(self.kv.queue(rec.step, loads, scheduled, (tag, rec.seq, line)))
+        ready = self.kv.queue(rec.step, loads, scheduled, (tag, rec.seq, line))
+        if self.counts is not None:
+            self.counts.append((self.kv.slots_checked, self.assumed_loads))
+        return self._placed(ready)
 
     def flush(self) -> list[tuple[object, list[Divergence]]]:
         """Check every queued step."""
-        out = self._release(everything=True) if self.async_scheduling else []
+        if self.async_scheduling:
+            self._release(everything=True)
+        out, self._ready = self._ready, []
         return out + self._placed(self.kv.flush())
 
     @staticmethod
@@ -137,6 +150,7 @@ class ContentCheck:
             return self._output(rec)
         self._awaiting.discard(rec.step)
         self._held_outputs.append(rec)
+        self._release()
 
     def _output(self, rec: ev.Output) -> None:
         states = {s.req: s for s in rec.states}

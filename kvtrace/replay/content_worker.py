@@ -207,12 +207,13 @@ def _serve(path: str, device: str, validate: str, shared: tuple[int, int] | None
     # error: why, or None. through: the last line the checks across records
     # passed; problem: [line, what] for a record they refuse.
     report = {"line": 0, "error": None, "through": 0, "problem": None}
-    queued: deque[tuple[int, int, bool]] = deque()   # per step queued: line, counts then
+    queued: deque[int] = deque()   # the line of each step given to the check, not reported yet
     done: list[tuple] = []
 
     def ready(results: list) -> None:
         for line, divs in results:
-            at, slots, assumed = queued.popleft()
+            at = queued.popleft()
+            slots, assumed = check.counts.popleft()   # as the step was queued
             done.append((at, divs or None, slots, assumed))
 
     def send() -> None:
@@ -235,7 +236,8 @@ def _serve(path: str, device: str, validate: str, shared: tuple[int, int] | None
     try:
         reader = TraceReader(path, validate=False, shared=shared)
         check = ContentCheck(reader.header.config, device,
-                             reader.header.features.get("async_scheduling") is True)
+                             reader.header.features.get("async_scheduling") is True,
+                             keep_counts=True)
         validator = Validator(reader.header) if validate == "1" else None
         conn.send(("device", check.device))
         with torch.inference_mode():
@@ -278,7 +280,7 @@ def _check(check, obj: dict, e, line: int, queued: deque, ready) -> None:
     kind = obj.get("kind")
     if kind == "step":
         results = check.step(trusted.step(obj) if e is None else e, line, line)
-        queued.append((line, check.slots_checked, check.assumed_loads))
+        queued.append(line)
         ready(results)
     elif kind == "output":
         check.output(trusted.output(obj) if e is None else e)

@@ -1,8 +1,9 @@
 """Replay: feed a trace's inputs through the reference scheduler, in the recorded
 call order, and compare every recorded output with the reference's.
 
-Inputs taken from the trace: arrivals, aborts, the connector's answers, sampled
-tokens and the connector output. Everything else is recomputed.
+Inputs taken from the trace: arrivals, aborts, prefix-cache resets, the
+connector's answers, sampled tokens and the connector output. Everything else
+is recomputed.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ UNSUPPORTED = {
 
 
 PROGRESS_EVERY = 4096   # events between progress calls
+# Async scheduling: a step whose output has not come this many steps later never will.
+_OUTPUT_WINDOW = 64
 
 
 @dataclass
@@ -170,6 +173,8 @@ class Replayer:
                 self._prompt_stats(e, line)
             elif kind is ev.Abort:
                 self._abort(e)
+            elif kind is ev.ResetPrefixCache:
+                self._reset(e, line)
         except SchedulerAssertion as a:
             step = getattr(e, "step", None)
             self.divergences.append(Divergence(step, a.req_id, "assertion", "scheduled", "engine assertion",
@@ -216,6 +221,14 @@ class Replayer:
             self.content.abort(e.reqs)
         self._write(ev.Abort(self._seq(), e.reqs))
 
+    def _reset(self, e: ev.ResetPrefixCache, line) -> None:
+        ok = self.sched.reset_prefix_cache(e.reset_running_requests)
+        if ok != e.succeeded:
+            self.divergences.append(Divergence(
+                None, None, "reset_prefix_cache.succeeded", e.succeeded, ok,
+                "4.5: the prefix cache is reset only when no block is in use", "block", e.seq, line))
+        self._write(ev.ResetPrefixCache(self._seq(), e.reset_running_requests, ok))
+
     def _step(self, rec: ev.Step, line) -> None:
         if rec.step < self.steps:
             raise TraceError(self.path, line, f"step {rec.step} does not follow step {self.steps - 1}")
@@ -225,11 +238,16 @@ class Replayer:
             if ids:
                 self._in_flight_ids[rec.step] = ids
                 _count_in_flight(self._in_flight, ids, +1)
+            for old in [k for k in self._in_flight_ids if k < rec.step - _OUTPUT_WINDOW]:
+                # an output that never came (an engine error path): forget the step
+                _count_in_flight(self._in_flight, self._in_flight_ids.pop(old), -1)
         self.divergences.extend(checks.step_invariants(rec, self.cfg, self._preemptions, line,
                                                        self._in_flight))
         self.connector.start_step(rec.step, rec.lookups)
         out = self.sched.schedule()
         self.connector.end_step()
+        for d in self.connector.divergences:   # the step's record is where they show
+            d.seq, d.line = rec.seq, line
         self.divergences.extend(self.connector.divergences)
         self.connector.divergences = []
         self.divergences.extend(checks.compare_step(rec, out, self.sched, line))

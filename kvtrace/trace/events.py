@@ -359,6 +359,25 @@ class Abort:
 
 
 @dataclass(slots=True)
+class ResetPrefixCache:
+    """``Scheduler.reset_prefix_cache(reset_running_requests)`` and what it
+    returned: with ``reset_running_requests`` every running request is preempted
+    first; the cache is emptied only when no block is in use."""
+
+    seq: int
+    reset_running_requests: bool = False
+    succeeded: bool = True
+    kind: str = "reset_prefix_cache"
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ResetPrefixCache":
+        return cls(seq=_int(_get(d, "seq"), "seq"),
+                   reset_running_requests=_bool(_get(d, "reset_running_requests", False),
+                                                "reset_running_requests"),
+                   succeeded=_bool(_get(d, "succeeded", True), "succeeded"))
+
+
+@dataclass(slots=True)
 class Lookup:
     """One ``connector.get_num_new_matched_tokens(request, num_local)`` call:
     the argument passed in and the answer. ``ext`` is None when the connector
@@ -675,11 +694,12 @@ class End:
         )
 
 
-Event = Arrival | Abort | Step | Output | PromptStats | End
+Event = Arrival | Abort | ResetPrefixCache | Step | Output | PromptStats | End
 
 EVENT_TYPES: dict[str, type] = {
     "arrival": Arrival,
     "abort": Abort,
+    "reset_prefix_cache": ResetPrefixCache,
     "step": Step,
     "output": Output,
     "prompt_stats": PromptStats,
