@@ -14,9 +14,15 @@ from kvtrace.trace import events as ev
 
 
 def config_from_header(header: ev.Header) -> SchedulerConfig:
-    """Scheduler settings from the header; four of them ride in ``features``,
-    with vLLM 0.32's defaults when a trace does not name them."""
+    """Scheduler settings from the header; some of them ride in ``features``,
+    with vLLM 0.32's defaults when a trace does not name them. The connector's
+    two async-scheduling rules follow its role (``kv_role``, ``kv_both`` when not
+    named, as vLLM's KVTransferConfig), unless the trace records them."""
     c, f = header.config, header.features
+    role = (f.get("kv_role") or "kv_both") if c.connector else None
+    async_scheduling = bool(f.get("async_scheduling", False))
+    defer = f.get("defer_block_free")
+    delivery = f.get("requires_kv_delivery")
     return SchedulerConfig(
         block_size=c.block_size,
         num_blocks=c.num_blocks,
@@ -32,7 +38,11 @@ def config_from_header(header: ev.Header) -> SchedulerConfig:
         reserve_full_isl=bool(f.get("scheduler_reserve_full_isl", True)),
         adaptive_long_prefill_threshold=bool(f.get("long_prefill_token_threshold_adaptive", False)),
         max_num_active_seqs=f.get("max_num_active_seqs"),
-        async_scheduling=bool(f.get("async_scheduling", False)),
+        async_scheduling=async_scheduling,
+        defer_block_free=bool(defer if defer is not None else
+                              async_scheduling and role in ("kv_consumer", "kv_both")),
+        requires_kv_delivery=bool(delivery if delivery is not None else
+                                  role in ("kv_producer", "kv_both")),
     )
 
 
@@ -43,6 +53,8 @@ def header_features(cfg: SchedulerConfig) -> dict:
         "long_prefill_token_threshold_adaptive": cfg.adaptive_long_prefill_threshold,
         "max_num_active_seqs": cfg.max_num_active_seqs,
         "async_scheduling": cfg.async_scheduling,
+        "defer_block_free": cfg.defer_block_free,
+        "requires_kv_delivery": cfg.requires_kv_delivery,
     }
 
 

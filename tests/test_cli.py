@@ -338,11 +338,16 @@ def test_record_async_scheduling_on_the_embedded_engine(tmp_path, capsys):
     # the output of step N comes after the schedule of step N+1
     assert order[:4] == [("step", 0), ("step", 1), ("output", 0), ("step", 2)]
     assert replay_file(out_path, device="cpu").divergences == []
-    # not with an external store, nor with a command
-    code, _, err = run(capsys, "record", "-o", str(tmp_path / "b.jsonl"), "--workload", "offload",
-                       "--async-scheduling")
-    assert code == 2 and len(err.strip().splitlines()) == 1 and "external store" in err
-    assert not (tmp_path / "b.jsonl").exists()
+    # with the external store (a connector) too
+    code, _, _ = run(capsys, "record", "-o", str(tmp_path / "b.jsonl"), "--workload", "offload",
+                     "--async-scheduling")
+    assert code == 0
+    with TraceReader(tmp_path / "b.jsonl") as r:
+        f = r.header.features
+        assert (f["async_scheduling"], f["defer_block_free"], f["requires_kv_delivery"]) == \
+            (True, True, True)
+    assert replay_file(tmp_path / "b.jsonl", device="cpu").divergences == []
+    # not with a command
     code, _, err = run(capsys, "record", "-o", str(tmp_path / "c.jsonl"), "--async-scheduling",
                        "--", "true")
     assert code == 2 and "--async-scheduling" in err

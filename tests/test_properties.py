@@ -47,8 +47,7 @@ def workloads(draw, store: bool | None = None, large: bool = False,
     """A random engine configuration and a timed list of arrivals and aborts.
     Sizes keep every request satisfiable, so the engine always finishes.
     ``large``: more requests (up to 60), longer prompts and outputs.
-    ``async_scheduling``: on, off, or (None) drawn for a workload without a store
-    (async scheduling is modelled without a connector); True means no store."""
+    ``async_scheduling``: on, off, or (None) drawn."""
     seed = draw(st.integers(0, 2 ** 32 - 1))
     rng = random.Random(seed)
     block_size = draw(st.sampled_from([1, 2, 4, 8, 16]))
@@ -60,9 +59,7 @@ def workloads(draw, store: bool | None = None, large: bool = False,
     num_blocks = 1 + need + draw(st.integers(0, 3 * need))
     with_store = draw(st.booleans()) if store is None else store
     if async_scheduling is None:
-        async_scheduling = not with_store and draw(st.booleans())
-    elif async_scheduling:
-        with_store = False
+        async_scheduling = draw(st.booleans())
     policy_fail = draw(st.sampled_from(["fail", "recompute"]))
     max_num_batched_tokens = draw(st.integers(8, 256))
     max_num_seqs = draw(st.integers(1, 8))
@@ -110,6 +107,7 @@ def workloads(draw, store: bool | None = None, large: bool = False,
             failed_recving_fraction=0.4 if fails else 0.0,
             invalid_blocks_fraction=0.5 if fails else 0.0,
             late_failure_fraction=0.5 if fails else 0.0,
+            kv_role=rng.choice(("kv_both", "kv_producer", "kv_consumer")),
         )
     # reset_prefix_cache now and then, preempting the running requests for it only
     # without a store (a load in flight keeps its blocks, and vLLM then refuses).

@@ -360,3 +360,32 @@ def test_synchronous_scheduler_holds_no_placeholder():
     s.schedule()
     assert (r.num_computed_tokens, r.num_output_placeholders) == (6, 0)
     assert s.schedule().num_scheduled_tokens == {}   # nothing to compute until the token is back
+
+
+def test_deferred_free_waits_for_the_steps_in_flight():
+    """defer_block_free (async scheduling with a consumer connector, S:185-192,
+    S:2759-2801): an aborted request's blocks go back to the pool only once the
+    last non-empty step that scheduled it has been processed. Worked by hand: a
+    6-token prompt holds 2 blocks of 4 after its first decode step is scheduled."""
+    s = Scheduler(cfg(async_scheduling=True, defer_block_free=True))
+    r = req("a", [1, 2, 3, 4, 5, 6], max_tokens=8)
+    s.add_request(r)
+    out0 = s.schedule()                          # fence 1
+    out1 = s.schedule()                          # fence 2: position 6, a second block
+    free = s.kv.pool.num_free_blocks
+    assert free == 16 - 1 - 2 and r.last_sched_seq == 2
+    s.finish_requests(["a"], Status.FINISHED_ABORTED)
+    assert s.kv.pool.num_free_blocks == free      # step 2 may still write them
+    s.update_from_output(out0, ModelOutput({"a": [11]}))
+    assert s.kv.pool.num_free_blocks == free      # processed 1 < fence 2
+    s.update_from_output(out1, ModelOutput({"a": [12]}))
+    assert s.kv.pool.num_free_blocks == 16 - 1   # processed 2: back in the pool
+
+
+def test_without_deferral_the_blocks_come_back_at_once():
+    s = Scheduler(cfg(async_scheduling=True))
+    s.add_request(req("a", [1, 2, 3, 4, 5, 6], max_tokens=8))
+    s.schedule()
+    s.schedule()
+    s.finish_requests(["a"], Status.FINISHED_ABORTED)
+    assert s.kv.pool.num_free_blocks == 16 - 1

@@ -41,8 +41,7 @@ FAULTS = (
                    "built locally).")
 @click.option("--async-scheduling", "async_scheduling", is_flag=True,
               help="Schedule step N+1 before step N's output is back, as vLLM's AsyncScheduler "
-                   "does (the default on GPUs). Embedded engine: workloads without an external "
-                   "store.")
+                   "does (the default on GPUs).")
 @click.option("--redact", is_flag=True,
               help="Replace token ids with keyed pseudonyms in the written trace.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)

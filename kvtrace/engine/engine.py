@@ -70,9 +70,8 @@ def record_embedded(out_path: str | os.PathLike, workload: str = "shared-prefix"
     ``counters`` says which prompt accounting the PromptStats events carry:
     "both" (vLLM 0.32's PrefillStats and the legacy pair), "legacy" or
     "prefill_stats". ``async_scheduling`` runs the engine as vLLM's
-    AsyncScheduler and batch queue do (not with a workload's external store:
-    ValueError). Raises EngineStalled (after writing the trace) when the
-    scheduler gets stuck.
+    AsyncScheduler and batch queue do. Raises EngineStalled (after writing the
+    trace) when the scheduler gets stuck.
     """
     wl = build_workload(workload, seed)
     if async_scheduling:
@@ -85,6 +84,12 @@ def record_workload(out_path: str | os.PathLike, wl: Workload, fault: str | None
     """``record_embedded`` for a Workload built by the caller."""
     if counters not in COUNTERS:
         raise ValueError(f"unknown counters {counters!r}; choose one of {', '.join(COUNTERS)}")
+    if wl.store is not None:
+        # The scheduler's rules for the store's connector role, as vLLM derives them.
+        role = wl.store.kv_role
+        wl = replace(wl, config=replace(
+            wl.config, requires_kv_delivery=role in ("kv_producer", "kv_both"),
+            defer_block_free=wl.config.async_scheduling and role in ("kv_consumer", "kv_both")))
     workload = wl.name
     engine = _Engine(wl, fault, seed)
     header = ev.Header(
@@ -92,7 +97,8 @@ def record_workload(out_path: str | os.PathLike, wl: Workload, fault: str | None
         engine_version=kvtrace.__version__,
         config=bridge.header_config(wl.config, CONNECTOR_NAME if wl.store else None),
         counters="prefill_stats" if counters == "prefill_stats" else "legacy",
-        features=bridge.header_features(wl.config),
+        features={**bridge.header_features(wl.config),
+                  **({"kv_role": wl.store.kv_role} if wl.store else {})},
         meta={"workload": workload, "fault": fault, "seed": seed},
     )
     result = RecordResult(Path(out_path), requests=len(wl.arrivals))
@@ -119,9 +125,6 @@ class _Engine:
             self.lookups = LookupRecorder(self.store)
         elif fault in STORE_FAULTS:
             raise ValueError(f"fault {fault!r} needs a workload with an external store")
-        if wl.store is not None and wl.config.async_scheduling:
-            raise ValueError(f"workload {wl.name!r} has an external store; async scheduling is "
-                             "modelled without a connector")
         self.sched = scheduler_class(fault)(wl.config, self.lookups, self.store, self.fault_log)
         self.sampler = Sampler(seed, wl.vocab_size, wl.eos_probability)
 

@@ -45,6 +45,10 @@ class StoreSettings:
     failed_recving_fraction: float = 0.0        # share of first async loads that fail whole
     invalid_blocks_fraction: float = 0.0        # share of first sync loads with a failed block
     late_failure_fraction: float = 0.0          # share of block failures reported a step late
+    # The connector's role as vLLM names it. It only decides two scheduler rules
+    # under async scheduling: a consumer's frees wait for the steps in flight, a
+    # producer's preempted requests drop their output in flight.
+    kv_role: str = "kv_both"
 
 
 def cdiv(a: int, b: int) -> int:

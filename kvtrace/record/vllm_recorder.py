@@ -184,6 +184,9 @@ def build_header(sched: Any, meta: dict | None = None) -> Header:
         "has_mamba_layers": bool(getattr(sched, "has_mamba_layers", False)),
         "multimodal": bool(getattr(vc.model_config, "is_multimodal_model", False)),
         "kv_role": getattr(ktc, "kv_role", None) if ktc is not None else None,
+        # The connector's rules under async scheduling, as this scheduler holds them.
+        "defer_block_free": bool(getattr(sched, "defer_block_free", False)),
+        "requires_kv_delivery": bool(getattr(sched, "requires_kv_delivery", False)),
         "scheduler_cls": f"{type(sched).__mro__[1].__module__}.{type(sched).__mro__[1].__qualname__}",
     }
     m = {"recorder": "kvtrace.record.vllm_recorder", "pid": os.getpid(),

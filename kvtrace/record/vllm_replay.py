@@ -395,6 +395,13 @@ def build_scheduler(header: ev.Header, out_path: str | os.PathLike, scheduler_cl
             os.environ[vr.ENV_OUT] = saved
     if sched.kv_cache_manager.watermark_blocks != header.config.watermark_blocks:
         sched.kv_cache_manager.watermark_blocks = header.config.watermark_blocks
+    # The connector's rules under async scheduling, as the recorded scheduler held
+    # them (a connector may override requires_kv_delivery; the replay connector
+    # cannot know).
+    for name in ("defer_block_free", "requires_kv_delivery"):
+        value = header.features.get(name)
+        if value is not None and hasattr(sched, name):
+            setattr(sched, name, bool(value))
     out_header = vr.build_header(sched, meta=meta)
     # Null means "equal to max_num_batched_tokens": keep the recording's spelling
     # where the two say the same, so that a header comparison sees no difference.

@@ -28,6 +28,13 @@ class SchedulerConfig:
     # vLLM's AsyncScheduler: step N+1 is scheduled before step N's output comes
     # back, so a decoding request holds a placeholder for its unsampled token.
     async_scheduling: bool = False
+    # With steps in flight and a connector that loads KV (a consumer), a freed
+    # request's blocks return to the pool only once the steps that may still
+    # write them are processed (S:185-192, S:2759-2801).
+    defer_block_free: bool = False
+    # The connector hands KV off when a request finishes (a producer): a request
+    # preempted with output in flight drops that output (S:197-206, S:839).
+    requires_kv_delivery: bool = False
 
     @property
     def token_budget(self) -> int:

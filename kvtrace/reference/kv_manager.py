@@ -182,6 +182,16 @@ class KVCacheManager:
         self.num_cached_block.pop(request.request_id, None)
         self.pool.free_blocks(reversed(table))
 
+    def pop_blocks(self, request: Request) -> list:
+        """Forget the request's table without freeing it; ``free_blocks`` later."""
+        self.req_to_ids.pop(request.request_id, None)
+        self.num_cached_block.pop(request.request_id, None)
+        return self.req_to_blocks.pop(request.request_id, [])
+
+    def free_blocks(self, table: list) -> None:
+        """A table ``pop_blocks`` gave, freed as ``free`` frees, tail first."""
+        self.pool.free_blocks(reversed(table))
+
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
 

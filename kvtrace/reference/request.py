@@ -86,6 +86,7 @@ class Request:
     num_in_flight_tokens: int = 0
     num_stale_output_tokens: int = 0
     drop_stale_output: bool = False   # the stale output is discarded, not delivered
+    last_sched_seq: int = 0           # the last non-empty step that scheduled it (defer_block_free)
     # Set by each schedule() of the request: False when the step samples a token.
     is_prefill_chunk: bool = True
     block_hashes: list[bytes] = field(default_factory=list)

@@ -21,8 +21,11 @@ them back and caches the blocks its tokens filled (``AS:25-78``). A preempted
 request's output still in flight is stale: its tokens are appended, but it
 changes no counter, and the request is not admitted again until it has come
 back (S:934, S:1596-1606, S:2080-2087). A request preempted by
-``reset_prefix_cache`` drops its stale output instead, and may be admitted
-again at once.
+``reset_prefix_cache``, or under a connector that hands KV off
+(``requires_kv_delivery``), drops its stale output instead, and may be admitted
+again at once. Under a connector that loads KV (``defer_block_free``), a freed
+request's blocks go back to the pool only once every step that may still write
+them has been processed (S:2759-2801).
 
 Methods whose names start with ``_`` and are listed under "rules" are the
 places where engines have had bugs; the embedded engine's faults override them.
@@ -53,6 +56,11 @@ class SchedulerAssertion(AssertionError):
 class Scheduler:
     def __init__(self, config: SchedulerConfig, connector: Connector | None = None):
         self.config = config
+        # defer_block_free: non-empty steps scheduled and processed so far, and
+        # the tables freed meanwhile, each with the step it waits for (S:411-417).
+        self.sched_step_seq = 0
+        self.processed_step_seq = 0
+        self.deferred_frees: deque[tuple[int, list[Block]]] = deque()
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
         self.kv = KVCacheManager(config)
@@ -139,6 +147,8 @@ class Scheduler:
             blocks = self.kv.allocate_slots(r, n)
             while blocks is None:
                 victim = self._pick_victim()
+                if not self._blocks_can_be_freed(victim):
+                    break   # its blocks would not come back now (S:804-806)
                 if self.config.policy == "priority":
                     at = self.running.index(victim)
                     del self.running[at]
@@ -148,7 +158,7 @@ class Scheduler:
                         step.undo(victim)
                 else:
                     self.running.pop()
-                self._preempt_request(victim)
+                self._preempt_request(victim, self.config.requires_kv_delivery)
                 step.preempted.append(victim)
                 if victim is r:
                     break
@@ -267,10 +277,15 @@ class Scheduler:
             preempted_req_ids=self.preempted_req_ids,
             finished_req_ids=self.finished_req_ids,
         )
+        defer = self.config.defer_block_free and bool(step.num_scheduled)
+        if defer:
+            self.sched_step_seq += 1
         for req_id, n in step.num_scheduled.items():
             r = self.requests[req_id]
             r.num_computed_tokens += n
             r.num_in_flight_tokens += n
+            if defer:
+                r.last_sched_seq = self.sched_step_seq
             r.is_prefill_chunk = r.num_computed_tokens < r.num_tokens + r.num_output_placeholders
             if not r.is_prefill_chunk:
                 # This step samples a token (S:1634, AS:33-47).
@@ -340,7 +355,7 @@ class Scheduler:
     def _preempt_request(self, r: Request, drop_stale_output: bool = False) -> None:
         """Free every block and send the request to the head of the waiting queue (S:1571)."""
         assert r.status == Status.RUNNING
-        self.kv.free(r)
+        self._free_request_blocks(r)
         self.inflight_prefills.discard(r)
         r.status = Status.PREEMPTED
         r.num_computed_tokens = 0
@@ -362,6 +377,9 @@ class Scheduler:
     # ------------------------------------------------------------------ update
 
     def update_from_output(self, out: SchedulerOutput, model: ModelOutput) -> list[RequestOutput]:
+        if self.config.defer_block_free and out.num_scheduled_tokens:
+            self.processed_step_seq += 1   # every write of this step and those before is done
+            self._drain_deferred_frees()
         failed: set[str] = set()
         if model.failed_recving:
             failed |= self._handle_failed_recving(model.failed_recving)
@@ -468,8 +486,26 @@ class Scheduler:
                                                     "that has not finished") -> None:
         if not r.is_finished:   # the engine asserts it
             raise SchedulerAssertion(r.request_id, rule)
-        self.kv.free(r)
+        self._free_request_blocks(r)
         del self.requests[r.request_id]
+
+    def _blocks_can_be_freed(self, r: Request) -> bool:
+        """No step that may still write the request's blocks is in flight."""
+        return not self.config.defer_block_free or r.last_sched_seq <= self.processed_step_seq
+
+    def _free_request_blocks(self, r: Request) -> None:
+        """Free the request's blocks now, or once the steps writing them are done."""
+        if self._blocks_can_be_freed(r):
+            self.kv.free(r)
+            return
+        table = self.kv.pop_blocks(r)
+        if table:
+            self.deferred_frees.append((self.sched_step_seq, table))
+
+    def _drain_deferred_frees(self) -> None:
+        """Tables whose last writing step is processed go back, in the order freed."""
+        while self.deferred_frees and self.deferred_frees[0][0] <= self.processed_step_seq:
+            self.kv.free_blocks(self.deferred_frees.popleft()[1])
 
     # ------------------------------------------------------------------ load failures
 

@@ -56,7 +56,7 @@ _FEATURE_TYPES = {
     "async_scheduling": "flag", "num_speculative_tokens": "count0",
     "pipeline_parallel_size": "count", "num_kv_cache_groups": "count",
     "scheduler_reserve_full_isl": "flag", "long_prefill_token_threshold_adaptive": "flag",
-    "max_num_active_seqs": "count",
+    "max_num_active_seqs": "count", "defer_block_free": "flag", "requires_kv_delivery": "flag",
 }
 
 
@@ -104,11 +104,6 @@ def _check_supported(header: ev.Header, path) -> None:
         if v is True or (type(v) is int and v > 1) or (key == "num_speculative_tokens" and v):
             raise TraceError(path, 1, f"{what} is on ({key}={v}); the reference models the "
                                       "synchronous baseline scheduler only")
-    if header.features.get("async_scheduling") is True and header.config.connector is not None:
-        # With a connector, async scheduling also defers block frees (consumers)
-        # and drops stale output (producers) by the connector's own rules.
-        raise TraceError(path, 1, "async scheduling with a KV connector; the reference models "
-                                  "async scheduling without one")
     groups = header.features.get("num_kv_cache_groups", 1)
     if groups != 1:
         raise TraceError(path, 1, f"{groups} KV-cache groups; the reference models one "
