@@ -287,3 +287,28 @@ def test_a_step_in_flight_for_a_request_that_stopped_leaves_nothing_behind(tmp_p
         results, _ = _feed(check, reader)
     assert [d for _, ds in results for d in ds] == [] and check.slots_checked > 0
     assert check.tables == {}
+
+
+def test_a_failed_block_of_a_request_gone_before_the_worker_runs(tmp_path):
+    """Under async scheduling the embedded store's worker runs a step after the
+    load was planned; a request aborted meanwhile no longer holds the block that
+    was to fail (found by the differential test: it used to raise IndexError)."""
+    from kvtrace.engine import record_workload
+    from kvtrace.engine.kv_store import StoreSettings
+    from kvtrace.engine.workloads import PlannedAbort, PlannedArrival, Workload
+    from kvtrace.reference import SchedulerConfig
+
+    cfg = SchedulerConfig(block_size=1, num_blocks=6, max_num_batched_tokens=8, max_num_seqs=1,
+                          max_model_len=5, enable_prefix_caching=False, policy="priority",
+                          load_failure_policy="recompute", async_scheduling=True)
+    arrivals = (PlannedArrival(0, "q0", (4,), 1, 2), PlannedArrival(0, "q1", (15, 10, 8, 14), 1, 1),
+                PlannedArrival(4, "q2", (6, 14, 8), 1, 0), PlannedArrival(6, "q3", (15, 10, 8, 14), 1, 1),
+                PlannedArrival(7, "q4", (6, 14, 9, 18), 1, 1))
+    store = StoreSettings(capacity_tokens=2112, preload=((15, 10, 8, 14), (6, 14)), min_hit_tokens=1,
+                          async_delay_steps=2, failed_recving_fraction=0.4,
+                          invalid_blocks_fraction=0.5, late_failure_fraction=0.5,
+                          kv_role="kv_producer")
+    wl = Workload("random-436", cfg, arrivals, (PlannedAbort(1, "q1"),), store, 19)
+    path = tmp_path / "t.jsonl"
+    record_workload(path, wl, seed=0)
+    assert replay_file(path, device="cpu").divergences == []

@@ -164,7 +164,9 @@ class ExternalKVStore:
                 self._reports.append(_Report(step + s.async_delay_steps, load.req,
                                              "failed_recv" if fails else "recv"))
             elif load.first and unit(self.seed, "fail-blocks", load.req) < s.invalid_blocks_fraction:
-                self._reports.append(self._block_failure(step, load, sched))
+                report = self._block_failure(step, load, sched)
+                if report is not None:
+                    self._reports.append(report)
         self._started = []
 
         due = [r for r in self._reports if r.due == step]
@@ -178,14 +180,19 @@ class ExternalKVStore:
             elif self._still_holds(sched, r):
                 model.invalid_block_ids.add(r.block_id)
 
-    def _block_failure(self, step: int, load: _Load, sched: Scheduler) -> _Report:
-        """One block of a sync load fails; sometimes the worker learns it a step late."""
+    def _block_failure(self, step: int, load: _Load, sched: Scheduler) -> _Report | None:
+        """One block of a sync load fails; sometimes the worker learns it a step late.
+        None when the request no longer holds the block: under async scheduling the
+        worker runs a step after the load was planned, and the request may have
+        been freed or preempted meanwhile."""
         table = sched.kv.get_block_ids(load.req)
         first, last = load.start // self.block_size, cdiv(load.end, self.block_size)
         late = unit(self.seed, "fail-late", load.req) < self.settings.late_failure_fraction
         # A late report names the load's first block, so it cuts back every
         # token computed since: the case where legacy counters went negative.
         idx = first if late else first + below(last - first, self.seed, "fail-block", load.req)
+        if idx >= len(table):
+            return None
         return _Report(step + (1 if late else 0), load.req, "invalid_block", idx, table[idx])
 
     @staticmethod
