@@ -109,10 +109,9 @@ def workloads(draw, store: bool | None = None, large: bool = False,
             late_failure_fraction=0.5 if fails else 0.0,
             kv_role=rng.choice(("kv_both", "kv_producer", "kv_consumer")),
         )
-    # reset_prefix_cache now and then, preempting the running requests for it only
-    # without a store (a load in flight keeps its blocks, and vLLM then refuses).
-    resets = tuple(PlannedReset(rng.randint(0, max(t, 1) + 8),
-                                not with_store and rng.random() < 0.5)
+    # reset_prefix_cache now and then, preempting the running requests for it half
+    # the time (with a store it can fail even so: a load in flight keeps its blocks).
+    resets = tuple(PlannedReset(rng.randint(0, max(t, 1) + 8), rng.random() < 0.5)
                    for _ in range(draw(st.sampled_from([0, 0, 1, 3]))))
     return Workload(f"random-{seed}", config, tuple(arrivals), aborts, settings_, vocab,
                     eos_probability=draw(st.sampled_from([0.0, 0.05])), resets=resets)

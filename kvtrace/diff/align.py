@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..findings import Divergence
-from ..trace.events import Abort, Arrival, End, Header, Output, PromptStats, Step, to_json
+from ..trace.events import (Abort, Arrival, End, Header, Output, PromptStats, ResetPrefixCache, Step,
+                            to_json)
 from ..trace.io import TraceError, TraceReader, not_regular
 
 CHANNELS = ("arrival", "lookup", "schedule", "output", "preempt", "plan", "load", "prompt_stats", "finish")
@@ -259,6 +260,7 @@ class _Side:
         self.keys: dict[str, str] = {}  # this trace's request id -> pair key
         self.arrivals = 0
         self.sched_at: dict[int, dict[str, int]] = {}
+        self.resets: deque = deque()   # prefix-cache resets not compared yet: (step, seq, line, values)
 
 
 class _Differ:
@@ -272,6 +274,8 @@ class _Differ:
         self.compared = 0
         self.cut_short: list[str] = []
         self.header_divs = _header_divs(ra.header, rb.header)
+        self.resets_compared = 0
+        self.resets_differ = False   # only the first differing reset is reported
         # Load plans are compared only when both engines ran a connector (both record one).
         self.compare_plans = ra.header.config.connector is not None and rb.header.config.connector is not None
 
@@ -296,6 +300,8 @@ class _Differ:
                 self._advance(a if a.read <= b.read else b)
         for req in list(self.pairs):
             self._finalize(self.pairs.pop(req))
+        if a.reader.truncation is None and b.reader.truncation is None:
+            self._compare_resets(final=True)
 
     def _advance(self, side: _Side) -> None:
         ev = next(side.events, None)
@@ -322,6 +328,10 @@ class _Differ:
             if ev.legacy is not None:
                 v.update((f"legacy.{k}", x) for k, x in to_json(ev.legacy).items())
             self._add(side, ev.req, "prompt_stats", _item(ev.step, ev.seq, line, v))
+        elif isinstance(ev, ResetPrefixCache):
+            side.resets.append((side.cur_step, ev.seq, line,
+                                (ev.reset_running_requests, ev.succeeded)))
+            self._compare_resets()
         elif isinstance(ev, End):
             pass
 
@@ -515,6 +525,27 @@ class _Differ:
                         rule=f"{_what(channel, k, pair.req)} differs", kind="diff",
                         seq=ia.seq, line=ia.line))
                     break
+
+    def _compare_resets(self, final: bool = False) -> None:
+        """The k-th prefix-cache reset of A with the k-th of B (they are inputs,
+        like arrivals, and change what every request can hit); at the end, a
+        reset only one trace has."""
+        qa, qb = self.sides["a"].resets, self.sides["b"].resets
+        while qa and qb or final and (qa or qb):
+            ia = qa.popleft() if qa else None
+            ib = qb.popleft() if qb else None
+            k = self.resets_compared
+            self.resets_compared += 1
+            va, vb = (None if i is None else dict(zip(("reset_running_requests", "succeeded"), i[3]))
+                      for i in (ia, ib))
+            if va == vb or self.resets_differ:
+                continue
+            self.resets_differ = True
+            at = ia if ia is not None else ib
+            self.found.append((ia[1] if ia is not None else math.inf, Divergence(
+                step=at[0], req=None, field="reset_prefix_cache", recorded=va, expected=vb,
+                rule=f"{_ordinal(k + 1)} prefix-cache reset differs", kind="diff",
+                seq=ia[1] if ia is not None else None, line=ia[2] if ia is not None else None)))
 
     def _cut_step(self, name: str) -> int | None:
         """For a trace that was cut off, the last step it holds (-1: none);

@@ -299,11 +299,13 @@ class Recorder:
         and vLLM 0.32 frees the ids of one call in the iteration order of a set
         of them (S:2668), which differs between processes."""
         ids, freed = self.aborts.pop()
+        self.preempted_out.difference_update(ids)   # an id used again is a new request
         self.sink.put(Abort(seq=0, reqs=list(dict.fromkeys(freed + ids))))
 
-    def on_reset(self, reset_running_requests: Any, result: Any) -> None:
+    def on_reset(self, reset_running_requests: Any, reset_connector: Any, result: Any) -> None:
         self.sink.put(ResetPrefixCache(seq=0, reset_running_requests=bool(reset_running_requests),
-                                       succeeded=bool(result)))
+                                       succeeded=bool(result),
+                                       reset_connector=bool(reset_connector)))
 
     def on_lookup(self, request: Any, local: int, result: Any) -> None:
         ext, load_async = (result if result is not None else (None, False))
@@ -645,12 +647,16 @@ def make_recording_scheduler(base_cls: type) -> type:
                 return super()._free_request(request, *args, **kwargs)
 
         def reset_prefix_cache(self, *args, **kwargs):
-            result = super().reset_prefix_cache(*args, **kwargs)
-            rec = self._kv_rec()
-            if rec is not None:
-                running = kwargs.get("reset_running_requests", args[0] if args else False)
-                rec.guard("reset_prefix_cache", rec.on_reset, running, result)
-            return result
+            result = False   # what a call that raises did: the preemptions, no reset
+            try:
+                result = super().reset_prefix_cache(*args, **kwargs)
+                return result
+            finally:
+                rec = self._kv_rec()
+                if rec is not None:
+                    running = kwargs.get("reset_running_requests", args[0] if args else False)
+                    connector = kwargs.get("reset_connector", args[1] if len(args) > 1 else False)
+                    rec.guard("reset_prefix_cache", rec.on_reset, running, connector, result)
 
         def _preempt_request(self, request, *args, **kwargs):
             result = super()._preempt_request(request, *args, **kwargs)

@@ -463,15 +463,12 @@ class Scheduler:
         """Forget every cached block (S:2840-2880), as RLHF weight updates do.
         With ``reset_running_requests`` every running request is preempted
         first, the last one first, and its output in flight is dropped; the reset
-        succeeds only when no block is in use."""
+        succeeds only when no block is in use. (When it fails even so, vLLM
+        raises to its caller, after the preemptions; the engine goes on.)"""
         if reset_running_requests:
             while self.running:
                 self._preempt_request(self.running.pop(), drop_stale_output=True)
-        ok = self.kv.reset_prefix_cache()
-        if reset_running_requests and not ok:
-            raise SchedulerAssertion("*", "S:2868 the prefix cache cannot be reset with every "
-                                          "running request preempted")
-        return ok
+        return self.kv.reset_prefix_cache()
 
     def _free_request(self, r: Request, delay_free: bool = False) -> None:
         assert r.is_finished

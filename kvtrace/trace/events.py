@@ -367,6 +367,7 @@ class ResetPrefixCache:
     seq: int
     reset_running_requests: bool = False
     succeeded: bool = True
+    reset_connector: bool = False   # the connector's cache was reset too; its answer is in succeeded
     kind: str = "reset_prefix_cache"
 
     @classmethod
@@ -374,7 +375,8 @@ class ResetPrefixCache:
         return cls(seq=_int(_get(d, "seq"), "seq"),
                    reset_running_requests=_bool(_get(d, "reset_running_requests", False),
                                                 "reset_running_requests"),
-                   succeeded=_bool(_get(d, "succeeded", True), "succeeded"))
+                   succeeded=_bool(_get(d, "succeeded", True), "succeeded"),
+                   reset_connector=_bool(_get(d, "reset_connector", False), "reset_connector"))
 
 
 @dataclass(slots=True)
