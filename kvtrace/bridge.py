@@ -19,10 +19,13 @@ def config_from_header(header: ev.Header) -> SchedulerConfig:
     two async-scheduling rules follow its role (``kv_role``, ``kv_both`` when not
     named, as vLLM's KVTransferConfig), unless the trace records them."""
     c, f = header.config, header.features
-    role = (f.get("kv_role") or "kv_both") if c.connector else None
     async_scheduling = bool(f.get("async_scheduling", False))
-    defer = f.get("defer_block_free")
-    delivery = f.get("requires_kv_delivery")
+    defer, delivery = connector_rules((f.get("kv_role") or "kv_both") if c.connector else None,
+                                      async_scheduling)
+    if f.get("defer_block_free") is not None:
+        defer = bool(f["defer_block_free"])
+    if f.get("requires_kv_delivery") is not None:
+        delivery = bool(f["requires_kv_delivery"])
     return SchedulerConfig(
         block_size=c.block_size,
         num_blocks=c.num_blocks,
@@ -39,11 +42,18 @@ def config_from_header(header: ev.Header) -> SchedulerConfig:
         adaptive_long_prefill_threshold=bool(f.get("long_prefill_token_threshold_adaptive", False)),
         max_num_active_seqs=f.get("max_num_active_seqs"),
         async_scheduling=async_scheduling,
-        defer_block_free=bool(defer if defer is not None else
-                              async_scheduling and role in ("kv_consumer", "kv_both")),
-        requires_kv_delivery=bool(delivery if delivery is not None else
-                                  role in ("kv_producer", "kv_both")),
+        defer_block_free=defer,
+        requires_kv_delivery=delivery,
     )
+
+
+def connector_rules(kv_role: str | None, async_scheduling: bool) -> tuple[bool, bool]:
+    """(defer_block_free, requires_kv_delivery) as vLLM 0.32 derives them from a
+    connector's role (None: no connector): a consumer's frees wait for the steps
+    in flight, which only async scheduling has (S:185-192); a producer hands KV
+    off (the connector's default requires_kv_delivery)."""
+    return (async_scheduling and kv_role in ("kv_consumer", "kv_both"),
+            kv_role in ("kv_producer", "kv_both"))
 
 
 def header_features(cfg: SchedulerConfig) -> dict:

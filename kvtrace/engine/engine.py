@@ -85,11 +85,9 @@ def record_workload(out_path: str | os.PathLike, wl: Workload, fault: str | None
     if counters not in COUNTERS:
         raise ValueError(f"unknown counters {counters!r}; choose one of {', '.join(COUNTERS)}")
     if wl.store is not None:
-        # The scheduler's rules for the store's connector role, as vLLM derives them.
-        role = wl.store.kv_role
-        wl = replace(wl, config=replace(
-            wl.config, requires_kv_delivery=role in ("kv_producer", "kv_both"),
-            defer_block_free=wl.config.async_scheduling and role in ("kv_consumer", "kv_both")))
+        defer, delivery = bridge.connector_rules(wl.store.kv_role, wl.config.async_scheduling)
+        wl = replace(wl, config=replace(wl.config, defer_block_free=defer,
+                                        requires_kv_delivery=delivery))
     workload = wl.name
     engine = _Engine(wl, fault, seed)
     header = ev.Header(
@@ -132,16 +130,16 @@ class _Engine:
         """Synchronous engine steps: each schedule() is followed by its update."""
         if self.wl.config.async_scheduling:
             return self._run_async(writer, counters, result)
-        arrivals, aborts = self._plan()
+        self._plan()
         for step in range(MAX_STEPS):
             self.fault_log.step = step
-            self._arrivals_due(writer, arrivals, step)
-            self._aborts_due(writer, aborts, step)
+            self._arrivals_due(writer, step)
+            self._aborts_due(writer, step)
             self._resets_due(writer, step)
             out, model = self._schedule(writer, step, result)
             self._update(writer, step, out, model, counters)
             result.steps = step + 1
-            if self._finished(arrivals, aborts):
+            if self._finished():
                 return
             self._check_progress(writer, step, out)
         raise self._too_long(writer)
@@ -150,21 +148,21 @@ class _Engine:
         """Async scheduling, as vLLM's engine core runs its batch queue of two
         (EC:698-790): schedule() for step N+1 comes before the update for step
         N, whose aborts are applied just before it."""
-        arrivals, aborts = self._plan()
+        self._plan()
         in_flight: deque = deque()   # (step, out, model), oldest first
         for step in range(MAX_STEPS):
             self.fault_log.step = step
-            self._arrivals_due(writer, arrivals, step)
+            self._arrivals_due(writer, step)
             self._resets_due(writer, step)
             out, model = self._schedule(writer, step, result)
             in_flight.append((step, out, model))
             result.steps = step + 1
             if len(in_flight) < 2 and (out.num_scheduled_tokens or self.sched.requests):
                 continue   # the queue is not full: schedule the next step first
-            self._aborts_due(writer, aborts, step)
+            self._aborts_due(writer, step)
             done_step, done_out, done_model = in_flight.popleft()
             self._update(writer, done_step, done_out, done_model, counters)
-            if self._finished(arrivals, aborts):
+            if self._finished():
                 while in_flight:   # no request left: the queue is drained (EC:761-768)
                     self._update(writer, *in_flight.popleft(), counters)
                 return
@@ -173,14 +171,16 @@ class _Engine:
 
     # -- one engine step, in parts -------------------------------------------------
 
-    def _plan(self) -> tuple[list, list]:
-        self._ai = self._bi = self._ri = self._idle = 0
+    def _plan(self) -> None:
+        """The workload's timed inputs in order, each with a cursor."""
+        self._arrivals = sorted(self.wl.arrivals, key=lambda a: a.step)
+        self._aborts = sorted(self.wl.aborts, key=lambda a: a.step)
         self._resets = sorted(self.wl.resets, key=lambda r: r.step)
+        self._ai = self._bi = self._ri = self._idle = 0
         self._preempted: dict[str, int] = {}   # request -> preemptions since its last token
-        return (sorted(self.wl.arrivals, key=lambda a: a.step),
-                sorted(self.wl.aborts, key=lambda a: a.step))
 
-    def _arrivals_due(self, writer: TraceWriter, arrivals: list, step: int) -> None:
+    def _arrivals_due(self, writer: TraceWriter, step: int) -> None:
+        arrivals = self._arrivals
         while self._ai < len(arrivals) and arrivals[self._ai].step <= step:
             self._arrive(writer, arrivals[self._ai])
             self._ai += 1
@@ -192,8 +192,8 @@ class _Engine:
             writer.write(ev.ResetPrefixCache(writer.next_seq(), running, ok))
             self._ri += 1
 
-    def _aborts_due(self, writer: TraceWriter, aborts: list, step: int) -> None:
-        due = []
+    def _aborts_due(self, writer: TraceWriter, step: int) -> None:
+        aborts, due = self._aborts, []
         while self._bi < len(aborts) and aborts[self._bi].step <= step:
             due.append(aborts[self._bi].req)
             self._bi += 1
@@ -223,9 +223,10 @@ class _Engine:
         for event in bridge.output_events(writer.next_seq, step, model, results, sched, touched):
             writer.write(_keep_counters(event, counters))
 
-    def _finished(self, arrivals: list, aborts: list) -> bool:
+    def _finished(self) -> bool:
         # Resets planned after the last request has finished are not made.
-        return (self._ai == len(arrivals) and self._bi == len(aborts) and not self.sched.requests
+        return (self._ai == len(self._arrivals) and self._bi == len(self._aborts)
+                and not self.sched.requests
                 and not (self.store and self.store.has_pending()))
 
     def _check_progress(self, writer: TraceWriter, step: int, out) -> None:

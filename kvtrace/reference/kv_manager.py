@@ -176,11 +176,8 @@ class KVCacheManager:
         self.num_cached_block[req_id] = num_full
 
     def free(self, request: Request) -> None:
-        """Release the table, tail first, so a chain's tail is evicted before its head."""
-        table = self.req_to_blocks.pop(request.request_id, [])
-        self.req_to_ids.pop(request.request_id, None)
-        self.num_cached_block.pop(request.request_id, None)
-        self.pool.free_blocks(reversed(table))
+        """Release the table now."""
+        self.free_blocks(self.pop_blocks(request))
 
     def pop_blocks(self, request: Request) -> list:
         """Forget the request's table without freeing it; ``free_blocks`` later."""
@@ -189,7 +186,7 @@ class KVCacheManager:
         return self.req_to_blocks.pop(request.request_id, [])
 
     def free_blocks(self, table: list) -> None:
-        """A table ``pop_blocks`` gave, freed as ``free`` frees, tail first."""
+        """Release a table, tail first, so a chain's tail is evicted before its head."""
         self.pool.free_blocks(reversed(table))
 
     def reset_prefix_cache(self) -> bool:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections import Counter
 from dataclasses import dataclass, field
+from itertools import chain
 
 from kvtrace import bridge
 from kvtrace.findings import Divergence
@@ -147,11 +149,10 @@ class Replayer:
         self._finished_refs: dict[str, Request] = {}          # finished requests, for their stats
         self._preemptions: dict[str, int] = {}
         self._progress = ProgressWatch()
-        # Async scheduling: per request, the recorded steps that scheduled it and
-        # have no recorded output yet (the I1 check's allowance for placeholders),
-        # and the ids each such step scheduled.
-        self._in_flight: dict[str, int] | None = {} if self.sched.config.async_scheduling else None
-        self._in_flight_ids: dict[int, list[str]] = {}
+        # Async scheduling: the ids each recorded step scheduled, for the steps
+        # with no recorded output yet (the I1 check's allowance for placeholders).
+        self._in_flight: dict[int, list[str]] | None = \
+            {} if self.sched.config.async_scheduling else None
 
     def feed(self, e, line: int | None = None) -> None:
         if self.stopped:
@@ -232,16 +233,16 @@ class Replayer:
         if rec.step < self.steps:
             raise TraceError(self.path, line, f"step {rec.step} does not follow step {self.steps - 1}")
         self.steps = rec.step + 1
+        in_flight = None   # per request, the steps in flight that scheduled it, this one too
         if self._in_flight is not None:
             ids = [s.req for s in (*rec.new, *rec.resumed, *rec.running)]
             if ids:
-                self._in_flight_ids[rec.step] = ids
-                _count_in_flight(self._in_flight, ids, +1)
-            for old in [k for k in self._in_flight_ids if k < rec.step - _OUTPUT_WINDOW]:
-                # an output that never came (an engine error path): forget the step
-                _count_in_flight(self._in_flight, self._in_flight_ids.pop(old), -1)
+                self._in_flight[rec.step] = ids
+            for old in [k for k in self._in_flight if k < rec.step - _OUTPUT_WINDOW]:
+                del self._in_flight[old]   # an output that never came (an engine error path)
+            in_flight = Counter(chain.from_iterable(self._in_flight.values()))
         self.divergences.extend(checks.step_invariants(rec, self.cfg, self._preemptions, line,
-                                                       self._in_flight))
+                                                       in_flight))
         self.connector.start_step(rec.step, rec.lookups)
         out = self.sched.schedule()
         self.connector.end_step()
@@ -266,7 +267,7 @@ class Replayer:
             raise TraceError(self.path, line, f"output for step {rec.step}, which was not scheduled "
                                               "or already had its output")
         if self._in_flight is not None:
-            _count_in_flight(self._in_flight, self._in_flight_ids.pop(rec.step, ()), -1)
+            self._in_flight.pop(rec.step, None)
         self._unmatched_stats()
         model = bridge.model_output_from_event(rec)
         for req in [*model.finished_recving, *model.finished_sending]:
@@ -316,17 +317,6 @@ class Replayer:
     def _write(self, e) -> None:
         if self.out:
             self.out.write(e)
-
-
-def _count_in_flight(in_flight: dict[str, int], ids: list[str], delta: int) -> None:
-    """Add ``delta`` to the count of each request a recorded step scheduled; a
-    count that reaches 0 is dropped."""
-    for req in ids:
-        n = in_flight.get(req, 0) + delta
-        if n > 0:
-            in_flight[req] = n
-        else:
-            in_flight.pop(req, None)
 
 
 def _fields(obj) -> dict:
