@@ -105,7 +105,8 @@ def _check_supported(header: ev.Header, path) -> None:
         # A flag is on when it is true; a size is on when it is above 1.
         if v is True or (type(v) is int and v > 1) or (key == "num_speculative_tokens" and v):
             raise TraceError(path, 1, f"{what} is on ({key}={v}); the reference models the "
-                                      "synchronous baseline scheduler only")
+                                      "baseline profile only (no speculative decoding, no "
+                                      "pipeline parallelism)")
     groups = header.features.get("num_kv_cache_groups", 1)
     if groups != 1:
         raise TraceError(path, 1, f"{groups} KV-cache groups; the reference models one "
