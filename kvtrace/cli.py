@@ -1,6 +1,7 @@
 """The ``kvtrace`` command: parse arguments, call one function, turn errors into exit codes.
 
-Exit codes: 0 no divergence (or a successful recording), 1 divergences, 2 unusable
+Exit codes: 0 no divergence (or a successful recording), 1 divergences (or a
+recorded engine that failed), 2 unusable
 input or bad usage, 3 an internal error (KVTRACE_DEBUG=1 prints its traceback).
 Engines, recorders and the replayer are imported only by the command that needs
 them, so ``kvtrace diff`` never loads torch or vLLM.

@@ -312,3 +312,43 @@ def test_a_failed_block_of_a_request_gone_before_the_worker_runs(tmp_path):
     path = tmp_path / "t.jsonl"
     record_workload(path, wl, seed=0)
     assert replay_file(path, device="cpu").divergences == []
+
+
+# --------------------------------------------------------------------------- vLLM's own bug
+
+BUG = TRACES / "vllm-bugs" / "async-recompute-placeholders.jsonl.gz"
+
+
+def test_vllm_bug_recompute_under_async_scheduling_is_flagged_where_it_bites():
+    """vLLM 0.32's AsyncScheduler, unchanged, with a KV connector whose sync load
+    fails at block level under the "recompute" policy (upstream issues 45138 and
+    49250). The failure truncates the request's num_computed_tokens but keeps
+    the output placeholders of its steps in flight, one of which the failure
+    discards: the next step that schedules it computes a position that no
+    token will ever fill, and the engine then fails on it. Where that happens
+    is worked out here from the records alone: after the output that reports
+    the failed block, the first step scheduling the request that held it leaves
+    num_computed_tokens above num_tokens + (its steps in flight) - 1."""
+    records = load_records(BUG)
+    end = records[-1]
+    assert end["kind"] == "end" and end["status"] == "interrupted" and "IndexError" in end["error"]
+
+    failed_at = next(i for i, r in enumerate(records) if r["kind"] == "output"
+                     and r["connector"] and r["connector"]["invalid_block_ids"])
+    bad = set(records[failed_at]["connector"]["invalid_block_ids"])
+    holder = next(st["req"] for r in reversed(records[:failed_at]) if r["kind"] == "step"
+                  for st in r["states"] if bad & set(st["block_ids"]))
+    where = None
+    for i, counts in _in_flight(records):
+        rec = records[i]
+        if i > failed_at and holder in (s["req"] for s in _scheduled(rec)):
+            st = next(s for s in rec["states"] if s["req"] == holder)
+            assert st["num_computed_tokens"] > st["num_tokens"] + counts[holder] - 1
+            where = rec["step"]
+            break
+    assert where is not None
+
+    res = replay_file(BUG, device="cpu", worker=0)
+    assert [(d.step, d.req, d.field, d.kind) for d in res.divergences] == [
+        (where, holder, "state.num_computed_tokens", "invariant")]
+    assert res.divergences[0].rule.startswith("I1")

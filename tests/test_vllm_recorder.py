@@ -150,6 +150,53 @@ def test_async_scheduling_engine_is_recorded_unchanged_and_replays_clean(tmp_pat
     assert res.divergences == [] and res.slots_checked > 0
 
 
+def test_async_connector_workload_is_recorded_unchanged_and_replays_clean(tmp_path, model_dir):
+    """A KV connector (consumer role: deferred block frees) under vLLM's
+    AsyncScheduler: sync and async external loads, a request-level load
+    failure, a preemption."""
+    from kvtrace.replay import replay_file
+
+    plain = run_workload(model_dir, "async-connector")
+    out = tmp_path / "async-connector.jsonl.gz"
+    recorded = record_vllm_offline(model_dir, out, "async-connector")
+    assert recorded["outputs"] == plain["outputs"]
+    r, evs = read_all(out)
+    assert r.header.features["defer_block_free"] is True and evs[-1].status == "complete"
+    outs = [e for e in evs if e.kind == "output" and e.connector is not None]
+    assert any(o.connector.failed_recving for o in outs)
+    assert any(s.preempted for s in evs if s.kind == "step")
+    res = replay_file(out, device="cpu", worker=0)
+    assert res.divergences == [] and res.slots_checked > 0
+
+
+def test_an_engine_that_fails_leaves_an_interrupted_trace_that_replays_to_the_failure(tmp_path,
+                                                                                     model_dir):
+    """vLLM 0.32 fails on the async-connector-recompute workload (its own bug,
+    traces/README.md). `kvtrace record` says so in one line naming the trace and
+    exits 1; the trace ends "interrupted" with the engine's error; replay reads
+    it to the end and flags the count the engine failed on."""
+    import subprocess
+
+    out = tmp_path / "failed.jsonl.gz"
+    p = subprocess.run([sys.executable, "-m", "kvtrace.cli", "record", "-o", str(out), "--engine", "vllm",
+                        "--model", str(model_dir), "--workload", "async-connector-recompute"],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 1, p.stderr[-2000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("kvtrace: the engine failed while it was recorded (IndexError")
+    assert str(out) in last and "Traceback" not in p.stderr.split("kvtrace:")[-1]
+    r, evs = read_all(out)
+    assert isinstance(evs[-1], End) and evs[-1].status == "interrupted"
+    assert evs[-1].error.startswith("the engine raised IndexError")
+    p = subprocess.run([sys.executable, "-m", "kvtrace.cli", "replay", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 1
+    import json
+
+    divs = json.loads(p.stdout)["divergences"]
+    assert divs and all(d["rule"].startswith("I1") for d in divs)
+
+
 def test_incremental_block_tables_equal_the_managers_own(tmp_path, model_dir, monkeypatch):
     """Capture keeps a reference to each request's block list and its length; the
     sink reads the ids from it, incrementally (BlockTables).
@@ -439,6 +486,65 @@ def test_engine_core_in_a_subprocess_records(tmp_path, model_dir, monkeypatch):
     assert evs[-1].kind == "end" and evs[-1].status == "complete", r.truncation
     assert len([e for e in evs if e.kind == "arrival"]) == 2
     assert len([e for e in evs if e.kind == "step"]) >= 8
+
+
+def test_only_a_failure_on_its_way_out_makes_a_shutdown_interrupted():
+    seen = []
+
+    def shutdown():
+        seen.append(vllm_recorder.propagating_failure())
+
+    shutdown()                                   # a plain shutdown
+    for exc in (SystemExit(0), SystemExit(None), SystemExit(3), ValueError("a\n  b"),
+                KeyboardInterrupt()):
+        try:
+            try:
+                raise exc
+            finally:
+                shutdown()                       # vLLM's engine core: from a finally
+        except BaseException:
+            pass
+    try:
+        raise ValueError("handled")
+    except ValueError:
+        pass
+    shutdown()                                   # after a handled exception
+    assert seen == [None, None, None, "the engine raised SystemExit: 3",
+                    "the engine raised ValueError: a b", "the engine raised KeyboardInterrupt",
+                    None]
+    assert len(vllm_recorder.engine_failure(RuntimeError("x" * 2000))) == 500
+
+
+def test_an_engine_core_process_that_fails_ends_its_trace_interrupted(tmp_path, model_dir,
+                                                                      monkeypatch):
+    """The engine core in its own process, as a server runs it: when its busy
+    loop raises (vLLM 0.32's own bug, workload async-connector-recompute), it
+    shuts down from a ``finally``, and the trace ends "interrupted" with the
+    exception instead of "complete"; replay flags the count it failed on."""
+    out = tmp_path / "mp-failed.jsonl.gz"
+    script = textwrap.dedent(f"""
+        from kvtrace.record.vllm_run import run_workload
+        try:
+            run_workload({str(model_dir)!r}, "async-connector-recompute")
+        except Exception as e:
+            print("RAISED", type(e).__name__)
+    """)
+    from kvtrace.record.vllm_run import record_command
+
+    log = tmp_path / "mp-failed.log"
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    rc = record_command(out, ["bash", "-c", f'"{sys.executable}" -c "$0" > "{log}" 2>&1', script])
+    assert rc == 0 and "RAISED" in log.read_text(), log.read_text()[-3000:]
+    r, evs = read_all(out)
+    assert r.header.meta["pid"] != os.getpid() and r.header.features["async_scheduling"] is True
+    assert evs[-1].kind == "end" and evs[-1].status == "interrupted", r.truncation
+    # The worker's IndexError stays in its own process; the engine core fails on
+    # the empty output it gets back, and that is the exception it shuts down with.
+    assert evs[-1].error.startswith("the engine raised ")
+    from kvtrace.replay import replay_file
+
+    divs = replay_file(out, device=None).divergences
+    assert divs and all(d.rule.startswith("I1") for d in divs)
 
 
 # ----------------------------------------------------------------------------- aborts, fail policy

@@ -225,6 +225,25 @@ def test_fault_trace_replayed_through_its_own_subclass_is_identical(name, tmp_pa
     assert res2.scheduler_cls == dotted
 
 
+def test_vllm_bug_trace_is_vllms_own_scheduling(tmp_path):
+    """traces/vllm-bugs/async-recompute-placeholders: the engine failed on a
+    count its own scheduler made. Replayed through vLLM's AsyncScheduler, every
+    event up to the failure equals the recorded one, and the reference flags the
+    same I1 violation in the replayed trace as in the recording. (The replay
+    itself ends complete: vLLM's scheduler runs here without the model that failed.)"""
+    trace = ROOT / "traces" / "vllm-bugs" / "async-recompute-placeholders.jsonl.gz"
+    _, rec, end = events(trace)
+    assert end.status == "interrupted"
+    out = tmp_path / "vllm.jsonl.gz"
+    res = replay_through_vllm(trace, out)
+    assert res.faithful_inputs and res.scheduler_cls.endswith(".AsyncScheduler")
+    _, got, _ = events(out)
+    assert [comparable(e) for e in got if not isinstance(e, ev.End)] == [
+        comparable(e) for e in rec if not isinstance(e, ev.End)]
+    flagged = [(d.step, d.req, d.rule) for d in replay_file(trace, device=None).divergences]
+    assert flagged and flagged == [(d.step, d.req, d.rule) for d in replay_file(out, device=None).divergences]
+
+
 # --------------------------------------------------------------------------- embedded engine
 
 

@@ -24,7 +24,11 @@ TRACES = {
     "priority": "priority",
     "async-preemption": "async-preemption",
     "async-priority": "async-priority",
+    "async-connector": "async-connector",
 }
+# Traces of vLLM's own bugs, unchanged engine, in vllm-bugs/: the engine fails
+# on them, and the trace ends "interrupted" with its error.
+BUG_TRACES = {"async-recompute-placeholders": "async-connector-recompute"}
 # Traces of vLLM with a bug put back (kvtrace.record.fault_schedulers), in faults/.
 FAULT_TRACES = ["async-load-overshoot", "stale-computed-on-preempt",
                 "async-stale-computed-on-preempt"]
@@ -33,8 +37,19 @@ FAULT_TRACES = ["async-load-overshoot", "stale-computed-on-preempt",
 def main(names: list[str]) -> int:
     from kvtrace.record.fault_schedulers import FAULT_WORKLOADS, FAULTS
 
-    for name in names or list(TRACES) + FAULT_TRACES:
-        if name in FAULTS:
+    from kvtrace.record.vllm_run import EngineFailed
+
+    for name in names or list(TRACES) + FAULT_TRACES + list(BUG_TRACES):
+        if name in BUG_TRACES:
+            out = HERE / "vllm-bugs" / f"{name}.jsonl.gz"
+            out.parent.mkdir(exist_ok=True)
+            try:
+                record_vllm_offline(None, out, BUG_TRACES[name])
+            except EngineFailed as e:
+                print(f"{out}: the engine failed, as expected ({type(e.error).__name__})")
+            else:
+                raise SystemExit(f"{name}: the engine did not fail; is this vLLM fixed?")
+        elif name in FAULTS:
             out = HERE / "faults" / f"{name}.jsonl.gz"
             out.parent.mkdir(exist_ok=True)
             record_vllm_offline(None, out, FAULT_WORKLOADS[name], scheduler_cls=FAULTS[name])

@@ -27,8 +27,9 @@ FAULTS = (
 @click.option("--workload", default=None,
               help=f"Built-in workload. Embedded engine: {', '.join(WORKLOADS)} (default "
                    f"{WORKLOADS[0]}). vLLM: prefix, preemption, connector, priority, "
-                   "async-partial, and async-preemption and async-priority (vLLM's "
-                   "AsyncScheduler) (default prefix).")
+                   "async-partial, and async-preemption, async-priority, async-connector and "
+                   "async-connector-recompute (vLLM's AsyncScheduler; vLLM 0.32 fails on the "
+                   "last) (default prefix).")
 @click.option("--fault", default=None,
               help=f"Put a known scheduler bug back in. Embedded engine: {', '.join(FAULTS)}. "
                    "vLLM (a scheduler subclass): async-load-overshoot, stale-computed-on-preempt, "

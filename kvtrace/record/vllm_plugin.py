@@ -75,7 +75,9 @@ def _hook_engine_shutdown() -> None:
     The scheduler's own ``shutdown`` runs last, after the executor has waited for
     its workers; a front end that force-kills the engine core process (the API
     server does, right after SIGTERM) kills it before that point. Closing first
-    writes the End record while there is still time."""
+    writes the End record while there is still time. A shutdown while an
+    exception leaves the engine (its busy loop raised, or the offline run did)
+    ends the traces ``interrupted``, with that exception."""
     try:
         from vllm.v1.engine.core import EngineCore
     except Exception:
@@ -86,9 +88,9 @@ def _hook_engine_shutdown() -> None:
 
     def shutdown(self, *args, **kwargs):
         try:
-            from kvtrace.record.vllm_recorder import close_all
+            from kvtrace.record.vllm_recorder import close_all, propagating_failure
 
-            close_all()
+            close_all(interrupted=propagating_failure())   # "interrupted" when the engine failed
         except Exception:
             logger.exception("kvtrace: closing traces at engine shutdown failed")
         return orig(self, *args, **kwargs)

@@ -15,7 +15,9 @@ in call order:
   ``self.connector.update_state_after_alloc`` on the instance)
 * ``update_from_output`` -> ``Output`` and one ``PromptStats`` per request's first
   output that carries prompt accounting
-* shutdown / process exit -> ``End``
+* shutdown / process exit -> ``End``: ``complete``, or ``interrupted`` with the
+  engine's error when the scheduler is shut down while an exception leaves the
+  engine (vLLM's engine core process shuts it down from a ``finally``)
 
 Rules the recorder keeps:
 
@@ -43,6 +45,7 @@ import itertools
 import logging
 import operator
 import os
+import sys
 import threading
 import weakref
 from pathlib import Path
@@ -245,12 +248,15 @@ class Recorder:
         self.active = False
         self.close(wait=False)   # on the engine's thread: the writer finishes on its own
 
-    def close(self, wait: bool = True) -> None:
-        """End the trace. With ``wait``, until the writer has written its end
+    def close(self, wait: bool = True, interrupted: str | None = None) -> None:
+        """End the trace: ``complete``, or ``interrupted`` with that error (the
+        engine failed). With ``wait``, until the writer has written its end
         (shutdown, process exit); otherwise only ask it to."""
         if not self.sink.closed:
             if self.failed is not None:
                 self.sink.close("recorder-error", self.failed, wait=wait)
+            elif interrupted is not None:
+                self.sink.close("interrupted", interrupted, wait=wait)
             else:
                 self.sink.close("complete", wait=wait)
         elif wait:
@@ -489,16 +495,35 @@ _CLAIMED: dict[str, int] = {}
 _CLAIM_LOCK = threading.Lock()
 
 
-def close_all() -> None:
-    """Close every open recorder of this process (writes their End records)."""
+def close_all(interrupted: str | None = None) -> None:
+    """Close every open recorder of this process (writes their End records):
+    ``complete``, or, given the error that stopped the engine, ``interrupted``."""
     for rec in list(_ACTIVE):
         try:
-            rec.close()
+            rec.close(interrupted=interrupted)
         except Exception:
             logger.exception("kvtrace: closing a recorder failed")
 
 
 atexit.register(close_all)
+
+
+def engine_failure(exc: BaseException) -> str:
+    """An engine's exception as a trace's end error: one line, at most 500 characters."""
+    msg = " ".join(str(exc).split())
+    text = f"the engine raised {type(exc).__name__}" + (f": {msg}" if msg else "")
+    return text if len(text) <= 500 else text[:497] + "..."
+
+
+def propagating_failure() -> str | None:
+    """The exception on its way out of the engine while the scheduler is shut
+    down from a ``finally`` (vLLM's engine core process shuts down so when its
+    busy loop raises), as the trace's end error; None for a normal shutdown,
+    including one by ``SystemExit`` with a zero code."""
+    exc = sys.exc_info()[1]
+    if exc is None or (isinstance(exc, SystemExit) and exc.code in (None, 0)):
+        return None
+    return engine_failure(exc)
 
 
 def _destination(sched: Any) -> str | None:
@@ -693,13 +718,14 @@ def make_recording_scheduler(base_cls: type) -> type:
             return result
 
         def shutdown(self, *args, **kwargs):
+            failure = propagating_failure()   # the engine failed: the trace ends "interrupted"
             try:
                 return super().shutdown(*args, **kwargs)
             finally:
                 rec = getattr(self, "_kvtrace", None)
                 if rec is not None:
                     try:
-                        rec.close()
+                        rec.close(interrupted=failure)
                     except Exception:
                         logger.exception("kvtrace: closing the trace failed")
 

@@ -11,6 +11,10 @@
     arguments. Returns ``{"path": out_path, "outputs": {index: [token ids]},
     "finish_reasons": {index: str}}``.
 
+    If the engine raises, the trace written up to that point ends with status
+    ``interrupted`` and the engine's error, and ``EngineFailed`` is raised (the
+    ``kvtrace record`` command exits 1 with a one-line message naming the trace).
+
 ``record_command(out_path, argv) -> int``
     Runs any command (for example ``python -m vllm.entrypoints.openai.api_server
     --model DIR ...``) with ``KVTRACE_OUT=out_path`` in its environment and returns
@@ -30,6 +34,7 @@ and the engine core then runs its batch queue as it does on a GPU.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import subprocess
 import sys
@@ -79,6 +84,18 @@ def _connector_prompts() -> list[list[int]]:
 
 
 SCRIPTED = "kvtrace.record.scripted_connector"
+
+
+def _async_variant(name: str, rules: dict | None = None) -> dict:
+    """Workload ``name`` under async scheduling, with the connector rules of
+    the requests in ``rules`` replaced."""
+    wl = copy.deepcopy(WORKLOADS[name])
+    wl["engine"]["async_scheduling"] = True
+    if rules:
+        extra = wl["engine"]["kv_transfer_config"]["kv_connector_extra_config"]
+        extra["rules"] = [rules.get(r["req"], r) for r in extra["rules"]]
+    return wl
+
 
 WORKLOADS: dict[str, dict] = {
     # Shared prefixes, a repeated prompt, enough KV for everything.
@@ -132,6 +149,18 @@ WORKLOADS: dict[str, dict] = {
             kv_role="kv_consumer",
             kv_connector_extra_config={"rules": [{"req": "0", "hit": 40, "async": True}]}))),
 }
+# The connector workload under async scheduling, its block-level load failure
+# (request "5") made a plain sync hit: the rest of it runs on vLLM 0.32's
+# AsyncScheduler (deferred block frees for a consumer, async loads, a
+# request-level failure, a hit that grows after preemption).
+WORKLOADS["async-connector"] = _async_variant("connector", rules={"5": {"req": "5", "hit": 96}})
+# The connector workload under async scheduling, as it is. vLLM 0.32 fails on
+# it: the block-level failure's recompute keeps the output placeholders of
+# the steps in flight, so the next step schedules a position that has no
+# token (an I1 violation replay names), and the model runner embeds the
+# placeholder id (IndexError). Upstream: vllm-project/vllm issues 45138 and
+# 49250 (part 2).
+WORKLOADS["async-connector-recompute"] = _async_variant("connector")
 
 
 def _resolve(workload: Any) -> dict:
@@ -172,6 +201,7 @@ def run_workload(model_dir: str | None, workload: Any = "prefix", **engine_kwarg
             "finish_reasons": {i: str(o.outputs[0].finish_reason) for i, o in enumerate(outs)},
         }
     finally:
+        # After an exception, a recording scheduler ends its trace "interrupted".
         shutdown_llm(llm)
     return result
 
@@ -210,6 +240,20 @@ def shutdown_llm(llm: Any) -> None:
         pass
 
 
+class EngineFailed(RuntimeError):
+    """The engine raised while it was recorded. The trace up to the failure is
+    written, and ends with status ``interrupted`` and the engine's error."""
+
+    exit_code = 1
+
+    def __init__(self, path: str, error: BaseException):
+        self.path = path
+        self.error = error
+        msg = " ".join(str(error).split())
+        super().__init__(f"the engine failed while it was recorded ({type(error).__name__}: {msg}); "
+                         f"the trace up to the failure is in {path}: kvtrace replay {path}")
+
+
 def record_vllm_offline(model_dir: str | None, out_path: str | os.PathLike,
                         workload: Any = "prefix", **engine_kwargs: Any) -> dict:
     """Run ``workload`` with the recorder writing to ``out_path``."""
@@ -221,6 +265,10 @@ def record_vllm_offline(model_dir: str | None, out_path: str | os.PathLike,
     try:
         vllm_plugin.install()
         result = run_workload(model_dir, workload, **engine_kwargs)
+    except Exception as e:
+        if os.path.exists(out_path):
+            raise EngineFailed(out_path, e) from e
+        raise
     finally:
         from kvtrace.record.vllm_recorder import close_all
 
