@@ -34,8 +34,8 @@ def kv(divs: list[dict]) -> list[dict]:
     return [d for d in divs if d["kind"] == "kv-content"]
 
 
-@pytest.mark.parametrize("path", sorted(TRACES.glob("*.jsonl.gz")) + sorted(TRACES.glob("faults/*.jsonl.gz")),
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted(TRACES.glob("*.jsonl.gz")) + sorted(TRACES.glob("faults/*.jsonl.gz"))
+                         + sorted(TRACES.glob("vllm-bugs/*.jsonl.gz")), ids=lambda p: p.name)
 def test_real_vllm_traces_replay_the_same_with_a_worker(path):
     here, there = both(path)
     assert there == here

@@ -20,7 +20,8 @@ from kvtrace.trace.events import decode
 from mini_traces import load_records, save_records
 
 TRACES = Path(__file__).resolve().parent.parent / "traces"
-REAL = sorted(TRACES.glob("*.jsonl.gz")) + sorted(TRACES.glob("faults/*.jsonl.gz"))
+REAL = sorted(TRACES.glob("*.jsonl.gz")) + sorted(TRACES.glob("faults/*.jsonl.gz")) + sorted(
+    TRACES.glob("vllm-bugs/*.jsonl.gz"))
 
 
 def result(path, worker: int, device: str | None = None) -> tuple:

@@ -173,21 +173,24 @@ def test_an_engine_that_fails_leaves_an_interrupted_trace_that_replays_to_the_fa
                                                                                      model_dir):
     """vLLM 0.32 fails on the async-connector-recompute workload (its own bug,
     traces/README.md). `kvtrace record` says so in one line naming the trace and
-    exits 1; the trace ends "interrupted" with the engine's error; replay reads
-    it to the end and flags the count the engine failed on."""
+    exits 1; the trace ends "interrupted" with the engine's error, redacted as
+    asked; replay reads it to the end and flags the count the engine failed on."""
     import subprocess
 
     out = tmp_path / "failed.jsonl.gz"
     p = subprocess.run([sys.executable, "-m", "kvtrace.cli", "record", "-o", str(out), "--engine", "vllm",
-                        "--model", str(model_dir), "--workload", "async-connector-recompute"],
+                        "--model", str(model_dir), "--workload", "async-connector-recompute",
+                        "--redact"],
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 1, p.stderr[-2000:]
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("kvtrace: the engine failed while it was recorded (IndexError")
-    assert str(out) in last and "Traceback" not in p.stderr.split("kvtrace:")[-1]
+    assert last.endswith(f"the trace up to the failure is in {out}: kvtrace replay {out}")
+    assert [f.name for f in tmp_path.iterdir()] == [out.name]   # no unredacted copy left
     r, evs = read_all(out)
+    assert "redacted" in r.header.meta
     assert isinstance(evs[-1], End) and evs[-1].status == "interrupted"
-    assert evs[-1].error.startswith("the engine raised IndexError")
+    assert evs[-1].error.startswith("the engine stopped on IndexError")
     p = subprocess.run([sys.executable, "-m", "kvtrace.cli", "replay", "--json", str(out)],
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 1
@@ -509,9 +512,22 @@ def test_only_a_failure_on_its_way_out_makes_a_shutdown_interrupted():
     except ValueError:
         pass
     shutdown()                                   # after a handled exception
-    assert seen == [None, None, None, "the engine raised SystemExit: 3",
-                    "the engine raised ValueError: a b", "the engine raised KeyboardInterrupt",
-                    None]
+    assert seen == [None, None, None, "the engine stopped on SystemExit: 3",
+                    "the engine stopped on ValueError: a b",
+                    "the engine stopped on KeyboardInterrupt", None]
+
+    class Unprintable(Exception):
+        def __str__(self):
+            raise RuntimeError("no")
+
+    try:
+        try:
+            raise Unprintable()
+        finally:
+            shutdown()
+    except Unprintable:
+        pass
+    assert seen[-1] == "the engine stopped on Unprintable"
     assert len(vllm_recorder.engine_failure(RuntimeError("x" * 2000))) == 500
 
 
@@ -540,7 +556,7 @@ def test_an_engine_core_process_that_fails_ends_its_trace_interrupted(tmp_path, 
     assert evs[-1].kind == "end" and evs[-1].status == "interrupted", r.truncation
     # The worker's IndexError stays in its own process; the engine core fails on
     # the empty output it gets back, and that is the exception it shuts down with.
-    assert evs[-1].error.startswith("the engine raised ")
+    assert evs[-1].error.startswith("the engine stopped on ")
     from kvtrace.replay import replay_file
 
     divs = replay_file(out, device=None).divergences

@@ -65,18 +65,30 @@ def command(out: Path, workload: str | None, fault: str | None, seed: int, engin
         record_command = load("kvtrace.record.vllm_run", "record_command", VLLM_HINT)
         code = int(record_command(target, list(command)) or 0)
     elif engine == "vllm":
-        _record_vllm(target, workload, fault, model, async_scheduling)
+        try:
+            _record_vllm(target, workload, fault, model, async_scheduling)
+        except Exception as e:
+            from kvtrace.record.vllm_run import EngineFailed
+
+            if redact and isinstance(e, EngineFailed):   # the trace up to the failure, redacted
+                _redact(target, out)
+                raise EngineFailed(str(out), e.error) from e
+            raise
         code = EXIT_OK
     else:
         _record_embedded(target, workload, fault, seed, model, async_scheduling)
         code = EXIT_OK
     if redact:
-        from kvtrace.redact import redact_file
-
-        redact_file(target, out)
-        target.unlink()
+        _redact(target, out)
     click.echo(f"wrote {out}")
     return code
+
+
+def _redact(plain: Path, out: Path) -> None:
+    from kvtrace.redact import redact_file
+
+    redact_file(plain, out)
+    plain.unlink()
 
 
 def _record_embedded(out: Path, workload: str | None, fault: str | None, seed: int,

@@ -508,10 +508,21 @@ def close_all(interrupted: str | None = None) -> None:
 atexit.register(close_all)
 
 
+def recorders_opened(out: str) -> int:
+    """How many schedulers of this process have claimed destination ``out``
+    (``KVTRACE_OUT``) so far."""
+    with _CLAIM_LOCK:
+        return _CLAIMED.get(out, 0)
+
+
 def engine_failure(exc: BaseException) -> str:
-    """An engine's exception as a trace's end error: one line, at most 500 characters."""
-    msg = " ".join(str(exc).split())
-    text = f"the engine raised {type(exc).__name__}" + (f": {msg}" if msg else "")
+    """An exception that stopped the engine as a trace's end error: one line,
+    at most 500 characters. Never raises."""
+    try:
+        msg = " ".join(str(exc).split())
+    except Exception:
+        msg = ""
+    text = f"the engine stopped on {type(exc).__name__}" + (f": {msg}" if msg else "")
     return text if len(text) <= 500 else text[:497] + "..."
 
 
@@ -519,10 +530,17 @@ def propagating_failure() -> str | None:
     """The exception on its way out of the engine while the scheduler is shut
     down from a ``finally`` (vLLM's engine core process shuts down so when its
     busy loop raises), as the trace's end error; None for a normal shutdown,
-    including one by ``SystemExit`` with a zero code."""
+    including one by ``SystemExit`` with a zero code. Never raises. (A shutdown
+    from inside an ``except`` block that handles some other error is reported
+    the same way.)"""
     exc = sys.exc_info()[1]
-    if exc is None or (isinstance(exc, SystemExit) and exc.code in (None, 0)):
+    if exc is None:
         return None
+    try:
+        if isinstance(exc, SystemExit) and (exc.code is None or exc.code == 0):
+            return None
+    except Exception:
+        pass
     return engine_failure(exc)
 
 

@@ -259,20 +259,24 @@ def record_vllm_offline(model_dir: str | None, out_path: str | os.PathLike,
     """Run ``workload`` with the recorder writing to ``out_path``."""
     from kvtrace.record import vllm_plugin
 
+    from kvtrace.record.vllm_recorder import close_all, engine_failure, recorders_opened
+
     out_path = os.fspath(out_path)
     old = os.environ.get("KVTRACE_OUT")
     os.environ["KVTRACE_OUT"] = out_path
+    opened = recorders_opened(out_path)
+    failure = None
     try:
         vllm_plugin.install()
         result = run_workload(model_dir, workload, **engine_kwargs)
-    except Exception as e:
-        if os.path.exists(out_path):
-            raise EngineFailed(out_path, e) from e
+    except BaseException as e:
+        failure = engine_failure(e)
+        if (isinstance(e, Exception) and recorders_opened(out_path) > opened
+                and os.path.exists(out_path)):
+            raise EngineFailed(out_path, e) from e   # this run wrote the trace up to here
         raise
     finally:
-        from kvtrace.record.vllm_recorder import close_all
-
-        close_all()
+        close_all(interrupted=failure)   # a trace the shutdown did not close yet
         if old is None:
             os.environ.pop("KVTRACE_OUT", None)
         else:
