@@ -209,6 +209,9 @@ def test_missing_kind(base, tmp_path, capsys):
     (4, lambda o: o[3]["states"][0].__setitem__("status", "SLEEPING"), "field 'states.status' must be one of"),
     (3, lambda o: o[2]["new"][0].pop("block_ids"), "missing field 'block_ids'"),
     (3, lambda o: o.__setitem__(2, b"[1, 2, 3]\n"), "a record must be a JSON object, got a list"),
+    (3, lambda o: o.insert(2, {"kind": "pause_state", "seq": o[1]["seq"], "state": "SLEEPING"}),
+     "field 'state' must be one of"),
+    (3, lambda o: o.insert(2, {"kind": "pause_state", "seq": o[1]["seq"]}), "missing field 'state'"),
 ])
 def test_wrong_types(base, tmp_path, capsys, line, edit, message):
     bad = _edit(base, tmp_path, edit)

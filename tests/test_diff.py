@@ -636,3 +636,34 @@ def test_an_abort_split_into_one_call_per_request_in_the_same_order_is_no_diverg
     b = save_records(records, tmp_path / "b.jsonl")
     assert diff_files(a, b).divergences == []
     assert diff_files(b, a).divergences == []
+
+
+def _with_pauses(records: list[dict], pauses: dict[int, str]) -> list[dict]:
+    """``records`` with a pause_state record before each index of ``pauses``,
+    sequence numbers renumbered."""
+    out = [records[0]]
+    for i, r in enumerate(records[1:], 1):
+        if i in pauses:
+            out.append({"kind": "pause_state", "seq": 0, "state": pauses[i]})
+        out.append(dict(r))
+    for n, r in enumerate(out[1:]):
+        r["seq"] = n
+    return out
+
+
+def test_diff_compares_the_pause_states_of_two_traces(tmp_path):
+    """The k-th pause state of A against the k-th of B (trace format 3.2b), and
+    one only a trace has; only the first that differs is reported."""
+    records = load_records(TRACES / "preemption.jsonl.gz")
+    steps = [i for i, r in enumerate(records) if r["kind"] == "step"]
+    at1, at2 = steps[3], steps[9]
+    a = save_records(_with_pauses(records, {at1: "PAUSED_NEW", at2: "UNPAUSED"}), tmp_path / "a.jsonl")
+    assert diff_files(a, a).divergences == []
+    b = save_records(_with_pauses(records, {at1: "PAUSED_ALL", at2: "UNPAUSED"}), tmp_path / "b.jsonl")
+    [d] = diff_files(a, b).divergences
+    assert (d.field, d.rule, d.recorded, d.expected) == (
+        "pause_state", "1st pause state differs", {"state": "PAUSED_NEW"}, {"state": "PAUSED_ALL"})
+    assert d.line == at1 + 1 and d.step == records[steps[2]]["step"]
+    c = save_records(_with_pauses(records, {at1: "PAUSED_NEW"}), tmp_path / "c.jsonl")
+    [d] = diff_files(a, c).divergences
+    assert (d.rule, d.recorded, d.expected) == ("2nd pause state differs", {"state": "UNPAUSED"}, None)

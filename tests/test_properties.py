@@ -28,7 +28,8 @@ from kvtrace.engine.engine import RecordResult
 from kvtrace.engine.faults import STORE_FAULTS
 from kvtrace.engine.kv_store import StoreSettings
 from kvtrace.engine.sampler import FIRST_ORDINARY_TOKEN
-from kvtrace.engine.workloads import PlannedAbort, PlannedArrival, PlannedReset, Workload
+from kvtrace.engine.workloads import (PlannedAbort, PlannedArrival, PlannedPause, PlannedReset,
+                                      Workload)
 from kvtrace.reference import SchedulerConfig
 from kvtrace.trace import TraceReader, TraceWriter
 from kvtrace.trace import events as ev
@@ -113,8 +114,16 @@ def workloads(draw, store: bool | None = None, large: bool = False,
     # the time (with a store it can fail even so: a load in flight keeps its blocks).
     resets = tuple(PlannedReset(rng.randint(0, max(t, 1) + 8), rng.random() < 0.5)
                    for _ in range(draw(st.sampled_from([0, 0, 1, 3]))))
+    # Now and then a pause (trace format 3.2b): for new requests or for all,
+    # resumed a few steps later.
+    pauses = []
+    for _ in range(draw(st.sampled_from([0, 0, 1, 2]))):
+        at = rng.randint(0, max(t, 1) + 8)
+        pauses += [PlannedPause(at, rng.choice(("PAUSED_NEW", "PAUSED_ALL"))),
+                   PlannedPause(at + rng.randint(1, 6), "UNPAUSED")]
     return Workload(f"random-{seed}", config, tuple(arrivals), aborts, settings_, vocab,
-                    eos_probability=draw(st.sampled_from([0.0, 0.05])), resets=resets)
+                    eos_probability=draw(st.sampled_from([0.0, 0.05])), resets=resets,
+                    pauses=tuple(pauses))
 
 
 def record_workload(wl: Workload, path: Path, fault: str | None = None, seed: int = 0) -> RecordResult:

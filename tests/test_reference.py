@@ -389,3 +389,41 @@ def test_without_deferral_the_blocks_come_back_at_once():
     s.schedule()
     s.finish_requests(["a"], Status.FINISHED_ABORTED)
     assert s.kv.pool.num_free_blocks == 16 - 1
+
+
+# --------------------------------------------------------------------------- pause states
+
+
+def test_paused_for_new_requests_the_running_go_on_and_only_a_finished_load_is_admitted():
+    """S:914-917: under PAUSED_NEW the waiting pass takes only the queue of
+    requests that hold blocks (a completed async load); S:615-617: under
+    PAUSED_ALL the token budget is 0, so nothing at all is scheduled."""
+    class OneAsyncLoad(FixedConnector):
+        def get_num_new_matched_tokens(self, r, n):
+            self.calls.append((r.request_id, n))
+            return (8, True) if r.request_id == "loaded" else (0, False)
+
+    conn = OneAsyncLoad(ext=0, load_async=False)
+    s = Scheduler(cfg(), conn)
+    s.add_request(req("run", list(range(5)), max_tokens=20))
+    s.add_request(req("loaded", list(range(100, 108))))
+    out = s.schedule()
+    assert set(out.num_scheduled_tokens) == {"run"}
+    assert s.requests["loaded"].status == Status.WAITING_FOR_REMOTE_KVS
+    s.update_from_output(out, ModelOutput({"run": [1]}, finished_recving={"loaded"}))
+
+    s.set_pause_state("PAUSED_NEW")
+    s.add_request(req("new", list(range(200, 204))))
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"run": 1, "loaded": 1}   # the loaded one: its last token
+    assert s.requests["new"].status == Status.WAITING and conn.calls == [("run", 0), ("loaded", 0)]
+    s.update_from_output(out, ModelOutput({"run": [2], "loaded": [3]}))
+
+    s.set_pause_state("PAUSED_ALL")
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {} and not out.preempted_req_ids
+    assert [r.request_id for r in s.running] == ["run", "loaded"]
+
+    s.set_pause_state("UNPAUSED")
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"run": 1, "loaded": 1, "new": 4}

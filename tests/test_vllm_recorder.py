@@ -666,6 +666,75 @@ def test_reset_prefix_cache_of_running_requests_is_recorded_and_replays_clean(
     assert divs and min(d.line for d in divs if d.line) == at[0] + 1   # the next record's line
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_pause_states_are_recorded_and_replay_clean(tmp_path, model_dir, monkeypatch,
+                                                    async_scheduling):
+    """Paused for new requests (vLLM's ``pause_scheduler`` in its "abort" or
+    "wait" mode; the in-process engine's scheduler is paused directly here),
+    the running requests go on and a new one waits; paused for all
+    (``pause_scheduler(mode="keep")``), nothing is scheduled; then
+    ``resume_scheduler``. The recording has a pause_state record for each
+    change, and replays clean through the reference and through vLLM's own
+    scheduler; without the records the reference admits the new request at
+    once."""
+    from vllm import LLM, SamplingParams
+    from vllm.v1.core.sched.interface import PauseState
+
+    from kvtrace.diff import diff_files
+    from kvtrace.record.vllm_replay import replay_through_vllm
+    from kvtrace.record.vllm_run import _async_scheduling_kept, shutdown_llm
+    from kvtrace.replay import replay_file
+    from mini_traces import load_records, save_records
+
+    out = tmp_path / "pause.jsonl"
+    monkeypatch.setenv("KVTRACE_OUT", str(out))
+    with _async_scheduling_kept(async_scheduling):
+        llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", block_size=32,
+                  max_model_len=256, enforce_eager=True, seed=0, gpu_memory_utilization=0.2,
+                  num_gpu_blocks_override=32, enable_prefix_caching=True,
+                  async_scheduling=async_scheduling)
+    eng = llm.llm_engine
+    core = eng.engine_core.engine_core
+    sp = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)
+    for i in range(2):
+        eng.add_request(f"p{i}", {"prompt_token_ids": [(5 * i + j) % 300 + 50 for j in range(40)]}, sp)
+    for _ in range(3):
+        eng.step()
+    core.scheduler.set_pause_state(PauseState.PAUSED_NEW)
+    eng.add_request("late", {"prompt_token_ids": list(range(100, 140))}, sp)
+    for _ in range(3):
+        eng.step()
+    core.pause_scheduler(mode="keep", clear_cache=False)
+    for _ in range(2):
+        eng.step()
+    core.resume_scheduler()
+    while eng.has_unfinished_requests():
+        eng.step()
+    shutdown_llm(llm)
+
+    records = load_records(out)
+    pauses = [(i, r["state"]) for i, r in enumerate(records) if r["kind"] == "pause_state"]
+    assert [st for _, st in pauses] == ["PAUSED_NEW", "PAUSED_ALL", "UNPAUSED"]
+    held = [r for r in records[pauses[0][0]:pauses[1][0]] if r["kind"] == "step"]
+    assert held and all(r["running"] and not r["new"] for r in held)   # the running go on
+    assert not any(r["kind"] == "step" and (r["new"] or r["running"])
+                   for r in records[pauses[1][0]:pauses[2][0]])         # nothing while all paused
+    admitted = next(r for r in records[pauses[2][0]:] if r["kind"] == "step")
+    assert [s["req"].split("-")[0] for s in admitted["new"]] == ["late"]   # vLLM adds a suffix
+    res = replay_file(out, device="cpu", worker=0)
+    assert res.divergences == [] and res.slots_checked > 0
+    through = tmp_path / "vllm.jsonl.gz"
+    assert replay_through_vllm(out, through).stopped is None
+    assert diff_files(out, through).divergences == []
+    # Without the pause records the reference admits "late" at the first step after it arrived.
+    kept = [r for r in records if r["kind"] != "pause_state"]
+    divs = replay_file(save_records(kept, tmp_path / "no-pause.jsonl"), device=None).divergences
+    arrived = next(i for i, r in enumerate(kept)
+                   if r["kind"] == "arrival" and r["req"].startswith("late-"))
+    first_step = next(i for i, r in enumerate(kept) if i > arrived and r["kind"] == "step")
+    assert divs and min(d.line for d in divs if d.line) == first_step + 1
+
+
 def test_an_abort_of_several_requests_is_recorded_in_the_order_vllm_frees_them(tmp_path, model_dir,
                                                                               monkeypatch):
     """vLLM 0.32 frees the requests of one abort call in the iteration order of a

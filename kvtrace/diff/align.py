@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..findings import Divergence
-from ..trace.events import (Abort, Arrival, End, Header, Output, PromptStats, ResetPrefixCache, Step,
+from ..trace.events import (Abort, Arrival, End, Header, Output, PauseState, PromptStats, ResetPrefixCache, Step,
                             to_json)
 from ..trace.io import TraceError, TraceReader, not_regular
 
@@ -246,6 +246,16 @@ class _Pair:
             self.best = (key, div)
 
 
+# Scheduler-wide calls, compared in order per kind: the kind and its name in a rule.
+_CALLS = {"reset_prefix_cache": "prefix-cache reset", "pause_state": "pause state"}
+
+
+def _call_values(ev: ResetPrefixCache | PauseState) -> dict:
+    if isinstance(ev, PauseState):
+        return {"state": ev.state}
+    return {"reset_running_requests": ev.reset_running_requests, "succeeded": ev.succeeded}
+
+
 class _Side:
     def __init__(self, name: str, reader: TraceReader, events: Iterator):
         self.name = name
@@ -260,7 +270,9 @@ class _Side:
         self.keys: dict[str, str] = {}  # this trace's request id -> pair key
         self.arrivals = 0
         self.sched_at: dict[int, dict[str, int]] = {}
-        self.resets: deque = deque()   # prefix-cache resets not compared yet: (step, seq, line, values)
+        # Scheduler-wide calls not compared yet, per kind ("reset_prefix_cache",
+        # "pause_state"): (step, seq, line, values).
+        self.calls: dict[str, deque] = {kind: deque() for kind in _CALLS}
 
 
 class _Differ:
@@ -274,8 +286,8 @@ class _Differ:
         self.compared = 0
         self.cut_short: list[str] = []
         self.header_divs = _header_divs(ra.header, rb.header)
-        self.resets_compared = 0
-        self.resets_differ = False   # only the first differing reset is reported
+        self.calls_compared = dict.fromkeys(_CALLS, 0)
+        self.calls_differ: set[str] = set()   # only the first differing call of a kind is reported
         # Load plans are compared only when both engines ran a connector (both record one).
         self.compare_plans = ra.header.config.connector is not None and rb.header.config.connector is not None
 
@@ -301,7 +313,8 @@ class _Differ:
         for req in list(self.pairs):
             self._finalize(self.pairs.pop(req))
         if a.reader.truncation is None and b.reader.truncation is None:
-            self._compare_resets(final=True)
+            for kind in _CALLS:
+                self._compare_calls(kind, final=True)
 
     def _advance(self, side: _Side) -> None:
         ev = next(side.events, None)
@@ -328,10 +341,9 @@ class _Differ:
             if ev.legacy is not None:
                 v.update((f"legacy.{k}", x) for k, x in to_json(ev.legacy).items())
             self._add(side, ev.req, "prompt_stats", _item(ev.step, ev.seq, line, v))
-        elif isinstance(ev, ResetPrefixCache):
-            side.resets.append((side.cur_step, ev.seq, line,
-                                (ev.reset_running_requests, ev.succeeded)))
-            self._compare_resets()
+        elif isinstance(ev, (ResetPrefixCache, PauseState)):
+            side.calls[ev.kind].append((side.cur_step, ev.seq, line, _call_values(ev)))
+            self._compare_calls(ev.kind)
         elif isinstance(ev, End):
             pass
 
@@ -526,25 +538,25 @@ class _Differ:
                         seq=ia.seq, line=ia.line))
                     break
 
-    def _compare_resets(self, final: bool = False) -> None:
-        """The k-th prefix-cache reset of A with the k-th of B (they are inputs,
-        like arrivals, and change what every request can hit); at the end, a
-        reset only one trace has."""
-        qa, qb = self.sides["a"].resets, self.sides["b"].resets
+    def _compare_calls(self, kind: str, final: bool = False) -> None:
+        """The k-th scheduler-wide call of a kind in A (a prefix-cache reset, a
+        pause state) with the k-th of B: they are inputs, like arrivals, and
+        change what every request can hit or when it is scheduled; at the end,
+        a call only one trace has."""
+        qa, qb = self.sides["a"].calls[kind], self.sides["b"].calls[kind]
         while qa and qb or final and (qa or qb):
             ia = qa.popleft() if qa else None
             ib = qb.popleft() if qb else None
-            k = self.resets_compared
-            self.resets_compared += 1
-            va, vb = (None if i is None else dict(zip(("reset_running_requests", "succeeded"), i[3]))
-                      for i in (ia, ib))
-            if va == vb or self.resets_differ:
+            k = self.calls_compared[kind]
+            self.calls_compared[kind] += 1
+            va, vb = (None if i is None else i[3] for i in (ia, ib))
+            if va == vb or kind in self.calls_differ:
                 continue
-            self.resets_differ = True
+            self.calls_differ.add(kind)
             at = ia if ia is not None else ib
             self.found.append((ia[1] if ia is not None else math.inf, Divergence(
-                step=at[0], req=None, field="reset_prefix_cache", recorded=va, expected=vb,
-                rule=f"{_ordinal(k + 1)} prefix-cache reset differs", kind="diff",
+                step=at[0], req=None, field=kind, recorded=va, expected=vb,
+                rule=f"{_ordinal(k + 1)} {_CALLS[kind]} differs", kind="diff",
                 seq=ia[1] if ia is not None else None, line=ia[2] if ia is not None else None)))
 
     def _cut_step(self, name: str) -> int | None:

@@ -136,6 +136,7 @@ class _Engine:
             self._arrivals_due(writer, step)
             self._aborts_due(writer, step)
             self._resets_due(writer, step)
+            self._pauses_due(writer, step)
             out, model = self._schedule(writer, step, result)
             self._update(writer, step, out, model, counters)
             result.steps = step + 1
@@ -154,6 +155,7 @@ class _Engine:
             self.fault_log.step = step
             self._arrivals_due(writer, step)
             self._resets_due(writer, step)
+            self._pauses_due(writer, step)
             out, model = self._schedule(writer, step, result)
             in_flight.append((step, out, model))
             result.steps = step + 1
@@ -176,7 +178,8 @@ class _Engine:
         self._arrivals = sorted(self.wl.arrivals, key=lambda a: a.step)
         self._aborts = sorted(self.wl.aborts, key=lambda a: a.step)
         self._resets = sorted(self.wl.resets, key=lambda r: r.step)
-        self._ai = self._bi = self._ri = self._idle = 0
+        self._pauses = sorted(self.wl.pauses, key=lambda p: p.step)
+        self._ai = self._bi = self._ri = self._pi = self._idle = 0
         self._preempted: dict[str, int] = {}   # request -> preemptions since its last token
 
     def _arrivals_due(self, writer: TraceWriter, step: int) -> None:
@@ -191,6 +194,13 @@ class _Engine:
             ok = self.sched.reset_prefix_cache(running)
             writer.write(ev.ResetPrefixCache(writer.next_seq(), running, ok))
             self._ri += 1
+
+    def _pauses_due(self, writer: TraceWriter, step: int) -> None:
+        while self._pi < len(self._pauses) and self._pauses[self._pi].step <= step:
+            state = self._pauses[self._pi].state
+            self.sched.set_pause_state(state)
+            writer.write(ev.PauseState(writer.next_seq(), state))
+            self._pi += 1
 
     def _aborts_due(self, writer: TraceWriter, step: int) -> None:
         aborts, due = self._aborts, []

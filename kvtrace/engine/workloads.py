@@ -54,6 +54,15 @@ class PlannedReset:
 
 
 @dataclass(frozen=True, slots=True)
+class PlannedPause:
+    """``set_pause_state(state)`` before the step's schedule(): "PAUSED_NEW",
+    "PAUSED_ALL" or "UNPAUSED" (trace format 3.2b)."""
+
+    step: int
+    state: str
+
+
+@dataclass(frozen=True, slots=True)
 class Workload:
     name: str
     config: SchedulerConfig
@@ -63,6 +72,7 @@ class Workload:
     vocab_size: int = VOCAB_SIZE
     eos_probability: float = 0.0
     resets: tuple[PlannedReset, ...] = ()
+    pauses: tuple[PlannedPause, ...] = ()
 
 
 def _tokens(rng: random.Random, n: int) -> tuple[int, ...]:

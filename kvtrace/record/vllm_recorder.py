@@ -7,6 +7,7 @@ in call order:
 * ``add_request``      -> ``Arrival``
 * ``reset_prefix_cache`` -> ``ResetPrefixCache`` (whether running requests were
   preempted for it, and whether it succeeded)
+* ``set_pause_state``  -> ``PauseState`` (``pause_scheduler`` / ``resume_scheduler``)
 * ``finish_requests``  -> ``Abort`` (only ``FINISHED_ABORTED`` calls from outside
   ``update_from_output``), its ids in the order the engine frees them, seen
   by wrapping ``_free_request``
@@ -67,6 +68,7 @@ from kvtrace.trace.events import (
     KVLoad,
     LegacyCounters,
     Lookup,
+    PauseState,
     PrefillStats,
     PromptStats,
     ResetPrefixCache,
@@ -312,6 +314,9 @@ class Recorder:
         self.sink.put(ResetPrefixCache(seq=0, reset_running_requests=bool(reset_running_requests),
                                        succeeded=bool(result),
                                        reset_connector=bool(reset_connector)))
+
+    def on_pause(self, pause_state: Any) -> None:
+        self.sink.put(PauseState(seq=0, state=str(getattr(pause_state, "name", pause_state))))
 
     def on_lookup(self, request: Any, local: int, result: Any) -> None:
         ext, load_async = (result if result is not None else (None, False))
@@ -700,6 +705,14 @@ def make_recording_scheduler(base_cls: type) -> type:
                     running = kwargs.get("reset_running_requests", args[0] if args else False)
                     connector = kwargs.get("reset_connector", args[1] if len(args) > 1 else False)
                     rec.guard("reset_prefix_cache", rec.on_reset, running, connector, result)
+
+        if hasattr(base_cls, "set_pause_state"):
+            def set_pause_state(self, pause_state, *args, **kwargs):
+                result = super().set_pause_state(pause_state, *args, **kwargs)
+                rec = self._kv_rec()
+                if rec is not None:
+                    rec.guard("set_pause_state", rec.on_pause, pause_state)
+                return result
 
         def _preempt_request(self, request, *args, **kwargs):
             result = super()._preempt_request(request, *args, **kwargs)

@@ -14,6 +14,7 @@ recorded inputs, in the recorded call order:
 * ``abort``    -> ``finish_requests(id, FINISHED_ABORTED)`` for each id, in the
   recorded order (the order the recorded engine freed them);
 * ``reset_prefix_cache`` -> ``reset_prefix_cache(reset_running_requests)``;
+* ``pause_state`` -> ``set_pause_state(state)``;
 * ``step``     -> ``schedule()``; a replay connector answers every
   ``get_num_new_matched_tokens`` call with the recorded answer for that request
   in that step, in call order;
@@ -534,6 +535,10 @@ def replay_through_vllm(trace_path: str | os.PathLike, out_path: str | os.PathLi
                         # which changes from one process to the next.
                         for rid in e.reqs:
                             sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+                    elif isinstance(e, ev.PauseState):
+                        from vllm.v1.core.sched.interface import PauseState
+
+                        sched.set_pause_state(PauseState[e.state])
                     elif isinstance(e, ev.ResetPrefixCache):
                         try:
                             sched.reset_prefix_cache(reset_running_requests=e.reset_running_requests)

@@ -77,6 +77,9 @@ class Scheduler:
         self.failed_recving_ids: set[str] = set()
         # Requests still prefilling: async loads count their remaining blocks as reserved.
         self.inflight_prefills: set[Request] = set()
+        # "UNPAUSED", "PAUSED_NEW" (admit only requests that hold blocks) or
+        # "PAUSED_ALL" (schedule nothing), as set_pause_state leaves it (S:2755).
+        self.pause_state = "UNPAUSED"
 
     # ------------------------------------------------------------------ inputs
 
@@ -110,13 +113,17 @@ class Scheduler:
             self._free_request(r, delay_free)
         return finished
 
+    def set_pause_state(self, state: str) -> None:
+        self.pause_state = state
+
     # ------------------------------------------------------------------ schedule
 
     def schedule(self) -> SchedulerOutput:
-        step = _Step(self.config.token_budget, self.config.max_num_batched_tokens,
-                     self._long_prefill_threshold())
+        paused_all = self.pause_state == "PAUSED_ALL"   # no token budget at all (S:615-617)
+        step = _Step(0 if paused_all else self.config.token_budget,
+                     self.config.max_num_batched_tokens, self._long_prefill_threshold())
         self._schedule_running(step)
-        if not step.preempted:          # no admissions in a step that preempted (S:900)
+        if not step.preempted and not paused_all:   # no admissions in a step that preempted (S:900)
             self._schedule_waiting(step)
         return self._finish_step(step)
 
@@ -171,8 +178,8 @@ class Scheduler:
             i += 1
 
     def _schedule_waiting(self, step: "_Step") -> None:
-        """Admit waiting requests, those holding blocks first, until one does not fit
-        (S:899-1401). Each admission is a fresh lookup (local prefix cache, then the
+        """Admit waiting requests, those holding blocks first (and only those while
+        paused for new requests), until one does not fit (S:899-1401). Each admission is a fresh lookup (local prefix cache, then the
         connector) unless the request's async load has completed; an async load
         moves the request to WAITING_FOR_REMOTE_KVS instead of RUNNING. Requests
         skipped on the way go back to the head of their queue, in order."""
@@ -186,7 +193,10 @@ class Scheduler:
             (skipped_holding if holds else skipped_waiting).appendleft(r)
 
         while step.token_budget > 0:
-            queue = self.kv_holding_waiting if self.kv_holding_waiting else self.waiting
+            # Paused for new requests, only those holding blocks are admitted (S:914-917).
+            queue = self.kv_holding_waiting
+            if not queue and self.pause_state == "UNPAUSED":
+                queue = self.waiting
             if not queue or step.input_budget <= 0 or len(self.running) >= max_active:
                 break
             r = queue.peek()

@@ -172,6 +172,9 @@ class Replayer:
                 self._abort(e)
             elif kind is ev.ResetPrefixCache:
                 self._reset(e, line)
+            elif kind is ev.PauseState:
+                self.sched.set_pause_state(e.state)
+                self._write(ev.PauseState(self._seq(), e.state))
         except SchedulerAssertion as a:
             step = getattr(e, "step", None)
             self.divergences.append(Divergence(step, a.req_id, "assertion", "scheduled", "engine assertion",

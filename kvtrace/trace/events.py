@@ -35,6 +35,7 @@ _FINISH_SET = frozenset(FINISH_REASONS)
 POLICIES = ("fcfs", "priority")
 COUNTER_SHAPES = ("prefill_stats", "legacy")
 END_STATUSES = ("complete", "recorder-error", "interrupted")
+PAUSE_STATES = ("UNPAUSED", "PAUSED_NEW", "PAUSED_ALL")
 
 # Sanity bounds: a value above these is a corrupt trace, not a big run.
 MAX_COUNT = 1 << 40
@@ -380,6 +381,23 @@ class ResetPrefixCache:
 
 
 @dataclass(slots=True)
+class PauseState:
+    """``Scheduler.set_pause_state(state)``, as vLLM's ``pause_scheduler`` /
+    ``resume_scheduler`` call it: from ``PAUSED_NEW`` on, admissions take only
+    waiting requests that hold blocks (a completed async load); from
+    ``PAUSED_ALL`` on, ``schedule()`` schedules nothing; ``UNPAUSED`` resumes."""
+
+    seq: int
+    state: str = "UNPAUSED"
+    kind: str = "pause_state"
+
+    @classmethod
+    def from_json(cls, d: dict) -> "PauseState":
+        return cls(seq=_int(_get(d, "seq"), "seq"),
+                   state=_choice(_get(d, "state"), "state", PAUSE_STATES))
+
+
+@dataclass(slots=True)
 class Lookup:
     """One ``connector.get_num_new_matched_tokens(request, num_local)`` call:
     the argument passed in and the answer. ``ext`` is None when the connector
@@ -696,12 +714,13 @@ class End:
         )
 
 
-Event = Arrival | Abort | ResetPrefixCache | Step | Output | PromptStats | End
+Event = Arrival | Abort | ResetPrefixCache | PauseState | Step | Output | PromptStats | End
 
 EVENT_TYPES: dict[str, type] = {
     "arrival": Arrival,
     "abort": Abort,
     "reset_prefix_cache": ResetPrefixCache,
+    "pause_state": PauseState,
     "step": Step,
     "output": Output,
     "prompt_stats": PromptStats,
