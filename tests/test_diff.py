@@ -667,3 +667,15 @@ def test_diff_compares_the_pause_states_of_two_traces(tmp_path):
     c = save_records(_with_pauses(records, {at1: "PAUSED_NEW"}), tmp_path / "c.jsonl")
     [d] = diff_files(a, c).divergences
     assert (d.rule, d.recorded, d.expected) == ("2nd pause state differs", {"state": "UNPAUSED"}, None)
+    # both pause states differ: only the first is reported
+    e = save_records(_with_pauses(records, {at1: "PAUSED_ALL", at2: "PAUSED_NEW"}), tmp_path / "e.jsonl")
+    assert [d.rule for d in diff_files(a, e).divergences] == ["1st pause state differs"]
+    # a reset that differs too is reported on its own
+    f_records = _with_pauses(records, {at1: "PAUSED_ALL", at2: "UNPAUSED"})
+    f_records.insert(at2 + 3, {"kind": "reset_prefix_cache", "seq": 0, "reset_running_requests": False,
+                               "succeeded": True})
+    for n, r in enumerate(f_records[1:]):
+        r["seq"] = n
+    f = save_records(f_records, tmp_path / "f.jsonl")
+    assert sorted(d.rule for d in diff_files(a, f).divergences) == [
+        "1st pause state differs", "1st prefix-cache reset differs"]

@@ -427,3 +427,23 @@ def test_paused_for_new_requests_the_running_go_on_and_only_a_finished_load_is_a
     s.set_pause_state("UNPAUSED")
     out = s.schedule()
     assert out.num_scheduled_tokens == {"run": 1, "loaded": 1, "new": 4}
+
+
+def test_a_request_preempted_while_paused_for_new_requests_waits_for_the_resume():
+    """A preempted request goes back to the waiting queue (it holds no blocks),
+    which PAUSED_NEW does not admit from (S:914-917), even with room for it."""
+    s = Scheduler(cfg(num_blocks=5))                               # 4 usable blocks
+    s.add_request(req("a", list(range(8)), max_tokens=2))           # 2 blocks
+    s.add_request(req("b", list(range(100, 108)), max_tokens=20))   # 2 blocks
+    out = s.schedule()
+    s.update_from_output(out, decode_tokens(s, out))    # 9 tokens each: a needs a 3rd block
+    s.set_pause_state("PAUSED_NEW")
+    out = s.schedule()
+    assert out.preempted_req_ids == {"b"} and set(out.num_scheduled_tokens) == {"a"}
+    s.update_from_output(out, decode_tokens(s, out))    # a's 2nd token: max_tokens, finished
+    assert "a" not in s.requests and not s.running
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {} and s.requests["b"].status == Status.PREEMPTED
+    s.set_pause_state("UNPAUSED")
+    out = s.schedule()
+    assert [r.req_id for r in out.resumed] == ["b"]

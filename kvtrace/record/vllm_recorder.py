@@ -60,6 +60,7 @@ from kvtrace.record.sink import (
     open_sink,
 )
 from kvtrace.trace.events import (
+    PAUSE_STATES,
     Abort,
     Arrival,
     ConnectorConfig,
@@ -316,7 +317,10 @@ class Recorder:
                                        reset_connector=bool(reset_connector)))
 
     def on_pause(self, pause_state: Any) -> None:
-        self.sink.put(PauseState(seq=0, state=str(getattr(pause_state, "name", pause_state))))
+        state = str(getattr(pause_state, "name", pause_state))
+        if state not in PAUSE_STATES:   # a state the format cannot hold: stop recording here
+            raise ValueError(f"pause state {state!r} is not one of {', '.join(PAUSE_STATES)}")
+        self.sink.put(PauseState(seq=0, state=state))
 
     def on_lookup(self, request: Any, local: int, result: Any) -> None:
         ext, load_async = (result if result is not None else (None, False))

@@ -114,6 +114,8 @@ class Scheduler:
         return finished
 
     def set_pause_state(self, state: str) -> None:
+        if state not in ("UNPAUSED", "PAUSED_NEW", "PAUSED_ALL"):
+            raise ValueError(f"unknown pause state {state!r}")
         self.pause_state = state
 
     # ------------------------------------------------------------------ schedule
