@@ -735,6 +735,69 @@ def test_pause_states_are_recorded_and_replay_clean(tmp_path, model_dir, monkeyp
     assert divs and min(d.line for d in divs if d.line) == first_step + 1
 
 
+def test_pause_scheduler_in_its_default_mode_is_recorded_and_replays_clean(tmp_path, model_dir,
+                                                                          monkeypatch):
+    """``pause_scheduler()`` as RLHF flows call it (mode "abort", clear_cache):
+    every request is aborted, the scheduler paused for new requests, and the
+    caches reset; a request added while paused waits for ``resume_scheduler``.
+    All of it is recorded in that order and replays clean, through the
+    reference and through vLLM's own scheduler."""
+    from vllm import LLM, SamplingParams
+
+    from kvtrace.diff import diff_files
+    from kvtrace.record.vllm_replay import replay_through_vllm
+    from kvtrace.record.vllm_run import shutdown_llm
+    from kvtrace.replay import replay_file
+    from mini_traces import load_records
+
+    out = tmp_path / "pause-abort.jsonl"
+    monkeypatch.setenv("KVTRACE_OUT", str(out))
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", block_size=32,
+              max_model_len=256, enforce_eager=True, seed=0, gpu_memory_utilization=0.2,
+              num_gpu_blocks_override=32, enable_prefix_caching=True)
+    eng = llm.llm_engine
+    core = eng.engine_core.engine_core
+    sp = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)
+    prefix = list(range(20, 52))   # one full block shared by every prompt
+    for i in range(2):
+        eng.add_request(f"p{i}", {"prompt_token_ids": prefix + [(5 * i + j) % 300 + 50 for j in range(20)]}, sp)
+    for _ in range(3):
+        eng.step()
+    assert core.pause_scheduler() is None      # mode "abort", clear_cache=True
+    eng.add_request("late", {"prompt_token_ids": prefix + list(range(100, 120))}, sp)
+    for _ in range(2):
+        eng.step()
+    core.resume_scheduler()
+    # The in-process engine's pause does not tell the front end about the aborts,
+    # so its own count of unfinished requests never drops: ask the scheduler.
+    for _ in range(200):
+        if not core.scheduler.has_requests():
+            break
+        eng.step()
+    assert not core.scheduler.has_requests()
+    shutdown_llm(llm)
+
+    records = load_records(out)
+    kinds = [r["kind"] for r in records if r["kind"] in ("abort", "pause_state", "reset_prefix_cache")]
+    assert kinds == ["abort", "pause_state", "reset_prefix_cache", "pause_state"]
+    abort = next(r for r in records if r["kind"] == "abort")
+    assert sorted(q.split("-")[0] for q in abort["reqs"]) == ["p0", "p1"]
+    assert [r["state"] for r in records if r["kind"] == "pause_state"] == ["PAUSED_NEW", "UNPAUSED"]
+    reset = next(r for r in records if r["kind"] == "reset_prefix_cache")
+    assert reset["succeeded"] is True
+    late_at = next(i for i, r in enumerate(records) if r["kind"] == "step"
+                   and any(x["req"].startswith("late-") for x in r["new"]))
+    resumed_at = next(i for i, r in enumerate(records) if r.get("state") == "UNPAUSED")
+    assert late_at > resumed_at
+    # the reset emptied the prefix cache: no hit on the shared block
+    assert [x["num_computed_tokens"] for x in records[late_at]["new"]] == [0]
+    res = replay_file(out, device="cpu", worker=0)
+    assert res.divergences == [] and res.slots_checked > 0
+    through = tmp_path / "vllm.jsonl.gz"
+    assert replay_through_vllm(out, through).stopped is None
+    assert diff_files(out, through).divergences == []
+
+
 def test_an_abort_of_several_requests_is_recorded_in_the_order_vllm_frees_them(tmp_path, model_dir,
                                                                               monkeypatch):
     """vLLM 0.32 frees the requests of one abort call in the iteration order of a
