@@ -59,6 +59,21 @@ SMALL = dict(prompts=[list(range(10, 60)), list(range(10, 50)) + [7] * 20, list(
              max_tokens=12)
 
 
+def small_engine(model_dir, async_scheduling: bool = False, **kwargs):
+    """An in-process vLLM engine on the tiny model, driven step by step by the
+    tests below (``num_gpu_blocks_override`` 32 unless given)."""
+    from vllm import LLM
+
+    from kvtrace.record.vllm_run import _async_scheduling_kept
+
+    args = dict(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", block_size=32,
+                max_model_len=256, enforce_eager=True, seed=0, gpu_memory_utilization=0.2,
+                num_gpu_blocks_override=32, async_scheduling=async_scheduling)
+    args.update(kwargs)
+    with _async_scheduling_kept(async_scheduling):
+        return LLM(**args)
+
+
 # ----------------------------------------------------------------------------- basic
 
 
@@ -567,7 +582,7 @@ def test_an_engine_core_process_that_fails_ends_its_trace_interrupted(tmp_path, 
 
 
 def test_abort_and_load_failures_under_fail_policy(tmp_path, model_dir, monkeypatch):
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.config import KVTransferConfig
 
     from kvtrace.record.vllm_run import shutdown_llm
@@ -575,10 +590,8 @@ def test_abort_and_load_failures_under_fail_policy(tmp_path, model_dir, monkeypa
     out = tmp_path / "af.jsonl.gz"
     monkeypatch.setenv("KVTRACE_OUT", str(out))
     prompts = [[(11 * i + 3 * j) % 480 + 16 for j in range(90)] for i in range(4)]
-    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", block_size=32,
-              max_model_len=256, enforce_eager=True, seed=0, gpu_memory_utilization=0.2,
-              num_gpu_blocks_override=32,
-              kv_transfer_config=KVTransferConfig(
+    llm = small_engine(
+              model_dir, kv_transfer_config=KVTransferConfig(
                   kv_connector="ScriptedConnector", kv_connector_module_path=SCRIPTED,
                   kv_role="kv_consumer", kv_connector_extra_config={"rules": [
                       {"req": "a", "hit": 64, "async": True, "fail": "request"},
@@ -617,9 +630,9 @@ def test_reset_prefix_cache_of_running_requests_is_recorded_and_replays_clean(
     output in flight dropped, and the prefix cache emptied. The recording says
     so, the reference replays it with no divergence, and without the reset
     record it cannot."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    from kvtrace.record.vllm_run import _async_scheduling_kept, shutdown_llm
+    from kvtrace.record.vllm_run import shutdown_llm
     from kvtrace.replay import replay_file
     from mini_traces import load_records, save_records
 
@@ -627,11 +640,7 @@ def test_reset_prefix_cache_of_running_requests_is_recorded_and_replays_clean(
     monkeypatch.setenv("KVTRACE_OUT", str(out))
     prefix = list(range(20, 84))   # two full blocks shared by every prompt
     prompts = [prefix + [(7 * i + j) % 400 + 100 for j in range(20)] for i in range(4)]
-    with _async_scheduling_kept(async_scheduling):
-        llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", block_size=32,
-                  max_model_len=256, enforce_eager=True, seed=0, gpu_memory_utilization=0.2,
-                  num_gpu_blocks_override=32, enable_prefix_caching=True,
-                  async_scheduling=async_scheduling)
+    llm = small_engine(model_dir, async_scheduling, enable_prefix_caching=True)
     eng = llm.llm_engine
     sp = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0)
     for i, prompt in enumerate(prompts):
@@ -677,22 +686,18 @@ def test_pause_states_are_recorded_and_replay_clean(tmp_path, model_dir, monkeyp
     change, and replays clean through the reference and through vLLM's own
     scheduler; without the records the reference admits the new request at
     once."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.v1.core.sched.interface import PauseState
 
     from kvtrace.diff import diff_files
     from kvtrace.record.vllm_replay import replay_through_vllm
-    from kvtrace.record.vllm_run import _async_scheduling_kept, shutdown_llm
+    from kvtrace.record.vllm_run import shutdown_llm
     from kvtrace.replay import replay_file
     from mini_traces import load_records, save_records
 
     out = tmp_path / "pause.jsonl"
     monkeypatch.setenv("KVTRACE_OUT", str(out))
-    with _async_scheduling_kept(async_scheduling):
-        llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", block_size=32,
-                  max_model_len=256, enforce_eager=True, seed=0, gpu_memory_utilization=0.2,
-                  num_gpu_blocks_override=32, enable_prefix_caching=True,
-                  async_scheduling=async_scheduling)
+    llm = small_engine(model_dir, async_scheduling, enable_prefix_caching=True)
     eng = llm.llm_engine
     core = eng.engine_core.engine_core
     sp = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)
@@ -742,7 +747,7 @@ def test_pause_scheduler_in_its_default_mode_is_recorded_and_replays_clean(tmp_p
     caches reset; a request added while paused waits for ``resume_scheduler``.
     All of it is recorded in that order and replays clean, through the
     reference and through vLLM's own scheduler."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from kvtrace.diff import diff_files
     from kvtrace.record.vllm_replay import replay_through_vllm
@@ -752,9 +757,7 @@ def test_pause_scheduler_in_its_default_mode_is_recorded_and_replays_clean(tmp_p
 
     out = tmp_path / "pause-abort.jsonl"
     monkeypatch.setenv("KVTRACE_OUT", str(out))
-    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", block_size=32,
-              max_model_len=256, enforce_eager=True, seed=0, gpu_memory_utilization=0.2,
-              num_gpu_blocks_override=32, enable_prefix_caching=True)
+    llm = small_engine(model_dir, enable_prefix_caching=True)
     eng = llm.llm_engine
     core = eng.engine_core.engine_core
     sp = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)
@@ -808,7 +811,7 @@ def test_an_abort_of_several_requests_is_recorded_in_the_order_vllm_frees_them(t
     reference must replay it with zero divergences, block ids included."""
     import itertools
 
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from kvtrace.record.vllm_run import shutdown_llm
     from kvtrace.replay import replay_file
@@ -816,9 +819,8 @@ def test_an_abort_of_several_requests_is_recorded_in_the_order_vllm_frees_them(t
     out = tmp_path / "ab.jsonl"
     monkeypatch.setenv("KVTRACE_OUT", str(out))
     # Six prompts of two blocks each fill the twelve usable blocks exactly.
-    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", block_size=32,
-              max_model_len=256, enforce_eager=True, seed=0, gpu_memory_utilization=0.2,
-              num_gpu_blocks_override=13, max_num_seqs=8, max_num_batched_tokens=512)
+    llm = small_engine(model_dir, num_gpu_blocks_override=13, max_num_seqs=8,
+                       max_num_batched_tokens=512)
     eng = llm.llm_engine
     sched = eng.engine_core.engine_core.scheduler
     sp = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
