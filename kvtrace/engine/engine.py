@@ -31,7 +31,7 @@ from .faults import STORE_FAULTS, scheduler_class
 from .kv_store import ExternalKVStore
 from .lookups import LookupRecorder
 from .sampler import EOS_TOKEN_ID, Sampler
-from .workloads import Workload, build_workload
+from .workloads import PlannedPause, Workload, build_workload
 
 ENGINE_NAME = "kvtrace-embedded"
 CONNECTOR_NAME = "kvtrace-simulated-store"
@@ -135,8 +135,7 @@ class _Engine:
             self.fault_log.step = step
             self._arrivals_due(writer, step)
             self._aborts_due(writer, step)
-            self._resets_due(writer, step)
-            self._pauses_due(writer, step)
+            self._calls_due(writer, step)
             out, model = self._schedule(writer, step, result)
             self._update(writer, step, out, model, counters)
             result.steps = step + 1
@@ -154,8 +153,7 @@ class _Engine:
         for step in range(MAX_STEPS):
             self.fault_log.step = step
             self._arrivals_due(writer, step)
-            self._resets_due(writer, step)
-            self._pauses_due(writer, step)
+            self._calls_due(writer, step)
             out, model = self._schedule(writer, step, result)
             in_flight.append((step, out, model))
             result.steps = step + 1
@@ -177,9 +175,10 @@ class _Engine:
         """The workload's timed inputs in order, each with a cursor."""
         self._arrivals = sorted(self.wl.arrivals, key=lambda a: a.step)
         self._aborts = sorted(self.wl.aborts, key=lambda a: a.step)
-        self._resets = sorted(self.wl.resets, key=lambda r: r.step)
-        self._pauses = sorted(self.wl.pauses, key=lambda p: p.step)
-        self._ai = self._bi = self._ri = self._pi = self._idle = 0
+        # Scheduler-wide calls: at one step, resets before pause states.
+        self._calls = sorted(self.wl.resets + self.wl.pauses,
+                             key=lambda c: (c.step, isinstance(c, PlannedPause)))
+        self._ai = self._bi = self._ci = self._idle = 0
         self._preempted: dict[str, int] = {}   # request -> preemptions since its last token
 
     def _arrivals_due(self, writer: TraceWriter, step: int) -> None:
@@ -188,19 +187,18 @@ class _Engine:
             self._arrive(writer, arrivals[self._ai])
             self._ai += 1
 
-    def _resets_due(self, writer: TraceWriter, step: int) -> None:
-        while self._ri < len(self._resets) and self._resets[self._ri].step <= step:
-            running = self._resets[self._ri].reset_running_requests
-            ok = self.sched.reset_prefix_cache(running)
-            writer.write(ev.ResetPrefixCache(writer.next_seq(), running, ok))
-            self._ri += 1
-
-    def _pauses_due(self, writer: TraceWriter, step: int) -> None:
-        while self._pi < len(self._pauses) and self._pauses[self._pi].step <= step:
-            state = self._pauses[self._pi].state
-            self.sched.set_pause_state(state)
-            writer.write(ev.PauseState(writer.next_seq(), state))
-            self._pi += 1
+    def _calls_due(self, writer: TraceWriter, step: int) -> None:
+        """Prefix-cache resets and pause states planned up to this step."""
+        calls = self._calls
+        while self._ci < len(calls) and calls[self._ci].step <= step:
+            c = calls[self._ci]
+            if isinstance(c, PlannedPause):
+                self.sched.set_pause_state(c.state)
+                writer.write(ev.PauseState(writer.next_seq(), c.state))
+            else:
+                ok = self.sched.reset_prefix_cache(c.reset_running_requests)
+                writer.write(ev.ResetPrefixCache(writer.next_seq(), c.reset_running_requests, ok))
+            self._ci += 1
 
     def _aborts_due(self, writer: TraceWriter, step: int) -> None:
         aborts, due = self._aborts, []

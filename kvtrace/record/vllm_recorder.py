@@ -524,15 +524,20 @@ def recorders_opened(out: str) -> int:
         return _CLAIMED.get(out, 0)
 
 
-def engine_failure(exc: BaseException) -> str:
-    """An exception that stopped the engine as a trace's end error: one line,
-    at most 500 characters. Never raises."""
+def exception_line(exc: BaseException) -> str:
+    """``Type: message`` on one line, at most 478 characters. Never raises."""
     try:
         msg = " ".join(str(exc).split())
     except Exception:
         msg = ""
-    text = f"the engine stopped on {type(exc).__name__}" + (f": {msg}" if msg else "")
-    return text if len(text) <= 500 else text[:497] + "..."
+    text = type(exc).__name__ + (f": {msg}" if msg else "")
+    return text if len(text) <= 478 else text[:475] + "..."
+
+
+def engine_failure(exc: BaseException) -> str:
+    """An exception that stopped the engine as a trace's end error: one line,
+    at most 500 characters. Never raises."""
+    return f"the engine stopped on {exception_line(exc)}"
 
 
 def propagating_failure() -> str | None:

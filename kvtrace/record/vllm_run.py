@@ -247,10 +247,11 @@ class EngineFailed(RuntimeError):
     exit_code = 1
 
     def __init__(self, path: str, error: BaseException):
+        from kvtrace.record.vllm_recorder import exception_line
+
         self.path = path
         self.error = error
-        msg = " ".join(str(error).split())
-        super().__init__(f"the engine failed while it was recorded ({type(error).__name__}: {msg}); "
+        super().__init__(f"the engine failed while it was recorded ({exception_line(error)}); "
                          f"the trace up to the failure is in {path}: kvtrace replay {path}")
 
 
@@ -258,7 +259,6 @@ def record_vllm_offline(model_dir: str | None, out_path: str | os.PathLike,
                         workload: Any = "prefix", **engine_kwargs: Any) -> dict:
     """Run ``workload`` with the recorder writing to ``out_path``."""
     from kvtrace.record import vllm_plugin
-
     from kvtrace.record.vllm_recorder import close_all, engine_failure, recorders_opened
 
     out_path = os.fspath(out_path)
