@@ -39,6 +39,7 @@ def config_from_header(header: ev.Header) -> SchedulerConfig:
         watermark_blocks=c.watermark_blocks,
         load_failure_policy=c.connector.load_failure_policy if c.connector else "fail",
         reserve_full_isl=bool(f.get("scheduler_reserve_full_isl", True)),
+        enable_chunked_prefill=bool(f.get("enable_chunked_prefill", True)),
         adaptive_long_prefill_threshold=bool(f.get("long_prefill_token_threshold_adaptive", False)),
         max_num_active_seqs=f.get("max_num_active_seqs"),
         async_scheduling=async_scheduling,
@@ -60,6 +61,7 @@ def header_features(cfg: SchedulerConfig) -> dict:
     """The settings config_from_header reads from ``features``."""
     return {
         "scheduler_reserve_full_isl": cfg.reserve_full_isl,
+        "enable_chunked_prefill": cfg.enable_chunked_prefill,
         "long_prefill_token_threshold_adaptive": cfg.adaptive_long_prefill_threshold,
         "max_num_active_seqs": cfg.max_num_active_seqs,
         "async_scheduling": cfg.async_scheduling,

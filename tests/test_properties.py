@@ -64,6 +64,11 @@ def workloads(draw, store: bool | None = None, large: bool = False,
     policy_fail = draw(st.sampled_from(["fail", "recompute"]))
     max_num_batched_tokens = draw(st.integers(8, 256))
     max_num_seqs = draw(st.integers(1, 8))
+    # Chunked prefill off now and then; vLLM then wants a budget that holds a
+    # whole request (its config check), so that every prompt can be admitted.
+    chunked = draw(st.sampled_from([True, True, True, False]))
+    if not chunked:
+        max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
     config = SchedulerConfig(
         block_size=block_size,
         num_blocks=num_blocks,
@@ -75,9 +80,11 @@ def workloads(draw, store: bool | None = None, large: bool = False,
         long_prefill_token_threshold=draw(st.sampled_from([0, 0, 8, 16, 48])),
         load_failure_policy=policy_fail,
         # Less common settings, each off most of the time.
-        max_num_scheduled_tokens=draw(st.sampled_from([None, None, None, max_num_batched_tokens // 2])),
+        max_num_scheduled_tokens=draw(st.sampled_from([None, None, None, max_num_batched_tokens // 2]))
+        if chunked else None,
         watermark_blocks=draw(st.sampled_from([0, 0, 0, 1, 3])),
         reserve_full_isl=draw(st.sampled_from([True, True, False])),
+        enable_chunked_prefill=chunked,
         adaptive_long_prefill_threshold=draw(st.sampled_from([False, False, False, True])),
         max_num_active_seqs=draw(st.sampled_from([None, None, None, max(1, max_num_seqs // 2)])),
         async_scheduling=async_scheduling,

@@ -295,6 +295,36 @@ def test_max_num_active_seqs_caps_admission_below_max_num_seqs():
     assert set(s.schedule().num_scheduled_tokens) == {"a"}
 
 
+
+def test_chunked_prefill_off_a_prompt_that_does_not_fit_waits_whole_and_blocks_the_queue():
+    """S:1159-1167, budget 16: "a" (10 tokens) is admitted; "b" (10) does not fit
+    in the 6 left, so it is not split, and "c" (2) behind it waits too. With
+    chunked prefill on, "b" gets a 6-token chunk and "c" nothing (the budget
+    is spent)."""
+    def first_step(chunked: bool) -> dict:
+        s = Scheduler(cfg(max_num_batched_tokens=16, enable_chunked_prefill=chunked))
+        for base, rid, n in ((10, "a", 10), (30, "b", 10), (50, "c", 2)):
+            s.add_request(req(rid, list(range(base, base + n))))   # no shared prefix
+        return dict(s.schedule().num_scheduled_tokens)
+
+    assert first_step(chunked=False) == {"a": 10}
+    assert first_step(chunked=True) == {"a": 10, "b": 6}
+
+
+def test_chunked_prefill_off_still_splits_at_the_long_prefill_threshold():
+    """The threshold caps a prefill before the check (S:1155-1158): with a
+    threshold of 8 and a budget of 16, two 10-token prompts each get 8, and the
+    next step finishes both (2 each), chunked prefill off or not."""
+    s = Scheduler(cfg(max_num_batched_tokens=16, long_prefill_token_threshold=8,
+                      enable_chunked_prefill=False))
+    s.add_request(req("a", list(range(10, 20))))
+    s.add_request(req("b", list(range(30, 40))))
+    out = s.schedule()
+    assert dict(out.num_scheduled_tokens) == {"a": 8, "b": 8}
+    s.update_from_output(out, ModelOutput({}))
+    assert dict(s.schedule().num_scheduled_tokens) == {"a": 2, "b": 2}
+
+
 # --------------------------------------------------------------------------- async scheduling (AS)
 
 

@@ -22,6 +22,7 @@ TRACES = {
     "preemption": "preemption",
     "connector": "connector",
     "priority": "priority",
+    "no-chunked-prefill": "no-chunked-prefill",
     "async-preemption": "async-preemption",
     "async-priority": "async-priority",
     "async-connector": "async-connector",

@@ -129,6 +129,13 @@ WORKLOADS: dict[str, dict] = {
         max_tokens=48, priority=[i % 3 for i in range(10)],
         engine=dict(num_gpu_blocks_override=18, scheduling_policy="priority",
                     long_prefill_token_threshold=48, max_num_batched_tokens=128)),
+    # Chunked prefill off: a prompt that does not fit in what is left of a
+    # step's budget is not split; it waits, and the requests behind it too.
+    "no-chunked-prefill": dict(
+        prompts=[[(23 * i + 5 * j) % 480 + 16 for j in range(60 + 13 * i)] for i in range(10)],
+        max_tokens=48,
+        engine=dict(num_gpu_blocks_override=18, enable_chunked_prefill=False,
+                    max_num_batched_tokens=256)),
     # The preemption and priority workloads under async scheduling: stale output
     # of preempted requests, and no step past max_tokens.
     "async-preemption": dict(prompts=_preemption_prompts(), max_tokens=64,

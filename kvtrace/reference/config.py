@@ -21,6 +21,10 @@ class SchedulerConfig:
     # Admit a waiting request only if its whole sequence fits, not just its first
     # chunk (vLLM's scheduler_reserve_full_isl, on by default).
     reserve_full_isl: bool = True
+    # With chunked prefill off, a waiting request whose tokens (after the
+    # long-prefill threshold) do not fit the step's budget is not split: it
+    # waits, and so does everything behind it (S:1159-1167).
+    enable_chunked_prefill: bool = True
     # Raise long_prefill_token_threshold to a fair share of the budget (S:650-655).
     adaptive_long_prefill_threshold: bool = False
     # Requests admitted into RUNNING at once; None means max_num_seqs.

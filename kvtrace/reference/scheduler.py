@@ -235,7 +235,10 @@ class Scheduler:
                 # Keep the blocks that in-flight prefills still need (S:1245).
                 reserved = sum(self.kv.remaining_blocks(x) for x in self.inflight_prefills)
             else:
-                n = step.chunk(r.num_tokens - num_computed)
+                want = step.capped(r.num_tokens - num_computed)
+                if not self.config.enable_chunked_prefill and want > step.room():
+                    break   # chunked prefill off: the request waits whole (S:1159-1167)
+                n = min(want, step.room())
                 if n <= 0:
                     raise SchedulerAssertion(
                         r.request_id, "S:1170 a sync external hit must leave a token to compute")
@@ -593,11 +596,17 @@ class _Step:
     def has_budget(self) -> bool:
         return self.token_budget > 0 and self.input_budget > 0
 
+    def capped(self, remaining: int) -> int:
+        """``remaining`` capped by the long-prefill threshold."""
+        return self.threshold if 0 < self.threshold < remaining else remaining
+
+    def room(self) -> int:
+        """Tokens this step can still take: the smaller of its two budgets."""
+        return min(self.token_budget, self.input_budget)
+
     def chunk(self, remaining: int) -> int:
         """How much of ``remaining`` fits: capped by the threshold and both budgets."""
-        if 0 < self.threshold < remaining:
-            remaining = self.threshold
-        return min(remaining, self.token_budget, self.input_budget)
+        return min(self.capped(remaining), self.room())
 
     def take(self, r: Request, n: int) -> None:
         self.num_scheduled[r.request_id] = n

@@ -57,8 +57,8 @@ class ReplayResult:
 _FEATURE_TYPES = {
     "async_scheduling": "flag", "num_speculative_tokens": "count0",
     "pipeline_parallel_size": "count", "num_kv_cache_groups": "count",
-    "scheduler_reserve_full_isl": "flag", "long_prefill_token_threshold_adaptive": "flag",
-    "max_num_active_seqs": "count", "defer_block_free": "flag", "requires_kv_delivery": "flag",
+    "scheduler_reserve_full_isl": "flag", "enable_chunked_prefill": "flag",
+    "long_prefill_token_threshold_adaptive": "flag", "max_num_active_seqs": "count", "defer_block_free": "flag", "requires_kv_delivery": "flag",
 }
 
 
