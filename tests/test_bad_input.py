@@ -390,6 +390,11 @@ def test_garbage_inside_gzip(base, tmp_path, capsys):
     ({"num_speculative_tokens": 2}, "speculative decoding is on"),
     ({"num_kv_cache_groups": 2}, "2 KV-cache groups"),
     ({"pipeline_parallel_size": 2}, "pipeline parallelism is on"),
+    ({"use_eagle": True}, "EAGLE is on"),
+    ({"multimodal": True}, "a multimodal model is on"),
+    ({"kv_cache_group_kinds": ["SlidingWindowSpec"]},
+     "a KV-cache group of kind 'SlidingWindowSpec', not full attention"),
+    ({"hash_block_size": 7}, "hash_block_size 7 differs from block_size"),
 ])
 def test_unsupported_feature_is_refused_by_replay(base, tmp_path, capsys, features, message):
     bad = _edit(base, tmp_path, lambda o: o[0].__setitem__("features", features))

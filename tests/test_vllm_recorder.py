@@ -253,6 +253,38 @@ def test_incremental_block_tables_equal_the_managers_own(tmp_path, model_dir, mo
     assert 0 < tables[0].reads < sum(len(x) for x in wanted) / 2
 
 
+
+def test_a_sliding_window_model_is_recorded_and_refused_by_replay_naming_its_kind(tmp_path, capsys):
+    """A model outside the baseline profile: a tiny random Mistral whose layers
+    all use a 64-token sliding window, so vLLM runs one KV-cache group of kind
+    SlidingWindowSpec (blocks that leave the window are freed). The recording
+    says so in its header, and replay refuses it with exit 2 and one line
+    naming the kind, through the reference and through vLLM's scheduler alike,
+    instead of replaying it as full attention into false divergences (the
+    preemption workload gave 2,641 of them before the refusal)."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from kvtrace import cli
+    from kvtrace.record.tiny_model import CONFIG
+
+    model = tmp_path / "tiny-mistral-swa"
+    torch.manual_seed(0)
+    MistralForCausalLM(MistralConfig(**CONFIG, sliding_window=64)).to(torch.bfloat16).save_pretrained(
+        model, safe_serialization=True)
+    out = tmp_path / "swa.jsonl.gz"
+    record_vllm_offline(str(model), out, "preemption")
+    r, evs = read_all(out)
+    assert r.header.features["kv_cache_group_kinds"] == ["SlidingWindowSpec"]
+    assert evs[-1].status == "complete" and any(e.kind == "step" for e in evs)
+    capsys.readouterr()
+    for extra in ([], ["--scheduler", "vllm"]):
+        code = cli.run(["replay", str(out), *extra])
+        err = capsys.readouterr().err
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert f"{out}:1: a KV-cache group of kind 'SlidingWindowSpec', not full attention" in err
+
+
 # ----------------------------------------------------------------------------- robustness
 
 

@@ -459,6 +459,7 @@ def _edited_header(tmp_path, edit) -> Path:
     ({"num_speculative_tokens": 1}, "speculative decoding is on"),
     ({"pipeline_parallel_size": 2}, "pipeline parallelism is on"),
     ({"num_kv_cache_groups": 2}, "2 KV-cache groups"),
+    ({"kv_cache_group_kinds": ["SlidingWindowSpec"]}, "kind 'SlidingWindowSpec', not full attention"),
 ])
 def test_traces_with_features_outside_the_baseline_are_refused(features, words, tmp_path):
     from kvtrace.trace.io import TraceError

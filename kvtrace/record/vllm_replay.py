@@ -47,22 +47,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtrace import baseline
 from kvtrace.trace import events as ev
 from kvtrace.trace.io import TraceError, TraceReader
-
-# Engine features the replay cannot set up; a trace that turns one on is refused.
-# Flags and counts are "on" when truthy; sizes when they are not 1.
-_UNSUPPORTED_FLAGS = {
-    "use_eagle": "EAGLE",
-    "has_mamba_layers": "Mamba layers",
-    "multimodal": "multimodal inputs",
-    "num_speculative_tokens": "speculative decoding",
-    "prefix_replay_tokens": "prefix replay windows",
-}
-_UNSUPPORTED_SIZES = {
-    "pipeline_parallel_size": "pipeline parallelism",
-    "decode_context_parallel_size": "decode context parallelism",
-}
 
 # The module the replay connector is loaded from. vLLM's connector factory looks
 # the recorded connector name up as an attribute of this module, and every name
@@ -232,19 +219,10 @@ def _model_dir(max_model_len: int) -> str:
 
 def check_supported(header: ev.Header, path: str = "<trace>") -> None:
     """Raise TraceError for a trace whose engine features this replay cannot set up."""
-    f = header.features
-    on = [(k, w) for k, w in _UNSUPPORTED_FLAGS.items() if f.get(k)]
-    on += [(k, w) for k, w in _UNSUPPORTED_SIZES.items() if f.get(k) not in (None, 1)]
-    if on:
-        key, what = on[0]
-        raise TraceError(path, 1, f"{what} is on ({key}={f[key]!r}); replay through vLLM's "
-                                  "scheduler sets up the single-group baseline only")
-    groups = f.get("num_kv_cache_groups", 1)
-    if groups != 1:
-        raise TraceError(path, 1, f"{groups} KV-cache groups; replay through vLLM's scheduler "
-                                  "sets up one full-attention group")
-    if f.get("hash_block_size", header.config.block_size) != header.config.block_size:
-        raise TraceError(path, 1, "hash_block_size differs from block_size; not set up by this replay")
+    why = baseline.outside(header.features, header.config.block_size)
+    if why is not None:
+        raise TraceError(path, 1, f"{why}; replay through vLLM's scheduler sets up the "
+                                  "baseline profile only (one full-attention KV-cache group)")
 
 
 class ConfigRefused(ValueError):

@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from itertools import chain
 
-from kvtrace import bridge
+from kvtrace import baseline, bridge
 from kvtrace.findings import Divergence
 from kvtrace.reference import Request, RequestOutput, Scheduler, SchedulerAssertion, SchedulerOutput, Status
 from kvtrace.trace import TraceError, TraceReader, TraceWriter
@@ -24,13 +24,6 @@ from . import checks
 from .connector import RecordedConnector
 from .liveness import ProgressWatch
 from .workers import wanted
-
-# Engine features the reference does not model; a trace that turns one on is refused.
-UNSUPPORTED = {
-    "num_speculative_tokens": "speculative decoding",
-    "pipeline_parallel_size": "pipeline parallelism",
-}
-
 
 PROGRESS_EVERY = 4096   # events between progress calls
 # Async scheduling: a step whose output has not come this many steps later never will.
@@ -100,17 +93,11 @@ def _check_fits(header: ev.Header, path) -> None:
 
 def _check_supported(header: ev.Header, path) -> None:
     _check_features(header, path)
-    for key, what in UNSUPPORTED.items():
-        v = header.features.get(key)
-        # A flag is on when it is true; a size is on when it is above 1.
-        if v is True or (type(v) is int and v > 1) or (key == "num_speculative_tokens" and v):
-            raise TraceError(path, 1, f"{what} is on ({key}={v}); the reference models the "
-                                      "baseline profile only (no speculative decoding, no "
-                                      "pipeline parallelism)")
-    groups = header.features.get("num_kv_cache_groups", 1)
-    if groups != 1:
-        raise TraceError(path, 1, f"{groups} KV-cache groups; the reference models one "
-                                  "full-attention group")
+    why = baseline.outside(header.features, header.config.block_size)
+    if why is not None:
+        raise TraceError(path, 1, f"{why}; the reference models the baseline profile only (one "
+                                  "full-attention KV-cache group, no speculative decoding, no "
+                                  "pipeline parallelism)")
 
 
 class Replayer:
