@@ -177,6 +177,37 @@ def test_requests_preempted_again_and_again_are_named(preemption_loop):
     assert all(d.field == "progress" and "preempted again and again" in d.rule for d in divs)
 
 
+class _Step:
+    """What the liveness watch reads of a scheduler output."""
+
+    def __init__(self, preempted=(), finished=()):
+        self.preempted_req_ids, self.finished_req_ids = set(preempted), set(finished)
+        self.num_scheduled_tokens = {"other": 1}   # something runs: no stall
+
+
+def test_a_request_preempted_often_that_then_gets_through_is_not_a_loop():
+    """Three requests each reach PREEMPT_LIMIT preemptions without a token, at
+    steps LIMIT-1, LIMIT and LIMIT+1. "thrash" then samples a token: it got
+    through, so nothing is reported for it (vLLM 0.32 did this on a random
+    workload: tests/test_vllm_random.py, seed 542). "aborted" finishes without
+    one, and "looping" is still going when the trace ends: both are reported,
+    at the step of their LIMIT-th preemption, in step order."""
+    from kvtrace.replay.liveness import PREEMPT_LIMIT, ProgressWatch
+
+    watch, found = ProgressWatch(), []
+    names = ("looping", "thrash", "aborted")
+    for step in range(PREEMPT_LIMIT + 2):
+        due = [n for i, n in enumerate(names) if step >= i]
+        found += watch.after_schedule(step, _Step(preempted=due), None, None, None)
+        watch.after_output(set(), set(), {})
+    found += watch.after_schedule(PREEMPT_LIMIT + 2, _Step(finished=["aborted"]), None, None, None)
+    watch.after_output(set(), set(), {"thrash": [7]})
+    assert found == []    # nothing is known yet while the trace goes on
+    assert [(d.step, d.req, d.field) for d in watch.unresolved()] == [
+        (PREEMPT_LIMIT - 1, "looping", "progress"), (PREEMPT_LIMIT + 1, "aborted", "progress")]
+    assert watch.unresolved() == []
+
+
 @pytest.mark.vllm
 def test_vllm_own_scheduler_loops_the_same_way(preemption_loop, tmp_path):
     from _require import require

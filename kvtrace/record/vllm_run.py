@@ -7,8 +7,10 @@
     ``model_dir`` may be None: the tiny random Llama (``tiny_model``) is used.
     ``workload`` is one of ``WORKLOADS`` ("prefix", "preemption", "connector") or a
     dict ``{"prompts": [[ids...], ...], "max_tokens": int, "engine": {...},
-    "sampling": {...}, "priority": [int, ...]}``. ``engine_kwargs`` override the workload's ``LLM(...)``
-    arguments. Returns ``{"path": out_path, "outputs": {index: [token ids]},
+    "sampling": {...}, "per_request": [{...}, ...], "priority": [int, ...]}``, where
+    "per_request" holds each request's own changes to the sampling settings
+    (``max_tokens``, ``stop_token_ids``, ...). ``engine_kwargs`` override the
+    workload's ``LLM(...)`` arguments. Returns ``{"path": out_path, "outputs": {index: [token ids]},
     "finish_reasons": {index: str}}``.
 
     If the engine raises, the trace written up to that point ends with status
@@ -198,11 +200,14 @@ def run_workload(model_dir: str | None, workload: Any = "prefix", **engine_kwarg
     try:
         sp = dict(max_tokens=wl.get("max_tokens", 32), ignore_eos=True, temperature=0.0)
         sp.update(wl.get("sampling", {}))
+        # "per_request": each request's own changes to those sampling settings.
+        params = [SamplingParams(**dict(sp, **own)) for own in wl["per_request"]] \
+            if wl.get("per_request") else SamplingParams(**sp)
         prompts = [{"prompt_token_ids": list(p)} for p in wl["prompts"]]
         gen_kwargs = {}
         if wl.get("priority") is not None:
             gen_kwargs["priority"] = list(wl["priority"])
-        outs = llm.generate(prompts, SamplingParams(**sp), use_tqdm=False, **gen_kwargs)
+        outs = llm.generate(prompts, params, use_tqdm=False, **gen_kwargs)
         result = {
             "outputs": {i: list(o.outputs[0].token_ids) for i, o in enumerate(outs)},
             "finish_reasons": {i: str(o.outputs[0].finish_reason) for i, o in enumerate(outs)},

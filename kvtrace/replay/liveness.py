@@ -16,11 +16,16 @@ loops this way on a one-token prompt with a full async hit: the full-hit rule
 takes it back to ``num_computed_tokens`` 0 when its load completes,
 S:3171-3172, which starts another lookup and another load.)
 
-A request preempted again and again without producing a token is stuck as well:
-after ``PREEMPT_LIMIT`` preemptions since its last sampled token (or its
-arrival), replay reports a ``progress`` divergence for it. (vLLM 0.32 loops this
-way with ``scheduler_reserve_full_isl`` off, priority scheduling and chunked
-long prefills: docs/findings.md.)
+A request preempted again and again without producing a token may be stuck as
+well: once it has been preempted ``PREEMPT_LIMIT`` times since its last sampled
+token (or its arrival), replay reports a ``progress`` divergence for it, at the
+step of that preemption, unless it samples a token later. Under memory pressure
+a request can be preempted that often and still get through (vLLM 0.32 on a
+random workload: 16 preemptions, then its tokens), which is thrashing, not a
+loop; so the report waits until the request finishes without a token, or the
+trace ends (``unresolved``). (vLLM 0.32 loops for ever this way with
+``scheduler_reserve_full_isl`` off, priority scheduling and chunked long
+prefills: docs/findings.md.)
 """
 
 from __future__ import annotations
@@ -40,6 +45,10 @@ class ProgressWatch:
         self.reload_limit = reload_limit
         self.preempt_limit = preempt_limit
         self.preempted: dict[str, int] = {}   # request -> preemptions since its last sampled token
+        # Requests past the preemption limit, each with the divergence it will be
+        # reported as unless it samples a token; and those that finished without one.
+        self.looping: dict[str, Divergence] = {}
+        self.stuck: list[Divergence] = []
         self.idle = 0          # consecutive steps with a ready request and nothing scheduled
         self.since: int | None = None
         self.loads: dict[str, int] = {}   # request -> KV loads since it last ran or a load failed
@@ -66,20 +75,29 @@ class ProgressWatch:
         for req, tokens in (sampled or {}).items():
             if tokens:
                 self.preempted.pop(req, None)
+                self.looping.pop(req, None)   # it got through: thrashing, not a loop
+
+    def unresolved(self) -> list[Divergence]:
+        """At the end of the trace: the preemption loops that never produced a
+        token, in step order."""
+        found = sorted(self.stuck + list(self.looping.values()), key=lambda d: (d.step, d.req))
+        self.stuck, self.looping = [], {}
+        return found
 
     def _preemptions(self, step, out, seq, line) -> list[Divergence]:
-        found = []
         for req in sorted(out.preempted_req_ids):
             n = self.preempted[req] = self.preempted.get(req, 0) + 1
             if n == self.preempt_limit:
-                found.append(Divergence(
+                self.looping[req] = Divergence(
                     step, req, "progress", f"preempted {n} times since its last sampled token",
                     "a preempted request makes progress once it is scheduled again",
                     f"liveness: {req} is admitted and preempted again and again without "
-                    "producing a token", "invariant", seq, line))
+                    "producing a token", "invariant", seq, line)
         for req in out.finished_req_ids:
             self.preempted.pop(req, None)
-        return found
+            if req in self.looping:   # finished (aborted) without a token
+                self.stuck.append(self.looping.pop(req))
+        return []
 
     def _reloads(self, step, out, sched, seq, line, loads) -> list[Divergence]:
         found = []

@@ -172,9 +172,15 @@ class Replayer:
                 stop_after()
 
     def finish(self) -> None:
-        """The end of the trace: the content check's queued steps are checked."""
+        """The end of the trace: the content check's queued steps are checked,
+        and the preemption loops still open are reported, each where it showed."""
         if self.content:
             self._place(self.content.flush())
+        for d in self._progress.unresolved():
+            at = len(self.divergences)
+            while at and (self.divergences[at - 1].step or 0) > d.step:
+                at -= 1
+            self.divergences.insert(at, d)
 
     def close(self) -> None:
         """Stop a content worker that is still running (replay ended early)."""
