@@ -205,10 +205,10 @@ def diff(trace: str, worker: bool | None = None) -> dict:
             "workers": 2 if used else 0}
 
 
-def recorder() -> dict:
+def recorder(model: str = "tiny", rounds: int = 101) -> dict:
     from bench.recorder_overhead import run
 
-    return run()
+    return run(rounds=rounds, model=model)
 
 
 if __name__ == "__main__":

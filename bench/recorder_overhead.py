@@ -28,7 +28,14 @@ OMP_NUM_THREADS says otherwise: vLLM's CPU backend itself reserves a core for
 its scheduler process; in this in-process engine, torch's threads would
 otherwise spin on every core, and any other thread would stall them.
 
-    python -m bench.recorder_overhead [--rounds 101] [--requests 16]
+    python -m bench.recorder_overhead [--rounds 101] [--requests 16] [--model tiny|small]
+
+``--model small`` runs the same rounds on a larger random model
+(``kvtrace.record.tiny_model.SIZES``), whose step, 10-20 ms on a CPU core, is
+mostly the model's, as a real model's step on a GPU is. The recorder's work per
+step is the same on both (it grows with the requests in a step, not with the
+model), so the tiny model shows its largest share of a step, and the small one
+a share closer to a real engine's.
 
 Needs the [vllm] extra.
 """
@@ -62,7 +69,8 @@ def _scheduler(llm):
     return llm.llm_engine.engine_core.engine_core.scheduler
 
 
-def run(rounds: int = 101, requests: int = 16, max_tokens: int = 48, suffix: str = ".jsonl.zst") -> dict:
+def run(rounds: int = 101, requests: int = 16, max_tokens: int = 48, suffix: str = ".jsonl.zst",
+        model: str = "tiny") -> dict:
     scratch = Path(tempfile.mkdtemp(prefix="kvtrace-bench-"))
     for var in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR"):
         os.environ.setdefault(var, str(scratch / var.lower()))
@@ -78,7 +86,8 @@ def run(rounds: int = 101, requests: int = 16, max_tokens: int = 48, suffix: str
     from kvtrace.record.vllm_run import BASE_ENGINE, shutdown_llm
 
     vllm_plugin.install()
-    model = str(ensure_tiny_model())
+    size = model
+    model = str(ensure_tiny_model(size=size))
     engine = dict(BASE_ENGINE, num_gpu_blocks_override=48, max_num_seqs=16)
     trace = scratch / f"overhead{suffix}"
     os.environ["KVTRACE_OUT"] = str(trace)
@@ -131,6 +140,7 @@ def run(rounds: int = 101, requests: int = 16, max_tokens: int = 48, suffix: str
     q = statistics.quantiles(ratios, n=4)
     cq = statistics.quantiles(cpu_ratios, n=4)
     return {
+        "model": size,
         "steps_per_round": steps_per_round,
         "engine_ms_per_step": 1e3 * statistics.median(plain_s) / steps_per_round,
         "recorder_us_per_step": 1e6 * (statistics.median(rec_s) - statistics.median(plain_s)) / steps_per_round,
@@ -220,10 +230,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=101)
     ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--model", default="tiny", choices=("tiny", "small"),
+                    help="the random model's size (kvtrace.record.tiny_model.SIZES)")
     ap.add_argument("--suffix", default=".jsonl.zst", help="trace file ending: .jsonl, .jsonl.gz, .jsonl.zst")
     args = ap.parse_args()
-    r = run(args.rounds, args.requests, suffix=args.suffix)
-    print(f"recorder overhead on vLLM ({r['rounds']} interleaved rounds of {r['requests_per_round']} requests)")
+    r = run(args.rounds, args.requests, suffix=args.suffix, model=args.model)
+    print(f"recorder overhead on vLLM, {r['model']} model ({r['rounds']} interleaved rounds of "
+          f"{r['requests_per_round']} requests)")
     print(f"  unrecorded generate, median  {r['unrecorded_s_median']:.3f} s")
     print(f"  recorded generate, median    {r['recorded_s_median']:.3f} s")
     print(f"  ratio recorded/unrecorded    median {r['ratio_median']:.3f}  "

@@ -1,9 +1,22 @@
-"""A tiny random-weight Llama for recording real vLLM traces without downloads.
+"""Random-weight Llamas for recording real vLLM traces without downloads.
 
-``ensure_tiny_model()`` builds the model once with transformers' ``save_pretrained``
-(safetensors) into ``$KVTRACE_CACHE`` or ``~/.cache/kvtrace/tiny-llama`` and returns
-the directory. The weights are seeded, so every build is identical. There is no
-tokenizer: run vLLM with ``skip_tokenizer_init=True`` and give prompts as token ids.
+``ensure_tiny_model()`` builds a model once with transformers' ``save_pretrained``
+(safetensors) and returns its directory. The weights are seeded, so every build
+is identical. There is no tokenizer: run vLLM with ``skip_tokenizer_init=True``
+and give prompts as token ids.
+
+Two sizes:
+
+* ``tiny`` (the default; tests, demos, traces/): a step of this model costs
+  vLLM about what its own Python costs, so it shows the scheduler's work, and
+  any recorder's, at its largest share of a step.
+* ``small`` (about 22M parameters): a step of 10-20 ms on a CPU core, the order
+  of a real model's step on a GPU, for measuring what a recorder costs an
+  engine whose step is mostly the model's.
+
+The tiny model lives in ``$KVTRACE_CACHE``, or ``~/.cache/kvtrace/tiny-llama``;
+another size beside it, in a directory named after it
+(``~/.cache/kvtrace/small-llama``, or ``$KVTRACE_CACHE-small``).
 """
 
 from __future__ import annotations
@@ -25,34 +38,47 @@ CONFIG = dict(
     pad_token_id=0,
     tie_word_embeddings=False,
 )
+SIZES = {
+    "tiny": CONFIG,
+    "small": dict(CONFIG, hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=8, head_dim=64, intermediate_size=1536, vocab_size=8192),
+}
 SEED = 0
 _MARKER = "kvtrace-tiny-llama.done"
 
 
-def default_dir() -> Path:
+def default_dir(size: str = "tiny") -> Path:
     env = os.environ.get("KVTRACE_CACHE")
     if env:
-        return Path(env)
-    return Path.home() / ".cache" / "kvtrace" / "tiny-llama"
+        return Path(env) if size == "tiny" else Path(f"{env}-{size}")
+    return Path.home() / ".cache" / "kvtrace" / f"{size}-llama"
 
 
-def ensure_tiny_model(path: str | os.PathLike | None = None) -> str:
-    """Build the tiny Llama in ``path`` (default: ``default_dir()``) unless it is
-    already there; return the directory as a string."""
-    out = Path(path) if path is not None else default_dir()
-    if (out / _MARKER).exists() and (out / "config.json").exists():
+def ensure_tiny_model(path: str | os.PathLike | None = None, size: str = "tiny") -> str:
+    """Build the model of that size (``SIZES``) in ``path`` (default:
+    ``default_dir(size)``) unless it is already there; return the directory as
+    a string."""
+    if size not in SIZES:
+        raise ValueError(f"unknown model size {size!r}: one of {', '.join(SIZES)}")
+    out = Path(path) if path is not None else default_dir(size)
+    marker = out / _MARKER
+    # The marker names the size built there ("ok": a tiny model built before it did).
+    built = marker.read_text().strip() if marker.exists() else None
+    if (out / "config.json").exists() and (built == size or (built == "ok" and size == "tiny")):
         return str(out)
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(SEED)
-    cfg = LlamaConfig(**CONFIG)
+    cfg = LlamaConfig(**SIZES[size])
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
-    (out / _MARKER).write_text("ok\n")
+    marker.write_text(f"{size}\n")
     return str(out)
 
 
 if __name__ == "__main__":  # pragma: no cover
-    print(ensure_tiny_model())
+    import sys
+
+    print(ensure_tiny_model(size=sys.argv[1] if len(sys.argv) > 1 else "tiny"))
