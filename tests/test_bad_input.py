@@ -395,6 +395,9 @@ def test_garbage_inside_gzip(base, tmp_path, capsys):
     ({"kv_cache_group_kinds": ["SlidingWindowSpec"]},
      "a KV-cache group of kind 'SlidingWindowSpec', not full attention"),
     ({"hash_block_size": 7}, "hash_block_size 7 differs from block_size"),
+    ({"lora": True}, "LoRA (its slot limit, max_loras) is on"),
+    ({"prefill_schedule_interval": 4, "data_parallel_size": 2},
+     "data-parallel prefill throttling is on (prefill_schedule_interval=4)"),
 ])
 def test_unsupported_feature_is_refused_by_replay(base, tmp_path, capsys, features, message):
     bad = _edit(base, tmp_path, lambda o: o[0].__setitem__("features", features))

@@ -297,7 +297,7 @@ def test_max_num_active_seqs_caps_admission_below_max_num_seqs():
 
 
 def test_chunked_prefill_off_a_prompt_that_does_not_fit_waits_whole_and_blocks_the_queue():
-    """S:1159-1167, budget 16: "a" (10 tokens) is admitted; "b" (10) does not fit
+    """S:1160-1167, budget 16: "a" (10 tokens) is admitted; "b" (10) does not fit
     in the 6 left, so it is not split, and "c" (2) behind it waits too. With
     chunked prefill on, "b" gets a 6-token chunk and "c" nothing (the budget
     is spent)."""
@@ -312,7 +312,7 @@ def test_chunked_prefill_off_a_prompt_that_does_not_fit_waits_whole_and_blocks_t
 
 
 def test_chunked_prefill_off_still_splits_at_the_long_prefill_threshold():
-    """The threshold caps a prefill before the check (S:1155-1158): with a
+    """The threshold caps a prefill before the check (S:1155-1156): with a
     threshold of 8 and a budget of 16, two 10-token prompts each get 8, and the
     next step finishes both (2 each), chunked prefill off or not."""
     s = Scheduler(cfg(max_num_batched_tokens=16, long_prefill_token_threshold=8,

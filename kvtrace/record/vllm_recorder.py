@@ -189,6 +189,10 @@ def build_header(sched: Any, meta: dict | None = None) -> Header:
         "use_eagle": bool(getattr(sched, "use_eagle", False)),
         "has_mamba_layers": bool(getattr(sched, "has_mamba_layers", False)),
         "multimodal": bool(getattr(vc.model_config, "is_multimodal_model", False)),
+        # A LoRA slot limit (max_loras) and data-parallel prefill throttling
+        # change which requests a step admits.
+        "lora": getattr(vc, "lora_config", None) is not None,
+        "prefill_schedule_interval": int(getattr(sc, "prefill_schedule_interval", 1) or 1),
         "kv_role": getattr(ktc, "kv_role", None) if ktc is not None else None,
         # The connector's rules under async scheduling, as this scheduler holds them.
         "defer_block_free": bool(getattr(sched, "defer_block_free", False)),

@@ -23,7 +23,7 @@ class SchedulerConfig:
     reserve_full_isl: bool = True
     # With chunked prefill off, a waiting request whose tokens (after the
     # long-prefill threshold) do not fit the step's budget is not split: it
-    # waits, and so does everything behind it (S:1159-1167).
+    # waits, and so does everything behind it (S:1160-1167).
     enable_chunked_prefill: bool = True
     # Raise long_prefill_token_threshold to a fair share of the budget (S:650-655).
     adaptive_long_prefill_threshold: bool = False

@@ -237,7 +237,7 @@ class Scheduler:
             else:
                 want = step.capped(r.num_tokens - num_computed)
                 if not self.config.enable_chunked_prefill and want > step.room():
-                    break   # chunked prefill off: the request waits whole (S:1159-1167)
+                    break   # chunked prefill off: the request waits whole (S:1160-1167)
                 n = min(want, step.room())
                 if n <= 0:
                     raise SchedulerAssertion(
