@@ -189,9 +189,10 @@ def test_a_request_preempted_often_that_then_gets_through_is_not_a_loop():
     """Three requests each reach PREEMPT_LIMIT preemptions without a token, at
     steps LIMIT-1, LIMIT and LIMIT+1. "thrash" then samples a token: it got
     through, so nothing is reported for it (vLLM 0.32 did this on a random
-    workload: tests/test_vllm_random.py, seed 542). "aborted" finishes without
-    one, and "looping" is still going when the trace ends: both are reported,
-    at the step of their LIMIT-th preemption, in step order."""
+    workload: tests/test_vllm_random.py, seed 542), so its report is taken
+    back. "aborted" finishes without one, and "looping" is still going when
+    the trace ends: their reports stand, at the step of their LIMIT-th
+    preemption."""
     from kvtrace.replay.liveness import PREEMPT_LIMIT, ProgressWatch
 
     watch, found = ProgressWatch(), []
@@ -201,11 +202,12 @@ def test_a_request_preempted_often_that_then_gets_through_is_not_a_loop():
         found += watch.after_schedule(step, _Step(preempted=due), None, None, None)
         watch.after_output(set(), set(), {})
     found += watch.after_schedule(PREEMPT_LIMIT + 2, _Step(finished=["aborted"]), None, None, None)
-    watch.after_output(set(), set(), {"thrash": [7]})
-    assert found == []    # nothing is known yet while the trace goes on
-    assert [(d.step, d.req, d.field) for d in watch.unresolved()] == [
-        (PREEMPT_LIMIT - 1, "looping", "progress"), (PREEMPT_LIMIT + 1, "aborted", "progress")]
-    assert watch.unresolved() == []
+    watch.after_output(set(), set(), {"thrash": [7], "aborted": [9]})   # "aborted" is gone
+    assert [(d.step, d.req, d.field) for d in found] == [
+        (PREEMPT_LIMIT - 1, "looping", "progress"), (PREEMPT_LIMIT, "thrash", "progress"),
+        (PREEMPT_LIMIT + 1, "aborted", "progress")]
+    assert watch.take_back() == [found[1]]
+    assert watch.take_back() == []
 
 
 @pytest.mark.vllm
@@ -221,3 +223,81 @@ def test_vllm_own_scheduler_loops_the_same_way(preemption_loop, tmp_path):
     steps = sum(isinstance(e, ev.Step) for e in TraceReader(preemption_loop))
     assert res.faithful_inputs and res.steps == steps > 500
     assert diff_files(preemption_loop, out).divergences == []
+
+
+# --------------------------------------------------------------------------- vLLM 0.32: a hit on a block never written
+
+
+UNCOMPUTED_HIT = (__import__("pathlib").Path(__file__).resolve().parent.parent / "traces" / "vllm-bugs"
+                  / "priority-preempt-uncomputed-hit.jsonl.gz")
+
+
+def _wrong_reads(path) -> list[tuple[int, str, list[int]]]:
+    """Worked from the records alone, apart from the shadow-KV check: each
+    step's scheduled tokens write their positions into the request's blocks;
+    when a request is admitted with a prefix hit, every hit position whose slot
+    was last written by a request with a different prefix up to that position
+    (or never) is a wrong read. Returns (step, request, wrong positions)."""
+    with TraceReader(path) as r:
+        bs = r.header.config.block_size
+        prompts, tables, slots, found = {}, {}, {}, []
+        out_tokens: dict[str, list[int]] = {}
+        for e in r:
+            if isinstance(e, ev.Arrival):
+                prompts[e.req] = list(e.prompt_token_ids)
+                out_tokens[e.req] = []
+            elif isinstance(e, ev.Step):
+                for s in e.states:
+                    tables[s.req] = list(s.block_ids)
+                admitted = [(x.req, x.num_computed_tokens, x.num_scheduled_tokens)
+                            for x in e.new + e.resumed]
+                running = [(x.req, x.num_computed_tokens, x.num_scheduled_tokens) for x in e.running]
+                # One forward pass writes every scheduled position before any is read.
+                for req, start, n in admitted + running:
+                    tokens = prompts[req] + out_tokens[req]
+                    for p in range(start, start + n):
+                        slots[(tables[req][p // bs], p % bs)] = tuple(tokens[:p + 1])
+                for req, start, _ in admitted:      # a hit: positions below start are read
+                    tokens = prompts[req] + out_tokens[req]
+                    wrong = [p for p in range(start)
+                             if slots.get((tables[req][p // bs], p % bs)) != tuple(tokens[:p + 1])]
+                    if wrong:
+                        found.append((e.step, req, wrong))
+            elif isinstance(e, ev.Output):
+                for req, toks in e.sampled.items():
+                    out_tokens[req] += toks
+    return found
+
+
+def test_a_prefix_hit_on_a_block_its_preempted_request_never_wrote_is_flagged():
+    """A real vLLM 0.32 run (traces/vllm-bugs/priority-preempt-uncomputed-hit,
+    docs/findings.md): a request scheduled in a step and then preempted in it
+    for a request of higher priority leaves the block that step was to fill
+    cached; when it comes back, its prefix hit takes that block, whose last
+    slots hold another request's KV. Every count agrees with the reference;
+    only the shadow-KV check sees it, at the steps that read those slots."""
+    expected = _wrong_reads(UNCOMPUTED_HIT)
+    assert len(expected) == 1
+    step, req, wrong = expected[0]
+    divs = replay_file(UNCOMPUTED_HIT, device="cpu").divergences
+    assert divs and all(d.kind == "kv-content" and d.req == req for d in divs), [d.to_json() for d in divs]
+    assert divs[0].step == step
+    first_wrong = min(wrong)
+    assert f"(position {first_wrong})" in divs[0].recorded
+    assert f"{len(wrong)} of " in divs[0].recorded
+    # Without the content check, replay finds nothing: the counts are all vLLM's rules.
+    assert replay_file(UNCOMPUTED_HIT, device=None).divergences == []
+
+
+@pytest.mark.vllm
+def test_vllm_own_scheduler_makes_the_same_uncomputed_hit(tmp_path):
+    from _require import require
+
+    require("vllm", "vLLM is not installed: this finding is checked against vLLM's scheduler")
+    from kvtrace.diff import diff_files
+    from kvtrace.record.vllm_replay import replay_through_vllm
+
+    out = tmp_path / "vllm.jsonl"
+    res = replay_through_vllm(UNCOMPUTED_HIT, out)
+    assert res.faithful_inputs and res.stopped is None
+    assert diff_files(UNCOMPUTED_HIT, out).divergences == []

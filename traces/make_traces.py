@@ -30,6 +30,8 @@ TRACES = {
 # Traces of vLLM's own bugs, unchanged engine, in vllm-bugs/: the engine fails
 # on them, and the trace ends "interrupted" with its error.
 BUG_TRACES = {"async-recompute-placeholders": "async-connector-recompute"}
+# Traces of vLLM's own bugs that run to the end, silently wrong, in vllm-bugs/.
+SILENT_BUG_TRACES = {"priority-preempt-uncomputed-hit": "priority-preempt-uncomputed-hit"}
 # Traces of vLLM with a bug put back (kvtrace.record.fault_schedulers), in faults/.
 FAULT_TRACES = ["async-load-overshoot", "stale-computed-on-preempt",
                 "async-stale-computed-on-preempt"]
@@ -40,8 +42,11 @@ def main(names: list[str]) -> int:
 
     from kvtrace.record.vllm_run import EngineFailed
 
-    for name in names or list(TRACES) + FAULT_TRACES + list(BUG_TRACES):
-        if name in BUG_TRACES:
+    for name in names or list(TRACES) + FAULT_TRACES + list(BUG_TRACES) + list(SILENT_BUG_TRACES):
+        if name in SILENT_BUG_TRACES:
+            out = HERE / "vllm-bugs" / f"{name}.jsonl.gz"
+            record_vllm_offline(None, out, SILENT_BUG_TRACES[name])
+        elif name in BUG_TRACES:
             out = HERE / "vllm-bugs" / f"{name}.jsonl.gz"
             out.parent.mkdir(exist_ok=True)
             try:

@@ -7,9 +7,10 @@
     ``model_dir`` may be None: the tiny random Llama (``tiny_model``) is used.
     ``workload`` is one of ``WORKLOADS`` ("prefix", "preemption", "connector") or a
     dict ``{"prompts": [[ids...], ...], "max_tokens": int, "engine": {...},
-    "sampling": {...}, "per_request": [{...}, ...], "priority": [int, ...]}``, where
-    "per_request" holds each request's own changes to the sampling settings
-    (``max_tokens``, ``stop_token_ids``, ...). ``engine_kwargs`` override the
+    "sampling": {...}, "per_request": [{...}, ...], "priority": [int, ...],
+    "cache_salts": [str | None, ...]}``, where "per_request" holds each request's
+    own changes to the sampling settings (``max_tokens``, ``stop_token_ids``, ``n``,
+    ``prompt_logprobs``, ...). ``engine_kwargs`` override the
     workload's ``LLM(...)`` arguments. Returns ``{"path": out_path, "outputs": {index: [token ids]},
     "finish_reasons": {index: str}}``.
 
@@ -38,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import random
 import subprocess
 import sys
 from typing import Any
@@ -172,6 +174,77 @@ WORKLOADS["async-connector"] = _async_variant("connector", rules={"5": {"req": "
 WORKLOADS["async-connector-recompute"] = _async_variant("connector")
 
 
+def knobs_workload(seed: int, kind: str = "knobs") -> dict:
+    """A random workload for a real engine (tests/test_vllm_random.py): no
+    connector; the scheduler's settings drawn instead: block size, KV
+    blocks (few enough to preempt), token budget, max_num_seqs and
+    max_num_active_seqs, the long-prefill threshold (fixed or adaptive), chunked
+    prefill on or off, prefix caching, whole-sequence admission, the watermark,
+    FCFS or priority; prompts with shared prefixes, exact repeats and cache
+    salts; each request its own max_tokens, some with stop tokens or min_tokens
+    (the random model stops on some of them), parallel sampling (n=2) or prompt
+    logprobs; under async scheduling for kind "async-knobs"."""
+    rng = random.Random(seed)
+    block_size = rng.choice((32, 64))        # vLLM's CPU attention takes multiples of 32
+    max_model_len = 256
+    chunked = rng.random() < 0.7
+    budget = rng.choice((32, 64, 128, 256)) if chunked else rng.choice((256, 512))
+    families = [[rng.randrange(16, 480) for _ in range(rng.choice((32, 64, 100, 130)))]
+                for _ in range(rng.randint(1, 3))]
+    prompts = []
+    for _ in range(rng.randint(3, 14)):
+        shared = rng.choice(families) if rng.random() < 0.6 else []
+        prompts.append((shared + [rng.randrange(16, 480) for _ in range(rng.randint(1, 120))])[:200])
+    if rng.random() < 0.3:
+        prompts.append(list(rng.choice(prompts)))      # an exact repeat
+    per_request = []
+    for _ in prompts:
+        own = {"max_tokens": rng.randint(1, 40)}
+        if rng.random() < 0.3:
+            own["stop_token_ids"] = [rng.randrange(16, 480) for _ in range(rng.randint(1, 40))]
+            if rng.random() < 0.5:
+                own["min_tokens"] = rng.randint(0, own["max_tokens"])
+        per_request.append(own)
+    need = -(-max_model_len // block_size)   # vLLM wants room for one request of max_model_len
+    policy = rng.choice(("fcfs", "priority"))
+    max_num_seqs = rng.randint(1, 8)
+    # Drawn apart, so that adding them left the draws above as they were: parallel
+    # sampling (n=2: two requests that share a prompt), prompt logprobs (a request
+    # that reads nothing from the prefix cache), cache salts, the watermark, and
+    # fewer requests admitted at once than max_num_seqs.
+    more = random.Random(seed + 1_000_003)
+    for own in per_request:
+        if more.random() < 0.15:   # vLLM samples n > 1 only at a temperature (and
+            own.update(n=2, temperature=1.0)   # its CPU runner takes no per-request seed)
+        if more.random() < 0.1:
+            own["prompt_logprobs"] = 1
+    salts = [more.choice((None, None, None, "a", "b")) for _ in prompts]
+    return dict(
+        prompts=prompts, per_request=per_request, cache_salts=salts,
+        priority=[rng.randint(0, 2) for _ in prompts] if policy == "priority" else None,
+        engine=dict(
+            watermark=more.choice((0.0, 0.0, 0.01, 0.1)),
+            max_num_active_seqs=more.choice((None, None, None, max(1, max_num_seqs // 2))),
+            block_size=block_size, max_model_len=max_model_len,
+            num_gpu_blocks_override=need + 1 + rng.randint(0, need),
+            max_num_batched_tokens=max(budget, max_num_seqs), max_num_seqs=max_num_seqs,
+            enable_chunked_prefill=chunked,
+            long_prefill_token_threshold=rng.choice((0, 0, 16, 48)),
+            long_prefill_token_threshold_adaptive=rng.random() < 0.2,
+            enable_prefix_caching=rng.random() < 0.8,
+            scheduler_reserve_full_isl=rng.random() < 0.8,
+            scheduling_policy=policy, async_scheduling=kind.startswith("async")))
+
+
+# vLLM 0.32 with priority scheduling: a request scheduled in a step and then
+# preempted in it for a request of higher priority keeps, in the prefix cache,
+# the hash of a block that step was to fill; its resume hits that block, whose
+# last 16 slots were never written for it (they hold another request's KV).
+# Every count agrees; the shadow-KV check flags the reads. Upstream: vLLM PR
+# 43569 (open). docs/findings.md.
+WORKLOADS["priority-preempt-uncomputed-hit"] = knobs_workload(445)
+
+
 def _resolve(workload: Any) -> dict:
     if isinstance(workload, str):
         try:
@@ -204,6 +277,9 @@ def run_workload(model_dir: str | None, workload: Any = "prefix", **engine_kwarg
         params = [SamplingParams(**dict(sp, **own)) for own in wl["per_request"]] \
             if wl.get("per_request") else SamplingParams(**sp)
         prompts = [{"prompt_token_ids": list(p)} for p in wl["prompts"]]
+        for prompt, salt in zip(prompts, wl.get("cache_salts") or ()):
+            if salt:
+                prompt["cache_salt"] = salt
         gen_kwargs = {}
         if wl.get("priority") is not None:
             gen_kwargs["priority"] = list(wl["priority"])

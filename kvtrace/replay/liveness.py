@@ -22,8 +22,8 @@ token (or its arrival), replay reports a ``progress`` divergence for it, at the
 step of that preemption, unless it samples a token later. Under memory pressure
 a request can be preempted that often and still get through (vLLM 0.32 on a
 random workload: 16 preemptions, then its tokens), which is thrashing, not a
-loop; so the report waits until the request finishes without a token, or the
-trace ends (``unresolved``). (vLLM 0.32 loops for ever this way with
+loop: such a report is taken back when the request samples a token
+(``take_back``, which replay applies at the end of the trace). (vLLM 0.32 loops for ever this way with
 ``scheduler_reserve_full_isl`` off, priority scheduling and chunked long
 prefills: docs/findings.md.)
 """
@@ -45,10 +45,10 @@ class ProgressWatch:
         self.reload_limit = reload_limit
         self.preempt_limit = preempt_limit
         self.preempted: dict[str, int] = {}   # request -> preemptions since its last sampled token
-        # Requests past the preemption limit, each with the divergence it will be
-        # reported as unless it samples a token; and those that finished without one.
+        # Requests past the preemption limit, with the divergence reported for
+        # each; and the reports of those that then sampled a token.
         self.looping: dict[str, Divergence] = {}
-        self.stuck: list[Divergence] = []
+        self.got_through: list[Divergence] = []
         self.idle = 0          # consecutive steps with a ready request and nothing scheduled
         self.since: int | None = None
         self.loads: dict[str, int] = {}   # request -> KV loads since it last ran or a load failed
@@ -75,29 +75,30 @@ class ProgressWatch:
         for req, tokens in (sampled or {}).items():
             if tokens:
                 self.preempted.pop(req, None)
-                self.looping.pop(req, None)   # it got through: thrashing, not a loop
+                if req in self.looping:   # it got through: thrashing, not a loop
+                    self.got_through.append(self.looping.pop(req))
 
-    def unresolved(self) -> list[Divergence]:
-        """At the end of the trace: the preemption loops that never produced a
-        token, in step order."""
-        found = sorted(self.stuck + list(self.looping.values()), key=lambda d: (d.step, d.req))
-        self.stuck, self.looping = [], {}
+    def take_back(self) -> list[Divergence]:
+        """The preemption-loop reports whose request sampled a token after all
+        (each once)."""
+        found, self.got_through = self.got_through, []
         return found
 
     def _preemptions(self, step, out, seq, line) -> list[Divergence]:
+        found = []
         for req in sorted(out.preempted_req_ids):
             n = self.preempted[req] = self.preempted.get(req, 0) + 1
             if n == self.preempt_limit:
-                self.looping[req] = Divergence(
+                found.append(Divergence(
                     step, req, "progress", f"preempted {n} times since its last sampled token",
                     "a preempted request makes progress once it is scheduled again",
                     f"liveness: {req} is admitted and preempted again and again without "
-                    "producing a token", "invariant", seq, line)
-        for req in out.finished_req_ids:
+                    "producing a token", "invariant", seq, line))
+                self.looping[req] = found[-1]
+        for req in out.finished_req_ids:   # finished (aborted) without a token: it stands
             self.preempted.pop(req, None)
-            if req in self.looping:   # finished (aborted) without a token
-                self.stuck.append(self.looping.pop(req))
-        return []
+            self.looping.pop(req, None)
+        return found
 
     def _reloads(self, step, out, sched, seq, line, loads) -> list[Divergence]:
         found = []

@@ -173,14 +173,14 @@ class Replayer:
 
     def finish(self) -> None:
         """The end of the trace: the content check's queued steps are checked,
-        and the preemption loops still open are reported, each where it showed."""
+        and the preemption-loop reports of requests that got through after all
+        are taken back (only now: the content check's placing counts every
+        divergence before it)."""
         if self.content:
             self._place(self.content.flush())
-        for d in self._progress.unresolved():
-            at = len(self.divergences)
-            while at and (self.divergences[at - 1].step or 0) > d.step:
-                at -= 1
-            self.divergences.insert(at, d)
+        back = {id(d) for d in self._progress.take_back()}
+        if back:
+            self.divergences = [d for d in self.divergences if id(d) not in back]
 
     def close(self) -> None:
         """Stop a content worker that is still running (replay ended early)."""
