@@ -32,9 +32,43 @@ SIZES = {
 FULL_ATTENTION = ("FullAttentionSpec", "MLAAttentionSpec")
 
 
+# The features read here and by the replays (kvtrace.bridge), and what each
+# must be: a flag, or an integer of at least 0 or 1; absent or null means "not
+# named". A string "true" is not a flag.
+TYPES = {
+    "async_scheduling": "flag", "scheduler_reserve_full_isl": "flag",
+    "enable_chunked_prefill": "flag", "long_prefill_token_threshold_adaptive": "flag",
+    "defer_block_free": "flag", "requires_kv_delivery": "flag", "use_eagle": "flag",
+    "has_mamba_layers": "flag", "multimodal": "flag", "lora": "flag",
+    "num_speculative_tokens": "count0", "num_lookahead_tokens": "count0",
+    "prefix_replay_tokens": "count0", "max_num_active_seqs": "count",
+    "pipeline_parallel_size": "count", "decode_context_parallel_size": "count",
+    "data_parallel_size": "count", "prefill_schedule_interval": "count",
+    "num_kv_cache_groups": "count", "hash_block_size": "count",
+}
+
+
+def type_error(features: dict) -> str | None:
+    """The first feature in ``TYPES`` whose value has the wrong type, in words,
+    or None."""
+    for key, kind in TYPES.items():
+        v = features.get(key)
+        if v is None:
+            continue
+        if kind == "flag" and type(v) is not bool:
+            return f"field 'features.{key}' must be true or false, got {v!r}"
+        low = 0 if kind == "count0" else 1
+        if kind != "flag" and (type(v) is not int or v < low):
+            return f"field 'features.{key}' must be an integer of at least {low}, got {v!r}"
+    return None
+
+
 def outside(features: dict, block_size: int) -> str | None:
-    """The first thing in a header's ``features`` that the baseline does not
-    cover, in words, or None."""
+    """A feature of the wrong type (``type_error``), or the first thing in a
+    header's ``features`` that the baseline does not cover, in words; or None."""
+    wrong = type_error(features)
+    if wrong is not None:
+        return wrong
     for key, what in FLAGS.items():
         v = features.get(key)
         if v:

@@ -181,6 +181,7 @@ def test_a_prompt_with_no_room_within_max_model_len(base, tmp_path, capsys, extr
     ({"scheduler_reserve_full_isl": "no"}, "field 'features.scheduler_reserve_full_isl' must be true or false"),
     ({"async_scheduling": "true"}, "field 'features.async_scheduling' must be true or false"),
     ({"pipeline_parallel_size": 2.0}, "field 'features.pipeline_parallel_size' must be an integer"),
+    ({"lora": "false"}, "field 'features.lora' must be true or false, got 'false'"),
 ])
 def test_a_feature_of_the_wrong_type_is_refused_by_replay(base, tmp_path, capsys, features, message):
     bad = _edit(base, tmp_path, lambda o: o[0]["features"].update(features))

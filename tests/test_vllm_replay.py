@@ -460,6 +460,9 @@ def _edited_header(tmp_path, edit) -> Path:
     ({"pipeline_parallel_size": 2}, "pipeline parallelism is on"),
     ({"num_kv_cache_groups": 2}, "2 KV-cache groups"),
     ({"kv_cache_group_kinds": ["SlidingWindowSpec"]}, "kind 'SlidingWindowSpec', not full attention"),
+    # A size of true is not 1 (True == 1 in Python): the same type checks as the reference's replay.
+    ({"decode_context_parallel_size": True},
+     "field 'features.decode_context_parallel_size' must be an integer of at least 1, got True"),
 ])
 def test_traces_with_features_outside_the_baseline_are_refused(features, words, tmp_path):
     from kvtrace.trace.io import TraceError

@@ -219,6 +219,9 @@ def _model_dir(max_model_len: int) -> str:
 
 def check_supported(header: ev.Header, path: str = "<trace>") -> None:
     """Raise TraceError for a trace whose engine features this replay cannot set up."""
+    wrong = baseline.type_error(header.features)
+    if wrong is not None:
+        raise TraceError(path, 1, wrong)
     why = baseline.outside(header.features, header.config.block_size)
     if why is not None:
         raise TraceError(path, 1, f"{why}; replay through vLLM's scheduler sets up the "

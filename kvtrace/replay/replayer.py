@@ -45,30 +45,6 @@ class ReplayResult:
     end: ev.End | None = None
 
 
-# The header's features that replay reads, and what each must be: a flag, or a
-# count (an integer, 1 or more), where None means "not named".
-_FEATURE_TYPES = {
-    "async_scheduling": "flag", "num_speculative_tokens": "count0",
-    "pipeline_parallel_size": "count", "num_kv_cache_groups": "count",
-    "scheduler_reserve_full_isl": "flag", "enable_chunked_prefill": "flag",
-    "long_prefill_token_threshold_adaptive": "flag", "max_num_active_seqs": "count", "defer_block_free": "flag", "requires_kv_delivery": "flag",
-}
-
-
-def _check_features(header: ev.Header, path) -> None:
-    """A feature replay reads must have its type: a string "true" is not a flag."""
-    for key, kind in _FEATURE_TYPES.items():
-        v = header.features.get(key)
-        if v is None:
-            continue
-        if kind == "flag" and type(v) is not bool:
-            raise TraceError(path, 1, f"field 'features.{key}' must be true or false, got {v!r}")
-        low = 0 if kind == "count0" else 1
-        if kind != "flag" and (type(v) is not int or v < low):
-            raise TraceError(path, 1, f"field 'features.{key}' must be an integer of at least "
-                                      f"{low}, got {v!r}")
-
-
 # ShadowKV's tensors per KV slot (fingerprint, writer, step, position, loaded,
 # first write), in bytes; kept here so that the main process need not import torch.
 SHADOW_BYTES_PER_SLOT = 8 + 4 + 4 + 4 + 1 + 8
@@ -92,7 +68,9 @@ def _check_fits(header: ev.Header, path) -> None:
 
 
 def _check_supported(header: ev.Header, path) -> None:
-    _check_features(header, path)
+    wrong = baseline.type_error(header.features)
+    if wrong is not None:
+        raise TraceError(path, 1, wrong)
     why = baseline.outside(header.features, header.config.block_size)
     if why is not None:
         raise TraceError(path, 1, f"{why}; the reference models the baseline profile only (one "
