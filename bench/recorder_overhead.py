@@ -86,13 +86,12 @@ def run(rounds: int = 101, requests: int = 16, max_tokens: int = 48, suffix: str
     from kvtrace.record.vllm_run import BASE_ENGINE, shutdown_llm
 
     vllm_plugin.install()
-    size = model
-    model = str(ensure_tiny_model(size=size))
+    model_dir = str(ensure_tiny_model(size=model))
     engine = dict(BASE_ENGINE, num_gpu_blocks_override=48, max_num_seqs=16)
     trace = scratch / f"overhead{suffix}"
     os.environ["KVTRACE_OUT"] = str(trace)
     try:
-        llm = LLM(model=model, **engine)
+        llm = LLM(model=model_dir, **engine)
     finally:
         os.environ.pop("KVTRACE_OUT", None)
     sched = _scheduler(llm)
@@ -140,7 +139,7 @@ def run(rounds: int = 101, requests: int = 16, max_tokens: int = 48, suffix: str
     q = statistics.quantiles(ratios, n=4)
     cq = statistics.quantiles(cpu_ratios, n=4)
     return {
-        "model": size,
+        "model": model,
         "steps_per_round": steps_per_round,
         "engine_ms_per_step": 1e3 * statistics.median(plain_s) / steps_per_round,
         "recorder_us_per_step": 1e6 * (statistics.median(rec_s) - statistics.median(plain_s)) / steps_per_round,

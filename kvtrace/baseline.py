@@ -63,12 +63,20 @@ def type_error(features: dict) -> str | None:
     return None
 
 
-def outside(features: dict, block_size: int) -> str | None:
-    """A feature of the wrong type (``type_error``), or the first thing in a
-    header's ``features`` that the baseline does not cover, in words; or None."""
+def refusal(features: dict, block_size: int, scope: str) -> str | None:
+    """Why a replay refuses a header's ``features``, or None: a feature of the
+    wrong type, or the first thing outside the baseline, followed by
+    ``scope``, what that replay covers."""
     wrong = type_error(features)
     if wrong is not None:
         return wrong
+    why = outside(features, block_size)
+    return None if why is None else f"{why}; {scope}"
+
+
+def outside(features: dict, block_size: int) -> str | None:
+    """The first thing in a header's ``features`` (of the right types) that the
+    baseline does not cover, in words, or None."""
     for key, what in FLAGS.items():
         v = features.get(key)
         if v:

@@ -172,8 +172,9 @@ def test_a_random_workload_replays_clean_or_is_flagged_where_the_engine_failed(s
         from kvtrace.record.vllm_replay import replay_through_vllm
 
         assert workload["engine"]["scheduling_policy"] == "priority"
-        assert {d.req for d in divs} == {req for _, req, _ in _wrong_reads(out)}
-        assert divs[0].step == _wrong_reads(out)[0][0]
+        wrong = _wrong_reads(out)
+        assert {d.req for d in divs} == {req for _, req, _ in wrong}
+        assert divs[0].step == wrong[0][0]
         assert diff_files(out, replay_through_vllm(out, tmp_path / "vllm.jsonl").out).divergences == []
     elif failed is None:
         assert end.status == "complete"

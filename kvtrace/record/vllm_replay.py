@@ -219,13 +219,11 @@ def _model_dir(max_model_len: int) -> str:
 
 def check_supported(header: ev.Header, path: str = "<trace>") -> None:
     """Raise TraceError for a trace whose engine features this replay cannot set up."""
-    wrong = baseline.type_error(header.features)
-    if wrong is not None:
-        raise TraceError(path, 1, wrong)
-    why = baseline.outside(header.features, header.config.block_size)
+    why = baseline.refusal(header.features, header.config.block_size,
+                           "replay through vLLM's scheduler sets up the baseline profile only "
+                           "(one full-attention KV-cache group)")
     if why is not None:
-        raise TraceError(path, 1, f"{why}; replay through vLLM's scheduler sets up the "
-                                  "baseline profile only (one full-attention KV-cache group)")
+        raise TraceError(path, 1, why)
 
 
 class ConfigRefused(ValueError):

@@ -68,14 +68,11 @@ def _check_fits(header: ev.Header, path) -> None:
 
 
 def _check_supported(header: ev.Header, path) -> None:
-    wrong = baseline.type_error(header.features)
-    if wrong is not None:
-        raise TraceError(path, 1, wrong)
-    why = baseline.outside(header.features, header.config.block_size)
+    why = baseline.refusal(header.features, header.config.block_size,
+                           "the reference models the baseline profile only (one full-attention "
+                           "KV-cache group, no speculative decoding, no pipeline parallelism)")
     if why is not None:
-        raise TraceError(path, 1, f"{why}; the reference models the baseline profile only (one "
-                                  "full-attention KV-cache group, no speculative decoding, no "
-                                  "pipeline parallelism)")
+        raise TraceError(path, 1, why)
 
 
 class Replayer:
