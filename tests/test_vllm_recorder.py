@@ -505,6 +505,46 @@ def test_connector_trace_has_lookups_loads_and_failures(tmp_path, model_dir):
     assert evs[-1].status == "complete"
 
 
+def test_an_external_hit_for_a_request_that_reads_no_prefix_cache_is_not_loaded(tmp_path, model_dir):
+    """A request with prompt logprobs reads no prefix cache, and vLLM 0.32
+    forces its connector's answer to nothing (S:983-984): the trace records
+    the connector's hit as it was given, and no load. Replay must not call
+    that a skipped load (invariant "an admitted external hit must be loaded",
+    and the content check's loads); the request next to it, with the same hit
+    and no logprobs, is loaded."""
+    from kvtrace.replay import replay_file
+
+    prompt = [(7 * j) % 400 + 20 for j in range(90)]
+    rules = [{"req": "0", "hit": 64}, {"req": "1", "hit": 64}]
+    wl = dict(prompts=[prompt, prompt[::-1]], max_tokens=4,
+              per_request=[{"prompt_logprobs": 1}, {}],
+              engine=dict(num_gpu_blocks_override=20, kv_transfer_config=dict(
+                  kv_connector="ScriptedConnector", kv_connector_module_path=SCRIPTED,
+                  kv_role="kv_consumer", kv_connector_extra_config={"rules": rules})))
+    out = tmp_path / "skip.jsonl.gz"
+    record_vllm_offline(model_dir, out, wl)
+    r, evs = read_all(out)
+    skip = next(e.req for e in evs if e.kind == "arrival" and e.skip_reading_prefix_cache)
+    other = next(e.req for e in evs if e.kind == "arrival" and not e.skip_reading_prefix_cache)
+    steps = [e for e in evs if e.kind == "step"]
+    lookups = {lk.req: lk for s in steps for lk in s.lookups}
+    assert lookups[skip].ext == 64 and lookups[other].ext == 64
+    loads = {ld.req: (ld.start, ld.end) for s in steps for ld in s.loads}
+    assert loads == {other: (0, 64)}
+    admitted = {n.req: n.num_computed_tokens for s in steps for n in s.new}
+    assert admitted == {skip: 0, other: 64}
+    for worker in (0, None):
+        result = replay_file(out, device="cpu", worker=worker)
+        assert result.divergences == [], [d.to_json() for d in result.divergences[:3]]
+    # kvtrace show: the answer is named as unused, and the admission has no external hit.
+    from kvtrace.report.summary import summarize
+
+    marks = {m.kind: m.text for m in summarize(out).timelines[skip].marks}
+    assert "external 64) not used" in marks["lookup"] and "external 0" in marks["admitted"]
+    marks = {m.kind: m.text for m in summarize(out).timelines[other].marks}
+    assert marks["lookup"] == "local 0, external 64" and "external 64" in marks["admitted"]
+
+
 # ----------------------------------------------------------------------------- subprocess engine core
 
 

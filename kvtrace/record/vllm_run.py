@@ -8,9 +8,12 @@
     ``workload`` is one of ``WORKLOADS`` ("prefix", "preemption", "connector") or a
     dict ``{"prompts": [[ids...], ...], "max_tokens": int, "engine": {...},
     "sampling": {...}, "per_request": [{...}, ...], "priority": [int, ...],
-    "cache_salts": [str | None, ...]}``, where "per_request" holds each request's
+    "cache_salts": [str | None, ...], "arrive_at": [step, ...], "aborts": [[step, [index, ...]], ...]}``,
+    where "per_request" holds each request's
     own changes to the sampling settings (``max_tokens``, ``stop_token_ids``, ``n``,
-    ``prompt_logprobs``, ...). ``engine_kwargs`` override the
+    ``prompt_logprobs``, ...); with "arrive_at" or "aborts" the engine is driven
+    step by step, each request arriving before the engine step given and some
+    aborted before theirs. ``engine_kwargs`` override the
     workload's ``LLM(...)`` arguments. Returns ``{"path": out_path, "outputs": {index: [token ids]},
     "finish_reasons": {index: str}}``.
 
@@ -236,6 +239,31 @@ def knobs_workload(seed: int, kind: str = "knobs") -> dict:
             scheduling_policy=policy, async_scheduling=kind.startswith("async")))
 
 
+def served(workload: dict, seed: int) -> dict:
+    """``workload`` served as a stream (see ``_serve``): each request arrives at
+    an engine step of its own, and about a third are aborted, while they wait,
+    run, sit preempted or wait for a load, alone or several in one call (vLLM
+    frees those in an order of its own). Drawn from ``seed`` apart from the
+    workload's own draws, which stay as they were."""
+    wl = copy.deepcopy(workload)
+    rng = random.Random(seed + 2_000_003)
+    n = len(wl["prompts"])
+    wl["arrive_at"] = [0 if rng.random() < 0.3 else rng.randint(1, 60) for _ in range(n)]
+    aborts: dict[int, list[int]] = {}
+    for i in range(n):
+        if rng.random() < 0.35:   # soon after it arrives (a load under way), or later
+            after = rng.randint(0, 4) if rng.random() < 0.5 else rng.randint(5, 40)
+            aborts.setdefault(wl["arrive_at"][i] + after, []).append(i)
+    wl["aborts"] = sorted(aborts.items())
+    return wl
+
+
+def stream_workload(seed: int, kind: str = "stream") -> dict:
+    """``knobs_workload(seed)`` served as a stream (``served``); under async
+    scheduling for kind "async-stream"."""
+    return served(knobs_workload(seed, "async-knobs" if kind.startswith("async") else "knobs"), seed)
+
+
 # vLLM 0.32 with priority scheduling: a request scheduled in a step and then
 # preempted in it for a request of higher priority keeps, in the prefix cache,
 # the hash of a block that step was to fill; its resume hits that block, whose
@@ -280,18 +308,50 @@ def run_workload(model_dir: str | None, workload: Any = "prefix", **engine_kwarg
         for prompt, salt in zip(prompts, wl.get("cache_salts") or ()):
             if salt:
                 prompt["cache_salt"] = salt
-        gen_kwargs = {}
-        if wl.get("priority") is not None:
-            gen_kwargs["priority"] = list(wl["priority"])
-        outs = llm.generate(prompts, params, use_tqdm=False, **gen_kwargs)
+        if "arrive_at" in wl or "aborts" in wl:
+            outs = _serve(llm.llm_engine, prompts, params, wl)
+        else:
+            gen_kwargs = {}
+            if wl.get("priority") is not None:
+                gen_kwargs["priority"] = list(wl["priority"])
+            outs = dict(enumerate(llm.generate(prompts, params, use_tqdm=False, **gen_kwargs)))
         result = {
-            "outputs": {i: list(o.outputs[0].token_ids) for i, o in enumerate(outs)},
-            "finish_reasons": {i: str(o.outputs[0].finish_reason) for i, o in enumerate(outs)},
+            "outputs": {i: list(o.outputs[0].token_ids) for i, o in outs.items()},
+            "finish_reasons": {i: str(o.outputs[0].finish_reason) for i, o in outs.items()},
         }
     finally:
         # After an exception, a recording scheduler ends its trace "interrupted".
         shutdown_llm(llm)
     return result
+
+
+def _serve(eng: Any, prompts: list, params: Any, wl: dict) -> dict:
+    """Drive ``eng`` (a ``LLMEngine``) step by step, as a server does: request i
+    (id ``str(i)``) arrives before engine step ``arrive_at[i]``; ``aborts``, a list
+    of ``[step, [i, ...]]``, aborts those requests in one call before that step.
+    Steps where nothing is left to run are skipped to the next arrival. Returns
+    each request's last output, by index (an aborted request's may be missing)."""
+    n = len(prompts)
+    if not isinstance(params, list):
+        params = [params] * n
+    arrive = list(wl.get("arrive_at") or [0] * n)
+    priority = list(wl.get("priority") or [0] * n)
+    aborts = {int(step): [str(i) for i in ids] for step, ids in wl.get("aborts") or ()}
+    order = sorted(range(n), key=lambda i: (arrive[i], i))
+    outs: dict[int, Any] = {}
+    step = 0
+    while order or eng.has_unfinished_requests():
+        if not eng.has_unfinished_requests() and arrive[order[0]] > step:
+            step = arrive[order[0]]
+        while order and arrive[order[0]] <= step:
+            i = order.pop(0)
+            eng.add_request(str(i), prompts[i], params[i], priority=priority[i])
+        if step in aborts:
+            eng.abort_request(aborts[step])
+        for o in eng.step():
+            outs[int(o.request_id)] = o
+        step += 1
+    return outs
 
 
 @contextlib.contextmanager

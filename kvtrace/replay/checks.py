@@ -4,6 +4,8 @@ itself. Each function returns a list of Divergence; none of them changes state."
 
 from __future__ import annotations
 
+from typing import Callable
+
 from kvtrace.findings import Divergence
 from kvtrace.reference import Request, RequestOutput, Scheduler, SchedulerOutput, Status
 from kvtrace.trace import events as ev
@@ -215,12 +217,15 @@ def _from_one_lookup(nc: int, ne: int, ref: Request) -> bool:
 
 
 def step_invariants(rec: ev.Step, cfg: ev.SchedulerConfig, prev_preemptions: dict[str, int],
-                    line: int | None, in_flight: dict[str, int] | None = None) -> list[Divergence]:
+                    line: int | None, in_flight: dict[str, int] | None = None,
+                    reads_no_cache: Callable[[str], bool] = lambda req: False) -> list[Divergence]:
     """Section 5 checks that need only the recording. ``in_flight`` (async
     scheduling) counts, per request, the recorded steps that scheduled it and
     whose output has not been recorded yet, this one included. Each may hold one
     output placeholder inside num_computed_tokens, but the token the latest one
-    samples is not computed yet: c <= T + placeholders - 1 (AS:25-47)."""
+    samples is not computed yet: c <= T + placeholders - 1 (AS:25-47).
+    ``reads_no_cache(req)``: whether the request arrived with
+    ``skip_reading_prefix_cache`` (its connector answers count for nothing)."""
     divs: list[Divergence] = []
 
     def d(req, field, recorded, expected, rule, kind="invariant"):
@@ -276,24 +281,33 @@ def step_invariants(rec: ev.Step, cfg: ev.SchedulerConfig, prev_preemptions: dic
             or any(0 in s.block_ids for s in rec.resumed)
             or any(0 in s.new_block_ids for s in rec.running)):
         d(None, "block_ids", 0, f"1..{cfg.num_blocks - 1}", "4.5: block 0 is the null block", "block")
-    _loads_cover_hits(rec, d)
+    if rec.loads is not None:
+        _loads_cover_hits(rec, rec.loads, reads_no_cache, d)
     return divs
 
 
-def _loads_cover_hits(rec: ev.Step, d) -> None:
-    """Every external hit that was admitted must be loaded (bug class e)."""
-    if rec.loads is None:
-        return
+def admitted_hits(rec: ev.Step, reads_no_cache: Callable[[str], bool]) -> list[tuple[str, int, int]]:
+    """``(req, start, end)`` for each request admitted in ``rec`` (or left
+    waiting for its async load) whose last lookup the connector answered with
+    an external hit: the tokens that must be loaded. A request that reads no
+    prefix cache has that answer forced to nothing (S:983-984)."""
     admitted = {s.req for s in [*rec.new, *rec.resumed]}
     admitted |= {s.req for s in rec.states if s.status == "WAITING_FOR_REMOTE_KVS"}
     last_lookup = {lk.req: lk for lk in rec.lookups}
+    hits = []
     for req in sorted(admitted):
         lk = last_lookup.get(req)
-        if lk is None or not lk.ext:
-            continue
-        want = (lk.local, lk.local + lk.ext)
-        covered = any(ld.req == req and ld.start <= want[0] and ld.end >= want[1] for ld in rec.loads)
+        if lk is not None and lk.ext and not reads_no_cache(req):
+            hits.append((req, lk.local, lk.local + lk.ext))
+    return hits
+
+
+def _loads_cover_hits(rec: ev.Step, loads: list[ev.KVLoad], reads_no_cache, d) -> None:
+    """Every external hit that was admitted must be loaded (bug class e)."""
+    for req, start, end in admitted_hits(rec, reads_no_cache):
+        want = (start, end)
+        covered = any(ld.req == req and ld.start <= want[0] and ld.end >= want[1] for ld in loads)
         if not covered:
-            got = [(ld.start, ld.end) for ld in rec.loads if ld.req == req] or None
+            got = [(ld.start, ld.end) for ld in loads if ld.req == req] or None
             d(req, "kv_load", got, list(want),
               "an admitted external hit must be loaded (LMCache #1969, PR #2007)")

@@ -23,6 +23,7 @@ from collections import deque
 from kvtrace.findings import Divergence
 from kvtrace.trace import events as ev
 
+from .checks import admitted_hits
 from .shadow_kv import ShadowKV
 
 FINISHED = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_ABORTED",
@@ -40,6 +41,7 @@ class ContentCheck:
         self.has_connector = cfg.connector is not None
         self.max_model_len = cfg.max_model_len
         self.tables: dict[str, list[int]] = {}     # the engine's table per live request
+        self.reads_no_cache: set[str] = set()       # live requests that skip the prefix cache
         self.assumed_loads = False                  # loads inferred from lookups, not recorded
         self.async_scheduling = async_scheduling
         self._held: deque[tuple] = deque()          # (step, line, tag, aborts after it)
@@ -61,6 +63,8 @@ class ContentCheck:
     def arrival(self, a: ev.Arrival) -> None:
         most = min(len(a.prompt_token_ids) + a.max_tokens, self.max_model_len)
         self.kv.add_request(a.req, a.prompt_token_ids, most)
+        if a.skip_reading_prefix_cache:
+            self.reads_no_cache.add(a.req)
 
     def abort(self, reqs: list[str]) -> None:
         if self._held:   # async scheduling: after the step recorded before it
@@ -176,13 +180,11 @@ class ContentCheck:
             return []
         # No load plan in the trace: assume every admitted external hit was loaded.
         self.assumed_loads = True
-        last = {lk.req: lk for lk in rec.lookups}
-        admitted = [s.req for s in (*rec.new, *rec.resumed)]
-        admitted += [s.req for s in rec.states if s.status == "WAITING_FOR_REMOTE_KVS"]
-        return [ev.KVLoad(r, last[r].local, last[r].local + last[r].ext)
-                for r in admitted if r in last and last[r].ext]
+        return [ev.KVLoad(req, start, end)
+                for req, start, end in admitted_hits(rec, self.reads_no_cache.__contains__)]
 
     def _drop(self, req: str) -> None:
         self.tables.pop(req, None)
+        self.reads_no_cache.discard(req)
         if req in self.kv:
             self.kv.drop_request(req)

@@ -201,6 +201,10 @@ class Replayer:
         self._write(ev.ResetPrefixCache(self._seq(), e.reset_running_requests,
                                         e.succeeded if connector_too else ok, e.reset_connector))
 
+    def _reads_no_cache(self, req: str) -> bool:
+        r = self.sched.requests.get(req)
+        return r is not None and r.skip_reading_prefix_cache
+
     def _step(self, rec: ev.Step, line) -> None:
         if rec.step < self.steps:
             raise TraceError(self.path, line, f"step {rec.step} does not follow step {self.steps - 1}")
@@ -214,7 +218,7 @@ class Replayer:
                 del self._in_flight[old]   # an output that never came (an engine error path)
             in_flight = Counter(chain.from_iterable(self._in_flight.values()))
         self.divergences.extend(checks.step_invariants(rec, self.cfg, self._preemptions, line,
-                                                       in_flight))
+                                                       in_flight, self._reads_no_cache))
         self.connector.start_step(rec.step, rec.lookups)
         out = self.sched.schedule()
         self.connector.end_step()

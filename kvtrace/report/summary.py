@@ -249,6 +249,7 @@ class _Live:
     local: int | None = None          # the last lookup's local hit
     ext: int | None = None            # ... and its answer
     tl: RequestTimeline | None = None
+    reads_no_cache: bool = False      # skip_reading_prefix_cache: the answer counts for nothing
 
 
 def phase_of(computed: int, scheduled: int, prompt_len: int, num_tokens: int) -> str:
@@ -317,7 +318,8 @@ class _Pass:
         s = self.s
         index = s.requests
         s.requests += 1
-        lv = _Live(prompt_len=len(e.prompt_token_ids), num_tokens=len(e.prompt_token_ids))
+        lv = _Live(prompt_len=len(e.prompt_token_ids), num_tokens=len(e.prompt_token_ids),
+                   reads_no_cache=e.skip_reading_prefix_cache)
         if index < self.max_timelines or self.want(e.req) or self.hist(e.req):
             tl = RequestTimeline(req=e.req, index=index, prompt_len=lv.prompt_len,
                                  max_tokens=e.max_tokens, priority=e.priority,
@@ -353,7 +355,11 @@ class _Pass:
             again = (lv.local, lv.ext) == (lk.local, lk.ext)
             lv.local, lv.ext = lk.local, lk.ext
             if lv.tl is not None and not again:
-                if lk.ext is None:
+                if lv.reads_no_cache and lk.ext != 0:   # forced to nothing (S:983-984)
+                    answer = "not ready" if lk.ext is None else f"external {lk.ext}"
+                    lv.tl.mark(k, "lookup", f"local {lk.local}, connector's answer ({answer}) "
+                                            "not used: the request reads no prefix cache")
+                elif lk.ext is None:
                     lv.tl.mark(k, "not-ready", f"local {lk.local}, connector not ready")
                 elif lk.load_async:
                     lv.tl.mark(k, "async-wait", f"local {lk.local}, external {lk.ext} loading "
@@ -429,7 +435,7 @@ class _Pass:
         if how in ("new", "resumed"):
             # The admission's split of computed tokens: local prefix hit, external hit.
             local = lv.local if lv.local is not None else pre
-            ext = (lv.ext or 0) if lv.local is not None else 0
+            ext = (lv.ext or 0) if lv.local is not None and not lv.reads_no_cache else 0
             if tl is not None:
                 tl.cached.add(k, local)
                 tl.external.add(k, ext)
