@@ -46,6 +46,31 @@ def _in_flight(records: list[dict]):
             pending.pop(rec["step"], None)
 
 
+def _placeholders(records: list[dict]):
+    """Per step record: (its index, {req: output placeholders it held when the
+    step was scheduled}), worked out from the records alone: one per earlier step
+    whose output is not recorded yet and that samples for it. A step samples
+    for a request unless its chunk stops short of the request's tokens and
+    placeholders (a prefill chunk); a preemption zeroes them."""
+    pending: dict[int, list[str]] = {}
+    for i, rec in enumerate(records):
+        if rec["kind"] == "step":
+            for step in pending:
+                pending[step] = [q for q in pending[step] if q not in rec["preempted"]]
+            held: dict[str, int] = {}
+            for reqs in pending.values():
+                for q in reqs:
+                    held[q] = held.get(q, 0) + 1
+            states = {st["req"]: st for st in rec["states"]}
+            pending[rec["step"]] = [
+                s["req"] for s in _scheduled(rec)
+                if states[s["req"]]["num_computed_tokens"] >= states[s["req"]]["num_tokens"]
+                + held.get(s["req"], 0)]
+            yield i, held
+        elif rec["kind"] == "output":
+            pending.pop(rec["step"], None)
+
+
 def test_there_are_async_traces():
     assert len(ASYNC) >= 2
 
@@ -143,25 +168,49 @@ def test_a_missing_output_holds_the_check_back_only_so_far():
     assert held <= 2
 
 
-def test_each_step_in_flight_allows_one_placeholder_and_no_more(tmp_path):
-    """I1 under async scheduling: each step in flight for a request may hold an
-    output placeholder inside num_computed_tokens, but the token the latest one
-    samples is not computed yet, so c <= T + (steps in flight - 1). Find a
-    state the recording puts exactly at that bound, then push it one past."""
+I1_ASYNC = "I1: c <= T + output placeholders of the steps in flight after schedule()"
+
+
+def test_each_sampling_step_in_flight_allows_one_placeholder_and_no_more(tmp_path):
+    """I1 under async scheduling: each step in flight that samples for a
+    request holds an output placeholder, and a step may compute up to the
+    request's tokens and those placeholders: c <= T + placeholders. Find a
+    state the recording puts exactly at that bound with one placeholder held,
+    then push it one past."""
     path = TRACES / "async-preemption.jsonl.gz"
     records = load_records(path)
     at = None   # the last state at the bound: the counts must also come down as outputs come
-    for i, counts in _in_flight(records):
+    for i, held in _placeholders(records):
         for k, st in enumerate(records[i]["states"]):
-            allowed = counts.get(st["req"], 0)
-            if allowed >= 2 and st["num_computed_tokens"] == st["num_tokens"] + allowed - 1:
+            allowed = held.get(st["req"], 0)
+            if allowed >= 1 and st["num_computed_tokens"] == st["num_tokens"] + allowed:
                 at = (i, k, records[i]["step"], st["req"])
-    assert at is not None, "the recording should reach the bound with two steps in flight"
+    assert at is not None, "the recording should reach the bound with a placeholder held"
     i, k, step, req = at
     records[i]["states"][k]["num_computed_tokens"] += 1
     divs = replay_file(save_records(records, tmp_path / "over.jsonl"), device=None).divergences
-    rule = "I1: c <= T + steps in flight - 1 after schedule()"
-    assert [(d.step, d.req) for d in divs if d.rule == rule] == [(step, req)]
+    assert [(d.step, d.req) for d in divs if d.rule == I1_ASYNC] == [(step, req)]
+
+
+def test_a_prefill_chunk_in_flight_holds_no_placeholder(tmp_path):
+    """A step whose chunk stops short of the request's tokens samples nothing,
+    so it gives the steps after it no room past T. Find a request scheduled
+    while only such a step of its own is in flight, and push that state one
+    past T: an I1 divergence, where counting every step in flight would allow it."""
+    path = TRACES / "async-preemption.jsonl.gz"
+    records = load_records(path)
+    at = None
+    for (i, held), (_, scheduling) in zip(_placeholders(records), _in_flight(records)):
+        for k, st in enumerate(records[i]["states"]):
+            q = st["req"]
+            if (scheduling.get(q, 0) >= 2 and held.get(q, 0) == 0
+                    and st["num_computed_tokens"] == st["num_tokens"]):
+                at = (i, k, records[i]["step"], q)
+    assert at is not None, "the recording should schedule a request behind its own prefill chunk"
+    i, k, step, req = at
+    records[i]["states"][k]["num_computed_tokens"] += 1
+    divs = replay_file(save_records(records, tmp_path / "over.jsonl"), device=None).divergences
+    assert [(d.step, d.req) for d in divs if d.rule == I1_ASYNC] == [(step, req)]
 
 
 def test_an_abort_while_its_step_is_in_flight_leaves_that_step_s_writes(tmp_path):
@@ -328,7 +377,7 @@ def test_vllm_bug_recompute_under_async_scheduling_is_flagged_where_it_bites():
     token will ever fill, and the engine then fails on it. Where that happens
     is worked out here from the records alone: after the output that reports
     the failed block, the first step scheduling the request that held it leaves
-    num_computed_tokens above num_tokens + (its steps in flight) - 1."""
+    num_computed_tokens above num_tokens + its output placeholders."""
     records = load_records(BUG)
     end = records[-1]
     assert end["kind"] == "end" and end["status"] == "interrupted" and "IndexError" in end["error"]
@@ -339,11 +388,11 @@ def test_vllm_bug_recompute_under_async_scheduling_is_flagged_where_it_bites():
     holder = next(st["req"] for r in reversed(records[:failed_at]) if r["kind"] == "step"
                   for st in r["states"] if bad & set(st["block_ids"]))
     where = None
-    for i, counts in _in_flight(records):
+    for i, held in _placeholders(records):
         rec = records[i]
         if i > failed_at and holder in (s["req"] for s in _scheduled(rec)):
             st = next(s for s in rec["states"] if s["req"] == holder)
-            assert st["num_computed_tokens"] > st["num_tokens"] + counts[holder] - 1
+            assert st["num_computed_tokens"] > st["num_tokens"] + held.get(holder, 0)
             where = rec["step"]
             break
     assert where is not None
@@ -352,3 +401,43 @@ def test_vllm_bug_recompute_under_async_scheduling_is_flagged_where_it_bites():
     assert [(d.step, d.req, d.field, d.kind) for d in res.divergences] == [
         (where, holder, "state.num_computed_tokens", "invariant")]
     assert res.divergences[0].rule.startswith("I1")
+
+
+STALE = TRACES / "vllm-bugs" / "async-failed-load-stale-token.jsonl.gz"
+
+
+def test_vllm_bug_a_token_sampled_from_unloaded_kv_is_kept_and_flagged():
+    """vLLM 0.32's AsyncScheduler, unchanged (upstream issues 45138 and 49250):
+    a sync load fails at block level, reported by the output of the step that
+    admitted the request, while the next step, which samples the request's
+    first token from that unloaded KV, is in flight. vLLM truncates the count
+    but keeps that token: a silently wrong output, and the run goes on. Worked
+    out here from the records alone: the steps scheduled before the failure
+    was reported and whose output came after it, and the tokens those outputs
+    kept for the request that held the failed block."""
+    records = load_records(STALE)
+    assert records[-1]["status"] == "complete"
+    failed_at = next(i for i, r in enumerate(records) if r["kind"] == "output"
+                     and r["connector"] and r["connector"]["invalid_block_ids"])
+    bad = set(records[failed_at]["connector"]["invalid_block_ids"])
+    holder = next(st["req"] for st in records[failed_at]["states"] if bad & set(st["block_ids"]))
+    before = {r["step"] for r in records[:failed_at] if r["kind"] == "step"
+              and holder in (s["req"] for s in _scheduled(r))}
+    answered = {r["step"] for r in records[:failed_at] if r["kind"] == "output"}
+    in_flight = before - answered - {records[failed_at]["step"]}
+    tokens = {}   # the holder's token count as each record leaves it
+    kept = []
+    for r in records:
+        st = next((s for s in r.get("states", ()) if s["req"] == holder), None)
+        if st is None:
+            continue
+        if (r["kind"] == "output" and r["step"] in in_flight and r["sampled"].get(holder)
+                and st["num_tokens"] > tokens[holder]):
+            kept.append((r["step"], st["num_tokens"], tokens[holder]))
+        tokens[holder] = st["num_tokens"]
+    assert len(kept) == 1
+
+    res = replay_file(STALE, device="cpu", worker=0)
+    assert [(d.step, d.req, d.field, d.recorded, d.expected, d.kind) for d in res.divergences] == [
+        (step, holder, "num_tokens", n, was, "invariant") for step, n, was in kept]
+

@@ -202,7 +202,7 @@ def test_stale_computed_after_preemption_diverges_at_the_preemption(name, tmp_pa
         # Past the first divergence the recorded tokens no longer fit this
         # scheduler's steps: under async scheduling a step that samples gets no
         # token, its placeholder stays, and the recording-only check I1 says so.
-        assert {x.rule for x in divs} == {"I1: c <= T + steps in flight - 1 after schedule()"}
+        assert {x.rule for x in divs} == {"I1: c <= T + output placeholders of the steps in flight after schedule()"}
     else:
         assert divs == []
 
@@ -225,15 +225,19 @@ def test_fault_trace_replayed_through_its_own_subclass_is_identical(name, tmp_pa
     assert res2.scheduler_cls == dotted
 
 
-def test_vllm_bug_trace_is_vllms_own_scheduling(tmp_path):
+@pytest.mark.parametrize("name,status", [("async-recompute-placeholders", "interrupted"),
+                                         ("async-failed-load-stale-token", "complete")])
+def test_vllm_bug_trace_is_vllms_own_scheduling(tmp_path, name, status):
     """traces/vllm-bugs/async-recompute-placeholders: the engine failed on a
-    count its own scheduler made. Replayed through vLLM's AsyncScheduler, every
-    event up to the failure equals the recorded one, and the reference flags the
-    same I1 violation in the replayed trace as in the recording. (The replay
-    itself ends complete: vLLM's scheduler runs here without the model that failed.)"""
-    trace = ROOT / "traces" / "vllm-bugs" / "async-recompute-placeholders.jsonl.gz"
+    count its own scheduler made; async-failed-load-stale-token: it kept a
+    token sampled from KV a failed load left unloaded. Replayed through vLLM's
+    AsyncScheduler, every event up to the end (the failure) equals the recorded
+    one, and the reference flags the same divergences in the replayed trace as
+    in the recording. (The replay itself ends complete: vLLM's scheduler runs
+    here without the model.)"""
+    trace = ROOT / "traces" / "vllm-bugs" / f"{name}.jsonl.gz"
     _, rec, end = events(trace)
-    assert end.status == "interrupted"
+    assert end.status == status
     out = tmp_path / "vllm.jsonl.gz"
     res = replay_through_vllm(trace, out)
     assert res.faithful_inputs and res.scheduler_cls.endswith(".AsyncScheduler")
@@ -452,6 +456,19 @@ def _edited_header(tmp_path, edit) -> Path:
                 line = json.dumps(obj) + "\n"
             fo.write(line)
     return edited
+
+
+def test_the_watermark_the_recording_names_is_the_replay_s_too(tmp_path):
+    """A trace recorded with a watermark fraction (features.watermark, 0.01 of
+    64 blocks: 0 blocks, as config.watermark_blocks says) replays through vLLM's
+    scheduler under the same fraction: the two traces' headers, and so their
+    diff, agree. The replay once wrote vLLM's default, 0.0."""
+    trace = _edited_header(tmp_path, lambda h: h["features"].update(watermark=0.01))
+    out = tmp_path / "vllm.jsonl.gz"
+    replay_through_vllm(trace, out)
+    with TraceReader(out) as r:
+        assert r.header.features["watermark"] == 0.01
+    assert diff_files(trace, out).divergences == []
 
 
 @pytest.mark.parametrize("features, words", [

@@ -31,7 +31,8 @@ TRACES = {
 # on them, and the trace ends "interrupted" with its error.
 BUG_TRACES = {"async-recompute-placeholders": "async-connector-recompute"}
 # Traces of vLLM's own bugs that run to the end, silently wrong, in vllm-bugs/.
-SILENT_BUG_TRACES = {"priority-preempt-uncomputed-hit": "priority-preempt-uncomputed-hit"}
+SILENT_BUG_TRACES = {"priority-preempt-uncomputed-hit": "priority-preempt-uncomputed-hit",
+                     "async-failed-load-stale-token": "async-failed-load-stale-token"}
 # Traces of vLLM with a bug put back (kvtrace.record.fault_schedulers), in faults/.
 FAULT_TRACES = ["async-load-overshoot", "stale-computed-on-preempt",
                 "async-stale-computed-on-preempt"]

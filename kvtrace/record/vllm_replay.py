@@ -276,6 +276,9 @@ def _build_vllm_config(header: ev.Header) -> Any:
                                                          False)),
         max_num_active_seqs=f.get("max_num_active_seqs"),
     )
+    watermark = f.get("watermark")   # the fraction, for the replayed header; the
+    if type(watermark) in (int, float) and 0 < watermark < 1:   # blocks are set below
+        sched_kwargs["watermark"] = float(watermark)
     if c.max_num_scheduled_tokens is not None and c.max_num_scheduled_tokens != c.max_num_batched_tokens:
         sched_kwargs["max_num_scheduled_tokens"] = c.max_num_scheduled_tokens
     if c.connector is not None:

@@ -8,13 +8,13 @@
     ``workload`` is one of ``WORKLOADS`` ("prefix", "preemption", "connector") or a
     dict ``{"prompts": [[ids...], ...], "max_tokens": int, "engine": {...},
     "sampling": {...}, "per_request": [{...}, ...], "priority": [int, ...],
-    "cache_salts": [str | None, ...], "arrive_at": [step, ...], "aborts": [[step, [index, ...]], ...]}``,
-    where "per_request" holds each request's
-    own changes to the sampling settings (``max_tokens``, ``stop_token_ids``, ``n``,
-    ``prompt_logprobs``, ...); with "arrive_at" or "aborts" the engine is driven
-    step by step, each request arriving before the engine step given and some
-    aborted before theirs. ``engine_kwargs`` override the
-    workload's ``LLM(...)`` arguments. Returns ``{"path": out_path, "outputs": {index: [token ids]},
+    "cache_salts": [str | None, ...], "arrive_at": [step, ...],
+    "aborts": [[step, [index, ...]], ...]}``, where "per_request" holds each
+    request's own changes to the sampling settings (``max_tokens``,
+    ``stop_token_ids``, ``n``, ``prompt_logprobs``, ...). With "arrive_at" or
+    "aborts" the engine is driven step by step, as a server drives it: each
+    request arrives before the engine step given, and some are aborted before
+    theirs. ``engine_kwargs`` override the workload's ``LLM(...)`` arguments. Returns ``{"path": out_path, "outputs": {index: [token ids]},
     "finish_reasons": {index: str}}``.
 
     If the engine raises, the trace written up to that point ends with status
@@ -29,6 +29,11 @@
 
 ``run_workload(model_dir, workload, **engine_kwargs) -> dict``
     The same workload without recording (for comparing generated tokens).
+
+``knobs_workload``, ``connector_workload``, ``mixed_workload``, ``served``
+    Random workloads for tests/test_vllm_random.py: the scheduler's settings,
+    scripted KV-connector hits and failures, both, and any of them served as a
+    stream of arrivals and aborts.
 
 ``async_scheduling=True`` among the engine arguments runs vLLM's
 ``AsyncScheduler``, which schedules step N+1 before step N's output is back.
@@ -264,6 +269,59 @@ def stream_workload(seed: int, kind: str = "stream") -> dict:
     return served(knobs_workload(seed, "async-knobs" if kind.startswith("async") else "knobs"), seed)
 
 
+def connector_workload(seed: int, kind: str) -> dict:
+    """A random workload for a real engine (tests/test_vllm_random.py):
+    prompts with an optional shared prefix, a small KV cache, and scripted
+    external hits: sync or async, some answered "not ready" first, some growing
+    after a preemption, and with ``kind`` "...-failures", request- and
+    block-level load failures."""
+    rng = random.Random(seed)
+    n = rng.randint(4, 9)
+    prefix = [rng.randrange(16, 480) for _ in range(rng.choice((0, 32, 64)))]
+    prompts = [(prefix + [rng.randrange(16, 480) for _ in range(rng.randint(20, 110))])[:200]
+               for _ in range(n)]
+    rules = _rules(rng, n, kind.endswith("failures"))
+    return dict(prompts=prompts, max_tokens=rng.randint(8, 40), engine=dict(
+        num_gpu_blocks_override=rng.randint(12, 30), async_scheduling=kind.startswith("async"),
+        kv_transfer_config=_scripted(rules, rng.choice(("kv_consumer", "kv_both")))))
+
+
+def mixed_workload(seed: int, kind: str) -> dict:
+    """``knobs_workload(seed)``'s settings and requests, with scripted external
+    hits and load failures drawn for them as above, served as a stream."""
+    wl = knobs_workload(seed, "async-knobs" if kind.startswith("async") else "knobs")
+    rng = random.Random(seed + 3_000_017)
+    rules = _rules(rng, len(wl["prompts"]), failures=True)
+    wl["engine"]["kv_transfer_config"] = _scripted(rules, rng.choice(("kv_consumer", "kv_both")))
+    return served(wl, seed)
+
+
+def _scripted(rules: list, role: str) -> dict:
+    return dict(kv_connector="ScriptedConnector", kv_connector_module_path=SCRIPTED, kv_role=role,
+                kv_load_failure_policy="recompute", kv_connector_extra_config={"rules": rules})
+
+
+def _rules(rng: random.Random, n: int, failures: bool) -> list:
+    """The ScriptedConnector's rules for requests "0" to str(n - 1)."""
+    rules = []
+    for i in range(n):
+        if rng.random() < 0.35:
+            continue
+        rule = {"req": str(i), "hits": [rng.choice((16, 32, 40, 64, 96, 500))]
+                + ([rng.choice((32, 96, 500))] if rng.random() < 0.3 else [])}
+        if rng.random() < 0.5:
+            rule.update({"async": True, "delay_steps": rng.randint(1, 3)})
+        if rng.random() < 0.2:
+            rule["not_ready_steps"] = rng.randint(1, 2)
+        if failures and rng.random() < 0.3:
+            if rule.get("async") and rng.random() < 0.5:
+                rule["fail"] = "request"
+            else:
+                rule.update({"fail": "blocks", "fail_blocks": [rng.randint(0, 1)]})
+        rules.append(rule)
+    return rules
+
+
 # vLLM 0.32 with priority scheduling: a request scheduled in a step and then
 # preempted in it for a request of higher priority keeps, in the prefix cache,
 # the hash of a block that step was to fill; its resume hits that block, whose
@@ -271,6 +329,12 @@ def stream_workload(seed: int, kind: str = "stream") -> dict:
 # Every count agrees; the shadow-KV check flags the reads. Upstream: vLLM PR
 # 43569 (open). docs/findings.md.
 WORKLOADS["priority-preempt-uncomputed-hit"] = knobs_workload(445)
+
+# vLLM 0.32 under async scheduling: a step in flight when a synchronous load's
+# failed block is reported samples from that block's unloaded KV, and vLLM keeps
+# its token (one of the faces of upstream issues 45138 and 49250).
+# docs/findings.md.
+WORKLOADS["async-failed-load-stale-token"] = mixed_workload(1118, "async-mixed")
 
 
 def _resolve(workload: Any) -> dict:

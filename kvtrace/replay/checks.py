@@ -216,14 +216,32 @@ def _from_one_lookup(nc: int, ne: int, ref: Request) -> bool:
 # --------------------------------------------------------------------------- invariants
 
 
+def stale_tokens(rec: ev.Output, before: dict[str, int], line: int | None) -> list[Divergence]:
+    """Async scheduling: ``before`` holds, for each request whose token this
+    output's step sampled from KV a failed load had left unloaded (the failure
+    was reported while the step was in flight), its token count before the
+    output. That token must be discarded, not kept (upstream vLLM issues 45138
+    and 49250; fix in PRs 45146 and 49252)."""
+    states = {st.req: st for st in rec.states}
+    divs = []
+    for req, n in before.items():
+        st = states.get(req)
+        if st is not None and st.num_tokens > n:
+            divs.append(Divergence(
+                rec.step, req, "num_tokens", st.num_tokens, n,
+                "a token sampled from KV a failed load left unloaded is discarded",
+                "invariant", rec.seq, line))
+    return divs
+
+
 def step_invariants(rec: ev.Step, cfg: ev.SchedulerConfig, prev_preemptions: dict[str, int],
                     line: int | None, in_flight: dict[str, int] | None = None,
                     reads_no_cache: Callable[[str], bool] = lambda req: False) -> list[Divergence]:
     """Section 5 checks that need only the recording. ``in_flight`` (async
-    scheduling) counts, per request, the recorded steps that scheduled it and
-    whose output has not been recorded yet, this one included. Each may hold one
-    output placeholder inside num_computed_tokens, but the token the latest one
-    samples is not computed yet: c <= T + placeholders - 1 (AS:25-47).
+    scheduling) counts, per request, the output placeholders it held when this
+    step was scheduled: one for each step before it, with no output recorded
+    yet, that samples a token for it. A step may compute up to the request's
+    tokens and those placeholders, no further (AS:25-47): c <= T + placeholders.
     ``reads_no_cache(req)``: whether the request arrived with
     ``skip_reading_prefix_cache`` (its connector answers count for nothing)."""
     divs: list[Divergence] = []
@@ -258,11 +276,11 @@ def step_invariants(rec: ev.Step, cfg: ev.SchedulerConfig, prev_preemptions: dic
             if len(s.block_ids) < need:
                 d(s.req, "state.block_ids", len(s.block_ids), f">= {need}",
                   "B1: the table covers every computed token", "block")
-            most = s.num_tokens + (in_flight.get(s.req, 1) - 1 if in_flight is not None else 0)
+            most = s.num_tokens + (in_flight.get(s.req, 0) if in_flight is not None else 0)
             if s.num_computed_tokens > most:
                 d(s.req, "state.num_computed_tokens", s.num_computed_tokens, f"<= {most}",
                   "I1: c <= T after schedule()" if in_flight is None else
-                  "I1: c <= T + steps in flight - 1 after schedule()")
+                  "I1: c <= T + output placeholders of the steps in flight after schedule()")
         # I4; a request whose async load completed may wait holding its loaded blocks.
         if s.status in ("WAITING", "PREEMPTED") and (s.num_computed_tokens == 0) != (not s.block_ids):
             d(s.req, "state.num_computed_tokens", (s.status, s.num_computed_tokens, len(s.block_ids)),

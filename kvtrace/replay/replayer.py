@@ -112,10 +112,14 @@ class Replayer:
         self._finished_refs: dict[str, Request] = {}          # finished requests, for their stats
         self._preemptions: dict[str, int] = {}
         self._progress = ProgressWatch()
-        # Async scheduling: the ids each recorded step scheduled, for the steps
-        # with no recorded output yet (the I1 check's allowance for placeholders).
+        # Async scheduling: the ids each recorded step samples a token for, for
+        # the steps with no recorded output yet (the I1 check's allowance for
+        # output placeholders).
         self._in_flight: dict[int, list[str]] | None = \
             {} if self.sched.config.async_scheduling else None
+        # Async scheduling: per step in flight, the requests whose token it samples
+        # was computed on KV a failed load left unloaded.
+        self._stale: dict[int, set[str]] = {}
 
     def feed(self, e, line: int | None = None) -> None:
         if self.stopped:
@@ -201,6 +205,47 @@ class Replayer:
         self._write(ev.ResetPrefixCache(self._seq(), e.reset_running_requests,
                                         e.succeeded if connector_too else ok, e.reset_connector))
 
+    def _placeholders(self, rec: ev.Step) -> Counter:
+        """Async scheduling: per request, the output placeholders it held when
+        ``rec``'s step was scheduled, one for each step in flight (no output
+        recorded yet) that samples a token for it. A step samples for a request
+        unless its chunk ends short of the request's tokens and those
+        placeholders: a prefill chunk holds none (AS:33-34, S:1634-1636). A
+        preemption zeroes them (AS:62-63). Records this step's own."""
+        for old in [k for k in self._in_flight if k < rec.step - _OUTPUT_WINDOW]:
+            del self._in_flight[old]   # an output that never came (an engine error path)
+        if rec.preempted:
+            gone = set(rec.preempted)
+            for k, ids in self._in_flight.items():
+                self._in_flight[k] = [r for r in ids if r not in gone]
+        held = Counter(chain.from_iterable(self._in_flight.values()))
+        states = {st.req: st for st in rec.states}
+        sampling = []
+        for s in (*rec.new, *rec.resumed, *rec.running):
+            st = states.get(s.req)
+            if st is None or st.num_computed_tokens >= st.num_tokens + held[s.req]:
+                sampling.append(s.req)
+        if sampling:
+            self._in_flight[rec.step] = sampling
+        return held
+
+    def _mark_stale(self, rec: ev.Output) -> None:
+        """Async scheduling: a failed load (a failed async load, or blocks
+        reported invalid) in ``rec`` leaves the requests it hit with KV that was
+        never loaded. Each step still in flight that samples for one of them
+        read that KV: the token it samples must be discarded (``stale_tokens``)."""
+        c = rec.connector
+        if not (c.invalid_block_ids or c.failed_recving):
+            return
+        invalid = set(c.invalid_block_ids)
+        hit = {st.req for st in rec.states if invalid.intersection(st.block_ids)}
+        hit.update(c.failed_recving)
+        for step, ids in self._in_flight.items():
+            if step > rec.step and hit.intersection(ids):
+                self._stale.setdefault(step, set()).update(hit.intersection(ids))
+        for old in [k for k in self._stale if k < rec.step - _OUTPUT_WINDOW]:
+            del self._stale[old]
+
     def _reads_no_cache(self, req: str) -> bool:
         r = self.sched.requests.get(req)
         return r is not None and r.skip_reading_prefix_cache
@@ -209,14 +254,9 @@ class Replayer:
         if rec.step < self.steps:
             raise TraceError(self.path, line, f"step {rec.step} does not follow step {self.steps - 1}")
         self.steps = rec.step + 1
-        in_flight = None   # per request, the steps in flight that scheduled it, this one too
+        in_flight = None   # per request, the output placeholders held before this step
         if self._in_flight is not None:
-            ids = [s.req for s in (*rec.new, *rec.resumed, *rec.running)]
-            if ids:
-                self._in_flight[rec.step] = ids
-            for old in [k for k in self._in_flight if k < rec.step - _OUTPUT_WINDOW]:
-                del self._in_flight[old]   # an output that never came (an engine error path)
-            in_flight = Counter(chain.from_iterable(self._in_flight.values()))
+            in_flight = self._placeholders(rec)
         self.divergences.extend(checks.step_invariants(rec, self.cfg, self._preemptions, line,
                                                        in_flight, self._reads_no_cache))
         self.connector.start_step(rec.step, rec.lookups)
@@ -242,8 +282,10 @@ class Replayer:
         if out is None:
             raise TraceError(self.path, line, f"output for step {rec.step}, which was not scheduled "
                                               "or already had its output")
+        stale = None
         if self._in_flight is not None:
             self._in_flight.pop(rec.step, None)
+            stale = self._stale.pop(rec.step, None)
         self._unmatched_stats()
         model = bridge.model_output_from_event(rec)
         for req in [*model.finished_recving, *model.finished_sending]:
@@ -256,8 +298,13 @@ class Replayer:
         touched = bridge.touched_by_output(self.sched, out, model)
         self._progress.after_output(model.failed_recving, model.invalid_block_ids,
                                     model.sampled_token_ids)
+        before = {r.request_id: r.num_tokens for r in touched if stale and r.request_id in stale}
         results = self.sched.update_from_output(out, model)
         self.divergences.extend(checks.compare_output(rec, results, self.sched, touched, line))
+        if before:
+            self.divergences.extend(checks.stale_tokens(rec, before, line))
+        if self._in_flight is not None and rec.connector is not None:
+            self._mark_stale(rec)
         if self.content:
             self.content.output(rec)
         for r in results:
