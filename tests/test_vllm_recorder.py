@@ -623,7 +623,8 @@ def test_an_engine_core_process_that_fails_ends_its_trace_interrupted(tmp_path, 
     """The engine core in its own process, as a server runs it: when its busy
     loop raises (vLLM 0.32's own bug, workload async-connector-recompute), it
     shuts down from a ``finally``, and the trace ends "interrupted" with the
-    exception instead of "complete"; replay flags the count it failed on."""
+    exception instead of "complete"; replay flags the count it failed on, and
+    nothing but that bug."""
     out = tmp_path / "mp-failed.jsonl.gz"
     script = textwrap.dedent(f"""
         from kvtrace.record.vllm_run import run_workload
@@ -646,8 +647,15 @@ def test_an_engine_core_process_that_fails_ends_its_trace_interrupted(tmp_path, 
     assert evs[-1].error.startswith("the engine stopped on ")
     from kvtrace.replay import replay_file
 
+    # I1 at the count it failed on; with the engine core in its own process the
+    # output of a step in flight may come back first, and the token it kept
+    # from the unloaded KV is that bug's other face (docs/findings.md).
     divs = replay_file(out, device=None).divergences
-    assert divs and all(d.rule.startswith("I1") for d in divs)
+    assert any(d.rule.startswith("I1") for d in divs)
+    assert all(d.rule.startswith("I1") or d.rule == STALE for d in divs), [d.to_json() for d in divs]
+
+
+STALE = "a token sampled from KV a failed load left unloaded is discarded"
 
 
 # ----------------------------------------------------------------------------- aborts, fail policy
