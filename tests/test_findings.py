@@ -101,6 +101,35 @@ def test_a_one_token_prompt_loaded_again_and_again_is_named_once(tmp_path):
     assert "one-token prompt" in divs[0].rule
 
 
+@pytest.mark.parametrize("status,num_tokens,flagged", [
+    ("WAITING", 1, False),     # the one-token prompt back at T - 1 = 0, holding its loaded block
+    ("WAITING", 2, True),      # a longer request waiting at 0 with a block: nothing explains it
+    ("PREEMPTED", 1, True),    # a preempted request holds nothing
+])
+def test_a_one_token_prompt_waiting_on_its_loaded_block_is_not_an_I4_break(tmp_path, status,
+                                                                           num_tokens, flagged):
+    """On a real vLLM 0.32 engine, the one-token prompt above, its load complete
+    and back at num_computed_tokens 0 (T - 1, S:3171-3172), waits holding its
+    block while its re-admission finds no room (random workload mixed:1256):
+    I4's exception for a completed async load covers it. The same state with two
+    tokens, or preempted, is still an I4 break."""
+    from kvtrace.engine import record_workload
+
+    from mini_traces import load_records, one_token_full_hit_workload, save_records
+
+    path = tmp_path / "one.jsonl"
+    with pytest.raises(EngineStalled):
+        record_workload(path, one_token_full_hit_workload(), counters="prefill_stats")
+    records = load_records(path)
+    step = next(r for r in records if r["kind"] == "step" and r["step"] > 0
+                and any(st["req"] == "one" and st["block_ids"] for st in r["states"]))
+    st = next(st for st in step["states"] if st["req"] == "one")
+    st.update(status=status, num_computed_tokens=0, num_tokens=num_tokens)
+    divs = replay_file(save_records(records, tmp_path / "edited.jsonl"), device=None).divergences
+    i4 = [(d.step, d.req) for d in divs if d.rule.startswith("I4")]
+    assert i4 == ([(step["step"], "one")] if flagged else [])
+
+
 def test_loads_that_fail_and_are_retried_are_not_a_loop():
     """A connector whose async loads of a request fail every time, under the
     recompute policy: the engine retries each one, rightly, so the liveness

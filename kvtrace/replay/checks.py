@@ -281,8 +281,11 @@ def step_invariants(rec: ev.Step, cfg: ev.SchedulerConfig, prev_preemptions: dic
                 d(s.req, "state.num_computed_tokens", s.num_computed_tokens, f"<= {most}",
                   "I1: c <= T after schedule()" if in_flight is None else
                   "I1: c <= T + output placeholders of the steps in flight after schedule()")
-        # I4; a request whose async load completed may wait holding its loaded blocks.
-        if s.status in ("WAITING", "PREEMPTED") and (s.num_computed_tokens == 0) != (not s.block_ids):
+        # I4; a request whose async load completed may wait holding its loaded
+        # blocks, at T - 1 computed tokens: 0 for a one-token prompt (S:3171-3172).
+        loaded_one = s.status == "WAITING" and s.num_tokens == 1 and s.num_computed_tokens == 0
+        if (s.status in ("WAITING", "PREEMPTED") and (s.num_computed_tokens == 0) != (not s.block_ids)
+                and not loaded_one):
             d(s.req, "state.num_computed_tokens", (s.status, s.num_computed_tokens, len(s.block_ids)),
               "c == 0 and no blocks, or a completed async load",
               "I4: a waiting or preempted request holds nothing")
