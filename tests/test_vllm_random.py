@@ -78,7 +78,10 @@ MEETS_THE_BUG = (209, "async-failures")
 # kept token followed by the failure (1107). Of mixed:1200-1259 and
 # async-mixed:1300-1359, one run showed something new: a one-token prompt
 # loaded again and again (1256), which waits on its loaded block at 0 computed
-# tokens (I4 once called that a break); CI runs it.
+# tokens (I4 once called that a break); CI runs it. Of async-mixed:1400-1499
+# and mixed:1500-1559, two met vLLM's failed-load bug in ways the test did not
+# yet accept: a step past the last token (I1) that does not fail the engine
+# (1482), and the same before a stall (1479).
 CI_SEEDS = [(100, "async"), (101, "async"), MEETS_THE_BUG, (210, "async-failures"),
             (300, "sync-failures"), (414, "knobs"), (416, "knobs"), (403, "knobs"),
             (400, "async-knobs"), (404, "async-knobs"), (542, "async-knobs"), (457, "knobs"),
@@ -200,34 +203,25 @@ def test_a_random_workload_replays_clean_or_is_flagged_where_the_engine_failed(s
         assert {d.req for d in divs} == {req for _, req, _ in wrong}
         assert divs[0].step == wrong[0][0]
         assert diff_files(out, replay_through_vllm(out, tmp_path / "vllm.jsonl").out).divergences == []
-    elif failed is None and divs and all(d.rule == STALE for d in divs):
-        # vLLM 0.32 kept a token sampled from KV a failed load left unloaded
-        # (docs/findings.md), under async scheduling, for a request whose
-        # load the connector makes fail; vLLM's own scheduler makes the same
-        # decisions.
+    elif failed is None and divs:
+        # vLLM 0.32's failed-load bug under async scheduling, silent here
+        # (docs/findings.md): a token kept from the unloaded KV, or a step
+        # past the last token whose input the model runner still had. vLLM's
+        # own scheduler makes the same decisions.
         from kvtrace.diff import diff_files
         from kvtrace.record.vllm_replay import replay_through_vllm
 
-        assert workload["engine"]["async_scheduling"]
-        assert {d.req.split("-")[0] for d in divs} <= _failing_loads(workload)
+        assert end.status == "complete"
+        assert all(d.rule == STALE or d.rule.startswith("I1") for d in divs), [d.to_json() for d in divs[:5]]
+        _known_vllm_bugs(divs, workload)
         assert diff_files(out, replay_through_vllm(out, tmp_path / "vllm.jsonl").out).divergences == []
     elif failed is None:
         assert end.status == "complete"
-        assert divs == [], [d.to_json() for d in divs[:5]]
     elif isinstance(failed.error, EngineLooping):
-        # Stopped in a loop: replay must name the requests preempted again and
-        # again, the stall after a failed async load, or a one-token prompt
-        # loaded again and again (all vLLM 0.32's, docs/findings.md), and
-        # nothing else.
+        # Stopped in a loop: replay must name it, and nothing but vLLM's bugs.
         assert end.status == "interrupted" and "still running after" in end.error
-        assert divs and all(d.field == "progress" for d in divs), [d.to_json() for d in divs[:5]]
-        failing = _failing_loads(workload, only_async=True)
-        for d in divs:
-            index = d.req.split("-")[0].split("_")[-1]   # "3-..." or a parallel sample's "0_3-..."
-            if "one-token prompt" in d.rule:
-                assert len(workload["prompts"][int(index)]) == 1, d.to_json()
-            elif "preempted again and again" not in d.rule:
-                assert index in failing and d.rule.endswith("itself included)"), d.to_json()
+        assert any(d.field == "progress" for d in divs), [d.to_json() for d in divs[:5]]
+        _known_vllm_bugs(divs, workload)
     else:
         # Only the connector's load failures under async scheduling have made
         # vLLM 0.32 fail (docs/findings.md): replay names the step it failed
@@ -235,6 +229,28 @@ def test_a_random_workload_replays_clean_or_is_flagged_where_the_engine_failed(s
         # sampled from the unloaded KV, which vLLM kept; nothing else.
         assert kind in ("async", "async-failures", "async-aborts", "async-mixed") \
             and end.status == "interrupted", failed
-        assert divs and all((d.step, d.field, d.rule[:3]) == (steps[-1], "state.num_computed_tokens", "I1:")
-                            or d.rule == STALE for d in divs), [d.to_json() for d in divs[:5]]
+        assert any((d.step, d.rule[:3]) == (steps[-1], "I1:") or d.rule == STALE for d in divs), \
+            [d.to_json() for d in divs[:5]]
+        _known_vllm_bugs(divs, workload)
+
+
+def _known_vllm_bugs(divs: list, workload: dict) -> None:
+    """Each divergence is one of vLLM 0.32's bugs of docs/findings.md, named
+    where the workload can meet it: requests preempted again and again; the
+    stall after a failed async load; a one-token prompt loaded again and
+    again; under async scheduling, after a failed load, a count past the last
+    token (I1) or a token kept from the unloaded KV."""
+    for d in divs:
+        index = d.req.split("-")[0].split("_")[-1]   # "3-..." or a parallel sample's "0_3-..."
+        if d.field == "progress" and "preempted again and again" in d.rule:
+            continue
+        if d.field == "progress" and "one-token prompt" in d.rule:
+            assert len(workload["prompts"][int(index)]) == 1, d.to_json()
+        elif d.field == "progress":
+            assert index in _failing_loads(workload, only_async=True), d.to_json()
+            assert d.rule.endswith("itself included)"), d.to_json()
+        else:
+            assert d.rule == STALE or (d.rule.startswith("I1") and d.field == "state.num_computed_tokens"), \
+                d.to_json()
+            assert workload["engine"]["async_scheduling"] and index in _failing_loads(workload), d.to_json()
 
