@@ -98,6 +98,12 @@ def _connector_prompts() -> list[list[int]]:
 SCRIPTED = "kvtrace.record.scripted_connector"
 
 
+def _scripted(rules: list, role: str) -> dict:
+    """A kv_transfer_config for the ScriptedConnector, under the "recompute" policy."""
+    return dict(kv_connector="ScriptedConnector", kv_connector_module_path=SCRIPTED, kv_role=role,
+                kv_load_failure_policy="recompute", kv_connector_extra_config={"rules": rules})
+
+
 def _async_variant(name: str, rules: dict | None = None) -> dict:
     """Workload ``name`` under async scheduling, with the connector rules of
     the requests in ``rules`` replaced."""
@@ -121,20 +127,16 @@ WORKLOADS: dict[str, dict] = {
     # and a failed sync block load (block level), under the "recompute" policy.
     "connector": dict(
         prompts=_connector_prompts(), max_tokens=40,
-        engine=dict(num_gpu_blocks_override=20, kv_transfer_config=dict(
-            kv_connector="ScriptedConnector", kv_connector_module_path=SCRIPTED,
-            kv_role="kv_consumer", kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"rules": [
-                {"req": "0", "hit": 48},                                  # sync, mid-block end
-                {"req": "1", "hit": 64, "async": True, "delay_steps": 2,   # async, asked
-                 "not_ready_steps": 1},                                    # twice
-
-                {"req": "2", "hit": 500, "async": True},                   # async, full prompt
-                {"req": "3", "hits": [40, 96]},                            # grows after preemption
-                {"req": "4", "hit": 80, "async": True, "fail": "request"}, # request-level failure
-                {"req": "5", "hit": 96, "fail": "blocks", "fail_blocks": [1]},  # block-level failure
-                {"req": "6", "hit": 40},                                   # local hit covers it
-            ]}))),
+        engine=dict(num_gpu_blocks_override=20, kv_transfer_config=_scripted([
+            {"req": "0", "hit": 48},                                  # sync, mid-block end
+            {"req": "1", "hit": 64, "async": True, "delay_steps": 2,   # async, asked
+             "not_ready_steps": 1},                                    # twice
+            {"req": "2", "hit": 500, "async": True},                   # async, full prompt
+            {"req": "3", "hits": [40, 96]},                            # grows after preemption
+            {"req": "4", "hit": 80, "async": True, "fail": "request"}, # request-level failure
+            {"req": "5", "hit": 96, "fail": "blocks", "fail_blocks": [1]},  # block-level failure
+            {"req": "6", "hit": 40},                                   # local hit covers it
+        ], "kv_consumer"))),
     # Priority scheduling with chunked long prefills under a small KV cache.
     "priority": dict(
         prompts=[[(17 * i + 3 * j) % 480 + 16 for j in range(60 + 13 * i)] for i in range(10)],
@@ -191,7 +193,8 @@ def knobs_workload(seed: int, kind: str = "knobs") -> dict:
     FCFS or priority; prompts with shared prefixes, exact repeats and cache
     salts; each request its own max_tokens, some with stop tokens or min_tokens
     (the random model stops on some of them), parallel sampling (n=2) or prompt
-    logprobs; under async scheduling for kind "async-knobs"."""
+    logprobs; under async scheduling for a kind that starts with "async"
+    ("async-knobs")."""
     rng = random.Random(seed)
     block_size = rng.choice((32, 64))        # vLLM's CPU attention takes multiples of 32
     max_model_len = 256
@@ -266,7 +269,7 @@ def served(workload: dict, seed: int) -> dict:
 def stream_workload(seed: int, kind: str = "stream") -> dict:
     """``knobs_workload(seed)`` served as a stream (``served``); under async
     scheduling for kind "async-stream"."""
-    return served(knobs_workload(seed, "async-knobs" if kind.startswith("async") else "knobs"), seed)
+    return served(knobs_workload(seed, kind), seed)
 
 
 def connector_workload(seed: int, kind: str) -> dict:
@@ -289,16 +292,13 @@ def connector_workload(seed: int, kind: str) -> dict:
 def mixed_workload(seed: int, kind: str) -> dict:
     """``knobs_workload(seed)``'s settings and requests, with scripted external
     hits and load failures drawn for them as above, served as a stream."""
-    wl = knobs_workload(seed, "async-knobs" if kind.startswith("async") else "knobs")
+    wl = knobs_workload(seed, kind)
     rng = random.Random(seed + 3_000_017)
     rules = _rules(rng, len(wl["prompts"]), failures=True)
     wl["engine"]["kv_transfer_config"] = _scripted(rules, rng.choice(("kv_consumer", "kv_both")))
     return served(wl, seed)
 
 
-def _scripted(rules: list, role: str) -> dict:
-    return dict(kv_connector="ScriptedConnector", kv_connector_module_path=SCRIPTED, kv_role=role,
-                kv_load_failure_policy="recompute", kv_connector_extra_config={"rules": rules})
 
 
 def _rules(rng: random.Random, n: int, failures: bool) -> list:

@@ -302,8 +302,7 @@ def step_invariants(rec: ev.Step, cfg: ev.SchedulerConfig, prev_preemptions: dic
             or any(0 in s.block_ids for s in rec.resumed)
             or any(0 in s.new_block_ids for s in rec.running)):
         d(None, "block_ids", 0, f"1..{cfg.num_blocks - 1}", "4.5: block 0 is the null block", "block")
-    if rec.loads is not None:
-        _loads_cover_hits(rec, rec.loads, reads_no_cache, d)
+    _loads_cover_hits(rec, reads_no_cache, d)
     return divs
 
 
@@ -323,12 +322,13 @@ def admitted_hits(rec: ev.Step, reads_no_cache: Callable[[str], bool]) -> list[t
     return hits
 
 
-def _loads_cover_hits(rec: ev.Step, loads: list[ev.KVLoad], reads_no_cache, d) -> None:
+def _loads_cover_hits(rec: ev.Step, reads_no_cache: Callable[[str], bool], d) -> None:
     """Every external hit that was admitted must be loaded (bug class e)."""
+    if rec.loads is None:
+        return
     for req, start, end in admitted_hits(rec, reads_no_cache):
-        want = (start, end)
-        covered = any(ld.req == req and ld.start <= want[0] and ld.end >= want[1] for ld in loads)
+        covered = any(ld.req == req and ld.start <= start and ld.end >= end for ld in rec.loads)
         if not covered:
-            got = [(ld.start, ld.end) for ld in loads if ld.req == req] or None
-            d(req, "kv_load", got, list(want),
+            got = [(ld.start, ld.end) for ld in rec.loads if ld.req == req] or None
+            d(req, "kv_load", got, [start, end],
               "an admitted external hit must be loaded (LMCache #1969, PR #2007)")

@@ -118,7 +118,8 @@ class Replayer:
         self._in_flight: dict[int, list[str]] | None = \
             {} if self.sched.config.async_scheduling else None
         # Async scheduling: per step in flight, the requests whose token it samples
-        # was computed on KV a failed load left unloaded.
+        # was computed on KV a failed load left unloaded (dropped with the step's
+        # entry in _in_flight).
         self._stale: dict[int, set[str]] = {}
 
     def feed(self, e, line: int | None = None) -> None:
@@ -214,6 +215,7 @@ class Replayer:
         preemption zeroes them (AS:62-63). Records this step's own."""
         for old in [k for k in self._in_flight if k < rec.step - _OUTPUT_WINDOW]:
             del self._in_flight[old]   # an output that never came (an engine error path)
+            self._stale.pop(old, None)
         if rec.preempted:
             gone = set(rec.preempted)
             for k, ids in self._in_flight.items():
@@ -241,10 +243,9 @@ class Replayer:
         hit = {st.req for st in rec.states if invalid.intersection(st.block_ids)}
         hit.update(c.failed_recving)
         for step, ids in self._in_flight.items():
-            if step > rec.step and hit.intersection(ids):
-                self._stale.setdefault(step, set()).update(hit.intersection(ids))
-        for old in [k for k in self._stale if k < rec.step - _OUTPUT_WINDOW]:
-            del self._stale[old]
+            read = hit.intersection(ids) if step > rec.step else None
+            if read:
+                self._stale.setdefault(step, set()).update(read)
 
     def _reads_no_cache(self, req: str) -> bool:
         r = self.sched.requests.get(req)
