@@ -229,7 +229,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=101)
     ap.add_argument("--requests", type=int, default=16)
-    ap.add_argument("--model", default="tiny", choices=("tiny", "small"),
+    from kvtrace.record.tiny_model import SIZES
+
+    ap.add_argument("--model", default="tiny", choices=tuple(SIZES),
                     help="the random model's size (kvtrace.record.tiny_model.SIZES)")
     ap.add_argument("--suffix", default=".jsonl.zst", help="trace file ending: .jsonl, .jsonl.gz, .jsonl.zst")
     args = ap.parse_args()
