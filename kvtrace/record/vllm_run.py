@@ -9,12 +9,13 @@
     dict ``{"prompts": [[ids...], ...], "max_tokens": int, "engine": {...},
     "sampling": {...}, "per_request": [{...}, ...], "priority": [int, ...],
     "cache_salts": [str | None, ...], "arrive_at": [step, ...],
-    "aborts": [[step, [index, ...]], ...]}``, where "per_request" holds each
-    request's own changes to the sampling settings (``max_tokens``,
-    ``stop_token_ids``, ``n``, ``prompt_logprobs``, ...). With "arrive_at" or
-    "aborts" the engine is driven step by step, as a server drives it: each
-    request arrives before the engine step given, and some are aborted before
-    theirs. ``engine_kwargs`` override the workload's ``LLM(...)`` arguments. Returns ``{"path": out_path, "outputs": {index: [token ids]},
+    "aborts": [[step, [index, ...]], ...], "control": [[step, action, ...], ...]}``,
+    where "per_request" holds each request's own changes to the sampling
+    settings (``max_tokens``, ``stop_token_ids``, ``n``, ``prompt_logprobs``,
+    ...). With "arrive_at" or "aborts" the engine is driven step by step, as a
+    server drives it: each request arrives before the engine step given, some
+    are aborted before theirs, and "control" resets the prefix cache and pauses
+    and resumes the scheduler as an RLHF loop does (``_serve``). ``engine_kwargs`` override the workload's ``LLM(...)`` arguments. Returns ``{"path": out_path, "outputs": {index: [token ids]},
     "finish_reasons": {index: str}}``.
 
     If the engine raises, the trace written up to that point ends with status
@@ -33,7 +34,8 @@
 ``knobs_workload``, ``connector_workload``, ``mixed_workload``, ``served``
     Random workloads for tests/test_vllm_random.py: the scheduler's settings,
     scripted KV-connector hits and failures, both, and any of them served as a
-    stream of arrivals and aborts.
+    stream of arrivals and aborts; ``rlhf_workload`` adds prefix-cache resets
+    and scheduler pauses to such a stream.
 
 ``async_scheduling=True`` among the engine arguments runs vLLM's
 ``AsyncScheduler``, which schedules step N+1 before step N's output is back.
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import os
 import random
 import subprocess
@@ -53,6 +56,8 @@ import sys
 from typing import Any
 
 from kvtrace.record.tiny_model import ensure_tiny_model
+
+logger = logging.getLogger("kvtrace.record")
 
 BASE_ENGINE = dict(
     skip_tokenizer_init=True,
@@ -272,6 +277,32 @@ def stream_workload(seed: int, kind: str = "stream") -> dict:
     return served(knobs_workload(seed, kind), seed)
 
 
+def rlhf_workload(seed: int, kind: str = "rlhf") -> dict:
+    """A random stream served as an RLHF loop serves one: ``stream_workload``'s
+    or, for about half the seeds, ``mixed_workload``'s (with a connector and
+    its load failures), with one to three prefix-cache resets, some of the
+    running requests too or of the connector's cache, and up to two pauses of
+    the scheduler, for new requests (as ``pause_scheduler(mode="wait")``) or for
+    all, some clearing the caches, each resumed a few steps later. Under async
+    scheduling for kind "async-rlhf"."""
+    more = random.Random(seed + 4_000_037)
+    connector = more.random() < 0.5
+    wl = mixed_workload(seed, kind) if connector else stream_workload(seed, kind)
+    control = []
+    for _ in range(more.randint(1, 3)):
+        control.append([more.randint(1, 60), "reset", more.random() < 0.6,
+                        connector and more.random() < 0.3])
+    for _ in range(more.choice((0, 1, 1, 2))):
+        start = more.randint(1, 60)
+        if more.random() < 0.5:
+            control.append([start, "pause-new"])
+        else:
+            control.append([start, "pause-all", more.random() < 0.3])
+        control.append([start + more.randint(1, 8), "resume"])
+    wl["control"] = sorted(control, key=lambda c: c[0])   # stable: a resume stays after its pause
+    return wl
+
+
 def connector_workload(seed: int, kind: str) -> dict:
     """A random workload for a real engine (tests/test_vllm_random.py):
     prompts with an optional shared prefix, a small KV cache, and scripted
@@ -393,8 +424,10 @@ def _serve(eng: Any, prompts: list, params: Any, wl: dict) -> dict:
     """Drive ``eng`` (a ``LLMEngine``) step by step, as a server does: request i
     (id ``str(i)``) arrives before engine step ``arrive_at[i]``; ``aborts``, a list
     of ``[step, [i, ...]]``, aborts those requests in one call before that step.
-    Steps where nothing is left to run are skipped to the next arrival. Returns
-    each request's last output, by index (an aborted request's may be missing)."""
+    Steps where nothing is left to run are skipped to the next arrival. After
+    them, before each step, the ``control`` actions due by then (``_control``).
+    Returns each request's last output, by index (an aborted request's may be
+    missing)."""
     n = len(prompts)
     if not isinstance(params, list):
         params = [params] * n
@@ -402,6 +435,7 @@ def _serve(eng: Any, prompts: list, params: Any, wl: dict) -> dict:
     priority = list(wl.get("priority") or [0] * n)
     aborts = {int(step): [str(i) for i in ids] for step, ids in wl.get("aborts") or ()}
     order = sorted(range(n), key=lambda i: (arrive[i], i))
+    control = [list(c) for c in wl.get("control") or ()]
     outs: dict[int, Any] = {}
     step = 0
     while order or eng.has_unfinished_requests():
@@ -412,10 +446,39 @@ def _serve(eng: Any, prompts: list, params: Any, wl: dict) -> dict:
             eng.add_request(str(i), prompts[i], params[i], priority=priority[i])
         if step in aborts:
             eng.abort_request(aborts[step])
+        while control and control[0][0] <= step:
+            _control(eng, *control.pop(0)[1:])
         for o in eng.step():
             outs[int(o.request_id)] = o
         step += 1
     return outs
+
+
+def _control(eng: Any, action: str, *args: Any) -> None:
+    """One action of an RLHF loop on ``eng``'s in-process engine core:
+    ``reset`` (``reset_prefix_cache(reset_running_requests, reset_connector)``),
+    ``pause-new`` (the scheduler paused for new requests, as
+    ``pause_scheduler(mode="wait")`` does; the in-process core refuses that
+    mode), ``pause-all`` (``pause_scheduler(mode="keep", clear_cache)``) or
+    ``resume``. vLLM raises from a reset it cannot make (blocks still in use
+    after the preemptions); its caller sees the error and the engine goes on,
+    as here."""
+    core = eng.engine_core.engine_core
+    try:
+        if action == "reset":
+            eng.reset_prefix_cache(*args)
+        elif action == "pause-new":
+            from vllm.v1.core.sched.interface import PauseState
+
+            core.scheduler.set_pause_state(PauseState.PAUSED_NEW)
+        elif action == "pause-all":
+            core.pause_scheduler(mode="keep", clear_cache=args[0])
+        elif action == "resume":
+            core.resume_scheduler()
+        else:
+            raise ValueError(f"unknown control action {action!r}")
+    except RuntimeError as e:
+        logger.info("%s: %s (the engine goes on)", action, e)
 
 
 @contextlib.contextmanager
