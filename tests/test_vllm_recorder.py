@@ -285,6 +285,72 @@ def test_a_sliding_window_model_is_recorded_and_refused_by_replay_naming_its_kin
         assert f"{out}:1: a KV-cache group of kind 'SlidingWindowSpec', not full attention" in err
 
 
+def test_a_streaming_input_session_is_recorded_and_refused_by_the_reference_by_name(
+        tmp_path, model_dir, monkeypatch, capsys):
+    """vLLM's streaming input: a resumable request whose input arrives in chunks
+    under one id, each turn's stop making it wait for the next chunk instead of
+    finishing, until the end of its input arrives. Every chunk is recorded, the
+    next one queued while a turn runs and the one given while it waits, and the
+    end of input, as arrivals under the session's id (the recorder once dropped
+    all but the first, and replay then reported 33 false divergences). The
+    reference does not model sessions: replay stops at the first chunk with
+    exit 2 and one line naming it. vLLM's own scheduler, fed the recording,
+    makes every recorded decision."""
+    from vllm import SamplingParams
+
+    from kvtrace import cli
+    from kvtrace.diff import diff_files
+    from kvtrace.record.vllm_replay import replay_through_vllm
+    from kvtrace.record.vllm_run import shutdown_llm
+    from mini_traces import load_records
+
+    out = tmp_path / "session.jsonl"
+    monkeypatch.setenv("KVTRACE_OUT", str(out))
+    llm = small_engine(model_dir, enable_prefix_caching=True)
+    eng = llm.llm_engine
+    sp = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
+
+    def chunk(tokens, resumable=True):
+        """What vLLM's AsyncLLM does for each chunk of an input stream."""
+        req = eng.input_processor.process_inputs("s", {"prompt_token_ids": tokens}, sp,
+                                                 supported_tasks=eng.get_supported_tasks(),
+                                                 resumable=resumable)
+        req.external_req_id, req.request_id = "s", "s-0"
+        eng.output_processor.add_request(req, None)
+        eng.engine_core.add_request(req)
+
+    chunk(list(range(100, 140)))
+    chunk(list(range(200, 220)))          # queued: the first turn is still running
+    eng.add_request("plain", {"prompt_token_ids": list(range(300, 340))}, sp)
+    for step in range(12):
+        if step == 8:
+            chunk([0], resumable=False)   # the end of the session's input
+        eng.step()
+    shutdown_llm(llm)
+
+    records = load_records(out)
+    arrivals = [(i, r) for i, r in enumerate(records) if r["kind"] == "arrival" and r["req"] == "s-0"]
+    assert [r.get("resumable", False) for _, r in arrivals] == [True, True, False]
+    assert [len(r["prompt_token_ids"]) for _, r in arrivals] == [40, 20, 1]
+    first_turn = [r for r in records if r["kind"] == "output" and "s-0" in r["finished"]]
+    assert first_turn and first_turn[0]["finished"]["s-0"] == "length"
+    # after it, the session is scheduled again, on the blocks it kept
+    later = [r for r in records if r["kind"] == "step" and r["seq"] > first_turn[0]["seq"]
+             and any(x["req"] == "s-0" for x in r["new"] + r["resumed"] + r["running"])]
+    assert later and later[0]["states"][0]["num_computed_tokens"] > 40
+    with TraceReader(out) as reader:      # every record passes the reader's checks
+        assert sum(1 for _ in reader) == len(records) - 1
+
+    capsys.readouterr()
+    code = cli.run(["replay", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"{out}:{arrivals[0][0] + 1}: request 's-0' is a streaming-input session" in err
+    through = tmp_path / "vllm.jsonl.gz"
+    assert replay_through_vllm(out, through).stopped is None
+    assert diff_files(out, through).divergences == []
+
+
 # ----------------------------------------------------------------------------- robustness
 
 

@@ -4,7 +4,8 @@
 ``Scheduler``, ``AsyncScheduler`` or a user's own ``scheduler_cls``) that records,
 in call order:
 
-* ``add_request``      -> ``Arrival``
+* ``add_request``      -> ``Arrival`` (also each further input chunk of a
+  streaming-input session, and the end of its input, under the session's id)
 * ``reset_prefix_cache`` -> ``ResetPrefixCache`` (whether running requests were
   preempted for it, and whether it succeeded)
 * ``set_pause_state``  -> ``PauseState`` (``pause_scheduler`` / ``resume_scheduler``)
@@ -273,6 +274,13 @@ class Recorder:
 
     # -- inputs ----------------------------------------------------------------
 
+    def on_session_input(self, request: Any, session: Any) -> None:
+        """``add_request`` with the id of a request the engine holds: vLLM takes it as
+        the next input chunk of a streaming-input session (``resumable``), or as the
+        end of its input; anything else it refuses, and nothing is recorded."""
+        if session is not None and getattr(session, "resumable", False):
+            self.on_add_request(request)
+
     def on_add_request(self, request: Any) -> None:
         sp = request.sampling_params
         self.sink.put(Arrival(
@@ -288,6 +296,7 @@ class Recorder:
             min_tokens=0 if sp is None else int(sp.min_tokens or 0),
             ignore_eos=False if sp is None else bool(sp.ignore_eos),
             skip_reading_prefix_cache=bool(getattr(request, "skip_reading_prefix_cache", False)),
+            resumable=bool(getattr(request, "resumable", False)),
         ))
 
     def begin_abort(self, request_ids: Any, sched: Any) -> None:
@@ -674,6 +683,11 @@ def make_recording_scheduler(base_cls: type) -> type:
                     is_new = request.request_id not in self.requests
                 except Exception:
                     is_new = False
+                if not is_new and rec.active:
+                    # The next input chunk of a streaming-input session, or the end
+                    # of its input: before the call, which may end the session.
+                    rec.guard("add_request", rec.on_session_input, request,
+                              self.requests.get(request.request_id))
             result = super().add_request(request, *args, **kwargs)
             if rec is not None and is_new and rec.active:
                 rec.guard("add_request", rec.on_add_request, request)

@@ -414,7 +414,8 @@ def _request(a: ev.Arrival, block_hasher: Any) -> Any:
     sp.update_from_generation_config({}, eos_token_id=a.eos_token_id)
     return Request(request_id=a.req, prompt_token_ids=list(a.prompt_token_ids),
                    sampling_params=sp, pooling_params=None, arrival_time=a.arrival_time,
-                   cache_salt=a.cache_salt, priority=a.priority, block_hasher=block_hasher)
+                   cache_salt=a.cache_salt, priority=a.priority, block_hasher=block_hasher,
+                   resumable=a.resumable)
 
 
 def _model_output(rec: ev.Output, so: Any, dropped: list[str]) -> Any:

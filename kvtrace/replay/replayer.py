@@ -181,6 +181,8 @@ class Replayer:
     # -- events ------------------------------------------------------------------
 
     def _arrival(self, a: ev.Arrival, line) -> None:
+        if a.resumable:
+            raise TraceError(self.path, line, baseline.streaming_input(a.req))
         if a.req in self.sched.requests:
             raise TraceError(self.path, line, f"request '{a.req}' arrives twice")
         self.sched.add_request(bridge.request_from_arrival(a, self.cfg.block_size))

@@ -68,6 +68,7 @@ class _Exporter:
         self.header = header
         self.usable = header.config.num_blocks - 1
         self.tracks: dict[str, _Track] = {}
+        self.sessions: set[str] = set()          # streaming-input sessions: turns end, they go on
         self.next_tid = 1
         self.steps = 0
         self.divs: dict[int | None, list[Divergence]] = defaultdict(list)
@@ -151,6 +152,7 @@ class _Exporter:
 
     def _close(self, req: str, t: int, why: str) -> None:
         tr = self.tracks.pop(req, None)
+        self.sessions.discard(req)
         if tr is None:
             return
         self._end_decode(tr)
@@ -171,6 +173,13 @@ class _Exporter:
                 self._close(req, self.steps * US_PER_STEP, "abort")
 
     def _arrival(self, e: ev.Arrival) -> None:
+        if e.req in self.tracks:   # a streaming-input session's next chunk, or its end of input
+            self._instant(self.tracks[e.req].tid, REQUESTS_PID, self.steps * US_PER_STEP, "input",
+                          {"prompt_tokens": len(e.prompt_token_ids), "end": not e.resumable},
+                          cat="arrival")
+            return
+        if e.resumable:
+            self.sessions.add(e.req)
         tid = self.next_tid
         self.next_tid += 1
         self.tids[e.req] = tid
@@ -277,6 +286,8 @@ class _Exporter:
                     if tr.phase == "loading KV":
                         self._start_phase(tr, "waiting", t, {"after": "failed load"})
         for req, reason in e.finished.items():
+            if req in self.sessions:   # a turn ends; the session waits for more input
+                continue
             self._close(req, t, reason)
         for st in e.states:
             if st.status.startswith("FINISHED") and st.req in self.tracks:

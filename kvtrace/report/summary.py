@@ -250,6 +250,7 @@ class _Live:
     ext: int | None = None            # ... and its answer
     tl: RequestTimeline | None = None
     reads_no_cache: bool = False      # skip_reading_prefix_cache: the answer counts for nothing
+    session: bool = False             # a streaming-input session: its turns end, it goes on
 
 
 def phase_of(computed: int, scheduled: int, prompt_len: int, num_tokens: int) -> str:
@@ -316,10 +317,16 @@ class _Pass:
 
     def _arrival(self, e: ev.Arrival, line: int) -> None:
         s = self.s
+        session = self.live.get(e.req)
+        if session is not None:   # a streaming-input session's next chunk, or its end of input
+            if session.tl is not None:
+                session.tl.mark(s.steps, "input", f"{len(e.prompt_token_ids)} more prompt tokens"
+                                if e.resumable else "end of input")
+            return
         index = s.requests
         s.requests += 1
         lv = _Live(prompt_len=len(e.prompt_token_ids), num_tokens=len(e.prompt_token_ids),
-                   reads_no_cache=e.skip_reading_prefix_cache)
+                   reads_no_cache=e.skip_reading_prefix_cache, session=e.resumable)
         if index < self.max_timelines or self.want(e.req) or self.hist(e.req):
             tl = RequestTimeline(req=e.req, index=index, prompt_len=lv.prompt_len,
                                  max_tokens=e.max_tokens, priority=e.priority,
@@ -502,6 +509,11 @@ class _Pass:
                         lv.tl.mark(k, "load-failed",
                                    f"blocks {sorted(bad.intersection(st.block_ids))} failed to load")
         for req, reason in e.finished.items():
+            lv = self.live.get(req)
+            if lv is not None and lv.session:   # a turn ends; the session waits for more input
+                if lv.tl is not None:
+                    lv.tl.mark(k, "turn", f"turn ends ({reason})")
+                continue
             self._finish(req, k, reason)
         for st in e.states:
             if st.status.startswith("FINISHED") and st.req in self.live:

@@ -188,12 +188,13 @@ def _get(d: dict, key: str, default: Any = ...) -> Any:
 
 
 def _to_json(obj: Any) -> Any:
-    """Dataclass → plain JSON object, dropping optional fields left at None."""
+    """Dataclass → plain JSON object, dropping optional fields left at None (and
+    flags left false that say to)."""
     if hasattr(obj, "__dataclass_fields__"):
         out = {}
         for f in fields(obj):
             v = getattr(obj, f.name)
-            if v is None and f.metadata.get("omit_none"):
+            if (v is None or v is False) and f.metadata.get("omit_none" if v is None else "omit_false"):
                 continue
             out[f.name] = _to_json(v)
         return out
@@ -210,6 +211,7 @@ _SCALARS = frozenset((int, float, str, bool, type(None)))
 
 
 _OMIT = {"omit_none": True}
+_OMIT_FALSE = {"omit_false": True}
 
 # --------------------------------------------------------------------------- header
 
@@ -322,6 +324,8 @@ class Arrival:
     min_tokens: int = 0
     ignore_eos: bool = False
     skip_reading_prefix_cache: bool = False
+    # One input chunk of a streaming-input session (vLLM's resumable requests).
+    resumable: bool = field(default=False, metadata=_OMIT_FALSE)
     kind: str = "arrival"
 
     @classmethod
@@ -343,6 +347,7 @@ class Arrival:
             ignore_eos=_bool(_get(d, "ignore_eos", False), "ignore_eos"),
             skip_reading_prefix_cache=_bool(_get(d, "skip_reading_prefix_cache", False),
                                             "skip_reading_prefix_cache"),
+            resumable=_bool(_get(d, "resumable", False), "resumable"),
         )
 
 

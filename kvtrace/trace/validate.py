@@ -69,6 +69,7 @@ class Validator:
         self.token_limit = cfg.max_model_len + cfg.num_blocks * cfg.block_size
         self.max_model_len = cfg.max_model_len
         self.live: set[str] = set()
+        self.sessions: set[str] = set()   # live streaming-input sessions: arrive in chunks
         self.finished = FinishedRequests()
         self.last_step = -1
         self.last_output_step = -1
@@ -77,6 +78,8 @@ class Validator:
 
     def check(self, e) -> None:
         if isinstance(e, ev.Arrival):
+            if e.req in self.sessions:   # the next input chunk of a session, or its end
+                return
             if e.req in self.live:   # an id comes back only once its request has finished
                 raise SchemaError(f"request '{e.req}' arrives twice")
             if len(e.prompt_token_ids) >= self.max_model_len:   # the engine refuses these
@@ -84,6 +87,8 @@ class Validator:
                                   f"for an output token within the header's max_model_len "
                                   f"{self.max_model_len}")
             self.live.add(e.req)
+            if e.resumable:
+                self.sessions.add(e.req)
         elif isinstance(e, ev.Abort):
             for req in e.reqs:
                 self._finish(req)
@@ -153,7 +158,8 @@ class Validator:
             self._blocks(c.invalid_block_ids, "connector.invalid_block_ids")
         self._states(o.states)
         for req in o.finished:
-            self._finish(req)
+            if req not in self.sessions:   # a session's turn ends; it waits for more input
+                self._finish(req)
         for st in o.states:
             if st.status in FINISHED_STATUSES:
                 self._finish(st.req)
@@ -161,6 +167,7 @@ class Validator:
     def _finish(self, req: str) -> None:
         if req in self.live:
             self.live.discard(req)
+            self.sessions.discard(req)
             self.finished.add(req)
 
     def _states(self, states: list[ev.RequestState]) -> None:
