@@ -349,3 +349,53 @@ def test_the_writer_process_imports_kvtrace_from_where_the_engine_did(monkeypatc
     assert child_mod.child_env()["PYTHONPATH"] == os.pathsep.join([root, "/the/users/own"])
     monkeypatch.setattr(child_mod, "_site_dirs", lambda: {child_mod.Path(root).resolve()})
     assert child_mod.child_env()["PYTHONPATH"] == "/the/users/own"
+
+
+@pytest.mark.parametrize("flush", [True, False], ids=["flushed", "not-flushed"])
+def test_a_flush_keeps_every_event_when_the_engine_s_process_is_killed(tmp_path, flush):
+    """vLLM's front end kills a failed engine core almost at once. The events
+    put in the last ``SEND_S`` still wait in the engine's process; the recorder
+    flushes them when the scheduler raises, so the trace keeps every event up to
+    the failure and reads as cut off there. Without the flush (the control),
+    the events put just before the kill are lost."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    path = tmp_path / "t.jsonl"
+    script = textwrap.dedent(f"""
+        import os, signal
+        from test_record_sink import feed, header
+        from kvtrace.record.sink import ProcessSink
+        s = ProcessSink({str(path)!r}, header())
+        s.SEND_S = 3600.0        # nothing is sent on its own while the events are put
+        feed(s)
+        if {flush!r}:
+            s.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    for _ in range(100):   # the writer process ends the file once the connection closes
+        if path.exists() and path.stat().st_size and not _writer_running(path):
+            break
+        time.sleep(0.1)
+    with TraceReader(path) as r:
+        evs = list(r)
+    assert r.end is None and "no 'end' record" in r.truncation
+    assert len(evs) == (8 if flush else 0), [e.kind for e in evs]
+
+
+def _writer_running(path) -> bool:
+    """Whether a writer process for ``path`` is still running (Linux: /proc)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"kvtrace.record.writer_process" in argv and str(path).encode() in argv:
+            return True
+    return False

@@ -690,7 +690,11 @@ def test_an_engine_core_process_that_fails_ends_its_trace_interrupted(tmp_path, 
     loop raises (vLLM 0.32's own bug, workload async-connector-recompute), it
     shuts down from a ``finally``, and the trace ends "interrupted" with the
     exception instead of "complete"; replay flags the count it failed on, and
-    nothing but that bug."""
+    nothing but that bug. vLLM's front end kills the failed engine core almost
+    at once, sometimes before that shutdown has written the end (about one run
+    in six here): the trace then reads as cut off, and still holds every event
+    up to the failure, which the recorder handed on when the scheduler raised
+    (before it did, such a trace once held one arrival)."""
     out = tmp_path / "mp-failed.jsonl.gz"
     script = textwrap.dedent(f"""
         from kvtrace.record.vllm_run import run_workload
@@ -707,10 +711,13 @@ def test_an_engine_core_process_that_fails_ends_its_trace_interrupted(tmp_path, 
     assert rc == 0 and "RAISED" in log.read_text(), log.read_text()[-3000:]
     r, evs = read_all(out)
     assert r.header.meta["pid"] != os.getpid() and r.header.features["async_scheduling"] is True
-    assert evs[-1].kind == "end" and evs[-1].status == "interrupted", r.truncation
-    # The worker's IndexError stays in its own process; the engine core fails on
-    # the empty output it gets back, and that is the exception it shuts down with.
-    assert evs[-1].error.startswith("the engine stopped on ")
+    if r.end is not None:
+        assert evs[-1].status == "interrupted", evs[-1]
+        # The worker's IndexError stays in its own process; the engine core fails on
+        # the empty output it gets back, and that is the exception it shuts down with.
+        assert evs[-1].error.startswith("the engine stopped on ")
+    else:   # killed before its shutdown wrote the end
+        assert "no 'end' record" in r.truncation
     from kvtrace.replay import replay_file
 
     # I1 at the count it failed on; with the engine core in its own process the

@@ -336,6 +336,11 @@ class _Sink:
         if wait:
             self.join(timeout)
 
+    def flush(self) -> None:
+        """The engine is failing: pass on what waits now (its process may be
+        killed before it shuts down). Here, wake the writer thread."""
+        self._wake.set()
+
     def join(self, timeout: float = 60.0) -> None:
         """Wait for the writer to finish after ``close``."""
         self._thread.join(timeout)
@@ -497,6 +502,21 @@ class ProcessSink(_Sink):
                 if time.monotonic() - self._sent_at >= self.SEND_S:
                     self._send_waiting()
             except Exception as e:  # a dead writer process ...
+                self._failed(e)
+
+    def flush(self) -> None:
+        """The engine is failing: hand every waiting line to the writer process
+        now, blocking until the socket takes them. vLLM's front end kills an
+        engine core that does not exit at once after a failure, and lines left
+        here, up to ``SEND_S`` of the last events, would be lost with it."""
+        with self._lock:
+            if self.closed or self.write_error is not None or not self._out:
+                return
+            try:
+                self._sock.sendall(b"".join(self._out), socket.MSG_NOSIGNAL)
+                self._out.clear()
+                self._sent_at = time.monotonic()
+            except Exception as e:   # a dead writer process
                 self._failed(e)
 
     def _send_waiting(self) -> None:

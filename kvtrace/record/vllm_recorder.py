@@ -24,6 +24,9 @@ in call order:
 Rules the recorder keeps:
 
 * The real method always runs; the recorder never changes arguments or results.
+* When the scheduler's own ``schedule`` or ``update_from_output`` raises, the
+  events waiting in the engine's process are handed to the writer at once:
+  vLLM's front end may kill a failed engine core before it shuts down.
 * Every capture is wrapped: the first exception is logged once, the trace is
   marked failed (``End.status == "recorder-error"``), recording stops and the
   engine carries on.
@@ -752,7 +755,12 @@ def make_recording_scheduler(base_cls: type) -> type:
             rec = self._kv_rec()
             if rec is not None:
                 rec.guard("schedule", rec.begin_step)
-            out = super().schedule(*args, **kwargs)
+            try:
+                out = super().schedule(*args, **kwargs)
+            except BaseException:
+                if rec is not None:
+                    rec.guard("schedule", rec.sink.flush)   # the engine is failing
+                raise
             rec = self._kv_rec()
             if rec is not None:
                 rec.guard("schedule", rec.on_schedule, self, out)
@@ -768,6 +776,10 @@ def make_recording_scheduler(base_cls: type) -> type:
             try:
                 result = super().update_from_output(scheduler_output, model_runner_output,
                                                     *args, **kwargs)
+            except BaseException:
+                if rec is not None:
+                    rec.guard("update_from_output", rec.sink.flush)   # the engine is failing
+                raise
             finally:
                 if rec is not None:
                     rec.in_update = False
