@@ -229,7 +229,7 @@ def test_a_random_workload_replays_clean_or_is_flagged_where_the_engine_failed(s
 
         assert end.status == "complete"
         assert all(d.rule == STALE or d.rule.startswith("I1") for d in divs), [d.to_json() for d in divs[:5]]
-        _known_vllm_bugs(divs, workload)
+        _known_vllm_bugs(divs, workload, out)
         assert diff_files(out, replay_through_vllm(out, tmp_path / "vllm.jsonl").out).divergences == []
     elif failed is None:
         assert end.status == "complete"
@@ -237,7 +237,7 @@ def test_a_random_workload_replays_clean_or_is_flagged_where_the_engine_failed(s
         # Stopped in a loop: replay must name it, and nothing but vLLM's bugs.
         assert end.status == "interrupted" and "still running after" in end.error
         assert any(d.field == "progress" for d in divs), [d.to_json() for d in divs[:5]]
-        _known_vllm_bugs(divs, workload)
+        _known_vllm_bugs(divs, workload, out)
     else:
         # Only the connector's load failures under async scheduling have made
         # vLLM 0.32 fail (docs/findings.md): replay names the step it failed
@@ -247,15 +247,18 @@ def test_a_random_workload_replays_clean_or_is_flagged_where_the_engine_failed(s
             and end.status == "interrupted", failed
         assert any((d.step, d.rule[:3]) == (steps[-1], "I1:") or d.rule == STALE for d in divs), \
             [d.to_json() for d in divs[:5]]
-        _known_vllm_bugs(divs, workload)
+        _known_vllm_bugs(divs, workload, out)
 
 
-def _known_vllm_bugs(divs: list, workload: dict) -> None:
+def _known_vllm_bugs(divs: list, workload: dict, trace) -> None:
     """Each divergence is one of vLLM 0.32's bugs of docs/findings.md, named
     where the workload can meet it: requests preempted again and again; the
     stall after a failed async load; a one-token prompt loaded again and
     again; under async scheduling, after a failed load, a count past the last
-    token (I1) or a token kept from the unloaded KV."""
+    token (I1) or a token kept from the unloaded KV, for a request whose load
+    failed or that shares a block that failed to load (a prefix hit on it: vLLM
+    truncates every request holding the block, S:3237-3356)."""
+    shared = _holders_of_failed_blocks(trace)
     for d in divs:
         index = d.req.split("-")[0].split("_")[-1]   # "3-..." or a parallel sample's "0_3-..."
         if d.field == "progress" and "preempted again and again" in d.rule:
@@ -268,5 +271,17 @@ def _known_vllm_bugs(divs: list, workload: dict) -> None:
         else:
             assert d.rule == STALE or (d.rule.startswith("I1") and d.field == "state.num_computed_tokens"), \
                 d.to_json()
-            assert workload["engine"]["async_scheduling"] and index in _failing_loads(workload), d.to_json()
+            assert workload["engine"]["async_scheduling"], d.to_json()
+            assert index in _failing_loads(workload) or d.req in shared, d.to_json()
+
+
+def _holders_of_failed_blocks(trace) -> set[str]:
+    """The requests whose tables held a block an output reports failed to load."""
+    holders = set()
+    with TraceReader(trace) as r:
+        for e in r:
+            if e.kind == "output" and e.connector is not None and e.connector.invalid_block_ids:
+                bad = set(e.connector.invalid_block_ids)
+                holders.update(st.req for st in e.states if bad.intersection(st.block_ids))
+    return holders
 
