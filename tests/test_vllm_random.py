@@ -93,7 +93,8 @@ MEETS_THE_BUG = (209, "async-failures")
 # Served as an RLHF loop, rlhf:2000-2059,2200-2259,2500-2529 and
 # async-rlhf:2100-2159,2300-2359,2400-2459 met no new bug (docs/findings.md);
 # async-failures:205 showed I1 for requests that only share a failed block, and
-# async-failures:225-284 pass. CI's:
+# async-failures:225-284, async-mixed:1600-1659 and async-aborts:860-899 pass.
+# CI's:
 # resets refused and resets that preempt, with the connector and pauses (2022),
 # the same under async scheduling (2100), and with no connector, under priority
 # scheduling, the prefix hit on a block never written (2317).
