@@ -19,15 +19,16 @@ def _arrival(req: str, prompt: list[int], seq: int, **kw) -> dict:
     return to_json(Arrival(seq=seq, req=req, prompt_token_ids=prompt, max_tokens=3, **kw))
 
 
-def _with_second_arrival(tmp_path, **kw):
-    """A mini trace whose first request gets a second arrival right after its
-    first one (line 3), the later records renumbered."""
+def _with_second_arrival(tmp_path, first_resumable: bool, resumable: bool):
+    """A mini trace whose first request (marked ``first_resumable``) gets a
+    second arrival (marked ``resumable``) right after its first one (line 3),
+    the later records renumbered."""
     records = load_records(write_mini_trace(tmp_path / "base.jsonl"))
     first = records[1]
     assert first["kind"] == "arrival"
-    if kw.pop("first_resumable", False):
+    if first_resumable:
         first["resumable"] = True
-    extra = _arrival(first["req"], [7, 8, 9], 0, **kw)
+    extra = _arrival(first["req"], [7, 8, 9], 0, resumable=resumable)
     records.insert(2, extra)
     for seq, r in enumerate(records[1:]):
         r["seq"] = seq
@@ -50,8 +51,8 @@ def test_a_session_s_further_chunks_and_the_end_of_its_input_are_read(tmp_path):
         assert arrivals[1].prompt_token_ids == [7, 8, 9]
 
 
-def test_a_second_arrival_of_an_ordinary_request_is_still_refused(tmp_path, capsys):
-    path, req = _with_second_arrival(tmp_path, resumable=True)   # its first was not resumable
+def test_a_second_arrival_of_an_ordinary_request_is_still_refused(tmp_path):
+    path, req = _with_second_arrival(tmp_path, first_resumable=False, resumable=True)
     with pytest.raises(TraceError) as e, TraceReader(path) as reader:
         list(reader)
     assert (e.value.line, e.value.problem) == (3, f"request '{req}' arrives twice")

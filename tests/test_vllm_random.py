@@ -94,10 +94,9 @@ MEETS_THE_BUG = (209, "async-failures")
 # async-rlhf:2100-2159,2300-2359,2400-2459 met no new bug (docs/findings.md);
 # async-failures:205 showed I1 for requests that only share a failed block, and
 # async-failures:225-284, async-mixed:1600-1659 and async-aborts:860-899 pass.
-# CI's:
-# resets refused and resets that preempt, with the connector and pauses (2022),
-# the same under async scheduling (2100), and with no connector, under priority
-# scheduling, the prefix hit on a block never written (2317).
+# CI's: resets refused and resets that preempt, with the connector and pauses
+# (2022), the same under async scheduling (2100), and with no connector, under
+# priority scheduling, the prefix hit on a block never written (2317).
 CI_SEEDS = [(100, "async"), (101, "async"), MEETS_THE_BUG, (210, "async-failures"),
             (300, "sync-failures"), (414, "knobs"), (416, "knobs"), (403, "knobs"),
             (400, "async-knobs"), (404, "async-knobs"), (542, "async-knobs"), (457, "knobs"),
