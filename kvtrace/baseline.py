@@ -105,11 +105,3 @@ def outside(features: dict, block_size: int) -> str | None:
         return f"hash_block_size {hash_block_size!r} differs from block_size {block_size}"
     return None
 
-
-def streaming_input(req: str) -> str:
-    """Why a replay stops at a streaming-input session's first arrival: after its
-    last output, such a request waits for its next input chunk instead of
-    finishing (vLLM's resumable requests), which the reference does not model."""
-    return (f"request '{req}' is a streaming-input session (vLLM's resumable requests: its input "
-            "arrives in chunks, and it waits for the next one instead of finishing), which the "
-            "reference does not model")

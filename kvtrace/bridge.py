@@ -100,6 +100,7 @@ def request_from_arrival(a: ev.Arrival, block_size: int) -> Request:
         stop_token_ids=tuple(a.stop_token_ids),
         ignore_eos=a.ignore_eos,
         skip_reading_prefix_cache=a.skip_reading_prefix_cache,
+        resumable=a.resumable,
     )
 
 

@@ -33,7 +33,7 @@ from kvtrace.trace.io import TraceError, TraceReader, TraceWriter, open_trace_fi
 
 class Status(enum.IntEnum):  # vLLM's RequestStatus numbering, in part
     WAITING = 1
-    WAITING_FOR_STREAMING_REQ = 4
+    WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR = 2   # folded into WAITING
     RUNNING = 5
     PREEMPTED = 6
     FINISHED_REPETITION = 12
@@ -57,7 +57,7 @@ def feed(sink) -> None:
     b_blocks = [Block(1)]
     sink.put(Arrival(seq=0, req="a", prompt_token_ids=[1, 2, 3], max_tokens=4, arrival_time=1.5))
     sink.put(Arrival(seq=0, req="b", prompt_token_ids=[4, 5], max_tokens=2, arrival_time=2.0))
-    states = (["a", "b"], [("a", Status.RUNNING, 0, 3, 0), ("b", Status.WAITING_FOR_STREAMING_REQ, 0, 2, 0)],
+    states = (["a", "b"], [("a", Status.RUNNING, 0, 3, 0), ("b", Status.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR, 0, 2, 0)],
               [a_blocks, b_blocks], [2, 1])
     sink.put(RawStep((0, [("a", 0, 3, [3, 7])], [], ([], [], [], {}), [], [],
                       [Lookup(req="a", local=0, ext=2, load_async=False)],

@@ -30,6 +30,7 @@ others (each run starts an engine: about 5 to 10 s).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -48,6 +49,7 @@ from kvtrace.record.vllm_run import (  # noqa: E402
     mixed_workload,
     record_vllm_offline,
     rlhf_workload,
+    sessions_workload,
     served,
     stream_workload,
 )
@@ -97,16 +99,25 @@ MEETS_THE_BUG = (209, "async-failures")
 # CI's: resets refused and resets that preempt, with the connector and pauses
 # (2022), the same under async scheduling (2100), and with no connector, under
 # priority scheduling, the prefix hit on a block never written (2317).
+# With streaming-input sessions, sessions:3000-3059 and async-sessions:3100-3159:
+# 116 replay with no divergence, and four (3003, 3004, 3010, 3045) meet vLLM
+# 0.32's session deadlock (upstream PR 49439), named by the liveness check alone.
+# They first found a false alarm in replay's I1 count: a turn's end zeroes the
+# session's placeholders, as a preemption does (3101, fixed). CI's: the
+# deadlock (3003), that turn end (3101), and a session preempted 17 times
+# under async scheduling (3134).
 CI_SEEDS = [(100, "async"), (101, "async"), MEETS_THE_BUG, (210, "async-failures"),
             (300, "sync-failures"), (414, "knobs"), (416, "knobs"), (403, "knobs"),
             (400, "async-knobs"), (404, "async-knobs"), (542, "async-knobs"), (457, "knobs"),
             (731, "async-stream"), (802, "async-aborts"), (1000, "mixed"), (1029, "mixed"),
             (1107, "async-mixed"), (1256, "mixed"), (2022, "rlhf"), (2100, "async-rlhf"),
-            (2317, "async-rlhf")]
+            (2317, "async-rlhf"), (3003, "sessions"), (3101, "async-sessions"),
+            (3134, "async-sessions")]
 
 
 KINDS = ("async", "async-failures", "sync-failures", "knobs", "async-knobs", "stream", "async-stream",
-         "async-aborts", "sync-aborts", "mixed", "async-mixed", "rlhf", "async-rlhf")
+         "async-aborts", "sync-aborts", "mixed", "async-mixed", "rlhf", "async-rlhf", "sessions",
+         "async-sessions")
 
 
 def _workload(seed: int, kind: str) -> dict:
@@ -118,6 +129,8 @@ def _workload(seed: int, kind: str) -> dict:
         return mixed_workload(seed, kind)
     if kind.endswith("rlhf"):
         return rlhf_workload(seed, kind)
+    if kind.endswith("sessions"):
+        return sessions_workload(seed, kind)
     if kind.endswith("aborts"):
         return served(connector_workload(seed, kind.replace("aborts", "failures")), seed)
     return connector_workload(seed, kind)
@@ -205,7 +218,7 @@ def test_a_random_workload_replays_clean_or_is_flagged_where_the_engine_failed(s
         # Chosen so that CI runs the branch below: vLLM 0.32 fails on this one.
         # Should a later vLLM not, this says so.
         assert failed is not None, "vLLM no longer fails on this workload: is its bug fixed?"
-    if (failed is None and kind.endswith(("knobs", "stream", "mixed", "rlhf")) and divs
+    if (failed is None and kind.endswith(("knobs", "stream", "mixed", "rlhf", "sessions")) and divs
             and all(d.kind == "kv-content" for d in divs)):
         # Only the shadow-KV check objects: vLLM 0.32's prefix hit on a block
         # its preempted request never wrote (priority scheduling). The same
@@ -259,7 +272,8 @@ def _known_vllm_bugs(divs: list, workload: dict, trace) -> None:
     again; under async scheduling, after a failed load, a count past the last
     token (I1) or a token kept from the unloaded KV, for a request whose load
     failed or that shares a block that failed to load (a prefix hit on it: vLLM
-    truncates every request holding the block, S:3237-3356)."""
+    truncates every request holding the block, S:3237-3356); streaming-input
+    sessions that hold every block between turns, none able to go on.""" 
     shared = _holders_of_failed_blocks(trace)
     for d in divs:
         index = d.req.split("-")[0].split("_")[-1]   # "3-..." or a parallel sample's "0_3-..."
@@ -267,6 +281,8 @@ def _known_vllm_bugs(divs: list, workload: dict, trace) -> None:
             continue
         if d.field == "progress" and "one-token prompt" in d.rule:
             assert len(workload["prompts"][int(index)]) == 1, d.to_json()
+        elif d.field == "progress" and d.req.endswith("-session"):
+            _session_deadlock(trace, d)
         elif d.field == "progress":
             assert index in _failing_loads(workload, only_async=True), d.to_json()
             assert d.rule.endswith("itself included)"), d.to_json()
@@ -275,6 +291,41 @@ def _known_vllm_bugs(divs: list, workload: dict, trace) -> None:
                 d.to_json()
             assert workload["engine"]["async_scheduling"], d.to_json()
             assert index in _failing_loads(workload) or d.req in shared, d.to_json()
+
+
+def _session_deadlock(trace, d) -> None:
+    """vLLM 0.32's streaming-session deadlock (upstream PR 49439, open), worked
+    out from the records alone: at the stall, nothing is scheduled, no block is
+    free, and every block is held by sessions waiting between turns, the
+    stalled one among them, whose next chunk needs more blocks than it holds.
+    vLLM preempts only running requests, so nothing ever frees one."""
+    latest, sessions, block_size, stall = {}, set(), None, None
+    with TraceReader(trace) as r:
+        block_size = r.header.config.block_size
+        for e in r:
+            if e.kind == "arrival" and e.resumable:
+                sessions.add(e.req)
+                st = latest.get(e.req)
+                if st is not None and st.status == "WAITING_FOR_STREAMING_REQ":
+                    # taken at once: the tokens whose KV is written, then the chunk's
+                    latest[e.req] = dataclasses.replace(
+                        st, status="WAITING", num_tokens=st.num_computed_tokens + len(e.prompt_token_ids))
+            if e.kind == "abort":
+                for req in e.reqs:
+                    latest.pop(req, None)
+            if e.kind == "step" and e.step == d.step:
+                stall = e
+                break
+            for st in getattr(e, "states", ()):
+                latest[st.req] = st
+    assert stall is not None and not (stall.new or stall.resumed or stall.running), d.to_json()
+    assert stall.num_free_blocks == 0, d.to_json()
+    holders = {st.req: st for st in latest.values()
+               if st.block_ids and not st.status.startswith("FINISHED")}
+    assert d.req in holders and set(holders) <= sessions, (d.to_json(), sorted(holders))
+    assert all(st.status in ("WAITING", "WAITING_FOR_STREAMING_REQ") for st in holders.values())
+    head = holders[d.req]
+    assert -(-head.num_tokens // block_size) > len(head.block_ids), d.to_json()
 
 
 def _holders_of_failed_blocks(trace) -> set[str]:

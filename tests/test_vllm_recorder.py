@@ -285,70 +285,132 @@ def test_a_sliding_window_model_is_recorded_and_refused_by_replay_naming_its_kin
         assert f"{out}:1: a KV-cache group of kind 'SlidingWindowSpec', not full attention" in err
 
 
-def test_a_streaming_input_session_is_recorded_and_refused_by_the_reference_by_name(
-        tmp_path, model_dir, monkeypatch, capsys):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_streaming_input_sessions_are_recorded_and_replayed_with_no_divergence(
+        tmp_path, model_dir, monkeypatch, capsys, async_scheduling):
     """vLLM's streaming input: a resumable request whose input arrives in chunks
-    under one id, each turn's stop making it wait for the next chunk instead of
-    finishing, until the end of its input arrives. Every chunk is recorded, the
-    next one queued while a turn runs and the one given while it waits, and the
-    end of input, as arrivals under the session's id (the recorder once dropped
-    all but the first, and replay then reported 33 false divergences). The
-    reference does not model sessions: replay stops at the first chunk with
-    exit 2 and one line naming it. vLLM's own scheduler, fed the recording,
-    makes every recorded decision."""
+    under one id, each turn's stop making it take its next chunk or wait for
+    one, holding its blocks and a slot of max_num_seqs, until the end of its
+    input arrives. Every chunk and end of input is recorded as an arrival under
+    the session's id, and the reference replays the recording with no
+    divergence, block ids and KV content included: a chunk queued during a turn
+    (q) or given while the session waits (s), the end of the input while it
+    waits (e, aborted) or during its turn (f), and requests held back by the
+    waiting sessions' slots. A request whose prompt is session s's history hits
+    its blocks, so the content check reads the KV of the outputs s kept and of
+    its next chunk; with the turn's rewind left out of the check, that read is
+    flagged (the control). vLLM's own scheduler, fed the recording, makes every
+    recorded decision."""
     from vllm import SamplingParams
 
     from kvtrace import cli
     from kvtrace.diff import diff_files
     from kvtrace.record.vllm_replay import replay_through_vllm
-    from kvtrace.record.vllm_run import shutdown_llm
+    from kvtrace.record.vllm_run import give_chunk, shutdown_llm
+    from kvtrace.replay import replay_file
+    from kvtrace.replay.shadow_kv import ShadowKV
     from mini_traces import load_records
 
     out = tmp_path / "session.jsonl"
     monkeypatch.setenv("KVTRACE_OUT", str(out))
-    llm = small_engine(model_dir, enable_prefix_caching=True)
+    llm = small_engine(model_dir, async_scheduling=async_scheduling, enable_prefix_caching=True,
+                       max_num_seqs=4)
     eng = llm.llm_engine
-    sp = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
+    sp = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0)
 
-    def chunk(tokens, resumable=True):
-        """What vLLM's AsyncLLM does for each chunk of an input stream."""
-        req = eng.input_processor.process_inputs("s", {"prompt_token_ids": tokens}, sp,
-                                                 supported_tasks=eng.get_supported_tasks(),
-                                                 resumable=resumable)
-        req.external_req_id, req.request_id = "s", "s-0"
-        eng.output_processor.add_request(req, None)
-        eng.engine_core.add_request(req)
+    def chunk(sid, tokens, resumable=True):
+        give_chunk(eng, sid, {"prompt_token_ids": list(tokens)}, sp, resumable=resumable)
 
-    chunk(list(range(100, 140)))
-    chunk(list(range(200, 220)))          # queued: the first turn is still running
-    eng.add_request("plain", {"prompt_token_ids": list(range(300, 340))}, sp)
-    for step in range(12):
+    first, second = list(range(100, 130)), list(range(200, 240))
+    chunk("s", first)
+    chunk("q", range(300, 340))
+    chunk("q", range(340, 360))                  # queued: q's first turn is running
+    chunk("e", range(400, 450))
+    chunk("f", range(450, 480))
+    chunk("f", [0], resumable=False)             # f's input ends during its first turn
+    for i in range(2):                           # held back while the sessions hold every slot
+        eng.add_request(f"p{i}", {"prompt_token_ids": list(range(10 + i, 50 + i))}, sp)
+    got: list[int] = []
+    for step in range(20):
+        if step == 6:
+            chunk("s", second)                   # s waits for it
         if step == 8:
-            chunk([0], resumable=False)   # the end of the session's input
-        eng.step()
+            chunk("e", [0], resumable=False)     # e's input ends while it waits
+        if step == 10:                           # s's history: prompt, two outputs kept, chunk
+            history = first + got[:2] + second
+            eng.add_request("hit", {"prompt_token_ids": history[:64] + [7, 8, 9]}, sp)
+        if step == 16:
+            chunk("q", [0], resumable=False)
+            chunk("s", [0], resumable=False)
+        for o in eng.step():
+            if o.request_id == "s" and len(o.outputs[0].token_ids) > len(got):
+                got = list(o.outputs[0].token_ids)
     shutdown_llm(llm)
 
     records = load_records(out)
-    arrivals = [(i, r) for i, r in enumerate(records) if r["kind"] == "arrival" and r["req"] == "s-0"]
-    assert [r.get("resumable", False) for _, r in arrivals] == [True, True, False]
-    assert [len(r["prompt_token_ids"]) for _, r in arrivals] == [40, 20, 1]
-    first_turn = [r for r in records if r["kind"] == "output" and "s-0" in r["finished"]]
-    assert first_turn and first_turn[0]["finished"]["s-0"] == "length"
-    # after it, the session is scheduled again, on the blocks it kept
-    later = [r for r in records if r["kind"] == "step" and r["seq"] > first_turn[0]["seq"]
-             and any(x["req"] == "s-0" for x in r["new"] + r["resumed"] + r["running"])]
-    assert later and later[0]["states"][0]["num_computed_tokens"] > 40
+    resumable = {}
+    for r in records:
+        if r["kind"] == "arrival" and r["req"].endswith("-session"):
+            resumable.setdefault(r["req"], []).append(r.get("resumable", False))
+    assert resumable == {"s-session": [True, True, False], "q-session": [True, True, False],
+                         "e-session": [True, False], "f-session": [True, False]}
+    states = [st for r in records if r["kind"] in ("step", "output") for st in r["states"]]
+    waiting = {st["req"] for st in states if st["status"] == "WAITING_FOR_STREAMING_REQ"}
+    assert waiting >= {"s-session", "e-session"}
+    assert any(r["kind"] == "abort" and r["reqs"] == ["e-session"] for r in records)
+    hit = [x for r in records if r["kind"] == "step" for x in r["new"] if x["req"].startswith("hit")]
+    assert [x["num_computed_tokens"] for x in hit] == [64]   # s's two full blocks
     with TraceReader(out) as reader:      # every record passes the reader's checks
         assert sum(1 for _ in reader) == len(records) - 1
 
     capsys.readouterr()
-    code = cli.run(["replay", str(out)])
-    err = capsys.readouterr().err
-    assert code == 2 and len(err.strip().splitlines()) == 1, err
-    assert f"{out}:{arrivals[0][0] + 1}: request 's-0' is a streaming-input session" in err
+    assert cli.run(["replay", str(out), "--device", "cpu"]) == 0
+    assert "no divergence" in capsys.readouterr().out
+    with monkeypatch.context() as m:      # the control: the check without the turn's rewind
+        m.setattr(ShadowKV, "truncate", lambda self, req, ntok: None)
+        wrong = replay_file(out, device="cpu").divergences
+    assert wrong and {d.kind for d in wrong} == {"kv-content"}
+    assert {d.req for d in wrong} == {hit[0]["req"]}
     through = tmp_path / "vllm.jsonl.gz"
     assert replay_through_vllm(out, through).stopped is None
     assert diff_files(out, through).divergences == []
+
+
+def test_sessions_that_hold_every_block_between_turns_deadlock_and_replay_names_it(
+        tmp_path, model_dir, monkeypatch):
+    """vLLM 0.32's streaming-session deadlock (upstream PR 49439, open;
+    docs/findings.md). Two sessions of 40 tokens (two blocks of 32 each) fill
+    the four usable blocks; each turn's stop keeps them, and each next chunk of
+    30 tokens needs a third block. The first session at the head of the waiting
+    queue cannot get it, the waiting pass stops there, and with nothing running
+    nothing is ever preempted or freed: the engine steps on, scheduling nothing.
+    The reference makes the same decisions, and replay's liveness check names
+    the stall at the session, 64 steps in, and nothing else."""
+    from vllm import SamplingParams
+
+    from kvtrace.record.vllm_run import give_chunk, shutdown_llm
+    from kvtrace.replay import replay_file
+
+    out = tmp_path / "deadlock.jsonl"
+    monkeypatch.setenv("KVTRACE_OUT", str(out))
+    llm = small_engine(model_dir, num_gpu_blocks_override=5, max_model_len=128)
+    eng = llm.llm_engine
+    sp = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0)
+    for sid, base in (("a", 100), ("b", 200)):
+        give_chunk(eng, sid, {"prompt_token_ids": list(range(base, base + 40))}, sp)
+        give_chunk(eng, sid, {"prompt_token_ids": list(range(base + 40, base + 70))}, sp)
+    for _ in range(90):
+        eng.step()
+    shutdown_llm(llm)
+
+    with TraceReader(out) as reader:
+        steps = [e for e in reader if e.kind == "step"]
+    idle = [s for s in steps if not (s.new or s.resumed or s.running)]
+    assert len(idle) >= 80 and all(s.num_free_blocks == 0 for s in idle)
+    divs = replay_file(out, device="cpu").divergences
+    assert [(d.field, d.req) for d in divs] == [("progress", "a-session")]
+    assert idle[0].step + 63 == divs[0].step
+    assert "with 0 free blocks" in divs[0].rule
 
 
 # ----------------------------------------------------------------------------- robustness

@@ -74,7 +74,6 @@ FLUSH_IDLE_S = 0.25  # flush after this long without events
 # vLLM status names that the trace schema folds into one of its own.
 STATUS_FOLD = {
     "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR": "WAITING",
-    "WAITING_FOR_STREAMING_REQ": "WAITING",
     "FINISHED_REPETITION": "FINISHED_STOPPED",
 }
 

@@ -9,13 +9,16 @@
     dict ``{"prompts": [[ids...], ...], "max_tokens": int, "engine": {...},
     "sampling": {...}, "per_request": [{...}, ...], "priority": [int, ...],
     "cache_salts": [str | None, ...], "arrive_at": [step, ...],
-    "aborts": [[step, [index, ...]], ...], "control": [[step, action, ...], ...]}``,
+    "aborts": [[step, [index, ...]], ...], "control": [[step, action, ...], ...],
+    "sessions": [[index, [[step, [ids...] | None], ...]], ...]}``,
     where "per_request" holds each request's own changes to the sampling
     settings (``max_tokens``, ``stop_token_ids``, ``n``, ``prompt_logprobs``,
     ...). With "arrive_at" or "aborts" the engine is driven step by step, as a
     server drives it: each request arrives before the engine step given, some
     are aborted before theirs, and "control" resets the prefix cache and pauses
-    and resumes the scheduler as an RLHF loop does (``_serve``). ``engine_kwargs`` override the workload's ``LLM(...)`` arguments. Returns ``{"path": out_path, "outputs": {index: [token ids]},
+    and resumes the scheduler as an RLHF loop does (``_serve``); "sessions"
+    makes requests streaming-input sessions, each given its further chunks (or
+    the end of its input, None) before the engine steps given. ``engine_kwargs`` override the workload's ``LLM(...)`` arguments. Returns ``{"path": out_path, "outputs": {index: [token ids]},
     "finish_reasons": {index: str}}``.
 
     If the engine raises, the trace written up to that point ends with status
@@ -35,7 +38,8 @@
     Random workloads for tests/test_vllm_random.py: the scheduler's settings,
     scripted KV-connector hits and failures, both, and any of them served as a
     stream of arrivals and aborts; ``rlhf_workload`` adds prefix-cache resets
-    and scheduler pauses to such a stream.
+    and scheduler pauses to such a stream, and ``sessions_workload`` makes some
+    of its requests streaming-input sessions.
 
 ``async_scheduling=True`` among the engine arguments runs vLLM's
 ``AsyncScheduler``, which schedules step N+1 before step N's output is back.
@@ -303,6 +307,39 @@ def rlhf_workload(seed: int, kind: str = "rlhf") -> dict:
     return wl
 
 
+def sessions_workload(seed: int, kind: str = "sessions") -> dict:
+    """``stream_workload(seed)`` with about half its requests made
+    streaming-input sessions (vLLM's resumable requests): the prompt is the
+    first chunk, and one to three further chunks of 1 to 40 tokens follow, each
+    1 to 25 engine steps after the one before (so some come during a turn and
+    are queued, others while the session waits), then the end of the input.
+    Requests sampling in parallel or asking for prompt logprobs stay plain, and
+    a session's tokens, turns included, stay within max_model_len. Under async
+    scheduling for kind "async-sessions"."""
+    wl = stream_workload(seed, kind)
+    more = random.Random(seed + 5_000_011)
+    room = wl["engine"]["max_model_len"] - 8
+    sessions = []
+    for i, prompt in enumerate(wl["prompts"]):
+        own = wl["per_request"][i]
+        if more.random() < 0.5 or own.get("n", 1) > 1 or "prompt_logprobs" in own:
+            continue
+        turn = own["max_tokens"]
+        total, step, chunks = len(prompt) + turn, wl["arrive_at"][i], []
+        for _ in range(more.randint(1, 3)):
+            size = more.randint(1, 40)
+            if total + size + turn > room:
+                break
+            total += size + turn
+            step += more.randint(1, 25)
+            chunks.append([step, [more.randrange(16, 480) for _ in range(size)]])
+        if chunks:
+            chunks.append([step + more.randint(1, 25), None])
+            sessions.append([i, chunks])
+    wl["sessions"] = sessions
+    return wl
+
+
 def connector_workload(seed: int, kind: str) -> dict:
     """A random workload for a real engine (tests/test_vllm_random.py):
     prompts with an optional shared prefix, a small KV cache, and scripted
@@ -426,8 +463,10 @@ def _serve(eng: Any, prompts: list, params: Any, wl: dict) -> dict:
     of ``[step, [i, ...]]``, aborts those requests in one call before that step.
     Steps where nothing is left to run are skipped to the next arrival. After
     them, before each step, the ``control`` actions due by then (``_control``).
-    Returns each request's last output, by index (an aborted request's may be
-    missing)."""
+    A request listed in ``sessions`` is a streaming-input session: its prompt is
+    its first chunk, and each further chunk (or the end of its input, None) is
+    given before the step listed, unless the session was aborted. Returns each
+    request's last output, by index (an aborted request's may be missing)."""
     n = len(prompts)
     if not isinstance(params, list):
         params = [params] * n
@@ -436,15 +475,28 @@ def _serve(eng: Any, prompts: list, params: Any, wl: dict) -> dict:
     aborts = {int(step): [str(i) for i in ids] for step, ids in wl.get("aborts") or ()}
     order = sorted(range(n), key=lambda i: (arrive[i], i))
     control = [list(c) for c in wl.get("control") or ()]
+    sessions = {int(i): chunks for i, chunks in wl.get("sessions") or ()}
+    chunks = sorted((int(at), i, k, tokens) for i, given in sessions.items()
+                    for k, (at, tokens) in enumerate(given))
+    aborted: set[str] = set()
     outs: dict[int, Any] = {}
     step = 0
-    while order or eng.has_unfinished_requests():
-        if not eng.has_unfinished_requests() and arrive[order[0]] > step:
-            step = arrive[order[0]]
+    while order or chunks or eng.has_unfinished_requests():
+        if not eng.has_unfinished_requests():
+            step = max(step, min([arrive[i] for i in order[:1]] + [c[0] for c in chunks[:1]]))
         while order and arrive[order[0]] <= step:
             i = order.pop(0)
-            eng.add_request(str(i), prompts[i], params[i], priority=priority[i])
+            if i in sessions:
+                give_chunk(eng, str(i), prompts[i], params[i], priority=priority[i])
+            else:
+                eng.add_request(str(i), prompts[i], params[i], priority=priority[i])
+        while chunks and chunks[0][0] <= step:
+            _, i, _, tokens = chunks.pop(0)
+            if str(i) not in aborted:   # a client gone sends no more
+                give_chunk(eng, str(i), {"prompt_token_ids": tokens or [0]}, params[i],
+                           priority=priority[i], resumable=tokens is not None)
         if step in aborts:
+            aborted.update(aborts[step])
             eng.abort_request(aborts[step])
         while control and control[0][0] <= step:
             _control(eng, *control.pop(0)[1:])
@@ -452,6 +504,26 @@ def _serve(eng: Any, prompts: list, params: Any, wl: dict) -> dict:
             outs[int(o.request_id)] = o
         step += 1
     return outs
+
+
+def give_chunk(eng: Any, sid: str, prompt: dict, params: Any, priority: int = 0,
+               resumable: bool = True) -> None:
+    """One chunk of the streaming-input session ``sid`` on ``eng`` (a
+    ``LLMEngine``), given as vLLM's ``AsyncLLM`` gives each chunk of an input
+    stream: under one engine request id, ``resumable`` but for the end of the
+    input (whose one-token prompt is vLLM's placeholder, not input). The
+    engine core gets its own copy of the prompt, as it does from a front end in
+    another process: the scheduler extends a session's prompt list in place,
+    and with the list shared in one process the session's prompt came out
+    longer than its tokens (the next chunk counted twice)."""
+    req = eng.input_processor.process_inputs(sid, prompt, params, priority=priority,
+                                             supported_tasks=eng.get_supported_tasks(),
+                                             resumable=resumable)
+    req.external_req_id, req.request_id = sid, f"{sid}-session"
+    eng.output_processor.add_request(req, None)
+    core = copy.copy(req)
+    core.prompt_token_ids = list(req.prompt_token_ids)
+    eng.engine_core.add_request(core)
 
 
 def _control(eng: Any, action: str, *args: Any) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -11,13 +12,14 @@ from .hashing import extend_block_hashes
 class Status(IntEnum):
     WAITING = 1
     WAITING_FOR_REMOTE_KVS = 2
-    RUNNING = 3
-    PREEMPTED = 4
-    FINISHED_STOPPED = 5
-    FINISHED_LENGTH_CAPPED = 6
-    FINISHED_ABORTED = 7
-    FINISHED_IGNORED = 8
-    FINISHED_ERROR = 9
+    WAITING_FOR_STREAMING_REQ = 3   # a streaming-input session between turns
+    RUNNING = 4
+    PREEMPTED = 5
+    FINISHED_STOPPED = 6
+    FINISHED_LENGTH_CAPPED = 7
+    FINISHED_ABORTED = 8
+    FINISHED_IGNORED = 9
+    FINISHED_ERROR = 10
 
     @property
     def is_finished(self) -> bool:
@@ -71,6 +73,9 @@ class Request:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_reading_prefix_cache: bool = False
+    # A streaming-input session: its input comes in chunks under one id, and a
+    # stop ends a turn, not the request (S:2465-2491).
+    resumable: bool = False
 
     status: Status = Status.WAITING
     all_token_ids: list[int] = field(default_factory=list)
@@ -99,6 +104,8 @@ class Request:
     # replayer checks emitted counters against these.
     lookup_history: list[tuple[int, int, bool]] = field(default_factory=list)
     invalid_block_hits: int = 0   # how many times a load failure truncated this request
+    # A session's next chunks, given while a turn runs; None is the end of its input.
+    streaming_queue: "deque[StreamingUpdate | None] | None" = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -122,6 +129,24 @@ class Request:
         self.num_tokens += 1
         extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt)
 
+    def start_next_turn(self, update: "StreamingUpdate") -> None:
+        """A session's next chunk (S:1650-1685): the output tokens computed so far
+        join the prompt, the last sampled one (never computed) is dropped, and the
+        chunk's tokens follow. The chunk brings its own sampling parameters."""
+        n = self.num_computed_tokens
+        kept = self.all_token_ids[len(self.prompt_token_ids):n]
+        del self.all_token_ids[n:]
+        del self.block_hashes[n // self.block_size:]
+        self.prompt_token_ids.extend(kept)
+        self.all_token_ids.extend(update.prompt_token_ids)
+        self.prompt_token_ids.extend(update.prompt_token_ids)
+        self.num_tokens = len(self.all_token_ids)
+        extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt)
+        self.arrival_time = update.arrival_time
+        self.max_tokens = update.max_tokens
+        self.stop_token_ids = update.stop_token_ids
+        self.ignore_eos = update.ignore_eos
+
     def take_prefill_stats(self) -> PrefillStats | None:
         stats, self.prefill_stats = self.prefill_stats, None
         return stats
@@ -130,6 +155,26 @@ class Request:
         """Priority-queue order: priority, then arrival time, then id."""
         return ((self.priority, self.arrival_time, self.request_id)
                 < (other.priority, other.arrival_time, other.request_id))
+
+
+@dataclass(frozen=True, slots=True)
+class StreamingUpdate:
+    """What a session's next chunk changes (vLLM's ``StreamingUpdate``)."""
+
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    arrival_time: float
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+
+    @classmethod
+    def from_request(cls, r: Request) -> "StreamingUpdate | None":
+        """A chunk given as a request under the session's id; None for the end of
+        the session's input (a request that is not resumable)."""
+        if not r.resumable:
+            return None
+        return cls(tuple(r.prompt_token_ids), r.max_tokens, r.arrival_time,
+                   r.stop_token_ids, r.ignore_eos)
 
 
 def check_stop(request: Request, max_model_len: int) -> bool:

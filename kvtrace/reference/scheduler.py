@@ -14,6 +14,12 @@ One ``schedule()`` call is two passes (semantics doc 2):
 ``update_from_output()`` applies load failures, appends sampled tokens, stops
 and frees finished requests, and records finished transfers (semantics doc 3).
 
+A streaming-input session is one request whose input comes in chunks under one
+id. A stop ends its turn instead of the request: it goes back to waiting with
+its blocks, rewound to the tokens whose KV is written, and takes its next chunk
+(or waits for it in WAITING_FOR_STREAMING_REQ, holding a slot of
+``max_num_seqs``) until the end of its input comes (S:2465-2491, S:2616-2628).
+
 Under async scheduling the engine schedules step N+1 before step N's output
 comes back. A decoding request then holds one output placeholder per sampled
 token still to come, counted inside ``num_computed_tokens``; the output takes
@@ -41,7 +47,7 @@ from .config import SchedulerConfig
 from .interface import Connector, ModelOutput, RequestOutput, ScheduledRequest, SchedulerOutput
 from .kv_manager import KVCacheManager
 from .queues import make_queue
-from .request import FINISH_REASONS, Request, Status, check_stop
+from .request import FINISH_REASONS, Request, Status, StreamingUpdate, check_stop
 
 
 class SchedulerAssertion(AssertionError):
@@ -80,12 +86,29 @@ class Scheduler:
         # "UNPAUSED", "PAUSED_NEW" (admit only requests that hold blocks) or
         # "PAUSED_ALL" (schedule nothing), as set_pause_state leaves it (S:2755).
         self.pause_state = "UNPAUSED"
+        # Sessions waiting for their next chunk: not running, but each holds a slot (S:920-924).
+        self.num_waiting_for_streaming_input = 0
 
     # ------------------------------------------------------------------ inputs
 
     def add_request(self, request: Request) -> None:
-        self.waiting.add(request)
-        self.requests[request.request_id] = request
+        """A new request, or a live session's next chunk (or the end of its input),
+        which it takes at once if it is waiting for one, else after its turn (S:2616-2628)."""
+        session = self.requests.get(request.request_id)
+        if session is None:
+            if request.resumable:
+                request.streaming_queue = deque()
+            self.waiting.add(request)
+            self.requests[request.request_id] = request
+            return
+        assert session.streaming_queue is not None, "duplicate request id"
+        update = StreamingUpdate.from_request(request)
+        if session.status != Status.WAITING_FOR_STREAMING_REQ:
+            session.streaming_queue.append(update)
+        elif update is not None:
+            self._update_request_as_session(session, update)
+        else:
+            self.finish_requests([request.request_id], Status.FINISHED_ABORTED)
 
     def finish_requests(self, req_ids, status: Status) -> list[Request]:
         """Finish requests from outside (an abort), or with an error (S:2649-2712)."""
@@ -102,6 +125,8 @@ class Scheduler:
         if waiting:
             self.waiting.remove_all(waiting)
             self.kv_holding_waiting.remove_all(waiting)
+        self.num_waiting_for_streaming_input -= sum(
+            1 for r in finished if r.status == Status.WAITING_FOR_STREAMING_REQ)
         for r in finished:
             delay_free = False
             if r.status == Status.WAITING_FOR_REMOTE_KVS:
@@ -199,7 +224,8 @@ class Scheduler:
             queue = self.kv_holding_waiting
             if not queue and self.pause_state == "UNPAUSED":
                 queue = self.waiting
-            if not queue or step.input_budget <= 0 or len(self.running) >= max_active:
+            num_active = len(self.running) + self.num_waiting_for_streaming_input
+            if not queue or step.input_budget <= 0 or num_active >= max_active:
                 break
             r = queue.peek()
             if not self._ready_to_schedule(r) or (r.num_stale_output_tokens
@@ -324,7 +350,10 @@ class Scheduler:
         return self.running[-1]
 
     def _ready_to_schedule(self, r: Request) -> bool:
-        """A request waiting for an async load is ready once the load finished (S:3175)."""
+        """A request waiting for an async load is ready once the load finished
+        (S:3175); a session waiting for its next chunk is not (S:3202)."""
+        if r.status == Status.WAITING_FOR_STREAMING_REQ:
+            return False
         if r.status != Status.WAITING_FOR_REMOTE_KVS:
             return True
         if r.request_id not in self.finished_recving_ids:
@@ -437,7 +466,8 @@ class Scheduler:
             reason = None
             if stopped:
                 reason = FINISH_REASONS[r.status]
-                self._free_request(r)
+                if self._handle_stopped_request(r):
+                    self._free_request(r)
                 (stopped_running if status_before == Status.RUNNING else stopped_waiting).add(r)
             outputs.append(RequestOutput(req_id, new_tokens, reason, stats, legacy))
 
@@ -473,6 +503,36 @@ class Scheduler:
                 raise SchedulerAssertion(r.request_id, "AS:70 more sampled tokens than placeholders")
         if status_before == Status.RUNNING:
             self.kv.cache_blocks(r, r.num_computed_tokens - r.num_output_placeholders)
+
+    def _handle_stopped_request(self, r: Request) -> bool:
+        """Whether a request that stopped has finished. A session's turn ends
+        instead: it is rewound to the tokens whose KV is written (its output in
+        flight is dropped), takes its next chunk if one came meanwhile, else
+        waits for one, and goes back to waiting with its blocks (S:2465-2491)."""
+        if not r.resumable:
+            return True
+        r.num_computed_tokens -= r.num_output_placeholders
+        r.drop_stale_output = True
+        r.num_stale_output_tokens = r.num_in_flight_tokens
+        r.num_output_placeholders = 0
+        if r.streaming_queue:
+            update = r.streaming_queue.popleft()
+            if update is None:   # the end of its input
+                return True
+            self._update_request_as_session(r, update)
+        else:
+            r.status = Status.WAITING_FOR_STREAMING_REQ
+            self.num_waiting_for_streaming_input += 1
+        holds_blocks = r.num_computed_tokens > 0
+        (self.kv_holding_waiting if holds_blocks else self.waiting).add(r)
+        return False
+
+    def _update_request_as_session(self, r: Request, update: StreamingUpdate) -> None:
+        """A session takes its next chunk and waits to be scheduled (S:1650-1691)."""
+        r.start_next_turn(update)
+        if r.status == Status.WAITING_FOR_STREAMING_REQ:
+            self.num_waiting_for_streaming_input -= 1
+        r.status = Status.WAITING
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget every cached block (S:2840-2880), as RLHF weight updates do.

@@ -14,6 +14,12 @@ request it finishes is gone before an arrival reuses its id). An abort is
 applied once the last step recorded before it has been checked: the engine still runs that step's writes, and a request
 scheduled later may read them (a prefix hit on blocks the aborted request was
 filling).
+
+A streaming-input session keeps its id, blocks and KV from turn to turn. When
+a turn ends, its tokens are cut back to those whose KV is written (the
+recorded ``num_computed_tokens``: the last sampled token is never written), and
+the next chunk's tokens follow them, when the engine takes that chunk: at the
+turn's end if it came during the turn, else when it comes.
 """
 
 from __future__ import annotations
@@ -42,6 +48,10 @@ class ContentCheck:
         self.max_model_len = cfg.max_model_len
         self.tables: dict[str, list[int]] = {}     # the engine's table per live request
         self.reads_no_cache: set[str] = set()       # live requests that skip the prefix cache
+        # Live streaming-input sessions: the chunks given and not taken yet (None:
+        # the end of the input), and those waiting for their next chunk.
+        self.sessions: dict[str, deque[list[int] | None]] = {}
+        self.between_turns: set[str] = set()
         self.assumed_loads = False                  # loads inferred from lookups, not recorded
         self.async_scheduling = async_scheduling
         self._held: deque[tuple] = deque()          # (step, line, tag, aborts after it)
@@ -61,6 +71,14 @@ class ContentCheck:
         return self.kv.slots_checked
 
     def arrival(self, a: ev.Arrival) -> None:
+        chunks = self.sessions.get(a.req)
+        if chunks is not None:   # a live session's next chunk, or the end of its input
+            chunks.append(list(a.prompt_token_ids) if a.resumable else None)
+            if a.req in self.between_turns:
+                self._next_turn(a.req)
+            return
+        if a.resumable:
+            self.sessions[a.req] = deque()
         most = min(len(a.prompt_token_ids) + a.max_tokens, self.max_model_len)
         self.kv.add_request(a.req, a.prompt_token_ids, most)
         if a.skip_reading_prefix_cache:
@@ -171,7 +189,28 @@ class ContentCheck:
             if st.status in FINISHED:
                 self._drop(st.req)
         for req in rec.finished:
+            st = states.get(req)
+            if req in self.sessions and st is not None and st.status not in FINISHED:
+                self._turn_end(req, st)
+            else:
+                self._drop(req)
+
+    def _turn_end(self, req: str, st: ev.RequestState) -> None:
+        """A session's turn stopped: back to the tokens whose KV is written; then
+        its next chunk if one has come (the engine took it at the stop, or will
+        take it when it comes: the same tokens either way), else wait for it."""
+        self.kv.truncate(req, st.num_computed_tokens)
+        self.between_turns.add(req)
+        if self.sessions[req]:
+            self._next_turn(req)
+
+    def _next_turn(self, req: str) -> None:
+        chunk = self.sessions[req].popleft()
+        self.between_turns.discard(req)
+        if chunk is None:
             self._drop(req)
+        else:
+            self.kv.append_tokens(req, chunk)
 
     def _loads(self, rec: ev.Step) -> list[ev.KVLoad]:
         if rec.loads is not None:
@@ -186,5 +225,7 @@ class ContentCheck:
     def _drop(self, req: str) -> None:
         self.tables.pop(req, None)
         self.reads_no_cache.discard(req)
+        self.sessions.pop(req, None)
+        self.between_turns.discard(req)
         if req in self.kv:
             self.kv.drop_request(req)

@@ -2,9 +2,11 @@
 after step, is stuck, whatever its counters say.
 
 A request is ready when it waits in a waiting queue and is not waiting for an
-async KV load that is still in flight. After ``STALL_STEPS`` consecutive steps
-with nothing scheduled and a ready request waiting, replay reports one
-``progress`` divergence (per stall). Engines that wait on in-flight loads, or
+async KV load that is still in flight nor, as a streaming-input session, for
+its next chunk; none is while sessions waiting for input hold the slots of
+``max_num_seqs`` that running requests leave (they hold them by design).
+After ``STALL_STEPS`` consecutive steps with nothing scheduled and a ready
+request waiting, replay reports one ``progress`` divergence (per stall). Engines that wait on in-flight loads, or
 that are simply idle, are not flagged.
 
 A request that is loaded again and again without ever running is stuck too, even
@@ -143,8 +145,14 @@ class ProgressWatch:
 
 def _ready_head(sched: Scheduler):
     """The request the waiting pass would try first, if one is ready."""
+    cfg = sched.config
+    slots = cfg.max_num_active_seqs or cfg.max_num_seqs
+    if len(sched.running) < slots <= len(sched.running) + sched.num_waiting_for_streaming_input:
+        return None   # sessions waiting for input hold the free slots
     for queue in (sched.kv_holding_waiting, sched.waiting):
         for r in queue:
+            if r.status == Status.WAITING_FOR_STREAMING_REQ:
+                continue
             if r.status != Status.WAITING_FOR_REMOTE_KVS or r.request_id in sched.finished_recving_ids:
                 return r
     return None

@@ -181,9 +181,8 @@ class Replayer:
     # -- events ------------------------------------------------------------------
 
     def _arrival(self, a: ev.Arrival, line) -> None:
-        if a.resumable:
-            raise TraceError(self.path, line, baseline.streaming_input(a.req))
-        if a.req in self.sched.requests:
+        live = self.sched.requests.get(a.req)
+        if live is not None and live.streaming_queue is None:   # not a session's next chunk
             raise TraceError(self.path, line, f"request '{a.req}' arrives twice")
         self.sched.add_request(bridge.request_from_arrival(a, self.cfg.block_size))
         if self.content:
@@ -289,6 +288,13 @@ class Replayer:
         if self._in_flight is not None:
             self._in_flight.pop(rec.step, None)
             stale = self._stale.pop(rec.step, None)
+            # A streaming-input session's turn end zeroes its placeholders, as a
+            # preemption does (S:2478): the steps in flight sample for it no more.
+            turn_ends = {st.req for st in rec.states
+                         if st.req in rec.finished and not st.status.startswith("FINISHED")}
+            if turn_ends:
+                for k, ids in self._in_flight.items():
+                    self._in_flight[k] = [r for r in ids if r not in turn_ends]
         self._unmatched_stats()
         model = bridge.model_output_from_event(rec)
         for req in [*model.finished_recving, *model.finished_sending]:

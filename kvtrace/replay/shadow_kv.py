@@ -364,6 +364,22 @@ class ShadowKV:
             r.ntok += len(token_ids)
             self._pending[r] = None
 
+    def truncate(self, req: str, ntok: int) -> None:
+        """Keep only the request's first ``ntok`` tokens (a streaming-input
+        session's next turn rewrites what follows them). The steps queued so far
+        are evaluated first: they may read the tokens that go."""
+        r = self._req(req)
+        if ntok >= r.ntok:
+            return
+        self._evaluate()
+        if ntok <= r.n_fp:
+            r.n_fp, r.pending = ntok, []
+            self._pending.pop(r, None)
+        else:
+            del r.pending[ntok - r.n_fp:]
+        r.ntok = ntok
+        self._uncheck(r, ntok // self.block_size)
+
     def drop_request(self, req: str) -> None:
         # Its arena rows, and its pending tokens, stay until the queued steps are
         # evaluated: they may still read them.

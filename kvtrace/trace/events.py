@@ -21,6 +21,7 @@ SCHEMA_VERSION = 1
 STATUSES = (
     "WAITING",
     "WAITING_FOR_REMOTE_KVS",
+    "WAITING_FOR_STREAMING_REQ",   # a streaming-input session between turns
     "RUNNING",
     "PREEMPTED",
     "FINISHED_STOPPED",
