@@ -172,7 +172,32 @@ def test_random_workloads_replay_clean(tmp_path_factory, wl):
         return
     assert not rec.stalled, f"the engine stalled, and replay did not flag it\n{wl}"
     assert result.truncation is None
-    assert result.divergences == [], f"{wl}\n{_show(result.divergences)}"
+    divs = [d for d in result.divergences if not _failed_load_face(wl, path, d)]
+    assert divs == [], f"{wl}\n{_show(divs)}"
+
+
+STALE = "a token sampled from KV a failed load left unloaded is discarded"
+
+
+def _failed_load_face(wl, path, d) -> bool:
+    """vLLM 0.32's failed-load bug under async scheduling, which the embedded
+    engine reproduces as the reference does (docs/findings.md): after a failed
+    load, a step in flight samples from the unloaded KV and its token is kept,
+    and the request's count runs past its last token (I1). Only for a request
+    whose table held a block an output reports failed, or whose load failed."""
+    if not (wl.config.async_scheduling and wl.store is not None
+            and (wl.store.failed_recving_fraction or wl.store.invalid_blocks_fraction)):
+        return False
+    if not (d.rule == STALE or (d.rule.startswith("I1") and d.field == "state.num_computed_tokens")):
+        return False
+    hit = set()
+    with TraceReader(path) as r:
+        for e in r:
+            if e.kind == "output" and e.connector is not None:
+                bad = set(e.connector.invalid_block_ids)
+                hit.update(e.connector.failed_recving)
+                hit.update(st.req for st in e.states if bad.intersection(st.block_ids))
+    return d.req in hit
 
 
 # --------------------------------------------------------------------------- faults

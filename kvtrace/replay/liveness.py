@@ -1,6 +1,13 @@
 """Liveness: a scheduler that holds a ready request but schedules nothing, step
 after step, is stuck, whatever its counters say.
 
+A running request that is not scheduled, step after step, while nothing is
+and the scheduler is not paused for all requests, is stuck as well: with no
+step in flight, it waits for a token nothing will bring (vLLM 0.32 after a
+failed load under async scheduling: an output placeholder that no output will
+take back). That is reported the same way, after the same number of steps,
+when no waiting request is ready.
+
 A request is ready when it waits in a waiting queue and is not waiting for an
 async KV load that is still in flight nor, as a streaming-input session, for
 its next chunk; none is while sessions waiting for input hold the slots of
@@ -122,8 +129,11 @@ class ProgressWatch:
         return found
 
     def _stall(self, step, out, sched, seq, line) -> list[Divergence]:
-        head = None if out.num_scheduled_tokens else _ready_head(sched)
-        if head is None:
+        head = stuck = None
+        if not out.num_scheduled_tokens:
+            head = _ready_head(sched)
+            stuck = _stuck_running(sched) if head is None else None
+        if head is None and stuck is None:
             self.idle, self.since = 0, None
             return []
         if self.since is None:
@@ -131,6 +141,14 @@ class ProgressWatch:
         self.idle += 1
         if self.idle != self.limit:
             return []
+        if stuck is not None:
+            return [Divergence(
+                step, stuck.request_id, "progress",
+                f"nothing scheduled for {self.limit} steps since step {self.since}",
+                "a running request is scheduled until it finishes",
+                f"liveness: {stuck.request_id} is running, yet nothing is scheduled "
+                f"(num_computed_tokens {stuck.num_computed_tokens} of {stuck.num_tokens} tokens, "
+                f"{stuck.num_output_placeholders} output placeholders)", "invariant", seq, line)]
         free = sched.kv.pool.num_free_blocks
         reserved = sum(sched.kv.remaining_blocks(r) for r in sched.inflight_prefills)
         return [Divergence(
@@ -141,6 +159,14 @@ class ProgressWatch:
             f"{free} free blocks ({reserved} reserved for in-flight prefills"
             f"{', itself included' if head in sched.inflight_prefills else ''})",
             "invariant", seq, line)]
+
+
+def _stuck_running(sched: Scheduler):
+    """A running request, when nothing is scheduled and the scheduler is not
+    paused for all: it waits for a token no step in flight will bring."""
+    if sched.pause_state == "PAUSED_ALL" or not sched.running:
+        return None
+    return sched.running[0]
 
 
 def _ready_head(sched: Scheduler):
