@@ -200,6 +200,58 @@ def _failed_load_face(wl, path, d) -> bool:
     return d.req in hit
 
 
+def _failing_store_workload(name: str, arrivals: list, capacity: int, preload: tuple = (),
+                            delay: int = 1, **config) -> Workload:
+    """Async scheduling, one token per block, max_num_seqs 1, and a store whose
+    loads fail now and then (block-level and whole), as the random workloads
+    below draw them: the two examples they found."""
+    cfg = SchedulerConfig(block_size=1, max_num_seqs=1, enable_prefix_caching=False,
+                          load_failure_policy="recompute", async_scheduling=True, **config)
+    return Workload(name, cfg, tuple(PlannedArrival(*a) for a in arrivals), (),
+                    StoreSettings(capacity_tokens=capacity, preload=preload, min_hit_tokens=1,
+                                  async_fraction=0.0, async_delay_steps=delay,
+                                  failed_recving_fraction=0.4, invalid_blocks_fraction=0.5,
+                                  late_failure_fraction=0.5, kv_role="kv_both"),
+                    19, eos_probability=0.0)
+
+
+def test_a_request_stranded_running_after_a_failed_block_is_named(tmp_path):
+    """Under async scheduling a block of q5's sync load fails while its only
+    step is in flight: the step's output is dropped, but its output placeholder
+    stays (as in vLLM, upstream issue 45138), so the recomputed prefill samples
+    nothing and q5 waits, running, for a token no step will bring. The engine
+    stalls; replay names q5 by the liveness check, and nothing else."""
+    wl = _failing_store_workload("stranded", [
+        (0, "q0", (18, 14, 9, 6, 11), 1, 1), (0, "q1", (13, 18, 6, 14, 16, 13), 1, 2),
+        (2, "q2", (18, 14, 9, 3), 1, 2), (4, "q3", (3, 18, 13, 10, 13, 5), 1, 2),
+        (4, "q4", (4, 11, 18, 15, 17, 5), 1, 1), (8, "q5", (4, 11, 18, 15, 13, 9), 1, 1)],
+        capacity=332, num_blocks=8, max_num_batched_tokens=8, max_model_len=7)
+    rec = record_workload(wl, tmp_path / "t.jsonl")
+    assert rec.stalled
+    divs = _replay(tmp_path / "t.jsonl").divergences
+    assert [(d.req, d.field) for d in divs] == [("q5", "progress")]
+    assert "q5 is running, yet nothing is scheduled" in divs[0].rule
+    assert "1 output placeholders" in divs[0].rule
+
+
+def test_the_failed_load_bug_the_embedded_engine_shares_with_vllm_is_named(tmp_path):
+    """A block of q5's sync load fails while its next step is in flight: that
+    step samples from the unloaded KV and its token is kept, and q5's count runs
+    past its last token, as in vLLM 0.32 (docs/findings.md). Replay names both,
+    and the random test accepts just these for a request hit by a failed load."""
+    wl = _failing_store_workload("stale", [
+        (0, "q0", (5, 11, 6, 18, 17, 6), 1, 1), (2, "q1", (5, 11, 6, 18, 17, 17), 1, 0),
+        (6, "q2", (5, 11, 6, 18, 17, 9), 3, 0), (7, "q3", (5, 11, 6, 18, 17, 12), 1, 2),
+        (8, "q4", (5, 11, 6, 18, 17, 16), 3, 0), (10, "q5", (5, 11, 6, 18, 17, 8), 2, 2)],
+        capacity=1313, preload=((5, 11, 6, 18, 17),), delay=3,
+        num_blocks=10, max_num_batched_tokens=8, max_model_len=9)
+    path = tmp_path / "t.jsonl"
+    assert not record_workload(wl, path).stalled
+    divs = _replay(path).divergences
+    assert sorted((d.req, d.rule[:3]) for d in divs) == [("q5", "I1:"), ("q5", STALE[:3])]
+    assert all(_failed_load_face(wl, path, d) for d in divs)
+
+
 # --------------------------------------------------------------------------- faults
 
 
