@@ -105,19 +105,25 @@ MEETS_THE_BUG = (209, "async-failures")
 # They first found a false alarm in replay's I1 count: a turn's end zeroes the
 # session's placeholders, as a preemption does (3101, fixed). CI's: the
 # deadlock (3003), that turn end (3101), and a session preempted 17 times
-# under async scheduling (3134).
+# under async scheduling (3134). Sessions in RLHF streams (with resets, pauses
+# and, for half the seeds, the connector and its load failures),
+# rlhf-sessions:3200-3259 and async-rlhf-sessions:3300-3359: 105 replay with
+# no divergence; the deadlock (3247, 3310, 3314, 3355), the stall after a
+# failed async load (3233, 3339, 3345) and engine failures after a failed load
+# under async scheduling (8) are each named where they show. CI's: the
+# deadlock with resets and pauses (3247), and under async scheduling (3310).
 CI_SEEDS = [(100, "async"), (101, "async"), MEETS_THE_BUG, (210, "async-failures"),
             (300, "sync-failures"), (414, "knobs"), (416, "knobs"), (403, "knobs"),
             (400, "async-knobs"), (404, "async-knobs"), (542, "async-knobs"), (457, "knobs"),
             (731, "async-stream"), (802, "async-aborts"), (1000, "mixed"), (1029, "mixed"),
             (1107, "async-mixed"), (1256, "mixed"), (2022, "rlhf"), (2100, "async-rlhf"),
             (2317, "async-rlhf"), (3003, "sessions"), (3101, "async-sessions"),
-            (3134, "async-sessions")]
+            (3134, "async-sessions"), (3247, "rlhf-sessions"), (3310, "async-rlhf-sessions")]
 
 
 KINDS = ("async", "async-failures", "sync-failures", "knobs", "async-knobs", "stream", "async-stream",
          "async-aborts", "sync-aborts", "mixed", "async-mixed", "rlhf", "async-rlhf", "sessions",
-         "async-sessions")
+         "async-sessions", "rlhf-sessions", "async-rlhf-sessions")
 
 
 def _workload(seed: int, kind: str) -> dict:
@@ -281,11 +287,11 @@ def _known_vllm_bugs(divs: list, workload: dict, trace) -> None:
             continue
         if d.field == "progress" and "one-token prompt" in d.rule:
             assert len(workload["prompts"][int(index)]) == 1, d.to_json()
-        elif d.field == "progress" and d.req.endswith("-session"):
-            _session_deadlock(trace, d)
-        elif d.field == "progress":
+        elif d.field == "progress" and d.rule.endswith("itself included)"):
+            # the stall after a failed async load
             assert index in _failing_loads(workload, only_async=True), d.to_json()
-            assert d.rule.endswith("itself included)"), d.to_json()
+        elif d.field == "progress":
+            _session_deadlock(trace, d)
         else:
             assert d.rule == STALE or (d.rule.startswith("I1") and d.field == "state.num_computed_tokens"), \
                 d.to_json()
@@ -295,21 +301,19 @@ def _known_vllm_bugs(divs: list, workload: dict, trace) -> None:
 
 def _session_deadlock(trace, d) -> None:
     """vLLM 0.32's streaming-session deadlock (upstream PR 49439, open), worked
-    out from the records alone: at the stall, nothing is scheduled, no block is
-    free, and every block is held by sessions waiting between turns, the
-    stalled one among them, whose next chunk needs more blocks than it holds.
-    vLLM preempts only running requests, so nothing ever frees one."""
-    latest, sessions, block_size, stall = {}, set(), None, None
+    out from the records alone: at the stall nothing is scheduled and nothing
+    runs, and every block in use is held by sessions waiting between turns.
+    The request at the head of the waiting queue (a session's next chunk, or
+    another request) does not get the blocks it needs, and vLLM preempts only
+    running requests, so nothing ever frees one."""
+    latest, sessions, stall = {}, set(), None
     with TraceReader(trace) as r:
-        block_size = r.header.config.block_size
         for e in r:
             if e.kind == "arrival" and e.resumable:
                 sessions.add(e.req)
                 st = latest.get(e.req)
                 if st is not None and st.status == "WAITING_FOR_STREAMING_REQ":
-                    # taken at once: the tokens whose KV is written, then the chunk's
-                    latest[e.req] = dataclasses.replace(
-                        st, status="WAITING", num_tokens=st.num_computed_tokens + len(e.prompt_token_ids))
+                    latest[e.req] = dataclasses.replace(st, status="WAITING")   # taken at once
             if e.kind == "abort":
                 for req in e.reqs:
                     latest.pop(req, None)
@@ -319,13 +323,12 @@ def _session_deadlock(trace, d) -> None:
             for st in getattr(e, "states", ()):
                 latest[st.req] = st
     assert stall is not None and not (stall.new or stall.resumed or stall.running), d.to_json()
-    assert stall.num_free_blocks == 0, d.to_json()
-    holders = {st.req: st for st in latest.values()
-               if st.block_ids and not st.status.startswith("FINISHED")}
-    assert d.req in holders and set(holders) <= sessions, (d.to_json(), sorted(holders))
-    assert all(st.status in ("WAITING", "WAITING_FOR_STREAMING_REQ") for st in holders.values())
-    head = holders[d.req]
-    assert -(-head.num_tokens // block_size) > len(head.block_ids), d.to_json()
+    live = {req: st for req, st in latest.items() if not st.status.startswith("FINISHED")}
+    assert all(st.status in ("WAITING", "WAITING_FOR_STREAMING_REQ") for st in live.values()), \
+        (d.to_json(), sorted(live))
+    holders = {req for req, st in live.items() if st.block_ids}
+    assert holders and holders <= sessions, (d.to_json(), sorted(holders))
+    assert d.req in live, d.to_json()
 
 
 def _holders_of_failed_blocks(trace) -> set[str]:

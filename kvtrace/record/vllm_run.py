@@ -315,8 +315,11 @@ def sessions_workload(seed: int, kind: str = "sessions") -> dict:
     are queued, others while the session waits), then the end of the input.
     Requests sampling in parallel or asking for prompt logprobs stay plain, and
     a session's tokens, turns included, stay within max_model_len. Under async
-    scheduling for kind "async-sessions"."""
-    wl = stream_workload(seed, kind)
+    scheduling for a kind that starts with "async"; for a kind with "rlhf" in
+    it ("rlhf-sessions"), on ``rlhf_workload(seed)``'s stream instead, with its
+    prefix-cache resets, scheduler pauses and, for half the seeds, the
+    connector and its load failures."""
+    wl = rlhf_workload(seed, kind) if "rlhf" in kind else stream_workload(seed, kind)
     more = random.Random(seed + 5_000_011)
     room = wl["engine"]["max_model_len"] - 8
     sessions = []
