@@ -228,7 +228,8 @@ def _hist_row(r: HistoryRow, split: dict[int, str]):
     blocks = ", ".join(map(str, r.new_blocks[:12])) + (" …" if len(r.new_blocks) > 12 else "")
     detail = f"{r.phase}" + (f", {r.status}" if r.status != "RUNNING" else "")
     if r.how != "running" and r.step in split:
-        detail += f", hit: {split[r.step]}"
+        source = split[r.step]
+        detail += f", {source}" if source.endswith("last turn") else f", hit: {source}"
     return (str(r.step), Text(how, style=style), f"{r.computed}→{r.computed_after}", str(r.scheduled),
             blocks, str(r.blocks), detail)
 

@@ -447,7 +447,10 @@ class _Pass:
                 tl.cached.add(k, local)
                 tl.external.add(k, ext)
                 what = "admitted" if how == "new" else "resumed"
-                tl.mark(k, what, f"{what} with {pre} tokens computed (local {local}, external {ext}), "
+                # A session's next turn looks nothing up: it goes on from its own KV.
+                source = (f"{pre} kept from its last turn" if lv.local is None and lv.session and pre
+                          else f"local {local}, external {ext}")
+                tl.mark(k, what, f"{what} with {pre} tokens computed ({source}), "
                                  f"{n} scheduled, {len(it.block_ids)} blocks")
             lv.local = lv.ext = None
         lv.blocks = nblocks
