@@ -377,6 +377,12 @@ def test_streaming_input_sessions_are_recorded_and_replayed_with_no_divergence(
     through = tmp_path / "vllm.jsonl.gz"
     assert replay_through_vllm(out, through).stopped is None
     assert diff_files(out, through).divergences == []
+    # A session is one request to diff, whatever pairs requests: a further
+    # chunk is not a new request, nor a turn's end its finish.
+    ids = {r["req"] for r in records if r["kind"] == "arrival"}
+    for match in ("id", "arrival"):
+        same = diff_files(out, out, match=match)
+        assert (same.divergences, same.requests_compared) == ([], len(ids))
 
 
 def test_sessions_that_hold_every_block_between_turns_deadlock_and_replay_names_it(

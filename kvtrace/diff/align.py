@@ -269,6 +269,9 @@ class _Side:
         self.just_finished: list[str] = []  # pair keys
         self.keys: dict[str, str] = {}  # this trace's request id -> pair key
         self.arrivals = 0
+        # Live streaming-input sessions: a further arrival under one of these ids
+        # is the session's next chunk (or the end of its input), not a request.
+        self.sessions: set[str] = set()
         self.sched_at: dict[int, dict[str, int]] = {}
         # Scheduler-wide calls not compared yet, per kind ("reset_prefix_cache",
         # "pause_state"): (step, seq, line, values).
@@ -350,6 +353,14 @@ class _Differ:
     # -- events ----------------------------------------------------------------
 
     def _on_arrival(self, side: _Side, ev: Arrival, line: int) -> None:
+        if ev.req in side.sessions:   # a session's next chunk: the same request goes on
+            v = to_json(ev)
+            for k in ("seq", "req", "kind", "arrival_time"):
+                v.pop(k, None)
+            self._add(side, ev.req, "arrival", _item(None, ev.seq, line, v))
+            return
+        if ev.resumable:
+            side.sessions.add(ev.req)
         key = _match_key(self.match, ev.req, side.arrivals)
         side.arrivals += 1
         side.keys[ev.req] = key
@@ -452,9 +463,17 @@ class _Differ:
                         self._add(side, req, "load", _item(
                             ev.step, ev.seq, line, {"event": what, "after_schedules": h.n_sched}))
         for req, reason in ev.finished.items():
-            self._finish(side, req, reason, ev.step, ev.seq, line)
+            st = states.get(req)
+            if req in side.sessions and st is not None and not st.status.startswith("FINISHED"):
+                h = self._hist(side, req)   # a session's turn ends; the session goes on
+                if h is not None:
+                    self._add(side, req, "finish", _item(ev.step, ev.seq, line, {
+                        "finish_reason": reason, "after_schedules": h.n_sched, "turn_ends": True}))
+            else:
+                self._finish(side, req, reason, ev.step, ev.seq, line)
 
     def _finish(self, side: _Side, req: str, reason: str, step, seq: int, line: int) -> None:
+        side.sessions.discard(req)
         h = self._hist(side, req)
         if h is None or h.finished:
             return
