@@ -112,13 +112,19 @@ MEETS_THE_BUG = (209, "async-failures")
 # failed async load (3233, 3339, 3345) and engine failures after a failed load
 # under async scheduling (8) are each named where they show. CI's: the
 # deadlock with resets and pauses (3247), and under async scheduling (3310).
+# sessions:3060-3099, async-sessions:3160-3199 and async-rlhf-sessions:3360-3379
+# pass; two of them showed the deadlock where the test did not yet see it: a
+# session still ending its last turn when the stall began (async-sessions:3169),
+# and a request at the head holding the block its own async load filled
+# (async-rlhf-sessions:3363). CI runs 3363.
 CI_SEEDS = [(100, "async"), (101, "async"), MEETS_THE_BUG, (210, "async-failures"),
             (300, "sync-failures"), (414, "knobs"), (416, "knobs"), (403, "knobs"),
             (400, "async-knobs"), (404, "async-knobs"), (542, "async-knobs"), (457, "knobs"),
             (731, "async-stream"), (802, "async-aborts"), (1000, "mixed"), (1029, "mixed"),
             (1107, "async-mixed"), (1256, "mixed"), (2022, "rlhf"), (2100, "async-rlhf"),
             (2317, "async-rlhf"), (3003, "sessions"), (3101, "async-sessions"),
-            (3134, "async-sessions"), (3247, "rlhf-sessions"), (3310, "async-rlhf-sessions")]
+            (3134, "async-sessions"), (3247, "rlhf-sessions"), (3310, "async-rlhf-sessions"),
+            (3363, "async-rlhf-sessions")]
 
 
 KINDS = ("async", "async-failures", "sync-failures", "knobs", "async-knobs", "stream", "async-stream",
@@ -287,11 +293,11 @@ def _known_vllm_bugs(divs: list, workload: dict, trace) -> None:
             continue
         if d.field == "progress" and "one-token prompt" in d.rule:
             assert len(workload["prompts"][int(index)]) == 1, d.to_json()
-        elif d.field == "progress" and d.rule.endswith("itself included)"):
-            # the stall after a failed async load
+        elif d.field == "progress" and _session_deadlock(trace, d) is None:
+            pass
+        elif d.field == "progress":   # the stall after a failed async load
+            assert d.rule.endswith("itself included)"), (d.to_json(), _session_deadlock(trace, d))
             assert index in _failing_loads(workload, only_async=True), d.to_json()
-        elif d.field == "progress":
-            _session_deadlock(trace, d)
         else:
             assert d.rule == STALE or (d.rule.startswith("I1") and d.field == "state.num_computed_tokens"), \
                 d.to_json()
@@ -299,13 +305,14 @@ def _known_vllm_bugs(divs: list, workload: dict, trace) -> None:
             assert index in _failing_loads(workload) or d.req in shared, d.to_json()
 
 
-def _session_deadlock(trace, d) -> None:
-    """vLLM 0.32's streaming-session deadlock (upstream PR 49439, open), worked
-    out from the records alone: at the stall nothing is scheduled and nothing
-    runs, and every block in use is held by sessions waiting between turns.
+def _session_deadlock(trace, d) -> str | None:
+    """None if the stall ``d`` is vLLM 0.32's streaming-session deadlock
+    (upstream PR 49439, open), worked out from the records alone: at the stall
+    nothing is scheduled and nothing runs, and every block in use, but those
+    of the stalled request itself, is held by sessions waiting between turns.
     The request at the head of the waiting queue (a session's next chunk, or
     another request) does not get the blocks it needs, and vLLM preempts only
-    running requests, so nothing ever frees one."""
+    running requests, so nothing ever frees one. Else why it is not."""
     latest, sessions, stall = {}, set(), None
     with TraceReader(trace) as r:
         for e in r:
@@ -322,13 +329,19 @@ def _session_deadlock(trace, d) -> None:
                 break
             for st in getattr(e, "states", ()):
                 latest[st.req] = st
-    assert stall is not None and not (stall.new or stall.resumed or stall.running), d.to_json()
+    if stall is None or stall.new or stall.resumed or stall.running:
+        return "something is scheduled at the stall"
     live = {req: st for req, st in latest.items() if not st.status.startswith("FINISHED")}
-    assert all(st.status in ("WAITING", "WAITING_FOR_STREAMING_REQ") for st in live.values()), \
-        (d.to_json(), sorted(live))
+    running = sorted(req for req, st in live.items() if st.status == "RUNNING")
     holders = {req for req, st in live.items() if st.block_ids}
-    assert holders and holders <= sessions, (d.to_json(), sorted(holders))
-    assert d.req in live, d.to_json()
+    if running:
+        return f"running: {running}"
+    others = holders - {d.req}   # the stalled request may hold blocks of its own (a load)
+    if not others or not others <= sessions:
+        return f"blocks held by {sorted(others - sessions) or 'nothing'}, not sessions between turns"
+    if d.req not in live:
+        return f"{d.req} is not waiting"
+    return None
 
 
 def _holders_of_failed_blocks(trace) -> set[str]:
