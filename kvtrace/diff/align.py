@@ -353,10 +353,10 @@ class _Differ:
     # -- events ----------------------------------------------------------------
 
     def _on_arrival(self, side: _Side, ev: Arrival, line: int) -> None:
+        v = to_json(ev)
+        for k in ("seq", "req", "kind", "arrival_time"):
+            v.pop(k, None)
         if ev.req in side.sessions:   # a session's next chunk: the same request goes on
-            v = to_json(ev)
-            for k in ("seq", "req", "kind", "arrival_time"):
-                v.pop(k, None)
             self._add(side, ev.req, "arrival", _item(None, ev.seq, line, v))
             return
         if ev.resumable:
@@ -379,9 +379,6 @@ class _Differ:
             elif key in side.just_finished:
                 side.just_finished.remove(key)
             h.finished = h.done = False
-        v = to_json(ev)
-        for k in ("seq", "req", "kind", "arrival_time"):
-            v.pop(k, None)
         self._add(side, ev.req, "arrival", _item(None, ev.seq, line, v))
 
     def _on_step(self, side: _Side, ev: Step, line: int) -> None:
@@ -462,9 +459,9 @@ class _Differ:
                     if h is not None:
                         self._add(side, req, "load", _item(
                             ev.step, ev.seq, line, {"event": what, "after_schedules": h.n_sched}))
+        turns = ev.turn_ends()
         for req, reason in ev.finished.items():
-            st = states.get(req)
-            if req in side.sessions and st is not None and not st.status.startswith("FINISHED"):
+            if req in turns and req in side.sessions:
                 h = self._hist(side, req)   # a session's turn ends; the session goes on
                 if h is not None:
                     self._add(side, req, "finish", _item(ev.step, ev.seq, line, {

@@ -188,10 +188,10 @@ class ContentCheck:
         for st in rec.states:
             if st.status in FINISHED:
                 self._drop(st.req)
+        turns = rec.turn_ends()
         for req in rec.finished:
-            st = states.get(req)
-            if req in self.sessions and st is not None and st.status not in FINISHED:
-                self._turn_end(req, st)
+            if req in turns and req in self.sessions:
+                self._turn_end(req, turns[req])
             else:
                 self._drop(req)
 

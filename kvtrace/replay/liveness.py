@@ -1,11 +1,11 @@
 """Liveness: a scheduler that holds a ready request but schedules nothing, step
 after step, is stuck, whatever its counters say.
 
-A running request that is not scheduled, step after step, while nothing is
-and the scheduler is not paused for all requests, is stuck as well: with no
-step in flight, it waits for a token nothing will bring (vLLM 0.32 after a
-failed load under async scheduling: an output placeholder that no output will
-take back). That is reported the same way, after the same number of steps,
+A running request that is not scheduled, step after step, while nothing else
+is either and the scheduler is not paused for all requests, is stuck as well:
+with no step in flight, it waits for a token nothing will bring (vLLM 0.32
+after a failed load under async scheduling: an output placeholder that no
+output will take back). That is reported the same way, after the same number of steps,
 when no waiting request is ready.
 
 A request is ready when it waits in a waiting queue and is not waiting for an
@@ -13,8 +13,8 @@ async KV load that is still in flight nor, as a streaming-input session, for
 its next chunk; none is while sessions waiting for input hold the slots of
 ``max_num_seqs`` that running requests leave (they hold them by design).
 After ``STALL_STEPS`` consecutive steps with nothing scheduled and a ready
-request waiting, replay reports one ``progress`` divergence (per stall). Engines that wait on in-flight loads, or
-that are simply idle, are not flagged.
+request waiting, replay reports one ``progress`` divergence (per stall).
+Engines that wait on in-flight loads, or that are simply idle, are not flagged.
 
 A request that is loaded again and again without ever running is stuck too, even
 though each of its loads succeeds: after ``RELOAD_LIMIT`` KV loads since it was

@@ -290,8 +290,7 @@ class Replayer:
             stale = self._stale.pop(rec.step, None)
             # A streaming-input session's turn end zeroes its placeholders, as a
             # preemption does (S:2478): the steps in flight sample for it no more.
-            turn_ends = {st.req for st in rec.states
-                         if st.req in rec.finished and not st.status.startswith("FINISHED")}
+            turn_ends = rec.turn_ends()
             if turn_ends:
                 for k, ids in self._in_flight.items():
                     self._in_flight[k] = [r for r in ids if r not in turn_ends]

@@ -640,6 +640,15 @@ class Output:
             states=_list_of(_get(d, "states", []), "states", RequestState),
         )
 
+    def turn_ends(self) -> dict[str, RequestState]:
+        """The requests whose turn, not whose life, this output ends: it reports
+        their finish reason, and their state goes on (streaming-input sessions,
+        S:2465-2491), each with that state."""
+        if not self.finished:   # most outputs: nothing to look at
+            return {}
+        return {st.req: st for st in self.states
+                if st.req in self.finished and not st.status.startswith("FINISHED_")}
+
 
 @dataclass(slots=True)
 class PrefillStats:
