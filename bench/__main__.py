@@ -147,7 +147,8 @@ def main() -> None:
                      f"{rep_kv['seconds']:.1f} s, {steps / rep_kv['seconds']:,.0f} steps/s, "
                      f"{rep_kv['slots'] / rep_kv['seconds'] / 1e6:,.1f} M slots/s verified = "
                      f"{rep_kv['floor'] / rep_kv['seconds']:.1%} of parse ({rep_kv['floor']:.1f} s beside it); "
-                     f"peak {_mb(rep_kv['peak_rss'])}; {_workers_mb(rep_kv['worker_peak_rss'])}",
+                     f"peak {_mb(rep_kv['peak_rss'])}; {_workers_mb(rep_kv['worker_peak_rss'])}; "
+                     f"CPU {rep_kv['cpu']:.1f} s main, {rep_kv['worker_cpu']:.1f} s worker(s)",
                      ">= 50% of parse"))
         rows.append(("replay + KV check (cpu), all in one process",
                      f"{rep_kv1['seconds']:.1f} s, {steps / rep_kv1['seconds']:,.0f} steps/s, "

@@ -178,14 +178,21 @@ def replay(trace: str, kv: bool, worker: bool | None = None) -> dict:
 
     used = workers.wanted(trace) if worker is None else int(worker)
     children = _ChildPeaks()
-    t = time.perf_counter()
+    t, cpu, worker_cpu = time.perf_counter(), time.process_time(), _children_cpu()
     r = replay_file(trace, device="cpu" if kv else None, worker=worker)
     seconds = time.perf_counter() - t
+    cpu, worker_cpu = time.process_time() - cpu, _children_cpu() - worker_cpu
     if r.divergences:
         raise SystemExit(f"{len(r.divergences)} divergences on a clean trace: {r.divergences[0]}")
     return {"seconds": seconds, "steps": r.steps, "peak_rss": _peak_rss(),
             "worker_peak_rss": children.stop(), "slots": getattr(r, "slots_checked", 0),
-            "workers": used if kv or used < 2 else 1}
+            "workers": used if kv or used < 2 else 1, "cpu": cpu, "worker_cpu": worker_cpu}
+
+
+def _children_cpu() -> float:
+    """CPU seconds of this process's ended worker processes."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
 
 
 def diff(trace: str, worker: bool | None = None) -> dict:

@@ -236,19 +236,24 @@ def test_a_worker_that_cannot_start_its_check_fails_the_replay_early(faulty, mon
 
 # --------------------------------------------------------------------------- the checks across records
 # The content check's worker runs the reader's checks across records too, and
-# the main process hands them over to it once it has caught up. Where that
-# happens depends on timing; these tests choose the line, and count the main
-# process's own checks, so that the worker's verdict is what they test.
+# the own checks of outputs, and the main process hands them over to it once
+# it has caught up. Where that happens depends on timing; these tests choose
+# the line, and count the main process's own checks, so that the worker's
+# verdict is what they test.
 
 
 @pytest.fixture
 def hand_over(monkeypatch) -> dict:
     """``hand_over["at"] = line`` makes the main process hand the checks across
     records over at ``line`` (None: never); ``hand_over["took"]`` is where it
-    did, and ``hand_over["own"]`` how many records it checked itself."""
-    from kvtrace.trace import validate
+    did, ``hand_over["own"]`` how many records it checked across records
+    itself, and ``hand_over["kinds"]`` of what kinds it checked records whole
+    (Counter: kind -> records)."""
+    from collections import Counter
 
-    state: dict = {"at": None, "took": None, "own": 0}
+    from kvtrace.trace import events, io, validate
+
+    state: dict = {"at": None, "took": None, "own": 0, "kinds": Counter()}
 
     def caught_up(self, line):
         if state["at"] is None or line < state["at"]:
@@ -263,8 +268,13 @@ def hand_over(monkeypatch) -> dict:
         state["own"] += 1
         return real_check(self, e)
 
+    def decode(obj):
+        state["kinds"][obj.get("kind")] += 1
+        return events.decode(obj)
+
     monkeypatch.setattr(content_worker.ContentWorker, "caught_up", caught_up)
     monkeypatch.setattr(validate.Validator, "check", check)
+    monkeypatch.setattr(io, "decode", decode)
     return state
 
 
@@ -272,14 +282,18 @@ def hand_over(monkeypatch) -> dict:
 def test_real_vllm_traces_replay_the_same_when_the_worker_checks_across_records(path, hand_over):
     here = rw.result(path, 0, "cpu")
     assert hand_over["own"] > 0
-    hand_over["own"] = 0
+    assert hand_over["kinds"]["output"] > 0
+    hand_over.update(own=0, kinds=type(hand_over["kinds"])())
     hand_over["at"] = 2   # the first record after the header
     assert rw.result(path, 1, "cpu") == here
     assert hand_over["took"] == 2 and hand_over["own"] == 0
+    # The worker checks outputs whole; the main process, the other records.
+    assert hand_over["kinds"]["output"] == 0 and hand_over["kinds"]["step"] > 0
 
 
 @pytest.mark.parametrize("spoil", [rw._bad_schema, rw._unknown_request, rw._undecodable,
-                                   rw._block_out_of_range, rw._out_of_order, rw._after_the_end],
+                                   rw._block_out_of_range, rw._out_of_order, rw._after_the_end,
+                                   rw._bad_output, rw._undecodable_output],
                          ids=lambda f: f.__name__[1:])
 @pytest.mark.parametrize("at", ["start", "the bad line", "never"])
 def test_bad_input_gets_the_same_error_wherever_the_checks_are_handed_over(faulty, tmp_path, spoil,
@@ -291,13 +305,14 @@ def test_bad_input_gets_the_same_error_wherever_the_checks_are_handed_over(fault
     assert here.startswith(f"{path}:")
     bad_line = int(here[len(f"{path}:"):].split(":")[0])
     hand_over["at"] = {"start": 2, "the bad line": bad_line, "never": None}[at]
-    hand_over["own"] = 0
+    hand_over.update(own=0, kinds=type(hand_over["kinds"])())
     assert rw.error(path, 1, "cpu") == here
     # Lines 2 to the bad one reach the checks across records, but for a record
     # its own checks refuse.
     across = spoil in (rw._unknown_request, rw._block_out_of_range)
-    if at == "start":   # the worker's checks alone
+    if at == "start":   # the worker's checks alone, and its own checks of outputs
         assert hand_over["own"] == 0 and hand_over["took"] == 2
+        assert hand_over["kinds"]["output"] == 0
     if at == "never":
         assert hand_over["took"] is None and hand_over["own"] == bad_line - 2 + across
     if at == "the bad line" and across:   # the worker refuses it

@@ -99,9 +99,21 @@ def _after_the_end(recs):
     recs.append(dict(recs[-2], seq=recs[-1]["seq"] + 1))
 
 
+def _output_at(recs, nth=2):
+    return [i for i, r in enumerate(recs) if r["kind"] == "output" and r.get("states")][nth]
+
+
+def _bad_output(recs):        # only an output's own checks catch it
+    recs[_output_at(recs)]["states"][0]["num_tokens"] = -1
+
+
+def _undecodable_output(recs):   # would break an unchecked decoder
+    recs[_output_at(recs)]["states"] = [{"req": 5}]
+
+
 SPOILERS = pytest.mark.parametrize(
     "spoil", [_bad_schema, _unknown_request, _undecodable, _block_out_of_range, _out_of_order,
-              _after_the_end], ids=lambda f: f.__name__[1:])
+              _after_the_end, _bad_output, _undecodable_output], ids=lambda f: f.__name__[1:])
 
 
 @SPOILERS

@@ -17,7 +17,7 @@ import stat
 import tempfile
 import zlib
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any, Callable, Iterator
 
 import orjson
 
@@ -437,23 +437,46 @@ class TraceReader:
         return self._events(self._validator)
 
     def validated_elsewhere(self, gate) -> Iterator[Event]:
-        """The events of a file whose checks across records (validate.py) another
-        reader of it runs as well, from its first record: each record gets its
-        own checks here, and the checks across records here too until the other
+        """The events of a file that another reader of it checks as well, from
+        its first record, through ``shares_checks``: the checks across records
+        (validate.py) and the own checks of the records of the kinds in
+        ``gate.kinds``. Here every record gets every check until the other
         reader has caught up, at the first record whose line ``gate.caught_up``
-        says it has checked. From there on, each record waits for ``gate`` as in
-        ``checked_elsewhere``. Same events, same cut, same errors as iteration,
-        as long as the other reader reads the same bytes (replay's content
-        worker)."""
+        says it has checked. From there on, records of those kinds are decoded
+        here without checks (trusted.py), the others with their own checks, and
+        each record waits for ``gate`` as in ``checked_elsewhere``. Same events,
+        same cut, same errors as iteration, as long as the other reader reads
+        the same bytes (replay's content worker)."""
         return self._events(self._validator, gate)
 
-    def _events(self, validator: Validator | None, gate=None) -> Iterator[Event]:
+    def shares_checks(self, kinds: frozenset[str]) -> Iterator[Event]:
+        """The other reader's side of ``validated_elsewhere``: the events of a
+        file whose records, except those of ``kinds``, get their own checks from
+        a reader beside this one. Records of ``kinds`` are decoded with their own
+        checks, the others without (trusted.py); every record gets the checks
+        of order and across records, in iteration's order. So a record's first
+        problem raises the TraceError iteration would raise, unless it is one of
+        the own checks left to the other reader, which refuses that record
+        itself; then anything may happen here."""
+        return self._events(self._validator, theirs=lambda kind: kind not in kinds)
+
+    def _events(self, validator: Validator | None, gate=None,
+                theirs: Callable[[Any], bool] | None = None) -> Iterator[Event]:
+        """Each record decoded, with its own checks unless ``theirs(kind)`` says
+        that another reader runs them; then the checks of order and, with
+        ``validator``, those across records. With ``gate``, see
+        ``validated_elsewhere``."""
         last_seq = -1
         for lineno, obj in self.records():
-            try:
-                ev = decode(obj)
-            except SchemaError as e:
-                raise TraceError(self.path, lineno, str(e)) from None
+            if theirs is not None and type(obj) is dict and theirs(obj.get("kind")):
+                if gate is not None and lineno > gate.through:
+                    gate.wait(lineno)   # nothing is decoded unchecked before it is checked
+                ev = trusted.decode(obj)
+            else:
+                try:
+                    ev = decode(obj)
+                except SchemaError as e:
+                    raise TraceError(self.path, lineno, str(e)) from None
             if ev.seq <= last_seq:
                 raise TraceError(self.path, lineno,
                                  f"sequence number {ev.seq} does not follow {last_seq}")
@@ -463,6 +486,7 @@ class TraceReader:
             if validator is not None:
                 if gate is not None and gate.caught_up(lineno):
                     validator = None   # the other reader checks from here on
+                    theirs = gate.kinds.__contains__
                 else:
                     try:
                         validator.check(ev)
