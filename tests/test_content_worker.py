@@ -248,7 +248,7 @@ def hand_over(monkeypatch) -> dict:
     records over at ``line`` (None: never); ``hand_over["took"]`` is where it
     did, ``hand_over["own"]`` how many records it checked across records
     itself, and ``hand_over["kinds"]`` of what kinds it checked records whole
-    (Counter: kind -> records)."""
+    (Counter: the kind's repr -> records)."""
     from collections import Counter
 
     from kvtrace.trace import events, io, validate
@@ -269,7 +269,7 @@ def hand_over(monkeypatch) -> dict:
         return real_check(self, e)
 
     def decode(obj):
-        state["kinds"][obj.get("kind")] += 1
+        state["kinds"][repr(obj.get("kind"))] += 1
         return events.decode(obj)
 
     monkeypatch.setattr(content_worker.ContentWorker, "caught_up", caught_up)
@@ -282,18 +282,18 @@ def hand_over(monkeypatch) -> dict:
 def test_real_vllm_traces_replay_the_same_when_the_worker_checks_across_records(path, hand_over):
     here = rw.result(path, 0, "cpu")
     assert hand_over["own"] > 0
-    assert hand_over["kinds"]["output"] > 0
+    assert hand_over["kinds"]["'output'"] > 0
     hand_over.update(own=0, kinds=type(hand_over["kinds"])())
     hand_over["at"] = 2   # the first record after the header
     assert rw.result(path, 1, "cpu") == here
     assert hand_over["took"] == 2 and hand_over["own"] == 0
     # The worker checks outputs whole; the main process, the other records.
-    assert hand_over["kinds"]["output"] == 0 and hand_over["kinds"]["step"] > 0
+    assert hand_over["kinds"]["'output'"] == 0 and hand_over["kinds"]["'step'"] > 0
 
 
 @pytest.mark.parametrize("spoil", [rw._bad_schema, rw._unknown_request, rw._undecodable,
                                    rw._block_out_of_range, rw._out_of_order, rw._after_the_end,
-                                   rw._bad_output, rw._undecodable_output],
+                                   rw._bad_output, rw._undecodable_output, rw._kind_not_a_name],
                          ids=lambda f: f.__name__[1:])
 @pytest.mark.parametrize("at", ["start", "the bad line", "never"])
 def test_bad_input_gets_the_same_error_wherever_the_checks_are_handed_over(faulty, tmp_path, spoil,
@@ -312,7 +312,7 @@ def test_bad_input_gets_the_same_error_wherever_the_checks_are_handed_over(fault
     across = spoil in (rw._unknown_request, rw._block_out_of_range)
     if at == "start":   # the worker's checks alone, and its own checks of outputs
         assert hand_over["own"] == 0 and hand_over["took"] == 2
-        assert hand_over["kinds"]["output"] == 0
+        assert hand_over["kinds"]["'output'"] == 0
     if at == "never":
         assert hand_over["took"] is None and hand_over["own"] == bad_line - 2 + across
     if at == "the bad line" and across:   # the worker refuses it

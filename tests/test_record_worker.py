@@ -111,9 +111,14 @@ def _undecodable_output(recs):   # would break an unchecked decoder
     recs[_output_at(recs)]["states"] = [{"req": 5}]
 
 
+def _kind_not_a_name(recs):
+    recs[_output_at(recs)]["kind"] = ["output"]
+
+
 SPOILERS = pytest.mark.parametrize(
     "spoil", [_bad_schema, _unknown_request, _undecodable, _block_out_of_range, _out_of_order,
-              _after_the_end, _bad_output, _undecodable_output], ids=lambda f: f.__name__[1:])
+              _after_the_end, _bad_output, _undecodable_output, _kind_not_a_name],
+    ids=lambda f: f.__name__[1:])
 
 
 @SPOILERS

@@ -468,7 +468,8 @@ class TraceReader:
         ``validated_elsewhere``."""
         last_seq = -1
         for lineno, obj in self.records():
-            if theirs is not None and type(obj) is dict and theirs(obj.get("kind")):
+            kind = obj.get("kind") if type(obj) is dict else None
+            if theirs is not None and type(kind) is str and theirs(kind):
                 if gate is not None and lineno > gate.through:
                     gate.wait(lineno)   # nothing is decoded unchecked before it is checked
                 ev = trusted.decode(obj)
