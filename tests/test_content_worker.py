@@ -269,7 +269,7 @@ def hand_over(monkeypatch) -> dict:
         return real_check(self, e)
 
     def decode(obj):
-        state["kinds"][repr(obj.get("kind"))] += 1
+        state["kinds"][repr(obj.get("kind") if type(obj) is dict else None)] += 1
         return events.decode(obj)
 
     monkeypatch.setattr(content_worker.ContentWorker, "caught_up", caught_up)
@@ -363,3 +363,53 @@ def test_a_worker_that_read_less_than_the_hand_over_needs_is_an_error(faulty, tm
     assert hand_over["took"] == 2 and reader.last_line == len(recs) // 2 + 1
     rp.close()
 
+
+
+# --------------------------------------------------------------------------- a worker ahead
+
+
+def _after_a_step(recs) -> int:
+    return [i for i, r in enumerate(recs) if r["kind"] == "step" and r.get("running")][2] + 1
+
+
+def _unknown_kind(recs):
+    i = _after_a_step(recs)
+    recs[i] = {"kind": "nonsense", "seq": recs[i]["seq"]}
+
+
+def _not_an_object(recs):
+    recs[_after_a_step(recs)] = [1, 2]
+
+
+def _bad_arrival(recs):
+    i = _after_a_step(recs)
+    recs[i] = {"kind": "arrival", "seq": recs[i]["seq"], "req": "zz", "prompt_token_ids": "x"}
+
+
+@pytest.mark.parametrize("spoil", [_unknown_kind, _not_an_object, _bad_arrival],
+                         ids=lambda f: f.__name__[1:])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_bad_record_right_after_a_step_gets_the_same_error_when_the_worker_is_ahead(
+        faulty, tmp_path, spoil, workers, monkeypatch):
+    """The worker decodes this record unchecked (its kind is not an output's)
+    and fails on it with some exception. It must still report the step just
+    before it, which the main process replays before it reaches the bad line
+    and refuses it. Here the main process hands that step over only once the
+    worker has ended."""
+    recs = load_records(faulty)
+    spoil(recs)
+    path = save_records(recs, tmp_path / "bad.jsonl")
+    here = rw.error(path, 0, "cpu")
+    bad_line = int(here[len(f"{path}:"):].split(":")[0])
+    real = content_worker.ContentWorker.step
+    waited = []
+
+    def step(self, rec, line, tag=None):
+        if line == bad_line - 1:
+            self._proc.wait(timeout=60)
+            waited.append(line)
+        return real(self, rec, line, tag)
+
+    monkeypatch.setattr(content_worker.ContentWorker, "step", step)
+    assert rw.error(path, workers, "cpu") == here
+    assert waited == [bad_line - 1]

@@ -248,7 +248,7 @@ def _serve(path: str, device: str, validate: str, kinds: str, shared: tuple[int,
         check = None
 
     line = 0
-    check = None
+    check = reader = None
     try:
         reader = TraceReader(path, validate=validate == "1", shared=shared)
         check = ContentCheck(reader.header.config, device,
@@ -284,6 +284,8 @@ def _serve(path: str, device: str, validate: str, kinds: str, shared: tuple[int,
                 else:
                     stop_check(line, "a record the checks it shares refuse")
     except Exception as error:   # a record the main process refuses, or a bug
+        if reader is not None:
+            line = reader.last_line   # the record that raised: the steps before it count
         if check is not None:
             stop_check(line, f"{type(error).__name__}: {error}")
         else:
