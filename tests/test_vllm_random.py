@@ -119,7 +119,8 @@ MEETS_THE_BUG = (209, "async-failures")
 # (async-rlhf-sessions:3363). CI runs 3363.
 # knobs:460-499, async-knobs:560-599, sync-failures:310-399, stream:660-699,
 # async-stream:760-799, sync-aborts:930-979, rlhf-sessions:3260-3299 and
-# async-rlhf-sessions:3380-3449 pass (410 runs).
+# async-rlhf-sessions:3380-3449 pass (410 runs), and so do sessions:3500-3539,
+# async-sessions:3600-3639, mixed:1560-1599 and async-mixed:1660-1699 (160).
 CI_SEEDS = [(100, "async"), (101, "async"), MEETS_THE_BUG, (210, "async-failures"),
             (300, "sync-failures"), (414, "knobs"), (416, "knobs"), (403, "knobs"),
             (400, "async-knobs"), (404, "async-knobs"), (542, "async-knobs"), (457, "knobs"),
