@@ -306,6 +306,33 @@ def test_output_for_unscheduled_step(base, tmp_path, capsys):
     _assert_rejected(capsys, bad, base, 4, "output for step 7, which has not been scheduled (the last step is 0)")
 
 
+def test_output_for_a_step_with_no_record_is_refused_by_every_command(tmp_path, capsys):
+    """Under async scheduling step N+1 is recorded before output N, so an
+    output whose step record is gone still names a step before the last one.
+    Every command refuses it at its line, as replay always did (diff, show,
+    report, redact and export once read on)."""
+    from pathlib import Path
+
+    data = gzip.decompress((Path(__file__).parent.parent / "traces" / "async-preemption.jsonl.gz")
+                           .read_bytes())
+    objs = [orjson.loads(x) for x in data.splitlines()]
+    kinds = [(o.get("kind"), o.get("step")) for o in objs]
+    # A step whose output comes after the next step's record.
+    n = next(s for k, s in kinds if k == "step" and s is not None
+             and kinds.index(("output", s)) > kinds.index(("step", s + 1)))
+    gone = kinds.index(("step", n))
+    line = kinds.index(("output", n))   # the output's line once the step's is gone (1-based)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(_dump(objs[:gone] + objs[gone + 1:]))
+    want = f"kvtrace: {bad}:{line}: output for step {n}, which has no step record before it"
+    for argv in (["replay", "--device", "cpu", bad], ["replay", "--no-kv-check", bad],
+                 ["diff", bad, bad], ["show", bad], ["report", "-o", tmp_path / "r.html", bad],
+                 ["redact", bad, tmp_path / "red.jsonl"], ["export", "-o", tmp_path / "e.json", bad]):
+        code, _, err = _run(capsys, *argv)
+        assert code == 2 and err.strip().splitlines() == [err.strip()], (argv[0], code, err)
+        assert err.startswith(want), (argv[0], err)
+
+
 def test_output_repeated(base, tmp_path, capsys):
     bad = _edit(base, tmp_path, lambda o: o[6].__setitem__("step", 0))
     _assert_rejected(capsys, bad, base, 7, "output for step 0 after the output for step 0")

@@ -14,9 +14,10 @@ then checks what only the whole file can say is wrong, so that every consumer of
 * every request named by a step, an output or a prompt_stats record must have
   arrived earlier in the file (aborts are exempt: vLLM's ``finish_requests``
   ignores ids it does not know, and the recorder writes the call as made);
-* ``step`` numbers strictly increase; an output names a step already recorded,
-  and outputs come in step order (also under async scheduling); a prompt_stats
-  record names a step already recorded.
+* ``step`` numbers strictly increase; an output names a step whose record came
+  before it and that has had no output yet, and outputs come in step order (also
+  under async scheduling; a step may get no output, on an engine's error path);
+  a prompt_stats record names a step already recorded.
 
 Each check raises ``SchemaError`` with the problem; the reader adds file and line.
 Memory follows the live requests. Finished requests, which records may still
@@ -26,6 +27,8 @@ in fixed memory by ``FinishedRequests``.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 from . import events as ev
 from .events import SchemaError
@@ -73,6 +76,9 @@ class Validator:
         self.finished = FinishedRequests()
         self.last_step = -1
         self.last_output_step = -1
+        # The recorded steps after the last output, in order: those that may
+        # still get theirs (one or two in flight, under async scheduling).
+        self.awaiting: deque[int] = deque()
 
     # -- entry -------------------------------------------------------------------
 
@@ -137,6 +143,7 @@ class Validator:
             raise SchemaError(f"field 'num_free_blocks' is {s.num_free_blocks}, more than the "
                               f"{self.num_blocks} blocks of the header's pool")
         self.last_step = s.step
+        self.awaiting.append(s.step)
 
     def _output(self, o: ev.Output) -> None:
         if o.step > self.last_step:
@@ -145,6 +152,13 @@ class Validator:
         if o.step <= self.last_output_step:
             raise SchemaError(f"output for step {o.step} after the output for step "
                               f"{self.last_output_step}: outputs come once per step, in step order")
+        awaiting = self.awaiting
+        while awaiting and awaiting[0] < o.step:   # steps whose output never came
+            awaiting.popleft()
+        if not awaiting or awaiting[0] != o.step:
+            raise SchemaError(f"output for step {o.step}, which has no step record before it "
+                              "(steps are recorded before their outputs)")
+        awaiting.popleft()
         self.last_output_step = o.step
         for req in o.sampled:
             self._known(req, "sampled")
