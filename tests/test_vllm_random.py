@@ -121,12 +121,17 @@ MEETS_THE_BUG = (209, "async-failures")
 # async-stream:760-799, sync-aborts:930-979, rlhf-sessions:3260-3299 and
 # async-rlhf-sessions:3380-3449 pass (410 runs), and so do sessions:3500-3539,
 # async-sessions:3600-3639, mixed:1560-1599 and async-mixed:1660-1699 (160).
+# async:125-164, async-failures:285-324 and rlhf:2530-2569 pass; of
+# async-rlhf:2460-2499, 2478 showed vLLM's step past the last token, after a
+# failed sync load, as the test did not yet accept it: the request goes on one
+# token ahead, and the shadow-KV check flags its reads of the position that
+# step computed from the discarded token. CI runs it.
 CI_SEEDS = [(100, "async"), (101, "async"), MEETS_THE_BUG, (210, "async-failures"),
             (300, "sync-failures"), (414, "knobs"), (416, "knobs"), (403, "knobs"),
             (400, "async-knobs"), (404, "async-knobs"), (542, "async-knobs"), (457, "knobs"),
             (731, "async-stream"), (802, "async-aborts"), (1000, "mixed"), (1029, "mixed"),
             (1107, "async-mixed"), (1256, "mixed"), (2022, "rlhf"), (2100, "async-rlhf"),
-            (2317, "async-rlhf"), (3003, "sessions"), (3101, "async-sessions"),
+            (2317, "async-rlhf"), (2478, "async-rlhf"), (3003, "sessions"), (3101, "async-sessions"),
             (3134, "async-sessions"), (3247, "rlhf-sessions"), (3310, "async-rlhf-sessions"),
             (3363, "async-rlhf-sessions")]
 
@@ -302,11 +307,36 @@ def _known_vllm_bugs(divs: list, workload: dict, trace) -> None:
         elif d.field == "progress":   # the stall after a failed async load
             assert d.rule.endswith("itself included)"), (d.to_json(), _session_deadlock(trace, d))
             assert index in _failing_loads(workload, only_async=True), d.to_json()
+        elif d.kind == "kv-content":
+            # Reads of a position that a step past the last token computed (I1,
+            # below): the model runner took its input from the token the failed
+            # load's output discarded, and the request's own token at that
+            # position came only with that step's output.
+            assert _computed_past_the_last_token(divs, d), d.to_json()
         else:
             assert d.rule == STALE or (d.rule.startswith("I1") and d.field == "state.num_computed_tokens"), \
                 d.to_json()
             assert workload["engine"]["async_scheduling"], d.to_json()
             assert index in _failing_loads(workload) or d.req in shared, d.to_json()
+
+
+def _computed_past_the_last_token(divs: list, d) -> bool:
+    """Whether the first wrong position of the shadow-KV check's divergence
+    ``d`` (a slot never written with the request's token there, or a position
+    counted as computed past the last token) is one that an earlier step of the
+    same request computed past its last token: that step's I1 divergence says
+    the count reached ``recorded`` where at most ``expected`` ("<= N") tokens
+    existed."""
+    import re
+
+    m = re.search(r"position (\d+)\)?: (never written;|the request has only)", d.recorded)
+    if m is None:
+        return False
+    pos = int(m.group(1))
+    return any(e.req == d.req and e.step < d.step and e.rule.startswith("I1")
+               and e.field == "state.num_computed_tokens"
+               and int(str(e.expected).removeprefix("<= ")) <= pos < int(e.recorded)
+               for e in divs)
 
 
 def _session_deadlock(trace, d) -> str | None:
