@@ -14,6 +14,10 @@ agreement: tests/test_vllm_replay.py).
 And with scheduler_reserve_full_isl off, priority scheduling and chunked long
 prefills, it can admit and preempt the same requests forever. Replay's liveness
 check names each of them; vLLM's own scheduler does the same on the same inputs.
+
+Under async scheduling, it loses a streaming-input session whose turn ends
+after it was preempted in the step scheduled meanwhile: no queue holds it, and
+the engine goes idle with it unfinished. Replay's liveness check names it.
 """
 
 from __future__ import annotations
@@ -330,3 +334,72 @@ def test_vllm_own_scheduler_makes_the_same_uncomputed_hit(tmp_path):
     res = replay_through_vllm(UNCOMPUTED_HIT, out)
     assert res.faithful_inputs and res.stopped is None
     assert diff_files(UNCOMPUTED_HIT, out).divergences == []
+
+
+# --------------------------------------------------------------------------- vLLM 0.32: a session lost from the queues
+
+
+LOST_SESSION = (__import__("pathlib").Path(__file__).resolve().parent.parent / "traces" / "vllm-bugs"
+                / "async-session-lost.jsonl.gz")
+
+
+def _turns_ended_while_preempted(path) -> list[tuple[int, str]]:
+    """Worked from the records alone: (output step, session) for each
+    streaming-input session whose turn an output ends while a step recorded
+    after the session was last scheduled has preempted it (under async
+    scheduling the next step is scheduled, and may preempt it, before the
+    output of the step before comes back)."""
+    sessions, preempted, found = set(), set(), []
+    with TraceReader(path) as r:
+        for e in r:
+            if isinstance(e, ev.Arrival) and e.resumable:
+                sessions.add(e.req)
+            elif isinstance(e, ev.Step):
+                preempted.update(e.preempted)
+                preempted.difference_update(s.req for s in (*e.new, *e.resumed, *e.running))
+            elif isinstance(e, ev.Output):
+                found += [(e.step, req) for req in sorted(e.turn_ends()) if req in sessions & preempted]
+    return found
+
+
+def test_a_session_lost_from_the_queues_is_flagged():
+    """A real vLLM 0.32 run (traces/vllm-bugs/async-session-lost,
+    docs/findings.md): a session preempted while its last output was in flight
+    ends its turn in that output. vLLM puts it back in the waiting queue, then
+    takes it out with the preempted requests that stopped; it is never
+    scheduled again, and the engine, which counts only its queues, goes idle
+    with it unfinished (the driver stopped it). Every count agrees with the
+    reference, which keeps vLLM's rules; replay names the session, at that
+    output, by the liveness check alone."""
+    lost = _turns_ended_while_preempted(LOST_SESSION)
+    assert len(lost) == 1
+    step, req = lost[0]
+    with TraceReader(LOST_SESSION) as r:
+        records = list(r)
+        end = r.end
+    assert end.status == "interrupted" and "would wait for ever" in end.error and req in end.error
+    at = next(i for i, e in enumerate(records) if isinstance(e, ev.Output) and e.step == step)
+    later = [e for e in records[at:] if isinstance(e, ev.Step)]
+    assert later and not any(s.req == req for e in later for s in (*e.new, *e.resumed, *e.running))
+    divs = replay_file(LOST_SESSION, device="cpu").divergences
+    assert [(d.step, d.req, d.field, d.kind) for d in divs] == [(step, req, "progress", "invariant")], \
+        [d.to_json() for d in divs]
+    assert divs[0].recorded.endswith("in no queue") and divs[0].seq == records[at].seq
+
+
+@pytest.mark.vllm
+def test_vllm_own_scheduler_loses_the_same_session(tmp_path):
+    from _require import require
+
+    require("vllm", "vLLM is not installed: this finding is checked against vLLM's scheduler")
+    from kvtrace.diff import diff_files
+    from kvtrace.record.vllm_replay import replay_through_vllm
+
+    out = tmp_path / "vllm.jsonl"
+    res = replay_through_vllm(LOST_SESSION, out)
+    assert res.faithful_inputs
+    assert diff_files(LOST_SESSION, out).divergences == []
+    with TraceReader(out) as r:
+        steps = [e.step for e in r if isinstance(e, ev.Step)]
+    with TraceReader(LOST_SESSION) as r:
+        assert steps == [e.step for e in r if isinstance(e, ev.Step)]

@@ -407,6 +407,14 @@ WORKLOADS["priority-preempt-uncomputed-hit"] = knobs_workload(445)
 # docs/findings.md.
 WORKLOADS["async-failed-load-stale-token"] = mixed_workload(1118, "async-mixed")
 
+# vLLM 0.32 under async scheduling: a streaming-input session preempted in the
+# step scheduled while its last output was in flight, whose turn that output
+# ends, is put back in the waiting queue and then taken out again with the
+# preempted requests that stopped (S:2296-2300). No queue holds it: the engine
+# goes idle with the session unfinished, and would wait for ever
+# (docs/findings.md; the driver stops it, EngineStranded).
+WORKLOADS["async-session-lost"] = sessions_workload(4337, "async-rlhf-sessions")
+
 
 def _resolve(workload: Any) -> dict:
     if isinstance(workload, str):
@@ -469,7 +477,9 @@ def _serve(eng: Any, prompts: list, params: Any, wl: dict) -> dict:
     A request listed in ``sessions`` is a streaming-input session: its prompt is
     its first chunk, and each further chunk (or the end of its input, None) is
     given before the step listed, unless the session was aborted. Returns each
-    request's last output, by index (an aborted request's may be missing)."""
+    request's last output, by index (an aborted request's may be missing).
+    Raises ``EngineStranded`` when the engine holds unfinished requests that it
+    will never schedule (in process only: the engine core's scheduler is asked)."""
     n = len(prompts)
     if not isinstance(params, list):
         params = [params] * n
@@ -484,6 +494,8 @@ def _serve(eng: Any, prompts: list, params: Any, wl: dict) -> dict:
     aborted: set[str] = set()
     outs: dict[int, Any] = {}
     step = 0
+    core = getattr(eng.engine_core, "engine_core", None)   # the engine core, when in process
+    idle = 0   # steps in a row with unfinished requests, nothing to schedule and nothing to come
     while order or chunks or eng.has_unfinished_requests():
         if not eng.has_unfinished_requests():
             step = max(step, min([arrive[i] for i in order[:1]] + [c[0] for c in chunks[:1]]))
@@ -506,7 +518,30 @@ def _serve(eng: Any, prompts: list, params: Any, wl: dict) -> dict:
         for o in eng.step():
             outs[int(o.request_id)] = o
         step += 1
+        if (core is None or order or chunks or control or any(at >= step for at in aborts)
+                or core.scheduler.has_requests() or not eng.has_unfinished_requests()):
+            idle = 0
+            continue
+        idle += 1
+        if idle == STRANDED_STEPS:
+            held = sorted(core.scheduler.requests)
+            raise EngineStranded(
+                f"{'request' if len(held) == 1 else 'requests'} {', '.join(held[:5])}"
+                f"{' ...' if len(held) > 5 else ''} {'is' if len(held) == 1 else 'are'} unfinished, "
+                f"but for {STRANDED_STEPS} steps the scheduler had nothing to schedule and "
+                "nothing more was to arrive: the engine would wait for ever")
     return outs
+
+
+# Steps in a row after which a served engine that holds unfinished requests,
+# has nothing to schedule and has nothing more to receive is stopped: vLLM 0.32
+# can lose a request from its queues (docs/findings.md), and would then wait for
+# ever. A step that only collects an output in flight takes one.
+STRANDED_STEPS = 100
+
+
+class EngineStranded(RuntimeError):
+    """A served engine holds unfinished requests that nothing will schedule."""
 
 
 def give_chunk(eng: Any, sid: str, prompt: dict, params: Any, priority: int = 0,

@@ -35,6 +35,17 @@ loop: such a report is taken back when the request samples a token
 (``take_back``, which replay applies at the end of the trace). (vLLM 0.32 loops for ever this way with
 ``scheduler_reserve_full_isl`` off, priority scheduling and chunked long
 prefills: docs/findings.md.)
+
+A request the scheduler holds, unfinished, waits in one of its queues (running,
+waiting, or waiting with its blocks): nothing else is ever scheduled. An output
+puts a request back into a queue in one case, a streaming-input session whose
+turn ends, so after each output replay checks that every request whose turn
+ended in it, and that has not finished, is in a queue. (vLLM 0.32 under async
+scheduling loses a session whose turn ends after it was preempted in the step
+scheduled meanwhile: it puts the session back in the waiting queue, then takes
+it out with the preempted requests that stopped, S:2296-2300. The engine,
+which counts only its queues, goes idle with the session unfinished:
+docs/findings.md.)
 """
 
 from __future__ import annotations
@@ -86,6 +97,24 @@ class ProgressWatch:
                 self.preempted.pop(req, None)
                 if req in self.looping:   # it got through: thrashing, not a loop
                     self.got_through.append(self.looping.pop(req))
+
+    def after_update(self, step: int, results: list, sched: Scheduler, seq: int | None,
+                     line: int | None) -> list[Divergence]:
+        """The requests whose turn ended in this output (``results``, the
+        reference's) and that the scheduler still holds, in none of its queues."""
+        found = []
+        for res in results:
+            r = sched.requests.get(res.req_id) if res.finish_reason is not None else None
+            if r is None or r.is_finished or _queued(sched, r):
+                continue
+            found.append(Divergence(
+                step, r.request_id, "progress", f"{r.status.name}, in no queue",
+                "a request the scheduler holds waits in one of its queues until it finishes",
+                f"liveness: the turn of {r.request_id} ended, and no queue holds it (running, "
+                "waiting, waiting with its blocks): nothing will schedule it again, and an "
+                "engine that counts only its queues goes idle with it unfinished",
+                "invariant", seq, line))
+        return found
 
     def take_back(self) -> list[Divergence]:
         """The preemption-loop reports whose request sampled a token after all
@@ -159,6 +188,11 @@ class ProgressWatch:
             f"{free} free blocks ({reserved} reserved for in-flight prefills"
             f"{', itself included' if head in sched.inflight_prefills else ''})",
             "invariant", seq, line)]
+
+
+def _queued(sched: Scheduler, r) -> bool:
+    return any(q is r for queue in (sched.running, sched.waiting, sched.kv_holding_waiting)
+               for q in queue)
 
 
 def _stuck_running(sched: Scheduler):

@@ -309,6 +309,8 @@ class Replayer:
         before = {r.request_id: r.num_tokens for r in touched if stale and r.request_id in stale}
         results = self.sched.update_from_output(out, model)
         self.divergences.extend(checks.compare_output(rec, results, self.sched, touched, line))
+        self.divergences.extend(self._progress.after_update(rec.step, results, self.sched,
+                                                            rec.seq, line))
         if before:
             self.divergences.extend(checks.stale_tokens(rec, before, line))
         if self._in_flight is not None and rec.connector is not None:
