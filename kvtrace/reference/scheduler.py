@@ -481,14 +481,17 @@ class Scheduler:
             for r in self.finish_requests(sorted(failed), Status.FINISHED_ERROR):
                 outputs.append(RequestOutput(r.request_id, [], FINISH_REASONS[r.status]))
 
-        for req_id in model.finished_recving:
+        # vLLM goes through these sets in its own process's order, which a trace
+        # does not hold; in sorted order, as the trace lists them, replay says
+        # the same in every process.
+        for req_id in sorted(model.finished_recving):
             r = self.requests[req_id]
             if r.status == Status.WAITING_FOR_REMOTE_KVS:
                 self.finished_recving_ids.add(req_id)
             else:
                 self._free_blocks(r, "S:3230 a finished load for a request that neither waits "
                                      "for it nor has finished")
-        for req_id in model.finished_sending:
+        for req_id in sorted(model.finished_sending):
             self._free_blocks(self.requests[req_id], "S:2747 a finished send for a request "
                                                      "that has not finished")
         return outputs

@@ -296,7 +296,7 @@ class Replayer:
                     self._in_flight[k] = [r for r in ids if r not in turn_ends]
         self._unmatched_stats()
         model = bridge.model_output_from_event(rec)
-        for req in [*model.finished_recving, *model.finished_sending]:
+        for req in [*sorted(model.finished_recving), *sorted(model.finished_sending)]:
             if req not in self.sched.requests:
                 self.divergences.append(Divergence(
                     rec.step, req, "connector", "finished transfer", "no such live request",
