@@ -134,7 +134,8 @@ MEETS_THE_BUG = (209, "async-failures")
 # (EngineStranded), replay's liveness check names the session, and CI runs it.
 # Since then async-sessions:4400-4499, async-rlhf-sessions:4500-4619,
 # sessions:4600-4619, rlhf-sessions:4700-4719, async-mixed:4800-4839 and
-# async-failures:4900-4919 pass (320 runs).
+# async-failures:4900-4919 pass (320 runs), and so do async-stream:5000-5039,
+# async-aborts:5100-5139, knobs:5200-5239 and async-rlhf:5300-5339 (160).
 CI_SEEDS = [(100, "async"), (101, "async"), MEETS_THE_BUG, (210, "async-failures"),
             (300, "sync-failures"), (414, "knobs"), (416, "knobs"), (403, "knobs"),
             (400, "async-knobs"), (404, "async-knobs"), (542, "async-knobs"), (457, "knobs"),
