@@ -136,6 +136,11 @@ MEETS_THE_BUG = (209, "async-failures")
 # sessions:4600-4619, rlhf-sessions:4700-4719, async-mixed:4800-4839 and
 # async-failures:4900-4919 pass (320 runs), and so do async-stream:5000-5039,
 # async-aborts:5100-5139, knobs:5200-5239 and async-rlhf:5300-5339 (160).
+# Of async-rlhf-sessions:5400-5479, async-sessions:5500-5539 and
+# rlhf-sessions:5600-5639, one (async-rlhf-sessions:5467) showed the step past
+# the last token after a failed load in a block that another request had
+# written before: the shadow-KV check names that request as the slot's writer
+# rather than "never written". The test accepts either at such a position.
 CI_SEEDS = [(100, "async"), (101, "async"), MEETS_THE_BUG, (210, "async-failures"),
             (300, "sync-failures"), (414, "knobs"), (416, "knobs"), (403, "knobs"),
             (400, "async-knobs"), (404, "async-knobs"), (542, "async-knobs"), (457, "knobs"),
@@ -346,14 +351,16 @@ def _known_vllm_bugs(divs: list, workload: dict, trace) -> None:
 
 def _computed_past_the_last_token(divs: list, d) -> bool:
     """Whether the first wrong position of the shadow-KV check's divergence
-    ``d`` (a slot never written with the request's token there, or a position
-    counted as computed past the last token) is one that an earlier step of the
-    same request computed past its last token: that step's I1 divergence says
-    the count reached ``recorded`` where at most ``expected`` ("<= N") tokens
+    ``d`` (a slot never written with the request's token there, in a fresh
+    block or in one another request wrote before, or a position counted as
+    computed past the last token) is one that an earlier step of the same
+    request computed past its last token: that step's I1 divergence says the
+    count reached ``recorded`` where at most ``expected`` ("<= N") tokens
     existed."""
     import re
 
-    m = re.search(r"position (\d+)\)?: (never written;|the request has only)", d.recorded)
+    m = re.search(r"position (\d+)\)?: (never written;|the request has only|written by )",
+                  d.recorded)
     if m is None:
         return False
     pos = int(m.group(1))
