@@ -140,7 +140,8 @@ MEETS_THE_BUG = (209, "async-failures")
 # rlhf-sessions:5600-5639, one (async-rlhf-sessions:5467) showed the step past
 # the last token after a failed load in a block that another request had
 # written before: the shadow-KV check names that request as the slot's writer
-# rather than "never written". The test accepts either at such a position.
+# rather than "never written". The test accepts either at such a position, and
+# CI runs it.
 CI_SEEDS = [(100, "async"), (101, "async"), MEETS_THE_BUG, (210, "async-failures"),
             (300, "sync-failures"), (414, "knobs"), (416, "knobs"), (403, "knobs"),
             (400, "async-knobs"), (404, "async-knobs"), (542, "async-knobs"), (457, "knobs"),
@@ -148,7 +149,8 @@ CI_SEEDS = [(100, "async"), (101, "async"), MEETS_THE_BUG, (210, "async-failures
             (1107, "async-mixed"), (1256, "mixed"), (2022, "rlhf"), (2100, "async-rlhf"),
             (2317, "async-rlhf"), (2478, "async-rlhf"), (3003, "sessions"), (3101, "async-sessions"),
             (3134, "async-sessions"), (3247, "rlhf-sessions"), (3310, "async-rlhf-sessions"),
-            (3363, "async-rlhf-sessions"), (4337, "async-rlhf-sessions")]
+            (3363, "async-rlhf-sessions"), (4337, "async-rlhf-sessions"),
+            (5467, "async-rlhf-sessions")]
 
 
 KINDS = ("async", "async-failures", "sync-failures", "knobs", "async-knobs", "stream", "async-stream",
