@@ -28,12 +28,12 @@ TRACES = {
     "async-connector": "async-connector",
 }
 # Traces of vLLM's own bugs, unchanged engine, in vllm-bugs/: the engine fails
-# on them, and the trace ends "interrupted" with its error.
-BUG_TRACES = {"async-recompute-placeholders": "async-connector-recompute"}
-# Traces of vLLM's own bugs, unchanged engine, in vllm-bugs/: the engine would
-# wait for ever on them, holding a request it will never schedule; the driver
-# stops it (EngineStranded), and the trace ends "interrupted" with that error.
-STRANDED_TRACES = {"async-session-lost": "async-session-lost"}
+# on them, and the trace ends "interrupted" with its error. On those in
+# STRANDED the engine would wait for ever, holding a request it will never
+# schedule: the driver stops it (EngineStranded), and that is the error.
+BUG_TRACES = {"async-recompute-placeholders": "async-connector-recompute",
+              "async-session-lost": "async-session-lost"}
+STRANDED = {"async-session-lost"}
 # Traces of vLLM's own bugs that run to the end, silently wrong, in vllm-bugs/.
 SILENT_BUG_TRACES = {"priority-preempt-uncomputed-hit": "priority-preempt-uncomputed-hit",
                      "async-failed-load-stale-token": "async-failed-load-stale-token"}
@@ -47,19 +47,8 @@ def main(names: list[str]) -> int:
 
     from kvtrace.record.vllm_run import EngineFailed, EngineStranded
 
-    for name in names or (list(TRACES) + FAULT_TRACES + list(BUG_TRACES) + list(STRANDED_TRACES)
-                          + list(SILENT_BUG_TRACES)):
-        if name in STRANDED_TRACES:
-            out = HERE / "vllm-bugs" / f"{name}.jsonl.gz"
-            try:
-                record_vllm_offline(None, out, STRANDED_TRACES[name])
-            except EngineFailed as e:
-                if not isinstance(e.error, EngineStranded):
-                    raise
-                print(f"{out}: the engine was stopped, as expected ({e.error})")
-            else:
-                raise SystemExit(f"{name}: the engine finished; is this vLLM fixed?")
-        elif name in SILENT_BUG_TRACES:
+    for name in names or list(TRACES) + FAULT_TRACES + list(BUG_TRACES) + list(SILENT_BUG_TRACES):
+        if name in SILENT_BUG_TRACES:
             out = HERE / "vllm-bugs" / f"{name}.jsonl.gz"
             record_vllm_offline(None, out, SILENT_BUG_TRACES[name])
         elif name in BUG_TRACES:
@@ -68,6 +57,8 @@ def main(names: list[str]) -> int:
             try:
                 record_vllm_offline(None, out, BUG_TRACES[name])
             except EngineFailed as e:
+                if (name in STRANDED) != isinstance(e.error, EngineStranded):
+                    raise
                 print(f"{out}: the engine failed, as expected ({type(e.error).__name__})")
             else:
                 raise SystemExit(f"{name}: the engine did not fail; is this vLLM fixed?")
