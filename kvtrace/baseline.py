@@ -1,7 +1,11 @@
 """The baseline profile (semantics doc, section 0.1): which engines' traces can
 be replayed, by the reference and by vLLM's own scheduler alike.
 
-Outside it, the scheduler's arithmetic changes (speculative tokens, EAGLE's
+Speculative decoding is inside it when the scheduler's arithmetic is that of
+draft tokens alone: the synchronous scheduler, no lookahead slots, no extra
+input slots for drafting, a fixed number of drafts (n-gram and suffix
+decoding; not EAGLE, MTP or a draft model, which reserve slots past the
+drafts). Outside it, the scheduler's arithmetic changes (EAGLE's
 dropped hit block, sliding-window null blocks, Mamba alignment, encoder
 budgets, ...). A trace whose header turns on such a feature is refused, with
 the feature named, rather than replayed into false divergences. The vLLM
@@ -14,7 +18,6 @@ from __future__ import annotations
 
 # Features that are on when they are true or a number above 0.
 FLAGS = {
-    "num_speculative_tokens": "speculative decoding",
     "num_lookahead_tokens": "lookahead slots",
     "use_eagle": "EAGLE",
     "has_mamba_layers": "Mamba layers",
@@ -42,6 +45,7 @@ TYPES = {
     "has_mamba_layers": "flag", "multimodal": "flag", "lora": "flag",
     "num_speculative_tokens": "count0", "num_lookahead_tokens": "count0",
     "prefix_replay_tokens": "count0", "max_num_active_seqs": "count",
+    "num_draft_slots": "count0", "dynamic_spec_decode": "flag",
     "pipeline_parallel_size": "count", "decode_context_parallel_size": "count",
     "data_parallel_size": "count", "prefill_schedule_interval": "count",
     "num_kv_cache_groups": "count", "hash_block_size": "count",
@@ -81,6 +85,9 @@ def outside(features: dict, block_size: int) -> str | None:
         v = features.get(key)
         if v:
             return f"{what} is on ({key}={v!r})"
+    spec = speculative(features)
+    if spec is not None:
+        return spec
     for key, what in SIZES.items():
         v = features.get(key)
         if v not in (None, 1):
@@ -105,3 +112,22 @@ def outside(features: dict, block_size: int) -> str | None:
         return f"hash_block_size {hash_block_size!r} differs from block_size {block_size}"
     return None
 
+
+
+def speculative(features: dict) -> str | None:
+    """Why a header's speculative decoding is outside the baseline, or None
+    (none, or drafts alone under the synchronous scheduler)."""
+    k = features.get("num_speculative_tokens")
+    if not k:
+        return None
+    on = f"speculative decoding (num_speculative_tokens={k!r})"
+    if features.get("async_scheduling"):
+        return f"{on} under async scheduling is on"
+    if features.get("dynamic_spec_decode"):
+        return f"dynamic {on} is on"
+    slots = features.get("num_draft_slots")
+    if slots is None:
+        return f"{on} is on, and the trace does not say how many input slots drafting takes"
+    if slots:
+        return f"{on} with {slots} input slot{'s' if slots > 1 else ''} per request for drafting is on"
+    return None

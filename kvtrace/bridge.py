@@ -45,6 +45,7 @@ def config_from_header(header: ev.Header) -> SchedulerConfig:
         async_scheduling=async_scheduling,
         defer_block_free=defer,
         requires_kv_delivery=delivery,
+        num_spec_tokens=int(f.get("num_speculative_tokens") or 0),
     )
 
 
@@ -67,6 +68,8 @@ def header_features(cfg: SchedulerConfig) -> dict:
         "async_scheduling": cfg.async_scheduling,
         "defer_block_free": cfg.defer_block_free,
         "requires_kv_delivery": cfg.requires_kv_delivery,
+        **({"num_speculative_tokens": cfg.num_spec_tokens, "num_draft_slots": 0}
+           if cfg.num_spec_tokens else {}),
     }
 
 
@@ -155,6 +158,7 @@ def step_event(seq: int, step: int, out: SchedulerOutput, sched: Scheduler,
         loads=loads,
         states=states,
         num_free_blocks=sched.kv.pool.num_free_blocks,
+        spec={k: list(v) for k, v in out.spec.items()} or None,
     )
 
 

@@ -92,6 +92,11 @@ class Redactor:
                 e.eos_token_id = self.token(e.eos_token_id)
         elif isinstance(e, ev.Output):
             e.sampled = {req: self.tokens(ts) for req, ts in e.sampled.items()}
+        elif isinstance(e, ev.Drafts):
+            e.drafts = {req: self.tokens(ts) for req, ts in e.drafts.items()}
+        elif isinstance(e, ev.Step) and e.spec:
+            # A padding draft (-1) is no token id, and stays as it is.
+            e.spec = {req: [t if t < 0 else self.token(t) for t in ts] for req, ts in e.spec.items()}
         return e
 
 
@@ -140,6 +145,10 @@ def redact_file(src: str | os.PathLike, dst: str | os.PathLike, key: bytes | Non
                         e.eos_token_id is not None)
                 elif isinstance(e, ev.Output):
                     summary.tokens += sum(len(ts) for ts in e.sampled.values())
+                elif isinstance(e, ev.Drafts):
+                    summary.tokens += sum(len(ts) for ts in e.drafts.values())
+                elif isinstance(e, ev.Step) and e.spec:
+                    summary.tokens += sum(t >= 0 for ts in e.spec.values() for t in ts)
                 if isinstance(e, ev.End):
                     end = e
                     continue

@@ -61,7 +61,7 @@ def feed(sink) -> None:
               [a_blocks, b_blocks], [2, 1])
     sink.put(RawStep((0, [("a", 0, 3, [3, 7])], [], ([], [], [], {}), [], [],
                       [Lookup(req="a", local=0, ext=2, load_async=False)],
-                      [KVLoad(req="a", start=0, end=2)], states, 60)))
+                      [KVLoad(req="a", start=0, end=2)], states, 60, None)))
     a_blocks.append(Block(9))
     sink.put(RawOutput((0, (["a"], [[42]], {"a": 0}),
                         ConnectorOutput(finished_recving=["a"], finished_sending=[],
@@ -70,7 +70,7 @@ def feed(sink) -> None:
     b_new = [Block(11), Block(12)]
     sink.put(RawStep((1, [], [], (["a"], [3], [([9],)], {"a": 1}), ["b"], [], [], None,
                       (["a", "b"], [("a", Status.RUNNING, 3, 4, 0), ("b", Status.PREEMPTED, 0, 2, 1)],
-                       [a_blocks, b_new], [3, 2]), 59)))
+                       [a_blocks, b_new], [3, 2]), 59, {"a": [5, -1]})))
     sink.put(RawOutput((1, (["a"], [[7, 8]], {"a": 0}), None, {"a": "stop"},
                         (["a"], [("a", Status.FINISHED_REPETITION, 4, 6, 0)], [a_blocks], [3]))))
     sink.put(PromptStats(seq=0, step=1, req="a", prefill_stats=PrefillStats(
@@ -100,6 +100,7 @@ def test_writer_process_writes_what_the_thread_writes(tmp_path):
     assert [(r.req, r.num_computed_tokens, r.num_scheduled_tokens, r.new_block_ids)
             for r in step1.running] == [("a", 3, 1, [9])]
     assert step1.states[1].block_ids == [11, 12] and step1.states[1].num_preemptions == 1
+    assert step0.spec is None and step1.spec == {"a": [5, -1]}
     assert out1.states[0].status == "FINISHED_STOPPED" and out1.finished == {"a": "stop"}
     assert evs[-1].status == "complete"
 

@@ -11,7 +11,8 @@ history and compares like with like:
                    is not a new item);
 * ``schedule``     the k-th time the request was scheduled: new, resumed or
                    running, pre-step num_computed_tokens, num_scheduled_tokens,
-                   blocks, and the request's state right after that schedule();
+                   blocks, the drafts scheduled (speculative decoding), and the
+                   request's state right after that schedule();
 * ``output``       what update_from_output made of that k-th schedule: sampled
                    tokens and the state afterwards;
 * ``preempt``      each preemption, counted by how many schedules preceded it;
@@ -436,6 +437,9 @@ class _Differ:
             h.n_sched += 1
             h.last_lookup = None
             names = _SCHEDULE[how != "running", plan, st is not None]
+            if ev.spec and s.req in ev.spec:   # the drafts scheduled (speculative decoding)
+                names += ("spec",)
+                v += (ev.spec[s.req],)
             self._push(pair, h, "schedule", _Item(ev.step, ev.seq, line, names, v))
         side.sched_at[ev.step] = at
 

@@ -77,7 +77,7 @@ STATUS_FOLD = {
     "FINISHED_REPETITION": "FINISHED_STOPPED",
 }
 
-_STEP_FIELDS = tuple(f.name for f in fields(Step))
+_STEP_FIELDS_NO_SPEC = tuple(f.name for f in fields(Step) if f.name != "spec")
 _OUTPUT_FIELDS = tuple(f.name for f in fields(Output))
 _NEW_FIELDS = tuple(f.name for f in fields(ScheduledNew))
 _RUNNING_FIELDS = tuple(f.name for f in fields(ScheduledRunning))
@@ -89,10 +89,11 @@ _STATE_FIELDS = tuple(f.name for f in fields(RequestState))
 
 class RawStep(tuple):
     """(step, new, resumed, running, preempted, finished, lookups, loads, states,
-    num_free_blocks): ``new`` and ``resumed`` hold tuples in ScheduledNew field
+    num_free_blocks, spec): ``new`` and ``resumed`` hold tuples in ScheduledNew field
     order; ``running`` is ``(req_ids, num_computed_tokens, new_block_ids,
     num_scheduled_tokens)``, copies of the scheduler output's columns; ``states``
-    is a raw states snapshot (below)."""
+    is a raw states snapshot (below); ``spec`` the scheduled draft tokens
+    per request, or None when there are none."""
 
     __slots__ = ()
 
@@ -189,12 +190,12 @@ class Resolver:
     def __call__(self, item: Any, out: list) -> None:
         t = type(item)
         if t is RawStep:
-            step, new, resumed, running, preempted, finished, lookups, loads, states, free = item
+            step, new, resumed, running, preempted, finished, lookups, loads, states, free, spec = item
             states = self._states(states, out)
             if finished:  # gone from the engine: forget them (after this step's states)
                 self.blocks.forget(finished)
             out.append(("step", step, new, resumed, running, preempted, finished, lookups, loads,
-                        states, free))
+                        states, free, spec))
         elif t is RawOutput:
             step, sampled, connector, finished, states = item
             out.append(("output", step, sampled, connector, finished, self._states(states, out)))
@@ -260,15 +261,18 @@ class Records:
                 for (rid, st, c, t, p), b in zip(counters, ids)]
 
     def step(self, item: Any, seq: int) -> dict:
-        _, step, new, resumed, running, preempted, finished, lookups, loads, states, free = item
+        _, step, new, resumed, running, preempted, finished, lookups, loads, states, free, spec = item
         rids, ncts, nbis, nst = running
-        return dict(zip(_STEP_FIELDS, (
+        d = dict(zip(_STEP_FIELDS_NO_SPEC, (
             seq, step,
             [dict(zip(_NEW_FIELDS, t)) for t in new],
             [dict(zip(_NEW_FIELDS, t)) for t in resumed],
             [dict(zip(_RUNNING_FIELDS, (rid, c, nst.get(rid, 0), first_group(nb))))
              for rid, c, nb in zip(rids, ncts, nbis)],
             preempted, finished, lookups, loads, self.states(states), free, "step")))
+        if spec:   # the rare field goes last, and only when it holds something
+            d["spec"] = spec
+        return d
 
     def output(self, item: Any, seq: int) -> dict:
         _, step, (rids, toks, index), connector, finished, states = item

@@ -69,6 +69,7 @@ from kvtrace.trace.events import (
     Arrival,
     ConnectorConfig,
     ConnectorOutput,
+    Drafts,
     Header,
     KVLoad,
     LegacyCounters,
@@ -137,6 +138,18 @@ def _finish_reason(r: Any) -> str | None:
     return _REASONS.get(name.lower(), "stop")
 
 
+def _spec_features(spec: Any) -> dict:
+    """What replay must know of a speculative-decoding config: its method, the
+    extra input slots each request takes for drafting, and whether the number
+    of drafts changes with the batch size (dynamic speculative decoding)."""
+    if spec is None:
+        return {}
+    return {"speculative_method": str(getattr(spec, "method", "") or ""),
+            "num_draft_slots": int(getattr(spec, "max_num_new_slots_for_drafting", 0) or 0),
+            "dynamic_spec_decode": bool(getattr(spec, "num_speculative_tokens_per_batch_size",
+                                                None))}
+
+
 def build_header(sched: Any, meta: dict | None = None) -> Header:
     """The trace header for a constructed vLLM scheduler."""
     import vllm
@@ -175,6 +188,7 @@ def build_header(sched: Any, meta: dict | None = None) -> Header:
         "async_scheduling": bool(getattr(sc, "async_scheduling", False)),
         "num_speculative_tokens": int(getattr(sched, "num_spec_tokens", 0) or 0),
         "num_lookahead_tokens": int(getattr(sched, "num_lookahead_tokens", 0) or 0),
+        **_spec_features(vc.speculative_config),
         "num_kv_cache_groups": len(groups),
         "kv_cache_group_kinds": [type(g.kv_cache_spec).__name__ for g in groups],
         "hash_block_size": int(getattr(sched, "hash_block_size", sched.block_size)),
@@ -235,6 +249,7 @@ class Recorder:
         self.pending: list[tuple[Any, int]] = []
         self.stats_done: set[str] = set()
         self.in_update = False
+        self.last_output_step = -1   # the step whose output was recorded last
         # Abort calls under way (innermost last): their ids, and those freed so far.
         self.aborts: list[tuple[list[str], list[str]]] = []
         self.kvm = sched.kv_cache_manager
@@ -356,6 +371,12 @@ class Recorder:
         self.preempt_order.append(str(request.request_id))
         self.preempted_out.add(str(request.request_id))
 
+    def on_drafts(self, draft_token_ids: Any) -> None:
+        """``update_draft_token_ids``: the drafts proposed after the last output."""
+        self.sink.put(Drafts(seq=0, step=self.last_output_step, drafts={
+            str(rid): list(map(int, ids))
+            for rid, ids in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids)}))
+
     def begin_step(self) -> None:
         # preempt_order is kept: a reset_prefix_cache between two steps preempts
         # too, and the next step reports it (on_schedule clears it).
@@ -439,9 +460,11 @@ class Recorder:
             free = int(self.kvm.block_pool.get_num_free_blocks())
         except Exception:
             free = None
+        spec = out.scheduled_spec_decode_tokens
+        spec = {rid: list(ids) for rid, ids in spec.items()} if spec else None
         self.sink.put(RawStep((step, new, resumed, (rids, ncts, nbis, nst), preempted, finished,
                                self.lookups, self.loads if self.has_connector else None,
-                               states, free)))
+                               states, free, spec)))
         self.pending.append((out, step))
         if len(self.pending) > 64:  # outputs that never came back (engine error paths)
             del self.pending[0]
@@ -510,6 +533,7 @@ class Recorder:
                         num_external_computed_tokens=int(ext if ext is not None else 0))))
                     self.stats_done.add(rid)
         states = self.states(list(reqs), list(reqs.values()))
+        self.last_output_step = step
         self.sink.put(RawOutput((step, sampled, conn, finished, states)))
         for ev in stats:
             self.sink.put(ev)
@@ -750,6 +774,14 @@ def make_recording_scheduler(base_cls: type) -> type:
             if rec is not None:
                 rec.guard("_preempt_request", rec.on_preempt, request)
             return result
+
+        if hasattr(base_cls, "update_draft_token_ids"):
+            def update_draft_token_ids(self, draft_token_ids, *args, **kwargs):
+                result = super().update_draft_token_ids(draft_token_ids, *args, **kwargs)
+                rec = self._kv_rec()
+                if rec is not None:
+                    rec.guard("update_draft_token_ids", rec.on_drafts, draft_token_ids)
+                return result
 
         def schedule(self, *args, **kwargs):
             rec = self._kv_rec()

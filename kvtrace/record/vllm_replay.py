@@ -21,7 +21,9 @@ recorded inputs, in the recorded call order:
 * ``output``   -> ``update_from_output(the SchedulerOutput of that step,
   ModelRunnerOutput)`` with the recorded sampled tokens for the requests this
   scheduler scheduled (an empty list for those the recording has none for) and
-  the recorded ``KVConnectorOutput``.
+  the recorded ``KVConnectorOutput``;
+* ``drafts``   -> ``update_draft_token_ids`` with the recorded drafts
+  (speculative decoding: the trace's method, never run here).
 
 The scheduler class (vLLM's ``Scheduler`` by default, or any subclass given as a
 class or a dotted path) is wrapped by ``kvtrace.record.vllm_recorder``, which
@@ -302,6 +304,15 @@ def _build_vllm_config(header: ev.Header) -> Any:
     vc.cache_config.num_gpu_blocks = c.num_blocks
     vc.cache_config.block_size = c.block_size
     vc.cache_config.enable_prefix_caching = c.enable_prefix_caching
+    k = f.get("num_speculative_tokens")
+    if k:
+        # Drafts alone (baseline.speculative): the proposer is never run here, the
+        # recorded drafts are fed in; set afterwards, as async scheduling is.
+        from vllm.config import SpeculativeConfig
+
+        vc.speculative_config = SpeculativeConfig(
+            method=str(f.get("speculative_method") or "ngram"), num_speculative_tokens=int(k),
+            target_model_config=model_config, target_parallel_config=vc.parallel_config)
     return vc
 
 
@@ -534,6 +545,11 @@ def replay_through_vllm(trace_path: str | os.PathLike, out_path: str | os.PathLi
                         result.steps += 1
                         if conn is not None:
                             conn.end_step()
+                    elif isinstance(e, ev.Drafts):
+                        from vllm.v1.outputs import DraftTokenIds
+
+                        sched.update_draft_token_ids(DraftTokenIds(
+                            list(e.drafts), [list(ids) for ids in e.drafts.values()]))
                     elif isinstance(e, ev.Output):
                         so = outputs.pop(e.step, None)
                         if so is None:

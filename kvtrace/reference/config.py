@@ -39,6 +39,9 @@ class SchedulerConfig:
     # The connector hands KV off when a request finishes (a producer): a request
     # preempted with output in flight drops that output (S:197-206, S:839).
     requires_kv_delivery: bool = False
+    # Speculative decoding with drafts alone (n-gram, suffix) under the
+    # synchronous scheduler: the most draft tokens a request is scheduled with.
+    num_spec_tokens: int = 0
 
     @property
     def token_budget(self) -> int:

@@ -41,6 +41,8 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]
     preempted_req_ids: set[str]
     finished_req_ids: set[str]
+    # Draft tokens scheduled per request (-1: padding), only for those with any.
+    spec: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

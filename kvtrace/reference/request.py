@@ -94,6 +94,9 @@ class Request:
     last_sched_seq: int = 0           # the last non-empty step that scheduled it (defer_block_free)
     # Set by each schedule() of the request: False when the step samples a token.
     is_prefill_chunk: bool = True
+    # Speculative decoding: the drafts proposed for the next step (R:183), set by
+    # update_draft_token_ids and used up when the request is scheduled.
+    spec_token_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     prefill_stats: PrefillStats | None = field(default_factory=PrefillStats)
     # Legacy per-request counters of older V1 engines (semantics doc 1.5), kept by
@@ -111,6 +114,10 @@ class Request:
         self.all_token_ids = list(self.prompt_token_ids)
         self.num_tokens = len(self.all_token_ids)
         extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return self.num_tokens + len(self.spec_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

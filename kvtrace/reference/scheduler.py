@@ -1,7 +1,7 @@
 """The reference scheduler: vLLM V1's ``Scheduler`` in the baseline profile of
-the semantics doc (one full-attention group, no speculative decoding, no
-pipeline parallelism, no encoder inputs), and its ``AsyncScheduler`` when the
-config says ``async_scheduling``.
+the semantics doc (one full-attention group, no pipeline parallelism, no
+encoder inputs), and its ``AsyncScheduler`` when the config says
+``async_scheduling``.
 
 One ``schedule()`` call is two passes (semantics doc 2):
 
@@ -32,6 +32,13 @@ back (S:934, S:1596-1606, S:2080-2087). A request preempted by
 again at once. Under a connector that loads KV (``defer_block_free``), a freed
 request's blocks go back to the pool only once every step that may still write
 them has been processed (S:2759-2801).
+
+With speculative decoding (drafts alone, synchronous), a running request is
+scheduled for its drafts too (``num_tokens_with_spec``), and its output takes
+back the drafts it rejected from ``num_computed_tokens`` (S:2110-2128). The
+drafts come from the model after each output (``update_draft_token_ids``). A
+waiting request with one token to compute is padded to ``1 + num_spec_tokens``
+with placeholder drafts (-1) when decodes run in the step (S:1131-1153).
 
 Methods whose names start with ``_`` and are listed under "rules" are the
 places where engines have had bugs; the embedded engine's faults override them.
@@ -138,6 +145,15 @@ class Scheduler:
             self._free_request(r, delay_free)
         return finished
 
+    def update_draft_token_ids(self, drafts: dict[str, list[int]]) -> None:
+        """The drafts the model proposed after an output: each live request keeps
+        them for its next step, but a request still prefilling drops them (S:2550-2569)."""
+        for req_id, ids in drafts.items():
+            r = self.requests.get(req_id)
+            if r is None or r.is_finished:
+                continue
+            r.spec_token_ids = [] if r.is_prefill_chunk else list(ids)
+
     def set_pause_state(self, state: str) -> None:
         if state not in ("UNPAUSED", "PAUSED_NEW", "PAUSED_ALL"):
             raise ValueError(f"unknown pause state {state!r}")
@@ -173,7 +189,8 @@ class Scheduler:
             if self._reached_max_tokens(r):
                 i += 1
                 continue
-            n = min(step.chunk(r.num_tokens + r.num_output_placeholders - r.num_computed_tokens),
+            n = min(step.chunk(r.num_tokens_with_spec + r.num_output_placeholders
+                               - r.num_computed_tokens),
                     self.max_model_len - r.num_computed_tokens - 1)
             if n <= 0:
                 i += 1
@@ -201,7 +218,9 @@ class Scheduler:
                 break
             step.running.append(r)
             step.new_blocks[r.request_id] = blocks
+            step.prefill_scheduled |= r.is_prefill_chunk
             step.take(r, n)
+            self._schedule_drafts(r, n, step)
             i += 1
 
     def _schedule_waiting(self, step: "_Step") -> None:
@@ -261,7 +280,13 @@ class Scheduler:
                 # Keep the blocks that in-flight prefills still need (S:1245).
                 reserved = sum(self.kv.remaining_blocks(x) for x in self.inflight_prefills)
             else:
-                want = step.capped(r.num_tokens - num_computed)
+                want = r.num_tokens - num_computed
+                padded = want == 1 and self._pads_with_drafts(step, num_computed)
+                if padded:
+                    if 1 + self.config.num_spec_tokens > step.room():
+                        break   # rather not scheduled than scheduled unpadded (S:1146-1148)
+                    want = 1 + self.config.num_spec_tokens
+                want = step.capped(want)
                 if not self.config.enable_chunked_prefill and want > step.room():
                     break   # chunked prefill off: the request waits whole (S:1160-1167)
                 n = min(want, step.room())
@@ -291,6 +316,12 @@ class Scheduler:
             self.running.append(r)
             (step.new if r.status == Status.WAITING else step.resumed).append(r)
             step.take(r, n)
+            if padded:
+                if n != 1 + self.config.num_spec_tokens:
+                    raise SchedulerAssertion(
+                        r.request_id, "S:1372 a padded decode lost its padding to the "
+                                      "long-prefill threshold")
+                step.spec[r.request_id] = [-1] * self.config.num_spec_tokens
             r.status = Status.RUNNING
             r.num_computed_tokens = num_computed
             self._on_admitted(r)
@@ -317,6 +348,7 @@ class Scheduler:
             num_scheduled_tokens=step.num_scheduled,
             preempted_req_ids=self.preempted_req_ids,
             finished_req_ids=self.finished_req_ids,
+            spec=step.spec,
         )
         defer = self.config.defer_block_free and bool(step.num_scheduled)
         if defer:
@@ -343,6 +375,25 @@ class Scheduler:
         return (r.num_output_placeholders > 0
                 and r.num_computed_tokens + 2 - r.num_output_placeholders
                 >= r.num_prompt_tokens + r.max_tokens)
+
+    def _schedule_drafts(self, r: Request, n: int, step: "_Step") -> None:
+        """The drafts among a running request's ``n`` tokens are those past its
+        last token; the rest of its drafts are dropped (S:861-876)."""
+        if r.spec_token_ids:
+            k = n + r.num_computed_tokens - r.num_tokens - r.num_output_placeholders
+            if k > 0:
+                step.spec[r.request_id] = r.spec_token_ids[:k]
+            r.spec_token_ids = []
+
+    def _pads_with_drafts(self, step: "_Step", num_computed: int) -> bool:
+        """A waiting request with one token to compute is padded to a whole
+        decode of 1 + num_spec_tokens, when no prefill runs in the step, a
+        decode does or the request has KV already, and the padding and the
+        token it samples fit in max_model_len (S:1131-1153)."""
+        k = self.config.num_spec_tokens
+        return (k > 0 and not step.prefill_scheduled
+                and bool(step.running or num_computed > 0)
+                and num_computed + 1 + k + 1 <= self.max_model_len)
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -403,6 +454,7 @@ class Scheduler:
         self.inflight_prefills.discard(r)
         r.status = Status.PREEMPTED
         r.num_computed_tokens = 0
+        r.spec_token_ids = []
         # Output still in flight becomes stale (S:1596-1607); a stale share not yet
         # drained that was to be dropped stays dropped.
         r.drop_stale_output = drop_stale_output or (r.drop_stale_output
@@ -446,6 +498,9 @@ class Scheduler:
             if stale and r.drop_stale_output:
                 continue
             new_tokens = list(model.sampled_token_ids.get(req_id, ()))
+            drafts = out.spec.get(req_id)
+            if drafts and new_tokens and not stale:
+                self._reject_drafts(r, len(drafts), len(new_tokens))
             stopped = False
             status_before = r.status
             for k, token in enumerate(new_tokens):
@@ -496,6 +551,15 @@ class Scheduler:
                                                      "that has not finished")
         return outputs
 
+    def _reject_drafts(self, r: Request, num_drafts: int, num_sampled: int) -> None:
+        """The sampled tokens are the drafts accepted and one more; the KV of the
+        rejected drafts is not the request's, so it is computed again (S:2110-2128)."""
+        num_rejected = num_drafts - max(num_sampled - 1, 0)
+        if r.num_computed_tokens > 0:
+            r.num_computed_tokens -= num_rejected
+        if r.num_output_placeholders > 0:
+            r.num_output_placeholders -= num_rejected
+
     def _take_placeholders(self, r: Request, n: int, stale: bool, status_before: Status) -> None:
         """Async scheduling: sampled tokens replace their placeholders (a stale
         output's were zeroed at preemption), and the blocks they complete become
@@ -515,6 +579,7 @@ class Scheduler:
         if not r.resumable:
             return True
         r.num_computed_tokens -= r.num_output_placeholders
+        r.spec_token_ids = []
         r.drop_stale_output = True
         r.num_stale_output_tokens = r.num_in_flight_tokens
         r.num_output_placeholders = 0
@@ -655,6 +720,8 @@ class _Step:
     preempted: list[Request] = field(default_factory=list)
     new_blocks: dict[str, list[Block]] = field(default_factory=dict)   # running requests only
     num_scheduled: dict[str, int] = field(default_factory=dict)
+    spec: dict[str, list[int]] = field(default_factory=dict)   # drafts scheduled
+    prefill_scheduled: bool = False     # the running pass scheduled a prefill chunk
 
     def has_budget(self) -> bool:
         return self.token_budget > 0 and self.input_budget > 0
@@ -683,3 +750,4 @@ class _Step:
         self.token_budget += n
         self.input_budget += n
         self.new_blocks.pop(r.request_id)
+        self.spec.pop(r.request_id, None)

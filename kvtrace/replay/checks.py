@@ -29,6 +29,13 @@ def compare_step(rec: ev.Step, out: SchedulerOutput, sched: Scheduler, line: int
         for req in sorted(set(rec.preempted) ^ out.preempted_req_ids):
             d(req, "preempted", req in rec.preempted, req in out.preempted_req_ids,
               "2.1: the victim is the last running request (FCFS) or the lowest priority")
+    if rec.spec or out.spec:
+        recorded, expected = rec.spec or {}, out.spec
+        for req in _union(recorded, expected):
+            if recorded.get(req) != expected.get(req):
+                d(req, "spec", recorded.get(req), expected.get(req),
+                  "2.1: the drafts scheduled are those past the last token (S:861-876); "
+                  "a padded decode gets -1s (S:1131-1153)")
     if rec.finished or out.finished_req_ids:
         for req in sorted(set(rec.finished) ^ out.finished_req_ids):
             d(req, "finished_req_ids", req in rec.finished, req in out.finished_req_ids,
@@ -267,6 +274,7 @@ def step_invariants(rec: ev.Step, cfg: ev.SchedulerConfig, prev_preemptions: dic
             seen.add(s.req)
     max_len, block_size = cfg.max_model_len, cfg.block_size
     preempted = rec.preempted
+    spec = rec.spec
     null_block = False
     for s in rec.states:
         if 0 in s.block_ids:
@@ -276,11 +284,13 @@ def step_invariants(rec: ev.Step, cfg: ev.SchedulerConfig, prev_preemptions: dic
             if len(s.block_ids) < need:
                 d(s.req, "state.block_ids", len(s.block_ids), f">= {need}",
                   "B1: the table covers every computed token", "block")
-            most = s.num_tokens + (in_flight.get(s.req, 0) if in_flight is not None else 0)
+            drafts = len(spec.get(s.req, ())) if spec else 0
+            most = s.num_tokens + drafts + (in_flight.get(s.req, 0) if in_flight is not None else 0)
             if s.num_computed_tokens > most:
                 d(s.req, "state.num_computed_tokens", s.num_computed_tokens, f"<= {most}",
-                  "I1: c <= T after schedule()" if in_flight is None else
-                  "I1: c <= T + output placeholders of the steps in flight after schedule()")
+                  ("I1: c <= T after schedule()" if in_flight is None else
+                   "I1: c <= T + output placeholders of the steps in flight after schedule()")
+                  if not drafts else "I1: c <= T + the drafts scheduled, after schedule()")
         # I4; a request whose async load completed may wait holding its loaded
         # blocks, at T - 1 computed tokens: 0 for a one-token prompt (S:3171-3172).
         loaded_one = s.status == "WAITING" and s.num_tokens == 1 and s.num_computed_tokens == 0

@@ -58,6 +58,7 @@ class ContentCheck:
         self._held_outputs: deque[ev.Output] = deque()
         self._awaiting: set[int] = set()            # steps that scheduled work, output not in
         self._ready: list = []                      # results of steps released meanwhile
+        self._drafts: dict[str, int] = {}           # drafts scheduled per request, last step
         # With keep_counts, (slots checked, loads assumed) as each step is queued,
         # in step order, for a caller that reports them per step (the worker).
         self.counts: deque[tuple[int, bool]] | None = deque() if keep_counts else None
@@ -143,6 +144,7 @@ class ContentCheck:
                  for ld in self._loads(rec) if ld.req in self.kv]
         scheduled = [(s.req, s.num_computed_tokens, s.num_scheduled_tokens, self.tables.get(s.req, []))
                      for s in (*rec.new, *rec.resumed, *rec.running) if s.req in self.kv]
+        self._drafts = {req: len(ids) for req, ids in rec.spec.items() if req in kv} if rec.spec else {}
         ready = self.kv.queue(rec.step, loads, scheduled, (tag, rec.seq, line))
         if self.counts is not None:
             self.counts.append((self.kv.slots_checked, self.assumed_loads))
@@ -176,15 +178,25 @@ class ContentCheck:
 
     def _output(self, rec: ev.Output) -> None:
         states = {s.req: s for s in rec.states}
+        drafts, self._drafts = self._drafts, {}
+        accepted = []
         for req, tokens in rec.sampled.items():
             if req not in self.kv:
                 continue
             st = states.get(req)
             # The engine drops a step's tokens for a request hit by a load failure:
             # its recorded token count says how many it kept.
-            keep = len(tokens) if st is None else max(0, st.num_tokens - self.kv.num_tokens(req))
+            before = self.kv.num_tokens(req)
+            keep = len(tokens) if st is None else max(0, st.num_tokens - before)
             if keep:
                 self.kv.append_tokens(req, tokens[:keep])
+            # The step wrote the KV of its drafts; the sampled tokens are the drafts
+            # accepted and one more, so the accepted ones hold the request's own tokens.
+            num_accepted = min(drafts.get(req, 0), keep - 1)
+            if num_accepted > 0:
+                accepted.append((req, before, before + num_accepted, self.tables.get(req, [])))
+        if accepted:
+            self.kv.queue_late_writes(rec.step, accepted)
         for st in rec.states:
             if st.status in FINISHED:
                 self._drop(st.req)

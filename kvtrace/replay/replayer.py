@@ -142,9 +142,16 @@ class Replayer:
             elif kind is ev.PauseState:
                 self.sched.set_pause_state(e.state)
                 self._write(ev.PauseState(self._seq(), e.state))
+            elif kind is ev.Drafts:
+                self.sched.update_draft_token_ids(e.drafts)
+                self._write(ev.Drafts(self._seq(), e.step, e.drafts))
+            elif kind is ev.End and e.status == "interrupted":
+                self._next_schedule(e)
         except SchedulerAssertion as a:
-            step = getattr(e, "step", None)
-            self.divergences.append(Divergence(step, a.req_id, "assertion", "scheduled", "engine assertion",
+            step = getattr(e, "step", self.steps)
+            # At the end of an interrupted trace: the engine's own error.
+            did = (e.error or "stopped") if kind is ev.End else "scheduled"
+            self.divergences.append(Divergence(step, a.req_id, "assertion", did, "engine assertion",
                                                a.rule, "invariant", e.seq, line))
             self.stopped = f"the engine would have failed an assertion at step {step}: {a.rule}"
             stop_after = getattr(self.content, "stop_after", None)   # a content worker
@@ -343,6 +350,17 @@ class Replayer:
         self._finished_refs.clear()
 
     # -- helpers -----------------------------------------------------------------
+
+    def _next_schedule(self, e: ev.End) -> None:
+        """The engine stopped on an error. An error inside ``schedule()`` leaves no
+        step record, so the reference schedules the next step: if that fails one
+        of the engine's assertions, the engine met it there (the reference raises
+        SchedulerAssertion, which ``feed`` reports). Nothing is written."""
+        out, self.out = self.out, None
+        try:
+            self.sched.schedule()
+        finally:
+            self.out = out
 
     def _seq(self) -> int:
         return self.out.next_seq() if self.out else 0

@@ -138,6 +138,7 @@ from kvtrace.findings import Divergence
 __all__ = ["ShadowKV", "mix64", "token_terms", "prefix_fingerprints", "pick_device", "RULE"]
 
 RULE = "kv-content: every slot a request's attention reads holds that request's own prefix"
+_LATE = object()   # the tag of a batch entry that only writes (queue_late_writes)
 
 _MASK64 = (1 << 64) - 1
 
@@ -541,6 +542,21 @@ class ShadowKV:
             self._evaluate()
         return self._take()
 
+    def queue_late_writes(self, step: int, writes: list[tuple[str, int, int, list[int]]]) -> None:
+        """Queue writes that ``step`` made but that only its output could place, as
+        (request, start, end, block table): under speculative decoding, the KV of
+        the drafts the output accepted (their tokens are the request's only once
+        the output says so). They count after every write and read of ``step``
+        and before those of any later step; they report nothing themselves."""
+        writes = [(self._room(req), start, end, table) for req, start, end, table in writes]
+        b = self._batch
+        slot = len(b.steps)
+        b.steps.append((step, _LATE, []))
+        writes = [(r, start, end, table, b.table(table)) for r, start, end, table in writes]
+        self.slots_written += self._queue_writes(b, step, slot, writes, loaded=False)
+        if len(b.steps) >= self.BATCH_STEPS:
+            self._evaluate()
+
     def _room(self, req: str) -> _Req:
         r = self._req(req)
         self._ensure(r, r.ntok)
@@ -663,7 +679,7 @@ class ShadowKV:
             self._check(b, tables, w)
         if w is not None:
             self._apply(w)
-        self._ready += [(tag, divs) for _step, tag, divs in b.steps]
+        self._ready += [(tag, divs) for _step, tag, divs in b.steps if tag is not _LATE]
 
     def _apply(self, w: tuple) -> None:
         """The state after the writes of ``w``: each slot's last write."""

@@ -112,6 +112,16 @@ def _ints(v: Any, name: str, lo: int = 0) -> list[int]:
     return v
 
 
+def _token_map(v: Any, name: str, lo: int = 0) -> dict[str, list[int]] | None:
+    """None, or an object of request id -> list of token ids of at least ``lo``."""
+    if v is None:
+        return None
+    d = _obj(v, name)
+    for k, ids in d.items():
+        _ints(ids, f"{name}.{k}", lo)
+    return d
+
+
 def _strs(v: Any, name: str) -> list[str]:
     if type(v) is not list or any(type(x) is not str for x in v):
         raise SchemaError(f"field '{name}' must be a list of strings")
@@ -554,6 +564,9 @@ class Step:
     loads: list[KVLoad] | None = field(default=None, metadata=_OMIT)
     states: list[RequestState] = field(default_factory=list)
     num_free_blocks: int | None = field(default=None, metadata=_OMIT)
+    # Speculative decoding: the draft tokens scheduled for each request that has
+    # any (``scheduled_spec_decode_tokens``; -1 for a padding slot); None when none.
+    spec: dict[str, list[int]] | None = field(default=None, metadata=_OMIT)
     kind: str = "step"
 
     @classmethod
@@ -571,6 +584,7 @@ class Step:
             loads=None if loads is None else _list_of(loads, "loads", KVLoad),
             states=_list_of(_get(d, "states", []), "states", RequestState),
             num_free_blocks=_opt_int(_get(d, "num_free_blocks", None), "num_free_blocks"),
+            spec=_token_map(_get(d, "spec", None), "spec", lo=-1),
         )
 
     def scheduled(self) -> dict[str, int]:
@@ -710,6 +724,25 @@ class PromptStats:
 
 
 @dataclass(slots=True)
+class Drafts:
+    """``Scheduler.update_draft_token_ids`` under speculative decoding with the
+    synchronous scheduler: the draft tokens the model proposed right after the
+    output for ``step``, for each request of that batch (an empty list: no draft).
+    The scheduler keeps them as the request's next ``spec_token_ids``."""
+
+    seq: int
+    step: int
+    drafts: dict[str, list[int]] = field(default_factory=dict)
+    kind: str = "drafts"
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Drafts":
+        return cls(seq=_int(_get(d, "seq"), "seq"),
+                   step=_int(_get(d, "step"), "step"),
+                   drafts=_token_map(_get(d, "drafts", {}), "drafts"))
+
+
+@dataclass(slots=True)
 class End:
     """The last record of a trace the recorder closed. A trace without it was cut off."""
 
@@ -729,7 +762,7 @@ class End:
         )
 
 
-Event = Arrival | Abort | ResetPrefixCache | PauseState | Step | Output | PromptStats | End
+Event = Arrival | Abort | ResetPrefixCache | PauseState | Step | Output | Drafts | PromptStats | End
 
 EVENT_TYPES: dict[str, type] = {
     "arrival": Arrival,
@@ -738,6 +771,7 @@ EVENT_TYPES: dict[str, type] = {
     "pause_state": PauseState,
     "step": Step,
     "output": Output,
+    "drafts": Drafts,
     "prompt_stats": PromptStats,
     "end": End,
 }

@@ -48,6 +48,7 @@ def step(d: dict) -> ev.Step:
         None if loads is None else [ev.KVLoad(x["req"], x["start"], x["end"]) for x in loads],
         [_state(x) for x in get("states", ())],
         get("num_free_blocks"),
+        get("spec"),
     )
 
 

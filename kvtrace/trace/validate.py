@@ -102,6 +102,12 @@ class Validator:
             self._step(e)
         elif isinstance(e, ev.Output):
             self._output(e)
+        elif isinstance(e, ev.Drafts):
+            if e.step > self.last_output_step:
+                raise SchemaError(f"drafts for step {e.step}, whose output has not come "
+                                  f"(the last output is for step {self.last_output_step})")
+            for req in e.drafts:
+                self._known(req, "drafts")
         elif isinstance(e, ev.PromptStats):
             if e.step > self.last_step:
                 raise SchemaError(f"prompt_stats for step {e.step}, which has not been scheduled "
@@ -138,6 +144,8 @@ class Validator:
             self._known(ld.req, "loads.req")
             self._tokens(ld.start, "loads.start")
             self._tokens(ld.end, "loads.end")
+        for req in s.spec or ():
+            self._known(req, "spec")
         self._states(s.states)
         if s.num_free_blocks is not None and s.num_free_blocks > self.num_blocks:
             raise SchemaError(f"field 'num_free_blocks' is {s.num_free_blocks}, more than the "
