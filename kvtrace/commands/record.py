@@ -27,13 +27,13 @@ FAULTS = (
 @click.option("--workload", default=None,
               help=f"Built-in workload. Embedded engine: {', '.join(WORKLOADS)} (default "
                    f"{WORKLOADS[0]}). vLLM: prefix, preemption, connector, priority, "
-                   "async-partial, and async-preemption, async-priority, async-connector and "
+                   "async-partial, speculative (n-gram speculative decoding), and async-preemption, async-priority, async-connector and "
                    "async-connector-recompute (vLLM's AsyncScheduler; vLLM 0.32 fails on the "
                    "last) (default prefix).")
 @click.option("--fault", default=None,
               help=f"Put a known scheduler bug back in. Embedded engine: {', '.join(FAULTS)}. "
                    "vLLM (a scheduler subclass): async-load-overshoot, stale-computed-on-preempt, "
-                   "async-stale-computed-on-preempt.")
+                   "async-stale-computed-on-preempt, spec-rejected-kept.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Workload and sampler seed.")
 @click.option("--engine", type=click.Choice(("embedded", "vllm")), default="embedded",
               show_default=True, help="Engine to record.")

@@ -14,6 +14,12 @@ wraps it like any user scheduler. Names follow docs/bug-classes.
     resumed request skips the prefix lookup and counts positions whose blocks were
     freed as computed. ``AsyncNoResetOnPreemptScheduler``
     ("async-stale-computed-on-preempt") is the same bug in vLLM's ``AsyncScheduler``.
+
+``KeepRejectedDraftsScheduler`` ("spec-rejected-kept"): with speculative
+    decoding, ``update_from_output`` does not take the rejected drafts back from
+    ``num_computed_tokens``: their KV, computed from tokens the model did not
+    accept, counts as the request's own. The engine then computes past it, or
+    waits for ever for drafts that cover the count.
 """
 
 from __future__ import annotations
@@ -50,11 +56,24 @@ class AsyncNoResetOnPreemptScheduler(_NoResetOnPreempt, AsyncScheduler):
     pass
 
 
+class KeepRejectedDraftsScheduler(Scheduler):
+    def update_from_output(self, scheduler_output, model_runner_output):
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        before = {rid: self.requests[rid].num_computed_tokens for rid in spec if rid in self.requests}
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        for rid, count in before.items():
+            r = self.requests.get(rid)
+            if r is not None and not r.is_finished() and r.num_computed_tokens < count:
+                r.num_computed_tokens = count
+        return outputs
+
+
 FAULTS = {
     "async-load-overshoot": "kvtrace.record.fault_schedulers.AsyncLoadOvershootScheduler",
     "stale-computed-on-preempt": "kvtrace.record.fault_schedulers.NoResetOnPreemptScheduler",
     "async-stale-computed-on-preempt":
         "kvtrace.record.fault_schedulers.AsyncNoResetOnPreemptScheduler",
+    "spec-rejected-kept": "kvtrace.record.fault_schedulers.KeepRejectedDraftsScheduler",
 }
 
 # The vllm_run workload that triggers each fault.
@@ -62,4 +81,5 @@ FAULT_WORKLOADS = {
     "async-load-overshoot": "async-partial",
     "stale-computed-on-preempt": "preemption",
     "async-stale-computed-on-preempt": "async-preemption",
+    "spec-rejected-kept": "speculative",
 }

@@ -371,11 +371,17 @@ class Recorder:
         self.preempt_order.append(str(request.request_id))
         self.preempted_out.add(str(request.request_id))
 
-    def on_drafts(self, draft_token_ids: Any) -> None:
-        """``update_draft_token_ids``: the drafts proposed after the last output."""
-        self.sink.put(Drafts(seq=0, step=self.last_output_step, drafts={
-            str(rid): list(map(int, ids))
-            for rid, ids in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids)}))
+    def on_drafts(self, sched: Any, draft_token_ids: Any) -> None:
+        """``update_draft_token_ids``: the drafts proposed after the last output,
+        each decoding request's as the scheduler kept them (a structured
+        output's grammar may cut them short), the others' as proposed."""
+        drafts = {}
+        for rid, ids in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
+            r = sched.requests.get(rid)
+            if r is not None and not r.is_prefill_chunk:
+                ids = r.spec_token_ids
+            drafts[str(rid)] = list(map(int, ids))
+        self.sink.put(Drafts(seq=0, step=self.last_output_step, drafts=drafts))
 
     def begin_step(self) -> None:
         # preempt_order is kept: a reset_prefix_cache between two steps preempts
@@ -780,7 +786,7 @@ def make_recording_scheduler(base_cls: type) -> type:
                 result = super().update_draft_token_ids(draft_token_ids, *args, **kwargs)
                 rec = self._kv_rec()
                 if rec is not None:
-                    rec.guard("update_draft_token_ids", rec.on_drafts, draft_token_ids)
+                    rec.guard("update_draft_token_ids", rec.on_drafts, self, draft_token_ids)
                 return result
 
         def schedule(self, *args, **kwargs):

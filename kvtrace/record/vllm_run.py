@@ -343,6 +343,21 @@ def sessions_workload(seed: int, kind: str = "sessions") -> dict:
     return wl
 
 
+def with_drafts(workload: dict, seed: int) -> dict:
+    """``workload`` with speculative decoding by n-gram drafts (vLLM's "ngram"
+    proposer, which runs on CPU): 1 to 5 drafts per step, matched on the last 1
+    to 4 tokens. The tiny random model repeats itself, so most requests get
+    drafts, some accepted and some rejected. Drawn from ``seed`` apart from the
+    workload's own draws."""
+    wl = copy.deepcopy(workload)
+    rng = random.Random(seed + 6_000_011)
+    low = rng.randint(1, 2)
+    wl["engine"]["speculative_config"] = {
+        "method": "ngram", "num_speculative_tokens": rng.randint(1, 5),
+        "prompt_lookup_min": low, "prompt_lookup_max": rng.randint(low, 4)}
+    return wl
+
+
 def connector_workload(seed: int, kind: str) -> dict:
     """A random workload for a real engine (tests/test_vllm_random.py):
     prompts with an optional shared prefix, a small KV cache, and scripted
@@ -414,6 +429,30 @@ WORKLOADS["async-failed-load-stale-token"] = mixed_workload(1118, "async-mixed")
 # goes idle with the session unfinished, and would wait for ever
 # (docs/findings.md; the driver stops it, EngineStranded).
 WORKLOADS["async-session-lost"] = sessions_workload(4337, "async-rlhf-sessions")
+
+
+# N-gram speculative decoding: prompts that repeat themselves (drafts found and
+# accepted) and others (few drafts, most rejected), in a KV cache small enough
+# to preempt; two arrive later with all but their last token cached, so that
+# they are admitted with one token to compute and padded with -1 drafts.
+_NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+          "prompt_lookup_max": 3}
+WORKLOADS["speculative"] = dict(
+    prompts=[([5, 6, 7, 8] * 10)[:30 + i] for i in range(6)]
+    + [[(31 * i + 7 * j) % 400 + 16 for j in range(20 + 3 * i)] for i in range(6)]
+    + [list(range(100, 133))] * 2,
+    max_tokens=48, arrive_at=[0] * 13 + [40],
+    engine=dict(num_gpu_blocks_override=16, speculative_config=_NGRAM))
+
+# vLLM 0.32 with speculative decoding: a waiting request with one token to
+# compute is padded to 1 + num_speculative_tokens while decodes run; a
+# long-prefill threshold below that cuts the padded chunk, and the engine
+# fails its own assertion that the padding is whole (S:1372). Upstream: vLLM
+# PR 54028 (open). docs/findings.md.
+WORKLOADS["spec-padding-cut"] = dict(
+    prompts=[list(range(100, 133)), list(range(200, 240)), list(range(100, 133))],
+    max_tokens=64, arrive_at=[0, 0, 30],
+    engine=dict(speculative_config=_NGRAM, long_prefill_token_threshold=2))
 
 
 def _resolve(workload: Any) -> dict:

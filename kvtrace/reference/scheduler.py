@@ -277,8 +277,10 @@ class Scheduler:
             n = 0
             reserved = 0
             if load_async:
-                # Keep the blocks that in-flight prefills still need (S:1245).
-                reserved = sum(self.kv.remaining_blocks(x) for x in self.inflight_prefills)
+                # Keep the blocks that in-flight prefills still need, and with
+                # speculative decoding the blocks of one whole decode step (S:1241-1251).
+                reserved = (sum(self.kv.remaining_blocks(x) for x in self.inflight_prefills)
+                            + self.spec_decode_step_blocks())
             else:
                 want = r.num_tokens - num_computed
                 padded = want == 1 and self._pads_with_drafts(step, num_computed)
@@ -384,6 +386,11 @@ class Scheduler:
             if k > 0:
                 step.spec[r.request_id] = r.spec_token_ids[:k]
             r.spec_token_ids = []
+
+    def spec_decode_step_blocks(self) -> int:
+        """Blocks of one decode step with every draft: 1 + num_spec_tokens slots (S:348-357)."""
+        k = self.config.num_spec_tokens
+        return -(-(1 + k) // self.block_size) if k else 0
 
     def _pads_with_drafts(self, step: "_Step", num_computed: int) -> bool:
         """A waiting request with one token to compute is padded to a whole

@@ -151,6 +151,28 @@ def compare_output(rec: ev.Output, results: list[RequestOutput], sched: Schedule
     return divs
 
 
+def accepted_drafts(rec: ev.Output, spec: dict[str, list[int]], line: int | None
+                    ) -> list[Divergence]:
+    """Speculative decoding: a request's sampled tokens are the drafts accepted,
+    in order, then one token of the model's own (at the first rejected draft, or
+    after the last), so all but the last are its first drafts; a padding draft
+    (-1) is never accepted (S:2110-2128). The shadow-KV check takes the accepted
+    drafts' KV as the request's own tokens on this ground."""
+    divs = []
+    for req, drafts in spec.items():
+        sampled = rec.sampled.get(req)
+        if not sampled:
+            continue
+        accepted = sampled[:-1]
+        if len(accepted) > len(drafts) or accepted != drafts[:len(accepted)]:
+            divs.append(Divergence(
+                rec.step, req, "sampled", sampled,
+                f"at most {len(drafts) + 1} tokens, all but the last the drafts {drafts}",
+                "SD1: the sampled tokens are the drafts accepted and one more", "invariant",
+                rec.seq, line))
+    return divs
+
+
 def compare_prompt_stats(rec: ev.PromptStats, expected: RequestOutput | None, ref: Request | None,
                          line: int | None) -> list[Divergence]:
     divs: list[Divergence] = []

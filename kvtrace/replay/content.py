@@ -186,13 +186,14 @@ class ContentCheck:
             st = states.get(req)
             # The engine drops a step's tokens for a request hit by a load failure:
             # its recorded token count says how many it kept.
-            before = self.kv.num_tokens(req)
+            num_drafts = drafts.get(req, 0) if drafts else 0
+            before = self.kv.num_tokens(req) if st is not None or num_drafts else 0
             keep = len(tokens) if st is None else max(0, st.num_tokens - before)
             if keep:
                 self.kv.append_tokens(req, tokens[:keep])
             # The step wrote the KV of its drafts; the sampled tokens are the drafts
-            # accepted and one more, so the accepted ones hold the request's own tokens.
-            num_accepted = min(drafts.get(req, 0), keep - 1)
+            # accepted and one more (SD1), so the accepted ones hold the request's own tokens.
+            num_accepted = min(num_drafts, keep - 1)
             if num_accepted > 0:
                 accepted.append((req, before, before + num_accepted, self.tables.get(req, [])))
         if accepted:

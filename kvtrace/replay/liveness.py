@@ -180,13 +180,15 @@ class ProgressWatch:
                 f"{stuck.num_output_placeholders} output placeholders)", "invariant", seq, line)]
         free = sched.kv.pool.num_free_blocks
         reserved = sum(sched.kv.remaining_blocks(r) for r in sched.inflight_prefills)
+        drafts = sched.spec_decode_step_blocks()
+        also = f"; an async load keeps {drafts} more for a decode step with drafts" if drafts else ""
         return [Divergence(
             step, head.request_id, "progress",
             f"nothing scheduled for {self.limit} steps since step {self.since}",
             "a ready request is admitted or the engine has no room",
             f"liveness: {head.request_id} is ready at the head of the waiting queue with "
             f"{free} free blocks ({reserved} reserved for in-flight prefills"
-            f"{', itself included' if head in sched.inflight_prefills else ''})",
+            f"{', itself included' if head in sched.inflight_prefills else ''}{also})",
             "invariant", seq, line)]
 
 

@@ -70,7 +70,8 @@ def _check_fits(header: ev.Header, path) -> None:
 def _check_supported(header: ev.Header, path) -> None:
     why = baseline.refusal(header.features, header.config.block_size,
                            "the reference models the baseline profile only (one full-attention "
-                           "KV-cache group, no speculative decoding, no pipeline parallelism)")
+                           "KV-cache group, speculative decoding by drafts alone under the "
+                           "synchronous scheduler, no pipeline parallelism)")
     if why is not None:
         raise TraceError(path, 1, why)
 
@@ -108,6 +109,7 @@ class Replayer:
         self.steps = 0
         self.stopped: str | None = None
         self._outputs: dict[int, SchedulerOutput] = {}         # step -> output awaiting update
+        self._spec: dict[int, dict[str, list[int]]] = {}      # step -> drafts it scheduled, likewise
         self._expected_stats: dict[str, RequestOutput] = {}   # req -> first output, awaiting stats
         self._finished_refs: dict[str, Request] = {}          # finished requests, for their stats
         self._preemptions: dict[str, int] = {}
@@ -281,6 +283,8 @@ class Replayer:
         if self.content:
             self._place(self.content.step(rec, line, len(self.divergences) - self._kv_placed))
         self._outputs[rec.step] = out
+        if rec.spec:
+            self._spec[rec.step] = rec.spec
         if self.out:
             loads = self.connector.loads if self.cfg.connector else None
             self._write(bridge.step_event(self._seq(), rec.step, out, self.sched,
@@ -302,6 +306,9 @@ class Replayer:
                 for k, ids in self._in_flight.items():
                     self._in_flight[k] = [r for r in ids if r not in turn_ends]
         self._unmatched_stats()
+        spec = self._spec.pop(rec.step, None)
+        if spec:
+            self.divergences.extend(checks.accepted_drafts(rec, spec, line))
         model = bridge.model_output_from_event(rec)
         for req in [*sorted(model.finished_recving), *sorted(model.finished_sending)]:
             if req not in self.sched.requests:
