@@ -256,3 +256,15 @@ def test_vllm_with_rejected_drafts_kept_is_flagged(tmp_path):
     where = _first_rejection_kept(out)
     divs = replay_file(out, device="cpu", worker=0).divergences
     assert where is not None and (divs[0].step, divs[0].req) == where
+
+
+def test_show_counts_the_drafts_scheduled_and_accepted():
+    from kvtrace.report.summary import summarize
+
+    real = 0
+    for e in TraceReader(SPEC):
+        if isinstance(e, ev.Step) and e.spec:
+            real += sum(t >= 0 for ids in e.spec.values() for t in ids)
+    s = summarize(SPEC)
+    assert (s.drafts_scheduled, s.drafts_accepted) == (real, _drafts_seen(SPEC)["accepted"])
+    assert 0 < s.drafts_accepted < s.drafts_scheduled

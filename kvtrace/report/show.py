@@ -117,6 +117,9 @@ def print_summary(s: RunSummary, console: Console, brief: bool = False) -> None:
                                f"async), {s.loads} loads ({s.load_tokens} tokens), {s.finished_recving} "
                                f"async loads finished, {s.failed_recving} failed, "
                                f"{s.invalid_blocks} invalid blocks")
+    if s.drafts_scheduled:
+        t.add_row("drafts", f"{s.drafts_scheduled} scheduled, {s.drafts_accepted} accepted "
+                            f"({percent(s.drafts_accepted / s.drafts_scheduled)})")
     if s.peak_kv_used is not None:
         t.add_row("KV usage", f"peak {s.peak_kv_used}/{s.usable_blocks} blocks, mean "
                               f"{s.mean_kv_used:.1f} ({percent(s.mean_kv_used / max(1, s.usable_blocks))})")
@@ -199,9 +202,12 @@ def _rows(tl: RequestTimeline, collapse: bool):
         else:
             a, b = run[0], run[-1]
             nb = sum(len(r.new_blocks) for r in run)
+            drafts = sum(r.drafts for r in run)
+            spec = (f", {sum(r.accepted or 0 for r in run)} of {drafts} drafts accepted"
+                    if drafts else "")
             out = [(f"{a.step}–{b.step}", Text("decode", style="dim"), f"{a.computed}→{b.computed_after}",
                     str(sum(r.scheduled for r in run)), f"{nb} blocks" if nb else "", str(b.blocks),
-                    Text(f"{len(run)} decode steps", style="dim"))]
+                    Text(f"{len(run)} decode steps{spec}", style="dim"))]
         run.clear()
         return out
 
@@ -227,6 +233,9 @@ def _hist_row(r: HistoryRow, split: dict[int, str]):
     style = "bold" if r.how != "running" else ""
     blocks = ", ".join(map(str, r.new_blocks[:12])) + (" …" if len(r.new_blocks) > 12 else "")
     detail = f"{r.phase}" + (f", {r.status}" if r.status != "RUNNING" else "")
+    if r.drafts:
+        detail += (f", {r.accepted} of {r.drafts} drafts accepted" if r.accepted is not None
+                   else f", {r.drafts} drafts")
     if r.how != "running" and r.step in split:
         source = split[r.step]
         detail += f", {source}" if source.endswith("last turn") else f", hit: {source}"

@@ -128,6 +128,8 @@ class HistoryRow:
     blocks: int           # table length after the step
     computed_after: int   # num_computed_tokens after the step
     status: str           # status after the step
+    drafts: int = 0       # speculative decoding: drafts scheduled (padding excluded)
+    accepted: int | None = None   # ... and accepted, once the step's output says
 
 
 @dataclass
@@ -197,6 +199,8 @@ class RunSummary:
     finished_recving: int = 0
     failed_recving: int = 0
     invalid_blocks: int = 0
+    drafts_scheduled: int = 0         # speculative decoding (padding excluded)
+    drafts_accepted: int = 0
     # series over steps
     kv_used: Series = field(default_factory=Series)           # blocks in use after each step
     sched_tokens: Series = field(default_factory=Series)      # tokens scheduled per step
@@ -299,6 +303,7 @@ class _Pass:
         self.hist = hist
         self.live: dict[str, _Live] = {}
         self.usable = s.usable_blocks
+        self.spec: dict[int, dict[str, int]] = {}   # step -> drafts scheduled per request, until its output
 
     def feed(self, e, line: int) -> None:
         if isinstance(e, ev.Step):
@@ -347,6 +352,10 @@ class _Pass:
         k = e.step
         s.steps = k + 1
         states = {st.req: st for st in e.states}
+        if e.spec:
+            drafts = {req: sum(t >= 0 for t in ids) for req, ids in e.spec.items()}
+            self.spec[k] = drafts
+            s.drafts_scheduled += sum(drafts.values())
         for lk in e.lookups:
             s.lookups += 1
             lv = self.live.get(lk.req)
@@ -472,7 +481,21 @@ class _Pass:
             if tl.history is not None:
                 tl.history.append(HistoryRow(step=k, how=how, phase=phase, computed=pre, scheduled=n,
                                              new_blocks=new_blocks, blocks=lv.blocks,
-                                             computed_after=lv.computed, status=status))
+                                             computed_after=lv.computed, status=status,
+                                             drafts=self.spec.get(k, {}).get(it.req, 0)))
+
+    def _accepted(self, e: ev.Output, drafts: dict[str, int]) -> None:
+        """The drafts each request's output accepted: all its sampled tokens but the last."""
+        for req, n in drafts.items():
+            sampled = e.sampled.get(req)
+            if not sampled or not n:
+                continue
+            acc = min(len(sampled) - 1, n)
+            self.s.drafts_accepted += acc
+            lv = self.live.get(req)
+            hist = lv.tl.history if lv is not None and lv.tl is not None else None
+            if hist and hist[-1].step == e.step:
+                hist[-1].accepted = acc
 
     def _apply_state(self, k: int, lv: _Live, st: ev.RequestState) -> None:
         lv.computed = st.num_computed_tokens
@@ -484,6 +507,10 @@ class _Pass:
 
     def _output(self, e: ev.Output) -> None:
         k = e.step
+        if self.spec:
+            self._accepted(e, self.spec.pop(k, {}))
+            for old in [j for j in self.spec if j < k]:   # steps whose output never came
+                del self.spec[old]
         for st in e.states:
             lv = self.live.get(st.req)
             if lv is not None:
