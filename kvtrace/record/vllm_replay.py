@@ -306,12 +306,14 @@ def _build_vllm_config(header: ev.Header) -> Any:
     vc.cache_config.enable_prefix_caching = c.enable_prefix_caching
     k = f.get("num_speculative_tokens")
     if k:
-        # Drafts alone (baseline.speculative): the proposer is never run here, the
-        # recorded drafts are fed in; set afterwards, as async scheduling is.
+        # Drafts alone (baseline.speculative): the scheduler's arithmetic is the
+        # same whichever proposer made them, and none runs here (the recorded
+        # drafts are fed in), so n-gram stands for any (suffix decoding's config
+        # wants its package installed). Set afterwards, as async scheduling is.
         from vllm.config import SpeculativeConfig
 
         vc.speculative_config = SpeculativeConfig(
-            method=str(f.get("speculative_method") or "ngram"), num_speculative_tokens=int(k),
+            method="ngram", num_speculative_tokens=int(k),
             target_model_config=model_config, target_parallel_config=vc.parallel_config)
     return vc
 
@@ -397,6 +399,8 @@ def build_scheduler(header: ev.Header, out_path: str | os.PathLike, scheduler_cl
         if value is not None and hasattr(sched, name):
             setattr(sched, name, bool(value))
     out_header = vr.build_header(sched, meta=meta)
+    if "speculative_method" in header.features:   # the proposer stood in for (above)
+        out_header.features["speculative_method"] = header.features["speculative_method"]
     # Null means "equal to max_num_batched_tokens": keep the recording's spelling
     # where the two say the same, so that a header comparison sees no difference.
     oc = out_header.config
