@@ -17,6 +17,8 @@ in call order:
   ``self.connector.update_state_after_alloc`` on the instance)
 * ``update_from_output`` -> ``Output`` and one ``PromptStats`` per request's first
   output that carries prompt accounting
+* ``update_draft_token_ids`` -> ``Drafts`` (speculative decoding, synchronous
+  scheduler); ``schedule`` also records the drafts it scheduled (``Step.spec``)
 * shutdown / process exit -> ``End``: ``complete``, or ``interrupted`` with the
   engine's error when the scheduler is shut down while an exception leaves the
   engine (vLLM's engine core process shuts it down from a ``finally``)
