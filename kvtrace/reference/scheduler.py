@@ -276,6 +276,7 @@ class Scheduler:
 
             n = 0
             reserved = 0
+            padded = False   # a one-token decode padded with -1 drafts
             if load_async:
                 # Keep the blocks that in-flight prefills still need, and with
                 # speculative decoding the blocks of one whole decode step (S:1241-1251).
