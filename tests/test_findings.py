@@ -267,10 +267,11 @@ UNCOMPUTED_HIT = (__import__("pathlib").Path(__file__).resolve().parent.parent /
 
 def _wrong_reads(path) -> list[tuple[int, str, list[int]]]:
     """Worked from the records alone, apart from the shadow-KV check: each
-    step's scheduled tokens write their positions into the request's blocks;
-    when a request is admitted with a prefix hit, every hit position whose slot
-    was last written by a request with a different prefix up to that position
-    (or never) is a wrong read. Returns (step, request, wrong positions)."""
+    step's scheduled tokens write their positions into the request's blocks
+    (past its last token, its drafts: speculative decoding); when a request is
+    admitted with a prefix hit, every hit position whose slot was last written
+    by a request with a different prefix up to that position (or never) is a
+    wrong read. Returns (step, request, wrong positions)."""
     with TraceReader(path) as r:
         bs = r.header.config.block_size
         prompts, tables, slots, found = {}, {}, {}, []
@@ -285,9 +286,10 @@ def _wrong_reads(path) -> list[tuple[int, str, list[int]]]:
                 admitted = [(x.req, x.num_computed_tokens, x.num_scheduled_tokens)
                             for x in e.new + e.resumed]
                 running = [(x.req, x.num_computed_tokens, x.num_scheduled_tokens) for x in e.running]
-                # One forward pass writes every scheduled position before any is read.
+                # One forward pass writes every scheduled position before any is read;
+                # the positions past the last token hold the drafts scheduled.
                 for req, start, n in admitted + running:
-                    tokens = prompts[req] + out_tokens[req]
+                    tokens = prompts[req] + out_tokens[req] + (e.spec or {}).get(req, [])
                     for p in range(start, start + n):
                         slots[(tables[req][p // bs], p % bs)] = tuple(tokens[:p + 1])
                 for req, start, _ in admitted:      # a hit: positions below start are read

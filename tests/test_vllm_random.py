@@ -151,7 +151,8 @@ CI_SEEDS = [(100, "async"), (101, "async"), MEETS_THE_BUG, (210, "async-failures
             (2317, "async-rlhf"), (2478, "async-rlhf"), (3003, "sessions"), (3101, "async-sessions"),
             (3134, "async-sessions"), (3247, "rlhf-sessions"), (3310, "async-rlhf-sessions"),
             (3363, "async-rlhf-sessions"), (4337, "async-rlhf-sessions"),
-            (5467, "async-rlhf-sessions"), (7001, "spec-knobs"), (7203, "spec-mixed")]
+            (5467, "async-rlhf-sessions"), (7001, "spec-knobs"), (7203, "spec-mixed"),
+            (7524, "spec-rlhf-sessions"), (7609, "spec-rlhf")]
 
 
 KINDS = ("async", "async-failures", "sync-failures", "knobs", "async-knobs", "stream", "async-stream",

@@ -22,6 +22,7 @@ class KVCacheManager:
         self.max_model_len = config.max_model_len
         self.enable_caching = config.enable_prefix_caching
         self.watermark_blocks = config.watermark_blocks
+        self.num_spec_tokens = config.num_spec_tokens
         self.pool = BlockPool(config.num_blocks, config.enable_prefix_caching)
         self.req_to_blocks: dict[str, list[Block]] = {}
         self.req_to_ids: dict[str, list[int]] = {}        # the same tables, as block ids
@@ -67,8 +68,11 @@ class KVCacheManager:
         return max(required - (len(hits) + held), 0) + free_hits
 
     def remaining_blocks(self, request: Request) -> int:
-        """Blocks the request still needs to hold its whole sequence (S:3060)."""
+        """Blocks the request still needs to hold its whole sequence, and with
+        speculative decoding one decode step with every draft past it (S:3060-3076)."""
         num_tokens = min(request.num_tokens, self.max_model_len)
+        if self.num_spec_tokens:
+            num_tokens += 1 + self.num_spec_tokens
         return self.num_blocks_to_allocate(request.request_id, num_tokens, [])
 
     def allocate_slots(

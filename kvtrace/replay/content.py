@@ -192,8 +192,9 @@ class ContentCheck:
             if keep:
                 self.kv.append_tokens(req, tokens[:keep])
             # The step wrote the KV of its drafts; the sampled tokens are the drafts
-            # accepted and one more (SD1), so the accepted ones hold the request's own tokens.
-            num_accepted = min(num_drafts, keep - 1)
+            # accepted and one more (SD1), so the accepted ones hold the request's own
+            # tokens: those of them it keeps (a stop may cut the sampled tokens short).
+            num_accepted = min(num_drafts, len(tokens) - 1, keep)
             if num_accepted > 0:
                 accepted.append((req, before, before + num_accepted, self.tables.get(req, [])))
         if accepted:
