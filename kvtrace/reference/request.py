@@ -116,10 +116,6 @@ class Request:
         extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt)
 
     @property
-    def num_tokens_with_spec(self) -> int:
-        return self.num_tokens + len(self.spec_token_ids)
-
-    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

@@ -189,7 +189,8 @@ class Scheduler:
             if self._reached_max_tokens(r):
                 i += 1
                 continue
-            n = min(step.chunk(r.num_tokens_with_spec + r.num_output_placeholders
+            # Its tokens and drafts (num_tokens_with_spec), and its placeholders.
+            n = min(step.chunk(r.num_tokens + len(r.spec_token_ids) + r.num_output_placeholders
                                - r.num_computed_tokens),
                     self.max_model_len - r.num_computed_tokens - 1)
             if n <= 0:
@@ -218,9 +219,11 @@ class Scheduler:
                 break
             step.running.append(r)
             step.new_blocks[r.request_id] = blocks
-            step.prefill_scheduled |= r.is_prefill_chunk
+            if r.is_prefill_chunk:
+                step.prefill_scheduled = True
             step.take(r, n)
-            self._schedule_drafts(r, n, step)
+            if r.spec_token_ids:
+                self._schedule_drafts(r, n, step)
             i += 1
 
     def _schedule_waiting(self, step: "_Step") -> None:
@@ -382,11 +385,10 @@ class Scheduler:
     def _schedule_drafts(self, r: Request, n: int, step: "_Step") -> None:
         """The drafts among a running request's ``n`` tokens are those past its
         last token; the rest of its drafts are dropped (S:861-876)."""
-        if r.spec_token_ids:
-            k = n + r.num_computed_tokens - r.num_tokens - r.num_output_placeholders
-            if k > 0:
-                step.spec[r.request_id] = r.spec_token_ids[:k]
-            r.spec_token_ids = []
+        k = n + r.num_computed_tokens - r.num_tokens - r.num_output_placeholders
+        if k > 0:
+            step.spec[r.request_id] = r.spec_token_ids[:k]
+        r.spec_token_ids = []
 
     def spec_decode_step_blocks(self) -> int:
         """Blocks of one decode step with every draft: 1 + num_spec_tokens slots (S:348-357)."""
@@ -491,6 +493,7 @@ class Scheduler:
             failed |= self._handle_invalid_blocks(model.invalid_block_ids, out.num_scheduled_tokens)
 
         outputs: list[RequestOutput] = []
+        spec = out.spec   # drafts scheduled (speculative decoding)
         stopped_running: set[Request] = set()
         stopped_waiting: set[Request] = set()
         for req_id, n in out.num_scheduled_tokens.items():
@@ -506,9 +509,8 @@ class Scheduler:
             if stale and r.drop_stale_output:
                 continue
             new_tokens = list(model.sampled_token_ids.get(req_id, ()))
-            drafts = out.spec.get(req_id)
-            if drafts and new_tokens and not stale:
-                self._reject_drafts(r, len(drafts), len(new_tokens))
+            if spec and req_id in spec and new_tokens and not stale:
+                self._reject_drafts(r, len(spec[req_id]), len(new_tokens))
             stopped = False
             status_before = r.status
             for k, token in enumerate(new_tokens):

@@ -306,9 +306,11 @@ def step_invariants(rec: ev.Step, cfg: ev.SchedulerConfig, prev_preemptions: dic
             if len(s.block_ids) < need:
                 d(s.req, "state.block_ids", len(s.block_ids), f">= {need}",
                   "B1: the table covers every computed token", "block")
-            drafts = len(spec.get(s.req, ())) if spec else 0
-            most = s.num_tokens + drafts + (in_flight.get(s.req, 0) if in_flight is not None else 0)
+            most = s.num_tokens + (in_flight.get(s.req, 0) if in_flight is not None else 0)
+            if spec:
+                most += len(spec.get(s.req, ()))
             if s.num_computed_tokens > most:
+                drafts = len(spec.get(s.req, ())) if spec else 0
                 d(s.req, "state.num_computed_tokens", s.num_computed_tokens, f"<= {most}",
                   ("I1: c <= T after schedule()" if in_flight is None else
                    "I1: c <= T + output placeholders of the steps in flight after schedule()")

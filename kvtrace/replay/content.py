@@ -194,9 +194,10 @@ class ContentCheck:
             # The step wrote the KV of its drafts; the sampled tokens are the drafts
             # accepted and one more (SD1), so the accepted ones hold the request's own
             # tokens: those of them it keeps (a stop may cut the sampled tokens short).
-            num_accepted = min(num_drafts, len(tokens) - 1, keep)
-            if num_accepted > 0:
-                accepted.append((req, before, before + num_accepted, self.tables.get(req, [])))
+            if num_drafts:
+                num_accepted = min(num_drafts, len(tokens) - 1, keep)
+                if num_accepted > 0:
+                    accepted.append((req, before, before + num_accepted, self.tables.get(req, [])))
         if accepted:
             self.kv.queue_late_writes(rec.step, accepted)
         for st in rec.states:
