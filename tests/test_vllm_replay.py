@@ -473,7 +473,10 @@ def test_the_watermark_the_recording_names_is_the_replay_s_too(tmp_path):
 
 @pytest.mark.parametrize("features, words", [
     ({"use_eagle": True}, "EAGLE is on"),
-    ({"num_speculative_tokens": 1}, "speculative decoding is on"),
+    ({"num_speculative_tokens": 1, "num_draft_slots": 1},
+     r"speculative decoding \(num_speculative_tokens=1\) with 1 input slot per request for drafting"),
+    ({"num_speculative_tokens": 1, "num_draft_slots": 0, "async_scheduling": True},
+     r"speculative decoding \(num_speculative_tokens=1\) under async scheduling is on"),
     ({"pipeline_parallel_size": 2}, "pipeline parallelism is on"),
     ({"num_kv_cache_groups": 2}, "2 KV-cache groups"),
     ({"kv_cache_group_kinds": ["SlidingWindowSpec"]}, "kind 'SlidingWindowSpec', not full attention"),
