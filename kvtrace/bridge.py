@@ -104,6 +104,7 @@ def request_from_arrival(a: ev.Arrival, block_size: int) -> Request:
         ignore_eos=a.ignore_eos,
         skip_reading_prefix_cache=a.skip_reading_prefix_cache,
         resumable=a.resumable,
+        grammar="compiling" if a.structured_output else None,
     )
 
 
@@ -115,6 +116,7 @@ def model_output_from_event(o: ev.Output) -> ModelOutput:
         finished_sending=set(c.finished_sending),
         failed_recving=set(c.failed_recving),
         invalid_block_ids=set(c.invalid_block_ids),
+        grammar_rejected=set(o.grammar_rejected or ()),
     )
 
 
@@ -136,9 +138,10 @@ def request_state(sched: Scheduler, r: Request) -> ev.RequestState:
 
 
 def step_event(seq: int, step: int, out: SchedulerOutput, sched: Scheduler,
-               lookups: list[ev.Lookup], loads: list[ev.KVLoad] | None) -> ev.Step:
+               lookups: list[ev.Lookup], loads: list[ev.KVLoad] | None,
+               grammar: dict[str, str] | None = None) -> ev.Step:
     """What one schedule() decided, with the state of every request it touched:
-    scheduled, preempted or looked up."""
+    scheduled, preempted or looked up, and the grammars it found compiled."""
     touched: dict[str, None] = dict.fromkeys(out.num_scheduled_tokens)
     touched.update(dict.fromkeys(sorted(out.preempted_req_ids)))
     touched.update(dict.fromkeys(lk.req for lk in lookups))
@@ -159,6 +162,7 @@ def step_event(seq: int, step: int, out: SchedulerOutput, sched: Scheduler,
         states=states,
         num_free_blocks=sched.kv.pool.num_free_blocks,
         spec={k: list(v) for k, v in out.spec.items()} or None,
+        grammar=grammar or None,
     )
 
 
@@ -182,6 +186,7 @@ def output_events(seq_fn, step: int, model: ModelOutput, results: list[RequestOu
         connector=connector_output_event(model),
         finished={r.req_id: r.finish_reason for r in results if r.finish_reason},
         states=[request_state(sched, r) for r in touched],
+        grammar_rejected=sorted(model.grammar_rejected) or None,
     )
     events: list = [out]
     for r in results:

@@ -213,6 +213,12 @@ def test_missing_kind(base, tmp_path, capsys):
     (3, lambda o: o.insert(2, {"kind": "pause_state", "seq": o[1]["seq"], "state": "SLEEPING"}),
      "field 'state' must be one of"),
     (3, lambda o: o.insert(2, {"kind": "pause_state", "seq": o[1]["seq"]}), "missing field 'state'"),
+    (2, lambda o: o[1].__setitem__("structured_output", 1), "field 'structured_output' must be true or false"),
+    (3, lambda o: o[2].__setitem__("grammar", {"chat-0": "maybe"}),
+     "field 'grammar.chat-0' must be one of ready, error; got 'maybe'"),
+    (3, lambda o: o[2].__setitem__("grammar", ["chat-0"]), "field 'grammar' must be an object"),
+    (4, lambda o: o[3].__setitem__("grammar_rejected", "chat-0"),
+     "field 'grammar_rejected' must be a list of strings"),
 ])
 def test_wrong_types(base, tmp_path, capsys, line, edit, message):
     bad = _edit(base, tmp_path, edit)
@@ -275,6 +281,8 @@ def test_free_blocks_beyond_pool(base, tmp_path, capsys):
     (4, lambda o: o[3]["sampled"].__setitem__("ghost", [5]), "sampled"),
     (4, lambda o: o[3].__setitem__("finished", {"ghost": "stop"}), "finished"),
     (4, lambda o: o[3].__setitem__("connector", {"failed_recving": ["ghost"]}), "connector.failed_recving"),
+    (3, lambda o: o[2].__setitem__("grammar", {"ghost": "ready"}), "grammar"),
+    (4, lambda o: o[3].__setitem__("grammar_rejected", ["ghost"]), "grammar_rejected"),
     (5, lambda o: o[4].__setitem__("req", "ghost"), "req"),
 ])
 def test_unknown_request(base, tmp_path, capsys, line, edit, field):

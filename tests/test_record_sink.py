@@ -66,13 +66,14 @@ def feed(sink) -> None:
     sink.put(RawOutput((0, (["a"], [[42]], {"a": 0}),
                         ConnectorOutput(finished_recving=["a"], finished_sending=[],
                                         failed_recving=[], invalid_block_ids=[]),
-                        {}, (["a"], [("a", Status.RUNNING, 3, 4, 0)], [a_blocks], [3]))))
+                        {}, (["a"], [("a", Status.RUNNING, 3, 4, 0)], [a_blocks], [3]), None)))
     b_new = [Block(11), Block(12)]
     sink.put(RawStep((1, [], [], (["a"], [3], [([9],)], {"a": 1}), ["b"], [], [], None,
                       (["a", "b"], [("a", Status.RUNNING, 3, 4, 0), ("b", Status.PREEMPTED, 0, 2, 1)],
-                       [a_blocks, b_new], [3, 2]), 59, {"a": [5, -1]})))
+                       [a_blocks, b_new], [3, 2]), 59, {"spec": {"a": [5, -1]}, "grammar": {"b": "ready"}})))
     sink.put(RawOutput((1, (["a"], [[7, 8]], {"a": 0}), None, {"a": "stop"},
-                        (["a"], [("a", Status.FINISHED_REPETITION, 4, 6, 0)], [a_blocks], [3]))))
+                        (["a"], [("a", Status.FINISHED_REPETITION, 4, 6, 0)], [a_blocks], [3]),
+                        {"grammar_rejected": ["a"]})))
     sink.put(PromptStats(seq=0, step=1, req="a", prefill_stats=PrefillStats(
         num_prompt_tokens=3, num_local_cached_tokens=0, num_external_cached_tokens=2,
         num_cached_tokens=2, num_computed_tokens=3, num_cache_creation_tokens=1)))
@@ -94,13 +95,15 @@ def test_writer_process_writes_what_the_thread_writes(tmp_path):
     assert [e.seq for e in evs] == list(range(9))
     step0, out0, step1, out1 = evs[2:6]
     assert [(s.req, s.status, s.block_ids) for s in step0.states] == \
-        [("a", "RUNNING", [3, 7]), ("b", "WAITING", [1])]
+        [("a", "RUNNING", [3, 7]), ("b", "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR", [1])]
     assert out0.sampled == {"a": [42]} and out0.connector.finished_recving == ["a"]
     assert out0.states[0].block_ids == [3, 7, 9]
     assert [(r.req, r.num_computed_tokens, r.num_scheduled_tokens, r.new_block_ids)
             for r in step1.running] == [("a", 3, 1, [9])]
     assert step1.states[1].block_ids == [11, 12] and step1.states[1].num_preemptions == 1
     assert step0.spec is None and step1.spec == {"a": [5, -1]}
+    assert step0.grammar is None and step1.grammar == {"b": "ready"}
+    assert out0.grammar_rejected is None and out1.grammar_rejected == ["a"]
     assert out1.states[0].status == "FINISHED_STOPPED" and out1.finished == {"a": "stop"}
     assert evs[-1].status == "complete"
 

@@ -12,13 +12,12 @@ same process starts: see ``traces/make_traces.py``).
 from __future__ import annotations
 
 import gzip
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import orjson
 import pytest
+
+from _recording import record_apart as _record
 
 from kvtrace.diff import diff_files
 from kvtrace.redact import redact_file
@@ -197,27 +196,6 @@ def test_redacted_drafts_keep_their_padding_and_replay_alike(tmp_path):
 
 # --------------------------------------------------------------------------- on vLLM
 
-_RECORD = """
-import sys
-from kvtrace.record.fault_schedulers import FAULTS
-from kvtrace.record.vllm_run import EngineFailed, record_vllm_offline
-kw = {"scheduler_cls": FAULTS[sys.argv[3]]} if len(sys.argv) > 3 else {}
-try:
-    record_vllm_offline(None, sys.argv[2], sys.argv[1], **kw)
-except EngineFailed as e:
-    print("engine failed:", type(e.error).__name__)
-"""
-
-
-def _record(tmp_path, workload: str, *fault: str) -> tuple[Path, str]:
-    out = tmp_path / f"{workload}.jsonl.gz"
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    env.pop("KVTRACE_OUT", None)
-    env.setdefault("VLLM_CACHE_ROOT", str(tmp_path / "vllm"))
-    p = subprocess.run([sys.executable, "-c", _RECORD, workload, str(out), *fault],
-                       capture_output=True, text=True, env=env)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return out, p.stdout
 
 
 @pytest.mark.vllm

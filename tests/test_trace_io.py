@@ -538,7 +538,6 @@ def test_lists_checked_at_once_decode_as_item_by_item(monkeypatch):
     import random
 
     from kvtrace.trace import events as ev
-    from mini_traces import load_records
 
     traces = Path(__file__).resolve().parent.parent / "traces"
     recs = [r for p in sorted(traces.glob("*.jsonl.gz")) for r in load_records(p)[1:]

@@ -21,7 +21,11 @@ or served as a stream, and the two combined:
 * any of the synchronous ones with n-gram speculative decoding (kinds
   "spec-knobs", "spec-stream", "spec-mixed", "spec-rlhf", "spec-sessions",
   "spec-rlhf-sessions", "spec-failures", "spec-aborts"; ``with_drafts``),
-  each recorded in a process of its own (``_record_apart``).
+  each recorded in a process of its own (``_record_apart``);
+* any of these but the sessions with structured outputs (kinds "so-KIND", for
+  example "so-async-stream" or "so-spec-mixed"; ``with_grammars``): about half
+  the requests get a regex, a choice or a JSON schema, some grammars slow to
+  compile, and now and then one that fails to compile or refuses a token.
 
 Served as a stream (``kvtrace.record.vllm_run.served``), the engine is driven
 step by step: each request arrives at a step of its own, and about a third are
@@ -58,6 +62,7 @@ from kvtrace.record.vllm_run import (  # noqa: E402
     served,
     stream_workload,
     with_drafts,
+    with_grammars,
 )
 from kvtrace.replay import replay_file  # noqa: E402
 from kvtrace.trace.io import TraceReader  # noqa: E402
@@ -176,7 +181,13 @@ SPEC_KINDS = ("spec-knobs", "spec-stream", "spec-mixed", "spec-rlhf", "spec-sess
               "spec-rlhf-sessions", "spec-failures", "spec-aborts")
 
 
+# With structured outputs: any kind above but the sessions ("so-" + kind).
+SO_KINDS = tuple(f"so-{k}" for k in KINDS + SPEC_KINDS if not k.endswith("sessions"))
+
+
 def _workload(seed: int, kind: str) -> dict:
+    if kind.startswith("so-"):
+        return with_grammars(_workload(seed, kind[3:]), seed)
     if kind.startswith("spec-"):
         base = {"failures": "sync-failures", "aborts": "sync-aborts"}.get(kind[5:], kind[5:])
         return with_drafts(_workload(seed, base), seed)
@@ -204,7 +215,7 @@ def _seeds() -> list[tuple[int, str]]:
     seeds = []
     for part in spec.split(","):
         kind, _, span = part.strip().rpartition(":")
-        assert kind in KINDS + SPEC_KINDS, part
+        assert kind in KINDS + SPEC_KINDS + SO_KINDS, part
         lo, _, hi = span.partition("-")
         seeds += [(s, kind) for s in range(int(lo), int(hi or lo) + 1)]
     return seeds
@@ -232,13 +243,19 @@ class EngineLooping(RuntimeError):
 
 class _StepLimit:
     """Stops the engine, by raising from schedule(), after STEP_LIMIT steps; the
-    recorder wraps it like any user scheduler class."""
+    recorder wraps it like any user scheduler class. A step that schedules
+    nothing while a grammar compiles is not counted: the engine spins through
+    empty steps, thousands of them, until the grammar is ready."""
 
     def schedule(self, *args, **kwargs):
-        self.steps_taken = getattr(self, "steps_taken", 0) + 1
-        if self.steps_taken > STEP_LIMIT:
+        self.steps_taken = getattr(self, "steps_taken", 0)
+        if self.steps_taken >= STEP_LIMIT:
             raise EngineLooping(f"still running after {STEP_LIMIT} steps")
-        return super().schedule(*args, **kwargs)
+        out = super().schedule(*args, **kwargs)
+        if out.total_num_scheduled_tokens or not any(
+                r.status.name == "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR" for r in self.requests.values()):
+            self.steps_taken += 1
+        return out
 
 
 class StepLimitScheduler(_StepLimit, Scheduler):
@@ -264,8 +281,9 @@ def test_a_random_workload_replays_clean_or_is_flagged_where_the_engine_failed(s
     out = tmp_path / "run.jsonl.gz"
     failed = None
     workload = _workload(seed, kind)
-    capped = StepLimitAsyncScheduler if kind.startswith("async") else StepLimitScheduler
-    if kind.startswith("spec-"):
+    base = kind.removeprefix("so-")   # structured outputs change nothing below
+    capped = StepLimitAsyncScheduler if base.startswith("async") else StepLimitScheduler
+    if base.startswith("spec-"):
         failed = _record_apart(out, workload, capped, tmp_path)
     else:
         try:

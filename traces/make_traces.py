@@ -31,6 +31,7 @@ TRACES = {
     "async-priority": "async-priority",
     "async-connector": "async-connector",
     "speculative": "speculative",
+    "structured-output": "structured",
 }
 # Traces of vLLM's own bugs, unchanged engine, in vllm-bugs/: the engine fails
 # on them, and the trace ends "interrupted" with its error. On those in
@@ -45,7 +46,7 @@ SILENT_BUG_TRACES = {"priority-preempt-uncomputed-hit": "priority-preempt-uncomp
                      "async-failed-load-stale-token": "async-failed-load-stale-token"}
 # Traces of vLLM with a bug put back (kvtrace.record.fault_schedulers), in faults/.
 FAULT_TRACES = ["async-load-overshoot", "stale-computed-on-preempt",
-                "async-stale-computed-on-preempt", "spec-rejected-kept"]
+                "async-stale-computed-on-preempt", "spec-rejected-kept", "grammar-not-awaited"]
 
 
 def main(names: list[str]) -> int:

@@ -9,12 +9,14 @@ history and compares like with like:
 * ``lookup``       the k-th answer the connector gave about the request (it is
                    asked every step while the request waits; a repeated answer
                    is not a new item);
+* ``grammar``      a structured output's grammar: found compiled or failed
+                   (not the step it was found in, which is timing);
 * ``schedule``     the k-th time the request was scheduled: new, resumed or
                    running, pre-step num_computed_tokens, num_scheduled_tokens,
                    blocks, the drafts scheduled (speculative decoding), and the
                    request's state right after that schedule();
 * ``output``       what update_from_output made of that k-th schedule: sampled
-                   tokens and the state afterwards;
+                   tokens, whether a grammar refused them, and the state afterwards;
 * ``preempt``      each preemption, counted by how many schedules preceded it;
 * ``load``         connector finished_recving / failed_recving for the request;
 * ``prompt_stats`` PrefillStats or the legacy counters;
@@ -42,7 +44,8 @@ from ..trace.events import (Abort, Arrival, End, Header, Output, PauseState, Pro
                             to_json)
 from ..trace.io import TraceError, TraceReader, not_regular
 
-CHANNELS = ("arrival", "lookup", "schedule", "output", "preempt", "plan", "load", "prompt_stats", "finish")
+CHANNELS = ("arrival", "lookup", "grammar", "schedule", "output", "preempt", "plan", "load",
+            "prompt_stats", "finish")
 PROGRESS_EVERY = 4096   # records read (both traces) between progress calls
 # Outputs are matched to their step; forget unmatched steps older than this.
 _OUTPUT_WINDOW = 8
@@ -208,7 +211,7 @@ def _item(step: int | None, seq: int, line: int, value: dict) -> _Item:
 # is seen), its output and what rides with it, then what happens before the next
 # (a lookup last: it comes just before the schedule it may admit).
 _RANK = {"schedule": -1, "arrival": 0, "output": 0, "prompt_stats": 1, "finish": 1,
-         "preempt": 2, "plan": 2, "load": 2, "lookup": 3}
+         "preempt": 2, "plan": 2, "load": 2, "lookup": 3, "grammar": 3}
 # Under async scheduling a request can be preempted while its last schedule is
 # in flight: that schedule's output, and what rides with it, comes after the
 # preemption (S:1596-1606), and before the lookup that may admit it again.
@@ -396,6 +399,8 @@ class _Differ:
             if h is not None and v != h.last_lookup:
                 h.last_lookup = v
                 self._push(pair, h, "lookup", _Item(ev.step, ev.seq, line, _LOOKUP, v))
+        for req, outcome in (ev.grammar or {}).items():
+            self._add(side, req, "grammar", _item(ev.step, ev.seq, line, {"grammar": outcome}))
         states = {st.req: st for st in ev.states}
         for req in ev.preempted:
             h = self._hist(side, req)
@@ -445,17 +450,17 @@ class _Differ:
 
     def _on_output(self, side: _Side, ev: Output, line: int) -> None:
         states = {st.req: st for st in ev.states}
+        rejected = ev.grammar_rejected or ()
         for req in side.sched_at.pop(ev.step, {}):
             pair, h = self._pair_hist(side, req)
             if h is None:
                 continue
             st = states.get(req)
-            if st is None:
-                self._push(pair, h, "output", _Item(ev.step, ev.seq, line, _OUTPUT[False],
-                                                    (ev.sampled.get(req, []),)))
-            else:
-                self._push(pair, h, "output", _Item(ev.step, ev.seq, line, _OUTPUT[True],
-                                                    (ev.sampled.get(req, []), *_state(st))))
+            names = _OUTPUT[st is not None]
+            v = (ev.sampled.get(req, []),) + (() if st is None else _state(st))
+            if req in rejected:   # a structured output's grammar refused the tokens
+                names, v = names + ("grammar_rejected",), v + (True,)
+            self._push(pair, h, "output", _Item(ev.step, ev.seq, line, names, v))
         if ev.connector is not None:
             for what in ("finished_recving", "failed_recving"):
                 for req in getattr(ev.connector, what):
@@ -751,6 +756,7 @@ def _what(channel: str, k: int, req: str) -> str:
     return {
         "arrival": f"arrival of {req}",
         "lookup": f"{nth} lookup of {req}",
+        "grammar": f"{nth} grammar outcome of {req}",
         "schedule": f"{nth} schedule of {req}",
         "output": f"output of the {nth} schedule of {req}",
         "preempt": f"{nth} preemption of {req}",

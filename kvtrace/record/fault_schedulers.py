@@ -20,6 +20,11 @@ wraps it like any user scheduler. Names follow docs/bug-classes.
     ``num_computed_tokens``: their KV, computed from tokens the model did not
     accept, counts as the request's own. The engine then computes past it, or
     waits for ever for drafts that cover the count.
+
+``GrammarNotAwaitedScheduler`` ("grammar-not-awaited"): the waiting pass
+    promotes a structured output without looking at its grammar, so the request
+    is admitted while its grammar still compiles. Its tokens would be sampled
+    without the grammar's mask; vLLM 0.32 fails building that mask instead.
 """
 
 from __future__ import annotations
@@ -68,12 +73,23 @@ class KeepRejectedDraftsScheduler(Scheduler):
         return outputs
 
 
+class GrammarNotAwaitedScheduler(Scheduler):
+    def _handle_blocked_waiting_request(self, request) -> bool:
+        from vllm.v1.request import RequestStatus
+
+        if request.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR:
+            request.status = RequestStatus.WAITING
+            return True
+        return super()._handle_blocked_waiting_request(request)
+
+
 FAULTS = {
     "async-load-overshoot": "kvtrace.record.fault_schedulers.AsyncLoadOvershootScheduler",
     "stale-computed-on-preempt": "kvtrace.record.fault_schedulers.NoResetOnPreemptScheduler",
     "async-stale-computed-on-preempt":
         "kvtrace.record.fault_schedulers.AsyncNoResetOnPreemptScheduler",
     "spec-rejected-kept": "kvtrace.record.fault_schedulers.KeepRejectedDraftsScheduler",
+    "grammar-not-awaited": "kvtrace.record.fault_schedulers.GrammarNotAwaitedScheduler",
 }
 
 # The vllm_run workload that triggers each fault.
@@ -82,4 +98,5 @@ FAULT_WORKLOADS = {
     "stale-computed-on-preempt": "preemption",
     "async-stale-computed-on-preempt": "async-preemption",
     "spec-rejected-kept": "speculative",
+    "grammar-not-awaited": "structured",
 }

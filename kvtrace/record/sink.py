@@ -73,12 +73,14 @@ FLUSH_IDLE_S = 0.25  # flush after this long without events
 
 # vLLM status names that the trace schema folds into one of its own.
 STATUS_FOLD = {
-    "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR": "WAITING",
     "FINISHED_REPETITION": "FINISHED_STOPPED",
 }
 
-_STEP_FIELDS_NO_SPEC = tuple(f.name for f in fields(Step) if f.name != "spec")
-_OUTPUT_FIELDS = tuple(f.name for f in fields(Output))
+# The fields every step and output record has; the rare ones (a step's drafts and
+# grammar outcomes, an output's grammar rejections) follow only when they hold something.
+_RARE = ("spec", "grammar", "grammar_rejected")
+_STEP_FIELDS = tuple(f.name for f in fields(Step) if f.name not in _RARE)
+_OUTPUT_FIELDS = tuple(f.name for f in fields(Output) if f.name not in _RARE)
 _NEW_FIELDS = tuple(f.name for f in fields(ScheduledNew))
 _RUNNING_FIELDS = tuple(f.name for f in fields(ScheduledRunning))
 _STATE_FIELDS = tuple(f.name for f in fields(RequestState))
@@ -89,19 +91,20 @@ _STATE_FIELDS = tuple(f.name for f in fields(RequestState))
 
 class RawStep(tuple):
     """(step, new, resumed, running, preempted, finished, lookups, loads, states,
-    num_free_blocks, spec): ``new`` and ``resumed`` hold tuples in ScheduledNew field
+    num_free_blocks, rare): ``new`` and ``resumed`` hold tuples in ScheduledNew field
     order; ``running`` is ``(req_ids, num_computed_tokens, new_block_ids,
     num_scheduled_tokens)``, copies of the scheduler output's columns; ``states``
-    is a raw states snapshot (below); ``spec`` the scheduled draft tokens
-    per request, or None when there are none."""
+    is a raw states snapshot (below); ``rare`` the step's rare fields that hold
+    something (``spec``, ``grammar``), as a dict, or None."""
 
     __slots__ = ()
 
 
 class RawOutput(tuple):
-    """(step, sampled, connector, finished, states): ``sampled`` is
+    """(step, sampled, connector, finished, states, rare): ``sampled`` is
     ``(req_ids, sampled_token_ids, req_id_to_index)``, copies of the model
-    output's; ``states`` is a raw states snapshot (below)."""
+    output's; ``states`` is a raw states snapshot (below); ``rare`` as a step's
+    (``grammar_rejected``), or None."""
 
     __slots__ = ()
 
@@ -190,15 +193,16 @@ class Resolver:
     def __call__(self, item: Any, out: list) -> None:
         t = type(item)
         if t is RawStep:
-            step, new, resumed, running, preempted, finished, lookups, loads, states, free, spec = item
+            step, new, resumed, running, preempted, finished, lookups, loads, states, free, rare = item
             states = self._states(states, out)
             if finished:  # gone from the engine: forget them (after this step's states)
                 self.blocks.forget(finished)
             out.append(("step", step, new, resumed, running, preempted, finished, lookups, loads,
-                        states, free, spec))
+                        states, free, rare))
         elif t is RawOutput:
-            step, sampled, connector, finished, states = item
-            out.append(("output", step, sampled, connector, finished, self._states(states, out)))
+            step, sampled, connector, finished, states, rare = item
+            out.append(("output", step, sampled, connector, finished, self._states(states, out),
+                        rare))
         else:
             out.append(item)
 
@@ -261,21 +265,21 @@ class Records:
                 for (rid, st, c, t, p), b in zip(counters, ids)]
 
     def step(self, item: Any, seq: int) -> dict:
-        _, step, new, resumed, running, preempted, finished, lookups, loads, states, free, spec = item
+        _, step, new, resumed, running, preempted, finished, lookups, loads, states, free, rare = item
         rids, ncts, nbis, nst = running
-        d = dict(zip(_STEP_FIELDS_NO_SPEC, (
+        d = dict(zip(_STEP_FIELDS, (
             seq, step,
             [dict(zip(_NEW_FIELDS, t)) for t in new],
             [dict(zip(_NEW_FIELDS, t)) for t in resumed],
             [dict(zip(_RUNNING_FIELDS, (rid, c, nst.get(rid, 0), first_group(nb))))
              for rid, c, nb in zip(rids, ncts, nbis)],
             preempted, finished, lookups, loads, self.states(states), free, "step")))
-        if spec:   # the rare field goes last, and only when it holds something
-            d["spec"] = spec
+        if rare:   # the rare fields go last, and only when they hold something
+            d.update(rare)
         return d
 
     def output(self, item: Any, seq: int) -> dict:
-        _, step, (rids, toks, index), connector, finished, states = item
+        _, step, (rids, toks, index), connector, finished, states, rare = item
         sampled = {}
         if toks:
             n = len(toks)
@@ -283,8 +287,11 @@ class Records:
                 i = index.get(rid)
                 if i is not None and i < n and len(toks[i]):
                     sampled[rid] = toks[i]
-        return dict(zip(_OUTPUT_FIELDS, (seq, step, sampled, connector, finished,
-                                         self.states(states), "output")))
+        d = dict(zip(_OUTPUT_FIELDS, (seq, step, sampled, connector, finished,
+                                      self.states(states), "output")))
+        if rare:
+            d.update(rare)
+        return d
 
 
 def _unknown_status(st: Any) -> str:

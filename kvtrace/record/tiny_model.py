@@ -3,7 +3,9 @@
 ``ensure_tiny_model()`` builds a model once with transformers' ``save_pretrained``
 (safetensors) and returns its directory. The weights are seeded, so every build
 is identical. There is no tokenizer: run vLLM with ``skip_tokenizer_init=True``
-and give prompts as token ids.
+and give prompts as token ids. Structured outputs need one, to compile a
+grammar over the vocabulary: ``ensure_tokenizer(dir)`` adds a byte-level BPE
+tokenizer, trained here on a fixed text, beside the weights.
 
 Two sizes:
 
@@ -75,6 +77,43 @@ def ensure_tiny_model(path: str | os.PathLike | None = None, size: str = "tiny")
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
     marker.write_text(f"{size}\n")
+    return str(out)
+
+
+_TOKENIZER_MARKER = "kvtrace-tokenizer.done"
+
+
+def ensure_tokenizer(model_dir: str | os.PathLike) -> str:
+    """Add a byte-level BPE tokenizer to the model in ``model_dir`` unless it has
+    one: the 256 bytes, ``<pad>``, ``<s>`` and ``</s>`` (ids 0, 1 and 2, as the
+    model's config says) and merges learned from a fixed English and JSON text,
+    within the model's vocabulary. Returns the directory."""
+    out = Path(model_dir)
+    if (out / _TOKENIZER_MARKER).exists():
+        return str(out)
+    import json
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = json.loads((out / "config.json").read_text())["vocab_size"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    words = ("the quick brown fox jumps over a lazy dog yes no maybe name age city "
+             "true false null value key list item").split()
+    rng = random.Random(SEED)
+    text = [" ".join(rng.choice(words) for _ in range(16))
+            + f' {{"name": "{rng.choice(words)}", "age": {rng.randrange(100)}}}'
+            for _ in range(2000)]
+    tok.train_from_iterator(text, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                            pad_token="<pad>").save_pretrained(out)
+    (out / _TOKENIZER_MARKER).write_text("ok\n")
     return str(out)
 
 

@@ -19,6 +19,12 @@ in call order:
   output that carries prompt accounting
 * ``update_draft_token_ids`` -> ``Drafts`` (speculative decoding, synchronous
   scheduler); ``schedule`` also records the drafts it scheduled (``Step.spec``)
+* structured outputs: ``schedule`` records the requests whose grammar it found
+  compiled or failed (``Step.grammar``: those that left
+  ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR``, and those it noted in
+  ``grammar_compile_error_reqs``), and ``update_from_output`` those whose
+  grammar refused their tokens (``Output.grammar_rejected``, seen by wrapping
+  ``self.structured_output_manager.accept_tokens`` on the instance)
 * shutdown / process exit -> ``End``: ``complete``, or ``interrupted`` with the
   engine's error when the scheduler is shut down while an exception leaves the
   engine (vLLM's engine core process shuts it down from a ``finally``)
@@ -49,6 +55,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+from concurrent.futures import Future
 import logging
 import operator
 import os
@@ -95,6 +102,25 @@ _REASONS = {"stop": "stop", "length": "length", "abort": "abort", "error": "erro
 # One request's counters, read in one C call: (request_id, status, computed, tokens, preemptions).
 _READ_STATE = operator.attrgetter("request_id", "status", "num_computed_tokens", "num_tokens",
                                   "num_preemptions")
+
+
+_GRAMMAR_WAIT = "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR"
+
+
+def _grammar_resolved(req: Any) -> bool:
+    """Whether the request's grammar is compiled, as the scheduler's look at it
+    leaves it: vLLM 0.32 keeps the compile's Future until a look finds it done,
+    then the grammar, or the compile's exception. True when this vLLM keeps it
+    some other way."""
+    grammar = getattr(getattr(req, "structured_output_request", None), "_grammar", None)
+    if grammar is None:
+        return True
+    return not isinstance(grammar, (Future, BaseException))
+
+
+def _status_name(req: Any) -> str:
+    status = getattr(req, "status", None)
+    return str(getattr(status, "name", status))
 
 
 def _read_state_slow(req: Any) -> tuple:
@@ -257,6 +283,10 @@ class Recorder:
         self.kvm = sched.kv_cache_manager
         self.table = _block_table(self.kvm)
         self.read_state = _READ_STATE
+        # Structured outputs whose grammar no step has found compiled or failed yet.
+        self.grammar_waiting: dict[str, Any] = {}
+        # Requests whose grammar refused their tokens in the update under way.
+        self.grammar_rejected: list[str] = []
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -317,7 +347,12 @@ class Recorder:
             ignore_eos=False if sp is None else bool(sp.ignore_eos),
             skip_reading_prefix_cache=bool(getattr(request, "skip_reading_prefix_cache", False)),
             resumable=bool(getattr(request, "resumable", False)),
+            structured_output=bool(getattr(request, "use_structured_output", False)),
         ))
+        sched = self._sched_ref()
+        if (_status_name(request) == _GRAMMAR_WAIT and sched is not None
+                and sched.requests.get(request.request_id) is request):
+            self.grammar_waiting[str(request.request_id)] = request
 
     def begin_abort(self, request_ids: Any, sched: Any) -> None:
         """An abort call starts: note its ids, and watch the order in which the
@@ -384,6 +419,31 @@ class Recorder:
                 ids = r.spec_token_ids
             drafts[str(rid)] = list(map(int, ids))
         self.sink.put(Drafts(seq=0, step=self.last_output_step, drafts=drafts))
+
+    def on_grammar_rejected(self, request: Any) -> None:
+        if self.in_update:
+            self.grammar_rejected.append(str(request.request_id))
+
+    def _grammar_seen(self, sched: Any) -> dict[str, str]:
+        """The grammars this step found compiled ("ready") or failed ("error":
+        the scheduler noted it, S:3196-3198), each the first time. A request
+        that left WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR had its grammar found
+        compiled only if the scheduler looked: looking resolves the grammar's
+        future (S:3194). One promoted with its grammar unresolved or failed is
+        not recorded as ready, so that replay flags its admission. An aborted
+        request is dropped."""
+        seen = {}
+        errors = getattr(sched, "grammar_compile_error_reqs", ())
+        for rid, req in list(self.grammar_waiting.items()):
+            status = _status_name(req)
+            if status == _GRAMMAR_WAIT:
+                if rid not in errors:
+                    continue
+                seen[rid] = "error"
+            elif not status.startswith("FINISHED") and _grammar_resolved(req):
+                seen[rid] = "ready"
+            del self.grammar_waiting[rid]
+        return seen
 
     def begin_step(self) -> None:
         # preempt_order is kept: a reset_prefix_cache between two steps preempts
@@ -468,11 +528,17 @@ class Recorder:
             free = int(self.kvm.block_pool.get_num_free_blocks())
         except Exception:
             free = None
+        rare = None   # the step's rare fields that hold something
         spec = out.scheduled_spec_decode_tokens
-        spec = {rid: list(ids) for rid, ids in spec.items()} if spec else None
+        if spec:
+            rare = {"spec": {rid: list(ids) for rid, ids in spec.items()}}
+        if self.grammar_waiting:
+            grammar = self._grammar_seen(sched)
+            if grammar:
+                rare = {**(rare or {}), "grammar": grammar}
         self.sink.put(RawStep((step, new, resumed, (rids, ncts, nbis, nst), preempted, finished,
                                self.lookups, self.loads if self.has_connector else None,
-                               states, free, spec)))
+                               states, free, rare)))
         self.pending.append((out, step))
         if len(self.pending) > 64:  # outputs that never came back (engine error paths)
             del self.pending[0]
@@ -508,6 +574,7 @@ class Recorder:
             if named:
                 ids = list(dict.fromkeys(rids + named))
         reqs = dict(zip(ids, map(sched.requests.get, ids)))
+        self.grammar_rejected = []
         return step, sampled, conn, reqs
 
     def post_update(self, sched: Any, ctx: tuple, result: Any) -> None:
@@ -542,7 +609,8 @@ class Recorder:
                     self.stats_done.add(rid)
         states = self.states(list(reqs), list(reqs.values()))
         self.last_output_step = step
-        self.sink.put(RawOutput((step, sampled, conn, finished, states)))
+        rare = {"grammar_rejected": sorted(self.grammar_rejected)} if self.grammar_rejected else None
+        self.sink.put(RawOutput((step, sampled, conn, finished, states, rare)))
         for ev in stats:
             self.sink.put(ev)
 
@@ -682,6 +750,23 @@ def _wrap_connector(sched: Any, rec: Recorder) -> None:
 _CLASS_CACHE: dict[type, type] = {}
 
 
+def _wrap_grammar(sched: Any, rec: Recorder) -> None:
+    """See the grammar refuse a request's tokens: wrap the scheduler's
+    ``structured_output_manager.accept_tokens`` on the instance (S:2186)."""
+    som = getattr(sched, "structured_output_manager", None)
+    accept = getattr(som, "accept_tokens", None)
+    if accept is None:
+        return
+
+    def accept_tokens(request, *args, **kwargs):
+        ok = accept(request, *args, **kwargs)
+        if not ok and rec.active:
+            rec.guard("accept_tokens", rec.on_grammar_rejected, request)
+        return ok
+
+    som.accept_tokens = accept_tokens
+
+
 def make_recording_scheduler(base_cls: type) -> type:
     """A subclass of ``base_cls`` that records its decisions (see the module doc).
     Wrapping an already-recording class returns it unchanged."""
@@ -701,6 +786,7 @@ def make_recording_scheduler(base_cls: type) -> type:
                 rec = open_recorder(self)
                 if rec is not None:
                     _wrap_connector(self, rec)
+                    _wrap_grammar(self, rec)
                     self._kvtrace = rec
             except Exception:
                 logger.exception("kvtrace: recorder set-up failed; the engine runs without recording")

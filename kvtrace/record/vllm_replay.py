@@ -23,7 +23,11 @@ recorded inputs, in the recorded call order:
   scheduler scheduled (an empty list for those the recording has none for) and
   the recorded ``KVConnectorOutput``;
 * ``drafts``   -> ``update_draft_token_ids`` with the recorded drafts
-  (speculative decoding: the trace's method, never run here).
+  (speculative decoding: the trace's method, never run here);
+* structured outputs: a request with one gets a grammar that compiles when
+  the recording says the engine found it compiled (or failed: ``Step.grammar``,
+  given before that step's ``schedule()``), and that refuses the tokens of the
+  requests an output names (``Output.grammar_rejected``). No grammar runs here.
 
 The scheduler class (vLLM's ``Scheduler`` by default, or any subclass given as a
 class or a dotted path) is wrapped by ``kvtrace.record.vllm_recorder``, which
@@ -410,6 +414,7 @@ def build_scheduler(header: ev.Header, out_path: str | os.PathLike, scheduler_cl
     sink = vr.TraceSink(out_path, out_header)
     rec = vr.Recorder(sched, sink)
     vr._wrap_connector(sched, rec)
+    vr._wrap_grammar(sched, rec)
     sched._kvtrace = rec
     vr._ACTIVE.add(rec)
     return sched, out_header
@@ -418,19 +423,72 @@ def build_scheduler(header: ev.Header, out_path: str | os.PathLike, scheduler_cl
 # --------------------------------------------------------------------------- inputs
 
 
+class RecordedGrammars:
+    """The grammars of a replay's structured outputs, which answer as the
+    recording says: each compiles when a step record says the engine found it
+    compiled or failed, keeps every draft (the recorded drafts are those the
+    engine's grammar kept), and refuses the tokens of the requests named in
+    ``refusing`` (set from each output record before it is fed)."""
+
+    def __init__(self) -> None:
+        self.compiling: dict[str, Any] = {}   # request id -> its grammar's Future
+        self.refusing: set[str] = set()
+
+    def attach(self, request: Any) -> None:
+        from concurrent.futures import Future
+
+        fut: Future = Future()
+        request.structured_output_request.grammar = fut
+        self.compiling[request.request_id] = fut
+
+    def compiled(self, outcomes: dict[str, str]) -> None:
+        for rid, outcome in outcomes.items():
+            fut = self.compiling.pop(rid, None)
+            if fut is None:
+                continue
+            if outcome == "ready":
+                fut.set_result(_RecordedGrammar(self.refusing))
+            else:
+                fut.set_exception(RuntimeError("the grammar failed to compile, as recorded"))
+
+
+class _RecordedGrammar:
+    def __init__(self, refusing: set[str]):
+        self.refusing = refusing
+
+    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
+        return request_id not in self.refusing
+
+    def validate_tokens(self, tokens: list[int]) -> list[int]:
+        return list(tokens)
+
+    def rollback(self, num_tokens: int) -> None:
+        pass
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def reset(self) -> None:
+        pass
+
+
 def _request(a: ev.Arrival, block_hasher: Any) -> Any:
     from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
     from vllm.v1.request import Request
 
     sp = SamplingParams(max_tokens=a.max_tokens, min_tokens=min(a.min_tokens, a.max_tokens),
                         ignore_eos=a.ignore_eos, stop_token_ids=list(a.stop_token_ids),
                         temperature=0.0,
-                        skip_reading_prefix_cache=a.skip_reading_prefix_cache or None)
+                        skip_reading_prefix_cache=a.skip_reading_prefix_cache or None,
+                        structured_outputs=(StructuredOutputsParams(regex=".*")
+                                            if a.structured_output else None))
     sp.update_from_generation_config({}, eos_token_id=a.eos_token_id)
-    return Request(request_id=a.req, prompt_token_ids=list(a.prompt_token_ids),
-                   sampling_params=sp, pooling_params=None, arrival_time=a.arrival_time,
-                   cache_salt=a.cache_salt, priority=a.priority, block_hasher=block_hasher,
-                   resumable=a.resumable)
+    r = Request(request_id=a.req, prompt_token_ids=list(a.prompt_token_ids),
+                sampling_params=sp, pooling_params=None, arrival_time=a.arrival_time,
+                cache_salt=a.cache_salt, priority=a.priority, block_hasher=block_hasher,
+                resumable=a.resumable)
+    return r
 
 
 def _model_output(rec: ev.Output, so: Any, dropped: list[str]) -> Any:
@@ -514,6 +572,7 @@ def replay_through_vllm(trace_path: str | os.PathLike, out_path: str | os.PathLi
                             "vLLM emits PrefillStats: the diff compares prompt stats in the shapes "
                             "both traces carry")
     outputs: dict[int, Any] = {}
+    grammars = RecordedGrammars()
     status, error = "complete", None
     t1 = time.perf_counter()
     try:
@@ -526,7 +585,10 @@ def replay_through_vllm(trace_path: str | os.PathLike, out_path: str | os.PathLi
                          + f" (seq {e.seq}, line {reader.last_line})")
                 try:
                     if isinstance(e, ev.Arrival):
-                        sched.add_request(_request(e, block_hasher))
+                        r = _request(e, block_hasher)
+                        if r.structured_output_request is not None and e.req not in sched.requests:
+                            grammars.attach(r)   # not a session's next chunk: a new request
+                        sched.add_request(r)
                     elif isinstance(e, ev.Abort):
                         # One call per id, in the recorded order: given several ids,
                         # vLLM frees them in the order of a set of them (S:2668),
@@ -545,6 +607,8 @@ def replay_through_vllm(trace_path: str | os.PathLike, out_path: str | os.PathLi
                     elif isinstance(e, ev.Step):
                         if conn is not None:
                             conn.start_step(e.step, e.lookups)
+                        if e.grammar:
+                            grammars.compiled(e.grammar)
                         outputs[e.step] = sched.schedule()
                         result.steps += 1
                         if conn is not None:
@@ -560,6 +624,8 @@ def replay_through_vllm(trace_path: str | os.PathLike, out_path: str | os.PathLi
                             raise TraceError(trace_path, reader.last_line,
                                              f"output for step {e.step}, which was not scheduled "
                                              "or already had its output")
+                        grammars.refusing.clear()
+                        grammars.refusing.update(e.grammar_rejected or ())
                         sched.update_from_output(so, _model_output(e, so, result.dropped_samples))
                 except TraceError:
                     raise

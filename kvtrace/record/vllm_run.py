@@ -10,7 +10,8 @@
     "sampling": {...}, "per_request": [{...}, ...], "priority": [int, ...],
     "cache_salts": [str | None, ...], "arrive_at": [step, ...],
     "aborts": [[step, [index, ...]], ...], "control": [[step, action, ...], ...],
-    "sessions": [[index, [[step, [ids...] | None], ...]], ...]}``,
+    "sessions": [[index, [[step, [ids...] | None], ...]], ...],
+    "structured": [{...} | None, ...], "grammar_faults": {index: {...}, ...}}``,
     where "per_request" holds each request's own changes to the sampling
     settings (``max_tokens``, ``stop_token_ids``, ``n``, ``prompt_logprobs``,
     ...). With "arrive_at" or "aborts" the engine is driven step by step, as a
@@ -18,7 +19,13 @@
     are aborted before theirs, and "control" resets the prefix cache and pauses
     and resumes the scheduler as an RLHF loop does (``_serve``); "sessions"
     makes requests streaming-input sessions, each given its further chunks (or
-    the end of its input, None) before the engine steps given. ``engine_kwargs`` override the workload's ``LLM(...)`` arguments. Returns ``{"path": out_path, "outputs": {index: [token ids]},
+    the end of its input, None) before the engine steps given; "structured"
+    gives requests a structured output (``StructuredOutputsParams``' fields,
+    for example ``{"regex": "[a-z]+"}``; the tiny model then gets its tokenizer,
+    ``ensure_tokenizer``), and "grammar_faults" makes their grammars slow to
+    compile (``{"delay": seconds}``), fail to compile (``{"fail": true}``) or
+    refuse every token once the request has ``{"reject_after": n}`` output
+    tokens, as a broken grammar backend would (``_grammar_faults``). ``engine_kwargs`` override the workload's ``LLM(...)`` arguments. Returns ``{"path": out_path, "outputs": {index: [token ids]},
     "finish_reasons": {index: str}}``.
 
     If the engine raises, the trace written up to that point ends with status
@@ -59,7 +66,7 @@ import subprocess
 import sys
 from typing import Any
 
-from kvtrace.record.tiny_model import ensure_tiny_model
+from kvtrace.record.tiny_model import ensure_tiny_model, ensure_tokenizer
 
 logger = logging.getLogger("kvtrace.record")
 
@@ -358,6 +365,38 @@ def with_drafts(workload: dict, seed: int) -> dict:
     return wl
 
 
+def with_grammars(workload: dict, seed: int) -> dict:
+    """``workload`` with structured outputs: about half its requests (not
+    streaming-input sessions) get a regex, a choice or a JSON schema, some with
+    ``ignore_eos`` off; some of their grammars are slow to compile (up to 0.2 s,
+    tens of steps of the tiny model), and now and then one fails to compile or
+    refuses the tokens sampled after a few (``_grammar_faults``). Drawn from
+    ``seed`` apart from the workload's own draws."""
+    wl = copy.deepcopy(workload)
+    rng = random.Random(seed + 8_000_009)
+    n = len(wl["prompts"])
+    sessions = {int(i) for i, _ in wl.get("sessions") or ()}
+    specs = [_REGEX, _CHOICE, _JSON, {"regex": "[0-9]{1,6}( [a-z]+){0,3}"}]
+    structured: list = [None] * n
+    own = [dict(o) for o in wl.get("per_request") or [{}] * n]
+    faults: dict = {}
+    for i in range(n):
+        if i in sessions or rng.random() < 0.5:
+            continue
+        structured[i] = rng.choice(specs)
+        if rng.random() < 0.5:
+            own[i]["ignore_eos"] = False
+        roll = rng.random()
+        if roll < 0.4:
+            faults[str(i)] = {"delay": round(rng.uniform(0.005, 0.2), 3)}
+        elif roll < 0.5:
+            faults[str(i)] = {"fail": True}
+        elif roll < 0.6:
+            faults[str(i)] = {"reject_after": rng.randint(1, 6)}
+    wl["structured"], wl["per_request"], wl["grammar_faults"] = structured, own, faults
+    return wl
+
+
 def connector_workload(seed: int, kind: str) -> dict:
     """A random workload for a real engine (tests/test_vllm_random.py):
     prompts with an optional shared prefix, a small KV cache, and scripted
@@ -455,6 +494,23 @@ WORKLOADS["spec-padding-cut"] = dict(
     engine=dict(speculative_config=_NGRAM, long_prefill_token_threshold=2))
 
 
+# Structured outputs: requests with a regex, a choice or a JSON schema wait for
+# their grammar to compile, beside requests without one; two grammars compile
+# slowly (tens of steps), one fails to compile (the request finishes with an
+# error) and one refuses the tokens sampled after its third (likewise).
+_REGEX, _CHOICE = {"regex": "[a-z]{2,12}"}, {"choice": ["yes", "no", "maybe"]}
+_JSON = {"json": {"type": "object", "properties": {"name": {"type": "string"}},
+                  "required": ["name"]}}
+WORKLOADS["structured"] = dict(
+    prompts=[[(13 * i + 5 * j) % 300 + 3 for j in range(24 + 9 * i)] for i in range(10)],
+    max_tokens=24, arrive_at=[0, 0, 0, 2, 3, 5, 8, 8, 12, 20],
+    structured=[_REGEX, None, _JSON, _CHOICE, None, _REGEX, _JSON, None, _CHOICE, _REGEX],
+    per_request=[{"ignore_eos": False}] * 10,
+    grammar_faults={"2": {"delay": 0.15}, "5": {"delay": 0.05}, "6": {"fail": True},
+                    "8": {"reject_after": 3}},
+    engine=dict(num_gpu_blocks_override=9))
+
+
 def _resolve(workload: Any) -> dict:
     if isinstance(workload, str):
         try:
@@ -467,25 +523,40 @@ def _resolve(workload: Any) -> dict:
 def run_workload(model_dir: str | None, workload: Any = "prefix", **engine_kwargs: Any) -> dict:
     """Run ``workload`` with vLLM's ``LLM`` in this process; return outputs."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     wl = _resolve(workload)
     model = model_dir or ensure_tiny_model()
     kwargs = dict(BASE_ENGINE)
+    if any(wl.get("structured") or ()):   # a grammar compiles over the tokenizer's vocabulary
+        kwargs.update(skip_tokenizer_init=False, tokenizer=ensure_tokenizer(model))
     kwargs.update(wl.get("engine", {}))
     kwargs.update(engine_kwargs)
     if "kv_transfer_config" in kwargs and isinstance(kwargs["kv_transfer_config"], dict):
         from vllm.config import KVTransferConfig
 
         kwargs["kv_transfer_config"] = KVTransferConfig(**kwargs["kv_transfer_config"])
-    with _async_scheduling_kept(bool(kwargs.get("async_scheduling"))):
-        llm = LLM(model=model, **kwargs)
+    with contextlib.ExitStack() as stack:
+        # Before the engine is built: its scheduler binds the grammar manager's methods.
+        stack.enter_context(_grammar_faults(wl.get("grammar_faults") or {}))
+        with _async_scheduling_kept(bool(kwargs.get("async_scheduling"))):
+            llm = LLM(model=model, **kwargs)
+        return _run(llm, wl)
+
+
+def _run(llm: Any, wl: dict) -> dict:
+    from vllm import SamplingParams
+
     try:
         sp = dict(max_tokens=wl.get("max_tokens", 32), ignore_eos=True, temperature=0.0)
         sp.update(wl.get("sampling", {}))
         # "per_request": each request's own changes to those sampling settings.
-        params = [SamplingParams(**dict(sp, **own)) for own in wl["per_request"]] \
-            if wl.get("per_request") else SamplingParams(**sp)
+        params = SamplingParams(**sp)
+        if wl.get("per_request") or wl.get("structured"):
+            n = len(wl["prompts"])
+            own = wl.get("per_request") or [{}] * n
+            params = [SamplingParams(**dict(sp, **o), **_structured(so))
+                      for o, so in zip(own, wl.get("structured") or [None] * n)]
         prompts = [{"prompt_token_ids": list(p)} for p in wl["prompts"]]
         for prompt, salt in zip(prompts, wl.get("cache_salts") or ()):
             if salt:
@@ -505,6 +576,56 @@ def run_workload(model_dir: str | None, workload: Any = "prefix", **engine_kwarg
         # After an exception, a recording scheduler ends its trace "interrupted".
         shutdown_llm(llm)
     return result
+
+
+def _structured(spec: dict | None) -> dict:
+    """The SamplingParams argument for one request's structured output, if any."""
+    if not spec:
+        return {}
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return {"structured_outputs": StructuredOutputsParams(**spec)}
+
+
+@contextlib.contextmanager
+def _grammar_faults(plan: dict):
+    """Grammars that misbehave, for the requests of this engine whose index (the
+    id's part before any "-") ``plan`` names: ``delay`` seconds of compiling,
+    ``fail`` to compile, or refuse every token once the request has
+    ``reject_after`` output tokens. The scheduler's own handling of each runs
+    unchanged; only the grammar backend's answers are changed, in this process."""
+    if not plan:
+        yield
+        return
+    import time
+
+    from vllm.v1.structured_output import StructuredOutputManager as Manager
+
+    faults = {str(k): v for k, v in plan.items()}
+
+    def fault(request: Any) -> dict:
+        return faults.get(str(request.request_id).split("-")[0], {})
+
+    create, accept = Manager._create_grammar, Manager.accept_tokens
+
+    def _create_grammar(self, request):
+        f = fault(request)
+        time.sleep(float(f.get("delay", 0)))
+        if f.get("fail"):
+            raise RuntimeError(f"grammar of request {request.request_id} failed to compile "
+                               "(a kvtrace workload's fault)")
+        return create(self, request)
+
+    def accept_tokens(self, request, new_token_ids):
+        ok = accept(self, request, new_token_ids)
+        after = fault(request).get("reject_after")
+        return ok and not (after is not None and request.num_output_tokens >= after)
+
+    Manager._create_grammar, Manager.accept_tokens = _create_grammar, accept_tokens
+    try:
+        yield
+    finally:
+        Manager._create_grammar, Manager.accept_tokens = create, accept
 
 
 def _serve(eng: Any, prompts: list, params: Any, wl: dict) -> dict:

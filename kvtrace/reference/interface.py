@@ -58,6 +58,8 @@ class ModelOutput:
     finished_sending: set[str] = field(default_factory=set)
     failed_recving: set[str] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
+    # Structured outputs whose grammar refused the tokens sampled (S:2186-2197).
+    grammar_rejected: set[str] = field(default_factory=set)
 
 
 @dataclass(slots=True)

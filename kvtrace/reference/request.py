@@ -11,15 +11,16 @@ from .hashing import extend_block_hashes
 
 class Status(IntEnum):
     WAITING = 1
-    WAITING_FOR_REMOTE_KVS = 2
-    WAITING_FOR_STREAMING_REQ = 3   # a streaming-input session between turns
-    RUNNING = 4
-    PREEMPTED = 5
-    FINISHED_STOPPED = 6
-    FINISHED_LENGTH_CAPPED = 7
-    FINISHED_ABORTED = 8
-    FINISHED_IGNORED = 9
-    FINISHED_ERROR = 10
+    WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR = 2   # a structured output's grammar compiling
+    WAITING_FOR_REMOTE_KVS = 3
+    WAITING_FOR_STREAMING_REQ = 4   # a streaming-input session between turns
+    RUNNING = 5
+    PREEMPTED = 6
+    FINISHED_STOPPED = 7
+    FINISHED_LENGTH_CAPPED = 8
+    FINISHED_ABORTED = 9
+    FINISHED_IGNORED = 10
+    FINISHED_ERROR = 11
 
     @property
     def is_finished(self) -> bool:
@@ -76,6 +77,11 @@ class Request:
     # A streaming-input session: its input comes in chunks under one id, and a
     # stop ends a turn, not the request (S:2465-2491).
     resumable: bool = False
+    # A structured output: None for a request without a grammar, else where the
+    # engine's compile of it stands: "compiling", "ready" or "error" (R:116-117).
+    # The request waits in WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR until the
+    # scheduler finds it compiled (S:3191-3200).
+    grammar: str | None = None
 
     status: Status = Status.WAITING
     all_token_ids: list[int] = field(default_factory=list)
@@ -111,6 +117,8 @@ class Request:
     streaming_queue: "deque[StreamingUpdate | None] | None" = None
 
     def __post_init__(self) -> None:
+        if self.grammar is not None:
+            self.status = Status.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
         self.all_token_ids = list(self.prompt_token_ids)
         self.num_tokens = len(self.all_token_ids)
         extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt)

@@ -40,6 +40,12 @@ drafts come from the model after each output (``update_draft_token_ids``). A
 waiting request with one token to compute is padded to ``1 + num_spec_tokens``
 with placeholder drafts (-1) when decodes run in the step (S:1131-1153).
 
+A structured output waits in WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR until the
+waiting pass finds its grammar compiled, which the engine does beside the
+scheduler, so the trace says when (``grammar_compiled``). A grammar that failed
+to compile, or that refuses the tokens sampled, finishes its request with an
+error (S:2186-2197, S:2302-2326).
+
 Methods whose names start with ``_`` and are listed under "rules" are the
 places where engines have had bugs; the embedded engine's faults override them.
 """
@@ -95,6 +101,8 @@ class Scheduler:
         self.pause_state = "UNPAUSED"
         # Sessions waiting for their next chunk: not running, but each holds a slot (S:920-924).
         self.num_waiting_for_streaming_input = 0
+        # Requests the waiting pass found with a failed grammar, finished by the next output.
+        self.grammar_compile_error_ids: set[str] = set()
 
     # ------------------------------------------------------------------ inputs
 
@@ -153,6 +161,15 @@ class Scheduler:
             if r is None or r.is_finished:
                 continue
             r.spec_token_ids = [] if r.is_prefill_chunk else list(ids)
+
+    def grammar_compiled(self, outcomes: dict[str, str]) -> None:
+        """The grammars that the engine's next ``schedule()`` finds compiled
+        ("ready") or failed ("error"). They compile beside the scheduler, so
+        only the engine can say when; a trace records the step that first saw each."""
+        for req_id, outcome in outcomes.items():
+            r = self.requests.get(req_id)
+            if r is not None and r.grammar == "compiling":
+                r.grammar = outcome
 
     def set_pause_state(self, state: str) -> None:
         if state not in ("UNPAUSED", "PAUSED_NEW", "PAUSED_ALL"):
@@ -412,9 +429,18 @@ class Scheduler:
 
     def _ready_to_schedule(self, r: Request) -> bool:
         """A request waiting for an async load is ready once the load finished
-        (S:3175); a session waiting for its next chunk is not (S:3202)."""
+        (S:3175), and one waiting for its grammar once it has compiled; a
+        grammar that failed is noted, for the next output to finish its request
+        (S:3191-3200). A session waiting for its next chunk is not (S:3202)."""
         if r.status == Status.WAITING_FOR_STREAMING_REQ:
             return False
+        if r.status == Status.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR:
+            if r.grammar == "error":
+                self.grammar_compile_error_ids.add(r.request_id)
+            if r.grammar != "ready":
+                return False
+            r.status = Status.WAITING
+            return True
         if r.status != Status.WAITING_FOR_REMOTE_KVS:
             return True
         if r.request_id not in self.finished_recving_ids:
@@ -519,6 +545,10 @@ class Scheduler:
                     stopped = True
                     del new_tokens[k + 1:]
                     break
+            if new_tokens and req_id in model.grammar_rejected:
+                r.status = Status.FINISHED_ERROR   # its grammar refused them (S:2186-2197)
+                r.resumable = False
+                stopped = True
             if new_tokens and self.config.async_scheduling:
                 self._take_placeholders(r, len(new_tokens), stale, status_before)
             if not (new_tokens or stopped):
@@ -542,8 +572,14 @@ class Scheduler:
             self.waiting.remove_all(stopped_waiting)
             self.kv_holding_waiting.remove_all(stopped_waiting)
 
+        # Grammars that failed to compile, and failed loads under the "fail"
+        # policy, finish their requests with an error (S:2302-2326).
+        errors = self.grammar_compile_error_ids
+        self.grammar_compile_error_ids = set()
         if failed and self.config.load_failure_policy == "fail":
-            for r in self.finish_requests(sorted(failed), Status.FINISHED_ERROR):
+            errors |= failed
+        if errors:
+            for r in self.finish_requests(sorted(errors), Status.FINISHED_ERROR):
                 outputs.append(RequestOutput(r.request_id, [], FINISH_REASONS[r.status]))
 
         # vLLM goes through these sets in its own process's order, which a trace

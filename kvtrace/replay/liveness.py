@@ -9,8 +9,8 @@ output will take back). That is reported the same way, after the same number of 
 when no waiting request is ready.
 
 A request is ready when it waits in a waiting queue and is not waiting for an
-async KV load that is still in flight nor, as a streaming-input session, for
-its next chunk; none is while sessions waiting for input hold the slots of
+async KV load that is still in flight, for a grammar still compiling nor, as a
+streaming-input session, for its next chunk; none is while sessions waiting for input hold the slots of
 ``max_num_seqs`` that running requests leave (they hold them by design).
 After ``STALL_STEPS`` consecutive steps with nothing scheduled and a ready
 request waiting, replay reports one ``progress`` divergence (per stall).
@@ -214,6 +214,8 @@ def _ready_head(sched: Scheduler):
     for queue in (sched.kv_holding_waiting, sched.waiting):
         for r in queue:
             if r.status == Status.WAITING_FOR_STREAMING_REQ:
+                continue
+            if r.status == Status.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR and r.grammar != "ready":
                 continue
             if r.status != Status.WAITING_FOR_REMOTE_KVS or r.request_id in sched.finished_recving_ids:
                 return r

@@ -2,7 +2,8 @@
 call order, and compare every recorded output with the reference's.
 
 Inputs taken from the trace: arrivals, aborts, prefix-cache resets, the
-connector's answers, sampled tokens and the connector output. Everything else
+connector's answers, when grammars finished compiling, sampled tokens (and the
+grammar's refusals of them), drafts and the connector output. Everything else
 is recomputed.
 """
 
@@ -271,6 +272,8 @@ class Replayer:
         self.divergences.extend(checks.step_invariants(rec, self.cfg, self._preemptions, line,
                                                        in_flight, self._reads_no_cache))
         self.connector.start_step(rec.step, rec.lookups)
+        if rec.grammar:
+            self.sched.grammar_compiled(rec.grammar)
         out = self.sched.schedule()
         self.connector.end_step()
         for d in self.connector.divergences:   # the step's record is where they show
@@ -288,7 +291,7 @@ class Replayer:
         if self.out:
             loads = self.connector.loads if self.cfg.connector else None
             self._write(bridge.step_event(self._seq(), rec.step, out, self.sched,
-                                          self.connector.made, loads))
+                                          self.connector.made, loads, rec.grammar))
 
     def _output(self, rec: ev.Output, line) -> None:
         out = self._outputs.pop(rec.step, None)

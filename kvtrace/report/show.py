@@ -120,6 +120,13 @@ def print_summary(s: RunSummary, console: Console, brief: bool = False) -> None:
     if s.drafts_scheduled:
         t.add_row("drafts", f"{s.drafts_scheduled} scheduled, {s.drafts_accepted} accepted "
                             f"({percent(s.drafts_accepted / s.drafts_scheduled)})")
+    if s.structured:
+        # The scheduler looks at a grammar when the request comes up in the waiting pass.
+        waited = (f", grammar found compiled {s.grammar_wait_steps / s.grammar_ready:.1f} steps "
+                  "after arrival on average" if s.grammar_ready else "")
+        t.add_row("structured outputs", f"{s.structured} requests{waited}, {s.grammar_failed} "
+                                        f"failed to compile, {s.grammar_rejected} refused "
+                                        "the tokens sampled")
     if s.peak_kv_used is not None:
         t.add_row("KV usage", f"peak {s.peak_kv_used}/{s.usable_blocks} blocks, mean "
                               f"{s.mean_kv_used:.1f} ({percent(s.mean_kv_used / max(1, s.usable_blocks))})")

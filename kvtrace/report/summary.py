@@ -201,6 +201,11 @@ class RunSummary:
     invalid_blocks: int = 0
     drafts_scheduled: int = 0         # speculative decoding (padding excluded)
     drafts_accepted: int = 0
+    structured: int = 0               # requests with a structured output
+    grammar_ready: int = 0            # ... whose grammar a step found compiled
+    grammar_wait_steps: int = 0       # steps from their arrival to that step, in all
+    grammar_failed: int = 0           # grammars that failed to compile
+    grammar_rejected: int = 0         # grammars that refused the tokens sampled
     # series over steps
     kv_used: Series = field(default_factory=Series)           # blocks in use after each step
     sched_tokens: Series = field(default_factory=Series)      # tokens scheduled per step
@@ -304,6 +309,7 @@ class _Pass:
         self.live: dict[str, _Live] = {}
         self.usable = s.usable_blocks
         self.spec: dict[int, dict[str, int]] = {}   # step -> drafts scheduled per request, until its output
+        self.grammar_since: dict[str, int] = {}     # structured output -> its first step, until compiled
 
     def feed(self, e, line: int) -> None:
         if isinstance(e, ev.Step):
@@ -346,12 +352,22 @@ class _Pass:
             lv.tl = tl
         self.live[e.req] = lv
         s.max_live = max(s.max_live, len(self.live))
+        if e.structured_output:
+            s.structured += 1
+            self.grammar_since[e.req] = s.steps
 
     def _step(self, e: ev.Step) -> None:
         s = self.s
         k = e.step
         s.steps = k + 1
         states = {st.req: st for st in e.states}
+        for req, outcome in (e.grammar or {}).items():
+            since = self.grammar_since.pop(req, None)
+            if outcome == "error":
+                s.grammar_failed += 1
+            elif since is not None:
+                s.grammar_ready += 1
+                s.grammar_wait_steps += k - since
         if e.spec:
             drafts = {req: sum(t >= 0 for t in ids) for req, ids in e.spec.items()}
             self.spec[k] = drafts
@@ -507,6 +523,8 @@ class _Pass:
 
     def _output(self, e: ev.Output) -> None:
         k = e.step
+        if e.grammar_rejected:
+            self.s.grammar_rejected += len(e.grammar_rejected)
         if self.spec:
             self._accepted(e, self.spec.pop(k, {}))
             for old in [j for j in self.spec if j < k]:   # steps whose output never came
@@ -575,6 +593,7 @@ class _Pass:
             tl.stats_step = e.step
 
     def _finish(self, req: str, k: int, reason: str | None) -> None:
+        self.grammar_since.pop(req, None)
         lv = self.live.pop(req, None)
         if lv is None:
             return

@@ -20,6 +20,7 @@ SCHEMA_VERSION = 1
 
 STATUSES = (
     "WAITING",
+    "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR",   # a structured output's grammar still compiling
     "WAITING_FOR_REMOTE_KVS",
     "WAITING_FOR_STREAMING_REQ",   # a streaming-input session between turns
     "RUNNING",
@@ -37,6 +38,7 @@ POLICIES = ("fcfs", "priority")
 COUNTER_SHAPES = ("prefill_stats", "legacy")
 END_STATUSES = ("complete", "recorder-error", "interrupted")
 PAUSE_STATES = ("UNPAUSED", "PAUSED_NEW", "PAUSED_ALL")
+GRAMMAR_OUTCOMES = ("ready", "error")
 
 # Sanity bounds: a value above these is a corrupt trace, not a big run.
 MAX_COUNT = 1 << 40
@@ -120,6 +122,20 @@ def _token_map(v: Any, name: str, lo: int = 0) -> dict[str, list[int]] | None:
     for k, ids in d.items():
         _ints(ids, f"{name}.{k}", lo)
     return d
+
+
+def _grammar_map(v: Any) -> dict[str, str] | None:
+    """None, or an object of request id -> "ready" | "error"."""
+    if v is None:
+        return None
+    d = _obj(v, "grammar")
+    for k, outcome in d.items():
+        _choice(outcome, f"grammar.{k}", GRAMMAR_OUTCOMES)
+    return d
+
+
+def _opt_strs(v: Any, name: str) -> list[str] | None:
+    return None if v is None else _strs(v, name)
 
 
 def _strs(v: Any, name: str) -> list[str]:
@@ -337,6 +353,9 @@ class Arrival:
     skip_reading_prefix_cache: bool = False
     # One input chunk of a streaming-input session (vLLM's resumable requests).
     resumable: bool = field(default=False, metadata=_OMIT_FALSE)
+    # A structured output: the request waits in WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+    # until the scheduler finds its grammar compiled (``Step.grammar``).
+    structured_output: bool = field(default=False, metadata=_OMIT_FALSE)
     kind: str = "arrival"
 
     @classmethod
@@ -359,6 +378,7 @@ class Arrival:
             skip_reading_prefix_cache=_bool(_get(d, "skip_reading_prefix_cache", False),
                                             "skip_reading_prefix_cache"),
             resumable=_bool(_get(d, "resumable", False), "resumable"),
+            structured_output=_bool(_get(d, "structured_output", False), "structured_output"),
         )
 
 
@@ -567,6 +587,9 @@ class Step:
     # Speculative decoding: the draft tokens scheduled for each request that has
     # any (``scheduled_spec_decode_tokens``; -1 for a padding slot); None when none.
     spec: dict[str, list[int]] | None = field(default=None, metadata=_OMIT)
+    # Structured outputs: the requests whose grammar this step found compiled
+    # ("ready") or failed ("error"), the first time it did; None when none.
+    grammar: dict[str, str] | None = field(default=None, metadata=_OMIT)
     kind: str = "step"
 
     @classmethod
@@ -585,6 +608,7 @@ class Step:
             states=_list_of(_get(d, "states", []), "states", RequestState),
             num_free_blocks=_opt_int(_get(d, "num_free_blocks", None), "num_free_blocks"),
             spec=_token_map(_get(d, "spec", None), "spec", lo=-1),
+            grammar=_grammar_map(_get(d, "grammar", None)),
         )
 
     def scheduled(self) -> dict[str, int]:
@@ -632,6 +656,9 @@ class Output:
     connector: ConnectorOutput | None = field(default=None, metadata=_OMIT)
     finished: dict[str, str] = field(default_factory=dict)  # req -> finish reason
     states: list[RequestState] = field(default_factory=list)
+    # Structured outputs: the requests whose grammar refused the tokens this
+    # output sampled; the scheduler finishes them with an error. None when none.
+    grammar_rejected: list[str] | None = field(default=None, metadata=_OMIT)
     kind: str = "output"
 
     @classmethod
@@ -652,6 +679,7 @@ class Output:
             connector=None if conn is None else ConnectorOutput.from_json(_obj(conn, "connector")),
             finished=finished,
             states=_list_of(_get(d, "states", []), "states", RequestState),
+            grammar_rejected=_opt_strs(_get(d, "grammar_rejected", None), "grammar_rejected"),
         )
 
     def turn_ends(self) -> dict[str, RequestState]:

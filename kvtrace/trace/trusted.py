@@ -49,6 +49,7 @@ def step(d: dict) -> ev.Step:
         [_state(x) for x in get("states", ())],
         get("num_free_blocks"),
         get("spec"),
+        get("grammar"),
     )
 
 
@@ -60,6 +61,7 @@ def output(d: dict) -> ev.Output:
         None if conn is None else ev.ConnectorOutput.from_json(conn),
         get("finished", {}),
         [_state(x) for x in get("states", ())],
+        get("grammar_rejected"),
     )
 
 

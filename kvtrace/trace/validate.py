@@ -146,6 +146,8 @@ class Validator:
             self._tokens(ld.end, "loads.end")
         for req in s.spec or ():
             self._known(req, "spec")
+        for req in s.grammar or ():
+            self._known(req, "grammar")
         self._states(s.states)
         if s.num_free_blocks is not None and s.num_free_blocks > self.num_blocks:
             raise SchemaError(f"field 'num_free_blocks' is {s.num_free_blocks}, more than the "
@@ -172,6 +174,8 @@ class Validator:
             self._known(req, "sampled")
         for req in o.finished:
             self._known(req, "finished")
+        for req in o.grammar_rejected or ():
+            self._known(req, "grammar_rejected")
         c = o.connector
         if c is not None:
             for name in ("finished_recving", "finished_sending", "failed_recving"):
