@@ -7,6 +7,7 @@ from __future__ import annotations
 import enum
 import errno
 import os
+import socket
 import time
 
 import orjson
@@ -119,7 +120,7 @@ def test_engine_death_leaves_a_trace_cut_after_its_last_event(tmp_path):
         time.sleep(0.01)
     assert not s._out
     s.write_error = "the engine is gone"  # nothing more is sent
-    s._sock.close()                       # the engine's end of the connection goes away
+    s._sock.shutdown(socket.SHUT_WR)      # the connection ends, as the engine's death ends it
     assert s._proc.wait(10) == 0
     s.close()
     r = TraceReader(path)
@@ -403,3 +404,54 @@ def _writer_running(path) -> bool:
         if b"kvtrace.record.writer_process" in argv and str(path).encode() in argv:
             return True
     return False
+
+
+@pytest.mark.vllm
+def test_a_shutdown_that_kills_the_engines_process_tree_leaves_the_trace_whole(tmp_path):
+    """vLLM's shutdown SIGKILLs every descendant of an engine core that has not
+    exited at once (``kill_process_tree``), as a server's Ctrl-C does. The
+    writer process is no descendant of the engine, so it finishes the trace:
+    here it is held stopped while the engine sends its events and its end, then
+    the engine's tree is killed, and the writer, let go, writes them all."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    from _require import require
+
+    require("vllm", "vLLM is not installed: this test uses its own kill_process_tree")
+    from vllm.utils.system_utils import kill_process_tree
+
+    path = tmp_path / "killed.jsonl.gz"
+    script = textwrap.dedent(f"""
+        import os, signal, sys, time
+        from test_record_sink import feed, header
+        from kvtrace.record.sink import ProcessSink
+        s = ProcessSink({str(path)!r}, header())
+        os.kill(s._proc.pid, signal.SIGSTOP)
+        feed(s)
+        s.close(wait=False)        # the engine's shutdown: the rest and the end are sent
+        time.sleep(0.5)
+        print(s._proc.pid, flush=True)
+        time.sleep(60)
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
+    engine = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              env=env)
+    writer = int(engine.stdout.readline())
+    kill_process_tree(engine.pid)
+    engine.wait(10)
+    os.kill(writer, signal.SIGCONT)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            r = TraceReader(path)
+            evs = list(r)
+            if r.end is not None:
+                break
+        except TraceError:
+            pass
+        time.sleep(0.1)
+    assert [e.kind for e in evs][-2:] == ["abort", "end"] and len(evs) == 9
+    assert evs[-1].status == "complete"

@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import logging
 import os
+import select
+import signal
 import socket
 import subprocess
 import sys
@@ -457,8 +459,11 @@ class ProcessSink(_Sink):
     makes a send fail, never raises SIGPIPE in the engine. The writer process
     runs in its own session, so that a Ctrl-C or a signal to the engine's
     process group does not cut the trace short; it ends when the connection
-    closes. A process forked from the engine (without exec) closes its copy of
-    the connection, so that it cannot keep the writer waiting."""
+    closes. It is detached from the engine's process tree (``Detached``):
+    vLLM's shutdown SIGKILLs every descendant of an engine core that has not
+    exited at once, and a writer killed there would lose its last events and
+    the end record. A process forked from the engine (without exec) closes its
+    copy of the connection, so that it cannot keep the writer waiting."""
 
     SEND_S = 0.05   # each send wakes the writer process: a few per second is enough
     SEND_MAX = 1 << 20   # bytes offered to the socket at once
@@ -476,10 +481,9 @@ class ProcessSink(_Sink):
         try:
             if not sys.executable:
                 raise WriterProcessError("this Python does not know its own executable")
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", "kvtrace.record.writer_process", str(self.path), str(raw)],
-                stdin=theirs.fileno(), pass_fds=(raw,), close_fds=True, env=child_env(),
-                start_new_session=True)
+            self._proc = Detached.start(
+                [sys.executable, "-m", "kvtrace.record.writer_process", "--detach",
+                 str(self.path), str(raw)], theirs, raw, mine)
         except BaseException as e:
             mine.close()
             if isinstance(e, (OSError, ValueError)):
@@ -582,16 +586,83 @@ class ProcessSink(_Sink):
             self._hang_up()
 
     def _hang_up(self) -> None:
-        """Close the connection and reap the writer process."""
+        """End the connection and wait for the writer process to finish the file."""
         _OPEN.discard(self)
-        self._sock.close()
         try:
-            rc = self._proc.wait(60)
+            rc = self._proc.returncode
+            if rc is None:
+                self._sock.shutdown(socket.SHUT_WR)   # the writer reads to the end, then answers
+                rc = self._proc.wait(60)
         except subprocess.TimeoutExpired:
             logger.error("kvtrace: the trace writer process for %s is still running", self.path)
             return
+        except OSError:
+            rc = None
+        finally:
+            self._sock.close()
         if rc != 0:
-            logger.error("kvtrace: the trace writer process for %s exited with %s", self.path, rc)
+            logger.error("kvtrace: the trace writer process for %s %s", self.path,
+                         "ended without a word" if rc is None else f"exited with {rc}")
+
+
+class Detached:
+    """A writer process that is not the engine's child. ``start`` runs
+    ``argv`` (the writer's ``--detach`` mode), which forks the writer and
+    exits, saying the writer's pid: the writer is left to init, outside the
+    engine's process tree, where a shutdown that kills the tree does not reach
+    it. Not a child, it is waited for on its connection, ``sock``: just
+    before it exits, the writer sends its exit status there, as one line."""
+
+    def __init__(self, pid: int, sock: socket.socket):
+        self.pid = pid
+        self._sock = sock
+        self.returncode: int | None = None
+
+    @classmethod
+    def start(cls, argv: list[str], theirs: socket.socket, raw: int,
+              sock: socket.socket) -> "Detached":
+        launcher = subprocess.Popen(argv, stdin=theirs.fileno(), stdout=subprocess.PIPE,
+                                    pass_fds=(raw,), close_fds=True, env=child_env(),
+                                    start_new_session=True)
+        try:
+            said = launcher.stdout.readline()
+        finally:
+            launcher.stdout.close()
+            launcher.wait(60)
+        if launcher.returncode != 0 or not said.strip().isdigit():
+            raise WriterProcessError(f"the writer process did not start (exit {launcher.returncode})")
+        return cls(int(said), sock)
+
+    def poll(self) -> int | None:
+        """The writer's exit status once it has said it (None while it runs or
+        when it died without a word)."""
+        if self.returncode is None:
+            try:
+                said = self._sock.recv(64, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except (BlockingIOError, OSError):
+                return None
+            if said.endswith(b"\n"):
+                self.returncode = int(said)
+        return self.returncode
+
+    def kill(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """Its exit status, once it has finished; None when it ended without
+        one (killed). Raises TimeoutExpired after ``timeout`` seconds."""
+        said = b""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not said.endswith(b"\n"):
+            left = None if deadline is None else deadline - time.monotonic()
+            if (left is not None and left <= 0) or not select.select([self._sock], [], [], left)[0]:
+                raise subprocess.TimeoutExpired("kvtrace writer", timeout)
+            chunk = self._sock.recv(64)
+            if not chunk:
+                return None
+            said += chunk
+        self.returncode = int(said)
+        return self.returncode
 
 
 class WriterProcessError(RuntimeError):

@@ -14,7 +14,11 @@ When nothing has come for ``FLUSH_IDLE_S``, everything so far goes to the file,
 so that an engine killed without a shutdown leaves a readable trace.
 
 It ignores SIGINT and SIGTERM: a Ctrl-C or a ``kill`` of the process group must
-not cut the trace short while the engine shuts down and sends its end. When the
+not cut the trace short while the engine shuts down and sends its end. With
+``--detach`` (how the engine starts it) it first forks and leaves its parent
+to exit, saying the writer's pid: the writer is then no descendant of the
+engine, which vLLM's shutdown may kill with all its descendants; and it says
+its exit status on the connection just before it exits. When the
 pipe closes without an end line (the engine died), the file ends after the last
 event received, without an end record, and reads as cut off.
 
@@ -113,8 +117,30 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    detach = argv[:1] == ["--detach"]
+    if detach:
+        argv = argv[1:]
+        _detach()
     path, fd = argv[0], int(argv[1])
-    return serve(sys.stdin.fileno(), path, fd)
+    rc = serve(sys.stdin.fileno(), path, fd)
+    if detach:   # the engine waits for this line (kvtrace.record.sink.Detached)
+        try:
+            os.write(sys.stdin.fileno(), b"%d\n" % rc)
+        except OSError:
+            pass     # the engine is gone
+    return rc
+
+
+def _detach() -> None:
+    """Fork; the parent says the child's pid on standard output and exits, and
+    the child, the writer, is left to init, outside the engine's process tree."""
+    pid = os.fork()
+    if pid:
+        os.write(sys.stdout.fileno(), b"%d\n" % pid)
+        os._exit(0)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, sys.stdout.fileno())   # the engine has read what it wanted there
+    os.close(null)
 
 
 if __name__ == "__main__":
