@@ -105,6 +105,7 @@ def request_from_arrival(a: ev.Arrival, block_size: int) -> Request:
         skip_reading_prefix_cache=a.skip_reading_prefix_cache,
         resumable=a.resumable,
         grammar="compiling" if a.structured_output else None,
+        pooling=a.pooling,
     )
 
 
@@ -117,6 +118,7 @@ def model_output_from_event(o: ev.Output) -> ModelOutput:
         failed_recving=set(c.failed_recving),
         invalid_block_ids=set(c.invalid_block_ids),
         grammar_rejected=set(o.grammar_rejected or ()),
+        pooled=set(o.pooled or ()),
     )
 
 
@@ -187,6 +189,7 @@ def output_events(seq_fn, step: int, model: ModelOutput, results: list[RequestOu
         finished={r.req_id: r.finish_reason for r in results if r.finish_reason},
         states=[request_state(sched, r) for r in touched],
         grammar_rejected=sorted(model.grammar_rejected) or None,
+        pooled=sorted(model.pooled) or None,
     )
     events: list = [out]
     for r in results:

@@ -219,6 +219,8 @@ def test_missing_kind(base, tmp_path, capsys):
     (3, lambda o: o[2].__setitem__("grammar", ["chat-0"]), "field 'grammar' must be an object"),
     (4, lambda o: o[3].__setitem__("grammar_rejected", "chat-0"),
      "field 'grammar_rejected' must be a list of strings"),
+    (2, lambda o: o[1].__setitem__("pooling", "yes"), "field 'pooling' must be true or false"),
+    (4, lambda o: o[3].__setitem__("pooled", [1]), "field 'pooled' must be a list of strings"),
 ])
 def test_wrong_types(base, tmp_path, capsys, line, edit, message):
     bad = _edit(base, tmp_path, edit)
@@ -283,6 +285,7 @@ def test_free_blocks_beyond_pool(base, tmp_path, capsys):
     (4, lambda o: o[3].__setitem__("connector", {"failed_recving": ["ghost"]}), "connector.failed_recving"),
     (3, lambda o: o[2].__setitem__("grammar", {"ghost": "ready"}), "grammar"),
     (4, lambda o: o[3].__setitem__("grammar_rejected", ["ghost"]), "grammar_rejected"),
+    (4, lambda o: o[3].__setitem__("pooled", ["ghost"]), "pooled"),
     (5, lambda o: o[4].__setitem__("req", "ghost"), "req"),
 ])
 def test_unknown_request(base, tmp_path, capsys, line, edit, field):

@@ -32,6 +32,7 @@ TRACES = {
     "async-connector": "async-connector",
     "speculative": "speculative",
     "structured-output": "structured",
+    "pooling": "pooling",
 }
 # Traces of vLLM's own bugs, unchanged engine, in vllm-bugs/: the engine fails
 # on them, and the trace ends "interrupted" with its error. On those in

@@ -80,7 +80,7 @@ STATUS_FOLD = {
 
 # The fields every step and output record has; the rare ones (a step's drafts and
 # grammar outcomes, an output's grammar rejections) follow only when they hold something.
-_RARE = ("spec", "grammar", "grammar_rejected")
+_RARE = ("spec", "grammar", "grammar_rejected", "pooled")
 _STEP_FIELDS = tuple(f.name for f in fields(Step) if f.name not in _RARE)
 _OUTPUT_FIELDS = tuple(f.name for f in fields(Output) if f.name not in _RARE)
 _NEW_FIELDS = tuple(f.name for f in fields(ScheduledNew))
@@ -106,7 +106,7 @@ class RawOutput(tuple):
     """(step, sampled, connector, finished, states, rare): ``sampled`` is
     ``(req_ids, sampled_token_ids, req_id_to_index)``, copies of the model
     output's; ``states`` is a raw states snapshot (below); ``rare`` as a step's
-    (``grammar_rejected``), or None."""
+    (``grammar_rejected``, ``pooled``), or None."""
 
     __slots__ = ()
 

@@ -15,7 +15,8 @@ in call order:
 * ``schedule``         -> ``Step`` (with the connector's lookups and load plan,
   captured by wrapping ``self.connector.get_num_new_matched_tokens`` and
   ``self.connector.update_state_after_alloc`` on the instance)
-* ``update_from_output`` -> ``Output`` and one ``PromptStats`` per request's first
+* ``update_from_output`` -> ``Output`` (with the pooling requests whose pooler
+  output came, ``Output.pooled``) and one ``PromptStats`` per request's first
   output that carries prompt accounting
 * ``update_draft_token_ids`` -> ``Drafts`` (speculative decoding, synchronous
   scheduler); ``schedule`` also records the drafts it scheduled (``Step.spec``)
@@ -348,6 +349,7 @@ class Recorder:
             skip_reading_prefix_cache=bool(getattr(request, "skip_reading_prefix_cache", False)),
             resumable=bool(getattr(request, "resumable", False)),
             structured_output=bool(getattr(request, "use_structured_output", False)),
+            pooling=getattr(request, "pooling_params", None) is not None,
         ))
         sched = self._sched_ref()
         if (_status_name(request) == _GRAMMAR_WAIT and sched is not None
@@ -575,10 +577,16 @@ class Recorder:
                 ids = list(dict.fromkeys(rids + named))
         reqs = dict(zip(ids, map(sched.requests.get, ids)))
         self.grammar_rejected = []
-        return step, sampled, conn, reqs
+        pooled = None
+        po = getattr(mro, "pooler_output", None)
+        if po:   # pooling models: the requests whose pooler output came
+            index = sampled[2]
+            pooled = [rid for rid in rids
+                      if (i := index.get(rid)) is not None and i < len(po) and po[i] is not None]
+        return step, sampled, conn, reqs, pooled
 
     def post_update(self, sched: Any, ctx: tuple, result: Any) -> None:
-        step, sampled, conn, reqs = ctx
+        step, sampled, conn, reqs, pooled = ctx
         finished: dict[str, str] = {}
         stats: list[PromptStats] = []
         for eco in (result or {}).values():
@@ -609,7 +617,11 @@ class Recorder:
                     self.stats_done.add(rid)
         states = self.states(list(reqs), list(reqs.values()))
         self.last_output_step = step
-        rare = {"grammar_rejected": sorted(self.grammar_rejected)} if self.grammar_rejected else None
+        rare = None   # the output's rare fields that hold something
+        if self.grammar_rejected:
+            rare = {"grammar_rejected": sorted(self.grammar_rejected)}
+        if pooled:
+            rare = {**(rare or {}), "pooled": pooled}
         self.sink.put(RawOutput((step, sampled, conn, finished, states, rare)))
         for ev in stats:
             self.sink.put(ev)

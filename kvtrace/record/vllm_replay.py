@@ -24,6 +24,8 @@ recorded inputs, in the recorded call order:
   the recorded ``KVConnectorOutput``;
 * ``drafts``   -> ``update_draft_token_ids`` with the recorded drafts
   (speculative decoding: the trace's method, never run here);
+* a pooling request gets ``PoolingParams`` and, in the output that the
+  recording says brought it, a stand-in pooler output (``Output.pooled``);
 * structured outputs: a request with one gets a grammar that compiles when
   the recording says the engine found it compiled (or failed: ``Step.grammar``,
   given before that step's ``schedule()``), and that refuses the tokens of the
@@ -484,8 +486,13 @@ def _request(a: ev.Arrival, block_hasher: Any) -> Any:
                         structured_outputs=(StructuredOutputsParams(regex=".*")
                                             if a.structured_output else None))
     sp.update_from_generation_config({}, eos_token_id=a.eos_token_id)
+    pp = None
+    if a.pooling:   # a pooling request has no sampling parameters
+        from vllm import PoolingParams
+
+        sp, pp = None, PoolingParams()
     r = Request(request_id=a.req, prompt_token_ids=list(a.prompt_token_ids),
-                sampling_params=sp, pooling_params=None, arrival_time=a.arrival_time,
+                sampling_params=sp, pooling_params=pp, arrival_time=a.arrival_time,
                 cache_salt=a.cache_salt, priority=a.priority, block_hasher=block_hasher,
                 resumable=a.resumable)
     return r
@@ -509,11 +516,17 @@ def _model_output(rec: ev.Output, so: Any, dropped: list[str]) -> Any:
             invalid_block_ids=set(c.invalid_block_ids),
             failed_recving=set(c.failed_recving),
         )
+    pooler_output = []
+    if rec.pooled:   # a stand-in for each pooler output that came
+        import torch
+
+        pooled = set(rec.pooled)
+        pooler_output = [torch.zeros(1) if rid in pooled else None for rid in req_ids]
     return ModelRunnerOutput(
         req_ids=req_ids,
         req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
         sampled_token_ids=[list(rec.sampled.get(rid, ())) for rid in req_ids],
-        logprobs=None, prompt_logprobs_dict={}, pooler_output=[],
+        logprobs=None, prompt_logprobs_dict={}, pooler_output=pooler_output,
         kv_connector_output=kco,
     )
 

@@ -25,7 +25,9 @@
     ``ensure_tokenizer``), and "grammar_faults" makes their grammars slow to
     compile (``{"delay": seconds}``), fail to compile (``{"fail": true}``) or
     refuse every token once the request has ``{"reject_after": n}`` output
-    tokens, as a broken grammar backend would (``_grammar_faults``). ``engine_kwargs`` override the workload's ``LLM(...)`` arguments. Returns ``{"path": out_path, "outputs": {index: [token ids]},
+    tokens, as a broken grammar backend would (``_grammar_faults``); with
+    "pooling" true the model runs as an embedding model and the prompts are
+    embedded (``LLM.embed``), not continued. ``engine_kwargs`` override the workload's ``LLM(...)`` arguments. Returns ``{"path": out_path, "outputs": {index: [token ids]},
     "finish_reasons": {index: str}}``.
 
     If the engine raises, the trace written up to that point ends with status
@@ -511,6 +513,17 @@ WORKLOADS["structured"] = dict(
     engine=dict(num_gpu_blocks_override=9))
 
 
+# An embedding model (vLLM's pooling runner on the tiny Llama): prompts that
+# share prefixes (prefix hits), longer than the token budget (chunked
+# prefill), in a KV cache small enough to preempt. Each request samples
+# nothing and finishes when its pooler output comes.
+WORKLOADS["pooling"] = dict(
+    prompts=[list(range(10, 10 + 40 + 17 * i)) for i in range(6)]
+    + [[7] * 64 + list(range(300, 300 + 9 * i)) for i in range(1, 5)],
+    pooling=True,
+    engine=dict(max_num_batched_tokens=96, num_gpu_blocks_override=9))
+
+
 def _resolve(workload: Any) -> dict:
     if isinstance(workload, str):
         try:
@@ -530,6 +543,8 @@ def run_workload(model_dir: str | None, workload: Any = "prefix", **engine_kwarg
     kwargs = dict(BASE_ENGINE)
     if any(wl.get("structured") or ()):   # a grammar compiles over the tokenizer's vocabulary
         kwargs.update(skip_tokenizer_init=False, tokenizer=ensure_tokenizer(model))
+    if wl.get("pooling"):   # an embedding model: the tiny Llama's last hidden state
+        kwargs.update(runner="pooling", skip_tokenizer_init=False, tokenizer=ensure_tokenizer(model))
     kwargs.update(wl.get("engine", {}))
     kwargs.update(engine_kwargs)
     if "kv_transfer_config" in kwargs and isinstance(kwargs["kv_transfer_config"], dict):
@@ -561,6 +576,10 @@ def _run(llm: Any, wl: dict) -> dict:
         for prompt, salt in zip(prompts, wl.get("cache_salts") or ()):
             if salt:
                 prompt["cache_salt"] = salt
+        if wl.get("pooling"):
+            embeddings = llm.embed(prompts, use_tqdm=False)
+            return {"outputs": {i: [] for i in range(len(embeddings))},
+                    "finish_reasons": {i: "stop" for i in range(len(embeddings))}}
         if "arrive_at" in wl or "aborts" in wl:
             outs = _serve(llm.llm_engine, prompts, params, wl)
         else:

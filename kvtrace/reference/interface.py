@@ -60,6 +60,8 @@ class ModelOutput:
     invalid_block_ids: set[int] = field(default_factory=set)
     # Structured outputs whose grammar refused the tokens sampled (S:2186-2197).
     grammar_rejected: set[str] = field(default_factory=set)
+    # Pooling requests whose pooler output came: each is done (S:2170-2173).
+    pooled: set[str] = field(default_factory=set)
 
 
 @dataclass(slots=True)

@@ -82,6 +82,8 @@ class Request:
     # The request waits in WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR until the
     # scheduler finds it compiled (S:3191-3200).
     grammar: str | None = None
+    # A pooling request: it samples nothing, and stops when its pooler output comes.
+    pooling: bool = False
 
     status: Status = Status.WAITING
     all_token_ids: list[int] = field(default_factory=list)

@@ -44,7 +44,8 @@ A structured output waits in WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR until the
 waiting pass finds its grammar compiled, which the engine does beside the
 scheduler, so the trace says when (``grammar_compiled``). A grammar that failed
 to compile, or that refuses the tokens sampled, finishes its request with an
-error (S:2186-2197, S:2302-2326).
+error (S:2186-2197, S:2302-2326). A pooling request (an embedding) samples
+nothing: its pooler output, when the model step gives it, finishes it.
 
 Methods whose names start with ``_`` and are listed under "rules" are the
 places where engines have had bugs; the embedded engine's faults override them.
@@ -545,6 +546,9 @@ class Scheduler:
                     stopped = True
                     del new_tokens[k + 1:]
                     break
+            if not new_tokens and r.pooling and req_id in model.pooled:
+                r.status = Status.FINISHED_STOPPED   # its pooler output came (S:2170-2173)
+                stopped = True
             if new_tokens and req_id in model.grammar_rejected:
                 r.status = Status.FINISHED_ERROR   # its grammar refused them (S:2186-2197)
                 r.resumable = False

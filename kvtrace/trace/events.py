@@ -356,6 +356,9 @@ class Arrival:
     # A structured output: the request waits in WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
     # until the scheduler finds its grammar compiled (``Step.grammar``).
     structured_output: bool = field(default=False, metadata=_OMIT_FALSE)
+    # A pooling request (an embedding, a classification, a reward): it samples
+    # no token, and finishes when its pooler output comes (``Output.pooled``).
+    pooling: bool = field(default=False, metadata=_OMIT_FALSE)
     kind: str = "arrival"
 
     @classmethod
@@ -379,6 +382,7 @@ class Arrival:
                                             "skip_reading_prefix_cache"),
             resumable=_bool(_get(d, "resumable", False), "resumable"),
             structured_output=_bool(_get(d, "structured_output", False), "structured_output"),
+            pooling=_bool(_get(d, "pooling", False), "pooling"),
         )
 
 
@@ -659,6 +663,9 @@ class Output:
     # Structured outputs: the requests whose grammar refused the tokens this
     # output sampled; the scheduler finishes them with an error. None when none.
     grammar_rejected: list[str] | None = field(default=None, metadata=_OMIT)
+    # Pooling requests whose pooler output this model step produced: each is done
+    # (S:2170-2173). None when none.
+    pooled: list[str] | None = field(default=None, metadata=_OMIT)
     kind: str = "output"
 
     @classmethod
@@ -680,6 +687,7 @@ class Output:
             finished=finished,
             states=_list_of(_get(d, "states", []), "states", RequestState),
             grammar_rejected=_opt_strs(_get(d, "grammar_rejected", None), "grammar_rejected"),
+            pooled=_opt_strs(_get(d, "pooled", None), "pooled"),
         )
 
     def turn_ends(self) -> dict[str, RequestState]:

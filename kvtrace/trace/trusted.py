@@ -62,6 +62,7 @@ def output(d: dict) -> ev.Output:
         get("finished", {}),
         [_state(x) for x in get("states", ())],
         get("grammar_rejected"),
+        get("pooled"),
     )
 
 

@@ -176,6 +176,8 @@ class Validator:
             self._known(req, "finished")
         for req in o.grammar_rejected or ():
             self._known(req, "grammar_rejected")
+        for req in o.pooled or ():
+            self._known(req, "pooled")
         c = o.connector
         if c is not None:
             for name in ("finished_recving", "finished_sending", "failed_recving"):
