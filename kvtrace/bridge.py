@@ -106,6 +106,9 @@ def request_from_arrival(a: ev.Arrival, block_size: int) -> Request:
         resumable=a.resumable,
         grammar="compiling" if a.structured_output else None,
         pooling=a.pooling,
+        min_tokens=a.min_tokens,
+        repetition=(None if a.repetition_detection is None else
+                    tuple(a.repetition_detection[k] for k in ev.REPETITION_FIELDS)),
     )
 
 

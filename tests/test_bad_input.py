@@ -220,6 +220,11 @@ def test_missing_kind(base, tmp_path, capsys):
     (4, lambda o: o[3].__setitem__("grammar_rejected", "chat-0"),
      "field 'grammar_rejected' must be a list of strings"),
     (2, lambda o: o[1].__setitem__("pooling", "yes"), "field 'pooling' must be true or false"),
+    (2, lambda o: o[1].__setitem__("repetition_detection", {"max_pattern_size": 2}),
+     "missing field 'min_pattern_size'"),
+    (2, lambda o: o[1].__setitem__("repetition_detection", {"max_pattern_size": 2, "min_pattern_size": -1,
+                                                            "min_count": 2}),
+     "field 'repetition_detection.min_pattern_size' is out of range: -1"),
     (4, lambda o: o[3].__setitem__("pooled", [1]), "field 'pooled' must be a list of strings"),
 ])
 def test_wrong_types(base, tmp_path, capsys, line, edit, message):

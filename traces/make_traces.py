@@ -33,6 +33,7 @@ TRACES = {
     "speculative": "speculative",
     "structured-output": "structured",
     "pooling": "pooling",
+    "repetition": "repetition",
 }
 # Traces of vLLM's own bugs, unchanged engine, in vllm-bugs/: the engine fails
 # on them, and the trace ends "interrupted" with its error. On those in

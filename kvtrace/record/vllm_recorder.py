@@ -75,6 +75,7 @@ from kvtrace.record.sink import (
 )
 from kvtrace.trace.events import (
     PAUSE_STATES,
+    REPETITION_FIELDS,
     Abort,
     Arrival,
     ConnectorConfig,
@@ -106,6 +107,14 @@ _READ_STATE = operator.attrgetter("request_id", "status", "num_computed_tokens",
 
 
 _GRAMMAR_WAIT = "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR"
+
+
+def _repetition(sp: Any) -> dict | None:
+    """A request's repetition detection, when it has one that can stop it."""
+    rd = getattr(sp, "repetition_detection", None)
+    if rd is None:
+        return None
+    return {k: int(getattr(rd, k)) for k in REPETITION_FIELDS}
 
 
 def _grammar_resolved(req: Any) -> bool:
@@ -350,6 +359,7 @@ class Recorder:
             resumable=bool(getattr(request, "resumable", False)),
             structured_output=bool(getattr(request, "use_structured_output", False)),
             pooling=getattr(request, "pooling_params", None) is not None,
+            repetition_detection=_repetition(sp),
         ))
         sched = self._sched_ref()
         if (_status_name(request) == _GRAMMAR_WAIT and sched is not None

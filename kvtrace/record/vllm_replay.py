@@ -476,7 +476,7 @@ class _RecordedGrammar:
 
 def _request(a: ev.Arrival, block_hasher: Any) -> Any:
     from vllm import SamplingParams
-    from vllm.sampling_params import StructuredOutputsParams
+    from vllm.sampling_params import RepetitionDetectionParams, StructuredOutputsParams
     from vllm.v1.request import Request
 
     sp = SamplingParams(max_tokens=a.max_tokens, min_tokens=min(a.min_tokens, a.max_tokens),
@@ -484,7 +484,9 @@ def _request(a: ev.Arrival, block_hasher: Any) -> Any:
                         temperature=0.0,
                         skip_reading_prefix_cache=a.skip_reading_prefix_cache or None,
                         structured_outputs=(StructuredOutputsParams(regex=".*")
-                                            if a.structured_output else None))
+                                            if a.structured_output else None),
+                        repetition_detection=(None if a.repetition_detection is None
+                                              else RepetitionDetectionParams(**a.repetition_detection)))
     sp.update_from_generation_config({}, eos_token_id=a.eos_token_id)
     pp = None
     if a.pooling:   # a pooling request has no sampling parameters

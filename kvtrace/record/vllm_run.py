@@ -513,6 +513,19 @@ WORKLOADS["structured"] = dict(
     engine=dict(num_gpu_blocks_override=9))
 
 
+# Repetition detection: the tiny random model, greedy, falls into loops; some
+# requests stop on a repeated pattern, one only after its min_tokens, others
+# run to max_tokens, in a KV cache small enough to preempt.
+WORKLOADS["repetition"] = dict(
+    prompts=[[(11 * i + 3 * j) % 400 + 20 for j in range(30 + 7 * i)] for i in range(8)],
+    max_tokens=64,
+    per_request=[{"repetition_detection": {"max_pattern_size": 2 + i % 4, "min_pattern_size": 0,
+                                           "min_count": 2 + i % 3},
+                  "min_tokens": 20 if i == 3 else 0} if i % 4 != 1 else {}
+                 for i in range(8)],
+    engine=dict(num_gpu_blocks_override=12))
+
+
 # An embedding model (vLLM's pooling runner on the tiny Llama): prompts that
 # share prefixes (prefix hits), longer than the token budget (chunked
 # prefill), in a KV cache small enough to preempt. Each request samples
@@ -570,7 +583,7 @@ def _run(llm: Any, wl: dict) -> dict:
         if wl.get("per_request") or wl.get("structured"):
             n = len(wl["prompts"])
             own = wl.get("per_request") or [{}] * n
-            params = [SamplingParams(**dict(sp, **o), **_structured(so))
+            params = [SamplingParams(**_sampling(dict(sp, **o)), **_structured(so))
                       for o, so in zip(own, wl.get("structured") or [None] * n)]
         prompts = [{"prompt_token_ids": list(p)} for p in wl["prompts"]]
         for prompt, salt in zip(prompts, wl.get("cache_salts") or ()):
@@ -595,6 +608,16 @@ def _run(llm: Any, wl: dict) -> dict:
         # After an exception, a recording scheduler ends its trace "interrupted".
         shutdown_llm(llm)
     return result
+
+
+def _sampling(own: dict) -> dict:
+    """One request's sampling settings, ``repetition_detection`` given as a dict."""
+    rd = own.get("repetition_detection")
+    if isinstance(rd, dict):
+        from vllm.sampling_params import RepetitionDetectionParams
+
+        own = dict(own, repetition_detection=RepetitionDetectionParams(**rd))
+    return own
 
 
 def _structured(spec: dict | None) -> dict:

@@ -84,6 +84,10 @@ class Request:
     grammar: str | None = None
     # A pooling request: it samples nothing, and stops when its pooler output comes.
     pooling: bool = False
+    # Repetition detection: (max_pattern_size, min_pattern_size, min_count), or
+    # None; it stops nothing before min_tokens output tokens (SU:122-135).
+    repetition: tuple[int, int, int] | None = None
+    min_tokens: int = 0
 
     status: Status = Status.WAITING
     all_token_ids: list[int] = field(default_factory=list)
@@ -159,6 +163,8 @@ class Request:
         self.max_tokens = update.max_tokens
         self.stop_token_ids = update.stop_token_ids
         self.ignore_eos = update.ignore_eos
+        self.min_tokens = update.min_tokens
+        self.repetition = update.repetition
 
     def take_prefill_stats(self) -> PrefillStats | None:
         stats, self.prefill_stats = self.prefill_stats, None
@@ -179,6 +185,8 @@ class StreamingUpdate:
     arrival_time: float
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
+    min_tokens: int = 0
+    repetition: tuple[int, int, int] | None = None
 
     @classmethod
     def from_request(cls, r: Request) -> "StreamingUpdate | None":
@@ -187,7 +195,7 @@ class StreamingUpdate:
         if not r.resumable:
             return None
         return cls(tuple(r.prompt_token_ids), r.max_tokens, r.arrival_time,
-                   r.stop_token_ids, r.ignore_eos)
+                   r.stop_token_ids, r.ignore_eos, r.min_tokens, r.repetition)
 
 
 def check_stop(request: Request, max_model_len: int) -> bool:
@@ -202,4 +210,23 @@ def check_stop(request: Request, max_model_len: int) -> bool:
     if request.num_tokens >= max_model_len or request.num_output_tokens >= request.max_tokens:
         request.status = Status.FINISHED_LENGTH_CAPPED
         return True
+    if (request.repetition is not None and request.num_output_tokens >= request.min_tokens
+            and _repeats(request.all_token_ids[request.num_prompt_tokens:], *request.repetition)):
+        request.status = Status.FINISHED_STOPPED   # vLLM's FINISHED_REPETITION
+        return True
+    return False
+
+
+def _repeats(output: list[int], max_size: int, min_size: int, min_count: int) -> bool:
+    """Whether the output ends in a pattern of min_size..max_size tokens
+    repeated min_count times (vLLM's check_sequence_repetition, SU:28-62)."""
+    min_size = max(min_size, 1)
+    if max_size <= 0 or min_count < 2 or min_size > max_size:
+        return False
+    for size in range(min_size, max_size + 1):
+        if size * min_count > len(output):
+            return False
+        tail = output[-size:]
+        if all(output[-size * (k + 1):len(output) - size * k] == tail for k in range(1, min_count)):
+            return True
     return False

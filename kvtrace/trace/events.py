@@ -134,6 +134,17 @@ def _grammar_map(v: Any) -> dict[str, str] | None:
     return d
 
 
+REPETITION_FIELDS = ("max_pattern_size", "min_pattern_size", "min_count")
+
+
+def _repetition(v: Any) -> dict[str, int] | None:
+    """None, or the three counts of vLLM's RepetitionDetectionParams."""
+    if v is None:
+        return None
+    d = _obj(v, "repetition_detection")
+    return {k: _int(_get(d, k), f"repetition_detection.{k}") for k in REPETITION_FIELDS}
+
+
 def _opt_strs(v: Any, name: str) -> list[str] | None:
     return None if v is None else _strs(v, name)
 
@@ -359,6 +370,10 @@ class Arrival:
     # A pooling request (an embedding, a classification, a reward): it samples
     # no token, and finishes when its pooler output comes (``Output.pooled``).
     pooling: bool = field(default=False, metadata=_OMIT_FALSE)
+    # vLLM's repetition detection (``RepetitionDetectionParams``): the request
+    # stops once its output ends in a pattern of ``min_pattern_size`` to
+    # ``max_pattern_size`` tokens repeated ``min_count`` times. None when off.
+    repetition_detection: dict[str, int] | None = field(default=None, metadata=_OMIT)
     kind: str = "arrival"
 
     @classmethod
@@ -383,6 +398,7 @@ class Arrival:
             resumable=_bool(_get(d, "resumable", False), "resumable"),
             structured_output=_bool(_get(d, "structured_output", False), "structured_output"),
             pooling=_bool(_get(d, "pooling", False), "pooling"),
+            repetition_detection=_repetition(_get(d, "repetition_detection", None)),
         )
 
 
