@@ -372,8 +372,9 @@ def with_grammars(workload: dict, seed: int) -> dict:
     streaming-input sessions) get a regex, a choice or a JSON schema, some with
     ``ignore_eos`` off; some of their grammars are slow to compile (up to 0.2 s,
     tens of steps of the tiny model), and now and then one fails to compile or
-    refuses the tokens sampled after a few (``_grammar_faults``). Drawn from
-    ``seed`` apart from the workload's own draws."""
+    refuses the tokens sampled after a few (``_grammar_faults``); and about a
+    quarter of the requests get repetition detection. Drawn from ``seed``
+    apart from the workload's own draws."""
     wl = copy.deepcopy(workload)
     rng = random.Random(seed + 8_000_009)
     n = len(wl["prompts"])
@@ -395,6 +396,12 @@ def with_grammars(workload: dict, seed: int) -> dict:
             faults[str(i)] = {"fail": True}
         elif roll < 0.6:
             faults[str(i)] = {"reject_after": rng.randint(1, 6)}
+    # Repetition detection on some requests, drawn apart from the draws above.
+    more = random.Random(seed + 9_000_011)
+    for i in range(n):
+        if i not in sessions and more.random() < 0.25:
+            own[i]["repetition_detection"] = {"max_pattern_size": more.randint(1, 5),
+                                              "min_pattern_size": 0, "min_count": more.randint(2, 4)}
     wl["structured"], wl["per_request"], wl["grammar_faults"] = structured, own, faults
     return wl
 
