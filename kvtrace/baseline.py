@@ -10,8 +10,9 @@ dropped hit block, sliding-window null blocks, Mamba alignment, encoder
 budgets, ...). A trace whose header turns on such a feature is refused, with
 the feature named, rather than replayed into false divergences. The vLLM
 recorder writes every key read here (``build_header``); a key a trace does not
-name is taken as off (traces recorded before ``lora`` and
-``prefill_schedule_interval`` were written do not name them).
+name is taken as off (traces recorded before ``lora``,
+``prefill_schedule_interval`` and ``prompt_embeds`` were written do not name
+them).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ FLAGS = {
     "multimodal": "a multimodal model",
     "prefix_replay_tokens": "prefix replay windows",
     "lora": "LoRA (its slot limit, max_loras)",
+    "prompt_embeds": "prompt embeddings (enable_prompt_embeds: a prompt of embeddings "
+                     "has no token ids, and its blocks are hashed by digest)",
 }
 # Sizes that are on when they are not 1.
 SIZES = {
@@ -42,7 +45,7 @@ TYPES = {
     "async_scheduling": "flag", "scheduler_reserve_full_isl": "flag",
     "enable_chunked_prefill": "flag", "long_prefill_token_threshold_adaptive": "flag",
     "defer_block_free": "flag", "requires_kv_delivery": "flag", "use_eagle": "flag",
-    "has_mamba_layers": "flag", "multimodal": "flag", "lora": "flag",
+    "has_mamba_layers": "flag", "multimodal": "flag", "lora": "flag", "prompt_embeds": "flag",
     "num_speculative_tokens": "count0", "num_lookahead_tokens": "count0",
     "prefix_replay_tokens": "count0", "max_num_active_seqs": "count",
     "num_draft_slots": "count0", "dynamic_spec_decode": "flag",

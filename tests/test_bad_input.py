@@ -447,6 +447,7 @@ def test_garbage_inside_gzip(base, tmp_path, capsys):
      "a KV-cache group of kind 'SlidingWindowSpec', not full attention"),
     ({"hash_block_size": 7}, "hash_block_size 7 differs from block_size"),
     ({"lora": True}, "LoRA (its slot limit, max_loras) is on"),
+    ({"prompt_embeds": True}, "prompt embeddings (enable_prompt_embeds: a prompt of embeddings"),
     ({"prefill_schedule_interval": 4, "data_parallel_size": 2},
      "data-parallel prefill throttling is on (prefill_schedule_interval=4)"),
 ])

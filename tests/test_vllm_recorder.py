@@ -285,6 +285,24 @@ def test_a_sliding_window_model_is_recorded_and_refused_by_replay_naming_its_kin
         assert f"{out}:1: a KV-cache group of kind 'SlidingWindowSpec', not full attention" in err
 
 
+def test_an_engine_that_takes_prompt_embeddings_is_recorded_and_refused_by_name(tmp_path, capsys):
+    """With ``enable_prompt_embeds`` a prompt may be embeddings, with no token
+    ids, whose blocks vLLM hashes by digest: outside the baseline. The header
+    says so, and replay refuses the trace with one line naming it."""
+    from kvtrace import cli
+
+    out = tmp_path / "embeds.jsonl.gz"
+    record_vllm_offline(None, out, "prefix", enable_prompt_embeds=True)
+    r, evs = read_all(out)
+    assert r.header.features["prompt_embeds"] is True and evs[-1].status == "complete"
+    capsys.readouterr()
+    for extra in ([], ["--scheduler", "vllm"]):
+        code = cli.run(["replay", str(out), *extra])
+        err = capsys.readouterr().err
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert f"{out}:1: prompt embeddings (enable_prompt_embeds" in err
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_streaming_input_sessions_are_recorded_and_replayed_with_no_divergence(
         tmp_path, model_dir, monkeypatch, capsys, async_scheduling):

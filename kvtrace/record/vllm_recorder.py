@@ -248,6 +248,7 @@ def build_header(sched: Any, meta: dict | None = None) -> Header:
         # A LoRA slot limit (max_loras) and data-parallel prefill throttling
         # change which requests a step admits.
         "lora": getattr(vc, "lora_config", None) is not None,
+        "prompt_embeds": bool(getattr(vc.model_config, "enable_prompt_embeds", False)),
         "prefill_schedule_interval": int(getattr(sc, "prefill_schedule_interval", 1) or 1),
         "kv_role": getattr(ktc, "kv_role", None) if ktc is not None else None,
         # The connector's rules under async scheduling, as this scheduler holds them.
