@@ -46,6 +46,7 @@ TYPES = {
     "enable_chunked_prefill": "flag", "long_prefill_token_threshold_adaptive": "flag",
     "defer_block_free": "flag", "requires_kv_delivery": "flag", "use_eagle": "flag",
     "has_mamba_layers": "flag", "multimodal": "flag", "lora": "flag", "prompt_embeds": "flag",
+    "pooling_runner": "flag",
     "num_speculative_tokens": "count0", "num_lookahead_tokens": "count0",
     "prefix_replay_tokens": "count0", "max_num_active_seqs": "count",
     "num_draft_slots": "count0", "dynamic_spec_decode": "flag",

@@ -46,6 +46,7 @@ def config_from_header(header: ev.Header) -> SchedulerConfig:
         defer_block_free=defer,
         requires_kv_delivery=delivery,
         num_spec_tokens=int(f.get("num_speculative_tokens") or 0),
+        num_sampled_tokens_per_step=0 if f.get("pooling_runner") else 1,
     )
 
 

@@ -30,14 +30,16 @@ def _seen(path) -> dict:
     reqs: dict = {}
     for e in TraceReader(path):
         if isinstance(e, ev.Arrival) and e.pooling:
-            reqs[e.req] = dict(chunks=0, hit=None, pooled=None, finish=None)
+            reqs[e.req] = dict(chunks=0, hit=None, pooled=None, finish=None, tokens=0,
+                               prompt=len(e.prompt_token_ids))
         elif isinstance(e, ev.Step):
             for s in e.new:
                 if s.req in reqs:
                     reqs[s.req]["hit"] = s.num_computed_tokens
-            for req in e.scheduled():
+            for req, n in e.scheduled().items():
                 if req in reqs:
                     reqs[req]["chunks"] += 1
+                    reqs[req]["tokens"] += n
         elif isinstance(e, ev.Output):
             for req in e.pooled or ():
                 reqs[req]["pooled"] = e.step
@@ -50,6 +52,10 @@ def test_the_trace_exercises_chunked_prefill_and_prefix_hits():
     reqs = _seen(TRACE).values()
     assert len(reqs) >= 6
     assert any(r["chunks"] > 1 for r in reqs) and any(r["hit"] for r in reqs)
+    # A prompt as long as max_model_len is computed whole: a pooling model keeps
+    # no slot for a sampled token (S:150-159).
+    mml = TraceReader(TRACE).header.config.max_model_len
+    assert any(r["prompt"] == mml and r["tokens"] == mml for r in reqs)
     # Each finished, with "stop", in the output that brought its pooler output.
     assert all(r["finish"] == (r["pooled"], "stop") for r in reqs)
 
@@ -83,10 +89,11 @@ def test_an_engine_that_finishes_a_request_its_pooler_output_did_not_come_for_is
     assert (divs[0].step, divs[0].req, divs[0].field) == (r["pooled"], req, "finish_reason")
 
 
-def test_without_its_pooling_records_the_trace_diverges(tmp_path):
+def test_without_the_outputs_pooled_lists_the_trace_diverges(tmp_path):
+    """What finishes a pooling request is the model's pooler output: without
+    the record of it, the first request the engine finished diverges there."""
     def strip(objs):
         for o in objs:
-            o.pop("pooling", None)
             o.pop("pooled", None)
 
     divs = replay_file(_rewrite(tmp_path / "bare.jsonl", strip), device=None, worker=0).divergences

@@ -36,6 +36,7 @@ thread with as little Python per request as possible, which ``Resolver`` and
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import select
@@ -554,6 +555,10 @@ class ProcessSink(_Sink):
             out[0] = out[0][n:]
 
     def _run(self) -> None:
+        try:
+            self._proc.reap()   # off the engine's thread
+        except Exception as e:
+            logger.error("kvtrace: starting the trace writer process for %s: %s", self.path, e)
         while True:
             self._wake.wait(self.POLL_S)
             with self._lock:
@@ -611,10 +616,14 @@ class Detached:
     exits, saying the writer's pid: the writer is left to init, outside the
     engine's process tree, where a shutdown that kills the tree does not reach
     it. Not a child, it is waited for on its connection, ``sock``: just
-    before it exits, the writer sends its exit status there, as one line."""
+    before it exits, the writer sends its exit status there, as one line.
+    Nothing here waits on the engine's thread: the launcher is reaped, and
+    the writer's pid read, by the sink's writer thread (``reap``)."""
 
-    def __init__(self, pid: int, sock: socket.socket):
-        self.pid = pid
+    def __init__(self, launcher: subprocess.Popen, sock: socket.socket):
+        self._launcher = launcher
+        self._reaping = threading.Lock()
+        self._pid: int | None = None
         self._sock = sock
         self.returncode: int | None = None
 
@@ -624,14 +633,25 @@ class Detached:
         launcher = subprocess.Popen(argv, stdin=theirs.fileno(), stdout=subprocess.PIPE,
                                     pass_fds=(raw,), close_fds=True, env=child_env(),
                                     start_new_session=True)
-        try:
-            said = launcher.stdout.readline()
-        finally:
-            launcher.stdout.close()
-            launcher.wait(60)
-        if launcher.returncode != 0 or not said.strip().isdigit():
-            raise WriterProcessError(f"the writer process did not start (exit {launcher.returncode})")
-        return cls(int(said), sock)
+        return cls(launcher, sock)
+
+    def reap(self) -> None:
+        """Read the writer's pid from the launcher, and reap the launcher."""
+        launcher = self._launcher
+        with self._reaping:
+            if launcher.stdout is not None and not launcher.stdout.closed:
+                said = launcher.stdout.readline()
+                launcher.stdout.close()
+                if said.strip().isdigit():
+                    self._pid = int(said)
+            launcher.wait()
+
+    @property
+    def pid(self) -> int | None:
+        """The writer's pid (None when it did not start)."""
+        if self._pid is None:
+            self.reap()
+        return self._pid
 
     def poll(self) -> int | None:
         """The writer's exit status once it has said it (None while it runs or
@@ -646,7 +666,8 @@ class Detached:
         return self.returncode
 
     def kill(self) -> None:
-        os.kill(self.pid, signal.SIGKILL)
+        if self.pid is not None and self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
 
     def wait(self, timeout: float | None = None) -> int | None:
         """Its exit status, once it has finished; None when it ended without
@@ -657,12 +678,49 @@ class Detached:
             left = None if deadline is None else deadline - time.monotonic()
             if (left is not None and left <= 0) or not select.select([self._sock], [], [], left)[0]:
                 raise subprocess.TimeoutExpired("kvtrace writer", timeout)
-            chunk = self._sock.recv(64)
+            try:
+                chunk = self._sock.recv(64)
+            except OSError:   # reset: it died with lines unread
+                return None
             if not chunk:
                 return None
             said += chunk
         self.returncode = int(said)
         return self.returncode
+
+
+def wait_for_writers(path: str | os.PathLike, timeout: float = 60.0) -> None:
+    """Wait until no writer process still writes the trace ``path``, or the
+    traces named after it for further schedulers (``.dp1``, ``.pid123``, ...):
+    each holds a lock on its file while it writes. A writer is detached from
+    the engine, so it may finish after the engine's processes have exited."""
+    p = Path(path)
+    stem, ext = p.name, ""
+    for e in (".jsonl.gz", ".jsonl.zst", ".jsonl", ".gz", ".zst"):
+        if p.name.endswith(e):
+            stem, ext = p.name[: -len(e)], e
+            break
+    paths = [p, *p.parent.glob(f"{stem}.*{ext}")] if p.parent.is_dir() else [p]
+    deadline = time.monotonic() + timeout
+    for trace in dict.fromkeys(paths):
+        try:
+            fd = os.open(trace, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        logger.error("kvtrace: a writer process still writes %s", trace)
+                        break
+                    time.sleep(0.05)
+                except OSError:   # no locks here
+                    break
+        finally:
+            os.close(fd)
 
 
 class WriterProcessError(RuntimeError):

@@ -249,6 +249,8 @@ def build_header(sched: Any, meta: dict | None = None) -> Header:
         # change which requests a step admits.
         "lora": getattr(vc, "lora_config", None) is not None,
         "prompt_embeds": bool(getattr(vc.model_config, "enable_prompt_embeds", False)),
+        # A pooling model keeps no context slot for a sampled token (S:150-159).
+        "pooling_runner": getattr(vc.model_config, "runner_type", None) == "pooling",
         "prefill_schedule_interval": int(getattr(sc, "prefill_schedule_interval", 1) or 1),
         "kv_role": getattr(ktc, "kv_role", None) if ktc is not None else None,
         # The connector's rules under async scheduling, as this scheduler holds them.

@@ -263,8 +263,10 @@ def _build_vllm_config(header: ev.Header) -> Any:
                              VllmConfig)
 
     c, f = header.config, header.features
+    # A pooling model's scheduler keeps no context slot for a sampled token.
+    runner = {"runner": "pooling"} if f.get("pooling_runner") else {}
     model_config = ModelConfig(model=_model_dir(c.max_model_len), skip_tokenizer_init=True,
-                               max_model_len=c.max_model_len, dtype="bfloat16", seed=0)
+                               max_model_len=c.max_model_len, dtype="bfloat16", seed=0, **runner)
     cache_config = CacheConfig(
         block_size=c.block_size,
         enable_prefix_caching=c.enable_prefix_caching,
@@ -492,7 +494,7 @@ def _request(a: ev.Arrival, block_hasher: Any) -> Any:
     if a.pooling:   # a pooling request has no sampling parameters
         from vllm import PoolingParams
 
-        sp, pp = None, PoolingParams()
+        sp, pp = None, PoolingParams(skip_reading_prefix_cache=a.skip_reading_prefix_cache)
     r = Request(request_id=a.req, prompt_token_ids=list(a.prompt_token_ids),
                 sampling_params=sp, pooling_params=pp, arrival_time=a.arrival_time,
                 cache_salt=a.cache_salt, priority=a.priority, block_hasher=block_hasher,

@@ -37,8 +37,9 @@
 ``record_command(out_path, argv) -> int``
     Runs any command (for example ``python -m vllm.entrypoints.openai.api_server
     --model DIR ...``) with ``KVTRACE_OUT=out_path`` in its environment and returns
-    its exit code. Every engine core it starts records through the plugin; the
-    trace is closed when the engine shuts down.
+    its exit code, once every trace writer it started has finished its file.
+    Every engine core it starts records through the plugin; the trace is
+    closed when the engine shuts down.
 
 ``run_workload(model_dir, workload, **engine_kwargs) -> dict``
     The same workload without recording (for comparing generated tokens).
@@ -535,11 +536,13 @@ WORKLOADS["repetition"] = dict(
 
 # An embedding model (vLLM's pooling runner on the tiny Llama): prompts that
 # share prefixes (prefix hits), longer than the token budget (chunked
-# prefill), in a KV cache small enough to preempt. Each request samples
+# prefill), one as long as max_model_len (a pooling model keeps no slot for
+# a sampled token), in a KV cache small enough to preempt. Each request samples
 # nothing and finishes when its pooler output comes.
 WORKLOADS["pooling"] = dict(
     prompts=[list(range(10, 10 + 40 + 17 * i)) for i in range(6)]
-    + [[7] * 64 + list(range(300, 300 + 9 * i)) for i in range(1, 5)],
+    + [[7] * 64 + list(range(300, 300 + 9 * i)) for i in range(1, 5)]
+    + [[(5 * j) % 400 + 50 for j in range(256)]],   # max_model_len: no slot kept for a token
     pooling=True,
     engine=dict(max_num_batched_tokens=96, num_gpu_blocks_override=9))
 
@@ -883,6 +886,8 @@ def record_command(out_path: str | os.PathLike, argv: list[str]) -> int:
     """Run ``argv`` with ``KVTRACE_OUT`` set; return its exit code."""
     if not argv:
         raise ValueError("no command given")
+    from kvtrace.record.sink import wait_for_writers
+
     env = dict(os.environ)
     env["KVTRACE_OUT"] = os.path.abspath(os.fspath(out_path))
     try:
@@ -892,3 +897,6 @@ def record_command(out_path: str | os.PathLike, argv: list[str]) -> int:
         return 127
     except KeyboardInterrupt:
         return 130
+    finally:
+        # The writer processes outlive the engine's, if only by a moment.
+        wait_for_writers(env["KVTRACE_OUT"])

@@ -42,6 +42,9 @@ class SchedulerConfig:
     # Speculative decoding with drafts alone (n-gram, suffix) under the
     # synchronous scheduler: the most draft tokens a request is scheduled with.
     num_spec_tokens: int = 0
+    # Context slots a step keeps for the token it samples: 0 for a pooling
+    # model, which samples none (S:150-159).
+    num_sampled_tokens_per_step: int = 1
 
     @property
     def token_budget(self) -> int:

@@ -210,7 +210,8 @@ class Scheduler:
             # Its tokens and drafts (num_tokens_with_spec), and its placeholders.
             n = min(step.chunk(r.num_tokens + len(r.spec_token_ids) + r.num_output_placeholders
                                - r.num_computed_tokens),
-                    self.max_model_len - r.num_computed_tokens - 1)
+                    self.max_model_len - r.num_computed_tokens
+                    - self.config.num_sampled_tokens_per_step)
             if n <= 0:
                 i += 1
                 continue

@@ -88,7 +88,10 @@ class Validator:
                 return
             if e.req in self.live:   # an id comes back only once its request has finished
                 raise SchemaError(f"request '{e.req}' arrives twice")
-            if len(e.prompt_token_ids) >= self.max_model_len:   # the engine refuses these
+            # The engine refuses a prompt that leaves no room for the token it
+            # samples; a pooling request samples none.
+            room = self.max_model_len if e.pooling else self.max_model_len - 1
+            if len(e.prompt_token_ids) > room:
                 raise SchemaError(f"a prompt of {len(e.prompt_token_ids)} tokens leaves no room "
                                   f"for an output token within the header's max_model_len "
                                   f"{self.max_model_len}")
