@@ -169,6 +169,12 @@ MEETS_THE_BUG = (209, "async-failures")
 # and six seeds of each so-spec- kind from 9260 to 9365 pass (158 runs), 9302
 # after a fix of this test's step limit, which had let an engine stalled by
 # vLLM's known bug spin for ever while a request waited on a compiled grammar.
+# With repetition detection as well: so-knobs:9400-9407, so-async-knobs:9410-9417,
+# so-stream:9420-9425, so-async-stream:9430-9435, so-mixed:9440-9445,
+# so-async-mixed:9450-9455, so-rlhf:9460-9465, so-async-rlhf:9470-9475,
+# so-async:9480-9483, so-async-failures:9490-9495, so-sync-failures:9500-9505,
+# so-async-aborts:9510-9515, so-sync-aborts:9520-9525 and four seeds of each
+# so-spec- kind from 9530 to 9583 pass (104 runs).
 CI_SEEDS = [(100, "async"), (101, "async"), MEETS_THE_BUG, (210, "async-failures"),
             (300, "sync-failures"), (414, "knobs"), (416, "knobs"), (403, "knobs"),
             (400, "async-knobs"), (404, "async-knobs"), (542, "async-knobs"), (457, "knobs"),
