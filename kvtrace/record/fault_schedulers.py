@@ -98,5 +98,5 @@ FAULT_WORKLOADS = {
     "stale-computed-on-preempt": "preemption",
     "async-stale-computed-on-preempt": "async-preemption",
     "spec-rejected-kept": "speculative",
-    "grammar-not-awaited": "structured",
+    "grammar-not-awaited": "structured-late",
 }

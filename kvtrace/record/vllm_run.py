@@ -521,6 +521,16 @@ WORKLOADS["structured"] = dict(
     engine=dict(num_gpu_blocks_override=9))
 
 
+# A structured output that arrives while plain requests decode, its grammar
+# slow to compile (0.3 s): an engine that admits it before the grammar is
+# ready does so at its arrival, after ten steps of plain decoding.
+WORKLOADS["structured-late"] = dict(
+    prompts=[[(7 * i + 3 * j) % 300 + 3 for j in range(20 + 6 * i)] for i in range(5)],
+    max_tokens=24, arrive_at=[0, 0, 0, 0, 10],
+    structured=[None] * 4 + [_REGEX], per_request=[{}] * 4 + [{"ignore_eos": False}],
+    grammar_faults={"4": {"delay": 0.3}})
+
+
 # Repetition detection: the tiny random model, greedy, falls into loops; some
 # requests stop on a repeated pattern, one only after its min_tokens, others
 # run to max_tokens, in a KV cache small enough to preempt.
