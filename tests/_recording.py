@@ -34,3 +34,15 @@ def record_apart(tmp_path: Path, workload: str, *fault: str) -> tuple[Path, str]
                        capture_output=True, text=True, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     return out, p.stdout
+
+
+def replays_clean_through_both(out: Path, tmp_path: Path) -> None:
+    """``out`` replays with no divergence through the reference, and vLLM's own
+    scheduler, fed the same inputs, decides as the recorded engine did."""
+    from kvtrace.diff import diff_files
+    from kvtrace.record.vllm_replay import replay_through_vllm
+    from kvtrace.replay import replay_file
+
+    assert replay_file(out, device="cpu", worker=0).divergences == []
+    theirs = replay_through_vllm(out, tmp_path / "vllm.jsonl").out
+    assert diff_files(out, theirs).divergences == []

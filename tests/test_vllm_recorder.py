@@ -254,6 +254,19 @@ def test_incremental_block_tables_equal_the_managers_own(tmp_path, model_dir, mo
 
 
 
+def _refused_by_both(capsys, out, problem: str) -> None:
+    """Replay, through the reference and through vLLM's scheduler, refuses
+    ``out`` with exit 2 and one line naming ``problem`` at line 1."""
+    from kvtrace import cli
+
+    capsys.readouterr()
+    for extra in ([], ["--scheduler", "vllm"]):
+        code = cli.run(["replay", str(out), *extra])
+        err = capsys.readouterr().err
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert f"{out}:1: {problem}" in err
+
+
 def test_a_sliding_window_model_is_recorded_and_refused_by_replay_naming_its_kind(tmp_path, capsys):
     """A model outside the baseline profile: a tiny random Mistral whose layers
     all use a 64-token sliding window, so vLLM runs one KV-cache group of kind
@@ -265,7 +278,6 @@ def test_a_sliding_window_model_is_recorded_and_refused_by_replay_naming_its_kin
     import torch
     from transformers import MistralConfig, MistralForCausalLM
 
-    from kvtrace import cli
     from kvtrace.record.tiny_model import CONFIG
 
     model = tmp_path / "tiny-mistral-swa"
@@ -277,30 +289,19 @@ def test_a_sliding_window_model_is_recorded_and_refused_by_replay_naming_its_kin
     r, evs = read_all(out)
     assert r.header.features["kv_cache_group_kinds"] == ["SlidingWindowSpec"]
     assert evs[-1].status == "complete" and any(e.kind == "step" for e in evs)
-    capsys.readouterr()
-    for extra in ([], ["--scheduler", "vllm"]):
-        code = cli.run(["replay", str(out), *extra])
-        err = capsys.readouterr().err
-        assert code == 2 and len(err.strip().splitlines()) == 1, err
-        assert f"{out}:1: a KV-cache group of kind 'SlidingWindowSpec', not full attention" in err
+    _refused_by_both(capsys, out, "a KV-cache group of kind 'SlidingWindowSpec', not full attention")
 
 
 def test_an_engine_that_takes_prompt_embeddings_is_recorded_and_refused_by_name(tmp_path, capsys):
     """With ``enable_prompt_embeds`` a prompt may be embeddings, with no token
     ids, whose blocks vLLM hashes by digest: outside the baseline. The header
     says so, and replay refuses the trace with one line naming it."""
-    from kvtrace import cli
 
     out = tmp_path / "embeds.jsonl.gz"
     record_vllm_offline(None, out, "prefix", enable_prompt_embeds=True)
     r, evs = read_all(out)
     assert r.header.features["prompt_embeds"] is True and evs[-1].status == "complete"
-    capsys.readouterr()
-    for extra in ([], ["--scheduler", "vllm"]):
-        code = cli.run(["replay", str(out), *extra])
-        err = capsys.readouterr().err
-        assert code == 2 and len(err.strip().splitlines()) == 1, err
-        assert f"{out}:1: prompt embeddings (enable_prompt_embeds" in err
+    _refused_by_both(capsys, out, "prompt embeddings (enable_prompt_embeds")
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])

@@ -689,17 +689,22 @@ class Detached:
         return self.returncode
 
 
+def split_trace_name(name: str) -> tuple[str, str]:
+    """A trace file's name as (stem, ending): ``run.jsonl.gz`` -> ``("run", ".jsonl.gz")``.
+    Further schedulers' traces are named ``stem + tag + ending``."""
+    for ext in (".jsonl.gz", ".jsonl.zst", ".jsonl", ".gz", ".zst"):
+        if name.endswith(ext):
+            return name[: -len(ext)], ext
+    return name, ""
+
+
 def wait_for_writers(path: str | os.PathLike, timeout: float = 60.0) -> None:
     """Wait until no writer process still writes the trace ``path``, or the
     traces named after it for further schedulers (``.dp1``, ``.pid123``, ...):
     each holds a lock on its file while it writes. A writer is detached from
     the engine, so it may finish after the engine's processes have exited."""
     p = Path(path)
-    stem, ext = p.name, ""
-    for e in (".jsonl.gz", ".jsonl.zst", ".jsonl", ".gz", ".zst"):
-        if p.name.endswith(e):
-            stem, ext = p.name[: -len(e)], e
-            break
+    stem, ext = split_trace_name(p.name)
     paths = [p, *p.parent.glob(f"{stem}.*{ext}")] if p.parent.is_dir() else [p]
     deadline = time.monotonic() + timeout
     for trace in dict.fromkeys(paths):

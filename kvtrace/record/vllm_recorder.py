@@ -56,13 +56,13 @@ from __future__ import annotations
 
 import atexit
 import itertools
-from concurrent.futures import Future
 import logging
 import operator
 import os
 import sys
 import threading
 import weakref
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +72,7 @@ from kvtrace.record.sink import (
     TraceSink,
     first_group,
     open_sink,
+    split_trace_name,
 )
 from kvtrace.trace.events import (
     PAUSE_STATES,
@@ -543,17 +544,17 @@ class Recorder:
             free = int(self.kvm.block_pool.get_num_free_blocks())
         except Exception:
             free = None
-        rare = None   # the step's rare fields that hold something
+        rare = {}   # the step's rare fields that hold something
         spec = out.scheduled_spec_decode_tokens
         if spec:
-            rare = {"spec": {rid: list(ids) for rid, ids in spec.items()}}
+            rare["spec"] = {rid: list(ids) for rid, ids in spec.items()}
         if self.grammar_waiting:
             grammar = self._grammar_seen(sched)
             if grammar:
-                rare = {**(rare or {}), "grammar": grammar}
+                rare["grammar"] = grammar
         self.sink.put(RawStep((step, new, resumed, (rids, ncts, nbis, nst), preempted, finished,
                                self.lookups, self.loads if self.has_connector else None,
-                               states, free, rare)))
+                               states, free, rare or None)))
         self.pending.append((out, step))
         if len(self.pending) > 64:  # outputs that never came back (engine error paths)
             del self.pending[0]
@@ -589,7 +590,8 @@ class Recorder:
             if named:
                 ids = list(dict.fromkeys(rids + named))
         reqs = dict(zip(ids, map(sched.requests.get, ids)))
-        self.grammar_rejected = []
+        if self.grammar_rejected:   # left by an update that raised
+            self.grammar_rejected = []
         pooled = None
         po = getattr(mro, "pooler_output", None)
         if po:   # pooling models: the requests whose pooler output came
@@ -630,12 +632,13 @@ class Recorder:
                     self.stats_done.add(rid)
         states = self.states(list(reqs), list(reqs.values()))
         self.last_output_step = step
-        rare = None   # the output's rare fields that hold something
+        rare = {}   # the output's rare fields that hold something
         if self.grammar_rejected:
-            rare = {"grammar_rejected": sorted(self.grammar_rejected)}
+            rare["grammar_rejected"] = sorted(self.grammar_rejected)
+            self.grammar_rejected = []
         if pooled:
-            rare = {**(rare or {}), "pooled": pooled}
-        self.sink.put(RawOutput((step, sampled, conn, finished, states, rare)))
+            rare["pooled"] = pooled
+        self.sink.put(RawOutput((step, sampled, conn, finished, states, rare or None)))
         for ev in stats:
             self.sink.put(ev)
 
@@ -712,12 +715,7 @@ def _destination(sched: Any) -> str | None:
     if rank == 0 and n == 0:
         return out
     # Several schedulers in one process, or a data-parallel rank: suffix the name.
-    name = p.name
-    stem, ext = name, ""
-    for e in (".jsonl.gz", ".jsonl.zst", ".jsonl", ".gz", ".zst"):
-        if name.endswith(e):
-            stem, ext = name[: -len(e)], e
-            break
+    stem, ext = split_trace_name(p.name)
     tag = f".dp{rank}" if rank else ""
     tag += f".pid{os.getpid()}" + (f".{n}" if n else "")
     return str(p.with_name(stem + tag + ext))

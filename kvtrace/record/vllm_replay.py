@@ -477,29 +477,28 @@ class _RecordedGrammar:
 
 
 def _request(a: ev.Arrival, block_hasher: Any) -> Any:
-    from vllm import SamplingParams
+    from vllm import PoolingParams, SamplingParams
     from vllm.sampling_params import RepetitionDetectionParams, StructuredOutputsParams
     from vllm.v1.request import Request
 
-    sp = SamplingParams(max_tokens=a.max_tokens, min_tokens=min(a.min_tokens, a.max_tokens),
-                        ignore_eos=a.ignore_eos, stop_token_ids=list(a.stop_token_ids),
-                        temperature=0.0,
-                        skip_reading_prefix_cache=a.skip_reading_prefix_cache or None,
-                        structured_outputs=(StructuredOutputsParams(regex=".*")
-                                            if a.structured_output else None),
-                        repetition_detection=(None if a.repetition_detection is None
-                                              else RepetitionDetectionParams(**a.repetition_detection)))
-    sp.update_from_generation_config({}, eos_token_id=a.eos_token_id)
-    pp = None
+    sp = pp = None
     if a.pooling:   # a pooling request has no sampling parameters
-        from vllm import PoolingParams
-
-        sp, pp = None, PoolingParams(skip_reading_prefix_cache=a.skip_reading_prefix_cache)
-    r = Request(request_id=a.req, prompt_token_ids=list(a.prompt_token_ids),
-                sampling_params=sp, pooling_params=pp, arrival_time=a.arrival_time,
-                cache_salt=a.cache_salt, priority=a.priority, block_hasher=block_hasher,
-                resumable=a.resumable)
-    return r
+        pp = PoolingParams(skip_reading_prefix_cache=a.skip_reading_prefix_cache)
+    else:
+        sp = SamplingParams(max_tokens=a.max_tokens, min_tokens=min(a.min_tokens, a.max_tokens),
+                            ignore_eos=a.ignore_eos, stop_token_ids=list(a.stop_token_ids),
+                            temperature=0.0,
+                            skip_reading_prefix_cache=a.skip_reading_prefix_cache or None,
+                            structured_outputs=(StructuredOutputsParams(regex=".*")
+                                                if a.structured_output else None),
+                            repetition_detection=(
+                                None if a.repetition_detection is None
+                                else RepetitionDetectionParams(**a.repetition_detection)))
+        sp.update_from_generation_config({}, eos_token_id=a.eos_token_id)
+    return Request(request_id=a.req, prompt_token_ids=list(a.prompt_token_ids),
+                   sampling_params=sp, pooling_params=pp, arrival_time=a.arrival_time,
+                   cache_salt=a.cache_salt, priority=a.priority, block_hasher=block_hasher,
+                   resumable=a.resumable)
 
 
 def _model_output(rec: ev.Output, so: Any, dropped: list[str]) -> Any:
