@@ -10,9 +10,10 @@ dropped hit block, sliding-window null blocks, Mamba alignment, encoder
 budgets, ...). A trace whose header turns on such a feature is refused, with
 the feature named, rather than replayed into false divergences. The vLLM
 recorder writes every key read here (``build_header``); a key a trace does not
-name is taken as off (traces recorded before ``lora``,
-``prefill_schedule_interval`` and ``prompt_embeds`` were written do not name
-them).
+name is taken as off (traces recorded before ``lora`` and
+``prefill_schedule_interval`` were written do not name them). Prompt
+embeddings (``prompt_embeds``) are inside it: each such arrival carries the
+digests vLLM keys its blocks with.
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ FLAGS = {
     "multimodal": "a multimodal model",
     "prefix_replay_tokens": "prefix replay windows",
     "lora": "LoRA (its slot limit, max_loras)",
-    "prompt_embeds": "prompt embeddings (enable_prompt_embeds: a prompt of embeddings "
-                     "has no token ids, and its blocks are hashed by digest)",
 }
 # Sizes that are on when they are not 1.
 SIZES = {

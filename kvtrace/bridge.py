@@ -8,8 +8,8 @@ and kvtrace.reference.
 
 from __future__ import annotations
 
-from kvtrace.reference import (ModelOutput, Request, RequestOutput, Scheduler, SchedulerConfig,
-                               SchedulerOutput)
+from kvtrace.reference import (ModelOutput, PromptEmbeds, Request, RequestOutput, Scheduler,
+                               SchedulerConfig, SchedulerOutput)
 from kvtrace.trace import events as ev
 
 
@@ -110,6 +110,8 @@ def request_from_arrival(a: ev.Arrival, block_size: int) -> Request:
         min_tokens=a.min_tokens,
         repetition=(None if a.repetition_detection is None else
                     tuple(a.repetition_detection[k] for k in ev.REPETITION_FIELDS)),
+        prompt_embeds=(None if a.prompt_embeds is None else PromptEmbeds(
+            tuple(a.prompt_embeds), tuple(map(tuple, a.prompt_is_token_ids or ())))),
     )
 
 

@@ -12,6 +12,9 @@ scheduler depends on and nothing of the text:
 * Every field that holds token ids is mapped: ``prompt_token_ids``,
   ``eos_token_id`` and ``stop_token_ids`` of arrivals, and ``sampled`` of
   outputs. Nothing else in the format holds token ids.
+* A prompt of embeddings' block digests (``prompt_embeds``) are replaced by
+  their HMAC-SHA256 under the same key: equal digests stay equal, and a digest
+  can no longer be checked against the embeddings of a guessed text.
 * Pseudonyms spread over 2^40 values, so one lands inside a real vocabulary
   (at most a few hundred thousand ids) with probability below 2^-20: the
   redacted file shows no original id sequence.
@@ -90,6 +93,9 @@ class Redactor:
             e.stop_token_ids = self.tokens(e.stop_token_ids)
             if e.eos_token_id is not None:
                 e.eos_token_id = self.token(e.eos_token_id)
+            if e.prompt_embeds is not None:
+                e.prompt_embeds = [hmac.digest(self._key, bytes.fromhex(d), "sha256").hex()
+                                   for d in e.prompt_embeds]
         elif isinstance(e, ev.Output):
             e.sampled = {req: self.tokens(ts) for req, ts in e.sampled.items()}
         elif isinstance(e, ev.Drafts):

@@ -5,6 +5,7 @@ for the life of its engine only."""
 
 from __future__ import annotations
 
+import gzip
 import os
 import subprocess
 import sys
@@ -46,3 +47,14 @@ def replays_clean_through_both(out: Path, tmp_path: Path) -> None:
     assert replay_file(out, device="cpu", worker=0).divergences == []
     theirs = replay_through_vllm(out, tmp_path / "vllm.jsonl").out
     assert diff_files(out, theirs).divergences == []
+
+
+def rewrite(src: Path, dst: Path, change) -> Path:
+    """A copy of trace ``src`` (gzip) at ``dst`` (plain), its records, as
+    dicts, changed in place by ``change``."""
+    import orjson
+
+    objs = [orjson.loads(x) for x in gzip.decompress(src.read_bytes()).splitlines()]
+    change(objs)
+    dst.write_bytes(b"".join(orjson.dumps(o) + b"\n" for o in objs))
+    return dst

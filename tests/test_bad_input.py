@@ -14,6 +14,7 @@ import pytest
 import zstandard
 
 from kvtrace import cli
+from kvtrace.trace import TraceReader
 
 # Base trace: embedded engine, workload shared-prefix, seed 0. Its first lines:
 #   1 header   2 arrival chat-0   3 step 0   4 output 0   5 prompt_stats chat-0
@@ -63,6 +64,23 @@ def _edit(base, tmp_path, fn, name="bad.jsonl"):
     path = tmp_path / name
     path.write_bytes(_dump(objs))
     return path
+
+
+def _digests_for(objs) -> list[str]:
+    """As many (made-up) digests as the first arrival's prompt has blocks."""
+    n, bs = len(objs[1]["prompt_token_ids"]), objs[0]["config"]["block_size"]
+    return ["ab" * 32] * -(-n // bs)
+
+
+def test_a_prompt_of_embeddings_with_its_digests_replays(base, tmp_path, capsys):
+    """The same trace with a first prompt of embeddings (its digests and a run
+    of token ids) reads and replays: the checks above refuse only what is wrong."""
+    good = _edit(base, tmp_path, lambda o: o[1].update(prompt_embeds=_digests_for(o),
+                                                       prompt_is_token_ids=[[0, 1]]))
+    with TraceReader(good) as r:
+        assert sum(1 for _ in r) == len(_objs(base)) - 1 and r.truncation is None
+    code, out, err = _run(capsys, "replay", "--device", "cpu", "--no-kv-check", good)
+    assert code in (0, 1) and err.strip() == "", err   # divergences, maybe; no refusal
 
 
 # --------------------------------------------------------------------------- file level
@@ -226,6 +244,19 @@ def test_missing_kind(base, tmp_path, capsys):
                                                             "min_count": 2}),
      "field 'repetition_detection.min_pattern_size' is out of range: -1"),
     (4, lambda o: o[3].__setitem__("pooled", [1]), "field 'pooled' must be a list of strings"),
+    (2, lambda o: o[1].__setitem__("prompt_embeds", "ab" * 32),
+     "field 'prompt_embeds' must be a non-empty list of sha256 digests"),
+    (2, lambda o: o[1].__setitem__("prompt_embeds", ["AB" * 32]),
+     "field 'prompt_embeds' must hold sha256 digests (64 lowercase hex digits), found 'ABAB"),
+    (2, lambda o: o[1].__setitem__("prompt_embeds", ["ab" * 32] * 40),
+     "field 'prompt_embeds' holds 40 digests for a prompt of"),
+    (2, lambda o: o[1].__setitem__("prompt_is_token_ids", [[0, 1]]),
+     "field 'prompt_is_token_ids' is set on a prompt without 'prompt_embeds'"),
+    (2, lambda o: o[1].update(prompt_embeds=_digests_for(o), prompt_is_token_ids=[[2, 4], [4, 6]]),
+     "field 'prompt_is_token_ids' must hold runs [start, end] of prompt positions, in order, none "
+     "empty and none touching the next"),
+    (2, lambda o: o[1].update(prompt_embeds=_digests_for(o), prompt_is_token_ids=[[0, 10 ** 6]]),
+     "within the prompt's"),
 ])
 def test_wrong_types(base, tmp_path, capsys, line, edit, message):
     bad = _edit(base, tmp_path, edit)
@@ -447,7 +478,6 @@ def test_garbage_inside_gzip(base, tmp_path, capsys):
      "a KV-cache group of kind 'SlidingWindowSpec', not full attention"),
     ({"hash_block_size": 7}, "hash_block_size 7 differs from block_size"),
     ({"lora": True}, "LoRA (its slot limit, max_loras) is on"),
-    ({"prompt_embeds": True}, "prompt embeddings (enable_prompt_embeds: a prompt of embeddings"),
     ({"prefill_schedule_interval": 4, "data_parallel_size": 2},
      "data-parallel prefill throttling is on (prefill_schedule_interval=4)"),
 ])

@@ -9,12 +9,10 @@ traces/pooling.jsonl.gz is made by ``python traces/make_traces.py pooling``.
 
 from __future__ import annotations
 
-import gzip
 from pathlib import Path
 
-import orjson
 import pytest
-from _recording import record_apart, replays_clean_through_both
+from _recording import record_apart, replays_clean_through_both, rewrite
 
 from kvtrace.replay import replay_file
 from kvtrace.trace import TraceReader
@@ -65,13 +63,6 @@ def test_pooling_requests_replay_with_no_divergence(device, worker):
     assert res.divergences == [] and res.truncation is None and res.stopped is None
 
 
-def _rewrite(dst: Path, change) -> Path:
-    objs = [orjson.loads(x) for x in gzip.decompress(TRACE.read_bytes()).splitlines()]
-    change(objs)
-    dst.write_bytes(b"".join(orjson.dumps(o) + b"\n" for o in objs))
-    return dst
-
-
 def test_an_engine_that_finishes_a_request_its_pooler_output_did_not_come_for_is_flagged(tmp_path):
     """The trace says the pooler output of a request finished in one output
     came one output later: the engine finished it without one."""
@@ -84,7 +75,7 @@ def test_an_engine_that_finishes_a_request_its_pooler_output_did_not_come_for_is
         outs[at]["pooled"].remove(req)
         outs[at + 1].setdefault("pooled", []).append(req)
 
-    divs = replay_file(_rewrite(tmp_path / "late.jsonl", later), device=None, worker=0).divergences
+    divs = replay_file(rewrite(TRACE, tmp_path / "late.jsonl", later), device=None, worker=0).divergences
     assert (divs[0].step, divs[0].req, divs[0].field) == (r["pooled"], req, "finish_reason")
 
 
@@ -95,7 +86,7 @@ def test_without_the_outputs_pooled_lists_the_trace_diverges(tmp_path):
         for o in objs:
             o.pop("pooled", None)
 
-    divs = replay_file(_rewrite(tmp_path / "bare.jsonl", strip), device=None, worker=0).divergences
+    divs = replay_file(rewrite(TRACE, tmp_path / "bare.jsonl", strip), device=None, worker=0).divergences
     assert divs and divs[0].field == "finish_reason"
 
 

@@ -12,15 +12,13 @@ structured-output``; the test marked ``vllm`` records the same workload again.
 
 from __future__ import annotations
 
-import gzip
 from pathlib import Path
 
-import orjson
 import pytest
 
 from kvtrace import cli
 from _recording import record_apart as _record
-from _recording import replays_clean_through_both
+from _recording import replays_clean_through_both, rewrite
 
 from kvtrace.diff import diff_files
 from kvtrace.redact import redact_file
@@ -85,13 +83,6 @@ def test_structured_outputs_replay_with_no_divergence(device, worker):
     assert res.divergences == [] and res.truncation is None and res.stopped is None
 
 
-def _rewrite(src: Path, dst: Path, change) -> Path:
-    objs = [orjson.loads(x) for x in gzip.decompress(src.read_bytes()).splitlines()]
-    change(objs)
-    dst.write_bytes(b"".join(orjson.dumps(o) + b"\n" for o in objs))
-    return dst
-
-
 def test_without_its_grammar_records_the_trace_diverges(tmp_path):
     """The grammar records are what replay needs: without them, the requests
     that waited for their grammar look like an engine that would not admit them."""
@@ -100,7 +91,7 @@ def test_without_its_grammar_records_the_trace_diverges(tmp_path):
             for k in ("structured_output", "grammar", "grammar_rejected"):
                 o.pop(k, None)
 
-    bare = _rewrite(TRACE, tmp_path / "bare.jsonl", strip)
+    bare = rewrite(TRACE, tmp_path / "bare.jsonl", strip)
     divs = replay_file(bare, device=None, worker=0).divergences
     assert divs and divs[0].field in ("scheduled", "block_ids")
 
@@ -118,7 +109,7 @@ def test_a_request_admitted_before_its_grammar_compiled_is_flagged(tmp_path):
         del steps[r["at"]]["grammar"][req]
         steps[r["at"] + 1].setdefault("grammar", {})[req] = "ready"
 
-    bad = _rewrite(TRACE, tmp_path / "early.jsonl", later)
+    bad = rewrite(TRACE, tmp_path / "early.jsonl", later)
     divs = replay_file(bad, device=None, worker=0).divergences
     assert (divs[0].step, divs[0].req, divs[0].field) == (r["at"], req, "scheduled")
 
@@ -171,7 +162,7 @@ def test_diff_names_a_grammar_that_compiled_in_one_run_and_failed_in_the_other(t
             if o.get("kind") == "step" and (o.get("grammar") or {}).get(req):
                 o["grammar"][req] = "error"
 
-    other = _rewrite(TRACE, tmp_path / "other.jsonl", fail)
+    other = rewrite(TRACE, tmp_path / "other.jsonl", fail)
     res = diff_files(TRACE, other)
     first = {d.req: d for d in res.divergences}[req]
     assert first.field == "grammar" and (first.recorded, first.expected) == ("ready", "error")

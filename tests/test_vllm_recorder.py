@@ -292,16 +292,18 @@ def test_a_sliding_window_model_is_recorded_and_refused_by_replay_naming_its_kin
     _refused_by_both(capsys, out, "a KV-cache group of kind 'SlidingWindowSpec', not full attention")
 
 
-def test_an_engine_that_takes_prompt_embeddings_is_recorded_and_refused_by_name(tmp_path, capsys):
-    """With ``enable_prompt_embeds`` a prompt may be embeddings, with no token
-    ids, whose blocks vLLM hashes by digest: outside the baseline. The header
-    says so, and replay refuses the trace with one line naming it."""
+def test_an_engine_that_takes_prompt_embeddings_and_gets_token_ids_replays_clean(tmp_path):
+    """With ``enable_prompt_embeds`` on, a prompt may be embeddings
+    (tests/test_prompt_embeds.py); prompts of token ids are recorded and
+    replayed as without it."""
+    from _recording import replays_clean_through_both
 
     out = tmp_path / "embeds.jsonl.gz"
     record_vllm_offline(None, out, "prefix", enable_prompt_embeds=True)
     r, evs = read_all(out)
     assert r.header.features["prompt_embeds"] is True and evs[-1].status == "complete"
-    _refused_by_both(capsys, out, "prompt embeddings (enable_prompt_embeds")
+    assert all(e.prompt_embeds is None for e in evs if e.kind == "arrival")
+    replays_clean_through_both(out, tmp_path)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])

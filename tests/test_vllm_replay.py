@@ -520,7 +520,7 @@ def test_an_abort_inside_an_abort_loses_no_request(tmp_path):
     sched, _ = build_scheduler(h, out, _AbortsOneByOne)
     for e in recorded:
         if isinstance(e, ev.Arrival):
-            sched.add_request(_request(e, None))
+            sched.add_request(_request(e, None, h.config.block_size))
     sched.finish_requests(["x", "y"], RequestStatus.FINISHED_ABORTED)
     _close(sched, sched._kvtrace, "complete", None)
     _, got, _ = events(out)

@@ -34,6 +34,7 @@ TRACES = {
     "structured-output": "structured",
     "pooling": "pooling",
     "repetition": "repetition",
+    "prompt-embeds": "embeds",
 }
 # Traces of vLLM's own bugs, unchanged engine, in vllm-bugs/: the engine fails
 # on them, and the trace ends "interrupted" with its error. On those in
@@ -45,7 +46,8 @@ BUG_TRACES = {"async-recompute-placeholders": "async-connector-recompute",
 STRANDED = {"async-session-lost"}
 # Traces of vLLM's own bugs that run to the end, silently wrong, in vllm-bugs/.
 SILENT_BUG_TRACES = {"priority-preempt-uncomputed-hit": "priority-preempt-uncomputed-hit",
-                     "async-failed-load-stale-token": "async-failed-load-stale-token"}
+                     "async-failed-load-stale-token": "async-failed-load-stale-token",
+                     "embeds-mixed-mask": "embeds-mixed-mask"}
 # Traces of vLLM with a bug put back (kvtrace.record.fault_schedulers), in faults/.
 FAULT_TRACES = ["async-load-overshoot", "stale-computed-on-preempt",
                 "async-stale-computed-on-preempt", "spec-rejected-kept", "grammar-not-awaited"]

@@ -55,6 +55,7 @@ destination configured records nothing.
 from __future__ import annotations
 
 import atexit
+import hashlib
 import itertools
 import logging
 import operator
@@ -116,6 +117,38 @@ def _repetition(sp: Any) -> dict | None:
     if rd is None:
         return None
     return {k: int(getattr(rd, k)) for k in REPETITION_FIELDS}
+
+
+def _embeds_digests(request: Any, block_size: int) -> list[str]:
+    """The sha256 of each block's rows of a prompt of embeddings, as vLLM keys
+    the block with them (KU:598-622): read from the request's own cache of
+    them where vLLM has hashed the block already (every full block, with prefix
+    caching on), else computed as vLLM computes it."""
+    from vllm.v1.utils import tensor_data
+
+    embeds = request.prompt_embeds
+    cache = getattr(request, "_prompt_embeds_per_block_hashes", None) or {}
+    out = []
+    for start in range(0, len(embeds), block_size):
+        digest = cache.get((start, start + block_size))
+        if digest is None:
+            digest = hashlib.sha256(tensor_data(embeds[start:start + block_size])).digest()
+        out.append(digest.hex())
+    return out
+
+
+def _runs(mask: Any) -> list[list[int]] | None:
+    """The runs [start, end) of True in a per-position mask; None for none."""
+    if not mask:
+        return None
+    runs: list[list[int]] = []
+    for i, on in enumerate(mask):
+        if on:
+            if runs and runs[-1][1] == i:
+                runs[-1][1] = i + 1
+            else:
+                runs.append([i, i + 1])
+    return runs or None
 
 
 def _grammar_resolved(req: Any) -> bool:
@@ -281,6 +314,7 @@ class Recorder:
         self.active = True
         self.step_index = 0
         self.has_connector = getattr(sched, "connector", None) is not None
+        self.hash_block_size = int(getattr(sched, "hash_block_size", sched.block_size))
         # Per-step capture, reset at every schedule().
         self.lookups: list[Lookup] = []
         self.loads: list[KVLoad] = []
@@ -343,14 +377,22 @@ class Recorder:
         the next input chunk of a streaming-input session (``resumable``), or as the
         end of its input; anything else it refuses, and nothing is recorded."""
         if session is not None and getattr(session, "resumable", False):
-            self.on_add_request(request)
+            self.on_add_request(request, chunk=True)
 
-    def on_add_request(self, request: Any) -> None:
+    def on_add_request(self, request: Any, chunk: bool = False) -> None:
+        """A new request, or (``chunk``) a session's next input chunk: vLLM takes
+        only a chunk's token ids (S:1678-1679)."""
         sp = request.sampling_params
+        prompt, embeds, mask = request.prompt_token_ids, None, None
+        if not chunk and getattr(request, "prompt_embeds", None) is not None:
+            # The token ids the scheduler hashes: 0 where the prompt is embeddings (R:146-159).
+            prompt = request.all_token_ids[:request.num_prompt_tokens]
+            embeds = _embeds_digests(request, self.hash_block_size)
+            mask = _runs(getattr(request, "prompt_is_token_ids", None))
         self.sink.put(Arrival(
             seq=0,
             req=str(request.request_id),
-            prompt_token_ids=list(request.prompt_token_ids or ()),
+            prompt_token_ids=list(prompt or ()),
             max_tokens=int(request.max_tokens),
             arrival_time=float(request.arrival_time or 0.0),
             priority=int(request.priority or 0),
@@ -364,6 +406,8 @@ class Recorder:
             structured_output=bool(getattr(request, "use_structured_output", False)),
             pooling=getattr(request, "pooling_params", None) is not None,
             repetition_detection=_repetition(sp),
+            prompt_embeds=embeds,
+            prompt_is_token_ids=mask,
         ))
         sched = self._sched_ref()
         if (_status_name(request) == _GRAMMAR_WAIT and sched is not None

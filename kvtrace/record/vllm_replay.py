@@ -264,9 +264,11 @@ def _build_vllm_config(header: ev.Header) -> Any:
 
     c, f = header.config, header.features
     # A pooling model's scheduler keeps no context slot for a sampled token.
-    runner = {"runner": "pooling"} if f.get("pooling_runner") else {}
+    extra = {"runner": "pooling"} if f.get("pooling_runner") else {}
+    if f.get("prompt_embeds"):
+        extra["enable_prompt_embeds"] = True
     model_config = ModelConfig(model=_model_dir(c.max_model_len), skip_tokenizer_init=True,
-                               max_model_len=c.max_model_len, dtype="bfloat16", seed=0, **runner)
+                               max_model_len=c.max_model_len, dtype="bfloat16", seed=0, **extra)
     cache_config = CacheConfig(
         block_size=c.block_size,
         enable_prefix_caching=c.enable_prefix_caching,
@@ -476,7 +478,7 @@ class _RecordedGrammar:
         pass
 
 
-def _request(a: ev.Arrival, block_hasher: Any) -> Any:
+def _request(a: ev.Arrival, block_hasher: Any, block_size: int) -> Any:
     from vllm import PoolingParams, SamplingParams
     from vllm.sampling_params import RepetitionDetectionParams, StructuredOutputsParams
     from vllm.v1.request import Request
@@ -495,10 +497,39 @@ def _request(a: ev.Arrival, block_hasher: Any) -> Any:
                                 None if a.repetition_detection is None
                                 else RepetitionDetectionParams(**a.repetition_detection)))
         sp.update_from_generation_config({}, eos_token_id=a.eos_token_id)
-    return Request(request_id=a.req, prompt_token_ids=list(a.prompt_token_ids),
-                   sampling_params=sp, pooling_params=pp, arrival_time=a.arrival_time,
-                   cache_salt=a.cache_salt, priority=a.priority, block_hasher=block_hasher,
-                   resumable=a.resumable)
+    if a.prompt_embeds is None:
+        return Request(request_id=a.req, prompt_token_ids=list(a.prompt_token_ids),
+                       sampling_params=sp, pooling_params=pp, arrival_time=a.arrival_time,
+                       cache_salt=a.cache_salt, priority=a.priority, block_hasher=block_hasher,
+                       resumable=a.resumable)
+    # A prompt of embeddings: a stand-in tensor of the prompt's length, and its
+    # blocks' recorded digests put in the request's cache of them, where vLLM's
+    # block hasher looks first (KU:613-621). A block past the prompt hashes the
+    # stand-in's empty slice, as the engine hashed the real one's.
+    import torch
+
+    r = Request(request_id=a.req, prompt_token_ids=list(a.prompt_token_ids),
+                prompt_embeds=torch.zeros(len(a.prompt_token_ids), 1),
+                prompt_is_token_ids=_mask(a.prompt_is_token_ids, len(a.prompt_token_ids)),
+                sampling_params=sp, pooling_params=pp, arrival_time=a.arrival_time,
+                cache_salt=a.cache_salt, priority=a.priority, block_hasher=None,
+                resumable=a.resumable)
+    r._prompt_embeds_per_block_hashes.update(
+        ((i * block_size, (i + 1) * block_size), bytes.fromhex(d))
+        for i, d in enumerate(a.prompt_embeds))
+    r._block_hasher = block_hasher
+    r.update_block_hashes()
+    return r
+
+
+def _mask(runs: list[list[int]] | None, n: int) -> list[bool] | None:
+    """A per-position mask from its runs of True."""
+    if runs is None:
+        return None
+    mask = [False] * n
+    for start, end in runs:
+        mask[start:end] = [True] * (end - start)
+    return mask
 
 
 def _model_output(rec: ev.Output, so: Any, dropped: list[str]) -> Any:
@@ -601,7 +632,7 @@ def replay_through_vllm(trace_path: str | os.PathLike, out_path: str | os.PathLi
                          + f" (seq {e.seq}, line {reader.last_line})")
                 try:
                     if isinstance(e, ev.Arrival):
-                        r = _request(e, block_hasher)
+                        r = _request(e, block_hasher, header.config.block_size)
                         if r.structured_output_request is not None and e.req not in sched.requests:
                             grammars.attach(r)   # not a session's next chunk: a new request
                         sched.add_request(r)

@@ -11,7 +11,8 @@
     "cache_salts": [str | None, ...], "arrive_at": [step, ...],
     "aborts": [[step, [index, ...]], ...], "control": [[step, action, ...], ...],
     "sessions": [[index, [[step, [ids...] | None], ...]], ...],
-    "structured": [{...} | None, ...], "grammar_faults": {index: {...}, ...}}``,
+    "structured": [{...} | None, ...], "grammar_faults": {index: {...}, ...},
+    "embeds": [seed | None, ...]}``,
     where "per_request" holds each request's own changes to the sampling
     settings (``max_tokens``, ``stop_token_ids``, ``n``, ``prompt_logprobs``,
     ...). With "arrive_at" or "aborts" the engine is driven step by step, as a
@@ -27,7 +28,9 @@
     refuse every token once the request has ``{"reject_after": n}`` output
     tokens, as a broken grammar backend would (``_grammar_faults``); with
     "pooling" true the model runs as an embedding model and the prompts are
-    embedded (``LLM.embed``), not continued. ``engine_kwargs`` override the workload's ``LLM(...)`` arguments. Returns ``{"path": out_path, "outputs": {index: [token ids]},
+    embedded (``LLM.embed``), not continued; "embeds" gives prompts as
+    embeddings drawn from a seed, as many rows as the prompt has tokens, with
+    ``enable_prompt_embeds`` on (``_embed_prompts``). ``engine_kwargs`` override the workload's ``LLM(...)`` arguments. Returns ``{"path": out_path, "outputs": {index: [token ids]},
     "finish_reasons": {index: str}}``.
 
     If the engine raises, the trace written up to that point ends with status
@@ -201,6 +204,26 @@ WORKLOADS["async-connector"] = _async_variant("connector", rules={"5": {"req": "
 # placeholder id (IndexError). Upstream: vllm-project/vllm issues 45138 and
 # 49250 (part 2).
 WORKLOADS["async-connector-recompute"] = _async_variant("connector")
+# Prompts given as embeddings, arriving one after another under a KV cache small
+# enough to preempt: embeddings drawn from one seed share their leading rows, so
+# a shorter or repeated prompt of them hits the blocks of the first; the same
+# rows under a cache salt, other embeddings of the same length, and prompts of
+# token ids 0 (the ids vLLM gives a prompt of embeddings) hit none of them.
+WORKLOADS["embeds"] = dict(
+    prompts=[[0] * n for n in (100, 80, 100, 100, 100, 100, 100, 70)], max_tokens=64,
+    embeds=[1, 1, None, 2, 1, 1, None, 2],
+    cache_salts=[None, None, None, None, "s", None, None, None],
+    arrive_at=[0, 2, 4, 6, 8, 10, 12, 14],
+    engine=dict(num_gpu_blocks_override=20))
+# Two mixed prompts of the same embeddings and the same token ids (all 0): the
+# first gives its first block as embeddings, the second as token ids. vLLM 0.32
+# keys a block by its rows' digest and token ids alone, so the second takes the
+# first's KV for its first two blocks (upstream issue 56655): silently wrong
+# output.
+WORKLOADS["embeds-mixed-mask"] = dict(
+    prompts=[[0] * 70, [0] * 70], max_tokens=16,
+    embeds=[{"seed": 3, "token_runs": [[32, 70]]}, {"seed": 3, "token_runs": [[0, 70]]}],
+    arrive_at=[0, 4], engine=dict(num_gpu_blocks_override=20))
 
 
 def knobs_workload(seed: int, kind: str = "knobs") -> dict:
@@ -576,6 +599,8 @@ def run_workload(model_dir: str | None, workload: Any = "prefix", **engine_kwarg
     kwargs = dict(BASE_ENGINE)
     if any(wl.get("structured") or ()):   # a grammar compiles over the tokenizer's vocabulary
         kwargs.update(skip_tokenizer_init=False, tokenizer=ensure_tokenizer(model))
+    if any(s is not None for s in wl.get("embeds") or ()):
+        kwargs.update(enable_prompt_embeds=True)
     if wl.get("pooling"):   # an embedding model: the tiny Llama's last hidden state
         kwargs.update(runner="pooling", skip_tokenizer_init=False, tokenizer=ensure_tokenizer(model))
     kwargs.update(wl.get("engine", {}))
@@ -609,6 +634,8 @@ def _run(llm: Any, wl: dict) -> dict:
         for prompt, salt in zip(prompts, wl.get("cache_salts") or ()):
             if salt:
                 prompt["cache_salt"] = salt
+        if wl.get("embeds"):
+            _embed_prompts(llm, prompts, wl["embeds"])
         if wl.get("pooling"):
             embeddings = llm.embed(prompts, use_tqdm=False)
             return {"outputs": {i: [] for i in range(len(embeddings))},
@@ -628,6 +655,33 @@ def _run(llm: Any, wl: dict) -> dict:
         # After an exception, a recording scheduler ends its trace "interrupted".
         shutdown_llm(llm)
     return result
+
+
+def _embed_prompts(llm: Any, prompts: list[dict], given: list) -> None:
+    """Give prompt i as embeddings drawn from seed ``given[i]`` (None: keep its
+    token ids), as many rows as it has tokens. Rows come in order from the
+    seed's stream, so two prompts of one seed share their leading rows.
+    ``given[i]`` may be ``{"seed": s, "token_runs": [[start, end], ...]}``: a
+    mixed prompt, whose positions in those runs are its token ids
+    (``prompt_is_token_ids``), as a chat message with embeddings parts gives."""
+    import torch
+
+    hidden = llm.llm_engine.model_config.get_hidden_size()
+    for prompt, spec in zip(prompts, given):
+        if spec is None:
+            continue
+        runs = spec.get("token_runs") if isinstance(spec, dict) else None
+        seed = spec["seed"] if isinstance(spec, dict) else spec
+        n = len(prompt["prompt_token_ids"])
+        prompt["prompt_embeds"] = torch.randn(
+            n, hidden, generator=torch.Generator().manual_seed(int(seed)))
+        if runs is None:
+            del prompt["prompt_token_ids"]
+            continue
+        mask = [False] * n
+        for start, end in runs:
+            mask[start:end] = [True] * (end - start)
+        prompt["prompt_is_token_ids"] = mask
 
 
 def _sampling(own: dict) -> dict:

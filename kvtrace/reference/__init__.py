@@ -5,12 +5,14 @@ Read in this order: request.py, block_pool.py, kv_manager.py, scheduler.py.
 """
 
 from .config import SchedulerConfig
+from .hashing import PromptEmbeds
 from .interface import Connector, ModelOutput, RequestOutput, ScheduledRequest, SchedulerOutput
 from .request import FINISH_REASONS, PrefillStats, Request, Status
 from .scheduler import Scheduler, SchedulerAssertion
 
 __all__ = [
-    "Connector", "FINISH_REASONS", "ModelOutput", "PrefillStats", "Request", "RequestOutput",
+    "Connector", "FINISH_REASONS", "ModelOutput", "PrefillStats", "PromptEmbeds", "Request",
+    "RequestOutput",
     "ScheduledRequest", "Scheduler", "SchedulerAssertion", "SchedulerConfig", "SchedulerOutput",
     "Status",
 ]

@@ -6,7 +6,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from .hashing import extend_block_hashes
+from .hashing import PromptEmbeds, extend_block_hashes
 
 
 class Status(IntEnum):
@@ -88,6 +88,9 @@ class Request:
     # None; it stops nothing before min_tokens output tokens (SU:122-135).
     repetition: tuple[int, int, int] | None = None
     min_tokens: int = 0
+    # A prompt of embeddings: what of them is part of each block's hash
+    # (semantics doc 4.2); None for a prompt of token ids.
+    prompt_embeds: PromptEmbeds | None = None
 
     status: Status = Status.WAITING
     all_token_ids: list[int] = field(default_factory=list)
@@ -127,7 +130,8 @@ class Request:
             self.status = Status.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
         self.all_token_ids = list(self.prompt_token_ids)
         self.num_tokens = len(self.all_token_ids)
-        extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt)
+        extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt,
+                            self.prompt_embeds)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -144,7 +148,8 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
         self.num_tokens += 1
-        extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt)
+        extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt,
+                            self.prompt_embeds)
 
     def start_next_turn(self, update: "StreamingUpdate") -> None:
         """A session's next chunk (S:1650-1685): the output tokens computed so far
@@ -158,7 +163,8 @@ class Request:
         self.all_token_ids.extend(update.prompt_token_ids)
         self.prompt_token_ids.extend(update.prompt_token_ids)
         self.num_tokens = len(self.all_token_ids)
-        extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt)
+        extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt,
+                            self.prompt_embeds)
         self.arrival_time = update.arrival_time
         self.max_tokens = update.max_tokens
         self.stop_token_ids = update.stop_token_ids

@@ -15,6 +15,15 @@ applied once the last step recorded before it has been checked: the engine still
 scheduled later may read them (a prefix hit on blocks the aborted request was
 filling).
 
+A prompt given as embeddings (``prompt_embeds``) has token id 0 at each
+position given as embeddings. The KV there comes from the embeddings, not from
+a token, so such a position's "token" is a stand-in drawn from the digest of
+its block's rows (``embeds_stand_ins``), outside the range of token ids: a
+slot written from embeddings and read as another request's token 0, or as
+other embeddings, is wrong KV. Two requests read each other's slots only
+through a prefix hit, on blocks of equal digests, so a stand-in per block is
+enough.
+
 A streaming-input session keeps its id, blocks and KV from turn to turn. When
 a turn ends, its tokens are cut back to those whose KV is written (the
 recorded ``num_computed_tokens``: the last sampled token is never written), and
@@ -25,12 +34,32 @@ turn's end if it came during the turn, else when it comes.
 from __future__ import annotations
 
 from collections import deque
+from hashlib import blake2b
 
 from kvtrace.findings import Divergence
 from kvtrace.trace import events as ev
 
 from .checks import admitted_hits
 from .shadow_kv import ShadowKV
+
+def embeds_stand_ins(a: ev.Arrival, block_size: int) -> list[int]:
+    """The arrival's prompt, with a stand-in at each position given as
+    embeddings: one per block, from its digest, in 2^62 .. 2^63 (token ids are
+    at most 2^40, and the shadow cache holds int64)."""
+    tokens = list(a.prompt_token_ids)
+    if a.prompt_embeds is None:
+        return tokens
+    as_ids = [False] * len(tokens)
+    for start, end in a.prompt_is_token_ids or ():
+        as_ids[start:end] = [True] * (end - start)
+    for i, digest in enumerate(a.prompt_embeds):
+        h = blake2b(digest.encode(), digest_size=8).digest()
+        stand_in = (1 << 62) | (int.from_bytes(h, "little") & ((1 << 62) - 1))
+        for p in range(i * block_size, min((i + 1) * block_size, len(tokens))):
+            if not as_ids[p]:
+                tokens[p] = stand_in
+    return tokens
+
 
 FINISHED = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_ABORTED",
             "FINISHED_IGNORED", "FINISHED_ERROR")
@@ -44,6 +73,7 @@ class ContentCheck:
     def __init__(self, cfg: ev.SchedulerConfig, device: str = "auto",
                  async_scheduling: bool = False, keep_counts: bool = False):
         self.kv = ShadowKV(cfg.num_blocks, cfg.block_size, device)
+        self.block_size = cfg.block_size
         self.has_connector = cfg.connector is not None
         self.max_model_len = cfg.max_model_len
         self.tables: dict[str, list[int]] = {}     # the engine's table per live request
@@ -81,7 +111,7 @@ class ContentCheck:
         if a.resumable:
             self.sessions[a.req] = deque()
         most = min(len(a.prompt_token_ids) + a.max_tokens, self.max_model_len)
-        self.kv.add_request(a.req, a.prompt_token_ids, most)
+        self.kv.add_request(a.req, embeds_stand_ins(a, self.block_size), most)
         if a.skip_reading_prefix_cache:
             self.reads_no_cache.add(a.req)
 

@@ -127,6 +127,8 @@ def print_summary(s: RunSummary, console: Console, brief: bool = False) -> None:
         t.add_row("structured outputs", f"{s.structured} requests{waited}, {s.grammar_failed} "
                                         f"failed to compile, {s.grammar_rejected} refused "
                                         "the tokens sampled")
+    if s.embeds:
+        t.add_row("prompt embeddings", f"{s.embeds} requests ({s.embeds_mixed} mixed with token ids)")
     if s.peak_kv_used is not None:
         t.add_row("KV usage", f"peak {s.peak_kv_used}/{s.usable_blocks} blocks, mean "
                               f"{s.mean_kv_used:.1f} ({percent(s.mean_kv_used / max(1, s.usable_blocks))})")

@@ -206,6 +206,8 @@ class RunSummary:
     grammar_wait_steps: int = 0       # steps from their arrival to that step, in all
     grammar_failed: int = 0           # grammars that failed to compile
     grammar_rejected: int = 0         # grammars that refused the tokens sampled
+    embeds: int = 0                   # requests whose prompt is given as embeddings
+    embeds_mixed: int = 0             # ... of them with positions given as token ids
     # series over steps
     kv_used: Series = field(default_factory=Series)           # blocks in use after each step
     sched_tokens: Series = field(default_factory=Series)      # tokens scheduled per step
@@ -355,6 +357,9 @@ class _Pass:
         if e.structured_output:
             s.structured += 1
             self.grammar_since[e.req] = s.steps
+        if e.prompt_embeds is not None:
+            s.embeds += 1
+            s.embeds_mixed += e.prompt_is_token_ids is not None
 
     def _step(self, e: ev.Step) -> None:
         s = self.s

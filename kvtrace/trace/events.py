@@ -145,6 +145,40 @@ def _repetition(v: Any) -> dict[str, int] | None:
     return {k: _int(_get(d, k), f"repetition_detection.{k}") for k in REPETITION_FIELDS}
 
 
+_HEX = frozenset("0123456789abcdef")
+
+
+def _digests(v: Any, name: str) -> list[str] | None:
+    """None, or a non-empty list of sha256 digests, each 64 lowercase hex digits."""
+    if v is None:
+        return None
+    if type(v) is not list or not v:
+        raise SchemaError(f"field '{name}' must be a non-empty list of sha256 digests")
+    for x in v:
+        if type(x) is not str or len(x) != 64 or not _HEX.issuperset(x):
+            raise SchemaError(f"field '{name}' must hold sha256 digests (64 lowercase hex "
+                              f"digits), found {x!r:.80}")
+    return v
+
+
+def _runs(v: Any, name: str, n: int) -> list[list[int]] | None:
+    """None, or runs ``[start, end)`` of positions in ``0..n``, in order, none
+    empty and none touching the next, so that one mask has one form."""
+    if v is None:
+        return None
+    if type(v) is not list or not v:
+        raise SchemaError(f"field '{name}' must be a non-empty list of [start, end] runs")
+    last = -1
+    for x in v:
+        if (type(x) is not list or len(x) != 2 or type(x[0]) is not int or type(x[1]) is not int
+                or not last < x[0] < x[1] <= n):
+            raise SchemaError(f"field '{name}' must hold runs [start, end] of prompt positions, "
+                              f"in order, none empty and none touching the next, within the "
+                              f"prompt's {n} tokens; found {x!r:.80}")
+        last = x[1]
+    return v
+
+
 def _opt_strs(v: Any, name: str) -> list[str] | None:
     return None if v is None else _strs(v, name)
 
@@ -374,6 +408,18 @@ class Arrival:
     # stops once its output ends in a pattern of ``min_pattern_size`` to
     # ``max_pattern_size`` tokens repeated ``min_count`` times. None when off.
     repetition_detection: dict[str, int] | None = field(default=None, metadata=_OMIT)
+    # A prompt given as embeddings (vLLM's ``enable_prompt_embeds``): the sha256
+    # of each block's rows of them, as vLLM hashes them into the block's key
+    # (block i: rows i*B to min((i+1)*B, n), with B the header's block_size and n
+    # the prompt's length). Positions given as embeddings hold token id 0 in
+    # ``prompt_token_ids``, as they do in vLLM's request. None for a prompt of
+    # token ids.
+    prompt_embeds: list[str] | None = field(default=None, metadata=_OMIT)
+    # A prompt of embeddings and token ids mixed (a chat message with embeddings
+    # parts): the positions given as token ids, as runs [start, end) (vLLM's
+    # ``prompt_is_token_ids`` mask); the others are given as embeddings. None
+    # when every position is (or none is).
+    prompt_is_token_ids: list[list[int]] | None = field(default=None, metadata=_OMIT)
     kind: str = "arrival"
 
     @classmethod
@@ -381,6 +427,11 @@ class Arrival:
         prompt = _ints(_get(d, "prompt_token_ids"), "prompt_token_ids")
         if not prompt:
             raise SchemaError("field 'prompt_token_ids' is empty")
+        embeds = _digests(_get(d, "prompt_embeds", None), "prompt_embeds")
+        mask = _runs(_get(d, "prompt_is_token_ids", None), "prompt_is_token_ids", len(prompt))
+        if mask is not None and embeds is None:
+            raise SchemaError("field 'prompt_is_token_ids' is set on a prompt without "
+                              "'prompt_embeds'")
         return cls(
             seq=_int(_get(d, "seq"), "seq"),
             req=_str(_get(d, "req"), "req"),
@@ -399,6 +450,8 @@ class Arrival:
             structured_output=_bool(_get(d, "structured_output", False), "structured_output"),
             pooling=_bool(_get(d, "pooling", False), "pooling"),
             repetition_detection=_repetition(_get(d, "repetition_detection", None)),
+            prompt_embeds=embeds,
+            prompt_is_token_ids=mask,
         )
 
 

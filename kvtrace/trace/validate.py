@@ -71,6 +71,7 @@ class Validator:
         self.num_blocks = cfg.num_blocks
         self.token_limit = cfg.max_model_len + cfg.num_blocks * cfg.block_size
         self.max_model_len = cfg.max_model_len
+        self.block_size = cfg.block_size
         self.live: set[str] = set()
         self.sessions: set[str] = set()   # live streaming-input sessions: arrive in chunks
         self.finished = FinishedRequests()
@@ -95,6 +96,12 @@ class Validator:
                 raise SchemaError(f"a prompt of {len(e.prompt_token_ids)} tokens leaves no room "
                                   f"for an output token within the header's max_model_len "
                                   f"{self.max_model_len}")
+            if e.prompt_embeds is not None:
+                blocks = -(-len(e.prompt_token_ids) // self.block_size)
+                if len(e.prompt_embeds) != blocks:
+                    raise SchemaError(f"field 'prompt_embeds' holds {len(e.prompt_embeds)} "
+                                      f"digests for a prompt of {len(e.prompt_token_ids)} tokens: "
+                                      f"one per block of {self.block_size} makes {blocks}")
             self.live.add(e.req)
             if e.resumable:
                 self.sessions.add(e.req)
