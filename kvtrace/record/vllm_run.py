@@ -430,6 +430,33 @@ def with_grammars(workload: dict, seed: int) -> dict:
     return wl
 
 
+def with_embeds(workload: dict, seed: int) -> dict:
+    """``workload`` with prompts given as embeddings: about 70% of its requests
+    (not streaming-input sessions: vLLM 0.32 takes no further chunk for a
+    prompt without token ids) get the rows of one table, looked up by their
+    token ids, so that prompts that share tokens share rows and blocks; a
+    quarter of those mix token ids in, in a few runs of positions. Drawn from
+    ``seed`` apart from the workload's own draws."""
+    wl = copy.deepcopy(workload)
+    rng = random.Random(seed + 10_000_019)
+    sessions = {int(i) for i, _ in wl.get("sessions") or ()}
+    table = rng.randrange(1 << 30)
+    given: list = []
+    for i, prompt in enumerate(wl["prompts"]):
+        if i in sessions or rng.random() < 0.3:
+            given.append(None)
+            continue
+        spec: dict = {"table": table}
+        if rng.random() < 0.25:
+            cuts = sorted(rng.sample(range(len(prompt) + 1), min(len(prompt) + 1, 2 * rng.randint(1, 3))))
+            runs = [[a, b] for a, b in zip(cuts[::2], cuts[1::2]) if a < b]
+            if runs:
+                spec["token_runs"] = runs
+        given.append(spec)
+    wl["embeds"] = given
+    return wl
+
+
 def connector_workload(seed: int, kind: str) -> dict:
     """A random workload for a real engine (tests/test_vllm_random.py):
     prompts with an optional shared prefix, a small KV cache, and scripted
@@ -658,27 +685,35 @@ def _run(llm: Any, wl: dict) -> dict:
 
 
 def _embed_prompts(llm: Any, prompts: list[dict], given: list) -> None:
-    """Give prompt i as embeddings drawn from seed ``given[i]`` (None: keep its
-    token ids), as many rows as it has tokens. Rows come in order from the
-    seed's stream, so two prompts of one seed share their leading rows.
-    ``given[i]`` may be ``{"seed": s, "token_runs": [[start, end], ...]}``: a
-    mixed prompt, whose positions in those runs are its token ids
-    (``prompt_is_token_ids``), as a chat message with embeddings parts gives."""
+    """Give prompt i as embeddings, as many rows as it has tokens, as
+    ``given[i]`` says (None: keep its token ids): a seed, whose stream draws
+    the rows in order, so that two prompts of one seed share their leading
+    rows; or ``{"seed": s}``, the same; or ``{"table": s}``, the rows of a
+    table drawn from seed s looked up by the prompt's token ids, so that
+    prompts share rows where they share tokens. With ``"token_runs": [[start,
+    end], ...]`` the prompt is mixed: its positions in those runs are its token
+    ids (``prompt_is_token_ids``), as a chat message with embeddings parts
+    gives."""
     import torch
 
     hidden = llm.llm_engine.model_config.get_hidden_size()
+    vocab = llm.llm_engine.model_config.get_vocab_size()
     for prompt, spec in zip(prompts, given):
         if spec is None:
             continue
-        runs = spec.get("token_runs") if isinstance(spec, dict) else None
-        seed = spec["seed"] if isinstance(spec, dict) else spec
-        n = len(prompt["prompt_token_ids"])
-        prompt["prompt_embeds"] = torch.randn(
-            n, hidden, generator=torch.Generator().manual_seed(int(seed)))
+        spec = spec if isinstance(spec, dict) else {"seed": spec}
+        ids = prompt["prompt_token_ids"]
+        if "table" in spec:
+            table = torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(spec["table"]))
+            prompt["prompt_embeds"] = table[torch.tensor(ids)]
+        else:
+            prompt["prompt_embeds"] = torch.randn(
+                len(ids), hidden, generator=torch.Generator().manual_seed(int(spec["seed"])))
+        runs = spec.get("token_runs")
         if runs is None:
             del prompt["prompt_token_ids"]
             continue
-        mask = [False] * n
+        mask = [False] * len(ids)
         for start, end in runs:
             mask[start:end] = [True] * (end - start)
         prompt["prompt_is_token_ids"] = mask

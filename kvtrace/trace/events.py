@@ -410,10 +410,11 @@ class Arrival:
     repetition_detection: dict[str, int] | None = field(default=None, metadata=_OMIT)
     # A prompt given as embeddings (vLLM's ``enable_prompt_embeds``): the sha256
     # of each block's rows of them, as vLLM hashes them into the block's key
-    # (block i: rows i*B to min((i+1)*B, n), with B the header's block_size and n
-    # the prompt's length). Positions given as embeddings hold token id 0 in
-    # ``prompt_token_ids``, as they do in vLLM's request. None for a prompt of
-    # token ids.
+    # (block i: rows i*B to min((i+1)*B, n), with B the size vLLM hashes at,
+    # the header's hash_block_size or else block_size, and n the prompt's
+    # length). ``prompt_token_ids`` holds the ids vLLM's request hashes: 0 at
+    # each position given as embeddings, unless the prompt came with ids of
+    # its own. None for a prompt of token ids.
     prompt_embeds: list[str] | None = field(default=None, metadata=_OMIT)
     # A prompt of embeddings and token ids mixed (a chat message with embeddings
     # parts): the positions given as token ids, as runs [start, end) (vLLM's

@@ -71,7 +71,11 @@ class Validator:
         self.num_blocks = cfg.num_blocks
         self.token_limit = cfg.max_model_len + cfg.num_blocks * cfg.block_size
         self.max_model_len = cfg.max_model_len
-        self.block_size = cfg.block_size
+        # A prompt of embeddings has a digest per block of the size vLLM hashes
+        # at: hash_block_size, with several KV-cache groups (replay refuses
+        # those; the trace still reads for show and diff).
+        hb = header.features.get("hash_block_size")
+        self.hash_block_size = hb if type(hb) is int and hb > 0 else cfg.block_size
         self.live: set[str] = set()
         self.sessions: set[str] = set()   # live streaming-input sessions: arrive in chunks
         self.finished = FinishedRequests()
@@ -97,11 +101,11 @@ class Validator:
                                   f"for an output token within the header's max_model_len "
                                   f"{self.max_model_len}")
             if e.prompt_embeds is not None:
-                blocks = -(-len(e.prompt_token_ids) // self.block_size)
+                blocks = -(-len(e.prompt_token_ids) // self.hash_block_size)
                 if len(e.prompt_embeds) != blocks:
                     raise SchemaError(f"field 'prompt_embeds' holds {len(e.prompt_embeds)} "
                                       f"digests for a prompt of {len(e.prompt_token_ids)} tokens: "
-                                      f"one per block of {self.block_size} makes {blocks}")
+                                      f"one per block of {self.hash_block_size} makes {blocks}")
             self.live.add(e.req)
             if e.resumable:
                 self.sessions.add(e.req)
