@@ -13,7 +13,9 @@ recorder writes every key read here (``build_header``); a key a trace does not
 name is taken as off (traces recorded before ``lora`` and
 ``prefill_schedule_interval`` were written do not name them). Prompt
 embeddings (``prompt_embeds``) are inside it: each such arrival carries the
-digests vLLM keys its blocks with.
+digests vLLM keys its blocks with; so is LoRA, where the header says how
+many adapters a step may run (``max_loras``) and each arrival names its
+adapter.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ FLAGS = {
     "has_mamba_layers": "Mamba layers",
     "multimodal": "a multimodal model",
     "prefix_replay_tokens": "prefix replay windows",
-    "lora": "LoRA (its slot limit, max_loras)",
 }
 # Sizes that are on when they are not 1.
 SIZES = {
@@ -45,6 +46,7 @@ TYPES = {
     "enable_chunked_prefill": "flag", "long_prefill_token_threshold_adaptive": "flag",
     "defer_block_free": "flag", "requires_kv_delivery": "flag", "use_eagle": "flag",
     "has_mamba_layers": "flag", "multimodal": "flag", "lora": "flag", "prompt_embeds": "flag",
+    "max_loras": "count",
     "pooling_runner": "flag",
     "num_speculative_tokens": "count0", "num_lookahead_tokens": "count0",
     "prefix_replay_tokens": "count0", "max_num_active_seqs": "count",
@@ -91,6 +93,8 @@ def outside(features: dict, block_size: int) -> str | None:
     spec = speculative(features)
     if spec is not None:
         return spec
+    if features.get("lora") and features.get("max_loras") is None:
+        return "LoRA is on (lora=True), and the trace does not say how many adapters a step may run (max_loras)"
     for key, what in SIZES.items():
         v = features.get(key)
         if v not in (None, 1):

@@ -47,6 +47,7 @@ def config_from_header(header: ev.Header) -> SchedulerConfig:
         requires_kv_delivery=delivery,
         num_spec_tokens=int(f.get("num_speculative_tokens") or 0),
         num_sampled_tokens_per_step=0 if f.get("pooling_runner") else 1,
+        max_loras=f.get("max_loras") if f.get("lora") else None,
     )
 
 
@@ -71,6 +72,7 @@ def header_features(cfg: SchedulerConfig) -> dict:
         "requires_kv_delivery": cfg.requires_kv_delivery,
         **({"num_speculative_tokens": cfg.num_spec_tokens, "num_draft_slots": 0}
            if cfg.num_spec_tokens else {}),
+        **({"lora": True, "max_loras": cfg.max_loras} if cfg.max_loras else {}),
     }
 
 
@@ -112,6 +114,7 @@ def request_from_arrival(a: ev.Arrival, block_size: int) -> Request:
                     tuple(a.repetition_detection[k] for k in ev.REPETITION_FIELDS)),
         prompt_embeds=(None if a.prompt_embeds is None else PromptEmbeds(
             tuple(a.prompt_embeds), tuple(map(tuple, a.prompt_is_token_ids or ())))),
+        lora=None if a.lora is None else (a.lora["id"], a.lora["name"], a.lora["path"]),
     )
 
 

@@ -23,7 +23,8 @@ scheduler depends on and nothing of the text:
   recomputed. Give the same key to redact several traces consistently (for
   ``kvtrace diff``).
 
-Not redacted: request ids, ``cache_salt``, the header's ``meta``. These come
+Not redacted: request ids, ``cache_salt``, LoRA adapters' names and paths,
+the header's ``meta``. These come
 from the engine and the recorder, not from the prompt text; ``meta`` is
 replaced by a note that the trace was redacted, plus the original engine and
 recorder names.

@@ -196,6 +196,7 @@ def test_a_prompt_with_no_room_within_max_model_len(base, tmp_path, capsys, extr
 
 @pytest.mark.parametrize("features,message", [
     ({"max_num_active_seqs": "4"}, "field 'features.max_num_active_seqs' must be an integer of at least 1, got '4'"),
+    ({"lora": True, "max_loras": 0}, "field 'features.max_loras' must be an integer of at least 1, got 0"),
     ({"scheduler_reserve_full_isl": "no"}, "field 'features.scheduler_reserve_full_isl' must be true or false"),
     ({"async_scheduling": "true"}, "field 'features.async_scheduling' must be true or false"),
     ({"pipeline_parallel_size": 2.0}, "field 'features.pipeline_parallel_size' must be an integer"),
@@ -250,6 +251,10 @@ def test_missing_kind(base, tmp_path, capsys):
      "field 'prompt_embeds' must hold sha256 digests (64 lowercase hex digits), found 'ABAB"),
     (2, lambda o: o[1].__setitem__("prompt_embeds", ["ab" * 32] * 40),
      "field 'prompt_embeds' holds 40 digests for a prompt of"),
+    (2, lambda o: o[1].__setitem__("lora", {"id": 0, "name": "a", "path": "/a"}),
+     "field 'lora.id' is out of range: 0"),
+    (2, lambda o: o[1].__setitem__("lora", {"id": 1, "path": "/a"}), "missing field 'name'"),
+    (2, lambda o: o[1].__setitem__("lora", "a"), "field 'lora' must be an object, got a string"),
     (2, lambda o: o[1].__setitem__("prompt_is_token_ids", [[0, 1]]),
      "field 'prompt_is_token_ids' is set on a prompt without 'prompt_embeds'"),
     (2, lambda o: o[1].update(prompt_embeds=_digests_for(o), prompt_is_token_ids=[[2, 4], [4, 6]]),
@@ -477,7 +482,8 @@ def test_garbage_inside_gzip(base, tmp_path, capsys):
     ({"kv_cache_group_kinds": ["SlidingWindowSpec"]},
      "a KV-cache group of kind 'SlidingWindowSpec', not full attention"),
     ({"hash_block_size": 7}, "hash_block_size 7 differs from block_size"),
-    ({"lora": True}, "LoRA (its slot limit, max_loras) is on"),
+    ({"lora": True}, "LoRA is on (lora=True), and the trace does not say how many adapters a step "
+                     "may run (max_loras)"),
     ({"prefill_schedule_interval": 4, "data_parallel_size": 2},
      "data-parallel prefill throttling is on (prefill_schedule_interval=4)"),
 ])

@@ -249,8 +249,9 @@ def test_vllm_prompts_of_embeddings_replay_clean_through_both_schedulers(tmp_pat
 @pytest.mark.vllm
 def test_the_references_keys_split_blocks_as_vllms_do():
     """Random small prompts (pure embeddings, embeddings with token ids of
-    their own, mixed, token ids; cache salts; prompts ending mid-block; output
-    blocks) built as vLLM requests, hashed by vLLM's own block hasher, and as
+    their own, mixed, token ids; cache salts; LoRA adapters, one name on two
+    paths among them; prompts ending mid-block; output blocks) built as vLLM
+    requests, hashed by vLLM's own block hasher, and as
     the reference's requests from what the recorder takes of them. Two blocks
     share a key in the reference exactly when they do in vLLM, but for mixed
     prompts, where the reference splits what vLLM 0.32 joins (issue 56655).
@@ -263,11 +264,12 @@ def test_the_references_keys_split_blocks_as_vllms_do():
 
     import torch
     from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request as VllmRequest
 
-    from kvtrace.record.vllm_recorder import _embeds_digests, _runs
+    from kvtrace.record.vllm_recorder import _embeds_digests, _lora, _runs
     from kvtrace.record.vllm_replay import _request
 
     init_none_hash(sha256)
@@ -286,14 +288,17 @@ def test_the_references_keys_split_blocks_as_vllms_do():
                [rng.choice([0, 7]) if mask is None or m else rng.choice([0, 9])
                 for m in (mask or [None] * n)])
         salt = rng.choice([None, None, "s"])
+        lora = rng.choice([None, None, (1, "a", "/p/a"), (2, "b", "/p/b"), (1, "a", "/p/c")])
         v = VllmRequest(str(k), prompt_token_ids=ids, sampling_params=SamplingParams(max_tokens=64),
                         pooling_params=None, prompt_embeds=embeds, prompt_is_token_ids=mask,
-                        cache_salt=salt, block_hasher=hasher)
+                        cache_salt=salt, block_hasher=hasher,
+                        lora_request=None if lora is None else LoRARequest(lora[1], lora[0], lora[2]))
         a = ev.Arrival(seq=k, req=str(k), prompt_token_ids=list(v.all_token_ids[:n]), max_tokens=64,
-                       cache_salt=salt,
+                       cache_salt=salt, lora=_lora(v.lora_request),
                        prompt_embeds=None if embeds is None else _embeds_digests(v, bs),
                        prompt_is_token_ids=None if embeds is None else _runs(mask))
         ref = Request(str(k), list(a.prompt_token_ids), max_tokens=64, block_size=bs, cache_salt=salt,
+                      lora=lora,
                       prompt_embeds=None if embeds is None else PromptEmbeds(
                           tuple(a.prompt_embeds), tuple(map(tuple, a.prompt_is_token_ids or ()))))
         stand_in = _request(a, hasher, bs)

@@ -30,7 +30,10 @@ or served as a stream, and the two combined:
 * any of these but the sessions with prompts given as embeddings (kinds
   "pe-KIND"; ``with_embeds``): about 70% of the requests get the rows of one
   table looked up by their token ids, so that prompts that share tokens
-  share blocks, and a quarter of those mix token ids in.
+  share blocks, and a quarter of those mix token ids in;
+* any of these but the sessions with LoRA (kinds "lo-KIND"; ``with_loras``):
+  about 60% of the requests get one of four adapters, under a limit of 1 to 3
+  adapters a step.
 
 Served as a stream (``kvtrace.record.vllm_run.served``), the engine is driven
 step by step: each request arrives at a step of its own, and about a third are
@@ -69,6 +72,7 @@ from kvtrace.record.vllm_run import (  # noqa: E402
     with_drafts,
     with_embeds,
     with_grammars,
+    with_loras,
 )
 from kvtrace.replay import replay_file  # noqa: E402
 from kvtrace.trace.io import TraceReader  # noqa: E402
@@ -208,6 +212,8 @@ SPEC_KINDS = ("spec-knobs", "spec-stream", "spec-mixed", "spec-rlhf", "spec-sess
 SO_KINDS = tuple(f"so-{k}" for k in KINDS + SPEC_KINDS if not k.endswith("sessions"))
 # With prompts given as embeddings: the same ("pe-" + kind).
 PE_KINDS = tuple(f"pe-{k}" for k in KINDS + SPEC_KINDS if not k.endswith("sessions"))
+# With LoRA adapters: the same ("lo-" + kind).
+LO_KINDS = tuple(f"lo-{k}" for k in KINDS + SPEC_KINDS if not k.endswith("sessions"))
 
 
 def _workload(seed: int, kind: str) -> dict:
@@ -215,6 +221,8 @@ def _workload(seed: int, kind: str) -> dict:
         return with_grammars(_workload(seed, kind[3:]), seed)
     if kind.startswith("pe-"):
         return with_embeds(_workload(seed, kind[3:]), seed)
+    if kind.startswith("lo-"):
+        return with_loras(_workload(seed, kind[3:]), seed)
     if kind.startswith("spec-"):
         base = {"failures": "sync-failures", "aborts": "sync-aborts"}.get(kind[5:], kind[5:])
         return with_drafts(_workload(seed, base), seed)
@@ -242,7 +250,7 @@ def _seeds() -> list[tuple[int, str]]:
     seeds = []
     for part in spec.split(","):
         kind, _, span = part.strip().rpartition(":")
-        assert kind in KINDS + SPEC_KINDS + SO_KINDS + PE_KINDS, part
+        assert kind in KINDS + SPEC_KINDS + SO_KINDS + PE_KINDS + LO_KINDS, part
         lo, _, hi = span.partition("-")
         seeds += [(s, kind) for s in range(int(lo), int(hi or lo) + 1)]
     return seeds
@@ -317,7 +325,7 @@ def test_a_random_workload_replays_clean_or_is_flagged_where_the_engine_failed(s
     out = tmp_path / "run.jsonl.gz"
     failed = None
     workload = _workload(seed, kind)
-    base = kind[3:] if kind.startswith(("so-", "pe-")) else kind   # they change nothing below
+    base = kind[3:] if kind.startswith(("so-", "pe-", "lo-")) else kind   # they change nothing below
     capped = StepLimitAsyncScheduler if base.startswith("async") else StepLimitScheduler
     if base.startswith("spec-"):
         failed = _record_apart(out, workload, capped, tmp_path)

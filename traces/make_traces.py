@@ -35,6 +35,7 @@ TRACES = {
     "pooling": "pooling",
     "repetition": "repetition",
     "prompt-embeds": "embeds",
+    "lora": "lora",
 }
 # Traces of vLLM's own bugs, unchanged engine, in vllm-bugs/: the engine fails
 # on them, and the trace ends "interrupted" with its error. On those in

@@ -5,7 +5,8 @@
 is identical. There is no tokenizer: run vLLM with ``skip_tokenizer_init=True``
 and give prompts as token ids. Structured outputs need one, to compile a
 grammar over the vocabulary: ``ensure_tokenizer(dir)`` adds a byte-level BPE
-tokenizer, trained here on a fixed text, beside the weights.
+tokenizer, trained here on a fixed text, beside the weights. LoRA needs
+adapters: ``ensure_lora_adapter(dir, index)`` builds a random one beside them.
 
 Two sizes:
 
@@ -121,3 +122,43 @@ if __name__ == "__main__":  # pragma: no cover
     import sys
 
     print(ensure_tiny_model(size=sys.argv[1] if len(sys.argv) > 1 else "tiny"))
+
+
+def ensure_lora_adapter(model_dir: str | os.PathLike, index: int, rank: int = 4) -> str:
+    """A LoRA adapter for the model in ``model_dir``, in PEFT's layout, built
+    beside it (``<model_dir>-lora<index>``) unless it is already there: random
+    rank-``rank`` updates of every layer's q_proj and v_proj, drawn from
+    ``index``, so that adapters of other indices give other outputs. Returns
+    the directory."""
+    import json
+
+    model_dir = Path(model_dir)
+    out = model_dir.parent / f"{model_dir.name}-lora{index}"
+    if (out / "adapter_config.json").exists():
+        return str(out)
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    hidden, head_dim = cfg["hidden_size"], cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    outs = {"q_proj": cfg["num_attention_heads"] * head_dim, "v_proj": cfg["num_key_value_heads"] * head_dim}
+    gen = torch.Generator().manual_seed(index)
+    tensors = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for module, width in outs.items():
+            name = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, hidden, generator=gen) * 0.5
+            tensors[f"{name}.lora_B.weight"] = torch.randn(width, rank, generator=gen) * 0.5
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(tmp / "adapter_model.safetensors"))
+    (tmp / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+        "target_modules": list(outs), "bias": "none", "base_model_name_or_path": str(model_dir)}))
+    try:
+        tmp.rename(out)
+    except OSError:   # built meanwhile by another process
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)

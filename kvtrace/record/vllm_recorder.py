@@ -137,6 +137,13 @@ def _embeds_digests(request: Any, block_size: int) -> list[str]:
     return out
 
 
+def _lora(lr: Any) -> dict | None:
+    """A request's LoRA adapter, as its blocks are keyed with it (KU:584-595)."""
+    if lr is None:
+        return None
+    return {"id": int(lr.lora_int_id), "name": str(lr.lora_name), "path": str(lr.lora_path)}
+
+
 def _runs(mask: Any) -> list[list[int]] | None:
     """The runs [start, end) of True in a per-position mask; None for none."""
     if not mask:
@@ -282,6 +289,8 @@ def build_header(sched: Any, meta: dict | None = None) -> Header:
         # A LoRA slot limit (max_loras) and data-parallel prefill throttling
         # change which requests a step admits.
         "lora": getattr(vc, "lora_config", None) is not None,
+        "max_loras": (int(vc.lora_config.max_loras)
+                      if getattr(vc, "lora_config", None) is not None else None),
         "prompt_embeds": bool(getattr(vc.model_config, "enable_prompt_embeds", False)),
         # A pooling model keeps no context slot for a sampled token (S:150-159).
         "pooling_runner": getattr(vc.model_config, "runner_type", None) == "pooling",
@@ -408,6 +417,7 @@ class Recorder:
             repetition_detection=_repetition(sp),
             prompt_embeds=embeds,
             prompt_is_token_ids=mask,
+            lora=_lora(getattr(request, "lora_request", None)),
         ))
         sched = self._sched_ref()
         if (_status_name(request) == _GRAMMAR_WAIT and sched is not None

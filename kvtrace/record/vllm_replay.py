@@ -305,8 +305,14 @@ def _build_vllm_config(header: ev.Header) -> Any:
             kv_role=f.get("kv_role") or "kv_both",
             kv_load_failure_policy=c.connector.load_failure_policy,
         )
+    lora_config = None
+    if f.get("lora") and f.get("max_loras"):
+        from vllm.config import LoRAConfig
+
+        lora_config = LoRAConfig(max_loras=int(f["max_loras"]))
     vc = VllmConfig(model_config=model_config, cache_config=cache_config,
-                    scheduler_config=scheduler_config, kv_transfer_config=kv_transfer_config)
+                    scheduler_config=scheduler_config, kv_transfer_config=kv_transfer_config,
+                    lora_config=lora_config)
     # Set afterwards: vLLM's CPU platform turns async scheduling off while it
     # builds the config (it has no use for it there).
     vc.scheduler_config.async_scheduling = f.get("async_scheduling") is True
@@ -497,11 +503,16 @@ def _request(a: ev.Arrival, block_hasher: Any, block_size: int) -> Any:
                                 None if a.repetition_detection is None
                                 else RepetitionDetectionParams(**a.repetition_detection)))
         sp.update_from_generation_config({}, eos_token_id=a.eos_token_id)
+    lora = None
+    if a.lora is not None:
+        from vllm.lora.request import LoRARequest
+
+        lora = LoRARequest(a.lora["name"], a.lora["id"], a.lora["path"])
     if a.prompt_embeds is None:
         return Request(request_id=a.req, prompt_token_ids=list(a.prompt_token_ids),
                        sampling_params=sp, pooling_params=pp, arrival_time=a.arrival_time,
                        cache_salt=a.cache_salt, priority=a.priority, block_hasher=block_hasher,
-                       resumable=a.resumable)
+                       resumable=a.resumable, lora_request=lora)
     # A prompt of embeddings: a stand-in tensor of the prompt's length, and its
     # blocks' recorded digests put in the request's cache of them, where vLLM's
     # block hasher looks first (KU:613-621). A block past the prompt hashes the
@@ -513,7 +524,7 @@ def _request(a: ev.Arrival, block_hasher: Any, block_size: int) -> Any:
                 prompt_is_token_ids=_mask(a.prompt_is_token_ids, len(a.prompt_token_ids)),
                 sampling_params=sp, pooling_params=pp, arrival_time=a.arrival_time,
                 cache_salt=a.cache_salt, priority=a.priority, block_hasher=None,
-                resumable=a.resumable)
+                resumable=a.resumable, lora_request=lora)
     r._prompt_embeds_per_block_hashes.update(
         ((i * block_size, (i + 1) * block_size), bytes.fromhex(d))
         for i, d in enumerate(a.prompt_embeds))

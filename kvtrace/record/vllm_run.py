@@ -12,7 +12,7 @@
     "aborts": [[step, [index, ...]], ...], "control": [[step, action, ...], ...],
     "sessions": [[index, [[step, [ids...] | None], ...]], ...],
     "structured": [{...} | None, ...], "grammar_faults": {index: {...}, ...},
-    "embeds": [seed | None, ...]}``,
+    "embeds": [seed | None, ...], "lora": [index | None, ...]}``,
     where "per_request" holds each request's own changes to the sampling
     settings (``max_tokens``, ``stop_token_ids``, ``n``, ``prompt_logprobs``,
     ...). With "arrive_at" or "aborts" the engine is driven step by step, as a
@@ -30,7 +30,9 @@
     "pooling" true the model runs as an embedding model and the prompts are
     embedded (``LLM.embed``), not continued; "embeds" gives prompts as
     embeddings drawn from a seed, as many rows as the prompt has tokens, with
-    ``enable_prompt_embeds`` on (``_embed_prompts``). ``engine_kwargs`` override the workload's ``LLM(...)`` arguments. Returns ``{"path": out_path, "outputs": {index: [token ids]},
+    ``enable_prompt_embeds`` on (``_embed_prompts``); "lora" gives requests the
+    LoRA adapters of those indices (``ensure_lora_adapter``, adapter id =
+    index), with LoRA on. ``engine_kwargs`` override the workload's ``LLM(...)`` arguments. Returns ``{"path": out_path, "outputs": {index: [token ids]},
     "finish_reasons": {index: str}}``.
 
     If the engine raises, the trace written up to that point ends with status
@@ -72,7 +74,7 @@ import subprocess
 import sys
 from typing import Any
 
-from kvtrace.record.tiny_model import ensure_tiny_model, ensure_tokenizer
+from kvtrace.record.tiny_model import ensure_lora_adapter, ensure_tiny_model, ensure_tokenizer
 
 logger = logging.getLogger("kvtrace.record")
 
@@ -215,6 +217,14 @@ WORKLOADS["embeds"] = dict(
     cache_salts=[None, None, None, None, "s", None, None, None],
     arrive_at=[0, 2, 4, 6, 8, 10, 12, 14],
     engine=dict(num_gpu_blocks_override=20))
+# LoRA with a slot limit: eight prompts sharing two blocks, all at once, with
+# adapters 1, 2 and 3 (and none) under max_loras=2. Adapters 1 and 2 fill the
+# step's slots, so the requests of adapter 3 wait until those finish; a prompt
+# hits the blocks of an earlier one of the same adapter only.
+WORKLOADS["lora"] = dict(
+    prompts=[list(range(10, 74)) + [100 + i] * (6 + i) for i in range(8)], max_tokens=16,
+    lora=[None, 1, 2, 3, 1, 2, None, 3],
+    engine=dict(num_gpu_blocks_override=40, max_loras=2, max_num_batched_tokens=1024))
 # Two mixed prompts of the same embeddings and the same token ids (all 0): the
 # first gives its first block as embeddings, the second as token ids. vLLM 0.32
 # keys a block by its rows' digest and token ids alone, so the second takes the
@@ -457,6 +467,26 @@ def with_embeds(workload: dict, seed: int) -> dict:
     return wl
 
 
+def with_loras(workload: dict, seed: int) -> dict:
+    """``workload`` with LoRA: about 60% of its requests (not streaming-input
+    sessions) get one of four adapters, under a slot limit of 1 to 3 adapters
+    a step (``max_loras``). Drawn from ``seed`` apart from the workload's own
+    draws. No request asks for prompt logprobs: with an adapter in the batch,
+    vLLM 0.32's model runner fails on them (the adapters' logits mapping has
+    one row per sampled token, not per prompt token; upstream issues 16668 and
+    29955), which is no part of the scheduler."""
+    wl = copy.deepcopy(workload)
+    rng = random.Random(seed + 11_000_027)
+    sessions = {int(i) for i, _ in wl.get("sessions") or ()}
+    wl["lora"] = [None if i in sessions or rng.random() < 0.4 else rng.randint(1, 4)
+                  for i in range(len(wl["prompts"]))]
+    wl["engine"]["max_loras"] = rng.randint(1, 3)
+    if wl.get("per_request"):
+        wl["per_request"] = [{k: v for k, v in o.items() if k != "prompt_logprobs"}
+                             for o in wl["per_request"]]
+    return wl
+
+
 def connector_workload(seed: int, kind: str) -> dict:
     """A random workload for a real engine (tests/test_vllm_random.py):
     prompts with an optional shared prefix, a small KV cache, and scripted
@@ -628,6 +658,8 @@ def run_workload(model_dir: str | None, workload: Any = "prefix", **engine_kwarg
         kwargs.update(skip_tokenizer_init=False, tokenizer=ensure_tokenizer(model))
     if any(s is not None for s in wl.get("embeds") or ()):
         kwargs.update(enable_prompt_embeds=True)
+    if any(i is not None for i in wl.get("lora") or ()):
+        kwargs.update(enable_lora=True, max_lora_rank=8)
     if wl.get("pooling"):   # an embedding model: the tiny Llama's last hidden state
         kwargs.update(runner="pooling", skip_tokenizer_init=False, tokenizer=ensure_tokenizer(model))
     kwargs.update(wl.get("engine", {}))
@@ -667,12 +699,15 @@ def _run(llm: Any, wl: dict) -> dict:
             embeddings = llm.embed(prompts, use_tqdm=False)
             return {"outputs": {i: [] for i in range(len(embeddings))},
                     "finish_reasons": {i: "stop" for i in range(len(embeddings))}}
+        loras = _lora_requests(llm, wl.get("lora"), len(prompts))
         if "arrive_at" in wl or "aborts" in wl:
-            outs = _serve(llm.llm_engine, prompts, params, wl)
+            outs = _serve(llm.llm_engine, prompts, params, wl, loras)
         else:
             gen_kwargs = {}
             if wl.get("priority") is not None:
                 gen_kwargs["priority"] = list(wl["priority"])
+            if any(loras):
+                gen_kwargs["lora_request"] = loras
             outs = dict(enumerate(llm.generate(prompts, params, use_tqdm=False, **gen_kwargs)))
         result = {
             "outputs": {i: list(o.outputs[0].token_ids) for i, o in outs.items()},
@@ -717,6 +752,17 @@ def _embed_prompts(llm: Any, prompts: list[dict], given: list) -> None:
         for start, end in runs:
             mask[start:end] = [True] * (end - start)
         prompt["prompt_is_token_ids"] = mask
+
+
+def _lora_requests(llm: Any, given: list | None, n: int) -> list:
+    """Request i's ``LoRARequest`` (adapter ``given[i]``, named ``lora<i>``), or None."""
+    if not given:
+        return [None] * n
+    from vllm.lora.request import LoRARequest
+
+    model = llm.llm_engine.model_config.model
+    return [None if i is None else LoRARequest(f"lora{i}", int(i), ensure_lora_adapter(model, int(i)))
+            for i in given]
 
 
 def _sampling(own: dict) -> dict:
@@ -779,7 +825,7 @@ def _grammar_faults(plan: dict):
         Manager._create_grammar, Manager.accept_tokens = create, accept
 
 
-def _serve(eng: Any, prompts: list, params: Any, wl: dict) -> dict:
+def _serve(eng: Any, prompts: list, params: Any, wl: dict, loras: list | None = None) -> dict:
     """Drive ``eng`` (a ``LLMEngine``) step by step, as a server does: request i
     (id ``str(i)``) arrives before engine step ``arrive_at[i]``; ``aborts``, a list
     of ``[step, [i, ...]]``, aborts those requests in one call before that step.
@@ -794,6 +840,7 @@ def _serve(eng: Any, prompts: list, params: Any, wl: dict) -> dict:
     n = len(prompts)
     if not isinstance(params, list):
         params = [params] * n
+    loras = loras or [None] * n
     arrive = list(wl.get("arrive_at") or [0] * n)
     priority = list(wl.get("priority") or [0] * n)
     aborts = {int(step): [str(i) for i in ids] for step, ids in wl.get("aborts") or ()}
@@ -815,7 +862,8 @@ def _serve(eng: Any, prompts: list, params: Any, wl: dict) -> dict:
             if i in sessions:
                 give_chunk(eng, str(i), prompts[i], params[i], priority=priority[i])
             else:
-                eng.add_request(str(i), prompts[i], params[i], priority=priority[i])
+                eng.add_request(str(i), prompts[i], params[i], priority=priority[i],
+                                lora_request=loras[i])
         while chunks and chunks[0][0] <= step:
             _, i, _, tokens = chunks.pop(0)
             if str(i) not in aborted:   # a client gone sends no more

@@ -45,6 +45,10 @@ class SchedulerConfig:
     # Context slots a step keeps for the token it samples: 0 for a pooling
     # model, which samples none (S:150-159).
     num_sampled_tokens_per_step: int = 1
+    # LoRA: the most adapters one step may run (vLLM's max_loras); None when
+    # LoRA is off. A waiting request whose adapter would exceed it is skipped
+    # (S:941-952).
+    max_loras: int | None = None
 
     @property
     def token_budget(self) -> int:

@@ -51,11 +51,15 @@ def hash_block(parent: bytes, tokens: list[int], extra_keys: tuple | None = None
 
 
 def extend_block_hashes(hashes: list[bytes], token_ids: list[int], block_size: int,
-                        cache_salt: str | None, embeds: PromptEmbeds | None = None) -> None:
-    """Append the hash of every newly full block of ``token_ids`` to ``hashes``."""
+                        cache_salt: str | None, embeds: PromptEmbeds | None = None,
+                        lora: tuple | None = None) -> None:
+    """Append the hash of every newly full block of ``token_ids`` to ``hashes``.
+    A block's extra keys, in vLLM's order (KU:625-663): the request's LoRA
+    adapter (``lora``: its name and path), the cache salt on the first block,
+    the prompt's embeddings."""
     for i in range(len(hashes), len(token_ids) // block_size):
         parent = hashes[-1] if hashes else NONE_HASH
         extra = ("cache_salt", cache_salt) if (i == 0 and cache_salt) else None
-        if embeds is not None:
-            extra = (extra, embeds.key(i, block_size))
+        if embeds is not None or lora is not None:
+            extra = (lora, extra, None if embeds is None else embeds.key(i, block_size))
         hashes.append(hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], extra))

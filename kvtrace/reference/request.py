@@ -91,6 +91,9 @@ class Request:
     # A prompt of embeddings: what of them is part of each block's hash
     # (semantics doc 4.2); None for a prompt of token ids.
     prompt_embeds: PromptEmbeds | None = None
+    # A LoRA adapter: (id, name, path). Its name and path key every block
+    # (semantics doc 4.2); its id counts against max_loras.
+    lora: tuple[int, str, str] | None = None
 
     status: Status = Status.WAITING
     all_token_ids: list[int] = field(default_factory=list)
@@ -130,8 +133,11 @@ class Request:
             self.status = Status.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
         self.all_token_ids = list(self.prompt_token_ids)
         self.num_tokens = len(self.all_token_ids)
+        self._extend_hashes()
+
+    def _extend_hashes(self) -> None:
         extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt,
-                            self.prompt_embeds)
+                            self.prompt_embeds, None if self.lora is None else ("lora", *self.lora[1:]))
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -148,8 +154,8 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
         self.num_tokens += 1
-        extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt,
-                            self.prompt_embeds)
+        if self.num_tokens % self.block_size == 0:   # a block just filled
+            self._extend_hashes()
 
     def start_next_turn(self, update: "StreamingUpdate") -> None:
         """A session's next chunk (S:1650-1685): the output tokens computed so far
@@ -163,8 +169,7 @@ class Request:
         self.all_token_ids.extend(update.prompt_token_ids)
         self.prompt_token_ids.extend(update.prompt_token_ids)
         self.num_tokens = len(self.all_token_ids)
-        extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt,
-                            self.prompt_embeds)
+        self._extend_hashes()
         self.arrival_time = update.arrival_time
         self.max_tokens = update.max_tokens
         self.stop_token_ids = update.stop_token_ids

@@ -252,6 +252,9 @@ class Scheduler:
         moves the request to WAITING_FOR_REMOTE_KVS instead of RUNNING. Requests
         skipped on the way go back to the head of their queue, in order."""
         max_active = self.config.max_num_active_seqs or self.config.max_num_seqs
+        max_loras = self.config.max_loras
+        # The LoRA adapters this step runs so far (S:889-897).
+        loras = {r.lora[0] for r in step.running if r.lora} if max_loras else set()
         skipped_waiting: deque[Request] = deque()
         skipped_holding: deque[Request] = deque()
 
@@ -272,6 +275,9 @@ class Scheduler:
             if not self._ready_to_schedule(r) or (r.num_stale_output_tokens
                                                   and not r.drop_stale_output):
                 skip(queue)     # a load still running, or stale output still to deliver
+                continue
+            if max_loras and r.lora and len(loras) == max_loras and r.lora[0] not in loras:
+                skip(queue)     # its adapter would exceed max_loras (S:941-952)
                 continue
 
             hits: list[Block] = []
@@ -340,6 +346,8 @@ class Scheduler:
             queue.pop_request()
             self.running.append(r)
             (step.new if r.status == Status.WAITING else step.resumed).append(r)
+            if max_loras and r.lora:
+                loras.add(r.lora[0])
             step.take(r, n)
             if padded:
                 if n != 1 + self.config.num_spec_tokens:

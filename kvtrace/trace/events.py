@@ -179,6 +179,15 @@ def _runs(v: Any, name: str, n: int) -> list[list[int]] | None:
     return v
 
 
+def _lora(v: Any) -> dict | None:
+    """None, or a LoRA adapter: its id (at least 1), name and path."""
+    if v is None:
+        return None
+    d = _obj(v, "lora")
+    return {"id": _int(_get(d, "id"), "lora.id", 1), "name": _str(_get(d, "name"), "lora.name"),
+            "path": _str(_get(d, "path"), "lora.path")}
+
+
 def _opt_strs(v: Any, name: str) -> list[str] | None:
     return None if v is None else _strs(v, name)
 
@@ -421,6 +430,10 @@ class Arrival:
     # ``prompt_is_token_ids`` mask); the others are given as embeddings. None
     # when every position is (or none is).
     prompt_is_token_ids: list[list[int]] | None = field(default=None, metadata=_OMIT)
+    # The request's LoRA adapter (vLLM's LoRARequest): {"id": int, "name": str,
+    # "path": str}. Its name and path key every block; its id counts against the
+    # header's features.max_loras. None without one.
+    lora: dict | None = field(default=None, metadata=_OMIT)
     kind: str = "arrival"
 
     @classmethod
@@ -453,6 +466,7 @@ class Arrival:
             repetition_detection=_repetition(_get(d, "repetition_detection", None)),
             prompt_embeds=embeds,
             prompt_is_token_ids=mask,
+            lora=_lora(_get(d, "lora", None)),
         )
 
 
