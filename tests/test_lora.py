@@ -120,3 +120,16 @@ def test_vllm_lora_requests_replay_clean_through_both_schedulers(tmp_path):
     assert "engine failed" not in said
     _check_the_slot_limit(out)
     replays_clean_through_both(out, tmp_path)
+
+
+def test_a_block_of_another_adapter_is_wrong_kv_to_the_content_check(tmp_path):
+    """Request 4's adapter moved to another path under the same name: the
+    engine's hit on request 1's blocks now reads KV computed with another
+    adapter, and the shadow-KV check says so on its own (kv-content)."""
+    def moved(objs):
+        a = next(o for o in objs if o.get("kind") == "arrival" and o["req"].startswith("4-"))
+        a["lora"]["path"] = a["lora"]["path"] + "-elsewhere"
+
+    divs = replay_file(rewrite(TRACE, tmp_path / "moved.jsonl", moved), device="cpu", worker=0).divergences
+    kv = [d for d in divs if d.kind == "kv-content"]
+    assert kv and kv[0].req.startswith("4-") and kv[0].step == 0 and "written by 1-" in kv[0].recorded

@@ -186,6 +186,8 @@ MEETS_THE_BUG = (209, "async-failures")
 # so-spec- kind from 9530 to 9583 pass (104 runs).
 # With prompts of embeddings: four seeds of each pe- kind, pe-async:9700-9703 to
 # pe-spec-aborts:9880-9883 (ten apart, in the order of PE_KINDS), pass (76 runs).
+# With LoRA: four seeds of each lo- kind, lo-async:10000-10003 to
+# lo-spec-aborts:10180-10183 (ten apart, in the order of LO_KINDS), pass (76 runs).
 CI_SEEDS = [(100, "async"), (101, "async"), MEETS_THE_BUG, (210, "async-failures"),
             (300, "sync-failures"), (414, "knobs"), (416, "knobs"), (403, "knobs"),
             (400, "async-knobs"), (404, "async-knobs"), (542, "async-knobs"), (457, "knobs"),
@@ -196,7 +198,7 @@ CI_SEEDS = [(100, "async"), (101, "async"), MEETS_THE_BUG, (210, "async-failures
             (3363, "async-rlhf-sessions"), (4337, "async-rlhf-sessions"),
             (5467, "async-rlhf-sessions"), (7001, "spec-knobs"), (7203, "spec-mixed"),
             (7524, "spec-rlhf-sessions"), (7609, "spec-rlhf"), (9066, "so-async-stream"),
-            (9301, "so-spec-mixed"), (9800, "pe-async-mixed")]
+            (9301, "so-spec-mixed"), (9800, "pe-async-mixed"), (10102, "lo-async-mixed")]
 
 
 KINDS = ("async", "async-failures", "sync-failures", "knobs", "async-knobs", "stream", "async-stream",

@@ -18,11 +18,15 @@ filling).
 A prompt given as embeddings (``prompt_embeds``) has token id 0 at each
 position given as embeddings. The KV there comes from the embeddings, not from
 a token, so such a position's "token" is a stand-in drawn from the digest of
-its block's rows (``embeds_stand_ins``), outside the range of token ids: a
+its block's rows (``content_tokens``), outside the range of token ids: a
 slot written from embeddings and read as another request's token 0, or as
 other embeddings, is wrong KV. Two requests read each other's slots only
 through a prefix hit, on blocks of equal digests, so a stand-in per block is
-enough.
+enough. A request's LoRA adapter changes its KV at every position: its first
+position's token (or stand-in) is replaced by a stand-in drawn from it and the
+adapter's path, and every fingerprint of the request, a sum that starts there,
+is the adapter's own. A slot written under one adapter and read under another
+is wrong KV.
 
 A streaming-input session keeps its id, blocks and KV from turn to turn. When
 a turn ends, its tokens are cut back to those whose KV is written (the
@@ -42,23 +46,36 @@ from kvtrace.trace import events as ev
 from .checks import admitted_hits
 from .shadow_kv import ShadowKV
 
-def embeds_stand_ins(a: ev.Arrival, block_size: int) -> list[int]:
-    """The arrival's prompt, with a stand-in at each position given as
-    embeddings: one per block, from its digest, in 2^62 .. 2^63 (token ids are
-    at most 2^40, and the shadow cache holds int64)."""
+
+def _stand_in(data: bytes) -> int:
+    """A stand-in token drawn from ``data``, in 2^62 .. 2^63: token ids are at
+    most 2^40, and the shadow cache holds int64."""
+    h = blake2b(data, digest_size=8).digest()
+    return (1 << 62) | (int.from_bytes(h, "little") & ((1 << 62) - 1))
+
+
+def content_tokens(a: ev.Arrival, block_size: int) -> list[int]:
+    """The arrival's prompt as the shadow cache takes it: a stand-in at each
+    position given as embeddings, one per block, from its digest; and with a
+    LoRA adapter, the first position's token, or stand-in, and the adapter's
+    path in one stand-in."""
     tokens = list(a.prompt_token_ids)
-    if a.prompt_embeds is None:
-        return tokens
+    if a.prompt_embeds is not None:
+        _embeds(tokens, a, block_size)
+    if a.lora is not None:
+        tokens[0] = _stand_in(f"lora {a.lora['path']} {tokens[0]}".encode())
+    return tokens
+
+
+def _embeds(tokens: list[int], a: ev.Arrival, block_size: int) -> None:
     as_ids = [False] * len(tokens)
     for start, end in a.prompt_is_token_ids or ():
         as_ids[start:end] = [True] * (end - start)
     for i, digest in enumerate(a.prompt_embeds):
-        h = blake2b(digest.encode(), digest_size=8).digest()
-        stand_in = (1 << 62) | (int.from_bytes(h, "little") & ((1 << 62) - 1))
+        stand_in = _stand_in(digest.encode())
         for p in range(i * block_size, min((i + 1) * block_size, len(tokens))):
             if not as_ids[p]:
                 tokens[p] = stand_in
-    return tokens
 
 
 FINISHED = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_ABORTED",
@@ -111,7 +128,7 @@ class ContentCheck:
         if a.resumable:
             self.sessions[a.req] = deque()
         most = min(len(a.prompt_token_ids) + a.max_tokens, self.max_model_len)
-        self.kv.add_request(a.req, embeds_stand_ins(a, self.block_size), most)
+        self.kv.add_request(a.req, content_tokens(a, self.block_size), most)
         if a.skip_reading_prefix_cache:
             self.reads_no_cache.add(a.req)
 

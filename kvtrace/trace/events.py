@@ -184,8 +184,11 @@ def _lora(v: Any) -> dict | None:
     if v is None:
         return None
     d = _obj(v, "lora")
-    return {"id": _int(_get(d, "id"), "lora.id", 1), "name": _str(_get(d, "name"), "lora.name"),
+    lora = {"id": _int(_get(d, "id"), "lora.id", 1), "name": _str(_get(d, "name"), "lora.name"),
             "path": _str(_get(d, "path"), "lora.path")}
+    if not lora["path"]:   # vLLM's LoRARequest has none without a path
+        raise SchemaError("field 'lora.path' is empty")
+    return lora
 
 
 def _opt_strs(v: Any, name: str) -> list[str] | None:

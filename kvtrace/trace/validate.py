@@ -74,6 +74,7 @@ class Validator:
         # A prompt of embeddings has a digest per block of the size vLLM hashes
         # at: hash_block_size, with several KV-cache groups (replay refuses
         # those; the trace still reads for show and diff).
+        self.lora = bool(header.features.get("lora"))
         hb = header.features.get("hash_block_size")
         self.hash_block_size = hb if type(hb) is int and hb > 0 else cfg.block_size
         self.live: set[str] = set()
@@ -100,6 +101,9 @@ class Validator:
                 raise SchemaError(f"a prompt of {len(e.prompt_token_ids)} tokens leaves no room "
                                   f"for an output token within the header's max_model_len "
                                   f"{self.max_model_len}")
+            if e.lora is not None and not self.lora:   # vLLM refuses it (input_processor.py:285)
+                raise SchemaError(f"request '{e.req}' names a LoRA adapter, but the header's "
+                                  "features say LoRA is off")
             if e.prompt_embeds is not None:
                 blocks = -(-len(e.prompt_token_ids) // self.hash_block_size)
                 if len(e.prompt_embeds) != blocks:
