@@ -451,3 +451,27 @@ def test_a_shutdown_that_kills_the_engines_process_tree_leaves_the_trace_whole(t
     evs = list(r)
     assert [e.kind for e in evs][-2:] == ["abort", "end"] and len(evs) == 9
     assert evs[-1].status == "complete"
+
+
+def test_a_termination_during_the_closing_of_the_trace_waits_for_the_end(tmp_path):
+    """vLLM resets the engine core's signal handlers before its shutdown, and
+    its process manager sends SIGTERM as soon as its own shutdown starts: the
+    engine core died while it wrote the end record. The close now holds a
+    SIGTERM until it is done, and the process then dies of it as it would
+    have."""
+    import subprocess
+    import sys
+
+    marker = tmp_path / "closed"
+    code = f"""
+import os, signal, time
+from kvtrace.record.vllm_recorder import _termination_deferred
+with _termination_deferred():
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.2)
+    open({str(marker)!r}, "w").write("end")
+print("not reached")
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert marker.read_text() == "end"
+    assert p.returncode == -15 and "not reached" not in p.stdout

@@ -55,11 +55,13 @@ destination configured records nothing.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import itertools
 import logging
 import operator
 import os
+import signal
 import sys
 import threading
 import weakref
@@ -323,7 +325,9 @@ class Recorder:
         self.active = True
         self.step_index = 0
         self.has_connector = getattr(sched, "connector", None) is not None
-        self.hash_block_size = int(getattr(sched, "hash_block_size", sched.block_size))
+        # The size vLLM hashes blocks at: a prompt of embeddings has a digest per block.
+        self.hash_block_size = int(getattr(sched, "hash_block_size", None)
+                                   or getattr(sched, "block_size", None) or 16)
         # Per-step capture, reset at every schedule().
         self.lookups: list[Lookup] = []
         self.loads: list[KVLoad] = []
@@ -697,6 +701,34 @@ class Recorder:
             self.sink.put(ev)
 
 
+@contextlib.contextmanager
+def _termination_deferred():
+    """While the engine's shutdown closes the trace: a SIGTERM or SIGINT waits
+    until the end record is written, then takes effect as it would have. vLLM
+    resets the engine core's handlers before its shutdown, and its process
+    manager sends SIGTERM as soon as its own shutdown starts: the engine core
+    died in the middle of writing the end. Only on the main thread, where
+    handlers are set; a SIGKILL (a process manager's grace period over) still
+    ends the process at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = {}
+    try:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, lambda signum, frame: held.append(signum))
+    except (ValueError, OSError):
+        pass
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for sig in dict.fromkeys(held):
+            signal.raise_signal(sig)
+
+
 _ACTIVE: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
 _CLAIMED: dict[str, int] = {}
 _CLAIM_LOCK = threading.Lock()
@@ -998,7 +1030,8 @@ def make_recording_scheduler(base_cls: type) -> type:
                 rec = getattr(self, "_kvtrace", None)
                 if rec is not None:
                     try:
-                        rec.close(interrupted=failure)
+                        with _termination_deferred():
+                            rec.close(interrupted=failure)
                     except Exception:
                         logger.exception("kvtrace: closing the trace failed")
 
