@@ -478,6 +478,10 @@ class ProcessSink(_Sink):
         if raw < 3:  # never where the writer process's stdin/stdout/stderr go
             raw, low = above_stdio(raw), raw
             os.close(low)
+        # Locked before the writer exists: the lock goes with the open file,
+        # which the writer inherits, so the file is never unlocked before the
+        # writer has finished it, however early wait_for_writers looks.
+        hold_lock(raw)
         mine, theirs = socket.socketpair()
         try:
             if not sys.executable:
@@ -696,6 +700,17 @@ def split_trace_name(name: str) -> tuple[str, str]:
         if name.endswith(ext):
             return name[: -len(ext)], ext
     return name, ""
+
+
+def hold_lock(fd: int) -> None:
+    """Take an exclusive lock on the trace file open as ``fd``, so that whoever
+    started the engine can wait for the file to be whole (``wait_for_writers``).
+    The lock belongs to the open file, shared by every descriptor of it, the
+    writer process's included. Where locks do not work, nothing."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        pass
 
 
 def wait_for_writers(path: str | os.PathLike, timeout: float = 60.0) -> None:

@@ -29,7 +29,6 @@ events are dropped and the end record, if it can still be written, says
 
 from __future__ import annotations
 
-import fcntl
 import os
 import select
 import signal
@@ -37,7 +36,7 @@ import sys
 
 import orjson
 
-from kvtrace.record.sink import FLUSH_IDLE_S, Records
+from kvtrace.record.sink import FLUSH_IDLE_S, Records, hold_lock
 from kvtrace.trace.events import Header
 from kvtrace.trace.io import TraceWriter
 
@@ -70,7 +69,7 @@ def _say(msg: str) -> None:
 def serve(fd_in: int, path: str, fd_out: int) -> int:
     """Write the trace ``path`` (open as ``fd_out``) from the lines on ``fd_in``.
     Returns the exit status: 0 when the file holds everything it was sent."""
-    _hold(fd_out)
+    hold_lock(fd_out)   # held already, unless the file came from elsewhere
     lines = _lines(fd_in)
     first = next((line for line in lines if line is not IDLE), None)
     if first is None:
@@ -113,16 +112,6 @@ def serve(fd_in: int, path: str, fd_out: int) -> int:
         _say(f"closing the trace {path} failed: {type(e).__name__}: {e}")
         return 1
     return 0 if error is None else 1
-
-
-def _hold(fd: int) -> None:
-    """Hold an exclusive lock on the trace file while it is written, so that
-    whoever started the engine can wait for the file to be whole
-    (``kvtrace.record.sink.wait_for_writers``). Where locks do not work, nothing."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        pass
 
 
 def main(argv: list[str] | None = None) -> int:
