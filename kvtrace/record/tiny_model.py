@@ -118,12 +118,6 @@ def ensure_tokenizer(model_dir: str | os.PathLike) -> str:
     return str(out)
 
 
-if __name__ == "__main__":  # pragma: no cover
-    import sys
-
-    print(ensure_tiny_model(size=sys.argv[1] if len(sys.argv) > 1 else "tiny"))
-
-
 def ensure_lora_adapter(model_dir: str | os.PathLike, index: int, rank: int = 4) -> str:
     """A LoRA adapter for the model in ``model_dir``, in PEFT's layout, built
     beside it (``<model_dir>-lora<index>``) unless it is already there: random
@@ -162,3 +156,10 @@ def ensure_lora_adapter(model_dir: str | os.PathLike, index: int, rank: int = 4)
 
         shutil.rmtree(tmp, ignore_errors=True)
     return str(out)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    import sys
+
+    print(ensure_tiny_model(size=sys.argv[1] if len(sys.argv) > 1 else "tiny"))
+

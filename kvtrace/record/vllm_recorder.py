@@ -398,7 +398,7 @@ class Recorder:
         sp = request.sampling_params
         prompt, embeds, mask = request.prompt_token_ids, None, None
         if not chunk and getattr(request, "prompt_embeds", None) is not None:
-            # The token ids the scheduler hashes: 0 where the prompt is embeddings (R:146-159).
+            # The token ids the scheduler hashes: 0 where the prompt is embeddings (R:147-159).
             prompt = request.all_token_ids[:request.num_prompt_tokens]
             embeds = _embeds_digests(request, self.hash_block_size)
             mask = _runs(getattr(request, "prompt_is_token_ids", None))

@@ -508,39 +508,31 @@ def _request(a: ev.Arrival, block_hasher: Any, block_size: int) -> Any:
         from vllm.lora.request import LoRARequest
 
         lora = LoRARequest(a.lora["name"], a.lora["id"], a.lora["path"])
-    if a.prompt_embeds is None:
-        return Request(request_id=a.req, prompt_token_ids=list(a.prompt_token_ids),
-                       sampling_params=sp, pooling_params=pp, arrival_time=a.arrival_time,
-                       cache_salt=a.cache_salt, priority=a.priority, block_hasher=block_hasher,
-                       resumable=a.resumable, lora_request=lora)
-    # A prompt of embeddings: a stand-in tensor of the prompt's length, and its
-    # blocks' recorded digests put in the request's cache of them, where vLLM's
-    # block hasher looks first (KU:613-621). A block past the prompt hashes the
-    # stand-in's empty slice, as the engine hashed the real one's.
-    import torch
+    embeds = {}
+    if a.prompt_embeds is not None:
+        # A prompt of embeddings: a stand-in tensor of the prompt's length, and
+        # its blocks' recorded digests put in the request's cache of them (below),
+        # where vLLM's block hasher looks first (KU:613-621). A block past the
+        # prompt hashes the stand-in's empty slice, as the engine hashed the real one's.
+        import torch
 
+        n = len(a.prompt_token_ids)
+        embeds = dict(prompt_embeds=torch.zeros(n, 1),
+                      prompt_is_token_ids=(None if a.prompt_is_token_ids is None
+                                           else ev.mask_from_runs(a.prompt_is_token_ids, n)))
     r = Request(request_id=a.req, prompt_token_ids=list(a.prompt_token_ids),
-                prompt_embeds=torch.zeros(len(a.prompt_token_ids), 1),
-                prompt_is_token_ids=_mask(a.prompt_is_token_ids, len(a.prompt_token_ids)),
                 sampling_params=sp, pooling_params=pp, arrival_time=a.arrival_time,
-                cache_salt=a.cache_salt, priority=a.priority, block_hasher=None,
-                resumable=a.resumable, lora_request=lora)
+                cache_salt=a.cache_salt, priority=a.priority,
+                block_hasher=None if embeds else block_hasher,
+                resumable=a.resumable, lora_request=lora, **embeds)
+    if not embeds:
+        return r
     r._prompt_embeds_per_block_hashes.update(
         ((i * block_size, (i + 1) * block_size), bytes.fromhex(d))
         for i, d in enumerate(a.prompt_embeds))
     r._block_hasher = block_hasher
     r.update_block_hashes()
     return r
-
-
-def _mask(runs: list[list[int]] | None, n: int) -> list[bool] | None:
-    """A per-position mask from its runs of True."""
-    if runs is None:
-        return None
-    mask = [False] * n
-    for start, end in runs:
-        mask[start:end] = [True] * (end - start)
-    return mask
 
 
 def _model_output(rec: ev.Output, so: Any, dropped: list[str]) -> Any:

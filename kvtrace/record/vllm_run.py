@@ -75,6 +75,7 @@ import sys
 from typing import Any
 
 from kvtrace.record.tiny_model import ensure_lora_adapter, ensure_tiny_model, ensure_tokenizer
+from kvtrace.trace.events import mask_from_runs
 
 logger = logging.getLogger("kvtrace.record")
 
@@ -748,10 +749,7 @@ def _embed_prompts(llm: Any, prompts: list[dict], given: list) -> None:
         if runs is None:
             del prompt["prompt_token_ids"]
             continue
-        mask = [False] * len(ids)
-        for start, end in runs:
-            mask[start:end] = [True] * (end - start)
-        prompt["prompt_is_token_ids"] = mask
+        prompt["prompt_is_token_ids"] = mask_from_runs(runs, len(ids))
 
 
 def _lora_requests(llm: Any, given: list | None, n: int) -> list:

@@ -68,9 +68,7 @@ def content_tokens(a: ev.Arrival, block_size: int) -> list[int]:
 
 
 def _embeds(tokens: list[int], a: ev.Arrival, block_size: int) -> None:
-    as_ids = [False] * len(tokens)
-    for start, end in a.prompt_is_token_ids or ():
-        as_ids[start:end] = [True] * (end - start)
+    as_ids = ev.mask_from_runs(a.prompt_is_token_ids, len(tokens))
     for i, digest in enumerate(a.prompt_embeds):
         stand_in = _stand_in(digest.encode())
         for p in range(i * block_size, min((i + 1) * block_size, len(tokens))):

@@ -179,6 +179,15 @@ def _runs(v: Any, name: str, n: int) -> list[list[int]] | None:
     return v
 
 
+def mask_from_runs(runs: list[list[int]] | None, n: int) -> list[bool]:
+    """The per-position mask of ``n`` positions that ``runs`` [start, end) mark
+    True (``Arrival.prompt_is_token_ids``); all False for None."""
+    mask = [False] * n
+    for start, end in runs or ():
+        mask[start:end] = [True] * (end - start)
+    return mask
+
+
 def _lora(v: Any) -> dict | None:
     """None, or a LoRA adapter: its id (at least 1), name and path."""
     if v is None:

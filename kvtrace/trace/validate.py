@@ -71,10 +71,10 @@ class Validator:
         self.num_blocks = cfg.num_blocks
         self.token_limit = cfg.max_model_len + cfg.num_blocks * cfg.block_size
         self.max_model_len = cfg.max_model_len
+        self.lora = bool(header.features.get("lora"))
         # A prompt of embeddings has a digest per block of the size vLLM hashes
         # at: hash_block_size, with several KV-cache groups (replay refuses
         # those; the trace still reads for show and diff).
-        self.lora = bool(header.features.get("lora"))
         hb = header.features.get("hash_block_size")
         self.hash_block_size = hb if type(hb) is int and hb > 0 else cfg.block_size
         self.live: set[str] = set()
