@@ -1,13 +1,13 @@
 """The baseline profile (semantics doc, section 0.1): which engines' traces can
 be replayed, by the reference and by vLLM's own scheduler alike.
 
-Speculative decoding is inside it when the scheduler's arithmetic is that of
-draft tokens alone: the synchronous scheduler, no lookahead slots, no extra
-input slots for drafting, a fixed number of drafts (n-gram and suffix
-decoding; not EAGLE, MTP or a draft model, which reserve slots past the
-drafts). Outside it, the scheduler's arithmetic changes (EAGLE's
-dropped hit block, sliding-window null blocks, Mamba alignment, encoder
-budgets, ...). A trace whose header turns on such a feature is refused, with
+Speculative decoding is inside it under the synchronous scheduler with a
+fixed number of drafts that take no input slots of their own: n-gram and
+suffix decoding, and EAGLE, EAGLE3 and one-module MTP, whose lookahead slots
+and dropped hit block the reference models (not a draft model or parallel
+drafting, which take input slots, nor multi-module MTP, whose chunks keep clear
+of the drafter's reads). Outside it, the scheduler's arithmetic changes
+(sliding-window null blocks, Mamba alignment, encoder budgets, ...). A trace whose header turns on such a feature is refused, with
 the feature named, rather than replayed into false divergences. The vLLM
 recorder writes every key read here (``build_header``); a key a trace does not
 name is taken as off (traces recorded before ``lora`` and
@@ -22,8 +22,6 @@ from __future__ import annotations
 
 # Features that are on when they are true or a number above 0.
 FLAGS = {
-    "num_lookahead_tokens": "lookahead slots",
-    "use_eagle": "EAGLE",
     "has_mamba_layers": "Mamba layers",
     "multimodal": "a multimodal model",
     "prefix_replay_tokens": "prefix replay windows",
@@ -45,6 +43,7 @@ TYPES = {
     "async_scheduling": "flag", "scheduler_reserve_full_isl": "flag",
     "enable_chunked_prefill": "flag", "long_prefill_token_threshold_adaptive": "flag",
     "defer_block_free": "flag", "requires_kv_delivery": "flag", "use_eagle": "flag",
+    "eagle_block_drop": "flag", "num_prefill_lookahead_tokens": "count0",
     "has_mamba_layers": "flag", "multimodal": "flag", "lora": "flag", "prompt_embeds": "flag",
     "max_loras": "count",
     "pooling_runner": "flag",
@@ -123,9 +122,17 @@ def outside(features: dict, block_size: int) -> str | None:
 
 def speculative(features: dict) -> str | None:
     """Why a header's speculative decoding is outside the baseline, or None
-    (none, or drafts alone under the synchronous scheduler)."""
+    (none, or under the synchronous scheduler a fixed number of drafts that
+    take no input slots of their own: n-gram and suffix decoding, and EAGLE,
+    EAGLE3 or one-module MTP, with their lookahead slots and dropped hit
+    block)."""
     k = features.get("num_speculative_tokens")
+    eagle = features.get("use_eagle")
+    lookahead = features.get("num_lookahead_tokens")
     if not k:
+        if eagle or lookahead:
+            return (f"EAGLE or lookahead slots without speculative decoding (use_eagle={eagle!r}, "
+                    f"num_lookahead_tokens={lookahead!r})")
         return None
     on = f"speculative decoding (num_speculative_tokens={k!r})"
     if features.get("async_scheduling"):
@@ -137,4 +144,16 @@ def speculative(features: dict) -> str | None:
         return f"{on} is on, and the trace does not say how many input slots drafting takes"
     if slots:
         return f"{on} with {slots} input slot{'s' if slots > 1 else ''} per request for drafting is on"
+    if eagle:
+        if features.get("eagle_block_drop") is None:
+            return (f"{on} by EAGLE is on, and the trace does not say whether a prefix hit drops "
+                    "its last block (eagle_block_drop)")
+        ahead = features.get("num_prefill_lookahead_tokens")
+        if ahead is None:
+            return (f"{on} by EAGLE is on, and the trace does not say how far past a prefill "
+                    "chunk the drafter reads (num_prefill_lookahead_tokens)")
+        if ahead > 1:
+            # Multi-module MTP: chunks end clear of the drafter's reads (S:575-589),
+            # and the last ahead - 1 computed tokens are never cached (KC:346-352).
+            return f"{on} by multi-module MTP is on (num_prefill_lookahead_tokens={ahead!r})"
     return None

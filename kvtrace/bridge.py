@@ -46,6 +46,8 @@ def config_from_header(header: ev.Header) -> SchedulerConfig:
         defer_block_free=defer,
         requires_kv_delivery=delivery,
         num_spec_tokens=int(f.get("num_speculative_tokens") or 0),
+        num_lookahead_tokens=int(f.get("num_lookahead_tokens") or 0),
+        eagle_block_drop=bool(f.get("use_eagle") and f.get("eagle_block_drop")),
         num_sampled_tokens_per_step=0 if f.get("pooling_runner") else 1,
         max_loras=f.get("max_loras") if f.get("lora") else None,
     )
@@ -72,6 +74,9 @@ def header_features(cfg: SchedulerConfig) -> dict:
         "requires_kv_delivery": cfg.requires_kv_delivery,
         **({"num_speculative_tokens": cfg.num_spec_tokens, "num_draft_slots": 0}
            if cfg.num_spec_tokens else {}),
+        **({"num_lookahead_tokens": cfg.num_lookahead_tokens} if cfg.num_lookahead_tokens else {}),
+        **({"use_eagle": True, "eagle_block_drop": True, "num_prefill_lookahead_tokens": 1}
+           if cfg.eagle_block_drop else {}),
         **({"lora": True, "max_loras": cfg.max_loras} if cfg.max_loras else {}),
     }
 

@@ -480,7 +480,17 @@ def test_garbage_inside_gzip(base, tmp_path, capsys):
      "dynamic speculative decoding (num_speculative_tokens=2) is on"),
     ({"num_kv_cache_groups": 2}, "2 KV-cache groups"),
     ({"pipeline_parallel_size": 2}, "pipeline parallelism is on"),
-    ({"use_eagle": True}, "EAGLE is on"),
+    ({"use_eagle": True}, "EAGLE or lookahead slots without speculative decoding (use_eagle=True"),
+    ({"num_speculative_tokens": 2, "num_draft_slots": 0, "use_eagle": True},
+     "speculative decoding (num_speculative_tokens=2) by EAGLE is on, and the trace does not say "
+     "whether a prefix hit drops its last block (eagle_block_drop)"),
+    ({"num_speculative_tokens": 2, "num_draft_slots": 0, "use_eagle": True, "eagle_block_drop": True},
+     "speculative decoding (num_speculative_tokens=2) by EAGLE is on, and the trace does not say "
+     "how far past a prefill chunk the drafter reads (num_prefill_lookahead_tokens)"),
+    ({"num_speculative_tokens": 2, "num_draft_slots": 0, "use_eagle": True, "eagle_block_drop": True,
+      "num_prefill_lookahead_tokens": 2},
+     "speculative decoding (num_speculative_tokens=2) by multi-module MTP is on "
+     "(num_prefill_lookahead_tokens=2)"),
     ({"multimodal": True}, "a multimodal model is on"),
     ({"kv_cache_group_kinds": ["SlidingWindowSpec"]},
      "a KV-cache group of kind 'SlidingWindowSpec', not full attention"),

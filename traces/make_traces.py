@@ -36,6 +36,7 @@ TRACES = {
     "repetition": "repetition",
     "prompt-embeds": "embeds",
     "lora": "lora",
+    "eagle": "eagle",
 }
 # Traces of vLLM's own bugs, unchanged engine, in vllm-bugs/: the engine fails
 # on them, and the trace ends "interrupted" with its error. On those in

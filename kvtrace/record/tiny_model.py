@@ -6,7 +6,8 @@ is identical. There is no tokenizer: run vLLM with ``skip_tokenizer_init=True``
 and give prompts as token ids. Structured outputs need one, to compile a
 grammar over the vocabulary: ``ensure_tokenizer(dir)`` adds a byte-level BPE
 tokenizer, trained here on a fixed text, beside the weights. LoRA needs
-adapters: ``ensure_lora_adapter(dir, index)`` builds a random one beside them.
+adapters: ``ensure_lora_adapter(dir, index)`` builds a random one beside them;
+EAGLE a draft head: ``ensure_eagle_draft(dir)``.
 
 Two sizes:
 
@@ -149,6 +150,58 @@ def ensure_lora_adapter(model_dir: str | os.PathLike, index: int, rank: int = 4)
     (tmp / "adapter_config.json").write_text(json.dumps({
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
         "target_modules": list(outs), "bias": "none", "base_model_name_or_path": str(model_dir)}))
+    try:
+        tmp.rename(out)
+    except OSError:   # built meanwhile by another process
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)
+
+
+def ensure_eagle_draft(model_dir: str | os.PathLike) -> str:
+    """An EAGLE draft head for the model in ``model_dir`` (vLLM's
+    ``EagleLlamaForCausalLM``: one decoder layer over the token's embedding and
+    the model's hidden state, sharing the model's embeddings and head), built
+    beside it (``<model_dir>-eagle``) unless it is already there. Its ``fc``
+    passes the hidden state through and its layer adds little to it, so each
+    draft is about the token the model has just sampled: the model takes a draft
+    where its own output repeats a token, and rejects it elsewhere. Returns the
+    directory."""
+    import json
+
+    model_dir = Path(model_dir)
+    out = model_dir.parent / f"{model_dir.name}-eagle"
+    if (out / "model.safetensors").exists():
+        return str(out)
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
+    q_out, kv_out = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+    gen = torch.Generator().manual_seed(SEED)
+
+    def small(*shape):
+        return (torch.randn(*shape, generator=gen) * 0.01).to(torch.bfloat16)
+
+    fc = torch.cat([torch.zeros(hidden, hidden), torch.eye(hidden)], dim=1).to(torch.bfloat16)
+    layer = "layers.0."
+    tensors = {"fc.weight": fc,
+               layer + "self_attn.q_proj.weight": small(q_out, hidden),
+               layer + "self_attn.k_proj.weight": small(kv_out, hidden),
+               layer + "self_attn.v_proj.weight": small(kv_out, hidden),
+               layer + "self_attn.o_proj.weight": small(hidden, q_out),
+               layer + "mlp.gate_proj.weight": small(inter, hidden),
+               layer + "mlp.up_proj.weight": small(inter, hidden),
+               layer + "mlp.down_proj.weight": small(hidden, inter),
+               layer + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "config.json").write_text(json.dumps(
+        {**cfg, "num_hidden_layers": 1, "architectures": ["EagleLlamaForCausalLM"]}))
+    save_file(tensors, str(tmp / "model.safetensors"))
     try:
         tmp.rename(out)
     except OSError:   # built meanwhile by another process

@@ -286,6 +286,11 @@ def build_header(sched: Any, meta: dict | None = None) -> Header:
         "prefix_caching_hash_algo": str(getattr(cc, "prefix_caching_hash_algo", "")),
         "prefix_replay_tokens": int(getattr(sched, "prefix_replay_tokens", 0) or 0),
         "use_eagle": bool(getattr(sched, "use_eagle", False)),
+        # With EAGLE: whether a prefix hit drops its last block, and how far past
+        # a prefill chunk the drafter reads (above 1 for multi-module MTP).
+        "eagle_block_drop": bool(getattr(sched, "use_eagle_block_drop",
+                                         getattr(sched, "use_eagle", False))),
+        "num_prefill_lookahead_tokens": int(getattr(sched, "num_prefill_lookahead", 0) or 0),
         "has_mamba_layers": bool(getattr(sched, "has_mamba_layers", False)),
         "multimodal": bool(getattr(vc.model_config, "is_multimodal_model", False)),
         # A LoRA slot limit (max_loras) and data-parallel prefill throttling

@@ -328,9 +328,15 @@ def _build_vllm_config(header: ev.Header) -> Any:
         # wants its package installed). Set afterwards, as async scheduling is.
         from vllm.config import SpeculativeConfig
 
-        vc.speculative_config = SpeculativeConfig(
+        spec = SpeculativeConfig(
             method="ngram", num_speculative_tokens=int(k),
             target_model_config=model_config, target_parallel_config=vc.parallel_config)
+        if f.get("use_eagle"):
+            # EAGLE's scheduler rules (lookahead slots, the dropped hit block)
+            # follow from the method name alone; its draft model is never loaded.
+            spec.method = "eagle"
+            spec.disable_eagle_block_drop = not f.get("eagle_block_drop")
+        vc.speculative_config = spec
     return vc
 
 

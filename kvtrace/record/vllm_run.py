@@ -74,7 +74,8 @@ import subprocess
 import sys
 from typing import Any
 
-from kvtrace.record.tiny_model import ensure_lora_adapter, ensure_tiny_model, ensure_tokenizer
+from kvtrace.record.tiny_model import (ensure_eagle_draft, ensure_lora_adapter, ensure_tiny_model,
+                                      ensure_tokenizer)
 from kvtrace.trace.events import mask_from_runs
 
 logger = logging.getLogger("kvtrace.record")
@@ -402,6 +403,19 @@ def with_drafts(workload: dict, seed: int) -> dict:
     return wl
 
 
+def with_eagle(workload: dict, seed: int) -> dict:
+    """``workload`` with speculative decoding by an EAGLE draft head
+    (``ensure_eagle_draft``, given to the engine when it is built): 1 to 4
+    drafts per step, each slot past a scheduled chunk kept for the drafter, and
+    a prefix hit short of its last block. Drawn from ``seed`` apart from the
+    workload's own draws."""
+    wl = copy.deepcopy(workload)
+    rng = random.Random(seed + 7_000_003)
+    wl["engine"]["speculative_config"] = {"method": "eagle",
+                                          "num_speculative_tokens": rng.randint(1, 4)}
+    return wl
+
+
 def with_grammars(workload: dict, seed: int) -> dict:
     """``workload`` with structured outputs: about half its requests (not
     streaming-input sessions) get a regex, a choice or a JSON schema, some with
@@ -574,6 +588,21 @@ WORKLOADS["speculative"] = dict(
     max_tokens=48, arrive_at=[0] * 13 + [40],
     engine=dict(num_gpu_blocks_override=16, speculative_config=_NGRAM))
 
+# EAGLE speculative decoding (``ensure_eagle_draft``): every scheduled chunk
+# gets three slots past it for the drafter, and a prefix hit gives back its
+# last block. A prompt of three whole blocks, sent again, hits one block (two,
+# less the dropped one); one that extends it hits two. Prompts that repeat
+# themselves take drafts, the others reject them, in a KV cache small enough
+# to preempt.
+_EAGLE_PROMPT = list(range(10, 106))
+WORKLOADS["eagle"] = dict(
+    prompts=[_EAGLE_PROMPT] + [([5, 6, 7, 8] * 10)[:30 + 3 * i] for i in range(3)]
+    + [[(31 * i + 7 * j) % 400 + 16 for j in range(40 + 5 * i)] for i in range(3)]
+    + [_EAGLE_PROMPT, _EAGLE_PROMPT + list(range(300, 316))],
+    max_tokens=40, arrive_at=[0] * 7 + [30, 30],
+    engine=dict(num_gpu_blocks_override=20,
+                speculative_config={"method": "eagle", "num_speculative_tokens": 3}))
+
 # vLLM 0.32 with speculative decoding: a waiting request with one token to
 # compute is padded to 1 + num_speculative_tokens while decodes run; a
 # long-prefill threshold below that cuts the padded chunk, and the engine
@@ -665,6 +694,9 @@ def run_workload(model_dir: str | None, workload: Any = "prefix", **engine_kwarg
         kwargs.update(runner="pooling", skip_tokenizer_init=False, tokenizer=ensure_tokenizer(model))
     kwargs.update(wl.get("engine", {}))
     kwargs.update(engine_kwargs)
+    spec = kwargs.get("speculative_config")
+    if isinstance(spec, dict) and spec.get("method") == "eagle" and "model" not in spec:
+        kwargs["speculative_config"] = dict(spec, model=ensure_eagle_draft(model))
     if "kv_transfer_config" in kwargs and isinstance(kwargs["kv_transfer_config"], dict):
         from vllm.config import KVTransferConfig
 

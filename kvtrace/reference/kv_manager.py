@@ -23,6 +23,8 @@ class KVCacheManager:
         self.enable_caching = config.enable_prefix_caching
         self.watermark_blocks = config.watermark_blocks
         self.num_spec_tokens = config.num_spec_tokens
+        self.num_lookahead_tokens = config.num_lookahead_tokens
+        self.eagle_block_drop = config.eagle_block_drop
         self.pool = BlockPool(config.num_blocks, config.enable_prefix_caching)
         self.req_to_blocks: dict[str, list[Block]] = {}
         self.req_to_ids: dict[str, list[int]] = {}        # the same tables, as block ids
@@ -32,7 +34,9 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
         """The longest run of cached blocks at the head of the request's hash chain,
-        capped so that at least one token is left to compute (KM:264-321)."""
+        capped so that at least one token is left to compute (KM:264-321). With
+        EAGLE the last block of a hit is dropped: the drafter needs the hidden
+        states of the tokens before the first one computed (ST:816-828)."""
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return [], 0
         max_hit_tokens = request.num_tokens - 1
@@ -42,6 +46,8 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.eagle_block_drop and hits:
+            hits.pop()
         return hits, len(hits) * self.block_size
 
     def get_block_ids(self, req_id: str) -> list[int]:
@@ -69,10 +75,11 @@ class KVCacheManager:
 
     def remaining_blocks(self, request: Request) -> int:
         """Blocks the request still needs to hold its whole sequence, and with
-        speculative decoding one decode step with every draft past it (S:3060-3076)."""
+        speculative decoding one decode step with every draft and the drafter's
+        lookahead slots past it (S:3060-3076)."""
         num_tokens = min(request.num_tokens, self.max_model_len)
         if self.num_spec_tokens:
-            num_tokens += 1 + self.num_spec_tokens
+            num_tokens += 1 + self.num_spec_tokens + self.num_lookahead_tokens
         return self.num_blocks_to_allocate(request.request_id, num_tokens, [])
 
     def allocate_slots(
@@ -86,11 +93,13 @@ class KVCacheManager:
         reserved_blocks: int = 0,
         has_scheduled_reqs: bool = True,
         full_sequence_must_fit: bool = False,
+        num_lookahead_tokens: int = 0,
     ) -> list[Block] | None:
-        """Give the request slots for ``num_new_tokens`` more tokens. Returns the
-        newly allocated blocks, or None (and changes nothing) when they do not fit.
-        With ``full_sequence_must_fit``, the whole sequence must fit, not just this
-        chunk (KM:522-539).
+        """Give the request slots for ``num_new_tokens`` more tokens, and
+        ``num_lookahead_tokens`` past them for the drafter (never cached). Returns
+        the newly allocated blocks, or None (and changes nothing) when they do not
+        fit. With ``full_sequence_must_fit``, the whole sequence must fit, not just
+        this chunk (KM:522-539).
 
         Table layout after the first admission: [hits][external][new].
         """
@@ -104,10 +113,10 @@ class KVCacheManager:
         if table is not None and not hits and not num_external_computed_tokens:
             # A request that already holds blocks: top up its table (ST:229-235).
             return self._top_up(request, table, num_new_tokens, delay_cache_blocks, reserved_blocks,
-                                has_scheduled_reqs)
+                                has_scheduled_reqs, num_lookahead_tokens)
         local = request.num_computed_tokens + num_new_computed_tokens
         total = min(local + num_external_computed_tokens, self.max_model_len)
-        need_slots = min(total + num_new_tokens, self.max_model_len)
+        need_slots = min(total + num_new_tokens + num_lookahead_tokens, self.max_model_len)
 
         needed = self.num_blocks_to_allocate(req_id, need_slots, hits)
         watermark = self._watermark(request, has_scheduled_reqs)
@@ -140,14 +149,14 @@ class KVCacheManager:
         return new_blocks
 
     def _top_up(self, request: Request, table: list[Block], num_new_tokens: int,
-                delay_cache_blocks: bool, reserved_blocks: int, has_scheduled_reqs: bool
-                ) -> list[Block] | None:
+                delay_cache_blocks: bool, reserved_blocks: int, has_scheduled_reqs: bool,
+                num_lookahead_tokens: int) -> list[Block] | None:
         """allocate_slots for a request that holds a table and adopts nothing: the
         arithmetic of allocate_slots with no hits and no external tokens, kept
         apart because it is by far the most common call (every running request,
         every step)."""
         total = min(request.num_computed_tokens, self.max_model_len)
-        need_slots = min(total + num_new_tokens, self.max_model_len)
+        need_slots = min(total + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         needed = max(cdiv(need_slots, self.block_size) - len(table), 0)
         watermark = self._watermark(request, has_scheduled_reqs)
         if needed + watermark > self.pool.num_free_blocks - reserved_blocks:

@@ -38,7 +38,10 @@ scheduled for its drafts too (``num_tokens_with_spec``), and its output takes
 back the drafts it rejected from ``num_computed_tokens`` (S:2110-2128). The
 drafts come from the model after each output (``update_draft_token_ids``). A
 waiting request with one token to compute is padded to ``1 + num_spec_tokens``
-with placeholder drafts (-1) when decodes run in the step (S:1131-1153).
+with placeholder drafts (-1) when decodes run in the step (S:1131-1153). A
+drafter that runs on the model's hidden states (EAGLE, EAGLE3, MTP) gets
+``num_lookahead_tokens`` slots past each scheduled chunk to write, and a prefix
+hit gives back its last block, whose tokens the drafter needs computed again.
 
 A structured output waits in WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR until the
 waiting pass finds its grammar compiled, which the engine does beside the
@@ -215,7 +218,8 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            blocks = self.kv.allocate_slots(r, n)
+            lookahead = self.config.num_lookahead_tokens
+            blocks = self.kv.allocate_slots(r, n, num_lookahead_tokens=lookahead)
             while blocks is None:
                 victim = self._pick_victim()
                 if not self._blocks_can_be_freed(victim):
@@ -233,7 +237,7 @@ class Scheduler:
                 step.preempted.append(victim)
                 if victim is r:
                     break
-                blocks = self.kv.allocate_slots(r, n)
+                blocks = self.kv.allocate_slots(r, n, num_lookahead_tokens=lookahead)
             if blocks is None:
                 break
             step.running.append(r)
@@ -328,7 +332,10 @@ class Scheduler:
                 r, n, num_local, hits, num_external,
                 delay_cache_blocks=load_async, reserved_blocks=reserved,
                 has_scheduled_reqs=bool(self.running),
-                full_sequence_must_fit=self.config.reserve_full_isl)
+                full_sequence_must_fit=self.config.reserve_full_isl,
+                # An async load runs no model step: its lookahead slots come with
+                # its first chunk (S:1221-1226).
+                num_lookahead_tokens=0 if load_async else self.config.num_lookahead_tokens)
             if blocks is None:
                 break   # head-of-line: the whole waiting pass stops
 
@@ -418,9 +425,10 @@ class Scheduler:
         r.spec_token_ids = []
 
     def spec_decode_step_blocks(self) -> int:
-        """Blocks of one decode step with every draft: 1 + num_spec_tokens slots (S:348-357)."""
+        """Blocks of one decode step with every draft and the drafter's
+        lookahead: 1 + num_spec_tokens + num_lookahead_tokens slots (S:348-357)."""
         k = self.config.num_spec_tokens
-        return -(-(1 + k) // self.block_size) if k else 0
+        return -(-(1 + k + self.config.num_lookahead_tokens) // self.block_size) if k else 0
 
     def _pads_with_drafts(self, step: "_Step", num_computed: int) -> bool:
         """A waiting request with one token to compute is padded to a whole

@@ -71,8 +71,8 @@ def _check_fits(header: ev.Header, path) -> None:
 def _check_supported(header: ev.Header, path) -> None:
     why = baseline.refusal(header.features, header.config.block_size,
                            "the reference models the baseline profile only (one full-attention "
-                           "KV-cache group, speculative decoding by drafts alone under the "
-                           "synchronous scheduler, no pipeline parallelism)")
+                           "KV-cache group, speculative decoding by drafts alone or by EAGLE "
+                           "under the synchronous scheduler, no pipeline parallelism)")
     if why is not None:
         raise TraceError(path, 1, why)
 
