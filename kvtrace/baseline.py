@@ -2,11 +2,11 @@
 be replayed, by the reference and by vLLM's own scheduler alike.
 
 Speculative decoding is inside it under the synchronous scheduler with a
-fixed number of drafts that take no input slots of their own: n-gram and
-suffix decoding, and EAGLE, EAGLE3 and one-module MTP, whose lookahead slots
-and dropped hit block the reference models (not a draft model or parallel
-drafting, which take input slots, nor multi-module MTP, whose chunks keep clear
-of the drafter's reads). Outside it, the scheduler's arithmetic changes
+fixed number of drafts: n-gram and suffix decoding, and drafters that run a
+model (EAGLE, EAGLE3, one-module MTP, a draft model), whose lookahead slots,
+input slots per request and, for EAGLE, dropped hit block the reference
+models (not multi-module MTP, whose chunks keep clear of the drafter's
+reads). Outside it, the scheduler's arithmetic changes
 (sliding-window null blocks, Mamba alignment, encoder budgets, ...). A trace whose header turns on such a feature is refused, with
 the feature named, rather than replayed into false divergences. The vLLM
 recorder writes every key read here (``build_header``); a key a trace does not
@@ -122,10 +122,10 @@ def outside(features: dict, block_size: int) -> str | None:
 
 def speculative(features: dict) -> str | None:
     """Why a header's speculative decoding is outside the baseline, or None
-    (none, or under the synchronous scheduler a fixed number of drafts that
-    take no input slots of their own: n-gram and suffix decoding, and EAGLE,
-    EAGLE3 or one-module MTP, with their lookahead slots and dropped hit
-    block)."""
+    (none, or a fixed number of drafts under the synchronous scheduler: by
+    n-gram and suffix decoding, or by a drafter with its lookahead slots, its
+    input slots per request and, for EAGLE, EAGLE3 and one-module MTP, the
+    dropped hit block)."""
     k = features.get("num_speculative_tokens")
     eagle = features.get("use_eagle")
     lookahead = features.get("num_lookahead_tokens")
@@ -139,11 +139,8 @@ def speculative(features: dict) -> str | None:
         return f"{on} under async scheduling is on"
     if features.get("dynamic_spec_decode"):
         return f"dynamic {on} is on"
-    slots = features.get("num_draft_slots")
-    if slots is None:
+    if features.get("num_draft_slots") is None:
         return f"{on} is on, and the trace does not say how many input slots drafting takes"
-    if slots:
-        return f"{on} with {slots} input slot{'s' if slots > 1 else ''} per request for drafting is on"
     if eagle:
         if features.get("eagle_block_drop") is None:
             return (f"{on} by EAGLE is on, and the trace does not say whether a prefix hit drops "

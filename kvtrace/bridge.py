@@ -48,6 +48,7 @@ def config_from_header(header: ev.Header) -> SchedulerConfig:
         num_spec_tokens=int(f.get("num_speculative_tokens") or 0),
         num_lookahead_tokens=int(f.get("num_lookahead_tokens") or 0),
         eagle_block_drop=bool(f.get("use_eagle") and f.get("eagle_block_drop")),
+        num_draft_slots=int(f.get("num_draft_slots") or 0),
         num_sampled_tokens_per_step=0 if f.get("pooling_runner") else 1,
         max_loras=f.get("max_loras") if f.get("lora") else None,
     )
@@ -72,7 +73,7 @@ def header_features(cfg: SchedulerConfig) -> dict:
         "async_scheduling": cfg.async_scheduling,
         "defer_block_free": cfg.defer_block_free,
         "requires_kv_delivery": cfg.requires_kv_delivery,
-        **({"num_speculative_tokens": cfg.num_spec_tokens, "num_draft_slots": 0}
+        **({"num_speculative_tokens": cfg.num_spec_tokens, "num_draft_slots": cfg.num_draft_slots}
            if cfg.num_spec_tokens else {}),
         **({"num_lookahead_tokens": cfg.num_lookahead_tokens} if cfg.num_lookahead_tokens else {}),
         **({"use_eagle": True, "eagle_block_drop": True, "num_prefill_lookahead_tokens": 1}

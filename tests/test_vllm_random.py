@@ -23,7 +23,8 @@ or served as a stream, and the two combined:
   "spec-rlhf-sessions", "spec-failures", "spec-aborts"; ``with_drafts``),
   each recorded in a process of its own (``_record_apart``), and the same
   with an EAGLE draft head instead (kinds "ea-knobs" ... "ea-aborts";
-  ``with_eagle``);
+  ``with_eagle``) or the tiny model as its own draft model ("dm-knobs" ...
+  "dm-aborts"; ``with_draft_model``);
 * any of these but the sessions with structured outputs (kinds "so-KIND", for
   example "so-async-stream" or "so-spec-mixed"; ``with_grammars``): about half
   the requests get a regex, a choice or a JSON schema, some grammars slow to
@@ -71,6 +72,7 @@ from kvtrace.record.vllm_run import (  # noqa: E402
     sessions_workload,
     served,
     stream_workload,
+    with_draft_model,
     with_drafts,
     with_eagle,
     with_embeds,
@@ -216,6 +218,9 @@ SPEC_KINDS = ("spec-knobs", "spec-stream", "spec-mixed", "spec-rlhf", "spec-sess
 # With EAGLE speculative decoding, on the same bases ("ea-" + the base kind:
 # the drafter's lookahead slots, and prefix hits short of their last block).
 EA_KINDS = tuple(f"ea-{k[5:]}" for k in SPEC_KINDS)
+# With the tiny model as its own draft model ("dm-" + the base kind: a
+# drafting slot per request in the step's batch, and the lookahead slots).
+DM_KINDS = tuple(f"dm-{k[5:]}" for k in SPEC_KINDS)
 
 
 # With structured outputs: any kind above but the sessions ("so-" + kind).
@@ -233,10 +238,11 @@ def _workload(seed: int, kind: str) -> dict:
         return with_embeds(_workload(seed, kind[3:]), seed)
     if kind.startswith("lo-"):
         return with_loras(_workload(seed, kind[3:]), seed)
-    if kind.startswith(("spec-", "ea-")):
+    if kind.startswith(("spec-", "ea-", "dm-")):
         spec, rest = kind.split("-", 1)
         base = {"failures": "sync-failures", "aborts": "sync-aborts"}.get(rest, rest)
-        return (with_drafts if spec == "spec" else with_eagle)(_workload(seed, base), seed)
+        drafter = {"spec": with_drafts, "ea": with_eagle, "dm": with_draft_model}[spec]
+        return drafter(_workload(seed, base), seed)
     if kind.endswith("knobs"):
         return knobs_workload(seed, kind)
     if kind.endswith("stream"):
@@ -261,7 +267,7 @@ def _seeds() -> list[tuple[int, str]]:
     seeds = []
     for part in spec.split(","):
         kind, _, span = part.strip().rpartition(":")
-        assert kind in KINDS + SPEC_KINDS + EA_KINDS + SO_KINDS + PE_KINDS + LO_KINDS, part
+        assert kind in KINDS + SPEC_KINDS + EA_KINDS + DM_KINDS + SO_KINDS + PE_KINDS + LO_KINDS, part
         lo, _, hi = span.partition("-")
         seeds += [(s, kind) for s in range(int(lo), int(hi or lo) + 1)]
     return seeds
@@ -338,7 +344,7 @@ def test_a_random_workload_replays_clean_or_is_flagged_where_the_engine_failed(s
     workload = _workload(seed, kind)
     base = kind[3:] if kind.startswith(("so-", "pe-", "lo-")) else kind   # they change nothing below
     capped = StepLimitAsyncScheduler if base.startswith("async") else StepLimitScheduler
-    if base.startswith(("spec-", "ea-")):
+    if base.startswith(("spec-", "ea-", "dm-")):
         failed = _record_apart(out, workload, capped, tmp_path)
     else:
         try:

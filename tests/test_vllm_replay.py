@@ -472,9 +472,10 @@ def test_the_watermark_the_recording_names_is_the_replay_s_too(tmp_path):
 
 
 @pytest.mark.parametrize("features, words", [
-    ({"use_eagle": True}, "EAGLE is on"),
-    ({"num_speculative_tokens": 1, "num_draft_slots": 1},
-     r"speculative decoding \(num_speculative_tokens=1\) with 1 input slot per request for drafting"),
+    ({"use_eagle": True}, "EAGLE or lookahead slots without speculative decoding"),
+    ({"num_speculative_tokens": 2, "num_draft_slots": 0, "use_eagle": True, "eagle_block_drop": True,
+      "num_prefill_lookahead_tokens": 2},
+     r"speculative decoding \(num_speculative_tokens=2\) by multi-module MTP is on"),
     ({"num_speculative_tokens": 1, "num_draft_slots": 0, "async_scheduling": True},
      r"speculative decoding \(num_speculative_tokens=1\) under async scheduling is on"),
     ({"pipeline_parallel_size": 2}, "pipeline parallelism is on"),

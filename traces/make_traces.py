@@ -37,6 +37,7 @@ TRACES = {
     "prompt-embeds": "embeds",
     "lora": "lora",
     "eagle": "eagle",
+    "draft-model": "draft-model",
 }
 # Traces of vLLM's own bugs, unchanged engine, in vllm-bugs/: the engine fails
 # on them, and the trace ends "interrupted" with its error. On those in

@@ -416,6 +416,20 @@ def with_eagle(workload: dict, seed: int) -> dict:
     return wl
 
 
+def with_draft_model(workload: dict, seed: int) -> dict:
+    """``workload`` with speculative decoding by a draft model: the tiny
+    model drafts for itself (given to the engine when it is built), 1 to 4
+    drafts per step, which greedy requests accept and sampled ones partly
+    reject; each request takes one input slot of the step's batch for
+    drafting, and the slots past its chunk for the draft model's KV. Drawn
+    from ``seed`` apart from the workload's own draws."""
+    wl = copy.deepcopy(workload)
+    rng = random.Random(seed + 9_000_011)
+    wl["engine"]["speculative_config"] = {"method": "draft_model",
+                                          "num_speculative_tokens": rng.randint(1, 4)}
+    return wl
+
+
 def with_grammars(workload: dict, seed: int) -> dict:
     """``workload`` with structured outputs: about half its requests (not
     streaming-input sessions) get a regex, a choice or a JSON schema, some with
@@ -603,6 +617,19 @@ WORKLOADS["eagle"] = dict(
     engine=dict(num_gpu_blocks_override=20,
                 speculative_config={"method": "eagle", "num_speculative_tokens": 3}))
 
+# Speculative decoding by a draft model (the tiny model drafting for itself:
+# greedy, every draft is accepted): each scheduled request takes one input
+# slot of the step's batch for drafting beside its 1 + 3 tokens, and three
+# lookahead slots past them. In a batch of 32 input slots, six decoding
+# requests take 30; the seventh, arriving at step 12, gets one token a step
+# (what is left less its drafting slot) and the eighth waits. Prompts share
+# their first block, and the KV cache is small enough to preempt.
+WORKLOADS["draft-model"] = dict(
+    prompts=[[(17 * (i % 3) + 5 * j) % 400 + 16 for j in range(36 + 4 * i)] for i in range(8)],
+    max_tokens=96, arrive_at=[0] * 6 + [12, 12],
+    engine=dict(num_gpu_blocks_override=24, max_num_batched_tokens=32,
+                speculative_config={"method": "draft_model", "num_speculative_tokens": 3}))
+
 # vLLM 0.32 with speculative decoding: a waiting request with one token to
 # compute is padded to 1 + num_speculative_tokens while decodes run; a
 # long-prefill threshold below that cuts the padded chunk, and the engine
@@ -695,8 +722,11 @@ def run_workload(model_dir: str | None, workload: Any = "prefix", **engine_kwarg
     kwargs.update(wl.get("engine", {}))
     kwargs.update(engine_kwargs)
     spec = kwargs.get("speculative_config")
-    if isinstance(spec, dict) and spec.get("method") == "eagle" and "model" not in spec:
-        kwargs["speculative_config"] = dict(spec, model=ensure_eagle_draft(model))
+    if isinstance(spec, dict) and "model" not in spec:
+        # The drafter, built here: an EAGLE head, or the model as its own draft model.
+        drafter = {"eagle": ensure_eagle_draft, "draft_model": str}.get(spec.get("method"))
+        if drafter is not None:
+            kwargs["speculative_config"] = dict(spec, model=drafter(model))
     if "kv_transfer_config" in kwargs and isinstance(kwargs["kv_transfer_config"], dict):
         from vllm.config import KVTransferConfig
 

@@ -42,13 +42,17 @@ class SchedulerConfig:
     # Speculative decoding with drafts alone (n-gram, suffix) under the
     # synchronous scheduler: the most draft tokens a request is scheduled with.
     num_spec_tokens: int = 0
-    # EAGLE-style drafting (EAGLE, EAGLE3, MTP, a draft model) under the
+    # Drafting by a model (EAGLE, EAGLE3, MTP, a draft model) under the
     # synchronous scheduler: the slots each scheduled request gets past its
     # tokens for the drafter to write (vLLM's num_lookahead_tokens, KM:541-544),
     # and whether a prefix hit gives back its last block, which the drafter
     # needs recomputed (use_eagle_block_drop, ST:819-820).
     num_lookahead_tokens: int = 0
     eagle_block_drop: bool = False
+    # Input slots of a step's batch each scheduled request takes for drafting,
+    # past its tokens (vLLM's max_num_new_slots_for_drafting: 1 for a draft
+    # model, S:613-661).
+    num_draft_slots: int = 0
     # Context slots a step keeps for the token it samples: 0 for a pooling
     # model, which samples none (S:150-159).
     num_sampled_tokens_per_step: int = 1

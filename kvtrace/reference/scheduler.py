@@ -39,9 +39,11 @@ back the drafts it rejected from ``num_computed_tokens`` (S:2110-2128). The
 drafts come from the model after each output (``update_draft_token_ids``). A
 waiting request with one token to compute is padded to ``1 + num_spec_tokens``
 with placeholder drafts (-1) when decodes run in the step (S:1131-1153). A
-drafter that runs on the model's hidden states (EAGLE, EAGLE3, MTP) gets
-``num_lookahead_tokens`` slots past each scheduled chunk to write, and a prefix
-hit gives back its last block, whose tokens the drafter needs computed again.
+drafter that runs a model of its own (EAGLE, EAGLE3, MTP, a draft model) gets
+``num_lookahead_tokens`` slots past each scheduled chunk to write; with EAGLE a
+prefix hit gives back its last block, whose tokens the drafter needs computed
+again; and a drafter may take input slots of the step's batch for each
+request it drafts for (``num_draft_slots``: one for a draft model, S:613-661).
 
 A structured output waits in WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR until the
 waiting pass finds its grammar compiled, which the engine does beside the
@@ -185,7 +187,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         paused_all = self.pause_state == "PAUSED_ALL"   # no token budget at all (S:615-617)
         step = _Step(0 if paused_all else self.config.token_budget,
-                     self.config.max_num_batched_tokens, self._long_prefill_threshold())
+                     self.config.max_num_batched_tokens, self._long_prefill_threshold(),
+                     self.config.num_draft_slots)
         self._schedule_running(step)
         if not step.preempted and not paused_all:   # no admissions in a step that preempted (S:900)
             self._schedule_waiting(step)
@@ -273,7 +276,7 @@ class Scheduler:
             if not queue and self.pause_state == "UNPAUSED":
                 queue = self.waiting
             num_active = len(self.running) + self.num_waiting_for_streaming_input
-            if not queue or step.input_budget <= 0 or num_active >= max_active:
+            if not queue or step.input_budget <= step.draft_slots or num_active >= max_active:
                 break
             r = queue.peek()
             if not self._ready_to_schedule(r) or (r.num_stale_output_tokens
@@ -781,6 +784,7 @@ class _Step:
     token_budget: int
     input_budget: int
     threshold: int                      # long_prefill_token_threshold in force, 0 = none
+    draft_slots: int = 0                # input slots each scheduled request takes for drafting
     running: list[Request] = field(default_factory=list)
     new: list[Request] = field(default_factory=list)
     resumed: list[Request] = field(default_factory=list)
@@ -791,15 +795,16 @@ class _Step:
     prefill_scheduled: bool = False     # the running pass scheduled a prefill chunk
 
     def has_budget(self) -> bool:
-        return self.token_budget > 0 and self.input_budget > 0
+        return self.token_budget > 0 and self.input_budget > self.draft_slots
 
     def capped(self, remaining: int) -> int:
         """``remaining`` capped by the long-prefill threshold."""
         return self.threshold if 0 < self.threshold < remaining else remaining
 
     def room(self) -> int:
-        """Tokens this step can still take: the smaller of its two budgets."""
-        return min(self.token_budget, self.input_budget)
+        """Tokens this step can still take: the smaller of its two budgets, the
+        input budget less the next request's drafting slots (S:711, S:1118)."""
+        return min(self.token_budget, self.input_budget - self.draft_slots)
 
     def chunk(self, remaining: int) -> int:
         """How much of ``remaining`` fits: capped by the threshold and both budgets."""
@@ -808,13 +813,13 @@ class _Step:
     def take(self, r: Request, n: int) -> None:
         self.num_scheduled[r.request_id] = n
         self.token_budget -= n
-        self.input_budget -= n
+        self.input_budget -= n + self.draft_slots
 
     def undo(self, r: Request) -> None:
         """A priority victim already scheduled in this step gives its budget back."""
         self.running.remove(r)
         n = self.num_scheduled.pop(r.request_id)
         self.token_budget += n
-        self.input_budget += n
+        self.input_budget += n + self.draft_slots
         self.new_blocks.pop(r.request_id)
         self.spec.pop(r.request_id, None)
