@@ -1,8 +1,8 @@
 """The baseline profile (semantics doc, section 0.1): which engines' traces can
 be replayed, by the reference and by vLLM's own scheduler alike.
 
-Speculative decoding is inside it under the synchronous scheduler with a
-fixed number of drafts: n-gram and suffix decoding, and drafters that run a
+Speculative decoding is inside it, under either scheduler, with a fixed
+number of drafts: n-gram and suffix decoding, and drafters that run a
 model (EAGLE, EAGLE3, one-module MTP, a draft model), whose lookahead slots,
 input slots per request and, for EAGLE, dropped hit block the reference
 models (not multi-module MTP, whose chunks keep clear of the drafter's
@@ -122,7 +122,7 @@ def outside(features: dict, block_size: int) -> str | None:
 
 def speculative(features: dict) -> str | None:
     """Why a header's speculative decoding is outside the baseline, or None
-    (none, or a fixed number of drafts under the synchronous scheduler: by
+    (none, or a fixed number of drafts under either scheduler: by
     n-gram and suffix decoding, or by a drafter with its lookahead slots, its
     input slots per request and, for EAGLE, EAGLE3 and one-module MTP, the
     dropped hit block)."""
@@ -135,8 +135,6 @@ def speculative(features: dict) -> str | None:
                     f"num_lookahead_tokens={lookahead!r})")
         return None
     on = f"speculative decoding (num_speculative_tokens={k!r})"
-    if features.get("async_scheduling"):
-        return f"{on} under async scheduling is on"
     if features.get("dynamic_spec_decode"):
         return f"dynamic {on} is on"
     if features.get("num_draft_slots") is None:

@@ -472,8 +472,6 @@ def test_garbage_inside_gzip(base, tmp_path, capsys):
 @pytest.mark.parametrize("features,message", [
     ({"num_speculative_tokens": 2}, "speculative decoding (num_speculative_tokens=2) is on, and "
                                     "the trace does not say how many input slots drafting takes"),
-    ({"num_speculative_tokens": 2, "num_draft_slots": 0, "async_scheduling": True},
-     "speculative decoding (num_speculative_tokens=2) under async scheduling is on"),
     ({"num_speculative_tokens": 2, "num_draft_slots": 0, "dynamic_spec_decode": True},
      "dynamic speculative decoding (num_speculative_tokens=2) is on"),
     ({"num_kv_cache_groups": 2}, "2 KV-cache groups"),

@@ -104,7 +104,8 @@ def test_eagle_is_inside_the_baseline_with_both_of_its_rules_named():
     assert baseline.outside(on, BLOCK) is None
     eagle = dict(on, use_eagle=True, eagle_block_drop=True, num_prefill_lookahead_tokens=1)
     assert baseline.outside(eagle, BLOCK) is None
-    assert "async scheduling" in baseline.outside(dict(eagle, async_scheduling=True), BLOCK)
+    assert baseline.outside(dict(eagle, async_scheduling=True), BLOCK) is None
+    assert "dynamic" in baseline.outside(dict(eagle, dynamic_spec_decode=True), BLOCK)
     assert "multi-module MTP" in baseline.outside(dict(eagle, num_prefill_lookahead_tokens=3), BLOCK)
     assert "eagle_block_drop" in baseline.outside(dict(on, use_eagle=True), BLOCK)
 
@@ -138,3 +139,46 @@ def test_vllms_own_scheduler_takes_the_eagle_rules_from_the_header(tmp_path):
     theirs = replay_through_vllm(changed, tmp_path / "vllm.jsonl").out
     divs = diff_files(changed, theirs).divergences
     assert divs and divs[0].req.startswith("3-"), [d.to_json() for d in divs[:5]]
+
+
+ASYNC = TRACE.with_name("async-eagle.jsonl.gz")
+
+
+def test_under_async_scheduling_the_drafts_are_placeholders_and_the_trace_replays_clean():
+    """The same workload under async scheduling: every decode is scheduled with
+    three -1 drafts, which the model runner fills in, and the trace replays
+    with no divergence, the shadow-KV check included."""
+    h = TraceReader(ASYNC).header
+    assert h.features["async_scheduling"] is True and h.features["use_eagle"] is True
+    spec = [ids for e in TraceReader(ASYNC) if isinstance(e, ev.Step) and e.spec
+            for ids in e.spec.values()]
+    assert spec and all(ids == [-1, -1, -1] for ids in spec)
+    assert _admitted(ASYNC)[7][1] == 32 and _admitted(ASYNC)[8][1] == 64
+    for device, worker in (("cpu", 0), ("cpu", 2)):
+        assert replay_file(ASYNC, device=device, worker=worker).divergences == []
+
+
+def test_the_shadow_kv_check_writes_a_step_where_the_model_runner_does(monkeypatch):
+    """A step scheduled before the output of the one before counts that step's
+    drafts as computed; the model runner, knowing by then which it rejected,
+    writes the step's tokens that many positions lower. Without that shift the
+    check reads positions that no token has reached."""
+    from kvtrace.replay.content import ContentCheck
+
+    monkeypatch.setattr(ContentCheck, "_rolled_back", lambda self, in_flight: {})
+    divs = replay_file(ASYNC, device="cpu", worker=0).divergences
+    assert divs and {d.kind for d in divs} == {"kv-content"}
+    assert "count as computed" in divs[0].recorded
+
+
+@pytest.mark.vllm
+def test_vllms_async_scheduler_decides_the_same_with_placeholder_drafts(tmp_path):
+    from _require import require
+
+    require("vllm", "vLLM is not installed: this test replays through vLLM's own scheduler")
+    from kvtrace.diff import diff_files
+    from kvtrace.record.vllm_replay import replay_through_vllm
+
+    res = replay_through_vllm(ASYNC, tmp_path / "vllm.jsonl")
+    assert res.faithful_inputs
+    assert diff_files(ASYNC, res.out).divergences == []

@@ -405,3 +405,56 @@ def test_vllm_own_scheduler_loses_the_same_session(tmp_path):
         steps = [e.step for e in r if isinstance(e, ev.Step)]
     with TraceReader(LOST_SESSION) as r:
         assert steps == [e.step for e in r if isinstance(e, ev.Step)]
+
+
+OVERSHOOT = (__import__("pathlib").Path(__file__).resolve().parent.parent / "traces" / "vllm-bugs"
+             / "spec-session-overshoot.jsonl.gz")
+
+
+def turns_ended_past_their_tokens(path) -> dict[str, list[tuple[int, int, int]]]:
+    """Worked from the records alone: per streaming-input session, (output
+    step, num_tokens, num_computed_tokens) for each turn an output ends with
+    more tokens counted as computed than the session has: the drafts of its
+    last step that the stop cut."""
+    found: dict[str, list[tuple[int, int, int]]] = {}
+    with TraceReader(path) as r:
+        for e in r:
+            if isinstance(e, ev.Output):
+                for req, st in sorted(e.turn_ends().items()):
+                    if st.num_computed_tokens > st.num_tokens:
+                        found.setdefault(req, []).append((e.step, st.num_tokens, st.num_computed_tokens))
+    return found
+
+
+def test_a_turn_stopped_inside_accepted_drafts_skips_the_next_chunks_first_tokens():
+    """A real vLLM 0.32 run (traces/vllm-bugs/spec-session-overshoot,
+    docs/findings.md): a session of 40 tokens, max_tokens 10, drafting 3
+    tokens a step with a draft model that is the model itself (every draft
+    accepted): 1, then 4 and 4 tokens, then a step of 4 of which the stop keeps
+    1. Its turn ends at 50 tokens with 52 counted as computed, and its next
+    chunk's first two tokens, at positions 50 and 51, are never computed:
+    every later read of them is wrong KV to the shadow-KV check, and nothing
+    else diverges. (Its second turn, the last, overshoots too; no chunk
+    follows it.)"""
+    prompt, max_tokens, k = 40, 10, 3
+    ends = turns_ended_past_their_tokens(OVERSHOOT)
+    assert list(ends) == ["0-session"]
+    (_, num_tokens, computed), second = ends["0-session"]   # its second turn (the last) too
+    assert num_tokens == prompt + max_tokens
+    assert computed == prompt + 3 * (1 + k)   # three decode steps, each of 1 + k positions
+    divs = replay_file(OVERSHOOT, device="cpu", worker=0).divergences
+    assert divs and {(d.req, d.kind) for d in divs} == {("0-session", "kv-content")}
+    assert f"(position {num_tokens})" in divs[0].recorded
+    assert replay_file(OVERSHOOT, device=None, worker=0).divergences == []
+
+
+def test_vllm_own_scheduler_counts_the_cut_drafts_the_same_way(tmp_path):
+    from _require import require
+
+    require("vllm", "vLLM is not installed: this finding is checked against vLLM's scheduler")
+    from kvtrace.diff import diff_files
+    from kvtrace.record.vllm_replay import replay_through_vllm
+
+    out = tmp_path / "vllm.jsonl"
+    assert replay_through_vllm(OVERSHOOT, out).faithful_inputs
+    assert diff_files(OVERSHOOT, out).divergences == []

@@ -476,8 +476,6 @@ def test_the_watermark_the_recording_names_is_the_replay_s_too(tmp_path):
     ({"num_speculative_tokens": 2, "num_draft_slots": 0, "use_eagle": True, "eagle_block_drop": True,
       "num_prefill_lookahead_tokens": 2},
      r"speculative decoding \(num_speculative_tokens=2\) by multi-module MTP is on"),
-    ({"num_speculative_tokens": 1, "num_draft_slots": 0, "async_scheduling": True},
-     r"speculative decoding \(num_speculative_tokens=1\) under async scheduling is on"),
     ({"pipeline_parallel_size": 2}, "pipeline parallelism is on"),
     ({"num_kv_cache_groups": 2}, "2 KV-cache groups"),
     ({"kv_cache_group_kinds": ["SlidingWindowSpec"]}, "kind 'SlidingWindowSpec', not full attention"),

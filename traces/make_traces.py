@@ -37,6 +37,7 @@ TRACES = {
     "prompt-embeds": "embeds",
     "lora": "lora",
     "eagle": "eagle",
+    "async-eagle": "async-eagle",
     "draft-model": "draft-model",
 }
 # Traces of vLLM's own bugs, unchanged engine, in vllm-bugs/: the engine fails
@@ -50,7 +51,8 @@ STRANDED = {"async-session-lost"}
 # Traces of vLLM's own bugs that run to the end, silently wrong, in vllm-bugs/.
 SILENT_BUG_TRACES = {"priority-preempt-uncomputed-hit": "priority-preempt-uncomputed-hit",
                      "async-failed-load-stale-token": "async-failed-load-stale-token",
-                     "embeds-mixed-mask": "embeds-mixed-mask"}
+                     "embeds-mixed-mask": "embeds-mixed-mask",
+                     "spec-session-overshoot": "spec-session-overshoot"}
 # Traces of vLLM with a bug put back (kvtrace.record.fault_schedulers), in faults/.
 FAULT_TRACES = ["async-load-overshoot", "stale-computed-on-preempt",
                 "async-stale-computed-on-preempt", "spec-rejected-kept", "grammar-not-awaited"]

@@ -617,6 +617,12 @@ WORKLOADS["eagle"] = dict(
     engine=dict(num_gpu_blocks_override=20,
                 speculative_config={"method": "eagle", "num_speculative_tokens": 3}))
 
+# The same under async scheduling: each decode is scheduled with -1 drafts
+# that the model runner fills in, and a step scheduled before the output of
+# the one before counts that step's drafts, rejected or not.
+WORKLOADS["async-eagle"] = dict(WORKLOADS["eagle"],
+                                engine=dict(WORKLOADS["eagle"]["engine"], async_scheduling=True))
+
 # Speculative decoding by a draft model (the tiny model drafting for itself:
 # greedy, every draft is accepted): each scheduled request takes one input
 # slot of the step's batch for drafting beside its 1 + 3 tokens, and three
@@ -629,6 +635,19 @@ WORKLOADS["draft-model"] = dict(
     max_tokens=96, arrive_at=[0] * 6 + [12, 12],
     engine=dict(num_gpu_blocks_override=24, max_num_batched_tokens=32,
                 speculative_config={"method": "draft_model", "num_speculative_tokens": 3}))
+
+# vLLM 0.32 with speculative decoding and a streaming-input session: a turn
+# that stops (here at max_tokens 10) inside a step's accepted drafts keeps
+# num_computed_tokens past its last kept token, and the next chunk's first
+# tokens are taken as computed, over the KV of the drafts the stop cut
+# (docs/findings.md; upstream PR 44526, open). The draft model is the tiny
+# model itself, so every draft is accepted: 1 + 4 + 4 tokens, then a step of
+# 4 of which the stop keeps 1, 2 positions short of the count.
+WORKLOADS["spec-session-overshoot"] = dict(
+    prompts=[list(range(100, 140)), list(range(200, 236))],
+    max_tokens=10, arrive_at=[0, 0],
+    sessions=[[0, [[12, list(range(300, 320))], [30, None]]]],
+    engine=dict(speculative_config={"method": "draft_model", "num_speculative_tokens": 3}))
 
 # vLLM 0.32 with speculative decoding: a waiting request with one token to
 # compute is padded to 1 + num_speculative_tokens while decodes run; a

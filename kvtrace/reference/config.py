@@ -39,14 +39,14 @@ class SchedulerConfig:
     # The connector hands KV off when a request finishes (a producer): a request
     # preempted with output in flight drops that output (S:197-206, S:839).
     requires_kv_delivery: bool = False
-    # Speculative decoding with drafts alone (n-gram, suffix) under the
-    # synchronous scheduler: the most draft tokens a request is scheduled with.
+    # Speculative decoding: the most draft tokens a request is scheduled with
+    # (under async scheduling, placeholders the model runner fills in).
     num_spec_tokens: int = 0
-    # Drafting by a model (EAGLE, EAGLE3, MTP, a draft model) under the
-    # synchronous scheduler: the slots each scheduled request gets past its
-    # tokens for the drafter to write (vLLM's num_lookahead_tokens, KM:541-544),
-    # and whether a prefix hit gives back its last block, which the drafter
-    # needs recomputed (use_eagle_block_drop, ST:819-820).
+    # Drafting by a model (EAGLE, EAGLE3, MTP, a draft model): the slots each
+    # scheduled request gets past its tokens for the drafter to write (vLLM's
+    # num_lookahead_tokens, KM:541-544), and whether a prefix hit gives back
+    # its last block, which the drafter needs recomputed (use_eagle_block_drop,
+    # ST:819-820).
     num_lookahead_tokens: int = 0
     eagle_block_drop: bool = False
     # Input slots of a step's batch each scheduled request takes for drafting,

@@ -33,10 +33,12 @@ again at once. Under a connector that loads KV (``defer_block_free``), a freed
 request's blocks go back to the pool only once every step that may still write
 them has been processed (S:2759-2801).
 
-With speculative decoding (drafts alone, synchronous), a running request is
-scheduled for its drafts too (``num_tokens_with_spec``), and its output takes
-back the drafts it rejected from ``num_computed_tokens`` (S:2110-2128). The
-drafts come from the model after each output (``update_draft_token_ids``). A
+With speculative decoding, a running request is scheduled for its drafts too
+(``num_tokens_with_spec``), and its output takes back the drafts it rejected
+from ``num_computed_tokens`` (S:2110-2128). The drafts come from the model
+after each output (``update_draft_token_ids``); under async scheduling they are
+placeholders (-1) that the model runner fills in, each holding an output
+placeholder until the output says which were accepted. A
 waiting request with one token to compute is padded to ``1 + num_spec_tokens``
 with placeholder drafts (-1) when decodes run in the step (S:1131-1153). A
 drafter that runs a model of its own (EAGLE, EAGLE3, MTP, a draft model) gets
@@ -407,7 +409,12 @@ class Scheduler:
                 # This step samples a token (S:1634, AS:33-47).
                 self.inflight_prefills.discard(r)
                 if self.config.async_scheduling:
-                    r.num_output_placeholders += 1
+                    # A placeholder for it and for each draft it verifies; the
+                    # next step's drafts are placeholders too, filled in by the
+                    # model runner, never seen here (AS:25-53).
+                    r.num_output_placeholders += 1 + len(step.spec.get(req_id, ()))
+                    if self.config.num_spec_tokens:
+                        r.spec_token_ids = [-1] * self.config.num_spec_tokens
         self.finished_req_ids = set()
         self.preempted_req_ids = set()
         return out

@@ -151,20 +151,23 @@ def compare_output(rec: ev.Output, results: list[RequestOutput], sched: Schedule
     return divs
 
 
-def accepted_drafts(rec: ev.Output, spec: dict[str, list[int]], line: int | None
-                    ) -> list[Divergence]:
+def accepted_drafts(rec: ev.Output, spec: dict[str, list[int]], line: int | None,
+                    filled_by_runner: bool = False) -> list[Divergence]:
     """Speculative decoding: a request's sampled tokens are the drafts accepted,
     in order, then one token of the model's own (at the first rejected draft, or
     after the last), so all but the last are its first drafts; a padding draft
     (-1) is never accepted (S:2110-2128). The shadow-KV check takes the accepted
-    drafts' KV as the request's own tokens on this ground."""
+    drafts' KV as the request's own tokens on this ground. ``filled_by_runner``
+    (async scheduling): the scheduled drafts are placeholders that the model
+    runner filled in, unseen here, so only their number bounds the tokens."""
     divs = []
     for req, drafts in spec.items():
         sampled = rec.sampled.get(req)
         if not sampled:
             continue
         accepted = sampled[:-1]
-        if len(accepted) > len(drafts) or accepted != drafts[:len(accepted)]:
+        if len(accepted) > len(drafts) or (not filled_by_runner
+                                           and accepted != drafts[:len(accepted)]):
             divs.append(Divergence(
                 rec.step, req, "sampled", sampled,
                 f"at most {len(drafts) + 1} tokens, all but the last the drafts {drafts}",

@@ -99,11 +99,13 @@ class ContentCheck:
         self.between_turns: set[str] = set()
         self.assumed_loads = False                  # loads inferred from lookups, not recorded
         self.async_scheduling = async_scheduling
-        self._held: deque[tuple] = deque()          # (step, line, tag, aborts after it)
+        self._held: deque[tuple] = deque()          # (step, line, tag, aborts after it, in flight)
         self._held_outputs: deque[ev.Output] = deque()
         self._awaiting: set[int] = set()            # steps that scheduled work, output not in
         self._ready: list = []                      # results of steps released meanwhile
         self._drafts: dict[str, int] = {}           # drafts scheduled per request, last step
+        # Async scheduling: per step, the drafts its output rejected per request.
+        self._rejected: dict[int, dict[str, int]] = {}
         # With keep_counts, (slots checked, loads assumed) as each step is queued,
         # in step order, for a caller that reports them per step (the worker).
         self.counts: deque[tuple[int, bool]] | None = deque() if keep_counts else None
@@ -143,7 +145,7 @@ class ContentCheck:
         divergences) in step order; ``flush`` returns the rest."""
         if not self.async_scheduling:
             return self._step(rec, line, tag)
-        self._held.append((rec, line, tag, []))
+        self._held.append((rec, line, tag, [], tuple(self._awaiting)))
         if rec.new or rec.resumed or rec.running:
             self._awaiting.add(rec.step)
         if len(self._held) > self.MAX_HELD and self._awaiting:
@@ -164,14 +166,29 @@ class ContentCheck:
                 self._output(outputs.popleft())
             elif held and (everything or min(self._awaiting, default=held[0][0].step)
                            >= held[0][0].step):
-                rec, line, tag, aborted = held.popleft()
-                out += self._step(rec, line, tag)
+                rec, line, tag, aborted, in_flight = held.popleft()
+                out += self._step(rec, line, tag, self._rolled_back(in_flight))
                 for req in aborted:
                     self._drop(req)
             else:
                 break
 
-    def _step(self, rec: ev.Step, line: int | None, tag: object
+    def _rolled_back(self, in_flight: tuple[int, ...]) -> dict[str, int]:
+        """Async speculative decoding: per request, the drafts rejected by the
+        outputs of ``in_flight``, the steps still to come back when a step was
+        scheduled. The step counts them as computed; the model runner knows
+        better by the time it runs the step, and writes its tokens that many
+        positions lower (the scheduler takes them back only later, S:2119-2128)."""
+        back: dict[str, int] = {}
+        for step in in_flight:
+            for req, n in self._rejected.get(step, {}).items():
+                back[req] = back.get(req, 0) + n
+        if in_flight:
+            for old in [k for k in self._rejected if k < min(in_flight)]:
+                del self._rejected[old]
+        return back
+
+    def _step(self, rec: ev.Step, line: int | None, tag: object, rolled_back: dict | None = None
               ) -> list[tuple[object, list[Divergence]]]:
         for req in rec.preempted:
             self.tables.pop(req, None)
@@ -188,7 +205,10 @@ class ContentCheck:
         loads = [(ld.req, ld.start, ld.end, self.tables.get(ld.req, []))
                  for ld in self._loads(rec) if ld.req in self.kv]
         scheduled = [(s.req, s.num_computed_tokens, s.num_scheduled_tokens, self.tables.get(s.req, []))
-                     for s in (*rec.new, *rec.resumed, *rec.running) if s.req in self.kv]
+                     for s in (*rec.new, *rec.resumed) if s.req in self.kv]
+        back = rolled_back or {}
+        scheduled += [(s.req, s.num_computed_tokens - back.get(s.req, 0), s.num_scheduled_tokens,
+                       self.tables.get(s.req, [])) for s in rec.running if s.req in self.kv]
         self._drafts = {req: len(ids) for req, ids in rec.spec.items() if req in kv} if rec.spec else {}
         ready = self.kv.queue(rec.step, loads, scheduled, (tag, rec.seq, line))
         if self.counts is not None:
@@ -243,6 +263,9 @@ class ContentCheck:
                 num_accepted = min(num_drafts, len(tokens) - 1, keep)
                 if num_accepted > 0:
                     accepted.append((req, before, before + num_accepted, self.tables.get(req, [])))
+                if self.async_scheduling:
+                    rejected = num_drafts - max(len(tokens) - 1, 0)
+                    self._rejected.setdefault(rec.step, {})[req] = rejected
         if accepted:
             self.kv.queue_late_writes(rec.step, accepted)
         for st in rec.states:

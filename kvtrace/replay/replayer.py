@@ -71,8 +71,7 @@ def _check_fits(header: ev.Header, path) -> None:
 def _check_supported(header: ev.Header, path) -> None:
     why = baseline.refusal(header.features, header.config.block_size,
                            "the reference models the baseline profile only (one full-attention "
-                           "KV-cache group, speculative decoding by drafts alone or by EAGLE "
-                           "under the synchronous scheduler, no pipeline parallelism)")
+                           "KV-cache group, a fixed number of drafts, no pipeline parallelism)")
     if why is not None:
         raise TraceError(path, 1, why)
 
@@ -223,7 +222,9 @@ class Replayer:
         recorded yet) that samples a token for it. A step samples for a request
         unless its chunk ends short of the request's tokens and those
         placeholders: a prefill chunk holds none (AS:33-34, S:1634-1636). A
-        preemption zeroes them (AS:62-63). Records this step's own."""
+        preemption zeroes them (AS:62-63). With speculative decoding a step
+        that samples holds one more for each draft it verifies (AS:41-47).
+        Records this step's own."""
         for old in [k for k in self._in_flight if k < rec.step - _OUTPUT_WINDOW]:
             del self._in_flight[old]   # an output that never came (an engine error path)
             self._stale.pop(old, None)
@@ -234,10 +235,11 @@ class Replayer:
         held = Counter(chain.from_iterable(self._in_flight.values()))
         states = {st.req: st for st in rec.states}
         sampling = []
+        spec = rec.spec or {}
         for s in (*rec.new, *rec.resumed, *rec.running):
             st = states.get(s.req)
             if st is None or st.num_computed_tokens >= st.num_tokens + held[s.req]:
-                sampling.append(s.req)
+                sampling += [s.req] * (1 + len(spec.get(s.req, ())))
         if sampling:
             self._in_flight[rec.step] = sampling
         return held
@@ -311,7 +313,8 @@ class Replayer:
         self._unmatched_stats()
         spec = self._spec.pop(rec.step, None)
         if spec:
-            self.divergences.extend(checks.accepted_drafts(rec, spec, line))
+            self.divergences.extend(checks.accepted_drafts(rec, spec, line,
+                                                           self._in_flight is not None))
         model = bridge.model_output_from_event(rec)
         for req in [*sorted(model.finished_recving), *sorted(model.finished_sending)]:
             if req not in self.sched.requests:
