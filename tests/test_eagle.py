@@ -165,7 +165,7 @@ def test_the_shadow_kv_check_writes_a_step_where_the_model_runner_does(monkeypat
     check reads positions that no token has reached."""
     from kvtrace.replay.content import ContentCheck
 
-    monkeypatch.setattr(ContentCheck, "_rolled_back", lambda self, in_flight: {})
+    monkeypatch.setattr(ContentCheck, "_came_back", lambda self, in_flight: ({}, set()))
     divs = replay_file(ASYNC, device="cpu", worker=0).divergences
     assert divs and {d.kind for d in divs} == {"kv-content"}
     assert "count as computed" in divs[0].recorded

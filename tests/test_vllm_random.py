@@ -193,6 +193,14 @@ MEETS_THE_BUG = (209, "async-failures")
 # pe-spec-aborts:9880-9883 (ten apart, in the order of PE_KINDS), pass (76 runs).
 # With LoRA: four seeds of each lo- kind, lo-async:10000-10003 to
 # lo-spec-aborts:10180-10183 (ten apart, in the order of LO_KINDS), pass (76 runs).
+# With an EAGLE head: four seeds of each synchronous ea- kind, ea-knobs:11000-11003
+# to ea-aborts:11070-11073 (ten apart), pass (32 runs); under async scheduling
+# two to four of each, ea-async:11100-11101 to ea-async-aborts:11180-11183.
+# With a draft model: four seeds of each synchronous dm- kind, dm-knobs:12000-12003
+# to dm-aborts:12070-12073, pass; three of them (dm-sessions:12042-12043,
+# dm-rlhf-sessions:12053) meet vLLM's turn stopped inside accepted drafts
+# (docs/findings.md), which the test names; 12042 runs in CI. Under async
+# scheduling one or two of each dm-async- kind.
 CI_SEEDS = [(100, "async"), (101, "async"), MEETS_THE_BUG, (210, "async-failures"),
             (300, "sync-failures"), (414, "knobs"), (416, "knobs"), (403, "knobs"),
             (400, "async-knobs"), (404, "async-knobs"), (542, "async-knobs"), (457, "knobs"),
@@ -203,7 +211,8 @@ CI_SEEDS = [(100, "async"), (101, "async"), MEETS_THE_BUG, (210, "async-failures
             (3363, "async-rlhf-sessions"), (4337, "async-rlhf-sessions"),
             (5467, "async-rlhf-sessions"), (7001, "spec-knobs"), (7203, "spec-mixed"),
             (7524, "spec-rlhf-sessions"), (7609, "spec-rlhf"), (9066, "so-async-stream"),
-            (9301, "so-spec-mixed"), (9800, "pe-async-mixed"), (10102, "lo-async-mixed")]
+            (9301, "so-spec-mixed"), (9800, "pe-async-mixed"), (10102, "lo-async-mixed"),
+            (11020, "ea-mixed"), (11130, "ea-async-mixed"), (12020, "dm-mixed"), (12042, "dm-sessions")]
 
 
 KINDS = ("async", "async-failures", "sync-failures", "knobs", "async-knobs", "stream", "async-stream",
@@ -398,8 +407,10 @@ def test_a_random_workload_replays_clean_or_is_flagged_where_the_engine_failed(s
         from kvtrace.record.vllm_replay import replay_through_vllm
 
         assert end.status == "complete"
-        assert all(d.rule == STALE or d.rule.startswith("I1") for d in divs), [d.to_json() for d in divs[:5]]
-        _known_vllm_bugs(divs, workload, out)
+        counts = [d for d in divs if not _after_the_failed_load_bug(divs, d, workload)]
+        assert all(d.rule == STALE or d.rule.startswith("I1") for d in counts), \
+            [d.to_json() for d in counts[:5]]
+        _known_vllm_bugs(counts, workload, out)
         assert diff_files(out, replay_through_vllm(out, tmp_path / "vllm.jsonl").out).divergences == []
     elif failed is None:
         assert end.status == "complete"
@@ -511,6 +522,20 @@ def _known_vllm_bugs(divs: list, workload: dict, trace) -> None:
                 d.to_json()
             assert workload["engine"]["async_scheduling"], d.to_json()
             assert index in _failing_loads(workload) or d.req in shared, d.to_json()
+
+
+def _after_the_failed_load_bug(divs: list, d, workload: dict) -> bool:
+    """Under async speculative decoding, whether ``d`` is the shadow-KV
+    check's, for a request that vLLM 0.32's failed-load bug flagged at an
+    earlier step (a count past its last token, or a token kept from the
+    unloaded KV). From there the engine's counts are wrong, and where the
+    model runner puts the request's tokens, drafts and rejections included,
+    is not modelled further: the check's reads of that request are not
+    evidence of another bug."""
+    if d.kind != "kv-content" or not workload["engine"].get("speculative_config"):
+        return False
+    return any(e.req == d.req and e.step < d.step and (e.rule == STALE or e.rule.startswith("I1"))
+               for e in divs)
 
 
 def _read_past_a_turn_end(trace, d) -> bool:

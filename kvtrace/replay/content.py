@@ -103,9 +103,11 @@ class ContentCheck:
         self._held_outputs: deque[ev.Output] = deque()
         self._awaiting: set[int] = set()            # steps that scheduled work, output not in
         self._ready: list = []                      # results of steps released meanwhile
-        self._drafts: dict[str, int] = {}           # drafts scheduled per request, last step
-        # Async scheduling: per step, the drafts its output rejected per request.
+        self._drafts: dict[int, dict[str, int]] = {}   # per step, the drafts it scheduled per request
+        # Async scheduling: per step, the drafts its output rejected per request,
+        # and the sessions whose turn it ended.
         self._rejected: dict[int, dict[str, int]] = {}
+        self._turn_ended: dict[int, set[str]] = {}
         # With keep_counts, (slots checked, loads assumed) as each step is queued,
         # in step order, for a caller that reports them per step (the worker).
         self.counts: deque[tuple[int, bool]] | None = deque() if keep_counts else None
@@ -167,29 +169,35 @@ class ContentCheck:
             elif held and (everything or min(self._awaiting, default=held[0][0].step)
                            >= held[0][0].step):
                 rec, line, tag, aborted, in_flight = held.popleft()
-                out += self._step(rec, line, tag, self._rolled_back(in_flight))
+                out += self._step(rec, line, tag, *self._came_back(in_flight))
                 for req in aborted:
                     self._drop(req)
             else:
                 break
 
-    def _rolled_back(self, in_flight: tuple[int, ...]) -> dict[str, int]:
-        """Async speculative decoding: per request, the drafts rejected by the
-        outputs of ``in_flight``, the steps still to come back when a step was
-        scheduled. The step counts them as computed; the model runner knows
-        better by the time it runs the step, and writes its tokens that many
-        positions lower (the scheduler takes them back only later, S:2119-2128)."""
+    def _came_back(self, in_flight: tuple[int, ...]) -> tuple[dict[str, int], set[str]]:
+        """Async scheduling: what the outputs of ``in_flight``, the steps still to
+        come back when a step was scheduled, changed for it by the time the
+        model runner ran it. Per request, the drafts they rejected: the step
+        counts them as computed, and the model runner writes its tokens that
+        many positions lower (the scheduler takes them back only later,
+        S:2119-2128). And the sessions whose turn they ended: the step's work
+        for them is dropped (S:2471-2477), and the next turn computes again from
+        where the turn was cut back."""
         back: dict[str, int] = {}
+        ended: set[str] = set()
         for step in in_flight:
             for req, n in self._rejected.get(step, {}).items():
                 back[req] = back.get(req, 0) + n
+            ended |= self._turn_ended.get(step, set())
         if in_flight:
-            for old in [k for k in self._rejected if k < min(in_flight)]:
-                del self._rejected[old]
-        return back
+            for seen in (self._rejected, self._turn_ended):
+                for old in [k for k in seen if k < min(in_flight)]:
+                    del seen[old]
+        return back, ended
 
-    def _step(self, rec: ev.Step, line: int | None, tag: object, rolled_back: dict | None = None
-              ) -> list[tuple[object, list[Divergence]]]:
+    def _step(self, rec: ev.Step, line: int | None, tag: object, rolled_back: dict | None = None,
+              turn_ended: set[str] = frozenset()) -> list[tuple[object, list[Divergence]]]:
         for req in rec.preempted:
             self.tables.pop(req, None)
         kv = self.kv   # a request that finished (or never arrived) gets no table
@@ -208,8 +216,12 @@ class ContentCheck:
                      for s in (*rec.new, *rec.resumed) if s.req in self.kv]
         back = rolled_back or {}
         scheduled += [(s.req, s.num_computed_tokens - back.get(s.req, 0), s.num_scheduled_tokens,
-                       self.tables.get(s.req, [])) for s in rec.running if s.req in self.kv]
-        self._drafts = {req: len(ids) for req, ids in rec.spec.items() if req in kv} if rec.spec else {}
+                       self.tables.get(s.req, [])) for s in rec.running
+                      if s.req in self.kv and s.req not in turn_ended]
+        if rec.spec:
+            self._drafts[rec.step] = {req: len(ids) for req, ids in rec.spec.items() if req in kv}
+            if len(self._drafts) > self.MAX_HELD:   # outputs that never came (engine error paths)
+                del self._drafts[min(self._drafts)]
         ready = self.kv.queue(rec.step, loads, scheduled, (tag, rec.seq, line))
         if self.counts is not None:
             self.counts.append((self.kv.slots_checked, self.assumed_loads))
@@ -243,7 +255,7 @@ class ContentCheck:
 
     def _output(self, rec: ev.Output) -> None:
         states = {s.req: s for s in rec.states}
-        drafts, self._drafts = self._drafts, {}
+        drafts = self._drafts.pop(rec.step, None)
         accepted = []
         for req, tokens in rec.sampled.items():
             if req not in self.kv:
@@ -272,6 +284,8 @@ class ContentCheck:
             if st.status in FINISHED:
                 self._drop(st.req)
         turns = rec.turn_ends()
+        if turns and self.async_scheduling:
+            self._turn_ended[rec.step] = set(turns)
         for req in rec.finished:
             if req in turns and req in self.sessions:
                 self._turn_end(req, turns[req])
