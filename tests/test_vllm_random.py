@@ -194,13 +194,16 @@ MEETS_THE_BUG = (209, "async-failures")
 # With LoRA: four seeds of each lo- kind, lo-async:10000-10003 to
 # lo-spec-aborts:10180-10183 (ten apart, in the order of LO_KINDS), pass (76 runs).
 # With an EAGLE head: four seeds of each synchronous ea- kind, ea-knobs:11000-11003
-# to ea-aborts:11070-11073 (ten apart), pass (32 runs); under async scheduling
-# two to four of each, ea-async:11100-11101 to ea-async-aborts:11180-11183.
+# to ea-aborts:11070-11073 (ten apart), pass (32 runs).
 # With a draft model: four seeds of each synchronous dm- kind, dm-knobs:12000-12003
 # to dm-aborts:12070-12073, pass; three of them (dm-sessions:12042-12043,
 # dm-rlhf-sessions:12053) meet vLLM's turn stopped inside accepted drafts
 # (docs/findings.md), which the test names; 12042 runs in CI. Under async
-# scheduling one or two of each dm-async- kind.
+# scheduling, two to four seeds of each ea-async- and dm-async- kind (in
+# 11100-11185 and 12100-12183: 62 runs) pass. They showed three gaps in the
+# shadow-KV check, each fixed: a step's tokens written where the model runner
+# puts them after rejected drafts, a step in flight at a session's turn end,
+# and an empty step's output taking the next step's drafts (dm-async-rlhf:12141).
 CI_SEEDS = [(100, "async"), (101, "async"), MEETS_THE_BUG, (210, "async-failures"),
             (300, "sync-failures"), (414, "knobs"), (416, "knobs"), (403, "knobs"),
             (400, "async-knobs"), (404, "async-knobs"), (542, "async-knobs"), (457, "knobs"),
@@ -515,8 +518,8 @@ def _known_vllm_bugs(divs: list, workload: dict, trace) -> None:
             # position came only with that step's output. Or a session's next
             # chunk taken as computed after its turn stopped inside accepted
             # drafts.
-            assert _computed_past_the_last_token(divs, d) or _read_past_a_turn_end(trace, d), \
-                d.to_json()
+            assert (_computed_past_the_last_token(divs, d) or _read_past_a_turn_end(trace, d)
+                    or _after_the_failed_load_bug(divs, d, workload)), d.to_json()
         else:
             assert d.rule == STALE or (d.rule.startswith("I1") and d.field == "state.num_computed_tokens"), \
                 d.to_json()
