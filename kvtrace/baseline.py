@@ -5,10 +5,13 @@ Speculative decoding is inside it, under either scheduler, with a fixed
 number of drafts: n-gram and suffix decoding, and drafters that run a
 model (EAGLE, EAGLE3, one-module MTP, a draft model), whose lookahead slots,
 input slots per request and, for EAGLE, dropped hit block the reference
-models (not multi-module MTP, whose chunks keep clear of the drafter's
-reads). Outside it, the scheduler's arithmetic changes
-(sliding-window null blocks, Mamba alignment, encoder budgets, ...). A trace whose header turns on such a feature is refused, with
-the feature named, rather than replayed into false divergences. The vLLM
+models. vLLM 0.32's scheduler reads nothing else of a drafter, so parallel
+drafting (P-EAGLE, PARD, DFlash, DSpark), which only takes more of those
+slots, is inside it too, though no trace of it was recorded here. Multi-module
+MTP is not: its chunks keep clear of the drafter's reads. Outside it, the
+scheduler's arithmetic changes (sliding-window null blocks, Mamba alignment,
+encoder budgets, ...). A trace whose header turns on such a feature is
+refused, with the feature named, rather than replayed into false divergences. The vLLM
 recorder writes every key read here (``build_header``); a key a trace does not
 name is taken as off (traces recorded before ``lora`` and
 ``prefill_schedule_interval`` were written do not name them). Prompt

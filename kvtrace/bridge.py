@@ -73,11 +73,11 @@ def header_features(cfg: SchedulerConfig) -> dict:
         "async_scheduling": cfg.async_scheduling,
         "defer_block_free": cfg.defer_block_free,
         "requires_kv_delivery": cfg.requires_kv_delivery,
-        **({"num_speculative_tokens": cfg.num_spec_tokens, "num_draft_slots": cfg.num_draft_slots}
+        **({"num_speculative_tokens": cfg.num_spec_tokens, "num_draft_slots": cfg.num_draft_slots,
+            "num_lookahead_tokens": cfg.num_lookahead_tokens}
            if cfg.num_spec_tokens else {}),
-        **({"num_lookahead_tokens": cfg.num_lookahead_tokens} if cfg.num_lookahead_tokens else {}),
         **({"use_eagle": True, "eagle_block_drop": True, "num_prefill_lookahead_tokens": 1}
-           if cfg.eagle_block_drop else {}),
+           if cfg.num_spec_tokens and cfg.eagle_block_drop else {}),
         **({"lora": True, "max_loras": cfg.max_loras} if cfg.max_loras else {}),
     }
 

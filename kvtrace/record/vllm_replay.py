@@ -329,8 +329,9 @@ def _build_vllm_config(header: ev.Header) -> Any:
 def _speculative_stand_in(f: dict, model_config: Any, vc: Any) -> Any:
     """A SpeculativeConfig that gives vLLM's scheduler the trace's drafting
     arithmetic: the drafts per step, the lookahead slots, the input slots per
-    request and EAGLE's block drop. The scheduler reads nothing else of it, and
-    no proposer runs here (the recorded drafts are fed in), so a config built
+    request, EAGLE's block drop and how far past a prefill chunk the drafter
+    reads. The scheduler reads nothing else of it for a fixed number of
+    drafts, and no proposer runs here (the recorded drafts are fed in), so a config built
     for n-gram drafts stands in, renamed to the recorded method (EAGLE, a
     draft model, ...) whose rules those are; its draft model is never loaded.
     Set afterwards, as async scheduling is. Raises ConfigRefused when no
@@ -341,8 +342,9 @@ def _speculative_stand_in(f: dict, model_config: Any, vc: Any) -> Any:
         method="ngram", num_speculative_tokens=int(f["num_speculative_tokens"]),
         target_model_config=model_config, target_parallel_config=vc.parallel_config)
     want = (int(f.get("num_lookahead_tokens") or 0), int(f.get("num_draft_slots") or 0),
-            bool(f.get("use_eagle") and f.get("eagle_block_drop")))
-    if want == (0, 0, False):
+            bool(f.get("use_eagle") and f.get("eagle_block_drop")),
+            int(f.get("num_prefill_lookahead_tokens") or 0))
+    if want == (0, 0, False, 0):
         return spec     # drafts alone (n-gram, suffix decoding)
     method = f.get("speculative_method") or ("eagle" if f.get("use_eagle") else "draft_model")
     vc.speculative_config = spec
@@ -350,12 +352,12 @@ def _speculative_stand_in(f: dict, model_config: Any, vc: Any) -> Any:
         spec.method, spec.parallel_drafting = method, parallel
         spec.disable_eagle_block_drop = not f.get("eagle_block_drop")
         got = (vc.num_lookahead_tokens, spec.max_num_new_slots_for_drafting,
-               spec.use_eagle_block_drop())
+               spec.use_eagle_block_drop(), vc.num_prefill_lookahead_tokens)
         if got == want:
             return spec
     raise ConfigRefused(f"no speculative method of this vLLM gives {want[0]} lookahead slots, "
-                        f"{want[1]} drafting slots per request and block drop {want[2]} "
-                        f"(method {method!r})")
+                        f"{want[1]} drafting slots per request, block drop {want[2]} and "
+                        f"{want[3]} prefill lookahead tokens (method {method!r})")
 
 
 def build_kv_cache_config(num_blocks: int, block_size: int) -> Any:

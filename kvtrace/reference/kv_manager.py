@@ -101,7 +101,7 @@ class KVCacheManager:
         fit. With ``full_sequence_must_fit``, the whole sequence must fit, not just
         this chunk (KM:522-539).
 
-        Table layout after the first admission: [hits][external][new].
+        Table layout after the first admission: [hits][external][new][lookahead].
         """
         req_id = request.request_id
         if full_sequence_must_fit:

@@ -35,17 +35,21 @@ them has been processed (S:2759-2801).
 
 With speculative decoding, a running request is scheduled for its drafts too
 (``num_tokens_with_spec``), and its output takes back the drafts it rejected
-from ``num_computed_tokens`` (S:2110-2128). The drafts come from the model
-after each output (``update_draft_token_ids``); under async scheduling they are
-placeholders (-1) that the model runner fills in, each holding an output
-placeholder until the output says which were accepted. A
-waiting request with one token to compute is padded to ``1 + num_spec_tokens``
-with placeholder drafts (-1) when decodes run in the step (S:1131-1153). A
-drafter that runs a model of its own (EAGLE, EAGLE3, MTP, a draft model) gets
-``num_lookahead_tokens`` slots past each scheduled chunk to write; with EAGLE a
-prefix hit gives back its last block, whose tokens the drafter needs computed
-again; and a drafter may take input slots of the step's batch for each
-request it drafts for (``num_draft_slots``: one for a draft model, S:613-661).
+from ``num_computed_tokens`` (S:2110-2128). A waiting request with one token to
+compute is padded to ``1 + num_spec_tokens`` with placeholder drafts (-1) when
+decodes run in the step (S:1131-1153).
+
+* Under the synchronous scheduler the drafts come from the model after each
+  output (``update_draft_token_ids``).
+* Under async scheduling they are placeholders (-1) that the model runner fills
+  in, each holding an output placeholder until the output says which were
+  accepted.
+* A drafter that runs a model of its own (EAGLE, EAGLE3, MTP, a draft model)
+  gets ``num_lookahead_tokens`` slots past each scheduled chunk to write.
+* With EAGLE a prefix hit gives back its last block, whose tokens the drafter
+  needs computed again.
+* A drafter may take input slots of the step's batch for each request it
+  drafts for (``num_draft_slots``: one for a draft model, S:613-661).
 
 A structured output waits in WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR until the
 waiting pass finds its grammar compiled, which the engine does beside the
@@ -802,6 +806,8 @@ class _Step:
     prefill_scheduled: bool = False     # the running pass scheduled a prefill chunk
 
     def has_budget(self) -> bool:
+        """Room for one more token, and in the input budget for its request's
+        drafting slots too (S:659-662)."""
         return self.token_budget > 0 and self.input_budget > self.draft_slots
 
     def capped(self, remaining: int) -> int:

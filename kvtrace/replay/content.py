@@ -181,9 +181,11 @@ class ContentCheck:
         model runner ran it. Per request, the drafts they rejected: the step
         counts them as computed, and the model runner writes its tokens that
         many positions lower (the scheduler takes them back only later,
-        S:2119-2128). And the sessions whose turn they ended: the step's work
-        for them is dropped (S:2471-2477), and the next turn computes again from
-        where the turn was cut back."""
+        S:2119-2128). And the sessions whose turn they ended: the engine drops
+        the step's output for them (S:2471-2477); its KV writes land at or past
+        where the turn was cut back, and the next turn writes those positions
+        again before any step reads them, so the check leaves the step's work
+        for them out."""
         back: dict[str, int] = {}
         ended: set[str] = set()
         for step in in_flight:
