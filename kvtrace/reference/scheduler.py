@@ -413,10 +413,12 @@ class Scheduler:
                 # This step samples a token (S:1634, AS:33-47).
                 self.inflight_prefills.discard(r)
                 if self.config.async_scheduling:
-                    # A placeholder for it and for each draft it verifies; the
-                    # next step's drafts are placeholders too, filled in by the
-                    # model runner, never seen here (AS:25-53).
-                    r.num_output_placeholders += 1 + len(step.spec.get(req_id, ()))
+                    # A placeholder for the token it samples (none for a pooling
+                    # model) and for each draft it verifies; the next step's
+                    # drafts are placeholders too, filled in by the model runner,
+                    # never seen here (AS:25-53).
+                    r.num_output_placeholders += (self.config.num_sampled_tokens_per_step
+                                                  + len(step.spec.get(req_id, ())))
                     if self.config.num_spec_tokens:
                         r.spec_token_ids = [-1] * self.config.num_spec_tokens
         self.finished_req_ids = set()
