@@ -409,11 +409,7 @@ def with_eagle(workload: dict, seed: int) -> dict:
     drafts per step, each slot past a scheduled chunk kept for the drafter, and
     a prefix hit short of its last block. Drawn from ``seed`` apart from the
     workload's own draws."""
-    wl = copy.deepcopy(workload)
-    rng = random.Random(seed + 7_000_003)
-    wl["engine"]["speculative_config"] = {"method": "eagle",
-                                          "num_speculative_tokens": rng.randint(1, 4)}
-    return wl
+    return _with_drafter(workload, "eagle", random.Random(seed + 7_000_003))
 
 
 def with_draft_model(workload: dict, seed: int) -> dict:
@@ -423,9 +419,15 @@ def with_draft_model(workload: dict, seed: int) -> dict:
     reject; each request takes one input slot of the step's batch for
     drafting, and the slots past its chunk for the draft model's KV. Drawn
     from ``seed`` apart from the workload's own draws."""
+    return _with_drafter(workload, "draft_model", random.Random(seed + 9_000_011))
+
+
+def _with_drafter(workload: dict, method: str, rng: random.Random) -> dict:
+    """``workload`` with speculative decoding by the drafter ``method``, whose
+    model ``run_workload`` gives the engine: 1 to 4 drafts per step, drawn
+    from ``rng``."""
     wl = copy.deepcopy(workload)
-    rng = random.Random(seed + 9_000_011)
-    wl["engine"]["speculative_config"] = {"method": "draft_model",
+    wl["engine"]["speculative_config"] = {"method": method,
                                           "num_speculative_tokens": rng.randint(1, 4)}
     return wl
 
