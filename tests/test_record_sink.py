@@ -393,6 +393,114 @@ def test_a_flush_keeps_every_event_when_the_engine_s_process_is_killed(tmp_path,
     assert len(evs) == (8 if flush else 0), [e.kind for e in evs]
 
 
+@pytest.mark.parametrize("after", ["nothing", "an-arrival", "not-settled"])
+def test_an_engine_killed_while_it_holds_no_request_leaves_a_whole_trace(tmp_path, after):
+    """vLLM's API server stopped with Ctrl-C SIGKILLs its engine core at once
+    (shutdown timeout 0), often before the engine core's shutdown closes the
+    trace. Killed after the recorder said that the engine held no request,
+    and with nothing recorded since, the engine left nothing out: the writer
+    process ends the trace ``complete``. An event recorded after that goes to
+    the writer process at once, and the trace reads as cut off after it; so
+    does a trace whose engine never settled (the controls)."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    path = tmp_path / "t.jsonl"
+    script = textwrap.dedent(f"""
+        import os, signal, time
+        from test_record_sink import feed, header
+        from kvtrace.record.sink import ProcessSink
+        from kvtrace.trace.events import Arrival
+        s = ProcessSink({str(path)!r}, header())
+        s.SEND_S = 3600.0        # nothing is sent on its own while the events are put
+        feed(s)
+        if {after!r} != "not-settled":
+            s.settled()
+            while not s._settled:   # the writer thread has handed everything on
+                time.sleep(0.01)
+        else:
+            s.flush()
+        if {after!r} == "an-arrival":
+            s.put(Arrival(seq=0, req="c", prompt_token_ids=[6], max_tokens=1, arrival_time=3.0))
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    for _ in range(100):   # the writer process ends the file once the connection closes
+        if path.exists() and path.stat().st_size and not _writer_running(path):
+            break
+        time.sleep(0.1)
+    with TraceReader(path) as r:
+        evs = list(r)
+    if after == "nothing":
+        assert r.truncation is None and r.end is not None
+        assert (r.end.status, r.end.dropped_events) == ("complete", 0)
+        assert [e.kind for e in evs][-2:] == ["abort", "end"] and len(evs) == 9
+    else:
+        assert r.end is None and "no 'end' record" in r.truncation
+        assert [e.kind for e in evs][-1] == ("arrival" if after == "an-arrival" else "abort")
+        assert len(evs) == (9 if after == "an-arrival" else 8)
+
+
+def test_a_stalled_writer_process_is_told_the_engine_settled_only_once_it_has_read_all(tmp_path):
+    """The settled line goes out only into an empty socket, so that the next
+    event's first bytes always reach the writer process without blocking the
+    engine: with the writer process stopped and lines unread, ``settled`` sends
+    nothing and ``put`` still returns at once; once it runs again, it is told."""
+    import signal
+
+    path = tmp_path / "stalled.jsonl"
+    s = ProcessSink(path, header())
+    os.kill(s._proc.pid, signal.SIGSTOP)
+    try:
+        big = [f"request-{i:06d}" for i in range(2000)]   # about 34 kB per event
+        for _ in range(3):
+            s.put(Abort(seq=0, reqs=big))
+        s.flush()   # into the socket, which holds them unread
+        assert not s._out
+        s.settled()
+        time.sleep(0.5)   # ten polls of the writer thread
+        assert s._settling and not s._settled
+        t0 = time.monotonic()
+        s.put(Arrival(seq=0, req="c", prompt_token_ids=[6], max_tokens=1, arrival_time=3.0))
+        assert time.monotonic() - t0 < 1.0
+        assert not s._settling   # an event came: the engine is not settled
+        s.settled()
+    finally:
+        os.kill(s._proc.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 20
+    while not s._settled and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert s._settled and not s._out
+    s.close()
+    evs = list(TraceReader(path))
+    assert [e.kind for e in evs][-2:] == ["arrival", "end"] and len(evs) == 5
+
+
+def test_a_line_cut_after_the_engine_settled_leaves_the_trace_cut(tmp_path):
+    """The engine settled, then died in the middle of sending a line: the trace
+    is not whole, and reads as cut off after its last whole event."""
+    path = tmp_path / "t.jsonl"
+    s = ProcessSink(path, header())
+    feed(s)
+    s.settled()
+    deadline = time.monotonic() + 10
+    while not s._settled and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert s._settled
+    s.write_error = "the engine is gone"   # nothing more is sent by the sink itself
+    s._sock.sendall(b'{"kind":"arrival","req":"c"')   # half a line, then the connection ends
+    s._sock.shutdown(socket.SHUT_WR)
+    assert s._proc.wait(10) == 0
+    s.close()
+    r = TraceReader(path)
+    evs = list(r)
+    assert r.end is None and "cut off" in r.truncation and len(evs) == 8
+
+
 def _writer_running(path) -> bool:
     """Whether a writer process for ``path`` is still running (Linux: /proc)."""
     for pid in filter(str.isdigit, os.listdir("/proc")):

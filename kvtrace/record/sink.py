@@ -44,6 +44,7 @@ import signal
 import socket
 import subprocess
 import sys
+import termios
 import threading
 import time
 import weakref
@@ -304,6 +305,13 @@ def _unknown_status(st: Any) -> str:
 # --------------------------------------------------------------------------- sinks
 
 
+def dropped_end(dropped: int) -> tuple[str, str | None]:
+    """The end status and error of a run that was otherwise complete."""
+    if dropped:
+        return "recorder-error", f"{dropped} events dropped: the trace writer could not keep up"
+    return "complete", None
+
+
 class _Sink:
     """What both sinks share: the writer thread, the drop count, how a write
     failure stops recording, and how the trace ends. ``put`` never blocks and
@@ -333,7 +341,7 @@ class _Sink:
         if self.write_error is not None:
             return "recorder-error", self.write_error
         if self.dropped and status == "complete":
-            return "recorder-error", f"{self.dropped} events dropped: the trace writer could not keep up"
+            return dropped_end(self.dropped)
         return status, error
 
     def close(self, status: str = "complete", error: str | None = None,
@@ -353,6 +361,11 @@ class _Sink:
         """The engine is failing: pass on what waits now (its process may be
         killed before it shuts down). Here, wake the writer thread."""
         self._wake.set()
+
+    def settled(self) -> None:
+        """The engine holds no request now. The writer process is told so (see
+        ``ProcessSink``); a writer thread dies with the engine's process, and
+        has nothing to do here."""
 
     def join(self, timeout: float = 60.0) -> None:
         """Wait for the writer to finish after ``close``."""
@@ -464,7 +477,18 @@ class ProcessSink(_Sink):
     vLLM's shutdown SIGKILLs every descendant of an engine core that has not
     exited at once, and a writer killed there would lose its last events and
     the end record. A process forked from the engine (without exec) closes its
-    copy of the connection, so that it cannot keep the writer waiting."""
+    copy of the connection, so that it cannot keep the writer waiting.
+
+    ``settled`` (the engine holds no request) hands every waiting line on and,
+    once the writer process has read them all, sends ``["settled", dropped]``.
+    The socket then holds that line only, so the first event put after it
+    goes into the socket, at least its first bytes, before ``put`` returns,
+    without blocking. So when the connection closes right after that line,
+    the engine's process was killed with every event it recorded handed on
+    and no request in it, and the writer process ends the trace ``complete``:
+    vLLM's API server, stopped with Ctrl-C, SIGKILLs its engine core at once
+    (its shutdown timeout is 0), and an idle engine core killed so has left
+    nothing out of its trace."""
 
     SEND_S = 0.05   # each send wakes the writer process: a few per second is enough
     SEND_MAX = 1 << 20   # bytes offered to the socket at once
@@ -474,6 +498,8 @@ class ProcessSink(_Sink):
         super().__init__(path, maxsize)
         self._out: deque[bytes] = deque()  # encoded events the socket has not taken yet
         self._sent_at = time.monotonic()
+        self._settling = False   # settled() was called, and nothing put since
+        self._settled = False    # the writer process was told: a put must reach it at once
         raw = open_trace_file(self.path)  # may raise: caller handles it
         if raw < 3:  # never where the writer process's stdin/stdout/stderr go
             raw, low = above_stdio(raw), raw
@@ -518,7 +544,11 @@ class ProcessSink(_Sink):
                 lines: list = []
                 self._resolve(ev, lines)
                 self._out.append(b"".join([orjson.dumps(x, option=JSON_LINE) for x in lines]))
-                if time.monotonic() - self._sent_at >= self.SEND_S:
+                self._settling = False
+                if self._settled or time.monotonic() - self._sent_at >= self.SEND_S:
+                    # Settled: the socket was empty but for that line, and takes at
+                    # least the start of this one, which the writer process sees.
+                    self._settled = False
                     self._send_waiting()
             except Exception as e:  # a dead writer process ...
                 self._failed(e)
@@ -537,6 +567,36 @@ class ProcessSink(_Sink):
                 self._sent_at = time.monotonic()
             except Exception as e:   # a dead writer process
                 self._failed(e)
+
+    def settled(self) -> None:
+        """The engine holds no request: the writer thread hands on what waits,
+        then says so to the writer process, unless an event comes first."""
+        with self._lock:
+            if not self.closed and self.write_error is None and not self._settled:
+                self._settling = True
+                self._wake.set()
+
+    def _tell_settled(self) -> None:
+        """On the writer thread, the lock held: once the writer process has read
+        every line (the socket is empty), send ``["settled", dropped]``.
+        Never blocks: until then the lines wait for the socket, and the line
+        waits for the writer process to catch up, a poll later."""
+        if self._out:
+            self._send_waiting()
+            return
+        try:
+            unread = int.from_bytes(fcntl.ioctl(self._sock.fileno(), termios.TIOCOUTQ, b"\0" * 4),
+                                    sys.byteorder)
+        except OSError:   # a system that cannot say: never settled
+            self._settling = False
+            return
+        if unread:
+            return
+        self._settling = False
+        line = orjson.dumps(["settled", self.dropped], option=JSON_LINE)
+        self._sock.sendall(line, socket.MSG_NOSIGNAL)   # a few bytes into an empty socket
+        self._sent_at = time.monotonic()
+        self._settled = True
 
     def _send_waiting(self) -> None:
         """Hand the waiting lines to the socket, as many as it takes without
@@ -567,12 +627,14 @@ class ProcessSink(_Sink):
             self._wake.wait(self.POLL_S)
             with self._lock:
                 stop = self._stop
-                if (stop is None and self._out and self.write_error is None
-                        and time.monotonic() - self._sent_at >= self.SEND_S):
-                    try:
+                try:
+                    if stop is None and self._settling and self.write_error is None:
+                        self._tell_settled()
+                    elif (stop is None and self._out and self.write_error is None
+                            and time.monotonic() - self._sent_at >= self.SEND_S):
                         self._send_waiting()
-                    except Exception as e:
-                        self._failed(e)
+                except Exception as e:
+                    self._failed(e)
             if stop is not None:
                 self._finish(*stop)
                 return

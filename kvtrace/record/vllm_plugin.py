@@ -75,7 +75,9 @@ def _hook_engine_shutdown() -> None:
     The scheduler's own ``shutdown`` runs last, after the executor has waited for
     its workers; a front end that force-kills the engine core process (the API
     server does, right after SIGTERM) kills it before that point. Closing first
-    writes the End record while there is still time. A shutdown while an
+    writes the End record when there is still time; when there is not, an
+    engine core killed while it held no request has its trace ended
+    ``complete`` by the writer process (``ProcessSink.settled``). A shutdown while an
     exception leaves the engine (its busy loop raised, or the offline run did)
     ends the traces ``interrupted``, with that exception."""
     try:

@@ -458,6 +458,14 @@ class Recorder:
         self.preempted_out.difference_update(ids)   # an id used again is a new request
         self.sink.put(Abort(seq=0, reqs=list(dict.fromkeys(freed + ids))))
 
+    def settle(self, sched: Any) -> None:
+        """After a call that may have left the engine with no request: if it has
+        none, tell the sink (an engine process killed now has recorded
+        everything it did, see ``ProcessSink``)."""
+        held = getattr(sched, "requests", None)
+        if isinstance(held, dict) and not held:
+            self.sink.settled()
+
     def on_reset(self, reset_running_requests: Any, reset_connector: Any, result: Any) -> None:
         self.sink.put(ResetPrefixCache(seq=0, reset_running_requests=bool(reset_running_requests),
                                        succeeded=bool(result),
@@ -741,12 +749,14 @@ _CLAIM_LOCK = threading.Lock()
 
 def close_all(interrupted: str | None = None) -> None:
     """Close every open recorder of this process (writes their End records):
-    ``complete``, or, given the error that stopped the engine, ``interrupted``."""
-    for rec in list(_ACTIVE):
-        try:
-            rec.close(interrupted=interrupted)
-        except Exception:
-            logger.exception("kvtrace: closing a recorder failed")
+    ``complete``, or, given the error that stopped the engine, ``interrupted``.
+    A SIGTERM or SIGINT meanwhile waits until they are closed."""
+    with _termination_deferred():
+        for rec in list(_ACTIVE):
+            try:
+                rec.close(interrupted=interrupted)
+            except Exception:
+                logger.exception("kvtrace: closing a recorder failed")
 
 
 atexit.register(close_all)
@@ -948,6 +958,7 @@ def make_recording_scheduler(base_cls: type) -> type:
             finally:
                 if aborting and rec.active:
                     rec.guard("finish_requests", rec.end_abort)
+                    rec.guard("finish_requests", rec.settle, self)
 
         if hasattr(base_cls, "_free_request"):
             def _free_request(self, request, *args, **kwargs):
@@ -967,6 +978,7 @@ def make_recording_scheduler(base_cls: type) -> type:
                     running = kwargs.get("reset_running_requests", args[0] if args else False)
                     connector = kwargs.get("reset_connector", args[1] if len(args) > 1 else False)
                     rec.guard("reset_prefix_cache", rec.on_reset, running, connector, result)
+                    rec.guard("reset_prefix_cache", rec.settle, self)
 
         if hasattr(base_cls, "set_pause_state"):
             def set_pause_state(self, pause_state, *args, **kwargs):
@@ -974,6 +986,7 @@ def make_recording_scheduler(base_cls: type) -> type:
                 rec = self._kv_rec()
                 if rec is not None:
                     rec.guard("set_pause_state", rec.on_pause, pause_state)
+                    rec.guard("set_pause_state", rec.settle, self)
                 return result
 
         def _preempt_request(self, request, *args, **kwargs):
@@ -1025,6 +1038,7 @@ def make_recording_scheduler(base_cls: type) -> type:
                     rec.in_update = False
             if ctx is not None and rec.active:
                 rec.guard("update_from_output", rec.post_update, self, ctx, result)
+                rec.guard("update_from_output", rec.settle, self)
             return result
 
         def shutdown(self, *args, **kwargs):

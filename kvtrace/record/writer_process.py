@@ -8,7 +8,9 @@ sends, one JSON line each:
 * first, the header;
 * resolved items: events, ``["step", ...]``, ``["output", ...]`` and
   ``["statuses", ...]`` (see ``Resolver``), which ``Records`` turns into records;
-* last, ``["end", status, error, dropped_events]``: the end record, then exit.
+* last, ``["end", status, error, dropped_events]``: the end record, then exit;
+* whenever the engine holds no request, ``["settled", dropped_events]`` after
+  everything it recorded (see ``ProcessSink``).
 
 When nothing has come for ``FLUSH_IDLE_S``, everything so far goes to the file,
 so that an engine killed without a shutdown leaves a readable trace.
@@ -20,7 +22,9 @@ to exit, saying the writer's pid: the writer is then no descendant of the
 engine, which vLLM's shutdown may kill with all its descendants; and it says
 its exit status on the connection just before it exits. When the
 pipe closes without an end line (the engine died), the file ends after the last
-event received, without an end record, and reads as cut off.
+event received, without an end record, and reads as cut off; unless the
+last thing received was a ``settled`` line: then it ends the file as the end
+line would have, ``complete``.
 
 A failure to write (a full disk) is reported once on standard error; later
 events are dropped and the end record, if it can still be written, says
@@ -36,17 +40,19 @@ import sys
 
 import orjson
 
-from kvtrace.record.sink import FLUSH_IDLE_S, Records, hold_lock
+from kvtrace.record.sink import FLUSH_IDLE_S, Records, dropped_end, hold_lock
 from kvtrace.trace.events import Header
 from kvtrace.trace.io import TraceWriter
 
 
 IDLE = None  # what ``_lines`` yields after FLUSH_IDLE_S without input
+CUT = object()   # what ``_lines`` yields last when the input ends inside a line
 
 
 def _lines(fd: int):
     """Complete lines read from ``fd`` until it closes; ``IDLE`` once whenever
-    nothing has come for ``FLUSH_IDLE_S``."""
+    nothing has come for ``FLUSH_IDLE_S``; ``CUT`` at the end when a line was
+    left unfinished."""
     rest = b""
     poll = select.poll()
     poll.register(fd, select.POLLIN)
@@ -56,6 +62,8 @@ def _lines(fd: int):
             poll.poll()
         chunk = os.read(fd, 1 << 20)
         if not chunk:
+            if rest:
+                yield CUT
             return
         lines = (rest + chunk).split(b"\n")
         rest = lines.pop()
@@ -77,19 +85,28 @@ def serve(fd_in: int, path: str, fd_out: int) -> int:
         return 1
     try:
         writer = TraceWriter(path, Header.from_json(orjson.loads(first)), fd=fd_out)
+        writer.flush()   # an engine killed before the first idle moment leaves a readable trace
     except Exception as e:
         _say(f"cannot write the trace {path}: {type(e).__name__}: {e}")
         return 1
     records = Records()
     error: str | None = None
+    settled: int | None = None   # dropped events, while the last line said the engine settled
     for line in lines:
         try:
             if line is IDLE:
                 if error is None:
                     writer.flush()
                 continue
+            if line is CUT:
+                settled = None
+                continue
             item = orjson.loads(line)
             tag = item[0] if type(item) is list else None
+            if tag == "settled":
+                settled = int(item[1])
+                continue
+            settled = None
             if tag == "end":
                 _, status, message, dropped = item
                 if error is not None:
@@ -105,8 +122,14 @@ def serve(fd_in: int, path: str, fd_out: int) -> int:
             if error is None:
                 error = f"writing the trace failed: {type(e).__name__}: {e}"
                 _say(f"{error}; recording stopped, the engine is unaffected")
-    # The engine is gone without an end line: the trace stops where its events stop.
+    # The engine is gone without an end line. Killed while it held no request,
+    # with every event handed on (vLLM's API server SIGKILLs its engine core at
+    # Ctrl-C): the trace is whole. Otherwise it stops where its events stop.
     try:
+        if settled is not None and error is None:
+            status, message = dropped_end(settled)
+            writer.close(status=status, error=message, dropped_events=settled)
+            return 0
         writer.finish(None)
     except Exception as e:
         _say(f"closing the trace {path} failed: {type(e).__name__}: {e}")
