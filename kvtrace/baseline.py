@@ -1,11 +1,12 @@
 """The baseline profile (semantics doc, section 0.1): which engines' traces can
 be replayed, by the reference and by vLLM's own scheduler alike.
 
-Speculative decoding is inside it, under either scheduler, with a fixed
-number of drafts: n-gram and suffix decoding, and drafters that run a
-model (EAGLE, EAGLE3, one-module MTP, a draft model), whose lookahead slots,
-input slots per request and, for EAGLE, dropped hit block the reference
-models. vLLM 0.32's scheduler reads nothing else of a drafter, so parallel
+Speculative decoding is inside it, under either scheduler: n-gram and
+suffix decoding, and drafters that run a model (EAGLE, EAGLE3, one-module
+MTP, a draft model), whose lookahead slots, input slots per request and, for
+EAGLE, dropped hit block the reference models; with a fixed number of drafts
+or one that follows the batch size (dynamic speculative decoding, whose table
+the header holds). vLLM 0.32's scheduler reads nothing else of a drafter, so parallel
 drafting (P-EAGLE, PARD, DFlash, DSpark), which only takes more of those
 slots, is inside it too, though no trace of it was recorded here. Multi-module
 MTP is not: its chunks keep clear of the drafter's reads. Outside it, the
@@ -125,7 +126,8 @@ def outside(features: dict, block_size: int) -> str | None:
 
 def speculative(features: dict) -> str | None:
     """Why a header's speculative decoding is outside the baseline, or None
-    (none, or a fixed number of drafts under either scheduler: by
+    (none, or drafts under either scheduler, a fixed number or, with dynamic
+    speculative decoding, a number by batch size from the header's table: by
     n-gram and suffix decoding, or by a drafter with its lookahead slots, its
     input slots per request and, for EAGLE, EAGLE3 and one-module MTP, the
     dropped hit block)."""
@@ -138,8 +140,15 @@ def speculative(features: dict) -> str | None:
                     f"num_lookahead_tokens={lookahead!r})")
         return None
     on = f"speculative decoding (num_speculative_tokens={k!r})"
-    if features.get("dynamic_spec_decode"):
-        return f"dynamic {on} is on"
+    table = features.get("spec_tokens_by_batch_size")
+    if features.get("dynamic_spec_decode") and table is None:
+        return (f"dynamic {on} is on, and the trace does not say how many drafts each batch "
+                "size takes (spec_tokens_by_batch_size)")
+    if table is not None:
+        if (not isinstance(table, list) or len(table) < 2
+                or any(type(v) is not int or not 0 <= v <= k for v in table)):
+            return ("field 'features.spec_tokens_by_batch_size' must be a list of at least two "
+                    f"integers from 0 to num_speculative_tokens ({k}), got {table!r}")
     if features.get("num_draft_slots") is None:
         return f"{on} is on, and the trace does not say how many input slots drafting takes"
     if eagle:

@@ -49,6 +49,9 @@ def config_from_header(header: ev.Header) -> SchedulerConfig:
         num_lookahead_tokens=int(f.get("num_lookahead_tokens") or 0),
         eagle_block_drop=bool(f.get("use_eagle") and f.get("eagle_block_drop")),
         num_draft_slots=int(f.get("num_draft_slots") or 0),
+        spec_tokens_by_batch_size=(tuple(f["spec_tokens_by_batch_size"])
+                                   if f.get("spec_tokens_by_batch_size") is not None
+                                   and f.get("num_speculative_tokens") else None),
         num_sampled_tokens_per_step=0 if f.get("pooling_runner") else 1,
         max_loras=f.get("max_loras") if f.get("lora") else None,
     )
@@ -76,6 +79,9 @@ def header_features(cfg: SchedulerConfig) -> dict:
         **({"num_speculative_tokens": cfg.num_spec_tokens, "num_draft_slots": cfg.num_draft_slots,
             "num_lookahead_tokens": cfg.num_lookahead_tokens}
            if cfg.num_spec_tokens else {}),
+        **({"dynamic_spec_decode": True,
+            "spec_tokens_by_batch_size": list(cfg.spec_tokens_by_batch_size)}
+           if cfg.num_spec_tokens and cfg.spec_tokens_by_batch_size is not None else {}),
         **({"use_eagle": True, "eagle_block_drop": True, "num_prefill_lookahead_tokens": 1}
            if cfg.num_spec_tokens and cfg.eagle_block_drop else {}),
         **({"lora": True, "max_loras": cfg.max_loras} if cfg.max_loras else {}),

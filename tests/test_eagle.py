@@ -171,6 +171,30 @@ def test_the_shadow_kv_check_writes_a_step_where_the_model_runner_does(monkeypat
     assert "count as computed" in divs[0].recorded
 
 
+def test_a_cut_async_trace_replays_clean_up_to_every_cut(tmp_path):
+    """Cut before any output (an engine that failed, a recording still being
+    written): the steps scheduled before it count drafts whose output never
+    came, so where the model runner put their tokens is unknown, and the
+    shadow-KV check leaves those requests' work in them out. It used to read
+    them as positions no token had reached, at almost every cut."""
+    import gzip
+
+    import orjson
+
+    lines = gzip.decompress(ASYNC.read_bytes()).splitlines()
+    outputs = [i for i, x in enumerate(lines) if orjson.loads(x)["kind"] == "output"]
+    cut = tmp_path / "cut.jsonl"
+    checked = []
+    for i in outputs:
+        cut.write_bytes(b"\n".join(lines[:i]) + b"\n")
+        res = replay_file(cut, device="cpu", worker=0)
+        assert res.truncation is not None
+        assert res.divergences == [], (i, res.divergences[0].to_json())
+        checked.append(res.slots_checked)
+    assert len(outputs) > 50
+    assert checked == sorted(checked) and checked[-1] > checked[0]   # the check still reads
+
+
 @pytest.mark.vllm
 def test_vllms_async_scheduler_decides_the_same_with_placeholder_drafts(tmp_path):
     from _require import require

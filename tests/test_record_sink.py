@@ -475,6 +475,8 @@ def test_a_stalled_writer_process_is_told_the_engine_settled_only_once_it_has_re
     while not s._settled and time.monotonic() < deadline:
         time.sleep(0.01)
     assert s._settled and not s._out
+    time.sleep(0.1)
+    assert not s._wake.is_set()   # the writer thread waits again, rather than spin
     s.close()
     evs = list(TraceReader(path))
     assert [e.kind for e in evs][-2:] == ["arrival", "end"] and len(evs) == 5

@@ -36,7 +36,11 @@ or served as a stream, and the two combined:
   share blocks, and a quarter of those mix token ids in;
 * any of these but the sessions with LoRA (kinds "lo-KIND"; ``with_loras``):
   about 60% of the requests get one of four adapters, under a limit of 1 to 3
-  adapters a step.
+  adapters a step;
+* any kind with speculative decoding ("spec-", "ea-", "dm-") with the number
+  of drafts following the batch size (kinds "dy-KIND", for example
+  "dy-ea-async-mixed"; ``with_dynamic_drafts``): one to three ranges of batch
+  sizes, each asking for 0 to num_speculative_tokens drafts.
 
 Served as a stream (``kvtrace.record.vllm_run.served``), the engine is driven
 step by step: each request arrives at a step of its own, and about a third are
@@ -74,6 +78,7 @@ from kvtrace.record.vllm_run import (  # noqa: E402
     stream_workload,
     with_draft_model,
     with_drafts,
+    with_dynamic_drafts,
     with_eagle,
     with_embeds,
     with_grammars,
@@ -243,6 +248,9 @@ SO_KINDS = tuple(f"so-{k}" for k in KINDS + SPEC_KINDS if not k.endswith("sessio
 PE_KINDS = tuple(f"pe-{k}" for k in KINDS + SPEC_KINDS if not k.endswith("sessions"))
 # With LoRA adapters: the same ("lo-" + kind).
 LO_KINDS = tuple(f"lo-{k}" for k in KINDS + SPEC_KINDS if not k.endswith("sessions"))
+# With the number of drafts following the batch size: any kind with
+# speculative decoding ("dy-" + kind).
+DY_KINDS = tuple(f"dy-{k}" for k in SPEC_KINDS + EA_KINDS + DM_KINDS)
 
 
 def _workload(seed: int, kind: str) -> dict:
@@ -252,6 +260,8 @@ def _workload(seed: int, kind: str) -> dict:
         return with_embeds(_workload(seed, kind[3:]), seed)
     if kind.startswith("lo-"):
         return with_loras(_workload(seed, kind[3:]), seed)
+    if kind.startswith("dy-"):
+        return with_dynamic_drafts(_workload(seed, kind[3:]), seed)
     if kind.startswith(("spec-", "ea-", "dm-")):
         spec, rest = kind.split("-", 1)
         base = {"failures": "sync-failures", "aborts": "sync-aborts"}.get(rest, rest)
@@ -281,7 +291,8 @@ def _seeds() -> list[tuple[int, str]]:
     seeds = []
     for part in spec.split(","):
         kind, _, span = part.strip().rpartition(":")
-        assert kind in KINDS + SPEC_KINDS + EA_KINDS + DM_KINDS + SO_KINDS + PE_KINDS + LO_KINDS, part
+        assert kind in (KINDS + SPEC_KINDS + EA_KINDS + DM_KINDS + SO_KINDS + PE_KINDS + LO_KINDS
+                        + DY_KINDS), part
         lo, _, hi = span.partition("-")
         seeds += [(s, kind) for s in range(int(lo), int(hi or lo) + 1)]
     return seeds
@@ -356,7 +367,7 @@ def test_a_random_workload_replays_clean_or_is_flagged_where_the_engine_failed(s
     out = tmp_path / "run.jsonl.gz"
     failed = None
     workload = _workload(seed, kind)
-    base = kind[3:] if kind.startswith(("so-", "pe-", "lo-")) else kind   # they change nothing below
+    base = kind[3:] if kind.startswith(("so-", "pe-", "lo-", "dy-")) else kind   # they change nothing below
     plain = base[3:] if base.startswith(("ea-", "dm-")) else base
     capped = StepLimitAsyncScheduler if plain.startswith("async") else StepLimitScheduler
     if base.startswith(("spec-", "ea-", "dm-")):

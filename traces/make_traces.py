@@ -39,6 +39,8 @@ TRACES = {
     "eagle": "eagle",
     "async-eagle": "async-eagle",
     "draft-model": "draft-model",
+    "dynamic-spec": "dynamic-spec",
+    "async-dynamic-eagle": "async-dynamic-eagle",
 }
 # Traces of vLLM's own bugs, unchanged engine, in vllm-bugs/: the engine fails
 # on them, and the trace ends "interrupted" with its error. On those in

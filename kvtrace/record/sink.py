@@ -430,6 +430,7 @@ class TraceSink(_Sink):
                         self._failed(e)
                 dirty = False
             self._wake.wait(self.POLL_S)
+            self._wake.clear()
 
     def _write(self, batch: list) -> None:
         w = self._writer
@@ -493,6 +494,7 @@ class ProcessSink(_Sink):
     SEND_S = 0.05   # each send wakes the writer process: a few per second is enough
     SEND_MAX = 1 << 20   # bytes offered to the socket at once
     POLL_S = 0.05
+    SETTLE_POLL_S = 0.002   # while the writer process reads the last lines before "settled"
 
     def __init__(self, path: str | os.PathLike, header: Header, maxsize: int | None = None):
         super().__init__(path, maxsize)
@@ -624,7 +626,8 @@ class ProcessSink(_Sink):
         except Exception as e:
             logger.error("kvtrace: starting the trace writer process for %s: %s", self.path, e)
         while True:
-            self._wake.wait(self.POLL_S)
+            self._wake.wait(self.SETTLE_POLL_S if self._settling else self.POLL_S)
+            self._wake.clear()   # what woke it is read under the lock below
             with self._lock:
                 stop = self._stop
                 try:

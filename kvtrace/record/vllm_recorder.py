@@ -222,7 +222,8 @@ def _finish_reason(r: Any) -> str | None:
 def _spec_features(spec: Any) -> dict:
     """What replay must know of a speculative-decoding config: its method, the
     extra input slots each request takes for drafting, and whether the number
-    of drafts changes with the batch size (dynamic speculative decoding)."""
+    of drafts changes with the batch size (dynamic speculative decoding; the
+    scheduler's table of it is recorded by ``build_header``)."""
     if spec is None:
         return {}
     return {"speculative_method": str(getattr(spec, "method", "") or ""),
@@ -291,6 +292,11 @@ def build_header(sched: Any, meta: dict | None = None) -> Header:
         "eagle_block_drop": bool(getattr(sched, "use_eagle_block_drop",
                                          getattr(sched, "use_eagle", False))),
         "num_prefill_lookahead_tokens": int(getattr(sched, "num_prefill_lookahead", 0) or 0),
+        # Dynamic speculative decoding: the drafts a step asks for, by how many
+        # requests it schedules (index 0 unused; vLLM's dynamic_sd_lookup).
+        "spec_tokens_by_batch_size": (
+            [int(k) for k in sched.dynamic_sd_lookup]
+            if getattr(sched, "dynamic_sd_lookup", None) is not None else None),
         "has_mamba_layers": bool(getattr(sched, "has_mamba_layers", False)),
         "multimodal": bool(getattr(vc.model_config, "is_multimodal_model", False)),
         # A LoRA slot limit (max_loras) and data-parallel prefill throttling
@@ -453,8 +459,14 @@ class Recorder:
         the engine freed them, then those it left alone (unknown or finished).
         The order decides the order in which their blocks return to the pool,
         and vLLM 0.32 frees the ids of one call in the iteration order of a set
-        of them (S:2668), which differs between processes."""
+        of them (S:2668), which differs between processes. A call that names
+        no request changes nothing and is not recorded: vLLM's engine core
+        makes one as it shuts down (``finish_requests(None)`` with no request
+        left), and recording it would undo what ``settle`` told the writer
+        process a moment before the front end kills the engine core."""
         ids, freed = self.aborts.pop()
+        if not ids and not freed:
+            return
         self.preempted_out.difference_update(ids)   # an id used again is a new request
         self.sink.put(Abort(seq=0, reqs=list(dict.fromkeys(freed + ids))))
 

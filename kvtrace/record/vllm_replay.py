@@ -328,10 +328,10 @@ def _build_vllm_config(header: ev.Header) -> Any:
 
 def _speculative_stand_in(f: dict, model_config: Any, vc: Any) -> Any:
     """A SpeculativeConfig that gives vLLM's scheduler the trace's drafting
-    arithmetic: the drafts per step, the lookahead slots, the input slots per
-    request, EAGLE's block drop and how far past a prefill chunk the drafter
-    reads. The scheduler reads nothing else of it for a fixed number of
-    drafts, and no proposer runs here (the recorded drafts are fed in), so a config built
+    arithmetic: the drafts per step (by batch size, with dynamic speculative
+    decoding), the lookahead slots, the input slots per request, EAGLE's block
+    drop and how far past a prefill chunk the drafter reads. The scheduler
+    reads nothing else of it, and no proposer runs here (the recorded drafts are fed in), so a config built
     for n-gram drafts stands in, renamed to the recorded method (EAGLE, a
     draft model, ...) whose rules those are; its draft model is never loaded.
     Set afterwards, as async scheduling is. Raises ConfigRefused when no
@@ -341,6 +341,7 @@ def _speculative_stand_in(f: dict, model_config: Any, vc: Any) -> Any:
     spec = SpeculativeConfig(
         method="ngram", num_speculative_tokens=int(f["num_speculative_tokens"]),
         target_model_config=model_config, target_parallel_config=vc.parallel_config)
+    _dynamic_stand_in(f, spec, vc)
     want = (int(f.get("num_lookahead_tokens") or 0), int(f.get("num_draft_slots") or 0),
             bool(f.get("use_eagle") and f.get("eagle_block_drop")),
             int(f.get("num_prefill_lookahead_tokens") or 0))
@@ -358,6 +359,24 @@ def _speculative_stand_in(f: dict, model_config: Any, vc: Any) -> Any:
     raise ConfigRefused(f"no speculative method of this vLLM gives {want[0]} lookahead slots, "
                         f"{want[1]} drafting slots per request, block drop {want[2]} and "
                         f"{want[3]} prefill lookahead tokens (method {method!r})")
+
+
+def _dynamic_stand_in(f: dict, spec: Any, vc: Any) -> None:
+    """Dynamic speculative decoding: the trace's table of drafts by batch size,
+    given to ``spec`` as one range per batch size, from which vLLM's scheduler
+    builds the same table. Raises ConfigRefused when it does not."""
+    table = f.get("spec_tokens_by_batch_size")
+    if table is None:
+        return
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    spec.num_speculative_tokens_per_batch_size = [(b, b, k) for b, k in enumerate(table) if b]
+    got = build_dynamic_sd_schedule_lookup(spec.num_speculative_tokens_per_batch_size,
+                                           vllm_max_batch_size=vc.scheduler_config.max_num_seqs,
+                                           vllm_num_speculative_tokens=spec.num_speculative_tokens)
+    if list(got)[1:] != list(table)[1:]:   # index 0 is unused
+        raise ConfigRefused(f"vLLM builds the table of drafts by batch size {got} from the "
+                            f"trace's {table}")
 
 
 def build_kv_cache_config(num_blocks: int, block_size: int) -> Any:

@@ -432,6 +432,23 @@ def _with_drafter(workload: dict, method: str, rng: random.Random) -> dict:
     return wl
 
 
+def with_dynamic_drafts(workload: dict, seed: int) -> dict:
+    """``workload``, which has speculative decoding, with the number of drafts
+    following the batch size (dynamic speculative decoding): one to three
+    ranges of batch sizes from 1, each asking for 0 to num_speculative_tokens
+    drafts. Drawn from ``seed`` apart from the workload's own draws."""
+    wl = copy.deepcopy(workload)
+    rng = random.Random(seed + 13_000_007)
+    spec = dict(wl["engine"]["speculative_config"])
+    k = int(spec["num_speculative_tokens"])
+    cuts = sorted(rng.sample(range(2, 9), rng.randint(0, 2)))
+    starts, ends = [1] + cuts, [c - 1 for c in cuts] + [64]
+    spec["num_speculative_tokens_per_batch_size"] = [
+        (a, b, rng.randint(0, k)) for a, b in zip(starts, ends)]
+    wl["engine"]["speculative_config"] = spec
+    return wl
+
+
 def with_grammars(workload: dict, seed: int) -> dict:
     """``workload`` with structured outputs: about half its requests (not
     streaming-input sessions) get a regex, a choice or a JSON schema, some with
@@ -637,6 +654,23 @@ WORKLOADS["draft-model"] = dict(
     max_tokens=96, arrive_at=[0] * 6 + [12, 12],
     engine=dict(num_gpu_blocks_override=24, max_num_batched_tokens=32,
                 speculative_config={"method": "draft_model", "num_speculative_tokens": 3}))
+
+# Dynamic speculative decoding: the drafts a step asks for follow how many
+# requests it schedules (3 for one or two, 2 for three to five, 1 for more).
+# With n-gram drafts (synchronous), the two requests that arrive at step 40
+# with one token to compute are not padded with -1 drafts, as they would be
+# with a fixed number; under async scheduling (EAGLE), each decode is
+# scheduled with as many -1 drafts as the step before asked for.
+_BY_BATCH_SIZE = [(1, 2, 3), (3, 5, 2), (6, 64, 1)]
+WORKLOADS["dynamic-spec"] = dict(
+    WORKLOADS["speculative"],
+    engine=dict(WORKLOADS["speculative"]["engine"],
+                speculative_config=dict(_NGRAM, num_speculative_tokens_per_batch_size=_BY_BATCH_SIZE)))
+WORKLOADS["async-dynamic-eagle"] = dict(
+    WORKLOADS["async-eagle"],
+    engine=dict(WORKLOADS["async-eagle"]["engine"],
+                speculative_config=dict(WORKLOADS["eagle"]["engine"]["speculative_config"],
+                                        num_speculative_tokens_per_batch_size=_BY_BATCH_SIZE)))
 
 # vLLM 0.32 with speculative decoding and a streaming-input session: a turn
 # that stops (here at max_tokens 10) inside a step's accepted drafts keeps

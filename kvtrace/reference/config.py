@@ -53,6 +53,10 @@ class SchedulerConfig:
     # past its tokens (vLLM's max_num_new_slots_for_drafting: 1 for a draft
     # model, S:613-661).
     num_draft_slots: int = 0
+    # Dynamic speculative decoding: the drafts a step asks for, indexed by how
+    # many requests it schedules (index 0 unused; vLLM's dynamic_sd_lookup,
+    # S:307-314). None: always num_spec_tokens.
+    spec_tokens_by_batch_size: tuple[int, ...] | None = None
     # Context slots a step keeps for the token it samples: 0 for a pooling
     # model, which samples none (S:150-159).
     num_sampled_tokens_per_step: int = 1

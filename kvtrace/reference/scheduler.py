@@ -37,13 +37,15 @@ With speculative decoding, a running request is scheduled for its drafts too
 (``num_tokens_with_spec``), and its output takes back the drafts it rejected
 from ``num_computed_tokens`` (S:2110-2128). A waiting request with one token to
 compute is padded to ``1 + num_spec_tokens`` with placeholder drafts (-1) when
-decodes run in the step (S:1131-1153).
+decodes run in the step (S:1131-1153), unless the number of drafts follows the
+batch size (dynamic speculative decoding: a step asks for
+``spec_tokens_by_batch_size[n]`` drafts when it schedules n requests, S:1485-1490).
 
 * Under the synchronous scheduler the drafts come from the model after each
   output (``update_draft_token_ids``).
 * Under async scheduling they are placeholders (-1) that the model runner fills
-  in, each holding an output placeholder until the output says which were
-  accepted.
+  in, as many as the step before asked for, each holding an output placeholder
+  until the output says which were accepted.
 * A drafter that runs a model of its own (EAGLE, EAGLE3, MTP, a draft model)
   gets ``num_lookahead_tokens`` slots past each scheduled chunk to write.
 * With EAGLE a prefix hit gives back its last block, whose tokens the drafter
@@ -400,6 +402,7 @@ class Scheduler:
             spec=step.spec,
         )
         defer = self.config.defer_block_free and bool(step.num_scheduled)
+        drafts_asked = self._drafts_asked(len(step.num_scheduled))
         if defer:
             self.sched_step_seq += 1
         for req_id, n in step.num_scheduled.items():
@@ -420,7 +423,7 @@ class Scheduler:
                     r.num_output_placeholders += (self.config.num_sampled_tokens_per_step
                                                   + len(step.spec.get(req_id, ())))
                     if self.config.num_spec_tokens:
-                        r.spec_token_ids = [-1] * self.config.num_spec_tokens
+                        r.spec_token_ids = [-1] * drafts_asked
         self.finished_req_ids = set()
         self.preempted_req_ids = set()
         return out
@@ -440,6 +443,15 @@ class Scheduler:
             step.spec[r.request_id] = r.spec_token_ids[:k]
         r.spec_token_ids = []
 
+    def _drafts_asked(self, num_requests: int) -> int:
+        """The drafts a step that schedules ``num_requests`` requests asks the
+        drafter for: num_spec_tokens, or with dynamic speculative decoding the
+        table's entry for that batch size (S:1485-1490)."""
+        table = self.config.spec_tokens_by_batch_size
+        if table is None or not num_requests:
+            return self.config.num_spec_tokens
+        return table[min(num_requests, len(table) - 1)]
+
     def spec_decode_step_blocks(self) -> int:
         """Blocks of one decode step with every draft and the drafter's
         lookahead: 1 + num_spec_tokens + num_lookahead_tokens slots (S:348-357)."""
@@ -450,9 +462,11 @@ class Scheduler:
         """A waiting request with one token to compute is padded to a whole
         decode of 1 + num_spec_tokens, when no prefill runs in the step, a
         decode does or the request has KV already, and the padding and the
-        token it samples fit in max_model_len (S:1131-1153)."""
+        token it samples fit in max_model_len (S:1131-1153). Not with dynamic
+        speculative decoding (S:1135)."""
         k = self.config.num_spec_tokens
-        return (k > 0 and not step.prefill_scheduled
+        return (k > 0 and self.config.spec_tokens_by_batch_size is None
+                and not step.prefill_scheduled
                 and bool(step.running or num_computed > 0)
                 and num_computed + 1 + k + 1 <= self.max_model_len)
 

@@ -185,13 +185,17 @@ class ContentCheck:
         the step's output for them (S:2471-2477); its KV writes land at or past
         where the turn was cut back, and the next turn writes those positions
         again before any step reads them, so the check leaves the step's work
-        for them out."""
+        for them out. It leaves out, too, the work of requests with drafts in
+        a step whose output never came (the trace ends first, as when the
+        engine failed): where the model runner put their tokens is unknown."""
         back: dict[str, int] = {}
         ended: set[str] = set()
         for step in in_flight:
             for req, n in self._rejected.get(step, {}).items():
                 back[req] = back.get(req, 0) + n
             ended |= self._turn_ended.get(step, set())
+            if step in self._awaiting:   # only at the end: see _release
+                ended |= {req for req, n in self._drafts.get(step, {}).items() if n}
         if in_flight:
             for seen in (self._rejected, self._turn_ended):
                 for old in [k for k in seen if k < min(in_flight)]:

@@ -71,7 +71,7 @@ def _check_fits(header: ev.Header, path) -> None:
 def _check_supported(header: ev.Header, path) -> None:
     why = baseline.refusal(header.features, header.config.block_size,
                            "the reference models the baseline profile only (one full-attention "
-                           "KV-cache group, a fixed number of drafts, no pipeline parallelism)")
+                           "KV-cache group, no pipeline parallelism)")
     if why is not None:
         raise TraceError(path, 1, why)
 
