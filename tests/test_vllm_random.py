@@ -209,6 +209,18 @@ MEETS_THE_BUG = (209, "async-failures")
 # shadow-KV check, each fixed: a step's tokens written where the model runner
 # puts them after rejected drafts, a step in flight at a session's turn end,
 # and an empty step's output taking the next step's drafts (dm-async-rlhf:12141).
+# With the drafts following the batch size (dy- kinds, tables with 0 to 5 drafts
+# a range), 28 seeds pass: dy-spec-knobs:13100, dy-spec-mixed:13001,
+# dy-spec-sessions:13102, dy-spec-failures:13103, dy-ea-mixed:13104,
+# dy-ea-async-mixed:13010-13011, dy-ea-async-stream:13106,
+# dy-ea-rlhf-sessions:13107, dy-dm-async-mixed:13020-13021, dy-dm-sessions:13040,
+# dy-dm-async-failures:13108, dy-dm-aborts:13109, dy-ea-async-knobs:13110, and one
+# seed each from 13200 to 13212 of dy-spec-rlhf, dy-spec-aborts, dy-ea-knobs,
+# dy-ea-sessions, dy-ea-async, dy-ea-async-failures, dy-ea-async-rlhf,
+# dy-ea-async-rlhf-sessions, dy-dm-mixed, dy-dm-async-knobs, dy-dm-async-stream,
+# dy-dm-async-rlhf-sessions and dy-dm-rlhf. dy-dm-async-mixed:13021 (and
+# dm-async-mixed:13021) showed a fourth gap in the shadow-KV check, fixed: an
+# engine that failed left a step's drafts without their output.
 CI_SEEDS = [(100, "async"), (101, "async"), MEETS_THE_BUG, (210, "async-failures"),
             (300, "sync-failures"), (414, "knobs"), (416, "knobs"), (403, "knobs"),
             (400, "async-knobs"), (404, "async-knobs"), (542, "async-knobs"), (457, "knobs"),
@@ -220,7 +232,8 @@ CI_SEEDS = [(100, "async"), (101, "async"), MEETS_THE_BUG, (210, "async-failures
             (5467, "async-rlhf-sessions"), (7001, "spec-knobs"), (7203, "spec-mixed"),
             (7524, "spec-rlhf-sessions"), (7609, "spec-rlhf"), (9066, "so-async-stream"),
             (9301, "so-spec-mixed"), (9800, "pe-async-mixed"), (10102, "lo-async-mixed"),
-            (11020, "ea-mixed"), (11130, "ea-async-mixed"), (12020, "dm-mixed"), (12042, "dm-sessions")]
+            (11020, "ea-mixed"), (11130, "ea-async-mixed"), (12020, "dm-mixed"), (12042, "dm-sessions"),
+            (13010, "dy-ea-async-mixed")]
 
 
 KINDS = ("async", "async-failures", "sync-failures", "knobs", "async-knobs", "stream", "async-stream",
