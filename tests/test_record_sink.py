@@ -393,7 +393,7 @@ def test_a_flush_keeps_every_event_when_the_engine_s_process_is_killed(tmp_path,
     assert len(evs) == (8 if flush else 0), [e.kind for e in evs]
 
 
-@pytest.mark.parametrize("after", ["nothing", "an-arrival", "not-settled"])
+@pytest.mark.parametrize("after", ["nothing", "an-arrival", "not-settled", "a-failure"])
 def test_an_engine_killed_while_it_holds_no_request_leaves_a_whole_trace(tmp_path, after):
     """vLLM's API server stopped with Ctrl-C SIGKILLs its engine core at once
     (shutdown timeout 0), often before the engine core's shutdown closes the
@@ -401,7 +401,8 @@ def test_an_engine_killed_while_it_holds_no_request_leaves_a_whole_trace(tmp_pat
     and with nothing recorded since, the engine left nothing out: the writer
     process ends the trace ``complete``. An event recorded after that goes to
     the writer process at once, and the trace reads as cut off after it; so
-    does a trace whose engine never settled (the controls)."""
+    does a trace whose engine never settled, and one whose recorder failed
+    after it settled, losing what came next (the controls)."""
     import signal
     import subprocess
     import sys
@@ -424,6 +425,11 @@ def test_an_engine_killed_while_it_holds_no_request_leaves_a_whole_trace(tmp_pat
             s.flush()
         if {after!r} == "an-arrival":
             s.put(Arrival(seq=0, req="c", prompt_token_ids=[6], max_tokens=1, arrival_time=3.0))
+        if {after!r} == "a-failure":
+            s.put(object())   # not a trace event: the recorder fails, events are lost from here
+            assert s.write_error and not s._settled
+            s.put(Arrival(seq=0, req="c", prompt_token_ids=[6], max_tokens=1, arrival_time=3.0))
+            time.sleep(0.2)   # nothing the writer thread could still send
         os.kill(os.getpid(), signal.SIGKILL)
     """)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
@@ -441,7 +447,7 @@ def test_an_engine_killed_while_it_holds_no_request_leaves_a_whole_trace(tmp_pat
         assert [e.kind for e in evs][-2:] == ["abort", "end"] and len(evs) == 9
     else:
         assert r.end is None and "no 'end' record" in r.truncation
-        assert [e.kind for e in evs][-1] == ("arrival" if after == "an-arrival" else "abort")
+        assert [e.kind for e in evs][-1] == ("arrival" if after == "an-arrival" else "abort")   # a-failure: lost
         assert len(evs) == (9 if after == "an-arrival" else 8)
 
 

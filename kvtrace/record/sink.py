@@ -69,6 +69,9 @@ from kvtrace.trace.events import (
 from kvtrace.trace.io import JSON_LINE, TraceWriter, open_trace_file
 
 logger = logging.getLogger("kvtrace.record")
+# Bytes a socket holds that its reader has not read (Linux: SIOCOUTQ). None
+# where termios lacks it: the recorder then never says the engine settled.
+_TIOCOUTQ = getattr(termios, "TIOCOUTQ", None)
 
 ENV_QUEUE = "KVTRACE_QUEUE_SIZE"
 ENV_WRITER = "KVTRACE_WRITER"       # "process" (default) or "thread"
@@ -367,6 +370,9 @@ class _Sink:
         ``ProcessSink``); a writer thread dies with the engine's process, and
         has nothing to do here."""
 
+    def unsettle(self) -> None:
+        """The recorder failed: what ``settled`` said no longer holds."""
+
     def join(self, timeout: float = 60.0) -> None:
         """Wait for the writer to finish after ``close``."""
         self._thread.join(timeout)
@@ -489,7 +495,9 @@ class ProcessSink(_Sink):
     and no request in it, and the writer process ends the trace ``complete``:
     vLLM's API server, stopped with Ctrl-C, SIGKILLs its engine core at once
     (its shutdown timeout is 0), and an idle engine core killed so has left
-    nothing out of its trace."""
+    nothing out of its trace. Should the recorder fail after it said so
+    (``unsettle``, or an error here), ``["unsettled"]`` follows, and a kill
+    then leaves a trace that reads as cut off."""
 
     SEND_S = 0.05   # each send wakes the writer process: a few per second is enough
     SEND_MAX = 1 << 20   # bytes offered to the socket at once
@@ -578,6 +586,27 @@ class ProcessSink(_Sink):
                 self._settling = True
                 self._wake.set()
 
+    def _failed(self, e: Exception) -> None:
+        super()._failed(e)
+        self._unsettle()
+
+    def unsettle(self) -> None:
+        with self._lock:
+            self._unsettle()
+
+    def _unsettle(self) -> None:
+        """(The lock held, or the sink closed.) Events are lost from here: if the
+        writer process was told the engine settled, tell it that no longer
+        holds, without blocking (the socket held only that line)."""
+        self._settling = False
+        if self._settled:
+            self._settled = False
+            self._out.append(orjson.dumps(["unsettled"], option=JSON_LINE))
+            try:
+                self._send_waiting()
+            except OSError:
+                pass   # a dead writer process: it ends the trace cut off anyway
+
     def _tell_settled(self) -> None:
         """On the writer thread, the lock held: once the writer process has read
         every line (the socket is empty), send ``["settled", dropped]``.
@@ -587,18 +616,17 @@ class ProcessSink(_Sink):
             self._send_waiting()
             return
         try:
-            unread = int.from_bytes(fcntl.ioctl(self._sock.fileno(), termios.TIOCOUTQ, b"\0" * 4),
+            unread = int.from_bytes(fcntl.ioctl(self._sock.fileno(), _TIOCOUTQ, b"\0" * 4),
                                     sys.byteorder)
-        except OSError:   # a system that cannot say: never settled
+        except (OSError, TypeError):   # a system that cannot say: never settled
             self._settling = False
             return
         if unread:
             return
         self._settling = False
-        line = orjson.dumps(["settled", self.dropped], option=JSON_LINE)
-        self._sock.sendall(line, socket.MSG_NOSIGNAL)   # a few bytes into an empty socket
-        self._sent_at = time.monotonic()
-        self._settled = True
+        self._out.append(orjson.dumps(["settled", self.dropped], option=JSON_LINE))
+        self._send_waiting()   # a few bytes into an empty socket: all taken
+        self._settled = True   # (any part left waits in _out, and goes before the next event)
 
     def _send_waiting(self) -> None:
         """Hand the waiting lines to the socket, as many as it takes without
@@ -626,7 +654,8 @@ class ProcessSink(_Sink):
         except Exception as e:
             logger.error("kvtrace: starting the trace writer process for %s: %s", self.path, e)
         while True:
-            self._wake.wait(self.SETTLE_POLL_S if self._settling else self.POLL_S)
+            # Waiting for the writer process to read the last lines: look again soon.
+            self._wake.wait(self.SETTLE_POLL_S if self._settling and not self._out else self.POLL_S)
             self._wake.clear()   # what woke it is read under the lock below
             with self._lock:
                 stop = self._stop

@@ -376,6 +376,7 @@ class Recorder:
             logger.exception("kvtrace: recorder failed in %s; recording stopped, the engine is "
                              "unaffected", where)
         self.active = False
+        self.sink.unsettle()     # events are lost from here: a kill must not read as whole
         self.close(wait=False)   # on the engine's thread: the writer finishes on its own
 
     def close(self, wait: bool = True, interrupted: str | None = None) -> None:
@@ -472,10 +473,12 @@ class Recorder:
 
     def settle(self, sched: Any) -> None:
         """After a call that may have left the engine with no request: if it has
-        none, tell the sink (an engine process killed now has recorded
+        none, and no step that scheduled one still waits for its output (async
+        scheduling), tell the sink (an engine process killed now has recorded
         everything it did, see ``ProcessSink``)."""
         held = getattr(sched, "requests", None)
-        if isinstance(held, dict) and not held:
+        if (isinstance(held, dict) and not held
+                and not any(getattr(o, "num_scheduled_tokens", None) for o, _ in self.pending)):
             self.sink.settled()
 
     def on_reset(self, reset_running_requests: Any, reset_connector: Any, result: Any) -> None:

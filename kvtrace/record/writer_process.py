@@ -10,7 +10,8 @@ sends, one JSON line each:
   ``["statuses", ...]`` (see ``Resolver``), which ``Records`` turns into records;
 * last, ``["end", status, error, dropped_events]``: the end record, then exit;
 * whenever the engine holds no request, ``["settled", dropped_events]`` after
-  everything it recorded (see ``ProcessSink``).
+  everything it recorded, and ``["unsettled"]`` if the recorder then fails
+  (see ``ProcessSink``).
 
 When nothing has come for ``FLUSH_IDLE_S``, everything so far goes to the file,
 so that an engine killed without a shutdown leaves a readable trace.
@@ -105,6 +106,9 @@ def serve(fd_in: int, path: str, fd_out: int) -> int:
             tag = item[0] if type(item) is list else None
             if tag == "settled":
                 settled = int(item[1])
+                continue
+            if tag == "unsettled":   # the recorder failed after it said so
+                settled = None
                 continue
             settled = None
             if tag == "end":
