@@ -24,12 +24,17 @@ Each phase runs in a fresh process, so its peak memory is its own.
     python -m bench                 # full scale: 100k requests, >= 1M steps
     python -m bench --quick         # 2k requests, about 20k steps
     python -m bench --no-vllm       # skip the recorder-overhead phase
+    python -m bench --kv-device cuda   # the shadow-KV check on CUDA too
+
+With ``--kv-device auto`` (the default) replay with the shadow-KV check is
+measured on the CPU, and on CUDA as well when torch sees a CUDA device.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -46,6 +51,17 @@ def _child(phase: str, **kw) -> dict:
     if out.returncode != 0:
         raise SystemExit(f"bench phase {phase} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _wants_cuda(choice: str) -> bool:
+    if choice == "cpu":
+        return False
+    # Asked in a child: torch in this process would count in every phase's
+    # peak memory (Linux keeps a process's peak across exec).
+    seen = _child("cuda")["name"]
+    if choice == "cuda" and not seen:
+        raise SystemExit("--kv-device cuda: torch sees no CUDA device")
+    return bool(seen)
 
 
 def _mb(n: float) -> str:
@@ -66,7 +82,10 @@ def main() -> None:
     ap.add_argument("--no-vllm", action="store_true", help="skip the recorder-overhead phase")
     ap.add_argument("--no-kv", action="store_true", help="skip replay with the shadow-KV check")
     ap.add_argument("--dir", default=None, help="where to write the traces (default: a temp dir)")
+    ap.add_argument("--kv-device", choices=["auto", "cpu", "cuda"], default="auto",
+                    help="the shadow-KV check's devices: cpu; cuda too (auto: when torch sees one)")
     args = ap.parse_args()
+    kv_devices = [] if args.no_kv else ["cpu"] + (["cuda"] if _wants_cuda(args.kv_device) else [])
     n = args.requests or (2000 if args.quick else 100_000)
     work = Path(args.dir or tempfile.mkdtemp(prefix="kvtrace-bench-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -107,8 +126,9 @@ def main() -> None:
     rep = beside_parses("replay", trace=str(big), kv=False, worker=None)
     rep1 = beside_parses("replay", trace=str(big), kv=False, worker=False)
     rep_small = _child("replay", trace=str(small), kv=False, worker=False)
-    rep_kv = None if args.no_kv else beside_parses("replay", trace=str(big), kv=True, worker=None)
-    rep_kv1 = None if args.no_kv else beside_parses("replay", trace=str(big), kv=True, worker=False)
+    rep_kvs = [(dev, beside_parses("replay", trace=str(big), kv=True, worker=None, device=dev),
+                beside_parses("replay", trace=str(big), kv=True, worker=False, device=dev))
+               for dev in kv_devices]
     dif = beside_parses("diff", trace=str(big), worker=None)
     dif1 = beside_parses("diff", trace=str(big), worker=False)
     parse = parses[0]
@@ -142,15 +162,15 @@ def main() -> None:
          f"{tokens / rep1['seconds']:,.0f} tokens/s = {rep1['floor'] / rep1['seconds']:.1%} of parse "
          f"({rep1['floor']:.1f} s beside it); peak {_mb(rep1['peak_rss'])}", ""),
     ]
-    if rep_kv:
-        rows.append((f"replay + KV check (cpu), default: {rep_kv['workers']} worker(s)",
+    for dev, rep_kv, rep_kv1 in rep_kvs:
+        rows.append((f"replay + KV check ({dev}), default: {rep_kv['workers']} worker(s)",
                      f"{rep_kv['seconds']:.1f} s, {steps / rep_kv['seconds']:,.0f} steps/s, "
                      f"{rep_kv['slots'] / rep_kv['seconds'] / 1e6:,.1f} M slots/s verified = "
                      f"{rep_kv['floor'] / rep_kv['seconds']:.1%} of parse ({rep_kv['floor']:.1f} s beside it); "
                      f"peak {_mb(rep_kv['peak_rss'])}; {_workers_mb(rep_kv['worker_peak_rss'])}; "
                      f"CPU {rep_kv['cpu']:.1f} s main, {rep_kv['worker_cpu']:.1f} s worker(s)",
                      ">= 50% of parse"))
-        rows.append(("replay + KV check (cpu), all in one process",
+        rows.append((f"replay + KV check ({dev}), all in one process",
                      f"{rep_kv1['seconds']:.1f} s, {steps / rep_kv1['seconds']:,.0f} steps/s, "
                      f"{rep_kv1['slots'] / rep_kv1['seconds'] / 1e6:,.1f} M slots/s verified = "
                      f"{rep_kv1['floor'] / rep_kv1['seconds']:.1%} of parse ({rep_kv1['floor']:.1f} s beside it);"
@@ -166,7 +186,10 @@ def main() -> None:
          + f"; peak {_mb(dif1['peak_rss'])}", ""),
     ]
     width = max(len(r[0]) for r in rows)
-    print(f"kvtrace benchmark ({time.perf_counter() - t_start:.0f} s, traces in {work})")
+    machine = f"{os.cpu_count()} CPU cores"
+    if "cuda" in kv_devices:
+        machine += f", {_child('cuda')['name']}"
+    print(f"kvtrace benchmark ({time.perf_counter() - t_start:.0f} s on {machine}, traces in {work})")
     for name, figure, limit in rows:
         print(f"  {name:<{width}}  {figure}" + (f"   [target {limit}]" if limit else ""))
 

@@ -170,16 +170,16 @@ def parse(trace: str) -> dict:
     return {"seconds": time.perf_counter() - t, "events": n, "peak_rss": _peak_rss()}
 
 
-def replay(trace: str, kv: bool, worker: bool | None = None) -> dict:
-    """Replay, with the content check if ``kv``; with ``worker``, part of the work
-    runs in a worker process (the content check, or else the record checks);
-    None: as replay decides."""
+def replay(trace: str, kv: bool, worker: bool | None = None, device: str = "cpu") -> dict:
+    """Replay, with the content check on ``device`` if ``kv``; with ``worker``,
+    part of the work runs in a worker process (the content check, or else the
+    record checks); None: as replay decides."""
     from kvtrace.replay import replay_file, workers
 
     used = workers.wanted(trace) if worker is None else int(worker)
     children = _ChildPeaks()
     t, cpu, worker_cpu = time.perf_counter(), time.process_time(), _children_cpu()
-    r = replay_file(trace, device="cpu" if kv else None, worker=worker)
+    r = replay_file(trace, device=device if kv else None, worker=worker)
     seconds = time.perf_counter() - t
     cpu, worker_cpu = time.process_time() - cpu, _children_cpu() - worker_cpu
     if r.divergences:
@@ -210,6 +210,13 @@ def diff(trace: str, worker: bool | None = None) -> dict:
         raise SystemExit(f"a trace differs from itself: {r.divergences[0]}")
     return {"seconds": seconds, "peak_rss": _peak_rss(), "worker_peak_rss": children.stop(),
             "workers": 2 if used else 0}
+
+
+def cuda() -> dict:
+    """The CUDA device torch sees, if any."""
+    import torch
+
+    return {"name": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 
 def recorder(model: str = "tiny", rounds: int = 101) -> dict:

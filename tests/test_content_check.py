@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvtrace.engine import FAULT_WORKLOADS, record_embedded
 from kvtrace.replay import replay_file
@@ -24,6 +25,17 @@ def content(divs):
 @pytest.mark.parametrize("path", sorted(TRACES.glob("*.jsonl.gz")), ids=lambda p: p.name)
 def test_real_vllm_traces_have_no_content_divergence(path):
     assert content(replay_file(path).divergences) == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("path", sorted(TRACES.rglob("*.jsonl.gz")),
+                         ids=lambda p: str(p.relative_to(TRACES)))
+def test_every_trace_replays_word_for_word_the_same_on_cuda_as_on_cpu(path):
+    """The shadow-KV check on CUDA reports what it reports on the CPU, clean
+    traces and faulty ones alike, and verifies as many slots."""
+    cpu, cuda = (replay_file(path, device=d, worker=0) for d in ("cpu", "cuda"))
+    assert [d.to_json() for d in cuda.divergences] == [d.to_json() for d in cpu.divergences]
+    assert cuda.slots_checked == cpu.slots_checked > 0
 
 
 def test_real_vllm_async_load_overshoot_is_caught_as_content():

@@ -14,6 +14,10 @@ from kvtrace.replay.shadow_kv import ShadowKV
 B = 4
 M = (1 << 64) - 1
 
+# The random runs below check the batched tensor code on each device torch has.
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+
 
 # --------------------------------------------------------------------------- reference hash
 
@@ -385,7 +389,7 @@ def test_bad_device_and_sizes():
         ShadowKV(0, B, "cpu")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@CUDA
 def test_cuda_matches_cpu():
     outs = []
     for dev in ("cpu", "cuda"):
@@ -509,8 +513,9 @@ def _words(divs) -> list[dict]:
     return [{"step": d.step, "req": d.req, "recorded": d.recorded, "expected": d.expected} for d in divs]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seed", range(8))
-def test_batched_steps_report_what_single_steps_and_a_slot_model_report(seed, monkeypatch):
+def test_batched_steps_report_what_single_steps_and_a_slot_model_report(seed, device, monkeypatch):
     """Queued steps, evaluated together, give the same divergences (same words,
     same writers) and leave the same cache as steps checked one at a time, and
     both say what a plain slot-by-slot model of the semantics says, with requests
@@ -518,7 +523,7 @@ def test_batched_steps_report_what_single_steps_and_a_slot_model_report(seed, mo
     monkeypatch.setattr(ShadowKV, "BATCH_STEPS", 7)
     if seed % 2:   # batches also cut by slots read, and heavy steps on their own
         monkeypatch.setattr(ShadowKV, "BATCH_SLOTS", 40)
-    one, many, model = ShadowKV(12, B, "cpu"), ShadowKV(12, B, "cpu"), _SlotModel(12)
+    one, many, model = ShadowKV(12, B, device), ShadowKV(12, B, device), _SlotModel(12)
     single: dict[int, list] = {}
     batched: dict[int, list] = {}
     modelled: dict[int, list] = {}
@@ -635,14 +640,15 @@ def _steady(seed: int, steps: int = 160):
                     yield ("append", r, tok)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seed", range(6))
-def test_rows_already_checked_are_skipped_without_changing_a_word(seed, monkeypatch):
+def test_rows_already_checked_are_skipped_without_changing_a_word(seed, device, monkeypatch):
     """A mostly right run: rows checked before, and not written since, are not
     compared again, yet every divergence is the one a full comparison of every
     read gives, and the one the slot model gives, batched or step by step."""
     monkeypatch.setattr(ShadowKV, "BATCH_STEPS", 9)
-    full = ShadowKV(40, B, "cpu", skip_checked=False)
-    one, many, model = ShadowKV(40, B, "cpu"), ShadowKV(40, B, "cpu"), _SlotModel(40)
+    full = ShadowKV(40, B, device, skip_checked=False)
+    one, many, model = ShadowKV(40, B, device), ShadowKV(40, B, device), _SlotModel(40)
     got: dict[str, dict[int, list]] = {"full": {}, "one": {}, "many": {}, "model": {}}
     for op in _steady(seed):
         if op[0] == "step":
