@@ -356,30 +356,17 @@ def test_the_writer_process_imports_kvtrace_from_where_the_engine_did(monkeypatc
     assert child_mod.child_env()["PYTHONPATH"] == "/the/users/own"
 
 
-@pytest.mark.parametrize("flush", [True, False], ids=["flushed", "not-flushed"])
-def test_a_flush_keeps_every_event_when_the_engine_s_process_is_killed(tmp_path, flush):
-    """vLLM's front end kills a failed engine core almost at once. The events
-    put in the last ``SEND_S`` still wait in the engine's process; the recorder
-    flushes them when the scheduler raises, so the trace keeps every event up to
-    the failure and reads as cut off there. Without the flush (the control),
-    the events put just before the kill are lost."""
+def _killed_after(path, body: str):
+    """Run ``body`` (a script that records into the trace at ``PATH``) in a
+    process of its own, SIGKILL that process, wait until the writer process has
+    ended the file, and read it: (reader, events)."""
     import signal
     import subprocess
     import sys
     import textwrap
 
-    path = tmp_path / "t.jsonl"
-    script = textwrap.dedent(f"""
-        import os, signal
-        from test_record_sink import feed, header
-        from kvtrace.record.sink import ProcessSink
-        s = ProcessSink({str(path)!r}, header())
-        s.SEND_S = 3600.0        # nothing is sent on its own while the events are put
-        feed(s)
-        if {flush!r}:
-            s.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
-    """)
+    script = f"PATH = {str(path)!r}\n" + textwrap.dedent(body) + \
+        "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
     assert p.returncode == -signal.SIGKILL, p.stderr
@@ -389,6 +376,26 @@ def test_a_flush_keeps_every_event_when_the_engine_s_process_is_killed(tmp_path,
         time.sleep(0.1)
     with TraceReader(path) as r:
         evs = list(r)
+    return r, evs
+
+
+@pytest.mark.parametrize("flush", [True, False], ids=["flushed", "not-flushed"])
+def test_a_flush_keeps_every_event_when_the_engine_s_process_is_killed(tmp_path, flush):
+    """vLLM's front end kills a failed engine core almost at once. The events
+    put in the last ``SEND_S`` still wait in the engine's process; the recorder
+    flushes them when the scheduler raises, so the trace keeps every event up to
+    the failure and reads as cut off there. Without the flush (the control),
+    the events put just before the kill are lost."""
+    r, evs = _killed_after(tmp_path / "t.jsonl", f"""
+        import os, signal
+        from test_record_sink import feed, header
+        from kvtrace.record.sink import ProcessSink
+        s = ProcessSink(PATH, header())
+        s.SEND_S = 3600.0        # nothing is sent on its own while the events are put
+        feed(s)
+        if {flush!r}:
+            s.flush()
+    """)
     assert r.end is None and "no 'end' record" in r.truncation
     assert len(evs) == (8 if flush else 0), [e.kind for e in evs]
 
@@ -403,18 +410,12 @@ def test_an_engine_killed_while_it_holds_no_request_leaves_a_whole_trace(tmp_pat
     the writer process at once, and the trace reads as cut off after it; so
     does a trace whose engine never settled, and one whose recorder failed
     after it settled, losing what came next (the controls)."""
-    import signal
-    import subprocess
-    import sys
-    import textwrap
-
-    path = tmp_path / "t.jsonl"
-    script = textwrap.dedent(f"""
-        import os, signal, time
+    r, evs = _killed_after(tmp_path / "t.jsonl", f"""
+        import time
         from test_record_sink import feed, header
         from kvtrace.record.sink import ProcessSink
         from kvtrace.trace.events import Arrival
-        s = ProcessSink({str(path)!r}, header())
+        s = ProcessSink(PATH, header())
         s.SEND_S = 3600.0        # nothing is sent on its own while the events are put
         feed(s)
         if {after!r} != "not-settled":
@@ -430,17 +431,7 @@ def test_an_engine_killed_while_it_holds_no_request_leaves_a_whole_trace(tmp_pat
             assert s.write_error and not s._settled
             s.put(Arrival(seq=0, req="c", prompt_token_ids=[6], max_tokens=1, arrival_time=3.0))
             time.sleep(0.2)   # nothing the writer thread could still send
-        os.kill(os.getpid(), signal.SIGKILL)
     """)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
-    assert p.returncode == -signal.SIGKILL, p.stderr
-    for _ in range(100):   # the writer process ends the file once the connection closes
-        if path.exists() and path.stat().st_size and not _writer_running(path):
-            break
-        time.sleep(0.1)
-    with TraceReader(path) as r:
-        evs = list(r)
     if after == "nothing":
         assert r.truncation is None and r.end is not None
         assert (r.end.status, r.end.dropped_events) == ("complete", 0)
