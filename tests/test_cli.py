@@ -539,3 +539,56 @@ def test_replay_says_the_same_whatever_the_hash_seed(tmp_path):
         outs.append(p.stdout)
     assert "S:3230" in outs[0].decode()
     assert outs[1] == outs[0] and outs[2] == outs[0]
+
+
+# --------------------------------------------------------------------------- progress
+
+
+def _with_terminal_stderr(argv: list[str], **env_extra) -> tuple[int, bytes, bytes]:
+    """Run ``kvtrace ARGV`` with standard error on a terminal (a pty) and
+    standard output on a pipe, as ``kvtrace replay --json t > report.json``
+    typed at a terminal runs: (exit code, stdout, what the terminal got)."""
+    import pty
+
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", "KVTRACE_QUIET")}
+    env.update(TERM="xterm", COLUMNS="120", **env_extra)
+    master, slave = pty.openpty()
+    p = subprocess.Popen([sys.executable, "-m", "kvtrace.cli", *argv], stdout=subprocess.PIPE,
+                         stderr=slave, stdin=subprocess.DEVNULL, env=env)
+    os.close(slave)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(master, 1 << 16)
+        except OSError:   # the terminal's other end closed (EIO)
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(master)
+    out = p.stdout.read()
+    return p.wait(60), out, seen
+
+
+def test_progress_goes_to_the_terminal_and_never_into_the_output(tmp_path):
+    """A person at a terminal sees what a long command is doing, on standard
+    error; what it writes to standard output (a pipe here) is the report
+    alone, byte for byte what it writes without a terminal."""
+    trace = TRACES / "preemption.jsonl.gz"
+    code, out, seen = _with_terminal_stderr(["replay", "--json", "--no-kv-check", str(trace)])
+    assert code == 0
+    assert b"replaying preemption.jsonl.gz" in seen and b"steps" in seen
+    plain = subprocess.run([sys.executable, "-m", "kvtrace.cli", "replay", "--json", "--no-kv-check",
+                            str(trace)], capture_output=True, env=dict(os.environ, CI="true"))
+    assert out == plain.stdout and out.startswith(b"{")
+    assert orjson.loads(out)["divergences"] == []
+    code, out, seen = _with_terminal_stderr(["record", "-o", str(tmp_path / "t.jsonl"),
+                                             "--workload", "kv-pressure"])
+    assert code == 0 and b"recording t.jsonl" in seen and b"recording" not in out
+
+
+def test_no_progress_in_ci_or_when_asked_for_quiet():
+    trace = TRACES / "preemption.jsonl.gz"
+    for extra in ({"CI": "true"}, {"KVTRACE_QUIET": "1"}):
+        code, out, seen = _with_terminal_stderr(["replay", "--no-kv-check", str(trace)], **extra)
+        assert code == 0 and b"no divergence" in out and seen == b"", (extra, seen)

@@ -101,10 +101,10 @@ def _record_embedded(out: Path, workload: str | None, fault: str | None, seed: i
     if fault is not None and fault not in FAULTS:
         raise UsageProblem(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
     record_embedded = load("kvtrace.engine", "record_embedded")
-    with progress("recording", "steps"):
+    with progress(f"recording {out.name}", "steps") as advance:
         try:
             record_embedded(out, workload=workload, fault=fault, seed=seed,
-                            async_scheduling=async_scheduling)
+                            async_scheduling=async_scheduling, progress=advance)
         except ValueError as e:   # a combination the engine does not run
             raise UsageProblem(str(e)) from None
 

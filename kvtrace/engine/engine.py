@@ -19,6 +19,7 @@ import os
 from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 import kvtrace
 from kvtrace import bridge
@@ -36,6 +37,7 @@ from .workloads import PlannedPause, Workload, build_workload
 ENGINE_NAME = "kvtrace-embedded"
 CONNECTOR_NAME = "kvtrace-simulated-store"
 MAX_STEPS = 2_000_000
+PROGRESS_EVERY = 256   # steps between progress calls
 # Steps with nothing scheduled (and no transfer in flight) after which the engine
 # gives up: the scheduler is stuck, as vLLM 0.32's is in some load-failure cases
 # (docs/findings.md).
@@ -64,23 +66,26 @@ class RecordResult:
 
 def record_embedded(out_path: str | os.PathLike, workload: str = "shared-prefix",
                     fault: str | None = None, seed: int = 0, counters: str = "both",
-                    async_scheduling: bool = False) -> RecordResult:
+                    async_scheduling: bool = False,
+                    progress: Callable[[int], None] | None = None) -> RecordResult:
     """Run a built-in workload on the embedded engine and write its trace.
 
     ``counters`` says which prompt accounting the PromptStats events carry:
     "both" (vLLM 0.32's PrefillStats and the legacy pair), "legacy" or
     "prefill_stats". ``async_scheduling`` runs the engine as vLLM's
     AsyncScheduler and batch queue do. Raises EngineStalled (after writing the
-    trace) when the scheduler gets stuck.
+    trace) when the scheduler gets stuck. ``progress``, if given, is called now
+    and then with the number of steps run so far.
     """
     wl = build_workload(workload, seed)
     if async_scheduling:
         wl = replace(wl, config=replace(wl.config, async_scheduling=True))
-    return record_workload(out_path, wl, fault, seed, counters)
+    return record_workload(out_path, wl, fault, seed, counters, progress)
 
 
 def record_workload(out_path: str | os.PathLike, wl: Workload, fault: str | None = None,
-                    seed: int = 0, counters: str = "both") -> RecordResult:
+                    seed: int = 0, counters: str = "both",
+                    progress: Callable[[int], None] | None = None) -> RecordResult:
     """``record_embedded`` for a Workload built by the caller."""
     if counters not in COUNTERS:
         raise ValueError(f"unknown counters {counters!r}; choose one of {', '.join(COUNTERS)}")
@@ -90,6 +95,7 @@ def record_workload(out_path: str | os.PathLike, wl: Workload, fault: str | None
                                         requires_kv_delivery=delivery))
     workload = wl.name
     engine = _Engine(wl, fault, seed)
+    engine.progress = progress
     header = ev.Header(
         engine=ENGINE_NAME,
         engine_version=kvtrace.__version__,
@@ -125,6 +131,7 @@ class _Engine:
             raise ValueError(f"fault {fault!r} needs a workload with an external store")
         self.sched = scheduler_class(fault)(wl.config, self.lookups, self.store, self.fault_log)
         self.sampler = Sampler(seed, wl.vocab_size, wl.eos_probability)
+        self.progress: Callable[[int], None] | None = None   # told the steps run, now and then
 
     def run(self, writer: TraceWriter, counters: str, result: RecordResult) -> None:
         """Synchronous engine steps: each schedule() is followed by its update."""
@@ -139,6 +146,8 @@ class _Engine:
             out, model = self._schedule(writer, step, result)
             self._update(writer, step, out, model, counters)
             result.steps = step + 1
+            if self.progress is not None and step % PROGRESS_EVERY == 0:
+                self.progress(step + 1)
             if self._finished():
                 return
             self._check_progress(writer, step, out)
@@ -157,6 +166,8 @@ class _Engine:
             out, model = self._schedule(writer, step, result)
             in_flight.append((step, out, model))
             result.steps = step + 1
+            if self.progress is not None and step % PROGRESS_EVERY == 0:
+                self.progress(step + 1)
             if len(in_flight) < 2 and (out.num_scheduled_tokens or self.sched.requests):
                 continue   # the queue is not full: schedule the next step first
             self._aborts_due(writer, step)
