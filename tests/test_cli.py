@@ -312,7 +312,7 @@ def test_record_embedded_plumbing(tmp_path, capsys, monkeypatch):
 
     calls = []
     monkeypatch.setattr(kvtrace.engine, "record_embedded",
-                        lambda out, **kw: calls.append((out, kw)))
+                        lambda out, progress, **kw: calls.append((out, kw)) or callable(progress))
     out_path = tmp_path / "t.jsonl.gz"
     code, out, _ = run(capsys, "record", "-o", str(out_path), "--workload", "offload",
                        "--fault", "async-load-overshoot", "--seed", "7")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -96,15 +97,16 @@ def _many(traces: tuple[Path, ...], as_json: bool, device: str | None, jobs: int
 
     jobs = jobs or min(len(traces), os.cpu_count() or 1)
     work = [(str(t), device) for t in traces]
-    with progress(f"replaying {len(traces)} traces", "done") as advance:
+    results = []
+    with progress(f"replaying {len(traces)} traces", "done") as advance, \
+            contextlib.ExitStack() as stack:
         if jobs == 1:
-            results = []
-            for i, w in enumerate(work):
-                results.append(_replay_quietly(w))
-                advance(i + 1)
+            done = map(_replay_quietly, work)
         else:
-            with ProcessPoolExecutor(max_workers=jobs) as pool:
-                results = list(pool.map(_replay_quietly, work))
+            done = stack.enter_context(ProcessPoolExecutor(max_workers=jobs)).map(_replay_quietly, work)
+        for i, result in enumerate(done):   # in the order given
+            results.append(result)
+            advance(i + 1)
     if as_json:
         sys.stdout.buffer.write(terminal.replay_many_json(results))
         sys.stdout.flush()
