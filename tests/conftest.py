@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from kvtrace.engine import FAULT_WORKLOADS, record_embedded
+
+# A report written to a pipe is 160 columns wide unless COLUMNS says otherwise
+# (kvtrace/report/terminal.py), and the tests read reports as a pipe gets them:
+# neither a shell's COLUMNS nor the 80 that pytest-xdist's workers are given
+# may wrap a phrase a test looks for.
+os.environ.pop("COLUMNS", None)
+os.environ.pop("LINES", None)
 
 
 @pytest.fixture(scope="session")
