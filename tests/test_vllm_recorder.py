@@ -10,6 +10,7 @@ import os
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 
@@ -525,20 +526,26 @@ def test_writer_failure_ends_trace_incomplete(tmp_path, model_dir, monkeypatch):
 def test_a_killed_writer_process_leaves_the_engine_alone(tmp_path, model_dir, monkeypatch, caplog):
     """The writer process dies mid-run (SIGKILL, as the OOM killer would): the
     engine's outputs are unchanged, the failure is logged once, and the trace on
-    disk reads as cut off, without an error."""
+    disk reads as cut off, without an error. (Mid-run: once the writer process
+    has written the header. On a loaded machine it may still be starting at
+    step 3, and a writer killed before it wrote anything leaves an empty file.)"""
     plain = run_workload(model_dir, SMALL)
     real = vllm_recorder.Recorder.on_schedule
     killed = []
+    out = tmp_path / "k.jsonl"
 
-    def kill_writer_at_step_3(self, sched, out):
+    def kill_writer_at_step_3(self, sched, out_):
         if self.step_index == 3 and not killed:
+            deadline = time.monotonic() + 60
+            while out.stat().st_size == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert out.stat().st_size > 0, "the writer process wrote no header in 60 s"
             self.sink._proc.kill()
             self.sink._proc.wait()
             killed.append(self.sink._proc.returncode)
-        return real(self, sched, out)
+        return real(self, sched, out_)
 
     monkeypatch.setattr(vllm_recorder.Recorder, "on_schedule", kill_writer_at_step_3)
-    out = tmp_path / "k.jsonl"
     with caplog.at_level("ERROR", logger="kvtrace.record"):
         recorded = record_vllm_offline(model_dir, out, SMALL)
     assert killed == [None]   # killed, it said no exit status
