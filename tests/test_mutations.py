@@ -12,10 +12,8 @@ trace, a key dropped or added, a record dropped, repeated or swapped with the
 next, or the file cut at a byte. CI runs ``MUTANTS`` per trace, the same ones
 every time; ``KVTRACE_MUTANTS=N`` runs N, and ``KVTRACE_MUTANTS_SEED=S`` others.
 With the reader of the commit before 580d725, which let an output whose step
-record was dropped through to every command but replay, the 16 mutants of two
-async traces fail here (async-failed-load-stale-token and async-session-lost;
-the 12 of one). CI runs 16 per trace: 31 traces of 24 mutants took about three
-minutes of the suite on a slow machine.
+record was dropped through to every command but replay, the 24 mutants of two
+async traces fail here (the 12 of one).
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ from kvtrace.trace import TraceError, TraceReader
 TRACES = Path(__file__).resolve().parent.parent / "traces"
 REAL = sorted(TRACES.glob("*.jsonl.gz")) + sorted(TRACES.glob("faults/*.jsonl.gz")) + sorted(
     TRACES.glob("vllm-bugs/*.jsonl.gz"))
-MUTANTS = int(os.environ.get("KVTRACE_MUTANTS", "16"))
+MUTANTS = int(os.environ.get("KVTRACE_MUTANTS", "24"))
 SEED = int(os.environ.get("KVTRACE_MUTANTS_SEED", "0"))
 
 EDGES = (None, True, False, -1, 0, 1, 2 ** 40, 2 ** 40 + 1, 2 ** 63, 1.5, "", "x", "RUNNING",
