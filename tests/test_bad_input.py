@@ -388,6 +388,18 @@ def test_output_for_a_step_with_no_record_is_refused_by_every_command(tmp_path, 
         assert err.startswith(want), (argv[0], err)
 
 
+def test_drafts_before_the_output_of_their_step(base, tmp_path, capsys):
+    """update_draft_token_ids comes after the output it drafts from: a drafts
+    record for a step whose output is not in yet is refused at its line."""
+    def edit(o):
+        assert (o[3]["kind"], o[3]["step"], o[4]["kind"]) == ("output", 0, "prompt_stats")
+        o[4] = {"kind": "drafts", "seq": o[4]["seq"], "step": 1, "drafts": {"chat-0": [5, 6]}}
+
+    bad = _edit(base, tmp_path, edit)
+    _assert_rejected(capsys, bad, base, 5,
+                     "drafts for step 1, whose output has not come (the last output is for step 0)")
+
+
 def test_output_repeated(base, tmp_path, capsys):
     bad = _edit(base, tmp_path, lambda o: o[6].__setitem__("step", 0))
     _assert_rejected(capsys, bad, base, 7, "output for step 0 after the output for step 0")

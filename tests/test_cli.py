@@ -322,6 +322,20 @@ def test_record_embedded_plumbing(tmp_path, capsys, monkeypatch):
     code, _, _ = run(capsys, "record", "-o", str(out_path), "--workload", "kv-pressure",
                      "--async-scheduling")
     assert code == 0 and calls[-1][1]["async_scheduling"] is True
+    code, _, _ = run(capsys, "record", "-o", str(out_path), "--workload", "kv-pressure")
+    assert code == 0 and calls[-1][1]["seed"] == 0   # the default seed
+
+
+def test_record_refuses_a_seed_where_the_workload_is_fixed(tmp_path, capsys):
+    """The vLLM workloads and a recorded command take no seed: --seed is refused
+    there, before anything runs, rather than silently ignored."""
+    out_path = tmp_path / "t.jsonl"
+    for extra in (["--engine", "vllm"], ["--", "true"]):
+        code, out, err = run(capsys, "record", "-o", str(out_path), "--seed", "3", *extra)
+        assert code == 2 and out == ""
+        assert err.strip() == ("kvtrace: --seed applies to the embedded engine only: "
+                               "the vLLM workloads are fixed")
+        assert not out_path.exists()
 
 
 def test_record_async_scheduling_on_the_embedded_engine(tmp_path, capsys):

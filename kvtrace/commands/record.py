@@ -26,15 +26,17 @@ FAULTS = (
               help="Trace file to write (.jsonl, .jsonl.gz or .jsonl.zst).")
 @click.option("--workload", default=None,
               help=f"Built-in workload. Embedded engine: {', '.join(WORKLOADS)} (default "
-                   f"{WORKLOADS[0]}). vLLM: prefix, preemption, connector, priority, "
-                   "async-partial, speculative (n-gram speculative decoding), and async-preemption, async-priority, async-connector and "
-                   "async-connector-recompute (vLLM's AsyncScheduler; vLLM 0.32 fails on the "
-                   "last) (default prefix).")
+                   f"{WORKLOADS[0]}). vLLM: prefix (also as shared-prefix), preemption (also as "
+                   "kv-pressure), connector, priority, speculative, eagle, draft-model, "
+                   "structured, pooling, embeds, lora and more, README lists them (default: "
+                   "prefix, or with --fault the workload that shows it).")
 @click.option("--fault", default=None,
               help=f"Put a known scheduler bug back in. Embedded engine: {', '.join(FAULTS)}. "
                    "vLLM (a scheduler subclass): async-load-overshoot, stale-computed-on-preempt, "
-                   "async-stale-computed-on-preempt, spec-rejected-kept.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Workload and sampler seed.")
+                   "async-stale-computed-on-preempt, spec-rejected-kept, grammar-not-awaited.")
+@click.option("--seed", type=int, default=None,
+              help="Seed of the embedded engine's workload and sampler (default 0). The vLLM "
+                   "workloads are fixed: with --engine vllm or a command it is refused.")
 @click.option("--engine", type=click.Choice(("embedded", "vllm")), default="embedded",
               show_default=True, help="Engine to record.")
 @click.option("--model", type=click.Path(exists=True, file_okay=False, path_type=Path),
@@ -46,7 +48,7 @@ FAULTS = (
 @click.option("--redact", is_flag=True,
               help="Replace token ids with keyed pseudonyms in the written trace.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-def command(out: Path, workload: str | None, fault: str | None, seed: int, engine: str,
+def command(out: Path, workload: str | None, fault: str | None, seed: int | None, engine: str,
             model: Path | None, async_scheduling: bool, redact: bool,
             command: tuple[str, ...]) -> int:
     """Record a trace, from the embedded engine, an offline vLLM run, or any
@@ -58,6 +60,9 @@ def command(out: Path, workload: str | None, fault: str | None, seed: int, engin
     kvtrace record -o run.jsonl.gz -- python -m vllm.entrypoints.openai.api_server --model DIR
     """
     target = out.with_name(out.name + ".plain") if redact else out
+    if seed is not None and (command or engine == "vllm"):
+        raise UsageProblem("--seed applies to the embedded engine only: the vLLM workloads "
+                           "are fixed")
     if command:
         if fault or workload or model or async_scheduling:
             raise UsageProblem("--workload, --fault, --model and --async-scheduling do not apply "
@@ -76,7 +81,7 @@ def command(out: Path, workload: str | None, fault: str | None, seed: int, engin
             raise
         code = EXIT_OK
     else:
-        _record_embedded(target, workload, fault, seed, model, async_scheduling)
+        _record_embedded(target, workload, fault, seed or 0, model, async_scheduling)
         code = EXIT_OK
     if redact:
         _redact(target, out)

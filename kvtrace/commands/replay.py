@@ -35,7 +35,7 @@ from .progress import progress
               help="A scheduler class to replay through instead of vLLM's Scheduler, for "
                    "example a patched subclass (implies --scheduler vllm).")
 @click.option("-j", "--jobs", type=click.IntRange(min=0), default=0,
-              help="Replay several traces in parallel on this many processes (default: cores).")
+              help="Replay several traces in parallel on this many processes (default: as many as there are traces, at most one per core).")
 def command(traces: tuple[Path, ...], out: Path | None, as_json: bool, device: str, kv_check: bool,
             scheduler: str, scheduler_cls: str | None, jobs: int) -> int:
     """Replay TRACE through the reference scheduler and report divergences.
