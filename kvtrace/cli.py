@@ -16,7 +16,8 @@ import traceback
 import click
 
 from kvtrace.commands import COMMANDS
-from kvtrace.commands._common import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_OK, say
+from kvtrace.commands._common import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_OK, quiet_stdout, say
+from kvtrace.outputs import WRITE_ERRORS
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -32,11 +33,23 @@ for _name, _command in COMMANDS.items():
 def main(argv: list[str] | None = None) -> int:
     """Console entry point. Never shows a traceback unless KVTRACE_DEBUG=1."""
     code = run(argv)
+    try:   # here, not at exit, where Python would only complain about it
+        sys.stdout.flush()
+    except BrokenPipeError:
+        quiet_stdout()
+    except OSError as e:
+        say(f"standard output: {e.strerror or e}")
+        code = EXIT_BAD_INPUT
+    except (AttributeError, ValueError):   # closed
+        pass
     sys.exit(code)
 
 
 def run(argv: list[str] | None = None) -> int:
     debug = os.environ.get("KVTRACE_DEBUG", "") not in ("", "0")
+    if sys.stdout is None:   # the shell closed it (>&-): the report would be lost
+        say("standard output is closed: nowhere to write the report")
+        return EXIT_BAD_INPUT
     try:
         rv = cli.main(args=argv, prog_name="kvtrace", standalone_mode=False)
         return rv if isinstance(rv, int) else EXIT_OK
@@ -54,9 +67,16 @@ def run(argv: list[str] | None = None) -> int:
         say("interrupted")
         return 130
     except BrokenPipeError:
-        _quiet_stdout()
+        quiet_stdout()
         return EXIT_OK
     except OSError as e:
+        if e.filename is None and e.errno in WRITE_ERRORS:
+            # Every file kvtrace writes names itself in its errors
+            # (kvtrace/outputs.py): one that does not is standard output.
+            if debug:
+                traceback.print_exc()
+            say(f"standard output: {e.strerror}")
+            return EXIT_BAD_INPUT
         if e.filename is None:
             return _internal(e, debug)
         # A file named on the command line that cannot be read or written.
@@ -84,16 +104,6 @@ def _internal(e: Exception, debug: bool) -> int:
 
 def _one_line(msg: str) -> str:
     return " ".join(msg.split())
-
-
-def _quiet_stdout() -> None:
-    # The reader of our output went away (e.g. `| head`); keep Python from
-    # complaining again while it flushes stdout at exit.
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except Exception:
-        pass
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ import hmac
 import os
 from dataclasses import dataclass
 
+from kvtrace.outputs import writing
 from kvtrace.trace import TraceReader, TraceWriter
 from kvtrace.trace import events as ev
 
@@ -141,30 +142,36 @@ def redact_file(src: str | os.PathLike, dst: str | os.PathLike, key: bytes | Non
         meta["redacted"] = "token ids replaced by keyed pseudonyms (HMAC-SHA256 Feistel)"
         header = ev.Header(engine=h.engine, engine_version=h.engine_version, config=h.config,
                            counters=h.counters, features=h.features, meta=meta)
-        writer = TraceWriter(dst, header)
-        end = None
-        try:
-            for e in reader:
-                summary.events += 1
-                if isinstance(e, ev.Arrival):
-                    summary.arrivals += 1
-                    summary.tokens += len(e.prompt_token_ids) + len(e.stop_token_ids) + (
-                        e.eos_token_id is not None)
-                elif isinstance(e, ev.Output):
-                    summary.tokens += sum(len(ts) for ts in e.sampled.values())
-                elif isinstance(e, ev.Drafts):
-                    summary.tokens += sum(len(ts) for ts in e.drafts.values())
-                elif isinstance(e, ev.Step) and e.spec:
-                    summary.tokens += sum(t >= 0 for ts in e.spec.values() for t in ts)
-                if isinstance(e, ev.End):
-                    end = e
-                    continue
-                writer.write(red.event(e))
-        except BaseException:
-            writer.finish(None)
-            os.unlink(dst)   # no half-written copy left behind
-            raise
-        writer.finish(end)
-        summary.truncation = reader.truncation
+        with writing(dst, trace=True) as out:   # a failure leaves dst as it was
+            writer = TraceWriter(dst, header, fd=out.take_fd())
+            summary.truncation = _copy(reader, writer, red, summary)
     summary.distinct_tokens = red.distinct
     return summary
+
+
+def _copy(reader: TraceReader, writer: TraceWriter, red: "Redactor", summary: "RedactSummary"
+          ) -> str | None:
+    """Every event of ``reader``, redacted, into ``writer``, which this closes."""
+    end = None
+    try:
+        for e in reader:
+            summary.events += 1
+            if isinstance(e, ev.Arrival):
+                summary.arrivals += 1
+                summary.tokens += len(e.prompt_token_ids) + len(e.stop_token_ids) + (
+                    e.eos_token_id is not None)
+            elif isinstance(e, ev.Output):
+                summary.tokens += sum(len(ts) for ts in e.sampled.values())
+            elif isinstance(e, ev.Drafts):
+                summary.tokens += sum(len(ts) for ts in e.drafts.values())
+            elif isinstance(e, ev.Step) and e.spec:
+                summary.tokens += sum(t >= 0 for ts in e.spec.values() for t in ts)
+            if isinstance(e, ev.End):
+                end = e
+                continue
+            writer.write(red.event(e))
+    except BaseException:
+        writer.finish(None)
+        raise
+    writer.finish(end)
+    return reader.truncation

@@ -24,9 +24,31 @@ class Unavailable(Exception):
     exit_code = EXIT_INTERNAL
 
 
+def print_bytes(data: bytes) -> None:
+    """``data`` on standard output. A reader that went away (``| head``) is not
+    an error: the command goes on to its own exit code."""
+    try:
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        quiet_stdout()
+
+
+def quiet_stdout() -> None:
+    """Standard output's reader went away: keep Python from complaining again
+    when it flushes it."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except Exception:
+        pass
+
+
 def say(msg: str) -> None:
     """One line on stderr: ``kvtrace: MSG``, its control characters (from a
     field name or an id of a trace) shown as escapes."""
+    if sys.stderr is None:   # closed (2>&-); print would fall back to stdout
+        return
     try:
         print(f"kvtrace: {msg.translate(CONTROL_ESCAPES)}", file=sys.stderr, flush=True)
     except Exception:
@@ -75,4 +97,6 @@ def load(module: str, name: str, hint: str = ""):
 
 def show_progress() -> bool:
     """Progress bars only for a person at a terminal: never in pipes or CI."""
-    return sys.stderr.isatty() and not os.environ.get("CI") and not os.environ.get("KVTRACE_QUIET")
+    err = sys.stderr   # None when the shell closed it (2>&-)
+    return (err is not None and err.isatty() and not os.environ.get("CI")
+            and not os.environ.get("KVTRACE_QUIET"))

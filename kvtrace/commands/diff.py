@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import click
 
-from ._common import EXIT_DIVERGENT, EXIT_OK
+from ._common import EXIT_DIVERGENT, EXIT_OK, print_bytes
 from .progress import progress
 
 
@@ -33,8 +32,7 @@ def command(a: Path, b: Path, as_json: bool, match: str) -> int:
     with progress(f"diffing {a.name} with {b.name}", "steps") as advance:
         result = diff_files(a, b, match=match, progress=advance)
     if as_json:
-        sys.stdout.buffer.write(terminal.diff_json(result))
-        sys.stdout.flush()
+        print_bytes(terminal.diff_json(result))
     else:
         terminal.print_diff(result)
     return EXIT_DIVERGENT if result.divergences else EXIT_OK

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from kvtrace.outputs import blamed_on
+
 from ._common import EXIT_OK, VLLM_HINT, UsageProblem, load
 from .progress import progress
 
@@ -34,7 +36,7 @@ FAULTS = (
               help=f"Put a known scheduler bug back in. Embedded engine: {', '.join(FAULTS)}. "
                    "vLLM (a scheduler subclass): async-load-overshoot, stale-computed-on-preempt, "
                    "async-stale-computed-on-preempt, spec-rejected-kept, grammar-not-awaited.")
-@click.option("--seed", type=int, default=None,
+@click.option("--seed", type=click.IntRange(-(2 ** 63), 2 ** 64 - 1), default=None,
               help="Seed of the embedded engine's workload and sampler (default 0). The vLLM "
                    "workloads are fixed: with --engine vllm or a command it is refused.")
 @click.option("--engine", type=click.Choice(("embedded", "vllm")), default="embedded",
@@ -106,7 +108,7 @@ def _record_embedded(out: Path, workload: str | None, fault: str | None, seed: i
     if fault is not None and fault not in FAULTS:
         raise UsageProblem(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
     record_embedded = load("kvtrace.engine", "record_embedded")
-    with progress(f"recording {out.name}", "steps") as advance:
+    with progress(f"recording {out.name}", "steps") as advance, blamed_on(out):
         try:
             record_embedded(out, workload=workload, fault=fault, seed=seed,
                             async_scheduling=async_scheduling, progress=advance)

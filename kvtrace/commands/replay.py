@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import click
 
 from ._common import (EXIT_BAD_INPUT, EXIT_DIVERGENT, EXIT_INTERNAL, EXIT_OK, VLLM_HINT, UsageProblem, load,
-                      refuse_to_overwrite, say)
+                      print_bytes, refuse_to_overwrite, say)
 from .progress import progress
 
 
@@ -45,6 +44,8 @@ def command(traces: tuple[Path, ...], out: Path | None, as_json: bool, device: s
     any diverges, 2 when any is unusable.
     """
     refuse_to_overwrite(out, *traces)
+    if kv_check and device.startswith("cuda"):   # before any trace is read or output written
+        load("kvtrace.replay.shadow_kv", "pick_device")(device)
     if scheduler_cls:
         scheduler = "vllm"
     if scheduler == "vllm":
@@ -65,8 +66,7 @@ def _one(trace: Path, out: Path | None, as_json: bool, device: str | None) -> in
     with progress(f"replaying {trace.name}", "steps") as advance:
         result = replay_file(trace, out=out, device=device, progress=advance)
     if as_json:
-        sys.stdout.buffer.write(terminal.replay_json(result, str(trace)))
-        sys.stdout.flush()
+        print_bytes(terminal.replay_json(result, str(trace)))
     else:
         terminal.print_replay(result, str(trace))
     return EXIT_DIVERGENT if result.divergences else EXIT_OK
@@ -95,7 +95,7 @@ def _replay_quietly(args: tuple[str, str | None]):
 def _many(traces: tuple[Path, ...], as_json: bool, device: str | None, jobs: int) -> int:
     from kvtrace.report import terminal
 
-    jobs = jobs or min(len(traces), os.cpu_count() or 1)
+    jobs = min(jobs or os.cpu_count() or 1, len(traces))
     work = [(str(t), device) for t in traces]
     results = []
     with progress(f"replaying {len(traces)} traces", "done") as advance, \
@@ -108,8 +108,7 @@ def _many(traces: tuple[Path, ...], as_json: bool, device: str | None, jobs: int
             results.append(result)
             advance(i + 1)
     if as_json:
-        sys.stdout.buffer.write(terminal.replay_many_json(results))
-        sys.stdout.flush()
+        print_bytes(terminal.replay_many_json(results))
     else:
         terminal.print_replay_many(results)
     errors = [err for _, _, err in results if err]
@@ -132,8 +131,7 @@ def _through_vllm(trace: Path, out: Path | None, as_json: bool, scheduler_cls: s
     run = replay_through_vllm(trace, out, scheduler_cls)
     result = diff_files(trace, out)
     if as_json:
-        sys.stdout.buffer.write(terminal.diff_json(result))
-        sys.stdout.flush()
+        print_bytes(terminal.diff_json(result))
     else:
         console = terminal.make_console()
         console.print(f"replayed through {run.scheduler_cls} (vLLM {run.vllm_version}): "

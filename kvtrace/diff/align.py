@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from .._text import path_text
 from ..findings import Divergence
 from ..trace.events import (Abort, Arrival, End, Header, Output, PauseState, PromptStats, ResetPrefixCache, Step,
                             to_json)
@@ -91,11 +92,11 @@ class DiffResult:
 
     def to_json(self) -> dict:
         return {
-            "a": {"path": self.path_a, "engine": self.header_a.engine,
+            "a": {"path": path_text(self.path_a), "engine": self.header_a.engine,
                   "engine_version": self.header_a.engine_version,
                   "steps": self.steps_a, "truncation": self.truncation_a,
                   "end": _end_json(self.end_a)},
-            "b": {"path": self.path_b, "engine": self.header_b.engine,
+            "b": {"path": path_text(self.path_b), "engine": self.header_b.engine,
                   "engine_version": self.header_b.engine_version,
                   "steps": self.steps_b, "truncation": self.truncation_b,
                   "end": _end_json(self.end_b)},

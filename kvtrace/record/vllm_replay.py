@@ -393,6 +393,12 @@ def build_kv_cache_config(num_blocks: int, block_size: int) -> Any:
                          hash_block_size=block_size, cache_hit_alignment_tokens=block_size)
 
 
+class BadSchedulerClass(ValueError):
+    """A --scheduler-cls that names no class: the user's argument, exit code 2."""
+
+    exit_code = 2
+
+
 def resolve_scheduler_cls(scheduler_cls: str | type | None, async_scheduling: bool = False) -> type:
     """vLLM's Scheduler for None (its AsyncScheduler with ``async_scheduling``);
     a class as is; ``pkg.mod.Cls`` (or ``pkg.mod:Cls``) imported."""
@@ -411,18 +417,20 @@ def resolve_scheduler_cls(scheduler_cls: str | type | None, async_scheduling: bo
     if not sep:
         mod_name, _, attr = name.rpartition(".")
     if not mod_name or not attr:
-        raise ValueError(f"scheduler class {name!r} is not a dotted path (package.module.Class)")
+        raise BadSchedulerClass(f"scheduler class {name!r} is not a dotted path "
+                                "(package.module.Class)")
     try:
         obj = importlib.import_module(mod_name)
     except ImportError as e:
-        raise ValueError(f"cannot import {mod_name!r} for scheduler class {name!r}: {e}") from e
+        raise BadSchedulerClass(f"cannot import {mod_name!r} for scheduler class {name!r}: "
+                                f"{e}") from e
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise ValueError(f"{mod_name!r} has no attribute {attr!r}") from None
+            raise BadSchedulerClass(f"{mod_name!r} has no attribute {attr!r}") from None
     if not isinstance(obj, type):
-        raise ValueError(f"{name!r} is not a class")
+        raise BadSchedulerClass(f"{name!r} is not a class")
     return obj
 
 

@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 from itertools import chain
 
 from kvtrace import baseline, bridge
+from kvtrace._text import path_text
 from kvtrace.findings import Divergence
+from kvtrace.outputs import Output
 from kvtrace.reference import Request, RequestOutput, Scheduler, SchedulerAssertion, SchedulerOutput, Status
 from kvtrace.trace import TraceError, TraceReader, TraceWriter
 from kvtrace.trace import events as ev
@@ -402,7 +404,7 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
     either way."""
     reader = TraceReader(path)
     header = reader.header
-    writer = rp = record_worker = None
+    writer = dest = rp = record_worker = None
     failed = None   # why replay stopped before the end of the trace
     try:
         _check_supported(header, path)
@@ -412,9 +414,10 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
             replayed = ev.Header(engine="kvtrace-reference", engine_version=_version(),
                                  config=header.config, counters=header.counters,
                                  features=header.features,
-                                 meta={"replayed_from": str(path), "recorded_engine": header.engine,
+                                 meta={"replayed_from": path_text(path), "recorded_engine": header.engine,
                                        "recorded_engine_version": header.engine_version})
-            writer = TraceWriter(out, replayed)
+            dest = Output(out, trace=True)   # put in place at the end, whole or cut
+            writer = TraceWriter(out, replayed, fd=dest.take_fd())
         workers = (wanted(path) if worker is None else int(worker)) if reader.shareable else 0
         content_worker = bool(device) and workers >= 1
         in_process = bool(device) and not content_worker
@@ -456,7 +459,14 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
                 part.close()
         if writer is not None:
             error = failed or reader.truncation
-            writer.close(status="interrupted" if error else "complete", error=error)
+            try:
+                writer.close(status="interrupted" if error else "complete", error=error)
+            except OSError as e:
+                raise dest.named(e) from e
+            finally:
+                dest.commit()   # a replay that stopped says where, in its end record
+        elif dest is not None:
+            dest.discard()
     if reader.truncation is None:
         rp._unmatched_stats()
     result.divergences = rp.divergences

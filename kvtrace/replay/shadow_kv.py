@@ -135,7 +135,8 @@ import torch
 
 from kvtrace.findings import Divergence
 
-__all__ = ["ShadowKV", "mix64", "token_terms", "prefix_fingerprints", "pick_device", "RULE"]
+__all__ = ["ShadowKV", "mix64", "token_terms", "prefix_fingerprints", "pick_device",
+           "DeviceUnavailable", "RULE"]
 
 RULE = "kv-content: every slot a request's attention reads holds that request's own prefix"
 _LATE = object()   # the tag of a batch entry that only writes (queue_late_writes)
@@ -184,6 +185,12 @@ def prefix_fingerprints(token_ids, start: int = 0, prev: int = FP_INIT,
     return torch.cumsum(token_terms(tok, pos), 0) + _s64(prev)
 
 
+class DeviceUnavailable(RuntimeError):
+    """A device asked for that this machine does not have: the user's choice, not a bug."""
+
+    exit_code = 2
+
+
 def pick_device(device: str | torch.device = "auto") -> torch.device:
     """"auto" → cuda when torch sees a CUDA device, else cpu. "cuda" without CUDA is an error."""
     name = str(device)
@@ -191,7 +198,7 @@ def pick_device(device: str | torch.device = "auto") -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda"):
         if not torch.cuda.is_available():
-            raise RuntimeError(
+            raise DeviceUnavailable(
                 f"device '{name}' was asked for, but torch {torch.__version__} sees no CUDA device "
                 f"(built with CUDA: {torch.version.cuda or 'no'}); use --device cpu or auto")
         return torch.device(name)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from ..findings import Divergence
+from ..outputs import writing
 from ..trace.io import TraceError
 from .summary import RequestTimeline, RunSummary, percent, summarize
 from .terminal import format_value, replayed_up_to
@@ -90,10 +91,9 @@ def write_html_report(trace: str | os.PathLike, out_html: str | os.PathLike,
     s = summarize(trace, keep=divergent, max_timelines=max_requests)
     page = render(s, divs, source=source, against=None if against is None else str(against),
                   note=note)
-    tmp = os.fspath(out_html) + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
+    # errors: a file name shown in the page may hold bytes that are not UTF-8
+    with writing(out_html) as out, out.open("w", encoding="utf-8", errors="backslashreplace") as f:
         f.write(page)
-    os.replace(tmp, out_html)
     return HtmlReport(path=os.fspath(out_html), summary=s, divergences=divs, source=source,
                       note=note, timelines=len(s.timelines))
 

@@ -28,7 +28,9 @@ from typing import IO, Any, Iterable
 
 import orjson
 
+from .._text import path_text
 from ..findings import Divergence
+from ..outputs import writing
 from ..trace import events as ev
 from ..trace.io import TraceReader
 from .summary import phase_of
@@ -103,7 +105,7 @@ class _Exporter:
         for step in sorted(self.divs, key=lambda s: (s is None, s or 0)):
             self._divergences(step, self.divs[step])
         self.divs.clear()
-        meta = {"trace": str(reader.path), "engine": self.header.engine,
+        meta = {"trace": path_text(reader.path), "engine": self.header.engine,
                 "engine_version": self.header.engine_version, "steps": self.steps,
                 "time_unit": "1 ms = 1 scheduler step"}
         if reader.truncation:
@@ -315,23 +317,16 @@ def export_perfetto(trace: str | os.PathLike, out_json: str | os.PathLike,
     ``divergences`` (from ``replay_file`` or ``diff_files``) become instant
     events at their step; none are computed here. Returns how many events of
     each phase were written (``{"X": ..., "C": ..., "i": ..., "M": ...}``).
-    Raises ``TraceError`` for unusable input; the output file is then removed.
+    Raises ``TraceError`` for unusable input; ``out_json`` is then left as it
+    was (kvtrace/outputs.py).
     """
-    out_path = os.fspath(out_json)
     reader = TraceReader(trace)
-    try:
-        with reader, open(out_path, "wb") as out:
-            x = _Exporter(out, reader.header, divergences)
-            x.begin()
-            for e in reader:
-                x.feed(e)
-            x.finish(reader)
-    except BaseException:
-        try:
-            os.unlink(out_path)
-        except OSError:
-            pass
-        raise
+    with reader, writing(out_json) as dest, dest.open("wb") as out:
+        x = _Exporter(out, reader.header, divergences)
+        x.begin()
+        for e in reader:
+            x.feed(e)
+        x.finish(reader)
     return dict(x.counts)
 
 

@@ -6,6 +6,7 @@ Reporters only consume results: a replay result (``divergences``, ``header``,
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from typing import Any, Iterable
@@ -16,7 +17,7 @@ from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
-from .._text import CONTROL_ESCAPES_BUT_LAYOUT
+from .._text import CONTROL_ESCAPES_BUT_LAYOUT, path_text
 from ..findings import Divergence, first_per_request
 
 MAX_ROWS = 50
@@ -28,11 +29,29 @@ class _PlainConsole(Console):
     ``[/x]`` is shown, not parsed) and no control characters from the data
     (the console's own styles and cursor moves pass)."""
 
+    def on_broken_pipe(self) -> None:
+        """The reader went away (``| head``): print nothing more, and let the
+        command end with its own exit code (rich would exit with 1, which means
+        divergences)."""
+        self.quiet = True
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.file.fileno())
+
     def _render_buffer(self, buffer: Iterable[Segment]) -> str:
         return super()._render_buffer(
-            seg if seg.control else Segment(seg.text.translate(CONTROL_ESCAPES_BUT_LAYOUT), seg.style,
-                                            seg.control)
+            seg if seg.control else Segment(_shown(seg.text), seg.style, seg.control)
             for seg in buffer)
+
+
+def _shown(text: str) -> str:
+    """Control characters as escapes; so are the bytes of a file name that are
+    not UTF-8 (Python gives them as surrogates, which no UTF-8 stream takes)."""
+    text = text.translate(CONTROL_ESCAPES_BUT_LAYOUT)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = path_text(text)
+    return text
 
 
 def make_console(stderr: bool = False) -> Console:
@@ -200,7 +219,7 @@ def _first(divs: list[Divergence]) -> Divergence | None:
 def replay_json(result: Any, path: str) -> bytes:
     header = result.header
     doc = {
-        "trace": str(path),
+        "trace": path_text(path),
         "engine": getattr(header, "engine", None),
         "engine_version": getattr(header, "engine_version", None),
         "steps": getattr(result, "steps", None),
@@ -238,7 +257,7 @@ def replay_many_json(results: list) -> bytes:
     docs = []
     for path, result, error in results:
         if error:
-            docs.append({"trace": str(path), "error": error})
+            docs.append({"trace": path_text(path), "error": error})
         else:
             docs.append(orjson.loads(replay_json(result, str(path))))
     return _dumps({"traces": docs})

@@ -582,7 +582,8 @@ def open_trace_file(path: str | os.PathLike) -> int:
     """A descriptor for writing the trace ``path``, created or emptied. Traces
     hold users' prompts: readable by their owner only."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(fd, 0o600)   # also when writing over an existing file
+    if stat.S_ISREG(os.fstat(fd).st_mode):   # never a device's or a pipe's mode
+        os.fchmod(fd, 0o600)   # also when writing over an existing file
     return fd
 
 

@@ -1,0 +1,150 @@
+"""Files the commands write (reports, exports, redacted or replayed traces).
+
+A command that fails must not cost the user the file that was there before,
+and must never replace or remove something that is not a file. So an output
+that is a regular file, or does not exist yet, is written under a temporary
+name beside it and renamed over it when the command is done; a failure removes
+the temporary file and leaves the old one as it was. An output that exists and
+is not a regular file (``/dev/stdout``, a device, a named pipe) is written in
+place, as a shell redirection would, and never renamed, removed or chmod-ed.
+
+Errors that the output causes (a full disk, a missing directory) name the
+output as the user gave it, never the temporary name.
+
+    with writing(path) as out, out.open("w", encoding="utf-8") as f:
+        f.write(page)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+import tempfile
+from typing import Iterator
+
+# Errors only writing can cause: when one comes without a file name, it is the output's.
+WRITE_ERRORS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
+
+
+def _umask() -> int:
+    """The process's umask, read without setting it (which another thread could
+    meet half done) where Linux shows it."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+class Output:
+    """One output file being written: ``fd`` is open for writing."""
+
+    def __init__(self, path: str | os.PathLike, trace: bool = False):
+        self.path = os.fspath(path)
+        # A trace holds users' prompts: readable by its owner only (as TraceWriter
+        # makes it); anything else gets the usual mode.
+        mode = 0o600 if trace else 0o666 & ~_umask()
+        self.tmp: str | None = None
+        self.taken = False   # fd belongs to a file object now
+        target = self.target = os.path.realpath(self.path)   # through a symbolic link, not over it
+        try:
+            st = os.stat(target)
+        except FileNotFoundError:
+            st = None
+        except OSError as e:
+            raise self.named(e, opening=True) from e
+        try:
+            if st is not None and not stat.S_ISREG(st.st_mode):
+                self.fd = os.open(target, os.O_WRONLY)
+            else:
+                folder, name = os.path.split(target)
+                self.fd, self.tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".part",
+                                                     dir=folder or ".")
+                os.fchmod(self.fd, mode)
+        except OSError as e:
+            raise self.named(e, opening=True) from e
+
+    def named(self, e: OSError, opening: bool = False) -> OSError:
+        """``e`` naming the output, if it is about the output (as any error in
+        opening it is)."""
+        if opening or (e.filename in (None, self.tmp, self.target) and (
+                e.filename is not None or e.errno in WRITE_ERRORS)):
+            named = type(e)(e.errno, e.strerror, self.path)
+            named.__cause__ = e
+            return named
+        return e
+
+    def commit(self) -> None:
+        """The output is whole: put it in place."""
+        if self.tmp is not None:
+            try:
+                os.replace(self.tmp, self.target)
+            except OSError as e:
+                self.discard()
+                raise self.named(e) from e
+            self.tmp = None
+
+    def discard(self) -> None:
+        """Forget what was written (a regular file's old content stays)."""
+        if self.tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.tmp)
+            self.tmp = None
+
+    def take_fd(self) -> int:
+        """The descriptor, for a writer that closes it (``TraceWriter``)."""
+        self.taken = True
+        return self.fd
+
+    def open(self, mode: str = "wb", **kw):
+        """The output as a file object, which closes the descriptor."""
+        f = open(self.fd, mode, **kw)
+        self.taken = True
+        return f
+
+    def close_unused(self) -> None:
+        if not self.taken:
+            self.taken = True
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+
+
+@contextlib.contextmanager
+def writing(path: str | os.PathLike, trace: bool = False) -> Iterator[Output]:
+    """Write ``path`` through an ``Output``: put in place when the block ends,
+    thrown away when it raises. The file object of ``open`` or the writer
+    given ``take_fd`` must be closed inside the block."""
+    out = Output(path, trace=trace)
+    try:
+        yield out
+    except BaseException as e:
+        out.close_unused()
+        out.discard()
+        if isinstance(e, OSError):
+            named = out.named(e)
+            if named is not e:
+                raise named from e
+        raise
+    else:
+        out.close_unused()
+        out.commit()
+
+
+@contextlib.contextmanager
+def blamed_on(path: str | os.PathLike) -> Iterator[None]:
+    """For an output written in place (a trace being recorded, which must be
+    readable up to a crash): an error that only writing causes, raised without a
+    file name inside the block, names ``path``."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None and e.errno in WRITE_ERRORS:
+            raise type(e)(e.errno, e.strerror, os.fspath(path)) from e
+        raise

@@ -1,0 +1,235 @@
+"""The command line against hostile surroundings rather than hostile traces:
+outputs that are devices or named pipes, existing outputs and a bad input,
+file names that are not UTF-8, a standard output that is full, closed or whose
+reader went away, and arguments that name what the machine lacks. Each answer
+is an exit code and at most one line of ours on stderr, never a traceback, and
+no file the user had is lost or replaced by something else."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import stat
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import orjson
+import pytest
+
+from kvtrace import cli
+
+TRACES = Path(__file__).resolve().parent.parent / "traces"
+CLEAN = TRACES / "preemption.jsonl.gz"
+DIVERGENT = TRACES / "faults" / "spec-rejected-kept.jsonl.gz"
+KVTRACE = [sys.executable, "-m", "kvtrace.cli"]
+NOT_UTF8 = os.fsdecode(b"trace-\xff.jsonl.gz")
+
+
+def _run(capsys, *argv):
+    code = cli.run([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _bad_mid_trace(tmp_path: Path) -> Path:
+    """The clean trace with line 51 broken: unusable, found only midway."""
+    lines = gzip.decompress(CLEAN.read_bytes()).splitlines(keepends=True)
+    lines[50] = b'{"seq": 4, oops}\n'
+    bad = tmp_path / "mid.jsonl"
+    bad.write_bytes(b"".join(lines))
+    return bad
+
+
+def _leftovers(folder: Path) -> list[str]:
+    """Temporary outputs left behind."""
+    return sorted(p.name for p in folder.iterdir() if p.name.endswith(".part"))
+
+
+@pytest.mark.parametrize("argv", [
+    ["redact", "{bad}", "{out}"],
+    ["export", "--no-divergences", "{bad}", "-o", "{out}"],
+    ["export", "{bad}", "-o", "{out}"],
+    ["report", "{bad}", "-o", "{out}"],
+], ids=["redact", "export-no-divergences", "export", "report"])
+def test_a_bad_input_leaves_an_existing_output_as_it_was(tmp_path, capsys, argv):
+    bad = _bad_mid_trace(tmp_path)
+    out = tmp_path / "keep.jsonl"
+    out.write_bytes(b"what the user had\n")
+    code, _, err = _run(capsys, *(a.format(bad=bad, out=out) for a in argv))
+    assert code == 2 and err.startswith(f"kvtrace: {bad}:51: ") and len(err.splitlines()) == 1
+    assert out.read_bytes() == b"what the user had\n"
+    assert _leftovers(tmp_path) == []
+
+
+def test_an_input_named_like_a_temporary_file_is_not_destroyed(tmp_path, capsys):
+    """Outputs are written under a fresh temporary name, never OUT.tmp, which
+    could be the input."""
+    src = tmp_path / "r.html.tmp"
+    src.write_bytes(CLEAN.read_bytes())
+    code, _, err = _run(capsys, "report", src, "-o", tmp_path / "r.html")
+    assert code == 0, err
+    assert src.read_bytes() == CLEAN.read_bytes()
+    assert (tmp_path / "r.html").read_text().startswith("<!DOCTYPE html>")
+    assert _leftovers(tmp_path) == []
+    umask = os.umask(0o022)
+    os.umask(umask)
+    # A report holds no prompt: the mode a new file gets (a trace's is 0600).
+    assert stat.S_IMODE((tmp_path / "r.html").stat().st_mode) == 0o666 & ~umask
+
+
+def test_an_output_in_a_missing_folder_is_named_as_given(tmp_path, capsys):
+    for argv in (["report", CLEAN, "-o", "{o}.html"], ["export", CLEAN, "-o", "{o}.json"],
+                 ["redact", CLEAN, "{o}.jsonl"], ["replay", CLEAN, "-o", "{o}.jsonl"]):
+        missing = str(tmp_path / "no" / "such")
+        code, _, err = _run(capsys, *(str(a).format(o=missing) for a in argv))
+        assert code == 2, (argv[0], err)
+        suffix = Path(argv[-1]).suffix
+        assert err == f"kvtrace: {missing}{suffix}: No such file or directory\n", (argv[0], err)
+
+
+@pytest.mark.parametrize("cmd", ["report", "export", "redact", "replay"])
+def test_a_named_pipe_as_the_output_is_written_into_not_replaced(tmp_path, capsys, cmd):
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    argv = {"report": ["report", CLEAN, "-o", fifo], "export": ["export", CLEAN, "-o", fifo],
+            "redact": ["redact", CLEAN, fifo], "replay": ["replay", CLEAN, "-o", fifo]}[cmd]
+    code, _, err = _run(capsys, *argv)
+    reader.join(60)
+    assert code == 0, err
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert got and len(got[0]) > 1000
+    assert _leftovers(tmp_path) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a device node (a private /dev/full) needs root")
+@pytest.mark.parametrize("argv", [
+    ["report", CLEAN, "-o", "{dev}"], ["export", CLEAN, "-o", "{dev}"],
+    ["export", "--no-divergences", CLEAN, "-o", "{dev}"], ["redact", CLEAN, "{dev}"],
+    ["replay", CLEAN, "-o", "{dev}"], ["record", "-o", "{dev}", "--workload", "offload"],
+], ids=["report", "export", "export-no-divergences", "redact", "replay", "record"])
+def test_a_full_device_as_the_output_is_named_and_left_alone(tmp_path, capsys, argv):
+    dev = tmp_path / "full"
+    os.mknod(dev, 0o644 | stat.S_IFCHR, os.makedev(1, 7))   # what /dev/full is
+    code, _, err = _run(capsys, *(str(a).format(dev=dev) for a in argv))
+    assert (code, err) == (2, f"kvtrace: {dev}: No space left on device\n")
+    st = os.lstat(dev)
+    assert stat.S_ISCHR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o644
+    assert st.st_rdev == os.makedev(1, 7)
+    assert _leftovers(tmp_path) == []
+
+
+def test_file_names_that_are_not_utf8_are_shown_escaped(tmp_path, capsys):
+    src = tmp_path / NOT_UTF8
+    src.write_bytes(CLEAN.read_bytes())
+    shown = str(tmp_path / "trace-\\xff.jsonl.gz")
+    code, out, err = _run(capsys, "replay", "--json", src)
+    assert code == 0 and orjson.loads(out)["trace"] == shown, err
+    code, out, err = _run(capsys, "diff", "--json", src, CLEAN)
+    assert code == 0 and orjson.loads(out)["a"]["path"] == shown, err
+    code, _, err = _run(capsys, "replay", src, "-o", tmp_path / "r.jsonl")
+    assert code == 0, err
+    header = orjson.loads((tmp_path / "r.jsonl").read_bytes().split(b"\n")[0])
+    assert header["meta"]["replayed_from"] == shown
+    code, _, err = _run(capsys, "export", src, "-o", tmp_path / "e.json")
+    assert code == 0 and orjson.loads((tmp_path / "e.json").read_bytes())["metadata"]["trace"] == shown
+    code, _, err = _run(capsys, "report", CLEAN, "--against", src, "-o", tmp_path / "r.html")
+    assert code == 0, err
+    code, _, err = _run(capsys, "report", src, "-o", tmp_path / "s.html")
+    assert code == 0 and "trace-\\udcff.jsonl.gz" in (tmp_path / "s.html").read_text(), err
+
+
+def _kvtrace(argv, **kw) -> subprocess.CompletedProcess:
+    env = dict(os.environ, KVTRACE_QUIET="1")
+    return subprocess.run(KVTRACE + [str(a) for a in argv], env=env, timeout=300, **kw)
+
+
+@pytest.mark.parametrize("trace,want", [(CLEAN, 0), (DIVERGENT, 1)], ids=["clean", "divergent"])
+@pytest.mark.parametrize("json", [False, True], ids=["text", "json"])
+def test_a_reader_that_went_away_leaves_the_exit_code_to_the_replay(trace, want, json):
+    """`kvtrace replay T | head -1`: the pipe is gone before the report is
+    written; the exit code still says whether T diverges (rich's default
+    would exit 1 for a clean trace)."""
+    r, w = os.pipe()
+    os.close(r)   # no reader: every write fails with EPIPE
+    try:
+        p = _kvtrace(["replay", *(["--json"] if json else []), trace], stdout=w,
+                     stderr=subprocess.PIPE)
+    finally:
+        os.close(w)
+    assert p.returncode == want and p.stderr == b"", p.stderr
+
+
+@pytest.mark.parametrize("argv", [["show", CLEAN], ["replay", "--json", CLEAN], ["diff", CLEAN, CLEAN],
+                                  ["--version"]], ids=["show", "replay-json", "diff", "version"])
+def test_a_full_standard_output_is_named(argv):
+    with open("/dev/full", "wb") as full:
+        p = _kvtrace(argv, stdout=full, stderr=subprocess.PIPE)
+    assert (p.returncode, p.stderr) == (2, b"kvtrace: standard output: No space left on device\n")
+
+
+def test_a_closed_standard_output_is_said_and_a_closed_stderr_keeps_the_exit_code(tmp_path):
+    cmd = " ".join(KVTRACE)
+    p = subprocess.run(f"{cmd} replay --json {CLEAN} >&-", shell=True, stderr=subprocess.PIPE,
+                       timeout=300)
+    assert (p.returncode, p.stderr) == (2, b"kvtrace: standard output is closed: nowhere to "
+                                           b"write the report\n")
+    bad = _bad_mid_trace(tmp_path)
+    p = subprocess.run(f"{cmd} replay {bad} 2>&-", shell=True, stdout=subprocess.PIPE, timeout=300)
+    assert (p.returncode, p.stdout) == (2, b"")   # the error never lands on stdout
+
+
+def test_more_jobs_than_traces_start_one_process_per_trace(monkeypatch, capsys):
+    """-j 10000 on two traces once started 10000 processes, and hung."""
+    import concurrent.futures
+
+    from kvtrace.commands import replay as replay_cmd
+
+    asked = []
+
+    class Pool(concurrent.futures.ThreadPoolExecutor):
+        def __init__(self, max_workers):
+            asked.append(max_workers)
+            super().__init__(max_workers)
+
+    monkeypatch.setattr(replay_cmd, "ProcessPoolExecutor", Pool)
+    code, out, err = _run(capsys, "replay", "--no-kv-check", "-j", "10000", CLEAN, DIVERGENT)
+    assert asked == [2] and code == 1, err
+    assert CLEAN.name in out and DIVERGENT.name in out
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CUDA is present")
+def test_cuda_asked_for_on_a_machine_without_it_is_a_bad_argument(tmp_path, capsys):
+    out = tmp_path / "r.jsonl"
+    for argv in (["replay", "--device", "cuda", CLEAN, "-o", out],
+                 ["replay", "--device", "cuda", CLEAN, DIVERGENT]):
+        code, _, err = _run(capsys, *argv)
+        assert code == 2 and len(err.splitlines()) == 1, err
+        assert err.startswith("kvtrace: device 'cuda' was asked for, but torch "), err
+        assert not out.exists()
+
+
+def test_a_seed_out_of_range_is_refused_before_the_output_is_touched(tmp_path, capsys):
+    out = tmp_path / "keep.jsonl.gz"
+    out.write_bytes(b"what the user had\n")
+    code, _, err = _run(capsys, "record", "-o", out, "--workload", "offload",
+                        "--seed", str(2 ** 64))
+    assert code == 2 and "Invalid value for '--seed'" in err and len(err.splitlines()) == 1
+    assert out.read_bytes() == b"what the user had\n"
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("cls,why", [("nonexistent.Mod", "cannot import 'nonexistent'"),
+                                     ("os.path", "'os.path' is not a class")])
+def test_a_scheduler_class_that_names_no_class_is_a_bad_argument(capsys, cls, why):
+    from _require import require
+
+    require("vllm", "replay --scheduler-cls loads vLLM")
+    code, _, err = _run(capsys, "replay", "--scheduler-cls", cls, CLEAN)
+    ours = [line for line in err.splitlines() if line.startswith("kvtrace:")]
+    assert code == 2 and len(ours) == 1 and why in ours[0], err
+    assert "Traceback" not in err
