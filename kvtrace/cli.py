@@ -9,6 +9,7 @@ them, so ``kvtrace diff`` never loads torch or vLLM.
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import traceback
@@ -71,11 +72,11 @@ def run(argv: list[str] | None = None) -> int:
         return EXIT_OK
     except OSError as e:
         if e.filename is None and e.errno in WRITE_ERRORS:
-            # Every file kvtrace writes names itself in its errors
-            # (kvtrace/outputs.py): one that does not is standard output.
+            # The machine's, not kvtrace's: a full disk under no file of ours
+            # (the files kvtrace writes, standard output included, name themselves).
             if debug:
                 traceback.print_exc()
-            say(f"standard output: {e.strerror}")
+            say(f"{e.strerror} ({errno.errorcode.get(e.errno, e.errno)})")
             return EXIT_BAD_INPUT
         if e.filename is None:
             return _internal(e, debug)

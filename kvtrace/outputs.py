@@ -4,9 +4,13 @@ A command that fails must not cost the user the file that was there before,
 and must never replace or remove something that is not a file. So an output
 that is a regular file, or does not exist yet, is written under a temporary
 name beside it and renamed over it when the command is done; a failure removes
-the temporary file and leaves the old one as it was. An output that exists and
-is not a regular file (``/dev/stdout``, a device, a named pipe) is written in
-place, as a shell redirection would, and never renamed, removed or chmod-ed.
+the temporary file and leaves the old one as it was. The new file takes the
+old one's mode (a trace's is always 0600); another hard link to the old file
+keeps the old content. An output that exists and is not a regular file (a
+device, a named pipe) is written in place, as a shell redirection would, and
+never renamed, removed or chmod-ed; ``/dev/stdout`` and ``/dev/fd/N`` are
+written through this process's own descriptor, as the shell opened it (so
+``-o /dev/stdout >> log`` appends).
 
 Errors that the output causes (a full disk, a missing directory) name the
 output as the user gave it, never the temporary name.
@@ -43,30 +47,50 @@ def _umask() -> int:
     return mask
 
 
+def _descriptor(path: str) -> int | None:
+    """The descriptor of this process that ``path`` names through its links
+    (``/dev/stdout`` -> ``/proc/self/fd/1``, ``/dev/fd/3``), if it names one."""
+    own = ("/proc/self/fd/", f"/proc/{os.getpid()}/fd/", "/dev/fd/")
+    p = os.path.abspath(path)
+    for _ in range(40):   # the kernel's own limit on links followed
+        folder, name = os.path.split(p)
+        if folder + "/" in own and name.isdigit():
+            return int(name)
+        if not os.path.islink(p):
+            return None
+        p = os.path.normpath(os.path.join(folder, os.readlink(p)))
+    return None
+
+
 class Output:
     """One output file being written: ``fd`` is open for writing."""
 
     def __init__(self, path: str | os.PathLike, trace: bool = False):
         self.path = os.fspath(path)
-        # A trace holds users' prompts: readable by its owner only (as TraceWriter
-        # makes it); anything else gets the usual mode.
-        mode = 0o600 if trace else 0o666 & ~_umask()
         self.tmp: str | None = None
         self.taken = False   # fd belongs to a file object now
-        target = self.target = os.path.realpath(self.path)   # through a symbolic link, not over it
+        self.target = os.path.realpath(self.path)   # through a symbolic link, not over it
         try:
-            st = os.stat(target)
+            st = os.stat(self.path)
         except FileNotFoundError:
             st = None
         except OSError as e:
             raise self.named(e, opening=True) from e
         try:
-            if st is not None and not stat.S_ISREG(st.st_mode):
-                self.fd = os.open(target, os.O_WRONLY)
+            held = _descriptor(self.path)
+            if held is not None:   # /dev/stdout, /dev/fd/N: this process's own descriptor
+                self.fd = os.dup(held)   # its offset and O_APPEND, as the shell opened it
+            elif st is not None and not stat.S_ISREG(st.st_mode):
+                self.fd = os.open(self.path, os.O_WRONLY)
             else:
-                folder, name = os.path.split(target)
-                self.fd, self.tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".part",
+                folder, name = os.path.split(self.target)
+                self.fd, self.tmp = tempfile.mkstemp(prefix=f".{name[:64]}.", suffix=".part",
                                                      dir=folder or ".")
+                # A trace holds users' prompts: readable by its owner only (as
+                # TraceWriter makes it). Anything else keeps the mode of the file
+                # it replaces, or gets the usual mode.
+                mode = (0o600 if trace else stat.S_IMODE(st.st_mode) if st is not None
+                        else 0o666 & ~_umask())
                 os.fchmod(self.fd, mode)
         except OSError as e:
             raise self.named(e, opening=True) from e

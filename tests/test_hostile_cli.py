@@ -140,7 +140,7 @@ def test_file_names_that_are_not_utf8_are_shown_escaped(tmp_path, capsys):
     code, _, err = _run(capsys, "report", CLEAN, "--against", src, "-o", tmp_path / "r.html")
     assert code == 0, err
     code, _, err = _run(capsys, "report", src, "-o", tmp_path / "s.html")
-    assert code == 0 and "trace-\\udcff.jsonl.gz" in (tmp_path / "s.html").read_text(), err
+    assert code == 0 and "trace-\\xff.jsonl.gz" in (tmp_path / "s.html").read_text(), err
 
 
 def _kvtrace(argv, **kw) -> subprocess.CompletedProcess:
@@ -165,11 +165,16 @@ def test_a_reader_that_went_away_leaves_the_exit_code_to_the_replay(trace, want,
 
 
 @pytest.mark.parametrize("argv", [["show", CLEAN], ["replay", "--json", CLEAN], ["diff", CLEAN, CLEAN],
-                                  ["--version"]], ids=["show", "replay-json", "diff", "version"])
-def test_a_full_standard_output_is_named(argv):
+                                  ["record", "-o", "{tmp}/t.jsonl", "--workload", "offload"],
+                                  ["--version"]], ids=["show", "replay-json", "diff", "record", "version"])
+def test_a_full_standard_output_is_one_line(tmp_path, argv):
+    """Named as standard output where kvtrace writes it; click's own --version
+    gets the error without a name, one line all the same."""
     with open("/dev/full", "wb") as full:
-        p = _kvtrace(argv, stdout=full, stderr=subprocess.PIPE)
-    assert (p.returncode, p.stderr) == (2, b"kvtrace: standard output: No space left on device\n")
+        p = _kvtrace([str(a).format(tmp=tmp_path) for a in argv], stdout=full, stderr=subprocess.PIPE)
+    want = (b"kvtrace: No space left on device (ENOSPC)\n" if argv == ["--version"]
+            else b"kvtrace: standard output: No space left on device\n")
+    assert (p.returncode, p.stderr) == (2, want)
 
 
 def test_a_closed_standard_output_is_said_and_a_closed_stderr_keeps_the_exit_code(tmp_path):
@@ -233,3 +238,64 @@ def test_a_scheduler_class_that_names_no_class_is_a_bad_argument(capsys, cls, wh
     ours = [line for line in err.splitlines() if line.startswith("kvtrace:")]
     assert code == 2 and len(ours) == 1 and why in ours[0], err
     assert "Traceback" not in err
+
+
+def test_dev_stdout_as_the_output_is_written_through_the_descriptor(tmp_path):
+    """-o /dev/stdout names this process's standard output: through a pipe it
+    is written into, and a file the shell opened to append to (>>) is appended
+    to, not replaced or written over from its start."""
+    p = _kvtrace(["export", "--no-divergences", CLEAN, "-o", "/dev/stdout"],
+                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.returncode == 0 and p.stdout.startswith(b'{"displayTimeUnit"'), p.stderr
+    log = tmp_path / "log"
+    log.write_bytes(b"OLD\n")
+    with open(log, "ab") as f:
+        p = _kvtrace(["export", "--no-divergences", CLEAN, "-o", "/dev/stdout"], stdout=f,
+                     stderr=subprocess.PIPE)
+    assert p.returncode == 0, p.stderr
+    got = log.read_bytes()
+    assert got.startswith(b'OLD\n{"displayTimeUnit"') and got.endswith(b"wrote /dev/stdout\n")
+
+
+@pytest.mark.parametrize("argv", [["replay", CLEAN, "-o", "{out}"], ["redact", CLEAN, "{out}"],
+                                  ["export", CLEAN, "-o", "{out}"], ["report", CLEAN, "-o", "{out}"]],
+                         ids=["replay", "redact", "export", "report"])
+def test_an_output_that_outgrows_the_file_size_limit_leaves_the_old_file(tmp_path, argv):
+    """A write that fails (here: past the process's file-size limit, EFBIG)
+    puts nothing in place, not even a cut replayed trace."""
+    import resource
+
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(b"what the user had\n")
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (16384, 16384))  # noqa: E731
+    p = _kvtrace([str(a).format(out=out) for a in argv], stdout=subprocess.PIPE,
+                 stderr=subprocess.PIPE, preexec_fn=limit)
+    assert (p.returncode, p.stderr) == (2, f"kvtrace: {out}: File too large\n".encode())
+    assert out.read_bytes() == b"what the user had\n"
+    assert _leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("argv", [["export", "--no-divergences", CLEAN, "-o", "{tmp}/e.json"],
+                                  ["report", CLEAN, "-o", "{tmp}/r.html"],
+                                  ["redact", CLEAN, "{tmp}/r.jsonl"],
+                                  ["record", "-o", "{tmp}/t.jsonl", "--workload", "offload"]],
+                         ids=["export", "report", "redact", "record"])
+def test_a_reader_that_went_away_does_not_fail_a_command_that_wrote_its_file(tmp_path, argv):
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        p = _kvtrace([str(a).format(tmp=tmp_path) for a in argv], stdout=w, stderr=subprocess.PIPE)
+    finally:
+        os.close(w)
+    assert p.returncode == 0 and p.stderr == b"", p.stderr   # click alone would exit 1
+
+
+def test_a_replaced_output_keeps_its_mode_and_a_long_name_fits(tmp_path, capsys):
+    out = tmp_path / "e.json"
+    out.write_bytes(b"old")
+    out.chmod(0o640)
+    code, _, err = _run(capsys, "export", "--no-divergences", CLEAN, "-o", out)
+    assert code == 0 and stat.S_IMODE(out.stat().st_mode) == 0o640, err
+    long = tmp_path / ("a" * 250 + ".html")   # 255 bytes: the most a name may have
+    code, _, err = _run(capsys, "report", CLEAN, "-o", long)
+    assert code == 0 and long.read_text().startswith("<!DOCTYPE html>"), err

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
+
+import click
+
+from kvtrace.outputs import WRITE_ERRORS
 
 from kvtrace._text import CONTROL_ESCAPES
 
@@ -27,11 +32,29 @@ class Unavailable(Exception):
 def print_bytes(data: bytes) -> None:
     """``data`` on standard output. A reader that went away (``| head``) is not
     an error: the command goes on to its own exit code."""
-    try:
+    with to_stdout():
         sys.stdout.buffer.write(data)
         sys.stdout.flush()
+
+
+def echo(line: str) -> None:
+    """``click.echo``, as ``print_bytes`` (click would exit 1 on a broken pipe)."""
+    with to_stdout():
+        click.echo(line)
+
+
+@contextlib.contextmanager
+def to_stdout():
+    """Writing standard output: a reader that went away ends the writing, not
+    the command; an error that only writing causes names standard output."""
+    try:
+        yield
     except BrokenPipeError:
         quiet_stdout()
+    except OSError as e:
+        if e.filename is None and e.errno in WRITE_ERRORS:
+            raise OSError(e.errno, e.strerror, "standard output") from e
+        raise
 
 
 def quiet_stdout() -> None:

@@ -8,7 +8,7 @@ import click
 
 from kvtrace.outputs import blamed_on
 
-from ._common import EXIT_OK, VLLM_HINT, UsageProblem, load
+from ._common import EXIT_OK, VLLM_HINT, UsageProblem, echo, load
 from .progress import progress
 
 WORKLOADS = ("shared-prefix", "kv-pressure", "offload", "load-failures")
@@ -87,7 +87,7 @@ def command(out: Path, workload: str | None, fault: str | None, seed: int | None
         code = EXIT_OK
     if redact:
         _redact(target, out)
-    click.echo(f"wrote {out}")
+    echo(f"wrote {out}")
     return code
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from ._common import EXIT_OK, UsageProblem, refuse_to_overwrite
+from ._common import EXIT_OK, UsageProblem, echo, refuse_to_overwrite
 
 
 @click.command()
@@ -33,5 +33,5 @@ def command(src: Path, dst: Path, key_hex: str | None, key_file: Path | None) ->
         summary = redact_file(src, dst, key)
     except ValueError as e:
         raise UsageProblem(str(e)) from None
-    click.echo(str(summary))
+    echo(str(summary))
     return EXIT_OK

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from ._common import EXIT_DIVERGENT, EXIT_OK, refuse_pipes, refuse_to_overwrite
+from ._common import EXIT_DIVERGENT, EXIT_OK, echo, refuse_pipes, refuse_to_overwrite
 from .progress import progress
 
 
@@ -29,7 +29,7 @@ def report(trace: Path, out: Path, against: Path | None) -> int:
 
     with progress(f"reporting {trace.name}", "steps"):
         rep = write_html_report(trace, out, against=against)
-    click.echo(f"wrote {out}" + (f" ({rep.note})" if rep.note else ""))
+    echo(f"wrote {out}" + (f" ({rep.note})" if rep.note else ""))
     return EXIT_DIVERGENT if rep.divergences else EXIT_OK
 
 
@@ -56,7 +56,7 @@ def export(trace: Path, fmt: str, out: Path, divergences: bool) -> int:
         with progress(f"replaying {trace.name}", "steps") as advance:
             divs = replay_file(trace, progress=advance).divergences
     export_perfetto(trace, out, divergences=divs)
-    click.echo(f"wrote {out}")
+    echo(f"wrote {out}")
     return EXIT_OK
 
 

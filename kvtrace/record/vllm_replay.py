@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtrace import baseline
+from kvtrace._text import path_text
 from kvtrace.trace import events as ev
 from kvtrace.trace.io import TraceError, TraceReader
 
@@ -650,7 +651,7 @@ def replay_through_vllm(trace_path: str | os.PathLike, out_path: str | os.PathLi
     try:
         check_supported(header, trace_path)
         sched, out_header = build_scheduler(header, out_path, cls, meta={
-            "replayed_from": trace_path, "recorded_engine": header.engine,
+            "replayed_from": path_text(trace_path), "recorded_engine": header.engine,
             "recorded_engine_version": header.engine_version,
             "recorded_scheduler_cls": header.features.get("scheduler_cls"),
             "replay": "kvtrace.record.vllm_replay"})

@@ -461,10 +461,10 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
             error = failed or reader.truncation
             try:
                 writer.close(status="interrupted" if error else "complete", error=error)
-            except OSError as e:
-                raise dest.named(e) from e
-            finally:
-                dest.commit()   # a replay that stopped says where, in its end record
+            except BaseException as e:   # the output could not be finished: never put in place
+                dest.discard()
+                raise (dest.named(e) if isinstance(e, OSError) else e) from e
+            dest.commit()   # whole, or a replay that stopped and says where in its end record
         elif dest is not None:
             dest.discard()
     if reader.truncation is None:

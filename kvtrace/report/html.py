@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from .._text import path_text
 from ..findings import Divergence
 from ..outputs import writing
 from ..trace.io import TraceError
@@ -89,7 +90,7 @@ def write_html_report(trace: str | os.PathLike, out_html: str | os.PathLike,
             if len(divergent) < max_divergent:
                 divergent.append(d.req)
     s = summarize(trace, keep=divergent, max_timelines=max_requests)
-    page = render(s, divs, source=source, against=None if against is None else str(against),
+    page = render(s, divs, source=source, against=None if against is None else path_text(against),
                   note=note)
     # errors: a file name shown in the page may hold bytes that are not UTF-8
     with writing(out_html) as out, out.open("w", encoding="utf-8", errors="backslashreplace") as f:
@@ -111,7 +112,8 @@ def render(s: RunSummary, divs: list[Divergence], source: str = "replay",
     e = html.escape
     h = s.header
     cfg = h.config
-    name = os.path.basename(s.path)
+    path = path_text(s.path)   # a file name is any bytes: shown with \xNN escapes
+    name = os.path.basename(path)
     divs = sorted(divs, key=_div_key)
     by_req: dict[str | None, list[Divergence]] = {}
     for d in divs:
@@ -124,7 +126,7 @@ def render(s: RunSummary, divs: list[Divergence], source: str = "replay",
         f"<style>{_CSS}</style></head><body>",
         "<header>",
         f"<h1>kvtrace report <span class=\"file\">{e(name)}</span></h1>",
-        f"<p class=\"sub\">{e(s.path)} · engine {e(h.engine)} {e(h.engine_version)} · "
+        f"<p class=\"sub\">{e(path)} · engine {e(h.engine)} {e(h.engine_version)} · "
         f"{s.steps} steps · {s.requests} requests</p>",
         f"<p class=\"sub\">block size {cfg.block_size} · {cfg.num_blocks} blocks "
         f"({s.usable_blocks} usable) · token budget {cfg.max_num_scheduled_tokens or cfg.max_num_batched_tokens}"

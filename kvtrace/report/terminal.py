@@ -18,6 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .._text import CONTROL_ESCAPES_BUT_LAYOUT, path_text
+from ..outputs import WRITE_ERRORS
 from ..findings import Divergence, first_per_request
 
 MAX_ROWS = 50
@@ -36,6 +37,15 @@ class _PlainConsole(Console):
         self.quiet = True
         with contextlib.suppress(OSError, ValueError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), self.file.fileno())
+
+    def _check_buffer(self) -> None:
+        try:
+            super()._check_buffer()
+        except OSError as e:   # a full disk under a redirected output: name it
+            if e.filename is None and e.errno in WRITE_ERRORS:
+                where = "standard error" if self.stderr else "standard output"
+                raise OSError(e.errno, e.strerror, where) from e
+            raise
 
     def _render_buffer(self, buffer: Iterable[Segment]) -> str:
         return super()._render_buffer(
