@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import sys
+import time
 import traceback
 
 import click
@@ -31,8 +33,46 @@ for _name, _command in COMMANDS.items():
     cli.add_command(_command, _name)
 
 
+class Stopped(BaseException):
+    """SIGTERM or SIGHUP, raised where the program is, as Ctrl-C raises
+    KeyboardInterrupt, so that the command unwinds the same way: its output put
+    in place (a replayed trace ending ``interrupted``) or thrown away, its worker
+    processes stopped."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)   # "SIGTERM"
+        self.signum = signum
+
+
+# After the first signal, more within this many seconds (a second Ctrl-C) are
+# ignored: they would break off the unwinding the first one started.
+UNWIND_GRACE_S = 2.0
+
+
+_last_signal = [float("-inf")]   # when the first signal came
+
+
+def _unwind_on_signals() -> None:
+    last = _last_signal
+
+    def handler(signum, frame):
+        now = time.monotonic()
+        if now - last[0] < UNWIND_GRACE_S:
+            return
+        last[0] = now
+        raise KeyboardInterrupt if signum == signal.SIGINT else Stopped(signum)
+
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signum) is not signal.SIG_IGN:   # nohup, a background job
+            signal.signal(signum, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point. Never shows a traceback unless KVTRACE_DEBUG=1."""
+    _unwind_on_signals()
+    for stream in (sys.stdout, sys.stderr):   # a terminal that is not UTF-8 gets escapes
+        if stream is not None and hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     code = run(argv)
     try:   # here, not at exit, where Python would only complain about it
         sys.stdout.flush()
@@ -43,6 +83,11 @@ def main(argv: list[str] | None = None) -> int:
         code = EXIT_BAD_INPUT
     except (AttributeError, ValueError):   # closed
         pass
+    if _last_signal[0] > float("-inf"):
+        # Unwound after a signal: everything is written and stopped. Python's
+        # own exit would first give the signals their default action back, and
+        # a second Ctrl-C then would kill the process and lose the exit code.
+        os._exit(code)
     sys.exit(code)
 
 
@@ -52,7 +97,9 @@ def run(argv: list[str] | None = None) -> int:
         say("standard output is closed: nowhere to write the report")
         return EXIT_BAD_INPUT
     try:
-        rv = cli.main(args=argv, prog_name="kvtrace", standalone_mode=False)
+        # Not cli.main: on Ctrl-C it prints a blank line of its own first.
+        with cli.make_context("kvtrace", list(sys.argv[1:] if argv is None else argv)) as ctx:
+            rv = cli.invoke(ctx)
         return rv if isinstance(rv, int) else EXIT_OK
     except click.exceptions.Exit as e:
         return e.exit_code
@@ -67,6 +114,9 @@ def run(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         say("interrupted")
         return 130
+    except Stopped as e:
+        say(f"stopped by {e}")
+        return 128 + e.signum
     except BrokenPipeError:
         quiet_stdout()
         return EXIT_OK

@@ -111,8 +111,9 @@ class Output:
             try:
                 os.replace(self.tmp, self.target)
             except OSError as e:
+                named = self.named(e)   # before discard forgets the temporary name
                 self.discard()
-                raise self.named(e) from e
+                raise named from e
             self.tmp = None
 
     def discard(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -144,8 +145,8 @@ def test_file_names_that_are_not_utf8_are_shown_escaped(tmp_path, capsys):
 
 
 def _kvtrace(argv, **kw) -> subprocess.CompletedProcess:
-    env = dict(os.environ, KVTRACE_QUIET="1")
-    return subprocess.run(KVTRACE + [str(a) for a in argv], env=env, timeout=300, **kw)
+    kw.setdefault("env", dict(os.environ, KVTRACE_QUIET="1"))
+    return subprocess.run(KVTRACE + [str(a) for a in argv], timeout=300, **kw)
 
 
 @pytest.mark.parametrize("trace,want", [(CLEAN, 0), (DIVERGENT, 1)], ids=["clean", "divergent"])
@@ -299,3 +300,70 @@ def test_a_replaced_output_keeps_its_mode_and_a_long_name_fits(tmp_path, capsys)
     long = tmp_path / ("a" * 250 + ".html")   # 255 bytes: the most a name may have
     code, _, err = _run(capsys, "report", CLEAN, "-o", long)
     assert code == 0 and long.read_text().startswith("<!DOCTYPE html>"), err
+
+
+@pytest.mark.parametrize("signals,code,said", [
+    ([signal.SIGINT], 130, "interrupted"),
+    ([signal.SIGINT, signal.SIGINT], 130, "interrupted"),   # a double Ctrl-C
+    ([signal.SIGTERM], 143, "stopped by SIGTERM"),
+    ([signal.SIGHUP], 129, "stopped by SIGHUP"),
+], ids=["int", "int-int", "term", "hup"])
+def test_a_signal_unwinds_replay_and_its_output_ends_interrupted(tmp_path, signals, code, said):
+    """The replay waits on a named pipe for more of its trace when the signal
+    comes: one line on stderr, and -o's output in place, ending interrupted,
+    with no temporary file left (SIGTERM once left both the temporary file and
+    no output; two Ctrl-Cs close together, the old file)."""
+    import time
+
+    fifo = tmp_path / "in.jsonl"
+    os.mkfifo(fifo)
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(b"what the user had\n")
+    p = subprocess.Popen(KVTRACE + ["replay", "--no-kv-check", str(fifo), "-o", str(out)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=dict(os.environ, KVTRACE_QUIET="1"))
+    lines = gzip.decompress(CLEAN.read_bytes()).splitlines(keepends=True)
+    with open(fifo, "wb") as w:
+        w.write(b"".join(lines[:40]))
+        w.flush()
+        deadline = time.monotonic() + 120
+        while not _leftovers(tmp_path) and time.monotonic() < deadline:   # -o is open
+            time.sleep(0.05)
+        assert _leftovers(tmp_path), "replay never opened its output"
+        time.sleep(0.3)   # it reads the 40 lines, then waits for more
+        for sig in signals:
+            p.send_signal(sig)
+            time.sleep(0.01)
+        _, err = p.communicate(timeout=120)
+    assert (p.returncode, err.decode()) == (code, f"kvtrace: {said}\n")
+    last = orjson.loads(out.read_bytes().splitlines()[-1])
+    assert (last["kind"], last["status"]) == ("end", "interrupted")
+    assert _leftovers(tmp_path) == []
+
+
+def test_redaction_keys_are_bounded_and_named(tmp_path, capsys):
+    dst = tmp_path / "r.jsonl"
+    for key, want in ((["--key-hex", ""], "--key-hex gives 0 bytes; a redaction key must be 16 to "
+                                          "4096 bytes"),
+                      (["--key-file", "/dev/zero"], "/dev/zero: a redaction key must be 16 to 4096 "
+                                                    "bytes; this file holds more than 4096")):
+        code, _, err = _run(capsys, "redact", *key, CLEAN, dst)
+        assert (code, err) == (2, f"kvtrace: {want}\n")
+        assert not dst.exists()
+
+
+@pytest.mark.parametrize("argv,what", [(["show", ""], "'TRACE'"),
+                                       (["replay", CLEAN, "-o", ""], "'-o' / '--out'"),
+                                       (["report", CLEAN, "--against", "", "-o", "r.html"],
+                                        "'--against'")])
+def test_an_empty_file_name_is_refused_as_such(capsys, argv, what):
+    """pathlib makes '' the current folder: the error named '.'."""
+    code, _, err = _run(capsys, *argv)
+    assert code == 2 and err.startswith(f"kvtrace: Invalid value for {what}: an empty file name"), err
+
+
+def test_a_terminal_that_is_not_utf8_gets_escapes_not_an_internal_error():
+    p = _kvtrace(["show", CLEAN], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                 env=dict(os.environ, KVTRACE_QUIET="1", PYTHONIOENCODING="ascii"))
+    assert p.returncode == 0 and p.stderr == b"", p.stderr
+    assert b"\\xb7 engine vllm" in p.stdout   # the report's middle dot

@@ -6,15 +6,28 @@ import contextlib
 import importlib
 import os
 import sys
+from pathlib import Path
 
 import click
 
-from kvtrace.outputs import WRITE_ERRORS
-
 from kvtrace._text import CONTROL_ESCAPES
+from kvtrace.outputs import WRITE_ERRORS
 
 EXIT_OK, EXIT_DIVERGENT, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 VLLM_HINT = "; this needs the [vllm] extra: pip install -e '.[vllm]'"
+
+
+class FilePath(click.Path):
+    """A file named on the command line: never a directory, and never empty
+    (which pathlib makes '.', so that errors would name the current folder)."""
+
+    def __init__(self, **kw):
+        super().__init__(dir_okay=False, path_type=Path, **kw)
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and not value:
+            self.fail("an empty file name", param, ctx)
+        return super().convert(value, param, ctx)
 
 
 class UsageProblem(Exception):

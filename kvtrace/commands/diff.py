@@ -6,13 +6,13 @@ from pathlib import Path
 
 import click
 
-from ._common import EXIT_DIVERGENT, EXIT_OK, print_bytes
+from ._common import EXIT_DIVERGENT, EXIT_OK, FilePath, print_bytes
 from .progress import progress
 
 
 @click.command()
-@click.argument("a", type=click.Path(dir_okay=False, path_type=Path))
-@click.argument("b", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("a", type=FilePath())
+@click.argument("b", type=FilePath())
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--match", type=click.Choice(("auto", "id", "id-prefix", "arrival")), default="auto",
               show_default=True,

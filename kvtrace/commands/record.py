@@ -8,7 +8,7 @@ import click
 
 from kvtrace.outputs import blamed_on
 
-from ._common import EXIT_OK, VLLM_HINT, UsageProblem, echo, load
+from ._common import EXIT_OK, VLLM_HINT, FilePath, UsageProblem, echo, load
 from .progress import progress
 
 WORKLOADS = ("shared-prefix", "kv-pressure", "offload", "load-failures")
@@ -24,7 +24,7 @@ FAULTS = (
 
 
 @click.command(context_settings={"allow_interspersed_args": False})
-@click.option("-o", "--out", "out", required=True, type=click.Path(dir_okay=False, path_type=Path),
+@click.option("-o", "--out", "out", required=True, type=FilePath(),
               help="Trace file to write (.jsonl, .jsonl.gz or .jsonl.zst).")
 @click.option("--workload", default=None,
               help=f"Built-in workload. Embedded engine: {', '.join(WORKLOADS)} (default "

@@ -6,16 +6,19 @@ from pathlib import Path
 
 import click
 
-from ._common import EXIT_OK, UsageProblem, echo, refuse_to_overwrite
+from ._common import EXIT_OK, FilePath, UsageProblem, echo, refuse_to_overwrite
+
+
+MAX_KEY_BYTES = 4096
 
 
 @click.command()
-@click.argument("src", type=click.Path(dir_okay=False, path_type=Path))
-@click.argument("dst", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("src", type=FilePath())
+@click.argument("dst", type=FilePath())
 @click.option("--key-hex", default=None, metavar="HEX",
-              help="The pseudonym key (at least 16 bytes, hex). Default: a random key, kept nowhere.")
-@click.option("--key-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="Read the key's bytes from this file.")
+              help=f"The pseudonym key (16 to {MAX_KEY_BYTES} bytes, hex). Default: a random key, kept nowhere.")
+@click.option("--key-file", type=FilePath(exists=True), default=None,
+              help=f"Read the key's bytes from this file (16 to {MAX_KEY_BYTES} bytes).")
 def command(src: Path, dst: Path, key_hex: str | None, key_file: Path | None) -> int:
     """Write a copy of SRC to DST with every token id replaced by a keyed
     pseudonym, the same one for the same id throughout, so that prefix sharing
@@ -23,12 +26,24 @@ def command(src: Path, dst: Path, key_hex: str | None, key_file: Path | None) ->
     from kvtrace.redact import redact_file
 
     refuse_to_overwrite(dst, src)
-    if key_hex and key_file:
+    if key_hex is not None and key_file is not None:
         raise UsageProblem("give --key-hex or --key-file, not both")
-    try:
-        key = bytes.fromhex(key_hex) if key_hex else (key_file.read_bytes() if key_file else None)
-    except ValueError:
-        raise UsageProblem("--key-hex is not hexadecimal") from None
+    key = None
+    if key_hex is not None:
+        try:
+            key = bytes.fromhex(key_hex)
+        except ValueError:
+            raise UsageProblem("--key-hex is not hexadecimal") from None
+        if not 16 <= len(key) <= MAX_KEY_BYTES:
+            raise UsageProblem(f"--key-hex gives {len(key)} bytes; a redaction key must be 16 to "
+                               f"{MAX_KEY_BYTES} bytes")
+    elif key_file is not None:
+        with open(key_file, "rb") as f:
+            key = f.read(MAX_KEY_BYTES + 1)   # /dev/zero would never end
+        if not 16 <= len(key) <= MAX_KEY_BYTES:
+            held = f"more than {MAX_KEY_BYTES}" if len(key) > MAX_KEY_BYTES else str(len(key))
+            raise UsageProblem(f"{key_file}: a redaction key must be 16 to {MAX_KEY_BYTES} bytes; "
+                               f"this file holds {held}")
     try:
         summary = redact_file(src, dst, key)
     except ValueError as e:

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import click
 
-from ._common import (EXIT_BAD_INPUT, EXIT_DIVERGENT, EXIT_INTERNAL, EXIT_OK, VLLM_HINT, UsageProblem, load,
+from ._common import (EXIT_BAD_INPUT, EXIT_DIVERGENT, EXIT_INTERNAL, EXIT_OK, VLLM_HINT, FilePath, UsageProblem, load,
                       print_bytes, refuse_to_overwrite, say)
 from .progress import progress
 
 
 @click.command()
-@click.argument("traces", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
-@click.option("-o", "--out", "out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.argument("traces", nargs=-1, required=True, type=FilePath())
+@click.option("-o", "--out", "out", type=FilePath(), default=None,
               help="Also write the replayed trace (the scheduler's decisions) here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--device", type=click.Choice(("auto", "cpu", "cuda")), default="auto",
@@ -103,7 +103,9 @@ def _many(traces: tuple[Path, ...], as_json: bool, device: str | None, jobs: int
         if jobs == 1:
             done = map(_replay_quietly, work)
         else:
-            done = stack.enter_context(ProcessPoolExecutor(max_workers=jobs)).map(_replay_quietly, work)
+            pool = stack.enter_context(ProcessPoolExecutor(max_workers=jobs))
+            stack.push(lambda *exc: _stop_pool(pool) if exc[0] is not None else None)
+            done = pool.map(_replay_quietly, work)
         for i, result in enumerate(done):   # in the order given
             results.append(result)
             advance(i + 1)
@@ -119,6 +121,16 @@ def _many(traces: tuple[Path, ...], as_json: bool, device: str | None, jobs: int
     if errors:
         return EXIT_BAD_INPUT
     return EXIT_DIVERGENT if any(r.divergences for _, r, _ in results) else EXIT_OK
+
+
+def _stop_pool(pool: ProcessPoolExecutor) -> None:
+    """Interrupted (SIGTERM reaches this process alone, not the workers, as
+    Ctrl-C does): stop the replays still running rather than wait for them."""
+    import multiprocessing
+
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in multiprocessing.active_children():
+        proc.terminate()
 
 
 def _through_vllm(trace: Path, out: Path | None, as_json: bool, scheduler_cls: str | None) -> int:

@@ -6,15 +6,15 @@ from pathlib import Path
 
 import click
 
-from ._common import EXIT_DIVERGENT, EXIT_OK, echo, refuse_pipes, refuse_to_overwrite
+from ._common import EXIT_DIVERGENT, EXIT_OK, FilePath, echo, refuse_pipes, refuse_to_overwrite
 from .progress import progress
 
 
 @click.command()
-@click.argument("trace", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("-o", "--out", "out", required=True, type=click.Path(dir_okay=False, path_type=Path),
+@click.argument("trace", type=FilePath())
+@click.option("-o", "--out", "out", required=True, type=FilePath(),
               help="The HTML file to write (self-contained; opens with no network).")
-@click.option("--against", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("--against", type=FilePath(), default=None,
               help="Show the divergences of a diff with this trace instead of a replay.")
 def report(trace: Path, out: Path, against: Path | None) -> int:
     """Write an HTML report of TRACE: run summary, KV usage, per-request
@@ -34,10 +34,10 @@ def report(trace: Path, out: Path, against: Path | None) -> int:
 
 
 @click.command()
-@click.argument("trace", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("trace", type=FilePath())
 @click.option("--format", "fmt", type=click.Choice(("perfetto",)), default="perfetto",
               show_default=True, help="Chrome trace-event JSON, which the Perfetto UI opens.")
-@click.option("-o", "--out", "out", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-o", "--out", "out", required=True, type=FilePath())
 @click.option("--divergences/--no-divergences", default=True, show_default=True,
               help="Replay TRACE and mark its divergences as instant events.")
 def export(trace: Path, fmt: str, out: Path, divergences: bool) -> int:
@@ -61,7 +61,7 @@ def export(trace: Path, fmt: str, out: Path, divergences: bool) -> int:
 
 
 @click.command()
-@click.argument("trace", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("trace", type=FilePath())
 @click.option("--request", "request", default=None, metavar="ID",
               help="Show one request's history (an id, or a prefix matching one request).")
 def show(trace: Path, request: str | None) -> int:

@@ -174,7 +174,9 @@ class _Prefixed(io.RawIOBase):
             b[:n] = self._head[:n]
             self._head = self._head[n:]
             return n
-        return self._rest.readinto(b)
+        # readinto1: what the pipe has now (readinto would wait for len(b) bytes,
+        # and a trace read as it is written would move a megabyte at a time)
+        return getattr(self._rest, "readinto1", self._rest.readinto)(b)
 
     def close(self) -> None:
         if not self.closed:
