@@ -367,3 +367,23 @@ def test_a_terminal_that_is_not_utf8_gets_escapes_not_an_internal_error():
                  env=dict(os.environ, KVTRACE_QUIET="1", PYTHONIOENCODING="ascii"))
     assert p.returncode == 0 and p.stderr == b"", p.stderr
     assert b"\\xb7 engine vllm" in p.stdout   # the report's middle dot
+
+
+def test_a_sigterm_to_record_is_passed_on_to_the_recorded_command(tmp_path):
+    """kvtrace record -- CMD stopped with SIGTERM, sent to kvtrace alone: the
+    command gets it and shuts down its own way (a vLLM server ends its trace
+    there), rather than running on without kvtrace or being killed."""
+    import time
+
+    script = ('trap "echo passed on > got; exit 0" TERM; echo > ready; '
+              'while :; do sleep 0.05; done')
+    p = subprocess.Popen(KVTRACE + ["record", "-o", str(tmp_path / "t.jsonl"), "--", "sh", "-c",
+                                    script], cwd=tmp_path, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=dict(os.environ, KVTRACE_QUIET="1"))
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "ready").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    p.communicate(timeout=120)
+    assert p.returncode == 143
+    assert (tmp_path / "got").read_text() == "passed on\n"

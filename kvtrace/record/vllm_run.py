@@ -1153,12 +1153,28 @@ def record_command(out_path: str | os.PathLike, argv: list[str]) -> int:
     env = dict(os.environ)
     env["KVTRACE_OUT"] = os.path.abspath(os.fspath(out_path))
     try:
-        return subprocess.call(list(argv), env=env)
-    except FileNotFoundError:
-        print(f"kvtrace: command not found: {argv[0]}", file=sys.stderr)
-        return 127
-    except KeyboardInterrupt:
-        return 130
+        try:
+            proc = subprocess.Popen(list(argv), env=env)
+        except FileNotFoundError:
+            print(f"kvtrace: command not found: {argv[0]}", file=sys.stderr)
+            return 127
+        with proc:
+            try:
+                return proc.wait()
+            except BaseException as e:
+                # Ctrl-C in the terminal reached the command too; a SIGTERM or
+                # SIGHUP sent to kvtrace alone (e.signum, kvtrace/cli.py) is passed
+                # on. Either way the command shuts down its own way, which ends
+                # its trace: wait for that, unless asked again.
+                signum = getattr(e, "signum", None)
+                if signum is not None:
+                    proc.send_signal(signum)
+                try:
+                    proc.wait()
+                except BaseException:
+                    proc.kill()
+                    raise
+                return 130 if signum is None else 128 + signum
     finally:
         # The writer processes outlive the engine's, if only by a moment.
         wait_for_writers(env["KVTRACE_OUT"])
