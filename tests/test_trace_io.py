@@ -179,6 +179,31 @@ def test_zstd_cut_mid_stream(tmp_path):
     assert [e.seq for e in events] == list(range(len(events)))
 
 
+@pytest.mark.parametrize("pipe", [False, True], ids=["file", "pipe"])
+def test_zstd_after_a_skippable_frame_is_read(tmp_path, pipe):
+    """zstd tools put skippable frames (metadata) before the data and read past
+    them; so does the reader, from a file or a pipe."""
+    import struct
+    import subprocess
+
+    import zstandard
+
+    plain = write_mini_trace(tmp_path / "t.jsonl", requests={"r0": 5, "r1": 9}, max_tokens=4)
+    want = [e.seq for e in TraceReader(plain)]
+    skippable = struct.pack("<II", 0x184D2A5F, 6) + b"kvmeta"
+    z = tmp_path / "s.jsonl.zst"
+    z.write_bytes(skippable + zstandard.ZstdCompressor().compress(plain.read_bytes()))
+    if not pipe:
+        assert [e.seq for e in TraceReader(z)] == want
+        return
+    cat = subprocess.Popen(["cat", str(z)], stdout=subprocess.PIPE)
+    try:
+        assert [e.seq for e in TraceReader(f"/dev/fd/{cat.stdout.fileno()}")] == want
+    finally:
+        cat.stdout.close()
+        cat.wait()
+
+
 # --------------------------------------------------------------------------- unusable input
 
 
