@@ -165,11 +165,19 @@ def writing(path: str | os.PathLike, trace: bool = False) -> Iterator[Output]:
 @contextlib.contextmanager
 def blamed_on(path: str | os.PathLike) -> Iterator[None]:
     """For an output written in place (a trace being recorded, which must be
-    readable up to a crash): an error that only writing causes, raised without a
-    file name inside the block, names ``path``."""
+    readable up to a crash; standard output): an error that only writing
+    causes, raised without a file name inside the block, names ``path``."""
     try:
         yield
     except OSError as e:
         if e.filename is None and e.errno in WRITE_ERRORS:
             raise type(e)(e.errno, e.strerror, os.fspath(path)) from e
         raise
+
+
+def silence(stream) -> None:
+    """The reader of ``stream`` (standard output, say) went away (``| head``):
+    send what is still written to it nowhere, so that Python does not complain
+    again when it flushes it."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())

@@ -149,19 +149,24 @@ def _kvtrace(argv, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(KVTRACE + [str(a) for a in argv], timeout=300, **kw)
 
 
+def _kvtrace_with_no_reader(argv) -> subprocess.CompletedProcess:
+    """kvtrace with standard output a pipe whose reader is gone: every write
+    fails with EPIPE."""
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        return _kvtrace(argv, stdout=w, stderr=subprocess.PIPE)
+    finally:
+        os.close(w)
+
+
 @pytest.mark.parametrize("trace,want", [(CLEAN, 0), (DIVERGENT, 1)], ids=["clean", "divergent"])
 @pytest.mark.parametrize("json", [False, True], ids=["text", "json"])
 def test_a_reader_that_went_away_leaves_the_exit_code_to_the_replay(trace, want, json):
     """`kvtrace replay T | head -1`: the pipe is gone before the report is
     written; the exit code still says whether T diverges (rich's default
     would exit 1 for a clean trace)."""
-    r, w = os.pipe()
-    os.close(r)   # no reader: every write fails with EPIPE
-    try:
-        p = _kvtrace(["replay", *(["--json"] if json else []), trace], stdout=w,
-                     stderr=subprocess.PIPE)
-    finally:
-        os.close(w)
+    p = _kvtrace_with_no_reader(["replay", *(["--json"] if json else []), trace])
     assert p.returncode == want and p.stderr == b"", p.stderr
 
 
@@ -282,12 +287,7 @@ def test_an_output_that_outgrows_the_file_size_limit_leaves_the_old_file(tmp_pat
                                   ["record", "-o", "{tmp}/t.jsonl", "--workload", "offload"]],
                          ids=["export", "report", "redact", "record"])
 def test_a_reader_that_went_away_does_not_fail_a_command_that_wrote_its_file(tmp_path, argv):
-    r, w = os.pipe()
-    os.close(r)
-    try:
-        p = _kvtrace([str(a).format(tmp=tmp_path) for a in argv], stdout=w, stderr=subprocess.PIPE)
-    finally:
-        os.close(w)
+    p = _kvtrace_with_no_reader([str(a).format(tmp=tmp_path) for a in argv])
     assert p.returncode == 0 and p.stderr == b"", p.stderr   # click alone would exit 1
 
 

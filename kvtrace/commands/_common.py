@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from kvtrace._text import CONTROL_ESCAPES
-from kvtrace.outputs import WRITE_ERRORS
+from kvtrace.outputs import blamed_on, silence
 
 EXIT_OK, EXIT_DIVERGENT, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 VLLM_HINT = "; this needs the [vllm] extra: pip install -e '.[vllm]'"
@@ -61,23 +61,15 @@ def to_stdout():
     """Writing standard output: a reader that went away ends the writing, not
     the command; an error that only writing causes names standard output."""
     try:
-        yield
+        with blamed_on("standard output"):
+            yield
     except BrokenPipeError:
         quiet_stdout()
-    except OSError as e:
-        if e.filename is None and e.errno in WRITE_ERRORS:
-            raise OSError(e.errno, e.strerror, "standard output") from e
-        raise
 
 
 def quiet_stdout() -> None:
-    """Standard output's reader went away: keep Python from complaining again
-    when it flushes it."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except Exception:
-        pass
+    """Standard output's reader went away."""
+    silence(sys.stdout)
 
 
 def say(msg: str) -> None:

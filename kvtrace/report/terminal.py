@@ -6,7 +6,6 @@ Reporters only consume results: a replay result (``divergences``, ``header``,
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 from typing import Any, Iterable
@@ -18,8 +17,8 @@ from rich.table import Table
 from rich.text import Text
 
 from .._text import CONTROL_ESCAPES_BUT_LAYOUT, path_text
-from ..outputs import WRITE_ERRORS
 from ..findings import Divergence, first_per_request
+from ..outputs import blamed_on, silence
 
 MAX_ROWS = 50
 MAX_VALUE_CHARS = 48
@@ -35,17 +34,12 @@ class _PlainConsole(Console):
         command end with its own exit code (rich would exit with 1, which means
         divergences)."""
         self.quiet = True
-        with contextlib.suppress(OSError, ValueError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), self.file.fileno())
+        silence(self.file)
 
     def _check_buffer(self) -> None:
-        try:
+        # a full disk under a redirected output: name it
+        with blamed_on("standard error" if self.stderr else "standard output"):
             super()._check_buffer()
-        except OSError as e:   # a full disk under a redirected output: name it
-            if e.filename is None and e.errno in WRITE_ERRORS:
-                where = "standard error" if self.stderr else "standard output"
-                raise OSError(e.errno, e.strerror, where) from e
-            raise
 
     def _render_buffer(self, buffer: Iterable[Segment]) -> str:
         return super()._render_buffer(

@@ -27,13 +27,6 @@ from .validate import Validator
 
 GZIP_MAGIC = b"\x1f\x8b"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-
-
-def _is_zstd(magic: bytes) -> bool:
-    """A zstd frame, or a skippable frame (magic 0x184D2A50 to 0x184D2A5F,
-    little-endian), which zstd tools put before data and read past."""
-    return magic == ZSTD_MAGIC or (len(magic) == 4 and magic[1:] == b"\x2a\x4d\x18"
-                                   and 0x50 <= magic[0] <= 0x5F)
 # A single record larger than this is corrupt; stops a bad file from eating memory.
 MAX_LINE_BYTES = 256 << 20
 # The most bytes (after decompression) a reader takes from one file. A bound on
@@ -72,6 +65,13 @@ def _env_bytes(name: str, default: int) -> int:
 
 def _open_binary_read(path: Path) -> IO[bytes]:
     return _decompressing(open(path, "rb"))
+
+
+def _is_zstd(magic: bytes) -> bool:
+    """A zstd frame, or a skippable frame (magic 0x184D2A50 to 0x184D2A5F,
+    little-endian), which zstd tools put before data and read past."""
+    return magic == ZSTD_MAGIC or (len(magic) == 4 and magic[1:] == b"\x2a\x4d\x18"
+                                   and 0x50 <= magic[0] <= 0x5F)
 
 
 def _decompressing(raw: IO[bytes]) -> IO[bytes]:
