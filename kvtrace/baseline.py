@@ -48,6 +48,7 @@ TYPES = {
     "enable_chunked_prefill": "flag", "long_prefill_token_threshold_adaptive": "flag",
     "defer_block_free": "flag", "requires_kv_delivery": "flag", "use_eagle": "flag",
     "eagle_block_drop": "flag", "num_prefill_lookahead_tokens": "count0",
+    "num_hash_lookahead_tokens": "count0",
     "has_mamba_layers": "flag", "multimodal": "flag", "lora": "flag", "prompt_embeds": "flag",
     "max_loras": "count",
     "pooling_runner": "flag",

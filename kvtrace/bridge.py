@@ -10,15 +10,30 @@ from __future__ import annotations
 
 from kvtrace.reference import (ModelOutput, PromptEmbeds, Request, RequestOutput, Scheduler,
                                SchedulerConfig, SchedulerOutput)
+from kvtrace.reference.profiles import PROFILES, Profile, profile_for
 from kvtrace.trace import events as ev
 
 
-def config_from_header(header: ev.Header) -> SchedulerConfig:
+def header_profile(header: ev.Header) -> tuple[Profile, str | None]:
+    """The profile a trace's header asks for: the embedded engine names the one
+    it ran (``features.profile``); a vLLM trace's is its release's
+    (``profile_for``, with a line when no profile covers that release)."""
+    named = header.features.get("profile")
+    if header.engine != "vllm" and named in PROFILES:
+        return PROFILES[named], None
+    return profile_for(header.engine, header.engine_version, header.counters)
+
+
+def config_from_header(header: ev.Header, profile: Profile | None = None) -> SchedulerConfig:
     """Scheduler settings from the header; some of them ride in ``features``,
     with vLLM 0.32's defaults when a trace does not name them. The connector's
     two async-scheduling rules follow its role (``kv_role``, ``kv_both`` when not
-    named, as vLLM's KVTransferConfig), unless the trace records them."""
+    named, as vLLM's KVTransferConfig), unless the trace records them. The
+    rules that differ between releases are ``profile``'s (the header's when
+    None)."""
     c, f = header.config, header.features
+    if profile is None:
+        profile = header_profile(header)[0]
     async_scheduling = bool(f.get("async_scheduling", False))
     defer, delivery = connector_rules((f.get("kv_role") or "kv_both") if c.connector else None,
                                       async_scheduling)
@@ -54,6 +69,10 @@ def config_from_header(header: ev.Header) -> SchedulerConfig:
                                    and f.get("num_speculative_tokens") else None),
         num_sampled_tokens_per_step=0 if f.get("pooling_runner") else 1,
         max_loras=f.get("max_loras") if f.get("lora") else None,
+        prefill_schedule_interval=int(f.get("prefill_schedule_interval") or 1),
+        num_hash_lookahead_tokens=int(f.get("num_hash_lookahead_tokens") or 0),
+        data_parallel_size=int(f.get("data_parallel_size") or 1),
+        profile=profile,
     )
 
 
@@ -105,8 +124,9 @@ def header_config(cfg: SchedulerConfig, connector_name: str | None) -> ev.Schedu
     )
 
 
-def request_from_arrival(a: ev.Arrival, block_size: int) -> Request:
+def request_from_arrival(a: ev.Arrival, block_size: int, hash_lookahead: int = 0) -> Request:
     return Request(
+        hash_lookahead=hash_lookahead,
         request_id=a.req,
         prompt_token_ids=list(a.prompt_token_ids),
         max_tokens=a.max_tokens,

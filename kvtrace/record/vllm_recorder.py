@@ -198,6 +198,23 @@ def _block_table(kvm: Any) -> dict | None:
     return None
 
 
+def _runs_async(sched: Any) -> bool:
+    """Whether the scheduler is vLLM's AsyncScheduler (or a subclass of it),
+    which schedules a step before the output of the one before comes back."""
+    try:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    except Exception:
+        return bool(getattr(sched.vllm_config.scheduler_config, "async_scheduling", False))
+    return isinstance(sched, AsyncScheduler)
+
+
+def _eos_token_id(request: Any, sp: Any) -> int | None:
+    """The request's end-of-sequence token: its sampling parameters hold it
+    (vLLM 0.17 and later), or the request itself (0.16)."""
+    eos = getattr(sp, "eos_token_id", None) if sp is not None else None
+    return getattr(request, "eos_token_id", None) if eos is None else eos
+
+
 def _counters_shape() -> str:
     try:
         from vllm.v1.engine import EngineCoreOutput
@@ -267,7 +284,9 @@ def build_header(sched: Any, meta: dict | None = None) -> Header:
     groups = kcc.kv_cache_groups if kcc is not None else []
     pc = vc.parallel_config
     features = {
-        "async_scheduling": bool(getattr(sc, "async_scheduling", False)),
+        # The class that runs decides, not the config: vLLM's CPU platform turns
+        # the flag off, and a caller may pass an AsyncScheduler regardless.
+        "async_scheduling": _runs_async(sched),
         "num_speculative_tokens": int(getattr(sched, "num_spec_tokens", 0) or 0),
         "num_lookahead_tokens": int(getattr(sched, "num_lookahead_tokens", 0) or 0),
         **_spec_features(vc.speculative_config),
@@ -292,6 +311,8 @@ def build_header(sched: Any, meta: dict | None = None) -> Header:
         "eagle_block_drop": bool(getattr(sched, "use_eagle_block_drop",
                                          getattr(sched, "use_eagle", False))),
         "num_prefill_lookahead_tokens": int(getattr(sched, "num_prefill_lookahead", 0) or 0),
+        # vLLM 0.33: each block's hash covers this many tokens after it (EAGLE).
+        "num_hash_lookahead_tokens": int(getattr(sched, "num_hash_lookahead_tokens", 0) or 0),
         # Dynamic speculative decoding: the drafts a step asks for, by how many
         # requests it schedules (index 0 unused; vLLM's dynamic_sd_lookup).
         "spec_tokens_by_batch_size": (
@@ -422,7 +443,7 @@ class Recorder:
             arrival_time=float(request.arrival_time or 0.0),
             priority=int(request.priority or 0),
             cache_salt=request.cache_salt,
-            eos_token_id=None if sp is None else sp.eos_token_id,
+            eos_token_id=_eos_token_id(request, sp),
             stop_token_ids=[] if sp is None else list(sp.stop_token_ids or ()),
             min_tokens=0 if sp is None else int(sp.min_tokens or 0),
             ignore_eos=False if sp is None else bool(sp.ignore_eos),

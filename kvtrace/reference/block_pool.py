@@ -5,7 +5,8 @@ The free queue's order decides which block id the engine hands out next, so it i
 an explicit doubly linked list, as in the engine:
 
 * allocation pops from the head, and evicts the popped block's hash;
-* a freed block with no hash goes to the head (reused first);
+* a freed block with no hash goes to the head (reused first), but to the tail
+  under the legacy profile;
 * a freed block with a hash goes to the tail (evicted last, LRU);
 * a prefix hit on a free block takes it out of the middle.
 """
@@ -79,8 +80,9 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool):
+    def __init__(self, num_blocks: int, enable_caching: bool, free_uncached_to_head: bool = True):
         self.enable_caching = enable_caching
+        self.free_uncached_to_head = free_uncached_to_head
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         # Block 0 is taken at once as the null block; it is never handed out.
@@ -119,7 +121,9 @@ class BlockPool:
         for b in ordered:
             b.ref_cnt -= 1
             if b.ref_cnt == 0 and b is not self.null_block:
-                (to_head if b.block_hash is None or not self.enable_caching else to_tail).append(b)
+                uncached = b.block_hash is None or not self.enable_caching
+                # Legacy profile: every freed block goes to the tail.
+                (to_head if uncached and self.free_uncached_to_head else to_tail).append(b)
         self.free_queue.prepend_n(to_head)
         self.free_queue.append_n(to_tail)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .profiles import DEFAULT, Profile
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
@@ -64,6 +66,15 @@ class SchedulerConfig:
     # LoRA is off. A waiting request whose adapter would exceed it is skipped
     # (S:941-952).
     max_loras: int | None = None
+    # vLLM's prefill_schedule_interval, and the data-parallel size that decides
+    # whether the scheduler applies it itself (cadence.py).
+    prefill_schedule_interval: int = 1
+    # vLLM 0.33's lookahead block hashes (EAGLE with prefix caching and no
+    # connector): the tokens after each block its hash covers.
+    num_hash_lookahead_tokens: int = 0
+    data_parallel_size: int = 1
+    # Which release's rules to follow where releases differ (profiles.py).
+    profile: Profile = DEFAULT
 
     @property
     def token_budget(self) -> int:

@@ -52,14 +52,19 @@ def hash_block(parent: bytes, tokens: list[int], extra_keys: tuple | None = None
 
 def extend_block_hashes(hashes: list[bytes], token_ids: list[int], block_size: int,
                         cache_salt: str | None, embeds: PromptEmbeds | None = None,
-                        lora: tuple | None = None) -> None:
+                        lora: tuple | None = None, lookahead: int = 0) -> None:
     """Append the hash of every newly full block of ``token_ids`` to ``hashes``.
     A block's extra keys, in vLLM's order (KU:625-663): the request's LoRA
     adapter (``lora``: its name and path), the cache salt on the first block,
-    the prompt's embeddings."""
-    for i in range(len(hashes), len(token_ids) // block_size):
+    the prompt's embeddings. With ``lookahead`` (vLLM 0.33's lookahead block
+    hashes, for EAGLE: KU:953-1036), a block's hash also covers that many
+    tokens after it, and exists only once they do."""
+    for i in range(len(hashes), (len(token_ids) - lookahead) // block_size):
         parent = hashes[-1] if hashes else NONE_HASH
         extra = ("cache_salt", cache_salt) if (i == 0 and cache_salt) else None
         if embeds is not None or lora is not None:
             extra = (lora, extra, None if embeds is None else embeds.key(i, block_size))
+        if lookahead:
+            end = (i + 1) * block_size
+            extra = (extra, tuple(token_ids[end:end + lookahead]))
         hashes.append(hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], extra))

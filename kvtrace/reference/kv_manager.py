@@ -25,7 +25,8 @@ class KVCacheManager:
         self.num_spec_tokens = config.num_spec_tokens
         self.num_lookahead_tokens = config.num_lookahead_tokens
         self.eagle_block_drop = config.eagle_block_drop
-        self.pool = BlockPool(config.num_blocks, config.enable_prefix_caching)
+        self.pool = BlockPool(config.num_blocks, config.enable_prefix_caching,
+                              config.profile.free_uncached_to_head)
         self.req_to_blocks: dict[str, list[Block]] = {}
         self.req_to_ids: dict[str, list[int]] = {}        # the same tables, as block ids
         self.num_cached_block: dict[str, int] = {}
@@ -181,7 +182,8 @@ class KVCacheManager:
             return
         req_id = request.request_id
         num_cached = self.num_cached_block.get(req_id, 0)
-        num_full = num_tokens // self.block_size
+        # Only blocks whose hash exists (they lag with lookahead hashes, ST:502-503).
+        num_full = min(num_tokens, len(request.block_hashes) * self.block_size) // self.block_size
         if num_cached >= num_full:
             return
         self.pool.cache_full_blocks(request.block_hashes, self.req_to_blocks[req_id],

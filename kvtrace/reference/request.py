@@ -94,6 +94,9 @@ class Request:
     # A LoRA adapter: (id, name, path). Its name and path key every block
     # (semantics doc 4.2); its id counts against max_loras.
     lora: tuple[int, str, str] | None = None
+    # vLLM 0.33's lookahead block hashes: the tokens after each block its hash
+    # covers (hashing.py).
+    hash_lookahead: int = 0
 
     status: Status = Status.WAITING
     all_token_ids: list[int] = field(default_factory=list)
@@ -137,7 +140,13 @@ class Request:
 
     def _extend_hashes(self) -> None:
         extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt,
-                            self.prompt_embeds, None if self.lora is None else ("lora", *self.lora[1:]))
+                            self.prompt_embeds, None if self.lora is None else ("lora", *self.lora[1:]),
+                            self.hash_lookahead)
+
+    def rehash(self) -> None:
+        """Every block hash again, from the tokens the request has now."""
+        self.block_hashes.clear()
+        self._extend_hashes()
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -154,14 +163,14 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
         self.num_tokens += 1
-        if self.num_tokens % self.block_size == 0:   # a block just filled
+        if (self.num_tokens - self.hash_lookahead) % self.block_size == 0:   # a block's hash is due
             self._extend_hashes()
 
-    def start_next_turn(self, update: "StreamingUpdate") -> None:
-        """A session's next chunk (S:1650-1685): the output tokens computed so far
-        join the prompt, the last sampled one (never computed) is dropped, and the
-        chunk's tokens follow. The chunk brings its own sampling parameters."""
-        n = self.num_computed_tokens
+    def start_next_turn(self, update: "StreamingUpdate", keep: int) -> None:
+        """A session's next chunk (S:1650-1685): its output tokens up to position
+        ``keep`` join the prompt, the rest are dropped, and the chunk's tokens
+        follow. The chunk brings its own sampling parameters."""
+        n = keep
         kept = self.all_token_ids[len(self.prompt_token_ids):n]
         del self.all_token_ids[n:]
         del self.block_hashes[n // self.block_size:]

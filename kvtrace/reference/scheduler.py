@@ -70,6 +70,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .block_pool import Block
+from .cadence import PrefillCadence
 from .config import SchedulerConfig
 from .interface import Connector, ModelOutput, RequestOutput, ScheduledRequest, SchedulerOutput
 from .kv_manager import KVCacheManager
@@ -117,6 +118,13 @@ class Scheduler:
         self.num_waiting_for_streaming_input = 0
         # Requests the waiting pass found with a failed grammar, finished by the next output.
         self.grammar_compile_error_ids: set[str] = set()
+        # Waiting requests skipped by a waiting pass, or queued while blocked,
+        # since they last ran: a step that leaves more waiting than these was
+        # bound by capacity (S:906, S:1344, S:2459).
+        self.deferred_waiting: set[Request] = set()
+        self.cadence = PrefillCadence(
+            config.prefill_schedule_interval,
+            local=config.profile.local_prefill_interval and config.data_parallel_size == 1)
 
     # ------------------------------------------------------------------ inputs
 
@@ -127,7 +135,7 @@ class Scheduler:
         if session is None:
             if request.resumable:
                 request.streaming_queue = deque()
-            self.waiting.add(request)
+            self._enqueue_waiting(request)
             self.requests[request.request_id] = request
             return
         assert session.streaming_queue is not None, "duplicate request id"
@@ -154,6 +162,7 @@ class Scheduler:
         if waiting:
             self.waiting.remove_all(waiting)
             self.kv_holding_waiting.remove_all(waiting)
+            self.deferred_waiting -= waiting
         self.num_waiting_for_streaming_input -= sum(
             1 for r in finished if r.status == Status.WAITING_FOR_STREAMING_REQ)
         for r in finished:
@@ -192,14 +201,23 @@ class Scheduler:
 
     # ------------------------------------------------------------------ schedule
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        """One step. ``throttle_prefills``: the engine core asks this step to hold
+        prefills back (a data-parallel engine off its cadence, cadence.py)."""
         paused_all = self.pause_state == "PAUSED_ALL"   # no token budget at all (S:615-617)
         step = _Step(0 if paused_all else self.config.token_budget,
                      self.config.max_num_batched_tokens, self._long_prefill_threshold(),
                      self.config.num_draft_slots)
+        step.defer_prefills = self.cadence.defers(
+            throttle_prefills, any(not r.is_prefill_chunk for r in self.running))
         self._schedule_running(step)
         if not step.preempted and not paused_all:   # no admissions in a step that preempted (S:900)
             self._schedule_waiting(step)
+            if not step.defer_prefills:
+                self.cadence.released(len(self.waiting) + len(self.kv_holding_waiting),
+                                      len(self.deferred_waiting))
+        self.cadence.step_done(bool(step.num_scheduled),
+                               step.prefill_scheduled or step.prefill_admitted)
         return self._finish_step(step)
 
     def _long_prefill_threshold(self) -> int:
@@ -218,8 +236,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and step.has_budget():
             r = self.running[i]
-            if self._reached_max_tokens(r):
-                i += 1
+            if self._reached_max_tokens(r) or (step.defer_prefills and r.is_prefill_chunk):
+                i += 1   # its last token is in flight, or its prefill is held back (S:822-826)
                 continue
             # Its tokens and drafts (num_tokens_with_spec), and its placeholders.
             n = min(step.chunk(r.num_tokens + len(r.spec_token_ids) + r.num_output_placeholders
@@ -250,6 +268,9 @@ class Scheduler:
                     break
                 blocks = self.kv.allocate_slots(r, n, num_lookahead_tokens=lookahead)
             if blocks is None:
+                if (self.config.profile.self_preemption_continues
+                        and self.config.policy == "priority" and r.status == Status.PREEMPTED):
+                    continue   # 0.33: it preempted itself; i is the next request (S:983-992)
                 break
             step.running.append(r)
             step.new_blocks[r.request_id] = blocks
@@ -268,13 +289,16 @@ class Scheduler:
         skipped on the way go back to the head of their queue, in order."""
         max_active = self.config.max_num_active_seqs or self.config.max_num_seqs
         max_loras = self.config.max_loras
-        # The LoRA adapters this step runs so far (S:889-897).
-        loras = {r.lora[0] for r in step.running if r.lora} if max_loras else set()
+        # The LoRA adapters this step runs so far (S:889-897); under the 0.33
+        # profile those of every running request, scheduled or not (S:1038-1047).
+        holders = self.running if self.config.profile.lora_slots_of_all_running else step.running
+        loras = {r.lora[0] for r in holders if r.lora} if max_loras else set()
         skipped_waiting: deque[Request] = deque()
         skipped_holding: deque[Request] = deque()
 
         def skip(queue) -> None:
             r = queue.pop_request()
+            self.deferred_waiting.add(r)
             holds = r.num_computed_tokens > 0 or r.status == Status.WAITING_FOR_REMOTE_KVS
             (skipped_holding if holds else skipped_waiting).appendleft(r)
 
@@ -300,6 +324,8 @@ class Scheduler:
             load_async = False
             if r.num_computed_tokens == 0:
                 # A fresh lookup: first admission, a retry, or a resume after preemption.
+                if r.resumable and r.hash_lookahead:
+                    r.rehash()   # a turn's dropped token may linger in a lookahead hash (S:1111-1115)
                 hits, num_local = self._local_prefix_hit(r)
                 if self.connector is not None:
                     ext, load_async = self.connector.get_num_new_matched_tokens(r, num_local)
@@ -325,6 +351,8 @@ class Scheduler:
                 # speculative decoding the blocks of one whole decode step (S:1241-1251).
                 reserved = (sum(self.kv.remaining_blocks(x) for x in self.inflight_prefills)
                             + self.spec_decode_step_blocks())
+            elif step.defer_prefills and num_computed < r.num_tokens - 1:
+                break   # prefills are held back this step (S:1113)
             else:
                 want = r.num_tokens - num_computed
                 padded = want == 1 and self._pads_with_drafts(step, num_computed)
@@ -344,9 +372,7 @@ class Scheduler:
                 delay_cache_blocks=load_async, reserved_blocks=reserved,
                 has_scheduled_reqs=bool(self.running),
                 full_sequence_must_fit=self.config.reserve_full_isl,
-                # An async load runs no model step: its lookahead slots come with
-                # its first chunk (S:1221-1226).
-                num_lookahead_tokens=0 if load_async else self.config.num_lookahead_tokens)
+                num_lookahead_tokens=self._admission_lookahead(r, load_async))
             if blocks is None:
                 break   # head-of-line: the whole waiting pass stops
 
@@ -362,6 +388,7 @@ class Scheduler:
                 continue
 
             queue.pop_request()
+            self.deferred_waiting.discard(r)
             self.running.append(r)
             (step.new if r.status == Status.WAITING else step.resumed).append(r)
             if max_loras and r.lora:
@@ -375,6 +402,7 @@ class Scheduler:
                 step.spec[r.request_id] = [-1] * self.config.num_spec_tokens
             r.status = Status.RUNNING
             r.num_computed_tokens = num_computed
+            step.prefill_admitted |= num_computed < r.num_tokens - 1
             self._on_admitted(r)
             if num_computed + n < r.num_tokens:
                 self.inflight_prefills.add(r)
@@ -458,6 +486,16 @@ class Scheduler:
         k = self.config.num_spec_tokens
         return -(-(1 + k + self.config.num_lookahead_tokens) // self.block_size) if k else 0
 
+    def _admission_lookahead(self, r: Request, load_async: bool) -> int:
+        """The drafter's lookahead slots an admission allocates. An async load
+        runs no model step: its slots come with its first chunk (S:1221-1226).
+        Under the legacy profile only an admission that follows a load gets
+        them, not one from a fresh lookup (its ``effective_lookahead_tokens``)."""
+        if load_async or (r.num_computed_tokens == 0
+                          and not self.config.profile.lookahead_at_lookup_admission):
+            return 0
+        return self.config.num_lookahead_tokens
+
     def _pads_with_drafts(self, step: "_Step", num_computed: int) -> bool:
         """A waiting request with one token to compute is padded to a whole
         decode of 1 + num_spec_tokens, when no prefill runs in the step, a
@@ -466,6 +504,7 @@ class Scheduler:
         speculative decoding (S:1135)."""
         k = self.config.num_spec_tokens
         return (k > 0 and self.config.spec_tokens_by_batch_size is None
+                and self.config.profile.pads_one_token_admissions
                 and not step.prefill_scheduled
                 and bool(step.running or num_computed > 0)
                 and num_computed + 1 + k + 1 <= self.max_model_len)
@@ -570,6 +609,8 @@ class Scheduler:
         spec = out.spec   # drafts scheduled (speculative decoding)
         stopped_running: set[Request] = set()
         stopped_waiting: set[Request] = set()
+        continuing: list[Request] = []   # sessions whose turn ended, queued after the removal
+        requeue_later = self.config.profile.session_requeued_after_stop
         for req_id, n in out.num_scheduled_tokens.items():
             r = self.requests.get(req_id)
             stale = False
@@ -587,6 +628,7 @@ class Scheduler:
                 self._reject_drafts(r, len(spec[req_id]), len(new_tokens))
             stopped = False
             status_before = r.status
+            num_given, had_placeholders = len(new_tokens), r.num_output_placeholders > 0
             for k, token in enumerate(new_tokens):
                 r.append_output_token(token)
                 if check_stop(r, self.max_model_len):
@@ -600,8 +642,9 @@ class Scheduler:
                 r.status = Status.FINISHED_ERROR   # its grammar refused them (S:2186-2197)
                 r.resumable = False
                 stopped = True
-            if new_tokens and self.config.async_scheduling:
-                self._take_placeholders(r, len(new_tokens), stale, status_before)
+            if new_tokens:
+                self._take_placeholders(r, num_given, len(new_tokens), stale)
+                self._cache_output_blocks(r, stale, status_before, had_placeholders)
             if not (new_tokens or stopped):
                 continue
             stats = r.take_prefill_stats()
@@ -614,6 +657,10 @@ class Scheduler:
                 reason = FINISH_REASONS[r.status]
                 if self._handle_stopped_request(r):
                     self._free_request(r)
+                elif requeue_later:
+                    continuing.append(r)
+                else:
+                    self._enqueue_waiting(r)   # at once; the removal below can undo it (S:2490)
                 (stopped_running if status_before == Status.RUNNING else stopped_waiting).add(r)
             outputs.append(RequestOutput(req_id, new_tokens, reason, stats, legacy))
 
@@ -622,6 +669,9 @@ class Scheduler:
         if stopped_waiting:
             self.waiting.remove_all(stopped_waiting)
             self.kv_holding_waiting.remove_all(stopped_waiting)
+            self.deferred_waiting -= stopped_waiting
+        for r in continuing:   # 0.33: sessions whose turn ended, after the removal (S:2541-2550)
+            self._enqueue_waiting(r)
 
         # Grammars that failed to compile, and failed loads under the "fail"
         # policy, finish their requests with an error (S:2302-2326).
@@ -657,15 +707,34 @@ class Scheduler:
         if r.num_output_placeholders > 0:
             r.num_output_placeholders -= num_rejected
 
-    def _take_placeholders(self, r: Request, n: int, stale: bool, status_before: Status) -> None:
-        """Async scheduling: sampled tokens replace their placeholders (a stale
-        output's were zeroed at preemption), and the blocks they complete become
-        hash-visible (AS:59-78)."""
-        if not stale:
-            r.num_output_placeholders -= n
-            if r.num_output_placeholders < 0:
-                raise SchedulerAssertion(r.request_id, "AS:70 more sampled tokens than placeholders")
-        if status_before == Status.RUNNING:
+    def _take_placeholders(self, r: Request, num_given: int, num_kept: int, stale: bool) -> None:
+        """The sampled tokens replace their placeholders (async scheduling; a
+        stale output's were zeroed at preemption): those kept (AS:59-71), or
+        under the 0.33 profile every token given, and a stop that trimmed some
+        takes them back from num_computed_tokens as well (S:2756-2770)."""
+        if stale:
+            return
+        if self.config.profile.stop_trims_computed:
+            r.num_computed_tokens -= num_given - num_kept
+            taken = num_given if r.num_output_placeholders > 0 else 0
+        else:
+            taken = num_kept if self.config.async_scheduling else 0
+        r.num_output_placeholders -= taken
+        if r.num_output_placeholders < 0:
+            raise SchedulerAssertion(r.request_id, "AS:70 more sampled tokens than placeholders")
+
+    def _cache_output_blocks(self, r: Request, stale: bool, status_before: Status,
+                             had_placeholders: bool) -> None:
+        """The blocks the output's tokens complete become hash-visible: under
+        async scheduling up to the tokens not in flight (AS:73-77), and under
+        the 0.33 profile also when decoding speculatively, never for a stale
+        output (S:2406-2415)."""
+        if status_before != Status.RUNNING:
+            return
+        if self.config.profile.cache_blocks_at_output:
+            if not stale and (had_placeholders or self.config.num_spec_tokens > 0):
+                self.kv.cache_blocks(r, r.num_computed_tokens - r.num_in_flight_tokens)
+        elif self.config.async_scheduling:
             self.kv.cache_blocks(r, r.num_computed_tokens - r.num_output_placeholders)
 
     def _handle_stopped_request(self, r: Request) -> bool:
@@ -688,13 +757,27 @@ class Scheduler:
         else:
             r.status = Status.WAITING_FOR_STREAMING_REQ
             self.num_waiting_for_streaming_input += 1
-        holds_blocks = r.num_computed_tokens > 0
-        (self.kv_holding_waiting if holds_blocks else self.waiting).add(r)
         return False
 
+    def _enqueue_waiting(self, r: Request) -> None:
+        """Into the waiting queue, or the queue of those that hold blocks (S:2445-2463)."""
+        if r.status in (Status.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR, Status.WAITING_FOR_REMOTE_KVS,
+                        Status.WAITING_FOR_STREAMING_REQ):
+            self.deferred_waiting.add(r)
+        holds = r.num_computed_tokens > 0 or r.status == Status.WAITING_FOR_REMOTE_KVS
+        (self.kv_holding_waiting if holds else self.waiting).add(r)
+
     def _update_request_as_session(self, r: Request, update: StreamingUpdate) -> None:
-        """A session takes its next chunk and waits to be scheduled (S:1650-1691)."""
-        r.start_next_turn(update)
+        """A session takes its next chunk and waits to be scheduled (S:1650-1691).
+        It keeps its outputs up to those computed, or under the 0.33 profile up
+        to its last sampled token (S:1879-1900)."""
+        keep = r.num_computed_tokens
+        if self.config.profile.session_keeps_sampled_outputs:
+            keep = r.num_tokens - 1
+            if keep < r.num_computed_tokens:
+                raise SchedulerAssertion(r.request_id, "S:1888 a turn ends with tokens computed "
+                                                       "past its last sampled one")
+        r.start_next_turn(update, keep)
         if r.status == Status.WAITING_FOR_STREAMING_REQ:
             self.num_waiting_for_streaming_input -= 1
         r.status = Status.WAITING
@@ -820,6 +903,8 @@ class _Step:
     num_scheduled: dict[str, int] = field(default_factory=dict)
     spec: dict[str, list[int]] = field(default_factory=dict)   # drafts scheduled
     prefill_scheduled: bool = False     # the running pass scheduled a prefill chunk
+    prefill_admitted: bool = False      # the waiting pass admitted a prompt to compute
+    defer_prefills: bool = False        # prefills are held back this step (cadence.py)
 
     def has_budget(self) -> bool:
         """Room for one more token, and in the input budget for its request's

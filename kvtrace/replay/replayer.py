@@ -20,6 +20,7 @@ from kvtrace._text import path_text
 from kvtrace.findings import Divergence
 from kvtrace.outputs import Output
 from kvtrace.reference import Request, RequestOutput, Scheduler, SchedulerAssertion, SchedulerOutput, Status
+from kvtrace.reference.profiles import PROFILES, Profile
 from kvtrace.trace import TraceError, TraceReader, TraceWriter
 from kvtrace.trace import events as ev
 
@@ -46,6 +47,8 @@ class ReplayResult:
     assumed_loads: bool = False       # the trace had no load plan; loads were inferred
     slots_checked: int = 0            # KV slots the shadow-KV check verified
     end: ev.End | None = None
+    profile: str | None = None        # the version profile the reference followed
+    profile_note: str | None = None   # why that one, when the trace's release has none
 
 
 # ShadowKV's tensors per KV slot (fingerprint, writer, step, position, loaded,
@@ -70,12 +73,34 @@ def _check_fits(header: ev.Header, path) -> None:
                                   "--no-kv-check")
 
 
-def _check_supported(header: ev.Header, path) -> None:
+def _check_supported(header: ev.Header, path, profile: Profile) -> None:
     why = baseline.refusal(header.features, header.config.block_size,
                            "the reference models the baseline profile only (one full-attention "
                            "KV-cache group, no pipeline parallelism)")
+    if why is None:
+        why = _hashing_refusal(header, profile)
     if why is not None:
         raise TraceError(path, 1, why)
+
+
+def _hashing_refusal(header: ev.Header, profile: Profile) -> str | None:
+    """Why the trace's block hashes cannot be reproduced, or None. vLLM 0.33
+    hashes each EAGLE block with the token after it, by default, where prefix
+    caching is on and no connector is (config/vllm.py:678-692); a 0.33 trace
+    must say whether it did (``num_hash_lookahead_tokens``, written by this
+    kvtrace's recorder). A prompt of embeddings keys a block by its rows, and
+    the trace's digests do not cover the rows after a block."""
+    f = header.features
+    lookahead = f.get("num_hash_lookahead_tokens")
+    if (lookahead is None and profile.name == "0.33" and f.get("use_eagle")
+            and header.config.enable_prefix_caching and header.config.connector is None):
+        return ("this vLLM 0.33 trace of EAGLE with prefix caching does not say whether its "
+                "block hashes cover the token after each block (num_hash_lookahead_tokens): "
+                "record it again with this kvtrace")
+    if lookahead and f.get("prompt_embeds"):
+        return ("prompt embeddings with lookahead block hashes (num_hash_lookahead_tokens="
+                f"{lookahead}): the trace's digests do not cover the rows after each block")
+    return None
 
 
 class Replayer:
@@ -84,12 +109,12 @@ class Replayer:
     def __init__(self, header: ev.Header, path: str = "<trace>", out: TraceWriter | None = None,
                  device: str | None = "auto", content_worker: bool = False,
                  shared: tuple[int, int] | None = None,
-                 gate: bool = False):
+                 gate: bool = False, profile: Profile | None = None):
         self.header = header
         self.path = path
         self.cfg = header.config
         self.connector = RecordedConnector()
-        self.sched = Scheduler(bridge.config_from_header(header),
+        self.sched = Scheduler(bridge.config_from_header(header, profile),
                                self.connector if header.config.connector else None)
         self.out = out
         # The shadow-KV content check; device None turns it off. With
@@ -195,7 +220,8 @@ class Replayer:
         live = self.sched.requests.get(a.req)
         if live is not None and live.streaming_queue is None:   # not a session's next chunk
             raise TraceError(self.path, line, f"request '{a.req}' arrives twice")
-        self.sched.add_request(bridge.request_from_arrival(a, self.cfg.block_size))
+        self.sched.add_request(bridge.request_from_arrival(
+            a, self.cfg.block_size, self.sched.config.num_hash_lookahead_tokens))
         if self.content:
             self.content.arrival(a)
         self._write(ev.Arrival(**{**_fields(a), "seq": self._seq()}))
@@ -391,7 +417,7 @@ def _fields(obj) -> dict:
 
 def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
                 device: str | None = "auto", progress=None,
-                worker: bool | int | None = None) -> ReplayResult:
+                worker: bool | int | None = None, profile: str | None = None) -> ReplayResult:
     """Replay one trace file. Raises TraceError for unusable input.
 
     ``device`` is where the shadow-KV check runs ("auto", "cpu", "cuda"), or None
@@ -401,13 +427,18 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
     (content_worker.py), the record checks when it is off (record_worker.py);
     with 2, the record checks as well beside the content check; None decides by
     the file's size and the machine's cores (workers.py). The result is the same
-    either way."""
+    either way. ``profile`` names the version profile to follow (the header's
+    release's when None)."""
     reader = TraceReader(path)
     header = reader.header
+    if profile is None:
+        chosen, note = bridge.header_profile(header)
+    else:
+        chosen, note = PROFILES[profile], None
     writer = dest = rp = record_worker = None
     failed = None   # why replay stopped before the end of the trace
     try:
-        _check_supported(header, path)
+        _check_supported(header, path, chosen)
         if device:
             _check_fits(header, path)
         if out is not None:
@@ -429,8 +460,9 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
         # has caught up with this process.
         rp = Replayer(header, str(path), writer, device, content_worker=content_worker,
                       shared=reader.share() if content_worker else None,
-                      gate=content_worker and workers < 2)
-        result = ReplayResult(path=str(path), header=header)
+                      gate=content_worker and workers < 2, profile=chosen)
+        result = ReplayResult(path=str(path), header=header, profile=chosen.name,
+                              profile_note=note)
         if workers >= (2 if device else 1):
             from .record_worker import RecordWorker   # a module the worker runs as __main__
 

@@ -164,10 +164,12 @@ def _print_divergences(console: Console, divs: list[Divergence], max_rows: int,
         console.print(f"… and {left_out} more rows (use --json for all of them)")
 
 
-def _trace_line(path: str, header: Any, steps: Any) -> str:
+def _trace_line(path: str, header: Any, steps: Any, profile: str | None = None) -> str:
     engine = getattr(header, "engine", "?")
     version = getattr(header, "engine_version", "")
     parts = [str(path), f"engine {engine} {version}".rstrip()]
+    if profile is not None:
+        parts.append(f"profile {profile}")
     if steps is not None:
         parts.append(f"{steps} steps")
     return " · ".join(parts)
@@ -180,7 +182,11 @@ def print_replay(result: Any, path: str, console: Console | None = None,
                  max_rows: int = MAX_ROWS) -> None:
     console = console or make_console()
     divs: list[Divergence] = list(result.divergences)
-    console.print(Text(_trace_line(path, result.header, getattr(result, "steps", None)), style="bold"))
+    console.print(Text(_trace_line(path, result.header, getattr(result, "steps", None),
+                                   getattr(result, "profile", None)), style="bold"))
+    note = getattr(result, "profile_note", None)
+    if note:
+        console.print(Text(note, style="yellow"))
     note = replayed_up_to(getattr(result, "truncation", None))
     if note:
         console.print(Text(f"truncated: {note}", style="yellow"))
@@ -226,6 +232,8 @@ def replay_json(result: Any, path: str) -> bytes:
         "trace": path_text(path),
         "engine": getattr(header, "engine", None),
         "engine_version": getattr(header, "engine_version", None),
+        "profile": getattr(result, "profile", None),
+        "profile_note": getattr(result, "profile_note", None),
         "steps": getattr(result, "steps", None),
         "truncation": getattr(result, "truncation", None),
         "divergences": [d.to_json() for d in first_per_request(list(result.divergences))],
@@ -242,7 +250,7 @@ def print_replay_many(results: list, console: Console | None = None, max_rows: i
         if error:
             console.print(Text(f"{path}: unusable: {error}", style="red"))
             continue
-        line = _trace_line(path, result.header, result.steps)
+        line = _trace_line(path, result.header, result.steps, getattr(result, "profile", None))
         note = replayed_up_to(result.truncation)
         console.print(Text(f"{line}: {_replay_summary(result.divergences)}"
                            + (f" (truncated: {note})" if note else ""),

