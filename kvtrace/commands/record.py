@@ -8,7 +8,7 @@ import click
 
 from kvtrace.outputs import blamed_on
 
-from ._common import EXIT_OK, VLLM_HINT, FilePath, UsageProblem, echo, load
+from ._common import EXIT_OK, VLLM_HINT, FilePath, UsageProblem, echo, load, require_vllm
 from .progress import progress
 
 WORKLOADS = ("shared-prefix", "kv-pressure", "offload", "load-failures")
@@ -118,6 +118,7 @@ def _record_embedded(out: Path, workload: str | None, fault: str | None, seed: i
 
 def _record_vllm(out: Path, workload: str | None, fault: str | None, model: Path | None,
                  async_scheduling: bool) -> None:
+    require_vllm()
     record_vllm_offline = load("kvtrace.record.vllm_run", "record_vllm_offline", VLLM_HINT)
     known = load("kvtrace.record.vllm_run", "WORKLOADS", VLLM_HINT)
     extra = {}

@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from ._common import (EXIT_BAD_INPUT, EXIT_DIVERGENT, EXIT_INTERNAL, EXIT_OK, VLLM_HINT, FilePath, UsageProblem, load,
-                      print_bytes, refuse_to_overwrite, say)
+                      print_bytes, refuse_to_overwrite, require_vllm, say)
 from .progress import progress
 
 
@@ -145,6 +145,7 @@ def _through_vllm(trace: Path, out: Path | None, as_json: bool, scheduler_cls: s
     from kvtrace.diff import diff_files
     from kvtrace.report import terminal
 
+    require_vllm()
     replay_through_vllm = load("kvtrace.record.vllm_replay", "replay_through_vllm", VLLM_HINT)
     if out is None:
         out = Path(tempfile.mkdtemp(prefix="kvtrace-")) / (trace.name.split(".")[0] + ".vllm.jsonl.gz")

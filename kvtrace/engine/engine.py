@@ -24,6 +24,7 @@ from typing import Callable
 import kvtrace
 from kvtrace import bridge
 from kvtrace.reference import ModelOutput, Status
+from kvtrace.reference.profiles import DEFAULT, PROFILES
 from kvtrace.trace import events as ev
 from kvtrace.trace.io import TraceWriter
 
@@ -67,19 +68,24 @@ class RecordResult:
 def record_embedded(out_path: str | os.PathLike, workload: str = "shared-prefix",
                     fault: str | None = None, seed: int = 0, counters: str = "both",
                     async_scheduling: bool = False,
-                    progress: Callable[[int], None] | None = None) -> RecordResult:
+                    progress: Callable[[int], None] | None = None,
+                    profile: str = DEFAULT.name) -> RecordResult:
     """Run a built-in workload on the embedded engine and write its trace.
 
     ``counters`` says which prompt accounting the PromptStats events carry:
     "both" (vLLM 0.32's PrefillStats and the legacy pair), "legacy" or
     "prefill_stats". ``async_scheduling`` runs the engine as vLLM's
-    AsyncScheduler and batch queue do. Raises EngineStalled (after writing the
+    AsyncScheduler and batch queue do. ``profile`` names the vLLM release
+    whose rules the engine's scheduler follows (kvtrace.reference.profiles),
+    written in the header. Raises EngineStalled (after writing the
     trace) when the scheduler gets stuck. ``progress``, if given, is called now
     and then with the number of steps run so far.
     """
     wl = build_workload(workload, seed)
     if async_scheduling:
         wl = replace(wl, config=replace(wl.config, async_scheduling=True))
+    if profile != DEFAULT.name:
+        wl = replace(wl, config=replace(wl.config, profile=PROFILES[profile]))
     return record_workload(out_path, wl, fault, seed, counters, progress)
 
 
@@ -102,7 +108,8 @@ def record_workload(out_path: str | os.PathLike, wl: Workload, fault: str | None
         config=bridge.header_config(wl.config, CONNECTOR_NAME if wl.store else None),
         counters="prefill_stats" if counters == "prefill_stats" else "legacy",
         features={**bridge.header_features(wl.config),
-                  **({"kv_role": wl.store.kv_role} if wl.store else {})},
+                  **({"kv_role": wl.store.kv_role} if wl.store else {}),
+                  "profile": wl.config.profile.name},
         meta={"workload": workload, "fault": fault, "seed": seed},
     )
     result = RecordResult(Path(out_path), requests=len(wl.arrivals))

@@ -17,7 +17,7 @@ from .scheduler import EngineScheduler
 def _from_one_lookup(r: Request, num_cached: int, num_external: int) -> bool:
     """Could one lookup have produced this legacy pair? (An async full hit gives
     one token back, so its cached count is one less than the hit.)"""
-    for local, ext, load_async in r.lookup_history:
+    for _, local, ext, load_async in r.lookup_history:
         hit = local + ext
         if ext == num_external and (num_cached == hit or (load_async and num_cached == hit - 1)):
             return True

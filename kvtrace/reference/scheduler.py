@@ -122,6 +122,7 @@ class Scheduler:
         # since they last ran: a step that leaves more waiting than these was
         # bound by capacity (S:906, S:1344, S:2459).
         self.deferred_waiting: set[Request] = set()
+        self.num_steps = 0   # schedule() calls so far
         self.cadence = PrefillCadence(
             config.prefill_schedule_interval,
             local=config.profile.local_prefill_interval and config.data_parallel_size == 1)
@@ -211,20 +212,26 @@ class Scheduler:
         step.defer_prefills = self.cadence.defers(
             throttle_prefills, any(not r.is_prefill_chunk for r in self.running))
         self._schedule_running(step)
-        if not step.preempted and not paused_all:   # no admissions in a step that preempted (S:900)
+        # No admissions in a step that preempted (S:900); under the legacy
+        # profile none either while paused for new requests.
+        admits = not paused_all and (self.pause_state == "UNPAUSED"
+                                     or self.config.profile.paused_new_admits_holding)
+        if not step.preempted and admits:
             self._schedule_waiting(step)
             if not step.defer_prefills:
                 self.cadence.released(len(self.waiting) + len(self.kv_holding_waiting),
                                       len(self.deferred_waiting))
         self.cadence.step_done(bool(step.num_scheduled),
                                step.prefill_scheduled or step.prefill_admitted)
+        self.num_steps += 1
         return self._finish_step(step)
 
     def _long_prefill_threshold(self) -> int:
         """The chunk cap only matters when someone else could use the budget (S:643-655)."""
         cfg = self.config
         num_eligible = len(self.running) + len(self.waiting) + len(self.kv_holding_waiting)
-        threshold = cfg.long_prefill_token_threshold if num_eligible > 1 else 0
+        alone = num_eligible <= 1 and cfg.profile.long_prefill_cap_needs_company
+        threshold = 0 if alone else cfg.long_prefill_token_threshold
         if threshold and cfg.adaptive_long_prefill_threshold:
             threshold = max(threshold, cfg.max_num_batched_tokens // num_eligible)
         return threshold
@@ -299,15 +306,15 @@ class Scheduler:
         def skip(queue) -> None:
             r = queue.pop_request()
             self.deferred_waiting.add(r)
-            holds = r.num_computed_tokens > 0 or r.status == Status.WAITING_FOR_REMOTE_KVS
+            holds = (r.num_computed_tokens > 0 or r.status == Status.WAITING_FOR_REMOTE_KVS
+                     or self.config.profile.waiting_queues == "skipped")   # legacy: all skipped
             (skipped_holding if holds else skipped_waiting).appendleft(r)
 
         while step.token_budget > 0:
-            # Paused for new requests, only those holding blocks are admitted (S:914-917).
-            queue = self.kv_holding_waiting
-            if not queue and self.pause_state == "UNPAUSED":
-                queue = self.waiting
-            num_active = len(self.running) + self.num_waiting_for_streaming_input
+            queue = self._queue_to_admit_from()
+            num_active = len(self.running)
+            if self.config.profile.sessions_hold_slots:
+                num_active += self.num_waiting_for_streaming_input
             if not queue or step.input_budget <= step.draft_slots or num_active >= max_active:
                 break
             r = queue.peek()
@@ -329,7 +336,7 @@ class Scheduler:
                 hits, num_local = self._local_prefix_hit(r)
                 if self.connector is not None:
                     ext, load_async = self.connector.get_num_new_matched_tokens(r, num_local)
-                    if r.skip_reading_prefix_cache:
+                    if r.skip_reading_prefix_cache and self.config.profile.skip_reading_skips_connector:
                         ext, load_async = 0, False
                     if ext is None:             # the connector cannot tell yet
                         skip(queue)
@@ -349,8 +356,9 @@ class Scheduler:
             if load_async:
                 # Keep the blocks that in-flight prefills still need, and with
                 # speculative decoding the blocks of one whole decode step (S:1241-1251).
-                reserved = (sum(self.kv.remaining_blocks(x) for x in self.inflight_prefills)
-                            + self.spec_decode_step_blocks())
+                if self.config.profile.async_loads_reserve_blocks:
+                    reserved = (sum(self.kv.remaining_blocks(x) for x in self.inflight_prefills)
+                                + self.spec_decode_step_blocks())
             elif step.defer_prefills and num_computed < r.num_tokens - 1:
                 break   # prefills are held back this step (S:1113)
             else:
@@ -411,6 +419,21 @@ class Scheduler:
             self.kv_holding_waiting.prepend_all(skipped_holding)
         if skipped_waiting:
             self.waiting.prepend_all(skipped_waiting)
+
+    def _queue_to_admit_from(self):
+        """The waiting queue the pass takes its next request from: those that
+        hold blocks first, and only those while paused for new requests
+        (S:914-917). Under the legacy profile, the queue of skipped and
+        blocked requests first, or by priority the better of the two heads
+        (0.18's _select_waiting_queue_for_scheduling)."""
+        holding, waiting = self.kv_holding_waiting, self.waiting
+        if self.config.profile.waiting_queues == "skipped":
+            if self.config.policy == "priority" and holding and waiting:
+                return waiting if waiting.peek() < holding.peek() else holding
+            return holding or waiting
+        if holding or self.pause_state != "UNPAUSED":
+            return holding
+        return waiting
 
     def _finish_step(self, step: "_Step") -> SchedulerOutput:
         """Build the output (pre-step counts), then advance num_computed_tokens:
@@ -546,10 +569,12 @@ class Scheduler:
     def _record_lookup(self, r: Request, num_local: int, num_external: int, load_async: bool) -> None:
         """Prompt accounting at S:1074-1081: the stats describe the first scheduled
         prefill, so lookups after a preemption leave them alone."""
-        r.lookup_history.append((num_local, num_external, load_async))
+        r.lookup_history.append((self.num_steps, num_local, num_external, load_async))
         if r.prefill_stats is not None and r.num_preemptions <= 0:
             r.prefill_stats.set(r.num_prompt_tokens, num_local, num_external)
             r.legacy_num_external_computed_tokens = num_external
+        elif self.config.profile.legacy_counters:
+            r.legacy_num_external_computed_tokens = num_external   # legacy: every lookup
 
     def _on_admitted(self, r: Request) -> None:
         """A request became RUNNING. The legacy count is set once (−1 sentinel)."""
@@ -559,7 +584,8 @@ class Scheduler:
     def _finish_remote_kv_load(self, r: Request) -> None:
         """An async load completed: its blocks become hash-visible, and a load that
         covered every token gives one back, to be recomputed (S:3123-3173)."""
-        if r.request_id in self.failed_recving_ids:
+        failed = r.request_id in self.failed_recving_ids
+        if failed:
             if r.num_computed_tokens:
                 self.kv.cache_blocks(r, r.num_computed_tokens)
             else:
@@ -567,11 +593,16 @@ class Scheduler:
             self.failed_recving_ids.discard(r.request_id)
         else:
             self.kv.cache_blocks(r, r.num_computed_tokens)
-        if r.num_computed_tokens == r.num_tokens:
+        legacy = self.config.profile.legacy_counters
+        if r.num_computed_tokens == r.num_tokens and not (failed and legacy):
             r.num_computed_tokens = r.num_tokens - 1
+        if legacy and not failed and r.legacy_num_cached_tokens < 0:
+            r.legacy_num_cached_tokens = r.num_computed_tokens   # 0.18: set once the load is in
 
-    def _preempt_request(self, r: Request, drop_stale_output: bool = False) -> None:
-        """Free every block and send the request to the head of the waiting queue (S:1571)."""
+    def _preempt_request(self, r: Request, drop_stale_output: bool = False,
+                         listed: bool = True) -> None:
+        """Free every block and send the request to the head of the waiting
+        queue (S:1571); ``listed``: in the next output's preempted ids."""
         assert r.status == Status.RUNNING
         self._free_request_blocks(r)
         self.inflight_prefills.discard(r)
@@ -586,12 +617,17 @@ class Scheduler:
         r.num_output_placeholders = 0
         r.num_preemptions += 1
         self.waiting.prepend(r)
-        self.preempted_req_ids.add(r.request_id)
+        if listed:
+            self.preempted_req_ids.add(r.request_id)
 
     def _truncate_for_invalid_block(self, r: Request, block_index: int, pre: int) -> None:
-        """A block of r failed to load: r is computed only up to that block (S:3315)."""
+        """A block of r failed to load: r is computed only up to that block (S:3315).
+        A legacy engine takes the tokens it lost off num_external_computed_tokens
+        too, local ones included (upstream issue 36533)."""
         r.num_computed_tokens = block_index * self.block_size
         r.invalid_block_hits += 1
+        if self.config.profile.legacy_counters:
+            r.legacy_num_external_computed_tokens -= pre - r.num_computed_tokens
 
     # ------------------------------------------------------------------ update
 
@@ -631,7 +667,8 @@ class Scheduler:
             num_given, had_placeholders = len(new_tokens), r.num_output_placeholders > 0
             for k, token in enumerate(new_tokens):
                 r.append_output_token(token)
-                if check_stop(r, self.max_model_len):
+                if check_stop(r, self.max_model_len,
+                              self.config.profile.min_tokens_before_any_stop):
                     stopped = True
                     del new_tokens[k + 1:]
                     break
@@ -760,12 +797,18 @@ class Scheduler:
         return False
 
     def _enqueue_waiting(self, r: Request) -> None:
-        """Into the waiting queue, or the queue of those that hold blocks (S:2445-2463)."""
-        if r.status in (Status.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR, Status.WAITING_FOR_REMOTE_KVS,
-                        Status.WAITING_FOR_STREAMING_REQ):
+        """Into the waiting queue, or the queue of those that hold blocks
+        (S:2445-2463); under the legacy profile, a blocked request into the
+        queue of skipped ones (0.18's _enqueue_waiting_request)."""
+        blocked = r.status in (Status.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR,
+                               Status.WAITING_FOR_REMOTE_KVS, Status.WAITING_FOR_STREAMING_REQ)
+        if blocked:
             self.deferred_waiting.add(r)
-        holds = r.num_computed_tokens > 0 or r.status == Status.WAITING_FOR_REMOTE_KVS
-        (self.kv_holding_waiting if holds else self.waiting).add(r)
+        if self.config.profile.waiting_queues == "skipped":
+            second = blocked
+        else:
+            second = r.num_computed_tokens > 0 or r.status == Status.WAITING_FOR_REMOTE_KVS
+        (self.kv_holding_waiting if second else self.waiting).add(r)
 
     def _update_request_as_session(self, r: Request, update: StreamingUpdate) -> None:
         """A session takes its next chunk and waits to be scheduled (S:1650-1691).
@@ -777,7 +820,7 @@ class Scheduler:
             if keep < r.num_computed_tokens:
                 raise SchedulerAssertion(r.request_id, "S:1888 a turn ends with tokens computed "
                                                        "past its last sampled one")
-        r.start_next_turn(update, keep)
+        r.start_next_turn(update, keep, self.config.profile.session_truncates_hashes)
         if r.status == Status.WAITING_FOR_STREAMING_REQ:
             self.num_waiting_for_streaming_input -= 1
         r.status = Status.WAITING
@@ -789,8 +832,10 @@ class Scheduler:
         succeeds only when no block is in use. (When it fails even so, vLLM
         raises to its caller, after the preemptions; the engine goes on.)"""
         if reset_running_requests:
+            # A legacy engine lists only a step's own preemptions in its output.
+            listed = self.config.profile.reset_preemptions_listed
             while self.running:
-                self._preempt_request(self.running.pop(), drop_stale_output=True)
+                self._preempt_request(self.running.pop(), drop_stale_output=True, listed=listed)
         return self.kv.reset_prefix_cache()
 
     def _free_request(self, r: Request, delay_free: bool = False) -> None:
@@ -866,7 +911,11 @@ class Scheduler:
         claimed: set[int] = set()
         for r in requests:
             table = self.kv.get_block_ids(r.request_id)
-            pre = r.num_computed_tokens - num_scheduled.get(r.request_id, 0)
+            if (self.config.profile.invalid_block_base == "cached"
+                    and r.status != Status.WAITING_FOR_REMOTE_KVS):
+                pre = r.legacy_num_cached_tokens   # legacy: the count at its first admission
+            else:
+                pre = r.num_computed_tokens - num_scheduled.get(r.request_id, 0)
             hit = truncated = False
             for idx, block_id in enumerate(table[: -(-pre // self.block_size)]):
                 if block_id not in invalid:

@@ -78,19 +78,25 @@ def _check_supported(header: ev.Header, path, profile: Profile) -> None:
                            "the reference models the baseline profile only (one full-attention "
                            "KV-cache group, no pipeline parallelism)")
     if why is None:
-        why = _hashing_refusal(header, profile)
+        why = _profile_refusal(header, profile)
     if why is not None:
         raise TraceError(path, 1, why)
 
 
-def _hashing_refusal(header: ev.Header, profile: Profile) -> str | None:
-    """Why the trace's block hashes cannot be reproduced, or None. vLLM 0.33
+def _profile_refusal(header: ev.Header, profile: Profile) -> str | None:
+    """Why the trace cannot be replayed under ``profile``, or None: async
+    scheduling under a profile that does not model it; block hashes that
+    cannot be reproduced. vLLM 0.33
     hashes each EAGLE block with the token after it, by default, where prefix
     caching is on and no connector is (config/vllm.py:678-692); a 0.33 trace
     must say whether it did (``num_hash_lookahead_tokens``, written by this
     kvtrace's recorder). A prompt of embeddings keys a block by its rows, and
     the trace's digests do not cover the rows after a block."""
     f = header.features
+    if f.get("async_scheduling") and not profile.async_scheduling_modelled:
+        return (f"async scheduling under the {profile.name} profile ({profile.releases}): "
+                "its AsyncScheduler keeps a preempted request's output placeholders, which "
+                "the reference does not model; replay it with --scheduler vllm")
     lookahead = f.get("num_hash_lookahead_tokens")
     if (lookahead is None and profile.name == "0.33" and f.get("use_eagle")
             and header.config.enable_prefix_caching and header.config.connector is None):
@@ -233,7 +239,11 @@ class Replayer:
         self._write(ev.Abort(self._seq(), e.reqs))
 
     def _reset(self, e: ev.ResetPrefixCache, line) -> None:
+        unlisted = ([r.request_id for r in self.sched.running] if e.reset_running_requests
+                    and not self.sched.config.profile.reset_preemptions_listed else [])
         ok = self.sched.reset_prefix_cache(e.reset_running_requests)
+        for req in unlisted:   # preempted, and no output will list it (I6)
+            self._preemptions[req] = self._preemptions.get(req, 0) + 1
         # With the connector's cache reset too, a recorded failure may be the
         # connector's: only a recorded success says what the pool did.
         connector_too = e.reset_connector and self.cfg.connector is not None
