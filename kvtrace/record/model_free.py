@@ -324,9 +324,14 @@ def record_model_free(out_path: str | os.PathLike, workload: Any = "prefix",
     """``vllm_run.record_vllm_offline`` with the model-free executor: the
     installed vLLM's engine and scheduler run ``workload`` and are recorded to
     ``out_path``."""
+    from kvtrace.record.vllm_recorder import MODEL_FREE_ENV
     from kvtrace.record.vllm_run import record_vllm_offline
 
-    return record_vllm_offline(None, out_path, workload, model_free=True, **engine_kwargs)
+    os.environ[MODEL_FREE_ENV] = "1"   # the header says so
+    try:
+        return record_vllm_offline(None, out_path, workload, model_free=True, **engine_kwargs)
+    finally:
+        os.environ.pop(MODEL_FREE_ENV, None)
 
 
 # --------------------------------------------------------------------------- runs

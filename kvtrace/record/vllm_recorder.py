@@ -198,6 +198,10 @@ def _block_table(kvm: Any) -> dict | None:
     return None
 
 
+# Set while kvtrace.record.model_free runs an engine with no model behind it.
+MODEL_FREE_ENV = "KVTRACE_MODEL_FREE"
+
+
 def _runs_async(sched: Any) -> bool:
     """Whether the scheduler is vLLM's AsyncScheduler (or a subclass of it),
     which schedules a step before the output of the one before comes back."""
@@ -337,6 +341,8 @@ def build_header(sched: Any, meta: dict | None = None) -> Header:
     }
     m = {"recorder": "kvtrace.record.vllm_recorder", "pid": os.getpid(),
          "data_parallel_rank": int(getattr(pc, "data_parallel_rank", 0) or 0)}
+    if os.environ.get(MODEL_FREE_ENV):   # kvtrace.record.model_free's engine: no model ran
+        m["model_free"] = True
     if meta:
         m.update(meta)
     return Header(engine="vllm", engine_version=str(getattr(vllm, "__version__", "unknown")),

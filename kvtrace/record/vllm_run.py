@@ -749,6 +749,21 @@ WORKLOADS["pooling"] = dict(
     engine=dict(max_num_batched_tokens=96, num_gpu_blocks_override=9))
 
 
+# vLLM 0.33 applies prefill_schedule_interval without data parallelism: while a
+# request decodes, a prefill waits until three executed steps have passed since
+# the last step that carried one. Requests arrive two steps apart, so each finds
+# others decoding; earlier releases admit each at once.
+WORKLOADS["prefill-interval"] = dict(
+    prompts=[[(19 * i + 7 * j) % 400 + 20 for j in range(40 + 9 * i)] for i in range(8)],
+    max_tokens=24, arrive_at=[0, 2, 4, 6, 8, 10, 12, 14],
+    engine=dict(num_gpu_blocks_override=40, prefill_schedule_interval=3))
+# LoRA under async scheduling: a running request whose last token is in flight
+# is skipped in a step, and vLLM 0.33 still counts its adapter against
+# max_loras where 0.32 did not, so a waiting request of another adapter waits.
+WORKLOADS["async-lora"] = dict(WORKLOADS["lora"], engine=dict(WORKLOADS["lora"]["engine"],
+                                                           async_scheduling=True))
+
+
 # A request whose external hit grows while it is preempted in its prefill (the
 # trigger of upstream PR 36752, "stale-cached-on-preempt" in bug-classes):
 # request "0" (256 tokens, a sync hit of 32) arrives after two long decodes

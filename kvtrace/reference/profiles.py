@@ -125,7 +125,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (LEGACY, V0_32, V0_33)}
 DEFAULT = V0_32
 
 # The releases each profile was proven on, as (major, minor) ranges.
-_COVERS = {"legacy": ((0, 16), (0, 19)), "0.32": ((0, 32), (0, 32)), "0.33": ((0, 33), (0, 33))}
+_COVERS = {"legacy": ((0, 18), (0, 19)), "0.32": ((0, 32), (0, 32)), "0.33": ((0, 33), (0, 33))}
 
 
 def release(version: str | None) -> tuple[int, int] | None:
@@ -155,8 +155,8 @@ def profile_for(engine: str, version: str | None, counters: str | None = None
     candidates = candidates or list(_COVERS)
 
     def distance(name: str) -> int:
-        low, high = _COVERS[name]
-        return min(abs(rel[1] - low[1]), abs(rel[1] - high[1])) + 100 * abs(rel[0] - low[0])
+        at = rel[0] * 1000 + rel[1]
+        return min(abs(at - (v[0] * 1000 + v[1])) for v in _COVERS[name])
 
     nearest = PROFILES[min(candidates, key=distance)]
     return nearest, (f"no profile covers vLLM {version}; replaying under the nearest, "

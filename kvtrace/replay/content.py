@@ -30,7 +30,8 @@ is wrong KV.
 
 A streaming-input session keeps its id, blocks and KV from turn to turn. When
 a turn ends, its tokens are cut back to those whose KV is written (the
-recorded ``num_computed_tokens``: the last sampled token is never written), and
+recorded ``num_computed_tokens``: the last sampled token is never written), or
+under vLLM 0.33 to all but the last sampled token, and
 the next chunk's tokens follow them, when the engine takes that chunk: at the
 turn's end if it came during the turn, else when it comes.
 """
@@ -86,7 +87,8 @@ class ContentCheck:
     MAX_HELD = 64
 
     def __init__(self, cfg: ev.SchedulerConfig, device: str = "auto",
-                 async_scheduling: bool = False, keep_counts: bool = False):
+                 async_scheduling: bool = False, keep_counts: bool = False,
+                 session_keeps_sampled: bool = False):
         self.kv = ShadowKV(cfg.num_blocks, cfg.block_size, device)
         self.block_size = cfg.block_size
         self.has_connector = cfg.connector is not None
@@ -97,6 +99,9 @@ class ContentCheck:
         # the end of the input), and those waiting for their next chunk.
         self.sessions: dict[str, deque[list[int] | None]] = {}
         self.between_turns: set[str] = set()
+        # A turn keeps its tokens up to the last sampled one (vLLM 0.33), not
+        # only those whose KV is written.
+        self.session_keeps_sampled = session_keeps_sampled
         self.assumed_loads = False                  # loads inferred from lookups, not recorded
         self.async_scheduling = async_scheduling
         self._held: deque[tuple] = deque()          # (step, line, tag, aborts after it, in flight)
@@ -302,7 +307,10 @@ class ContentCheck:
         """A session's turn stopped: back to the tokens whose KV is written; then
         its next chunk if one has come (the engine took it at the stop, or will
         take it when it comes: the same tokens either way), else wait for it."""
-        self.kv.truncate(req, st.num_computed_tokens)
+        keep = st.num_computed_tokens
+        if self.session_keeps_sampled:
+            keep = self.kv.num_tokens(req) - 1
+        self.kv.truncate(req, keep)
         self.between_turns.add(req)
         if self.sessions[req]:
             self._next_turn(req)

@@ -66,15 +66,18 @@ class ContentWorker:
     that reads the trace ``path`` itself."""
 
     def __init__(self, path: str | os.PathLike, device: str = "auto",
-                 shared: tuple[int, int] | None = None, validate: bool = False):
+                 shared: tuple[int, int] | None = None, validate: bool = False,
+                 session_keeps_sampled: bool = False):
         """``shared``: from the main process's reader of ``path``
         (``TraceReader.share``); the worker then reads the very bytes it reads. With
         ``validate`` the worker runs the checks across records as well, and the
         own checks of the records of ``kinds``, and this is a gate for
-        ``TraceReader.validated_elsewhere``."""
+        ``TraceReader.validated_elsewhere``. ``session_keeps_sampled``: as
+        ``ContentCheck``'s."""
         self.path = str(Path(path))   # as TraceReader names it
         self._proc, self._conn = spawn("kvtrace.replay.content_worker", self.path, device,
                                        "1" if validate else "0", ",".join(sorted(self.kinds)),
+                                       "1" if session_keeps_sampled else "0",
                                        share=shared or ())
         self.through = 0   # the checks across records have passed every line up to this one
         self._last_needed: int | None = None   # once replay has stopped: the last step it needs
@@ -204,8 +207,8 @@ class ContentWorker:
 # --------------------------------------------------------------------------- the worker
 
 
-def _serve(path: str, device: str, validate: str, kinds: str, shared: tuple[int, int] | None,
-           conn: Connection) -> list[tuple]:
+def _serve(path: str, device: str, validate: str, kinds: str, keeps_sampled: str,
+           shared: tuple[int, int] | None, conn: Connection) -> list[tuple]:
     """The worker process: check the trace ``path``; report to ``conn``, per step,
     (line, divergences or None, slots checked so far, loads assumed so far), and
     with ``validate`` ("1") run the checks across records too, and the own
@@ -253,7 +256,7 @@ def _serve(path: str, device: str, validate: str, kinds: str, shared: tuple[int,
         reader = TraceReader(path, validate=validate == "1", shared=shared)
         check = ContentCheck(reader.header.config, device,
                              reader.header.features.get("async_scheduling") is True,
-                             keep_counts=True)
+                             keep_counts=True, session_keeps_sampled=keeps_sampled == "1")
         conn.send(("device", check.device))
         if validate == "1":
             events = reader.shares_checks(frozenset(kinds.split(",")))

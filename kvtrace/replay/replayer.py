@@ -122,6 +122,7 @@ class Replayer:
         self.connector = RecordedConnector()
         self.sched = Scheduler(bridge.config_from_header(header, profile),
                                self.connector if header.config.connector else None)
+        keeps = self.sched.config.profile.session_keeps_sampled_outputs
         self.out = out
         # The shadow-KV content check; device None turns it off. With
         # ``content_worker`` it runs in a second process that reads ``path`` itself
@@ -131,12 +132,14 @@ class Replayer:
         if device and content_worker:
             from .content_worker import ContentWorker
 
-            self.content = ContentWorker(path, device, shared, validate=gate)
+            self.content = ContentWorker(path, device, shared, validate=gate,
+                                         session_keeps_sampled=keeps)
         elif device:
             from .content import ContentCheck   # imports torch; only when the check runs
 
             self.content = ContentCheck(header.config, device,
-                                        header.features.get("async_scheduling") is True)
+                                        header.features.get("async_scheduling") is True,
+                                        session_keeps_sampled=keeps)
         self.divergences: list[Divergence] = []
         self._kv_placed = 0   # content-check divergences placed in the list so far
         self.steps = 0
