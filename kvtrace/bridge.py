@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from kvtrace.reference import (ModelOutput, PromptEmbeds, Request, RequestOutput, Scheduler,
                                SchedulerConfig, SchedulerOutput)
-from kvtrace.reference.profiles import PROFILES, Profile, profile_for
+from kvtrace.reference.profiles import DEFAULT, PROFILES, Profile, profile_for
 from kvtrace.trace import events as ev
 
 
@@ -36,7 +36,7 @@ def config_from_header(header: ev.Header, profile: Profile | None = None) -> Sch
         profile = header_profile(header)[0]
     async_scheduling = bool(f.get("async_scheduling", False))
     defer, delivery = connector_rules((f.get("kv_role") or "kv_both") if c.connector else None,
-                                      async_scheduling)
+                                      async_scheduling, profile)
     if f.get("defer_block_free") is not None:
         defer = bool(f["defer_block_free"])
     if f.get("requires_kv_delivery") is not None:
@@ -63,11 +63,13 @@ def config_from_header(header: ev.Header, profile: Profile | None = None) -> Sch
         num_spec_tokens=int(f.get("num_speculative_tokens") or 0),
         num_lookahead_tokens=int(f.get("num_lookahead_tokens") or 0),
         eagle_block_drop=bool(f.get("use_eagle") and f.get("eagle_block_drop")),
-        num_draft_slots=int(f.get("num_draft_slots") or 0),
+        num_draft_slots=(int(f.get("num_draft_slots") or 0)
+                         if profile.drafting_takes_input_slots else 0),
         spec_tokens_by_batch_size=(tuple(f["spec_tokens_by_batch_size"])
                                    if f.get("spec_tokens_by_batch_size") is not None
                                    and f.get("num_speculative_tokens") else None),
-        num_sampled_tokens_per_step=0 if f.get("pooling_runner") else 1,
+        num_sampled_tokens_per_step=(0 if f.get("pooling_runner")
+                                     and profile.pooling_keeps_no_sample_slot else 1),
         max_loras=f.get("max_loras") if f.get("lora") else None,
         prefill_schedule_interval=int(f.get("prefill_schedule_interval") or 1),
         num_hash_lookahead_tokens=int(f.get("num_hash_lookahead_tokens") or 0),
@@ -76,11 +78,15 @@ def config_from_header(header: ev.Header, profile: Profile | None = None) -> Sch
     )
 
 
-def connector_rules(kv_role: str | None, async_scheduling: bool) -> tuple[bool, bool]:
+def connector_rules(kv_role: str | None, async_scheduling: bool,
+                    profile: Profile = DEFAULT) -> tuple[bool, bool]:
     """(defer_block_free, requires_kv_delivery) as vLLM 0.32 derives them from a
     connector's role (None: no connector): a consumer's frees wait for the steps
     in flight, which only async scheduling has (S:185-192); a producer hands KV
-    off (the connector's default requires_kv_delivery)."""
+    off (the connector's default requires_kv_delivery). A release whose async
+    scheduling has no stale-output rules (the legacy profile) has neither."""
+    if not profile.async_scheduling_modelled:
+        return False, False
     return (async_scheduling and kv_role in ("kv_consumer", "kv_both"),
             kv_role in ("kv_producer", "kv_both"))
 

