@@ -26,6 +26,7 @@ from __future__ import annotations
 
 # Features that are on when they are true or a number above 0.
 FLAGS = {
+    "diffusion": "a diffusion language model (dLLM)",
     "has_mamba_layers": "Mamba layers",
     "multimodal": "a multimodal model",
     "prefix_replay_tokens": "prefix replay windows",
@@ -49,7 +50,7 @@ TYPES = {
     "defer_block_free": "flag", "requires_kv_delivery": "flag", "use_eagle": "flag",
     "eagle_block_drop": "flag", "num_prefill_lookahead_tokens": "count0",
     "num_hash_lookahead_tokens": "count0",
-    "has_mamba_layers": "flag", "multimodal": "flag", "lora": "flag", "prompt_embeds": "flag",
+    "has_mamba_layers": "flag", "multimodal": "flag", "diffusion": "flag", "lora": "flag", "prompt_embeds": "flag",
     "max_loras": "count",
     "pooling_runner": "flag",
     "num_speculative_tokens": "count0", "num_lookahead_tokens": "count0",
@@ -58,6 +59,7 @@ TYPES = {
     "pipeline_parallel_size": "count", "decode_context_parallel_size": "count",
     "data_parallel_size": "count", "prefill_schedule_interval": "count",
     "num_kv_cache_groups": "count", "hash_block_size": "count",
+    "throttle_prefills_recorded": "flag",
 }
 
 
@@ -104,10 +106,13 @@ def outside(features: dict, block_size: int) -> str | None:
         if v not in (None, 1):
             return f"{what} is on ({key}={v!r})"
     interval = features.get("prefill_schedule_interval", 1)
-    if interval not in (None, 1) and features.get("data_parallel_size", 1) not in (None, 1):
-        # Only vLLM's data-parallel engine core defers prefills to every
-        # interval-th step (schedule(throttle_prefills=True)); that is not recorded.
-        return f"data-parallel prefill throttling is on (prefill_schedule_interval={interval!r})"
+    if (interval not in (None, 1) and features.get("data_parallel_size", 1) not in (None, 1)
+            and not features.get("throttle_prefills_recorded")):
+        # vLLM's data-parallel engine core defers prefills to every interval-th
+        # step (schedule(throttle_prefills=True)); a trace that does not record
+        # that flag cannot be followed.
+        return (f"data-parallel prefill throttling is on (prefill_schedule_interval={interval!r}) "
+                "and the trace does not record which steps throttled prefills")
     groups = features.get("num_kv_cache_groups", 1)
     if groups != 1:
         return f"{groups} KV-cache groups"

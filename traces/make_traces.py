@@ -11,6 +11,11 @@ is recorded in a process of its own: after an engine with n-gram drafts, whose
 proposer loads llvmlite, no other engine of the same process starts (vLLM
 0.32's kernel registry trips over llvmlite's function wrappers).
 
+The traces in disagg/ and faults/free-before-send are this vLLM's engine run
+with no model (``kvtrace.record.model_free``), as NixlConnector's worker side
+cannot run here: ``python traces/make_traces.py disagg/prefill`` records them
+all, the decode side from what the prefill side handed over.
+
 The traces in vllm-0.33/ and vllm-0.18/ are those releases' own engines and
 schedulers, run with no model (``kvtrace.record.model_free``: no engine of
 theirs runs on these machines), each in a process of the release installed
@@ -47,7 +52,20 @@ TRACES = {
     "draft-model": "draft-model",
     "dynamic-spec": "dynamic-spec",
     "async-dynamic-eagle": "async-dynamic-eagle",
+    "dp-throttle": "dp-throttle",
+    "finish-stopped": "finish-stopped",
 }
+# This vLLM's engine with no model (kvtrace.record.model_free), for what needs
+# a worker side that cannot run here: the two sides of prefill/decode
+# disaggregation with NixlConnector (disagg/: the decode side is sent what the
+# prefill side handed over, kvtrace.record.vllm_run.handoff_workload), and the
+# prefill side with a bug put back (faults/). Recorded together, in order.
+MODEL_FREE_TRACES = [
+    ("disagg/prefill", {"workload": "pd-prefill"}),
+    ("disagg/decode", {"handoff_from": "prefill"}),
+    ("faults/free-before-send", {"workload": "pd-prefill",
+                                 "scheduler_cls": "kvtrace.record.fault_schedulers.FreeBeforeSendScheduler"}),
+]
 # Traces of vLLM's own bugs, unchanged engine, in vllm-bugs/: the engine fails
 # on them, and the trace ends "interrupted" with its error. On those in
 # STRANDED the engine would wait for ever, holding a request it will never
@@ -110,11 +128,41 @@ def release_traces(names: list[str]) -> None:
         shutil.rmtree(scratch)
 
 
+def model_free_traces() -> None:
+    """Record MODEL_FREE_TRACES on this vLLM, in a process of its own."""
+    import json
+    import shutil
+    import tempfile
+
+    scratch = Path(tempfile.mkdtemp())
+    jobs = [{"name": name.split("/")[1], **job} for name, job in MODEL_FREE_TRACES]
+    (scratch / "jobs.json").write_text(json.dumps(jobs))
+    p = subprocess.run([sys.executable, "-m", "kvtrace.record.model_free", str(scratch / "jobs.json"),
+                        str(scratch), "--no-check"], capture_output=True, text=True)
+    results = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    if p.returncode != 0 or len(results) != len(jobs):
+        raise SystemExit(f"model-free recording failed:\n{p.stderr[-3000:]}")
+    for (name, _), res in zip(MODEL_FREE_TRACES, results):
+        if res["error"] and not name.startswith("faults/"):
+            raise SystemExit(f"{name}: {res['error']}")
+        out = HERE / f"{name}.jsonl.gz"
+        out.parent.mkdir(exist_ok=True)
+        shutil.copyfile(res["path"], out)
+        print(f"{out}: {out.stat().st_size} bytes" + (f" ({res['error']})" if res["error"] else ""))
+    shutil.rmtree(scratch)
+
+
 def main(names: list[str]) -> int:
     from kvtrace.record.fault_schedulers import FAULT_WORKLOADS, FAULTS
 
     from kvtrace.record.vllm_run import EngineFailed, EngineStranded
 
+    every = not names
+    if every or any(n in dict(MODEL_FREE_TRACES) for n in names):
+        model_free_traces()
+        names = [n for n in names if n not in dict(MODEL_FREE_TRACES)]
+        if not names and not every:
+            return 0
     released = [n for n in names if n.split("/", 1)[0] in RELEASE_TRACES]
     if released:
         release_traces(released)

@@ -14,10 +14,13 @@ from .progress import progress
 @click.argument("a", type=FilePath())
 @click.argument("b", type=FilePath())
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-@click.option("--match", type=click.Choice(("auto", "id", "id-prefix", "arrival")), default="auto",
-              show_default=True,
-              help="Pair requests by id, by id without vLLM's random suffix, or by order of "
-                   "arrival; auto picks what most of the first 1000 arrivals share.")
+@click.option("--match", type=click.Choice(("auto", "id", "id-prefix", "arrival", "handoff")),
+              default="auto", show_default=True,
+              help="Pair requests by id, by id without vLLM's random suffix, by order of "
+                   "arrival, or (handoff) each decode-side request with the prefill-side "
+                   "request its kv_transfer_params name. auto: handoff for a KV producer's "
+                   "trace and a KV consumer's, else what most of the first 1000 arrivals "
+                   "share.")
 def command(a: Path, b: Path, as_json: bool, match: str) -> int:
     """Compare trace A with trace B, request by request.
 
@@ -25,6 +28,11 @@ def command(a: Path, b: Path, as_json: bool, match: str) -> int:
     whose global step numbering differs still line up. Values from A are shown
     as "recorded", values from B as "expected". Exit 0 when they agree, 1 when
     they differ, 2 when a file is unusable.
+
+    The two sides of a disaggregated deployment (a prefill engine's trace and a
+    decode engine's) are paired by handoff instead: each decode request with
+    the prefill request it reads, checked for the same prompt, the blocks kept
+    and sent, and the tokens loaded.
     """
     from kvtrace.diff import diff_files
     from kvtrace.report import terminal

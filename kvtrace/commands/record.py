@@ -134,4 +134,12 @@ def _record_vllm(out: Path, workload: str | None, fault: str | None, model: Path
         raise UsageProblem(f"unknown vLLM workload {workload!r}; known: {', '.join(known)}")
     if async_scheduling:
         extra["async_scheduling"] = True
+    if load("kvtrace.record.vllm_run", "runs_model_free")(name):
+        # NixlConnector's worker side needs the NIXL library and KV tensors:
+        # the engine runs with no model (kvtrace.record.model_free).
+        if model is not None:
+            raise UsageProblem(f"--model does not apply to workload {name!r}: it runs vLLM's "
+                               "engine with no model (NIXL transfers are simulated)")
+        load("kvtrace.record.model_free", "record_model_free")(out, name, **extra)
+        return
     record_vllm_offline(None if model is None else str(model), out, name, **extra)

@@ -151,8 +151,11 @@ def _through_vllm(trace: Path, out: Path | None, as_json: bool, scheduler_cls: s
         out = Path(tempfile.mkdtemp(prefix="kvtrace-")) / (trace.name.split(".")[0] + ".vllm.jsonl.gz")
     run = replay_through_vllm(trace, out, scheduler_cls)
     result = diff_files(trace, out)
+    first = run.summary()["first_difference"]
     if as_json:
-        print_bytes(terminal.diff_json(result))
+        doc = result.to_json()
+        doc["first_step_difference"] = first
+        print_bytes(terminal.dumps(doc))
     else:
         console = terminal.make_console()
         console.print(f"replayed through {run.scheduler_cls} (vLLM {run.vllm_version}): "
@@ -160,5 +163,15 @@ def _through_vllm(trace: Path, out: Path | None, as_json: bool, scheduler_cls: s
         for note in [*run.notes, *run.unanswered_lookups[:5], *run.unused_lookups[:5],
                      *run.dropped_samples[:5]]:
             console.print(f"note: {note}")
+        if first is not None:
+            def said(v):
+                return "not scheduled" if v is None else v
+
+            console.print(f"first step where this scheduler decides otherwise: step {first['step']}, "
+                          f"request {first['req']}, {first['field']}: recorded "
+                          f"{said(first['recorded'])}, this scheduler {said(first['vllm'])}",
+                          style="red")
+        else:
+            console.print("every step: the same decisions as recorded", style="green")
         terminal.print_diff(result, console)
-    return EXIT_DIVERGENT if result.divergences else EXIT_OK
+    return EXIT_DIVERGENT if result.divergences or first is not None else EXIT_OK

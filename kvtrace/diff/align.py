@@ -44,6 +44,7 @@ from ..findings import Divergence
 from ..trace.events import (Abort, Arrival, End, Header, Output, PauseState, PromptStats, ResetPrefixCache, Step,
                             to_json)
 from ..trace.io import TraceError, TraceReader, not_regular
+from .handoff import diff_handoff, is_handoff_pair
 
 CHANNELS = ("arrival", "lookup", "grammar", "schedule", "output", "preempt", "plan", "load",
             "prompt_stats", "finish")
@@ -73,6 +74,8 @@ class DiffResult:
     # Requests a cut-off trace holds only before its cut: their history in the
     # other trace after the cut is not compared.
     cut_short: list[str] = field(default_factory=list)
+    # matched_by "handoff": which trace ("a" or "b") is the prefill side.
+    prefill_side: str | None = None
 
     @property
     def identical(self) -> bool:
@@ -88,6 +91,7 @@ class DiffResult:
             "steps_b": self.steps_b,
             "matched_by": self.matched_by,
             "cut_short": self.cut_short,
+            **({"prefill_side": self.prefill_side} if self.prefill_side else {}),
         }
 
     def to_json(self) -> dict:
@@ -112,8 +116,11 @@ def diff_files(path_a: str | os.PathLike, path_b: str | os.PathLike,
 
     ``match`` says how requests are paired: ``id`` (same request id),
     ``id-prefix`` (same id once vLLM's random ``-xxxxxxxx`` suffix is removed),
-    ``arrival`` (the k-th arrival in A with the k-th in B), or ``auto``, which
-    picks one from the first arrivals of each trace (``choose_match``).
+    ``arrival`` (the k-th arrival in A with the k-th in B), ``handoff`` (the
+    two sides of a disaggregated deployment: ``handoff.diff_handoff``), or
+    ``auto``: ``handoff`` when one trace is a KV producer's and the other a KV
+    consumer's, else one picked from the first arrivals of each trace
+    (``choose_match``).
     ``progress`` is called now and then with the steps read so far (the more
     of the two traces). ``worker``: whether each input's records are checked
     in a worker process of its own (``_events``); None decides by the file's
@@ -126,6 +133,12 @@ def diff_files(path_a: str | os.PathLike, path_b: str | os.PathLike,
     if match == "auto":
         for path in (path_a, path_b):
             _refuse_pipe(path)
+        with TraceReader(path_a) as ra, TraceReader(path_b) as rb:
+            if is_handoff_pair(ra.header, rb.header):
+                match = "handoff"
+    if match == "handoff":
+        fields = diff_handoff(path_a, path_b, progress)
+        return DiffResult(path_a=str(path_a), path_b=str(path_b), matched_by="handoff", **fields)
     with TraceReader(path_a) as ra, TraceReader(path_b) as rb, contextlib.ExitStack() as workers:
         if match == "auto":
             match = choose_match(path_a, path_b)
@@ -341,7 +354,7 @@ class _Differ:
             self._on_arrival(side, ev, line)
         elif isinstance(ev, Abort):
             for req in ev.reqs:
-                self._finish(side, req, "abort", side.cur_step, ev.seq, line)
+                self._finish(side, req, ev.reason, side.cur_step, ev.seq, line)
         elif isinstance(ev, PromptStats):
             v: dict[str, Any] = {}
             if ev.prefill_stats is not None:
@@ -660,7 +673,7 @@ class _Differ:
 # vLLM appends a random suffix to every request id ("0-a34120fd"), so two runs of
 # one workload share no ids; the part before it is the id the caller chose.
 _RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
-MATCH_MODES = ("auto", "id", "id-prefix", "arrival")
+MATCH_MODES = ("auto", "id", "id-prefix", "arrival", "handoff")
 
 
 def _match_key(mode: str, req: str, ordinal: int) -> str:

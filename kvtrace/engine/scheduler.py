@@ -18,10 +18,11 @@ class EngineScheduler(Scheduler):
         self.store = store
         self.fault_log = fault_log if fault_log is not None else FaultLog()
 
-    def _preempt_request(self, r: Request, drop_stale_output: bool = False) -> None:
+    def _preempt_request(self, r: Request, drop_stale_output: bool = False,
+                         listed: bool = True) -> None:
         if self.store is not None:
             self.store.save_computed(r)
-        super()._preempt_request(r, drop_stale_output)
+        super()._preempt_request(r, drop_stale_output, listed)
 
     def update_from_output(self, out: SchedulerOutput, model: ModelOutput) -> list[RequestOutput]:
         requests = {rid: self.requests[rid] for rid in out.num_scheduled_tokens if rid in self.requests}

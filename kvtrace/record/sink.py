@@ -85,7 +85,7 @@ STATUS_FOLD = {
 
 # The fields every step and output record has; the rare ones (a step's drafts and
 # grammar outcomes, an output's grammar rejections) follow only when they hold something.
-_RARE = ("spec", "grammar", "grammar_rejected", "pooled")
+_RARE = ("spec", "grammar", "throttle_prefills", "grammar_rejected", "pooled")
 _STEP_FIELDS = tuple(f.name for f in fields(Step) if f.name not in _RARE)
 _OUTPUT_FIELDS = tuple(f.name for f in fields(Output) if f.name not in _RARE)
 _NEW_FIELDS = tuple(f.name for f in fields(ScheduledNew))

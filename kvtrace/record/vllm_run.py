@@ -12,7 +12,7 @@
     "aborts": [[step, [index, ...]], ...], "control": [[step, action, ...], ...],
     "sessions": [[index, [[step, [ids...] | None], ...]], ...],
     "structured": [{...} | None, ...], "grammar_faults": {index: {...}, ...},
-    "embeds": [seed | None, ...], "lora": [index | None, ...]}``,
+    "embeds": [seed | None, ...], "lora": [index | None, ...], "throttle_every": n}``,
     where "per_request" holds each request's own changes to the sampling
     settings (``max_tokens``, ``stop_token_ids``, ``n``, ``prompt_logprobs``,
     ...). With "arrive_at" or "aborts" the engine is driven step by step, as a
@@ -32,7 +32,9 @@
     embeddings drawn from a seed, as many rows as the prompt has tokens, with
     ``enable_prompt_embeds`` on (``_embed_prompts``); "lora" gives requests the
     LoRA adapters of those indices (``ensure_lora_adapter``, adapter id =
-    index), with LoRA on. ``engine_kwargs`` override the workload's ``LLM(...)`` arguments. Returns ``{"path": out_path, "outputs": {index: [token ids]},
+    index), with LoRA on; "throttle_every" makes the engine core hold prefills
+    back on every step whose count is not a multiple of n, as vLLM's
+    data-parallel engine core does (``_throttle_like_data_parallel``). ``engine_kwargs`` override the workload's ``LLM(...)`` arguments. Returns ``{"path": out_path, "outputs": {index: [token ids]},
     "finish_reasons": {index: str}}``.
 
     If the engine raises, the trace written up to that point ends with status
@@ -764,6 +766,110 @@ WORKLOADS["async-lora"] = dict(WORKLOADS["lora"], engine=dict(WORKLOADS["lora"][
                                                            async_scheduling=True))
 
 
+# Prefill/decode disaggregation with vLLM's NixlConnector (its scheduler side:
+# the NIXL transfers themselves run with no model, kvtrace.record.model_free's
+# TransferWorker). The prefill instance (kv_producer) computes each prompt and
+# one token; the connector keeps the finished request's blocks
+# (request_finished: delay_free) until the decode side has read them
+# (finished_sending, 2 to 6 steps later), so later arrivals wait for blocks.
+# One request is aborted before it is scheduled, one between the two chunks
+# of its prefill: each is freed at once, and hands nothing over. Once every
+# request has finished, the engine steps on until the last sends finish.
+def _pd_params(role: str, i: int) -> dict:
+    if role == "prefill":
+        return {"do_remote_decode": True, "do_remote_prefill": False}
+    return {"do_remote_prefill": True, "do_remote_decode": False,
+            "remote_block_ids": [[1 + i, 2 + i, 3 + i]], "remote_engine_id": "prefill-0",
+            "remote_request_id": f"{i}-prefill", "remote_host": "127.0.0.1", "remote_port": 5600,
+            "tp_size": 1}
+
+
+def runs_model_free(workload: Any) -> bool:
+    """Whether ``workload`` needs the model-free engine: NixlConnector's worker
+    side (the NIXL library, KV tensors) cannot run here, and
+    ``kvtrace.record.model_free`` simulates its transfers."""
+    ktc = (_resolve(workload).get("engine") or {}).get("kv_transfer_config") or {}
+    return ktc.get("kv_connector") == "NixlConnector"
+
+
+def _nixl(role: str, plan: dict, policy: str = "fail") -> dict:
+    return dict(kv_connector="NixlConnector", kv_role=role, kv_load_failure_policy=policy,
+                kv_connector_extra_config={"model_free_transfers": plan})
+
+
+_PD_PROMPTS = [[(29 * i + 7 * j) % 400 + 20 for j in range(70 + 23 * (i % 4))] for i in range(10)]
+WORKLOADS["pd-prefill"] = dict(
+    prompts=_PD_PROMPTS, max_tokens=1, arrive_at=[0, 0, 1, 2, 3, 5, 6, 8, 9, 12],
+    per_request=[{"max_tokens": 1, "extra_args": {"kv_transfer_params": _pd_params("prefill", i)}}
+                 for i in range(10)],
+    aborts=[[1, [2]], [3, [3]]],
+    engine=dict(num_gpu_blocks_override=16, max_num_batched_tokens=128,
+                kv_transfer_config=_nixl("kv_producer", {"send_steps": [2, 3, 6, 4, 2, 5]})))
+# The decode instance (kv_consumer): each request arrives with the prefill
+# side's transfer parameters, waits in WAITING_FOR_REMOTE_KVS while its prompt
+# is pulled (1 to 4 steps), then decodes. One transfer fails: its first block is
+# reported invalid, and under the "recompute" policy the request computes it
+# again. One request is aborted while its pull is under way: its blocks wait
+# for the pull to end. A KV cache small enough to preempt.
+WORKLOADS["pd-decode"] = dict(
+    prompts=_PD_PROMPTS, max_tokens=24, arrive_at=[0, 0, 1, 2, 3, 5, 6, 8, 9, 12],
+    per_request=[{"max_tokens": 24, "extra_args": {"kv_transfer_params": _pd_params("decode", i)}}
+                 for i in range(10)],
+    aborts=[[4, [4]]],
+    engine=dict(num_gpu_blocks_override=24, max_num_batched_tokens=128,
+                kv_transfer_config=_nixl("kv_consumer", {"recv_steps": [1, 2, 4, 3],
+                                                         "fail_recv": ["5"]}, "recompute")))
+
+
+# Data-parallel prefill balancing: the engine core asks the scheduler to hold
+# prefills back (schedule(throttle_prefills=True)) on two steps of every three
+# while others decode; requests arrive two steps apart, so each finds others
+# decoding and waits for the next step of the cadence.
+WORKLOADS["dp-throttle"] = dict(
+    prompts=[[(23 * i + 5 * j) % 400 + 20 for j in range(30 + 11 * i)] for i in range(8)],
+    max_tokens=16, arrive_at=[0, 1, 3, 5, 7, 9, 11, 13], throttle_every=3,
+    engine=dict(num_gpu_blocks_override=40))
+# A caller that ends requests with a status of its own
+# (finish_requests(ids, FINISHED_STOPPED)): two requests are stopped while they
+# decode and one while it waits; the others run on into the freed room.
+WORKLOADS["finish-stopped"] = dict(
+    prompts=[[(31 * i + 3 * j) % 400 + 20 for j in range(40 + 13 * i)] for i in range(6)],
+    max_tokens=32, arrive_at=[0, 0, 0, 0, 2, 4],
+    control=[[5, "finish", [1, 2, 5], "FINISHED_STOPPED"]],
+    engine=dict(num_gpu_blocks_override=12))
+
+
+def handoff_workload(prefill_trace: str | os.PathLike, decode: Any = "pd-decode") -> dict:
+    """The decode side of ``pd-prefill`` as a disaggregated deployment's proxy
+    drives it: each prefill-side request that handed its KV over (a recorded
+    ``request_finished`` with transfer parameters) is sent to the decode side
+    with its prompt and those parameters, in the prefill side's order; one
+    that did not (aborted before it finished) is not sent. ``decode``'s
+    arrival steps and aborts stay with the prefill request they belong to."""
+    from kvtrace.trace import TraceReader
+    from kvtrace.trace.events import Arrival, RequestFinished
+
+    wl = _resolve(decode)
+    prompts: list[tuple[str, list[int]]] = []
+    params: dict[str, dict] = {}
+    with TraceReader(prefill_trace) as r:
+        for e in r:
+            if isinstance(e, Arrival):
+                prompts.append((e.req, e.prompt_token_ids))
+            elif isinstance(e, RequestFinished) and e.kv_transfer_params:
+                params[e.req] = e.kv_transfer_params
+    kept = [i for i, (req, _) in enumerate(prompts) if req in params]
+    new_index = {i: k for k, i in enumerate(kept)}
+    own = wl.get("per_request") or [{}] * len(prompts)
+    return dict(
+        wl, prompts=[prompts[i][1] for i in kept],
+        per_request=[dict(own[i], extra_args={"kv_transfer_params": params[prompts[i][0]]})
+                     for i in kept],
+        arrive_at=[wl["arrive_at"][i] for i in kept],
+        aborts=[[step, [new_index[i] for i in ids if i in new_index]]
+                for step, ids in wl.get("aborts", ()) if any(i in new_index for i in ids)])
+
+
 # A request whose external hit grows while it is preempted in its prefill (the
 # trigger of upstream PR 36752, "stale-cached-on-preempt" in bug-classes):
 # request "0" (256 tokens, a sync hit of 32) arrives after two long decodes
@@ -1028,9 +1134,13 @@ def _serve(eng: Any, prompts: list, params: Any, wl: dict, loras: list | None = 
     outs: dict[int, Any] = {}
     step = 0
     core = getattr(eng.engine_core, "engine_core", None)   # the engine core, when in process
+    if wl.get("throttle_every"):
+        _throttle_like_data_parallel(core, int(wl["throttle_every"]))
     idle = 0   # steps in a row with unfinished requests, nothing to schedule and nothing to come
-    while order or chunks or eng.has_unfinished_requests():
-        if not eng.has_unfinished_requests():
+    drain = DRAIN_STEPS
+    while order or chunks or eng.has_unfinished_requests() or (
+            _held_for_transfer(core) and (drain := drain - 1) >= 0):
+        if not eng.has_unfinished_requests() and (order or chunks):
             step = max(step, min([arrive[i] for i in order[:1]] + [c[0] for c in chunks[:1]]))
         while order and arrive[order[0]] <= step:
             i = order.pop(0)
@@ -1066,6 +1176,32 @@ def _serve(eng: Any, prompts: list, params: Any, wl: dict, loras: list | None = 
                 "nothing more was to arrive: the engine would wait for ever")
     return outs
 
+
+def _throttle_like_data_parallel(core: Any, interval: int) -> None:
+    """Make ``core`` (an in-process engine core) ask its scheduler to hold
+    prefills back as vLLM's data-parallel engine core does
+    (``_should_throttle_prefills``, core.py:2318-2325 of 0.32): on every step
+    whose counter is not a multiple of ``interval``."""
+    counter = iter(range(1 << 62))
+    core._should_throttle_prefills = lambda: next(counter) % interval != 0
+
+
+def _held_for_transfer(core: Any) -> bool:
+    """Whether the engine core's scheduler holds finished requests whose
+    blocks its connector still sends (the prefill side of a disaggregated
+    deployment): a server's engine core steps on until the connector reports
+    them sent (vLLM 0.32's ``has_requests``)."""
+    sched = getattr(core, "scheduler", None)
+    if sched is None or getattr(sched, "connector", None) is None:
+        return False
+    counts = getattr(sched, "get_request_counts", None)
+    live = sum(counts()) if counts is not None else len(sched.running) + len(sched.waiting)
+    return len(sched.requests) > live
+
+
+# Steps a served engine takes, once nothing is left to run, for the sends
+# its connector has under way to finish.
+DRAIN_STEPS = 64
 
 # Steps in a row after which a served engine that holds unfinished requests,
 # has nothing to schedule and has nothing more to receive is stopped: vLLM 0.32
@@ -1103,8 +1239,9 @@ def _control(eng: Any, action: str, *args: Any) -> None:
     ``reset`` (``reset_prefix_cache(reset_running_requests, reset_connector)``),
     ``pause-new`` (the scheduler paused for new requests, as
     ``pause_scheduler(mode="wait")`` does; the in-process core refuses that
-    mode), ``pause-all`` (``pause_scheduler(mode="keep", clear_cache)``) or
-    ``resume``. vLLM raises from a reset it cannot make (blocks still in use
+    mode), ``pause-all`` (``pause_scheduler(mode="keep", clear_cache)``),
+    ``resume``, or ``finish`` (``finish_requests([i, ...], status)``, a caller
+    that ends requests with a status of its own, ``FINISHED_STOPPED`` say). vLLM raises from a reset it cannot make (blocks still in use
     after the preemptions); its caller sees the error and the engine goes on,
     as here."""
     core = eng.engine_core.engine_core
@@ -1119,6 +1256,14 @@ def _control(eng: Any, action: str, *args: Any) -> None:
             core.pause_scheduler(mode="keep", clear_cache=args[0])
         elif action == "resume":
             core.resume_scheduler()
+        elif action == "finish":
+            from vllm.v1.request import RequestStatus
+
+            wanted = {str(i) for i in args[0]}   # the engine's ids: the caller's, a random suffix after
+            ids = [rid for rid in core.scheduler.requests
+                   if rid in wanted or rid.rsplit("-", 1)[0] in wanted]
+            core.scheduler.finish_requests(ids, RequestStatus[args[1]])
+            eng.output_processor.abort_requests(sorted(wanted), False)   # the front end forgets them
         else:
             raise ValueError(f"unknown control action {action!r}")
     except RuntimeError as e:

@@ -122,6 +122,8 @@ def compare_states(step: int, states: list[ev.RequestState], sched: Scheduler,
         got = (s.status, s.num_computed_tokens, s.num_tokens, s.num_preemptions, s.block_ids)
         for field, g, w, rule, kind in zip(_STATE_FIELDS, got, want, _STATE_RULES, _STATE_KINDS):
             if g != w:
+                if field == "state.block_ids" and blocks and r.is_finished:
+                    rule = _DELAYED_FREE_RULE
                 divs.append(Divergence(step, s.req, field, g, w, rule, kind, seq, line))
     return divs
 
@@ -132,6 +134,8 @@ _STATE_FIELDS = ("status", "state.num_computed_tokens", "num_tokens", "num_preem
 _STATE_RULES = ("1.4: status transitions", "1.3: every write to num_computed_tokens",
                 "1.1: num_tokens = prompt + outputs", "I6", "4.5/4.7: the block table")
 _STATE_KINDS = ("counter", "counter", "counter", "counter", "block")
+_DELAYED_FREE_RULE = ("3.5: a finished request keeps its blocks while the connector sends them "
+                      "(request_finished answered delay_free) until finished_sending")
 
 
 # --------------------------------------------------------------------------- output

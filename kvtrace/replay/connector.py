@@ -1,5 +1,7 @@
 """A connector that answers the reference scheduler with the engine's recorded
-answers, in call order, and notes every call that does not line up."""
+answers, in call order, and notes every call that does not line up: its
+lookups (in each step's record) and its answers to ``request_finished``
+(``request_finished`` records, before the call that finished the request)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ class RecordedConnector:
         self.made: list[ev.Lookup] = []        # lookups as the reference made them
         self.loads: list[ev.KVLoad] = []       # loads the reference's admissions imply
         self._last_local: dict[str, int] = {}
+        # Recorded answers to request_finished not asked for yet: request -> delay_free.
+        self._finished: dict[str, bool] = {}
 
     def start_step(self, step: int, lookups: list[ev.Lookup]) -> None:
         self.step, self.pending = step, list(lookups)
@@ -46,9 +50,15 @@ class RecordedConnector:
             start = self._last_local.get(request.request_id, 0)
             self.loads.append(ev.KVLoad(request.request_id, start, start + num_external_tokens))
 
+    def finished_answer(self, e: ev.RequestFinished) -> None:
+        self._finished[e.req] = e.delay_free
+
     def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+        """Whether the connector keeps the request's blocks until it reports the
+        request in ``finished_sending``: as recorded (a trace without an answer
+        for it: no)."""
         self._last_local.pop(request.request_id, None)
-        return False
+        return self._finished.pop(request.request_id, False)
 
     def end_step(self) -> None:
         for lk in self.pending:

@@ -175,6 +175,10 @@ class Replayer:
                 self._prompt_stats(e, line)
             elif kind is ev.Abort:
                 self._abort(e)
+            elif kind is ev.RequestFinished:
+                self.connector.finished_answer(e)
+                self._write(ev.RequestFinished(self._seq(), e.req, e.delay_free,
+                                               e.kv_transfer_params))
             elif kind is ev.ResetPrefixCache:
                 self._reset(e, line)
             elif kind is ev.PauseState:
@@ -236,10 +240,10 @@ class Replayer:
         self._write(ev.Arrival(**{**_fields(a), "seq": self._seq()}))
 
     def _abort(self, e: ev.Abort) -> None:
-        self.sched.finish_requests(e.reqs, Status.FINISHED_ABORTED)
+        self.sched.finish_requests(e.reqs, Status[e.status])
         if self.content:
             self.content.abort(e.reqs)
-        self._write(ev.Abort(self._seq(), e.reqs))
+        self._write(ev.Abort(self._seq(), e.reqs, e.status))
 
     def _reset(self, e: ev.ResetPrefixCache, line) -> None:
         unlisted = ([r.request_id for r in self.sched.running] if e.reset_running_requests
@@ -317,7 +321,7 @@ class Replayer:
         self.connector.start_step(rec.step, rec.lookups)
         if rec.grammar:
             self.sched.grammar_compiled(rec.grammar)
-        out = self.sched.schedule()
+        out = self.sched.schedule(rec.throttle_prefills)
         self.connector.end_step()
         for d in self.connector.divergences:   # the step's record is where they show
             d.seq, d.line = rec.seq, line

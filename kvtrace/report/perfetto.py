@@ -172,7 +172,7 @@ class _Exporter:
             self._arrival(e)
         elif isinstance(e, ev.Abort):
             for req in e.reqs:
-                self._close(req, self.steps * US_PER_STEP, "abort")
+                self._close(req, self.steps * US_PER_STEP, e.reason)
 
     def _arrival(self, e: ev.Arrival) -> None:
         if e.req in self.tracks:   # a streaming-input session's next chunk, or its end of input

@@ -324,7 +324,7 @@ class _Pass:
             self._stats(e)
         elif isinstance(e, ev.Abort):
             for req in e.reqs:
-                self._finish(req, self.s.steps, "abort")
+                self._finish(req, self.s.steps, e.reason)
 
     # -- records ----------------------------------------------------------------
 

@@ -291,18 +291,34 @@ def print_diff(result: Any, console: Console | None = None, max_rows: int = MAX_
         note = end_note(end)
         if note:
             console.print(Text(f"   {note}", style="yellow"))
-    paired = {"id": "by request id", "id-prefix": "by request id without vLLM's random suffix",
-              "arrival": "by order of arrival"}.get(getattr(result, "matched_by", "id"), "")
-    console.print(f"recorded = A, expected = B; requests paired {paired}")
+    matched_by = getattr(result, "matched_by", "id")
+    if matched_by == "handoff":
+        p, d = ("A", "B") if result.prefill_side == "a" else ("B", "A")
+        console.print(f"prefill side = {p}, decode side = {d}; each decode request paired with "
+                      "the prefill request its kv_transfer_params name (remote_request_id)")
+    else:
+        paired = {"id": "by request id", "id-prefix": "by request id without vLLM's random suffix",
+                  "arrival": "by order of arrival"}.get(matched_by, "")
+        console.print(f"recorded = A, expected = B; requests paired {paired}")
     # One divergence per request already, in A's order: configs, then requests.
     _print_divergences(console, result.divergences, max_rows, per_request=False)
     s = result.summary()
     n, bad = s["requests_compared"], s["divergent_requests"]
     line = f"{n} request{'s' if n != 1 else ''} compared, {bad} diverge{'s' if bad == 1 else ''}"
-    if s["only_in_a"]:
-        line += f"; only in A: {_names(s['only_in_a'])}"
-    if s["only_in_b"]:
-        line += f"; only in B: {_names(s['only_in_b'])}"
+    if matched_by == "handoff":
+        line = (f"{n} handoff{'s' if n != 1 else ''} compared (decode request and its prefill), "
+                f"{bad} diverge{'s' if bad == 1 else ''}")
+        unread, unknown = ((s["only_in_a"], s["only_in_b"]) if result.prefill_side == "a"
+                           else (s["only_in_b"], s["only_in_a"]))
+        if unread:
+            line += f"; handed over, read by no decode request: {_names(unread)}"
+        if unknown:
+            line += f"; reading a prefill request the other trace lacks: {_names(unknown)}"
+    else:
+        if s["only_in_a"]:
+            line += f"; only in A: {_names(s['only_in_a'])}"
+        if s["only_in_b"]:
+            line += f"; only in B: {_names(s['only_in_b'])}"
     line += f"; steps: A {s['steps_a']}, B {s['steps_b']}"
     if s["cut_short"]:
         n_cut = len(s["cut_short"])
@@ -323,6 +339,11 @@ def _names(reqs: list[str], limit: int = 8) -> str:
 
 def diff_json(result: Any) -> bytes:
     return _dumps(result.to_json())
+
+
+def dumps(doc: dict) -> bytes:
+    """A JSON document as the reports print one."""
+    return _dumps(doc)
 
 
 def _dumps(doc: dict) -> bytes:

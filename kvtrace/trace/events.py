@@ -33,7 +33,12 @@ STATUSES = (
 )
 _STATUS_SET = frozenset(STATUSES)
 FINISH_REASONS = ("stop", "length", "abort", "error")
+FINISHED_STATUSES = tuple(s for s in STATUSES if s.startswith("FINISHED_"))
 _FINISH_SET = frozenset(FINISH_REASONS)
+# The finish reason of each finished status (vLLM's RequestStatus.get_finished_reason).
+STATUS_REASONS = {"FINISHED_STOPPED": "stop", "FINISHED_LENGTH_CAPPED": "length",
+                  "FINISHED_ABORTED": "abort", "FINISHED_IGNORED": "length",
+                  "FINISHED_ERROR": "error"}
 POLICIES = ("fcfs", "priority")
 COUNTER_SHAPES = ("prefill_stats", "legacy")
 END_STATUSES = ("complete", "recorder-error", "interrupted")
@@ -222,6 +227,10 @@ def _obj(v: Any, name: str) -> dict:
     return v
 
 
+def _opt_obj(v: Any, name: str) -> dict | None:
+    return None if v is None else _obj(v, name)
+
+
 def _list_of(v: Any, name: str, cls: type) -> list:
     if type(v) is not list:
         raise SchemaError(f"field '{name}' must be a list, got {_tname(v)}")
@@ -289,6 +298,8 @@ def _to_json(obj: Any) -> Any:
             v = getattr(obj, f.name)
             if (v is None or v is False) and f.metadata.get("omit_none" if v is None else "omit_false"):
                 continue
+            if "omit_default" in f.metadata and v == f.default:
+                continue
             out[f.name] = _to_json(v)
         return out
     if isinstance(obj, list):
@@ -305,6 +316,7 @@ _SCALARS = frozenset((int, float, str, bool, type(None)))
 
 _OMIT = {"omit_none": True}
 _OMIT_FALSE = {"omit_false": True}
+_OMIT_DEFAULT = {"omit_default": True}   # left out when it holds the field's default
 
 # --------------------------------------------------------------------------- header
 
@@ -446,6 +458,12 @@ class Arrival:
     # "path": str}. Its name and path key every block; its id counts against the
     # header's features.max_loras. None without one.
     lora: dict | None = field(default=None, metadata=_OMIT)
+    # The request's kv_transfer_params as the connector reads them (a
+    # disaggregated deployment's handoff: do_remote_prefill, remote_block_ids,
+    # remote_request_id, ...). The scheduler passes them to the connector only;
+    # ``kvtrace diff`` pairs a decode-side request with the prefill-side request
+    # they name. None without them.
+    kv_transfer_params: dict | None = field(default=None, metadata=_OMIT)
     kind: str = "arrival"
 
     @classmethod
@@ -479,20 +497,54 @@ class Arrival:
             prompt_embeds=embeds,
             prompt_is_token_ids=mask,
             lora=_lora(_get(d, "lora", None)),
+            kv_transfer_params=_opt_obj(_get(d, "kv_transfer_params", None), "kv_transfer_params"),
         )
 
 
 @dataclass(slots=True)
 class Abort:
-    """``Scheduler.finish_requests(ids, FINISHED_ABORTED)``."""
+    """``Scheduler.finish_requests(ids, status)`` from outside the scheduler:
+    an abort (``FINISHED_ABORTED``, the default), or another finished status a
+    caller gives (``FINISHED_STOPPED``, say)."""
 
     seq: int
     reqs: list[str]
+    status: str = field(default="FINISHED_ABORTED", metadata=_OMIT_DEFAULT)
     kind: str = "abort"
+
+    @property
+    def reason(self) -> str:
+        """The finish reason the status reads as (``abort`` for an abort)."""
+        return STATUS_REASONS[self.status]
 
     @classmethod
     def from_json(cls, d: dict) -> "Abort":
-        return cls(seq=_int(_get(d, "seq"), "seq"), reqs=_strs(_get(d, "reqs"), "reqs"))
+        return cls(seq=_int(_get(d, "seq"), "seq"), reqs=_strs(_get(d, "reqs"), "reqs"),
+                   status=_choice(_get(d, "status", "FINISHED_ABORTED"), "status",
+                                  FINISHED_STATUSES))
+
+
+@dataclass(slots=True)
+class RequestFinished:
+    """A KV connector's answer to ``request_finished(request, block_ids)``, made
+    as the scheduler frees a finished request (S:3005-3058): whether it keeps the
+    request's blocks until it reports the request in ``finished_sending``
+    (``delay_free``: the prefill side of a disaggregated deployment, while the
+    decode side reads them), and the transfer parameters it hands back. It
+    comes before the record of the call that finished the request."""
+
+    seq: int
+    req: str
+    delay_free: bool = False
+    kv_transfer_params: dict | None = field(default=None, metadata=_OMIT)
+    kind: str = "request_finished"
+
+    @classmethod
+    def from_json(cls, d: dict) -> "RequestFinished":
+        params = _get(d, "kv_transfer_params", None)
+        return cls(seq=_int(_get(d, "seq"), "seq"), req=_str(_get(d, "req"), "req"),
+                   delay_free=_bool(_get(d, "delay_free", False), "delay_free"),
+                   kv_transfer_params=_opt_obj(params, "kv_transfer_params"))
 
 
 @dataclass(slots=True)
@@ -690,6 +742,9 @@ class Step:
     # Structured outputs: the requests whose grammar this step found compiled
     # ("ready") or failed ("error"), the first time it did; None when none.
     grammar: dict[str, str] | None = field(default=None, metadata=_OMIT)
+    # The engine core asked this step to hold prefills back
+    # (``schedule(throttle_prefills=True)``: data-parallel prefill balancing).
+    throttle_prefills: bool = field(default=False, metadata=_OMIT_FALSE)
     kind: str = "step"
 
     @classmethod
@@ -709,6 +764,7 @@ class Step:
             num_free_blocks=_opt_int(_get(d, "num_free_blocks", None), "num_free_blocks"),
             spec=_token_map(_get(d, "spec", None), "spec", lo=-1),
             grammar=_grammar_map(_get(d, "grammar", None)),
+            throttle_prefills=_bool(_get(d, "throttle_prefills", False), "throttle_prefills"),
         )
 
     def scheduled(self) -> dict[str, int]:
@@ -894,11 +950,13 @@ class End:
         )
 
 
-Event = Arrival | Abort | ResetPrefixCache | PauseState | Step | Output | Drafts | PromptStats | End
+Event = (Arrival | Abort | RequestFinished | ResetPrefixCache | PauseState | Step | Output | Drafts
+         | PromptStats | End)
 
 EVENT_TYPES: dict[str, type] = {
     "arrival": Arrival,
     "abort": Abort,
+    "request_finished": RequestFinished,
     "reset_prefix_cache": ResetPrefixCache,
     "pause_state": PauseState,
     "step": Step,

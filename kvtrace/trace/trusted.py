@@ -50,6 +50,7 @@ def step(d: dict) -> ev.Step:
         get("num_free_blocks"),
         get("spec"),
         get("grammar"),
+        get("throttle_prefills", False),
     )
 
 

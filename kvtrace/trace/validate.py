@@ -116,6 +116,8 @@ class Validator:
         elif isinstance(e, ev.Abort):
             for req in e.reqs:
                 self._finish(req)
+        elif isinstance(e, ev.RequestFinished):
+            self._known(e.req, "req")
         elif isinstance(e, ev.Step):
             self._step(e)
         elif isinstance(e, ev.Output):
