@@ -174,7 +174,8 @@ def replay(trace: str, kv: bool, worker: bool | None = None, device: str = "cpu"
     """Replay, with the content check on ``device`` if ``kv``; with ``worker``,
     part of the work runs in a worker process (the content check, or else the
     record checks); None: as replay decides."""
-    from kvtrace.replay import replay_file, workers
+    from kvtrace.workers import policy as workers
+    from kvtrace.replay import replay_file
 
     used = workers.wanted(trace) if worker is None else int(worker)
     children = _ChildPeaks()
@@ -199,7 +200,7 @@ def diff(trace: str, worker: bool | None = None) -> dict:
     """Diff of the trace with itself; with ``worker``, each input's records are
     checked in a worker process of its own; None: as diff decides."""
     from kvtrace.diff import diff_files
-    from kvtrace.replay import workers
+    from kvtrace.workers import policy as workers
 
     used = workers.wanted(trace) >= 1 if worker is None else worker
     children = _ChildPeaks()

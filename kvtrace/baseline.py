@@ -24,6 +24,8 @@ adapter.
 
 from __future__ import annotations
 
+from kvtrace.trace.events import SchedulerFeatures, features_from
+
 # Features that are on when they are true or a number above 0.
 FLAGS = {
     "diffusion": "a diffusion language model (dLLM)",
@@ -41,127 +43,78 @@ SIZES = {
 FULL_ATTENTION = ("FullAttentionSpec", "MLAAttentionSpec")
 
 
-# The features read here and by the replays (kvtrace.bridge), and what each
-# must be: a flag, or an integer of at least 0 or 1; absent or null means "not
-# named". A string "true" is not a flag.
-TYPES = {
-    "async_scheduling": "flag", "scheduler_reserve_full_isl": "flag",
-    "enable_chunked_prefill": "flag", "long_prefill_token_threshold_adaptive": "flag",
-    "defer_block_free": "flag", "requires_kv_delivery": "flag", "use_eagle": "flag",
-    "eagle_block_drop": "flag", "num_prefill_lookahead_tokens": "count0",
-    "num_hash_lookahead_tokens": "count0",
-    "has_mamba_layers": "flag", "multimodal": "flag", "diffusion": "flag", "lora": "flag", "prompt_embeds": "flag",
-    "max_loras": "count",
-    "pooling_runner": "flag",
-    "num_speculative_tokens": "count0", "num_lookahead_tokens": "count0",
-    "prefix_replay_tokens": "count0", "max_num_active_seqs": "count",
-    "num_draft_slots": "count0", "dynamic_spec_decode": "flag",
-    "pipeline_parallel_size": "count", "decode_context_parallel_size": "count",
-    "data_parallel_size": "count", "prefill_schedule_interval": "count",
-    "num_kv_cache_groups": "count", "hash_block_size": "count",
-    "throttle_prefills_recorded": "flag",
-}
-
-
-def type_error(features: dict) -> str | None:
-    """The first feature in ``TYPES`` whose value has the wrong type, in words,
-    or None."""
-    for key, kind in TYPES.items():
-        v = features.get(key)
-        if v is None:
-            continue
-        if kind == "flag" and type(v) is not bool:
-            return f"field 'features.{key}' must be true or false, got {v!r}"
-        low = 0 if kind == "count0" else 1
-        if kind != "flag" and (type(v) is not int or v < low):
-            return f"field 'features.{key}' must be an integer of at least {low}, got {v!r}"
-    return None
-
-
-def refusal(features: dict, block_size: int, scope: str) -> str | None:
-    """Why a replay refuses a header's ``features``, or None: a feature of the
-    wrong type, or the first thing outside the baseline, followed by
-    ``scope``, what that replay covers."""
-    wrong = type_error(features)
-    if wrong is not None:
-        return wrong
+def refusal(features: SchedulerFeatures, block_size: int, scope: str) -> str | None:
+    """Why a replay refuses a header's ``features``, or None: the first thing
+    outside the baseline, followed by ``scope``, what that replay covers. (A
+    feature of the wrong type never gets here: the reader refuses the header.)"""
     why = outside(features, block_size)
     return None if why is None else f"{why}; {scope}"
 
 
-def outside(features: dict, block_size: int) -> str | None:
-    """The first thing in a header's ``features`` (of the right types) that the
-    baseline does not cover, in words, or None."""
+def outside(features: SchedulerFeatures | dict, block_size: int) -> str | None:
+    """The first thing in a header's ``features`` that the baseline does not
+    cover, in words, or None. A dict is typed first (``features_from``)."""
+    f = features if isinstance(features, SchedulerFeatures) else features_from(features)
     for key, what in FLAGS.items():
-        v = features.get(key)
+        v = getattr(f, key)
         if v:
             return f"{what} is on ({key}={v!r})"
-    spec = speculative(features)
+    spec = speculative(f)
     if spec is not None:
         return spec
-    if features.get("lora") and features.get("max_loras") is None:
+    if f.lora and f.max_loras is None:
         return "LoRA is on (lora=True), and the trace does not say how many adapters a step may run (max_loras)"
     for key, what in SIZES.items():
-        v = features.get(key)
+        v = getattr(f, key)
         if v not in (None, 1):
             return f"{what} is on ({key}={v!r})"
-    interval = features.get("prefill_schedule_interval", 1)
-    if (interval not in (None, 1) and features.get("data_parallel_size", 1) not in (None, 1)
-            and not features.get("throttle_prefills_recorded")):
+    interval = f.prefill_schedule_interval
+    if (interval not in (None, 1) and f.data_parallel_size not in (None, 1)
+            and not f.throttle_prefills_recorded):
         # vLLM's data-parallel engine core defers prefills to every interval-th
         # step (schedule(throttle_prefills=True)); a trace that does not record
         # that flag cannot be followed.
         return (f"data-parallel prefill throttling is on (prefill_schedule_interval={interval!r}) "
                 "and the trace does not record which steps throttled prefills")
-    groups = features.get("num_kv_cache_groups", 1)
-    if groups != 1:
+    groups = f.num_kv_cache_groups
+    if groups not in (None, 1):
         return f"{groups} KV-cache groups"
-    kinds = features.get("kv_cache_group_kinds")
-    if kinds is not None:
-        if not isinstance(kinds, list):
-            return f"field 'features.kv_cache_group_kinds' must be a list of names, got {kinds!r}"
-        other = [k for k in kinds if k not in FULL_ATTENTION]
-        if other:
-            return f"a KV-cache group of kind {other[0]!r}, not full attention"
-    hash_block_size = features.get("hash_block_size", block_size)
-    if hash_block_size != block_size:
-        return f"hash_block_size {hash_block_size!r} differs from block_size {block_size}"
+    other = [k for k in f.kv_cache_group_kinds or () if k not in FULL_ATTENTION]
+    if other:
+        return f"a KV-cache group of kind {other[0]!r}, not full attention"
+    if f.hash_block_size not in (None, block_size):
+        return f"hash_block_size {f.hash_block_size!r} differs from block_size {block_size}"
     return None
 
 
-
-def speculative(features: dict) -> str | None:
+def speculative(f: SchedulerFeatures) -> str | None:
     """Why a header's speculative decoding is outside the baseline, or None
     (none, or drafts under either scheduler, a fixed number or, with dynamic
     speculative decoding, a number by batch size from the header's table: by
     n-gram and suffix decoding, or by a drafter with its lookahead slots, its
     input slots per request and, for EAGLE, EAGLE3 and one-module MTP, the
     dropped hit block)."""
-    k = features.get("num_speculative_tokens")
-    eagle = features.get("use_eagle")
-    lookahead = features.get("num_lookahead_tokens")
+    k, eagle, lookahead = f.num_speculative_tokens, f.use_eagle, f.num_lookahead_tokens
     if not k:
         if eagle or lookahead:
             return (f"EAGLE or lookahead slots without speculative decoding (use_eagle={eagle!r}, "
                     f"num_lookahead_tokens={lookahead!r})")
         return None
     on = f"speculative decoding (num_speculative_tokens={k!r})"
-    table = features.get("spec_tokens_by_batch_size")
-    if features.get("dynamic_spec_decode") and table is None:
+    table = f.spec_tokens_by_batch_size
+    if f.dynamic_spec_decode and table is None:
         return (f"dynamic {on} is on, and the trace does not say how many drafts each batch "
                 "size takes (spec_tokens_by_batch_size)")
-    if table is not None:
-        if (not isinstance(table, list) or len(table) < 2
-                or any(type(v) is not int or not 0 <= v <= k for v in table)):
-            return ("field 'features.spec_tokens_by_batch_size' must be a list of at least two "
-                    f"integers from 0 to num_speculative_tokens ({k}), got {table!r}")
-    if features.get("num_draft_slots") is None:
+    if table is not None and (len(table) < 2 or any(not 0 <= v <= k for v in table)):
+        return ("field 'features.spec_tokens_by_batch_size' must be a list of at least two "
+                f"integers from 0 to num_speculative_tokens ({k}), got {table!r}")
+    if f.num_draft_slots is None:
         return f"{on} is on, and the trace does not say how many input slots drafting takes"
     if eagle:
-        if features.get("eagle_block_drop") is None:
+        if f.eagle_block_drop is None:
             return (f"{on} by EAGLE is on, and the trace does not say whether a prefix hit drops "
                     "its last block (eagle_block_drop)")
-        ahead = features.get("num_prefill_lookahead_tokens")
+        ahead = f.num_prefill_lookahead_tokens
         if ahead is None:
             return (f"{on} by EAGLE is on, and the trace does not say how far past a prefill "
                     "chunk the drafter reads (num_prefill_lookahead_tokens)")

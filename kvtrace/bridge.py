@@ -18,7 +18,7 @@ def header_profile(header: ev.Header) -> tuple[Profile, str | None]:
     """The profile a trace's header asks for: the embedded engine names the one
     it ran (``features.profile``); a vLLM trace's is its release's
     (``profile_for``, with a line when no profile covers that release)."""
-    named = header.features.get("profile")
+    named = header.features.profile
     if header.engine != "vllm" and named in PROFILES:
         return PROFILES[named], None
     return profile_for(header.engine, header.engine_version, header.counters)
@@ -34,13 +34,13 @@ def config_from_header(header: ev.Header, profile: Profile | None = None) -> Sch
     c, f = header.config, header.features
     if profile is None:
         profile = header_profile(header)[0]
-    async_scheduling = bool(f.get("async_scheduling", False))
-    defer, delivery = connector_rules((f.get("kv_role") or "kv_both") if c.connector else None,
+    async_scheduling = bool(f.async_scheduling)
+    defer, delivery = connector_rules((f.kv_role or "kv_both") if c.connector else None,
                                       async_scheduling, profile)
-    if f.get("defer_block_free") is not None:
-        defer = bool(f["defer_block_free"])
-    if f.get("requires_kv_delivery") is not None:
-        delivery = bool(f["requires_kv_delivery"])
+    if f.defer_block_free is not None:
+        defer = f.defer_block_free
+    if f.requires_kv_delivery is not None:
+        delivery = f.requires_kv_delivery
     return SchedulerConfig(
         block_size=c.block_size,
         num_blocks=c.num_blocks,
@@ -53,27 +53,26 @@ def config_from_header(header: ev.Header, profile: Profile | None = None) -> Sch
         max_num_scheduled_tokens=c.max_num_scheduled_tokens,
         watermark_blocks=c.watermark_blocks,
         load_failure_policy=c.connector.load_failure_policy if c.connector else "fail",
-        reserve_full_isl=bool(f.get("scheduler_reserve_full_isl", True)),
-        enable_chunked_prefill=bool(f.get("enable_chunked_prefill", True)),
-        adaptive_long_prefill_threshold=bool(f.get("long_prefill_token_threshold_adaptive", False)),
-        max_num_active_seqs=f.get("max_num_active_seqs"),
+        reserve_full_isl=f.scheduler_reserve_full_isl is not False,
+        enable_chunked_prefill=f.enable_chunked_prefill is not False,
+        adaptive_long_prefill_threshold=bool(f.long_prefill_token_threshold_adaptive),
+        max_num_active_seqs=f.max_num_active_seqs,
         async_scheduling=async_scheduling,
         defer_block_free=defer,
         requires_kv_delivery=delivery,
-        num_spec_tokens=int(f.get("num_speculative_tokens") or 0),
-        num_lookahead_tokens=int(f.get("num_lookahead_tokens") or 0),
-        eagle_block_drop=bool(f.get("use_eagle") and f.get("eagle_block_drop")),
-        num_draft_slots=(int(f.get("num_draft_slots") or 0)
-                         if profile.drafting_takes_input_slots else 0),
-        spec_tokens_by_batch_size=(tuple(f["spec_tokens_by_batch_size"])
-                                   if f.get("spec_tokens_by_batch_size") is not None
-                                   and f.get("num_speculative_tokens") else None),
-        num_sampled_tokens_per_step=(0 if f.get("pooling_runner")
+        num_spec_tokens=f.num_speculative_tokens or 0,
+        num_lookahead_tokens=f.num_lookahead_tokens or 0,
+        eagle_block_drop=bool(f.use_eagle and f.eagle_block_drop),
+        num_draft_slots=(f.num_draft_slots or 0) if profile.drafting_takes_input_slots else 0,
+        spec_tokens_by_batch_size=(tuple(f.spec_tokens_by_batch_size)
+                                   if f.spec_tokens_by_batch_size is not None
+                                   and f.num_speculative_tokens else None),
+        num_sampled_tokens_per_step=(0 if f.pooling_runner
                                      and profile.pooling_keeps_no_sample_slot else 1),
-        max_loras=f.get("max_loras") if f.get("lora") else None,
-        prefill_schedule_interval=int(f.get("prefill_schedule_interval") or 1),
-        num_hash_lookahead_tokens=int(f.get("num_hash_lookahead_tokens") or 0),
-        data_parallel_size=int(f.get("data_parallel_size") or 1),
+        max_loras=f.max_loras if f.lora else None,
+        prefill_schedule_interval=f.prefill_schedule_interval or 1,
+        num_hash_lookahead_tokens=f.num_hash_lookahead_tokens or 0,
+        data_parallel_size=f.data_parallel_size or 1,
         profile=profile,
     )
 

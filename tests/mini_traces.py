@@ -120,10 +120,40 @@ def _state(req: str, s: dict, status: str = "RUNNING") -> RequestState:
 
 
 def load_records(path: Path) -> list[dict]:
-    """Every record of a trace file (plain or gzip), header first, as dicts."""
+    """Every record of a trace file (plain or gzip), header first, as dicts,
+    each with every field of its kind, a field the file leaves at its default
+    included."""
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rb") as f:
-        return [orjson.loads(line) for line in f if line.strip()]
+        recs = [orjson.loads(line) for line in f if line.strip()]
+    return recs[:1] + [_whole(r) for r in recs[1:]]
+
+
+def _whole(rec: dict) -> dict:
+    """A record with every field its kind has (kept as it is when it does not
+    decode: a test may have spoilt it)."""
+    from kvtrace.trace.events import SchemaError, decode
+
+    try:
+        ev = decode(rec)
+    except SchemaError:
+        return rec
+    return _every_field(ev)
+
+
+def _every_field(obj):
+    import msgspec
+
+    if isinstance(obj, msgspec.Struct):
+        out = {f: _every_field(getattr(obj, f)) for f in obj.__struct_fields__}
+        if getattr(type(obj), "kind", None) is not None:
+            out["kind"] = type(obj).kind
+        return out
+    if isinstance(obj, list):
+        return [_every_field(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _every_field(v) for k, v in obj.items()}
+    return obj
 
 
 def save_records(records: list[dict], path: Path) -> Path:

@@ -228,7 +228,7 @@ def test_a_preempted_requests_state_is_compared(recorded, tmp_path):
     recs = recorded["kv-pressure"]
     b = save_records(recs, tmp_path / "b.jsonl")
     spoilt = copy.deepcopy(recs)
-    step = next(r for r in spoilt if r["kind"] == "step" and r["preempted"])
+    step = next(r for r in spoilt if r["kind"] == "step" and r.get("preempted"))
     victim = step["preempted"][0]
     state = next(st for st in step["states"] if st["req"] == victim)
     assert state["status"] == "PREEMPTED" and state["num_computed_tokens"] == 0
@@ -247,7 +247,7 @@ def test_what_a_trace_says_of_a_request_after_it_finished_is_not_compared(record
     (and so however far one trace is read ahead of the other)."""
     recs = copy.deepcopy(recorded["offload"])
     asks = next(i for i, r in enumerate(recs) if r["kind"] == "step"
-                and any(lk["load_async"] for lk in r.get("lookups") or ()))
+                and any(lk.get("load_async") for lk in r.get("lookups") or ()))
     victim = next(lk["req"] for lk in recs[asks]["lookups"] if lk["load_async"])
     done = next(i for i, r in enumerate(recs) if i > asks and r["kind"] == "output"
                 and victim in ((r.get("connector") or {}).get("finished_recving") or ()))
@@ -516,7 +516,7 @@ def test_every_lookup_is_compared_where_it_happened(recorded, tmp_path):
     own step, not lost among the later ones or moved to the admission."""
     recs = copy.deepcopy(recorded["offload"])
     b = save_records(recs, tmp_path / "b.jsonl")
-    asked = [r for r in recs if r["kind"] == "step" and any(lk["load_async"] for lk in r.get("lookups") or ())]
+    asked = [r for r in recs if r["kind"] == "step" and any(lk.get("load_async") for lk in r.get("lookups") or ())]
     first = asked[0]
     lk = next(x for x in first["lookups"] if x["load_async"])
     assert sum(x["req"] == lk["req"] for r in asked for x in r["lookups"]) > 1   # asked again later
@@ -597,7 +597,7 @@ def test_a_request_admitted_a_step_later_still_lines_up(recorded, tmp_path):
     looked it up (the same answer) and could not admit it yet."""
     recs = recorded["offload"]
     i = next(i for i, r in enumerate(recs) if r["kind"] == "step" and r["step"] > 5 and r.get("new")
-             and any(lk["req"] == r["new"][0]["req"] and not lk["load_async"] for lk in r.get("lookups") or ()))
+             and any(lk["req"] == r["new"][0]["req"] and not lk.get("load_async") for lk in r.get("lookups") or ()))
     s = recs[i]
     req = s["new"][0]["req"]
     lk = next(x for x in s["lookups"] if x["req"] == req)

@@ -33,8 +33,8 @@ def _check_the_design(path) -> None:
     (1 + 3 tokens and a drafting slot each: 30 input slots), the seventh gets
     what is left less its own drafting slot: one token."""
     f = TraceReader(path).header.features
-    assert (f["speculative_method"], f["num_draft_slots"], f["num_lookahead_tokens"],
-            f["use_eagle"]) == ("draft_model", 1, K, False)
+    assert (f.speculative_method, f.num_draft_slots, f.num_lookahead_tokens,
+            f.use_eagle) == ("draft_model", 1, K, False)
     steps = _steps(path)
     first = steps[0].new[0]
     assert first.req.startswith("0-") and first.num_scheduled_tokens == BUDGET - 1

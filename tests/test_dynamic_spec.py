@@ -20,7 +20,7 @@ from _recording import record_apart, replays_clean_through_both, rewrite
 
 from kvtrace import baseline
 from kvtrace.replay import replay_file
-from kvtrace.trace import TraceReader
+from kvtrace.trace import SchemaError, TraceReader
 from kvtrace.trace import events as ev
 
 TRACES = Path(__file__).resolve().parent.parent / "traces"
@@ -50,8 +50,8 @@ def _drafts_after(path) -> list[tuple[int, int]]:
 def test_the_header_holds_the_table_vllm_expanded_from_the_schedule(path):
     h = TraceReader(path).header
     f = h.features
-    assert f["dynamic_spec_decode"] is True and f["num_speculative_tokens"] == 3
-    table = f["spec_tokens_by_batch_size"]
+    assert f.dynamic_spec_decode is True and f.num_speculative_tokens == 3
+    table = f.spec_tokens_by_batch_size
     assert len(table) == h.config.max_num_seqs + 1
     assert table[1:] == [_asked(n) for n in range(1, h.config.max_num_seqs + 1)]
 
@@ -127,8 +127,11 @@ def test_the_baseline_wants_the_table_with_dynamic_speculative_decoding():
           "dynamic_spec_decode": True}
     assert "spec_tokens_by_batch_size" in baseline.outside(on, 16)
     assert baseline.outside(dict(on, spec_tokens_by_batch_size=[0, 3, 2, 1]), 16) is None
-    for bad in ([0, 4, 2], [0], "3,2,1", [0, 3, -1], [0, 3.0]):
+    for bad in ([0, 4, 2], [0], [0, 3, -1]):   # not the table of this many drafts
         assert "spec_tokens_by_batch_size" in baseline.outside(dict(on, spec_tokens_by_batch_size=bad), 16)
+    for bad in ("3,2,1", [0, 3.0]):   # not a list of integers: the reader refuses the header
+        with pytest.raises(SchemaError, match="features.spec_tokens_by_batch_size"):
+            baseline.outside(dict(on, spec_tokens_by_batch_size=bad), 16)
 
 
 @pytest.mark.vllm

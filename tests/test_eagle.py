@@ -47,8 +47,8 @@ def _check_the_design(path) -> None:
     slots past it too: a fourth block."""
     h = TraceReader(path).header
     f = h.features
-    assert (f["use_eagle"], f["eagle_block_drop"], f["num_lookahead_tokens"],
-            f["num_speculative_tokens"], f["num_prefill_lookahead_tokens"]) == (True, True, 3, 3, 1)
+    assert (f.use_eagle, f.eagle_block_drop, f.num_lookahead_tokens,
+            f.num_speculative_tokens, f.num_prefill_lookahead_tokens) == (True, True, 3, 3, 1)
     seen = _admitted(path)
     assert seen[0][:2] == (0, 0) and len(seen[0][2]) == -(-(PROMPT + 3) // BLOCK) == 4
     plain_resend = (PROMPT - 1) // BLOCK * BLOCK
@@ -149,7 +149,7 @@ def test_under_async_scheduling_the_drafts_are_placeholders_and_the_trace_replay
     three -1 drafts, which the model runner fills in, and the trace replays
     with no divergence, the shadow-KV check included."""
     h = TraceReader(ASYNC).header
-    assert h.features["async_scheduling"] is True and h.features["use_eagle"] is True
+    assert h.features.async_scheduling is True and h.features.use_eagle is True
     spec = [ids for e in TraceReader(ASYNC) if isinstance(e, ev.Step) and e.spec
             for ids in e.spec.values()]
     assert spec and all(ids == [-1, -1, -1] for ids in spec)

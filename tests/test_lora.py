@@ -68,7 +68,7 @@ def _check_the_slot_limit(path) -> None:
 
 def test_the_trace_shows_the_slot_limit_and_the_keys():
     h = TraceReader(TRACE).header
-    assert h.features["lora"] is True and h.features["max_loras"] == 2
+    assert h.features.lora is True and h.features.max_loras == 2
     _check_the_slot_limit(TRACE)
 
 

@@ -13,7 +13,7 @@ import time
 import orjson
 import pytest
 
-from kvtrace import _child as child_mod
+from kvtrace.workers import child as child_mod
 from kvtrace.record import sink as sink_mod
 from kvtrace.record import writer_process
 from kvtrace.record.sink import BlockTables, ProcessSink, RawOutput, RawStep, TraceSink
@@ -27,6 +27,7 @@ from kvtrace.trace.events import (
     PrefillStats,
     PromptStats,
     SchedulerConfig,
+    encode,
     to_json,
 )
 from kvtrace.trace.io import TraceError, TraceReader, TraceWriter, open_trace_file
@@ -226,7 +227,7 @@ def test_a_failing_disk_ends_the_trace_with_recorder_error(tmp_path, monkeypatch
     path = tmp_path / "full.jsonl"
     r_fd, w_fd = os.pipe()
     lines = [orjson.dumps(to_json(header()))]
-    lines += [orjson.dumps(Abort(seq=0, reqs=[f"r{i}"])) for i in range(5)]
+    lines += [encode(Abort(seq=0, reqs=[f"r{i}"])) for i in range(5)]
     lines.append(orjson.dumps(["end", "complete", None, 0]))
     os.write(w_fd, b"\n".join(lines) + b"\n")
     os.close(w_fd)

@@ -12,10 +12,11 @@ from pathlib import Path
 import orjson
 import pytest
 
-from kvtrace.replay import replay_file, workers
-from kvtrace.replay.record_worker import RecordWorker, RecordWorkerError
-from kvtrace.trace import TraceError, TraceReader, trusted
-from kvtrace.trace.events import decode
+from kvtrace.workers import policy as workers
+from kvtrace.replay import replay_file
+from kvtrace.workers.record_worker import RecordWorker, RecordWorkerError
+from kvtrace.trace import TraceError, TraceReader
+from kvtrace.trace.events import decode, decode_line, encode
 
 from mini_traces import load_records, save_records
 
@@ -36,14 +37,18 @@ def error(path, worker: int, device: str | None = None) -> str:
     return str(e.value)
 
 
-def test_unchecked_decoding_builds_the_checked_events():
+def test_one_decoder_from_bytes_or_objects_and_back():
     """Over every record of the real traces, whose steps and outputs use every
-    field (connector output, load plans, free-block counts included)."""
+    field (connector output, load plans, free-block counts included): a line
+    decoded from its bytes equals the same record decoded from its parsed
+    object, and encoding the event and decoding it again gives it back."""
     seen = set()
     for path in REAL:
         for rec in load_records(path)[1:]:
             seen.update((rec["kind"], k) for k in rec)
-            assert trusted.decode(rec) == decode(rec), (path.name, rec["seq"])
+            ev = decode(rec)
+            assert decode_line(orjson.dumps(rec)) == ev, (path.name, rec["seq"])
+            assert decode_line(encode(ev)) == ev, (path.name, rec["seq"])
     assert {("step", "loads"), ("step", "lookups"), ("step", "num_free_blocks"), ("output", "connector"),
             ("step", "resumed"), ("step", "preempted"), ("prompt_stats", "prefill_stats")} <= seen
 
@@ -204,7 +209,7 @@ def test_a_trace_that_grows_after_the_worker_met_its_end_stops_there(faulty, tmp
 
 def _started_workers(monkeypatch) -> list:
     """The record workers started from now on, as they start."""
-    from kvtrace.replay import record_worker
+    from kvtrace.workers import record_worker
 
     started = []
     orig = record_worker.RecordWorker.__init__
@@ -266,7 +271,8 @@ def test_replay_of_a_trace_still_being_written_stops_at_the_workers_end(faulty, 
     live, half, grow = _still_being_written(monkeypatch, tmp_path, recs)
     monkeypatch.setattr(replayer, "PROGRESS_EVERY", 16)
     res = replay_file(live, device=device, worker=True, progress=grow)
-    assert live.stat().st_size == faulty.stat().st_size   # it grew while it was read
+    whole = save_records(recs, tmp_path / "whole.jsonl").stat().st_size
+    assert live.stat().st_size == whole   # it grew while it was read
     alone = replay_file(save_records(recs[:half], tmp_path / "h.jsonl"), device=device, worker=False)
     assert f"after line {half}" in alone.truncation
     assert res.truncation == f"{alone.truncation}; the file has grown since (is it still being written?)"
@@ -280,7 +286,7 @@ def test_diff_of_a_trace_still_being_written_stops_at_the_workers_end(faulty, tm
     live, half, grow = _still_being_written(monkeypatch, tmp_path, load_records(faulty))
     monkeypatch.setattr(align, "PROGRESS_EVERY", 16)
     r = diff_files(live, faulty, worker=True, progress=grow)
-    assert live.stat().st_size == faulty.stat().st_size
+    assert live.stat().st_size == save_records(load_records(faulty), tmp_path / "w.jsonl").stat().st_size
     assert r.truncation_a.endswith("the file has grown since (is it still being written?)")
     assert f"after line {half}" in r.truncation_a
     # What the worker read, compared as a cut-off trace: no divergence.
@@ -348,7 +354,7 @@ def test_a_worker_bug_on_a_record_does_not_pass_it(faulty, monkeypatch):
     not checked it: the replay fails there instead of ending clean."""
     from multiprocessing import Pipe
 
-    from kvtrace.replay import record_worker
+    from kvtrace.workers import record_worker
 
     last = len(load_records(faulty))
 

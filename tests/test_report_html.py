@@ -48,9 +48,17 @@ def _no_external_references(page: str) -> None:
     assert "@import" not in page and "url(" not in page
 
 
+def _report(trace, out, against=None):
+    """The report ``kvtrace report`` writes: the command runs the analysis."""
+    from kvtrace.commands.report import analysis
+
+    divs, source, note = analysis(trace, against)
+    return write_html_report(trace, out, divs, source=source, against=against, note=note)
+
+
 def test_report_from_replay(tmp_path):
     out = tmp_path / "r.html"
-    rep = write_html_report(FAULTED, out)
+    rep = _report(FAULTED, out)
     page = out.read_text()
     _no_external_references(page)
     assert rep.source == "replay" and rep.divergences
@@ -63,8 +71,8 @@ def test_report_from_replay(tmp_path):
 
 def test_report_from_diff(tmp_path):
     out = tmp_path / "d.html"
-    rep = write_html_report(TRACES / "faults" / "stale-computed-on-preempt.jsonl.gz", out,
-                            against=TRACES / "preemption.jsonl.gz")
+    rep = _report(TRACES / "faults" / "stale-computed-on-preempt.jsonl.gz", out,
+                  against=TRACES / "preemption.jsonl.gz")
     page = out.read_text()
     assert rep.source == "diff" and rep.divergences
     assert "From <code>kvtrace diff</code> against" in page
@@ -99,7 +107,7 @@ def test_unreplayable_trace_still_gets_a_report(tmp_path, monkeypatch):
     def refuse(path, *a, **k):
         raise TraceError(path, 1, "async scheduling is on")
     monkeypatch.setattr("kvtrace.replay.replay_file", refuse)
-    rep = write_html_report(TRACES / "connector.jsonl.gz", tmp_path / "n.html")
+    rep = _report(TRACES / "connector.jsonl.gz", tmp_path / "n.html")
     assert rep.note and "async scheduling is on" in (tmp_path / "n.html").read_text()
 
 
@@ -369,7 +377,7 @@ def _blend(c: str, alpha: float) -> np.ndarray:
 @pytest.mark.browser
 def test_page_loads_cleanly_and_draws_its_charts(browser, tmp_path):
     out = tmp_path / "report.html"
-    rep = write_html_report(FAULTED, out)
+    rep = _report(FAULTED, out)
     sid = browser.open(out.as_uri())
     assert browser.problems(sid) == []
     dom = browser.evaluate(sid, """(() => {

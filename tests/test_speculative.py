@@ -174,7 +174,7 @@ def test_the_padding_cut_vllm_fails_on_is_named():
     steps = [e for e in records if isinstance(e, ev.Step)]
     # From the records alone: the last arrival, its prompt all cached but one token.
     last = [e for e in records if isinstance(e, ev.Arrival)][-1]
-    assert r.header.config.long_prefill_token_threshold < 1 + r.header.features["num_speculative_tokens"]
+    assert r.header.config.long_prefill_token_threshold < 1 + r.header.features.num_speculative_tokens
     res = replay_file(CUT, device="cpu", worker=0)
     assert [(d.step, d.req, d.field) for d in res.divergences] == [
         (steps[-1].step + 1, last.req, "assertion")]

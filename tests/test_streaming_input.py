@@ -66,7 +66,7 @@ def test_the_flag_must_be_a_boolean(tmp_path, capsys):
     path = save_records(records, tmp_path / "bad.jsonl")
     assert cli.run(["replay", str(path)]) == 2
     err = capsys.readouterr().err
-    assert err.strip() == f"kvtrace: {path}:2: field 'resumable' must be true or false, got a string"
+    assert err.strip() == f"kvtrace: {path}:2: field 'resumable': expected true or false, got a string"
 
 
 # --------------------------------------------------------------------------- the reference

@@ -10,7 +10,9 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from kvtrace.replay import content_worker, record_worker, replay_file, workers
+from kvtrace.workers import policy as workers
+from kvtrace.replay import content_worker, replay_file
+from kvtrace.workers import record_worker
 
 import test_record_worker as rw
 from mini_traces import load_records, save_records

@@ -53,7 +53,7 @@ others (each run starts an engine: about 5 to 10 s).
 
 from __future__ import annotations
 
-import dataclasses
+import msgspec
 import os
 
 import pytest
@@ -536,7 +536,7 @@ def _session_deadlock(trace, d) -> str | None:
                 sessions.add(e.req)
                 st = latest.get(e.req)
                 if st is not None and st.status == "WAITING_FOR_STREAMING_REQ":
-                    latest[e.req] = dataclasses.replace(st, status="WAITING")   # taken at once
+                    latest[e.req] = msgspec.structs.replace(st, status="WAITING")   # taken at once
             if e.kind == "abort":
                 for req in e.reqs:
                     latest.pop(req, None)

@@ -88,8 +88,8 @@ def test_plugin_records_a_complete_readable_trace(tmp_path, model_dir):
     assert h.config.max_num_batched_tokens == 256 and h.config.max_num_seqs == 8
     assert h.config.connector is None
     assert h.counters == "prefill_stats"
-    assert h.features["async_scheduling"] is False
-    assert h.features["num_kv_cache_groups"] == 1
+    assert h.features.async_scheduling is False
+    assert h.features.num_kv_cache_groups == 1
     assert {"arrival", "step", "output", "prompt_stats", "end"} <= kinds(evs)
     assert isinstance(evs[-1], End) and evs[-1].status == "complete"
     assert r.truncation is None and evs[-1].dropped_events == 0
@@ -150,8 +150,8 @@ def test_async_scheduling_engine_is_recorded_unchanged_and_replays_clean(tmp_pat
     recorded = record_vllm_offline(model_dir, out, "async-preemption")
     assert recorded["outputs"] == plain["outputs"]
     r, evs = read_all(out)
-    assert r.header.features["async_scheduling"] is True
-    assert r.header.features["scheduler_cls"] == "vllm.v1.core.sched.async_scheduler.AsyncScheduler"
+    assert r.header.features.async_scheduling is True
+    assert r.header.features.scheduler_cls == "vllm.v1.core.sched.async_scheduler.AsyncScheduler"
     assert evs[-1].status == "complete"
     ahead = 0   # steps recorded while the step before them had no output yet
     outputs = set()
@@ -177,7 +177,7 @@ def test_async_connector_workload_is_recorded_unchanged_and_replays_clean(tmp_pa
     recorded = record_vllm_offline(model_dir, out, "async-connector")
     assert recorded["outputs"] == plain["outputs"]
     r, evs = read_all(out)
-    assert r.header.features["defer_block_free"] is True and evs[-1].status == "complete"
+    assert r.header.features.defer_block_free is True and evs[-1].status == "complete"
     outs = [e for e in evs if e.kind == "output" and e.connector is not None]
     assert any(o.connector.failed_recving for o in outs)
     assert any(s.preempted for s in evs if s.kind == "step")
@@ -288,7 +288,7 @@ def test_a_sliding_window_model_is_recorded_and_refused_by_replay_naming_its_kin
     out = tmp_path / "swa.jsonl.gz"
     record_vllm_offline(str(model), out, "preemption")
     r, evs = read_all(out)
-    assert r.header.features["kv_cache_group_kinds"] == ["SlidingWindowSpec"]
+    assert r.header.features.kv_cache_group_kinds == ["SlidingWindowSpec"]
     assert evs[-1].status == "complete" and any(e.kind == "step" for e in evs)
     _refused_by_both(capsys, out, "a KV-cache group of kind 'SlidingWindowSpec', not full attention")
 
@@ -302,7 +302,7 @@ def test_an_engine_that_takes_prompt_embeddings_and_gets_token_ids_replays_clean
     out = tmp_path / "embeds.jsonl.gz"
     record_vllm_offline(None, out, "prefix", enable_prompt_embeds=True)
     r, evs = read_all(out)
-    assert r.header.features["prompt_embeds"] is True and evs[-1].status == "complete"
+    assert r.header.features.prompt_embeds is True and evs[-1].status == "complete"
     assert all(e.prompt_embeds is None for e in evs if e.kind == "arrival")
     replays_clean_through_both(out, tmp_path)
 
@@ -605,7 +605,7 @@ def test_user_scheduler_class_is_wrapped_not_replaced(tmp_path, model_dir):
     out = tmp_path / "u.jsonl.gz"
     record_vllm_offline(model_dir, out, wl, scheduler_cls=AsyncLoadOvershootScheduler)
     r, evs = read_all(out)
-    assert r.header.features["scheduler_cls"].endswith("AsyncLoadOvershootScheduler")
+    assert r.header.features.scheduler_cls.endswith("AsyncLoadOvershootScheduler")
     assert r.header.config.connector.name == "ScriptedConnector"
     steps = [e for e in evs if e.kind == "step"]
     # the async load is planned as [0, 40) ...
@@ -813,7 +813,7 @@ def test_an_engine_core_process_that_fails_ends_its_trace_interrupted(tmp_path, 
     rc = record_command(out, ["bash", "-c", f'"{sys.executable}" -c "$0" > "{log}" 2>&1', script])
     assert rc == 0 and "RAISED" in log.read_text(), log.read_text()[-3000:]
     r, evs = read_all(out)
-    assert r.header.meta["pid"] != os.getpid() and r.header.features["async_scheduling"] is True
+    assert r.header.meta["pid"] != os.getpid() and r.header.features.async_scheduling is True
     if r.end is not None:
         assert evs[-1].status == "interrupted", evs[-1]
         # The worker's IndexError stays in its own process; the engine core fails on

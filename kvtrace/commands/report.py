@@ -28,9 +28,28 @@ def report(trace: Path, out: Path, against: Path | None) -> int:
     refuse_pipes(trace, against)
 
     with progress(f"reporting {trace.name}", "steps"):
-        rep = write_html_report(trace, out, against=against)
+        divs, source, note = analysis(trace, against)
+        rep = write_html_report(trace, out, divs, source=source, against=against, note=note)
     echo(f"wrote {out}" + (f" ({rep.note})" if rep.note else ""))
     return EXIT_DIVERGENT if rep.divergences else EXIT_OK
+
+
+def analysis(trace: Path, against: Path | None) -> tuple[list, str, str | None]:
+    """What a report shows: the divergences of a diff with ``against``, or of a
+    replay; where they come from; and, for a trace replay refuses, why there
+    are none."""
+    from kvtrace.trace import TraceError
+
+    if against is not None:
+        from kvtrace.diff import diff_files
+
+        return list(diff_files(trace, against).divergences), "diff", None
+    from kvtrace.replay import replay_file
+
+    try:
+        return list(replay_file(trace).divergences), "replay", None
+    except TraceError as e:
+        return [], "replay", f"not replayed: {e}"
 
 
 @click.command()

@@ -170,17 +170,17 @@ def _refuse_pipe(path) -> None:
 def _events(reader: TraceReader, workers: contextlib.ExitStack, worker: bool | None) -> Iterator:
     """The events of one input. With a worker, a worker process checks its
     records while this process decodes them unchecked behind it, as replay does
-    (kvtrace/replay/record_worker.py): the same events, cut and errors as
+    (kvtrace/workers/record_worker.py): the same events, cut and errors as
     iterating the reader, with the checks, about half of a diff's work, off
     this process. By default a file large enough for replay to use a worker
     gets one (``KVTRACE_REPLAY_WORKER=0`` keeps diff in one process too)."""
     if worker is None:
-        from ..replay.workers import wanted
+        from ..workers import wanted
 
         worker = wanted(reader.path) >= 1
     if not worker or not reader.shareable:   # a pipe has one reader only
         return iter(reader)
-    from ..replay.record_worker import RecordWorker   # a module the worker runs as __main__
+    from ..workers.record_worker import RecordWorker   # a module the worker runs as __main__
 
     gate = RecordWorker(reader.path, reader.share())
     workers.callback(gate.close)
@@ -806,9 +806,10 @@ def _config(h: Header) -> dict:
 def _header_divs(ha: Header, hb: Header) -> list[Divergence]:
     """The scheduler configs must agree. Engine features are compared only where
     both traces name them: recorders of different engines list different ones."""
-    common = [k for k in ha.features if k in hb.features and k not in _IGNORED_FEATURES]
-    fa = _flatten(_config(ha), "config") | _flatten({k: ha.features[k] for k in common}, "features")
-    fb = _flatten(_config(hb), "config") | _flatten({k: hb.features[k] for k in common}, "features")
+    na, nb = ha.features.named(), hb.features.named()
+    common = [k for k in na if k in nb and k not in _IGNORED_FEATURES]
+    fa = _flatten(_config(ha), "config") | _flatten({k: na[k] for k in common}, "features")
+    fb = _flatten(_config(hb), "config") | _flatten({k: nb[k] for k in common}, "features")
     return [Divergence(step=None, req=None, field=k, recorded=fa.get(k), expected=fb.get(k),
                        rule="the two runs were configured differently", kind="diff")
             for k in _union(fa, fb) if fa.get(k) != fb.get(k)]

@@ -84,8 +84,7 @@ class _Side:
 
 def role(header: Any) -> str | None:
     """The header's KV role (``kv_producer``, ``kv_consumer``, ``kv_both``) or None."""
-    r = (header.features or {}).get("kv_role")
-    return r if isinstance(r, str) else None
+    return header.features.kv_role
 
 
 def is_handoff_pair(header_a: Any, header_b: Any) -> bool:

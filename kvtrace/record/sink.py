@@ -49,13 +49,13 @@ import threading
 import time
 import weakref
 from collections import deque
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import orjson
 
-from kvtrace._child import above_stdio, child_env
+from kvtrace.workers.child import above_stdio, child_env
 from kvtrace.trace.events import (
     STATUSES,
     Header,
@@ -64,11 +64,15 @@ from kvtrace.trace.events import (
     ScheduledNew,
     ScheduledRunning,
     Step,
+    plain_values,
     to_json,
 )
 from kvtrace.trace.io import JSON_LINE, TraceWriter, open_trace_file
 
 logger = logging.getLogger("kvtrace.record")
+# One line of the hand-over: an event, or a raw step or output (tuples of the
+# engine's values, numpy integers among them).
+_encode = msgspec.json.Encoder(enc_hook=plain_values).encode
 # Bytes a socket holds that its reader has not read (Linux: SIOCOUTQ). None
 # where termios lacks it: the recorder then never says the engine settled.
 _TIOCOUTQ = getattr(termios, "TIOCOUTQ", None)
@@ -86,11 +90,11 @@ STATUS_FOLD = {
 # The fields every step and output record has; the rare ones (a step's drafts and
 # grammar outcomes, an output's grammar rejections) follow only when they hold something.
 _RARE = ("spec", "grammar", "throttle_prefills", "grammar_rejected", "pooled")
-_STEP_FIELDS = tuple(f.name for f in fields(Step) if f.name not in _RARE)
-_OUTPUT_FIELDS = tuple(f.name for f in fields(Output) if f.name not in _RARE)
-_NEW_FIELDS = tuple(f.name for f in fields(ScheduledNew))
-_RUNNING_FIELDS = tuple(f.name for f in fields(ScheduledRunning))
-_STATE_FIELDS = tuple(f.name for f in fields(RequestState))
+_STEP_FIELDS = tuple(f for f in Step.__struct_fields__ if f not in _RARE) + ("kind",)
+_OUTPUT_FIELDS = tuple(f for f in Output.__struct_fields__ if f not in _RARE) + ("kind",)
+_NEW_FIELDS = ScheduledNew.__struct_fields__
+_RUNNING_FIELDS = ScheduledRunning.__struct_fields__
+_STATE_FIELDS = RequestState.__struct_fields__
 
 
 # --------------------------------------------------------------------------- queue items
@@ -553,7 +557,7 @@ class ProcessSink(_Sink):
             try:
                 lines: list = []
                 self._resolve(ev, lines)
-                self._out.append(b"".join([orjson.dumps(x, option=JSON_LINE) for x in lines]))
+                self._out.append(b"".join([_encode(x) + b"\n" for x in lines]))
                 self._settling = False
                 if self._settled or time.monotonic() - self._sent_at >= self.SEND_S:
                     # Settled: the socket was empty but for that line, and takes at

@@ -319,15 +319,15 @@ def _build_vllm_config(header: ev.Header) -> Any:
 
     c, f = header.config, header.features
     # A pooling model's scheduler keeps no context slot for a sampled token.
-    extra = {"runner": "pooling"} if f.get("pooling_runner") else {}
-    if f.get("prompt_embeds"):
+    extra = {"runner": "pooling"} if f.pooling_runner else {}
+    if f.prompt_embeds:
         extra["enable_prompt_embeds"] = True
     model_config = ModelConfig(model=_model_dir(c.max_model_len), skip_tokenizer_init=True,
                                max_model_len=c.max_model_len, dtype="bfloat16", seed=0, **extra)
     cache_config = CacheConfig(
         block_size=c.block_size,
         enable_prefix_caching=c.enable_prefix_caching,
-        prefix_caching_hash_algo=str(f.get("prefix_caching_hash_algo") or "sha256"),
+        prefix_caching_hash_algo=f.prefix_caching_hash_algo or "sha256",
     )
     cache_config.num_gpu_blocks = c.num_blocks
     sched_kwargs: dict[str, Any] = dict(
@@ -337,15 +337,14 @@ def _build_vllm_config(header: ev.Header) -> Any:
         is_encoder_decoder=False,
         policy=c.policy,
         long_prefill_token_threshold=c.long_prefill_token_threshold,
-        enable_chunked_prefill=bool(f.get("enable_chunked_prefill", True)),
-        scheduler_reserve_full_isl=bool(f.get("scheduler_reserve_full_isl", True)),
-        long_prefill_token_threshold_adaptive=bool(f.get("long_prefill_token_threshold_adaptive",
-                                                         False)),
-        max_num_active_seqs=f.get("max_num_active_seqs"),
-        prefill_schedule_interval=int(f.get("prefill_schedule_interval") or 1),
+        enable_chunked_prefill=f.enable_chunked_prefill is not False,
+        scheduler_reserve_full_isl=f.scheduler_reserve_full_isl is not False,
+        long_prefill_token_threshold_adaptive=bool(f.long_prefill_token_threshold_adaptive),
+        max_num_active_seqs=f.max_num_active_seqs,
+        prefill_schedule_interval=f.prefill_schedule_interval or 1,
     )
-    watermark = f.get("watermark")   # the fraction, for the replayed header; the
-    if type(watermark) in (int, float) and 0 < watermark < 1:   # blocks are set below
+    watermark = f.watermark   # the fraction, for the replayed header; the
+    if watermark is not None and 0 < watermark < 1:   # blocks are set below
         sched_kwargs["watermark"] = float(watermark)
     if c.max_num_scheduled_tokens is not None and c.max_num_scheduled_tokens != c.max_num_batched_tokens:
         sched_kwargs["max_num_scheduled_tokens"] = c.max_num_scheduled_tokens
@@ -360,31 +359,30 @@ def _build_vllm_config(header: ev.Header) -> Any:
         kv_transfer_config = KVTransferConfig(
             kv_connector=c.connector.name,
             kv_connector_module_path=_CONNECTOR_MODULE,
-            kv_role=f.get("kv_role") or "kv_both",
+            kv_role=f.kv_role or "kv_both",
             kv_load_failure_policy=c.connector.load_failure_policy,
         )
     lora_config = None
-    if f.get("lora") and f.get("max_loras"):
+    if f.lora and f.max_loras:
         from vllm.config import LoRAConfig
 
-        lora_config = LoRAConfig(max_loras=int(f["max_loras"]))
+        lora_config = LoRAConfig(max_loras=f.max_loras)
     vc = VllmConfig(model_config=model_config, cache_config=cache_config,
                     scheduler_config=scheduler_config, kv_transfer_config=kv_transfer_config,
                     lora_config=lora_config)
     # Set afterwards: vLLM's CPU platform turns async scheduling off while it
     # builds the config (it has no use for it there).
-    vc.scheduler_config.async_scheduling = f.get("async_scheduling") is True
+    vc.scheduler_config.async_scheduling = f.async_scheduling is True
     # VllmConfig may re-derive some settings; the trace's values win.
     vc.cache_config.num_gpu_blocks = c.num_blocks
     vc.cache_config.block_size = c.block_size
     vc.cache_config.enable_prefix_caching = c.enable_prefix_caching
-    k = f.get("num_speculative_tokens")
-    if k:
+    if f.num_speculative_tokens:
         vc.speculative_config = _speculative_stand_in(f, model_config, vc)
     return vc
 
 
-def _speculative_stand_in(f: dict, model_config: Any, vc: Any) -> Any:
+def _speculative_stand_in(f: ev.SchedulerFeatures, model_config: Any, vc: Any) -> Any:
     """A SpeculativeConfig that gives vLLM's scheduler the trace's drafting
     arithmetic: the drafts per step (by batch size, with dynamic speculative
     decoding), the lookahead slots, the input slots per request, EAGLE's block
@@ -397,16 +395,15 @@ def _speculative_stand_in(f: dict, model_config: Any, vc: Any) -> Any:
     from vllm.config import SpeculativeConfig
 
     spec = SpeculativeConfig(
-        method="ngram", num_speculative_tokens=int(f["num_speculative_tokens"]),
+        method="ngram", num_speculative_tokens=f.num_speculative_tokens,
         target_model_config=model_config, target_parallel_config=vc.parallel_config)
     _dynamic_stand_in(f, spec, vc)
-    want = (int(f.get("num_lookahead_tokens") or 0), int(f.get("num_draft_slots") or 0),
-            bool(f.get("use_eagle") and f.get("eagle_block_drop")),
-            int(f.get("num_prefill_lookahead_tokens") or 0),
-            int(f.get("num_hash_lookahead_tokens") or 0))
+    want = (f.num_lookahead_tokens or 0, f.num_draft_slots or 0,
+            bool(f.use_eagle and f.eagle_block_drop),
+            f.num_prefill_lookahead_tokens or 0, f.num_hash_lookahead_tokens or 0)
     if want == (0, 0, False, 0, 0):
         return spec     # drafts alone (n-gram, suffix decoding)
-    method = f.get("speculative_method") or ("eagle" if f.get("use_eagle") else "draft_model")
+    method = f.speculative_method or ("eagle" if f.use_eagle else "draft_model")
     vc.speculative_config = spec
     # Each of the release's switches that decide those figures, both ways
     # (a release without a switch has one way).
@@ -439,11 +436,11 @@ def _drafting_figures(spec: Any, vc: Any, want: tuple) -> tuple:
             hash_lookahead)
 
 
-def _dynamic_stand_in(f: dict, spec: Any, vc: Any) -> None:
+def _dynamic_stand_in(f: ev.SchedulerFeatures, spec: Any, vc: Any) -> None:
     """Dynamic speculative decoding: the trace's table of drafts by batch size,
     given to ``spec`` as one range per batch size, from which vLLM's scheduler
     builds the same table. Raises ConfigRefused when it does not."""
-    table = f.get("spec_tokens_by_batch_size")
+    table = f.spec_tokens_by_batch_size
     if table is None:
         return
     from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
@@ -578,12 +575,12 @@ def build_scheduler(header: ev.Header, out_path: str | os.PathLike, scheduler_cl
     # them (a connector may override requires_kv_delivery; the replay connector
     # cannot know).
     for name in ("defer_block_free", "requires_kv_delivery"):
-        value = header.features.get(name)
+        value = getattr(header.features, name)
         if value is not None and hasattr(sched, name):
-            setattr(sched, name, bool(value))
+            setattr(sched, name, value)
     out_header = vr.build_header(sched, meta=meta)
-    if "speculative_method" in header.features:   # the proposer stood in for (above)
-        out_header.features["speculative_method"] = header.features["speculative_method"]
+    if header.features.speculative_method is not None:   # the proposer stood in for (above)
+        out_header.features.speculative_method = header.features.speculative_method
     # Null means "equal to max_num_batched_tokens": keep the recording's spelling
     # where the two say the same, so that a header comparison sees no difference.
     oc = out_header.config
@@ -820,7 +817,7 @@ def replay_through_vllm(trace_path: str | os.PathLike, out_path: str | os.PathLi
     reader = TraceReader(trace_path)
     header = reader.header
     try:
-        cls = resolve_scheduler_cls(scheduler_cls, header.features.get("async_scheduling") is True)
+        cls = resolve_scheduler_cls(scheduler_cls, header.features.async_scheduling is True)
     except BaseException:
         reader.close()
         raise
@@ -829,7 +826,7 @@ def replay_through_vllm(trace_path: str | os.PathLike, out_path: str | os.PathLi
         sched, out_header = build_scheduler(header, out_path, cls, meta={
             "replayed_from": path_text(trace_path), "recorded_engine": header.engine,
             "recorded_engine_version": header.engine_version,
-            "recorded_scheduler_cls": header.features.get("scheduler_cls"),
+            "recorded_scheduler_cls": header.features.scheduler_cls,
             "replay": "kvtrace.record.vllm_replay"})
     except ConfigRefused as e:
         reader.close()
@@ -841,8 +838,7 @@ def replay_through_vllm(trace_path: str | os.PathLike, out_path: str | os.PathLi
     rec = sched._kvtrace
     block_hasher = None
     if header.config.enable_prefix_caching or header.config.connector is not None:
-        hash_fn = get_hash_fn_by_name(str(header.features.get("prefix_caching_hash_algo")
-                                          or "sha256"))
+        hash_fn = get_hash_fn_by_name(header.features.prefix_caching_hash_algo or "sha256")
         init_none_hash(hash_fn)
         lookahead = int(getattr(sched.vllm_config, "num_hash_lookahead_tokens", 0) or 0)
         if "num_hash_lookahead_tokens" in inspect.signature(get_request_block_hasher).parameters:

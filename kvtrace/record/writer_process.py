@@ -42,7 +42,7 @@ import sys
 import orjson
 
 from kvtrace.record.sink import FLUSH_IDLE_S, Records, dropped_end, hold_lock
-from kvtrace.trace.events import Header
+from kvtrace.trace.events import decode_header
 from kvtrace.trace.io import TraceWriter
 
 
@@ -85,7 +85,7 @@ def serve(fd_in: int, path: str, fd_out: int) -> int:
         os.close(fd_out)
         return 1
     try:
-        writer = TraceWriter(path, Header.from_json(orjson.loads(first)), fd=fd_out)
+        writer = TraceWriter(path, decode_header(orjson.loads(first)), fd=fd_out)
         writer.flush()   # an engine killed before the first idle moment leaves a readable trace
     except Exception as e:
         _say(f"cannot write the trace {path}: {type(e).__name__}: {e}")

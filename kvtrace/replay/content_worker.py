@@ -8,13 +8,13 @@ worker process that reads the same file on its own, beside the main process:
     main process:   read + check records -> reference scheduler -> compare
     worker process: read JSON            -> ContentCheck          -> results
 
-The main process checks every record (docs/bad-input.md); the worker trusts
-that check and decodes records without checking them (trace/trusted.py). A
-record the main process refuses ends the replay there, with the main process's
-error, whatever the worker made of it. With ``validate`` (one worker, on two
-cores), the worker runs the checks across records and the own checks of
-outputs as well, and the main process hands those over once the worker has
-caught up (``TraceReader.validated_elsewhere``): the worker's verdict on a
+The main process checks every record (docs/bad-input.md); the worker decodes
+them with their own checks too (one decoder), and trusts the main process
+with the checks across records. A record the main process refuses ends the
+replay there, with the main process's error, whatever the worker made of it.
+With ``validate`` (one worker, on two cores), the worker runs the checks
+across records as well, and the main process hands those over once the worker
+has caught up (``TraceReader.validated_elsewhere``): the worker's verdict on a
 record is then the one replay reports.
 
 The worker reports in step order, per step: (line, divergences or None, slots
@@ -40,16 +40,13 @@ from collections import deque
 from pathlib import Path
 from multiprocessing.connection import Connection
 
-from kvtrace._child import spawn, stop, worker_main
+from kvtrace.workers.child import spawn, stop, worker_main
 from kvtrace.findings import Divergence
 from kvtrace.trace import events as ev
-from kvtrace.trace import TraceError, trusted
+from kvtrace.trace import TraceError
 
-from .workers import WorkerError
+from kvtrace.workers import WorkerError
 
-# The kinds of record whose own checks the worker takes over with the checks
-# across records (see ``ContentWorker.kinds``).
-KINDS = frozenset({"output"})
 # Steps the main process may be ahead of the worker before it waits for results,
 # and results of the worker it reads ahead of its own steps.
 MAX_LAG = 1 << 16
@@ -70,13 +67,13 @@ class ContentWorker:
                  session_keeps_sampled: bool = False):
         """``shared``: from the main process's reader of ``path``
         (``TraceReader.share``); the worker then reads the very bytes it reads. With
-        ``validate`` the worker runs the checks across records as well, and the
-        own checks of the records of ``kinds``, and this is a gate for
+        ``validate`` the worker runs the checks across records as well, and this
+        is a gate for
         ``TraceReader.validated_elsewhere``. ``session_keeps_sampled``: as
         ``ContentCheck``'s."""
         self.path = str(Path(path))   # as TraceReader names it
         self._proc, self._conn = spawn("kvtrace.replay.content_worker", self.path, device,
-                                       "1" if validate else "0", ",".join(sorted(self.kinds)),
+                                       "1" if validate else "0",
                                        "1" if session_keeps_sampled else "0",
                                        share=shared or ())
         self.through = 0   # the checks across records have passed every line up to this one
@@ -143,13 +140,7 @@ class ContentWorker:
         self._last_needed = self._tags[-1][0] if self._tags else 0
 
     # The gate: see TraceReader.validated_elsewhere. Once the worker has caught
-    # up, it checks outputs whole and the main process decodes them unchecked;
-    # the main process keeps the own checks of the other records (steps, the
-    # bulk of the rest). On two cores that evens out the two processes' work:
-    # on the 1M-step benchmark trace, 120 s of CPU in the main process and 114 s
-    # in the worker, against 133 s and 95 s when the worker took over no record's
-    # own checks and 108 s and 134 s when it took over all (docs/performance.md).
-    kinds = KINDS
+    # up, it runs the checks across records, and the main process leaves them.
 
     def caught_up(self, line: int) -> bool:
         """Whether the worker's checks across records have passed ``line`` (as
@@ -207,13 +198,12 @@ class ContentWorker:
 # --------------------------------------------------------------------------- the worker
 
 
-def _serve(path: str, device: str, validate: str, kinds: str, keeps_sampled: str,
+def _serve(path: str, device: str, validate: str, keeps_sampled: str,
            shared: tuple[int, int] | None, conn: Connection) -> list[tuple]:
     """The worker process: check the trace ``path``; report to ``conn``, per step,
     (line, divergences or None, slots checked so far, loads assumed so far), and
-    with ``validate`` ("1") run the checks across records too, and the own
-    checks of the records of ``kinds`` (joined by commas), and report the last
-    line they passed. Returns the last reports: the results not sent yet, and
+    with ``validate`` ("1") run the checks across records too, and report the
+    last line they passed. Returns the last reports: the results not sent yet, and
     ("end", report)."""
     import torch
 
@@ -255,13 +245,13 @@ def _serve(path: str, device: str, validate: str, kinds: str, keeps_sampled: str
     try:
         reader = TraceReader(path, validate=validate == "1", shared=shared)
         check = ContentCheck(reader.header.config, device,
-                             reader.header.features.get("async_scheduling") is True,
+                             reader.header.features.async_scheduling is True,
                              keep_counts=True, session_keeps_sampled=keeps_sampled == "1")
         conn.send(("device", check.device))
         if validate == "1":
-            events = reader.shares_checks(frozenset(kinds.split(",")))
+            events = reader.shares_checks()
         else:
-            events = (trusted.decode(obj) for _, obj in reader.records())
+            events = (e for _, e in reader.records())
         with torch.inference_mode():
             try:
                 for n, e in enumerate(events, 1):

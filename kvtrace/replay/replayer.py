@@ -15,6 +15,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from itertools import chain
 
+import msgspec
+
 from kvtrace import baseline, bridge
 from kvtrace._text import path_text
 from kvtrace.findings import Divergence
@@ -27,7 +29,7 @@ from kvtrace.trace import events as ev
 from . import checks
 from .connector import RecordedConnector
 from .liveness import ProgressWatch
-from .workers import wanted
+from kvtrace.workers import wanted
 
 PROGRESS_EVERY = 4096   # events between progress calls
 # Async scheduling: a step whose output has not come this many steps later never will.
@@ -93,17 +95,17 @@ def _profile_refusal(header: ev.Header, profile: Profile) -> str | None:
     kvtrace's recorder). A prompt of embeddings keys a block by its rows, and
     the trace's digests do not cover the rows after a block."""
     f = header.features
-    if f.get("async_scheduling") and not profile.async_scheduling_modelled:
+    if f.async_scheduling and not profile.async_scheduling_modelled:
         return (f"async scheduling under the {profile.name} profile ({profile.releases}): "
                 "its AsyncScheduler keeps a preempted request's output placeholders, which "
                 "the reference does not model; replay it with --scheduler vllm")
-    lookahead = f.get("num_hash_lookahead_tokens")
-    if (lookahead is None and profile.name == "0.33" and f.get("use_eagle")
+    lookahead = f.num_hash_lookahead_tokens
+    if (lookahead is None and profile.name == "0.33" and f.use_eagle
             and header.config.enable_prefix_caching and header.config.connector is None):
         return ("this vLLM 0.33 trace of EAGLE with prefix caching does not say whether its "
                 "block hashes cover the token after each block (num_hash_lookahead_tokens): "
                 "record it again with this kvtrace")
-    if lookahead and f.get("prompt_embeds"):
+    if lookahead and f.prompt_embeds:
         return ("prompt embeddings with lookahead block hashes (num_hash_lookahead_tokens="
                 f"{lookahead}): the trace's digests do not cover the rows after each block")
     return None
@@ -138,7 +140,7 @@ class Replayer:
             from .content import ContentCheck   # imports torch; only when the check runs
 
             self.content = ContentCheck(header.config, device,
-                                        header.features.get("async_scheduling") is True,
+                                        header.features.async_scheduling is True,
                                         session_keeps_sampled=keeps)
         self.divergences: list[Divergence] = []
         self._kv_placed = 0   # content-check divergences placed in the list so far
@@ -237,7 +239,7 @@ class Replayer:
             a, self.cfg.block_size, self.sched.config.num_hash_lookahead_tokens))
         if self.content:
             self.content.arrival(a)
-        self._write(ev.Arrival(**{**_fields(a), "seq": self._seq()}))
+        self._write(msgspec.structs.replace(a, seq=self._seq()))
 
     def _abort(self, e: ev.Abort) -> None:
         self.sched.finish_requests(e.reqs, Status[e.status])
@@ -428,10 +430,6 @@ class Replayer:
             self.out.write(e)
 
 
-def _fields(obj) -> dict:
-    return {k: getattr(obj, k) for k in obj.__slots__ if k != "kind"}
-
-
 def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
                 device: str | None = "auto", progress=None,
                 worker: bool | int | None = None, profile: str | None = None) -> ReplayResult:
@@ -481,7 +479,7 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
         result = ReplayResult(path=str(path), header=header, profile=chosen.name,
                               profile_note=note)
         if workers >= (2 if device else 1):
-            from .record_worker import RecordWorker   # a module the worker runs as __main__
+            from kvtrace.workers.record_worker import RecordWorker   # a module the worker runs as __main__
 
             record_worker = RecordWorker(reader.path, reader.share())
             events = reader.checked_elsewhere(record_worker)

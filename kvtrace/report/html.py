@@ -57,31 +57,19 @@ class HtmlReport:
 
 
 def write_html_report(trace: str | os.PathLike, out_html: str | os.PathLike,
-                      against: str | os.PathLike | None = None,
-                      divergences: Iterable[Divergence] | None = None,
+                      divergences: Iterable[Divergence], source: str = "given",
+                      against: str | os.PathLike | None = None, note: str | None = None,
                       max_requests: int = MAX_REQUESTS,
                       max_divergent: int = MAX_DIVERGENT) -> HtmlReport:
-    """Write the report of ``trace`` to ``out_html``.
+    """Write the report of ``trace`` and its ``divergences`` to ``out_html``.
 
-    Divergences come from ``divergences`` when given; otherwise from
-    ``diff_files(trace, against)`` when ``against`` is given; otherwise from
-    ``replay_file(trace)``. A trace that replay refuses (a feature the reference
-    does not model) still gets a report, with the reason in place of the
-    divergences. Raises ``TraceError`` when the trace is unusable.
+    ``source`` says where the divergences come from (``replay``, ``diff``
+    with ``against``, or ``given``); ``note`` why there are none to show (a
+    trace that replay refuses still gets a report, with the reason in their
+    place). This renders; the caller runs the analysis. Raises ``TraceError``
+    when the trace is unusable.
     """
-    note = None
-    if divergences is not None:
-        divs, source = list(divergences), "given"
-    elif against is not None:
-        from ..diff import diff_files
-        divs, source = list(diff_files(trace, against).divergences), "diff"
-    else:
-        from ..replay import replay_file
-        source = "replay"
-        try:
-            divs = list(replay_file(trace).divergences)
-        except TraceError as e:
-            divs, note = [], f"not replayed: {e}"
+    divs = list(divergences)
     divergent: list[str] = []
     seen: set = set()
     for d in sorted(divs, key=_div_key):

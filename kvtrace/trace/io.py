@@ -19,10 +19,10 @@ import zlib
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator
 
+import msgspec
 import orjson
 
-from . import trusted
-from .events import End, Event, Header, SchemaError, decode, decode_header, to_json
+from .events import LINE_DECODER, End, Event, Header, SchemaError, decode_header, decode_line, encode
 from .validate import Validator
 
 GZIP_MAGIC = b"\x1f\x8b"
@@ -36,7 +36,7 @@ MAX_TOTAL_BYTES = 64 << 30
 ENV_MAX_LINE_BYTES = "KVTRACE_MAX_LINE_BYTES"
 ENV_MAX_BYTES = "KVTRACE_MAX_BYTES"
 _CHUNK = 1 << 20
-_CUT = object()   # what _parse returns for a line cut off mid-record
+_CUT = object()   # what _decode returns for a line cut off mid-record
 
 
 class TraceError(Exception):
@@ -353,9 +353,15 @@ class TraceReader:
         self.last_line = lineno
         if not complete and (b"\x00" in raw or not _mostly_text(raw)):
             raise TraceError(self.path, lineno, "binary data, not a JSON record")
-        obj = self._parse(lineno, raw, complete)
-        if obj is _CUT:
-            raise TraceError(self.path, 1, "the header record is cut off")
+        try:
+            obj = orjson.loads(raw)
+        except orjson.JSONDecodeError as e:
+            if not complete:
+                self.truncation = f"line {lineno} is cut off mid-record"
+                raise TraceError(self.path, 1, "the header record is cut off") from None
+            if b"\x00" in raw or not _mostly_text(raw):
+                raise TraceError(self.path, lineno, "binary data, not a JSON record") from None
+            raise TraceError(self.path, lineno, f"not JSON ({_short(e)})") from None
         try:
             return decode_header(obj)
         except SchemaError as e:
@@ -427,17 +433,23 @@ class TraceReader:
             self._raw_iter = self._lines()
         return next(self._raw_iter, None)
 
-    def _parse(self, lineno: int, raw: bytes, complete: bool):
-        """The line's JSON value, or ``_CUT`` for a last line cut off mid-record
-        (a line that reads ``null`` is a value, and a bad record)."""
+    def _decode(self, lineno: int, raw: bytes, complete: bool):
+        """The line's event, its own checks passed, or ``_CUT`` for a last line
+        cut off mid-record."""
         try:
-            return orjson.loads(raw)
-        except orjson.JSONDecodeError as e:
+            return decode_line(raw)
+        except SchemaError as e:
+            raise TraceError(self.path, lineno, str(e)) from None
+        except msgspec.DecodeError as e:
             if not complete:
                 self.truncation = f"line {lineno} is cut off mid-record"
                 return _CUT
             if b"\x00" in raw or not _mostly_text(raw):
                 raise TraceError(self.path, lineno, "binary data, not a JSON record") from None
+            try:   # orjson names the place of a syntax error
+                orjson.loads(raw)
+            except orjson.JSONDecodeError as je:
+                raise TraceError(self.path, lineno, f"not JSON ({_short(je)})") from None
             raise TraceError(self.path, lineno, f"not JSON ({_short(e)})") from None
 
     # -- events ----------------------------------------------------------------
@@ -447,83 +459,81 @@ class TraceReader:
 
     def validated_elsewhere(self, gate) -> Iterator[Event]:
         """The events of a file that another reader of it checks as well, from
-        its first record, through ``shares_checks``: the checks across records
-        (validate.py) and the own checks of the records of the kinds in
-        ``gate.kinds``. Here every record gets every check until the other
-        reader has caught up, at the first record whose line ``gate.caught_up``
-        says it has checked. From there on, records of those kinds are decoded
-        here without checks (trusted.py), the others with their own checks, and
-        each record waits for ``gate`` as in ``checked_elsewhere``. Same events,
-        same cut, same errors as iteration, as long as the other reader reads
-        the same bytes (replay's content worker)."""
+        its first record, through ``shares_checks``. Here every record gets
+        every check until the other reader has caught up, at the first record
+        whose line ``gate.caught_up`` says it has checked. From there on, the
+        checks across records (validate.py) are left to it, and each record
+        waits for ``gate`` as in ``checked_elsewhere``; each record still gets
+        its own checks as it is decoded. Same events, same cut, same errors as
+        iteration, as long as the other reader reads the same bytes (replay's
+        content worker)."""
         return self._events(self._validator, gate)
 
-    def shares_checks(self, kinds: frozenset[str]) -> Iterator[Event]:
-        """The other reader's side of ``validated_elsewhere``: the events of a
-        file whose records, except those of ``kinds``, get their own checks from
-        a reader beside this one. Records of ``kinds`` are decoded with their own
-        checks, the others without (trusted.py); every record gets the checks
-        of order and across records, in iteration's order. So a record's first
-        problem raises the TraceError iteration would raise, unless it is one of
-        the own checks left to the other reader, which refuses that record
-        itself; then anything may happen here."""
-        return self._events(self._validator, theirs=lambda kind: kind not in kinds)
+    def shares_checks(self) -> Iterator[Event]:
+        """The other reader's side of ``validated_elsewhere``: iteration, every
+        check included, so a record's first problem raises the TraceError
+        iteration would raise."""
+        return self._events(self._validator)
 
-    def _events(self, validator: Validator | None, gate=None,
-                theirs: Callable[[Any], bool] | None = None) -> Iterator[Event]:
-        """Each record decoded, with its own checks unless ``theirs(kind)`` says
-        that another reader runs them; then the checks of order and, with
-        ``validator``, those across records. With ``gate``, see
+    def _events(self, validator: Validator | None, gate=None) -> Iterator[Event]:
+        """Each record decoded with its own checks, then the checks of order and,
+        with ``validator``, those across records. With ``gate``, see
         ``validated_elsewhere``."""
         last_seq = -1
-        for lineno, obj in self.records():
-            kind = obj.get("kind") if type(obj) is dict else None
-            if theirs is not None and type(kind) is str and theirs(kind):
-                if gate is not None and lineno > gate.through:
-                    gate.wait(lineno)   # nothing is decoded unchecked before it is checked
-                ev = trusted.decode(obj)
-            else:
-                try:
-                    ev = decode(obj)
-                except SchemaError as e:
-                    raise TraceError(self.path, lineno, str(e)) from None
+        check = validator.check if validator is not None else None
+        fast = LINE_DECODER.decode
+        if not hasattr(self, "_raw_iter"):
+            self._raw_iter = self._lines()
+        for lineno, raw, complete in self._raw_iter:
+            self.last_line = lineno
+            try:
+                ev = fast(raw)
+            except Exception:   # named, or found cut off, the slow way
+                ev = self._decode(lineno, raw, complete)
+                if ev is _CUT:
+                    break
             if ev.seq <= last_seq:
                 raise TraceError(self.path, lineno,
                                  f"sequence number {ev.seq} does not follow {last_seq}")
             last_seq = ev.seq
             if self.end is not None:
                 raise TraceError(self.path, lineno, "record after the 'end' record")
-            if validator is not None:
+            if check is not None:
                 if gate is not None and gate.caught_up(lineno):
-                    validator = None   # the other reader checks from here on
-                    theirs = gate.kinds.__contains__
+                    check = None   # the other reader checks from here on
                 else:
                     try:
-                        validator.check(ev)
+                        check(ev)
                     except SchemaError as e:
                         raise TraceError(self.path, lineno, str(e)) from None
-            if validator is None and gate is not None and lineno > gate.through:
+            if check is None and gate is not None and lineno > gate.through:
                 gate.wait(lineno)
-            if isinstance(ev, End):
-                self.end = ev
-            yield ev
-        self._note_no_end()
-
-    def checked_elsewhere(self, gate) -> Iterator[Event]:
-        """The events of a file whose records another reader of it checks: each
-        record is decoded without checks (trusted.py) once ``gate`` says that the
-        other reader has passed its line: ``gate.through`` is the last line it has
-        checked, and ``gate.wait(line)`` returns when it has checked ``line``, or
-        raises its TraceError for that line or one before it. Same events, same
-        cut, same errors as iteration, as long as the other reader reads the same
-        bytes (replay's record worker, through ``share()``)."""
-        for lineno, obj in self.records():
-            if lineno > gate.through:
-                gate.wait(lineno)
-            ev = trusted.decode(obj)
             if type(ev) is End:
                 self.end = ev
             yield ev
+        self._end_of_records()
+        self._note_no_end()
+
+    def checked_elsewhere(self, gate) -> Iterator[Event]:
+        """The events of a file whose records another reader of it checks across
+        records: each record is decoded, with its own checks, once ``gate`` says
+        that the other reader has passed its line: ``gate.through`` is the last
+        line it has checked, and ``gate.wait(line)`` returns when it has checked
+        ``line``, or raises its TraceError for that line or one before it. Same
+        events, same cut, same errors as iteration, as long as the other reader
+        reads the same bytes (replay's record worker, through ``share()``)."""
+        for lineno, raw, complete in self._raw_records():
+            # Decoded first: its own checks are the other reader's, which has
+            # passed every line before this one (a cut last line it never passes).
+            ev = self._decode(lineno, raw, complete)
+            if ev is _CUT:
+                break
+            if lineno > gate.through:
+                gate.wait(lineno)
+            if type(ev) is End:
+                self.end = ev
+            yield ev
+        self._end_of_records()
         self._note_no_end()
 
     def _note_no_end(self) -> None:
@@ -532,21 +542,29 @@ class TraceReader:
         if self.truncation is not None and self._grown:
             self.truncation += "; the file has grown since (is it still being written?)"
 
-    def records(self) -> Iterator[tuple[int, Any]]:
-        """(line number, parsed JSON) for each record after the header, not decoded
-        into events and not checked; iteration decodes and checks them. On its own,
-        for a second reader of a file whose events another reader checks (the
-        replay's content worker). Stops where the file is cut off, and closes it."""
+    def records(self) -> Iterator[tuple[int, Event]]:
+        """(line number, event) for each record after the header, with its own
+        checks (types, ranges, allowed values) and none across records, which
+        iteration adds. On its own, for a second reader of a file whose records
+        another reader checks across records (the replay's content worker).
+        Stops where the file is cut off, and closes it."""
+        for lineno, raw, complete in self._raw_records():
+            ev = self._decode(lineno, raw, complete)
+            if ev is _CUT:
+                break
+            yield lineno, ev
+        self._end_of_records()
+
+    def _raw_records(self) -> Iterator[tuple[int, bytes, bool]]:
+        """(line number, bytes, whether the line ended) of each line after the header."""
         while True:
             item = self._next_raw()
             if item is None:
-                break
-            lineno, raw, complete = item
-            self.last_line = lineno
-            obj = self._parse(lineno, raw, complete)
-            if obj is _CUT:
-                break
-            yield lineno, obj
+                return
+            self.last_line = item[0]
+            yield item
+
+    def _end_of_records(self) -> None:
         self._grown = self._file.grown()
         self.close()
 
@@ -625,7 +643,7 @@ class TraceWriter:
         self._fh = io.BufferedWriter(self._inner, buffer_size=1 << 20)
         self._seq = 0
         self._closed = False
-        self._write_obj(to_json(header))
+        self._fh.write(encode(header) + b"\n")
 
     def next_seq(self) -> int:
         s = self._seq
@@ -633,9 +651,9 @@ class TraceWriter:
         return s
 
     def write(self, event: Event | dict) -> None:
-        # orjson writes the dataclass (or a dict of its fields) itself, optional
-        # fields as null, numpy integers as integers.
-        self._fh.write(orjson.dumps(event, option=JSON_LINE))
+        # An event as the schema encodes it (numpy integers as integers); a dict
+        # of a record's fields as it is.
+        self._fh.write(encode(event) + b"\n")
 
     def _write_obj(self, obj: dict) -> None:
         self._fh.write(orjson.dumps(obj, option=orjson.OPT_APPEND_NEWLINE))

@@ -29,11 +29,20 @@ in fixed memory by ``FinishedRequests``.
 from __future__ import annotations
 
 from collections import deque
+from operator import attrgetter
 
 from . import events as ev
 from .events import SchemaError
 
 FINISHED_STATUSES = frozenset(s for s in ev.STATUSES if s.startswith("FINISHED_"))
+
+
+_REQ = attrgetter("req")
+_NEW_COUNTS = attrgetter("num_computed_tokens", "num_scheduled_tokens")
+_NEW_BLOCKS = attrgetter("block_ids")
+_RUNNING_BLOCKS = attrgetter("new_block_ids")
+_STATE_COUNTS = attrgetter("num_computed_tokens", "num_tokens")
+_STATE_BLOCKS = attrgetter("block_ids")
 
 
 class FinishedRequests:
@@ -71,12 +80,11 @@ class Validator:
         self.num_blocks = cfg.num_blocks
         self.token_limit = cfg.max_model_len + cfg.num_blocks * cfg.block_size
         self.max_model_len = cfg.max_model_len
-        self.lora = bool(header.features.get("lora"))
+        self.lora = bool(header.features.lora)
         # A prompt of embeddings has a digest per block of the size vLLM hashes
         # at: hash_block_size, with several KV-cache groups (replay refuses
         # those; the trace still reads for show and diff).
-        hb = header.features.get("hash_block_size")
-        self.hash_block_size = hb if type(hb) is int and hb > 0 else cfg.block_size
+        self.hash_block_size = header.features.hash_block_size or cfg.block_size
         self.live: set[str] = set()
         self.sessions: set[str] = set()   # live streaming-input sessions: arrive in chunks
         self.finished = FinishedRequests()
@@ -141,16 +149,18 @@ class Validator:
             raise SchemaError(f"step {s.step} does not follow step {self.last_step}: "
                               "step numbers must increase")
         for name, items in (("new", s.new), ("resumed", s.resumed)):
-            for x in items:
-                self._known(x.req, f"{name}.req")
-                self._tokens(x.num_computed_tokens, f"{name}.num_computed_tokens")
-                self._tokens(x.num_scheduled_tokens, f"{name}.num_scheduled_tokens")
-                self._blocks(x.block_ids, f"{name}.block_ids")
-        for x in s.running:
-            self._known(x.req, "running.req")
-            self._tokens(x.num_computed_tokens, "running.num_computed_tokens")
-            self._tokens(x.num_scheduled_tokens, "running.num_scheduled_tokens")
-            self._blocks(x.new_block_ids, "running.new_block_ids")
+            if items and not self._fine(items, _NEW_COUNTS, _NEW_BLOCKS):
+                for x in items:
+                    self._known(x.req, f"{name}.req")
+                    self._tokens(x.num_computed_tokens, f"{name}.num_computed_tokens")
+                    self._tokens(x.num_scheduled_tokens, f"{name}.num_scheduled_tokens")
+                    self._blocks(x.block_ids, f"{name}.block_ids")
+        if s.running and not self._fine(s.running, _NEW_COUNTS, _RUNNING_BLOCKS):
+            for x in s.running:
+                self._known(x.req, "running.req")
+                self._tokens(x.num_computed_tokens, "running.num_computed_tokens")
+                self._tokens(x.num_scheduled_tokens, "running.num_scheduled_tokens")
+                self._blocks(x.new_block_ids, "running.new_block_ids")
         for req in s.preempted:
             self._known(req, "preempted")
         for req in s.finished:
@@ -218,7 +228,22 @@ class Validator:
             self.sessions.discard(req)
             self.finished.add(req)
 
+    def _fine(self, items: list, counts, blocks) -> bool:
+        """Whether every item of a list of requests passes the checks below,
+        checked inline: a live request, counts within the token limit, block
+        ids within the pool. False sends the list through the checks item by
+        item, which name the problem (a finished request is fine there)."""
+        live, limit, pool = self.live, self.token_limit, self.num_blocks
+        for x in items:
+            a, b = counts(x)
+            ids = blocks(x)
+            if x.req not in live or a > limit or b > limit or (ids and max(ids) >= pool):
+                return False
+        return True
+
     def _states(self, states: list[ev.RequestState]) -> None:
+        if not states or self._fine(states, _STATE_COUNTS, _STATE_BLOCKS):
+            return
         for st in states:
             self._known(st.req, "states.req")
             self._tokens(st.num_computed_tokens, "states.num_computed_tokens")

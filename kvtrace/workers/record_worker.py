@@ -4,11 +4,12 @@ input of diff).
 Replay without the content check spends about half its time checking and
 decoding records (docs/bad-input.md) and half replaying them. So for a large
 trace, a worker process reads the same file on its own and checks every record
-as any reader does, while the main process decodes the same records without
-checks (trace/trusted.py) and replays them:
+as any reader does, while the main process decodes the same records (their
+own checks come with decoding) without the checks across records, and
+replays them:
 
     worker process: read + check records          -> "checked through line N"
-    main process:   read JSON -> decode unchecked -> reference scheduler -> compare
+    main process:   read + decode records         -> reference scheduler -> compare
 
 The main process never acts on a record the worker has not passed: before it
 decodes the record at line L, it waits until the worker has checked line L
@@ -30,10 +31,10 @@ import sys
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from kvtrace._child import spawn, stop, worker_main
+from .child import spawn, stop, worker_main
 from kvtrace.trace import TraceError, TraceReader
 
-from .workers import WorkerError
+from .policy import WorkerError
 
 _REPORT_EVERY = 256   # records between reports from the worker
 
@@ -50,7 +51,7 @@ class RecordWorker:
         """``shared``: from this process's reader of ``path`` (``TraceReader.share``);
         the worker then reads the very bytes it reads."""
         self.path = str(Path(path))   # as TraceReader names it
-        self._proc, self._conn = spawn("kvtrace.replay.record_worker", self.path, share=shared or ())
+        self._proc, self._conn = spawn("kvtrace.workers.record_worker", self.path, share=shared or ())
         self.through = 0            # the worker has checked every record up to this line
         self._end: dict | None = None
 

@@ -1,0 +1,66 @@
+"""The import rules that keep data flowing one way (record -> trace -> replay
+or diff -> report): every import of every module is read, those inside
+functions included, and checked against the rules below."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent / "kvtrace"
+
+# package -> the kvtrace packages and modules it may import (its own always).
+RULES = {
+    "trace": set(),                     # the format: nothing else from kvtrace
+    "reference": set(),                 # the reference scheduler: nothing else
+    "report": {"trace", "findings", "outputs", "_text"},   # renders what it is given
+    "diff": {"trace", "findings", "workers", "_text"},     # no replay internals
+}
+
+
+def _imports(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
+    """(line, the kvtrace module named) for each import in ``path``, a module
+    of the package ``root``."""
+    pkg = path.relative_to(root.parent).with_suffix("").parts
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name.startswith("kvtrace")]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:   # relative: resolve against the module's package
+                base = pkg[:len(pkg) - node.level]
+                name = ".".join(base + ((node.module,) if node.module else ()))
+                names = [name] if node.module else [f"{name}.{a.name}" for a in node.names]
+                out += [(node.lineno, n) for n in names]
+            elif (node.module or "").startswith("kvtrace"):
+                out.append((node.lineno, node.module))
+    return out
+
+
+def _top(name: str) -> str | None:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "kvtrace" else None
+
+
+@pytest.mark.parametrize("package", sorted(RULES))
+def test_each_package_imports_only_what_its_place_allows(package):
+    bad = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        for line, name in _imports(path):
+            top = _top(name)
+            if top is not None and top != package and top not in RULES[package]:
+                bad.append(f"{path.relative_to(ROOT.parent)}:{line} imports {name}")
+    assert bad == []
+
+
+def test_the_rules_see_a_bad_import(tmp_path):
+    """The reader of imports finds one inside a function, relative or not."""
+    mod = tmp_path / "kvtrace" / "trace" / "probe.py"
+    mod.parent.mkdir(parents=True)
+    mod.write_text("def f():\n    from ..replay import replay_file\n    import kvtrace.diff\n"
+                   "from . import events\n")
+    names = [n for _, n in _imports(mod, tmp_path / "kvtrace")]
+    assert names == ["kvtrace.trace.events", "kvtrace.replay", "kvtrace.diff"]
+    assert [_top(n) for n in names] == ["trace", "replay", "diff"]
