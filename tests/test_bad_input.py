@@ -126,6 +126,11 @@ def test_binary_garbage_after_header(base, tmp_path, capsys):
     _assert_rejected(capsys, bad, base, 4, "binary data, not a JSON record")
 
 
+def test_a_string_that_is_not_utf8(base, tmp_path, capsys):
+    bad = _edit(base, tmp_path, lambda o: o.insert(3, b'{"kind":"abort","seq":2,"reqs":["\xff\xfe"]}\n'))
+    _assert_rejected(capsys, bad, base, 4, "not JSON (str is not valid UTF-8")
+
+
 def test_second_header(base, tmp_path, capsys):
     bad = _edit(base, tmp_path, lambda o: o.insert(2, o[0]))
     _assert_rejected(capsys, bad, base, 3, "a second header record")

@@ -440,7 +440,7 @@ class TraceReader:
             return decode_line(raw)
         except SchemaError as e:
             raise TraceError(self.path, lineno, str(e)) from None
-        except msgspec.DecodeError as e:
+        except (msgspec.DecodeError, UnicodeDecodeError) as e:
             if not complete:
                 self.truncation = f"line {lineno} is cut off mid-record"
                 return _CUT
