@@ -16,7 +16,8 @@ import pytest
 from kvtrace.workers import child as child_mod
 from kvtrace.record import sink as sink_mod
 from kvtrace.record import writer_process
-from kvtrace.record.sink import BlockTables, ProcessSink, RawOutput, RawStep, TraceSink
+from kvtrace.record.sink import (BlockTables, ProcessSink, RawOutput, RawStep, RunningColumns,
+                                 Sampled, Scheduled, Snapshot, TraceSink)
 from kvtrace.trace.events import (
     Abort,
     Arrival,
@@ -59,23 +60,33 @@ def feed(sink) -> None:
     b_blocks = [Block(1)]
     sink.put(Arrival(seq=0, req="a", prompt_token_ids=[1, 2, 3], max_tokens=4, arrival_time=1.5))
     sink.put(Arrival(seq=0, req="b", prompt_token_ids=[4, 5], max_tokens=2, arrival_time=2.0))
-    states = (["a", "b"], [("a", Status.RUNNING, 0, 3, 0), ("b", Status.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR, 0, 2, 0)],
-              [a_blocks, b_blocks], [2, 1])
-    sink.put(RawStep((0, [("a", 0, 3, [3, 7])], [], ([], [], [], {}), [], [],
-                      [Lookup(req="a", local=0, ext=2, load_async=False)],
-                      [KVLoad(req="a", start=0, end=2)], states, 60, None)))
+    states = Snapshot(["a", "b"], [("a", Status.RUNNING, 0, 3, 0),
+                                   ("b", Status.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR, 0, 2, 0)],
+                      [a_blocks, b_blocks], [2, 1])
+    sink.put(RawStep(step=0, new=[Scheduled("a", 0, 3, [3, 7])], resumed=[],
+                     running=RunningColumns([], [], [], {}), preempted=[], finished=[],
+                     lookups=[Lookup(req="a", local=0, ext=2, load_async=False)],
+                     loads=[KVLoad(req="a", start=0, end=2)], states=states, num_free_blocks=60,
+                     rare=None))
     a_blocks.append(Block(9))
-    sink.put(RawOutput((0, (["a"], [[42]], {"a": 0}),
-                        ConnectorOutput(finished_recving=["a"], finished_sending=[],
-                                        failed_recving=[], invalid_block_ids=[]),
-                        {}, (["a"], [("a", Status.RUNNING, 3, 4, 0)], [a_blocks], [3]), None)))
+    sink.put(RawOutput(step=0, sampled=Sampled(["a"], [[42]], {"a": 0}),
+                       connector=ConnectorOutput(finished_recving=["a"], finished_sending=[],
+                                                 failed_recving=[], invalid_block_ids=[]),
+                       finished={}, states=Snapshot(["a"], [("a", Status.RUNNING, 3, 4, 0)],
+                                                    [a_blocks], [3]), rare=None))
     b_new = [Block(11), Block(12)]
-    sink.put(RawStep((1, [], [], (["a"], [3], [([9],)], {"a": 1}), ["b"], [], [], None,
-                      (["a", "b"], [("a", Status.RUNNING, 3, 4, 0), ("b", Status.PREEMPTED, 0, 2, 1)],
-                       [a_blocks, b_new], [3, 2]), 59, {"spec": {"a": [5, -1]}, "grammar": {"b": "ready"}})))
-    sink.put(RawOutput((1, (["a"], [[7, 8]], {"a": 0}), None, {"a": "stop"},
-                        (["a"], [("a", Status.FINISHED_REPETITION, 4, 6, 0)], [a_blocks], [3]),
-                        {"grammar_rejected": ["a"]})))
+    sink.put(RawStep(step=1, new=[], resumed=[],
+                     running=RunningColumns(["a"], [3], [([9],)], {"a": 1}), preempted=["b"],
+                     finished=[], lookups=[], loads=None,
+                     states=Snapshot(["a", "b"], [("a", Status.RUNNING, 3, 4, 0),
+                                                  ("b", Status.PREEMPTED, 0, 2, 1)],
+                                     [a_blocks, b_new], [3, 2]),
+                     num_free_blocks=59, rare={"spec": {"a": [5, -1]}, "grammar": {"b": "ready"}}))
+    sink.put(RawOutput(step=1, sampled=Sampled(["a"], [[7, 8]], {"a": 0}), connector=None,
+                       finished={"a": "stop"},
+                       states=Snapshot(["a"], [("a", Status.FINISHED_REPETITION, 4, 6, 0)],
+                                       [a_blocks], [3]),
+                       rare={"grammar_rejected": ["a"]}))
     sink.put(PromptStats(seq=0, step=1, req="a", prefill_stats=PrefillStats(
         num_prompt_tokens=3, num_local_cached_tokens=0, num_external_cached_tokens=2,
         num_cached_tokens=2, num_computed_tokens=3, num_cache_creation_tokens=1)))

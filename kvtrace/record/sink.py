@@ -50,7 +50,7 @@ import time
 import weakref
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import orjson
@@ -87,11 +87,6 @@ STATUS_FOLD = {
     "FINISHED_REPETITION": "FINISHED_STOPPED",
 }
 
-# The fields every step and output record has; the rare ones (a step's drafts and
-# grammar outcomes, an output's grammar rejections) follow only when they hold something.
-_RARE = ("spec", "grammar", "throttle_prefills", "grammar_rejected", "pooled")
-_STEP_FIELDS = tuple(f for f in Step.__struct_fields__ if f not in _RARE) + ("kind",)
-_OUTPUT_FIELDS = tuple(f for f in Output.__struct_fields__ if f not in _RARE) + ("kind",)
 _NEW_FIELDS = ScheduledNew.__struct_fields__
 _RUNNING_FIELDS = ScheduledRunning.__struct_fields__
 _STATE_FIELDS = RequestState.__struct_fields__
@@ -100,34 +95,89 @@ _STATE_FIELDS = RequestState.__struct_fields__
 # --------------------------------------------------------------------------- queue items
 
 
-class RawStep(tuple):
-    """(step, new, resumed, running, preempted, finished, lookups, loads, states,
-    num_free_blocks, rare): ``new`` and ``resumed`` hold tuples in ScheduledNew field
-    order; ``running`` is ``(req_ids, num_computed_tokens, new_block_ids,
-    num_scheduled_tokens)``, copies of the scheduler output's columns; ``states``
-    is a raw states snapshot (below); ``rare`` the step's rare fields that hold
-    something (``spec``, ``grammar``), as a dict, or None."""
-
-    __slots__ = ()
+# The recorder copies what the engine holds into these named tuples (cheap to
+# build on the engine's thread, encoded as JSON arrays on the way to the writer
+# process); ``Records`` turns them into the schema's records. Their field names
+# are the schema's, so a field added to the schema is added here by name.
 
 
-class RawOutput(tuple):
-    """(step, sampled, connector, finished, states, rare): ``sampled`` is
-    ``(req_ids, sampled_token_ids, req_id_to_index)``, copies of the model
-    output's; ``states`` is a raw states snapshot (below); ``rare`` as a step's
+class Scheduled(NamedTuple):
+    """A request in ``Step.new`` or ``Step.resumed`` (the fields of ``ScheduledNew``)."""
+
+    req: str
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    block_ids: list
+
+
+class RunningColumns(NamedTuple):
+    """Copies of the scheduler output's ``scheduled_cached_reqs`` columns."""
+
+    req_ids: list
+    num_computed_tokens: list
+    new_block_ids: list            # as vLLM holds them: per-group lists, or None
+    num_scheduled_tokens: dict     # req id -> tokens, for every scheduled request
+
+
+class StateCounters(NamedTuple):
+    """A request's counters in a snapshot (``RequestState`` without its blocks)."""
+
+    req: str
+    status: Any                    # the engine's status enum (its value travels)
+    num_computed_tokens: int
+    num_tokens: int
+    num_preemptions: int
+
+
+class Snapshot(NamedTuple):
+    """The states of some requests. With a block table to read incrementally,
+    ``blocks`` holds each request's list of block objects *as the KV manager
+    holds it* and ``lengths`` its length at the snapshot: the list only grows
+    while the request holds it, so its first ``length`` blocks are the request's
+    table at that moment, whenever they are read. Otherwise ``blocks`` holds
+    lists of ids, read at the snapshot, and ``lengths`` is None."""
+
+    req_ids: list
+    counters: list                 # StateCounters (or tuples of its fields)
+    blocks: list
+    lengths: list | None
+
+
+class Sampled(NamedTuple):
+    """Copies of the model output's sampled tokens and its index."""
+
+    req_ids: list
+    sampled_token_ids: list
+    req_id_to_index: dict
+
+
+class RawStep(NamedTuple):
+    """One ``schedule()`` as captured; ``rare`` holds the step's rare fields
+    that hold something (``spec``, ``grammar``, ``throttle_prefills``), or None."""
+
+    step: int
+    new: list                      # Scheduled
+    resumed: list                  # Scheduled
+    running: RunningColumns
+    preempted: list
+    finished: list
+    lookups: list
+    loads: list | None
+    states: Snapshot
+    num_free_blocks: int | None
+    rare: dict | None
+
+
+class RawOutput(NamedTuple):
+    """One ``update_from_output()`` as captured; ``rare`` as a step's
     (``grammar_rejected``, ``pooled``), or None."""
 
-    __slots__ = ()
-
-
-# A raw states snapshot is (req_ids, counters, blocks, lengths). ``counters`` holds
-# (request_id, status, num_computed_tokens, num_tokens, num_preemptions) per
-# request. With a block table to read incrementally, ``blocks`` holds each
-# request's list of block objects *as the KV manager holds it* and ``lengths``
-# its length at the snapshot: the list only grows while the request holds it, so
-# its first ``length`` blocks are the request's table at that moment, whenever
-# they are read. Otherwise ``blocks`` holds lists of ids, read at the snapshot,
-# and ``lengths`` is None.
+    step: int
+    sampled: Sampled
+    connector: Any                 # ConnectorOutput or None
+    finished: dict
+    states: Snapshot
+    rare: dict | None
 
 
 def first_group(block_ids: Any) -> list[int]:
@@ -204,20 +254,17 @@ class Resolver:
     def __call__(self, item: Any, out: list) -> None:
         t = type(item)
         if t is RawStep:
-            step, new, resumed, running, preempted, finished, lookups, loads, states, free, rare = item
-            states = self._states(states, out)
-            if finished:  # gone from the engine: forget them (after this step's states)
-                self.blocks.forget(finished)
-            out.append(("step", step, new, resumed, running, preempted, finished, lookups, loads,
-                        states, free, rare))
+            states = self._states(item.states, out)
+            if item.finished:  # gone from the engine: forget them (after this step's states)
+                self.blocks.forget(item.finished)
+            out.append(("step", item._replace(states=states)))
         elif t is RawOutput:
-            step, sampled, connector, finished, states, rare = item
-            out.append(("output", step, sampled, connector, finished, self._states(states, out),
-                        rare))
+            out.append(("output", item._replace(states=self._states(item.states, out))))
         else:
             out.append(item)
 
-    def _states(self, raw: tuple, out: list) -> tuple:
+    def _states(self, raw: Snapshot, out: list) -> tuple:
+        """(counters, block ids): the snapshot with its blocks read."""
         rids, counters, blocks, lengths = raw
         if counters:
             cls = type(counters[0][1])
@@ -242,12 +289,12 @@ def _status_table(cls: type) -> list:
 
 
 class Records:
-    """What ``TraceWriter.write`` serializes for each resolved item: ``"step"``
-    and ``"output"`` tuples (or the lists JSON made of them) become dicts with
-    the schema's field names and order (orjson walks dicts several times faster
-    than dataclasses); events, or the dicts JSON made of them, get their
-    sequence number from ``next_seq``. Returns None for the ``"statuses"``
-    announcement, which takes no sequence number."""
+    """What ``TraceWriter.write`` serializes for each resolved item: a
+    ``("step", RawStep)`` or ``("output", RawOutput)`` pair (or the lists JSON
+    made of it, read back into the named tuple) becomes a dict with the
+    schema's field names and order; events, or the dicts JSON made of them, get
+    their sequence number from ``next_seq``. Returns None for the
+    ``"statuses"`` announcement, which takes no sequence number."""
 
     def __init__(self) -> None:
         self.statuses: dict[Any, str] = {}
@@ -261,9 +308,9 @@ class Records:
             return item
         tag = item[0]
         if tag == "step":
-            return self.step(item, next_seq())
+            return self.step(RawStep(*item[1]), next_seq())
         if tag == "output":
-            return self.output(item, next_seq())
+            return self.output(RawOutput(*item[1]), next_seq())
         if tag == "statuses":
             self.statuses.update({value: name for value, name in item[1]})
             return None
@@ -275,22 +322,22 @@ class Records:
         return [dict(zip(_STATE_FIELDS, (rid, names.get(st) or _unknown_status(st), c, t, p, b)))
                 for (rid, st, c, t, p), b in zip(counters, ids)]
 
-    def step(self, item: Any, seq: int) -> dict:
-        _, step, new, resumed, running, preempted, finished, lookups, loads, states, free, rare = item
-        rids, ncts, nbis, nst = running
-        d = dict(zip(_STEP_FIELDS, (
-            seq, step,
-            [dict(zip(_NEW_FIELDS, t)) for t in new],
-            [dict(zip(_NEW_FIELDS, t)) for t in resumed],
-            [dict(zip(_RUNNING_FIELDS, (rid, c, nst.get(rid, 0), first_group(nb))))
-             for rid, c, nb in zip(rids, ncts, nbis)],
-            preempted, finished, lookups, loads, self.states(states), free, "step")))
-        if rare:   # the rare fields go last, and only when they hold something
-            d.update(rare)
+    def step(self, s: RawStep, seq: int) -> dict:
+        rids, ncts, nbis, nst = s.running
+        d = {"seq": seq, "step": s.step,
+             "new": [dict(zip(_NEW_FIELDS, t)) for t in s.new],
+             "resumed": [dict(zip(_NEW_FIELDS, t)) for t in s.resumed],
+             "running": [dict(zip(_RUNNING_FIELDS, (rid, c, nst.get(rid, 0), first_group(nb))))
+                         for rid, c, nb in zip(rids, ncts, nbis)],
+             "preempted": s.preempted, "finished": s.finished, "lookups": s.lookups,
+             "loads": s.loads, "states": self.states(s.states),
+             "num_free_blocks": s.num_free_blocks, "kind": "step"}
+        if s.rare:   # the rare fields go last, and only when they hold something
+            d.update(s.rare)
         return d
 
-    def output(self, item: Any, seq: int) -> dict:
-        _, step, (rids, toks, index), connector, finished, states, rare = item
+    def output(self, o: RawOutput, seq: int) -> dict:
+        rids, toks, index = o.sampled
         sampled = {}
         if toks:
             n = len(toks)
@@ -298,10 +345,10 @@ class Records:
                 i = index.get(rid)
                 if i is not None and i < n and len(toks[i]):
                     sampled[rid] = toks[i]
-        d = dict(zip(_OUTPUT_FIELDS, (seq, step, sampled, connector, finished,
-                                      self.states(states), "output")))
-        if rare:
-            d.update(rare)
+        d = {"seq": seq, "step": o.step, "sampled": sampled, "connector": o.connector,
+             "finished": o.finished, "states": self.states(o.states), "kind": "output"}
+        if o.rare:
+            d.update(o.rare)
         return d
 
 

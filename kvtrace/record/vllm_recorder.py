@@ -74,6 +74,11 @@ import orjson
 from kvtrace.record.sink import (
     RawOutput,
     RawStep,
+    RunningColumns,
+    Sampled,
+    Scheduled,
+    Snapshot,
+    StateCounters,
     TraceSink,
     first_group,
     open_sink,
@@ -109,9 +114,9 @@ _REASONS = {"stop": "stop", "length": "length", "abort": "abort", "error": "erro
 # --------------------------------------------------------------------------- capture helpers
 
 
-# One request's counters, read in one C call: (request_id, status, computed, tokens, preemptions).
-_READ_STATE = operator.attrgetter("request_id", "status", "num_computed_tokens", "num_tokens",
-                                  "num_preemptions")
+# One request's counters, read in one C call: a tuple of StateCounters' fields
+# (vLLM's Request names them as the schema does, but for its request_id).
+_READ_STATE = operator.attrgetter("request_id", *StateCounters._fields[1:])
 
 
 _GRAMMAR_WAIT = "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR"
@@ -189,10 +194,11 @@ def _status_name(req: Any) -> str:
     return str(getattr(status, "name", status))
 
 
-def _read_state_slow(req: Any) -> tuple:
+def _read_state_slow(req: Any) -> StateCounters:
     """``_READ_STATE`` for engines whose requests lack ``num_preemptions``."""
-    return (req.request_id, req.status, req.num_computed_tokens, req.num_tokens,
-            getattr(req, "num_preemptions", 0))
+    return StateCounters(req=req.request_id, status=req.status,
+                         num_computed_tokens=req.num_computed_tokens, num_tokens=req.num_tokens,
+                         num_preemptions=getattr(req, "num_preemptions", 0))
 
 
 _NO_BLOCKS = itertools.repeat(())  # the default for each table.get in a map
@@ -622,8 +628,8 @@ class Recorder:
 
     # -- state -----------------------------------------------------------------
 
-    def states(self, rids: list, reqs: list) -> tuple:
-        """A raw states snapshot (see ``kvtrace.record.sink``) of ``reqs``, the
+    def states(self, rids: list, reqs: list) -> Snapshot:
+        """A states snapshot (see ``kvtrace.record.sink``) of ``reqs``, the
         requests with ids ``rids``, skipping those the engine no longer holds (None)."""
         try:
             counters = list(map(self.read_state, reqs))
@@ -640,9 +646,10 @@ class Recorder:
                 counters = list(map(_read_state_slow, reqs))
         table = self.table
         if table is None:
-            return rids, counters, [self._read_ids(rid) for rid in rids], None
+            return Snapshot(rids, counters, [self._read_ids(rid) for rid in rids], None)
         blocks = list(map(table.get, rids, _NO_BLOCKS))
-        return rids, counters, blocks, list(map(len, blocks))
+        return Snapshot(req_ids=rids, counters=counters, blocks=blocks,
+                        lengths=list(map(len, blocks)))
 
     def _read_ids(self, rid: str) -> list[int]:
         try:
@@ -656,11 +663,12 @@ class Recorder:
         step = self.step_index
         self.step_index += 1
         nst = dict(out.num_scheduled_tokens)
-        # Tuples in ScheduledNew field order (see kvtrace.record.sink.Records).
-        new: list[tuple] = []
-        resumed: list[tuple] = []
+        new: list[Scheduled] = []
+        resumed: list[Scheduled] = []
         for r in out.scheduled_new_reqs:
-            item = (r.req_id, r.num_computed_tokens, nst.get(r.req_id, 0), first_group(r.block_ids))
+            item = Scheduled(req=r.req_id, num_computed_tokens=r.num_computed_tokens,
+                             num_scheduled_tokens=nst.get(r.req_id, 0),
+                             block_ids=first_group(r.block_ids))
             # The V2 model runner folds resumed requests into scheduled_new_reqs.
             if r.req_id in self.preempted_out:
                 self.preempted_out.discard(r.req_id)
@@ -675,7 +683,9 @@ class Recorder:
             for i, rid in enumerate(rids):
                 if rid in resumed_ids:
                     self.preempted_out.discard(rid)
-                    resumed.append((rid, ncts[i], nst.get(rid, 0), first_group(nbis[i])))
+                    resumed.append(Scheduled(req=rid, num_computed_tokens=ncts[i],
+                                             num_scheduled_tokens=nst.get(rid, 0),
+                                             block_ids=first_group(nbis[i])))
                 else:
                     keep.append(i)
             rids, ncts, nbis = [rids[i] for i in keep], [ncts[i] for i in keep], [nbis[i] for i in keep]
@@ -706,9 +716,13 @@ class Recorder:
                 rare["grammar"] = grammar
         if self.throttle_prefills:
             rare["throttle_prefills"] = True
-        self.sink.put(RawStep((step, new, resumed, (rids, ncts, nbis, nst), preempted, finished,
-                               self.lookups, self.loads if self.has_connector else None,
-                               states, free, rare or None)))
+        self.sink.put(RawStep(
+            step=step, new=new, resumed=resumed,
+            running=RunningColumns(req_ids=rids, num_computed_tokens=ncts, new_block_ids=nbis,
+                                   num_scheduled_tokens=nst),
+            preempted=preempted, finished=finished, lookups=self.lookups,
+            loads=self.loads if self.has_connector else None, states=states,
+            num_free_blocks=free, rare=rare or None))
         self.pending.append((out, step))
         if len(self.pending) > 64:  # outputs that never came back (engine error paths)
             del self.pending[0]
@@ -728,8 +742,10 @@ class Recorder:
         toks = mro.sampled_token_ids
         # Copies: the update trims the lists it stops, and the index is the model
         # runner's live one.
-        sampled = (rids, list(map(list, toks)) if toks is not None and len(toks) else [],
-                   dict(mro.req_id_to_index or {}))
+        sampled = Sampled(req_ids=rids,
+                          sampled_token_ids=(list(map(list, toks)) if toks is not None and len(toks)
+                                             else []),
+                          req_id_to_index=dict(mro.req_id_to_index or {}))
         kco = mro.kv_connector_output
         conn = None
         ids = rids
@@ -792,7 +808,8 @@ class Recorder:
             self.grammar_rejected = []
         if pooled:
             rare["pooled"] = pooled
-        self.sink.put(RawOutput((step, sampled, conn, finished, states, rare or None)))
+        self.sink.put(RawOutput(step=step, sampled=sampled, connector=conn, finished=finished,
+                                states=states, rare=rare or None))
         for ev in stats:
             self.sink.put(ev)
 
