@@ -7,10 +7,10 @@ For this environment's vLLM (its engine runs; model-free here, as for the
 others) and each release ``KVTRACE_VLLM_RELEASES`` names (``.ci/release-env``
 builds them), with the release's own scheduler:
 
-* stored: vllm_run's named workloads, on its engine with no model
-  (``kvtrace.record.model_free``), recorded;
+* stored: run.py's named workloads, on its engine with no model
+  (``kvtrace.record.vllm.model_free``), recorded;
 * random: ``--random`` workloads of the random generators
-  (``kvtrace.record.random_workloads``), spread over every kind the
+  (``kvtrace.record.vllm.random_workloads``), spread over every kind the
   model-free engine runs (no structured outputs: no grammar is applied to the
   tokens it draws), seeds from ``--seed``;
 * traces: every trace under traces/, its inputs fed through the release's
@@ -41,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# vllm_run workloads the model-free engine does not run: a pooling model, and
+# run.py workloads the model-free engine does not run: a pooling model, and
 # grammars (no grammar is applied to the tokens it draws).
 NOT_MODEL_FREE = {"pooling", "structured", "structured-late"}
 EMBEDDED = ("shared-prefix", "kv-pressure", "offload", "load-failures")
@@ -61,8 +61,8 @@ def _this_release() -> str | None:
 
 
 def _jobs(random_count: int, seed0: int) -> list[dict]:
-    from kvtrace.record.random_workloads import ALL_KINDS
-    from kvtrace.record.vllm_run import WORKLOADS
+    from kvtrace.record.vllm.random_workloads import ALL_KINDS
+    from kvtrace.record.vllm.run import WORKLOADS
 
     jobs = [{"name": f"stored-{n}", "workload": n, "source": "stored"}
             for n in WORKLOADS if n not in NOT_MODEL_FREE]
@@ -125,8 +125,8 @@ def known_bug(first: dict | None, job: dict) -> str | None:
 
 
 def _fails_loads_async(job: dict) -> bool:
-    from kvtrace.record.random_workloads import workload
-    from kvtrace.record.vllm_run import WORKLOADS
+    from kvtrace.record.vllm.random_workloads import workload
+    from kvtrace.record.vllm.run import WORKLOADS
 
     if "through" in job:   # a trace of vLLM's own failed-load bugs, or a fault put back
         return any(k in job["through"] for k in ("async-", "faults/"))
@@ -152,7 +152,7 @@ def _replay(path: str, profile: str | None = None) -> tuple[int, dict | None, st
 
 def _record(folder: str, jobs: list[dict], out_dir: str, procs: int) -> list[dict]:
     """The jobs, split over ``procs`` processes of the release."""
-    from kvtrace.record import releases
+    from kvtrace.record.vllm import releases
 
     if not folder:   # this environment's own vLLM
         folder = ""
@@ -249,7 +249,7 @@ def main() -> None:
                     help="which of stored, random, traces, embedded to run")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    from kvtrace.record import releases
+    from kvtrace.record.vllm import releases
 
     available = {}
     own = _this_release()

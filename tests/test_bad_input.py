@@ -1,4 +1,4 @@
-"""Every row of docs/bad-input.md, through the command line: `kvtrace replay` and
+"""Every row of docs/reference/bad-input.md, through the command line: `kvtrace replay` and
 `kvtrace diff` answer a malformed trace with exit code 2 and one line on stderr
 naming the file and the line, and never with a traceback. Cut-off traces are not
 errors: they replay up to the cut and say where it is."""

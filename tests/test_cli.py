@@ -367,10 +367,10 @@ def test_record_async_scheduling_on_the_embedded_engine(tmp_path, capsys):
     assert code == 2 and "--async-scheduling" in err
 
 
-@pytest.mark.skipif(not _has("kvtrace.record.vllm_run", "record_command"),
-                    reason="kvtrace.record.vllm_run not built yet")
+@pytest.mark.skipif(not _has("kvtrace.record.vllm.run", "record_command"),
+                    reason="kvtrace.record.vllm.run not built yet")
 def test_record_command_plumbing(tmp_path, capsys, monkeypatch):
-    import kvtrace.record.vllm_run as vr
+    import kvtrace.record.vllm.run as vr
 
     calls = []
 
@@ -385,10 +385,10 @@ def test_record_command_plumbing(tmp_path, capsys, monkeypatch):
     assert calls == [(out_path, ["python", "-m", "x", "--port", "1"])]
 
 
-@pytest.mark.skipif(not _has("kvtrace.record.vllm_run", "record_vllm_offline"),
-                    reason="kvtrace.record.vllm_run not built yet")
+@pytest.mark.skipif(not _has("kvtrace.record.vllm.run", "record_vllm_offline"),
+                    reason="kvtrace.record.vllm.run not built yet")
 def test_record_vllm_plumbing(tmp_path, capsys, monkeypatch):
-    import kvtrace.record.vllm_run as vr
+    import kvtrace.record.vllm.run as vr
 
     calls = []
     monkeypatch.setattr(vr, "record_vllm_offline", lambda m, o, w: calls.append((m, o, w)))

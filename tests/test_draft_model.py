@@ -20,7 +20,7 @@ from kvtrace.trace import TraceReader
 from kvtrace.trace import events as ev
 
 TRACE = Path(__file__).resolve().parent.parent / "traces" / "draft-model.jsonl.gz"
-BUDGET, K = 32, 3   # vllm_run.WORKLOADS["draft-model"]: max_num_batched_tokens, drafts
+BUDGET, K = 32, 3   # run.WORKLOADS["draft-model"]: max_num_batched_tokens, drafts
 
 
 def _steps(path) -> list[ev.Step]:
@@ -88,7 +88,7 @@ def test_vllms_own_scheduler_takes_the_drafting_slots_from_the_header(tmp_path):
     from _require import require
 
     require("vllm", "vLLM is not installed: this test replays through vLLM's own scheduler")
-    from kvtrace.record.vllm_replay import replay_through_vllm
+    from kvtrace.record.vllm.rerun import replay_through_vllm
     from kvtrace.trace.io import TraceError
 
     def none(objs):

@@ -26,7 +26,7 @@ from kvtrace.trace import events as ev
 TRACES = Path(__file__).resolve().parent.parent / "traces"
 SYNC = TRACES / "dynamic-spec.jsonl.gz"
 ASYNC = TRACES / "async-dynamic-eagle.jsonl.gz"
-# vllm_run._BY_BATCH_SIZE, the workloads' schedule: (first, last batch size, drafts).
+# run._BY_BATCH_SIZE, the workloads' schedule: (first, last batch size, drafts).
 SCHEDULE = [(1, 2, 3), (3, 5, 2), (6, 64, 1)]
 
 
@@ -156,7 +156,7 @@ def test_vllms_own_scheduler_takes_the_table_from_the_header(tmp_path, path, cha
 
     require("vllm", "vLLM is not installed: this test replays through vLLM's own scheduler")
     from kvtrace.diff import diff_files
-    from kvtrace.record.vllm_replay import replay_through_vllm
+    from kvtrace.record.vllm.rerun import replay_through_vllm
 
     def widest(objs):
         f = objs[0]["features"]

@@ -24,7 +24,7 @@ from kvtrace.trace import events as ev
 
 TRACE = Path(__file__).resolve().parent.parent / "traces" / "eagle.jsonl.gz"
 BLOCK = 32
-PROMPT = 96          # vllm_run.WORKLOADS["eagle"]: request 0's prompt, three whole blocks
+PROMPT = 96          # run.WORKLOADS["eagle"]: request 0's prompt, three whole blocks
 
 
 def _admitted(path) -> dict[int, tuple[int, int, list[int]]]:
@@ -130,7 +130,7 @@ def test_vllms_own_scheduler_takes_the_eagle_rules_from_the_header(tmp_path):
 
     require("vllm", "vLLM is not installed: this test replays through vLLM's own scheduler")
     from kvtrace.diff import diff_files
-    from kvtrace.record.vllm_replay import replay_through_vllm
+    from kvtrace.record.vllm.rerun import replay_through_vllm
 
     def keep(objs):
         objs[0]["features"]["eagle_block_drop"] = False
@@ -201,7 +201,7 @@ def test_vllms_async_scheduler_decides_the_same_with_placeholder_drafts(tmp_path
 
     require("vllm", "vLLM is not installed: this test replays through vLLM's own scheduler")
     from kvtrace.diff import diff_files
-    from kvtrace.record.vllm_replay import replay_through_vllm
+    from kvtrace.record.vllm.rerun import replay_through_vllm
 
     res = replay_through_vllm(ASYNC, tmp_path / "vllm.jsonl")
     assert res.faithful_inputs

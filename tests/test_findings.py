@@ -72,7 +72,7 @@ def test_vllm_own_scheduler_stalls_the_same_way(stalled, tmp_path):
 
     require("vllm", "vLLM is not installed: this finding is checked against vLLM's scheduler")
     from kvtrace.diff import diff_files
-    from kvtrace.record.vllm_replay import replay_through_vllm
+    from kvtrace.record.vllm.rerun import replay_through_vllm
 
     out = tmp_path / "vllm.jsonl"
     run = replay_through_vllm(stalled, out)
@@ -249,7 +249,7 @@ def test_vllm_own_scheduler_loops_the_same_way(preemption_loop, tmp_path):
 
     require("vllm", "vLLM is not installed: this finding is checked against vLLM's scheduler")
     from kvtrace.diff import diff_files
-    from kvtrace.record.vllm_replay import replay_through_vllm
+    from kvtrace.record.vllm.rerun import replay_through_vllm
 
     out = tmp_path / "vllm.jsonl"
     res = replay_through_vllm(preemption_loop, out)
@@ -330,7 +330,7 @@ def test_vllm_own_scheduler_makes_the_same_uncomputed_hit(tmp_path):
 
     require("vllm", "vLLM is not installed: this finding is checked against vLLM's scheduler")
     from kvtrace.diff import diff_files
-    from kvtrace.record.vllm_replay import replay_through_vllm
+    from kvtrace.record.vllm.rerun import replay_through_vllm
 
     out = tmp_path / "vllm.jsonl"
     res = replay_through_vllm(UNCOMPUTED_HIT, out)
@@ -395,7 +395,7 @@ def test_vllm_own_scheduler_loses_the_same_session(tmp_path):
 
     require("vllm", "vLLM is not installed: this finding is checked against vLLM's scheduler")
     from kvtrace.diff import diff_files
-    from kvtrace.record.vllm_replay import replay_through_vllm
+    from kvtrace.record.vllm.rerun import replay_through_vllm
 
     out = tmp_path / "vllm.jsonl"
     res = replay_through_vllm(LOST_SESSION, out)
@@ -453,7 +453,7 @@ def test_vllm_own_scheduler_counts_the_cut_drafts_the_same_way(tmp_path):
 
     require("vllm", "vLLM is not installed: this finding is checked against vLLM's scheduler")
     from kvtrace.diff import diff_files
-    from kvtrace.record.vllm_replay import replay_through_vllm
+    from kvtrace.record.vllm.rerun import replay_through_vllm
 
     out = tmp_path / "vllm.jsonl"
     assert replay_through_vllm(OVERSHOOT, out).faithful_inputs

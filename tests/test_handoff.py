@@ -269,8 +269,8 @@ def test_a_connector_swapped_in_after_the_recorder_wrapped_the_first_is_recorded
         caplog, monkeypatch):
     from types import SimpleNamespace
 
-    from kvtrace.record import vllm_recorder
-    from kvtrace.record.vllm_recorder import Recorder, _wrap_connector
+    from kvtrace.record.vllm import recorder as vllm_recorder
+    from kvtrace.record.vllm.recorder import Recorder, _wrap_connector
 
     monkeypatch.setattr(vllm_recorder, "_block_table", lambda kvm: None)
 

@@ -15,8 +15,15 @@ ROOT = Path(__file__).resolve().parent.parent / "kvtrace"
 RULES = {
     "trace": set(),                     # the format: nothing else from kvtrace
     "reference": set(),                 # the reference scheduler: nothing else
-    "report": {"trace", "findings", "outputs", "_text"},   # renders what it is given
+    "workers": {"trace"},               # child processes replay and diff share
+    # sources: write traces; read the format, and the reference through the bridge
+    "record": {"trace", "workers", "baseline", "_text"},
+    "engine": {"trace", "reference", "bridge"},
+    # checkers: read traces, never a source's internals
+    "replay": {"trace", "reference", "bridge", "baseline", "findings", "outputs", "workers",
+               "_text"},
     "diff": {"trace", "findings", "workers", "_text"},     # no replay internals
+    "report": {"trace", "findings", "outputs", "_text"},   # renders what it is given
 }
 
 
@@ -52,6 +59,16 @@ def test_each_package_imports_only_what_its_place_allows(package):
             top = _top(name)
             if top is not None and top != package and top not in RULES[package]:
                 bad.append(f"{path.relative_to(ROOT.parent)}:{line} imports {name}")
+    assert bad == []
+
+
+def test_no_module_imports_another_modules_private_names():
+    bad = []
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("kvtrace")):
+                bad += [f"{path.relative_to(ROOT.parent)}:{node.lineno} imports {a.name}"
+                        for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
     assert bad == []
 
 

@@ -6,7 +6,7 @@ the end, every command reads on and answers 0 or 1. Never a traceback, and
 never one command refusing what another reads.
 
 Each mutant changes the records after the header (the header has tests of its
-own, and replay alone refuses some headers, docs/bad-input.md): one value
+own, and replay alone refuses some headers, docs/reference/bad-input.md): one value
 anywhere in one record set to an edge value or to a value from elsewhere in the
 trace, a key dropped or added, a record dropped, repeated or swapped with the
 next, or the file cut at a byte. CI runs ``MUTANTS`` per trace, the same ones

@@ -283,7 +283,7 @@ def test_state_snapshots_skip_requests_gone_and_read_old_request_shapes():
     """Recorder.states: a request the engine no longer holds is skipped; an engine
     whose requests have no num_preemptions records 0; block lists are kept by
     reference with their length at the snapshot."""
-    from kvtrace.record.vllm_recorder import Recorder
+    from kvtrace.record.vllm.recorder import Recorder
 
     class FullAttentionManager:
         def __init__(self):
@@ -584,7 +584,7 @@ def test_a_termination_during_the_closing_of_the_trace_waits_for_the_end(tmp_pat
     marker = tmp_path / "closed"
     code = f"""
 import os, signal, time
-from kvtrace.record.vllm_recorder import _termination_deferred
+from kvtrace.record.vllm.recorder import _termination_deferred
 with _termination_deferred():
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(0.2)

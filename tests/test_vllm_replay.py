@@ -26,7 +26,7 @@ vllm = require("vllm", "vLLM is not installed: replay through vLLM's scheduler n
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
 from kvtrace.diff import diff_files  # noqa: E402
-from kvtrace.record.vllm_replay import replay_through_vllm, resolve_scheduler_cls  # noqa: E402
+from kvtrace.record.vllm.rerun import replay_through_vllm, resolve_scheduler_cls  # noqa: E402
 from kvtrace.replay import replay_file  # noqa: E402
 from kvtrace.trace import events as ev  # noqa: E402
 from kvtrace.trace.io import TraceReader  # noqa: E402
@@ -212,17 +212,19 @@ def test_stale_computed_after_preemption_diverges_at_the_preemption(name, tmp_pa
 def test_fault_trace_replayed_through_its_own_subclass_is_identical(name, tmp_path):
     trace = FAULTS / f"{name}.jsonl.gz"
     h, rec, _ = events(trace)
-    dotted = h.features.scheduler_cls
+    dotted = h.features.scheduler_cls   # where the class was when it was recorded
+    assert dotted.startswith("kvtrace.record.fault_schedulers.")
+    now = dotted.replace("kvtrace.record.", "kvtrace.record.vllm.", 1)
     out = tmp_path / "same.jsonl.gz"
     res = replay_through_vllm(trace, out, scheduler_cls=dotted)  # a dotted path
-    assert res.scheduler_cls == dotted and res.faithful_inputs
+    assert res.scheduler_cls == now and res.faithful_inputs
     assert diff_files(trace, out).divergences == []
     _, got, _ = events(out)
     assert [comparable(e) for e in got] == [comparable(e) for e in rec]
     # the class itself works too
     res2 = replay_through_vllm(trace, tmp_path / "cls.jsonl.gz",
                                scheduler_cls=resolve_scheduler_cls(dotted))
-    assert res2.scheduler_cls == dotted
+    assert res2.scheduler_cls == now
 
 
 @pytest.mark.parametrize("name,status", [("async-recompute-placeholders", "interrupted"),
@@ -510,7 +512,7 @@ def test_an_abort_inside_an_abort_loses_no_request(tmp_path):
     from vllm.v1.request import RequestStatus
 
     from kvtrace.engine import record_workload
-    from kvtrace.record.vllm_replay import _close, _request, build_scheduler
+    from kvtrace.record.vllm.rerun import _close, _request, build_scheduler
 
     rec_path = tmp_path / "emb.jsonl"
     record_workload(rec_path, abort_workload("x", "y"), counters="prefill_stats")
@@ -558,4 +560,4 @@ def test_cli_replay_through_vllm_exit_codes(tmp_path):
     assert run(["replay", str(FAULTS / "async-load-overshoot.jsonl.gz"), "--scheduler", "vllm"]) == 1
     # ... and through the same patched class: the decisions agree, exit 0.
     assert run(["replay", str(FAULTS / "async-load-overshoot.jsonl.gz"), "--scheduler-cls",
-                "kvtrace.record.fault_schedulers.AsyncLoadOvershootScheduler"]) == 0
+                "kvtrace.record.vllm.fault_schedulers.AsyncLoadOvershootScheduler"]) == 0

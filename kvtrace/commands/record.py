@@ -6,21 +6,14 @@ from pathlib import Path
 
 import click
 
+from kvtrace.catalog import EMBEDDED_FAULTS, EMBEDDED_WORKLOADS, VLLM_ALIASES, VLLM_FAULTS
 from kvtrace.outputs import blamed_on
 
 from ._common import EXIT_OK, VLLM_HINT, FilePath, UsageProblem, echo, load, require_vllm
 from .progress import progress
 
-WORKLOADS = ("shared-prefix", "kv-pressure", "offload", "load-failures")
-# The vLLM recorder's workloads, under the embedded engine's names where they match.
-VLLM_ALIASES = {"shared-prefix": "prefix", "kv-pressure": "preemption"}
-FAULTS = (
-    "stale-cached-on-preempt",
-    "negative-external-on-invalid-blocks",
-    "stale-computed-after-failed-schedule",
-    "no-reload-after-preempt",
-    "async-load-overshoot",
-)
+WORKLOADS = tuple(EMBEDDED_WORKLOADS)
+FAULTS = tuple(EMBEDDED_FAULTS)
 
 
 @click.command(context_settings={"allow_interspersed_args": False})
@@ -28,14 +21,12 @@ FAULTS = (
               help="Trace file to write (.jsonl, .jsonl.gz or .jsonl.zst).")
 @click.option("--workload", default=None,
               help=f"Built-in workload. Embedded engine: {', '.join(WORKLOADS)} (default "
-                   f"{WORKLOADS[0]}). vLLM: prefix (also as shared-prefix), preemption (also as "
-                   "kv-pressure), connector, priority, speculative, eagle, draft-model, "
-                   "structured, pooling, embeds, lora and more, README lists them (default: "
-                   "prefix, or with --fault the workload that shows it).")
+                   f"{WORKLOADS[0]}). vLLM: prefix, preemption, connector, speculative and "
+                   "more (default: prefix, or the fault's). docs/reference/catalog.md lists "
+                   "them all.")
 @click.option("--fault", default=None,
               help=f"Put a known scheduler bug back in. Embedded engine: {', '.join(FAULTS)}. "
-                   "vLLM (a scheduler subclass): async-load-overshoot, stale-computed-on-preempt, "
-                   "async-stale-computed-on-preempt, spec-rejected-kept, grammar-not-awaited.")
+                   f"vLLM (a scheduler subclass): {', '.join(VLLM_FAULTS)}.")
 @click.option("--seed", type=click.IntRange(-(2 ** 63), 2 ** 64 - 1), default=None,
               help="Seed of the embedded engine's workload and sampler (default 0). The vLLM "
                    "workloads are fixed: with --engine vllm or a command it is refused.")
@@ -69,13 +60,13 @@ def command(out: Path, workload: str | None, fault: str | None, seed: int | None
         if fault or workload or model or async_scheduling:
             raise UsageProblem("--workload, --fault, --model and --async-scheduling do not apply "
                                "to a command after --")
-        record_command = load("kvtrace.record.vllm_run", "record_command", VLLM_HINT)
+        record_command = load("kvtrace.record.vllm.run", "record_command", VLLM_HINT)
         code = int(record_command(target, list(command)) or 0)
     elif engine == "vllm":
         try:
             _record_vllm(target, workload, fault, model, async_scheduling)
         except Exception as e:
-            from kvtrace.record.vllm_run import EngineFailed
+            from kvtrace.record.vllm.run import EngineFailed
 
             if redact and isinstance(e, EngineFailed):   # the trace up to the failure, redacted
                 _redact(target, out)
@@ -119,27 +110,27 @@ def _record_embedded(out: Path, workload: str | None, fault: str | None, seed: i
 def _record_vllm(out: Path, workload: str | None, fault: str | None, model: Path | None,
                  async_scheduling: bool) -> None:
     require_vllm()
-    record_vllm_offline = load("kvtrace.record.vllm_run", "record_vllm_offline", VLLM_HINT)
-    known = load("kvtrace.record.vllm_run", "WORKLOADS", VLLM_HINT)
+    record_vllm_offline = load("kvtrace.record.vllm.run", "record_vllm_offline", VLLM_HINT)
+    known = load("kvtrace.record.vllm.run", "WORKLOADS", VLLM_HINT)
     extra = {}
     if fault is not None:
-        faults = load("kvtrace.record.fault_schedulers", "FAULTS", VLLM_HINT)
+        faults = load("kvtrace.record.vllm.fault_schedulers", "FAULTS", VLLM_HINT)
         if fault not in faults:
             raise UsageProblem(f"unknown vLLM fault {fault!r}; known: {', '.join(faults)}")
         extra["scheduler_cls"] = faults[fault]
         if workload is None:
-            workload = load("kvtrace.record.fault_schedulers", "FAULT_WORKLOADS")[fault]
+            workload = load("kvtrace.record.vllm.fault_schedulers", "FAULT_WORKLOADS")[fault]
     name = VLLM_ALIASES.get(workload or "prefix", workload or "prefix")
     if name not in known:
         raise UsageProblem(f"unknown vLLM workload {workload!r}; known: {', '.join(known)}")
     if async_scheduling:
         extra["async_scheduling"] = True
-    if load("kvtrace.record.vllm_run", "runs_model_free")(name):
+    if load("kvtrace.record.vllm.run", "runs_model_free")(name):
         # NixlConnector's worker side needs the NIXL library and KV tensors:
-        # the engine runs with no model (kvtrace.record.model_free).
+        # the engine runs with no model (kvtrace.record.vllm.model_free).
         if model is not None:
             raise UsageProblem(f"--model does not apply to workload {name!r}: it runs vLLM's "
                                "engine with no model (NIXL transfers are simulated)")
-        load("kvtrace.record.model_free", "record_model_free")(out, name, **extra)
+        load("kvtrace.record.vllm.model_free", "record_model_free")(out, name, **extra)
         return
     record_vllm_offline(None if model is None else str(model), out, name, **extra)

@@ -146,7 +146,7 @@ def _through_vllm(trace: Path, out: Path | None, as_json: bool, scheduler_cls: s
     from kvtrace.report import terminal
 
     require_vllm()
-    replay_through_vllm = load("kvtrace.record.vllm_replay", "replay_through_vllm", VLLM_HINT)
+    replay_through_vllm = load("kvtrace.record.vllm.rerun", "replay_through_vllm", VLLM_HINT)
     if out is None:
         out = Path(tempfile.mkdtemp(prefix="kvtrace-")) / (trace.name.split(".")[0] + ".vllm.jsonl.gz")
     run = replay_through_vllm(trace, out, scheduler_cls)

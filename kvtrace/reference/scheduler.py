@@ -14,51 +14,8 @@ One ``schedule()`` call is two passes (semantics doc 2):
 ``update_from_output()`` applies load failures, appends sampled tokens, stops
 and frees finished requests, and records finished transfers (semantics doc 3).
 
-A streaming-input session is one request whose input comes in chunks under one
-id. A stop ends its turn instead of the request: it goes back to waiting with
-its blocks, rewound to the tokens whose KV is written, and takes its next chunk
-(or waits for it in WAITING_FOR_STREAMING_REQ, holding a slot of
-``max_num_seqs``) until the end of its input comes (S:2465-2491, S:2616-2628).
-
-Under async scheduling the engine schedules step N+1 before step N's output
-comes back. A decoding request then holds one output placeholder per sampled
-token still to come, counted inside ``num_computed_tokens``; the output takes
-them back and caches the blocks its tokens filled (``AS:25-78``). A preempted
-request's output still in flight is stale: its tokens are appended, but it
-changes no counter, and the request is not admitted again until it has come
-back (S:934, S:1596-1606, S:2080-2087). A request preempted by
-``reset_prefix_cache``, or under a connector that hands KV off
-(``requires_kv_delivery``), drops its stale output instead, and may be admitted
-again at once. Under a connector that loads KV (``defer_block_free``), a freed
-request's blocks go back to the pool only once every step that may still write
-them has been processed (S:2759-2801).
-
-With speculative decoding, a running request is scheduled for its drafts too
-(``num_tokens_with_spec``), and its output takes back the drafts it rejected
-from ``num_computed_tokens`` (S:2110-2128). A waiting request with one token to
-compute is padded to ``1 + num_spec_tokens`` with placeholder drafts (-1) when
-decodes run in the step (S:1131-1153), unless the number of drafts follows the
-batch size (dynamic speculative decoding: a step asks for
-``spec_tokens_by_batch_size[n]`` drafts when it schedules n requests, S:1485-1490).
-
-* Under the synchronous scheduler the drafts come from the model after each
-  output (``update_draft_token_ids``).
-* Under async scheduling they are placeholders (-1) that the model runner fills
-  in, as many as the step before asked for, each holding an output placeholder
-  until the output says which were accepted.
-* A drafter that runs a model of its own (EAGLE, EAGLE3, MTP, a draft model)
-  gets ``num_lookahead_tokens`` slots past each scheduled chunk to write.
-* With EAGLE a prefix hit gives back its last block, whose tokens the drafter
-  needs computed again.
-* A drafter may take input slots of the step's batch for each request it
-  drafts for (``num_draft_slots``: one for a draft model, S:613-661).
-
-A structured output waits in WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR until the
-waiting pass finds its grammar compiled, which the engine does beside the
-scheduler, so the trace says when (``grammar_compiled``). A grammar that failed
-to compile, or that refuses the tokens sampled, finishes its request with an
-error (S:2186-2197, S:2302-2326). A pooling request (an embedding) samples
-nothing: its pooler output, when the model step gives it, finishes it.
+The features around these passes (sessions, async scheduling, speculative
+decoding, structured outputs, pooling) are described in docs/design/reference.md.
 
 Methods whose names start with ``_`` and are listed under "rules" are the
 places where engines have had bugs; the embedded engine's faults override them.

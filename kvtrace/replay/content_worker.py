@@ -8,7 +8,7 @@ worker process that reads the same file on its own, beside the main process:
     main process:   read + check records -> reference scheduler -> compare
     worker process: read JSON            -> ContentCheck          -> results
 
-The main process checks every record (docs/bad-input.md); the worker decodes
+The main process checks every record (docs/reference/bad-input.md); the worker decodes
 them with their own checks too (one decoder), and trusts the main process
 with the checks across records. A record the main process refuses ends the
 replay there, with the main process's error, whatever the worker made of it.

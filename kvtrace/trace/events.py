@@ -10,7 +10,7 @@ message when the record does not fit. Field names follow vLLM's own names
 read a trace line by eye. Checks that need more than one record are in
 validate.py.
 
-A field left at its default is not written. docs/trace-format.md is the prose
+A field left at its default is not written. docs/reference/trace-format.md is the prose
 version of this file; keep them together.
 """
 
@@ -118,7 +118,7 @@ class SchedulerConfig(Struct):   # every field written: a reader sees the whole 
 
 class SchedulerFeatures(_Part, forbid_unknown_fields=False):
     """The header's ``features``: engine features outside the baseline profile
-    and the scheduler settings replay reads (docs/trace-format.md). A key a
+    and the scheduler settings replay reads (docs/reference/trace-format.md). A key a
     trace does not name is None: taken as off, or as vLLM 0.32's default.
     Keys this version does not know are kept in ``extra``, so that a newer
     recorder's traces still read."""

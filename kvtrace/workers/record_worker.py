@@ -2,7 +2,7 @@
 input of diff).
 
 Replay without the content check spends about half its time checking and
-decoding records (docs/bad-input.md) and half replaying them. So for a large
+decoding records (docs/reference/bad-input.md) and half replaying them. So for a large
 trace, a worker process reads the same file on its own and checks every record
 as any reader does, while the main process decodes the same records (their
 own checks come with decoding) without the checks across records, and

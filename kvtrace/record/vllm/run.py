@@ -76,7 +76,7 @@ import subprocess
 import sys
 from typing import Any
 
-from kvtrace.record.tiny_model import (ensure_eagle_draft, ensure_lora_adapter, ensure_tiny_model,
+from kvtrace.record.vllm.tiny_model import (ensure_eagle_draft, ensure_lora_adapter, ensure_tiny_model,
                                       ensure_tokenizer)
 from kvtrace.trace.events import mask_from_runs
 
@@ -123,7 +123,7 @@ def _connector_prompts() -> list[list[int]]:
     return out
 
 
-SCRIPTED = "kvtrace.record.scripted_connector"
+SCRIPTED = "kvtrace.record.vllm.scripted_connector"
 
 
 def _scripted(rules: list, role: str) -> dict:
@@ -767,7 +767,7 @@ WORKLOADS["async-lora"] = dict(WORKLOADS["lora"], engine=dict(WORKLOADS["lora"][
 
 
 # Prefill/decode disaggregation with vLLM's NixlConnector (its scheduler side:
-# the NIXL transfers themselves run with no model, kvtrace.record.model_free's
+# the NIXL transfers themselves run with no model, kvtrace.record.vllm.model_free's
 # TransferWorker). The prefill instance (kv_producer) computes each prompt and
 # one token; the connector keeps the finished request's blocks
 # (request_finished: delay_free) until the decode side has read them
@@ -787,7 +787,7 @@ def _pd_params(role: str, i: int) -> dict:
 def runs_model_free(workload: Any) -> bool:
     """Whether ``workload`` needs the model-free engine: NixlConnector's worker
     side (the NIXL library, KV tensors) cannot run here, and
-    ``kvtrace.record.model_free`` simulates its transfers."""
+    ``kvtrace.record.vllm.model_free`` simulates its transfers."""
     ktc = (_resolve(workload).get("engine") or {}).get("kv_transfer_config") or {}
     return ktc.get("kv_connector") == "NixlConnector"
 
@@ -899,7 +899,7 @@ def _resolve(workload: Any) -> dict:
 def run_workload(model_dir: str | None, workload: Any = "prefix", model_free: bool = False,
                  **engine_kwargs: Any) -> dict:
     """Run ``workload`` with vLLM's ``LLM`` in this process; return outputs.
-    With ``model_free`` no model runs: ``kvtrace.record.model_free``'s
+    With ``model_free`` no model runs: ``kvtrace.record.vllm.model_free``'s
     executor samples in its place."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM
@@ -930,7 +930,7 @@ def run_workload(model_dir: str | None, workload: Any = "prefix", model_free: bo
     kwargs = _known_engine_args(kwargs)
     with contextlib.ExitStack() as stack:
         if model_free:
-            from kvtrace.record.model_free import executor_chosen
+            from kvtrace.record.vllm.model_free import executor_chosen
 
             kwargs["distributed_executor_backend"] = "uni"
             stack.enter_context(executor_chosen())
@@ -939,7 +939,7 @@ def run_workload(model_dir: str | None, workload: Any = "prefix", model_free: bo
         with _async_scheduling_kept(bool(kwargs.get("async_scheduling"))):
             llm = LLM(model=model, **kwargs)
         if model_free:
-            from kvtrace.record.model_free import bind
+            from kvtrace.record.vllm.model_free import bind
 
             bind(llm)
         return _run(llm, wl)
@@ -1311,7 +1311,7 @@ class EngineFailed(RuntimeError):
     exit_code = 1
 
     def __init__(self, path: str, error: BaseException):
-        from kvtrace.record.vllm_recorder import exception_line
+        from kvtrace.record.vllm.recorder import exception_line
 
         self.path = path
         self.error = error
@@ -1322,8 +1322,8 @@ class EngineFailed(RuntimeError):
 def record_vllm_offline(model_dir: str | None, out_path: str | os.PathLike,
                         workload: Any = "prefix", **engine_kwargs: Any) -> dict:
     """Run ``workload`` with the recorder writing to ``out_path``."""
-    from kvtrace.record import vllm_plugin
-    from kvtrace.record.vllm_recorder import close_all, engine_failure, recorders_opened
+    from kvtrace.record.vllm import plugin as vllm_plugin
+    from kvtrace.record.vllm.recorder import close_all, engine_failure, recorders_opened
 
     out_path = os.fspath(out_path)
     old = os.environ.get("KVTRACE_OUT")

@@ -48,7 +48,7 @@ Rules the recorder keeps:
   with ``status "recorder-error"`` and ``dropped_events > 0``.
 
 Which file a scheduler writes is decided by ``open_recorder`` (see
-``kvtrace.record.vllm_plugin``); a scheduler class built here with no
+``kvtrace.record.vllm.plugin``); a scheduler class built here with no
 destination configured records nothing.
 """
 
@@ -217,7 +217,7 @@ def _block_table(kvm: Any) -> dict | None:
     return None
 
 
-# Set while kvtrace.record.model_free runs an engine with no model behind it.
+# Set while kvtrace.record.vllm.model_free runs an engine with no model behind it.
 MODEL_FREE_ENV = "KVTRACE_MODEL_FREE"
 
 
@@ -363,9 +363,9 @@ def build_header(sched: Any, meta: dict | None = None) -> Header:
         "requires_kv_delivery": bool(getattr(sched, "requires_kv_delivery", False)),
         "scheduler_cls": f"{type(sched).__mro__[1].__module__}.{type(sched).__mro__[1].__qualname__}",
     }
-    m = {"recorder": "kvtrace.record.vllm_recorder", "pid": os.getpid(),
+    m = {"recorder": "kvtrace.record.vllm.recorder", "pid": os.getpid(),
          "data_parallel_rank": int(getattr(pc, "data_parallel_rank", 0) or 0)}
-    if os.environ.get(MODEL_FREE_ENV):   # kvtrace.record.model_free's engine: no model ran
+    if os.environ.get(MODEL_FREE_ENV):   # kvtrace.record.vllm.model_free's engine: no model ran
         m["model_free"] = True
     if meta:
         m.update(meta)

@@ -109,16 +109,16 @@ class FreeBeforeSendScheduler(Scheduler):
 
 
 FAULTS = {
-    "async-load-overshoot": "kvtrace.record.fault_schedulers.AsyncLoadOvershootScheduler",
-    "stale-computed-on-preempt": "kvtrace.record.fault_schedulers.NoResetOnPreemptScheduler",
+    "async-load-overshoot": "kvtrace.record.vllm.fault_schedulers.AsyncLoadOvershootScheduler",
+    "stale-computed-on-preempt": "kvtrace.record.vllm.fault_schedulers.NoResetOnPreemptScheduler",
     "async-stale-computed-on-preempt":
-        "kvtrace.record.fault_schedulers.AsyncNoResetOnPreemptScheduler",
-    "spec-rejected-kept": "kvtrace.record.fault_schedulers.KeepRejectedDraftsScheduler",
-    "grammar-not-awaited": "kvtrace.record.fault_schedulers.GrammarNotAwaitedScheduler",
-    "free-before-send": "kvtrace.record.fault_schedulers.FreeBeforeSendScheduler",
+        "kvtrace.record.vllm.fault_schedulers.AsyncNoResetOnPreemptScheduler",
+    "spec-rejected-kept": "kvtrace.record.vllm.fault_schedulers.KeepRejectedDraftsScheduler",
+    "grammar-not-awaited": "kvtrace.record.vllm.fault_schedulers.GrammarNotAwaitedScheduler",
+    "free-before-send": "kvtrace.record.vllm.fault_schedulers.FreeBeforeSendScheduler",
 }
 
-# The vllm_run workload that triggers each fault.
+# The run.py workload that triggers each fault.
 FAULT_WORKLOADS = {
     "async-load-overshoot": "async-partial",
     "stale-computed-on-preempt": "preemption",

@@ -1,6 +1,6 @@
 """Random vLLM workloads by kind: ``workload(seed, kind)``.
 
-A kind names a base workload of ``kvtrace.record.vllm_run`` and the
+A kind names a base workload of ``kvtrace.record.vllm.run`` and the
 modifiers put on it, as prefixes:
 
 * bases: KV-connector workloads ("async", "async-failures", "sync-failures";
@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import random
 
-from kvtrace.record.vllm_run import (connector_workload, knobs_workload, mixed_workload,
+from kvtrace.record.vllm.run import (connector_workload, knobs_workload, mixed_workload,
                                      rlhf_workload, served, sessions_workload, stream_workload,
                                      with_draft_model, with_drafts, with_dynamic_drafts,
                                      with_eagle, with_embeds, with_grammars, with_loras)

@@ -3,7 +3,7 @@
 Declared in pyproject.toml as::
 
     [project.entry-points."vllm.general_plugins"]
-    kvtrace = "kvtrace.record.vllm_plugin:register"
+    kvtrace = "kvtrace.record.vllm.plugin:register"
 
 vLLM loads general plugins in every process (front end, engine core, workers),
 and the engine core loads them before it resolves its scheduler class with
@@ -54,7 +54,7 @@ def install() -> bool:
         if not os.environ.get("KVTRACE_OUT"):
             return base
         try:
-            from kvtrace.record.vllm_recorder import make_recording_scheduler
+            from kvtrace.record.vllm.recorder import make_recording_scheduler
 
             _hook_engine_shutdown()
             return make_recording_scheduler(base)
@@ -90,7 +90,7 @@ def _hook_engine_shutdown() -> None:
 
     def shutdown(self, *args, **kwargs):
         try:
-            from kvtrace.record.vllm_recorder import close_all, propagating_failure
+            from kvtrace.record.vllm.recorder import close_all, propagating_failure
 
             close_all(interrupted=propagating_failure())   # "interrupted" when the engine failed
         except Exception:

@@ -32,7 +32,7 @@ recorded inputs, in the recorded call order:
   requests an output names (``Output.grammar_rejected``). No grammar runs here.
 
 The scheduler class (vLLM's ``Scheduler`` by default, or any subclass given as a
-class or a dotted path) is wrapped by ``kvtrace.record.vllm_recorder``, which
+class or a dotted path) is wrapped by ``kvtrace.record.vllm.recorder``, which
 writes its decisions to ``out_path`` as a kvtrace trace. ``kvtrace diff
 RECORDED out_path`` then shows where this scheduler and the recorded one part.
 
@@ -65,7 +65,7 @@ from kvtrace.trace.io import TraceError, TraceReader
 # The module the replay connector is loaded from. vLLM's connector factory looks
 # the recorded connector name up as an attribute of this module, and every name
 # resolves to ReplayConnector, so the replayed header names the recorded connector.
-_CONNECTOR_MODULE = "kvtrace.record._vllm_replay_connectors"
+_CONNECTOR_MODULE = "kvtrace.record.vllm._rerun_connectors"
 _NOTES = 5  # entries of each input-note list that summary() shows
 
 
@@ -199,7 +199,7 @@ def _make_connector_cls() -> type:
 def _connector_module() -> types.ModuleType:
     mod = sys.modules.get(_CONNECTOR_MODULE)
     if mod is None:
-        mod = types.ModuleType(_CONNECTOR_MODULE, "Replay connectors for kvtrace.record.vllm_replay")
+        mod = types.ModuleType(_CONNECTOR_MODULE, "Replay connectors for kvtrace.record.vllm.rerun")
         mod.ReplayConnector = _make_connector_cls()
 
         def __getattr__(name: str):
@@ -477,9 +477,15 @@ class BadSchedulerClass(ValueError):
     exit_code = 2
 
 
+# kvtrace's own modules that moved: a trace's header names the scheduler class
+# where it was when the trace was recorded.
+MOVED_MODULES = {"kvtrace.record.fault_schedulers": "kvtrace.record.vllm.fault_schedulers"}
+
+
 def resolve_scheduler_cls(scheduler_cls: str | type | None, async_scheduling: bool = False) -> type:
     """vLLM's Scheduler for None (its AsyncScheduler with ``async_scheduling``);
-    a class as is; ``pkg.mod.Cls`` (or ``pkg.mod:Cls``) imported."""
+    a class as is; ``pkg.mod.Cls`` (or ``pkg.mod:Cls``) imported, from where
+    it is now if it is one of kvtrace's that moved."""
     if scheduler_cls is None:
         if async_scheduling:
             from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -497,6 +503,7 @@ def resolve_scheduler_cls(scheduler_cls: str | type | None, async_scheduling: bo
     if not mod_name or not attr:
         raise BadSchedulerClass(f"scheduler class {name!r} is not a dotted path "
                                 "(package.module.Class)")
+    mod_name = MOVED_MODULES.get(mod_name, mod_name)
     try:
         obj = importlib.import_module(mod_name)
     except ImportError as e:
@@ -544,7 +551,7 @@ def build_scheduler(header: ev.Header, out_path: str | os.PathLike, scheduler_cl
     recording to ``out_path``; and the header written there."""
     from vllm.v1.structured_output import StructuredOutputManager
 
-    from kvtrace.record import vllm_recorder as vr
+    from kvtrace.record.vllm import recorder as vr
 
     vc = build_vllm_config(header)
     kcc = build_kv_cache_config(header.config.num_blocks, header.config.block_size)
@@ -827,7 +834,7 @@ def replay_through_vllm(trace_path: str | os.PathLike, out_path: str | os.PathLi
             "replayed_from": path_text(trace_path), "recorded_engine": header.engine,
             "recorded_engine_version": header.engine_version,
             "recorded_scheduler_cls": header.features.scheduler_cls,
-            "replay": "kvtrace.record.vllm_replay"})
+            "replay": "kvtrace.record.vllm.rerun"})
     except ConfigRefused as e:
         reader.close()
         raise TraceError(trace_path, 1, f"vLLM {getattr(vllm, '__version__', '')} refuses this "
@@ -941,7 +948,7 @@ def replay_through_vllm(trace_path: str | os.PathLike, out_path: str | os.PathLi
 
 
 def _close(sched: Any, rec: Any, status: str, error: str | None) -> None:
-    from kvtrace.record import vllm_recorder as vr
+    from kvtrace.record.vllm import recorder as vr
 
     if rec is not None:
         if rec.failed is not None:

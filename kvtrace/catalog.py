@@ -1,0 +1,100 @@
+"""What ``kvtrace record`` can run: the workloads and faults of each engine,
+with one line each. ``record``'s help, the README and
+docs/reference/catalog.md read them from here (``python -m kvtrace.catalog``
+writes that page); tests hold them equal to what each engine defines.
+"""
+
+from __future__ import annotations
+
+EMBEDDED_WORKLOADS = {
+    "shared-prefix": "requests that share long prompt prefixes (prefix-cache hits)",
+    "kv-pressure": "more requests than KV blocks: preemptions and resumptions",
+    "offload": "a simulated external KV store with sync and async hits",
+    "load-failures": "external hits whose loads fail, whole or by block",
+}
+
+EMBEDDED_FAULTS = {
+    "stale-cached-on-preempt": "legacy num_cached_tokens kept from the first admission (PR 36752)",
+    "negative-external-on-invalid-blocks":
+        "a block load failure subtracts every affected token (issue 36533)",
+    "stale-computed-after-failed-schedule":
+        "the local hit of a request whose admission failed is kept (PR 18957)",
+    "no-reload-after-preempt": "a resumed request's external hit is counted but never loaded",
+    "async-load-overshoot": "an async load counts more tokens as computed than it loaded",
+}
+
+# The vLLM recorder's workloads, under the embedded engine's names where they match.
+VLLM_ALIASES = {"shared-prefix": "prefix", "kv-pressure": "preemption"}
+
+VLLM_WORKLOADS = {
+    "prefix": "prompts that share prefixes (also as shared-prefix)",
+    "preemption": "more requests than KV blocks (also as kv-pressure)",
+    "connector": "a scripted KV connector: sync and async hits, load failures",
+    "priority": "priority scheduling with chunked prefills",
+    "no-chunked-prefill": "chunked prefill turned off",
+    "async-preemption": "preemption under the AsyncScheduler",
+    "async-priority": "priority scheduling under the AsyncScheduler",
+    "async-partial": "async external loads of part of a prompt",
+    "async-connector": "the scripted connector under the AsyncScheduler",
+    "async-connector-recompute":
+        "load failures recomputed under the AsyncScheduler (vLLM 0.32 fails: an open bug)",
+    "embeds": "prompts given as embeddings",
+    "lora": "LoRA adapters under a slot limit",
+    "embeds-mixed-mask": "vLLM bug: prompts mixing embeddings and token ids share KV",
+    "priority-preempt-uncomputed-hit": "vLLM bug: a prefix hit on a block never written",
+    "async-failed-load-stale-token": "vLLM bug: a token sampled from KV that failed to load",
+    "async-session-lost": "vLLM bug: a session preempted at its turn's end is lost",
+    "speculative": "n-gram speculative decoding",
+    "eagle": "EAGLE speculative decoding with a local random draft head",
+    "async-eagle": "EAGLE under the AsyncScheduler",
+    "draft-model": "the tiny model as its own draft model",
+    "dynamic-spec": "the number of drafts following the batch size",
+    "async-dynamic-eagle": "dynamic EAGLE under the AsyncScheduler",
+    "spec-session-overshoot": "vLLM bug: a session's turn stopped inside accepted drafts",
+    "spec-padding-cut": "vLLM bug: a padded decode cut by the long-prefill threshold",
+    "structured": "structured outputs: grammars slow to compile, failing, refusing a token",
+    "structured-late": "a structured output arriving while others decode",
+    "repetition": "repetition detection",
+    "pooling": "the tiny model as an embedding model",
+    "prefill-interval": "prefill_schedule_interval without data parallelism (vLLM 0.33 holds "
+                        "prefills back)",
+    "async-lora": "LoRA under the AsyncScheduler",
+    "pd-prefill": "the prefill side of disaggregated serving (NixlConnector, no model)",
+    "pd-decode": "the decode side, from what the prefill side handed over (no model)",
+    "dp-throttle": "prefills held back as vLLM's data-parallel engine core does",
+    "finish-stopped": "a caller that ends requests with FINISHED_STOPPED",
+    "grown-hit-after-preempt": "a prefix hit that grows while its request is preempted "
+                               "(legacy counters go negative)",
+}
+
+VLLM_FAULTS = {
+    "async-load-overshoot": "an async load counts more tokens as computed than it loaded",
+    "stale-computed-on-preempt": "a preempted request keeps its num_computed_tokens",
+    "async-stale-computed-on-preempt": "the same under the AsyncScheduler",
+    "spec-rejected-kept": "rejected drafts kept as computed",
+    "grammar-not-awaited": "a request scheduled before its grammar is compiled",
+    "free-before-send": "the prefill side frees a request's blocks before they are sent",
+}
+
+
+def markdown() -> str:
+    """docs/reference/catalog.md."""
+    def table(title: str, rows: dict[str, str]) -> list[str]:
+        return [f"## {title}", "", "| name | what it runs |", "|---|---|",
+                *(f"| `{k}` | {v} |" for k, v in rows.items()), ""]
+
+    return "\n".join([
+        "# Workloads and faults", "",
+        "What `kvtrace record` runs. Generated by `python -m kvtrace.catalog`; "
+        "do not edit by hand.", "",
+        "`--fault` puts a known bug back in; without `--workload`, each fault runs the "
+        "workload that shows it.", "",
+        *table("Embedded engine: `--workload`", EMBEDDED_WORKLOADS),
+        *table("Embedded engine: `--fault`", EMBEDDED_FAULTS),
+        *table("vLLM (`--engine vllm`): `--workload`", VLLM_WORKLOADS),
+        *table("vLLM (`--engine vllm`): `--fault` (a scheduler subclass)", VLLM_FAULTS),
+    ])
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")

@@ -1,0 +1,15 @@
+"""Recording vLLM V1.
+
+- ``plugin``: vLLM's general-plugin hook; switches recording on in any vLLM
+  process when ``KVTRACE_OUT`` is set.
+- ``recorder``: the hooks on vLLM's ``Scheduler`` and what they capture, and the
+  trace's header.
+- ``run``: the drivers (offline engine, a recorded command) and the stored workloads;
+  ``random_workloads``: random ones; ``fault_schedulers``: bugs put back in.
+- ``model_free``: a release's real engine core with no model; ``releases``
+  runs it in a process of each installed release.
+- ``rerun``: a trace's inputs re-run through vLLM's own ``Scheduler``
+  (``kvtrace replay --scheduler vllm``).
+- ``scripted_connector``, ``tiny_model``: a KV connector and a model for tests
+  and workloads, built locally.
+"""
