@@ -1,14 +1,17 @@
 """The reference scheduler: an independent, readable model of vLLM V1's scheduler
 (baseline profile of the semantics doc). It knows nothing about traces.
 
-Read in this order: request.py, block_pool.py, kv_manager.py, scheduler.py.
+Read in this order: request.py, block_pool.py, kv_manager.py, scheduler.py, then
+the feature modules it mixes in (speculative.py, kv_transfer.py, async_output.py,
+sessions.py) and profiles.py.
 """
 
 from .config import SchedulerConfig
 from .hashing import PromptEmbeds
-from .interface import Connector, ModelOutput, RequestOutput, ScheduledRequest, SchedulerOutput
+from .interface import (Connector, ModelOutput, RequestOutput, ScheduledRequest, SchedulerAssertion,
+                        SchedulerOutput)
 from .request import FINISH_REASONS, PrefillStats, Request, Status
-from .scheduler import Scheduler, SchedulerAssertion
+from .scheduler import Scheduler
 
 __all__ = [
     "Connector", "FINISH_REASONS", "ModelOutput", "PrefillStats", "PromptEmbeds", "Request",

@@ -75,3 +75,12 @@ class RequestOutput:
     # (num_cached_tokens, num_external_computed_tokens) of a legacy engine,
     # sent with the first output.
     legacy_counters: tuple[int, int] | None = None
+
+
+class SchedulerAssertion(AssertionError):
+    """The engine itself would have failed an assertion here (for example a sync
+    external hit that covers the whole prompt, S:1170)."""
+
+    def __init__(self, req_id: str, rule: str):
+        self.req_id, self.rule = req_id, rule
+        super().__init__(f"{req_id}: {rule}")
