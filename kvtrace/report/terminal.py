@@ -197,6 +197,36 @@ def print_replay(result: Any, path: str, console: Console | None = None,
     console.print(Text(_replay_summary(divs), style="red" if divs else "green"))
 
 
+def print_rerun(run: Any, out: str, first: dict | None, result: Any,
+                console: Console | None = None) -> None:
+    """A trace re-run through vLLM's own scheduler (``run``), the first step
+    where it decided otherwise (``first``), and the diff of its decisions
+    with the recording (``result``)."""
+    console = console or make_console()
+    console.print(f"replayed through {run.scheduler_cls} (vLLM {run.vllm_version}): "
+                  f"{run.steps} steps in {run.seconds:.2f} s; its decisions are in {out}")
+    for note in [*run.notes, *run.unanswered_lookups[:5], *run.unused_lookups[:5],
+                 *run.dropped_samples[:5]]:
+        console.print(f"note: {note}")
+    if first is not None:
+        def said(v):
+            return "not scheduled" if v is None else v
+
+        console.print(f"first step where this scheduler decides otherwise: step {first['step']}, "
+                      f"request {first['req']}, {first['field']}: recorded "
+                      f"{said(first['recorded'])}, this scheduler {said(first['vllm'])}",
+                      style="red")
+    else:
+        console.print("every step: the same decisions as recorded", style="green")
+    print_diff(result, console)
+
+
+def rerun_json(result: Any, first: dict | None) -> bytes:
+    doc = result.to_json()
+    doc["first_step_difference"] = first
+    return dumps(doc)
+
+
 def end_note(end: Any) -> str | None:
     """What a trace's end record says, when the recording did not end cleanly."""
     if end is None or (end.status == "complete" and not end.dropped_events):

@@ -1349,6 +1349,43 @@ def record_vllm_offline(model_dir: str | None, out_path: str | os.PathLike,
     return result
 
 
+class UnknownChoice(ValueError):
+    """A workload or fault this recorder does not know, or an option that does
+    not apply to it."""
+
+
+def record_named(out_path: str | os.PathLike, workload: str | None, fault: str | None = None,
+                 model_dir: str | None = None, async_scheduling: bool = False) -> None:
+    """``kvtrace record --engine vllm``: the workload (catalog names, the
+    embedded engine's where they match), with ``fault``'s scheduler subclass
+    and, without a workload, the workload that shows the fault."""
+    from kvtrace.catalog import VLLM_ALIASES
+    from kvtrace.record.vllm.fault_schedulers import FAULT_WORKLOADS, FAULTS
+
+    extra: dict[str, Any] = {}
+    if fault is not None:
+        if fault not in FAULTS:
+            raise UnknownChoice(f"unknown vLLM fault {fault!r}; known: {', '.join(FAULTS)}")
+        extra["scheduler_cls"] = FAULTS[fault]
+        workload = workload or FAULT_WORKLOADS[fault]
+    name = VLLM_ALIASES.get(workload or "prefix", workload or "prefix")
+    if name not in WORKLOADS:
+        raise UnknownChoice(f"unknown vLLM workload {workload!r}; known: {', '.join(WORKLOADS)}")
+    if async_scheduling:
+        extra["async_scheduling"] = True
+    if runs_model_free(name):
+        # NixlConnector's worker side needs the NIXL library and KV tensors:
+        # the engine runs with no model (kvtrace.record.vllm.model_free).
+        if model_dir is not None:
+            raise UnknownChoice(f"--model does not apply to workload {name!r}: it runs vLLM's "
+                                "engine with no model (NIXL transfers are simulated)")
+        from kvtrace.record.vllm.model_free import record_model_free
+
+        record_model_free(out_path, name, **extra)
+        return
+    record_vllm_offline(model_dir, out_path, name, **extra)
+
+
 def record_command(out_path: str | os.PathLike, argv: list[str]) -> int:
     """Run ``argv`` with ``KVTRACE_OUT`` set; return its exit code."""
     if not argv:
