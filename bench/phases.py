@@ -162,6 +162,55 @@ def json_only(trace: str) -> dict:
     return {"seconds": time.perf_counter() - t, "lines": n, "peak_rss": _peak_rss()}
 
 
+def decode_only(trace: str) -> dict:
+    """Decompress and decode every line into its typed event with its own
+    checks (msgspec, in C), without the checks across records: the part of the
+    checked parse that no Python runs."""
+    from pathlib import Path
+
+    from kvtrace.trace.events import LINE_DECODER, decode_header_line
+    from kvtrace.trace.io import _open_binary_read
+
+    decode = LINE_DECODER.decode
+    t = time.perf_counter()
+    n = 0
+    with _open_binary_read(Path(trace)) as f:
+        lines = _lines(f)
+        decode_header_line(next(lines))
+        for line in lines:
+            decode(line)
+            n += 1
+    return {"seconds": time.perf_counter() - t, "lines": n, "peak_rss": _peak_rss()}
+
+
+def kv_bound(device: str = "cpu") -> dict:
+    """The shadow-KV check's gather-and-compare alone (every block of a cache
+    read every step, bench.shadow_kv's full-cache check), the device's memory
+    bandwidth, and a bare indexed gather and compare of as many slots, with
+    indices built beforehand: what one torch op pair does on this device."""
+    import torch
+
+    from bench.shadow_kv import BYTES_PER_SLOT, _sync, bandwidth, run_full_check
+
+    torch.set_num_threads(1)   # as replay's worker runs the check
+    dev = torch.device(device)
+    with torch.inference_mode():
+        t_full, full_slots, _ = run_full_check(4096, 16, device, 200)
+        state = torch.randint(1, 1 << 62, (4096 * 16,), dtype=torch.int64, device=dev)
+        idx = torch.randint(0, 4096 * 16, (1 << 22,), dtype=torch.int64, device=dev)
+        want = state.index_select(0, idx)
+        best = float("inf")
+        for _ in range(7):
+            _sync(dev)
+            t = time.perf_counter()
+            bool(torch.ne(state.index_select(0, idx), want).any())
+            _sync(dev)
+            best = min(best, time.perf_counter() - t)
+    bw, _ = bandwidth(dev)
+    return {"check_slots_per_s": full_slots / t_full, "gather_slots_per_s": len(idx) / best,
+            "bound_slots_per_s": bw / BYTES_PER_SLOT, "bandwidth": bw}
+
+
 def parse(trace: str) -> dict:
     from kvtrace.trace import TraceReader
 

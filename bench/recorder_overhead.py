@@ -83,7 +83,8 @@ def run(rounds: int = 101, requests: int = 16, max_tokens: int = 48, suffix: str
 
     from kvtrace.record.vllm import plugin as vllm_plugin
     from kvtrace.record.vllm.tiny_model import ensure_tiny_model
-    from kvtrace.record.vllm.run import BASE_ENGINE, shutdown_llm
+    from kvtrace.record.vllm.run import shutdown_llm
+    from kvtrace.record.vllm.workloads import BASE_ENGINE
 
     vllm_plugin.install()
     model_dir = str(ensure_tiny_model(size=model))

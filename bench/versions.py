@@ -7,7 +7,7 @@ For this environment's vLLM (its engine runs; model-free here, as for the
 others) and each release ``KVTRACE_VLLM_RELEASES`` names (``.ci/release-env``
 builds them), with the release's own scheduler:
 
-* stored: run.py's named workloads, on its engine with no model
+* stored: workloads.py's named workloads, on its engine with no model
   (``kvtrace.record.vllm.model_free``), recorded;
 * random: ``--random`` workloads of the random generators
   (``kvtrace.record.vllm.random_workloads``), spread over every kind the
@@ -41,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# run.py workloads the model-free engine does not run: a pooling model, and
+# workloads.py workloads the model-free engine does not run: a pooling model, and
 # grammars (no grammar is applied to the tokens it draws).
 NOT_MODEL_FREE = {"pooling", "structured", "structured-late"}
 EMBEDDED = ("shared-prefix", "kv-pressure", "offload", "load-failures")
@@ -62,7 +62,7 @@ def _this_release() -> str | None:
 
 def _jobs(random_count: int, seed0: int) -> list[dict]:
     from kvtrace.record.vllm.random_workloads import ALL_KINDS
-    from kvtrace.record.vllm.run import WORKLOADS
+    from kvtrace.record.vllm.workloads import WORKLOADS
 
     jobs = [{"name": f"stored-{n}", "workload": n, "source": "stored"}
             for n in WORKLOADS if n not in NOT_MODEL_FREE]
@@ -126,7 +126,7 @@ def known_bug(first: dict | None, job: dict) -> str | None:
 
 def _fails_loads_async(job: dict) -> bool:
     from kvtrace.record.vllm.random_workloads import workload
-    from kvtrace.record.vllm.run import WORKLOADS
+    from kvtrace.record.vllm.workloads import WORKLOADS
 
     if "through" in job:   # a trace of vLLM's own failed-load bugs, or a fault put back
         return any(k in job["through"] for k in ("async-", "faults/"))

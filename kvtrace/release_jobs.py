@@ -18,7 +18,7 @@ from kvtrace.record.vllm.model_free import record_model_free, step_limited
 
 def run_one(out_path: str, wl: dict | str, check_vllm: bool = True,
             scheduler_cls: str | None = None) -> dict:
-    """Record ``wl`` (a workload, or the name of one of run.py's) on the
+    """Record ``wl`` (a workload, or the name of one of workloads.py's) on the
     installed vLLM, model-free, under a step limit, with vLLM's scheduler or
     ``scheduler_cls`` (a dotted path); then, with ``check_vllm``, replay the
     trace through the same release's scheduler (``--scheduler vllm``) and
@@ -29,7 +29,8 @@ def run_one(out_path: str, wl: dict | str, check_vllm: bool = True,
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from kvtrace.record.vllm.rerun import resolve_scheduler_cls
-    from kvtrace.record.vllm.run import WORKLOADS, EngineFailed
+    from kvtrace.record.vllm.run import EngineFailed
+    from kvtrace.record.vllm.workloads import WORKLOADS
 
     spec = WORKLOADS[wl] if isinstance(wl, str) else wl
     if scheduler_cls is not None:
@@ -80,10 +81,10 @@ def through(trace: str, out_path: str, scheduler_cls: str | None = None) -> dict
 def main(argv: list[str] | None = None) -> int:
     """``python -m kvtrace.release_jobs JOBS.json OUT_DIR``: record each
     job, a JSON object with "name" and either "workload" (a workload dict or
-    the name of one of run.py's) or "seed" and "kind" (random_workloads),
+    the name of one of workloads.py's) or "seed" and "kind" (random_workloads),
     into OUT_DIR/NAME.jsonl.gz, optionally under "scheduler_cls" (a dotted
     path); a job with "handoff_from" (an earlier job's name, a prefill side)
-    records the decode side of that job's trace (``run.handoff_workload``,
+    records the decode side of that job's trace (``workloads.handoff_workload``,
     "workload" defaulting to "pd-decode"); or, for a job with "through" (a trace), replay
     that trace's inputs through this vLLM's scheduler into the same place.
     Prints one JSON line per job."""
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
             continue
         if "handoff_from" in job:   # the decode side of an earlier job's prefill side
-            from kvtrace.record.vllm.run import handoff_workload
+            from kvtrace.record.vllm.workloads import handoff_workload
 
             wl = handoff_workload(os.path.join(out_dir, f"{job['handoff_from']}.jsonl.gz"),
                                   job.get("workload", "pd-decode"))

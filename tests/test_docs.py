@@ -77,7 +77,7 @@ def test_the_catalog_names_the_embedded_engines_workloads_and_faults():
 def test_the_catalog_names_the_vllm_workloads_and_faults():
     from kvtrace import catalog
     from kvtrace.record.vllm.fault_schedulers import FAULT_WORKLOADS, FAULTS
-    from kvtrace.record.vllm.run import WORKLOADS
+    from kvtrace.record.vllm.workloads import WORKLOADS
 
     assert set(catalog.VLLM_WORKLOADS) == set(WORKLOADS)
     assert set(catalog.VLLM_FAULTS) == set(FAULTS) == set(FAULT_WORKLOADS)

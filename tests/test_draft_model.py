@@ -20,7 +20,7 @@ from kvtrace.trace import TraceReader
 from kvtrace.trace import events as ev
 
 TRACE = Path(__file__).resolve().parent.parent / "traces" / "draft-model.jsonl.gz"
-BUDGET, K = 32, 3   # run.WORKLOADS["draft-model"]: max_num_batched_tokens, drafts
+BUDGET, K = 32, 3   # workloads.WORKLOADS["draft-model"]: max_num_batched_tokens, drafts
 
 
 def _steps(path) -> list[ev.Step]:

@@ -26,7 +26,7 @@ from kvtrace.trace import events as ev
 TRACES = Path(__file__).resolve().parent.parent / "traces"
 SYNC = TRACES / "dynamic-spec.jsonl.gz"
 ASYNC = TRACES / "async-dynamic-eagle.jsonl.gz"
-# run._BY_BATCH_SIZE, the workloads' schedule: (first, last batch size, drafts).
+# workloads._BY_BATCH_SIZE, the workloads' schedule: (first, last batch size, drafts).
 SCHEDULE = [(1, 2, 3), (3, 5, 2), (6, 64, 1)]
 
 

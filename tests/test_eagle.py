@@ -24,7 +24,7 @@ from kvtrace.trace import events as ev
 
 TRACE = Path(__file__).resolve().parent.parent / "traces" / "eagle.jsonl.gz"
 BLOCK = 32
-PROMPT = 96          # run.WORKLOADS["eagle"]: request 0's prompt, three whole blocks
+PROMPT = 96          # workloads.WORKLOADS["eagle"]: request 0's prompt, three whole blocks
 
 
 def _admitted(path) -> dict[int, tuple[int, int, list[int]]]:

@@ -52,7 +52,7 @@ def _seen(path) -> tuple[dict, dict, dict]:
 
 
 def _check_the_slot_limit(path) -> None:
-    """The workload's design (run.WORKLOADS["lora"]: eight prompts sharing
+    """The workload's design (workloads.WORKLOADS["lora"]: eight prompts sharing
     two 32-token blocks, adapters [-, 1, 2, 3, 1, 2, -, 3], max_loras 2):
     step 0 admits all but those of adapter 3, whose slot adapters 1 and 2
     hold; each prompt hits the blocks of the first one of its own adapter.

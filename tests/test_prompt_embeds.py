@@ -103,7 +103,7 @@ def _check_digests(path, workload: str) -> None:
     import torch
 
     from kvtrace.record.vllm.tiny_model import CONFIG
-    from kvtrace.record.vllm.run import WORKLOADS
+    from kvtrace.record.vllm.workloads import WORKLOADS
 
     wl = WORKLOADS[workload]
     arrivals, _ = _first_schedules(path)
@@ -129,7 +129,7 @@ def test_the_recorded_digests_are_the_sha256_of_each_blocks_rows(path, workload)
 
 
 def test_prefix_hits_follow_the_embeddings():
-    """The workload's design (run.WORKLOADS["embeds"], 32-token blocks):
+    """The workload's design (workloads.WORKLOADS["embeds"], 32-token blocks):
     a shorter or repeated prompt of the first one's embeddings hits its full
     blocks, below its last token; the same embeddings under a cache salt,
     other embeddings, and token ids 0 hit none of them; token ids 0 hit the
@@ -216,7 +216,8 @@ def test_vllm_own_scheduler_makes_the_same_hit_and_the_output_is_wrong(tmp_path)
 
     script = """
 import json, sys
-from kvtrace.record.vllm.run import WORKLOADS, run_workload
+from kvtrace.record.vllm.run import run_workload
+from kvtrace.record.vllm.workloads import WORKLOADS
 wl = WORKLOADS["embeds-mixed-mask"]
 both = run_workload(None, "embeds-mixed-mask")["outputs"]
 alone = run_workload(None, dict(wl, prompts=wl["prompts"][1:], embeds=wl["embeds"][1:],
@@ -321,7 +322,7 @@ def test_the_references_keys_split_blocks_as_vllms_do():
 
 def test_show_counts_the_prompts_of_embeddings(capsys):
     from kvtrace import cli
-    from kvtrace.record.vllm.run import WORKLOADS
+    from kvtrace.record.vllm.workloads import WORKLOADS
 
     given = WORKLOADS["embeds"]["embeds"]
     assert cli.run(["show", str(TRACE)]) == 0

@@ -16,8 +16,10 @@ import pytest
 from kvtrace.workers import child as child_mod
 from kvtrace.record import sink as sink_mod
 from kvtrace.record import writer_process
-from kvtrace.record.sink import (BlockTables, ProcessSink, RawOutput, RawStep, RunningColumns,
-                                 Sampled, Scheduled, Snapshot, TraceSink)
+from kvtrace.record import detached
+from kvtrace.record.capture import RawOutput, RawStep, RunningColumns, Sampled, Scheduled, Snapshot
+from kvtrace.record.records import BlockTables
+from kvtrace.record.sink import ProcessSink, TraceSink
 from kvtrace.trace.events import (
     Abort,
     Arrival,
@@ -562,10 +564,10 @@ def test_a_shutdown_that_kills_the_engines_process_tree_leaves_the_trace_whole(t
     kill_process_tree(engine.pid)
     engine.wait(10)
     t0 = time.monotonic()
-    sink_mod.wait_for_writers(path, timeout=0.5)   # it still holds the file
+    detached.wait_for_writers(path, timeout=0.5)   # it still holds the file
     assert time.monotonic() - t0 >= 0.5
     os.kill(writer, signal.SIGCONT)
-    sink_mod.wait_for_writers(path, timeout=20)    # what `kvtrace record -- CMD` does
+    detached.wait_for_writers(path, timeout=20)    # what `kvtrace record -- CMD` does
     r = TraceReader(path)
     evs = list(r)
     assert [e.kind for e in evs][-2:] == ["abort", "end"] and len(evs) == 9

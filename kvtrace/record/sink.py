@@ -29,9 +29,11 @@ When ``maxsize`` events are waiting, ``put`` drops the event and counts it; the
 trace then ends with ``status "recorder-error"`` and ``dropped_events > 0``.
 
 Events are the schema's (``Arrival``, ``Abort``, ``PromptStats``), or ``RawStep``
-/ ``RawOutput``: copies of the engine's own lists and counters, taken on its
-thread with as little Python per request as possible, which ``Resolver`` and
-``Records`` turn into ``step`` and ``output`` records.
+/ ``RawOutput`` (``capture``): copies of the engine's own lists and counters,
+taken on its thread with as little Python per request as possible, which
+``Resolver`` and ``Records`` (``records``) turn into ``step`` and ``output``
+records. The writer process is started outside the engine's process tree
+(``detached``).
 """
 
 from __future__ import annotations
@@ -39,8 +41,6 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-import select
-import signal
 import socket
 import subprocess
 import sys
@@ -50,24 +50,16 @@ import time
 import weakref
 from collections import deque
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import msgspec
 import orjson
 
-from kvtrace.workers.child import above_stdio, child_env
-from kvtrace.trace.events import (
-    STATUSES,
-    Header,
-    Output,
-    RequestState,
-    ScheduledNew,
-    ScheduledRunning,
-    Step,
-    plain_values,
-    to_json,
-)
+from kvtrace.record.detached import Detached, hold_lock
+from kvtrace.record.records import Records, Resolver
+from kvtrace.trace.events import Header, plain_values, to_json
 from kvtrace.trace.io import JSON_LINE, TraceWriter, open_trace_file
+from kvtrace.workers.child import above_stdio
 
 logger = logging.getLogger("kvtrace.record")
 # One line of the hand-over: an event, or a raw step or output (tuples of the
@@ -81,283 +73,6 @@ ENV_QUEUE = "KVTRACE_QUEUE_SIZE"
 ENV_WRITER = "KVTRACE_WRITER"       # "process" (default) or "thread"
 DEFAULT_QUEUE_SIZE = 1 << 16
 FLUSH_IDLE_S = 0.25  # flush after this long without events
-
-# vLLM status names that the trace schema folds into one of its own.
-STATUS_FOLD = {
-    "FINISHED_REPETITION": "FINISHED_STOPPED",
-}
-
-_NEW_FIELDS = ScheduledNew.__struct_fields__
-_RUNNING_FIELDS = ScheduledRunning.__struct_fields__
-_STATE_FIELDS = RequestState.__struct_fields__
-
-
-# --------------------------------------------------------------------------- queue items
-
-
-# The recorder copies what the engine holds into these named tuples (cheap to
-# build on the engine's thread, encoded as JSON arrays on the way to the writer
-# process); ``Records`` turns them into the schema's records. Their field names
-# are the schema's, so a field added to the schema is added here by name.
-
-
-class Scheduled(NamedTuple):
-    """A request in ``Step.new`` or ``Step.resumed`` (the fields of ``ScheduledNew``)."""
-
-    req: str
-    num_computed_tokens: int
-    num_scheduled_tokens: int
-    block_ids: list
-
-
-class RunningColumns(NamedTuple):
-    """Copies of the scheduler output's ``scheduled_cached_reqs`` columns."""
-
-    req_ids: list
-    num_computed_tokens: list
-    new_block_ids: list            # as vLLM holds them: per-group lists, or None
-    num_scheduled_tokens: dict     # req id -> tokens, for every scheduled request
-
-
-class StateCounters(NamedTuple):
-    """A request's counters in a snapshot (``RequestState`` without its blocks)."""
-
-    req: str
-    status: Any                    # the engine's status enum (its value travels)
-    num_computed_tokens: int
-    num_tokens: int
-    num_preemptions: int
-
-
-class Snapshot(NamedTuple):
-    """The states of some requests. With a block table to read incrementally,
-    ``blocks`` holds each request's list of block objects *as the KV manager
-    holds it* and ``lengths`` its length at the snapshot: the list only grows
-    while the request holds it, so its first ``length`` blocks are the request's
-    table at that moment, whenever they are read. Otherwise ``blocks`` holds
-    lists of ids, read at the snapshot, and ``lengths`` is None."""
-
-    req_ids: list
-    counters: list                 # StateCounters (or tuples of its fields)
-    blocks: list
-    lengths: list | None
-
-
-class Sampled(NamedTuple):
-    """Copies of the model output's sampled tokens and its index."""
-
-    req_ids: list
-    sampled_token_ids: list
-    req_id_to_index: dict
-
-
-class RawStep(NamedTuple):
-    """One ``schedule()`` as captured; ``rare`` holds the step's rare fields
-    that hold something (``spec``, ``grammar``, ``throttle_prefills``), or None."""
-
-    step: int
-    new: list                      # Scheduled
-    resumed: list                  # Scheduled
-    running: RunningColumns
-    preempted: list
-    finished: list
-    lookups: list
-    loads: list | None
-    states: Snapshot
-    num_free_blocks: int | None
-    rare: dict | None
-
-
-class RawOutput(NamedTuple):
-    """One ``update_from_output()`` as captured; ``rare`` as a step's
-    (``grammar_rejected``, ``pooled``), or None."""
-
-    step: int
-    sampled: Sampled
-    connector: Any                 # ConnectorOutput or None
-    finished: dict
-    states: Snapshot
-    rare: dict | None
-
-
-def first_group(block_ids: Any) -> list[int]:
-    """vLLM passes block ids as a tuple of per-group lists (or a list of such)."""
-    if block_ids is None:
-        return []
-    if len(block_ids) and not isinstance(block_ids[0], int):
-        return list(block_ids[0])
-    return list(block_ids)
-
-
-def status_name(name: str) -> str:
-    """The schema's status for a vLLM ``RequestStatus`` name."""
-    if name in STATUSES:
-        return name
-    return STATUS_FOLD.get(name, "WAITING")
-
-
-# --------------------------------------------------------------------------- resolving (engine's process)
-
-
-class BlockTables:
-    """Block ids from the block lists that snapshots hold.
-
-    With one full-attention group, the KV manager's list of a request's blocks only
-    grows (``append``/``extend``), or is dropped when the request frees its blocks.
-    So the ids are kept per request with the list they were read from: the same
-    list at a known length gives ids already read, and a longer one adds only the
-    blocks appended since (after checking that its first and last known blocks
-    are unchanged). Anything else is read again in full. The id lists handed out
-    are never mutated afterwards, since records hold them."""
-
-    def __init__(self) -> None:
-        self.known: dict[str, tuple[list, list[int]]] = {}
-        self.reads = 0  # lists read from their first block
-
-    def ids(self, rid: str, blocks: Any, n: int) -> list[int]:
-        known = self.known.get(rid)
-        if known is not None and known[0] is blocks:
-            ids = known[1]
-            m = len(ids)
-            if m == n:
-                return ids
-            if m > n:
-                return ids[:n]
-            if m and ids[0] == blocks[0].block_id and ids[-1] == blocks[m - 1].block_id:
-                ids = ids + [b.block_id for b in blocks[m:n]]
-                self.known[rid] = (blocks, ids)
-                return ids
-        self.reads += 1
-        if not n:
-            self.known.pop(rid, None)
-            return []
-        ids = [b.block_id for b in blocks[:n]]
-        self.known[rid] = (blocks, ids)
-        return ids
-
-    def forget(self, rids: Any) -> None:
-        for rid in rids:
-            self.known.pop(rid, None)
-
-
-class Resolver:
-    """In the engine's process: what only it can read. ``RawStep`` and
-    ``RawOutput`` become plain tuples tagged ``"step"`` / ``"output"`` with
-    block ids in place of block lists. A status class not seen before is
-    announced first, as ``("statuses", [[value, schema name], ...])``: statuses
-    travel as their enum values. Other events pass unchanged."""
-
-    def __init__(self) -> None:
-        self.blocks = BlockTables()
-        self._status_classes: set[type] = set()
-
-    def __call__(self, item: Any, out: list) -> None:
-        t = type(item)
-        if t is RawStep:
-            states = self._states(item.states, out)
-            if item.finished:  # gone from the engine: forget them (after this step's states)
-                self.blocks.forget(item.finished)
-            out.append(("step", item._replace(states=states)))
-        elif t is RawOutput:
-            out.append(("output", item._replace(states=self._states(item.states, out))))
-        else:
-            out.append(item)
-
-    def _states(self, raw: Snapshot, out: list) -> tuple:
-        """(counters, block ids): the snapshot with its blocks read."""
-        rids, counters, blocks, lengths = raw
-        if counters:
-            cls = type(counters[0][1])
-            if cls not in self._status_classes:
-                self._status_classes.add(cls)
-                out.append(("statuses", _status_table(cls)))
-        if lengths is None:
-            return counters, blocks
-        return counters, list(map(self.blocks.ids, rids, blocks, lengths))
-
-
-def _status_table(cls: type) -> list:
-    try:
-        table = [[m.value, status_name(m.name)] for m in cls]  # vLLM's RequestStatus (an IntEnum)
-        orjson.dumps(table)
-        return table
-    except Exception:
-        return []
-
-
-# --------------------------------------------------------------------------- records (writer)
-
-
-class Records:
-    """What ``TraceWriter.write`` serializes for each resolved item: a
-    ``("step", RawStep)`` or ``("output", RawOutput)`` pair (or the lists JSON
-    made of it, read back into the named tuple) becomes a dict with the
-    schema's field names and order; events, or the dicts JSON made of them, get
-    their sequence number from ``next_seq``. Returns None for the
-    ``"statuses"`` announcement, which takes no sequence number."""
-
-    def __init__(self) -> None:
-        self.statuses: dict[Any, str] = {}
-
-    def __call__(self, item: Any, next_seq) -> Any:
-        if type(item) is dict:
-            item["seq"] = next_seq()
-            return item
-        if type(item) not in (tuple, list):
-            item.seq = next_seq()
-            return item
-        tag = item[0]
-        if tag == "step":
-            return self.step(RawStep(*item[1]), next_seq())
-        if tag == "output":
-            return self.output(RawOutput(*item[1]), next_seq())
-        if tag == "statuses":
-            self.statuses.update({value: name for value, name in item[1]})
-            return None
-        raise ValueError(f"unknown item {tag!r}")
-
-    def states(self, raw: Any) -> list[dict]:
-        counters, ids = raw
-        names = self.statuses
-        return [dict(zip(_STATE_FIELDS, (rid, names.get(st) or _unknown_status(st), c, t, p, b)))
-                for (rid, st, c, t, p), b in zip(counters, ids)]
-
-    def step(self, s: RawStep, seq: int) -> dict:
-        rids, ncts, nbis, nst = s.running
-        d = {"seq": seq, "step": s.step,
-             "new": [dict(zip(_NEW_FIELDS, t)) for t in s.new],
-             "resumed": [dict(zip(_NEW_FIELDS, t)) for t in s.resumed],
-             "running": [dict(zip(_RUNNING_FIELDS, (rid, c, nst.get(rid, 0), first_group(nb))))
-                         for rid, c, nb in zip(rids, ncts, nbis)],
-             "preempted": s.preempted, "finished": s.finished, "lookups": s.lookups,
-             "loads": s.loads, "states": self.states(s.states),
-             "num_free_blocks": s.num_free_blocks, "kind": "step"}
-        if s.rare:   # the rare fields go last, and only when they hold something
-            d.update(s.rare)
-        return d
-
-    def output(self, o: RawOutput, seq: int) -> dict:
-        rids, toks, index = o.sampled
-        sampled = {}
-        if toks:
-            n = len(toks)
-            for rid in rids:
-                i = index.get(rid)
-                if i is not None and i < n and len(toks[i]):
-                    sampled[rid] = toks[i]
-        d = {"seq": seq, "step": o.step, "sampled": sampled, "connector": o.connector,
-             "finished": o.finished, "states": self.states(o.states), "kind": "output"}
-        if o.rare:
-            d.update(o.rare)
-        return d
-
-
-def _unknown_status(st: Any) -> str:
-    return status_name(getattr(st, "name", str(st)))
-
-
-# --------------------------------------------------------------------------- sinks
-
 
 def dropped_end(dropped: int) -> tuple[str, str | None]:
     """The end status and error of a run that was otherwise complete."""
@@ -757,135 +472,6 @@ class ProcessSink(_Sink):
         if rc != 0:
             logger.error("kvtrace: the trace writer process for %s %s", self.path,
                          "ended without a word" if rc is None else f"exited with {rc}")
-
-
-class Detached:
-    """A writer process that is not the engine's child. ``start`` runs
-    ``argv`` (the writer's ``--detach`` mode), which forks the writer and
-    exits, saying the writer's pid: the writer is left to init, outside the
-    engine's process tree, where a shutdown that kills the tree does not reach
-    it. Not a child, it is waited for on its connection, ``sock``: just
-    before it exits, the writer sends its exit status there, as one line.
-    Nothing here waits on the engine's thread: the launcher is reaped, and
-    the writer's pid read, by the sink's writer thread (``reap``)."""
-
-    def __init__(self, launcher: subprocess.Popen, sock: socket.socket):
-        self._launcher = launcher
-        self._reaping = threading.Lock()
-        self._pid: int | None = None
-        self._sock = sock
-        self.returncode: int | None = None
-
-    @classmethod
-    def start(cls, argv: list[str], theirs: socket.socket, raw: int,
-              sock: socket.socket) -> "Detached":
-        launcher = subprocess.Popen(argv, stdin=theirs.fileno(), stdout=subprocess.PIPE,
-                                    pass_fds=(raw,), close_fds=True, env=child_env(),
-                                    start_new_session=True)
-        return cls(launcher, sock)
-
-    def reap(self) -> None:
-        """Read the writer's pid from the launcher, and reap the launcher."""
-        launcher = self._launcher
-        with self._reaping:
-            if launcher.stdout is not None and not launcher.stdout.closed:
-                said = launcher.stdout.readline()
-                launcher.stdout.close()
-                if said.strip().isdigit():
-                    self._pid = int(said)
-            launcher.wait()
-
-    @property
-    def pid(self) -> int | None:
-        """The writer's pid (None when it did not start)."""
-        if self._pid is None:
-            self.reap()
-        return self._pid
-
-    def poll(self) -> int | None:
-        """The writer's exit status once it has said it (None while it runs or
-        when it died without a word)."""
-        if self.returncode is None:
-            try:
-                said = self._sock.recv(64, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-            except (BlockingIOError, OSError):
-                return None
-            if said.endswith(b"\n"):
-                self.returncode = int(said)
-        return self.returncode
-
-    def kill(self) -> None:
-        if self.pid is not None and self.poll() is None:
-            os.kill(self.pid, signal.SIGKILL)
-
-    def wait(self, timeout: float | None = None) -> int | None:
-        """Its exit status, once it has finished; None when it ended without
-        one (killed). Raises TimeoutExpired after ``timeout`` seconds."""
-        said = b""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not said.endswith(b"\n"):
-            left = None if deadline is None else deadline - time.monotonic()
-            if (left is not None and left <= 0) or not select.select([self._sock], [], [], left)[0]:
-                raise subprocess.TimeoutExpired("kvtrace writer", timeout)
-            try:
-                chunk = self._sock.recv(64)
-            except OSError:   # reset: it died with lines unread
-                return None
-            if not chunk:
-                return None
-            said += chunk
-        self.returncode = int(said)
-        return self.returncode
-
-
-def split_trace_name(name: str) -> tuple[str, str]:
-    """A trace file's name as (stem, ending): ``run.jsonl.gz`` -> ``("run", ".jsonl.gz")``.
-    Further schedulers' traces are named ``stem + tag + ending``."""
-    for ext in (".jsonl.gz", ".jsonl.zst", ".jsonl", ".gz", ".zst"):
-        if name.endswith(ext):
-            return name[: -len(ext)], ext
-    return name, ""
-
-
-def hold_lock(fd: int) -> None:
-    """Take an exclusive lock on the trace file open as ``fd``, so that whoever
-    started the engine can wait for the file to be whole (``wait_for_writers``).
-    The lock belongs to the open file, shared by every descriptor of it, the
-    writer process's included. Where locks do not work, nothing."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        pass
-
-
-def wait_for_writers(path: str | os.PathLike, timeout: float = 60.0) -> None:
-    """Wait until no writer process still writes the trace ``path``, or the
-    traces named after it for further schedulers (``.dp1``, ``.pid123``, ...):
-    each holds a lock on its file while it writes. A writer is detached from
-    the engine, so it may finish after the engine's processes have exited."""
-    p = Path(path)
-    stem, ext = split_trace_name(p.name)
-    paths = [p, *p.parent.glob(f"{stem}.*{ext}")] if p.parent.is_dir() else [p]
-    deadline = time.monotonic() + timeout
-    for trace in dict.fromkeys(paths):
-        try:
-            fd = os.open(trace, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        logger.error("kvtrace: a writer process still writes %s", trace)
-                        break
-                    time.sleep(0.05)
-                except OSError:   # no locks here
-                    break
-        finally:
-            os.close(fd)
 
 
 class WriterProcessError(RuntimeError):

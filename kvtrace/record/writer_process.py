@@ -41,7 +41,9 @@ import sys
 
 import orjson
 
-from kvtrace.record.sink import FLUSH_IDLE_S, Records, dropped_end, hold_lock
+from kvtrace.record.detached import hold_lock
+from kvtrace.record.records import Records
+from kvtrace.record.sink import FLUSH_IDLE_S, dropped_end
 from kvtrace.trace.events import decode_header
 from kvtrace.trace.io import TraceWriter
 
@@ -151,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         _detach()
     path, fd = argv[0], int(argv[1])
     rc = serve(sys.stdin.fileno(), path, fd)
-    if detach:   # the engine waits for this line (kvtrace.record.sink.Detached)
+    if detach:   # the engine waits for this line (kvtrace.record.detached.Detached)
         try:
             os.write(sys.stdin.fileno(), b"%d\n" % rc)
         except OSError:

@@ -118,7 +118,7 @@ FAULTS = {
     "free-before-send": "kvtrace.record.vllm.fault_schedulers.FreeBeforeSendScheduler",
 }
 
-# The run.py workload that triggers each fault.
+# The workloads.py workload that triggers each fault.
 FAULT_WORKLOADS = {
     "async-load-overshoot": "async-partial",
     "stale-computed-on-preempt": "preemption",

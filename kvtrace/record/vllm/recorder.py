@@ -71,7 +71,7 @@ from typing import Any
 
 import orjson
 
-from kvtrace.record.sink import (
+from kvtrace.record.capture import (
     RawOutput,
     RawStep,
     RunningColumns,
@@ -79,12 +79,11 @@ from kvtrace.record.sink import (
     Scheduled,
     Snapshot,
     StateCounters,
-    TraceSink,
     first_group,
-    open_sink,
-    split_trace_name,
     status_name,
 )
+from kvtrace.record.detached import split_trace_name
+from kvtrace.record.sink import TraceSink, open_sink
 from kvtrace.trace.events import (
     PAUSE_STATES,
     REPETITION_FIELDS,

@@ -757,7 +757,7 @@ def decisions(so: Any) -> dict[str, tuple]:
     scheduled: new, resumed or running; num_computed_tokens before the step;
     tokens scheduled; block ids: the whole table, or for a running request
     the new ones)."""
-    from kvtrace.record.sink import first_group
+    from kvtrace.record.capture import first_group
 
     nst = so.num_scheduled_tokens
     out = {r.req_id: ("new", r.num_computed_tokens, nst.get(r.req_id, 0), first_group(r.block_ids))
