@@ -270,7 +270,7 @@ def test_a_connector_swapped_in_after_the_recorder_wrapped_the_first_is_recorded
     from types import SimpleNamespace
 
     from kvtrace.record.vllm import recorder as vllm_recorder
-    from kvtrace.record.vllm.recorder import Recorder, _wrap_connector
+    from kvtrace.record.vllm.recorder import Recorder, wrap_connector
 
     monkeypatch.setattr(vllm_recorder, "_block_table", lambda kvm: None)
 
@@ -291,7 +291,7 @@ def test_a_connector_swapped_in_after_the_recorder_wrapped_the_first_is_recorded
 
     sched = Sched()
     rec = Recorder(sched, sink=SimpleNamespace(put=lambda e: None))
-    _wrap_connector(sched, rec)
+    wrap_connector(sched, rec)
     req = SimpleNamespace(request_id="r")
     rec.begin_step(sched)
     sched.connector.get_num_new_matched_tokens(req, 0)

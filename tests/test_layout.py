@@ -72,6 +72,43 @@ def test_no_module_imports_another_modules_private_names():
     assert bad == []
 
 
+def _module_aliases(tree: ast.AST, path: Path) -> dict[str, str]:
+    """Names bound to a kvtrace module by an import in ``tree``: alias -> module."""
+    pkg = path.relative_to(ROOT.parent).with_suffix("").parts
+    out = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("kvtrace") and a.asname:
+                    out[a.asname] = a.name
+        elif isinstance(node, ast.ImportFrom):
+            base = (".".join(pkg[:len(pkg) - node.level] + ((node.module,) if node.module else ()))
+                    if node.level else node.module or "")
+            if not base.startswith("kvtrace"):
+                continue
+            for a in node.names:
+                name = f"{base}.{a.name}"
+                file = ROOT.parent.joinpath(*name.split("."))
+                if file.with_suffix(".py").exists() or (file / "__init__.py").exists():
+                    out[a.asname or a.name] = name
+    return out
+
+
+def test_no_module_reaches_into_another_modules_private_names():
+    """``mod._name`` on another kvtrace module, imported as ``mod``."""
+    bad = []
+    for path in sorted(ROOT.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        aliases = _module_aliases(tree, path)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in aliases and node.attr.startswith("_")
+                    and not node.attr.startswith("__")):
+                bad.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} "
+                           f"{aliases[node.value.id]}.{node.attr}")
+    assert bad == []
+
+
 def test_the_rules_see_a_bad_import(tmp_path):
     """The reader of imports finds one inside a function, relative or not."""
     mod = tmp_path / "kvtrace" / "trace" / "probe.py"

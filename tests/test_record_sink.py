@@ -586,8 +586,8 @@ def test_a_termination_during_the_closing_of_the_trace_waits_for_the_end(tmp_pat
     marker = tmp_path / "closed"
     code = f"""
 import os, signal, time
-from kvtrace.record.vllm.recorder import _termination_deferred
-with _termination_deferred():
+from kvtrace.record.vllm.recorder import termination_deferred
+with termination_deferred():
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(0.2)
     open({str(marker)!r}, "w").write("end")

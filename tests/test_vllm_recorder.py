@@ -20,9 +20,10 @@ vllm = require("vllm", 'vLLM is not installed: the recorder tests need a real vl
 
 from kvtrace.record import records  # noqa: E402
 from kvtrace.record.vllm import plugin as vllm_plugin, recorder as vllm_recorder  # noqa: E402
+from kvtrace.record.vllm.hooks import make_recording_scheduler  # noqa: E402
 from kvtrace.record.vllm.tiny_model import ensure_tiny_model  # noqa: E402
 from kvtrace.record.vllm.run import record_vllm_offline, run_workload  # noqa: E402
-from kvtrace.trace.events import End, Header  # noqa: E402
+from kvtrace.trace.events import End, Header, SchedulerConfig  # noqa: E402
 from kvtrace.trace.io import TraceReader  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -566,7 +567,7 @@ def test_a_killed_writer_process_leaves_the_engine_alone(tmp_path, model_dir, mo
 def test_full_queue_drops_and_counts(tmp_path):
     """The sink never blocks the caller: a stuck writer makes it drop and count."""
     hdr = Header(engine="vllm", engine_version="test",
-                 config=vllm_recorder.SchedulerConfig(block_size=16, num_blocks=8,
+                 config=SchedulerConfig(block_size=16, num_blocks=8,
                                                       max_num_batched_tokens=64, max_num_seqs=2,
                                                       max_model_len=128))
     sink = vllm_recorder.TraceSink(tmp_path / "q.jsonl", hdr, maxsize=2)
@@ -624,10 +625,10 @@ def test_recording_subclass_keeps_identity():
 
     from kvtrace.record.vllm.fault_schedulers import NoResetOnPreemptScheduler
 
-    cls = vllm_recorder.make_recording_scheduler(NoResetOnPreemptScheduler)
+    cls = make_recording_scheduler(NoResetOnPreemptScheduler)
     assert issubclass(cls, NoResetOnPreemptScheduler) and issubclass(cls, Scheduler)
-    assert vllm_recorder.make_recording_scheduler(cls) is cls
-    assert vllm_recorder.make_recording_scheduler(NoResetOnPreemptScheduler) is cls
+    assert make_recording_scheduler(cls) is cls
+    assert make_recording_scheduler(NoResetOnPreemptScheduler) is cls
 
 
 def test_plugin_register_is_idempotent_and_inert_without_env(monkeypatch):

@@ -2,8 +2,8 @@
 
 - ``plugin``: vLLM's general-plugin hook; switches recording on in any vLLM
   process when ``KVTRACE_OUT`` is set.
-- ``recorder``: the hooks on vLLM's ``Scheduler`` and what they capture, and the
-  trace's header.
+- ``hooks``: the recording subclass of vLLM's ``Scheduler``; ``recorder``: what
+  it captures of each call; ``header``: the trace's header.
 - ``run``: the drivers (offline engine, a recorded command) and the stored workloads;
   ``random_workloads``: random ones; ``fault_schedulers``: bugs put back in.
 - ``model_free``: a release's real engine core with no model; ``releases``

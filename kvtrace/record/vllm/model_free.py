@@ -413,7 +413,7 @@ def record_model_free(out_path: str | os.PathLike, workload: Any = "prefix",
     """``run.record_vllm_offline`` with the model-free executor: the
     installed vLLM's engine and scheduler run ``workload`` and are recorded to
     ``out_path``."""
-    from kvtrace.record.vllm.recorder import MODEL_FREE_ENV
+    from kvtrace.record.vllm.header import MODEL_FREE_ENV
     from kvtrace.record.vllm.run import record_vllm_offline
 
     os.environ[MODEL_FREE_ENV] = "1"   # the header says so

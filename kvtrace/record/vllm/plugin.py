@@ -54,7 +54,7 @@ def install() -> bool:
         if not os.environ.get("KVTRACE_OUT"):
             return base
         try:
-            from kvtrace.record.vllm.recorder import make_recording_scheduler
+            from kvtrace.record.vllm.hooks import make_recording_scheduler
 
             _hook_engine_shutdown()
             return make_recording_scheduler(base)

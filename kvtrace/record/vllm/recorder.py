@@ -1,8 +1,8 @@
 """Record vLLM V1 scheduler decisions as a kvtrace trace.
 
-``make_recording_scheduler(base_cls)`` returns a subclass of ``base_cls`` (vLLM's
-``Scheduler``, ``AsyncScheduler`` or a user's own ``scheduler_cls``) that records,
-in call order:
+``make_recording_scheduler(base_cls)`` (``hooks``) returns a subclass of
+``base_cls`` (vLLM's ``Scheduler``, ``AsyncScheduler`` or a user's own
+``scheduler_cls``) whose ``Recorder``, here, records, in call order:
 
 * ``add_request``      -> ``Arrival`` (also each further input chunk of a
   streaming-input session, and the end of its input, under the session's id)
@@ -80,19 +80,17 @@ from kvtrace.record.capture import (
     Snapshot,
     StateCounters,
     first_group,
-    status_name,
 )
 from kvtrace.record.detached import split_trace_name
 from kvtrace.record.sink import TraceSink, open_sink
+from kvtrace.record.vllm.header import build_header
 from kvtrace.trace.events import (
     PAUSE_STATES,
     REPETITION_FIELDS,
     Abort,
     Arrival,
-    ConnectorConfig,
     ConnectorOutput,
     Drafts,
-    Header,
     KVLoad,
     LegacyCounters,
     Lookup,
@@ -101,7 +99,6 @@ from kvtrace.trace.events import (
     PromptStats,
     RequestFinished,
     ResetPrefixCache,
-    SchedulerConfig,
 )
 
 logger = logging.getLogger("kvtrace.record")
@@ -145,15 +142,6 @@ def _embeds_digests(request: Any, block_size: int) -> list[str]:
             digest = hashlib.sha256(tensor_data(embeds[start:start + block_size])).digest()
         out.append(digest.hex())
     return out
-
-
-def _is_diffusion(vc: Any) -> bool:
-    if getattr(vc, "diffusion_config", None) is not None:
-        return True
-    try:
-        return bool(getattr(vc.model_config, "is_diffusion", False))
-    except Exception:   # a property that reads the model's config
-        return False
 
 
 def _lora(lr: Any) -> dict | None:
@@ -217,19 +205,6 @@ def _block_table(kvm: Any) -> dict | None:
 
 
 # Set while kvtrace.record.vllm.model_free runs an engine with no model behind it.
-MODEL_FREE_ENV = "KVTRACE_MODEL_FREE"
-
-
-def _runs_async(sched: Any) -> bool:
-    """Whether the scheduler is vLLM's AsyncScheduler (or a subclass of it),
-    which schedules a step before the output of the one before comes back."""
-    try:
-        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-    except Exception:
-        return bool(getattr(sched.vllm_config.scheduler_config, "async_scheduling", False))
-    return isinstance(sched, AsyncScheduler)
-
-
 def _eos_token_id(request: Any, sp: Any) -> int | None:
     """The request's end-of-sequence token: its sampling parameters hold it
     (vLLM 0.17 and later), or the request itself (0.16)."""
@@ -237,139 +212,11 @@ def _eos_token_id(request: Any, sp: Any) -> int | None:
     return getattr(request, "eos_token_id", None) if eos is None else eos
 
 
-def _counters_shape() -> str:
-    try:
-        from vllm.v1.engine import EngineCoreOutput
-
-        names = set(getattr(EngineCoreOutput, "__struct_fields__", ()))
-    except Exception:
-        names = set()
-    if "prefill_stats" in names:
-        return "prefill_stats"
-    if "num_cached_tokens" in names:
-        return "legacy"
-    return "prefill_stats"
-
-
 def _finish_reason(r: Any) -> str | None:
     if r is None:
         return None
     name = getattr(r, "name", None) or str(r)
     return _REASONS.get(name.lower(), "stop")
-
-
-def _spec_features(spec: Any) -> dict:
-    """What replay must know of a speculative-decoding config: its method, the
-    extra input slots each request takes for drafting, and whether the number
-    of drafts changes with the batch size (dynamic speculative decoding; the
-    scheduler's table of it is recorded by ``build_header``)."""
-    if spec is None:
-        return {}
-    return {"speculative_method": str(getattr(spec, "method", "") or ""),
-            "num_draft_slots": int(getattr(spec, "max_num_new_slots_for_drafting", 0) or 0),
-            "dynamic_spec_decode": bool(getattr(spec, "num_speculative_tokens_per_batch_size",
-                                                None))}
-
-
-def build_header(sched: Any, meta: dict | None = None) -> Header:
-    """The trace header for a constructed vLLM scheduler."""
-    import vllm
-
-    vc = sched.vllm_config
-    sc = vc.scheduler_config
-    cc = vc.cache_config
-    kvm = sched.kv_cache_manager
-    ktc = vc.kv_transfer_config
-    conn = None
-    if ktc is not None and getattr(ktc, "kv_connector", None):
-        policy = getattr(ktc, "kv_load_failure_policy", "fail")
-        conn = ConnectorConfig(name=str(ktc.kv_connector),
-                               load_failure_policy=policy if policy in ("fail", "recompute") else "fail")
-    num_blocks = getattr(getattr(kvm, "block_pool", None), "num_gpu_blocks", None)
-    if num_blocks is None:
-        num_blocks = cc.num_gpu_blocks
-    mnst = getattr(sched, "max_num_scheduled_tokens", None) or sc.max_num_batched_tokens
-    cfg = SchedulerConfig(
-        block_size=int(sched.block_size),
-        num_blocks=int(num_blocks),
-        max_num_batched_tokens=int(sc.max_num_batched_tokens),
-        max_num_seqs=int(sc.max_num_seqs),
-        max_model_len=int(getattr(sched, "max_model_len", vc.model_config.max_model_len)),
-        enable_prefix_caching=bool(cc.enable_prefix_caching),
-        policy=str(getattr(sc, "policy", "fcfs")),
-        long_prefill_token_threshold=int(getattr(sc, "long_prefill_token_threshold", 0) or 0),
-        max_num_scheduled_tokens=int(mnst),
-        watermark_blocks=int(getattr(kvm, "watermark_blocks", 0) or 0),
-        connector=conn,
-    )
-    kcc = getattr(sched, "kv_cache_config", None)
-    groups = kcc.kv_cache_groups if kcc is not None else []
-    pc = vc.parallel_config
-    features = {
-        # The class that runs decides, not the config: vLLM's CPU platform turns
-        # the flag off, and a caller may pass an AsyncScheduler regardless.
-        "async_scheduling": _runs_async(sched),
-        "num_speculative_tokens": int(getattr(sched, "num_spec_tokens", 0) or 0),
-        "num_lookahead_tokens": int(getattr(sched, "num_lookahead_tokens", 0) or 0),
-        **_spec_features(vc.speculative_config),
-        "num_kv_cache_groups": len(groups),
-        "kv_cache_group_kinds": [type(g.kv_cache_spec).__name__ for g in groups],
-        "hash_block_size": int(getattr(sched, "hash_block_size", sched.block_size)),
-        "pipeline_parallel_size": int(getattr(pc, "pipeline_parallel_size", 1)),
-        "data_parallel_size": int(getattr(pc, "data_parallel_size", 1)),
-        "decode_context_parallel_size": int(getattr(pc, "decode_context_parallel_size", 1)),
-        "use_v2_model_runner": bool(getattr(vc, "use_v2_model_runner", False)),
-        "enable_chunked_prefill": bool(getattr(sc, "enable_chunked_prefill", True)),
-        "max_num_active_seqs": getattr(sc, "max_num_active_seqs", None),
-        "long_prefill_token_threshold_adaptive": bool(
-            getattr(sc, "long_prefill_token_threshold_adaptive", False)),
-        "scheduler_reserve_full_isl": bool(getattr(sc, "scheduler_reserve_full_isl", False)),
-        "watermark": float(getattr(sc, "watermark", 0.0) or 0.0),
-        "prefix_caching_hash_algo": str(getattr(cc, "prefix_caching_hash_algo", "")),
-        "prefix_replay_tokens": int(getattr(sched, "prefix_replay_tokens", 0) or 0),
-        "use_eagle": bool(getattr(sched, "use_eagle", False)),
-        # With EAGLE: whether a prefix hit drops its last block, and how far past
-        # a prefill chunk the drafter reads (above 1 for multi-module MTP).
-        "eagle_block_drop": bool(getattr(sched, "use_eagle_block_drop",
-                                         getattr(sched, "use_eagle", False))),
-        "num_prefill_lookahead_tokens": int(getattr(sched, "num_prefill_lookahead", 0) or 0),
-        # vLLM 0.33: each block's hash covers this many tokens after it (EAGLE).
-        "num_hash_lookahead_tokens": int(getattr(sched, "num_hash_lookahead_tokens", 0) or 0),
-        # Dynamic speculative decoding: the drafts a step asks for, by how many
-        # requests it schedules (index 0 unused; vLLM's dynamic_sd_lookup).
-        "spec_tokens_by_batch_size": (
-            [int(k) for k in sched.dynamic_sd_lookup]
-            if getattr(sched, "dynamic_sd_lookup", None) is not None else None),
-        "has_mamba_layers": bool(getattr(sched, "has_mamba_layers", False)),
-        "multimodal": bool(getattr(vc.model_config, "is_multimodal_model", False)),
-        # A diffusion language model (dLLM): vLLM counts its canvas as drafts
-        # (num_speculative_tokens), which are not speculative decoding.
-        "diffusion": _is_diffusion(vc),
-        # A LoRA slot limit (max_loras) and data-parallel prefill throttling
-        # change which requests a step admits.
-        "lora": getattr(vc, "lora_config", None) is not None,
-        "max_loras": (int(vc.lora_config.max_loras)
-                      if getattr(vc, "lora_config", None) is not None else None),
-        "prompt_embeds": bool(getattr(vc.model_config, "enable_prompt_embeds", False)),
-        # A pooling model keeps no context slot for a sampled token (S:150-159).
-        "pooling_runner": getattr(vc.model_config, "runner_type", None) == "pooling",
-        "prefill_schedule_interval": int(getattr(sc, "prefill_schedule_interval", 1) or 1),
-        # Each step's schedule(throttle_prefills=...) is in the trace (Step.throttle_prefills).
-        "throttle_prefills_recorded": True,
-        "kv_role": getattr(ktc, "kv_role", None) if ktc is not None else None,
-        # The connector's rules under async scheduling, as this scheduler holds them.
-        "defer_block_free": bool(getattr(sched, "defer_block_free", False)),
-        "requires_kv_delivery": bool(getattr(sched, "requires_kv_delivery", False)),
-        "scheduler_cls": f"{type(sched).__mro__[1].__module__}.{type(sched).__mro__[1].__qualname__}",
-    }
-    m = {"recorder": "kvtrace.record.vllm.recorder", "pid": os.getpid(),
-         "data_parallel_rank": int(getattr(pc, "data_parallel_rank", 0) or 0)}
-    if os.environ.get(MODEL_FREE_ENV):   # kvtrace.record.vllm.model_free's engine: no model ran
-        m["model_free"] = True
-    if meta:
-        m.update(meta)
-    return Header(engine="vllm", engine_version=str(getattr(vllm, "__version__", "unknown")),
-                  config=cfg, counters=_counters_shape(), features=features, meta=m)
 
 
 # --------------------------------------------------------------------------- recorder
@@ -386,7 +233,7 @@ class Recorder:
         self.active = True
         self.step_index = 0
         self.has_connector = getattr(sched, "connector", None) is not None
-        self.connector: Any = None   # the connector _wrap_connector wrapped
+        self.connector: Any = None   # the connector wrap_connector wrapped
         self.throttle_prefills = False
         # The size vLLM hashes blocks at: a prompt of embeddings has a digest per block.
         self.hash_block_size = int(getattr(sched, "hash_block_size", None)
@@ -619,7 +466,7 @@ class Recorder:
             # it: wrap the new one, so that its answers are recorded too.
             logger.warning("kvtrace: the scheduler's connector was replaced (now %s); "
                            "recording the new one", type(conn).__name__)
-            _wrap_connector(sched, self)
+            wrap_connector(sched, self)
         self.throttle_prefills = throttle_prefills   # the schedule() call's flag
         self.lookups = []
         self.loads = []
@@ -814,7 +661,7 @@ class Recorder:
 
 
 @contextlib.contextmanager
-def _termination_deferred():
+def termination_deferred():
     """While the engine's shutdown closes the trace: a SIGTERM or SIGINT waits
     until the end record is written, then takes effect as it would have. vLLM
     resets the engine core's handlers before its shutdown, and its process
@@ -846,11 +693,20 @@ _CLAIMED: dict[str, int] = {}
 _CLAIM_LOCK = threading.Lock()
 
 
+def track(rec: Recorder) -> None:
+    """``rec`` is closed with the others at shutdown or process exit (``close_all``)."""
+    _ACTIVE.add(rec)
+
+
+def untrack(rec: Recorder) -> None:
+    _ACTIVE.discard(rec)
+
+
 def close_all(interrupted: str | None = None) -> None:
     """Close every open recorder of this process (writes their End records):
     ``complete``, or, given the error that stopped the engine, ``interrupted``.
     A SIGTERM or SIGINT meanwhile waits until they are closed."""
-    with _termination_deferred():
+    with termination_deferred():
         for rec in list(_ACTIVE):
             try:
                 rec.close(interrupted=interrupted)
@@ -938,7 +794,7 @@ def open_recorder(sched: Any) -> Recorder | None:
     return rec
 
 
-# --------------------------------------------------------------------------- scheduler subclass
+# --------------------------------------------------------------------------- wrappers on the instance
 
 
 def _plain(params: Any) -> dict | None:
@@ -953,7 +809,7 @@ def _plain(params: Any) -> dict | None:
         return {"unrecorded": type(params).__name__}
 
 
-def _wrap_connector(sched: Any, rec: Recorder) -> None:
+def wrap_connector(sched: Any, rec: Recorder) -> None:
     conn = getattr(sched, "connector", None)
     if conn is None:
         return
@@ -983,10 +839,7 @@ def _wrap_connector(sched: Any, rec: Recorder) -> None:
     rec.connector = conn   # the connector these wrap (a schedule checks it is still the one)
 
 
-_CLASS_CACHE: dict[type, type] = {}
-
-
-def _wrap_grammar(sched: Any, rec: Recorder) -> None:
+def wrap_grammar(sched: Any, rec: Recorder) -> None:
     """See the grammar refuse a request's tokens: wrap the scheduler's
     ``structured_output_manager.accept_tokens`` on the instance (S:2186)."""
     som = getattr(sched, "structured_output_manager", None)
@@ -1003,198 +856,3 @@ def _wrap_grammar(sched: Any, rec: Recorder) -> None:
     som.accept_tokens = accept_tokens
 
 
-def make_recording_scheduler(base_cls: type) -> type:
-    """A subclass of ``base_cls`` that records its decisions (see the module doc).
-    Wrapping an already-recording class returns it unchanged."""
-    if getattr(base_cls, "_kvtrace_recording", False):
-        return base_cls
-    cached = _CLASS_CACHE.get(base_cls)
-    if cached is not None:
-        return cached
-
-    class RecordingScheduler(base_cls):  # type: ignore[misc, valid-type]
-        _kvtrace_recording = True
-
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self._kvtrace = None
-            try:
-                rec = open_recorder(self)
-                if rec is not None:
-                    _wrap_connector(self, rec)
-                    _wrap_grammar(self, rec)
-                    self._kvtrace = rec
-            except Exception:
-                logger.exception("kvtrace: recorder set-up failed; the engine runs without recording")
-                self._kvtrace = None
-
-        def _kv_rec(self):
-            rec = getattr(self, "_kvtrace", None)
-            return rec if rec is not None and rec.active else None
-
-        def add_request(self, request, *args, **kwargs):
-            rec = self._kv_rec()
-            is_new = False
-            if rec is not None:
-                try:
-                    is_new = request.request_id not in self.requests
-                except Exception:
-                    is_new = False
-                if not is_new and rec.active:
-                    # The next input chunk of a streaming-input session, or the end
-                    # of its input: before the call, which may end the session.
-                    rec.guard("add_request", rec.on_session_input, request,
-                              self.requests.get(request.request_id))
-            result = super().add_request(request, *args, **kwargs)
-            if rec is not None and is_new and rec.active:
-                rec.guard("add_request", rec.on_add_request, request)
-            return result
-
-        def finish_requests(self, request_ids, finished_status, *args, **kwargs):
-            rec = self._kv_rec()
-            ids = request_ids
-            aborting = False
-            if rec is not None and not rec.in_update:
-                try:
-                    if ids is not None and not isinstance(ids, str):
-                        ids = list(ids)  # an iterator must survive being read twice
-                    rec.begin_abort(ids, self, status_name(getattr(finished_status, "name",
-                                                                   str(finished_status))))
-                    aborting = True
-                except Exception as e:
-                    rec.fail("finish_requests", e)
-            try:
-                return super().finish_requests(ids, finished_status, *args, **kwargs)
-            finally:
-                if aborting and rec.active:
-                    rec.guard("finish_requests", rec.end_abort)
-                    rec.guard("finish_requests", rec.settle, self)
-
-        def finish_requests_in_order(self, request_ids, finished_status):
-            """Finish ``request_ids`` one at a time, in this order, recorded as
-            one call: a replay's way to make vLLM free them in a recorded
-            order (one call frees them in the order of a set of them, S:2668)."""
-            rec = self._kv_rec()
-            aborting = rec is not None and not rec.in_update and rec.active
-            if aborting:
-                rec.guard("finish_requests", rec.begin_abort, list(request_ids), self,
-                          status_name(finished_status.name))
-            try:
-                for rid in request_ids:
-                    super().finish_requests(rid, finished_status)
-            finally:
-                if aborting and rec.active:
-                    rec.guard("finish_requests", rec.end_abort)
-                    rec.guard("finish_requests", rec.settle, self)
-
-        if hasattr(base_cls, "_free_request"):
-            def _free_request(self, request, *args, **kwargs):
-                rec = self._kv_rec()
-                if rec is not None and rec.aborts:
-                    rec.guard("_free_request", rec.on_free, request)
-                return super()._free_request(request, *args, **kwargs)
-
-        if hasattr(base_cls, "_connector_finished"):
-            def _connector_finished(self, request, *args, **kwargs):
-                # The connector's answer for a finished request (its
-                # request_finished, or request_finished_all_groups, and a
-                # partial tail it still sends): whether the blocks wait.
-                result = super()._connector_finished(request, *args, **kwargs)
-                rec = self._kv_rec()
-                if rec is not None:
-                    rec.guard("_connector_finished", rec.on_request_finished, request, result)
-                return result
-
-        def reset_prefix_cache(self, *args, **kwargs):
-            result = False   # what a call that raises did: the preemptions, no reset
-            try:
-                result = super().reset_prefix_cache(*args, **kwargs)
-                return result
-            finally:
-                rec = self._kv_rec()
-                if rec is not None:
-                    running = kwargs.get("reset_running_requests", args[0] if args else False)
-                    connector = kwargs.get("reset_connector", args[1] if len(args) > 1 else False)
-                    rec.guard("reset_prefix_cache", rec.on_reset, running, connector, result)
-                    rec.guard("reset_prefix_cache", rec.settle, self)
-
-        if hasattr(base_cls, "set_pause_state"):
-            def set_pause_state(self, pause_state, *args, **kwargs):
-                result = super().set_pause_state(pause_state, *args, **kwargs)
-                rec = self._kv_rec()
-                if rec is not None:
-                    rec.guard("set_pause_state", rec.on_pause, pause_state)
-                    rec.guard("set_pause_state", rec.settle, self)
-                return result
-
-        def _preempt_request(self, request, *args, **kwargs):
-            result = super()._preempt_request(request, *args, **kwargs)
-            rec = self._kv_rec()
-            if rec is not None:
-                rec.guard("_preempt_request", rec.on_preempt, request)
-            return result
-
-        if hasattr(base_cls, "update_draft_token_ids"):
-            def update_draft_token_ids(self, draft_token_ids, *args, **kwargs):
-                result = super().update_draft_token_ids(draft_token_ids, *args, **kwargs)
-                rec = self._kv_rec()
-                if rec is not None:
-                    rec.guard("update_draft_token_ids", rec.on_drafts, self, draft_token_ids)
-                return result
-
-        def schedule(self, *args, **kwargs):
-            rec = self._kv_rec()
-            if rec is not None:
-                throttle = bool(kwargs.get("throttle_prefills", args[0] if args else False))
-                rec.guard("schedule", rec.begin_step, self, throttle)
-            try:
-                out = super().schedule(*args, **kwargs)
-            except BaseException:
-                if rec is not None:
-                    rec.guard("schedule", rec.sink.flush)   # the engine is failing
-                raise
-            rec = self._kv_rec()
-            if rec is not None:
-                rec.guard("schedule", rec.on_schedule, self, out)
-            return out
-
-        def update_from_output(self, scheduler_output, model_runner_output, *args, **kwargs):
-            rec = self._kv_rec()
-            ctx = None
-            if rec is not None:
-                ctx = rec.guard("update_from_output", rec.pre_update, self, scheduler_output,
-                                model_runner_output)
-                rec.in_update = True
-            try:
-                result = super().update_from_output(scheduler_output, model_runner_output,
-                                                    *args, **kwargs)
-            except BaseException:
-                if rec is not None:
-                    rec.guard("update_from_output", rec.sink.flush)   # the engine is failing
-                raise
-            finally:
-                if rec is not None:
-                    rec.in_update = False
-            if ctx is not None and rec.active:
-                rec.guard("update_from_output", rec.post_update, self, ctx, result)
-                rec.guard("update_from_output", rec.settle, self)
-            return result
-
-        def shutdown(self, *args, **kwargs):
-            failure = propagating_failure()   # the engine failed: the trace ends "interrupted"
-            try:
-                return super().shutdown(*args, **kwargs)
-            finally:
-                rec = getattr(self, "_kvtrace", None)
-                if rec is not None:
-                    try:
-                        with _termination_deferred():
-                            rec.close(interrupted=failure)
-                    except Exception:
-                        logger.exception("kvtrace: closing the trace failed")
-
-    RecordingScheduler.__name__ = f"Recording{base_cls.__name__}"
-    RecordingScheduler.__qualname__ = RecordingScheduler.__name__
-    RecordingScheduler.__module__ = __name__
-    _CLASS_CACHE[base_cls] = RecordingScheduler
-    return RecordingScheduler

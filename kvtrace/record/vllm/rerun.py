@@ -552,10 +552,12 @@ def build_scheduler(header: ev.Header, out_path: str | os.PathLike, scheduler_cl
     from vllm.v1.structured_output import StructuredOutputManager
 
     from kvtrace.record.vllm import recorder as vr
+    from kvtrace.record.vllm.header import build_header
+    from kvtrace.record.vllm.hooks import make_recording_scheduler
 
     vc = build_vllm_config(header)
     kcc = build_kv_cache_config(header.config.num_blocks, header.config.block_size)
-    cls = vr.make_recording_scheduler(scheduler_cls)
+    cls = make_recording_scheduler(scheduler_cls)
     # The recorder's own destination (KVTRACE_OUT) must not catch this scheduler:
     # it records to out_path only.
     saved = os.environ.pop(vr.ENV_OUT, None)
@@ -585,7 +587,7 @@ def build_scheduler(header: ev.Header, out_path: str | os.PathLike, scheduler_cl
         value = getattr(header.features, name)
         if value is not None and hasattr(sched, name):
             setattr(sched, name, value)
-    out_header = vr.build_header(sched, meta=meta)
+    out_header = build_header(sched, meta=meta)
     if header.features.speculative_method is not None:   # the proposer stood in for (above)
         out_header.features.speculative_method = header.features.speculative_method
     # Null means "equal to max_num_batched_tokens": keep the recording's spelling
@@ -596,10 +598,10 @@ def build_scheduler(header: ev.Header, out_path: str | os.PathLike, scheduler_cl
         oc.max_num_scheduled_tokens = None
     sink = vr.TraceSink(out_path, out_header)
     rec = vr.Recorder(sched, sink)
-    vr._wrap_connector(sched, rec)
-    vr._wrap_grammar(sched, rec)
+    vr.wrap_connector(sched, rec)
+    vr.wrap_grammar(sched, rec)
     sched._kvtrace = rec
-    vr._ACTIVE.add(rec)
+    vr.track(rec)
     return sched, out_header
 
 
@@ -955,7 +957,7 @@ def _close(sched: Any, rec: Any, status: str, error: str | None) -> None:
             rec.sink.close("recorder-error", rec.failed)
         else:
             rec.sink.close(status, error)
-        vr._ACTIVE.discard(rec)
+        vr.untrack(rec)
         rec.active = False
     try:
         if sched.connector is not None:

@@ -1,0 +1,158 @@
+"""The trace header for a constructed vLLM scheduler: its config, the features
+outside the baseline profile, the counters shape and the class that runs."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from kvtrace.trace.events import ConnectorConfig, Header, SchedulerConfig
+
+MODEL_FREE_ENV = "KVTRACE_MODEL_FREE"
+
+
+def _runs_async(sched: Any) -> bool:
+    """Whether the scheduler is vLLM's AsyncScheduler (or a subclass of it),
+    which schedules a step before the output of the one before comes back."""
+    try:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    except Exception:
+        return bool(getattr(sched.vllm_config.scheduler_config, "async_scheduling", False))
+    return isinstance(sched, AsyncScheduler)
+
+
+def _is_diffusion(vc: Any) -> bool:
+    if getattr(vc, "diffusion_config", None) is not None:
+        return True
+    try:
+        return bool(getattr(vc.model_config, "is_diffusion", False))
+    except Exception:   # a property that reads the model's config
+        return False
+
+
+def _counters_shape() -> str:
+    try:
+        from vllm.v1.engine import EngineCoreOutput
+
+        names = set(getattr(EngineCoreOutput, "__struct_fields__", ()))
+    except Exception:
+        names = set()
+    if "prefill_stats" in names:
+        return "prefill_stats"
+    if "num_cached_tokens" in names:
+        return "legacy"
+    return "prefill_stats"
+
+
+def _spec_features(spec: Any) -> dict:
+    """What replay must know of a speculative-decoding config: its method, the
+    extra input slots each request takes for drafting, and whether the number
+    of drafts changes with the batch size (dynamic speculative decoding; the
+    scheduler's table of it is recorded by ``build_header``)."""
+    if spec is None:
+        return {}
+    return {"speculative_method": str(getattr(spec, "method", "") or ""),
+            "num_draft_slots": int(getattr(spec, "max_num_new_slots_for_drafting", 0) or 0),
+            "dynamic_spec_decode": bool(getattr(spec, "num_speculative_tokens_per_batch_size",
+                                                None))}
+
+
+def build_header(sched: Any, meta: dict | None = None) -> Header:
+    """The trace header for a constructed vLLM scheduler."""
+    import vllm
+
+    vc = sched.vllm_config
+    sc = vc.scheduler_config
+    cc = vc.cache_config
+    kvm = sched.kv_cache_manager
+    ktc = vc.kv_transfer_config
+    conn = None
+    if ktc is not None and getattr(ktc, "kv_connector", None):
+        policy = getattr(ktc, "kv_load_failure_policy", "fail")
+        conn = ConnectorConfig(name=str(ktc.kv_connector),
+                               load_failure_policy=policy if policy in ("fail", "recompute") else "fail")
+    num_blocks = getattr(getattr(kvm, "block_pool", None), "num_gpu_blocks", None)
+    if num_blocks is None:
+        num_blocks = cc.num_gpu_blocks
+    mnst = getattr(sched, "max_num_scheduled_tokens", None) or sc.max_num_batched_tokens
+    cfg = SchedulerConfig(
+        block_size=int(sched.block_size),
+        num_blocks=int(num_blocks),
+        max_num_batched_tokens=int(sc.max_num_batched_tokens),
+        max_num_seqs=int(sc.max_num_seqs),
+        max_model_len=int(getattr(sched, "max_model_len", vc.model_config.max_model_len)),
+        enable_prefix_caching=bool(cc.enable_prefix_caching),
+        policy=str(getattr(sc, "policy", "fcfs")),
+        long_prefill_token_threshold=int(getattr(sc, "long_prefill_token_threshold", 0) or 0),
+        max_num_scheduled_tokens=int(mnst),
+        watermark_blocks=int(getattr(kvm, "watermark_blocks", 0) or 0),
+        connector=conn,
+    )
+    kcc = getattr(sched, "kv_cache_config", None)
+    groups = kcc.kv_cache_groups if kcc is not None else []
+    pc = vc.parallel_config
+    features = {
+        # The class that runs decides, not the config: vLLM's CPU platform turns
+        # the flag off, and a caller may pass an AsyncScheduler regardless.
+        "async_scheduling": _runs_async(sched),
+        "num_speculative_tokens": int(getattr(sched, "num_spec_tokens", 0) or 0),
+        "num_lookahead_tokens": int(getattr(sched, "num_lookahead_tokens", 0) or 0),
+        **_spec_features(vc.speculative_config),
+        "num_kv_cache_groups": len(groups),
+        "kv_cache_group_kinds": [type(g.kv_cache_spec).__name__ for g in groups],
+        "hash_block_size": int(getattr(sched, "hash_block_size", sched.block_size)),
+        "pipeline_parallel_size": int(getattr(pc, "pipeline_parallel_size", 1)),
+        "data_parallel_size": int(getattr(pc, "data_parallel_size", 1)),
+        "decode_context_parallel_size": int(getattr(pc, "decode_context_parallel_size", 1)),
+        "use_v2_model_runner": bool(getattr(vc, "use_v2_model_runner", False)),
+        "enable_chunked_prefill": bool(getattr(sc, "enable_chunked_prefill", True)),
+        "max_num_active_seqs": getattr(sc, "max_num_active_seqs", None),
+        "long_prefill_token_threshold_adaptive": bool(
+            getattr(sc, "long_prefill_token_threshold_adaptive", False)),
+        "scheduler_reserve_full_isl": bool(getattr(sc, "scheduler_reserve_full_isl", False)),
+        "watermark": float(getattr(sc, "watermark", 0.0) or 0.0),
+        "prefix_caching_hash_algo": str(getattr(cc, "prefix_caching_hash_algo", "")),
+        "prefix_replay_tokens": int(getattr(sched, "prefix_replay_tokens", 0) or 0),
+        "use_eagle": bool(getattr(sched, "use_eagle", False)),
+        # With EAGLE: whether a prefix hit drops its last block, and how far past
+        # a prefill chunk the drafter reads (above 1 for multi-module MTP).
+        "eagle_block_drop": bool(getattr(sched, "use_eagle_block_drop",
+                                         getattr(sched, "use_eagle", False))),
+        "num_prefill_lookahead_tokens": int(getattr(sched, "num_prefill_lookahead", 0) or 0),
+        # vLLM 0.33: each block's hash covers this many tokens after it (EAGLE).
+        "num_hash_lookahead_tokens": int(getattr(sched, "num_hash_lookahead_tokens", 0) or 0),
+        # Dynamic speculative decoding: the drafts a step asks for, by how many
+        # requests it schedules (index 0 unused; vLLM's dynamic_sd_lookup).
+        "spec_tokens_by_batch_size": (
+            [int(k) for k in sched.dynamic_sd_lookup]
+            if getattr(sched, "dynamic_sd_lookup", None) is not None else None),
+        "has_mamba_layers": bool(getattr(sched, "has_mamba_layers", False)),
+        "multimodal": bool(getattr(vc.model_config, "is_multimodal_model", False)),
+        # A diffusion language model (dLLM): vLLM counts its canvas as drafts
+        # (num_speculative_tokens), which are not speculative decoding.
+        "diffusion": _is_diffusion(vc),
+        # A LoRA slot limit (max_loras) and data-parallel prefill throttling
+        # change which requests a step admits.
+        "lora": getattr(vc, "lora_config", None) is not None,
+        "max_loras": (int(vc.lora_config.max_loras)
+                      if getattr(vc, "lora_config", None) is not None else None),
+        "prompt_embeds": bool(getattr(vc.model_config, "enable_prompt_embeds", False)),
+        # A pooling model keeps no context slot for a sampled token (S:150-159).
+        "pooling_runner": getattr(vc.model_config, "runner_type", None) == "pooling",
+        "prefill_schedule_interval": int(getattr(sc, "prefill_schedule_interval", 1) or 1),
+        # Each step's schedule(throttle_prefills=...) is in the trace (Step.throttle_prefills).
+        "throttle_prefills_recorded": True,
+        "kv_role": getattr(ktc, "kv_role", None) if ktc is not None else None,
+        # The connector's rules under async scheduling, as this scheduler holds them.
+        "defer_block_free": bool(getattr(sched, "defer_block_free", False)),
+        "requires_kv_delivery": bool(getattr(sched, "requires_kv_delivery", False)),
+        "scheduler_cls": f"{type(sched).__mro__[1].__module__}.{type(sched).__mro__[1].__qualname__}",
+    }
+    m = {"recorder": "kvtrace.record.vllm.recorder", "pid": os.getpid(),
+         "data_parallel_rank": int(getattr(pc, "data_parallel_rank", 0) or 0)}
+    if os.environ.get(MODEL_FREE_ENV):   # kvtrace.record.vllm.model_free's engine: no model ran
+        m["model_free"] = True
+    if meta:
+        m.update(meta)
+    return Header(engine="vllm", engine_version=str(getattr(vllm, "__version__", "unknown")),
+                  config=cfg, counters=_counters_shape(), features=features, meta=m)
