@@ -96,12 +96,12 @@ def size(trace: str) -> dict:
 
     import orjson
 
-    from kvtrace.trace.io import _open_binary_read
+    from kvtrace.trace.io import open_binary_read
 
     steps = request_steps = tokens = requests = plain = 0
     counter = _Counter()
     gzw = gzip.GzipFile(fileobj=counter, mode="wb", compresslevel=6)
-    with _open_binary_read(Path(trace)) as f:
+    with open_binary_read(Path(trace)) as f:
         for line in _lines(f):
             plain += len(line)
             gzw.write(line)
@@ -151,11 +151,11 @@ def json_only(trace: str) -> dict:
 
     import orjson
 
-    from kvtrace.trace.io import _open_binary_read
+    from kvtrace.trace.io import open_binary_read
 
     t = time.perf_counter()
     n = 0
-    with _open_binary_read(Path(trace)) as f:
+    with open_binary_read(Path(trace)) as f:
         for line in _lines(f):
             orjson.loads(line)
             n += 1
@@ -169,12 +169,12 @@ def decode_only(trace: str) -> dict:
     from pathlib import Path
 
     from kvtrace.trace.events import LINE_DECODER, decode_header_line
-    from kvtrace.trace.io import _open_binary_read
+    from kvtrace.trace.io import open_binary_read
 
     decode = LINE_DECODER.decode
     t = time.perf_counter()
     n = 0
-    with _open_binary_read(Path(trace)) as f:
+    with open_binary_read(Path(trace)) as f:
         lines = _lines(f)
         decode_header_line(next(lines))
         for line in lines:

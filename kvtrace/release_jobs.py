@@ -28,7 +28,7 @@ def run_one(out_path: str, wl: dict | str, check_vllm: bool = True,
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from kvtrace.record.vllm.rerun import resolve_scheduler_cls
+    from kvtrace.record.vllm.rerun_setup import resolve_scheduler_cls
     from kvtrace.record.vllm.run import EngineFailed
     from kvtrace.record.vllm.workloads import WORKLOADS
 

@@ -589,7 +589,7 @@ def test_a_record_decodes_alike_from_its_bytes_and_from_its_object():
 def test_a_shared_end_without_locks_still_bounds_the_reads(tmp_path, monkeypatch):
     """On a file system whose files cannot be locked, the readers still agree on
     the end; only the moment between meeting it and fixing it is unguarded."""
-    from kvtrace.trace import io as trace_io
+    from kvtrace.trace import files as trace_files
     from kvtrace.trace.io import SharedEnd, SharedFile
 
     tried = []
@@ -598,7 +598,7 @@ def test_a_shared_end_without_locks_still_bounds_the_reads(tmp_path, monkeypatch
         tried.append(op)
         raise OSError(37, "No locks available")
 
-    monkeypatch.setattr(trace_io.fcntl, "lockf", no_locks)
+    monkeypatch.setattr(trace_files.fcntl, "lockf", no_locks)
     path = tmp_path / "f"
     path.write_bytes(b"0123")
     fd = os.open(path, os.O_RDONLY)

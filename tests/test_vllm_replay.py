@@ -26,7 +26,8 @@ vllm = require("vllm", "vLLM is not installed: replay through vLLM's scheduler n
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
 from kvtrace.diff import diff_files  # noqa: E402
-from kvtrace.record.vllm.rerun import replay_through_vllm, resolve_scheduler_cls  # noqa: E402
+from kvtrace.record.vllm.rerun import replay_through_vllm  # noqa: E402
+from kvtrace.record.vllm.rerun_setup import resolve_scheduler_cls  # noqa: E402
 from kvtrace.replay import replay_file  # noqa: E402
 from kvtrace.trace import events as ev  # noqa: E402
 from kvtrace.trace.io import TraceReader  # noqa: E402
@@ -512,7 +513,8 @@ def test_an_abort_inside_an_abort_loses_no_request(tmp_path):
     from vllm.v1.request import RequestStatus
 
     from kvtrace.engine import record_workload
-    from kvtrace.record.vllm.rerun import _close, _request, build_scheduler
+    from kvtrace.record.vllm.rerun import _close, _request
+    from kvtrace.record.vllm.rerun_setup import build_scheduler
 
     rec_path = tmp_path / "emb.jsonl"
     record_workload(rec_path, abort_workload("x", "y"), counters="prefill_stats")

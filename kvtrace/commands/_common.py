@@ -141,15 +141,18 @@ def refuse_pipes(*inputs) -> None:
                                "input more than once; save it to a file first")
 
 
-def load(module: str, name: str, hint: str = ""):
-    """Import ``module.name`` when a command needs it, with a one-line error if it cannot."""
+@contextlib.contextmanager
+def importing(what: str, hint: str = ""):
+    """Around the plain imports of what a command needs, when it needs it: an
+    import that fails is a one-line error naming ``what`` (with ``hint`` when
+    vLLM is what is missing)."""
     try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
+        yield
+    except ImportError as e:
         missing = getattr(e, "name", None) or ""
         if missing.split(".")[0] != "vllm":
             hint = ""
-        raise Unavailable(f"{module}.{name} is not available ({e}){hint}") from e
+        raise Unavailable(f"{what} is not available ({e}){hint}") from e
 
 
 def show_progress() -> bool:

@@ -9,7 +9,7 @@ import click
 from kvtrace.catalog import EMBEDDED_FAULTS, EMBEDDED_WORKLOADS, VLLM_FAULTS
 from kvtrace.outputs import blamed_on
 
-from ._common import EXIT_OK, VLLM_HINT, FilePath, UsageProblem, echo, load, require_vllm
+from ._common import EXIT_OK, VLLM_HINT, FilePath, UsageProblem, echo, importing, require_vllm
 from .progress import progress
 
 WORKLOADS = tuple(EMBEDDED_WORKLOADS)
@@ -60,7 +60,8 @@ def command(out: Path, workload: str | None, fault: str | None, seed: int | None
         if fault or workload or model or async_scheduling:
             raise UsageProblem("--workload, --fault, --model and --async-scheduling do not apply "
                                "to a command after --")
-        record_command = load("kvtrace.record.vllm.run", "record_command", VLLM_HINT)
+        with importing("the vLLM recorder", VLLM_HINT):
+            from kvtrace.record.vllm.run import record_command
         code = int(record_command(target, list(command)) or 0)
     elif engine == "vllm":
         try:
@@ -98,7 +99,8 @@ def _record_embedded(out: Path, workload: str | None, fault: str | None, seed: i
         raise UsageProblem(f"unknown workload {workload!r}; known: {', '.join(WORKLOADS)}")
     if fault is not None and fault not in FAULTS:
         raise UsageProblem(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
-    record_embedded = load("kvtrace.engine", "record_embedded")
+    from kvtrace.engine import record_embedded
+
     with progress(f"recording {out.name}", "steps") as advance, blamed_on(out):
         try:
             record_embedded(out, workload=workload, fault=fault, seed=seed,
@@ -110,9 +112,9 @@ def _record_embedded(out: Path, workload: str | None, fault: str | None, seed: i
 def _record_vllm(out: Path, workload: str | None, fault: str | None, model: Path | None,
                  async_scheduling: bool) -> None:
     require_vllm()
-    record_named = load("kvtrace.record.vllm.run", "record_named", VLLM_HINT)
-    unknown = load("kvtrace.record.vllm.run", "UnknownChoice", VLLM_HINT)
+    with importing("the vLLM recorder", VLLM_HINT):
+        from kvtrace.record.vllm.run import UnknownChoice, record_named
     try:
         record_named(out, workload, fault, None if model is None else str(model), async_scheduling)
-    except unknown as e:
+    except UnknownChoice as e:
         raise UsageProblem(str(e)) from None

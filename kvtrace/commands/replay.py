@@ -8,7 +8,8 @@ from pathlib import Path
 import click
 
 from ._common import (EXIT_BAD_INPUT, EXIT_DIVERGENT, EXIT_INTERNAL, EXIT_OK, VLLM_HINT, FilePath,
-                      UsageProblem, load, print_bytes, refuse_to_overwrite, require_vllm, say)
+                      UsageProblem, importing, print_bytes, refuse_to_overwrite, require_vllm,
+                      say)
 from .progress import progress
 
 
@@ -46,7 +47,9 @@ def command(traces: tuple[Path, ...], out: Path | None, as_json: bool, device: s
     """
     refuse_to_overwrite(out, *traces)
     if kv_check and device.startswith("cuda"):   # before any trace is read or output written
-        load("kvtrace.replay.shadow_kv", "pick_device")(device)
+        from kvtrace.replay.shadow_kv import pick_device
+
+        pick_device(device)
     if scheduler_cls:
         scheduler = "vllm"
     if scheduler == "vllm":
@@ -103,7 +106,8 @@ def _through_vllm(trace: Path, out: Path | None, as_json: bool, scheduler_cls: s
     from kvtrace.report import terminal
 
     require_vllm()
-    replay_through_vllm = load("kvtrace.record.vllm.rerun", "replay_through_vllm", VLLM_HINT)
+    with importing("the re-run through vLLM's scheduler", VLLM_HINT):
+        from kvtrace.record.vllm.rerun import replay_through_vllm
     if out is None:
         out = Path(tempfile.mkdtemp(prefix="kvtrace-")) / (trace.name.split(".")[0] + ".vllm.jsonl.gz")
     run = replay_through_vllm(trace, out, scheduler_cls)

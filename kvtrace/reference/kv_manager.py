@@ -125,29 +125,33 @@ class KVCacheManager:
             return None
 
         table = self.req_to_blocks.setdefault(req_id, [])
-        if req_id in self.num_cached_block and num_external_computed_tokens > 0:
-            # A request the manager tracks already, looked up again: a one-token
-            # prompt whose full async hit left it at num_computed_tokens 0
-            # (S:3171-3172). Nothing is adopted or loaded into new blocks
-            # (KC:283-289); the table only grows to cover the slots below.
-            assert not hits
-        elif hits or num_external_computed_tokens > 0:
-            # First admission: adopt the hits, then give the external tokens blocks.
-            # All touches happen before any pop, so a pop cannot evict a hit.
-            assert not table
-            self.pool.touch(hits)
-            self._extend(req_id, table, hits)
-            self.num_cached_block[req_id] = len(table)
-            if num_external_computed_tokens > 0:
-                n_ext = cdiv(local + num_external_computed_tokens, self.block_size) - len(table)
-                self._extend(req_id, table, self.pool.get_new_blocks(max(0, n_ext)))
-
+        self._admit_prefix(req_id, table, hits, local, num_external_computed_tokens)
         new_blocks = self.pool.get_new_blocks(max(0, cdiv(need_slots, self.block_size) - len(table)))
         self._extend(req_id, table, new_blocks)
 
         if not delay_cache_blocks:
             self.cache_blocks(request, min(total + num_new_tokens, request.num_tokens))
         return new_blocks
+
+    def _admit_prefix(self, req_id: str, table: list[Block], hits: list[Block], local: int,
+                      num_external: int) -> None:
+        """First admission: adopt the hits, then give the external tokens blocks.
+        All touches happen before any pop, so a pop cannot evict a hit. A request
+        the manager tracks already, looked up again (a one-token prompt whose full
+        async hit left it at num_computed_tokens 0, S:3171-3172), adopts and loads
+        nothing (KC:283-289): its table only grows to cover the slots asked for."""
+        if req_id in self.num_cached_block and num_external > 0:
+            assert not hits
+            return
+        if not (hits or num_external > 0):
+            return
+        assert not table
+        self.pool.touch(hits)
+        self._extend(req_id, table, hits)
+        self.num_cached_block[req_id] = len(table)
+        if num_external > 0:
+            n_ext = cdiv(local + num_external, self.block_size) - len(table)
+            self._extend(req_id, table, self.pool.get_new_blocks(max(0, n_ext)))
 
     def _top_up(self, request: Request, table: list[Block], num_new_tokens: int,
                 delay_cache_blocks: bool, reserved_blocks: int, has_scheduled_reqs: bool,

@@ -9,7 +9,7 @@
 - ``model_free``: a release's real engine core with no model; ``releases``
   runs it in a process of each installed release.
 - ``rerun``: a trace's inputs re-run through vLLM's own ``Scheduler``
-  (``kvtrace replay --scheduler vllm``).
+  (``kvtrace replay --scheduler vllm``), built by ``rerun_setup``.
 - ``scripted_connector``, ``tiny_model``: a KV connector and a model for tests
   and workloads, built locally.
 """

