@@ -30,7 +30,7 @@ import pytest
 from kvtrace.findings import Divergence
 from kvtrace.report import html as report_html
 from kvtrace.report.html import write_html_report
-from kvtrace.report.summary import SERIES_POINTS
+from kvtrace.report.figures import SERIES_POINTS
 
 from mini_traces import write_mini_trace
 

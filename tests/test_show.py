@@ -8,7 +8,8 @@ import pytest
 from rich.console import Console
 
 from kvtrace.report.show import UnknownRequest, show, sparkline
-from kvtrace.report.summary import Series, summarize
+from kvtrace.report.figures import Series
+from kvtrace.report.summary import summarize
 from kvtrace.trace.events import (
     Arrival, Header, Output, RequestState, ScheduledNew, ScheduledRunning, SchedulerConfig, Step,
 )

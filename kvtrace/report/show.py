@@ -8,7 +8,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .summary import HistoryRow, Mark, RequestTimeline, RunSummary, Series, percent, summarize
+from .figures import HistoryRow, Mark, RequestTimeline, RunSummary, Series, percent
+from .summary import summarize
 from .terminal import make_console, replayed_up_to
 
 SPARK = "▁▂▃▄▅▆▇█"
