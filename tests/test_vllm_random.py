@@ -66,7 +66,8 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
 from kvtrace.record.vllm.random_workloads import parse_seeds, workload  # noqa: E402
-from kvtrace.record.vllm.run import EngineFailed, EngineStranded, record_vllm_offline  # noqa: E402
+from kvtrace.record.vllm.run import EngineFailed, record_vllm_offline  # noqa: E402
+from kvtrace.record.vllm.serve import EngineStranded  # noqa: E402
 from kvtrace.replay import replay_file  # noqa: E402
 from kvtrace.trace.io import TraceReader  # noqa: E402
 

@@ -330,7 +330,8 @@ def test_streaming_input_sessions_are_recorded_and_replayed_with_no_divergence(
     from kvtrace import cli
     from kvtrace.diff import diff_files
     from kvtrace.record.vllm.rerun import replay_through_vllm
-    from kvtrace.record.vllm.run import give_chunk, shutdown_llm
+    from kvtrace.record.vllm.run import shutdown_llm
+    from kvtrace.record.vllm.serve import give_chunk
     from kvtrace.replay import replay_file
     from kvtrace.replay.shadow_kv import ShadowKV
     from mini_traces import load_records
@@ -421,7 +422,8 @@ def test_sessions_that_hold_every_block_between_turns_deadlock_and_replay_names_
     the stall at the session, 64 steps in, and nothing else."""
     from vllm import SamplingParams
 
-    from kvtrace.record.vllm.run import give_chunk, shutdown_llm
+    from kvtrace.record.vllm.run import shutdown_llm
+    from kvtrace.record.vllm.serve import give_chunk
     from kvtrace.replay import replay_file
 
     out = tmp_path / "deadlock.jsonl"

@@ -155,7 +155,8 @@ def model_free_traces() -> None:
 def main(names: list[str]) -> int:
     from kvtrace.record.vllm.fault_schedulers import FAULT_WORKLOADS, FAULTS
 
-    from kvtrace.record.vllm.run import EngineFailed, EngineStranded
+    from kvtrace.record.vllm.run import EngineFailed
+    from kvtrace.record.vllm.serve import EngineStranded
 
     every = not names
     if every or any(n in dict(MODEL_FREE_TRACES) for n in names):
