@@ -1,6 +1,6 @@
 """A workload served step by step, as a server drives the engine: arrivals
 before the steps given, aborts, streaming-input sessions' further chunks,
-prefix-cache resets and scheduler pauses (``control``), a data-parallel
+prefix-cache resets and scheduler pauses (its ``control`` actions), a data-parallel
 engine core's prefill throttling, and steps on while the connector still
 sends. ``run`` calls ``serve`` when a workload has arrivals or aborts."""
 
@@ -18,7 +18,7 @@ def serve(eng: Any, prompts: list, params: Any, wl: dict, loras: list | None = N
     (id ``str(i)``) arrives before engine step ``arrive_at[i]``; ``aborts``, a list
     of ``[step, [i, ...]]``, aborts those requests in one call before that step.
     Steps where nothing is left to run are skipped to the next arrival. After
-    them, before each step, the ``control`` actions due by then (``_control``).
+    them, before each step, the ``control`` actions due by then (``apply_control``).
     A request listed in ``sessions`` is a streaming-input session: its prompt is
     its first chunk, and each further chunk (or the end of its input, None) is
     given before the step listed, unless the session was aborted. Returns each
@@ -65,7 +65,7 @@ def serve(eng: Any, prompts: list, params: Any, wl: dict, loras: list | None = N
             aborted.update(aborts[step])
             eng.abort_request(aborts[step])
         while control and control[0][0] <= step:
-            control(eng, *control.pop(0)[1:])
+            apply_control(eng, *control.pop(0)[1:])
         for o in eng.step():
             outs[int(o.request_id)] = o
         step += 1
@@ -141,7 +141,7 @@ def give_chunk(eng: Any, sid: str, prompt: dict, params: Any, priority: int = 0,
     eng.engine_core.add_request(core)
 
 
-def control(eng: Any, action: str, *args: Any) -> None:
+def apply_control(eng: Any, action: str, *args: Any) -> None:
     """One action of an RLHF loop on ``eng``'s in-process engine core:
     ``reset`` (``reset_prefix_cache(reset_running_requests, reset_connector)``),
     ``pause-new`` (the scheduler paused for new requests, as
