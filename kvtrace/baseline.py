@@ -41,6 +41,8 @@ SIZES = {
 # KV-cache specs that vLLM 0.32 manages with its FullAttentionManager, the one
 # the reference models.
 FULL_ATTENTION = ("FullAttentionSpec", "MLAAttentionSpec")
+# Its SlidingWindowManager, modelled too (kvtrace/reference/kv_groups.py).
+SLIDING_WINDOW = ("SlidingWindowSpec",)
 
 
 def refusal(features: SchedulerFeatures, block_size: int, scope: str) -> str | None:
@@ -76,14 +78,38 @@ def outside(features: SchedulerFeatures | dict, block_size: int) -> str | None:
         # that flag cannot be followed.
         return (f"data-parallel prefill throttling is on (prefill_schedule_interval={interval!r}) "
                 "and the trace does not record which steps throttled prefills")
-    groups = f.num_kv_cache_groups
-    if groups not in (None, 1):
-        return f"{groups} KV-cache groups"
-    other = [k for k in f.kv_cache_group_kinds or () if k not in FULL_ATTENTION]
-    if other:
-        return f"a KV-cache group of kind {other[0]!r}, not full attention"
     if f.hash_block_size not in (None, block_size):
         return f"hash_block_size {f.hash_block_size!r} differs from block_size {block_size}"
+    return kv_cache_groups(f, block_size)
+
+
+def kv_cache_groups(f: SchedulerFeatures, block_size: int) -> str | None:
+    """Why a header's KV-cache groups are outside the baseline, or None: one
+    full-attention group, or full-attention and sliding-window groups of
+    ``block_size`` whose specs the header lists (``kv_cache_groups``)."""
+    kinds = f.kv_cache_group_kinds or [g.kind for g in f.kv_cache_groups or ()]
+    other = [k for k in kinds if k not in FULL_ATTENTION + SLIDING_WINDOW]
+    if other:
+        return f"a KV-cache group of kind {other[0]!r}, not full or sliding-window attention"
+    n = f.num_kv_cache_groups
+    if f.kv_cache_groups is None:
+        if n not in (None, 1) or any(k in SLIDING_WINDOW for k in kinds):
+            return (f"{n or 1} KV-cache groups, and the trace does not list their specs "
+                    "(kv_cache_groups)")
+        return None
+    if n is not None and n != len(f.kv_cache_groups):
+        return (f"num_kv_cache_groups is {n} but kv_cache_groups lists "
+                f"{len(f.kv_cache_groups)}")
+    for i, g in enumerate(f.kv_cache_groups):
+        if g.kind not in FULL_ATTENTION + SLIDING_WINDOW:
+            return f"a KV-cache group of kind {g.kind!r}, not full or sliding-window attention"
+        if g.block_size != block_size:
+            return (f"KV-cache group {i} has block_size {g.block_size}, not the trace's "
+                    f"{block_size}")
+        if (g.kind in SLIDING_WINDOW) != (g.sliding_window is not None):
+            return f"KV-cache group {i} ({g.kind}) gives sliding_window={g.sliding_window!r}"
+    if f.use_eagle and any(g.sliding_window for g in f.kv_cache_groups):
+        return "EAGLE with a sliding-window KV-cache group"
     return None
 
 

@@ -8,8 +8,8 @@ and kvtrace.reference.
 
 from __future__ import annotations
 
-from kvtrace.reference import (ModelOutput, PromptEmbeds, Request, RequestOutput, Scheduler,
-                               SchedulerConfig, SchedulerOutput)
+from kvtrace.reference import (GroupSpec, ModelOutput, PromptEmbeds, Request, RequestOutput,
+                               Scheduler, SchedulerConfig, SchedulerOutput)
 from kvtrace.reference.profiles import DEFAULT, PROFILES, Profile, profile_for
 from kvtrace.trace import events as ev
 
@@ -73,6 +73,10 @@ def config_from_header(header: ev.Header, profile: Profile | None = None) -> Sch
         prefill_schedule_interval=f.prefill_schedule_interval or 1,
         num_hash_lookahead_tokens=f.num_hash_lookahead_tokens or 0,
         data_parallel_size=f.data_parallel_size or 1,
+        kv_groups=tuple(GroupSpec(g.sliding_window, g.admission_blocks)
+                        for g in f.kv_cache_groups or ()),
+        prefix_cache_retention=(None if f.prefix_cache_retention_dense
+                                else f.prefix_cache_retention_interval or 0),
         profile=profile,
     )
 

@@ -104,6 +104,25 @@ def first_group(block_ids: Any) -> list[int]:
     return list(block_ids)
 
 
+def all_groups(block_ids: Any) -> list:
+    """vLLM's block ids as the recorder carries them: group 0's list with one
+    group, a list per group with several (``split_groups`` tells them apart)."""
+    if block_ids is None:
+        return []
+    if len(block_ids) and not isinstance(block_ids[0], int):
+        if len(block_ids) == 1:
+            return list(block_ids[0])
+        return [list(g) for g in block_ids]
+    return list(block_ids)
+
+
+def split_groups(ids: list) -> tuple[list, list | None]:
+    """(group 0's ids, the other groups' lists or None) of what ``all_groups`` made."""
+    if ids and type(ids[0]) is list:
+        return ids[0], ids[1:]
+    return ids, None
+
+
 def status_name(name: str) -> str:
     """The schema's status for a vLLM ``RequestStatus`` name."""
     if name in STATUSES:

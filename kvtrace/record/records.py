@@ -10,7 +10,7 @@ from typing import Any
 
 import orjson
 
-from kvtrace.record.capture import RawOutput, RawStep, Snapshot, first_group, status_name
+from kvtrace.record.capture import RawOutput, RawStep, Snapshot, all_groups, status_name
 from kvtrace.trace.events import RequestState, ScheduledNew, ScheduledRunning
 
 _NEW_FIELDS = ScheduledNew.__struct_fields__
@@ -139,15 +139,18 @@ class Records:
     def states(self, raw: Any) -> list[dict]:
         counters, ids = raw
         names = self.statuses
-        return [dict(zip(_STATE_FIELDS, (rid, names.get(st) or _unknown_status(st), c, t, p, b)))
+        return [_grouped(dict(zip(_STATE_FIELDS, (rid, names.get(st) or _unknown_status(st),
+                                                  c, t, p, b))), "block_ids")
                 for (rid, st, c, t, p), b in zip(counters, ids)]
 
     def step(self, s: RawStep, seq: int) -> dict:
         rids, ncts, nbis, nst = s.running
         d = {"seq": seq, "step": s.step,
-             "new": [dict(zip(_NEW_FIELDS, t)) for t in s.new],
-             "resumed": [dict(zip(_NEW_FIELDS, t)) for t in s.resumed],
-             "running": [dict(zip(_RUNNING_FIELDS, (rid, c, nst.get(rid, 0), first_group(nb))))
+             "new": [_grouped(dict(zip(_NEW_FIELDS, t)), "block_ids") for t in s.new],
+             "resumed": [_grouped(dict(zip(_NEW_FIELDS, t)), "block_ids") for t in s.resumed],
+             "running": [_grouped(dict(zip(_RUNNING_FIELDS,
+                                           (rid, c, nst.get(rid, 0), all_groups(nb)))),
+                                  "new_block_ids")
                          for rid, c, nb in zip(rids, ncts, nbis)],
              "preempted": s.preempted, "finished": s.finished, "lookups": s.lookups,
              "loads": s.loads, "states": self.states(s.states),
@@ -170,6 +173,18 @@ class Records:
         if o.rare:
             d.update(o.rare)
         return d
+
+
+def _grouped(d: dict, key: str) -> dict:
+    """``d`` with ``d[key]`` split as the schema has it: group 0's ids under
+    ``key`` and, with several KV-cache groups, the others' under ``more_groups``
+    (left out when they are all empty)."""
+    ids = d[key]
+    if ids and type(ids[0]) is list:
+        d[key] = ids[0]
+        if any(ids[1:]):
+            d["more_groups"] = ids[1:]
+    return d
 
 
 def _unknown_status(st: Any) -> str:

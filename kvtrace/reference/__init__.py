@@ -6,7 +6,7 @@ the feature modules it mixes in (speculative.py, kv_transfer.py, async_output.py
 sessions.py) and profiles.py.
 """
 
-from .config import SchedulerConfig
+from .config import GroupSpec, SchedulerConfig
 from .hashing import PromptEmbeds
 from .interface import (Connector, ModelOutput, RequestOutput, ScheduledRequest, SchedulerAssertion,
                         SchedulerOutput)
@@ -14,7 +14,7 @@ from .request import FINISH_REASONS, PrefillStats, Request, Status
 from .scheduler import Scheduler
 
 __all__ = [
-    "Connector", "FINISH_REASONS", "ModelOutput", "PrefillStats", "PromptEmbeds", "Request",
+    "Connector", "FINISH_REASONS", "GroupSpec", "ModelOutput", "PrefillStats", "PromptEmbeds", "Request",
     "RequestOutput",
     "ScheduledRequest", "Scheduler", "SchedulerAssertion", "SchedulerConfig", "SchedulerOutput",
     "Status",

@@ -17,13 +17,15 @@ from typing import Iterable
 
 
 class Block:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "hash_num_tokens", "prev", "next")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "hash_num_tokens", "hash_group", "prev",
+                 "next")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: bytes | None = None
         self.hash_num_tokens = 0          # tokens covered by the chain ending at this block
+        self.hash_group = 0               # the KV-cache group whose hash it holds
         self.prev: Block | None = None    # free-queue links
         self.next: Block | None = None
 
@@ -89,14 +91,19 @@ class BlockPool:
         self.null_block = self.free_queue.popleft_n(1)[0]
         # hash -> {block_id: block}, insertion ordered; a hit takes the first.
         self.cached: dict[bytes, dict[int, Block]] = {}
+        # The same for each other KV-cache group: a hash is looked up per group.
+        self.more_cached: dict[int, dict[bytes, dict[int, Block]]] = {}
 
     @property
     def num_free_blocks(self) -> int:
         return self.free_queue.num_free
 
-    def get_cached_block(self, block_hash: bytes) -> Block | None:
-        entry = self.cached.get(block_hash)
+    def get_cached_block(self, block_hash: bytes, group: int = 0) -> Block | None:
+        entry = self._hashes(group).get(block_hash)
         return next(iter(entry.values())) if entry else None
+
+    def _hashes(self, group: int) -> dict[bytes, dict[int, Block]]:
+        return self.cached if group == 0 else self.more_cached.setdefault(group, {})
 
     def get_new_blocks(self, n: int) -> list[Block]:
         assert n <= self.num_free_blocks, f"cannot get {n} free blocks"
@@ -128,17 +135,21 @@ class BlockPool:
         self.free_queue.append_n(to_tail)
 
     def cache_full_blocks(self, block_hashes: list[bytes], blocks: list[Block],
-                          num_cached: int, num_full: int, block_size: int) -> None:
-        """Make blocks[num_cached:num_full] hash-visible."""
+                          num_cached: int, num_full: int, block_size: int, group: int = 0,
+                          mask: list[bool] | None = None) -> None:
+        """Make blocks[num_cached:num_full] hash-visible for ``group``, those
+        ``mask`` (if any) marks True."""
+        cached = self._hashes(group)
         for i in range(num_cached, num_full):
             b = blocks[i]
-            if b is self.null_block:
+            if b is self.null_block or (mask is not None and not mask[i - num_cached]):
                 continue
             if b.block_hash is not None:
                 self._evict(b)
             b.block_hash = block_hashes[i]
             b.hash_num_tokens = (i + 1) * block_size
-            self.cached.setdefault(b.block_hash, {})[b.block_id] = b
+            b.hash_group = group
+            cached.setdefault(b.block_hash, {})[b.block_id] = b
 
     def reset_prefix_cache(self) -> bool:
         """Forget every hash, if no block is in use; the free queue keeps its
@@ -146,6 +157,7 @@ class BlockPool:
         if self.num_free_blocks != len(self.blocks) - 1:   # the null block is always in use
             return False
         self.cached.clear()
+        self.more_cached.clear()
         for b in self.blocks:
             b.block_hash, b.hash_num_tokens = None, 0
         return True
@@ -158,8 +170,9 @@ class BlockPool:
     def _evict(self, b: Block) -> None:
         if b.block_hash is None:
             return
-        entry = self.cached[b.block_hash]
+        cached = self._hashes(b.hash_group)
+        entry = cached[b.block_hash]
         del entry[b.block_id]
         if not entry:
-            del self.cached[b.block_hash]
+            del cached[b.block_hash]
         b.block_hash, b.hash_num_tokens = None, 0

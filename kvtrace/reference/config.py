@@ -8,6 +8,16 @@ from .profiles import DEFAULT, Profile
 
 
 @dataclass(frozen=True, slots=True)
+class GroupSpec:
+    """One KV-cache group (kv_groups.py): ``sliding_window`` is None for full
+    attention. ``admission_blocks`` caps what an admission reserves for one
+    request in a sliding-window group, which recycles its blocks (ST:214-228)."""
+
+    sliding_window: int | None = None
+    admission_blocks: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     block_size: int
     num_blocks: int                      # including the null block 0
@@ -73,6 +83,13 @@ class SchedulerConfig:
     # connector): the tokens after each block its hash covers.
     num_hash_lookahead_tokens: int = 0
     data_parallel_size: int = 1
+    # Several KV-cache groups, or one sliding-window group (kv_groups.py); empty:
+    # one full-attention group. Every group has block_size.
+    kv_groups: tuple[GroupSpec, ...] = ()
+    # Sliding-window groups make hash-visible the window ending on each multiple
+    # of this many tokens and on the prompt's replay boundary (0: the boundary
+    # only); None: a window ending on every block.
+    prefix_cache_retention: int | None = 0
     # Which release's rules to follow where releases differ (profiles.py).
     profile: Profile = DEFAULT
 

@@ -31,6 +31,7 @@ class ScheduledRequest:
     num_computed_tokens: int     # before this step
     num_scheduled_tokens: int
     block_ids: list[int]         # whole table (new, resumed) or new blocks only (running)
+    more_groups: list[list[int]] | None = None   # the other KV-cache groups' (kv_groups.py)
 
 
 @dataclass(slots=True)

@@ -54,6 +54,17 @@ class KVCacheManager:
     def get_block_ids(self, req_id: str) -> list[int]:
         return list(self.req_to_ids.get(req_id, ()))
 
+    def more_ids(self, req_id: str) -> None:
+        """Other groups' tables: there are none (kv_groups.py has several)."""
+        return None
+
+    def split_ids(self, blocks: list[Block]) -> tuple[list[int], None]:
+        """Newly allocated blocks (``allocate_slots``'s answer) as ids."""
+        return [b.block_id for b in blocks], None
+
+    def remove_skipped_blocks(self, request: Request) -> None:
+        """Full attention gives nothing back before a request finishes."""
+
     def _extend(self, req_id: str, table: list[Block], blocks: list[Block]) -> None:
         table.extend(blocks)
         self.req_to_ids.setdefault(req_id, []).extend(b.block_id for b in blocks)

@@ -111,6 +111,10 @@ class Request:
     # part of them that a preemption made stale (S:1596-1606).
     num_in_flight_tokens: int = 0
     num_stale_output_tokens: int = 0
+    # Several KV-cache groups: where its last lookup's full-attention hit went
+    # past the hit every group holds (0: nowhere); sliding-window groups keep the
+    # window ending there for later hits (kv_groups.py).
+    shared_prefix_boundary: int = 0
     drop_stale_output: bool = False   # the stale output is discarded, not delivered
     last_sched_seq: int = 0           # the last non-empty step that scheduled it (defer_block_free)
     # Set by each schedule() of the request: False when the step samples a token.

@@ -37,6 +37,7 @@ from .cadence import PrefillCadence
 from .config import SchedulerConfig
 from .interface import (Connector, ModelOutput, RequestOutput, ScheduledRequest, SchedulerAssertion,
                         SchedulerOutput)
+from .kv_groups import GroupedKVCacheManager
 from .kv_manager import KVCacheManager
 from .kv_transfer import KVTransfer
 from .output import Outputs, Stopped
@@ -62,7 +63,7 @@ class Scheduler(Admission, Outputs, SpeculativeDecoding, KVTransfer, AsyncOutput
         self.deferred_frees: deque[tuple[int, list[Block]]] = deque()
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
-        self.kv = KVCacheManager(config)
+        self.kv = GroupedKVCacheManager(config) if config.kv_groups else KVCacheManager(config)
         self.connector = connector
         self.requests: dict[str, Request] = {}
         self.waiting = make_queue(config.policy)
@@ -285,15 +286,17 @@ class Scheduler(Admission, Outputs, SpeculativeDecoding, KVTransfer, AsyncOutput
     def _finish_step(self, step: StepPlan) -> SchedulerOutput:
         """Build the output (pre-step counts), then advance num_computed_tokens:
         it counts a step's tokens when the step is scheduled, not when it completes."""
-        def entry(r: Request, block_ids: list[int]) -> ScheduledRequest:
+        def entry(r: Request, block_ids: list[int], more=None) -> ScheduledRequest:
             return ScheduledRequest(r.request_id, r.num_computed_tokens,
-                                    step.num_scheduled[r.request_id], block_ids)
+                                    step.num_scheduled[r.request_id], block_ids, more)
 
+        kv = self.kv
         out = SchedulerOutput(
-            new=[entry(r, self.kv.get_block_ids(r.request_id)) for r in step.new],
-            resumed=[entry(r, self.kv.get_block_ids(r.request_id)) for r in step.resumed],
-            running=[entry(r, [b.block_id for b in step.new_blocks[r.request_id]])
-                     for r in step.running],
+            new=[entry(r, kv.get_block_ids(r.request_id), kv.more_ids(r.request_id))
+                 for r in step.new],
+            resumed=[entry(r, kv.get_block_ids(r.request_id), kv.more_ids(r.request_id))
+                     for r in step.resumed],
+            running=[entry(r, *kv.split_ids(step.new_blocks[r.request_id])) for r in step.running],
             num_scheduled_tokens=step.num_scheduled,
             preempted_req_ids=self.preempted_req_ids,
             finished_req_ids=self.finished_req_ids,
@@ -413,6 +416,7 @@ class Scheduler(Admission, Outputs, SpeculativeDecoding, KVTransfer, AsyncOutput
         assert r.is_finished
         self.inflight_prefills.discard(r)
         if self.connector is not None:
+            self.kv.remove_skipped_blocks(r)   # what is before a window is not handed off (S:3023)
             delay_free |= bool(self.connector.request_finished(r, self.kv.get_block_ids(r.request_id)))
         self.finished_req_ids.add(r.request_id)
         if not delay_free:

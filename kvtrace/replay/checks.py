@@ -56,7 +56,7 @@ def _same(recorded: list, expected: list, blocks: str = "block_ids") -> bool:
     for s, e in zip(recorded, expected):
         if (s.req != e.req_id or s.num_computed_tokens != e.num_computed_tokens
                 or s.num_scheduled_tokens != e.num_scheduled_tokens
-                or getattr(s, blocks) != e.block_ids):
+                or getattr(s, blocks) != e.block_ids or s.more_groups != e.more_groups):
             return False
     return True
 
@@ -91,6 +91,8 @@ def _compare_scheduled(rec: ev.Step, out: SchedulerOutput, d) -> None:
             field = "block_ids" if rq != "running" else "new_block_ids"
             d(req, field, rec_blocks, es.block_ids,
               "4.5: block ids follow the free-queue discipline", kind="block")
+        if rs.more_groups != es.more_groups:
+            d(req, "more_groups", rs.more_groups, es.more_groups, _GROUPS_RULE, kind="block")
 
 
 def _nct_rule(queue: str) -> str:
@@ -107,6 +109,8 @@ def compare_states(step: int, states: list[ev.RequestState], sched: Scheduler,
                    extra: dict[str, Request], seq: int, line: int | None) -> list[Divergence]:
     divs = []
     live, tables = sched.requests, sched.kv.req_to_ids
+    # Several KV-cache groups: the other groups' tables too.
+    more = sched.kv.more_ids if getattr(sched.kv, "groups", None) else None
     for s in states:
         r = live.get(s.req) or extra.get(s.req)
         if r is None:
@@ -116,8 +120,11 @@ def compare_states(step: int, states: list[ev.RequestState], sched: Scheduler,
         blocks = tables.get(s.req, [])     # read only: no copy
         if (s.num_computed_tokens == r.num_computed_tokens and s.num_tokens == r.num_tokens
                 and s.status == _STATUS_NAMES[r.status] and s.num_preemptions == r.num_preemptions
-                and s.block_ids == blocks):
+                and s.block_ids == blocks and (more is None or s.more_groups == more(s.req))):
             continue
+        if more is not None and s.more_groups != more(s.req):
+            divs.append(Divergence(step, s.req, "state.more_groups", s.more_groups, more(s.req),
+                                   _GROUPS_RULE, "block", seq, line))
         want = (_STATUS_NAMES[r.status], r.num_computed_tokens, r.num_tokens, r.num_preemptions, blocks)
         got = (s.status, s.num_computed_tokens, s.num_tokens, s.num_preemptions, s.block_ids)
         for field, g, w, rule, kind in zip(_STATE_FIELDS, got, want, _STATE_RULES, _STATE_KINDS):
@@ -134,6 +141,8 @@ _STATE_FIELDS = ("status", "state.num_computed_tokens", "num_tokens", "num_preem
 _STATE_RULES = ("1.4: status transitions", "1.3: every write to num_computed_tokens",
                 "1.1: num_tokens = prompt + outputs", "I6", "4.5/4.7: the block table")
 _STATE_KINDS = ("counter", "counter", "counter", "counter", "block")
+_GROUPS_RULE = ("4.9: each KV-cache group's table: blocks before a sliding window are given "
+                "back as the null block 0, a hit holds in every group")
 _DELAYED_FREE_RULE = ("3.5: a finished request keeps its blocks while the connector sends them "
                       "(request_finished answered delay_free) until finished_sending")
 
@@ -293,14 +302,17 @@ def stale_tokens(rec: ev.Output, before: dict[str, int], line: int | None) -> li
 
 def step_invariants(rec: ev.Step, cfg: ev.SchedulerConfig, prev_preemptions: dict[str, int],
                     line: int | None, in_flight: dict[str, int] | None = None,
-                    reads_no_cache: Callable[[str], bool] = lambda req: False) -> list[Divergence]:
+                    reads_no_cache: Callable[[str], bool] = lambda req: False,
+                    windowed: tuple[bool, ...] = ()) -> list[Divergence]:
     """Section 5 checks that need only the recording. ``in_flight`` (async
     scheduling) counts, per request, the output placeholders it held when this
     step was scheduled: one for each step before it, with no output recorded
     yet, that samples a token for it. A step may compute up to the request's
     tokens and those placeholders, no further (AS:25-47): c <= T + placeholders.
     ``reads_no_cache(req)``: whether the request arrived with
-    ``skip_reading_prefix_cache`` (its connector answers count for nothing)."""
+    ``skip_reading_prefix_cache`` (its connector answers count for nothing).
+    ``windowed``: for each KV-cache group, whether it is a sliding-window one,
+    whose tables hold the null block in place of blocks given back."""
     divs: list[Divergence] = []
 
     def d(req, field, recorded, expected, rule, kind="invariant"):
@@ -327,7 +339,7 @@ def step_invariants(rec: ev.Step, cfg: ev.SchedulerConfig, prev_preemptions: dic
     spec = rec.spec
     null_block = False
     for s in rec.states:
-        if 0 in s.block_ids:
+        if _holds_null(s.block_ids, s.more_groups, windowed):
             null_block = True
         if s.req in sched:
             need = -(-min(s.num_computed_tokens, max_len) // block_size)
@@ -360,12 +372,22 @@ def step_invariants(rec: ev.Step, cfg: ev.SchedulerConfig, prev_preemptions: dic
             prev_preemptions[s.req] = s.num_preemptions
     # Ids past the pool are refused by the reader; handing out the null block 0 is an
     # engine bug.
-    if (null_block or any(0 in s.block_ids for s in rec.new)
-            or any(0 in s.block_ids for s in rec.resumed)
-            or any(0 in s.new_block_ids for s in rec.running)):
+    if (null_block or any(_holds_null(s.block_ids, s.more_groups, windowed) for s in rec.new)
+            or any(_holds_null(s.block_ids, s.more_groups, windowed) for s in rec.resumed)
+            or any(_holds_null(s.new_block_ids, s.more_groups, ()) for s in rec.running)):
         d(None, "block_ids", 0, f"1..{cfg.num_blocks - 1}", "4.5: block 0 is the null block", "block")
     _loads_cover_hits(rec, reads_no_cache, d)
     return divs
+
+
+def _holds_null(ids: list[int], more: list[list[int]] | None, windowed: tuple[bool, ...]) -> bool:
+    """Whether a table holds the null block 0 where its group may not: a
+    sliding-window group's tables hold it in place of blocks given back, but
+    newly allocated blocks (``windowed`` empty) never are."""
+    if 0 in ids and not (windowed and windowed[0]):
+        return True
+    return any(0 in g and not (len(windowed) > i and windowed[i])
+               for i, g in enumerate(more or (), 1))
 
 
 def admitted_hits(rec: ev.Step, reads_no_cache: Callable[[str], bool]) -> list[tuple[str, int, int]]:

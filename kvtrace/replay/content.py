@@ -28,6 +28,14 @@ adapter's path, and every fingerprint of the request, a sum that starts there,
 is the adapter's own. A slot written under one adapter and read under another
 is wrong KV.
 
+With several KV-cache groups, each group's layers write and read through the
+group's own table. The check follows each group as a request of its own: the
+same tokens, with a first-position stand-in drawn from the group's index (group
+0 keeps the tokens as they are), so a slot one group wrote and another reads is
+wrong KV. A sliding-window group's reads start at the window of the first
+position computed: the blocks before it are given back (the null block 0 takes
+their place), and nothing reads them.
+
 A streaming-input session keeps its id, blocks and KV from turn to turn. When
 a turn ends, its tokens are cut back to those whose KV is written (the
 recorded ``num_computed_tokens``: the last sampled token is never written), or
@@ -77,6 +85,19 @@ def _embeds(tokens: list[int], a: ev.Arrival, block_size: int) -> None:
                 tokens[p] = stand_in
 
 
+# Joins a request's id and a KV-cache group's index into the name the shadow
+# cache knows that group's copy of the request by.
+_GROUP = "\x1f"
+
+
+def _in_group(tokens: list[int], group: int) -> list[int]:
+    """A request's tokens as KV-cache group ``group`` (above 0) holds them."""
+    out = list(tokens)
+    if out:
+        out[0] = _stand_in(f"group {group} {out[0]}".encode())
+    return out
+
+
 FINISHED = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_ABORTED",
             "FINISHED_IGNORED", "FINISHED_ERROR")
 
@@ -88,8 +109,13 @@ class ContentCheck:
 
     def __init__(self, cfg: ev.SchedulerConfig, device: str = "auto",
                  async_scheduling: bool = False, keep_counts: bool = False,
-                 session_keeps_sampled: bool = False):
+                 session_keeps_sampled: bool = False, windows: tuple[int | None, ...] = ()):
+        """``windows``: each KV-cache group's sliding window, or None (full
+        attention); empty for one full-attention group."""
         self.kv = ShadowKV(cfg.num_blocks, cfg.block_size, device)
+        self.windows = tuple(w or 0 for w in windows) or (0,)
+        self.more_groups = range(1, len(self.windows))
+        self.more_tables: dict[str, list[list[int]]] = {}   # groups 1, 2, ...: their tables
         self.block_size = cfg.block_size
         self.has_connector = cfg.connector is not None
         self.max_model_len = cfg.max_model_len
@@ -135,7 +161,11 @@ class ContentCheck:
         if a.resumable:
             self.sessions[a.req] = deque()
         most = min(len(a.prompt_token_ids) + a.max_tokens, self.max_model_len)
-        self.kv.add_request(a.req, content_tokens(a, self.block_size), most)
+        tokens = content_tokens(a, self.block_size)
+        self.kv.add_request(a.req, tokens, most, self.windows[0])
+        for g in self.more_groups:
+            self.kv.add_request(a.req + _GROUP + str(g), _in_group(tokens, g), most,
+                                self.windows[g])
         if a.skip_reading_prefix_cache:
             self.reads_no_cache.add(a.req)
 
@@ -211,6 +241,7 @@ class ContentCheck:
               turn_ended: set[str] = frozenset()) -> list[tuple[object, list[Divergence]]]:
         for req in rec.preempted:
             self.tables.pop(req, None)
+            self.more_tables.pop(req, None)
         kv = self.kv   # a request that finished (or never arrived) gets no table
         for s in (*rec.new, *rec.resumed):
             if s.req in kv:
@@ -221,6 +252,8 @@ class ContentCheck:
         for st in rec.states:
             if st.req in kv:
                 self.tables[st.req] = list(st.block_ids)
+        if self.more_groups:
+            self._more_tables(rec)
         loads = [(ld.req, ld.start, ld.end, self.tables.get(ld.req, []))
                  for ld in self._loads(rec) if ld.req in self.kv]
         scheduled = [(s.req, s.num_computed_tokens, s.num_scheduled_tokens, self.tables.get(s.req, []))
@@ -233,10 +266,38 @@ class ContentCheck:
             self._drafts[rec.step] = {req: len(ids) for req, ids in rec.spec.items() if req in kv}
             if len(self._drafts) > self.MAX_HELD:   # outputs that never came (engine error paths)
                 del self._drafts[min(self._drafts)]
+        if self.more_groups:
+            loads, scheduled = self._in_groups(loads), self._in_groups(scheduled)
         ready = self.kv.queue(rec.step, loads, scheduled, (tag, rec.seq, line))
         if self.counts is not None:
             self.counts.append((self.kv.slots_checked, self.assumed_loads))
         return self._placed(ready)
+
+    def _more_tables(self, rec: ev.Step) -> None:
+        """The step's tables of KV-cache groups 1, 2, ..."""
+        kv, empty = self.kv, [[] for _ in self.more_groups]
+        for s in (*rec.new, *rec.resumed, *rec.states):
+            if s.req in kv:
+                self.more_tables[s.req] = [list(t) for t in s.more_groups or empty]
+        for s in rec.running:
+            if s.req in kv and s.more_groups:
+                tables = self.more_tables.setdefault(s.req, [[] for _ in self.more_groups])
+                for table, new in zip(tables, s.more_groups):
+                    table.extend(new)
+
+    def _in_groups(self, items: list[tuple]) -> list[tuple]:
+        """(request, a, b, group 0's table) items, and the same for each other
+        group: its copy of the request, through its table."""
+        out = list(items)
+        for req, a, b, _table in items:
+            tables = self.more_tables.get(req)
+            for g in self.more_groups:
+                out.append((req + _GROUP + str(g), a, b, tables[g - 1] if tables else []))
+        return out
+
+    def _names(self, req: str) -> list[str]:
+        """The shadow cache's names of the request: one per KV-cache group."""
+        return [req] + [req + _GROUP + str(g) for g in self.more_groups]
 
     def flush(self) -> list[tuple[object, list[Divergence]]]:
         """Check every queued step."""
@@ -251,6 +312,11 @@ class ContentCheck:
         for (tag, seq, line), divs in ready:
             for d in divs:
                 d.seq, d.line = seq, line
+                if _GROUP in d.req:   # a KV-cache group's copy of the request
+                    name, group = d.req, d.req.split(_GROUP)[1]
+                    d.req = name.split(_GROUP)[0]
+                    d.recorded = f"group {group}: {d.recorded}".replace(name, d.req)
+                    d.expected = d.expected.replace(name, d.req)
             out.append((tag, divs))
         return out
 
@@ -278,7 +344,8 @@ class ContentCheck:
             before = self.kv.num_tokens(req) if st is not None or num_drafts else 0
             keep = len(tokens) if st is None else max(0, st.num_tokens - before)
             if keep:
-                self.kv.append_tokens(req, tokens[:keep])
+                for name in self._names(req):
+                    self.kv.append_tokens(name, tokens[:keep])
             # The step wrote the KV of its drafts; the sampled tokens are the drafts
             # accepted and one more (SD1), so the accepted ones hold the request's own
             # tokens: those of them it keeps (a stop may cut the sampled tokens short).
@@ -286,6 +353,8 @@ class ContentCheck:
                 num_accepted = min(num_drafts, len(tokens) - 1, keep)
                 if num_accepted > 0:
                     accepted.append((req, before, before + num_accepted, self.tables.get(req, [])))
+                    if self.more_groups:
+                        accepted[-1:] = self._in_groups(accepted[-1:])
                 if self.async_scheduling:
                     rejected = num_drafts - max(len(tokens) - 1, 0)
                     self._rejected.setdefault(rec.step, {})[req] = rejected
@@ -310,7 +379,8 @@ class ContentCheck:
         keep = st.num_computed_tokens
         if self.session_keeps_sampled:
             keep = self.kv.num_tokens(req) - 1
-        self.kv.truncate(req, keep)
+        for name in self._names(req):
+            self.kv.truncate(name, keep)
         self.between_turns.add(req)
         if self.sessions[req]:
             self._next_turn(req)
@@ -321,7 +391,8 @@ class ContentCheck:
         if chunk is None:
             self._drop(req)
         else:
-            self.kv.append_tokens(req, chunk)
+            for name in self._names(req):
+                self.kv.append_tokens(name, chunk)
 
     def _loads(self, rec: ev.Step) -> list[ev.KVLoad]:
         if rec.loads is not None:
@@ -335,8 +406,10 @@ class ContentCheck:
 
     def _drop(self, req: str) -> None:
         self.tables.pop(req, None)
+        self.more_tables.pop(req, None)
         self.reads_no_cache.discard(req)
         self.sessions.pop(req, None)
         self.between_turns.discard(req)
         if req in self.kv:
-            self.kv.drop_request(req)
+            for name in self._names(req):
+                self.kv.drop_request(name)

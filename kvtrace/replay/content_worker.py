@@ -246,7 +246,8 @@ def _serve(path: str, device: str, validate: str, keeps_sampled: str,
         reader = TraceReader(path, validate=validate == "1", shared=shared)
         check = ContentCheck(reader.header.config, device,
                              reader.header.features.async_scheduling is True,
-                             keep_counts=True, session_keeps_sampled=keeps_sampled == "1")
+                             keep_counts=True, session_keeps_sampled=keeps_sampled == "1",
+                             windows=reader.header.features.windows())
         conn.send(("device", check.device))
         if validate == "1":
             events = reader.shares_checks()

@@ -141,7 +141,8 @@ class Replayer:
 
             self.content = ContentCheck(header.config, device,
                                         header.features.async_scheduling is True,
-                                        session_keeps_sampled=keeps)
+                                        session_keeps_sampled=keeps,
+                                        windows=header.features.windows())
         self.divergences: list[Divergence] = []
         self._kv_placed = 0   # content-check divergences placed in the list so far
         self.steps = 0
@@ -151,6 +152,8 @@ class Replayer:
         self._expected_stats: dict[str, RequestOutput] = {}   # req -> first output, awaiting stats
         self._finished_refs: dict[str, Request] = {}          # finished requests, for their stats
         self._preemptions: dict[str, int] = {}
+        # Per KV-cache group: a sliding-window one, whose tables may hold the null block.
+        self._windowed = tuple(w is not None for w in header.features.windows())
         self._progress = ProgressWatch()
         # Async scheduling: the ids each recorded step samples a token for, for
         # the steps with no recorded output yet (the I1 check's allowance for
@@ -319,7 +322,8 @@ class Replayer:
         if self._in_flight is not None:
             in_flight = self._placeholders(rec)
         self.divergences.extend(checks.step_invariants(rec, self.cfg, self._preemptions, line,
-                                                       in_flight, self._reads_no_cache))
+                                                       in_flight, self._reads_no_cache,
+                                                       self._windowed))
         self.connector.start_step(rec.step, rec.lookups)
         if rec.grammar:
             self.sched.grammar_compiled(rec.grammar)

@@ -224,7 +224,7 @@ _NOT_WRITTEN = 1 << 62
 
 
 class _Req:
-    __slots__ = ("idx", "row", "rows", "n_fp", "pending", "ntok", "most", "verified")
+    __slots__ = ("idx", "row", "rows", "n_fp", "pending", "ntok", "most", "window", "verified")
 
     def __init__(self, idx: int):
         self.idx = idx          # index into ShadowKV.ids
@@ -234,6 +234,7 @@ class _Req:
         self.pending: list[int] = []  # tokens whose fingerprints are not computed yet
         self.ntok = 0           # n_fp + len(pending)
         self.most = 0           # the most tokens it can reach, if known (a hint)
+        self.window = 0         # its attention's sliding window (0: full attention)
         # Block ids of its leading full block rows that hold its prefix and that
         # nothing has written since they were checked ("Reads already checked").
         self.verified: list[int] = []
@@ -250,7 +251,8 @@ class _Batch:
         #                                   arena offset, request, step slot, step, loaded
         self.n_writes = 0                # positions written
         self.reads: list[int] = []       # per read: rows, table offset, limit, arena row,
-        #                                   step slot, leading rows already checked
+        #                                   step slot, leading rows already checked,
+        #                                   first position read (a sliding window)
         self.read_reqs: list[_Req] = []
         self.n_rows = 0                  # block rows read
         self.n_compared = 0              # of which not already checked
@@ -348,10 +350,14 @@ class ShadowKV:
 
     # -- requests ------------------------------------------------------------------
 
-    def add_request(self, req: str, prompt_token_ids: list[int], most: int = 0) -> None:
+    def add_request(self, req: str, prompt_token_ids: list[int], most: int = 0,
+                    window: int = 0) -> None:
         """``most``: the most tokens the request can reach (prompt plus
         max_tokens), if known. It only sizes the room the request's fingerprints
-        get in the arena, so that a request rarely has to move as it grows."""
+        get in the arena, so that a request rarely has to move as it grows.
+        ``window``: its attention's sliding window, if any: a step that computes
+        from position c reads only positions c - window + 1 and on (the slots
+        before are never read, and the engine gives their blocks back)."""
         if req in self._reqs:
             raise ValueError(f"request '{req}' is already in the shadow cache")
         idx = self._intern.get(req)
@@ -360,6 +366,7 @@ class ShadowKV:
             self.ids.append(req)
         r = self._reqs[req] = _Req(idx)
         r.most = most
+        r.window = window
         if prompt_token_ids:
             r.pending = list(prompt_token_ids)
             r.ntok = len(r.pending)
@@ -626,12 +633,13 @@ class ShadowKV:
                 continue
             rows = -(-lim // B)
             skip = self._skippable(r, table, lim) if self.skip_checked else 0
-            b.reads += (rows, off, lim, r.row, slot, skip)
+            lo = max(0, c - r.window + 1) if r.window else 0
+            b.reads += (rows, off, lim, r.row, slot, skip, lo)
             b.read_reqs.append(r)
             b.n_rows += rows
             b.n_compared += rows - skip
-            self.slots_checked += lim
-            self.slots_compared += max(lim - skip * B, 0)   # a skipped last row may be partial
+            self.slots_checked += lim - lo
+            self.slots_compared += max(lim - max(skip * B, lo), 0)   # a skipped last row may be partial
 
     # -- reads already checked -------------------------------------------------------
 
@@ -732,7 +740,7 @@ class ShadowKV:
         counted as checked any more."""
         if not b.n_compared:
             return
-        reads = _i64(b.reads, self.device).view(-1, 6).unbind(1)
+        reads = _i64(b.reads, self.device).view(-1, 7).unbind(1)
         found = self._compare(b, reads, tables, w, skip=b.n_compared < b.n_rows)
         if found is not None and b.n_compared < b.n_rows:
             found = self._compare(b, reads, tables, w, skip=False)
@@ -747,7 +755,7 @@ class ShadowKV:
         B, dev, nb = self.block_size, self.device, self.num_blocks
         K = len(b.steps)
         i64 = dict(dtype=torch.int64, device=dev)
-        rows, toff, lims, arow, slot, skipped = reads
+        rows, toff, lims, arow, slot, skipped, los = reads
         nrows = b.n_compared if skip else b.n_rows
         if skip:
             rows = rows - skipped
@@ -775,7 +783,9 @@ class ShadowKV:
                 held.view(-1)[sel] = wval[j]
         want = self._arena.index_select(0, arow[rreq] + bi)
         rowlim = (lims[rreq] - bi * B).clamp(max=B)
-        bad = ((held != want) | oob[:, None]) & (col[None, :] < rowlim[:, None])
+        rowlo = los[rreq] - bi * B      # positions before a sliding window are not read
+        bad = (((held != want) | oob[:, None]) & (col[None, :] < rowlim[:, None])
+               & (col[None, :] >= rowlo[:, None]))
         if not bool(bad.any()):
             return None
         return bad, rreq, bi, blk, blkc, hit

@@ -116,6 +116,20 @@ class SchedulerConfig(Struct):   # every field written: a reader sees the whole 
         return self.max_num_scheduled_tokens or self.max_num_batched_tokens
 
 
+class KVCacheGroup(_Part):
+    """One KV-cache group: its spec's kind (vLLM's class name: ``FullAttentionSpec``,
+    ``SlidingWindowSpec`` ...), its block size, its window for a sliding-window
+    group, the most blocks an admission reserves for one request in a group
+    that recycles its blocks (vLLM's ``max_admission_blocks_per_request``), and
+    its layers."""
+
+    kind: str
+    block_size: Positive
+    sliding_window: Positive | None = None
+    admission_blocks: Positive | None = None
+    layers: list[str] = []
+
+
 class SchedulerFeatures(_Part, forbid_unknown_fields=False):
     """The header's ``features``: engine features outside the baseline profile
     and the scheduler settings replay reads (docs/reference/trace-format.md). A key a
@@ -138,6 +152,13 @@ class SchedulerFeatures(_Part, forbid_unknown_fields=False):
     num_kv_cache_groups: Count | None = None
     kv_cache_group_kinds: list[str] | None = None
     hash_block_size: Positive | None = None
+    kv_cache_groups: list[KVCacheGroup] | None = None    # every group, in vLLM's order
+    # Which blocks of a sliding-window group are made hash-visible: those of a
+    # window ending on every multiple of this many tokens, and on the prompt's
+    # replay boundary (absent: 0, vLLM 0.32's default: the boundary only). With
+    # prefix_cache_retention_dense, a window ending on every aligned boundary.
+    prefix_cache_retention_interval: Count | None = None
+    prefix_cache_retention_dense: bool | None = None
     prefix_caching_hash_algo: str | None = None
     prefix_replay_tokens: Count | None = None
     # KV connector
@@ -171,10 +192,17 @@ class SchedulerFeatures(_Part, forbid_unknown_fields=False):
     # Keys this version does not know, as written.
     extra: dict[str, Any] = {}
 
+    def windows(self) -> tuple[int | None, ...]:
+        """Each KV-cache group's sliding window, or None; empty when the
+        header lists no groups (one full-attention group)."""
+        return tuple(g.sliding_window for g in self.kv_cache_groups or ())
+
     def named(self) -> dict[str, Any]:
         """The keys the trace names, with their values (``extra``'s included)."""
         out = {k: v for k, v in msgspec.structs.asdict(self).items()
                if v is not None and k != "extra"}
+        if self.kv_cache_groups is not None:
+            out["kv_cache_groups"] = msgspec.to_builtins(self.kv_cache_groups)
         out.update(self.extra)
         return out
 
@@ -406,6 +434,10 @@ class ScheduledNew(_Part):
     num_computed_tokens: Count  # pre-step value, as in NewRequestData
     num_scheduled_tokens: Count
     block_ids: list[Count]
+    # With several KV-cache groups, block_ids is group 0's table and more_groups
+    # holds groups 1, 2, ... in order; absent with one group, and when those
+    # are all empty.
+    more_groups: list[list[Count]] | None = None
 
 
 class ScheduledRunning(_Part):
@@ -415,6 +447,7 @@ class ScheduledRunning(_Part):
     num_computed_tokens: Count
     num_scheduled_tokens: Count
     new_block_ids: list[Count]
+    more_groups: list[list[Count]] | None = None   # groups 1, 2, ...: as ScheduledNew's
 
 
 class RequestState(_Part):
@@ -426,6 +459,7 @@ class RequestState(_Part):
     num_tokens: Count
     num_preemptions: Count
     block_ids: list[Count]
+    more_groups: list[list[Count]] | None = None   # groups 1, 2, ...: as ScheduledNew's
 
 
 class Step(_Record, tag="step"):

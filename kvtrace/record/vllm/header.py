@@ -57,6 +57,37 @@ def _spec_features(spec: Any) -> dict:
                                                 None))}
 
 
+def _group_features(groups: list, kcc: Any, kvm: Any) -> dict:
+    """Every KV-cache group's spec, and the sliding-window retention rule,
+    unless the cache is one full-attention group (traces of those stay as they were)."""
+    kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+    if kinds in ([], ["FullAttentionSpec"]):
+        return {}
+    try:
+        managers = list(kvm.coordinator.single_type_managers)
+    except AttributeError:
+        managers = []
+    specs = []
+    for i, g in enumerate(groups):
+        spec = g.kv_cache_spec
+        d = {"kind": type(spec).__name__, "block_size": int(spec.block_size)}
+        window = getattr(spec, "sliding_window", None)
+        if window:
+            d["sliding_window"] = int(window)
+        cap = getattr(managers[i], "max_admission_blocks_per_request", None) if managers else None
+        if cap is not None:
+            d["admission_blocks"] = int(cap)
+        d["layers"] = [str(name) for name in getattr(g, "layer_names", ())]
+        specs.append(d)
+    out: dict = {"kv_cache_groups": specs}
+    interval = getattr(kcc, "prefix_cache_retention_interval", 0)
+    if interval is None:
+        out["prefix_cache_retention_dense"] = True
+    elif interval:
+        out["prefix_cache_retention_interval"] = int(interval)
+    return out
+
+
 def build_header(sched: Any, meta: dict | None = None) -> Header:
     """The trace header for a constructed vLLM scheduler."""
     import vllm
@@ -101,6 +132,7 @@ def build_header(sched: Any, meta: dict | None = None) -> Header:
         "num_kv_cache_groups": len(groups),
         "kv_cache_group_kinds": [type(g.kv_cache_spec).__name__ for g in groups],
         "hash_block_size": int(getattr(sched, "hash_block_size", sched.block_size)),
+        **_group_features(groups, kcc, kvm),
         "pipeline_parallel_size": int(getattr(pc, "pipeline_parallel_size", 1)),
         "data_parallel_size": int(getattr(pc, "data_parallel_size", 1)),
         "decode_context_parallel_size": int(getattr(pc, "decode_context_parallel_size", 1)),

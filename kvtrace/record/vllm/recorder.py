@@ -79,7 +79,7 @@ from kvtrace.record.capture import (
     Scheduled,
     Snapshot,
     StateCounters,
-    first_group,
+    all_groups,
 )
 from kvtrace.record.detached import split_trace_name
 from kvtrace.record.sink import TraceSink, open_sink
@@ -499,7 +499,7 @@ class Recorder:
 
     def _read_ids(self, rid: str) -> list[int]:
         try:
-            return list(self.kvm.get_block_ids(rid)[0])
+            return all_groups(self.kvm.get_block_ids(rid))
         except Exception:
             return []
 
@@ -514,7 +514,7 @@ class Recorder:
         for r in out.scheduled_new_reqs:
             item = Scheduled(req=r.req_id, num_computed_tokens=r.num_computed_tokens,
                              num_scheduled_tokens=nst.get(r.req_id, 0),
-                             block_ids=first_group(r.block_ids))
+                             block_ids=all_groups(r.block_ids))
             # The V2 model runner folds resumed requests into scheduled_new_reqs.
             if r.req_id in self.preempted_out:
                 self.preempted_out.discard(r.req_id)
@@ -531,7 +531,7 @@ class Recorder:
                     self.preempted_out.discard(rid)
                     resumed.append(Scheduled(req=rid, num_computed_tokens=ncts[i],
                                              num_scheduled_tokens=nst.get(rid, 0),
-                                             block_ids=first_group(nbis[i])))
+                                             block_ids=all_groups(nbis[i])))
                 else:
                     keep.append(i)
             rids, ncts, nbis = [rids[i] for i in keep], [ncts[i] for i in keep], [nbis[i] for i in keep]

@@ -1,0 +1,415 @@
+"""The KV-cache manager for several KV-cache groups, or for one sliding-window
+group (semantics doc 4.9): vLLM's hybrid coordinator over one manager per group
+(KC: kv_cache_coordinator.py, ST: single_type_kv_cache_manager.py, KM:
+kv_cache_manager.py).
+
+Every group draws blocks from the one pool and keeps its own table per
+request. Two kinds of group are modelled:
+
+* full attention: the table only grows; a hit is the longest run of cached
+  blocks from the start;
+* sliding window (``w`` tokens): a block wholly before the window of the next
+  token is given back and replaced by the null block 0; a hit is the rightmost
+  run of ``cdiv(w - 1, block_size)`` cached blocks, with null blocks before it;
+  and only the blocks a later hit can use are made hash-visible.
+
+A hit must hold in every group: the groups are asked in turn, full attention
+first, each at most the length the last one answered, until none shortens it
+(KC:846-961). All groups share ``block_size`` here (the baseline refuses others),
+so every length is block-aligned.
+
+It answers the scheduler as ``KVCacheManager`` does; a hit is a tuple of
+per-group block lists, and ``get_block_ids`` is group 0's table, the other
+groups' in ``more_ids``.
+"""
+
+from __future__ import annotations
+
+from .block_pool import Block, BlockPool
+from .config import GroupSpec, SchedulerConfig
+from .request import Request, Status
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class FullAttentionGroup:
+    """One group's tables (ST:48-729, FullAttentionManager ST:729-830)."""
+
+    def __init__(self, gid: int, spec: GroupSpec, pool: BlockPool, block_size: int):
+        self.gid = gid
+        self.pool = pool
+        self.block_size = block_size
+        self.admission_blocks = spec.admission_blocks
+        self.tables: dict[str, list[Block]] = {}
+        self.num_cached: dict[str, int] = {}     # leading blocks hash-visible (running requests)
+
+    def skipped_tokens(self, num_computed: int) -> int:
+        """Tokens no later token attends to: none under full attention."""
+        return 0
+
+    def find_hit(self, hashes: list[bytes], max_length: int, gids: list[int]
+                 ) -> tuple[list[list[Block]], int]:
+        """The longest run of cached blocks from the start, in each of ``gids``."""
+        runs: list[list[Block]] = [[] for _ in gids]
+        for h in hashes[: max_length // self.block_size]:
+            found = [self.pool.get_cached_block(h, g) for g in gids]
+            if None in found:
+                break
+            for run, b in zip(runs, found):
+                run.append(b)
+        return runs, len(runs[0]) * self.block_size
+
+    def cache_mask(self, start: int, end: int, boundaries: tuple[int, ...]) -> list[bool] | None:
+        """Which of blocks [start, end) become hash-visible: every one."""
+        return None
+
+    # -- allocation --------------------------------------------------------------
+
+    def blocks_needed(self, req_id: str, num_tokens: int, hits: list[Block],
+                      num_computed: int, admission: bool) -> int:
+        """New blocks for ``num_tokens`` slots (ST:175-265): those not held or
+        hit, less those before the window, plus hits on free blocks."""
+        required = cdiv(num_tokens, self.block_size)
+        if admission and self.admission_blocks is not None:
+            required = min(required, self.admission_blocks)
+        held = len(self.tables.get(req_id, ()))
+        if req_id in self.num_cached:
+            return max(required - held, 0)
+        skipped = self.skipped_tokens(num_computed) // self.block_size
+        new = max(required - max(skipped, len(hits) + held), 0)
+        kept = hits[max(0, skipped - held):]
+        return new + sum(1 for b in kept if b.ref_cnt == 0 and b is not self.pool.null_block)
+
+    def adopt_hits(self, req_id: str, hits: list[Block], num_computed: int) -> None:
+        """First admission: the hits, with null blocks for those before the
+        window (ST:267-322)."""
+        table = self.tables.setdefault(req_id, [])
+        assert not table
+        skipped = self.skipped_tokens(num_computed) // self.block_size
+        kept = hits[skipped:]
+        self.pool.touch(kept)
+        table.extend([self.pool.null_block] * skipped)
+        table.extend(kept)
+        self.num_cached[req_id] = len(table)
+
+    def adopt_external(self, req_id: str, num_local: int, num_external: int) -> None:
+        """Blocks for the connector's tokens that are inside the window (ST:326-367)."""
+        total = num_local + num_external
+        skipped = self.skipped_tokens(total)
+        if skipped > 0:
+            num_external = min(total - skipped, num_external)
+        if num_external <= 0:
+            return
+        table = self.tables.setdefault(req_id, [])
+        table.extend(self.pool.get_new_blocks(max(0, cdiv(total, self.block_size) - len(table))))
+
+    def allocate(self, req_id: str, num_tokens: int) -> list[Block]:
+        """New blocks up to ``num_tokens`` slots (ST:369-410)."""
+        table = self.tables.setdefault(req_id, [])
+        n = cdiv(num_tokens, self.block_size) - len(table)
+        if n <= 0:
+            return []
+        new = self.pool.get_new_blocks(n)
+        table.extend(new)
+        return new
+
+    def remove_skipped(self, req_id: str, num_processed: int) -> None:
+        """Give back the blocks wholly before the window, last first, stopping at
+        one already given back (ST:645-710)."""
+        skipped = self.skipped_tokens(num_processed)
+        table = self.tables.get(req_id)
+        if skipped <= 0 or not table:
+            return
+        null = self.pool.null_block
+        freed = []
+        for i in range(min(skipped // self.block_size, len(table)) - 1, -1, -1):
+            if table[i] is null:
+                break
+            freed.append(table[i])
+            table[i] = null
+        if freed:
+            self.pool.free_blocks(freed)
+
+    def cache(self, request: Request, num_full: int, boundaries: tuple[int, ...]) -> None:
+        """Make the table's full blocks up to ``num_full`` hash-visible (ST:476-534)."""
+        req_id = request.request_id
+        num_cached = self.num_cached.get(req_id, 0)
+        if num_cached >= num_full:
+            return
+        mask = self.cache_mask(num_cached, num_full, boundaries)
+        self.pool.cache_full_blocks(request.block_hashes, self.tables[req_id], num_cached,
+                                    num_full, self.block_size, self.gid, mask)
+        self.num_cached[req_id] = num_full
+
+    def pop(self, req_id: str) -> list[Block]:
+        self.num_cached.pop(req_id, None)
+        return self.tables.pop(req_id, [])
+
+
+class SlidingWindowGroup(FullAttentionGroup):
+    """A sliding-window group (SlidingWindowManager, ST:933-1170)."""
+
+    def __init__(self, gid: int, spec: GroupSpec, pool: BlockPool, block_size: int,
+                 retention: int | None):
+        super().__init__(gid, spec, pool, block_size)
+        self.window = spec.sliding_window
+        self.retention = retention
+        # Cached blocks a hit needs in a row: those the next token's window reads.
+        self.hit_blocks = cdiv(self.window - 1, block_size)
+
+    def skipped_tokens(self, num_computed: int) -> int:
+        """Tokens before the window of token ``num_computed`` (ST:1135-1170)."""
+        return max(0, num_computed - self.window + 1)
+
+    def find_hit(self, hashes: list[bytes], max_length: int, gids: list[int]
+                 ) -> tuple[list[list[Block]], int]:
+        """The rightmost run of ``hit_blocks`` cached blocks ending by
+        ``max_length``, null blocks before it; failing that, a shorter run at
+        the start (ST:956-1050)."""
+        n = max_length // self.block_size
+        out = [[self.pool.null_block] * n for _ in gids]
+        run = 0
+        for i in range(n - 1, -1, -1):
+            found = [self.pool.get_cached_block(hashes[i], g) for g in gids]
+            if None in found:
+                run = 0
+                continue
+            for o, b in zip(out, found):
+                o[i] = b
+            run += 1
+            if run >= self.hit_blocks:
+                for o in out:
+                    del o[i + run:]
+                return out, (i + run) * self.block_size
+        for o in out:
+            del o[run:]
+        return out, run * self.block_size
+
+    def cache_mask(self, start: int, end: int, boundaries: tuple[int, ...]) -> list[bool] | None:
+        """Only blocks a later hit can use become hash-visible: the window's
+        blocks ending at each multiple of the retention interval, and at each of
+        ``boundaries`` (ST:1054-1133). With dense retention (None), a window
+        ends on every block."""
+        need, bs = self.hit_blocks, self.block_size
+        segment = bs if self.retention is None else (self.retention or None)
+        mask = [False] * (end - start)
+        if segment is not None:
+            per_segment = segment // bs
+            if need >= per_segment:
+                return None
+            for i in range(start, end):
+                if i % per_segment >= per_segment - need:
+                    mask[i - start] = True
+        if self.retention is not None:
+            for boundary in boundaries:
+                last = boundary // bs
+                for j in range(max(start, last - need), min(end, last)):
+                    mask[j - start] = True
+        return mask
+
+
+class GroupedKVCacheManager:
+    """``KVCacheManager``'s answers over several groups (KC:95-460, KM:264-660)."""
+
+    def __init__(self, config: SchedulerConfig):
+        self.block_size = config.block_size
+        self.max_model_len = config.max_model_len
+        self.enable_caching = config.enable_prefix_caching
+        self.watermark_blocks = config.watermark_blocks
+        self.num_spec_tokens = config.num_spec_tokens
+        self.num_lookahead_tokens = config.num_lookahead_tokens
+        self.pool = BlockPool(config.num_blocks, config.enable_prefix_caching,
+                              config.profile.free_uncached_to_head)
+        self.groups: list[FullAttentionGroup] = [
+            FullAttentionGroup(gid, spec, self.pool, self.block_size) if spec.sliding_window is None
+            else SlidingWindowGroup(gid, spec, self.pool, self.block_size,
+                                    config.prefix_cache_retention)
+            for gid, spec in enumerate(config.kv_groups)]
+        # Groups of one spec are looked up together; full attention first (KC:706-760).
+        by_spec: dict[GroupSpec, list[int]] = {}
+        for gid, spec in enumerate(config.kv_groups):
+            by_spec.setdefault(spec, []).append(gid)
+        self.lookup_order = sorted(by_spec.values(),
+                                   key=lambda gids: self.groups[gids[0]].skipped_tokens(1 << 62) > 0)
+
+    # -- lookups ---------------------------------------------------------------
+
+    def get_computed_blocks(self, request: Request) -> tuple[tuple[list[Block], ...], int]:
+        """The longest hit every group can serve, capped so that a token is left
+        to compute (KM:264-321, KC:846-961). A full-attention group that hit
+        further than the others names that point the request's shared-prefix
+        boundary, where the sliding-window groups keep a window for later hits."""
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            request.shared_prefix_boundary = 0
+            return (), 0
+        hashes = request.block_hashes
+        hit_length = request.num_tokens - 1
+        hits: list[list[Block] | None] = [None] * len(self.groups)
+        lengths = [0] * len(self.groups)
+        longest = 0
+        simple = len(self.lookup_order) == 2 and not self._windowed(self.lookup_order[0])
+        while True:
+            length = hit_length
+            for gids in self.lookup_order:
+                first = gids[0]
+                if hits[first] is not None and not self._windowed(gids):
+                    length = min(length, lengths[first])   # full attention: a prefix of its hit
+                    continue
+                found, length = self.groups[first].find_hit(hashes, length, gids)
+                for g, blocks in zip(gids, found):
+                    hits[g], lengths[g] = blocks, length
+                longest = max(longest, length)
+            if length >= hit_length:
+                break
+            hit_length = length
+            if simple:
+                break
+        for gids in self.lookup_order:
+            if not self._windowed(gids):
+                for g in gids:
+                    del hits[g][cdiv(hit_length, self.block_size):]
+        request.shared_prefix_boundary = longest if longest > hit_length else 0
+        out = tuple(h or [] for h in hits)
+        return (out if any(out) else ()), hit_length
+
+    def _windowed(self, gids: list[int]) -> bool:
+        return isinstance(self.groups[gids[0]], SlidingWindowGroup)
+
+    def get_block_ids(self, req_id: str) -> list[int]:
+        """Group 0's table."""
+        return [b.block_id for b in self.groups[0].tables.get(req_id, ())]
+
+    def more_ids(self, req_id: str) -> list[list[int]] | None:
+        """The other groups' tables, or None when they are all empty."""
+        out = [[b.block_id for b in g.tables.get(req_id, ())] for g in self.groups[1:]]
+        return out if any(out) else None
+
+    def split_ids(self, blocks: tuple[list[Block], ...]) -> tuple[list[int], list[list[int]] | None]:
+        """Newly allocated blocks (``allocate_slots``'s answer) as ids: group 0's, the others'."""
+        ids = [[b.block_id for b in g] for g in blocks]
+        return ids[0], (ids[1:] if any(ids[1:]) else None)
+
+    @property
+    def req_to_ids(self) -> dict[str, list[int]]:
+        return {req_id: [b.block_id for b in t] for req_id, t in self.groups[0].tables.items()}
+
+    def estimate_cached_tokens(self, req_id: str) -> int:
+        """The hash-covered prefix every group holds (KM:751-780)."""
+        return min(max((b.hash_num_tokens for b in g.tables.get(req_id, ())), default=0)
+                   for g in self.groups)
+
+    # -- allocation ------------------------------------------------------------
+
+    def _blocks_needed(self, req_id: str, num_tokens: int, hits: tuple, num_computed: int,
+                       admission: bool = False) -> int:
+        return sum(g.blocks_needed(req_id, num_tokens, hits[g.gid] if hits else [],
+                                   num_computed, admission) for g in self.groups)
+
+    def remaining_blocks(self, request: Request) -> int:
+        """Blocks the request still needs to hold its whole sequence (S:3060-3076)."""
+        num_tokens = min(request.num_tokens, self.max_model_len)
+        if self.num_spec_tokens:
+            num_tokens += 1 + self.num_spec_tokens + self.num_lookahead_tokens
+        return self._blocks_needed(request.request_id, num_tokens, (),
+                                   request.num_computed_tokens, admission=True)
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        hits: tuple = (),
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        full_sequence_must_fit: bool = False,
+        num_lookahead_tokens: int = 0,
+    ) -> tuple[list[Block], ...] | None:
+        """``KVCacheManager.allocate_slots`` in every group (KM:371-618). Blocks
+        before a sliding window are given back first, on the tokens whose
+        output is in, even when the new blocks then do not fit."""
+        req_id = request.request_id
+        num_local = request.num_computed_tokens + num_new_computed_tokens
+        num_external = num_external_computed_tokens
+        total = min(num_local + num_external, self.max_model_len)
+        watermark = self._watermark(request, has_scheduled_reqs)
+        if full_sequence_must_fit:
+            full = min(request.num_tokens, self.max_model_len)
+            needed = self._blocks_needed(req_id, full, hits, total, admission=True)
+            if needed + watermark > self.pool.num_free_blocks:
+                return None
+        need_slots = min(total + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        for g in self.groups:
+            g.remove_skipped(req_id, max(0, total - request.num_in_flight_tokens))
+        needed = self._blocks_needed(req_id, need_slots, hits, num_local + num_external)
+        if needed + watermark > self.pool.num_free_blocks - reserved_blocks:
+            return None
+        if hits or num_external > 0:
+            self._admit_prefix(req_id, hits, num_local, num_external)
+        new = tuple(g.allocate(req_id, need_slots) for g in self.groups)
+        if not delay_cache_blocks:
+            self.cache_blocks(request, min(total + num_new_tokens, request.num_tokens))
+        return new
+
+    def _admit_prefix(self, req_id: str, hits: tuple, num_local: int, num_external: int) -> None:
+        """Every group adopts its hits before any takes blocks for the external
+        tokens, so no pop evicts another group's hit (KC:245-292). A request
+        the groups track already adopts and loads nothing."""
+        if any(req_id in g.num_cached for g in self.groups):
+            assert not hits
+            return
+        for g in self.groups:
+            g.adopt_hits(req_id, hits[g.gid] if hits else [], num_local + num_external)
+        if num_external > 0:
+            for g in self.groups:
+                g.adopt_external(req_id, num_local, num_external)
+
+    def _watermark(self, request: Request, has_scheduled_reqs: bool) -> int:
+        if self.watermark_blocks and has_scheduled_reqs and request.status in (Status.WAITING,
+                                                                               Status.PREEMPTED):
+            return self.watermark_blocks
+        return 0
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Make full blocks hash-visible in every group; a sliding-window group
+        keeps the windows ending at the prompt's replay boundary (its last token
+        but one) and at the request's shared-prefix boundary (KC:340-378)."""
+        if not self.enable_caching:
+            return
+        num_full = min(num_tokens, len(request.block_hashes) * self.block_size) // self.block_size
+        boundaries = (request.num_prompt_tokens - 1,)
+        if request.shared_prefix_boundary:
+            boundaries += (request.shared_prefix_boundary,)
+        for g in self.groups:
+            g.cache(request, num_full, boundaries)
+
+    def remove_skipped_blocks(self, request: Request) -> None:
+        """Give back what is before each window, on the tokens whose output is
+        in: before a finished request's table goes to the connector (S:3023-3031)."""
+        done = max(0, request.num_computed_tokens - request.num_in_flight_tokens)
+        for g in self.groups:
+            g.remove_skipped(request.request_id, done)
+
+    def free(self, request: Request) -> None:
+        """Release every group's table, group by group, each tail first."""
+        for g in self.groups:
+            self.pool.free_blocks(reversed(g.pop(request.request_id)))
+
+    def pop_blocks(self, request: Request) -> list:
+        """Forget the tables without freeing them; ``free_blocks`` later (KC:408-426)."""
+        out: list[Block] = []
+        for g in self.groups:
+            out.extend(g.pop(request.request_id))
+        return out
+
+    def free_blocks(self, table: list) -> None:
+        self.pool.free_blocks(reversed(table))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        self.pool.evict_blocks(block_ids)
