@@ -93,8 +93,10 @@ def kv_cache_groups(f: SchedulerFeatures, block_size: int) -> str | None:
         return f"a KV-cache group of kind {other[0]!r}, not full or sliding-window attention"
     n = f.num_kv_cache_groups
     if f.kv_cache_groups is None:
-        if n not in (None, 1) or any(k in SLIDING_WINDOW for k in kinds):
-            return (f"{n or 1} KV-cache groups, and the trace does not list their specs "
+        if n not in (None, 1):
+            return f"{n} KV-cache groups, and the trace does not list their specs (kv_cache_groups)"
+        if any(k in SLIDING_WINDOW for k in kinds):
+            return ("a sliding-window KV-cache group, and the trace does not list its spec "
                     "(kv_cache_groups)")
         return None
     if n is not None and n != len(f.kv_cache_groups):

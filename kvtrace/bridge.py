@@ -113,7 +113,26 @@ def header_features(cfg: SchedulerConfig) -> dict:
         **({"use_eagle": True, "eagle_block_drop": True, "num_prefill_lookahead_tokens": 1}
            if cfg.num_spec_tokens and cfg.eagle_block_drop else {}),
         **({"lora": True, "max_loras": cfg.max_loras} if cfg.max_loras else {}),
+        **(_group_features(cfg) if cfg.kv_groups else {}),
     }
+
+
+def _group_features(cfg: SchedulerConfig) -> dict:
+    """The KV-cache groups as vLLM's header names them."""
+    groups = []
+    for i, g in enumerate(cfg.kv_groups):
+        d = {"kind": "FullAttentionSpec" if g.sliding_window is None else "SlidingWindowSpec",
+             "block_size": cfg.block_size, "layers": [f"layers.{i}"]}
+        if g.sliding_window is not None:
+            d.update(sliding_window=g.sliding_window, admission_blocks=g.admission_blocks)
+        groups.append(d)
+    out: dict = {"num_kv_cache_groups": len(groups),
+                 "kv_cache_group_kinds": [d["kind"] for d in groups], "kv_cache_groups": groups}
+    if cfg.prefix_cache_retention is None:
+        out["prefix_cache_retention_dense"] = True
+    elif cfg.prefix_cache_retention:
+        out["prefix_cache_retention_interval"] = cfg.prefix_cache_retention
+    return out
 
 
 def header_config(cfg: SchedulerConfig, connector_name: str | None) -> ev.SchedulerConfig:
@@ -186,6 +205,7 @@ def request_state(sched: Scheduler, r: Request) -> ev.RequestState:
         num_tokens=r.num_tokens,
         num_preemptions=r.num_preemptions,
         block_ids=sched.kv.get_block_ids(r.request_id),
+        more_groups=sched.kv.more_ids(r.request_id),
     )
 
 
@@ -201,12 +221,12 @@ def step_event(seq: int, step: int, out: SchedulerOutput, sched: Scheduler,
     return ev.Step(
         seq=seq,
         step=step,
-        new=[ev.ScheduledNew(s.req_id, s.num_computed_tokens, s.num_scheduled_tokens, s.block_ids)
-             for s in out.new],
-        resumed=[ev.ScheduledNew(s.req_id, s.num_computed_tokens, s.num_scheduled_tokens, s.block_ids)
-                 for s in out.resumed],
+        new=[ev.ScheduledNew(s.req_id, s.num_computed_tokens, s.num_scheduled_tokens, s.block_ids,
+                             s.more_groups) for s in out.new],
+        resumed=[ev.ScheduledNew(s.req_id, s.num_computed_tokens, s.num_scheduled_tokens,
+                                 s.block_ids, s.more_groups) for s in out.resumed],
         running=[ev.ScheduledRunning(s.req_id, s.num_computed_tokens, s.num_scheduled_tokens,
-                                     s.block_ids) for s in out.running],
+                                     s.block_ids, s.more_groups) for s in out.running],
         preempted=sorted(out.preempted_req_ids),
         finished=sorted(out.finished_req_ids),
         lookups=lookups,

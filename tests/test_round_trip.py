@@ -43,7 +43,11 @@ def _filled_features() -> ev.SchedulerFeatures:
         if f.name == "extra":
             continue
         t = next(t for t in f.type.types if not isinstance(t, msgspec.inspect.NoneType))
-        if isinstance(t, msgspec.inspect.ListType):
+        if isinstance(t, msgspec.inspect.ListType) and isinstance(t.item_type,
+                                                                  msgspec.inspect.StructType):
+            d[f.name] = [{"kind": "SlidingWindowSpec", "block_size": 16, "sliding_window": 32,
+                          "admission_blocks": 4, "layers": ["layers.0"]}]
+        elif isinstance(t, msgspec.inspect.ListType):
             d[f.name] = [values[t.item_type.cls]] if hasattr(t.item_type, "cls") else \
                 ["x" if isinstance(t.item_type, msgspec.inspect.StrType) else 3]
         else:
@@ -65,8 +69,10 @@ HEADER = ev.Header(
     meta={"workload": "round-trip"},
 )
 
-STATE = ev.RequestState(req="a", status="RUNNING", num_computed_tokens=5, num_tokens=9,
-                        num_preemptions=1, block_ids=[3, 7])
+# A step's state with one KV-cache group's table, an output's with two.
+STEP_STATE = ev.RequestState(req="a", status="RUNNING", num_computed_tokens=5, num_tokens=9,
+                             num_preemptions=1, block_ids=[3, 7])
+STATE = msgspec.structs.replace(STEP_STATE, more_groups=[[2]])
 
 EVENTS = [
     ev.Arrival(seq=0, req="a", prompt_token_ids=[1, 2, 3, 4, 5], max_tokens=4, arrival_time=1.5,
@@ -85,12 +91,12 @@ EVENTS = [
     ev.PauseState(seq=0, state="PAUSED_NEW"),
     ev.Step(seq=0, step=0,
             new=[ev.ScheduledNew("a", 0, 5, [3, 7])],
-            resumed=[ev.ScheduledNew("c", 2, 1, [4])],
-            running=[ev.ScheduledRunning("d", 6, 2, [8])],
+            resumed=[ev.ScheduledNew("c", 2, 1, [4], more_groups=[[5]])],
+            running=[ev.ScheduledRunning("d", 6, 2, [8], more_groups=[[9]])],
             preempted=["e"], finished=["f"],
             lookups=[ev.Lookup(req="a", local=0, ext=2, load_async=True)],
             loads=[ev.KVLoad(req="a", start=0, end=2)],
-            states=[STATE], num_free_blocks=50, spec={"a": [5, -1]}, grammar={"a": "ready"},
+            states=[STEP_STATE], num_free_blocks=50, spec={"a": [5, -1]}, grammar={"a": "ready"},
             throttle_prefills=True),
     ev.Output(seq=0, step=0, sampled={"a": [11, 12]},
               connector=ev.ConnectorOutput(finished_recving=["a"], finished_sending=["f"],
@@ -120,7 +126,8 @@ def _non_defaults(obj: msgspec.Struct) -> set[str]:
 
 
 @pytest.mark.parametrize("obj", [*(e for e in EVENTS if e not in PADDING), END, HEADER, HEADER.config, HEADER.config.connector,
-                                 HEADER.features, STEP.lookups[0],
+                                 HEADER.features, HEADER.features.kv_cache_groups[0], STEP.lookups[0],
+                                 STEP.resumed[0], STEP.running[0],
                                  OUTPUT.connector, STATS.prefill_stats, STATS.legacy, STATE],
                          ids=lambda o: type(o).__name__)
 def test_every_field_is_set(obj):
@@ -160,14 +167,17 @@ def test_the_recorders_capture_becomes_the_schemas_records(tmp_path):
     """What the vLLM recorder captures on the engine's thread (named tuples of
     the engine's values, block objects read later) becomes records with every
     field of a step and an output set."""
-    assert Scheduled._fields == ev.ScheduledNew.__struct_fields__
-    assert StateCounters._fields + ("block_ids",) == ev.RequestState.__struct_fields__
+    # With several KV-cache groups, the block ids of groups 1, 2, ... become more_groups.
+    assert Scheduled._fields + ("more_groups",) == ev.ScheduledNew.__struct_fields__
+    assert StateCounters._fields + ("block_ids", "more_groups") == ev.RequestState.__struct_fields__
     blocks = [_Block(3), _Block(7)]
-    states = Snapshot(req_ids=["a"], counters=[StateCounters("a", Status.RUNNING, 5, 9, 1)],
-                      blocks=[blocks], lengths=[2])
+    counters = [StateCounters("a", Status.RUNNING, 5, 9, 1)]
+    states = Snapshot(req_ids=["a"], counters=counters, blocks=[blocks], lengths=[2])
+    # Several groups: the KV manager's get_block_ids is read at the snapshot.
+    grouped = Snapshot(req_ids=["a"], counters=counters, blocks=[[[3, 7], [2]]], lengths=None)
     step = RawStep(
-        step=0, new=[Scheduled("a", 0, 5, [3, 7])], resumed=[Scheduled("c", 2, 1, [4])],
-        running=RunningColumns(req_ids=["d"], num_computed_tokens=[6], new_block_ids=[([8],)],
+        step=0, new=[Scheduled("a", 0, 5, [3, 7])], resumed=[Scheduled("c", 2, 1, [[4], [5]])],
+        running=RunningColumns(req_ids=["d"], num_computed_tokens=[6], new_block_ids=[([8], [9])],
                                num_scheduled_tokens={"a": 5, "c": 1, "d": 2}),
         preempted=["e"], finished=["f"], lookups=[ev.Lookup(req="a", local=0, ext=2, load_async=True)],
         loads=[ev.KVLoad(req="a", start=0, end=2)], states=states, num_free_blocks=50,
@@ -175,7 +185,7 @@ def test_the_recorders_capture_becomes_the_schemas_records(tmp_path):
     output = RawOutput(
         step=0, sampled=Sampled(req_ids=["a", "d"], sampled_token_ids=[[11, 12], []],
                                 req_id_to_index={"a": 0, "d": 1}),
-        connector=OUTPUT.connector, finished={"a": "length"}, states=states,
+        connector=OUTPUT.connector, finished={"a": "length"}, states=grouped,
         rare={"grammar_rejected": ["d"], "pooled": ["a"]})
     arrivals = [e for e in EVENTS if type(e) is ev.Arrival]
     for sink_cls in (TraceSink, ProcessSink):

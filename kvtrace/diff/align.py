@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterator
 from .._text import path_text
 from ..findings import Divergence
 from ..trace.events import (Abort, Arrival, End, Header, Output, PauseState, PromptStats, ResetPrefixCache, Step,
-                            to_json)
+                            joined_groups, to_json)
 from ..trace.io import TraceError, TraceReader, not_regular
 from .handoff import diff_handoff, is_handoff_pair
 
@@ -438,9 +438,10 @@ class _Differ:
                 self._add(side, req, "plan", _item(ev.step, ev.seq, line, {
                     "kv_load": spans, "after_schedules": h.n_sched}))
         at: dict[str, int] = {}
-        entries = [("new", s, s.block_ids) for s in ev.new]
-        entries += [("resumed", s, s.block_ids) for s in ev.resumed]
-        entries += [("running", s, s.new_block_ids) for s in ev.running]
+        joined = joined_groups
+        entries = [("new", s, joined(s.block_ids, s.more_groups)) for s in ev.new]
+        entries += [("resumed", s, joined(s.block_ids, s.more_groups)) for s in ev.resumed]
+        entries += [("running", s, joined(s.new_block_ids, s.more_groups)) for s in ev.running]
         for how, s, blocks in entries:
             pair, h = self._pair_hist(side, s.req)
             if h is None:
@@ -733,7 +734,8 @@ _OUTPUT = {False: ("sampled",), True: ("sampled",) + _STATE_KEYS["output_state"]
 
 
 def _state(st) -> tuple:
-    return (st.status, st.num_computed_tokens, st.num_tokens, st.num_preemptions, st.block_ids)
+    return (st.status, st.num_computed_tokens, st.num_tokens, st.num_preemptions,
+            joined_groups(st.block_ids, st.more_groups))
 
 
 def _at(step: int | None) -> int:

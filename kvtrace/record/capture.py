@@ -95,15 +95,6 @@ class RawOutput(NamedTuple):
     rare: dict | None
 
 
-def first_group(block_ids: Any) -> list[int]:
-    """vLLM passes block ids as a tuple of per-group lists (or a list of such)."""
-    if block_ids is None:
-        return []
-    if len(block_ids) and not isinstance(block_ids[0], int):
-        return list(block_ids[0])
-    return list(block_ids)
-
-
 def all_groups(block_ids: Any) -> list:
     """vLLM's block ids as the recorder carries them: group 0's list with one
     group, a list per group with several (``split_groups`` tells them apart)."""

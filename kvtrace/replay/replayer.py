@@ -77,8 +77,8 @@ def _check_fits(header: ev.Header, path) -> None:
 
 def _check_supported(header: ev.Header, path, profile: Profile) -> None:
     why = baseline.refusal(header.features, header.config.block_size,
-                           "the reference models the baseline profile only (one full-attention "
-                           "KV-cache group, no pipeline parallelism)")
+                           "the reference models the baseline profile only (full-attention and "
+                           "sliding-window KV-cache groups, no pipeline parallelism)")
     if why is None:
         why = _profile_refusal(header, profile)
     if why is not None:

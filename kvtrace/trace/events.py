@@ -427,6 +427,12 @@ class KVLoad(_Part):
     end: Count
 
 
+def joined_groups(ids: list[int], more: list[list[int]] | None) -> list:
+    """A record's block ids as compared across traces: group 0's, or with
+    several KV-cache groups whose others hold any, one list per group."""
+    return [ids, *more] if more and any(more) else ids
+
+
 class ScheduledNew(_Part):
     """A request in ``scheduled_new_reqs`` (or a resumed one): its whole block table."""
 

@@ -267,27 +267,30 @@ def decisions(so: Any) -> dict[str, tuple]:
     scheduled: new, resumed or running; num_computed_tokens before the step;
     tokens scheduled; block ids: the whole table, or for a running request
     the new ones)."""
-    from kvtrace.record.capture import first_group
+    from kvtrace.record.capture import all_groups, split_groups
+
+    def blocks_of(block_ids: Any) -> list:
+        return ev.joined_groups(*split_groups(all_groups(block_ids)))
 
     nst = so.num_scheduled_tokens
-    out = {r.req_id: ("new", r.num_computed_tokens, nst.get(r.req_id, 0), first_group(r.block_ids))
+    out = {r.req_id: ("new", r.num_computed_tokens, nst.get(r.req_id, 0), blocks_of(r.block_ids))
            for r in so.scheduled_new_reqs}
     cd = so.scheduled_cached_reqs
     resumed = getattr(cd, "resumed_req_ids", None) or set()
     for rid, c, blocks in zip(cd.req_ids, cd.num_computed_tokens, cd.new_block_ids):
         out[rid] = ("resumed" if rid in resumed else "running", c, nst.get(rid, 0),
-                    first_group(blocks))
+                    blocks_of(blocks))
     return out
 
 
 def recorded_decisions(e: ev.Step) -> dict[str, tuple]:
     """``decisions`` as a step record holds them."""
-    out = {s.req: ("new", s.num_computed_tokens, s.num_scheduled_tokens, s.block_ids)
-           for s in e.new}
-    out.update((s.req, ("resumed", s.num_computed_tokens, s.num_scheduled_tokens, s.block_ids))
-               for s in e.resumed)
-    out.update((s.req, ("running", s.num_computed_tokens, s.num_scheduled_tokens, s.new_block_ids))
-               for s in e.running)
+    out = {s.req: ("new", s.num_computed_tokens, s.num_scheduled_tokens,
+                   ev.joined_groups(s.block_ids, s.more_groups)) for s in e.new}
+    out.update((s.req, ("resumed", s.num_computed_tokens, s.num_scheduled_tokens,
+                        ev.joined_groups(s.block_ids, s.more_groups))) for s in e.resumed)
+    out.update((s.req, ("running", s.num_computed_tokens, s.num_scheduled_tokens,
+                        ev.joined_groups(s.new_block_ids, s.more_groups))) for s in e.running)
     return out
 
 

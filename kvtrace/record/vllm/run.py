@@ -34,7 +34,9 @@
     LoRA adapters of those indices (``ensure_lora_adapter``, adapter id =
     index), with LoRA on; "throttle_every" makes the engine core hold prefills
     back on every step whose count is not a multiple of n, as vLLM's
-    data-parallel engine core does (``serve``). ``engine_kwargs`` override the workload's ``LLM(...)`` arguments. Returns ``{"path": out_path, "outputs": {index: [token ids]},
+    data-parallel engine core does (``serve``); "model" names the tiny model it
+    runs on (``tiny_model``: "gemma3", "sliding", "gpt-oss"; default the tiny
+    Llama). ``engine_kwargs`` override the workload's ``LLM(...)`` arguments. Returns ``{"path": out_path, "outputs": {index: [token ids]},
     "finish_reasons": {index: str}}``.
 
     If the engine raises, the trace written up to that point ends with status
@@ -87,7 +89,7 @@ def run_workload(model_dir: str | None, workload: Any = "prefix", model_free: bo
     from vllm import LLM
 
     wl = resolve(workload)
-    model = model_dir or ensure_tiny_model()
+    model = model_dir or ensure_tiny_model(size=wl.get("model", "tiny"))
     kwargs = dict(BASE_ENGINE)
     if any(wl.get("structured") or ()):   # a grammar compiles over the tokenizer's vocabulary
         kwargs.update(skip_tokenizer_init=False, tokenizer=ensure_tokenizer(model))

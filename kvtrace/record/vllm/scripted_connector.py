@@ -222,3 +222,23 @@ class ScriptedConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         errs, self._errors = self._errors, set()
         return errs
+
+
+def _supports_hma() -> type:
+    """vLLM's SupportsHMA marker, on releases that have it."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+    except ImportError:   # older than the hybrid allocator's connector support
+        return object
+    return SupportsHMA
+
+
+class ScriptedHMAConnector(ScriptedConnector, _supports_hma()):
+    """``ScriptedConnector`` that keeps vLLM's hybrid KV-cache manager on (vLLM
+    turns it off for a connector that does not support it): a model with
+    sliding-window layers then runs several KV-cache groups. Its hits and loads
+    are the same; a failed load must fail whole ("request"): vLLM refuses
+    block-level failures with several groups."""
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple):
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])

@@ -18,9 +18,15 @@ Two sizes:
   of a real model's step on a GPU, for measuring what a recorder costs an
   engine whose step is mostly the model's.
 
+Other architectures, by name (``MODELS``), as tiny as the tiny Llama: ``gemma3``
+(a sliding-window layer and a full-attention one: two KV-cache groups),
+``sliding`` (every layer windowed) and ``gpt-oss`` (mixture of experts, sliding
+and full attention). ``ensure_tiny_model(size=name)`` builds them too.
+
 The tiny model lives in ``$KVTRACE_CACHE``, or ``~/.cache/kvtrace/tiny-llama``;
 another size beside it, in a directory named after it
-(``~/.cache/kvtrace/small-llama``, or ``$KVTRACE_CACHE-small``).
+(``~/.cache/kvtrace/small-llama``, or ``$KVTRACE_CACHE-small``), and another
+architecture likewise (``~/.cache/kvtrace/tiny-gemma3``, ``$KVTRACE_CACHE-gemma3``).
 """
 
 from __future__ import annotations
@@ -47,6 +53,23 @@ SIZES = {
     "small": dict(CONFIG, hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
                   num_key_value_heads=8, head_dim=64, intermediate_size=1536, vocab_size=8192),
 }
+# Tiny random models of other architectures, by name: sliding-window attention
+# and hybrid KV caches. (transformers config class, model class, config)
+_GEMMA3 = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=2, num_key_value_heads=2, head_dim=32, sliding_window=64,
+               max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+MODELS = {
+    # Gemma 3 style: a sliding-window layer and a full-attention one (two KV-cache groups).
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(_GEMMA3, layer_types=["sliding_attention", "full_attention"])),
+    # Every layer windowed: one sliding-window KV-cache group.
+    "sliding": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+                dict(_GEMMA3, layer_types=["sliding_attention", "sliding_attention"])),
+    # gpt-oss style: mixture-of-experts layers, sliding and full attention.
+    "gpt-oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(_GEMMA3, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+                     layer_types=["sliding_attention", "full_attention"])),
+}
 SEED = 0
 _MARKER = "kvtrace-tiny-llama.done"
 
@@ -55,15 +78,15 @@ def default_dir(size: str = "tiny") -> Path:
     env = os.environ.get("KVTRACE_CACHE")
     if env:
         return Path(env) if size == "tiny" else Path(f"{env}-{size}")
-    return Path.home() / ".cache" / "kvtrace" / f"{size}-llama"
+    return Path.home() / ".cache" / "kvtrace" / (f"{size}-llama" if size in SIZES else f"tiny-{size}")
 
 
 def ensure_tiny_model(path: str | os.PathLike | None = None, size: str = "tiny") -> str:
     """Build the model of that size (``SIZES``) in ``path`` (default:
     ``default_dir(size)``) unless it is already there; return the directory as
     a string."""
-    if size not in SIZES:
-        raise ValueError(f"unknown model size {size!r}: one of {', '.join(SIZES)}")
+    if size not in SIZES and size not in MODELS:
+        raise ValueError(f"unknown model {size!r}: one of {', '.join([*SIZES, *MODELS])}")
     out = Path(path) if path is not None else default_dir(size)
     marker = out / _MARKER
     # The marker names the size built there ("ok": a tiny model built before it did).
@@ -71,12 +94,14 @@ def ensure_tiny_model(path: str | os.PathLike | None = None, size: str = "tiny")
     if (out / "config.json").exists() and (built == size or (built == "ok" and size == "tiny")):
         return str(out)
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(SEED)
-    cfg = LlamaConfig(**SIZES[size])
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    config_cls, model_cls, config = MODELS.get(size) or ("LlamaConfig", "LlamaForCausalLM",
+                                                         SIZES[size])
+    cfg = getattr(transformers, config_cls)(**config)
+    model = getattr(transformers, model_cls)(cfg).to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
     marker.write_text(f"{size}\n")
     return str(out)

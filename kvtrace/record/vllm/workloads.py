@@ -453,6 +453,69 @@ WORKLOADS["grown-hit-after-preempt"] = dict(
                 kv_transfer_config=scripted([{"req": "0", "hits": [32, 192]}], "kv_consumer")))
 
 
+# Hybrid KV caches (docs/reference/catalog.md): the tiny Gemma 3 ("gemma3": a
+# sliding-window layer of 64 tokens and a full-attention one, two KV-cache
+# groups), a model whose every layer is windowed ("sliding": one group) and a
+# tiny gpt-oss ("gpt-oss"). Decodes run past the window, so the window's
+# blocks go back to the pool as the requests grow; shared prefixes longer than
+# the window make hits that both groups must serve.
+def _hybrid_prompts() -> list[list[int]]:
+    a = [(7 * j) % 480 + 16 for j in range(160)]
+    b = [(11 * j) % 480 + 16 for j in range(160)]
+    out = [a[:130] + [300 + i] * (20 + 7 * i) for i in range(3)]
+    out += [b[:100] + [400 + i] * (30 + 5 * i) for i in range(3)]
+    out.append(list(out[0]))                 # a repeat: the replay boundary's window
+    out.append(out[1] + [9] * 40)            # extends another prompt past its end
+    return out
+
+
+HYBRID_CONNECTOR_RULES = [
+    {"req": "0", "hit": 48},                                  # sync, mid-block end
+    {"req": "1", "hit": 64, "async": True, "delay_steps": 2, "not_ready_steps": 1},
+    {"req": "2", "hit": 500, "async": True},                  # async, the whole prompt
+    {"req": "3", "hits": [40, 96]},                           # grows after preemption
+    {"req": "4", "hit": 80, "async": True, "fail": "request"},  # a failed load
+    {"req": "5", "hit": 96},
+    {"req": "6", "hit": 40},                                  # the local hit covers it
+]
+
+
+def _hybrid_connector(async_scheduling: bool = False) -> dict:
+    config = scripted(HYBRID_CONNECTOR_RULES, "kv_consumer")
+    # vLLM keeps its hybrid KV-cache manager on only for a connector that supports it.
+    config["kv_connector"] = "ScriptedHMAConnector"
+    return dict(prompts=_connector_prompts(), max_tokens=40, model="gemma3",
+                engine=dict(num_gpu_blocks_override=30, kv_transfer_config=config,
+                            async_scheduling=async_scheduling))
+
+
+WORKLOADS.update({
+    "hybrid-prefix": dict(prompts=_hybrid_prompts(), max_tokens=40, model="gemma3",
+                          engine=dict(num_gpu_blocks_override=64)),
+    # Two groups draw on one pool: preemptions free both groups' tables.
+    "hybrid-preemption": dict(prompts=_preemption_prompts(), max_tokens=64, model="gemma3",
+                              engine=dict(num_gpu_blocks_override=22)),
+    # Long prompts in chunks: the window's blocks go back between chunks.
+    "hybrid-chunked": dict(
+        prompts=[[(13 * i + 3 * j) % 480 + 16 for j in range(200)] for i in range(4)],
+        max_tokens=24, model="gemma3",
+        engine=dict(num_gpu_blocks_override=40, max_num_batched_tokens=64,
+                    long_prefill_token_threshold=48)),
+    "hybrid-connector": _hybrid_connector(),
+    "hybrid-async": dict(prompts=_preemption_prompts(), max_tokens=64, model="gemma3",
+                         engine=dict(num_gpu_blocks_override=22, async_scheduling=True)),
+    "hybrid-async-connector": _hybrid_connector(async_scheduling=True),
+    "sliding-prefix": dict(prompts=_hybrid_prompts(), max_tokens=40, model="sliding",
+                           engine=dict(num_gpu_blocks_override=40)),
+    "sliding-preemption": dict(prompts=_preemption_prompts(), max_tokens=64, model="sliding",
+                               engine=dict(num_gpu_blocks_override=12)),
+    "gpt-oss-prefix": dict(prompts=_hybrid_prompts(), max_tokens=40, model="gpt-oss",
+                           engine=dict(num_gpu_blocks_override=64)),
+    "gpt-oss-preemption": dict(prompts=_preemption_prompts(), max_tokens=64, model="gpt-oss",
+                               engine=dict(num_gpu_blocks_override=22)),
+})
+
+
 def resolve(workload: Any) -> dict:
     if isinstance(workload, str):
         try:
