@@ -40,7 +40,10 @@ or served as a stream, and the two combined:
 * any kind with speculative decoding ("spec-", "ea-", "dm-") with the number
   of drafts following the batch size (kinds "dy-KIND", for example
   "dy-ea-async-mixed"; ``with_dynamic_drafts``): one to three ranges of batch
-  sizes, each asking for 0 to num_speculative_tokens drafts.
+  sizes, each asking for 0 to num_speculative_tokens drafts;
+* any kind without a drafter model on a model with sliding-window layers
+  (kinds "hy-KIND", for example "hy-async-mixed"; ``with_hybrid_model``): the
+  tiny Gemma 3 or gpt-oss (two KV-cache groups) or the all-sliding model.
 
 Served as a stream (``kvtrace.record.vllm.run.served``), the engine is driven
 step by step: each request arrives at a step of its own, and about a third are
@@ -300,7 +303,7 @@ def test_a_random_workload_replays_clean_or_is_flagged_where_the_engine_failed(s
     out = tmp_path / "run.jsonl.gz"
     failed = None
     workload = _workload(seed, kind)
-    base = kind[3:] if kind.startswith(("so-", "pe-", "lo-", "dy-")) else kind   # they change nothing below
+    base = kind[3:] if kind.startswith(("so-", "pe-", "lo-", "dy-", "hy-")) else kind   # they change nothing below
     plain = base[3:] if base.startswith(("ea-", "dm-")) else base
     capped = StepLimitAsyncScheduler if plain.startswith("async") else StepLimitScheduler
     if base.startswith(("spec-", "ea-", "dm-")):

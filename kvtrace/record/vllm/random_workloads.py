@@ -415,12 +415,43 @@ DY_KINDS = tuple(f"dy-{k}" for k in SPEC_KINDS + EA_KINDS + DM_KINDS)
 # A prefill interval: any kind without a connector's loads in flight.
 PI_KINDS = tuple(f"pi-{k}" for k in ("knobs", "async-knobs", "stream", "async-stream", "rlhf",
                                      "sessions", "async-sessions", "spec-knobs", "ea-async-knobs"))
+# On a model with sliding-window layers ("hy-" + a kind without a drafter
+# model: vLLM's EAGLE and the reference's baseline leave sliding windows out).
+HY_KINDS = tuple(f"hy-{k}" for k in KINDS + SPEC_KINDS)
 ALL_KINDS = (KINDS + SPEC_KINDS + EA_KINDS + DM_KINDS + SO_KINDS + PE_KINDS + LO_KINDS + DY_KINDS
-             + PI_KINDS)
+             + PI_KINDS + HY_KINDS)
+
+
+def with_hybrid_model(wl: dict, seed: int) -> dict:
+    """``wl`` on a model with sliding-window layers (``tiny_model.MODELS``:
+    the tiny Gemma 3 or gpt-oss, two KV-cache groups, or the all-sliding model,
+    one), drawn from ``seed``. The KV cache grows to hold a sequence of
+    max_model_len in every group; a connector becomes the one that keeps both
+    groups, and with two groups its block-level load failures fail whole (vLLM
+    refuses block-level failures with several groups)."""
+    wl = copy.deepcopy(wl)
+    model = random.Random(seed + 15_000_017).choice(("gemma3", "gemma3", "sliding", "gpt-oss"))
+    wl["model"] = model
+    engine = wl["engine"]
+    groups = 1 if model == "sliding" else 2
+    blocks = engine.get("num_gpu_blocks_override")
+    if blocks:
+        engine["num_gpu_blocks_override"] = groups * blocks + 1
+    config = engine.get("kv_transfer_config")
+    if config:
+        config["kv_connector"] = "ScriptedHMAConnector"
+        for rule in config.get("kv_connector_extra_config", {}).get("rules", ()):
+            if rule.get("fail") == "blocks" and groups > 1:
+                rule["fail"] = "request"
+                rule.pop("fail_blocks", None)
+                rule.update({"async": True, "delay_steps": rule.get("delay_steps", 1)})
+    return wl
 
 
 def workload(seed: int, kind: str) -> dict:
     """The random workload of ``kind`` drawn from ``seed``."""
+    if kind.startswith("hy-"):
+        return with_hybrid_model(workload(seed, kind[3:]), seed)
     if kind.startswith("so-"):
         return with_grammars(workload(seed, kind[3:]), seed)
     if kind.startswith("pe-"):
