@@ -5,7 +5,7 @@ scheduling (semantics doc 3, 7; S:2759-2801, S:3123-3356)."""
 
 from __future__ import annotations
 
-from .interface import ModelOutput
+from .interface import ModelOutput, SchedulerAssertion
 from .request import Request, Status
 
 
@@ -92,7 +92,11 @@ class KVTransfer:
     def _handle_invalid_blocks(self, invalid: set[int], num_scheduled: dict[str, int]) -> set[str]:
         """Blocks that failed to load: async loads first, then running requests
         (S:3356). Each pass claims shared blocks afresh (S:3274): a block an async load
-        claimed is claimed again by the first running request that holds it."""
+        claimed is claimed again by the first running request that holds it.
+        vLLM refuses them with several KV-cache groups (S:3365-3374)."""
+        if self.config.kv_groups and len(self.config.kv_groups) > 1:
+            raise SchedulerAssertion(None, "S:3365 a block-level load failure with several "
+                                           "KV-cache groups (vLLM raises RuntimeError)")
         loading = [r for r in self.kv_holding_waiting if r.status == Status.WAITING_FOR_REMOTE_KVS]
         async_failed, _ = self._truncate_requests(loading, invalid, num_scheduled)
         sync_failed, to_evict = self._truncate_requests(self.running, invalid, num_scheduled)

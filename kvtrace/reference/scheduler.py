@@ -1,6 +1,6 @@
 """The reference scheduler: vLLM V1's ``Scheduler`` in the baseline profile of
-the semantics doc (one full-attention group, no pipeline parallelism, no
-encoder inputs), and its ``AsyncScheduler`` when the config says
+the semantics doc (full-attention and sliding-window KV-cache groups, no
+pipeline parallelism, no encoder inputs), and its ``AsyncScheduler`` when the config says
 ``async_scheduling``.
 
 One ``schedule()`` call is two passes (semantics doc 2):

@@ -795,7 +795,7 @@ class ShadowKV:
                 hit: torch.Tensor | None) -> None:
         """The rare path: name the first bad position of each read, and count them all."""
         B, nb, K = self.block_size, self.num_blocks, len(b.steps)
-        lims, slot = reads[2], reads[4]
+        lims, slot = reads[2] - reads[6], reads[4]   # positions read: a window's only
         where = bad.view(-1).nonzero().squeeze(1)
         owner = rreq[where // B]
         uo, counts = torch.unique_consecutive(owner, return_counts=True)
