@@ -241,7 +241,9 @@ def test_the_bridge_hands_every_input_field_to_the_reference():
                       m.invalid_block_ids) == ({"a"}, {"f"}, {"c"}, {4}),
         "grammar_rejected": m.grammar_rejected == {"d"},
         "pooled": m.pooled == {"a"},
-        "finished": "an outcome: replay compares it, it feeds nothing",
+        "finished": m.error_order == () and bridge.model_output_from_event(
+            msgspec.structs.replace(o, finished={"b": "error", "a": "length", "c": "error"})
+        ).error_order == ("b", "c"),   # an outcome replay compares; its errors' order feeds it
         "states": "an outcome: replay compares it, it feeds nothing",
     }
     assert set(output) == set(ev.Output.__struct_fields__) - {"seq", "step"}

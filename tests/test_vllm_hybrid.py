@@ -110,3 +110,50 @@ def test_a_hybrid_fault_is_named_where_the_recording_breaks_the_window(fault, fi
     replay_through_vllm(trace, out)
     d = diff_files(trace, out)
     assert min(x.step for x in d.divergences if x.step is not None) == step
+
+
+_ORDER_RUN = """
+import sys
+from kvtrace.diff import diff_files
+from kvtrace.record.vllm.rerun import replay_through_vllm
+from kvtrace.replay import replay_file
+replay_through_vllm(sys.argv[1], sys.argv[2])
+print(len(diff_files(sys.argv[1], sys.argv[2]).divergences),
+      len(replay_file(sys.argv[2], device=None).divergences))
+"""
+
+
+def test_finished_loads_free_blocks_in_the_order_the_trace_lists_them(tmp_path):
+    """Six async loads finish in one step, three of them failed (their
+    requests finished with an error, under the "fail" policy): vLLM frees
+    those requests' blocks in the order it goes through the finished loads, a
+    set, whose order is its process's own. Replay follows the order the trace
+    lists them in, so vLLM's scheduler, run in processes of other hash seeds,
+    makes the recorded decisions, and the reference makes vLLM's."""
+    import subprocess
+    import sys
+
+    from kvtrace.engine import record_workload
+    from kvtrace.engine.kv_store import StoreSettings
+    from kvtrace.engine.workloads import PlannedArrival, Workload, sliding_group
+    from kvtrace.reference import GroupSpec, SchedulerConfig
+
+    doc = tuple(range(100, 140))
+    cfg = SchedulerConfig(block_size=8, num_blocks=64, max_num_batched_tokens=64, max_num_seqs=8,
+                          max_model_len=256, async_scheduling=True, load_failure_policy="fail",
+                          kv_groups=(sliding_group(16, 8, 128, 256), GroupSpec()))
+    arrivals = tuple(PlannedArrival(0, f"r-{i}", doc + tuple(range(200 + 10 * i, 205 + 10 * i)), 20)
+                     for i in range(6))
+    store = StoreSettings(capacity_tokens=3000, preload=(doc,), async_fraction=1.0,
+                          async_delay_steps=1, failed_recving_fraction=0.5, kv_role="kv_consumer")
+    trace = tmp_path / "t.jsonl"
+    record_workload(trace, Workload("loads", cfg, arrivals, store=store))
+    with TraceReader(trace) as r:
+        outs = [e for e in r if isinstance(e, ev.Output) and e.connector]
+    assert any(len(o.connector.finished_recving) >= 4 and len(o.connector.failed_recving) >= 2
+               for o in outs)
+    for seed in ("0", "1", "2"):
+        out = subprocess.run([sys.executable, "-c", _ORDER_RUN, str(trace),
+                              str(tmp_path / f"v{seed}.jsonl")], capture_output=True, text=True,
+                             env=dict(os.environ, PYTHONHASHSEED=seed))
+        assert out.stdout.split() == ["0", "0"], out.stderr[-2000:]

@@ -208,6 +208,16 @@ MEETS_THE_BUG = (209, "async-failures")
 # dy-dm-async-rlhf-sessions and dy-dm-rlhf. dy-dm-async-mixed:13021 (and
 # dm-async-mixed:13021) showed a fourth gap in the shadow-KV check, fixed: an
 # engine that failed left a step's drafts without their output.
+# On models with sliding-window layers (hy- kinds, twelve seeds of each from
+# hy-async:20000 to hy-spec-aborts:22400, a hundred apart in the order of
+# HY_KINDS: 300 runs), 293 passed at first. Four (hy-spec-mixed:21908,
+# hy-spec-rlhf:22010, hy-spec-rlhf-sessions:22208 and 22211) showed a gap in
+# the reference, fixed: an async load keeps one decode step's blocks free in
+# every KV-cache group, not in one. Three are vLLM's: its failed-load bug
+# under async scheduling (hy-async-failures:20104), a session's turn stopped
+# inside accepted drafts whose next chunk fails the engine's assertion
+# (hy-spec-sessions:22106), and a new one, a failed block recomputed under a
+# sliding window that reads blocks given back (hy-rlhf:21102, docs/findings.md).
 CI_SEEDS = [(100, "async"), (101, "async"), MEETS_THE_BUG, (210, "async-failures"),
             (300, "sync-failures"), (414, "knobs"), (416, "knobs"), (403, "knobs"),
             (400, "async-knobs"), (404, "async-knobs"), (542, "async-knobs"), (457, "knobs"),
@@ -220,7 +230,9 @@ CI_SEEDS = [(100, "async"), (101, "async"), MEETS_THE_BUG, (210, "async-failures
             (7524, "spec-rlhf-sessions"), (7609, "spec-rlhf"), (9066, "so-async-stream"),
             (9301, "so-spec-mixed"), (9800, "pe-async-mixed"), (10102, "lo-async-mixed"),
             (11020, "ea-mixed"), (11130, "ea-async-mixed"), (12020, "dm-mixed"), (12042, "dm-sessions"),
-            (13010, "dy-ea-async-mixed")]
+            (13010, "dy-ea-async-mixed"), (20000, "hy-async"), (20300, "hy-knobs"),
+            (20104, "hy-async-failures"), (21102, "hy-rlhf"), (21908, "hy-spec-mixed"),
+            (22106, "hy-spec-sessions")]
 
 
 def _workload(seed: int, kind: str) -> dict:
@@ -321,7 +333,13 @@ def test_a_random_workload_replays_clean_or_is_flagged_where_the_engine_failed(s
         # Chosen so that CI runs the branch below: vLLM 0.32 fails on this one.
         # Should a later vLLM not, this says so.
         assert failed is not None, "vLLM no longer fails on this workload: is its bug fixed?"
-    if (failed is None and kind.endswith("sessions") and divs
+    if (failed is None and divs and workload.get("model")
+            and all(_window_read_after_a_failed_block(out, d) for d in divs)):
+        # Only the shadow-KV check objects: vLLM 0.32 recomputes a failed
+        # block under a sliding window from a point whose window reads blocks
+        # it gave back (docs/findings.md). Every count agrees.
+        pass
+    elif (failed is None and kind.endswith("sessions") and divs
             and all(_read_past_a_turn_end(out, d) for d in divs)):
         # Only the shadow-KV check objects, at positions of a session's next
         # chunk that vLLM 0.32 took as computed: its turn stopped inside a
@@ -377,6 +395,12 @@ def test_a_random_workload_replays_clean_or_is_flagged_where_the_engine_failed(s
         assert any(d.field == "progress" and str(d.recorded).endswith("in no queue") for d in divs), \
             [d.to_json() for d in divs[:5]]
         _known_vllm_bugs(divs, workload, out)
+    elif _admitted_past_a_turn_end(out, divs, steps):
+        # vLLM 0.32's turn stopped inside accepted drafts (docs/findings.md),
+        # here with the session's next chunk admitted with nothing left to
+        # compute: the engine fails its own assertion (S:1170), at the step
+        # and request where replay names it.
+        assert workload["engine"].get("speculative_config") and kind.endswith("sessions")
     else:
         # Only the connector's load failures under async scheduling have made
         # vLLM 0.32 fail (docs/findings.md): replay names the step it failed
@@ -482,10 +506,32 @@ def _after_the_failed_load_bug(divs: list, d, workload: dict) -> bool:
     model runner puts the request's tokens, drafts and rejections included,
     is not modelled further: the check's reads of that request are not
     evidence of another bug."""
-    if d.kind != "kv-content" or not workload["engine"].get("speculative_config"):
+    if d.kind != "kv-content" or not (workload["engine"].get("speculative_config")
+                                      or workload.get("model")):
         return False
     return any(e.req == d.req and e.step < d.step and (e.rule == STALE or e.rule.startswith("I1"))
                for e in divs)
+
+
+def _window_read_after_a_failed_block(trace, d) -> bool:
+    """Whether the shadow-KV check's divergence ``d`` reads the null block, in
+    a sliding window's group, for a request that held a block that failed to
+    load: vLLM recomputes from the failed block, and that token's window
+    reaches blocks given back when the request was admitted."""
+    import re
+
+    return (d.kind == "kv-content" and re.match(r"(group \d+: )?block 0 slot", str(d.recorded))
+            is not None and d.req in _holders_of_failed_blocks(trace))
+
+
+def _admitted_past_a_turn_end(trace, divs: list, steps: list) -> bool:
+    """Whether replay names the engine's failed assertion after its last step,
+    for a session whose turn ended counting drafts past its tokens."""
+    from test_findings import turns_ended_past_their_tokens
+
+    ended = turns_ended_past_their_tokens(trace)
+    return bool(steps) and any(d.field == "assertion" and d.step >= steps[-1] and d.req in ended
+                               and "S:1170" in d.rule for d in divs)
 
 
 def _read_past_a_turn_end(trace, d) -> bool:

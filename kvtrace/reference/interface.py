@@ -63,6 +63,15 @@ class ModelOutput:
     grammar_rejected: set[str] = field(default_factory=set)
     # Pooling requests whose pooler output came: each is done (S:2170-2173).
     pooled: set[str] = field(default_factory=set)
+    # The order the engine finished the requests it finished with an error:
+    # vLLM goes through a set (S:2301-2316, S:2668), in its process's order,
+    # which decides the free queue's order. Where a trace holds it (its
+    # output's finish reasons, in order), replay follows it; others go sorted.
+    error_order: tuple[str, ...] = ()
+    # Likewise the order it goes through finished transfers (S:3222-3235), which
+    # frees the blocks of the finished requests among them.
+    recving_order: tuple[str, ...] = ()
+    sending_order: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)

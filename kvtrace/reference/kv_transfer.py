@@ -9,6 +9,12 @@ from .interface import ModelOutput, SchedulerAssertion
 from .request import Request, Status
 
 
+def _in_order(ids: set[str], order: tuple[str, ...]) -> list[str]:
+    """``ids`` in the engine's order where it is known, else sorted."""
+    known = [x for x in order if x in ids]
+    return known + sorted(ids.difference(known))
+
+
 class KVTransfer:
     """Mixed into the Scheduler: its config, connector, KV manager and queues are ``self``'s."""
 
@@ -53,16 +59,17 @@ class KVTransfer:
 
     def _transfers_finished(self, model: ModelOutput) -> None:
         """Loads and sends the worker reports finished. vLLM goes through these
-        sets in its own process's order, which a trace does not hold; in sorted
-        order, as the trace lists them, replay says the same in every process."""
-        for req_id in sorted(model.finished_recving):
+        sets in its own process's order, which frees the blocks of the finished
+        requests among them in that order: the order the trace lists them in
+        (sorted in traces recorded before it kept vLLM's order)."""
+        for req_id in _in_order(model.finished_recving, model.recving_order):
             r = self.requests[req_id]
             if r.status == Status.WAITING_FOR_REMOTE_KVS:
                 self.finished_recving_ids.add(req_id)
             else:
                 self._free_blocks(r, "S:3230 a finished load for a request that neither waits "
                                      "for it nor has finished")
-        for req_id in sorted(model.finished_sending):
+        for req_id in _in_order(model.finished_sending, model.sending_order):
             self._free_blocks(self.requests[req_id], "S:2747 a finished send for a request "
                                                      "that has not finished")
 

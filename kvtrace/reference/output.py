@@ -109,14 +109,18 @@ class Outputs:
         for r in stopped.continuing:
             self._enqueue_waiting(r)
 
-    def _finish_with_errors(self, failed: set[str]) -> list[RequestOutput]:
+    def _finish_with_errors(self, failed: set[str], order: tuple[str, ...] = ()
+                            ) -> list[RequestOutput]:
         """Grammars that failed to compile, and failed loads under the "fail"
-        policy, finish their requests with an error (S:2302-2326)."""
+        policy, finish their requests with an error (S:2302-2326), in ``order``
+        where it names them (the engine's own), else sorted."""
         errors = self.grammar_compile_error_ids
         self.grammar_compile_error_ids = set()
         if failed and self.config.load_failure_policy == "fail":
             errors |= failed
         if not errors:
             return []
+        known = [r for r in order if r in errors]
+        ordered = known + sorted(errors.difference(known))
         return [RequestOutput(r.request_id, [], FINISH_REASONS[r.status])
-                for r in self.finish_requests(sorted(errors), Status.FINISHED_ERROR)]
+                for r in self.finish_requests(ordered, Status.FINISHED_ERROR)]

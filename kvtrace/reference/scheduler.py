@@ -381,7 +381,7 @@ class Scheduler(Admission, Outputs, SpeculativeDecoding, KVTransfer, AsyncOutput
             if result is not None:
                 outputs.append(result)
         self._remove_stopped(stopped)
-        outputs += self._finish_with_errors(failed)
+        outputs += self._finish_with_errors(failed, model.error_order)
         self._transfers_finished(model)
         return outputs
 

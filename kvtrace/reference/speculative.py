@@ -39,9 +39,11 @@ class SpeculativeDecoding:
 
     def spec_decode_step_blocks(self) -> int:
         """Blocks of one decode step with every draft and the drafter's
-        lookahead: 1 + num_spec_tokens + num_lookahead_tokens slots (S:348-357)."""
+        lookahead: 1 + num_spec_tokens + num_lookahead_tokens slots, in each
+        KV-cache group (S:348-357)."""
         k = self.config.num_spec_tokens
-        return -(-(1 + k + self.config.num_lookahead_tokens) // self.block_size) if k else 0
+        groups = len(self.config.kv_groups) or 1
+        return groups * -(-(1 + k + self.config.num_lookahead_tokens) // self.block_size) if k else 0
 
     def _admission_lookahead(self, r: Request, load_async: bool) -> int:
         """The drafter's lookahead slots an admission allocates. An async load

@@ -596,9 +596,11 @@ class Recorder:
         conn = None
         ids = rids
         if kco is not None:
+            # In the order vLLM goes through them: it frees the blocks of a
+            # finished request it meets there (S:3222-3235).
             conn = ConnectorOutput(
-                finished_recving=sorted(kco.finished_recving or ()),
-                finished_sending=sorted(kco.finished_sending or ()),
+                finished_recving=list(kco.finished_recving or ()),
+                finished_sending=list(kco.finished_sending or ()),
                 failed_recving=sorted(getattr(kco, "failed_recving", None) or ()),
                 invalid_block_ids=sorted(int(b) for b in (kco.invalid_block_ids or ())),
             )

