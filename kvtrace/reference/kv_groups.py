@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from .block_pool import Block, BlockPool
 from .config import GroupSpec, SchedulerConfig
-from .request import Request, Status
+from .kv_manager import KVCacheManager
+from .request import Request
 
 
 def cdiv(a: int, b: int) -> int:
@@ -367,11 +368,11 @@ class GroupedKVCacheManager:
             for g in self.groups:
                 g.adopt_external(req_id, num_local, num_external)
 
-    def _watermark(self, request: Request, has_scheduled_reqs: bool) -> int:
-        if self.watermark_blocks and has_scheduled_reqs and request.status in (Status.WAITING,
-                                                                               Status.PREEMPTED):
-            return self.watermark_blocks
-        return 0
+    # As with one group: the watermark, and the pool's own operations.
+    _watermark = KVCacheManager._watermark
+    free_blocks = KVCacheManager.free_blocks
+    reset_prefix_cache = KVCacheManager.reset_prefix_cache
+    evict_blocks = KVCacheManager.evict_blocks
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Make full blocks hash-visible in every group; a sliding-window group
@@ -405,11 +406,3 @@ class GroupedKVCacheManager:
             out.extend(g.pop(request.request_id))
         return out
 
-    def free_blocks(self, table: list) -> None:
-        self.pool.free_blocks(reversed(table))
-
-    def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
-
-    def evict_blocks(self, block_ids: set[int]) -> None:
-        self.pool.evict_blocks(block_ids)
