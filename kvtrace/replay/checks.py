@@ -24,7 +24,7 @@ def compare_step(rec: ev.Step, out: SchedulerOutput, sched: Scheduler, line: int
 
     if not (_same(rec.new, out.new) and _same(rec.resumed, out.resumed)
             and _same(rec.running, out.running, "new_block_ids")):
-        _compare_scheduled(rec, out, d)
+        _compare_scheduled(rec, out, d, grouped=hasattr(sched.kv, "groups"))
     if rec.preempted or out.preempted_req_ids:
         for req in sorted(set(rec.preempted) ^ out.preempted_req_ids):
             d(req, "preempted", req in rec.preempted, req in out.preempted_req_ids,
@@ -61,8 +61,10 @@ def _same(recorded: list, expected: list, blocks: str = "block_ids") -> bool:
     return True
 
 
-def _compare_scheduled(rec: ev.Step, out: SchedulerOutput, d) -> None:
-    """Request by request, whatever the order: what differs, and where."""
+def _compare_scheduled(rec: ev.Step, out: SchedulerOutput, d, grouped: bool = False) -> None:
+    """Request by request, whatever the order: what differs, and where. With
+    KV-cache groups (``grouped``), a table that holds the null block differs
+    under the groups' rule."""
     recorded = {s.req: ("new", s) for s in rec.new}
     recorded.update({s.req: ("resumed", s) for s in rec.resumed})
     recorded.update({s.req: ("running", s) for s in rec.running})
@@ -90,7 +92,8 @@ def _compare_scheduled(rec: ev.Step, out: SchedulerOutput, d) -> None:
         if rec_blocks != es.block_ids:
             field = "block_ids" if rq != "running" else "new_block_ids"
             d(req, field, rec_blocks, es.block_ids,
-              "4.5: block ids follow the free-queue discipline", kind="block")
+              _GROUPS_RULE if grouped and (0 in rec_blocks or 0 in es.block_ids)
+              else "4.5: block ids follow the free-queue discipline", kind="block")
         if rs.more_groups != es.more_groups:
             d(req, "more_groups", rs.more_groups, es.more_groups, _GROUPS_RULE, kind="block")
 
@@ -131,6 +134,8 @@ def compare_states(step: int, states: list[ev.RequestState], sched: Scheduler,
             if g != w:
                 if field == "state.block_ids" and blocks and r.is_finished:
                     rule = _DELAYED_FREE_RULE
+                elif field == "state.block_ids" and more is not None and (0 in g or 0 in w):
+                    rule = _GROUPS_RULE
                 divs.append(Divergence(step, s.req, field, g, w, rule, kind, seq, line))
     return divs
 
