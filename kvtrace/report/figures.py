@@ -233,3 +233,14 @@ class RunSummary:
 
 def percent(x: float | None) -> str:
     return "—" if x is None else f"{100 * x:.1f}%"
+
+
+def kv_groups_text(features: ev.SchedulerFeatures) -> str | None:
+    """A header's KV-cache groups in words ("group 0: sliding window of 64
+    tokens, group 1: full attention"), or None for one full-attention group."""
+    groups = features.kv_cache_groups
+    if not groups:
+        return None
+    return ", ".join(f"group {i}: " + (f"sliding window of {g.sliding_window} tokens"
+                                       if g.sliding_window else "full attention")
+                     for i, g in enumerate(groups))

@@ -21,7 +21,7 @@ from typing import Any, Iterable
 from .._text import path_text
 from ..findings import Divergence
 from ..outputs import writing
-from .figures import RequestTimeline, RunSummary, percent
+from .figures import RequestTimeline, RunSummary, kv_groups_text, percent
 from .summary import summarize
 from .svg import chart, legend
 from .terminal import format_value, replayed_up_to
@@ -121,7 +121,8 @@ def render(s: RunSummary, divs: list[Divergence], source: str = "replay",
         f" · max_num_seqs {cfg.max_num_seqs} · policy {e(cfg.policy)}"
         f" · prefix caching {'on' if cfg.enable_prefix_caching else 'off'}"
         + (f" · connector {e(cfg.connector.name)} ({e(cfg.connector.load_failure_policy)})"
-           if cfg.connector else "") + "</p>",
+           if cfg.connector else "")
+        + (f" · KV cache {e(groups)}" if (groups := kv_groups_text(h.features)) else "") + "</p>",
     ]
     trunc = replayed_up_to(s.truncation, "read")
     if trunc:

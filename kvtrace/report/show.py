@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .figures import HistoryRow, Mark, RequestTimeline, RunSummary, Series, percent
+from .figures import HistoryRow, Mark, RequestTimeline, RunSummary, Series, kv_groups_text, percent
 from .summary import summarize
 from .terminal import make_console, replayed_up_to
 
@@ -99,6 +99,9 @@ def print_summary(s: RunSummary, console: Console, brief: bool = False) -> None:
                         f"prefix caching {'on' if cfg.enable_prefix_caching else 'off'}"
                         + (f", connector {cfg.connector.name} ({cfg.connector.load_failure_policy})"
                            if cfg.connector else ""))
+    groups = kv_groups_text(h.features)
+    if groups:
+        t.add_row("KV cache", groups)
     fin = ", ".join(f"{n} {r}" for r, n in sorted(s.finished.items())) or "none"
     unfinished = s.requests - sum(s.finished.values())
     t.add_row("requests", f"{s.requests} (finished: {fin}"
