@@ -188,9 +188,10 @@ def model_output_from_event(o: ev.Output) -> ModelOutput:
         invalid_block_ids=set(c.invalid_block_ids),
         grammar_rejected=set(o.grammar_rejected or ()),
         pooled=set(o.pooled or ()),
-        error_order=tuple(req for req, why in o.finished.items() if why == "error"),
-        recving_order=tuple(c.finished_recving),
-        sending_order=tuple(c.finished_sending),
+        error_order=(tuple(req for req, why in o.finished.items() if why == "error")
+                     if o.finished else ()),
+        recving_order=tuple(c.finished_recving) if c.finished_recving else (),
+        sending_order=tuple(c.finished_sending) if c.finished_sending else (),
     )
 
 

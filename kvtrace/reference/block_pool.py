@@ -99,7 +99,7 @@ class BlockPool:
         return self.free_queue.num_free
 
     def get_cached_block(self, block_hash: bytes, group: int = 0) -> Block | None:
-        entry = self._hashes(group).get(block_hash)
+        entry = (self.cached if group == 0 else self._hashes(group)).get(block_hash)
         return next(iter(entry.values())) if entry else None
 
     def _hashes(self, group: int) -> dict[bytes, dict[int, Block]]:
@@ -139,7 +139,7 @@ class BlockPool:
                           mask: list[bool] | None = None) -> None:
         """Make blocks[num_cached:num_full] hash-visible for ``group``, those
         ``mask`` (if any) marks True."""
-        cached = self._hashes(group)
+        cached = self.cached if group == 0 else self._hashes(group)
         for i in range(num_cached, num_full):
             b = blocks[i]
             if b is self.null_block or (mask is not None and not mask[i - num_cached]):
@@ -170,7 +170,7 @@ class BlockPool:
     def _evict(self, b: Block) -> None:
         if b.block_hash is None:
             return
-        cached = self._hashes(b.hash_group)
+        cached = self.cached if b.hash_group == 0 else self._hashes(b.hash_group)
         entry = cached[b.block_hash]
         del entry[b.block_id]
         if not entry:

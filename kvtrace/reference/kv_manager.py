@@ -58,10 +58,6 @@ class KVCacheManager:
         """Other groups' tables: there are none (kv_groups.py has several)."""
         return None
 
-    def split_ids(self, blocks: list[Block]) -> tuple[list[int], None]:
-        """Newly allocated blocks (``allocate_slots``'s answer) as ids."""
-        return [b.block_id for b in blocks], None
-
     def remove_skipped_blocks(self, request: Request) -> None:
         """Full attention gives nothing back before a request finishes."""
 

@@ -62,14 +62,16 @@ class KVTransfer:
         sets in its own process's order, which frees the blocks of the finished
         requests among them in that order: the order the trace lists them in
         (sorted in traces recorded before it kept vLLM's order)."""
-        for req_id in _in_order(model.finished_recving, model.recving_order):
+        for req_id in (_in_order(model.finished_recving, model.recving_order)
+                       if model.finished_recving else ()):
             r = self.requests[req_id]
             if r.status == Status.WAITING_FOR_REMOTE_KVS:
                 self.finished_recving_ids.add(req_id)
             else:
                 self._free_blocks(r, "S:3230 a finished load for a request that neither waits "
                                      "for it nor has finished")
-        for req_id in _in_order(model.finished_sending, model.sending_order):
+        for req_id in (_in_order(model.finished_sending, model.sending_order)
+                       if model.finished_sending else ()):
             self._free_blocks(self.requests[req_id], "S:2747 a finished send for a request "
                                                      "that has not finished")
 

@@ -63,7 +63,8 @@ class Scheduler(Admission, Outputs, SpeculativeDecoding, KVTransfer, AsyncOutput
         self.deferred_frees: deque[tuple[int, list[Block]]] = deque()
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
-        self.kv = GroupedKVCacheManager(config) if config.kv_groups else KVCacheManager(config)
+        self.kv_groups = bool(config.kv_groups)
+        self.kv = GroupedKVCacheManager(config) if self.kv_groups else KVCacheManager(config)
         self.connector = connector
         self.requests: dict[str, Request] = {}
         self.waiting = make_queue(config.policy)
@@ -291,12 +292,17 @@ class Scheduler(Admission, Outputs, SpeculativeDecoding, KVTransfer, AsyncOutput
                                     step.num_scheduled[r.request_id], block_ids, more)
 
         kv = self.kv
+        if self.kv_groups:   # several KV-cache groups: the others' tables too
+            running = [entry(r, *kv.split_ids(step.new_blocks[r.request_id])) for r in step.running]
+        else:
+            running = [entry(r, [b.block_id for b in step.new_blocks[r.request_id]])
+                       for r in step.running]
         out = SchedulerOutput(
             new=[entry(r, kv.get_block_ids(r.request_id), kv.more_ids(r.request_id))
                  for r in step.new],
             resumed=[entry(r, kv.get_block_ids(r.request_id), kv.more_ids(r.request_id))
                      for r in step.resumed],
-            running=[entry(r, *kv.split_ids(step.new_blocks[r.request_id])) for r in step.running],
+            running=running,
             num_scheduled_tokens=step.num_scheduled,
             preempted_req_ids=self.preempted_req_ids,
             finished_req_ids=self.finished_req_ids,

@@ -24,7 +24,7 @@ def compare_step(rec: ev.Step, out: SchedulerOutput, sched: Scheduler, line: int
 
     if not (_same(rec.new, out.new) and _same(rec.resumed, out.resumed)
             and _same(rec.running, out.running, "new_block_ids")):
-        _compare_scheduled(rec, out, d, grouped=hasattr(sched.kv, "groups"))
+        _compare_scheduled(rec, out, d, grouped=sched.kv_groups)
     if rec.preempted or out.preempted_req_ids:
         for req in sorted(set(rec.preempted) ^ out.preempted_req_ids):
             d(req, "preempted", req in rec.preempted, req in out.preempted_req_ids,
@@ -56,7 +56,8 @@ def _same(recorded: list, expected: list, blocks: str = "block_ids") -> bool:
     for s, e in zip(recorded, expected):
         if (s.req != e.req_id or s.num_computed_tokens != e.num_computed_tokens
                 or s.num_scheduled_tokens != e.num_scheduled_tokens
-                or getattr(s, blocks) != e.block_ids or s.more_groups != e.more_groups):
+                or getattr(s, blocks) != e.block_ids
+                or (s.more_groups is not e.more_groups and s.more_groups != e.more_groups)):
             return False
     return True
 
@@ -113,7 +114,7 @@ def compare_states(step: int, states: list[ev.RequestState], sched: Scheduler,
     divs = []
     live, tables = sched.requests, sched.kv.req_to_ids
     # Several KV-cache groups: the other groups' tables too.
-    more = sched.kv.more_ids if getattr(sched.kv, "groups", None) else None
+    more = sched.kv.more_ids if sched.kv_groups else None
     for s in states:
         r = live.get(s.req) or extra.get(s.req)
         if r is None:
@@ -344,7 +345,7 @@ def step_invariants(rec: ev.Step, cfg: ev.SchedulerConfig, prev_preemptions: dic
     spec = rec.spec
     null_block = False
     for s in rec.states:
-        if _holds_null(s.block_ids, s.more_groups, windowed):
+        if (0 in s.block_ids or s.more_groups) and _holds_null(s.block_ids, s.more_groups, windowed):
             null_block = True
         if s.req in sched:
             need = -(-min(s.num_computed_tokens, max_len) // block_size)
@@ -377,9 +378,13 @@ def step_invariants(rec: ev.Step, cfg: ev.SchedulerConfig, prev_preemptions: dic
             prev_preemptions[s.req] = s.num_preemptions
     # Ids past the pool are refused by the reader; handing out the null block 0 is an
     # engine bug.
-    if (null_block or any(_holds_null(s.block_ids, s.more_groups, windowed) for s in rec.new)
-            or any(_holds_null(s.block_ids, s.more_groups, windowed) for s in rec.resumed)
-            or any(_holds_null(s.new_block_ids, s.more_groups, ()) for s in rec.running)):
+    if (null_block
+            or any((0 in s.block_ids or s.more_groups)
+                   and _holds_null(s.block_ids, s.more_groups, windowed) for s in rec.new)
+            or any((0 in s.block_ids or s.more_groups)
+                   and _holds_null(s.block_ids, s.more_groups, windowed) for s in rec.resumed)
+            or any((0 in s.new_block_ids or s.more_groups)
+                   and _holds_null(s.new_block_ids, s.more_groups, ()) for s in rec.running)):
         d(None, "block_ids", 0, f"1..{cfg.num_blocks - 1}", "4.5: block 0 is the null block", "block")
     _loads_cover_hits(rec, reads_no_cache, d)
     return divs
