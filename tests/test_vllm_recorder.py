@@ -270,14 +270,15 @@ def _refused_by_both(capsys, out, problem: str) -> None:
         assert f"{out}:1: {problem}" in err
 
 
-def test_a_sliding_window_model_is_recorded_and_refused_by_replay_naming_its_kind(tmp_path, capsys):
-    """A model outside the baseline profile: a tiny random Mistral whose layers
-    all use a 64-token sliding window, so vLLM runs one KV-cache group of kind
-    SlidingWindowSpec (blocks that leave the window are freed). The recording
-    says so in its header, and replay refuses it with exit 2 and one line
-    naming the kind, through the reference and through vLLM's scheduler alike,
-    instead of replaying it as full attention into false divergences (the
-    preemption workload gave 2,641 of them before the refusal)."""
+def test_a_sliding_window_mistral_is_recorded_and_replays_clean(tmp_path):
+    """A tiny random Mistral whose layers all use a 64-token sliding window:
+    vLLM runs one KV-cache group of kind SlidingWindowSpec (blocks that leave
+    the window are given back as the null block). The recording says so in its
+    header, and under KV pressure it replays with no divergence through the
+    reference and through vLLM's scheduler alike (replayed as full attention,
+    the preemption workload gave 2,641 false divergences)."""
+    from _recording import replays_clean_through_both
+
     import torch
     from transformers import MistralConfig, MistralForCausalLM
 
@@ -291,8 +292,30 @@ def test_a_sliding_window_model_is_recorded_and_refused_by_replay_naming_its_kin
     record_vllm_offline(str(model), out, "preemption")
     r, evs = read_all(out)
     assert r.header.features.kv_cache_group_kinds == ["SlidingWindowSpec"]
+    assert r.header.features.kv_cache_groups[0].sliding_window == 64
     assert evs[-1].status == "complete" and any(e.kind == "step" for e in evs)
-    _refused_by_both(capsys, out, "a KV-cache group of kind 'SlidingWindowSpec', not full attention")
+    assert any(e.preempted for e in evs if e.kind == "step")
+    assert any(0 in st.block_ids for e in evs if e.kind == "step" for st in e.states)
+    replays_clean_through_both(out, tmp_path)
+
+
+def test_a_linear_attention_hybrid_is_recorded_and_refused_by_replay_naming_it(tmp_path, capsys):
+    """A tiny random Qwen3-Next (three linear-attention layers, whose state
+    vLLM keeps in Mamba KV-cache groups, and a full-attention layer): the
+    recording says so in its header, and replay refuses it with exit 2 and one
+    line, through the reference and through vLLM's scheduler alike, instead of
+    replaying it into false divergences."""
+    from kvtrace.record.vllm.tiny_model import ensure_tiny_model
+
+    model = ensure_tiny_model(tmp_path / "tiny-qwen3-next", size="qwen3-next")
+    out = tmp_path / "q3n.jsonl.gz"
+    record_vllm_offline(model, out, "prefix", max_model_len=1024, max_num_batched_tokens=1024,
+                        num_gpu_blocks_override=None)
+    r, evs = read_all(out)
+    assert r.header.features.has_mamba_layers is True
+    assert "MambaSpec" in r.header.features.kv_cache_group_kinds
+    assert evs[-1].status == "complete" and any(e.kind == "step" for e in evs)
+    _refused_by_both(capsys, out, "Mamba layers is on (has_mamba_layers=True)")
 
 
 def test_an_engine_that_takes_prompt_embeddings_and_gets_token_ids_replays_clean(tmp_path):

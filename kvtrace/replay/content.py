@@ -344,8 +344,9 @@ class ContentCheck:
             before = self.kv.num_tokens(req) if st is not None or num_drafts else 0
             keep = len(tokens) if st is None else max(0, st.num_tokens - before)
             if keep:
-                for name in self._names(req):
-                    self.kv.append_tokens(name, tokens[:keep])
+                self.kv.append_tokens(req, tokens[:keep])
+                for g in self.more_groups:
+                    self.kv.append_tokens(req + _GROUP + str(g), tokens[:keep])
             # The step wrote the KV of its drafts; the sampled tokens are the drafts
             # accepted and one more (SD1), so the accepted ones hold the request's own
             # tokens: those of them it keeps (a stop may cut the sampled tokens short).

