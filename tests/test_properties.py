@@ -168,7 +168,8 @@ def test_random_workloads_replay_clean(tmp_path_factory, wl):
     rec = record_workload(wl, path)
     result = _replay(path)
     assert result.stopped is None
-    if _only_the_stall(rec, result.divergences):
+    # The stall may come with the failed-load bug's own face, at an earlier step.
+    if _only_the_stall(rec, [d for d in result.divergences if not _failed_load_face(wl, path, d)]):
         return
     assert not rec.stalled, f"the engine stalled, and replay did not flag it\n{wl}"
     assert result.truncation is None

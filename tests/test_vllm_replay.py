@@ -481,7 +481,9 @@ def test_the_watermark_the_recording_names_is_the_replay_s_too(tmp_path):
      r"speculative decoding \(num_speculative_tokens=2\) by multi-module MTP is on"),
     ({"pipeline_parallel_size": 2}, "pipeline parallelism is on"),
     ({"num_kv_cache_groups": 2}, "2 KV-cache groups"),
-    ({"kv_cache_group_kinds": ["SlidingWindowSpec"]}, "kind 'SlidingWindowSpec', not full attention"),
+    ({"kv_cache_group_kinds": ["SlidingWindowSpec"]},
+     r"a sliding-window KV-cache group, and the trace does not list its spec \(kv_cache_groups\)"),
+    ({"kv_cache_group_kinds": ["MambaSpec"]}, "kind 'MambaSpec', not full or sliding-window attention"),
     # A size of true is not 1 (True == 1 in Python): the same type checks as the reference's replay.
     ({"decode_context_parallel_size": True},
      "field 'features.decode_context_parallel_size': expected an integer or null, got a boolean"),
