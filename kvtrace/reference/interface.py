@@ -74,6 +74,13 @@ class ModelOutput:
     sending_order: tuple[str, ...] = ()
 
 
+def in_order(ids: set[str], order: tuple[str, ...]) -> list[str]:
+    """``ids`` in the engine's order (one of ModelOutput's orders) where it names
+    them, the rest sorted."""
+    known = [x for x in order if x in ids]
+    return known + sorted(ids.difference(known))
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """One ``EngineCoreOutput``."""

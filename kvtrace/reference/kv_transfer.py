@@ -5,14 +5,8 @@ scheduling (semantics doc 3, 7; S:2759-2801, S:3123-3356)."""
 
 from __future__ import annotations
 
-from .interface import ModelOutput, SchedulerAssertion
+from .interface import ModelOutput, SchedulerAssertion, in_order
 from .request import Request, Status
-
-
-def _in_order(ids: set[str], order: tuple[str, ...]) -> list[str]:
-    """``ids`` in the engine's order where it is known, else sorted."""
-    known = [x for x in order if x in ids]
-    return known + sorted(ids.difference(known))
 
 
 class KVTransfer:
@@ -62,7 +56,7 @@ class KVTransfer:
         sets in its own process's order, which frees the blocks of the finished
         requests among them in that order: the order the trace lists them in
         (sorted in traces recorded before it kept vLLM's order)."""
-        for req_id in (_in_order(model.finished_recving, model.recving_order)
+        for req_id in (in_order(model.finished_recving, model.recving_order)
                        if model.finished_recving else ()):
             r = self.requests[req_id]
             if r.status == Status.WAITING_FOR_REMOTE_KVS:
@@ -70,7 +64,7 @@ class KVTransfer:
             else:
                 self._free_blocks(r, "S:3230 a finished load for a request that neither waits "
                                      "for it nor has finished")
-        for req_id in (_in_order(model.finished_sending, model.sending_order)
+        for req_id in (in_order(model.finished_sending, model.sending_order)
                        if model.finished_sending else ()):
             self._free_blocks(self.requests[req_id], "S:2747 a finished send for a request "
                                                      "that has not finished")

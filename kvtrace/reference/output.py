@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .interface import ModelOutput, RequestOutput
+from .interface import ModelOutput, RequestOutput, in_order
 from .request import FINISH_REASONS, Request, Status, check_stop
 
 
@@ -120,7 +120,5 @@ class Outputs:
             errors |= failed
         if not errors:
             return []
-        known = [r for r in order if r in errors]
-        ordered = known + sorted(errors.difference(known))
         return [RequestOutput(r.request_id, [], FINISH_REASONS[r.status])
-                for r in self.finish_requests(ordered, Status.FINISHED_ERROR)]
+                for r in self.finish_requests(in_order(errors, order), Status.FINISHED_ERROR)]
