@@ -19,6 +19,7 @@ from kvtrace.record import writer_process
 from kvtrace.record import detached
 from kvtrace.record.capture import RawOutput, RawStep, RunningColumns, Sampled, Scheduled, Snapshot
 from kvtrace.record.records import BlockTables
+from kvtrace.record.ring import Ring, memory_file
 from kvtrace.record.sink import ProcessSink, TraceSink
 from kvtrace.trace.events import (
     Abort,
@@ -167,15 +168,15 @@ def test_a_quiet_engine_leaves_its_events_on_disk(tmp_path):
 
 
 def test_a_stalled_writer_process_never_blocks_the_engine(tmp_path):
-    """With the writer process stopped, ``put`` still returns at once: lines wait
-    in the engine's process, at most ``maxsize`` events, and the rest are counted
-    as dropped. Once the writer runs again, the trace holds every event kept and
+    """With the writer process stopped, ``put`` still returns at once: once the
+    ring is full, lines wait in the engine's process, at most ``maxsize`` events,
+    and the rest are counted as dropped. Once the writer runs again, the trace holds every event kept and
     says how many were dropped."""
     import signal
     import threading
 
     path = tmp_path / "stalled.jsonl"
-    s = ProcessSink(path, header(), maxsize=50)
+    s = ProcessSink(path, header(), maxsize=50, ring_size=256 << 10)
     os.kill(s._proc.pid, signal.SIGSTOP)
     try:
         big = [f"request-{i:06d}" for i in range(2000)]   # about 34 kB per event
@@ -198,20 +199,19 @@ def test_a_stalled_writer_process_never_blocks_the_engine(tmp_path):
 
 
 def test_an_event_that_cannot_be_encoded_ends_the_trace_whole(tmp_path):
-    """An error in put after the socket took part of a line: the rest of the
-    waiting lines still go before the end line, so the trace ends with its end
-    record (recorder-error, naming the problem), not with half a line."""
+    """An error in put while lines wait for room in the ring: they still go
+    before the end line, so the trace ends with its end record (recorder-error,
+    naming the problem), and keeps every event put before the error."""
     import signal
 
     path = tmp_path / "enc.jsonl"
-    s = ProcessSink(path, header())
+    s = ProcessSink(path, header(), ring_size=256 << 10)
     os.kill(s._proc.pid, signal.SIGSTOP)
     try:
         big = [f"request-{i:06d}" for i in range(2000)]
-        for _ in range(30):                   # more than the socket holds: lines wait
+        for _ in range(30):                   # more than the ring holds: lines wait
             s.put(Abort(seq=0, reqs=big))
             time.sleep(0.01)
-        s._sent_at = 0.0
         s.put(object())                       # not a trace event: cannot be encoded
         assert s.write_error and "TypeError" in s.write_error and s._out
     finally:
@@ -242,9 +242,10 @@ def test_a_failing_disk_ends_the_trace_with_recorder_error(tmp_path, monkeypatch
     lines = [orjson.dumps(to_json(header()))]
     lines += [encode(Abort(seq=0, reqs=[f"r{i}"])) for i in range(5)]
     lines.append(orjson.dumps(["end", "complete", None, 0]))
-    os.write(w_fd, b"\n".join(lines) + b"\n")
-    os.close(w_fd)
-    assert writer_process.serve(r_fd, str(path), open_trace_file(path)) == 1
+    ring_fd = memory_file(1 << 16)
+    assert Ring(ring_fd, 1 << 16).offer(b"\n".join(lines) + b"\n")
+    os.close(w_fd)   # the engine's process is gone: the writer reads the ring to its end
+    assert writer_process.serve(r_fd, str(path), open_trace_file(path), ring_fd) == 1
     evs = list(TraceReader(path))
     assert [e.kind for e in evs] == ["abort", "abort", "end"]
     assert evs[-1].status == "recorder-error" and "No space left" in evs[-1].error
@@ -334,14 +335,15 @@ def test_a_dead_writer_never_raises_sigpipe_in_the_engine(tmp_path):
         s = ProcessSink({str(tmp_path / "t.jsonl")!r}, header())
         s._proc.kill(); s._proc.wait()
         feed(s)
-        time.sleep(0.3)
+        time.sleep(1.0)   # the writer thread looks every ALIVE_S
         s.close()
         print("engine alive;", s.write_error)
     """)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
     assert p.returncode == 0, p.stderr
-    assert "engine alive; writing the trace failed: BrokenPipeError" in p.stdout
+    assert "engine alive; writing the trace failed: WriterProcessError: the trace writer " \
+        "process has ended" in p.stdout
 
 
 def test_without_a_writer_process_the_trace_is_written_from_a_thread(tmp_path, monkeypatch, caplog):
@@ -394,24 +396,42 @@ def _killed_after(path, body: str):
 
 
 @pytest.mark.parametrize("flush", [True, False], ids=["flushed", "not-flushed"])
-def test_a_flush_keeps_every_event_when_the_engine_s_process_is_killed(tmp_path, flush):
-    """vLLM's front end kills a failed engine core almost at once. The events
-    put in the last ``SEND_S`` still wait in the engine's process; the recorder
-    flushes them when the scheduler raises, so the trace keeps every event up to
-    the failure and reads as cut off there. Without the flush (the control),
-    the events put just before the kill are lost."""
+def test_every_event_put_survives_a_kill_of_the_engine_s_process(tmp_path, flush):
+    """The engine's process is SIGKILLed right after its last ``put``, with or
+    without the flush the recorder does when the scheduler raises: the events
+    are in the ring in shared memory, so the trace keeps every one of them and
+    reads as cut off after the last."""
     r, evs = _killed_after(tmp_path / "t.jsonl", f"""
-        import os, signal
         from test_record_sink import feed, header
         from kvtrace.record.sink import ProcessSink
         s = ProcessSink(PATH, header())
-        s.SEND_S = 3600.0        # nothing is sent on its own while the events are put
         feed(s)
         if {flush!r}:
             s.flush()
     """)
     assert r.end is None and "no 'end' record" in r.truncation
-    assert len(evs) == (8 if flush else 0), [e.kind for e in evs]
+    assert len(evs) == 8, [e.kind for e in evs]
+
+
+def test_events_waiting_outside_a_full_ring_are_lost_to_a_kill_unless_flushed(tmp_path):
+    """The control: with the writer process stopped and the ring full, lines
+    wait in the engine's process; a kill loses them, and the trace still reads
+    as cut off after the last event that reached the ring."""
+    r, evs = _killed_after(tmp_path / "t.jsonl", """
+        import os, signal, time
+        from test_record_sink import header
+        from kvtrace.record.sink import ProcessSink
+        from kvtrace.trace.events import Abort
+        s = ProcessSink(PATH, header(), ring_size=256 << 10)
+        os.kill(s._proc.pid, signal.SIGSTOP)
+        big = [f"request-{i:06d}" for i in range(2000)]   # about 34 kB per event
+        for i in range(10):
+            s.put(Abort(seq=0, reqs=big + [str(i)]))
+        assert len(s._out) == 3, len(s._out)
+        os.system(f"kill -CONT {s._proc.pid}")
+    """)
+    assert r.end is None and "no 'end' record" in r.truncation
+    assert [e.reqs[-1] for e in evs] == [str(i) for i in range(7)]
 
 
 @pytest.mark.parametrize("after", ["nothing", "an-arrival", "not-settled", "a-failure"])
@@ -420,31 +440,26 @@ def test_an_engine_killed_while_it_holds_no_request_leaves_a_whole_trace(tmp_pat
     (shutdown timeout 0), often before the engine core's shutdown closes the
     trace. Killed after the recorder said that the engine held no request,
     and with nothing recorded since, the engine left nothing out: the writer
-    process ends the trace ``complete``. An event recorded after that goes to
-    the writer process at once, and the trace reads as cut off after it; so
-    does a trace whose engine never settled, and one whose recorder failed
-    after it settled, losing what came next (the controls)."""
+    process ends the trace ``complete``. An event recorded after that follows
+    in the ring, and the trace reads as cut off after it; so does a trace
+    whose engine never settled, and one whose recorder failed after it
+    settled, losing what came next (the controls)."""
     r, evs = _killed_after(tmp_path / "t.jsonl", f"""
         import time
         from test_record_sink import feed, header
         from kvtrace.record.sink import ProcessSink
         from kvtrace.trace.events import Arrival
         s = ProcessSink(PATH, header())
-        s.SEND_S = 3600.0        # nothing is sent on its own while the events are put
         feed(s)
         if {after!r} != "not-settled":
             s.settled()
-            while not s._settled:   # the writer thread has handed everything on
-                time.sleep(0.01)
-        else:
-            s.flush()
+            assert s._settled
         if {after!r} == "an-arrival":
             s.put(Arrival(seq=0, req="c", prompt_token_ids=[6], max_tokens=1, arrival_time=3.0))
         if {after!r} == "a-failure":
             s.put(object())   # not a trace event: the recorder fails, events are lost from here
             assert s.write_error and not s._settled
             s.put(Arrival(seq=0, req="c", prompt_token_ids=[6], max_tokens=1, arrival_time=3.0))
-            time.sleep(0.2)   # nothing the writer thread could still send
     """)
     if after == "nothing":
         assert r.truncation is None and r.end is not None
@@ -456,24 +471,23 @@ def test_an_engine_killed_while_it_holds_no_request_leaves_a_whole_trace(tmp_pat
         assert len(evs) == (9 if after == "an-arrival" else 8)
 
 
-def test_a_stalled_writer_process_is_told_the_engine_settled_only_once_it_has_read_all(tmp_path):
-    """The settled line goes out only into an empty socket, so that the next
-    event's first bytes always reach the writer process without blocking the
-    engine: with the writer process stopped and lines unread, ``settled`` sends
-    nothing and ``put`` still returns at once; once it runs again, it is told."""
+def test_the_engine_is_said_settled_only_after_the_lines_waiting_outside_the_ring(tmp_path):
+    """With the writer process stopped and the ring full, ``settled`` puts
+    nothing in the ring while lines wait outside it, and ``put`` still returns
+    at once; once the writer process runs again, the lines go, then the
+    settled line."""
     import signal
 
     path = tmp_path / "stalled.jsonl"
-    s = ProcessSink(path, header())
+    s = ProcessSink(path, header(), ring_size=256 << 10)
     os.kill(s._proc.pid, signal.SIGSTOP)
     try:
         big = [f"request-{i:06d}" for i in range(2000)]   # about 34 kB per event
-        for _ in range(3):
+        for _ in range(10):
             s.put(Abort(seq=0, reqs=big))
-        s.flush()   # into the socket, which holds them unread
-        assert not s._out
+        assert s._out
         s.settled()
-        time.sleep(0.5)   # ten polls of the writer thread
+        time.sleep(0.2)   # twenty polls of the writer thread
         assert s._settling and not s._settled
         t0 = time.monotonic()
         s.put(Arrival(seq=0, req="c", prompt_token_ids=[6], max_tokens=1, arrival_time=3.0))
@@ -486,26 +500,21 @@ def test_a_stalled_writer_process_is_told_the_engine_settled_only_once_it_has_re
     while not s._settled and time.monotonic() < deadline:
         time.sleep(0.01)
     assert s._settled and not s._out
-    time.sleep(0.1)
-    assert not s._wake.is_set()   # the writer thread waits again, rather than spin
     s.close()
     evs = list(TraceReader(path))
-    assert [e.kind for e in evs][-2:] == ["arrival", "end"] and len(evs) == 5
+    assert [e.kind for e in evs][-2:] == ["arrival", "end"] and len(evs) == 12
 
 
 def test_a_line_cut_after_the_engine_settled_leaves_the_trace_cut(tmp_path):
-    """The engine settled, then died in the middle of sending a line: the trace
-    is not whole, and reads as cut off after its last whole event."""
+    """The engine settled, then died with half a line in the ring: the trace is
+    not whole, and reads as cut off after its last whole event."""
     path = tmp_path / "t.jsonl"
     s = ProcessSink(path, header())
     feed(s)
     s.settled()
-    deadline = time.monotonic() + 10
-    while not s._settled and time.monotonic() < deadline:
-        time.sleep(0.01)
     assert s._settled
-    s.write_error = "the engine is gone"   # nothing more is sent by the sink itself
-    s._sock.sendall(b'{"kind":"arrival","req":"c"')   # half a line, then the connection ends
+    s.write_error = "the engine is gone"   # nothing more is put by the sink itself
+    assert s._ring.offer(b'{"kind":"arrival","req":"c"')   # half a line, then the connection ends
     s._sock.shutdown(socket.SHUT_WR)
     assert s._proc.wait(10) == 0
     s.close()

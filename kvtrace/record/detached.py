@@ -37,10 +37,10 @@ class Detached:
         self.returncode: int | None = None
 
     @classmethod
-    def start(cls, argv: list[str], theirs: socket.socket, raw: int,
+    def start(cls, argv: list[str], theirs: socket.socket, fds: tuple[int, ...],
               sock: socket.socket) -> "Detached":
         launcher = subprocess.Popen(argv, stdin=theirs.fileno(), stdout=subprocess.PIPE,
-                                    pass_fds=(raw,), close_fds=True, env=child_env(),
+                                    pass_fds=fds, close_fds=True, env=child_env(),
                                     start_new_session=True)
         return cls(launcher, sock)
 
@@ -73,6 +73,18 @@ class Detached:
             if said.endswith(b"\n"):
                 self.returncode = int(said)
         return self.returncode
+
+    def ended(self) -> bool:
+        """Whether the writer has ended, with a word or without (killed)."""
+        if self.returncode is not None:
+            return True
+        try:
+            said = self._sock.recv(64, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+        return not said or said.endswith(b"\n")
 
     def kill(self) -> None:
         if self.pid is not None and self.poll() is None:

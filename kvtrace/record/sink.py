@@ -9,14 +9,14 @@ Data flow, one way::
 ``put`` never blocks and never raises. Two sinks split the work differently:
 
 * ``ProcessSink`` (the default): ``put`` reads, on the engine's thread, the block
-  ids that only the engine's process can read, and encodes the event as one JSON
-  line. At most every ``ProcessSink.SEND_S`` the lines that have piled up go,
-  without blocking, through a socket pair to ``python -m
-  kvtrace.record.writer_process``. That process builds the schema's records,
-  serializes, compresses and writes the file, outside the engine's GIL. A trace
-  is finished properly even when the engine dies without shutting down: the
-  writer process sees the connection close and ends the file where the events
-  end. A writer thread sends lines left waiting when the engine goes quiet.
+  ids that only the engine's process can read, encodes the event as one JSON
+  line and copies it into a ring in shared memory (``ring``), which ``python -m
+  kvtrace.record.writer_process`` drains. That process builds the schema's
+  records, serializes, compresses and writes the file, outside the engine's
+  GIL. An event is safe once ``put`` returns: when the engine dies without
+  shutting down (SIGKILL, ``os._exit``, a crash in native code), the writer
+  process sees the connection close, reads what is left in the ring and ends
+  the file after the last event.
 * ``TraceSink``: ``put`` appends to a deque, and a writer thread in the engine's
   process does all the rest (``KVTRACE_WRITER=thread``, or when the writer
   process cannot be started).
@@ -38,13 +38,11 @@ records. The writer process is started outside the engine's process tree
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import socket
 import subprocess
 import sys
-import termios
 import threading
 import time
 import weakref
@@ -57,6 +55,7 @@ import orjson
 
 from kvtrace.record.detached import Detached, hold_lock
 from kvtrace.record.records import Records, Resolver
+from kvtrace.record.ring import DEFAULT_SIZE, Ring, memory_file
 from kvtrace.trace.events import Header, plain_values, to_json
 from kvtrace.trace.io import JSON_LINE, TraceWriter, open_trace_file
 from kvtrace.workers.child import above_stdio
@@ -65,12 +64,10 @@ logger = logging.getLogger("kvtrace.record")
 # One line of the hand-over: an event, or a raw step or output (tuples of the
 # engine's values, numpy integers among them).
 _encode = msgspec.json.Encoder(enc_hook=plain_values).encode
-# Bytes a socket holds that its reader has not read (Linux: SIOCOUTQ). None
-# where termios lacks it: the recorder then never says the engine settled.
-_TIOCOUTQ = getattr(termios, "TIOCOUTQ", None)
 
 ENV_QUEUE = "KVTRACE_QUEUE_SIZE"
 ENV_WRITER = "KVTRACE_WRITER"       # "process" (default) or "thread"
+ENV_RING = "KVTRACE_RING_BYTES"     # the shared-memory ring's size (ProcessSink)
 DEFAULT_QUEUE_SIZE = 1 << 16
 FLUSH_IDLE_S = 0.25  # flush after this long without events
 
@@ -225,57 +222,60 @@ class TraceSink(_Sink):
 class ProcessSink(_Sink):
     """Resolve and encode on the engine's thread, write in a writer process.
 
-    ``put`` reads the block ids that only the engine's process can read and
+    ``put`` reads the block ids that only the engine's process can read,
     encodes the event as one JSON line (together about as much work as handing
-    it to a thread, without the GIL hand-offs a thread costs the engine). At
-    most every ``SEND_S`` it hands the lines that have piled up to a socket pair,
-    without blocking: what the socket does not take waits for the next send. At
-    most ``maxsize`` events wait; more are dropped and counted. The writer
-    thread only sends lines left waiting when the engine goes quiet, and the end.
+    it to a thread, without the GIL hand-offs a thread costs the engine), and
+    copies the line into a ring in shared memory (``kvtrace.record.ring``).
+    Nothing is sent, and nothing waits in the engine's memory: once ``put``
+    returns, the event survives the engine's process, whether it then exits,
+    is SIGKILLed, calls ``os._exit`` or crashes in native code. Only when the
+    ring is full (the writer process is far behind) do lines wait here, at most
+    ``maxsize`` events; more are dropped and counted. The writer thread moves
+    waiting lines into the ring as it empties.
 
-    ``python -m kvtrace.record.writer_process`` reads the lines, builds the
-    schema's records, serializes, compresses and writes the file, outside the
-    engine's GIL. The trace file is opened here, so that a path that cannot be
-    written fails at once, in the engine's process; the writer process inherits
-    the open file. The first line it reads is the header, the last ``["end",
-    status, error, dropped]``. Should the connection close without that line
-    (the engine died), it ends the file after the last event it received, with
-    no end record.
+    ``python -m kvtrace.record.writer_process`` maps the ring, reads it every
+    ``writer_process.RING_POLL_S``, builds the schema's records, serializes,
+    compresses and writes the file, outside the engine's GIL. The first line in
+    the ring is the header, the last ``["end", status, error, dropped]``. A
+    socket pair joins the two processes only so that the writer process knows
+    when the engine's process is gone: then it reads what is left in the ring
+    and, without an end line, ends the file after the last event, where it
+    reads as cut off. The trace file is opened here, so that a path that cannot
+    be written fails at once, in the engine's process; the writer process
+    inherits the open file and the ring's memory file.
 
-    The socket pair is written with MSG_NOSIGNAL: a writer process that died
-    makes a send fail, never raises SIGPIPE in the engine. The writer process
-    runs in its own session, so that a Ctrl-C or a signal to the engine's
-    process group does not cut the trace short; it ends when the connection
-    closes. It is detached from the engine's process tree (``Detached``):
-    vLLM's shutdown SIGKILLs every descendant of an engine core that has not
-    exited at once, and a writer killed there would lose its last events and
-    the end record. A process forked from the engine (without exec) closes its
-    copy of the connection, so that it cannot keep the writer waiting.
+    The writer process runs in its own session, so that a Ctrl-C or a signal to
+    the engine's process group does not cut the trace short; it ends when the
+    connection closes. It is detached from the engine's process tree
+    (``Detached``): vLLM's shutdown SIGKILLs every descendant of an engine core
+    that has not exited at once, and a writer killed there would lose its last
+    events and the end record. A process forked from the engine (without exec)
+    closes its copy of the connection, so that it cannot keep the writer
+    waiting, and records nothing.
 
-    ``settled`` (the engine holds no request) hands every waiting line on and,
-    once the writer process has read them all, sends ``["settled", dropped]``.
-    The socket then holds that line only, so the first event put after it
-    goes into the socket, at least its first bytes, before ``put`` returns,
-    without blocking. So when the connection closes right after that line,
-    the engine's process was killed with every event it recorded handed on
-    and no request in it, and the writer process ends the trace ``complete``:
-    vLLM's API server, stopped with Ctrl-C, SIGKILLs its engine core at once
-    (its shutdown timeout is 0), and an idle engine core killed so has left
-    nothing out of its trace. Should the recorder fail after it said so
-    (``unsettle``, or an error here), ``["unsettled"]`` follows, and a kill
-    then leaves a trace that reads as cut off."""
+    ``settled`` (the engine holds no request) puts ``["settled", dropped]`` in
+    the ring after every event. When the engine's process is killed with that
+    line last, it had recorded everything it did and held no request, and the
+    writer process ends the trace ``complete``: vLLM's API server, stopped with
+    Ctrl-C, SIGKILLs its engine core at once (its shutdown timeout is 0), and an
+    idle engine core killed so has left nothing out of its trace. An event put
+    later follows the line and so undoes it; should an event have to wait
+    outside the ring after it, or the recorder fail, ``["unsettled"]`` follows
+    (the ring keeps room for it), and a kill then leaves a trace that reads as
+    cut off."""
 
-    SEND_S = 0.05   # each send wakes the writer process: a few per second is enough
-    SEND_MAX = 1 << 20   # bytes offered to the socket at once
-    POLL_S = 0.05
-    SETTLE_POLL_S = 0.002   # while the writer process reads the last lines before "settled"
+    POLL_S = 0.01   # the writer thread: how often it moves waiting lines into the ring
+    KEEP = 64       # bytes an event leaves free in the ring, for the control lines
+    FLUSH_WAIT_S = 5.0   # flush: how long it waits for room in the ring
+    ALIVE_S = 0.5   # the writer thread: how often it looks whether the writer process lives
 
-    def __init__(self, path: str | os.PathLike, header: Header, maxsize: int | None = None):
+    def __init__(self, path: str | os.PathLike, header: Header, maxsize: int | None = None,
+                 ring_size: int | None = None):
         super().__init__(path, maxsize)
-        self._out: deque[bytes] = deque()  # encoded events the socket has not taken yet
-        self._sent_at = time.monotonic()
-        self._settling = False   # settled() was called, and nothing put since
-        self._settled = False    # the writer process was told: a put must reach it at once
+        self._out: deque[bytes] = deque()  # encoded events waiting for room in the ring
+        self._settling = False   # settled() was called while lines waited
+        self._settled = False    # the ring's last line says the engine settled
+        size = int(ring_size or os.environ.get(ENV_RING, 0) or DEFAULT_SIZE)
         raw = open_trace_file(self.path)  # may raise: caller handles it
         if raw < 3:  # never where the writer process's stdin/stdout/stderr go
             raw, low = above_stdio(raw), raw
@@ -284,29 +284,32 @@ class ProcessSink(_Sink):
         # which the writer inherits, so the file is never unlocked before the
         # writer has finished it, however early wait_for_writers looks.
         hold_lock(raw)
+        try:
+            memfd = above_stdio(memory_file(size))
+            self._ring = Ring(memfd, size)
+        except BaseException as e:
+            os.close(raw)
+            raise WriterProcessError(f"the ring in shared memory: {type(e).__name__}: {e}") from e
+        self._ring.offer(orjson.dumps(to_json(header), option=orjson.OPT_APPEND_NEWLINE))
         mine, theirs = socket.socketpair()
         try:
             if not sys.executable:
                 raise WriterProcessError("this Python does not know its own executable")
             self._proc = Detached.start(
                 [sys.executable, "-m", "kvtrace.record.writer_process", "--detach",
-                 str(self.path), str(raw)], theirs, raw, mine)
+                 str(self.path), str(raw), str(memfd)], theirs, (raw, memfd), mine)
         except BaseException as e:
             mine.close()
+            self._ring.close()
             if isinstance(e, (OSError, ValueError)):
                 raise WriterProcessError(f"{type(e).__name__}: {e}") from e
             raise
         finally:
             os.close(raw)
+            os.close(memfd)
             theirs.close()
         self._sock = mine
         _OPEN.add(self)
-        try:
-            self._sock.sendall(orjson.dumps(to_json(header), option=orjson.OPT_APPEND_NEWLINE),
-                               socket.MSG_NOSIGNAL)
-        except BaseException:
-            self._hang_up()
-            raise
         self._thread.start()
 
     def put(self, ev: Any) -> None:
@@ -319,38 +322,53 @@ class ProcessSink(_Sink):
             try:
                 lines: list = []
                 self._resolve(ev, lines)
-                self._out.append(b"".join([_encode(x) + b"\n" for x in lines]))
-                self._settling = False
-                if self._settled or time.monotonic() - self._sent_at >= self.SEND_S:
-                    # Settled: the socket was empty but for that line, and takes at
-                    # least the start of this one, which the writer process sees.
-                    self._settled = False
-                    self._send_waiting()
-            except Exception as e:  # a dead writer process ...
+                chunk = b"".join([_encode(x) + b"\n" for x in lines])
+                if self._out or not self._ring.offer(chunk, self.KEEP):
+                    self._out.append(chunk)
+                    self._unsettle()   # this event is not in the ring yet
+                self._settled = False  # (when it is, it follows the settled line)
+            except Exception as e:  # an event that cannot be encoded ...
                 self._failed(e)
+
+    def _move_waiting(self, keep: int) -> None:
+        """(The lock held.) Move waiting lines into the ring while they fit."""
+        out, ring = self._out, self._ring
+        while out and ring.offer(out[0], keep):
+            out.popleft()
 
     def flush(self) -> None:
-        """The engine is failing: hand every waiting line to the writer process
-        now, blocking until the socket takes them. vLLM's front end kills an
-        engine core that does not exit at once after a failure, and lines left
-        here, up to ``SEND_S`` of the last events, would be lost with it."""
-        with self._lock:
-            if self.closed or self.write_error is not None or not self._out:
+        """The engine is failing: move every waiting line into the ring now,
+        waiting for room a few seconds at most. vLLM's front end kills an
+        engine core that does not exit at once after a failure."""
+        deadline = time.monotonic() + self.FLUSH_WAIT_S
+        while True:
+            with self._lock:
+                if self.closed or self.write_error is not None:
+                    return
+                self._move_waiting(0)
+                if not self._out or self._proc.ended():
+                    return
+            if time.monotonic() > deadline:
                 return
-            try:
-                self._sock.sendall(b"".join(self._out), socket.MSG_NOSIGNAL)
-                self._out.clear()
-                self._sent_at = time.monotonic()
-            except Exception as e:   # a dead writer process
-                self._failed(e)
+            time.sleep(0.001)
 
     def settled(self) -> None:
-        """The engine holds no request: the writer thread hands on what waits,
-        then says so to the writer process, unless an event comes first."""
+        """The engine holds no request: say so after every event so far (at
+        once, unless lines wait for room; then the writer thread does)."""
         with self._lock:
-            if not self.closed and self.write_error is None and not self._settled:
-                self._settling = True
-                self._wake.set()
+            if self.closed or self.write_error is not None or self._settled:
+                return
+            self._settling = True
+            self._tell_settled()
+
+    def _tell_settled(self) -> None:
+        """(The lock held.) Put the settled line in the ring, once nothing waits."""
+        self._move_waiting(self.KEEP)
+        if self._out:
+            return
+        if self._ring.offer(orjson.dumps(["settled", self.dropped], option=JSON_LINE), 32):
+            self._settling = False
+            self._settled = True
 
     def _failed(self, e: Exception) -> None:
         super()._failed(e)
@@ -361,96 +379,56 @@ class ProcessSink(_Sink):
             self._unsettle()
 
     def _unsettle(self) -> None:
-        """(The lock held, or the sink closed.) Events are lost from here: if the
-        writer process was told the engine settled, tell it that no longer
-        holds, without blocking (the socket held only that line)."""
+        """(The lock held, or the sink closed.) Events are lost, or wait outside
+        the ring, from here: if the ring's last line says the engine settled,
+        undo it (the ring keeps room for this line)."""
         self._settling = False
         if self._settled:
             self._settled = False
-            self._out.append(orjson.dumps(["unsettled"], option=JSON_LINE))
-            try:
-                self._send_waiting()
-            except OSError:
-                pass   # a dead writer process: it ends the trace cut off anyway
-
-    def _tell_settled(self) -> None:
-        """On the writer thread, the lock held: once the writer process has read
-        every line (the socket is empty), send ``["settled", dropped]``.
-        Never blocks: until then the lines wait for the socket, and the line
-        waits for the writer process to catch up, a poll later."""
-        if self._out:
-            self._send_waiting()
-            return
-        try:
-            unread = int.from_bytes(fcntl.ioctl(self._sock.fileno(), _TIOCOUTQ, b"\0" * 4),
-                                    sys.byteorder)
-        except (OSError, TypeError):   # a system that cannot say: never settled
-            self._settling = False
-            return
-        if unread:
-            return
-        self._settling = False
-        self._out.append(orjson.dumps(["settled", self.dropped], option=JSON_LINE))
-        self._send_waiting()   # a few bytes into an empty socket: all taken
-        self._settled = True   # (any part left waits in _out, and goes before the next event)
-
-    def _send_waiting(self) -> None:
-        """Hand the waiting lines to the socket, as many as it takes without
-        blocking (the lock is held)."""
-        self._sent_at = time.monotonic()
-        out = self._out
-        take, size = [], 0
-        for lines in out:   # no more than the socket can take: lines may pile up
-            take.append(lines)
-            size += len(lines)
-            if size >= self.SEND_MAX:
-                break
-        try:
-            n = self._sock.send(b"".join(take), socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
-        except BlockingIOError:
-            return            # the writer process is behind: the lines wait
-        while out and n >= len(out[0]):
-            n -= len(out.popleft())
-        if n:
-            out[0] = out[0][n:]
+            self._ring.offer(orjson.dumps(["unsettled"], option=JSON_LINE))
 
     def _run(self) -> None:
         try:
             self._proc.reap()   # off the engine's thread
         except Exception as e:
             logger.error("kvtrace: starting the trace writer process for %s: %s", self.path, e)
+        looked = time.monotonic()
         while True:
-            # Waiting for the writer process to read the last lines: look again soon.
-            self._wake.wait(self.SETTLE_POLL_S if self._settling and not self._out else self.POLL_S)
+            self._wake.wait(self.POLL_S)
             self._wake.clear()   # what woke it is read under the lock below
             with self._lock:
                 stop = self._stop
-                try:
-                    if stop is None and self._settling and self.write_error is None:
+                if (stop is None and self.write_error is None
+                        and time.monotonic() - looked >= self.ALIVE_S):
+                    looked = time.monotonic()
+                    if self._proc.ended():
+                        self._failed(WriterProcessError("the trace writer process has ended"))
+                if stop is None and self.write_error is None:
+                    if self._settling:
                         self._tell_settled()
-                    elif (stop is None and self._out and self.write_error is None
-                            and time.monotonic() - self._sent_at >= self.SEND_S):
-                        self._send_waiting()
-                except Exception as e:
-                    self._failed(e)
+                    elif self._out:
+                        self._move_waiting(self.KEEP)
             if stop is not None:
                 self._finish(*stop)
                 return
 
     def _finish(self, status: str, error: str | None) -> None:
-        # Closed: nothing is put any more, so the lines left need no lock. They are
-        # sent even after an error in put: the first may be partly sent already,
-        # and the end line must not be glued to half a line.
+        # Closed: nothing is put any more, so the lines left need no lock. They go
+        # even after an error in put, then the end line, as long as the writer
+        # process lives to make room for them.
         status, error = self._end_status(status, error)
-        rest = b"".join(self._out)
-        self._out.clear()
+        end = orjson.dumps(["end", status, error, self.dropped], option=JSON_LINE)
+        deadline = time.monotonic() + 60
         try:
-            if self.write_error is None or self._proc.poll() is None:
-                end = orjson.dumps(["end", status, error, self.dropped], option=JSON_LINE)
-                self._sock.sendall(rest + end, socket.MSG_NOSIGNAL)
-        except Exception as e:   # a dead writer process: reported once
-            if self.write_error is None:
-                self._failed(e)
+            while not self._proc.ended():
+                self._move_waiting(0)
+                if not self._out and self._ring.offer(end):
+                    break
+                if time.monotonic() > deadline:
+                    logger.error("kvtrace: the trace writer process for %s reads nothing; "
+                                 "the trace ends without its last events", self.path)
+                    break
+                time.sleep(0.002)
         finally:
             self._hang_up()
 
@@ -469,6 +447,7 @@ class ProcessSink(_Sink):
             rc = None
         finally:
             self._sock.close()
+            self._ring.close()
         if rc != 0:
             logger.error("kvtrace: the trace writer process for %s %s", self.path,
                          "ended without a word" if rc is None else f"exited with {rc}")

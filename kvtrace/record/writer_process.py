@@ -1,9 +1,10 @@
 """The trace writer process: JSON lines in, a trace file out.
 
 Started by ``kvtrace.record.sink.ProcessSink`` as
-``python -m kvtrace.record.writer_process PATH FD``, with the trace file already
-open as descriptor FD. It reads its standard input, where the engine's process
-sends, one JSON line each:
+``python -m kvtrace.record.writer_process PATH FD RING``, with the trace file
+already open as descriptor FD and the ring's memory file as descriptor RING
+(``kvtrace.record.ring``). It reads the ring every ``RING_POLL_S``, where the
+engine's process puts, one JSON line each:
 
 * first, the header;
 * resolved items: events, ``["step", ...]``, ``["output", ...]`` and
@@ -13,8 +14,11 @@ sends, one JSON line each:
   everything it recorded, and ``["unsettled"]`` if the recorder then fails
   (see ``ProcessSink``).
 
-When nothing has come for ``FLUSH_IDLE_S``, everything so far goes to the file,
-so that an engine killed without a shutdown leaves a readable trace.
+Its standard input is a socket that the engine's process holds open: it
+closes when that process ends, however it ends, and then the writer reads
+what is left in the ring. When nothing has come for ``FLUSH_IDLE_S``,
+everything so far goes to the file, so that an engine killed without a
+shutdown leaves a readable trace.
 
 It ignores SIGINT and SIGTERM: a Ctrl-C or a ``kill`` of the process group must
 not cut the trace short while the engine shuts down and sends its end. With
@@ -22,8 +26,8 @@ not cut the trace short while the engine shuts down and sends its end. With
 to exit, saying the writer's pid: the writer is then no descendant of the
 engine, which vLLM's shutdown may kill with all its descendants; and it says
 its exit status on the connection just before it exits. When the
-pipe closes without an end line (the engine died), the file ends after the last
-event received, without an end record, and reads as cut off; unless the
+connection closes without an end line in the ring (the engine died), the file
+ends after the last event the engine put there, without an end record, and reads as cut off; unless the
 last thing received was a ``settled`` line: then it ends the file as the end
 line would have, ``complete``.
 
@@ -38,11 +42,13 @@ import os
 import select
 import signal
 import sys
+import time
 
 import orjson
 
 from kvtrace.record.detached import hold_lock
 from kvtrace.record.records import Records
+from kvtrace.record.ring import Ring
 from kvtrace.record.sink import FLUSH_IDLE_S, dropped_end
 from kvtrace.trace.events import decode_header
 from kvtrace.trace.io import TraceWriter
@@ -50,38 +56,52 @@ from kvtrace.trace.io import TraceWriter
 
 IDLE = None  # what ``_lines`` yields after FLUSH_IDLE_S without input
 CUT = object()   # what ``_lines`` yields last when the input ends inside a line
+RING_POLL_S = 0.02   # how often the ring is read: the engine sends no wake-ups
 
 
-def _lines(fd: int):
-    """Complete lines read from ``fd`` until it closes; ``IDLE`` once whenever
-    nothing has come for ``FLUSH_IDLE_S``; ``CUT`` at the end when a line was
-    left unfinished."""
+def _lines(fd: int, ring: Ring):
+    """Complete lines read from ``ring`` until the connection ``fd`` closes
+    (then what is left); ``IDLE`` once whenever nothing has come for
+    ``FLUSH_IDLE_S``; ``CUT`` at the end when a line was left unfinished."""
     rest = b""
     poll = select.poll()
     poll.register(fd, select.POLLIN)
+    quiet_since: float | None = time.monotonic()
     while True:
-        if not poll.poll(FLUSH_IDLE_S * 1000):
+        closed = False
+        if poll.poll(RING_POLL_S * 1000):
+            closed = not os.read(fd, 1 << 16)   # nothing comes here but the end
+        chunk = ring.take()
+        if chunk:
+            lines = (rest + chunk).split(b"\n")
+            rest = lines.pop()
+            yield from lines
+            quiet_since = time.monotonic()
+        elif quiet_since is not None and time.monotonic() - quiet_since >= FLUSH_IDLE_S:
+            quiet_since = None
             yield IDLE
-            poll.poll()
-        chunk = os.read(fd, 1 << 20)
-        if not chunk:
+        if closed:
+            chunk = ring.take()   # the engine's process is gone: what it left
+            lines = (rest + chunk).split(b"\n")
+            rest = lines.pop()
+            yield from lines
             if rest:
                 yield CUT
             return
-        lines = (rest + chunk).split(b"\n")
-        rest = lines.pop()
-        yield from lines
 
 
 def _say(msg: str) -> None:
     print(f"kvtrace: {msg}", file=sys.stderr, flush=True)
 
 
-def serve(fd_in: int, path: str, fd_out: int) -> int:
-    """Write the trace ``path`` (open as ``fd_out``) from the lines on ``fd_in``.
-    Returns the exit status: 0 when the file holds everything it was sent."""
+def serve(fd_in: int, path: str, fd_out: int, fd_ring: int) -> int:
+    """Write the trace ``path`` (open as ``fd_out``) from the lines in the ring
+    ``fd_ring``, until the connection ``fd_in`` closes. Returns the exit
+    status: 0 when the file holds everything it was sent."""
     hold_lock(fd_out)   # held already, unless the file came from elsewhere
-    lines = _lines(fd_in)
+    ring = Ring.of_file(fd_ring)
+    os.close(fd_ring)   # the mapping stays
+    lines = _lines(fd_in, ring)
     first = next((line for line in lines if line is not IDLE), None)
     if first is None:
         os.close(fd_out)
@@ -151,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     if detach:
         argv = argv[1:]
         _detach()
-    path, fd = argv[0], int(argv[1])
-    rc = serve(sys.stdin.fileno(), path, fd)
+    path, fd, fd_ring = argv[0], int(argv[1]), int(argv[2])
+    rc = serve(sys.stdin.fileno(), path, fd, fd_ring)
     if detach:   # the engine waits for this line (kvtrace.record.detached.Detached)
         try:
             os.write(sys.stdin.fileno(), b"%d\n" % rc)

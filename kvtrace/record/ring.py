@@ -1,0 +1,104 @@
+"""A one-way byte ring in shared memory, from the engine's process to the trace
+writer process.
+
+The engine's thread copies each encoded event into the ring and moves the
+write position; nothing is sent and nothing waits in the engine's memory. The
+pages belong to a memory file that both processes map, so an event is safe
+the moment ``offer`` returns: when the engine dies by SIGKILL, ``os._exit`` or a
+crash in native code, the writer process still reads it.
+
+Layout: 64 bytes of head, then ``size`` bytes of data. The head holds two
+unsigned 64-bit counters, bytes written and bytes read since the start; the
+data between them is unread. One process writes the first, the other the
+second, each with one aligned 8-byte store, written after the data it covers.
+``offer`` writes all of a chunk or none of it, so the writer never sees half an
+event. The writer reads whole lines; each chunk offered ends with a newline.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import tempfile
+
+import numpy as np
+
+HEAD = 64
+DEFAULT_SIZE = 16 << 20   # bytes: about 10 s of a busy engine's events
+
+
+def memory_file(size: int) -> int:
+    """A file descriptor of ``HEAD + size`` zero bytes that lives in memory only
+    (a memfd; an unlinked file in /dev/shm or the temporary directory where
+    there is none)."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("kvtrace-ring")
+    else:   # pragma: no cover - systems without memfd
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        fd, name = tempfile.mkstemp(prefix="kvtrace-ring-", dir=shm)
+        os.unlink(name)
+    try:
+        os.ftruncate(fd, HEAD + size)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class Ring:
+    """The ring mapped from ``fd`` (its data ``size`` bytes long)."""
+
+    def __init__(self, fd: int, size: int):
+        self.size = size
+        self._mm = mmap.mmap(fd, HEAD + size)
+        self._pos = np.frombuffer(self._mm, dtype=np.uint64, count=2)   # written, read
+        self._data = memoryview(self._mm)[HEAD:]
+
+    @classmethod
+    def of_file(cls, fd: int) -> "Ring":
+        """The ring in the memory file ``fd`` (the writer process's side)."""
+        return cls(fd, os.fstat(fd).st_size - HEAD)
+
+    def free(self) -> int:
+        return self.size - (int(self._pos[0]) - int(self._pos[1]))
+
+    def unread(self) -> int:
+        return int(self._pos[0]) - int(self._pos[1])
+
+    def offer(self, chunk: bytes, keep: int = 0) -> bool:
+        """Write ``chunk`` whole if it fits with ``keep`` bytes still free after
+        it; otherwise write nothing and say so. (The writer side: the engine.)"""
+        n = len(chunk)
+        written = int(self._pos[0])
+        if n + keep > self.size - (written - int(self._pos[1])):
+            return False
+        at = written % self.size
+        first = min(n, self.size - at)
+        self._data[at:at + first] = chunk[:first]
+        if first < n:
+            self._data[:n - first] = chunk[first:]
+        self._pos[0] = written + n
+        return True
+
+    def take(self) -> bytes:
+        """Every byte written and not read yet. (The reader side: the writer
+        process.)"""
+        written, read = int(self._pos[0]), int(self._pos[1])
+        n = written - read
+        if not n:
+            return b""
+        at = read % self.size
+        if at + n <= self.size:
+            chunk = bytes(self._data[at:at + n])
+        else:
+            chunk = bytes(self._data[at:]) + bytes(self._data[:at + n - self.size])
+        self._pos[1] = written
+        return chunk
+
+    def close(self) -> None:
+        self._data.release()
+        del self._pos
+        try:
+            self._mm.close()
+        except BufferError:   # pragma: no cover - a view still held somewhere
+            pass
