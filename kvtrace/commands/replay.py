@@ -103,6 +103,7 @@ def _many(traces: tuple[Path, ...], as_json: bool, device: str | None, jobs: int
 
 def _through_vllm(trace: Path, out: Path | None, as_json: bool, scheduler_cls: str | None) -> int:
     from kvtrace.diff import diff_files
+    from kvtrace.replay.data_path import check_file
     from kvtrace.report import terminal
 
     require_vllm()
@@ -112,9 +113,11 @@ def _through_vllm(trace: Path, out: Path | None, as_json: bool, scheduler_cls: s
         out = Path(tempfile.mkdtemp(prefix="kvtrace-")) / (trace.name.split(".")[0] + ".vllm.jsonl.gz")
     run = replay_through_vllm(trace, out, scheduler_cls)
     result = diff_files(trace, out)
+    data = check_file(trace)   # the KV audit's records: the same checks as the reference's replay
     first = run.summary()["first_difference"]
     if as_json:
-        print_bytes(terminal.rerun_json(result, first))
+        print_bytes(terminal.rerun_json(result, first, data.divergences, data.checked))
     else:
-        terminal.print_rerun(run, out, first, result)
-    return EXIT_DIVERGENT if result.divergences or first is not None else EXIT_OK
+        terminal.print_rerun(run, out, first, result, data.divergences, data.checked)
+    return (EXIT_DIVERGENT if result.divergences or first is not None or data.divergences
+            else EXIT_OK)

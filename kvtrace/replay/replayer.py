@@ -27,6 +27,7 @@ from kvtrace.trace import TraceError, TraceReader, TraceWriter
 from kvtrace.trace import events as ev
 
 from . import checks
+from .data_path import DataPath
 from .connector import RecordedConnector
 from .liveness import ProgressWatch
 from kvtrace.workers import wanted
@@ -51,6 +52,7 @@ class ReplayResult:
     end: ev.End | None = None
     profile: str | None = None        # the version profile the reference followed
     profile_note: str | None = None   # why that one, when the trace's release has none
+    audit: dict | None = None         # what the data-path checks checked (kv_audit records)
 
 
 # ShadowKV's tensors per KV slot (fingerprint, writer, step, position, loaded,
@@ -148,6 +150,7 @@ class Replayer:
                                         session_keeps_sampled=keeps,
                                         windows=header.features.windows())
         self.divergences: list[Divergence] = []
+        self.data_path = DataPath()   # the KV audit's records, checked (rules D1-D3)
         self._kv_placed = 0   # content-check divergences placed in the list so far
         self.steps = 0
         self.stopped: str | None = None
@@ -196,6 +199,8 @@ class Replayer:
             elif kind is ev.Drafts:
                 self.sched.update_draft_token_ids(e.drafts)
                 self._write(ev.Drafts(self._seq(), e.step, e.drafts))
+            elif kind is ev.KVAudit:
+                self.divergences.extend(self.data_path.feed(e, line))
             elif kind is ev.End and e.status == "interrupted":
                 self._next_schedule(e)
         except SchedulerAssertion as a:
@@ -528,6 +533,7 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
     result.steps = rp.steps
     result.truncation = reader.truncation
     result.stopped = rp.stopped
+    result.audit = dict(rp.data_path.checked) or None
     if rp.content:
         result.device = rp.content.device
         result.assumed_loads = rp.content.assumed_loads

@@ -195,13 +195,18 @@ def print_replay(result: Any, path: str, console: Console | None = None,
         console.print(Text(note, style="yellow"))
     _print_divergences(console, divs, max_rows)
     console.print(Text(_replay_summary(divs), style="red" if divs else "green"))
+    line = audit_line(getattr(result, "audit", None))
+    if line:
+        console.print(Text(line))
 
 
 def print_rerun(run: Any, out: str, first: dict | None, result: Any,
+                data_path: list | None = None, audit: dict | None = None,
                 console: Console | None = None) -> None:
     """A trace re-run through vLLM's own scheduler (``run``), the first step
     where it decided otherwise (``first``), and the diff of its decisions
-    with the recording (``result``)."""
+    with the recording (``result``); then the data-path checks of the
+    recording's KV audit (``data_path``, what they checked: ``audit``)."""
     console = console or make_console()
     console.print(f"replayed through {run.scheduler_cls} (vLLM {run.vllm_version}): "
                   f"{run.steps} steps in {run.seconds:.2f} s; its decisions are in {out}")
@@ -219,12 +224,40 @@ def print_rerun(run: Any, out: str, first: dict | None, result: Any,
     else:
         console.print("every step: the same decisions as recorded", style="green")
     print_diff(result, console)
+    _print_audit(console, data_path or [], audit)
 
 
-def rerun_json(result: Any, first: dict | None) -> bytes:
+def _print_audit(console: Console, divs: list, audit: dict | None) -> None:
+    """The data-path checks' divergences, when they were not in the replay's
+    own list, and the line on what they checked."""
+    line = audit_line(audit)
+    if line is None:
+        return
+    if divs:
+        _print_divergences(console, divs, MAX_ROWS)
+    console.print(Text(line))
+    console.print(Text(f"data path: {len(divs)} divergence{'s' if len(divs) != 1 else ''}"
+                       if divs else "data path: no divergence", style="red" if divs else "green"))
+
+
+def rerun_json(result: Any, first: dict | None, data_path: list | None = None,
+               audit: dict | None = None) -> bytes:
     doc = result.to_json()
     doc["first_step_difference"] = first
+    if audit:
+        doc["kv_audit"] = audit
+        doc["data_path_divergences"] = [d.to_json() for d in data_path or []]
     return dumps(doc)
+
+
+def audit_line(checked: dict | None) -> str | None:
+    """One line on what the data-path checks checked; None without a KV audit."""
+    if not checked:
+        return None
+    more = checked.get("unchecked loads")
+    return (f"KV audit: checked {checked.get('loads', 0)} loaded, {checked.get('saves', 0)} saved, "
+            f"{checked.get('filled', 0)} filled, {checked.get('hits', 0)} prefix-hit blocks (D1-D3)"
+            + (f"; {more} loaded blocks had no save to compare with" if more else ""))
 
 
 def end_note(end: Any) -> str | None:
@@ -268,6 +301,8 @@ def replay_json(result: Any, path: str) -> bytes:
         "truncation": getattr(result, "truncation", None),
         "divergences": [d.to_json() for d in first_per_request(list(result.divergences))],
     }
+    if getattr(result, "audit", None):
+        doc["kv_audit"] = result.audit
     return _dumps(doc)
 
 

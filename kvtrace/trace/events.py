@@ -72,6 +72,11 @@ Positive = Annotated[int, Meta(ge=1, le=MAX_COUNT)]
 Signed = Annotated[int, Meta(ge=-MAX_COUNT, le=MAX_COUNT)]    # counters as an engine held them
 Draft = Annotated[int, Meta(ge=-1, le=MAX_COUNT)]            # a draft token; -1 pads
 Digest = Annotated[str, Meta(pattern="^[0-9a-f]{64}$")]      # sha256, lowercase hex
+BytesDigest = Annotated[int, Meta(ge=-(1 << 63), le=(1 << 63) - 1)]   # a KV block's bytes (kv_audit)
+# kv_audit entries: [req, block id, block hash, digest], and for a load
+# [req, block id, block hash, digest before, digest after, asked, by_connector].
+BlockBytes = tuple[str, Count, str, BytesDigest]
+LoadedBlock = tuple[str, Count, str, BytesDigest, BytesDigest, bool, bool]
 Status = Literal[STATUSES]
 FinishedStatus = Literal[FINISHED_STATUSES]
 FinishReason = Literal[FINISH_REASONS]
@@ -592,6 +597,34 @@ class Drafts(_Record, tag="drafts"):
     kind: ClassVar[str] = "drafts"
 
 
+class KVAudit(_Record, tag="kv_audit"):
+    """The KV cache's real bytes at ``step``, as the process that owns the
+    cache saw them: one 64-bit digest per block of all its layers' K and V
+    (docs/reference/trace-format.md, "KV audit"), taken after the step's
+    forward pass and the connector's loads and saves.
+
+    ``cached``: blocks the step's forward pass filled, which hold a block hash;
+    ``hits``: blocks a request admitted this step took as a local prefix hit;
+    ``saved``: blocks the connector was handed to save; each entry
+    ``[req, block, hash, digest]``, ``hash`` the engine's block hash (the first
+    16 hex digits). ``loaded``: blocks a connector load wrote or should have
+    written, ``[req, block, hash, before, after, asked, by_connector]``: the
+    digest before the step and after it, whether the scheduler admitted the
+    block as an external hit, and whether the connector loaded it by its own
+    account (``view`` "metadata": what the connector's metadata for the step
+    says it loads and saves) or by the bytes (``view`` "bytes": the block's
+    bytes changed; a black-box connector's saves are not known)."""
+
+    seq: Count
+    step: Count
+    view: Literal["metadata", "bytes"] = "bytes"
+    loaded: list[LoadedBlock] = []
+    saved: list[BlockBytes] = []
+    cached: list[BlockBytes] = []
+    hits: list[BlockBytes] = []
+    kind: ClassVar[str] = "kv_audit"
+
+
 class End(_Record, tag="end"):
     """The last record of a trace the recorder closed. A trace without it was cut off."""
 
@@ -603,7 +636,7 @@ class End(_Record, tag="end"):
 
 
 Event = (Arrival | Abort | RequestFinished | ResetPrefixCache | PauseState | Step | Output | Drafts
-         | PromptStats | End)
+         | PromptStats | KVAudit | End)
 EVENT_TYPES: dict[str, type] = {cls.kind: cls for cls in Event.__args__}
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 
 from kvtrace.record.capture import status_name
+from kvtrace.record.vllm import kv_audit
 from kvtrace.record.vllm.recorder import (open_recorder, propagating_failure, termination_deferred,
                                           wrap_connector, wrap_grammar)
 
@@ -37,6 +38,7 @@ def make_recording_scheduler(base_cls: type) -> type:
                 if rec is not None:
                     wrap_connector(self, rec)
                     wrap_grammar(self, rec)
+                    rec.audit = kv_audit.install(self, rec)
                     self._kvtrace = rec
             except Exception:
                 logger.exception("kvtrace: recorder set-up failed; the engine runs without recording")

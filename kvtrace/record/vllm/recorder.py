@@ -234,6 +234,7 @@ class Recorder:
         self.step_index = 0
         self.has_connector = getattr(sched, "connector", None) is not None
         self.connector: Any = None   # the connector wrap_connector wrapped
+        self.audit: Any = None       # the KV audit (kv_audit), when it runs
         self.throttle_prefills = False
         # The size vLLM hashes blocks at: a prompt of embeddings has a digest per block.
         self.hash_block_size = int(getattr(sched, "hash_block_size", None)
@@ -569,6 +570,8 @@ class Recorder:
             preempted=preempted, finished=finished, lookups=self.lookups,
             loads=self.loads if self.has_connector else None, states=states,
             num_free_blocks=free, rare=rare or None))
+        if self.audit is not None:
+            self.audit.plan(step, out, sched, self.lookups, self.loads)
         self.pending.append((out, step))
         if len(self.pending) > 64:  # outputs that never came back (engine error paths)
             del self.pending[0]

@@ -67,6 +67,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import tempfile
 import subprocess
 import sys
 from typing import Any
@@ -107,12 +108,18 @@ def run_workload(model_dir: str | None, workload: Any = "prefix", model_free: bo
         drafter = {"eagle": ensure_eagle_draft, "draft_model": str}.get(spec.get("method"))
         if drafter is not None:
             kwargs["speculative_config"] = dict(spec, model=drafter(model))
-    if "kv_transfer_config" in kwargs and isinstance(kwargs["kv_transfer_config"], dict):
-        from vllm.config import KVTransferConfig
-
-        kwargs["kv_transfer_config"] = KVTransferConfig(**kwargs["kv_transfer_config"])
-    kwargs = _known_engine_args(kwargs)
     with contextlib.ExitStack() as stack:
+        ktc = kwargs.get("kv_transfer_config")
+        if isinstance(ktc, dict):
+            from vllm.config import KVTransferConfig
+
+            extra = ktc.get("kv_connector_extra_config") or {}
+            if "shared_storage_path" in extra and extra["shared_storage_path"] is None:
+                # An ExampleConnector's store: a directory of this run's own.
+                store = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtrace-store-"))
+                ktc = dict(ktc, kv_connector_extra_config=dict(extra, shared_storage_path=store))
+            kwargs["kv_transfer_config"] = KVTransferConfig(**ktc)
+        kwargs = _known_engine_args(kwargs)
         if model_free:
             from kvtrace.record.vllm.model_free import executor_chosen
 

@@ -87,6 +87,8 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class ScriptedConnector(KVConnectorBase_V1):
+    kvtrace_moves_no_data = True   # no KV audit: there are no bytes to follow
+
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}

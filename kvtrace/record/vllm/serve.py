@@ -147,8 +147,10 @@ def apply_control(eng: Any, action: str, *args: Any) -> None:
     ``pause-new`` (the scheduler paused for new requests, as
     ``pause_scheduler(mode="wait")`` does; the in-process core refuses that
     mode), ``pause-all`` (``pause_scheduler(mode="keep", clear_cache)``),
-    ``resume``, or ``finish`` (``finish_requests([i, ...], status)``, a caller
-    that ends requests with a status of its own, ``FINISHED_STOPPED`` say). vLLM raises from a reset it cannot make (blocks still in use
+    ``resume``, ``finish`` (``finish_requests([i, ...], status)``, a caller
+    that ends requests with a status of its own, ``FINISHED_STOPPED`` say), or
+    ``corrupt-store`` (one byte of a prompt's KV in an ExampleConnector's
+    store changed: ``fault_connectors.corrupt_stored_prompt``). vLLM raises from a reset it cannot make (blocks still in use
     after the preemptions); its caller sees the error and the engine goes on,
     as here."""
     core = eng.engine_core.engine_core
@@ -171,6 +173,11 @@ def apply_control(eng: Any, action: str, *args: Any) -> None:
                    if rid in wanted or rid.rsplit("-", 1)[0] in wanted]
             core.scheduler.finish_requests(ids, RequestStatus[args[1]])
             eng.output_processor.abort_requests(sorted(wanted), False)   # the front end forgets them
+        elif action == "corrupt-store":
+            from kvtrace.record.vllm.fault_connectors import corrupt_stored_prompt
+
+            logger.info("corrupted %s", corrupt_stored_prompt(core.scheduler.connector, list(args[0]),
+                                                                  *args[1:]))
         else:
             raise ValueError(f"unknown control action {action!r}")
     except RuntimeError as e:

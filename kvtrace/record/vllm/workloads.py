@@ -405,6 +405,46 @@ WORKLOADS["finish-stopped"] = dict(
     engine=dict(num_gpu_blocks_override=12))
 
 
+# vLLM's ExampleConnector, which moves real KV bytes (a directory of
+# safetensors files, one per prompt and layer; a fresh directory per run):
+# six prompts, four sharing 64 tokens, under KV pressure (preemptions, and
+# resumptions that load from the store); then the prefix cache is reset and
+# the same prompts come again, each loading its KV back. No prompt is 1
+# past a block boundary (ExampleConnector looks such a prompt up one block
+# shorter than it stores it), and none is chunked (it stores a chunked
+# prompt's first chunk under the whole prompt's name).
+def _example_prompts() -> list[list[int]]:
+    shared = [(7 * j + 3) % 400 + 20 for j in range(64)]
+    own = lambda i, n: [(13 * i + 5 * j) % 400 + 20 for j in range(n)]   # noqa: E731
+    return [shared + own(0, 16), shared + own(1, 26), shared + own(2, 36), own(3, 110),
+            own(4, 75), shared + own(5, 50)]
+
+
+def _example_connector(connector: str = "ExampleConnector", control: list | None = None,
+                       blocks: int = 16) -> dict:
+    prompts = _example_prompts()
+    config = dict(kv_connector=connector, kv_role="kv_both",
+                  kv_connector_extra_config={"shared_storage_path": None})
+    if connector != "ExampleConnector":
+        config["kv_connector_module_path"] = "kvtrace.record.vllm.fault_connectors"
+    return dict(prompts=prompts + prompts, max_tokens=48,
+                arrive_at=[0] * len(prompts) + [200] * len(prompts),
+                control=[*(control or []), [200, "reset", False, False]],
+                engine=dict(num_gpu_blocks_override=blocks, max_num_batched_tokens=1024,
+                            kv_transfer_config=config))
+
+
+WORKLOADS["example-connector"] = _example_connector()
+# The same, with more room: fewer preemptions, every prompt stored once.
+WORKLOADS["example-connector-roomy"] = _example_connector(blocks=40)
+# The storage layer corrupts a stored block: one byte of prompt 2's third
+# block (its own tokens, past the shared 64), in its first layer's file, changes before the prompt comes again.
+WORKLOADS["example-connector-corrupt"] = _example_connector(
+    control=[[200, "corrupt-store", _example_prompts()[2], 2]], blocks=40)
+# The shape of LMCache #2007: a resumed request's load is dropped.
+WORKLOADS["example-connector-dropped-resume"] = _example_connector("DropsResumedLoad")
+
+
 def handoff_workload(prefill_trace: str | os.PathLike, decode: Any = "pd-decode") -> dict:
     """The decode side of ``pd-prefill`` as a disaggregated deployment's proxy
     drives it: each prefill-side request that handed its KV over (a recorded

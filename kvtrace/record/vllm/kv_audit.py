@@ -1,0 +1,347 @@
+"""The KV audit: digests of the KV cache's real bytes, taken in the process
+that owns the cache, at the moments that decide whether a connector moved the
+bytes that the scheduler's counts promise.
+
+The scheduler's side of a trace says what the scheduler asked a connector to
+load; only the bytes say whether it did. Per step, ``KVAudit`` records
+(``kvtrace.trace.events.KVAudit``):
+
+* ``loaded``: every block a load should write (an external hit the scheduler
+  admitted, whole blocks only) or did write (by the connector's own metadata),
+  with its digest before the step and after its loads;
+* ``saved``: every block the connector's metadata says it saves, after the
+  forward pass filled it;
+* ``cached``: every block the step's forward pass filled that holds a block
+  hash (a block that becomes a prefix-cache entry);
+* ``hits``: every block a request admitted in the step took as a local prefix
+  hit.
+
+How: at the end of ``schedule()``, on the scheduler's thread, ``plan`` works out
+the step's blocks from its ``SchedulerOutput`` and the recorder's lookups and
+loads, keyed by the step's connector metadata object. The worker's side of the
+connector gets that object in ``bind_connector_metadata``, before any load:
+the digests of the blocks a load writes are taken there ("before"); and gives
+it back in ``clear_connector_metadata``, after the forward pass, the loads and
+the saves: there every digest is taken, in one batch on the KV cache's device,
+and the event goes to the trace. So the audit runs where the connector's
+worker side shares the engine core's process: vLLM's in-process engine, or an
+engine core with the uniproc executor (``LLM``, ``vllm serve`` on one device).
+
+A digest is a 64-bit hash of a block's bytes in every layer's KV cache (a
+signed 64-bit integer): each layer's bytes, read as 32-bit words, weighted by
+fixed random odd 64-bit words and summed modulo 2^64, the layers folded in
+order. It is exact:
+bytes that differ anywhere give another digest (but for a chance of about
+2^-64), and the same bytes give the same digest on any device.
+
+A connector's own metadata is read when it has ExampleConnector's shape
+(``requests``, each with ``slot_mapping`` and ``is_store``): ``view``
+"metadata". Any other connector is a black box (``view`` "bytes"): a block it
+loaded is one whose bytes the step changed, and its saves are not known.
+
+Not audited (the audit is off, and says so in the log): several KV-cache
+groups, a KV cache whose block dimension is not the scheduler's blocks,
+speculative decoding's draft positions (their blocks are not counted as
+filled), and asynchronous loads (``load_async``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from kvtrace.trace.events import KVAudit as KVAuditEvent
+
+logger = logging.getLogger("kvtrace.record")
+
+ENV = "KVTRACE_KV_AUDIT"   # "0": off; "1" or unset: on wherever it can run
+_FOLD = 0x5851F42D4C957F2D   # odd: folds one layer's sum into the next
+
+
+def hash_hex(h: Any) -> str:
+    """A vLLM block hash as the trace writes it: its first 16 hex digits."""
+    raw = getattr(h, "block_hash", h)   # BlockHashWithGroupId
+    return bytes(raw)[:8].hex() if isinstance(raw, (bytes, bytearray)) else str(raw)[:16]
+
+
+class BlockDigests:
+    """Digests of whole blocks of a set of per-layer KV cache tensors."""
+
+    def __init__(self, layers: list, num_blocks: int):
+        import torch
+
+        self.torch = torch
+        self.layers = []   # (tensor, its block dimension)
+        seen = set()
+        for t in layers:
+            if t.data_ptr() in seen and t.shape in [x.shape for x, _ in self.layers]:
+                continue
+            seen.add(t.data_ptr())
+            dims = [d for d, n in enumerate(t.shape) if n == num_blocks]
+            if not dims:
+                raise ValueError(f"a KV cache tensor of shape {tuple(t.shape)} has no dimension "
+                                 f"of {num_blocks} blocks")
+            self.layers.append((t, dims[0]))
+        self.device = self.layers[0][0].device
+        self._weights: dict[int, Any] = {}
+
+    def _w(self, n: int):
+        w = self._weights.get(n)
+        if w is None:
+            g = self.torch.Generator().manual_seed(0x6B76 + n)
+            w = (self.torch.randint(-(1 << 62), 1 << 62, (n,), generator=g,
+                                    dtype=self.torch.int64) * 2 + 1).to(self.device)
+            self._weights[n] = w
+        return w
+
+    def __call__(self, blocks: list[int]) -> list[int]:
+        if not blocks:
+            return []
+        torch = self.torch
+        idx = torch.as_tensor(blocks, dtype=torch.int64, device=self.device)
+        acc = None
+        for t, dim in self.layers:
+            x = t.index_select(dim, idx)
+            if dim:
+                x = x.movedim(dim, 0)
+            x = x.contiguous().view(torch.uint8).reshape(len(blocks), -1)
+            if x.shape[1] % 4 == 0:
+                x = x.view(torch.int32)
+            s = (x.to(torch.int64) * self._w(x.shape[1])).sum(dim=1)
+            acc = s if acc is None else acc * _FOLD + s
+        return acc.tolist()
+
+
+def _kv_layers(conn: Any) -> list:
+    """The worker's per-layer KV cache tensors, from vLLM's static forward
+    context (the layers that hold one)."""
+    cfg = getattr(conn, "_vllm_config", None)
+    if cfg is None:
+        from vllm.config import get_current_vllm_config
+
+        cfg = get_current_vllm_config()
+    out = []
+    for layer in cfg.compilation_config.static_forward_context.values():
+        kv = getattr(layer, "kv_cache", None)
+        if isinstance(kv, (list, tuple)):   # older releases: one per virtual engine
+            kv = kv[0] if kv else None
+        if kv is not None and hasattr(kv, "data_ptr") and kv.numel():
+            out.append(kv)
+    return out
+
+
+def _metadata_view(meta: Any, block_size: int) -> tuple[list[list[int]], list[list[int]]] | None:
+    """(blocks loaded, blocks saved), a list per entry, when the connector's
+    metadata has ExampleConnector's shape; None for a black box."""
+    reqs = getattr(meta, "requests", None)
+    if not isinstance(reqs, list) or not all(hasattr(r, "slot_mapping") and hasattr(r, "is_store")
+                                             for r in reqs):
+        return None
+    loads, saves = [], []
+    for r in reqs:
+        slots = [int(s) for s in r.slot_mapping.tolist()]
+        blocks = list(dict.fromkeys(s // block_size for s in slots))
+        full = [b for b in blocks if sum(1 for s in slots if s // block_size == b) == block_size]
+        (saves if r.is_store else loads).append(full)
+    return loads, saves
+
+
+class _Plan:
+    __slots__ = ("step", "tables", "hashes", "asked", "cached", "hits", "before", "targets",
+                 "saves", "view")
+
+    def __init__(self, step: int):
+        self.step = step
+        self.tables: dict[str, list[int]] = {}
+        self.hashes: dict[str, list[str]] = {}
+        self.asked: dict[int, tuple[str, str]] = {}    # block -> (req, hash)
+        self.cached: list[tuple[str, int, str]] = []   # (req, block, hash)
+        self.hits: list[tuple[str, int, str]] = []
+        self.before: dict[int, int] = {}
+        self.targets: list[tuple[str, int, str, bool, bool]] = []   # req, block, hash, asked, said
+        self.saves: list[tuple[str, int, str]] = []
+        self.view = "bytes"
+
+
+class KVAudit:
+    """One recorder's audit (see the module doc)."""
+
+    def __init__(self, rec: Any, sched: Any, conn: Any):
+        self.rec = rec
+        self.conn = conn
+        self.block_size = int(sched.cache_config.block_size)
+        self.num_blocks = int(sched.kv_cache_manager.block_pool.num_gpu_blocks)
+        self.kvm = sched.kv_cache_manager
+        self.digests: BlockDigests | None = None
+        self.off = False   # set when the KV cache cannot be read
+        self._plans: dict[int, tuple[Any, _Plan]] = {}
+        self._bound: _Plan | None = None
+
+    # -- the scheduler's thread --------------------------------------------------
+
+    def plan(self, step: int, out: Any, sched: Any, lookups: list, loads: list) -> None:
+        meta = getattr(out, "kv_connector_metadata", None)
+        if meta is None:
+            return
+        bs = self.block_size
+        p = _Plan(step)
+        nst = out.num_scheduled_tokens
+        spec = out.scheduled_spec_decode_tokens or {}
+        computed = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+        cd = out.scheduled_cached_reqs
+        computed.update(zip(cd.req_ids, cd.num_computed_tokens))
+        admitted = {r.req_id for r in out.scheduled_new_reqs} | set(cd.resumed_req_ids or ())
+        for rid, c in computed.items():
+            req = sched.requests.get(rid)
+            if req is None:
+                continue
+            table = list(self.kvm.get_block_ids(rid)[0])
+            hashes = [hash_hex(h) for h in req.block_hashes]
+            p.tables[rid], p.hashes[rid] = table, hashes
+            n = nst.get(rid, 0) - len(spec.get(rid, ()))
+            for i in range(c // bs, min((c + n) // bs, len(hashes), len(table))):
+                p.cached.append((rid, table[i], hashes[i]))
+        local = {lk.req: lk.local for lk in lookups}
+        for rid in admitted & local.keys():
+            table, hashes = p.tables.get(rid, []), p.hashes.get(rid, [])
+            for i in range(min(local[rid] // bs, len(table), len(hashes))):
+                p.hits.append((rid, table[i], hashes[i]))
+        for ld in loads:
+            table, hashes = p.tables.get(ld.req, []), p.hashes.get(ld.req, [])
+            for i in range(-(-ld.start // bs), min(ld.end // bs, len(table), len(hashes))):
+                p.asked[table[i]] = (ld.req, hashes[i])
+        self._plans[id(meta)] = (meta, p)
+        if len(self._plans) > 64:   # steps the worker never ran (engine error paths)
+            self._plans.pop(next(iter(self._plans)))
+
+    # -- the worker's side ---------------------------------------------------------
+
+    def _owner(self, p: _Plan, blocks: list[int]) -> tuple[str, list[str]] | None:
+        """The request whose table starts with ``blocks`` (a connector's entry)."""
+        k = len(blocks)
+        for rid, table in p.tables.items():
+            if table[:k] == blocks:
+                return rid, p.hashes[rid]
+        return None
+
+    def bind(self, meta: Any) -> None:
+        got = self._plans.pop(id(meta), None)
+        self._bound = None
+        if got is None or got[0] is not meta:
+            return
+        p = got[1]
+        if self.digests is None:
+            if self.off:
+                return
+            try:
+                layers = _kv_layers(self.conn)
+                if not layers:
+                    raise ValueError("no layer holds a KV cache tensor")
+                self.digests = BlockDigests(layers, self.num_blocks)
+            except Exception as e:   # the audit stops; the recording goes on
+                self.off = True
+                logger.warning("kvtrace: no KV audit (%s: %s)", type(e).__name__, e)
+                return
+        said: dict[int, tuple[str, str]] = {}
+        view = _metadata_view(meta, self.block_size)
+        if view is not None:
+            p.view = "metadata"
+            loads, saves = view
+            for blocks in loads:
+                owner = self._owner(p, blocks)
+                for i, b in enumerate(blocks):
+                    said[b] = (owner[0], owner[1][i]) if owner and i < len(owner[1]) else ("", "")
+            for blocks in saves:
+                owner = self._owner(p, blocks)
+                if owner is None:
+                    continue
+                for i, b in enumerate(blocks):
+                    if i < len(owner[1]):
+                        p.saves.append((owner[0], b, owner[1][i]))
+        for b in dict.fromkeys([*p.asked, *said]):
+            req, h = p.asked.get(b) or said[b]
+            p.targets.append((req, b, h, b in p.asked, b in said))
+        if p.targets:
+            p.before = dict(zip([t[1] for t in p.targets],
+                                self.digests([t[1] for t in p.targets])))
+        self._bound = p
+
+    def clear(self) -> None:
+        p, self._bound = self._bound, None
+        if p is None or self.digests is None:
+            return
+        groups = (p.targets, p.saves, p.cached, p.hits)
+        flat = [e[1] for g in groups for e in g]
+        if not flat:
+            return
+        got = iter(self.digests(flat))
+        loaded = []
+        for req, b, h, asked, said in p.targets:
+            after = next(got)
+            before = p.before[b]
+            loaded.append((req, b, h, before, after, asked,
+                           said if p.view == "metadata" else after != before))
+        saved = [(r, b, h, next(got)) for r, b, h in p.saves]
+        cached = [(r, b, h, next(got)) for r, b, h in p.cached]
+        hits = [(r, b, h, next(got)) for r, b, h in p.hits]
+        self.rec.sink.put(KVAuditEvent(seq=0, step=p.step, view=p.view, loaded=loaded,
+                                       saved=saved, cached=cached, hits=hits))
+
+
+def refusal(sched: Any, worker_conn: Any) -> str | None:
+    """Why the audit cannot run for this engine, or None."""
+    if os.environ.get(ENV, "1").strip() == "0":
+        return f"{ENV}=0"
+    if worker_conn is None:
+        return "the connector's worker side is not in this process"
+    if getattr(type(worker_conn), "kvtrace_moves_no_data", False):
+        return "the connector moves no data"
+    try:
+        if len(sched.kv_cache_config.kv_cache_groups) != 1:
+            return "several KV-cache groups"
+    except AttributeError:
+        return "no KV cache config"
+    if getattr(sched, "use_eagle", False) or getattr(sched, "num_spec_tokens", 0):
+        return "speculative decoding"
+    return None
+
+
+def install(sched: Any, rec: Any) -> KVAudit | None:
+    """Start the audit for the recorder ``rec`` of ``sched`` when it can run:
+    wrap the worker-side connector's ``bind_connector_metadata`` and
+    ``clear_connector_metadata``. An error in the audit stops recording,
+    never the engine."""
+    if getattr(sched, "connector", None) is None:
+        return None
+    worker_conn = None
+    try:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        if has_kv_transfer_group():
+            worker_conn = get_kv_transfer_group()
+    except Exception:
+        worker_conn = None
+    why = refusal(sched, worker_conn)
+    if why is not None:
+        logger.info("kvtrace: no KV audit (%s)", why)
+        return None
+    audit = KVAudit(rec, sched, worker_conn)
+    orig_bind = worker_conn.bind_connector_metadata
+    orig_clear = worker_conn.clear_connector_metadata
+
+    def bind_connector_metadata(meta, *args, **kwargs):
+        if rec.active:
+            rec.guard("kv audit (bind_connector_metadata)", audit.bind, meta)
+        return orig_bind(meta, *args, **kwargs)
+
+    def clear_connector_metadata(*args, **kwargs):
+        result = orig_clear(*args, **kwargs)
+        if rec.active:
+            rec.guard("kv audit (clear_connector_metadata)", audit.clear)
+        return result
+
+    worker_conn.bind_connector_metadata = bind_connector_metadata
+    worker_conn.clear_connector_metadata = clear_connector_metadata
+    logger.info("kvtrace: auditing the KV cache's bytes (%s)", type(worker_conn).__name__)
+    return audit

@@ -1,0 +1,107 @@
+"""The data-path checks: what the KV audit's digests of real block bytes
+(``kv_audit`` records) say about the bytes behind the scheduler's counts.
+
+Rules (docs/reference/checks.md, "The KV data path"):
+
+* D1: every external hit the scheduler admitted is loaded into the blocks the
+  request reads, before the step that reads them. Flagged: a block the
+  scheduler admitted as an external hit whose bytes the step did not change
+  and that holds neither bytes saved for its block hash nor the bytes it was
+  last filled or loaded with for that hash.
+* D2: a block loaded for a block hash holds bytes that were saved for that
+  hash (bit-exact: a connector copies bytes). Flagged: a load that changed the
+  block to bytes no save of the hash had. Not checked where no save of the
+  hash was seen (a black-box connector, or a store filled before the trace).
+* D3: a block served as a local prefix hit holds the bytes it was last filled
+  or loaded with (nothing overwrote it since), for the hash it is served as.
+
+No comparison is made across recomputation: KV computed twice for the same
+tokens, in different batches, need not be bit-identical. Loaded bytes are
+compared with saved bytes (copies), and a block's bytes with that same
+block's earlier bytes; never two computations with each other.
+
+Within a step: loads, then saves, then filled blocks, then hits (a step's
+hit may be a block it filled, or one its loads wrote over).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from kvtrace.findings import Divergence
+from kvtrace.trace import events as ev
+
+D1 = "D1: an external hit the scheduler admits is loaded into the request's blocks before it reads them"
+D2 = "D2: a block loaded for a block hash holds the bytes saved for that hash"
+D3 = "D3: a block served as a prefix hit holds the bytes it was filled or loaded with"
+
+
+class DataPath:
+    """Feed it a trace's ``kv_audit`` records in order; it collects divergences
+    and counts what it checked."""
+
+    def __init__(self) -> None:
+        self.saved: dict[str, set[int]] = {}   # block hash -> digests saved for it
+        # block id -> (block hash, digest, step, how) as it was last filled or loaded
+        self.held: dict[int, tuple[str, int, int, str]] = {}
+        self.checked: Counter = Counter()
+        self.divergences: list[Divergence] = []
+
+    def feed(self, e: ev.KVAudit, line: int | None = None) -> list[Divergence]:
+        found = []
+        for req, block, h, before, after, asked, _ in e.loaded:
+            if not h:
+                self.checked["unchecked loads"] += 1
+            else:
+                saved = self.saved.get(h)
+                held = self.held.get(block)
+                ok = (saved is not None and after in saved) or (
+                    held is not None and held[0] == h and held[1] == after)
+                if not ok and asked and before == after:
+                    found.append(Divergence(
+                        e.step, req, "kv-load", f"block {block} not loaded (its bytes did not change)",
+                        f"the bytes saved for block hash {h}", D1, "kv-data", e.seq, line))
+                elif not ok and saved is not None:
+                    found.append(Divergence(
+                        e.step, req, "kv-load", f"block {block} loaded with other bytes",
+                        f"the bytes saved for block hash {h} "
+                        f"({len(saved)} {'save' if len(saved) == 1 else 'saves'})",
+                        D2, "kv-data", e.seq, line))
+                self.checked["loads" if ok or saved is not None or asked and before == after
+                             else "unchecked loads"] += 1
+            self.held[block] = (h, after, e.step, "loaded")
+        for _, block, h, d in e.saved:
+            self.saved.setdefault(h, set()).add(d)
+            self.checked["saves"] += 1
+        for _, block, h, d in e.cached:
+            self.held[block] = (h, d, e.step, "filled")
+            self.checked["filled"] += 1
+        for req, block, h, d in e.hits:
+            held = self.held.get(block)
+            self.checked["hits"] += 1
+            if held is None:
+                continue
+            if held[0] != h:
+                found.append(Divergence(
+                    e.step, req, "kv-hit", f"block {block} holds block hash {held[0]} "
+                    f"({held[3]} at step {held[2]})", f"block hash {h}", D3, "kv-data", e.seq, line))
+            elif held[1] != d:
+                found.append(Divergence(
+                    e.step, req, "kv-hit", f"block {block} overwritten since step {held[2]}",
+                    f"the bytes {held[3]} at step {held[2]}", D3, "kv-data", e.seq, line))
+        self.divergences.extend(found)
+        return found
+
+
+def check_file(path) -> DataPath:
+    """The data-path checks alone, over every ``kv_audit`` record of the trace
+    at ``path`` (for a replay that runs another scheduler)."""
+    from kvtrace.trace import TraceReader
+
+    dp = DataPath()
+    with TraceReader(path) as reader:
+        for e in reader:
+            if type(e) is ev.KVAudit:
+                dp.feed(e, reader.last_line)
+    return dp
+
