@@ -31,7 +31,7 @@ from kvtrace.trace import TraceError, TraceReader
 
 TRACES = Path(__file__).resolve().parent.parent / "traces"
 REAL = sorted(TRACES.glob("*.jsonl.gz")) + sorted(TRACES.glob("faults/*.jsonl.gz")) + sorted(
-    TRACES.glob("vllm-bugs/*.jsonl.gz"))
+    TRACES.glob("vllm-bugs/*.jsonl.gz")) + sorted(TRACES.glob("data-path/*.jsonl.gz"))
 MUTANTS = int(os.environ.get("KVTRACE_MUTANTS", "24"))
 SEED = int(os.environ.get("KVTRACE_MUTANTS_SEED", "0"))
 

@@ -22,7 +22,7 @@ from mini_traces import load_records, save_records
 
 TRACES = Path(__file__).resolve().parent.parent / "traces"
 REAL = sorted(TRACES.glob("*.jsonl.gz")) + sorted(TRACES.glob("faults/*.jsonl.gz")) + sorted(
-    TRACES.glob("vllm-bugs/*.jsonl.gz"))
+    TRACES.glob("vllm-bugs/*.jsonl.gz")) + sorted(TRACES.glob("data-path/*.jsonl.gz"))
 
 
 def result(path, worker: int, device: str | None = None) -> tuple:

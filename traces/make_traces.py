@@ -100,6 +100,14 @@ RELEASE_TRACES = {
 FAULT_TRACES = ["async-load-overshoot", "stale-computed-on-preempt",
                 "async-stale-computed-on-preempt", "spec-rejected-kept", "grammar-not-awaited",
                 "hybrid-hit-not-served", "window-freed-early"]
+# vLLM's ExampleConnector, which moves real KV bytes, recorded with the KV
+# audit, in data-path/: two clean runs, and two with a data-path bug put back
+# (kvtrace.record.vllm.fault_connectors): a resumed request's load dropped,
+# and a stored block corrupted between its save and its load.
+DATA_PATH_TRACES = {"example-connector": "example-connector",
+                    "example-connector-roomy": "example-connector-roomy",
+                    "resumed-load-dropped": "example-connector-dropped-resume",
+                    "stored-block-corrupted": "example-connector-corrupt"}
 # Hybrid KV caches and sliding-window attention, in hybrid/: the tiny Gemma 3,
 # all-sliding and gpt-oss models of tiny_model.MODELS (the workload names one).
 HYBRID_TRACES = {name: name for name in (
@@ -178,7 +186,8 @@ def main(names: list[str]) -> int:
         if not names:
             return 0
     names = names or (list(TRACES) + FAULT_TRACES + list(BUG_TRACES) + list(SILENT_BUG_TRACES)
-                      + [f"hybrid/{n}" for n in HYBRID_TRACES])
+                      + [f"hybrid/{n}" for n in HYBRID_TRACES]
+                      + [f"data-path/{n}" for n in DATA_PATH_TRACES])
     if len(names) > 1:
         for name in names:
             subprocess.run([sys.executable, __file__, name], check=True)
@@ -205,6 +214,10 @@ def main(names: list[str]) -> int:
                 record_vllm_offline(None, out, FAULT_WORKLOADS[name], scheduler_cls=FAULTS[name])
             except EngineFailed as e:   # a bug put back may well break the engine
                 print(f"{out}: the engine failed ({type(e.error).__name__})")
+        elif name.startswith("data-path/"):
+            out = HERE / f"{name}.jsonl.gz"
+            out.parent.mkdir(exist_ok=True)
+            record_vllm_offline(None, out, DATA_PATH_TRACES[name.split("/", 1)[1]])
         elif name.startswith("hybrid/"):
             out = HERE / f"{name}.jsonl.gz"
             out.parent.mkdir(exist_ok=True)

@@ -136,6 +136,12 @@ class Validator:
                                   f"(the last output is for step {self.last_output_step})")
             for req in e.drafts:
                 self._known(req, "drafts")
+        elif isinstance(e, ev.KVAudit):
+            if e.step > self.last_step:
+                raise SchemaError(f"kv_audit for step {e.step}, which has not been scheduled "
+                                  f"(the last step is {self.last_step})")
+            for name in ("loaded", "saved", "cached", "hits"):
+                self._blocks([x[1] for x in getattr(e, name)], name)
         elif isinstance(e, ev.PromptStats):
             if e.step > self.last_step:
                 raise SchemaError(f"prompt_stats for step {e.step}, which has not been scheduled "

@@ -1,0 +1,125 @@
+"""The KV data path: the digests of real block bytes that the recorder takes
+where the connector's worker side runs (kvtrace.record.vllm.kv_audit), and the
+checks replay makes of them (kvtrace.replay.data_path, rules D1-D3)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtrace.record.vllm.kv_audit import BlockDigests
+from kvtrace.replay.data_path import D1, D2, D3, DataPath
+from kvtrace.trace.events import KVAudit
+
+
+def audit(step, loaded=(), saved=(), cached=(), hits=()):
+    return KVAudit(seq=step, step=step, view="metadata", loaded=list(loaded), saved=list(saved),
+                   cached=list(cached), hits=list(hits))
+
+
+def rules(divs):
+    return [(d.step, d.req, d.rule[:2]) for d in divs]
+
+
+def test_a_load_of_the_saved_bytes_passes_and_a_missing_or_wrong_one_does_not():
+    dp = DataPath()
+    dp.feed(audit(0, saved=[("a", 3, "h1", 111), ("a", 4, "h2", 222)], cached=[("a", 3, "h1", 111)]))
+    ok = dp.feed(audit(5, loaded=[("b", 7, "h1", 999, 111, True, True)]))
+    missing = dp.feed(audit(6, loaded=[("c", 8, "h2", 555, 555, True, False)]))
+    wrong = dp.feed(audit(7, loaded=[("d", 9, "h2", 555, 556, True, True)]))
+    assert ok == []
+    assert rules(missing) == [(6, "c", "D1")] and missing[0].rule == D1
+    assert "block 8 not loaded" in missing[0].recorded
+    assert rules(wrong) == [(7, "d", "D2")] and wrong[0].rule == D2
+    assert dp.checked["loads"] == 3 and dp.checked["saves"] == 2
+
+
+def test_an_unchanged_block_that_already_held_the_hash_is_loaded():
+    """A block given back and taken again still holds the hash's bytes: the
+    load that writes the same bytes, or none, leaves it right."""
+    dp = DataPath()
+    dp.feed(audit(0, cached=[("a", 3, "h1", 111)]))
+    assert dp.feed(audit(4, loaded=[("b", 3, "h1", 111, 111, True, False)])) == []
+
+
+def test_no_comparison_is_made_across_recomputation():
+    """The same tokens computed twice, in other batches and blocks, give other
+    bytes: neither a load of one computation's save nor a hit on the block of
+    the other is flagged; a load is held to the saves only."""
+    dp = DataPath()
+    dp.feed(audit(0, saved=[("a", 1, "h", 10)], cached=[("a", 1, "h", 10)]))
+    dp.feed(audit(9, cached=[("b", 2, "h", 20)]))                        # recomputed elsewhere
+    assert dp.feed(audit(10, hits=[("c", 2, "h", 20)])) == []             # its own bytes
+    assert dp.feed(audit(11, loaded=[("d", 5, "h", 0, 10, True, True)])) == []   # the save's
+    flagged = dp.feed(audit(12, loaded=[("e", 6, "h", 0, 20, True, True)]))
+    assert rules(flagged) == [(12, "e", "D2")]   # bytes computed, never saved: not a copy
+
+
+def test_a_load_with_no_save_seen_is_counted_not_flagged():
+    """A store filled before the trace began (or a black-box connector, whose
+    saves are not known): a load that changed the block cannot be judged."""
+    dp = DataPath()
+    assert dp.feed(audit(3, loaded=[("a", 4, "h", 1, 2, True, True)])) == []
+    assert dp.checked["unchecked loads"] == 1
+
+
+def test_a_prefix_hit_on_an_overwritten_block_is_flagged():
+    dp = DataPath()
+    dp.feed(audit(0, cached=[("a", 3, "h1", 111), ("a", 4, "h2", 222)]))
+    assert dp.feed(audit(2, hits=[("b", 3, "h1", 111)])) == []
+    over = dp.feed(audit(3, hits=[("c", 3, "h1", 112)]))
+    other = dp.feed(audit(4, hits=[("d", 4, "h9", 222)]))
+    assert rules(over) == [(3, "c", "D3")] and over[0].rule == D3
+    assert "overwritten since step 0" in over[0].recorded
+    assert rules(other) == [(4, "d", "D3")] and "holds block hash h2" in other[0].recorded
+
+
+def test_within_a_step_loads_and_fills_come_before_hits():
+    """A step's hit may be on a block the same step filled, or one its loads
+    wrote over (ExampleConnector loads a whole prompt, shared blocks too)."""
+    dp = DataPath()
+    dp.feed(audit(0, saved=[("a", 3, "h1", 5)], cached=[("a", 3, "h1", 4)]))
+    assert dp.feed(audit(1, loaded=[("b", 3, "h1", 4, 5, False, True)], hits=[("c", 3, "h1", 5)],
+                         cached=[("c", 6, "h7", 70)])) == []
+    assert dp.feed(audit(2, cached=[("e", 8, "h8", 80)], hits=[("f", 8, "h8", 80)])) == []
+
+
+# -- the digests -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape, dim", [((12, 2, 4, 16), 0), ((2, 12, 4, 2, 8), 1)],
+                         ids=["blocks-first", "k-and-v-first"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8])
+def test_a_digest_changes_with_any_byte_of_its_block_and_no_other(shape, dim, dtype):
+    g = torch.Generator().manual_seed(1)
+    layers = [torch.randint(0, 200, shape, generator=g).to(dtype) for _ in range(3)]
+    d = BlockDigests(layers, 12)
+    before = d([0, 5, 11])
+    assert before == d([0, 5, 11]) and len(set(before)) == 3
+    for layer in range(3):
+        for _ in range(5):
+            block = layers[layer].select(dim, 5)   # a view: writes reach the cache
+            idx = tuple(int(torch.randint(0, n, (1,), generator=g)) for n in block.shape)
+            old = block[idx].clone()
+            block[idx] = old + 1
+            after = d([0, 5, 11])
+            assert after[0] == before[0] and after[2] == before[2]
+            assert after[1] != before[1]
+            block[idx] = old
+            assert d([0, 5, 11]) == before
+    # Other blocks' bytes do not matter.
+    layers[0].select(dim, 3).fill_(7)
+    assert d([0, 5, 11]) == before
+
+
+def test_equal_bytes_in_two_blocks_give_equal_digests():
+    t = torch.randn(6, 2, 4, 8).to(torch.bfloat16)
+    t[4] = t[1]
+    d = BlockDigests([t], 6)
+    a, b = d([1, 4])
+    assert a == b
+
+
+def test_the_digest_needs_the_block_dimension():
+    with pytest.raises(ValueError, match="no dimension of 10 blocks"):
+        BlockDigests([torch.zeros(4, 5)], 10)
