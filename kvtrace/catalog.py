@@ -80,6 +80,11 @@ VLLM_WORKLOADS = {
     "sliding-preemption": "every layer windowed: more requests than KV blocks",
     "gpt-oss-prefix": "tiny gpt-oss (experts, sliding + full attention): shared prefixes",
     "gpt-oss-preemption": "tiny gpt-oss: more requests than KV blocks",
+    "example-connector": "vLLM's ExampleConnector (real KV bytes on disk) under KV pressure, "
+                         "a reset, every prompt again",
+    "example-connector-roomy": "the same with room: fewer preemptions",
+    "example-connector-corrupt": "a stored block corrupted on disk before its load",
+    "example-connector-dropped-resume": "LMCache #2007's shape: a resumed request's load dropped",
 }
 
 VLLM_FAULTS = {

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-RULE = re.compile(r"^((?:\d+\.\d+(?:/\d+\.\d+)?)|I\d+|B\d+|SD\d+|legacy|liveness|kv-content): ")
+RULE = re.compile(r"^((?:\d+\.\d+(?:/\d+\.\d+)?)|I\d+|B\d+|SD\d+|D\d+|legacy|liveness|kv-content): ")
 
 
 def _rule_ids() -> dict[str, str]:
