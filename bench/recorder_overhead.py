@@ -13,8 +13,8 @@ most 1.03.
 
 A few more recorded rounds then time the recorder's own work in the engine's
 process: on the engine's thread, timed around its hooks (capture, block ids,
-JSON lines, handing them to the writer process), and the writer thread's CPU
-time (lines sent while the engine is quiet). Their sum per step,
+JSON lines, copying them into the ring), and the writer thread's CPU
+time (lines that waited for room in the ring). Their sum per step,
 against the engine's step, is the same figure measured directly; it does not
 move with the machine's noise, but it leaves out what the recorder costs the
 engine indirectly (caches, allocation).
@@ -52,9 +52,10 @@ import time
 from pathlib import Path
 
 TARGET = 1.03
-# A pause after each run, outside the timing: the last lines (sent at most every
-# 50 ms) would otherwise be written in whichever run comes next. In a serving
-# engine it overlaps the engine's own work like the rest of the writer's.
+# A pause after each run, outside the timing: the writer process (which reads
+# the ring every 20 ms) would otherwise write the last lines in whichever run
+# comes next. In a serving engine it overlaps the engine's own work like the
+# rest of the writer's.
 SETTLE_S = 0.1
 
 
@@ -190,9 +191,9 @@ def _own_cost(rec, one_round, rounds: int = 20) -> tuple[float, float, float]:
         return hook
 
     sink = rec.sink
-    # The writer thread's share: sending what waits when the engine is quiet
-    # (ProcessSink), or all of the writing (TraceSink, KVTRACE_WRITER=thread).
-    wrapped = [name for name in ("_send_waiting", "_write") if hasattr(sink, name)]
+    # The writer thread's share: moving lines that waited for room into the
+    # ring (ProcessSink), or all of the writing (TraceSink, KVTRACE_WRITER=thread).
+    wrapped = [name for name in ("_move_waiting", "_write") if hasattr(sink, name)]
 
     def thread_timed(fn):
         def work(*args):

@@ -87,8 +87,8 @@ def test_within_a_step_loads_and_fills_come_before_hits():
 # -- the digests -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("shape, dim", [((12, 2, 4, 16), 0), ((2, 12, 4, 2, 8), 1)],
-                         ids=["blocks-first", "k-and-v-first"])
+@pytest.mark.parametrize("shape, dim", [((12, 2, 4, 16), 0), ((2, 12, 4, 2, 8), 1), ((12, 3, 5), 0)],
+                         ids=["blocks-first", "k-and-v-first", "odd-bytes"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8])
 def test_a_digest_changes_with_any_byte_of_its_block_and_no_other(shape, dim, dtype):
     g = torch.Generator().manual_seed(1)

@@ -28,9 +28,9 @@ worker side shares the engine core's process: vLLM's in-process engine, or an
 engine core with the uniproc executor (``LLM``, ``vllm serve`` on one device).
 
 A digest is a 64-bit hash of a block's bytes in every layer's KV cache (a
-signed 64-bit integer): each layer's bytes, read as 32-bit words, weighted by
-fixed random odd 64-bit words and summed modulo 2^64, the layers folded in
-order. It is exact:
+signed 64-bit integer): each layer's bytes, read as 64-bit words (bytes, where
+a layer's block is no multiple of 8 of them), weighted by fixed random odd
+64-bit words and summed modulo 2^64, the layers folded in order. It is exact:
 bytes that differ anywhere give another digest (but for a chance of about
 2^-64), and the same bytes give the same digest on any device.
 
@@ -102,13 +102,19 @@ class BlockDigests:
         idx = torch.as_tensor(blocks, dtype=torch.int64, device=self.device)
         acc = None
         for t, dim in self.layers:
-            x = t.index_select(dim, idx)
+            x = t.index_select(dim, idx)   # a copy: the products below overwrite it
             if dim:
                 x = x.movedim(dim, 0)
             x = x.contiguous().view(torch.uint8).reshape(len(blocks), -1)
-            if x.shape[1] % 4 == 0:
-                x = x.view(torch.int32)
-            s = (x.to(torch.int64) * self._w(x.shape[1])).sum(dim=1)
+            if x.shape[1] % 8 == 0:   # 64-bit words: one pass, no widening
+                x = x.view(torch.int64)
+                w = self._w(x.shape[1])
+                if x.device.type == "cpu":
+                    s = x @ w   # integer matmul: wraps modulo 2^64 like the sum below
+                else:
+                    s = x.mul_(w).sum(dim=1)
+            else:
+                s = (x.to(torch.int64) * self._w(x.shape[1])).sum(dim=1)
             acc = s if acc is None else acc * _FOLD + s
         return acc.tolist()
 

