@@ -123,3 +123,15 @@ def test_equal_bytes_in_two_blocks_give_equal_digests():
 def test_the_digest_needs_the_block_dimension():
     with pytest.raises(ValueError, match="no dimension of 10 blocks"):
         BlockDigests([torch.zeros(4, 5)], 10)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape, dim", [((12, 2, 4, 16), 0), ((2, 12, 4, 2, 8), 1), ((12, 3, 5), 0)],
+                         ids=["blocks-first", "k-and-v-first", "odd-bytes"])
+def test_the_same_bytes_give_the_same_digest_on_cuda_as_on_the_cpu(shape, dim):
+    g = torch.Generator().manual_seed(2)
+    layers = [torch.randint(0, 250, shape, generator=g).to(torch.bfloat16) for _ in range(4)]
+    blocks = [0, 3, 7, 11, 5]
+    cpu = BlockDigests(layers, 12)(blocks)
+    cuda = BlockDigests([t.cuda() for t in layers], 12)(blocks)
+    assert cuda == cpu and len(set(cpu)) == len(blocks)
