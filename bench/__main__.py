@@ -3,6 +3,9 @@ to the limit it is measured against, all measured in the same run.
 
 * recorder overhead on a real vLLM engine (recorded / unrecorded wall time),
   on the tiny model and on the small one (bench/recorder_overhead.py);
+* the KV audit: its overhead on a real vLLM engine with ExampleConnector,
+  and its digests' throughput beside the memory bandwidth, on the CPU and on
+  CUDA when the shadow-KV check runs there (bench/kv_audit.py);
 * the embedded engine producing a large trace (its own wall time);
 * decompressing and JSON-parsing that trace, and parsing it into checked
   records (the floor for anything that reads it), measured again after every
@@ -107,6 +110,13 @@ def main() -> None:
                          f"engine's thread {r['capture_us_per_step']:.0f} us + writer thread "
                          f"{r['writer_us_per_step']:.0f} us = {r['own_ratio']:.3f}x",
                          f"<= {r['target']:.2f}x"))
+        a = _child("kv_audit_engine", rounds=21)
+        rows.append(("KV audit (vLLM + ExampleConnector, tiny model)",
+                     f"recorded with the audit {a['audit_ratio']:.3f}x engine time, without it "
+                     f"{a['plain_ratio']:.3f}x ({a['rounds']} interleaved rounds; unrecorded/"
+                     f"unrecorded {a['control_ratio']:.3f}); digests {a['digest_share']:.1%} of the "
+                     f"audited run, {a['blocks_per_round']:.0f} blocks of {a['block_kib']:.0f} KiB a "
+                     f"round", ""))
 
     eng = _child("engine", out=str(big), requests=n)
     _child("engine", out=str(small), requests=max(n // 100, 100))
@@ -199,6 +209,13 @@ def main() -> None:
         ("diff (trace with itself), all in one process", _diff_figure(size, dif1)
          + f"; peak {_mb(dif1['peak_rss'])}", ""),
     ]
+    for dev in ["cpu"] + (["cuda"] if "cuda" in kv_devices else []):
+        for batch in (64, 512):
+            d = _child("kv_digests", device=dev, batch=batch)
+            rows.append((f"KV audit digests ({dev}, {batch} blocks of 2 MiB a call)",
+                         f"{d['digest_gbs']:.2f} GB/s = {d['digest_gbs'] / d['copy_gbs']:.0%} of the "
+                         f"memory bandwidth ({d['copy_gbs']:.1f} GB/s, a copy of as many bytes); "
+                         f"the gather alone {d['gather_gbs']:.1f} GB/s", ""))
     for dev, b in bounds:
         ceiling = b["bound_slots_per_s"]
         rows.append((f"shadow-KV gather-and-compare ({dev}, 1 thread)",

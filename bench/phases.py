@@ -275,6 +275,18 @@ def recorder(model: str = "tiny", rounds: int = 101) -> dict:
     return run(rounds=rounds, model=model)
 
 
+def kv_audit_engine(rounds: int = 21) -> dict:
+    from bench.kv_audit import engine_overhead
+
+    return engine_overhead(rounds)
+
+
+def kv_digests(device: str = "cpu", batch: int = 64) -> dict:
+    from bench.kv_audit import digest_throughput
+
+    return digest_throughput(device, batch=batch)
+
+
 if __name__ == "__main__":
     phase, kwargs = sys.argv[1], json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
     print(json.dumps(globals()[phase](**kwargs)))
