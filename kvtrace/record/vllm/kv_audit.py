@@ -154,13 +154,12 @@ def _metadata_view(meta: Any, block_size: int) -> tuple[list[list[int]], list[li
 
 
 class _Plan:
-    __slots__ = ("step", "tables", "hashes", "asked", "cached", "hits", "before", "targets",
-                 "saves", "view")
+    """One step's blocks to digest, worked out on the scheduler's thread."""
+
+    __slots__ = ("step", "asked", "cached", "hits", "before", "targets", "saves", "view")
 
     def __init__(self, step: int):
         self.step = step
-        self.tables: dict[str, list[int]] = {}
-        self.hashes: dict[str, list[str]] = {}
         self.asked: dict[int, tuple[str, str]] = {}    # block -> (req, hash)
         self.cached: list[tuple[str, int, str]] = []   # (req, block, hash)
         self.hits: list[tuple[str, int, str]] = []
@@ -168,6 +167,38 @@ class _Plan:
         self.targets: list[tuple[str, int, str, bool, bool]] = []   # req, block, hash, asked, said
         self.saves: list[tuple[str, int, str]] = []
         self.view = "bytes"
+
+
+class _Tables:
+    """Block tables and block hashes of a step's requests, read when first
+    needed (a long context's table is read only in a step that needs it)."""
+
+    def __init__(self, kvm: Any, requests: dict, order: list[str]):
+        self.kvm, self.requests, self.order = kvm, requests, order
+        self._tables: dict[str, list[int]] = {}
+
+    def table(self, rid: str) -> list[int]:
+        t = self._tables.get(rid)
+        if t is None:
+            t = self._tables[rid] = list(self.kvm.get_block_ids(rid)[0])
+        return t
+
+    def hashes(self, rid: str, lo: int, hi: int) -> list[str]:
+        req = self.requests.get(rid)
+        got = req.block_hashes[lo:hi] if req is not None else ()
+        return [hash_hex(h) for h in got]
+
+    def blocks(self, rid: str, lo: int, hi: int) -> list[tuple[str, int, str]]:
+        """(req, block, hash) of the request's blocks lo..hi-1 that hold a hash."""
+        table = self.table(rid)
+        return [(rid, b, h) for b, h in zip(table[lo:hi], self.hashes(rid, lo, hi))]
+
+    def owner(self, blocks: list[int]) -> str | None:
+        """The request whose table starts with ``blocks`` (a connector's entry)."""
+        for rid in self.order:
+            if self.table(rid)[:len(blocks)] == blocks:
+                return rid
+        return None
 
 
 class KVAudit:
@@ -187,8 +218,10 @@ class KVAudit:
     # -- the scheduler's thread --------------------------------------------------
 
     def plan(self, step: int, out: Any, sched: Any, lookups: list, loads: list) -> None:
+        """At the end of ``schedule()``: which blocks the step's execution must
+        digest, and whose they are (read now, while the tables are this step's)."""
         meta = getattr(out, "kv_connector_metadata", None)
-        if meta is None:
+        if meta is None or self.off:
             return
         bs = self.block_size
         p = _Plan(step)
@@ -197,41 +230,46 @@ class KVAudit:
         computed = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
         cd = out.scheduled_cached_reqs
         computed.update(zip(cd.req_ids, cd.num_computed_tokens))
-        admitted = {r.req_id for r in out.scheduled_new_reqs} | set(cd.resumed_req_ids or ())
+        admitted = [r.req_id for r in out.scheduled_new_reqs] + list(cd.resumed_req_ids or ())
+        # Admitted requests first: a connector's entries are theirs, mostly.
+        tables = _Tables(self.kvm, sched.requests,
+                         list(dict.fromkeys(admitted + [r for r in computed if r in sched.requests])))
         for rid, c in computed.items():
-            req = sched.requests.get(rid)
-            if req is None:
-                continue
-            table = list(self.kvm.get_block_ids(rid)[0])
-            hashes = [hash_hex(h) for h in req.block_hashes]
-            p.tables[rid], p.hashes[rid] = table, hashes
             n = nst.get(rid, 0) - len(spec.get(rid, ()))
-            for i in range(c // bs, min((c + n) // bs, len(hashes), len(table))):
-                p.cached.append((rid, table[i], hashes[i]))
+            if (c + n) // bs > c // bs and rid in sched.requests:   # the step fills a block
+                p.cached += tables.blocks(rid, c // bs, (c + n) // bs)
         local = {lk.req: lk.local for lk in lookups}
-        for rid in admitted & local.keys():
-            table, hashes = p.tables.get(rid, []), p.hashes.get(rid, [])
-            for i in range(min(local[rid] // bs, len(table), len(hashes))):
-                p.hits.append((rid, table[i], hashes[i]))
+        for rid in admitted:
+            if local.get(rid, 0) >= bs:
+                p.hits += tables.blocks(rid, 0, local[rid] // bs)
         for ld in loads:
-            table, hashes = p.tables.get(ld.req, []), p.hashes.get(ld.req, [])
-            for i in range(-(-ld.start // bs), min(ld.end // bs, len(table), len(hashes))):
-                p.asked[table[i]] = (ld.req, hashes[i])
+            for req, b, h in tables.blocks(ld.req, -(-ld.start // bs), ld.end // bs):
+                p.asked[b] = (req, h)
+        said: dict[int, tuple[str, str]] = {}
+        view = _metadata_view(meta, bs)
+        if view is not None:
+            p.view = "metadata"
+            entries_loaded, entries_saved = view
+            for blocks in entries_loaded:
+                rid = tables.owner(blocks)
+                named = tables.blocks(rid, 0, len(blocks)) if rid else []
+                for i, b in enumerate(blocks):
+                    said[b] = named[i][::2] if i < len(named) else ("", "")
+            for blocks in entries_saved:
+                rid = tables.owner(blocks)
+                if rid is not None:
+                    p.saves += tables.blocks(rid, 0, len(blocks))
+        for b in dict.fromkeys([*p.asked, *said]):
+            req, h = p.asked.get(b) or said[b]
+            p.targets.append((req, b, h, b in p.asked, b in said))
         self._plans[id(meta)] = (meta, p)
         if len(self._plans) > 64:   # steps the worker never ran (engine error paths)
             self._plans.pop(next(iter(self._plans)))
 
     # -- the worker's side ---------------------------------------------------------
 
-    def _owner(self, p: _Plan, blocks: list[int]) -> tuple[str, list[str]] | None:
-        """The request whose table starts with ``blocks`` (a connector's entry)."""
-        k = len(blocks)
-        for rid, table in p.tables.items():
-            if table[:k] == blocks:
-                return rid, p.hashes[rid]
-        return None
-
     def bind(self, meta: Any) -> None:
+        """Before the step's loads: the digests of the blocks they write."""
         got = self._plans.pop(id(meta), None)
         self._bound = None
         if got is None or got[0] is not meta:
@@ -249,25 +287,6 @@ class KVAudit:
                 self.off = True
                 logger.warning("kvtrace: no KV audit (%s: %s)", type(e).__name__, e)
                 return
-        said: dict[int, tuple[str, str]] = {}
-        view = _metadata_view(meta, self.block_size)
-        if view is not None:
-            p.view = "metadata"
-            loads, saves = view
-            for blocks in loads:
-                owner = self._owner(p, blocks)
-                for i, b in enumerate(blocks):
-                    said[b] = (owner[0], owner[1][i]) if owner and i < len(owner[1]) else ("", "")
-            for blocks in saves:
-                owner = self._owner(p, blocks)
-                if owner is None:
-                    continue
-                for i, b in enumerate(blocks):
-                    if i < len(owner[1]):
-                        p.saves.append((owner[0], b, owner[1][i]))
-        for b in dict.fromkeys([*p.asked, *said]):
-            req, h = p.asked.get(b) or said[b]
-            p.targets.append((req, b, h, b in p.asked, b in said))
         if p.targets:
             p.before = dict(zip([t[1] for t in p.targets],
                                 self.digests([t[1] for t in p.targets])))
