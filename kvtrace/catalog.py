@@ -85,6 +85,7 @@ VLLM_WORKLOADS = {
     "example-connector-roomy": "the same with room: fewer preemptions",
     "example-connector-corrupt": "a stored block corrupted on disk before its load",
     "example-connector-dropped-resume": "LMCache #2007's shape: a resumed request's load dropped",
+    "example-connector-negative-hit": "vLLM bug: ExampleConnector answers a negative external hit",
 }
 
 VLLM_FAULTS = {

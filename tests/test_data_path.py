@@ -135,3 +135,29 @@ def test_the_same_bytes_give_the_same_digest_on_cuda_as_on_the_cpu(shape, dim):
     cpu = BlockDigests(layers, 12)(blocks)
     cuda = BlockDigests([t.cuda() for t in layers], 12)(blocks)
     assert cuda == cpu and len(set(cpu)) == len(blocks)
+
+
+def test_a_negative_answer_of_vllms_example_connector_is_read_and_flagged():
+    """traces/data-path/negative-external-hit: vLLM 0.32's ExampleConnector
+    answers 64 - 96 = -32 external tokens for a prompt whose local hit goes
+    further than the key it looks up. The trace holds the answer as it was
+    (a reader that refused it would refuse the very run to look at); replay
+    flags it (I7) and the PrefillStats it leads to, where the recording has
+    them."""
+    from pathlib import Path
+
+    from kvtrace.replay import replay_file
+    from kvtrace.trace import events as ev
+    from kvtrace.trace.io import TraceReader
+
+    path = Path(__file__).resolve().parent.parent / "traces" / "data-path" / "negative-external-hit.jsonl.gz"
+    with TraceReader(path) as r:
+        events = list(r)
+    neg = [(e.step, lk.req, lk.ext) for e in events if isinstance(e, ev.Step)
+           for lk in e.lookups if lk.ext is not None and lk.ext < 0]
+    stats = [(e.step, e.req) for e in events if isinstance(e, ev.PromptStats)
+             and e.prefill_stats.num_external_cached_tokens < 0]
+    assert [x[2] for x in neg] == [-32] and stats == [neg[0][:2]]
+    divs = replay_file(path).divergences
+    assert [(d.step, d.req, d.field, d.rule.split(":")[0].split(" ")[0]) for d in divs] == [
+        (*neg[0][:2], "lookup.ext", "I7"), (*stats[0], "prefill_stats", "5.3")]

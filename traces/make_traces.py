@@ -107,7 +107,8 @@ FAULT_TRACES = ["async-load-overshoot", "stale-computed-on-preempt",
 DATA_PATH_TRACES = {"example-connector": "example-connector",
                     "example-connector-roomy": "example-connector-roomy",
                     "resumed-load-dropped": "example-connector-dropped-resume",
-                    "stored-block-corrupted": "example-connector-corrupt"}
+                    "stored-block-corrupted": "example-connector-corrupt",
+                    "negative-external-hit": "example-connector-negative-hit"}
 # Hybrid KV caches and sliding-window attention, in hybrid/: the tiny Gemma 3,
 # all-sliding and gpt-oss models of tiny_model.MODELS (the workload names one).
 HYBRID_TRACES = {name: name for name in (

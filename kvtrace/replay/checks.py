@@ -386,6 +386,11 @@ def step_invariants(rec: ev.Step, cfg: ev.SchedulerConfig, prev_preemptions: dic
             or any((0 in s.new_block_ids or s.more_groups)
                    and _holds_null(s.new_block_ids, s.more_groups, ()) for s in rec.running)):
         d(None, "block_ids", 0, f"1..{cfg.num_blocks - 1}", "4.5: block 0 is the null block", "block")
+    for lk in rec.lookups:
+        if lk.ext is not None and lk.ext < 0:
+            d(lk.req, "lookup.ext", lk.ext, ">= 0",
+              "I7: a connector's answer is >= 0 tokens (a negative one takes local hit "
+              "tokens back)")
     _loads_cover_hits(rec, reads_no_cache, d)
     return divs
 
@@ -411,7 +416,7 @@ def admitted_hits(rec: ev.Step, reads_no_cache: Callable[[str], bool]) -> list[t
     hits = []
     for req in sorted(admitted):
         lk = last_lookup.get(req)
-        if lk is not None and lk.ext and not reads_no_cache(req):
+        if lk is not None and lk.ext is not None and lk.ext > 0 and not reads_no_cache(req):
             hits.append((req, lk.local, lk.local + lk.ext))
     return hits
 

@@ -420,7 +420,7 @@ class Lookup(_Part):
 
     req: str
     local: Count
-    ext: Count | None
+    ext: Signed | None   # a broken connector can answer less than 0: recorded as it is
     load_async: bool = False
 
 

@@ -443,6 +443,16 @@ WORKLOADS["example-connector-corrupt"] = _example_connector(
     control=[[200, "corrupt-store", _example_prompts()[2], 2]], blocks=40)
 # The shape of LMCache #2007: a resumed request's load is dropped.
 WORKLOADS["example-connector-dropped-resume"] = _example_connector("DropsResumedLoad")
+# ExampleConnector's own bug: a prompt 1 past a block boundary (97 tokens) is
+# stored under its first 96 tokens but looked up under its first 64. Prompt 0
+# (65 tokens) stores the 64; prompt 1 (97) stores the 96; prompt 2, the same
+# 97 tokens again, hits 96 locally, and the connector answers 64 - 96 = -32.
+_P97 = [(11 * j + 7) % 400 + 20 for j in range(97)]
+WORKLOADS["example-connector-negative-hit"] = dict(
+    prompts=[_P97[:65], _P97, _P97], max_tokens=8, arrive_at=[0, 0, 5],
+    engine=dict(num_gpu_blocks_override=40, max_num_batched_tokens=1024,
+                kv_transfer_config=dict(kv_connector="ExampleConnector", kv_role="kv_both",
+                                        kv_connector_extra_config={"shared_storage_path": None})))
 
 
 def handoff_workload(prefill_trace: str | os.PathLike, decode: Any = "pd-decode") -> dict:
