@@ -74,6 +74,17 @@ def test_a_prefix_hit_on_an_overwritten_block_is_flagged():
     assert rules(other) == [(4, "d", "D3")] and "holds block hash h2" in other[0].recorded
 
 
+def test_a_block_filled_with_no_hash_yet_is_compared_with_nothing_later():
+    """Under async scheduling a decode's last token is a placeholder when its
+    step is scheduled: the block it fills has no hash yet. What the block held
+    before is forgotten, so a later hit on it is not held to old bytes."""
+    dp = DataPath()
+    dp.feed(audit(0, cached=[("a", 3, "h1", 111)]))
+    dp.feed(audit(5, cached=[("b", 3, "", 222)]))
+    assert dp.feed(audit(9, hits=[("c", 3, "h2", 222)])) == []
+    assert dp.checked["filled"] == 1
+
+
 def test_within_a_step_loads_and_fills_come_before_hits():
     """A step's hit may be on a block the same step filled, or one its loads
     wrote over (ExampleConnector loads a whole prompt, shared blocks too)."""
@@ -123,6 +134,26 @@ def test_equal_bytes_in_two_blocks_give_equal_digests():
 def test_the_digest_needs_the_block_dimension():
     with pytest.raises(ValueError, match="no dimension of 10 blocks"):
         BlockDigests([torch.zeros(4, 5)], 10)
+    with pytest.raises(ValueError, match="more than one dimension of 4 blocks"):
+        BlockDigests([torch.zeros(4, 4, 8)], 4)
+
+
+@pytest.mark.parametrize("bit", [63, 62, 33, 31, 0])
+def test_the_same_bit_flipped_in_two_words_changes_the_digest(bit):
+    """A weighted sum of words modulo 2^64 cannot see two flips of a high bit
+    (2^63 times any odd weight is 2^63): the words are mixed first."""
+    t = torch.zeros(3, 64, dtype=torch.int64)
+    d = BlockDigests([t], 3)
+    before = d([1])[0]
+    seen = set()
+    for i, j in [(0, 1), (2, 9), (5, 40), (62, 63), (10, 11)]:
+        for k in (i, j):
+            t[1, k] ^= -(1 << 63) if bit == 63 else 1 << bit
+        seen.add(d([1])[0])
+        for k in (i, j):
+            t[1, k] ^= -(1 << 63) if bit == 63 else 1 << bit
+    assert before not in seen and len(seen) == 5
+    assert d([1])[0] == before
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -161,3 +192,38 @@ def test_a_negative_answer_of_vllms_example_connector_is_read_and_flagged():
     divs = replay_file(path).divergences
     assert [(d.step, d.req, d.field, d.rule.split(":")[0].split(" ")[0]) for d in divs] == [
         (*neg[0][:2], "lookup.ext", "I7"), (*stats[0], "prefill_stats", "5.3")]
+
+
+def test_the_plan_leaves_out_async_loads_and_names_blocks_with_no_hash_yet():
+    """``KVAudit.plan`` on the scheduler's side of a step: a synchronous load
+    of a request scheduled now is a target; an async load (its request parked
+    until the load ends) is not; a decode that fills a block whose hash is not
+    known yet names it with an empty hash."""
+    from types import SimpleNamespace as NS
+
+    from kvtrace.record.vllm.kv_audit import KVAudit
+    from kvtrace.trace.events import KVLoad, Lookup
+
+    tables = {"new": [5, 6, 7], "parked": [8, 9], "old": [1, 2, 3]}
+    kvm = NS(get_block_ids=lambda rid: (tables[rid],), block_pool=NS(num_gpu_blocks=16))
+    requests = {"new": NS(block_hashes=[b"\x01" * 8, b"\x02" * 8, b"\x03" * 8]),
+                "parked": NS(block_hashes=[b"\x04" * 8, b"\x05" * 8]),
+                "old": NS(block_hashes=[b"\x06" * 8, b"\x07" * 8])}   # block 3's not yet
+    sched = NS(cache_config=NS(block_size=4), kv_cache_manager=kvm, requests=requests)
+    audit = KVAudit(NS(sink=None), sched, conn=None)
+    meta = object()
+    out = NS(kv_connector_metadata=meta, num_scheduled_tokens={"new": 4, "old": 1},
+             scheduled_spec_decode_tokens={},
+             scheduled_new_reqs=[NS(req_id="new", num_computed_tokens=8)],
+             scheduled_cached_reqs=NS(req_ids=["old"], num_computed_tokens=[11],
+                                      resumed_req_ids=set()))
+    lookups = [Lookup(req="new", local=4, ext=4), Lookup(req="parked", local=0, ext=8,
+                                                         load_async=True)]
+    loads = [KVLoad(req="new", start=4, end=8), KVLoad(req="parked", start=0, end=8)]
+    audit.plan(3, out, sched, lookups, loads)
+    p = audit._plans[id(meta)][1]
+    h = [bytes([i]) * 8 for i in range(8)]
+    assert p.asked == {6: ("new", h[2].hex())}
+    assert [t[:2] for t in p.targets] == [("new", 6)]
+    assert p.hits == [("new", 5, h[1].hex())]
+    assert p.cached == [("new", 7, h[3].hex()), ("old", 3, "")]

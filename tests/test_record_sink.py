@@ -605,3 +605,85 @@ print("not reached")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert marker.read_text() == "end"
     assert p.returncode == -15 and "not reached" not in p.stdout
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_ring_passes_every_byte_in_order_across_wraps(seed):
+    """Random chunk sizes (up to the whole ring), offered and taken in a random
+    interleaving: the bytes taken are the bytes offered, in order, and an
+    offer is refused exactly when the chunk and the room kept do not fit."""
+    import random
+
+    rnd = random.Random(seed)
+    size = rnd.choice([97, 256, 4096])
+    ring = Ring(memory_file(size), size, populate=True)
+    sent, got, written = bytearray(), bytearray(), 0
+    for _ in range(3000):
+        if rnd.random() < 0.6:
+            n, keep = rnd.randrange(0, size + 2), rnd.choice([0, 0, 8, 64])
+            chunk = bytes(rnd.randrange(256) for _ in range(n))
+            fits = n + keep <= size - (len(sent) - len(got))
+            assert ring.offer(chunk, keep) is fits
+            if fits:
+                sent += chunk
+        else:
+            got += ring.take()
+            assert got == sent[:len(got)]
+    got += ring.take()
+    assert got == sent and len(sent) > 4 * size
+    ring.close()
+
+
+def test_the_writer_process_s_side_of_the_ring_never_writes_its_data():
+    """Only the side that creates the ring takes its pages (with zeros, where
+    the kernel cannot populate them): the writer process maps it with the
+    header already in it."""
+    fd = memory_file(4096)
+    engine = Ring(fd, 4096, populate=True)
+    assert engine.offer(b"header\n")
+    writer = Ring.of_file(fd)
+    assert writer.take() == b"header\n"
+
+
+def test_an_event_larger_than_the_ring_is_dropped_and_counted_and_the_rest_go(tmp_path):
+    path = tmp_path / "t.jsonl"
+    s = ProcessSink(path, header(), ring_size=64 << 10)
+    s.put(Abort(seq=0, reqs=[f"request-{i:06d}" for i in range(10000)]))   # about 170 kB
+    feed(s)
+    assert s.dropped == 1 and not s._out
+    s.close()
+    evs = list(TraceReader(path))
+    assert len(evs) == 9 and evs[-1].status == "recorder-error" and evs[-1].dropped_events == 1
+
+
+def test_an_event_put_while_the_settled_line_waits_for_room_undoes_it(tmp_path):
+    """settled() finds no room and leaves the line to the writer thread; an
+    event then put straight into the ring must cancel it, or the line would
+    follow the event and a kill would read as a whole trace."""
+    import signal
+
+    s = ProcessSink(tmp_path / "t.jsonl", header(), ring_size=256 << 10)
+    os.kill(s._proc.pid, signal.SIGSTOP)
+    try:
+        big = [f"request-{i:06d}" for i in range(2000)]
+        for n in (30000, 1000, 100, 10, 0):   # the ring full to the last byte
+            while s._ring.offer(b"x" * n + b"\n"):
+                pass
+        s.settled()
+        assert s._settling and not s._settled
+        s._ring.take()   # the writer process has read it all
+        s.put(Abort(seq=0, reqs=big))
+        assert not s._settling and not s._settled
+    finally:
+        os.kill(s._proc.pid, signal.SIGCONT)
+        s.write_error = "the test is done"
+        s.close()
+
+
+def test_a_failure_after_the_trace_is_closed_raises_nothing(tmp_path):
+    s = ProcessSink(tmp_path / "t.jsonl", header())
+    feed(s)
+    s.settled()
+    s.close()
+    s.unsettle()
+    s._failed(RuntimeError("late"))

@@ -582,7 +582,7 @@ def test_a_killed_writer_process_leaves_the_engine_alone(tmp_path, model_dir, mo
     assert killed == [None]   # killed, it said no exit status
     assert recorded["outputs"] == plain["outputs"]
     failures = [r.getMessage() for r in caplog.records if "writing the trace failed" in r.getMessage()]
-    assert len(failures) == 1 and "BrokenPipe" in failures[0]
+    assert len(failures) == 1 and "the trace writer process has ended" in failures[0]
     r = TraceReader(out)
     evs = list(r)              # whatever reached the disk reads without an error
     assert all(e.kind != "end" for e in evs)

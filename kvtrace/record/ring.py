@@ -11,7 +11,10 @@ Layout: 64 bytes of head, then ``size`` bytes of data. The head holds two
 unsigned 64-bit counters, bytes written and bytes read since the start; the
 data between them is unread. One process writes the first, the other the
 second, each as one aligned 8-byte word (a memoryview of format "Q"), stored
-after the data it covers.
+after the data it covers. That order holds on x86-64, whose stores are seen in
+the order they are made; Python issues no memory barrier, so on a CPU that
+reorders stores (Arm) the writer process could read a chunk before its bytes
+land, and a line that does not parse ends the trace with recorder-error.
 ``offer`` writes all of a chunk or none of it, so the writer never sees half an
 event. The writer reads whole lines; each chunk offered ends with a newline.
 """
@@ -48,17 +51,19 @@ def memory_file(size: int) -> int:
 class Ring:
     """The ring mapped from ``fd`` (its data ``size`` bytes long)."""
 
-    def __init__(self, fd: int, size: int):
+    def __init__(self, fd: int, size: int, populate: bool = False):
         self.size = size
         self._mm = mmap.mmap(fd, HEAD + size)
-        self._populate()
+        if populate:   # the creating side, before anything is written
+            self._populate()
         self._pos = memoryview(self._mm)[:16].cast("Q")   # written, read: aligned 8-byte words
         self._data = memoryview(self._mm)[HEAD:]
 
     def _populate(self) -> None:
         """Take every page of the ring now, rather than a page fault in the
         engine's thread at the first write of each (Linux 5.14's
-        MADV_POPULATE_WRITE; else by writing it)."""
+        MADV_POPULATE_WRITE; else by writing zeros, which only the side that
+        creates the ring may do, before its first offer)."""
         try:
             self._mm.madvise(getattr(mmap, "MADV_POPULATE_WRITE", _MADV_POPULATE_WRITE))
             return

@@ -276,6 +276,7 @@ class ProcessSink(_Sink):
         self._settling = False   # settled() was called while lines waited
         self._settled = False    # the ring's last line says the engine settled
         size = int(ring_size or os.environ.get(ENV_RING, 0) or DEFAULT_SIZE)
+        self._largest = size - self.KEEP   # an event longer than this never fits: dropped
         raw = open_trace_file(self.path)  # may raise: caller handles it
         if raw < 3:  # never where the writer process's stdin/stdout/stderr go
             raw, low = above_stdio(raw), raw
@@ -286,7 +287,7 @@ class ProcessSink(_Sink):
         hold_lock(raw)
         try:
             memfd = above_stdio(memory_file(size))
-            self._ring = Ring(memfd, size)
+            self._ring = Ring(memfd, size, populate=True)
         except BaseException as e:
             os.close(raw)
             raise WriterProcessError(f"the ring in shared memory: {type(e).__name__}: {e}") from e
@@ -323,7 +324,11 @@ class ProcessSink(_Sink):
                 lines: list = []
                 self._resolve(ev, lines)
                 chunk = b"".join([_encode(x) + b"\n" for x in lines])
-                if self._out or not self._ring.offer(chunk, self.KEEP):
+                self._settling = False   # an event came: the engine is not settled
+                if len(chunk) > self._largest:
+                    self.dropped += 1    # it would never fit, and hold up every event after it
+                    self._unsettle()
+                elif self._out or not self._ring.offer(chunk, self.KEEP):
                     self._out.append(chunk)
                     self._unsettle()   # this event is not in the ring yet
                 self._settled = False  # (when it is, it follows the settled line)
@@ -372,11 +377,13 @@ class ProcessSink(_Sink):
 
     def _failed(self, e: Exception) -> None:
         super()._failed(e)
-        self._unsettle()
+        if not self.closed:
+            self._unsettle()
 
     def unsettle(self) -> None:
         with self._lock:
-            self._unsettle()
+            if not self.closed:   # once closed, the writer thread alone puts in the ring
+                self._unsettle()
 
     def _unsettle(self) -> None:
         """(The lock held, or the sink closed.) Events are lost, or wait outside
@@ -419,6 +426,8 @@ class ProcessSink(_Sink):
         status, error = self._end_status(status, error)
         end = orjson.dumps(["end", status, error, self.dropped], option=JSON_LINE)
         deadline = time.monotonic() + 60
+        if self.write_error is None and self._proc.ended():   # died since the thread last looked
+            super()._failed(WriterProcessError("the trace writer process has ended"))
         try:
             while not self._proc.ended():
                 self._move_waiting(0)

@@ -74,8 +74,11 @@ class DataPath:
             self.saved.setdefault(h, set()).add(d)
             self.checked["saves"] += 1
         for _, block, h, d in e.cached:
-            self.held[block] = (h, d, e.step, "filled")
-            self.checked["filled"] += 1
+            if h:
+                self.held[block] = (h, d, e.step, "filled")
+                self.checked["filled"] += 1
+            else:   # filled with no hash known yet: nothing to compare it with later
+                self.held.pop(block, None)
         for req, block, h, d in e.hits:
             held = self.held.get(block)
             self.checked["hits"] += 1

@@ -603,7 +603,7 @@ class KVAudit(_Record, tag="kv_audit"):
     (docs/reference/trace-format.md, "KV audit"), taken after the step's
     forward pass and the connector's loads and saves.
 
-    ``cached``: blocks the step's forward pass filled, which hold a block hash;
+    ``cached``: blocks the step's forward pass filled (hash "" where not known yet);
     ``hits``: blocks a request admitted this step took as a local prefix hit;
     ``saved``: blocks the connector was handed to save; each entry
     ``[req, block, hash, digest]``, ``hash`` the engine's block hash (the first

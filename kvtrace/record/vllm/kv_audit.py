@@ -28,11 +28,14 @@ worker side shares the engine core's process: vLLM's in-process engine, or an
 engine core with the uniproc executor (``LLM``, ``vllm serve`` on one device).
 
 A digest is a 64-bit hash of a block's bytes in every layer's KV cache (a
-signed 64-bit integer): each layer's bytes, read as 64-bit words (bytes, where
-a layer's block is no multiple of 8 of them), weighted by fixed random odd
-64-bit words and summed modulo 2^64, the layers folded in order. It is exact:
-bytes that differ anywhere give another digest (but for a chance of about
-2^-64), and the same bytes give the same digest on any device.
+signed 64-bit integer): each layer's bytes are read as 64-bit words (bytes,
+where a layer's block is no multiple of 8 of them); each word is multiplied
+by a fixed random odd word of its position between xor-shifts (xor-shift,
+multiply by the position's word, xor-shift, multiply, xor-shift, all modulo
+2^64, so that every bit of the word reaches every bit); the mixed words are summed modulo 2^64, the layers folded in order.
+The same bytes give the same digest on any device; bytes that differ give
+another one but for a chance of about 2^-60 (without the mixing, a sum of
+weighted words would miss two flips of the same high bit half the time).
 
 A connector's own metadata is read when it has ExampleConnector's shape
 (``requests``, each with ``slot_mapping`` and ``is_store``): ``view``
@@ -40,15 +43,19 @@ A connector's own metadata is read when it has ExampleConnector's shape
 loaded is one whose bytes the step changed, and its saves are not known.
 
 Not audited (the audit is off, and says so in the log): several KV-cache
-groups, a KV cache whose block dimension is not the scheduler's blocks,
-speculative decoding's draft positions (their blocks are not counted as
-filled), and asynchronous loads (``load_async``).
+groups, a KV cache whose block dimension cannot be told (none, or several,
+of the scheduler's number of blocks), and speculative decoding. Asynchronous
+loads (``load_async``) are left out of ``loaded``. A block a step fills whose
+hash is not known yet (the last token of a decode under async scheduling is
+a placeholder when the step is scheduled) is written with an empty hash:
+replay then compares nothing on it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from typing import Any
 
 from kvtrace.trace.events import KVAudit as KVAuditEvent
@@ -57,6 +64,8 @@ logger = logging.getLogger("kvtrace.record")
 
 ENV = "KVTRACE_KV_AUDIT"   # "0": off; "1" or unset: on wherever it can run
 _FOLD = 0x5851F42D4C957F2D   # odd: folds one layer's sum into the next
+_MIX = 0x2545F4914F6CDD1D   # odd, below 2^63: a signed 64-bit integer as it is
+_BATCH = 256   # blocks digested at once: the copies stay small beside the cache
 
 
 def hash_hex(h: Any) -> str:
@@ -79,9 +88,10 @@ class BlockDigests:
                 continue
             seen.add(t.data_ptr())
             dims = [d for d, n in enumerate(t.shape) if n == num_blocks]
-            if not dims:
-                raise ValueError(f"a KV cache tensor of shape {tuple(t.shape)} has no dimension "
-                                 f"of {num_blocks} blocks")
+            if len(dims) != 1:
+                raise ValueError(f"a KV cache tensor of shape {tuple(t.shape)} has "
+                                 f"{'no' if not dims else 'more than one'} dimension of "
+                                 f"{num_blocks} blocks")
             self.layers.append((t, dims[0]))
         self.device = self.layers[0][0].device
         self._weights: dict[int, Any] = {}
@@ -96,6 +106,12 @@ class BlockDigests:
         return w
 
     def __call__(self, blocks: list[int]) -> list[int]:
+        out: list[int] = []
+        for at in range(0, len(blocks), _BATCH):
+            out += self._digest(blocks[at:at + _BATCH])
+        return out
+
+    def _digest(self, blocks: list[int]) -> list[int]:
         if not blocks:
             return []
         torch = self.torch
@@ -106,15 +122,13 @@ class BlockDigests:
             if dim:
                 x = x.movedim(dim, 0)
             x = x.contiguous().view(torch.uint8).reshape(len(blocks), -1)
-            if x.shape[1] % 8 == 0:   # 64-bit words: one pass, no widening
-                x = x.view(torch.int64)
-                w = self._w(x.shape[1])
-                if x.device.type == "cpu":
-                    s = x @ w   # integer matmul: wraps modulo 2^64 like the sum below
-                else:
-                    s = x.mul_(w).sum(dim=1)
-            else:
-                s = (x.to(torch.int64) * self._w(x.shape[1])).sum(dim=1)
+            x = x.view(torch.int64) if x.shape[1] % 8 == 0 else x.to(torch.int64)
+            x ^= (x >> 31) & 0x1FFFFFFFF   # a logical shift of 64-bit words: high bits down
+            x.mul_(self._w(x.shape[1]))    # then up again, by a weight of the word's position
+            x ^= (x >> 29) & 0x7FFFFFFFF
+            x.mul_(_MIX)
+            x ^= (x >> 32) & 0xFFFFFFFF
+            s = x.sum(dim=1)
             acc = s if acc is None else acc * _FOLD + s
         return acc.tolist()
 
@@ -146,9 +160,8 @@ def _metadata_view(meta: Any, block_size: int) -> tuple[list[list[int]], list[li
         return None
     loads, saves = [], []
     for r in reqs:
-        slots = [int(s) for s in r.slot_mapping.tolist()]
-        blocks = list(dict.fromkeys(s // block_size for s in slots))
-        full = [b for b in blocks if sum(1 for s in slots if s // block_size == b) == block_size]
+        per_block = Counter(int(s) // block_size for s in r.slot_mapping.tolist())
+        full = [b for b, n in per_block.items() if n == block_size]   # in the entry's order
         (saves if r.is_store else loads).append(full)
     return loads, saves
 
@@ -237,14 +250,20 @@ class KVAudit:
         for rid, c in computed.items():
             n = nst.get(rid, 0) - len(spec.get(rid, ()))
             if (c + n) // bs > c // bs and rid in sched.requests:   # the step fills a block
-                p.cached += tables.blocks(rid, c // bs, (c + n) // bs)
+                filled = tables.blocks(rid, c // bs, (c + n) // bs)
+                # Blocks with no hash yet (under async scheduling a decode's last
+                # token is a placeholder now): an empty hash, compared with nothing.
+                table = tables.table(rid)[len(filled) + c // bs:(c + n) // bs]
+                p.cached += filled + [(rid, b, "") for b in table]
         local = {lk.req: lk.local for lk in lookups}
         for rid in admitted:
             if local.get(rid, 0) >= bs:
                 p.hits += tables.blocks(rid, 0, local[rid] // bs)
-        for ld in loads:
-            for req, b, h in tables.blocks(ld.req, -(-ld.start // bs), ld.end // bs):
-                p.asked[b] = (req, h)
+        sync = {lk.req for lk in lookups if not lk.load_async}
+        for ld in loads:   # synchronous loads: the request is scheduled now, and reads them
+            if ld.req in computed and ld.req in sync:
+                for req, b, h in tables.blocks(ld.req, -(-ld.start // bs), ld.end // bs):
+                    p.asked[b] = (req, h)
         said: dict[int, tuple[str, str]] = {}
         view = _metadata_view(meta, bs)
         if view is not None:
