@@ -11,8 +11,8 @@ load; only the bytes say whether it did. Per step, ``KVAudit`` records
   with its digest before the step and after its loads;
 * ``saved``: every block the connector's metadata says it saves, after the
   forward pass filled it;
-* ``cached``: every block the step's forward pass filled that holds a block
-  hash (a block that becomes a prefix-cache entry);
+* ``cached``: every block the step's forward pass filled (a block that
+  becomes a prefix-cache entry; its hash empty where not known yet);
 * ``hits``: every block a request admitted in the step took as a local prefix
   hit.
 
