@@ -134,8 +134,11 @@ def test_equal_bytes_in_two_blocks_give_equal_digests():
 def test_the_digest_needs_the_block_dimension():
     with pytest.raises(ValueError, match="no dimension of 10 blocks"):
         BlockDigests([torch.zeros(4, 5)], 10)
+    with pytest.raises(ValueError, match="no dimension of 8 blocks"):
+        BlockDigests([torch.zeros(4, 5, 8)], 8)   # blocks come first or second in vLLM's layouts
     with pytest.raises(ValueError, match="more than one dimension of 4 blocks"):
         BlockDigests([torch.zeros(4, 4, 8)], 4)
+    assert BlockDigests([torch.zeros(6, 2, 6)], 6).layers[0][1] == 0   # a head size may match
 
 
 @pytest.mark.parametrize("bit", [63, 62, 33, 31, 0])

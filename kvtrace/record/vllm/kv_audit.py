@@ -87,11 +87,13 @@ class BlockDigests:
             if t.data_ptr() in seen and t.shape in [x.shape for x, _ in self.layers]:
                 continue
             seen.add(t.data_ptr())
-            dims = [d for d, n in enumerate(t.shape) if n == num_blocks]
+            # vLLM's layouts put the blocks first ([blocks, heads, ...], the
+            # CPU's) or second ([2, blocks, ...], K and V first).
+            dims = [d for d, n in enumerate(t.shape[:2]) if n == num_blocks]
             if len(dims) != 1:
                 raise ValueError(f"a KV cache tensor of shape {tuple(t.shape)} has "
                                  f"{'no' if not dims else 'more than one'} dimension of "
-                                 f"{num_blocks} blocks")
+                                 f"{num_blocks} blocks among its first two")
             self.layers.append((t, dims[0]))
         self.device = self.layers[0][0].device
         self._weights: dict[int, Any] = {}
