@@ -184,12 +184,15 @@ def _failed_load_face(wl, path, d) -> bool:
     """vLLM 0.32's failed-load bug under async scheduling, which the embedded
     engine reproduces as the reference does (docs/findings.md): after a failed
     load, a step in flight samples from the unloaded KV and its token is kept,
-    and the request's count runs past its last token (I1). Only for a request
-    whose table held a block an output reports failed, or whose load failed."""
+    and the request's count runs past its last token (I1); a later step then
+    reads the kept token's position, which the recomputation did not write
+    (kv-content). Only for a request whose table held a block an output
+    reports failed, or whose load failed."""
     if not (wl.config.async_scheduling and wl.store is not None
             and (wl.store.failed_recving_fraction or wl.store.invalid_blocks_fraction)):
         return False
-    if not (d.rule == STALE or (d.rule.startswith("I1") and d.field == "state.num_computed_tokens")):
+    if not (d.rule == STALE or (d.rule.startswith("I1") and d.field == "state.num_computed_tokens")
+            or d.kind == "kv-content"):
         return False
     hit = set()
     with TraceReader(path) as r:
@@ -202,7 +205,7 @@ def _failed_load_face(wl, path, d) -> bool:
 
 
 def _failing_store_workload(name: str, arrivals: list, capacity: int, preload: tuple = (),
-                            delay: int = 1, **config) -> Workload:
+                            delay: int = 1, kv_role: str = "kv_both", **config) -> Workload:
     """Async scheduling, one token per block, max_num_seqs 1, and a store whose
     loads fail now and then (block-level and whole), as the random workloads
     below draw them: the two examples they found."""
@@ -212,7 +215,7 @@ def _failing_store_workload(name: str, arrivals: list, capacity: int, preload: t
                     StoreSettings(capacity_tokens=capacity, preload=preload, min_hit_tokens=1,
                                   async_fraction=0.0, async_delay_steps=delay,
                                   failed_recving_fraction=0.4, invalid_blocks_fraction=0.5,
-                                  late_failure_fraction=0.5, kv_role="kv_both"),
+                                  late_failure_fraction=0.5, kv_role=kv_role),
                     19, eos_probability=0.0)
 
 
@@ -250,6 +253,26 @@ def test_the_failed_load_bug_the_embedded_engine_shares_with_vllm_is_named(tmp_p
     assert not record_workload(wl, path).stalled
     divs = _replay(path).divergences
     assert sorted((d.req, d.rule[:3]) for d in divs) == [("q5", "I1:"), ("q5", STALE[:3])]
+    assert all(_failed_load_face(wl, path, d) for d in divs)
+
+
+def test_the_failed_load_bug_s_kept_token_is_read_later(tmp_path):
+    """The same bug, found by the random test later: a block of q5's sync load
+    fails (step 31's output) while step 32 is in flight; step 32's token is
+    kept (I1, and the stale token), the prefill is recomputed from 0, and
+    step 34 reads the kept token's position, which no step of q5 wrote: the
+    shadow-KV check names the read. All of it is the bug's face."""
+    wl = _failing_store_workload("kept-token-read", [
+        (0, "q0", (18, 6, 9, 11), 7, 1), (0, "q1", (4, 3, 7, 17), 5, 0),
+        (0, "q2", (18, 18, 9, 3), 6, 0), (4, "q3", (4, 3, 7, 5), 4, 0),
+        (8, "q4", (4, 3, 7, 15), 4, 0), (12, "q5", (14, 13, 3, 11), 3, 0)],
+        capacity=2830, preload=((18,), (4, 3, 7), (14, 13, 3, 11)), delay=2, kv_role="kv_consumer",
+        num_blocks=13, max_num_batched_tokens=8, max_model_len=12)
+    path = tmp_path / "t.jsonl"
+    assert not record_workload(wl, path).stalled
+    divs = _replay(path).divergences
+    assert sorted({(d.req, d.kind) for d in divs}) == [("q5", "invariant"), ("q5", "kv-content")]
+    assert any(d.rule == STALE for d in divs) and any(d.kind == "kv-content" for d in divs)
     assert all(_failed_load_face(wl, path, d) for d in divs)
 
 
