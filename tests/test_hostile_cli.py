@@ -319,9 +319,15 @@ def test_a_signal_unwinds_replay_and_its_output_ends_interrupted(tmp_path, signa
     os.mkfifo(fifo)
     out = tmp_path / "out.jsonl"
     out.write_bytes(b"what the user had\n")
+    def as_at_a_terminal():
+        # kvtrace leaves a signal it inherits ignored as it is (nohup, a
+        # background job): a test run under nohup must not hand that on.
+        for s in (signal.SIGINT, signal.SIGHUP):
+            signal.signal(s, signal.SIG_DFL)
+
     p = subprocess.Popen(KVTRACE + ["replay", "--no-kv-check", str(fifo), "-o", str(out)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         env=dict(os.environ, KVTRACE_QUIET="1"))
+                         env=dict(os.environ, KVTRACE_QUIET="1"), preexec_fn=as_at_a_terminal)
     lines = gzip.decompress(CLEAN.read_bytes()).splitlines(keepends=True)
     with open(fifo, "wb") as w:
         w.write(b"".join(lines[:40]))
