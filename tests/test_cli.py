@@ -606,3 +606,42 @@ def test_no_progress_in_ci_or_when_asked_for_quiet():
     for extra in ({"CI": "true"}, {"KVTRACE_QUIET": "1"}):
         code, out, seen = _with_terminal_stderr(["replay", "--no-kv-check", str(trace)], **extra)
         assert code == 0 and b"no divergence" in out and seen == b"", (extra, seen)
+
+
+def test_a_trace_with_no_step_is_not_a_pass(tmp_path, capsys):
+    """A recorder that captured nothing leaves a header and an end: replay says
+    there was nothing to check and exits 4, in JSON too (its content as for any
+    trace), so that a CI gate on replay's status does not pass it."""
+    from kvtrace.trace.io import TraceReader, TraceWriter
+
+    header = TraceReader(TRACES / "preemption.jsonl.gz").header
+    empty = tmp_path / "empty.jsonl"
+    TraceWriter(empty, header).close()
+    code, out, _ = run(capsys, "replay", "--no-kv-check", str(empty))
+    assert code == 4 and "nothing to check: the trace holds no step" in out
+    assert "no divergence" not in out
+    code, out, _ = run(capsys, "replay", "--no-kv-check", "--json", str(empty))
+    assert code == 4 and orjson.loads(out)["steps"] == 0
+
+
+@pytest.mark.parametrize("argv, code", [(["true"], 4), (["false"], 1)])
+def test_record_of_a_command_that_writes_no_trace_says_so(tmp_path, capsys, argv, code):
+    out = tmp_path / "t.jsonl"
+    got, stdout, err = run(capsys, "record", "-o", str(out), "--", *argv)
+    assert got == code and "wrote" not in stdout and not out.exists()
+    assert err.strip() == (f"kvtrace: no trace written to {out}: the command exited with status "
+                           f"{code if code != 4 else 0} and started no recording vLLM engine (it "
+                           "runs no vLLM, or its Python has no kvtrace)")
+
+
+def test_record_of_a_command_says_what_it_wrote_when_it_wrote_it(tmp_path, capsys, monkeypatch):
+    import kvtrace.record.vllm.run as vr
+
+    def fake(out, argv):
+        out.write_text("a trace\n")
+        return 0
+
+    monkeypatch.setattr(vr, "record_command", fake)
+    out = tmp_path / "t.jsonl"
+    code, stdout, err = run(capsys, "record", "-o", str(out), "--", "serve")
+    assert code == 0 and stdout.strip() == f"wrote {out}" and err == ""

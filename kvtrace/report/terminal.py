@@ -194,7 +194,9 @@ def print_replay(result: Any, path: str, console: Console | None = None,
     if note:
         console.print(Text(note, style="yellow"))
     _print_divergences(console, divs, max_rows)
-    console.print(Text(_replay_summary(divs), style="red" if divs else "green"))
+    steps = getattr(result, "steps", None)
+    console.print(Text(_replay_summary(divs, steps),
+                       style="red" if divs else "yellow" if steps == 0 else "green"))
     line = audit_line(getattr(result, "audit", None))
     if line:
         console.print(Text(line))
@@ -269,7 +271,9 @@ def end_note(end: Any) -> str | None:
     return f"the recorder closed this trace as '{end.status}'{dropped}{why}"
 
 
-def _replay_summary(divs: list[Divergence]) -> str:
+def _replay_summary(divs: list[Divergence], steps: int | None = None) -> str:
+    if not divs and steps == 0:
+        return "nothing to check: the trace holds no step (a recorder that captured nothing?)"
     if not divs:
         return "no divergence: the trace matches the reference scheduler"
     reqs = {d.req for d in divs if d.req is not None}
@@ -317,7 +321,7 @@ def print_replay_many(results: list, console: Console | None = None, max_rows: i
             continue
         line = _trace_line(path, result.header, result.steps, getattr(result, "profile", None))
         note = replayed_up_to(result.truncation)
-        console.print(Text(f"{line}: {_replay_summary(result.divergences)}"
+        console.print(Text(f"{line}: {_replay_summary(result.divergences, result.steps)}"
                            + (f" (truncated: {note})" if note else ""),
                            style="red" if result.divergences else "green"))
         name = os.path.basename(str(path))
