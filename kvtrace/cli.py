@@ -103,6 +103,9 @@ def run(argv: list[str] | None = None) -> int:
         return rv if isinstance(rv, int) else EXIT_OK
     except click.exceptions.Exit as e:
         return e.exit_code
+    except click.exceptions.NoArgsIsHelpError as e:   # bare ``kvtrace``: the help, as -h gives it
+        click.echo(e.ctx.get_help())
+        return EXIT_OK
     except click.ClickException as e:  # usage errors: click's message on one line, exit 2
         ctx = getattr(e, "ctx", None)
         hint = f" (see '{ctx.command_path} -h')" if ctx is not None else ""

@@ -645,3 +645,26 @@ def test_record_of_a_command_says_what_it_wrote_when_it_wrote_it(tmp_path, capsy
     out = tmp_path / "t.jsonl"
     code, stdout, err = run(capsys, "record", "-o", str(out), "--", "serve")
     assert code == 0 and stdout.strip() == f"wrote {out}" and err == ""
+
+
+def test_bare_kvtrace_prints_the_help_as_h_does(capsys):
+    code, out, err = run(capsys)
+    assert code == 0 and err == ""
+    code_h, out_h, _ = run(capsys, "-h")
+    assert out == out_h and out.startswith("Usage: kvtrace") and "\n  replay " in out
+
+
+@pytest.mark.parametrize("argv", [
+    ["record", "-o", "{d}/t.jsonl.bz2"],
+    ["replay", "--no-kv-check", str(TRACES / "preemption.jsonl.gz"), "-o", "{d}/t.jsonl.xz"],
+    ["redact", str(TRACES / "preemption.jsonl.gz"), "{d}/t.lz4"],
+], ids=["record", "replay", "redact"])
+def test_a_trace_named_for_a_compression_kvtrace_does_not_write_is_refused(tmp_path, capsys, argv):
+    """Written plain under a name that says .bz2, a trace would be unreadable
+    to the tools the name promises: refused in one line, nothing written."""
+    argv = [a.format(d=tmp_path) for a in argv]
+    code, out, err = run(capsys, *argv)
+    ending = argv[-1].rsplit(".", 1)[1]
+    assert code == 2 and err.strip().startswith("kvtrace: ") and err.count("\n") == 1
+    assert f"kvtrace writes traces plain, .gz or .zst, not .{ending}" in err
+    assert list(tmp_path.iterdir()) == []

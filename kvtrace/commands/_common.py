@@ -113,6 +113,19 @@ def say(msg: str) -> None:
         pass
 
 
+# Endings of compressions kvtrace does not write: a trace named so would be
+# written plain under a name that says otherwise.
+_FOREIGN_COMPRESSION = (".bz2", ".xz", ".lzma", ".lz4", ".br", ".zip", ".7z", ".tgz", ".zstd")
+
+
+def trace_output(out) -> None:
+    """A trace to be written must be named for a compression kvtrace writes
+    (none, ``.gz`` or ``.zst``)."""
+    if out is not None and Path(out).name.lower().endswith(_FOREIGN_COMPRESSION):
+        ending = "." + Path(out).name.rsplit(".", 1)[1]
+        raise UsageProblem(f"{out}: kvtrace writes traces plain, .gz or .zst, not {ending}")
+
+
 def refuse_to_overwrite(out, *inputs) -> None:
     """Writing ``out`` must never destroy a file the command reads: the same
     name, a link to it, or another name of it."""

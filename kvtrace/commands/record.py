@@ -10,7 +10,7 @@ from kvtrace.catalog import EMBEDDED_FAULTS, EMBEDDED_WORKLOADS, VLLM_FAULTS
 from kvtrace.outputs import blamed_on
 
 from ._common import (EXIT_NOTHING, EXIT_OK, VLLM_HINT, FilePath, UsageProblem, echo, importing,
-                      require_vllm, say)
+                      require_vllm, say, trace_output)
 from .progress import progress
 
 WORKLOADS = tuple(EMBEDDED_WORKLOADS)
@@ -53,6 +53,7 @@ def command(out: Path, workload: str | None, fault: str | None, seed: int | None
     kvtrace record -o run.jsonl.gz --engine vllm --workload preemption
     kvtrace record -o run.jsonl.gz -- python -m vllm.entrypoints.openai.api_server --model DIR
     """
+    trace_output(out)
     target = out.with_name(out.name + ".plain") if redact else out
     if seed is not None and (command or engine == "vllm"):
         raise UsageProblem("--seed applies to the embedded engine only: the vLLM workloads "

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from ._common import EXIT_OK, FilePath, UsageProblem, echo, refuse_to_overwrite
+from ._common import EXIT_OK, FilePath, UsageProblem, echo, refuse_to_overwrite, trace_output
 
 
 MAX_KEY_BYTES = 4096
@@ -26,6 +26,7 @@ def command(src: Path, dst: Path, key_hex: str | None, key_file: Path | None) ->
     from kvtrace.redact import redact_file
 
     refuse_to_overwrite(dst, src)
+    trace_output(dst)
     if key_hex is not None and key_file is not None:
         raise UsageProblem("give --key-hex or --key-file, not both")
     key = None

@@ -9,7 +9,7 @@ import click
 
 from ._common import (EXIT_BAD_INPUT, EXIT_DIVERGENT, EXIT_INTERNAL, EXIT_NOTHING, EXIT_OK,
                       VLLM_HINT, FilePath, UsageProblem, importing, print_bytes,
-                      refuse_to_overwrite, require_vllm, say)
+                      refuse_to_overwrite, require_vllm, say, trace_output)
 from .progress import progress
 
 
@@ -47,6 +47,7 @@ def command(traces: tuple[Path, ...], out: Path | None, as_json: bool, device: s
     was checked).
     """
     refuse_to_overwrite(out, *traces)
+    trace_output(out)
     if kv_check and device.startswith("cuda"):   # before any trace is read or output written
         from kvtrace.replay.shadow_kv import pick_device
 
