@@ -311,8 +311,14 @@ def test_record_embedded_plumbing(tmp_path, capsys, monkeypatch):
     import kvtrace.engine
 
     calls = []
-    monkeypatch.setattr(kvtrace.engine, "record_embedded",
-                        lambda out, progress, **kw: calls.append((out, kw)) or callable(progress))
+    from types import SimpleNamespace
+
+    def fake(out, progress, **kw):
+        assert callable(progress)
+        calls.append((out, kw))
+        return SimpleNamespace(fault_log=["fired"])
+
+    monkeypatch.setattr(kvtrace.engine, "record_embedded", fake)
     out_path = tmp_path / "t.jsonl.gz"
     code, out, _ = run(capsys, "record", "-o", str(out_path), "--workload", "offload",
                        "--fault", "async-load-overshoot", "--seed", "7")
@@ -668,3 +674,23 @@ def test_a_trace_named_for_a_compression_kvtrace_does_not_write_is_refused(tmp_p
     assert code == 2 and err.strip().startswith("kvtrace: ") and err.count("\n") == 1
     assert f"kvtrace writes traces plain, .gz or .zst, not .{ending}" in err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("fault", sorted(__import__("kvtrace.engine", fromlist=["FAULTS"]).FAULTS))
+def test_record_of_a_fault_alone_runs_the_workload_that_shows_it(tmp_path, capsys, fault):
+    """Without --workload, --fault runs the workload it fires in (the catalog's
+    pairs), and replay flags it; with a workload where it never fires, record
+    says so."""
+    out = tmp_path / "f.jsonl"
+    code, _, err = run(capsys, "record", "-o", str(out), "--fault", fault)
+    assert code == 0 and "never fired" not in err, err
+    code, _, _ = run(capsys, "replay", str(out))
+    assert code == 1
+
+
+def test_record_says_when_a_fault_never_fired(tmp_path, capsys):
+    code, _, err = run(capsys, "record", "-o", str(tmp_path / "f.jsonl"), "--fault",
+                       "async-load-overshoot", "--workload", "shared-prefix")
+    assert code == 0
+    assert err.strip() == ("kvtrace: the fault async-load-overshoot never fired in workload "
+                           "shared-prefix: the trace is a clean run (it fires in offload)")

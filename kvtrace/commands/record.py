@@ -22,9 +22,9 @@ FAULTS = tuple(EMBEDDED_FAULTS)
               help="Trace file to write (.jsonl, .jsonl.gz or .jsonl.zst).")
 @click.option("--workload", default=None,
               help=f"Built-in workload. Embedded engine: {', '.join(WORKLOADS)} (default "
-                   f"{WORKLOADS[0]}). vLLM: prefix, preemption, connector, speculative and "
-                   "more (default: prefix, or the fault's). docs/reference/catalog.md lists "
-                   "them all.")
+                   f"{WORKLOADS[0]}, or the one that shows --fault). vLLM: prefix, preemption, "
+                   "connector, speculative and more (default: prefix, or the fault's). "
+                   "docs/reference/catalog.md lists them all.")
 @click.option("--fault", default=None,
               help=f"Put a known scheduler bug back in. Embedded engine: {', '.join(FAULTS)}. "
                    f"vLLM (a scheduler subclass): {', '.join(VLLM_FAULTS)}.")
@@ -114,19 +114,22 @@ def _record_embedded(out: Path, workload: str | None, fault: str | None, seed: i
                      model: Path | None, async_scheduling: bool) -> None:
     if model is not None:
         raise UsageProblem("--model needs --engine vllm")
-    workload = workload or WORKLOADS[0]
-    if workload not in WORKLOADS:
-        raise UsageProblem(f"unknown workload {workload!r}; known: {', '.join(WORKLOADS)}")
     if fault is not None and fault not in FAULTS:
         raise UsageProblem(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
-    from kvtrace.engine import record_embedded
+    from kvtrace.engine import FAULT_WORKLOADS, record_embedded
 
+    workload = workload or (FAULT_WORKLOADS[fault] if fault else WORKLOADS[0])
+    if workload not in WORKLOADS:
+        raise UsageProblem(f"unknown workload {workload!r}; known: {', '.join(WORKLOADS)}")
     with progress(f"recording {out.name}", "steps") as advance, blamed_on(out):
         try:
-            record_embedded(out, workload=workload, fault=fault, seed=seed,
-                            async_scheduling=async_scheduling, progress=advance)
+            res = record_embedded(out, workload=workload, fault=fault, seed=seed,
+                                  async_scheduling=async_scheduling, progress=advance)
         except ValueError as e:   # a combination the engine does not run
             raise UsageProblem(str(e)) from None
+    if fault and not res.fault_log:
+        say(f"the fault {fault} never fired in workload {workload}: the trace is a clean run "
+            f"(it fires in {FAULT_WORKLOADS[fault]})")
 
 
 def _record_vllm(out: Path, workload: str | None, fault: str | None, model: Path | None,
