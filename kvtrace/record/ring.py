@@ -79,12 +79,6 @@ class Ring:
         """The ring in the memory file ``fd`` (the writer process's side)."""
         return cls(fd, os.fstat(fd).st_size - HEAD)
 
-    def free(self) -> int:
-        return self.size - (self._pos[0] - self._pos[1])
-
-    def unread(self) -> int:
-        return self._pos[0] - self._pos[1]
-
     def offer(self, chunk: bytes, keep: int = 0) -> bool:
         """Write ``chunk`` whole if it fits with ``keep`` bytes still free after
         it; otherwise write nothing and say so. (The writer side: the engine.)"""

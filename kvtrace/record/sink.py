@@ -408,8 +408,7 @@ class ProcessSink(_Sink):
                 if (stop is None and self.write_error is None
                         and time.monotonic() - looked >= self.ALIVE_S):
                     looked = time.monotonic()
-                    if self._proc.ended():
-                        self._failed(WriterProcessError("the trace writer process has ended"))
+                    self._writer_gone()
                 if stop is None and self.write_error is None:
                     if self._settling:
                         self._tell_settled()
@@ -419,6 +418,15 @@ class ProcessSink(_Sink):
                 self._finish(*stop)
                 return
 
+    def _writer_gone(self) -> bool:
+        """Whether the writer process has ended; when it is first seen so, the
+        recording stops with recorder-error (events from here are lost)."""
+        if not self._proc.ended():
+            return False
+        if self.write_error is None:
+            self._failed(WriterProcessError("the trace writer process has ended"))
+        return True
+
     def _finish(self, status: str, error: str | None) -> None:
         # Closed: nothing is put any more, so the lines left need no lock. They go
         # even after an error in put, then the end line, as long as the writer
@@ -426,10 +434,8 @@ class ProcessSink(_Sink):
         status, error = self._end_status(status, error)
         end = orjson.dumps(["end", status, error, self.dropped], option=JSON_LINE)
         deadline = time.monotonic() + 60
-        if self.write_error is None and self._proc.ended():   # died since the thread last looked
-            super()._failed(WriterProcessError("the trace writer process has ended"))
         try:
-            while not self._proc.ended():
+            while not self._writer_gone():   # it may have died since the thread last looked
                 self._move_waiting(0)
                 if not self._out and self._ring.offer(end):
                     break

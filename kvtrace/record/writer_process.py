@@ -71,6 +71,7 @@ def _lines(fd: int, ring: Ring):
         closed = False
         if poll.poll(RING_POLL_S * 1000):
             closed = not os.read(fd, 1 << 16)   # nothing comes here but the end
+        # Taken after the close is seen: then it holds all the engine's process put.
         chunk = ring.take()
         if chunk:
             lines = (rest + chunk).split(b"\n")
@@ -81,10 +82,6 @@ def _lines(fd: int, ring: Ring):
             quiet_since = None
             yield IDLE
         if closed:
-            chunk = ring.take()   # the engine's process is gone: what it left
-            lines = (rest + chunk).split(b"\n")
-            rest = lines.pop()
-            yield from lines
             if rest:
                 yield CUT
             return

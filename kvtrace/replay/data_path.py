@@ -50,25 +50,28 @@ class DataPath:
     def feed(self, e: ev.KVAudit, line: int | None = None) -> list[Divergence]:
         found = []
         for req, block, h, before, after, asked, _ in e.loaded:
+            saved = self.saved.get(h)
+            held = self.held.get(block)
             if not h:
-                self.checked["unchecked loads"] += 1
+                judged = False
+            elif (saved is not None and after in saved) or (
+                    held is not None and held[:2] == (h, after)):
+                judged = True   # the saved bytes, or those it already held for the hash
+            elif asked and before == after:
+                judged = True
+                found.append(Divergence(
+                    e.step, req, "kv-load", f"block {block} not loaded (its bytes did not change)",
+                    f"the bytes saved for block hash {h}", D1, "kv-data", e.seq, line))
+            elif saved is not None:
+                judged = True
+                found.append(Divergence(
+                    e.step, req, "kv-load", f"block {block} loaded with other bytes",
+                    f"the bytes saved for block hash {h} "
+                    f"({len(saved)} {'save' if len(saved) == 1 else 'saves'})",
+                    D2, "kv-data", e.seq, line))
             else:
-                saved = self.saved.get(h)
-                held = self.held.get(block)
-                ok = (saved is not None and after in saved) or (
-                    held is not None and held[0] == h and held[1] == after)
-                if not ok and asked and before == after:
-                    found.append(Divergence(
-                        e.step, req, "kv-load", f"block {block} not loaded (its bytes did not change)",
-                        f"the bytes saved for block hash {h}", D1, "kv-data", e.seq, line))
-                elif not ok and saved is not None:
-                    found.append(Divergence(
-                        e.step, req, "kv-load", f"block {block} loaded with other bytes",
-                        f"the bytes saved for block hash {h} "
-                        f"({len(saved)} {'save' if len(saved) == 1 else 'saves'})",
-                        D2, "kv-data", e.seq, line))
-                self.checked["loads" if ok or saved is not None or asked and before == after
-                             else "unchecked loads"] += 1
+                judged = False   # bytes changed, and no save of the hash was seen
+            self.checked["loads" if judged else "unchecked loads"] += 1
             self.held[block] = (h, after, e.step, "loaded")
         for _, block, h, d in e.saved:
             self.saved.setdefault(h, set()).add(d)
