@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-RULE = re.compile(r"^((?:\d+\.\d+(?:/\d+\.\d+)?)|I\d+|B\d+|SD\d+|D\d+|legacy|liveness|kv-content): ")
+RULE = re.compile(r"^((?:\d+(?:\.\d+)?(?:/\d+\.\d+)?|I\d+|B\d+|SD\d+|D\d+|L\d+|liveness|kv-content|diff"
+                  r"|handoff)(?=: )|(?:S|AS):\d+(?= ))")
 
 
 def _rule_ids() -> dict[str, str]:

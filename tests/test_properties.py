@@ -177,7 +177,7 @@ def test_random_workloads_replay_clean(tmp_path_factory, wl):
     assert divs == [], f"{wl}\n{_show(divs)}"
 
 
-STALE = "a token sampled from KV a failed load left unloaded is discarded"
+STALE = "I8: a token sampled from KV a failed load left unloaded is discarded"
 
 
 def _failed_load_face(wl, path, d) -> bool:

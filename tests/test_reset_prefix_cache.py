@@ -109,9 +109,9 @@ def test_diff_compares_the_resets_of_two_traces(tmp_path):
     flipped[at]["reset_running_requests"] = not second["reset_running_requests"]
     b = save_records(flipped, tmp_path / "b.jsonl")
     [d] = [d for d in diff_files(b, path).divergences if d.field == "reset_prefix_cache"]
-    assert d.rule == "2nd prefix-cache reset differs" and d.line == at + 1
+    assert d.rule == "diff: 2nd prefix-cache reset differs" and d.line == at + 1
     assert d.recorded["reset_running_requests"] != d.expected["reset_running_requests"]
     # a reset one trace does not have
     c = save_records(records[:at] + records[at + 1:], tmp_path / "c.jsonl")
     [d] = [d for d in diff_files(path, c).divergences if d.field == "reset_prefix_cache"]
-    assert d.rule == "2nd prefix-cache reset differs" and d.expected is None
+    assert d.rule == "diff: 2nd prefix-cache reset differs" and d.expected is None

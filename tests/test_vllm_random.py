@@ -254,7 +254,7 @@ def _failing_loads(workload: dict, only_async: bool = False) -> set[str]:
     return {r["req"] for r in rules if r.get("fail") and (r.get("async") or not only_async)}
 
 
-STALE = "a token sampled from KV a failed load left unloaded is discarded"
+STALE = "I8: a token sampled from KV a failed load left unloaded is discarded"
 
 
 # A run still going after this many steps is stopped (the longest that finish

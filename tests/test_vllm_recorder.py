@@ -858,7 +858,7 @@ def test_an_engine_core_process_that_fails_ends_its_trace_interrupted(tmp_path, 
     assert all(d.rule.startswith("I1") or d.rule == STALE for d in divs), [d.to_json() for d in divs]
 
 
-STALE = "a token sampled from KV a failed load left unloaded is discarded"
+STALE = "I8: a token sampled from KV a failed load left unloaded is discarded"
 
 
 # ----------------------------------------------------------------------------- aborts, fail policy

@@ -195,7 +195,7 @@ def test_stale_computed_after_preemption_diverges_at_the_preemption(name, tmp_pa
     for req, count in first_reqs.items():
         x = at_first[req]
         assert (x.field, x.recorded, x.expected) == ("state.num_computed_tokens", count, 0)
-        assert x.rule == f"1st preemption of {req} differs"
+        assert x.rule == f"diff: 1st preemption of {req} differs"
     # The reference agrees with vLLM's scheduler on every decision of the run.
     divs = replay_file(out, device=None).divergences
     assert [x for x in divs if x.kind != "invariant"] == []

@@ -119,7 +119,7 @@ def compare_states(step: int, states: list[ev.RequestState], sched: Scheduler,
         r = live.get(s.req) or extra.get(s.req)
         if r is None:
             divs.append(Divergence(step, s.req, "state", s.status, None,
-                                   "the reference holds no such live request", "counter", seq, line))
+                                   "1.4: the reference holds no such live request", "counter", seq, line))
             continue
         blocks = tables.get(s.req, [])     # read only: no copy
         if (s.num_computed_tokens == r.num_computed_tokens and s.num_tokens == r.num_tokens
@@ -223,7 +223,7 @@ def compare_prompt_stats(rec: ev.PromptStats, expected: RequestOutput | None, re
 def _prefill_invariants(ps: ev.PrefillStats, d) -> None:
     L, E, P = ps.num_local_cached_tokens, ps.num_external_cached_tokens, ps.num_prompt_tokens
     if L < 0 or E < 0 or L + E > P:
-        d("prefill_stats", (L, E, P), "0 <= L, 0 <= E, L + E <= P", "5.3 (MS:327-340)", "invariant")
+        d("prefill_stats", (L, E, P), "0 <= L, 0 <= E, L + E <= P", "5.3: L, E >= 0, L + E <= P (MS:327-340)", "invariant")
     elif ps.num_cached_tokens != L + E or ps.num_computed_tokens != P - L - E:
         d("prefill_stats", (ps.num_cached_tokens, ps.num_computed_tokens), (L + E, P - L - E),
           "5.3: cached = L + E, computed = P - L - E", "invariant")
@@ -239,20 +239,20 @@ def _legacy_checks(lg: ev.LegacyCounters, expected: RequestOutput | None, ref: R
     rec_ = 1 if P is not None and nc + 1 == P else 0
     if nc < 0:
         d("legacy.num_cached_tokens", nc, want and want[0],
-          "legacy: num_cached_tokens >= 0 when emitted; -1 is the unset sentinel (PR #37354)", "invariant")
+          "L1: num_cached_tokens >= 0 when emitted; -1 is the unset sentinel (PR #37354)", "invariant")
     elif ne < 0:
         d("legacy.num_external_computed_tokens", ne, want and want[1],
-          "legacy: num_external_computed_tokens >= 0 (issue #36533, PR #36638)", "invariant")
+          "L2: num_external_computed_tokens >= 0 (issue #36533, PR #36638)", "invariant")
     elif ne > nc + rec_:
         d("legacy.num_external_computed_tokens", ne, f"<= {nc + rec_}",
-          "legacy: next <= num_cached_tokens + recomputed, so local_cache_hit "
+          "L3: next <= num_cached_tokens + recomputed, so local_cache_hit "
           f"({nc + rec_ - ne}) >= 0 (PR #36752){_lookups_named(nc, ne, ref)}", "invariant")
     elif P is not None and nc + rec_ > P:
         d("legacy.num_cached_tokens", nc, want and want[0],
-          "legacy: num_cached_tokens + recomputed <= prompt_len", "invariant")
+          "L4: num_cached_tokens + recomputed <= prompt_len", "invariant")
     elif ref is not None and not _from_one_lookup(nc, ne, ref):
         d("legacy.num_external_computed_tokens", (nc, ne), want,
-          "legacy: both counters must come from the same lookup", "invariant")
+          "L5: both counters must come from the same lookup", "invariant")
 
 
 def _lookups_named(nc: int, ne: int, ref: Request | None) -> str:
@@ -301,7 +301,7 @@ def stale_tokens(rec: ev.Output, before: dict[str, int], line: int | None) -> li
         if st is not None and st.num_tokens > n:
             divs.append(Divergence(
                 rec.step, req, "num_tokens", st.num_tokens, n,
-                "a token sampled from KV a failed load left unloaded is discarded",
+                "I8: a token sampled from KV a failed load left unloaded is discarded",
                 "invariant", rec.seq, line))
     return divs
 
@@ -430,4 +430,4 @@ def _loads_cover_hits(rec: ev.Step, reads_no_cache: Callable[[str], bool], d) ->
         if not covered:
             got = [(ld.start, ld.end) for ld in rec.loads if ld.req == req] or None
             d(req, "kv_load", got, [start, end],
-              "an admitted external hit must be loaded (LMCache #1969, PR #2007)")
+              "I9: an admitted external hit must be loaded (LMCache #1969, PR #2007)")

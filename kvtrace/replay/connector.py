@@ -30,12 +30,12 @@ class RecordedConnector:
         at = next((i for i, lk in enumerate(self.pending) if lk.req == rid), None)
         if at is None:
             self._diverge(rid, "lookup", None, num_computed_tokens,
-                          "the reference consulted the connector; the engine did not")
+                          "2.2: the reference consulted the connector; the engine did not")
             answer = ev.Lookup(rid, num_computed_tokens, 0, False)
         else:
             for skipped in self.pending[:at]:
                 self._diverge(skipped.req, "lookup", skipped.local, None,
-                              "the engine consulted the connector; the reference did not")
+                              "2.2: the engine consulted the connector; the reference did not")
             answer = self.pending[at]
             self.pending = self.pending[at + 1:]
             if answer.local != num_computed_tokens:
@@ -63,7 +63,7 @@ class RecordedConnector:
     def end_step(self) -> None:
         for lk in self.pending:
             self._diverge(lk.req, "lookup", lk.local, None,
-                          "the engine consulted the connector; the reference did not")
+                          "2.2: the engine consulted the connector; the reference did not")
         self.pending = []
 
     def _diverge(self, req, field, recorded, expected, rule) -> None:
