@@ -6,6 +6,8 @@ to the limit it is measured against, all measured in the same run.
 * the KV audit: its overhead on a real vLLM engine with ExampleConnector,
   and its digests' throughput beside the memory bandwidth, on the CPU and on
   CUDA when the shadow-KV check runs there (bench/kv_audit.py);
+* a small trace's replay with the shadow-KV check, next to replay without it
+  and the interpreter's start with the CLI imported (bench/small_replay.py);
 * the embedded engine producing a large trace (its own wall time);
 * decompressing and JSON-parsing that trace, and parsing it into checked
   records (the floor for anything that reads it), measured again after every
@@ -117,6 +119,15 @@ def main() -> None:
                      f"unrecorded {a['control_ratio']:.3f}); digests {a['digest_share']:.1%} of the "
                      f"audited run, {a['blocks_per_round']:.0f} blocks of {a['block_kib']:.0f} KiB a "
                      f"round", ""))
+
+    sr = _child("small_replay", runs=10)
+    m = sr["median"]
+    rows.append((f"small replay with the KV check ({sr['steps']} steps, on {sr['device']})",
+                 f"{m['check']:.3f} s, median of {sr['runs']} processes; without the check "
+                 f"{m['no_check']:.3f} s ({m['check'] / m['no_check']:.2f}x); python + import "
+                 f"kvtrace.cli {m['import_cli']:.3f} s; torch imported: "
+                 f"{'yes' if sr['torch_imported'] else 'no'} (import torch alone "
+                 f"{m['import_torch']:.3f} s)", "well under 1 s"))
 
     eng = _child("engine", out=str(big), requests=n)
     _child("engine", out=str(small), requests=max(n // 100, 100))

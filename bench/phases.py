@@ -281,6 +281,12 @@ def kv_audit_engine(rounds: int = 21) -> dict:
     return engine_overhead(rounds)
 
 
+def small_replay(runs: int = 10) -> dict:
+    from bench.small_replay import run
+
+    return run(runs)
+
+
 def kv_digests(device: str = "cpu", batch: int = 64) -> dict:
     from bench.kv_audit import digest_throughput
 

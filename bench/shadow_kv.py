@@ -1,9 +1,10 @@
 """Throughput of the shadow KV content check, next to the device's memory bandwidth.
 
-    python -m bench.shadow_kv [--device auto|cpu|cuda] [--num-blocks 4096] [--block-size 16]
+    python -m bench.shadow_kv [--device auto|cpu|cuda|numpy] [--num-blocks 4096] [--block-size 16]
                               [--requests 800] [--seed 0] [--threads N]
 
-Two measurements, both on the chosen device:
+Two measurements, both on the chosen device (numpy: the NumPy backend, on the
+CPU):
 
 * replay: a synthetic continuous-batching schedule (chunked prefill, decode,
   shared-prefix hits, external loads, requests finishing and blocks reused) is
@@ -37,13 +38,14 @@ import time
 
 import torch
 
-from kvtrace.replay.shadow_kv import ShadowKV, pick_device
+from kvtrace.replay.shadow_kv import ShadowCore, open_shadow
+from kvtrace.replay.shadow_torch import pick_device
 
 BYTES_PER_SLOT = 16
 
 
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
+def _sync(dev: torch.device | str) -> None:
+    if getattr(dev, "type", None) == "cuda":
         torch.cuda.synchronize(dev)
 
 
@@ -152,7 +154,7 @@ def make_schedule(num_blocks: int, B: int, n_requests: int, seed: int):
     return steps
 
 
-def run_replay(s: ShadowKV, steps) -> tuple[float, float, int]:
+def run_replay(s: ShadowCore, steps) -> tuple[float, float, int]:
     dev = s.device
     t_step = 0.0
     ndiv = 0
@@ -177,7 +179,7 @@ def run_replay(s: ShadowKV, steps) -> tuple[float, float, int]:
 
 def run_full_check(num_blocks: int, B: int, dev: str, reps: int) -> tuple[float, int, int]:
     """Every block of the cache read every step: 64 requests of num_blocks/64 blocks each."""
-    s = ShadowKV(num_blocks, B, dev, skip_checked=False)
+    s = open_shadow(num_blocks, B, dev, skip_checked=False)
     rng = random.Random(1)
     nreq = 64
     per = (num_blocks - 1) // nreq
@@ -200,7 +202,7 @@ def run_full_check(num_blocks: int, B: int, dev: str, reps: int) -> tuple[float,
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.shadow_kv", description=__doc__.split("\n")[0])
-    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda", "numpy"), default="auto")
     ap.add_argument("--num-blocks", type=int, default=4096)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--requests", type=int, default=800)
@@ -211,10 +213,15 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    dev = pick_device(args.device)
+    dev = pick_device("cpu" if args.device == "numpy" else args.device)
     B = args.block_size
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else \
         f"cpu ({torch.get_num_threads()} torch threads)"
+    backend = str(dev)
+    if args.device == "numpy":
+        import numpy
+
+        name, backend = f"NumPy {numpy.__version__}", "numpy"
 
     t0 = time.perf_counter()
     steps = make_schedule(args.num_blocks, B, args.requests, args.seed)
@@ -224,17 +231,17 @@ def main(argv=None) -> int:
     # warm-up on a short prefix of the schedule, then the timed run; in inference
     # mode, as replay runs the check
     with torch.inference_mode():
-        run_replay(ShadowKV(args.num_blocks, B, str(dev)), steps[:50])
-        s = ShadowKV(args.num_blocks, B, str(dev))
+        run_replay(open_shadow(args.num_blocks, B, backend), steps[:50])
+        s = open_shadow(args.num_blocks, B, backend)
         t_step, t_all, ndiv = run_replay(s, steps)
-        every = ShadowKV(args.num_blocks, B, str(dev), skip_checked=False)
+        every = open_shadow(args.num_blocks, B, backend, skip_checked=False)
         t_every, _, ndiv_every = run_replay(every, steps)
         ndiv += ndiv_every
-        t_full, full_slots, full_reps = run_full_check(args.num_blocks, B, str(dev), args.full_reps)
+        t_full, full_slots, full_reps = run_full_check(args.num_blocks, B, backend, args.full_reps)
     bw, bw_bytes = bandwidth(dev)
     ceiling = bw / BYTES_PER_SLOT
 
-    print(f"shadow KV check on {dev} [{name}], torch {torch.__version__}, "
+    print(f"shadow KV check on {backend} [{name}], torch {torch.__version__}, "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print(f"cache {args.num_blocks} blocks x {B} slots "
           f"({args.num_blocks * B * 8 / 2**20:.1f} MiB of fingerprints); schedule: {args.requests} "

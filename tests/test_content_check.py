@@ -53,19 +53,21 @@ def test_embedded_faults_that_corrupt_kv_are_caught_where_they_fire(tmp_path, fa
     assert mine[0].step >= first.step
 
 
+@pytest.mark.parametrize("device", ["numpy", "torch-cpu"])
 @pytest.mark.parametrize("fault", ["async-load-overshoot", "no-reload-after-preempt"])
-def test_batches_place_divergences_as_single_steps_would(tmp_path, fault, monkeypatch):
+def test_batches_place_divergences_as_single_steps_would(tmp_path, fault, device, monkeypatch):
     """The content check evaluates steps in batches; replay must list every
     divergence in the order a step-at-a-time check gives, also when a batch ends
     early (a step that reads many slots goes on its own)."""
-    from kvtrace.replay.shadow_kv import ShadowKV
+    from kvtrace.replay.shadow_kv import ShadowCore
 
     res = record_embedded(tmp_path / "t.jsonl", workload=FAULT_WORKLOADS[fault], fault=fault)
     runs = []
-    for steps, slots in ((1, ShadowKV.BATCH_SLOTS), (ShadowKV.BATCH_STEPS, ShadowKV.BATCH_SLOTS), (16, 64)):
-        monkeypatch.setattr(ShadowKV, "BATCH_STEPS", steps)
-        monkeypatch.setattr(ShadowKV, "BATCH_SLOTS", slots)
-        runs.append([d.to_json() for d in replay_file(res.path).divergences])
+    for steps, slots in ((1, ShadowCore.BATCH_SLOTS), (ShadowCore.BATCH_STEPS, ShadowCore.BATCH_SLOTS),
+                         (16, 64)):
+        monkeypatch.setattr(ShadowCore, "BATCH_STEPS", steps)
+        monkeypatch.setattr(ShadowCore, "BATCH_SLOTS", slots)
+        runs.append([d.to_json() for d in replay_file(res.path, device=device).divergences])
     kinds = [d["kind"] for d in runs[0]]
     assert kinds.count("kv-content") >= 2 and len(set(kinds)) >= 2   # interleaved with others
     assert len({d["step"] for d in runs[0] if d["kind"] == "kv-content"}) >= 2

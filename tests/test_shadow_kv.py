@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,9 +15,16 @@ from kvtrace.replay.shadow_kv import ShadowKV
 B = 4
 M = (1 << 64) - 1
 
-# The random runs below check the batched tensor code on each device torch has.
+# The random runs below check the batched array code of each backend: NumPy, and
+# torch on each device it has.
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+DEVICES = ["numpy", "cpu", pytest.param("cuda", marks=CUDA)]
+
+
+def _same(a, b) -> bool:
+    """Two arrays (NumPy or torch, on any device) hold the same values."""
+    host = [t.cpu().numpy() if isinstance(t, torch.Tensor) else t for t in (a, b)]
+    return host[0].dtype == host[1].dtype and np.array_equal(*host)
 
 
 # --------------------------------------------------------------------------- reference hash
@@ -46,6 +54,32 @@ def test_mix64_matches_unsigned_splitmix():
     xs = [rng.getrandbits(64) for _ in range(2000)] + [0, 1, M, 1 << 63, (1 << 63) - 1]
     got = sk.mix64(torch.tensor([sk._s64(x) for x in xs], dtype=torch.int64)).tolist()
     assert [g & M for g in got] == [_mix_ref(x) for x in xs]
+
+
+def test_numpy_mix64_and_terms_match_unsigned_splitmix_and_torch():
+    from kvtrace.replay import shadow_numpy as snp
+
+    rng = random.Random(5)
+    xs = [rng.getrandbits(64) for _ in range(2000)] + [0, 1, M, 1 << 63, (1 << 63) - 1]
+    got = snp.mix64(np.array(xs, dtype=np.uint64)).tolist()
+    assert got == [_mix_ref(x) for x in xs]
+    toks = [rng.randrange(0, 1 << 63) for _ in range(2000)]   # stand-ins reach 2^63 - 1
+    pos = [rng.randrange(0, 1 << 20) for _ in range(2000)]
+    mine = snp.token_terms(np.array(toks, dtype=np.int64), np.array(pos, dtype=np.int64))
+    theirs = sk.token_terms(torch.tensor(toks), torch.tensor(pos))
+    assert mine.view(np.int64).tolist() == theirs.tolist()
+
+
+@pytest.mark.parametrize("device", ["numpy", "cpu"])
+def test_a_requests_fingerprints_match_the_reference_on_each_backend(device):
+    rng = random.Random(6)
+    toks = [rng.randrange(0, 1 << 40) for _ in range(300)]
+    s = sk.open_shadow(64, B, device)
+    s.add_request("r", toks[:100])
+    s.append_tokens("r", toks[100:250])
+    s.prefix_fingerprints("r")                 # computes the first 250
+    s.append_tokens("r", toks[250:])
+    assert s.prefix_fingerprints("r").tolist() == _fp_ref(toks)
 
 
 def test_prefix_fingerprints_match_reference_and_are_odd():
@@ -520,10 +554,10 @@ def test_batched_steps_report_what_single_steps_and_a_slot_model_report(seed, de
     same writers) and leave the same cache as steps checked one at a time, and
     both say what a plain slot-by-slot model of the semantics says, with requests
     added, grown (moving their fingerprints) and dropped in between."""
-    monkeypatch.setattr(ShadowKV, "BATCH_STEPS", 7)
+    monkeypatch.setattr(sk.ShadowCore, "BATCH_STEPS", 7)
     if seed % 2:   # batches also cut by slots read, and heavy steps on their own
-        monkeypatch.setattr(ShadowKV, "BATCH_SLOTS", 40)
-    one, many, model = ShadowKV(12, B, device), ShadowKV(12, B, device), _SlotModel(12)
+        monkeypatch.setattr(sk.ShadowCore, "BATCH_SLOTS", 40)
+    one, many, model = sk.open_shadow(12, B, device), sk.open_shadow(12, B, device), _SlotModel(12)
     single: dict[int, list] = {}
     batched: dict[int, list] = {}
     modelled: dict[int, list] = {}
@@ -548,7 +582,7 @@ def test_batched_steps_report_what_single_steps_and_a_slot_model_report(seed, de
     assert batched == single
     assert sum(len(v) for v in single.values()) > 10        # the run did go wrong, often
     for name in ("fp", "writer_req", "writer_step", "writer_pos", "writer_loaded"):
-        assert torch.equal(getattr(one, name), getattr(many, name)), name
+        assert _same(getattr(one, name), getattr(many, name)), name
     assert (one.slots_checked, one.slots_written, one.slots_loaded) == \
         (many.slots_checked, many.slots_written, many.slots_loaded)
 
@@ -646,9 +680,9 @@ def test_rows_already_checked_are_skipped_without_changing_a_word(seed, device, 
     """A mostly right run: rows checked before, and not written since, are not
     compared again, yet every divergence is the one a full comparison of every
     read gives, and the one the slot model gives, batched or step by step."""
-    monkeypatch.setattr(ShadowKV, "BATCH_STEPS", 9)
-    full = ShadowKV(40, B, device, skip_checked=False)
-    one, many, model = ShadowKV(40, B, device), ShadowKV(40, B, device), _SlotModel(40)
+    monkeypatch.setattr(sk.ShadowCore, "BATCH_STEPS", 9)
+    full = sk.open_shadow(40, B, device, skip_checked=False)
+    one, many, model = sk.open_shadow(40, B, device), sk.open_shadow(40, B, device), _SlotModel(40)
     got: dict[str, dict[int, list]] = {"full": {}, "one": {}, "many": {}, "model": {}}
     for op in _steady(seed):
         if op[0] == "step":
@@ -673,8 +707,8 @@ def test_rows_already_checked_are_skipped_without_changing_a_word(seed, device, 
     assert full.slots_compared == full.slots_checked == many.slots_checked
     assert many.slots_compared < many.slots_checked / 2
     for name in ("fp", "writer_req", "writer_step", "writer_pos", "writer_loaded"):
-        assert torch.equal(full_t := getattr(full, name), getattr(many, name)), name
-        assert torch.equal(full_t, getattr(one, name)), name
+        assert _same(full_t := getattr(full, name), getattr(many, name)), name
+        assert _same(full_t, getattr(one, name)), name
 
 
 def test_a_checked_row_written_by_another_request_is_compared_again():

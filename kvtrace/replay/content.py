@@ -53,7 +53,7 @@ from kvtrace.findings import Divergence
 from kvtrace.trace import events as ev
 
 from .checks import admitted_hits
-from .shadow_kv import ShadowKV
+from .shadow_kv import open_shadow
 
 
 def _stand_in(data: bytes) -> int:
@@ -112,7 +112,7 @@ class ContentCheck:
                  session_keeps_sampled: bool = False, windows: tuple[int | None, ...] = ()):
         """``windows``: each KV-cache group's sliding window, or None (full
         attention); empty for one full-attention group."""
-        self.kv = ShadowKV(cfg.num_blocks, cfg.block_size, device)
+        self.kv = open_shadow(cfg.num_blocks, cfg.block_size, device)
         self.windows = tuple(w or 0 for w in windows) or (0,)
         self.more_groups = range(1, len(self.windows))
         self.more_tables: dict[str, list[list[int]]] = {}   # groups 1, 2, ...: their tables

@@ -34,6 +34,7 @@ the pipe), and waits for the worker when it is ``MAX_LAG`` steps ahead.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections import deque
@@ -205,13 +206,14 @@ def _serve(path: str, device: str, validate: str, keeps_sampled: str,
     with ``validate`` ("1") run the checks across records too, and report the
     last line they passed. Returns the last reports: the results not sent yet, and
     ("end", report)."""
-    import torch
-
     from kvtrace.trace.io import TraceReader
 
     from .content import ContentCheck
 
-    torch.set_num_threads(1)   # the main process has the other core
+    if device != "numpy":   # torch's backends
+        import torch
+
+        torch.set_num_threads(1)   # the main process has the other core
     # line: where the check stopped (the last line read when it did not), and
     # error: why, or None. through: the last line the checks across records
     # passed; problem: [line, what] for a record they refuse.
@@ -234,7 +236,7 @@ def _serve(path: str, device: str, validate: str, keeps_sampled: str,
         nonlocal check
         report.update(line=line, error=error)
         try:
-            with torch.inference_mode():   # the shadow cache's tensors were made in it
+            with _no_autograd(device):   # the shadow cache's tensors were made in it
                 ready([r for r in check.flush() if r[0] < line])
         except Exception:
             pass
@@ -253,7 +255,7 @@ def _serve(path: str, device: str, validate: str, keeps_sampled: str,
             events = reader.shares_checks()
         else:
             events = (e for _, e in reader.records())
-        with torch.inference_mode():
+        with _no_autograd(device):
             try:
                 for n, e in enumerate(events, 1):
                     line = reader.last_line
@@ -285,6 +287,15 @@ def _serve(path: str, device: str, validate: str, keeps_sampled: str,
         else:
             report.update(line=line, error=f"{type(error).__name__}: {error}")
     return [("ready", done, report["through"]), ("end", report)]
+
+
+def _no_autograd(device: str):
+    """torch's inference mode, for torch's backends."""
+    if device == "numpy":
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.inference_mode()
 
 
 def _check(check, e: ev.Event, line: int, queued: deque, ready) -> None:

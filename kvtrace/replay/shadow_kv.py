@@ -1,10 +1,11 @@
 """Shadow KV cache: an independent model of what every KV slot holds.
 
 Counters can all agree while the KV data is wrong. The shadow cache keeps one
-64-bit fingerprint per (block, slot) of the engine's KV cache, in a torch tensor
-on the replay device, and at every step checks that each slot a scheduled
-request's attention reads holds the fingerprint of that request's own token
-prefix. A mismatch is a ``Divergence`` of kind ``kv-content``.
+64-bit fingerprint per (block, slot) of the engine's KV cache, in an array
+(NumPy, or torch on the replay device: see "Backends"), and at every step
+checks that each slot a scheduled request's attention reads holds the
+fingerprint of that request's own token prefix. A mismatch is a
+``Divergence`` of kind ``kv-content``.
 
 Step semantics, in this order:
 
@@ -36,7 +37,7 @@ position i is
 where mix64 is the splitmix64 finaliser (xor-shift-multiply, a bijection of
 64-bit words), computed with int64 tensor ops: logical right shifts are
 arithmetic shifts masked to the low 64 - s bits, and products and the cumsum
-wrap modulo 2^64. Every term is even, so every fingerprint is odd; a slot that
+wrap modulo 2^64 (NumPy: uint64 ops, the same bits). Every term is even, so every fingerprint is odd; a slot that
 was never written holds 0, which no fingerprint equals. "Never written" is
 therefore detected exactly, with no probability involved. A request's
 fingerprints are kept on the device and extended incrementally as tokens are
@@ -70,9 +71,9 @@ random-function model already counts).
 
 Performance
 -----------
-The check runs a fixed number of torch operations per *batch* of steps, not per
-step: torch's cost per operation (microseconds on CPU, a kernel launch on CUDA)
-is what a step of small tensors costs. ``queue`` records a step as flat lists
+The check runs a fixed number of array operations per *batch* of steps, not per
+step: the cost per operation (about a microsecond in NumPy, several in torch on
+the CPU, a kernel launch on CUDA) is what a step of small arrays costs. ``queue`` records a step as flat lists
 of integers (per request, never per token): its block tables, arena offsets and
 positions. A batch (up to ``BATCH_STEPS`` steps, or ``BATCH_SLOTS`` slots read)
 is then evaluated at once:
@@ -125,18 +126,49 @@ the benchmark's trace this compares 7% of the slots read (``slots_compared``
 against ``slots_checked``) and takes about a quarter off the check's time.
 ``ShadowKV(..., skip_checked=False)`` compares everything, for measuring the
 comparison itself.
+
+Backends
+--------
+``ShadowCore`` here holds everything but the array operations: the requests,
+the batches, the reads already checked and the report's words. Its
+subclasses do the rest, one operation for another: ``shadow_numpy.NumpyShadowKV``
+(NumPy, on the CPU) and ``shadow_torch.ShadowKV`` (torch, on the CPU or CUDA).
+``open_shadow`` picks one by name. NumPy checks faster than torch on the CPU
+and imports in a twentieth of its time, so replay uses it unless the check
+goes to CUDA (kv_device.py). Both give the same report word for word
+(tests/test_small_replay.py, over every trace under traces/).
 """
 
 from __future__ import annotations
 
-from array import array
-
-import torch
-
 from kvtrace.findings import Divergence
 
-__all__ = ["ShadowKV", "mix64", "token_terms", "prefix_fingerprints", "pick_device",
-           "DeviceUnavailable", "RULE"]
+__all__ = ["ShadowCore", "open_shadow", "ShadowKV", "mix64", "token_terms",
+           "prefix_fingerprints", "pick_device", "DeviceUnavailable", "RULE"]
+
+# The torch backend's names, imported (with torch) only when asked for.
+_TORCH_NAMES = ("ShadowKV", "mix64", "token_terms", "prefix_fingerprints", "pick_device")
+
+
+def __getattr__(name: str):
+    if name in _TORCH_NAMES:
+        from . import shadow_torch
+
+        return getattr(shadow_torch, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def open_shadow(num_blocks: int, block_size: int, device: str, **kwargs) -> "ShadowCore":
+    """The shadow cache on ``device``: "numpy" (NumPy on the CPU, no torch), or
+    a torch device ("cpu", "cuda", "auto": see ``shadow_torch.pick_device``)."""
+    if device == "numpy":
+        from .shadow_numpy import NumpyShadowKV
+
+        return NumpyShadowKV(num_blocks, block_size, **kwargs)
+    from .shadow_torch import ShadowKV
+
+    return ShadowKV(num_blocks, block_size, device, **kwargs)
+
 
 RULE = "kv-content: every slot a request's attention reads holds that request's own prefix"
 _LATE = object()   # the tag of a batch entry that only writes (queue_late_writes)
@@ -157,67 +189,14 @@ K_POS = _s64(0xD1B54A32D192ED03)
 FP_INIT = 1                        # fp of the empty prefix; keeps every fingerprint odd
 
 
-def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 words: arithmetic shift, then clear the copied sign bits."""
-    return torch.bitwise_and(torch.bitwise_right_shift(x, s), (1 << (64 - s)) - 1)
-
-
-def mix64(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser on int64 tensors (bit-for-bit the unsigned version mod 2^64)."""
-    x = x ^ _srl(x, 30)
-    x = x * _C1
-    x = x ^ _srl(x, 27)
-    x = x * _C2
-    return x ^ _srl(x, 31)
-
-
-def token_terms(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """term(t, j) for each (token, position): an even int64 word."""
-    return torch.bitwise_and(mix64(tokens * K_TOK + mix64(positions + K_POS)), -2)
-
-
-def prefix_fingerprints(token_ids, start: int = 0, prev: int = FP_INIT,
-                        device: torch.device | str | None = None) -> torch.Tensor:
-    """Fingerprints of the prefixes ending at positions start, start+1, ... of a
-    token sequence whose fingerprint before ``start`` is ``prev``."""
-    tok = torch.as_tensor(token_ids, dtype=torch.int64, device=device)
-    pos = torch.arange(start, start + tok.numel(), dtype=torch.int64, device=tok.device)
-    return torch.cumsum(token_terms(tok, pos), 0) + _s64(prev)
-
-
 class DeviceUnavailable(RuntimeError):
     """A device asked for that this machine does not have: the user's choice, not a bug."""
 
     exit_code = 2
 
 
-def pick_device(device: str | torch.device = "auto") -> torch.device:
-    """"auto" → cuda when torch sees a CUDA device, else cpu. "cuda" without CUDA is an error."""
-    name = str(device)
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise DeviceUnavailable(
-                f"device '{name}' was asked for, but torch {torch.__version__} sees no CUDA device "
-                f"(built with CUDA: {torch.version.cuda or 'no'}); use --device cpu or auto")
-        return torch.device(name)
-    if name == "cpu":
-        return torch.device("cpu")
-    raise ValueError(f"unknown device {name!r}: expected auto, cpu or cuda")
-
-
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _i64(values: list[int], device: torch.device) -> torch.Tensor:
-    """A Python int list as an int64 tensor on ``device`` (through a C array: several
-    times faster than torch.tensor on long lists)."""
-    if not values:
-        return torch.empty(0, dtype=torch.int64, device=device)
-    t = torch.frombuffer(array("q", values), dtype=torch.int64)
-    return t if device.type == "cpu" else t.to(device)
 
 
 _NOT_WRITTEN = 1 << 62
@@ -263,10 +242,13 @@ class _Batch:
         return off
 
 
-class ShadowKV:
-    """The shadow cache. See the module docstring for the step semantics.
 
-    Public tensors (on ``device``), all shaped (num_blocks, block_size):
+class ShadowCore:
+    """The shadow cache, less its array operations: each backend's subclass
+    (``shadow_torch.ShadowKV``, ``shadow_numpy.NumpyShadowKV``) has them. See
+    the module docstring for the step semantics.
+
+    Public arrays (on ``device``), all shaped (num_blocks, block_size):
     ``fp`` (int64 fingerprint, 0 = never written), ``writer_req`` (int32 index
     into ``ids``, -1 = never written), ``writer_step``, ``writer_pos`` (int32) and
     ``writer_loaded`` (bool: the slot was last written by an external load).
@@ -279,8 +261,7 @@ class ShadowKV:
     BATCH_STEPS = 64
     BATCH_SLOTS = 1 << 16
 
-    def __init__(self, num_blocks: int, block_size: int, device: str = "auto",
-                 skip_checked: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, skip_checked: bool = True):
         """``skip_checked=False`` compares every slot of every read, even the rows
         already checked and not written since (see "Reads already checked"): the
         same divergences, for measuring the comparison itself."""
@@ -288,28 +269,20 @@ class ShadowKV:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
         if type(block_size) is not int or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
-        self.device = pick_device(device)
         self.num_blocks = num_blocks
         self.block_size = block_size
-        dev, B = self.device, block_size
         # One extra block at the end absorbs reads and writes through out-of-range
         # block ids; such reads are reported, such writes land nowhere visible.
-        n = (num_blocks + 1) * B
-        self._fp = torch.zeros(n, dtype=torch.int64, device=dev)
-        self._wreq = torch.full((n,), -1, dtype=torch.int32, device=dev)
-        self._wstep = torch.full((n,), -1, dtype=torch.int32, device=dev)
-        self._wpos = torch.full((n,), -1, dtype=torch.int32, device=dev)
-        self._wload = torch.zeros(n, dtype=torch.bool, device=dev)
-        # While a batch is evaluated: per slot, the first step slot of the batch that
-        # writes it (_NOT_WRITTEN otherwise).
-        self._first = torch.full((n,), _NOT_WRITTEN, dtype=torch.int64, device=dev)
+        # Per slot: _fp (int64), _wreq, _wstep, _wpos (int32, -1), _wload (bool),
+        # and, while a batch is evaluated, _first: the first step slot of the
+        # batch that writes it (int64, _NOT_WRITTEN otherwise). And the arena.
+        self._setup((num_blocks + 1) * block_size)
         self.ids: list[str] = []                 # interned request ids
         self._intern: dict[str, int] = {}
         self._reqs: dict[str, _Req] = {}
         # Requests with tokens awaiting fingerprints (keyed by the request object:
         # a dropped request stays here while queued steps may read its tokens).
         self._pending: dict[_Req, None] = {}
-        self._arena = torch.zeros((64, B), dtype=torch.int64, device=dev)
         self._top = 0                            # next free arena row
         self._batch = _Batch()
         self._ready: list[tuple[object, list[Divergence]]] = []
@@ -323,29 +296,53 @@ class ShadowKV:
         self.slots_written = 0
         self.slots_loaded = 0
 
+    # -- what each backend provides ---------------------------------------------------
+
+    def _setup(self, n: int) -> None:
+        """The per-slot arrays for ``n`` slots, and an arena of 64 rows."""
+        raise NotImplementedError
+
+    def _ints(self, values: list[int]):
+        """A Python int list as a 1-d int64 array on the device."""
+        raise NotImplementedError
+
+    def _zeros(self, rows: int):
+        """An arena of ``rows`` rows of zeros."""
+        raise NotImplementedError
+
+    def _copy(self, a):
+        raise NotImplementedError
+
+    def _fingerprint(self, toks: list[int], meta: list[int], total: int) -> None:
+        """Write into the arena the fingerprints of ``toks``: segments given by
+        ``meta`` (per segment: first index in toks, start position, arena offset)."""
+        raise NotImplementedError
+
+    # _write_log, _apply, _compare and _first_bad: see ShadowKV's (shadow_torch.py).
+
     # -- views ---------------------------------------------------------------------
 
-    def _view(self, t: torch.Tensor) -> torch.Tensor:
-        return t[: self.num_blocks * self.block_size].view(self.num_blocks, self.block_size)
+    def _view(self, t):
+        return t[: self.num_blocks * self.block_size].reshape(self.num_blocks, self.block_size)
 
     @property
-    def fp(self) -> torch.Tensor:
+    def fp(self):
         return self._view(self._fp)
 
     @property
-    def writer_req(self) -> torch.Tensor:
+    def writer_req(self):
         return self._view(self._wreq)
 
     @property
-    def writer_step(self) -> torch.Tensor:
+    def writer_step(self):
         return self._view(self._wstep)
 
     @property
-    def writer_pos(self) -> torch.Tensor:
+    def writer_pos(self):
         return self._view(self._wpos)
 
     @property
-    def writer_loaded(self) -> torch.Tensor:
+    def writer_loaded(self):
         return self._view(self._wload)
 
     # -- requests ------------------------------------------------------------------
@@ -411,12 +408,13 @@ class ShadowKV:
     def num_tokens(self, req: str) -> int:
         return self._req(req).ntok
 
-    def prefix_fingerprints(self, req: str) -> torch.Tensor:
+    def prefix_fingerprints(self, req: str):
         """The request's prefix fingerprints, position 0 onwards (a copy)."""
         r = self._req(req)
         self._ensure(r, r.ntok)
         self._materialise()
-        return self._arena.view(-1)[r.row * self.block_size: r.row * self.block_size + r.n_fp].clone()
+        at = r.row * self.block_size
+        return self._copy(self._arena.reshape(-1)[at: at + r.n_fp])
 
     def _req(self, req: str) -> _Req:
         r = self._reqs.get(req)
@@ -447,7 +445,7 @@ class ShadowKV:
         B = self.block_size
         live = sum(r.rows for r in self._reqs.values())
         cap = max(64, 4 * (live + extra))   # room to spare: each compaction ends a batch
-        old, new = self._arena, torch.zeros((cap, B), dtype=torch.int64, device=self.device)
+        old, new = self._arena, self._zeros(cap)
         top = 0
         for r in self._reqs.values():
             used = min(_cdiv(r.n_fp, B), r.rows)
@@ -468,7 +466,7 @@ class ShadowKV:
         used = _cdiv(r.n_fp, self.block_size)
         rows = self._rows_for(ntok, r.most)
         r.rows = 0  # the old segment is dead; a compaction inside _alloc must not keep it
-        old = self._arena[r.row: r.row + used].clone() if used else None
+        old = self._copy(self._arena[r.row: r.row + used]) if used else None
         row = self._alloc(rows)
         if used:
             self._arena[row: row + used] = old
@@ -481,7 +479,7 @@ class ShadowKV:
         pend = list(self._pending) if reqs is None else reqs
         if not pend:
             return
-        B, dev = self.block_size, self.device
+        B = self.block_size
         toks: list[int] = []
         meta: list[int] = []                # per request: first, start position, arena offset
         total = 0
@@ -496,18 +494,8 @@ class ShadowKV:
             del r.pending[:k]
             if not r.pending:
                 self._pending.pop(r, None)
-        if not total:
-            return
-        first, start, dest = _i64(meta, dev).view(-1, 3).unbind(1)
-        i64 = dict(dtype=torch.int64, device=dev)
-        lens = torch.diff(first, append=torch.tensor([total], **i64))
-        seg = torch.repeat_interleave(torch.arange(first.numel(), **i64), lens, output_size=total)
-        local = torch.arange(total, **i64) - first[seg]
-        cs = torch.cumsum(token_terms(_i64(toks, dev), start[seg] + local), 0)
-        before = torch.where(first > 0, cs[(first - 1).clamp(min=0)], 0)
-        arena = self._arena.view(-1)
-        prev = torch.where(start > 0, arena[(dest - 1).clamp(min=0)], FP_INIT)
-        arena[dest[seg] + local] = cs - before[seg] + prev[seg]
+        if total:
+            self._fingerprint(toks, meta, total)
 
     # -- the step ------------------------------------------------------------------
 
@@ -684,7 +672,7 @@ class ShadowKV:
         self._batch = _Batch()
         for r in [r for r in self._pending if self._reqs.get(self.ids[r.idx]) is not r]:
             del self._pending[r]            # dropped: no step reads its tokens any more
-        tables = _i64(b.tables, self.device)
+        tables = self._ints(b.tables)
         w = self._write_log(b, tables) if b.n_writes else None
         if w is not None and len(b.steps) == 1:
             # One step: its writes land first, and its reads see them in the state.
@@ -696,41 +684,7 @@ class ShadowKV:
             self._apply(w)
         self._ready += [(tag, divs) for _step, tag, divs in b.steps if tag is not _LATE]
 
-    def _apply(self, w: tuple) -> None:
-        """The state after the writes of ``w``: each slot's last write."""
-        wslot, wval, who, wpos, wstep, wload = w[:6]
-        uslot, counts = torch.unique_consecutive(wslot, return_counts=True)
-        last = torch.cumsum(counts, 0) - 1
-        self._fp.index_copy_(0, uslot, wval[last])
-        self._wreq.index_copy_(0, uslot, who[last].to(torch.int32))
-        self._wstep.index_copy_(0, uslot, wstep[last].to(torch.int32))
-        self._wpos.index_copy_(0, uslot, wpos[last].to(torch.int32))
-        self._wload.index_copy_(0, uslot, wload[last].to(torch.bool))
-        self._first.index_fill_(0, uslot, _NOT_WRITTEN)
-
-    def _write_log(self, b: _Batch, tables: torch.Tensor) -> tuple:
-        """Every queued write, one entry per position, sorted by (slot, step slot)
-        with the order of writing kept among equals; and the sort keys."""
-        B, dev, nb = self.block_size, self.device, self.num_blocks
-        K = len(b.steps)
-        i64 = dict(dtype=torch.int64, device=dev)
-        total = b.n_writes
-        first, lens, start, toff, abase, who, slot, step, loaded = \
-            _i64(b.writes, dev).view(-1, 9).unbind(1)
-        seg = torch.repeat_interleave(torch.arange(first.numel(), **i64), lens, output_size=total)
-        pos = start[seg] + torch.arange(total, **i64) - first[seg]
-        blk = tables.index_select(0, toff[seg] + pos // B)
-        blk = torch.where((blk < 0) | (blk >= nb), nb, blk)
-        wslot = blk * B + pos % B
-        key = wslot * K + slot[seg]
-        key, order = torch.sort(key, stable=True)
-        seg = seg[order]
-        wslot = wslot[order]
-        self._first.scatter_reduce_(0, wslot, slot[seg], "amin")
-        return (wslot, self._arena.view(-1).index_select(0, abase[seg] + pos[order]),
-                who[seg], pos[order], step[seg], loaded[seg], key)
-
-    def _check(self, b: _Batch, tables: torch.Tensor, w: tuple | None) -> None:
+    def _check(self, b: _Batch, tables, w: tuple | None) -> None:
         """Every queued read against the slot as it stood at the read's step: the
         last write to it in the batch at or before that step, else the state
         before the batch. Rows already checked are left out, unless some slot
@@ -740,82 +694,18 @@ class ShadowKV:
         counted as checked any more."""
         if not b.n_compared:
             return
-        reads = _i64(b.reads, self.device).view(-1, 7).unbind(1)
+        reads = self._columns(b.reads, 7)
         found = self._compare(b, reads, tables, w, skip=b.n_compared < b.n_rows)
         if found is not None and b.n_compared < b.n_rows:
             found = self._compare(b, reads, tables, w, skip=False)
         if found is not None:
             self._report(b, reads, w, *found)
 
-    def _compare(self, b: _Batch, reads: tuple, tables: torch.Tensor, w: tuple | None,
-                 skip: bool) -> tuple | None:
-        """Compare the slots the batch's reads cover (with ``skip``, less the rows
-        already checked). Returns None if all hold what they should, else what
-        ``_report`` needs."""
-        B, dev, nb = self.block_size, self.device, self.num_blocks
-        K = len(b.steps)
-        i64 = dict(dtype=torch.int64, device=dev)
-        rows, toff, lims, arow, slot, skipped, los = reads
-        nrows = b.n_compared if skip else b.n_rows
-        if skip:
-            rows = rows - skipped
-        first = torch.cumsum(rows, 0) - rows
-        rreq = torch.repeat_interleave(torch.arange(first.numel(), **i64), rows, output_size=nrows)
-        bi = torch.arange(nrows, **i64) - first[rreq]
-        if skip:
-            bi += skipped[rreq]
-        blk = tables.index_select(0, toff[rreq] + bi)
-        oob = (blk < 0) | (blk >= nb)
-        blkc = torch.where(oob, nb, blk)
-        col = torch.arange(B, **i64)
-        rstep = slot[rreq][:, None]
-        held = self._fp.view(-1, B).index_select(0, blkc)      # the state before the batch
-        hit = None
-        if w is not None:
-            # Slots written in the batch at or before the read's step (few) take the
-            # last such write: a binary search in the sorted write log.
-            wval, key = w[1], w[6]
-            hit = self._first.view(-1, B).index_select(0, blkc) <= rstep
-            sel = hit.view(-1).nonzero().squeeze(1)
-            if sel.numel():
-                r = sel // B
-                j = torch.searchsorted(key, (blkc[r] * B + sel % B) * K + slot[rreq[r]], right=True) - 1
-                held.view(-1)[sel] = wval[j]
-        want = self._arena.index_select(0, arow[rreq] + bi)
-        rowlim = (lims[rreq] - bi * B).clamp(max=B)
-        rowlo = los[rreq] - bi * B      # positions before a sliding window are not read
-        bad = (((held != want) | oob[:, None]) & (col[None, :] < rowlim[:, None])
-               & (col[None, :] >= rowlo[:, None]))
-        if not bool(bad.any()):
-            return None
-        return bad, rreq, bi, blk, blkc, hit
-
-    def _report(self, b: _Batch, reads: tuple, w: tuple | None, bad: torch.Tensor,
-                rreq: torch.Tensor, bi: torch.Tensor, blk: torch.Tensor, blkc: torch.Tensor,
-                hit: torch.Tensor | None) -> None:
+    def _report(self, b: _Batch, reads: tuple, w: tuple | None, *found) -> None:
         """The rare path: name the first bad position of each read, and count them all."""
-        B, nb, K = self.block_size, self.num_blocks, len(b.steps)
-        lims, slot = reads[2] - reads[6], reads[4]   # positions read: a window's only
-        where = bad.view(-1).nonzero().squeeze(1)
-        owner = rreq[where // B]
-        uo, counts = torch.unique_consecutive(owner, return_counts=True)
-        first_bad = where[torch.cumsum(counts, 0) - counts]
-        frow, fcol = first_bad // B, first_bad % B
-        fslot = blkc[frow] * B + fcol
-        wr, ws = self._wreq[fslot].long(), self._wstep[fslot].long()
-        wp, wl = self._wpos[fslot].long(), self._wload[fslot].long()
-        if hit is not None:                 # the writer at the read's own step
-            fhit = hit.view(-1)[first_bad]
-            key = w[6]
-            fj = (torch.searchsorted(key, fslot * K + slot[rreq[frow]], right=True) - 1).clamp(min=0)
-            who, wpos, wstep, wload = w[2], w[3], w[4], w[5]
-            wr = torch.where(fhit, who[fj], wr)
-            ws = torch.where(fhit, wstep[fj], ws)
-            wp = torch.where(fhit, wpos[fj], wp)
-            wl = torch.where(fhit, wload[fj], wl)
-        info = torch.stack([uo, counts, lims[uo], blk[frow], bi[frow] * B + fcol, fcol,
-                            slot[uo], wr, ws, wp, wl]).tolist()
-        for k, cnt, lim, blkid, p, s, sl, wreq, wstep, wpos, wload in zip(*info):
+        nb = self.num_blocks
+        for k, cnt, lim, blkid, p, s, sl, wreq, wstep, wpos, wload in self._first_bad(
+                b, reads, w, *found):
             r = b.read_reqs[k]
             self._uncheck(r)
             req = self.ids[r.idx]
