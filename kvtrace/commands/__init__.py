@@ -1,6 +1,7 @@
 """One module per subcommand; ``COMMANDS`` is what the ``kvtrace`` group registers."""
 
 from . import diff, record, redact, replay, report
+from . import explain
 
 COMMANDS = {
     "record": record.command,
@@ -10,4 +11,5 @@ COMMANDS = {
     "export": report.export,
     "show": report.show,
     "redact": redact.command,
+    "explain": explain.command,
 }
