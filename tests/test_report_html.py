@@ -27,10 +27,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtrace.findings import Divergence
+from kvtrace.engine import FAULT_WORKLOADS, record_embedded
+from kvtrace.findings import Divergence, headline, stories
 from kvtrace.report import html as report_html
 from kvtrace.report.html import write_html_report
-from kvtrace.report.figures import SERIES_POINTS
+from kvtrace.report.figures import MAX_RUNS, SERIES_POINTS, step_runs
 
 from mini_traces import write_mini_trace
 
@@ -52,8 +53,26 @@ def _report(trace, out, against=None):
     """The report ``kvtrace report`` writes: the command runs the analysis."""
     from kvtrace.commands.report import analysis
 
-    divs, source, note = analysis(trace, against)
-    return write_html_report(trace, out, divs, source=source, against=against, note=note)
+    divs, told, source, note = analysis(trace, against)
+    return write_html_report(trace, out, divs, stories=told, source=source, against=against,
+                             note=note)
+
+
+def _runs(steps) -> int:
+    """How many runs of consecutive steps there are, counted here."""
+    s = sorted(set(steps))
+    return sum(1 for i, k in enumerate(s) if i == 0 or s[i - 1] != k - 1)
+
+
+@pytest.fixture(scope="module")
+def overshoot(tmp_path_factory):
+    """An embedded trace with the async-load-overshoot fault (divergences in
+    several requests, at several runs of steps), and the same run without it."""
+    d = tmp_path_factory.mktemp("overshoot")
+    fault = "async-load-overshoot"
+    bad = record_embedded(d / "bad.jsonl.gz", workload=FAULT_WORKLOADS[fault], fault=fault).path
+    good = record_embedded(d / "good.jsonl.gz", workload=FAULT_WORKLOADS[fault]).path
+    return Path(bad), Path(good)
 
 
 def test_report_from_replay(tmp_path):
@@ -62,8 +81,9 @@ def test_report_from_replay(tmp_path):
     page = out.read_text()
     _no_external_references(page)
     assert rep.source == "replay" and rep.divergences
-    assert page.count('<tr class="divergence"') == len(rep.divergences)
-    assert "First divergence: step 1" in page
+    assert page.count('<tr class="story"') == len(stories(rep.divergences))
+    first = headline(stories(rep.divergences))
+    assert first.step == 1 and f"<b>step {first.step}</b>" in page
     assert 'class="rec">64<' in page and 'class="exp">40<' in page
     assert page.count('class="req has-div"') == 1
     assert page.count("<svg class=\"chart") == 3 + rep.timelines
@@ -75,8 +95,9 @@ def test_report_from_diff(tmp_path):
                   against=TRACES / "preemption.jsonl.gz")
     page = out.read_text()
     assert rep.source == "diff" and rep.divergences
-    assert "From <code>kvtrace diff</code> against" in page
-    assert page.count('<tr class="divergence"') == len(rep.divergences)
+    assert "From <code>kvtrace diff</code>" in page
+    assert page.count('<tr class="story"') == len(stories(rep.divergences))
+    assert "<th>A</th><th>B</th>" in page
 
 
 def test_given_divergences_and_request_cap(tmp_path):
@@ -389,15 +410,17 @@ def test_page_loads_cleanly_and_draws_its_charts(browser, tmp_path):
           series: document.querySelectorAll('svg.chart path.series').length,
           kv: box(document.querySelector('svg.kv-chart')),
           req: box(document.querySelector('.req.has-div svg.chart')),
-          rows: document.querySelectorAll('tr.divergence').length,
-          dots: document.querySelectorAll('.req svg circle.div-dot').length,
+          rows: document.querySelectorAll('tr.story').length,
+          dots: document.querySelectorAll('.req svg g.div-dot').length,
           resources: performance.getEntriesByType('resource').length,
         }; })()""")
     assert dom["title"] == "kvtrace report: async-load-overshoot.jsonl.gz"
     assert dom["charts"] == 3 + rep.timelines
     assert dom["series"] >= 3 + 4 * rep.timelines - 2
-    assert dom["rows"] == len(rep.divergences)
-    assert dom["dots"] >= len(rep.divergences)
+    assert dom["rows"] == len(rep.stories)
+    token_divs = {(d.step, d.recorded, d.expected) for d in rep.divergences
+                  if d.field in ("num_computed_tokens", "state.num_computed_tokens")}
+    assert dom["dots"] == 2 * len(token_divs) > 0
     assert dom["resources"] == 0
     kx, ky, kw, kh = dom["kv"]
     assert kw > 600 and kh > 150 and ky + kh < 1600        # the KV chart is in the first screen
@@ -407,7 +430,8 @@ def test_page_loads_cleanly_and_draws_its_charts(browser, tmp_path):
     assert img.std() > 10                                   # not blank
     kv = img[int(ky):int(ky + kh), int(kx):int(kx + kw)]
     assert _share_near(kv, _blend(report_html.C_KV, 0.55)) > 0.05    # the area fill
-    assert _share_near(kv, _hex(report_html.C_DIVERGENCE), 30) > 0.002  # divergence lines
+    assert _share_near(kv, _hex(report_html.C_FIRST), 30) > 0.001     # the first divergence
+    assert _share_near(kv, _hex(report_html.C_DIVERGENCE), 30) < 0.001  # no opaque red lines
     above = img[: max(1, int(ky) - 40)]
     assert _share_near(above, _blend(report_html.C_KV, 0.55), 8) < 0.01  # no chart above it
 
@@ -419,7 +443,7 @@ def test_page_loads_cleanly_and_draws_its_charts(browser, tmp_path):
     img = browser.screenshot(sid)
     chart = img[int(max(0, ry)):int(ry + rh), int(rx):int(rx + rw)]
     assert chart.size and _share_near(chart, _hex(report_html.C_COMPUTED), 30) > 0.001
-    assert _share_near(chart, _hex(report_html.C_DIVERGENCE), 30) > 0.002
+    assert _share_near(chart, _hex(report_html.C_DIVERGENCE), 30) > 0.0001   # the recorded dot
     assert browser.problems(sid) == []
 
 
@@ -456,4 +480,172 @@ def test_page_offline_with_no_network_access(browser, tmp_path):
     browser.call("Page.navigate", {"url": out.as_uri()}, session=sid)
     browser.wait_for("Page.loadEventFired", sid)
     assert browser.evaluate(sid, "document.querySelectorAll('svg.chart').length") == 3 + 8
+    assert browser.problems(sid) == []
+
+
+# --------------------------------------------------------------------------- reading the report
+
+
+def test_step_runs_merge_adjacent_steps_and_stay_bounded():
+    assert step_runs([5, 3, 4, 9, 11, 12, 3]) == [(3, 5), (9, 9), (11, 12)]
+    many = list(range(0, 20000, 2))            # 10000 runs of one step
+    runs = step_runs(many, max_runs=50)
+    assert 0 < len(runs) <= 50
+    covered = {k for a, b in runs for k in range(a, b + 1)}
+    assert set(many) <= covered                  # merging never drops a step
+
+
+def test_kv_content_text_is_never_cut(tmp_path):
+    text = ("block 3 slot 5 (position 37): written by doc-0 at step 0 (its position 21); "
+            "3 of 40 positions read are wrong; " * 4).strip()
+    divs = [Divergence(step=2, req="4-99d0dc83", field="num_computed_tokens", recorded=9, expected=5,
+                       rule="1.3: admission sets num_computed_tokens"),
+            Divergence(step=3, req="4-99d0dc83", field="kv-content", recorded=text,
+                       expected="prefix of 4-99d0dc83 up to position 37", rule="kv-content: reads",
+                       kind="kv-content")]
+    write_html_report(TRACES / "connector.jsonl.gz", tmp_path / "k.html", divs)
+    page = (tmp_path / "k.html").read_text()
+    assert len(text) > 300 and text in page
+
+
+def test_why_is_shown_under_the_cause(tmp_path):
+    d = Divergence(step=2, req="4-99d0dc83", field="num_computed_tokens", recorded=9, expected=5,
+                   rule="1.3: admission sets num_computed_tokens")
+    d.why = "expected 5 = local prefix hit 0 + external hit 5 (lookup at step 1)"
+    write_html_report(TRACES / "connector.jsonl.gz", tmp_path / "w.html", [d])
+    assert (tmp_path / "w.html").read_text().count(f"why: {d.why}") == 2   # headline and table
+
+
+def test_many_diverging_steps_stay_bounded(tmp_path):
+    from test_show import _one_long_request
+
+    trace = _one_long_request(tmp_path / "long.jsonl.gz", decode_steps=6000)
+    divs = [Divergence(step=k, req="a", field="block_ids", recorded=[k], expected=[k + 1], rule="4.5: t",
+                       kind="block") for k in range(1, 6000, 2)]
+    rep = write_html_report(trace, tmp_path / "l.html", divergences=divs)
+    page = (tmp_path / "l.html").read_text()
+    kv = re.search(r'<svg class="chart kv-chart".*?<rect class="frame"', page, re.S).group(0)
+    assert 0 < kv.count('class="div-band"') <= MAX_RUNS < _runs(d.step for d in divs)
+    assert page.count('<tr class="story"') == len(rep.stories) == 1
+    assert len(page) < 2_000_000
+
+
+@pytest.mark.browser
+def test_headline_table_and_bands(browser, tmp_path, overshoot):
+    bad, _ = overshoot
+    out = tmp_path / "report.html"
+    rep = _report(bad, out)
+    told = stories(rep.divergences)
+    first = headline(told)
+    assert len(told) > 1 and first is not None
+    sid = browser.open(out.as_uri(), 1400, 900)
+    dom = browser.evaluate(sid, """(() => {
+        const t = document.getElementById('to-table'), c = document.getElementById('to-charts');
+        const target = document.querySelector(t.getAttribute('href'));
+        const row = target.querySelector('tr.story').children;
+        const h = document.getElementById('headline').getBoundingClientRect();
+        return {
+          headline: document.getElementById('headline').textContent,
+          top: h.top, target: target.className, step: row[0].textContent, req: row[1].textContent,
+          field: row[2].textContent, charts: document.querySelector(c.getAttribute('href')) !== null,
+          rows: document.querySelectorAll('tr.story').length,
+          folds: document.querySelectorAll('details.folds').length,
+          open: document.querySelectorAll('details.folds[open]').length,
+          summaries: Array.from(document.querySelectorAll('details.folds > summary')).map(s => s.textContent),
+          bands: Array.from(document.querySelectorAll('svg.chart')).filter(
+            s => !s.classList.contains('req-chart')).map(s => s.querySelectorAll('rect.div-band').length),
+          reqBands: Array.from(document.querySelectorAll('.req')).map(
+            c => [c.getAttribute('data-req'), c.querySelectorAll('rect.div-band').length]),
+          marks: document.querySelectorAll('svg.kv-chart g.first-mark:not(.light)').length,
+        }; })()""")
+    assert dom["top"] < 200                                   # at the top of the page
+    assert f"step {first.step}" in dom["headline"] and first.req in dom["headline"]
+    assert first.field in dom["headline"] and str(first.recorded) in dom["headline"]
+    assert first.rule.partition(": ")[2] in dom["headline"]
+    assert "story headline" in dom["target"]                  # the link lands on the headline's row
+    assert (dom["step"], dom["req"], dom["field"]) == (str(first.step), first.req, first.field)
+    assert dom["charts"]
+    assert dom["rows"] == len(told)
+    assert dom["folds"] == sum(1 for s in told if s.folds) > 0 and dom["open"] == 0
+    for s, text in zip([s for s in told if s.folds], dom["summaries"]):
+        assert text.startswith(f"+ {s.count - 1} more in {s.req}")
+    steps = [d.step for d in rep.divergences if d.step is not None]
+    assert _runs(steps) > 1
+    assert dom["bands"] == [_runs(steps)] * 3                 # KV, tokens, requests
+    for req, n in dom["reqBands"]:
+        assert n == _runs(d.step for d in rep.divergences if d.req == req and d.step is not None)
+    assert dom["marks"] == 1
+
+    # the chart link zooms every chart onto the headline's step
+    browser.evaluate(sid, "document.getElementById('to-charts').click(); 0")
+    boxes = browser.evaluate(sid, """Array.from(document.querySelectorAll('svg.chart svg.plot'))
+        .map(p => p.getAttribute('viewBox').split(' ').map(Number))""")
+    assert len(boxes) == 3 + rep.timelines
+    assert all(b[:2] == boxes[0][:2] and b[2] == boxes[0][2] for b in boxes)
+    assert boxes[0][0] <= first.step < boxes[0][0] + boxes[0][2] < rep.summary.steps
+    assert browser.problems(sid) == []
+
+
+@pytest.mark.browser
+def test_shared_axis_zoom_moves_every_chart(browser, tmp_path, overshoot):
+    bad, _ = overshoot
+    out = tmp_path / "report.html"
+    rep = _report(bad, out)
+    sid = browser.open(out.as_uri(), 1400, 900)
+    boxes = ("Array.from(document.querySelectorAll('svg.chart svg.plot'))"
+             ".map(p => p.getAttribute('viewBox').split(' ').map(Number))")
+    n = rep.summary.steps
+    assert browser.evaluate(sid, boxes) == [[0, 0, n, b[3]] for b in browser.evaluate(sid, boxes)]
+    browser.evaluate(sid, """(() => { const f = document.getElementById('zoom-from');
+        f.value = 40; f.dispatchEvent(new Event('input'));
+        const t = document.getElementById('zoom-to'); t.value = 90; t.dispatchEvent(new Event('input'));
+        })()""")
+    got = browser.evaluate(sid, boxes)
+    assert len(got) == 3 + rep.timelines and all(b[:3] == [40, 0, 50] for b in got)
+    ticks = browser.evaluate(sid, """Array.from(document.querySelectorAll('svg.kv-chart g.xticks text'))
+        .map(t => Number(t.textContent))""")
+    assert ticks and min(ticks) >= 40 and max(ticks) <= 90
+
+    # drag across the KV chart: from a quarter to half of its plot
+    browser.evaluate(sid, "document.getElementById('zoom-reset').click(); "
+                          "document.querySelector('svg.kv-chart').scrollIntoView(); 0")
+    x, y, w = browser.evaluate(sid, """(() => { const c = document.querySelector('svg.kv-chart'),
+        r = c.getBoundingClientRect(), k = r.width / c.viewBox.baseVal.width;
+        return [r.left + (+c.dataset.l) * k, r.top + r.height / 2, (+c.dataset.pw) * k]; })()""")
+    for kind, at in (("mousePressed", 0.25), ("mouseMoved", 0.4), ("mouseReleased", 0.5)):
+        browser.call("Input.dispatchMouseEvent", {"type": kind, "x": x + w * at, "y": y,
+                                                  "button": "left", "buttons": 1, "clickCount": 1},
+                     session=sid)
+    got = browser.evaluate(sid, boxes)
+    lo, span = got[0][0], got[0][2]
+    assert abs(lo - n * 0.25) <= 2 and abs(lo + span - n * 0.5) <= 2
+    assert all(b == got[0][:3] + [b[3]] for b in got)
+    assert browser.problems(sid) == []
+
+
+@pytest.mark.browser
+def test_against_shows_both_traces(browser, tmp_path, overshoot):
+    bad, good = overshoot
+    out = tmp_path / "against.html"
+    rep = _report(bad, out, against=good)
+    assert rep.source == "diff" and rep.divergences and rep.against is not None
+    sid = browser.open(out.as_uri(), 1400, 900)
+    dom = browser.evaluate(sid, """(() => ({
+        text: document.body.textContent,
+        kv: ['A', 'B'].map(t => document.querySelectorAll(
+            `.trace-chart[data-trace="${t}"] svg.kv-chart`).length),
+        charts: ['A', 'B'].map(t => document.querySelectorAll(
+            `.trace-chart[data-trace="${t}"] svg.chart`).length),
+        names: Array.from(document.querySelectorAll('table.compare thead .trace-name'))
+            .map(n => n.textContent),
+        heads: Array.from(document.querySelectorAll('table.divs thead th')).map(h => h.textContent),
+        rows: document.querySelectorAll('tr.story').length,
+        steps: Array.from(document.querySelectorAll('svg.kv-chart svg.plot'))
+            .map(p => p.getAttribute('viewBox')),
+      }))()""")
+    assert dom["names"] == [f"A {bad.name}", f"B {good.name}"]
+    assert dom["kv"] == [1, 1] and dom["charts"] == [3, 3]
+    assert dom["heads"][3:5] == ["A", "B"]
+    assert dom["rows"] == len(stories(rep.divergences))
+    assert len(set(dom["steps"])) == 1                      # one step axis for both
     assert browser.problems(sid) == []

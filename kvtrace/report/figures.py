@@ -244,3 +244,31 @@ def kv_groups_text(features: ev.SchedulerFeatures) -> str | None:
     return ", ".join(f"group {i}: " + (f"sliding window of {g.sliding_window} tokens"
                                        if g.sliding_window else "full attention")
                      for i, g in enumerate(groups))
+
+
+# --------------------------------------------------------------------------- marks
+
+MAX_RUNS = 400              # bands drawn per chart
+
+
+def step_runs(steps, max_runs: int = MAX_RUNS) -> list[tuple[int, int]]:
+    """Runs of consecutive steps, as (first, last). When there are more than
+    ``max_runs``, runs closer than a gap merge, the gap doubling until they fit,
+    so a chart of a long trace draws a bounded number of bands."""
+    runs: list[list[int]] = []
+    for k in sorted(set(steps)):
+        if runs and k == runs[-1][1] + 1:
+            runs[-1][1] = k
+        else:
+            runs.append([k, k])
+    gap = 1
+    while len(runs) > max(1, max_runs):
+        gap *= 2
+        merged: list[list[int]] = []
+        for a, b in runs:
+            if merged and a - merged[-1][1] <= gap:
+                merged[-1][1] = b
+            else:
+                merged.append([a, b])
+        runs = merged
+    return [(a, b) for a, b in runs]
