@@ -6,6 +6,7 @@ errors: they replay up to the cut and say where it is."""
 from __future__ import annotations
 
 import gzip
+import json
 import random
 import re
 
@@ -89,6 +90,19 @@ def test_a_prompt_of_embeddings_with_its_digests_replays(base, tmp_path, capsys)
 def test_not_json(base, tmp_path, capsys):
     bad = _edit(base, tmp_path, lambda o: o.__setitem__(5, b'{"seq": 4, "kind": "step", oops}\n'))
     _assert_rejected(capsys, bad, base, 6, "not JSON")
+
+
+def test_a_json_document_over_several_lines(base, tmp_path, capsys):
+    bad = tmp_path / "pretty.json"
+    bad.write_text(json.dumps(_objs(base)[0], indent=2))
+    _assert_rejected(capsys, bad, base, 1, "a JSON document spread over several lines")
+
+
+def test_a_perfetto_file(base, tmp_path, capsys):
+    bad = tmp_path / "x.json"
+    assert _run(capsys, "export", "--no-divergences", "-o", bad, base)[0] == 0
+    _assert_rejected(capsys, bad, base, None, "a Perfetto (Chrome trace-event) file, not a "
+                                              "kvtrace trace")
 
 
 def test_wrong_schema_version(base, tmp_path, capsys):

@@ -170,3 +170,209 @@ def _one_long_request(path: Path, decode_steps: int) -> Path:
             w.write(Output(seq=w.next_seq(), step=k, sampled={"a": [5]},
                            finished={"a": "length"} if done else {}))
     return path
+
+
+# --------------------------------------------------------------------------- one step
+# Checked against the step records as orjson reads them, rebuilt here
+# independently of kvtrace/report/at_step.py.
+
+import re   # noqa: E402
+
+import orjson   # noqa: E402
+
+from kvtrace import cli   # noqa: E402
+from kvtrace.engine import FAULT_WORKLOADS, record_embedded   # noqa: E402
+from kvtrace.replay import replay_file   # noqa: E402
+from kvtrace.report.at_step import StepNotFound, read_step   # noqa: E402
+
+
+def _lines(path: Path) -> list[dict]:
+    return [orjson.loads(x) for x in path.read_bytes().splitlines() if x.strip()]
+
+
+def _step_record(path: Path, n: int) -> dict:
+    return next(r for r in _lines(path) if r["kind"] == "step" and r["step"] == n)
+
+
+def _tables_at(path: Path, n: int) -> dict[str, list[list[int]]]:
+    """Each request's block table per group at step ``n``: whole tables of
+    admissions, new blocks of running requests, emptied by a preemption or a finish."""
+    tables: dict[str, list[list[int]]] = {}
+    for r in _lines(path):
+        if r["kind"] == "abort":
+            for q in r["reqs"]:
+                tables.pop(q, None)
+        elif r["kind"] == "output":
+            for q in r.get("finished", {}):
+                tables.pop(q, None)
+        elif r["kind"] == "step":
+            for q in r.get("preempted", []) + r.get("finished", []):
+                tables.pop(q, None)
+            for e in r.get("new", []) + r.get("resumed", []):
+                tables[e["req"]] = [list(e["block_ids"])] + [list(g) for g in e.get("more_groups") or []]
+            for e in r.get("running", []):
+                new = [e["new_block_ids"]] + (e.get("more_groups") or [])
+                t = tables.setdefault(e["req"], [])
+                t += [[] for _ in range(len(new) - len(t))]
+                for g, ids in enumerate(new):
+                    t[g] += ids
+            if r["step"] == n:
+                return tables
+    raise AssertionError(f"no step {n}")
+
+
+def _batch_of(rec: dict) -> list[tuple]:
+    out = [(e["req"], how, e["num_computed_tokens"], e["num_scheduled_tokens"], e["block_ids"])
+           for how in ("new", "resumed") for e in rec.get(how, [])]
+    return out + [(e["req"], "running", e["num_computed_tokens"], e["num_scheduled_tokens"],
+                   e["new_block_ids"]) for e in rec.get("running", [])]
+
+
+def _busy_divergent_step(path: Path, divs) -> int:
+    """A step whose record admits and runs requests, with a KV-content
+    divergence among its divergences and a request of its batch without one."""
+    at = {d.step for d in divs if d.kind == "kv-content"}
+    for r in _lines(path):
+        if r["kind"] != "step" or r["step"] not in at or not r.get("running"):
+            continue
+        batch = {b[0] for b in _batch_of(r)}
+        if (r.get("new") or r.get("resumed")) and batch - {d.req for d in divs if d.step == r["step"]}:
+            return r["step"]
+    raise AssertionError("the fault trace has no such step")
+
+
+@pytest.fixture(scope="module")
+def faulty_step(faulty):
+    divs = replay_file(faulty, device="cpu").divergences
+    return faulty, _busy_divergent_step(faulty, divs), divs
+
+
+def _cli(capsys, *argv) -> tuple[int, str, str]:
+    code = cli.run(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _row(out: str, req: str) -> str:
+    """The batch row of ``req``: the first line that names it after "batch"."""
+    section = out.split("\nbatch\n", 1)[1].split("\nqueues", 1)[0]
+    hits = [ln for ln in section.splitlines() if re.search(rf"(^|\s){re.escape(req)}\s", ln)]
+    assert hits, f"no batch row for {req} in\n{section}"
+    return hits[0]
+
+
+def test_step_batch_blocks_and_free_blocks_are_the_records(faulty_step):
+    trace, n, _ = faulty_step
+    rec = _step_record(trace, n)
+    view = read_step(trace, n)
+    assert [(b.req, b.how, b.computed, b.scheduled, b.blocks[0]) for b in view.batch] == _batch_of(rec)
+    tables = _tables_at(trace, n)
+    assert {r: t for r, t in view.tables.items() if any(t)} == {r: t for r, t in tables.items() if any(t)}
+    assert view.groups == 1 and view.record.num_free_blocks == rec["num_free_blocks"]
+
+
+def test_step_queues_hold_the_live_requests_outside_the_batch(faulty_step):
+    trace, n, _ = faulty_step
+    arrived, ended, preempted_at, scheduled_at = [], set(), {}, {}
+    for r in _lines(trace):
+        if r["kind"] == "arrival":
+            arrived.append(r["req"])
+        elif r["kind"] == "abort":
+            ended.update(r["reqs"])
+        elif r["kind"] == "output":
+            ended.update(r.get("finished", {}))
+        elif r["kind"] == "step":
+            ended.update(r.get("finished", []))
+            for q in r.get("preempted", []):
+                preempted_at[q] = r["step"]
+            for b in _batch_of(r):
+                scheduled_at[b[0]] = r["step"]
+            if r["step"] == n:
+                break
+    batch = {b[0] for b in _batch_of(_step_record(trace, n))}
+    view = read_step(trace, n)
+    assert {p.req for p in view.queued} == set(arrived) - ended - batch
+    preempted = {q for q, k in preempted_at.items() if k >= scheduled_at.get(q, -1)} - ended - batch
+    assert {p.req for p in view.queued if p.queue == "preempted"} == preempted
+
+
+def test_show_step_marks_and_lists_the_divergences_of_the_step(faulty_step, capsys):
+    trace, n, divs = faulty_step
+    rec = _step_record(trace, n)
+    code, out, err = _cli(capsys, "show", str(trace), "--step", str(n))
+    assert code == 0, err
+    cfg = _lines(trace)[0]["config"]
+    assert f"free blocks  {rec['num_free_blocks']} of {cfg['num_blocks'] - 1} usable" in out
+    here = [d for d in divs if d.step == n]
+    divergent = {d.req for d in here}
+    for req, how, *_ in _batch_of(rec):
+        row = _row(out, req)
+        assert how in row
+        assert row.startswith("!") == (req in divergent), row
+    listed = out.split(f"divergences at step {n} ({len(here)})", 1)[1]
+    flat = " ".join(listed.split())
+    assert len(re.findall(r"^! ", listed, flags=re.M)) == len(here)
+    for d in here:
+        assert f"{d.req} {d.field}" in flat
+        if isinstance(d.recorded, str):   # whole: a clobbering write named
+            assert " ".join(d.recorded.split()) in flat
+    assert any("written by" in str(d.recorded) for d in here if d.kind == "kv-content")
+
+
+def test_show_step_request_narrows_to_one_request(faulty_step, capsys):
+    trace, n, divs = faulty_step
+    mine = next(d.req for d in divs if d.step == n and d.kind == "kv-content")
+    others = {b[0] for b in _batch_of(_step_record(trace, n))} - {mine}
+    code, out, err = _cli(capsys, "show", str(trace), "--step", str(n), "--request", mine)
+    assert code == 0, err
+    assert f"request {mine}" in out and _row(out, mine).startswith("!")
+    for other in others:
+        assert not re.search(rf"(^|[\s,]){re.escape(other)}([\s,]|$)", out), other
+    listed = out.split(f"divergences at step {n}", 1)[1]
+    assert len(re.findall(r"^! ", listed, flags=re.M)) == sum(
+        1 for d in divs if d.step == n and d.req in (mine, None))
+
+
+def test_show_step_past_the_end_is_one_line_exit_2(faulty, capsys):
+    last = max(r["step"] for r in _lines(faulty) if r["kind"] == "step")
+    code, out, err = _cli(capsys, "show", str(faulty), "--step", str(last + 1))
+    assert code == 2 and out == ""
+    assert err.strip().splitlines() == [f"kvtrace: {faulty}: no step {last + 1}: the last step is {last}"]
+
+
+def test_show_step_reads_no_further_than_the_step(faulty, tmp_path):
+    broken = tmp_path / "broken.jsonl"
+    broken.write_bytes(faulty.read_bytes() + b"not json\n")
+    assert read_step(broken, 3).step == 3          # the bad line is never read
+    with pytest.raises(TraceError, match="not JSON"):
+        read_step(broken, 10 ** 6)
+    with pytest.raises(StepNotFound):
+        read_step(faulty, 10 ** 6)
+
+
+@pytest.mark.parametrize("columns", [80, 200])
+def test_show_step_fits_the_width(faulty_step, capsys, monkeypatch, columns):
+    trace, n, _ = faulty_step
+    monkeypatch.setenv("COLUMNS", str(columns))
+    code, out, err = _cli(capsys, "show", str(trace), "--step", str(n))
+    assert code == 0, err
+    widths = [len(ln.rstrip()) for ln in out.splitlines()]
+    assert max(widths) <= columns
+    if columns > 80:
+        assert max(widths) > 80                      # the width is used
+
+
+def test_show_step_with_kv_cache_groups(tmp_path, capsys):
+    trace = record_embedded(tmp_path / "hybrid.jsonl", workload=FAULT_WORKLOADS["window-freed-early"],
+                            fault="window-freed-early").path
+    n = next(r["step"] for r in _lines(trace) if r["kind"] == "step"
+             and any(e.get("more_groups") for e in r.get("running", [])))
+    view = read_step(trace, n)
+    assert view.groups == 2
+    tables = _tables_at(trace, n)
+    assert {r: t for r, t in view.tables.items() if any(t)} == {r: t for r, t in tables.items() if any(t)}
+    code, out, err = _cli(capsys, "show", str(trace), "--step", str(n), "--no-kv-check")
+    assert code == 0, err
+    assert "group 0: sliding window" in out and "g1: " in out
+    # The window's freed blocks: the step's recorded state shows them as 0.
+    assert "state: 0 0" in out

@@ -22,17 +22,69 @@ VLLM_HINT = f"; this needs the [vllm] extra: {VLLM_INSTALL}"
 _TORCHVISION_MISMATCH = "operator torchvision::nms does not exist"
 
 
+# Why a file argument refuses ``-`` (standard input or output), by default.
+NO_DASH = "'-' (standard input or output) is not accepted here; name a file ('./-' for one called -)"
+READS_TWICE = ("'-' (standard input) cannot be read here: this command reads its trace more "
+               "than once; save it to a file first")
+
+
 class FilePath(click.Path):
     """A file named on the command line: never a directory, and never empty
-    (which pathlib makes '.', so that errors would name the current folder)."""
+    (which pathlib makes '.', so that errors would name the current folder).
 
-    def __init__(self, **kw):
+    ``-`` is standard input where ``stdin`` is true (a trace read once: the
+    reader opens it, kvtrace/trace/files.py), for one argument of a command
+    at most; elsewhere it is refused, with ``no_dash`` as the reason."""
+
+    def __init__(self, stdin: bool = False, no_dash: str = NO_DASH, **kw):
         super().__init__(dir_okay=False, path_type=Path, **kw)
+        self.stdin, self.no_dash = stdin, no_dash
 
     def convert(self, value, param, ctx):
         if isinstance(value, str) and not value:
             self.fail("an empty file name", param, ctx)
+        if isinstance(value, str) and value != "-" and os.path.normpath(value) == "-":
+            value = os.path.abspath(value)   # './-', a file: pathlib would make it '-'
+        if isinstance(value, str) and value == "-":
+            if not self.stdin:
+                self.fail(self.no_dash, param, ctx)
+            if ctx is not None:   # standard input can be read for one trace only
+                if ctx.meta.get("kvtrace.stdin"):
+                    self.fail("'-' (standard input) is given twice: it can be read for one trace "
+                              "only", param, ctx)
+                ctx.meta["kvtrace.stdin"] = True
+            return Path(value)
         return super().convert(value, param, ctx)
+
+
+def alone_if_stdin(ctx, param, values):
+    """A callback for an argument of several traces: ``-`` (standard input)
+    only as the one trace, since several are read in worker processes."""
+    if len(values) > 1 and any(str(v) == "-" for v in values):
+        raise click.BadParameter("'-' (standard input) can only be the one trace", ctx, param)
+    return values
+
+
+class Bounded(click.ParamType):
+    """An integer from ``low`` to ``high``; out of range, the error says
+    ``words`` (the range as a person says it), and the help shows no bounds."""
+
+    name = "integer"
+
+    def __init__(self, low: int, high: int, words: str):
+        self.low, self.high, self.words = low, high, words
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) and not isinstance(value, bool):
+            n = value
+        else:
+            try:
+                n = int(str(value).strip())
+            except ValueError:
+                self.fail(f"{value!r} is not an integer", param, ctx)
+        if not self.low <= n <= self.high:
+            self.fail(f"{n} is out of range: {self.words}", param, ctx)
+        return n
 
 
 class UsageProblem(Exception):
@@ -150,6 +202,9 @@ def refuse_pipes(*inputs) -> None:
     from kvtrace.trace.io import not_regular
 
     for src in inputs:
+        if src is not None and str(src) == "-":
+            raise UsageProblem("standard input: this command reads its input more than once; "
+                               "save it to a file first")
         if src is not None and not_regular(src):
             raise UsageProblem(f"{src}: not a regular file (a pipe?): this command reads its "
                                "input more than once; save it to a file first")
@@ -158,15 +213,15 @@ def refuse_pipes(*inputs) -> None:
 @contextlib.contextmanager
 def importing(what: str, hint: str = ""):
     """Around the plain imports of what a command needs, when it needs it: an
-    import that fails is a one-line error naming ``what`` (with ``hint`` when
-    vLLM is what is missing)."""
+    import that fails is a one-line error naming ``what``; when vLLM is what
+    is missing, with ``hint`` (the install line by default) and exit code 2."""
     try:
         yield
     except ImportError as e:
         missing = getattr(e, "name", None) or ""
-        if missing.split(".")[0] != "vllm":
-            hint = ""
-        raise Unavailable(f"{what} is not available ({e}){hint}") from e
+        if missing.split(".")[0] == "vllm":   # the user's environment: exit 2
+            raise VllmUnavailable(f"{what} is not available ({e}){hint or VLLM_HINT}") from e
+        raise Unavailable(f"{what} is not available ({e})") from e
 
 
 def show_progress() -> bool:

@@ -11,8 +11,8 @@ from .progress import progress
 
 
 @click.command()
-@click.argument("a", type=FilePath())
-@click.argument("b", type=FilePath())
+@click.argument("a", type=FilePath(stdin=True))
+@click.argument("b", type=FilePath(stdin=True))
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--match", type=click.Choice(("auto", "id", "id-prefix", "arrival", "handoff")),
               default="auto", show_default=True,
@@ -37,7 +37,7 @@ def command(a: Path, b: Path, as_json: bool, match: str) -> int:
     from kvtrace.diff import diff_files
     from kvtrace.report import terminal
 
-    with progress(f"diffing {a.name} with {b.name}", "steps") as advance:
+    with progress(f"diffing {a.name} with {b.name}", "steps", files=(a, b)) as advance:
         result = diff_files(a, b, match=match, progress=advance)
     if as_json:
         print_bytes(terminal.diff_json(result))

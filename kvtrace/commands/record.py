@@ -9,16 +9,21 @@ import click
 from kvtrace.catalog import EMBEDDED_FAULTS, EMBEDDED_WORKLOADS, VLLM_FAULTS
 from kvtrace.outputs import blamed_on
 
-from ._common import (EXIT_NOTHING, EXIT_OK, VLLM_HINT, FilePath, UsageProblem, echo, importing,
-                      require_vllm, say, trace_output)
+from ._common import (EXIT_NOTHING, EXIT_OK, VLLM_HINT, Bounded, FilePath, UsageProblem, echo,
+                      importing, require_vllm, say, trace_output)
 from .progress import progress
 
 WORKLOADS = tuple(EMBEDDED_WORKLOADS)
 FAULTS = tuple(EMBEDDED_FAULTS)
+SEEDS = Bounded(0, 2 ** 64 - 1, "a seed is from 0 to 2^64-1")
+MAX_REQUESTS = 1_000_000
+REQUESTS = Bounded(1, MAX_REQUESTS, f"from 1 to {MAX_REQUESTS:,} requests")
+STDOUT_REFUSED = ("'-' (standard output) is not accepted: a trace is written to a file, "
+                  "which can be read while it grows")
 
 
 @click.command(context_settings={"allow_interspersed_args": False})
-@click.option("-o", "--out", "out", required=True, type=FilePath(),
+@click.option("-o", "--out", "out", required=True, type=FilePath(no_dash=STDOUT_REFUSED),
               help="Trace file to write (.jsonl, .jsonl.gz or .jsonl.zst).")
 @click.option("--workload", default=None,
               help=f"Built-in workload. Embedded engine: {', '.join(WORKLOADS)} (default "
@@ -28,9 +33,13 @@ FAULTS = tuple(EMBEDDED_FAULTS)
 @click.option("--fault", default=None,
               help=f"Put a known scheduler bug back in. Embedded engine: {', '.join(FAULTS)}. "
                    f"vLLM (a scheduler subclass): {', '.join(VLLM_FAULTS)}.")
-@click.option("--seed", type=click.IntRange(-(2 ** 63), 2 ** 64 - 1), default=None,
-              help="Seed of the embedded engine's workload and sampler (default 0). The vLLM "
-                   "workloads are fixed: with --engine vllm or a command it is refused.")
+@click.option("--seed", type=SEEDS, default=None,
+              help="Seed of the embedded engine's workload and sampler: 0 to 2^64-1 (default "
+                   "0). The vLLM workloads are fixed: with --engine vllm or a command it is "
+                   "refused.")
+@click.option("--requests", type=REQUESTS, default=None, metavar="N",
+              help="Make the embedded engine's workload of N requests (default: its own, 16 to "
+                   "28), to scale a fault up. Refused with --engine vllm or a command.")
 @click.option("--engine", type=click.Choice(("embedded", "vllm")), default="embedded",
               show_default=True, help="Engine to record.")
 @click.option("--model", type=click.Path(exists=True, file_okay=False, path_type=Path),
@@ -42,14 +51,15 @@ FAULTS = tuple(EMBEDDED_FAULTS)
 @click.option("--redact", is_flag=True,
               help="Replace token ids with keyed pseudonyms in the written trace.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-def command(out: Path, workload: str | None, fault: str | None, seed: int | None, engine: str,
-            model: Path | None, async_scheduling: bool, redact: bool,
-            command: tuple[str, ...]) -> int:
+def command(out: Path, workload: str | None, fault: str | None, seed: int | None,
+            requests: int | None, engine: str, model: Path | None, async_scheduling: bool,
+            redact: bool, command: tuple[str, ...]) -> int:
     """Record a trace, from the embedded engine, an offline vLLM run, or any
     command given after -- (for example a vLLM server).
 
     \b
     kvtrace record -o run.jsonl.gz --workload offload --fault async-load-overshoot
+    kvtrace record -o big.jsonl.gz --workload offload --requests 500
     kvtrace record -o run.jsonl.gz --engine vllm --workload preemption
     kvtrace record -o run.jsonl.gz -- python -m vllm.entrypoints.openai.api_server --model DIR
     """
@@ -57,6 +67,9 @@ def command(out: Path, workload: str | None, fault: str | None, seed: int | None
     target = out.with_name(out.name + ".plain") if redact else out
     if seed is not None and (command or engine == "vllm"):
         raise UsageProblem("--seed applies to the embedded engine only: the vLLM workloads "
+                           "are fixed")
+    if requests is not None and (command or engine == "vllm"):
+        raise UsageProblem("--requests applies to the embedded engine only: the vLLM workloads "
                            "are fixed")
     if command:
         if fault or workload or model or async_scheduling:
@@ -85,7 +98,7 @@ def command(out: Path, workload: str | None, fault: str | None, seed: int | None
             raise
         code = EXIT_OK
     else:
-        _record_embedded(target, workload, fault, seed or 0, model, async_scheduling)
+        _record_embedded(target, workload, fault, seed or 0, requests, model, async_scheduling)
         code = EXIT_OK
     if redact:
         _redact(target, out)
@@ -111,20 +124,24 @@ def _redact(plain: Path, out: Path) -> None:
 
 
 def _record_embedded(out: Path, workload: str | None, fault: str | None, seed: int,
-                     model: Path | None, async_scheduling: bool) -> None:
+                     requests: int | None, model: Path | None, async_scheduling: bool) -> None:
     if model is not None:
         raise UsageProblem("--model needs --engine vllm")
     if fault is not None and fault not in FAULTS:
         raise UsageProblem(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
-    from kvtrace.engine import FAULT_WORKLOADS, record_embedded
+    from dataclasses import replace
+
+    from kvtrace.engine import FAULT_WORKLOADS, build_workload, record_workload
 
     workload = workload or (FAULT_WORKLOADS[fault] if fault else WORKLOADS[0])
     if workload not in WORKLOADS:
         raise UsageProblem(f"unknown workload {workload!r}; known: {', '.join(WORKLOADS)}")
+    wl = build_workload(workload, seed, requests)
+    if async_scheduling:
+        wl = replace(wl, config=replace(wl.config, async_scheduling=True))
     with progress(f"recording {out.name}", "steps") as advance, blamed_on(out):
         try:
-            res = record_embedded(out, workload=workload, fault=fault, seed=seed,
-                                  async_scheduling=async_scheduling, progress=advance)
+            res = record_workload(out, wl, fault, seed, progress=advance)
         except ValueError as e:   # a combination the engine does not run
             raise UsageProblem(str(e)) from None
     if fault and not res.fault_log:

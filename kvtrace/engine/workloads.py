@@ -1,8 +1,10 @@
 """Built-in workloads: an engine configuration and a timed list of arrivals.
 
-Every workload is a function of the seed alone. Prompts are random token ids
-built from shared pieces (system prompts, documents), so that requests hit each
-other's blocks in the prefix cache and in the external store.
+Every workload is a function of the seed and of its number of requests
+(``requests``; each workload has its own default, and any number from 1 up
+makes a workload of the same kind, for scaling a fault up). Prompts are random
+token ids built from shared pieces (system prompts, documents), so that
+requests hit each other's blocks in the prefix cache and in the external store.
 
 * ``shared-prefix``: chat with a few shared system prompts; prefix-cache hits,
   one request aborted while waiting and one while running.
@@ -94,19 +96,20 @@ def _rng(name: str, seed: int) -> random.Random:
 # --------------------------------------------------------------------------- workloads
 
 
-def shared_prefix(seed: int) -> Workload:
+def shared_prefix(seed: int, requests: int | None = None) -> Workload:
     rng = _rng("shared-prefix", seed)
     config = SchedulerConfig(block_size=8, num_blocks=96, max_num_batched_tokens=96,
                              max_num_seqs=6, max_model_len=512)
     systems = [_tokens(rng, rng.randint(20, 60)) for _ in range(3)]
     arrivals = []
-    for i, step in enumerate(_arrival_steps(rng, 28, (0, 1, 1, 2, 3))):
+    for i, step in enumerate(_arrival_steps(rng, requests or 28, (0, 1, 1, 2, 3))):
         prompt = rng.choice(systems) + _tokens(rng, rng.randint(6, 40))
         arrivals.append(PlannedArrival(step, f"chat-{i}", prompt, rng.randint(4, 24)))
-    aborts = (
-        PlannedAbort(arrivals[9].step, arrivals[9].req),          # still waiting
-        PlannedAbort(arrivals[17].step + 4, arrivals[17].req),    # running by then
-    )
+    # One abort while still waiting, one while running by then: the 10th and
+    # 18th requests, and so on in every 28 of a longer workload.
+    aborts = tuple(PlannedAbort(arrivals[i].step + late, arrivals[i].req)
+                   for base in range(0, len(arrivals), 28)
+                   for i, late in ((base + 9, 0), (base + 17, 4)) if i < len(arrivals))
     return Workload("shared-prefix", config, tuple(arrivals), aborts, eos_probability=0.03)
 
 
@@ -119,7 +122,7 @@ def sliding_group(window: int, block_size: int, max_num_batched_tokens: int,
     return GroupSpec(window, -(-tokens // block_size) + 1)
 
 
-def _windowed(name: str, seed: int, groups: tuple[str, ...]) -> Workload:
+def _windowed(name: str, seed: int, groups: tuple[str, ...], requests: int | None) -> Workload:
     """Shared prefixes longer than the window and decodes past it, under a
     cache that preempts: ``groups`` names each KV-cache group's kind."""
     rng = _rng(name, seed)
@@ -131,29 +134,29 @@ def _windowed(name: str, seed: int, groups: tuple[str, ...]) -> Workload:
                                              for g in groups))
     systems = [_tokens(rng, rng.randint(40, 70)) for _ in range(3)]
     arrivals = []
-    for i, step in enumerate(_arrival_steps(rng, 20, (0, 1, 1, 2, 3))):
+    for i, step in enumerate(_arrival_steps(rng, requests or 20, (0, 1, 1, 2, 3))):
         prompt = rng.choice(systems) + _tokens(rng, rng.randint(4, 30))
         arrivals.append(PlannedArrival(step, f"turn-{i}", prompt, rng.randint(16, 48)))
     return Workload(name, config, tuple(arrivals), eos_probability=0.02)
 
 
-def hybrid(seed: int) -> Workload:
+def hybrid(seed: int, requests: int | None = None) -> Workload:
     """Gemma 3's KV cache: a sliding-window group, then a full-attention one."""
-    return _windowed("hybrid", seed, ("sliding", "full"))
+    return _windowed("hybrid", seed, ("sliding", "full"), requests)
 
 
-def sliding_window(seed: int) -> Workload:
+def sliding_window(seed: int, requests: int | None = None) -> Workload:
     """Every layer windowed: one sliding-window group."""
-    return _windowed("sliding-window", seed, ("sliding",))
+    return _windowed("sliding-window", seed, ("sliding",), requests)
 
 
-def kv_pressure(seed: int) -> Workload:
+def kv_pressure(seed: int, requests: int | None = None) -> Workload:
     rng = _rng("kv-pressure", seed)
     config = SchedulerConfig(block_size=8, num_blocks=33, max_num_batched_tokens=64,
                              max_num_seqs=6, max_model_len=512, long_prefill_token_threshold=32)
     prefixes = [_tokens(rng, 24), _tokens(rng, 40)]
     arrivals = []
-    for i, step in enumerate(_arrival_steps(rng, 16, (0, 1, 2))):
+    for i, step in enumerate(_arrival_steps(rng, requests or 16, (0, 1, 2))):
         prompt = rng.choice(prefixes) + _tokens(rng, rng.randint(16, 70))
         arrivals.append(PlannedArrival(step, f"long-{i}", prompt, rng.randint(20, 60)))
     return Workload("kv-pressure", config, tuple(arrivals))
@@ -180,22 +183,22 @@ def _document_workload(name: str, seed: int, store: Callable[[tuple], StoreSetti
     return Workload(name, config, tuple(arrivals), store=store(preload))
 
 
-def offload(seed: int) -> Workload:
+def offload(seed: int, requests: int | None = None) -> Workload:
     return _document_workload(
         "offload", seed, lambda preload: StoreSettings(
             capacity_tokens=3000, preload=preload, async_fraction=0.4, async_delay_steps=2),
-        "fail", num_requests=22)
+        "fail", num_requests=requests or 22)
 
 
-def load_failures(seed: int) -> Workload:
+def load_failures(seed: int, requests: int | None = None) -> Workload:
     return _document_workload(
         "load-failures", seed, lambda preload: StoreSettings(
             capacity_tokens=3000, preload=preload, async_fraction=0.5, async_delay_steps=1,
             failed_recving_fraction=0.5, invalid_blocks_fraction=0.8, late_failure_fraction=0.7),
-        "recompute", num_requests=20)
+        "recompute", num_requests=requests or 20)
 
 
-WORKLOADS: dict[str, Callable[[int], Workload]] = {
+WORKLOADS: dict[str, Callable[..., Workload]] = {
     "shared-prefix": shared_prefix,
     "kv-pressure": kv_pressure,
     "offload": offload,
@@ -205,9 +208,12 @@ WORKLOADS: dict[str, Callable[[int], Workload]] = {
 }
 
 
-def build_workload(name: str, seed: int = 0) -> Workload:
+def build_workload(name: str, seed: int = 0, requests: int | None = None) -> Workload:
+    """Workload ``name`` for ``seed``, of ``requests`` requests (None: its own number)."""
     try:
         make = WORKLOADS[name]
     except KeyError:
         raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}") from None
-    return make(seed)
+    if requests is not None and requests < 1:
+        raise ValueError(f"a workload needs at least one request, not {requests}")
+    return make(seed, requests)

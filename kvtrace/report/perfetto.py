@@ -1,14 +1,19 @@
 """Export a trace as Chrome trace-event JSON, which ui.perfetto.dev and
 chrome://tracing open.
 
-Time is the step index: step ``k`` covers ``[k, k+1)`` milliseconds (the file's
-timestamps are in microseconds, so ``k * 1000``). Arrival times are not used:
-they are wall-clock stamps of the recording machine and say nothing about the
-schedule.
+Time is the step index: a trace holds no times of its steps, so one scheduler
+step is drawn as 1 ms, and step ``k`` covers ``[k, k+1)`` ms (the file's
+timestamps are in microseconds, so ``k * 1000``). The file's metadata, its
+process names and ``TIME_AXIS`` (which ``kvtrace export`` prints) say so.
+Arrival times are not used: they are wall-clock stamps of the recording
+machine and say nothing about the schedule.
 
 * Process 1, "requests": one track (thread) per request, in arrival order, with
-  slices ``waiting`` (arrival to admission), ``loading KV`` (an asynchronous load,
-  from WAITING_FOR_REMOTE_KVS to admission), ``prefill`` (one slice per chunk),
+  slices ``waiting`` (arrival to admission), ``loading KV`` (an asynchronous load:
+  from the step whose state says WAITING_FOR_REMOTE_KVS to the ``schedule()``
+  after the output that reports it finished, ``finished_recving``, which takes
+  the request out of it; a failed admission attempt with an asynchronous hit
+  leaves it ``waiting``), ``prefill`` (one slice per chunk),
   ``decode`` (consecutive decode steps merged) and ``preempted`` (preemption to
   resumption). Slices on one track never overlap. Arrivals, synchronous loads,
   finishes and divergences are instant events on the request's track.
@@ -36,6 +41,10 @@ from ..trace.io import TraceReader
 from .summary import phase_of
 
 US_PER_STEP = 1000
+# What the time axis means, in the metadata and on kvtrace export's stderr.
+TIME_AXIS = ("the time axis counts scheduler steps: 1 ms = 1 step (a trace holds no times "
+             "of its steps)")
+STEP_NOTE = " (1 ms = 1 step)"   # after each process's name
 REQUESTS_PID = 1
 SCHEDULER_PID = 2
 
@@ -77,6 +86,7 @@ class _Exporter:
         for d in divergences or ():
             self.divs[d.step].append(d)
         self.tids: dict[str, int] = {}           # every request seen: divergences may name finished ones
+        self.loaded: set[str] = set()            # async loads reported finished, until the next step
         self.counts: dict[str, int] = defaultdict(int)
 
     # -- writing -------------------------------------------------------------------
@@ -91,7 +101,8 @@ class _Exporter:
         self.out.write(b'{"displayTimeUnit":"ms","traceEvents":[')
         h = self.header
         for pid, name, order in ((REQUESTS_PID, "requests", 1), (SCHEDULER_PID, "scheduler", 0)):
-            self.emit({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": name}})
+            self.emit({"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
+                       "args": {"name": name + STEP_NOTE}})
             self.emit({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0,
                        "args": {"sort_index": order}})
         self.emit({"ph": "M", "name": "thread_name", "pid": SCHEDULER_PID, "tid": 0,
@@ -107,7 +118,7 @@ class _Exporter:
         self.divs.clear()
         meta = {"trace": path_text(reader.path), "engine": self.header.engine,
                 "engine_version": self.header.engine_version, "steps": self.steps,
-                "time_unit": "1 ms = 1 scheduler step"}
+                "time_unit": "1 ms = 1 scheduler step", "time_axis": TIME_AXIS}
         if reader.truncation:
             meta["truncation"] = reader.truncation
         self.out.write(b'\n],"metadata":' + orjson.dumps(meta, default=str) + b"}\n")
@@ -199,6 +210,11 @@ class _Exporter:
         k = e.step
         self.steps = k + 1
         t0, t1 = k * US_PER_STEP, (k + 1) * US_PER_STEP
+        for req in self.loaded:   # this schedule() takes them out of WAITING_FOR_REMOTE_KVS
+            tr = self.tracks.get(req)
+            if tr is not None and tr.phase == "loading KV":
+                self._start_phase(tr, "waiting", t0, {"after": "load finished"})
+        self.loaded.clear()
         states = {st.req: st for st in e.states}
         for req in e.preempted:
             tr = self.tracks.get(req)
@@ -287,6 +303,7 @@ class _Exporter:
                                   cat="load")
                     if tr.phase == "loading KV":
                         self._start_phase(tr, "waiting", t, {"after": "failed load"})
+            self.loaded.update(req for req in c.finished_recving if req not in c.failed_recving)
         for req, reason in e.finished.items():
             if req in self.sessions:   # a turn ends; the session waits for more input
                 continue

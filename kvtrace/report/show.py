@@ -1,4 +1,4 @@
-"""``kvtrace show``: the run summary, or one request's history, in the terminal."""
+"""``kvtrace show``: the run summary, one request's history, or one step, in the terminal."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from ..findings import Divergence
+from .at_step import QUEUES, StepView
 from .figures import HistoryRow, Mark, RequestTimeline, RunSummary, Series, kv_groups_text, percent
 from .summary import summarize
-from .terminal import make_console, replayed_up_to
+from .terminal import format_value, make_console, replayed_up_to
 
 SPARK = "▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 60
@@ -258,3 +260,247 @@ def _hist_row(r: HistoryRow, split: dict[int, str]):
 
 def _mark_row(m: Mark):
     return (str(m.step), Text(m.kind, style=_MARK_STYLE.get(m.kind, "")), "", "", "", "", m.text)
+
+
+# --------------------------------------------------------------------------- one step
+
+MAX_QUEUED = 40   # ids listed per queue (all of them with a request asked for)
+
+
+def show_step(view: StepView, divergences: list[Divergence] | None, console: Console | None = None,
+              note: str | None = None) -> None:
+    """Print one step: the batch, the queues, the free blocks, each live
+    request's block table, and ``divergences`` (those of this step, from a
+    replay), marked on the rows they concern. ``note``: why there are none to
+    show (a trace replay refused). With ``view.request`` set, only that
+    request (and the step-wide divergences)."""
+    console = console or make_console()
+    only = view.request
+    divs = [d for d in divergences or () if d.step == view.step and (only is None or d.req in (only, None))]
+    marked = {d.req for d in divs if d.req is not None}
+    wide = {d.field for d in divs if d.req is None}
+    s, cfg = view.record, view.header.config
+
+    console.print(Text(f"{view.path} · step {view.step} (line {view.line})"
+                       + (f" · request {only}" if only else ""), style="bold"))
+    tokens = sum(b.scheduled for b in view.batch)
+    free = Text("not recorded" if s.num_free_blocks is None else
+                f"{s.num_free_blocks} of {cfg.num_blocks - 1} usable, after the step")
+    if "num_free_blocks" in wide:
+        free.append("  ! diverges", style="bold red")
+    rows = [("batch", f"{len(view.batch)} requests, {tokens} tokens scheduled (budget "
+                      f"{cfg.token_budget})"), ("free blocks", free)]
+    groups = kv_groups_text(view.header.features)
+    if groups:
+        rows.append(("KV cache", groups))
+    console.print(_grid(rows + _events(view, only)))
+    if note:
+        console.print(Text(note, style="yellow"))
+
+    batch = [b for b in view.batch if only is None or b.req == only]
+    console.print(Text("\nbatch", style="bold"))
+    if batch:
+        console.print(_batch_table(batch, marked, view.groups))
+    else:
+        console.print(Text("  not scheduled in this step" if only else "  nothing scheduled",
+                           style="dim"))
+    _print_queues(view, only, marked, console)
+    _print_tables(view, only, marked, console)
+    _print_divergences(view, divs, note, console)
+
+
+def _mark(req: str | None, marked: set) -> Text:
+    return Text("!", style="bold red") if req in marked else Text(" ")
+
+
+def _ids(ids: list[int]) -> str:
+    """Block ids in order, runs of three or more consecutive ids as ``a–b``."""
+    out, i = [], 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        if j - i >= 2:
+            out.append(f"{ids[i]}–{ids[j]}")
+        else:
+            out.extend(str(x) for x in ids[i:j + 1])
+        i = j + 1
+    return " ".join(out)
+
+
+def _group_ids(groups: list[list[int]], n_groups: int, new: bool) -> str:
+    def one(ids):
+        if new:
+            return ("+" + _ids(ids)) if ids else "none new"
+        return f"({len(ids)}) {_ids(ids)}" if ids else "(0)"
+    if len(groups) <= 1:
+        return one(groups[0] if groups else [])
+    return "\n".join(f"g{g}: {one(ids)}" for g, ids in enumerate(groups))
+
+
+def _batch_table(batch, marked: set, n_groups: int) -> Table:
+    t = Table(box=None, header_style="bold", pad_edge=False, padding=(0, 1))
+    t.add_column("", no_wrap=True, width=1)
+    t.add_column("request", overflow="fold")
+    t.add_column("admitted", no_wrap=True)
+    t.add_column("computed", justify="right", no_wrap=True)
+    t.add_column("sched", justify="right", no_wrap=True)
+    t.add_column("blocks (whole table, or +new)", ratio=1)
+    for b in batch:
+        sched = str(b.scheduled) + (f" ({b.drafts} drafts)" if b.drafts else "")
+        t.add_row(_mark(b.req, marked), b.req, b.how, str(b.computed), sched,
+                  _group_ids(b.blocks, n_groups, b.how == "running"))
+    return t
+
+
+def _events(view: StepView, only: str | None) -> list:
+    """The step's other news, as rows: preemptions, frees, the connector's
+    lookups and loads."""
+    s = view.record
+    rows = []
+
+    def mine(req):
+        return only is None or req == only
+
+    pre = [r for r in s.preempted if mine(r)]
+    if pre:
+        rows.append(("preempted", ", ".join(pre)))
+    fin = [r for r in s.finished if mine(r)]
+    if fin:
+        rows.append(("freed", ", ".join(fin) + " (finished since the last step)"))
+    looks = [lk for lk in s.lookups if mine(lk.req)]
+    if looks:
+        rows.append(("lookups", "; ".join(
+            f"{lk.req} local {lk.local} external "
+            + ("not ready" if lk.ext is None else str(lk.ext)) + (" async" if lk.load_async else "")
+            for lk in looks)))
+    loads = [ld for ld in s.loads or () if mine(ld.req)]
+    if loads:
+        rows.append(("loads", "; ".join(f"{ld.req} [{ld.start}, {ld.end})" for ld in loads)))
+    return rows
+
+
+def _grid(rows) -> Table:
+    t = Table.grid(padding=(0, 2))
+    t.add_column(no_wrap=True, style="bold")
+    t.add_column()
+    for row in rows:
+        t.add_row(*row)
+    return t
+
+
+_WAITING_KIND = {"WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR": "for its grammar",
+                 "WAITING_FOR_STREAMING_REQ": "for its next input"}
+
+
+def _print_queues(view: StepView, only: str | None, marked: set, console: Console) -> None:
+    console.print(Text("\nqueues after the step", style="bold"))
+    if only is not None and any(b.req == only for b in view.batch):
+        console.print(Text(f"  {only} is in the batch", style="dim"))
+        return
+    queued = [p for p in view.queued if only is None or p.req == only]
+    if only is not None and not queued:
+        console.print(Text(f"  {only} is not live at this step (finished, or aborted)",
+                           style="dim"))
+        return
+    t = Table(box=None, header_style="bold", pad_edge=False, padding=(0, 1))
+    t.add_column("", no_wrap=True, width=1)
+    t.add_column("queue", no_wrap=True)
+    t.add_column("request", overflow="fold")
+    t.add_column("placed by", no_wrap=True)
+    for q in QUEUES:
+        items = [p for p in queued if p.queue == q]
+        if not items:
+            if only is None and q != "running, not scheduled":
+                t.add_row("", q, Text("none", style="dim"), "")
+            continue
+        # Requests known only by their arrival, in one row, in arrival order.
+        plain = [p for p in items if not p.exact and p.news.startswith("arrived")
+                 and p.status == "WAITING" and p.req not in marked]
+        if len(plain) < 2 or only is not None:
+            plain = []
+        rest = [p for p in items if p not in plain]
+        head = f"{q} ({len(items)})"
+        if plain:
+            ids = ", ".join(p.req for p in plain[:MAX_QUEUED])
+            if len(plain) > MAX_QUEUED:
+                ids += f", … {len(plain) - MAX_QUEUED} more"
+            t.add_row("", head, ids, "arrival")
+            head = ""
+        for p in rest[:MAX_QUEUED]:
+            how = "recorded state" if p.exact else p.news
+            if p.status in _WAITING_KIND:
+                how += f", {_WAITING_KIND[p.status]}"
+            t.add_row(_mark(p.req, marked), head, p.req, how)
+            head = ""
+        if len(rest) > MAX_QUEUED:
+            t.add_row("", "", Text(f"… {len(rest) - MAX_QUEUED} more", style="dim"),
+                      Text("--request ID shows one", style="dim"))
+    console.print(t)
+    console.print(Text("placed by the step's recorded state, else by the last news of the "
+                       "request in the records up to the step (@ its step)", style="dim"))
+
+
+def _print_tables(view: StepView, only: str | None, marked: set, console: Console) -> None:
+    order = [b.req for b in view.batch] + [p.req for p in view.queued]
+    reqs = [r for r in dict.fromkeys(order) if (only is None or r == only)
+            and any(view.table_of(r))]
+    console.print(Text("\nblock tables at the step", style="bold"))
+    if not reqs:
+        console.print(Text("  no blocks held", style="dim"))
+        return
+    t = Table(box=None, header_style="bold", pad_edge=False, padding=(0, 1))
+    t.add_column("", no_wrap=True, width=1)
+    t.add_column("request", overflow="fold")
+    if view.groups > 1:
+        t.add_column("group", no_wrap=True, justify="right")
+    t.add_column("blocks", justify="right", no_wrap=True)
+    t.add_column("block ids", ratio=1)
+    differs = False
+    for req in reqs:
+        table = view.table_of(req)
+        st = view.states.get(req)
+        recorded = None if st is None else [st.block_ids, *(st.more_groups or ())]
+        for g, ids in enumerate(table):
+            cells = [_mark(req, marked) if g == 0 else Text(""), req if g == 0 else ""]
+            if view.groups > 1:
+                cells.append(str(g))
+            source = " (recorded state)" if req in view.from_state else ""
+            t.add_row(*cells, str(len(ids)), _ids(ids) + source)
+            if recorded is not None and g < len(recorded) and recorded[g] != ids:
+                differs = True
+                t.add_row(Text(""), "", *([""] if view.groups > 1 else []), "",
+                          Text(f"state: {_ids(recorded[g]) or 'none'}", style="yellow"))
+    console.print(t)
+    console.print(Text("from the whole table of the last admission plus the new blocks of each "
+                       "step since" + ("; \"state:\" where the step's recorded state differs "
+                                       "(0 is the null block: a block a sliding window let go)"
+                                       if differs else ""), style="dim"))
+
+
+def _print_divergences(view: StepView, divs: list[Divergence], note: str | None,
+                       console: Console) -> None:
+    console.print(Text(f"\ndivergences at step {view.step} ({len(divs)})", style="bold"))
+    if not divs:
+        console.print(Text("  " + ("not replayed" if note else "none"), style="dim"))
+        return
+    for d in divs:
+        head = Text("! ", style="bold red")
+        head.append(d.req if d.req is not None else "step-wide", style="bold")
+        head.append(f" {d.field}")
+        head.append(f"  ({d.kind}" + (f", line {d.line})" if d.line is not None else ")"),
+                    style="dim")
+        console.print(head)
+        t = Table.grid(padding=(0, 1))
+        t.add_column(no_wrap=True, width=1)
+        t.add_column(no_wrap=True, style="dim")
+        t.add_column()
+        t.add_row("", "recorded", _whole(d.recorded))
+        t.add_row("", "expected", _whole(d.expected))
+        t.add_row("", "rule", str(d.rule))
+        console.print(t)
+
+
+def _whole(v) -> str:
+    """A recorded or expected value in full: never cut."""
+    return v if isinstance(v, str) else format_value(v, limit=1 << 30)

@@ -171,16 +171,24 @@ class _Pass:
                 continue
             again = (lv.local, lv.ext) == (lk.local, lk.ext)
             lv.local, lv.ext = lk.local, lk.ext
-            if lv.tl is not None and not again:
+            # An async hit parks the request only when its admission got blocks:
+            # the state after the step says so (a failed attempt leaves it WAITING).
+            st = states.get(lk.req)
+            parked = lk.load_async and (st.status == "WAITING_FOR_REMOTE_KVS" if st is not None
+                                        else not again)
+            if lv.tl is not None and (not again or parked):
                 if lv.reads_no_cache and lk.ext != 0:   # forced to nothing (S:983-984)
                     answer = "not ready" if lk.ext is None else f"external {lk.ext}"
                     lv.tl.mark(k, "lookup", f"local {lk.local}, connector's answer ({answer}) "
                                             "not used: the request reads no prefix cache")
                 elif lk.ext is None:
                     lv.tl.mark(k, "not-ready", f"local {lk.local}, connector not ready")
-                elif lk.load_async:
+                elif parked:
                     lv.tl.mark(k, "async-wait", f"local {lk.local}, external {lk.ext} loading "
                                                 "asynchronously (WAITING_FOR_REMOTE_KVS)")
+                elif lk.load_async:
+                    lv.tl.mark(k, "lookup", f"local {lk.local}, external {lk.ext} to load "
+                                            "asynchronously; not admitted: still WAITING")
                 else:
                     lv.tl.mark(k, "lookup", f"local {lk.local}, external {lk.ext}")
         for ld in e.loads or ():

@@ -15,6 +15,8 @@ import zlib
 from pathlib import Path
 from typing import IO
 
+import orjson
+
 GZIP_MAGIC = b"\x1f\x8b"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 # A single record larger than this is corrupt; stops a bad file from eating memory.
@@ -26,6 +28,19 @@ MAX_TOTAL_BYTES = 64 << 30
 ENV_MAX_LINE_BYTES = "KVTRACE_MAX_LINE_BYTES"
 ENV_MAX_BYTES = "KVTRACE_MAX_BYTES"
 READ_CHUNK = 1 << 20
+# The name that stands for standard input, as a trace to read.
+STDIN = "-"
+STDIN_NAME = "standard input"
+
+
+def is_stdin(path: str | os.PathLike | None) -> bool:
+    """Whether ``path`` is ``-``, standard input."""
+    return path is not None and os.fspath(path) == STDIN
+
+
+def shown(path: str | os.PathLike) -> str:
+    """A trace's name in messages: ``standard input`` for ``-``."""
+    return STDIN_NAME if is_stdin(path) else str(path)
 
 
 class TraceError(Exception):
@@ -35,8 +50,31 @@ class TraceError(Exception):
 
     def __init__(self, path: str | os.PathLike, line: int | None, problem: str):
         self.path, self.line, self.problem = str(path), line, problem
-        where = f"{self.path}:{line}" if line is not None else self.path
+        name = shown(path)
+        where = f"{name}:{line}" if line is not None else name
         super().__init__(f"{where}: {problem}")
+
+
+def foreign_json(path: str | os.PathLike, line: int, raw: bytes,
+                 obj: object = None) -> TraceError | None:
+    """The error for a first record that is JSON of another kind, or None: a
+    Perfetto (Chrome trace-event) file, such as ``kvtrace export`` writes, or
+    a JSON document spread over several lines (``json.dump(obj, f,
+    indent=2)``). ``raw`` is the first line; ``obj`` what it parsed to, when
+    it did."""
+    head = raw.lstrip()[:1]
+    if (isinstance(obj, dict) and "traceEvents" in obj) or b'"traceEvents"' in raw or (
+            head == b"[" and b'"ph"' in raw) or (
+            isinstance(obj, list) and obj and isinstance(obj[0], dict) and "ph" in obj[0]):
+        return TraceError(path, None, "a Perfetto (Chrome trace-event) file, not a kvtrace trace")
+    if obj is None and head in (b"{", b"["):
+        try:
+            orjson.loads(raw)
+        except ValueError as e:
+            if str(e).startswith("unexpected end of data"):   # the value goes on past the line
+                return TraceError(path, line, "a JSON document spread over several lines; a "
+                                              "kvtrace trace has one JSON record per line")
+    return None
 
 
 def env_bytes(name: str, default: int) -> int:
@@ -244,15 +282,18 @@ class SharedEnd:
 def not_regular(path: str | os.PathLike) -> bool:
     """Whether ``path`` names something other than a regular file (a pipe, a
     device), which only one reader can read, without opening it (a named pipe
-    would wait for a writer). False when it cannot be looked at: the reader then
-    names the problem."""
+    would wait for a writer). ``-`` is standard input. False when it cannot be
+    looked at: the reader then names the problem."""
     try:
-        return not stat.S_ISREG(os.stat(path).st_mode)
+        return not stat.S_ISREG((os.fstat(0) if is_stdin(path) else os.stat(path)).st_mode)
     except OSError:
         return False
 
 
 def open_read(path: Path) -> int:
+    """A descriptor to read ``path`` by; for ``-``, one of standard input."""
+    if is_stdin(path):
+        return os.dup(0)
     fd = os.open(path, os.O_RDONLY)
     if stat.S_ISDIR(os.fstat(fd).st_mode):
         os.close(fd)

@@ -18,11 +18,14 @@ import orjson
 
 from .events import LINE_DECODER, End, Event, Header, SchemaError, decode_header, decode_line
 from .files import (ENV_MAX_BYTES, ENV_MAX_LINE_BYTES, MAX_LINE_BYTES, MAX_TOTAL_BYTES, READ_CHUNK,
-                    SharedEnd, SharedFile, TraceError, decompressing, env_bytes, is_stream_damage,
-                    open_read)
+                    SharedEnd, SharedFile, TraceError, decompressing, env_bytes, foreign_json,
+                    is_stream_damage, open_read)
 from .validate import Validator
 
 _CUT = object()   # what _decode returns for a line cut off mid-record
+# Called as ``watch(reader)`` after each chunk any reader reads, and at the end
+# of its file: ``reader.position`` of ``reader.size`` bytes (progress bars).
+read_watchers: list = []
 
 
 class TraceReader:
@@ -59,12 +62,19 @@ class TraceReader:
         except OSError as e:
             raise TraceError(self.path, None, f"cannot open: {e.strerror or e}") from None
         self._raw = io.BufferedReader(self._file, READ_CHUNK)
+        # The file's size in bytes as stored (compressed), None for a pipe.
+        self.size: int | None = os.fstat(self._file.fd).st_size if self._file.seekable() else None
         try:
             self.header: Header = self._read_header()
         except BaseException:
             self.close()
             raise
         self._validator = Validator(self.header) if validate else None
+
+    @property
+    def position(self) -> int:
+        """Bytes of the file as stored (compressed) read so far, read-ahead included."""
+        return self._file.pos
 
     @property
     def shareable(self) -> bool:
@@ -110,11 +120,13 @@ class TraceReader:
                 raise TraceError(self.path, 1, "the header record is cut off") from None
             if b"\x00" in raw or not _mostly_text(raw):
                 raise TraceError(self.path, lineno, "binary data, not a JSON record") from None
-            raise TraceError(self.path, lineno, f"not JSON ({_short(e)})") from None
+            raise (foreign_json(self.path, lineno, raw)
+                   or TraceError(self.path, lineno, f"not JSON ({_short(e)})")) from None
         try:
             return decode_header(obj)
         except SchemaError as e:
-            raise TraceError(self.path, lineno, str(e)) from None
+            raise (foreign_json(self.path, lineno, raw, obj)
+                   or TraceError(self.path, lineno, str(e))) from None
 
     # -- raw lines -------------------------------------------------------------
 
@@ -135,6 +147,8 @@ class TraceReader:
                 what = "ends early" if isinstance(e, EOFError) else "is damaged"
                 self.truncation = f"compressed stream {what} after line {lineno} ({_reason(e)})"
                 return
+            for watch in read_watchers:
+                watch(self)
             if not chunk:
                 break
             self.bytes_read += len(chunk)
