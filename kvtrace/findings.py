@@ -18,9 +18,21 @@ class Divergence:
     kind: str = "counter"     # "counter", "block", "invariant", "stats", "kv-content", "lookup", "diff"
     seq: int | None = None    # sequence number of the record that shows it
     line: int | None = None   # line of the record in the recorded trace, when known
+    # How the expected value comes about, in words and numbers, where replay can
+    # say it: "37 = local prefix hit 32 + external hit 5 (lookup at step 44)".
+    why: str | None = None
+    # A diff's divergence: where it shows in trace B, (step, line). ``step``
+    # and ``line`` are then trace A's.
+    in_b: tuple[int | None, int | None] | None = None
 
     def to_json(self) -> dict:
-        return {k: getattr(self, k) for k in self.__slots__}
+        doc = {k: getattr(self, k) for k in _JSON_FIELDS}
+        if self.in_b is not None:
+            doc["step_b"], doc["line_b"] = self.in_b
+        return doc
+
+
+_JSON_FIELDS = ("step", "req", "field", "recorded", "expected", "rule", "kind", "seq", "line")
 
 
 def first_per_request(divs: list[Divergence]) -> list[Divergence]:
@@ -32,3 +44,111 @@ def first_per_request(divs: list[Divergence]) -> list[Divergence]:
         (rest if key in seen else first).append(d)
         seen.add(key)
     return first + rest
+
+
+# --------------------------------------------------------------------------- causes
+#
+# A wrong count makes later decisions wrong: a stale num_computed_tokens changes
+# the chunk the step schedules, which changes the budget left for the requests
+# behind it, which changes the blocks they get. The first row of a replay is
+# often such a consequence. Within a step, state a decision is made from comes
+# before the decision, and the decision before what it frees or fills.
+
+_RANK_OF_FIELD = {
+    # the state a step starts from, and what the connector answered
+    "num_computed_tokens": 0, "local_hit": 0, "lookup": 0, "assertion": 0,
+    # what the step decided
+    "queue": 1, "scheduled": 2, "num_scheduled_tokens": 2, "preempted": 2, "spec": 2,
+    # what the decision allocated or freed
+    "block_ids": 3, "new_block_ids": 3, "more_groups": 3,
+    # the state the step left (its record's states, or its output's)
+    "state.num_computed_tokens": 4, "status": 4, "num_tokens": 4, "num_preemptions": 4,
+    "state.block_ids": 4, "state.more_groups": 4, "num_free_blocks": 4,
+    # what the step's output shows
+    "finished_req_ids": 5, "finish_reason": 5,
+}
+_RANK_OF_KIND = {"invariant": 0, "lookup": 0, "counter": 1, "block": 3, "kv-data": 5,
+                 "kv-content": 6, "stats": 7, "diff": 2}
+
+
+def cause_rank(d: Divergence) -> int:
+    """Where ``d`` sits in a step's chain of cause and effect: lower is earlier."""
+    rank = _RANK_OF_FIELD.get(d.field)
+    if rank is None and d.field.startswith("legacy."):
+        rank = 0   # a legacy counter is written at the lookup
+    if rank is None:
+        rank = _RANK_OF_KIND.get(d.kind, 5)
+    return rank
+
+
+def causal_key(d: Divergence) -> tuple:
+    """Sort key: step, then cause before effect, then trace order."""
+    return (float("inf") if d.step is None else d.step, cause_rank(d),
+            float("inf") if d.seq is None else d.seq)
+
+
+@dataclass(slots=True)
+class Fold:
+    """Divergences of one request under one field and rule, folded into a line."""
+
+    first: Divergence
+    count: int
+    first_step: int | None
+    last_step: int | None
+
+
+@dataclass(slots=True)
+class Story:
+    """One request's divergences: its likely cause first, the rest folded.
+
+    ``after`` is the cause of an earlier story this one likely follows from: a
+    request whose first divergence is a decision (what was scheduled, which
+    blocks it got) in a step where another request's state was already wrong."""
+
+    req: str | None
+    cause: Divergence
+    folds: list[Fold]
+    count: int
+    after: Divergence | None = None
+
+
+def stories(divs: list[Divergence]) -> list[Story]:
+    """The divergences of a run, one story per request, the story with the
+    earliest cause first. Step-wide divergences (``req`` None) form one story."""
+    by_req: dict[str | None, list[Divergence]] = {}
+    for d in divs:
+        by_req.setdefault(d.req, []).append(d)
+    told = []
+    for req, mine in by_req.items():
+        mine.sort(key=causal_key)
+        cause = mine[0]
+        folds: dict[tuple, Fold] = {}
+        for d in mine[1:]:
+            key = (d.field, d.rule)
+            f = folds.get(key)
+            if f is None:
+                folds[key] = Fold(d, 1, d.step, d.step)
+                continue
+            f.count += 1
+            if d.step is not None:
+                f.first_step = d.step if f.first_step is None else min(f.first_step, d.step)
+                f.last_step = d.step if f.last_step is None else max(f.last_step, d.step)
+        told.append(Story(req, cause, list(folds.values()), len(mine)))
+    told.sort(key=lambda s: causal_key(s.cause))
+    roots: list[Divergence] = []
+    for s in told:
+        if cause_rank(s.cause) > 0 or s.req is None:
+            s.after = next((r for r in roots if r.step is not None and s.cause.step is not None
+                            and r.step <= s.cause.step), None)
+        if cause_rank(s.cause) == 0 and s.req is not None:
+            roots.append(s.cause)
+    return told
+
+
+def headline(told: list[Story]) -> Divergence | None:
+    """The divergence a person should read first: the earliest cause that no
+    other story's cause explains."""
+    for s in told:
+        if s.after is None:
+            return s.cause
+    return told[0].cause if told else None

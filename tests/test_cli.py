@@ -313,12 +313,13 @@ def test_record_embedded_plumbing(tmp_path, capsys, monkeypatch):
     calls = []
     from types import SimpleNamespace
 
-    def fake(out, progress, **kw):
+    def fake(out, wl, fault, seed, progress):
         assert callable(progress)
-        calls.append((out, kw))
+        calls.append((out, {"workload": wl.name, "fault": fault, "seed": seed,
+                            "async_scheduling": wl.config.async_scheduling}))
         return SimpleNamespace(fault_log=["fired"])
 
-    monkeypatch.setattr(kvtrace.engine, "record_embedded", fake)
+    monkeypatch.setattr(kvtrace.engine, "record_workload", fake)
     out_path = tmp_path / "t.jsonl.gz"
     code, out, _ = run(capsys, "record", "-o", str(out_path), "--workload", "offload",
                        "--fault", "async-load-overshoot", "--seed", "7")
@@ -405,15 +406,15 @@ def test_record_vllm_plumbing(tmp_path, capsys, monkeypatch):
     assert calls == [(str(tmp_path), out_path, "preemption")]
 
 
-def test_repeated_divergences_fold_into_one_row():
-    from kvtrace.findings import Divergence
-    from kvtrace.report.terminal import fold_repeats
+def test_repeated_divergences_fold_into_one_line_per_field():
+    from kvtrace.findings import Divergence, stories
 
-    divs = [Divergence(s, "r", "kv-content", "x", "y", "rule") for s in (5, 6, 6, 7, 9)]
-    divs.insert(2, Divergence(6, "q", "kv-content", "x", "y", "rule"))
-    rows = [(d.req, d.step, n, last) for d, n, last in fold_repeats(divs)]
-    # 5..7 is one run of r (4 rows); q stands alone; r again at 9 is a new run.
-    assert rows == [("r", 5, 4, 7), ("q", 6, 1, 6), ("r", 9, 1, 9)]
+    divs = [Divergence(s, "r", "kv-content", "x", "y", "rule", seq=s) for s in (5, 6, 6, 7, 9)]
+    divs.insert(2, Divergence(6, "q", "kv-content", "x", "y", "rule", seq=6))
+    told = stories(divs)
+    assert [(s.req, s.cause.step, s.count) for s in told] == [("r", 5, 5), ("q", 6, 1)]
+    (fold,) = told[0].folds   # r's four later ones: one line, steps 6 to 9
+    assert (fold.count, fold.first_step, fold.last_step) == (4, 6, 9)
 
 
 @pytest.mark.parametrize("what", ["finished_recving", "finished_sending"])
@@ -597,7 +598,7 @@ def test_progress_goes_to_the_terminal_and_never_into_the_output(tmp_path):
     trace = TRACES / "preemption.jsonl.gz"
     code, out, seen = _with_terminal_stderr(["replay", "--json", "--no-kv-check", str(trace)])
     assert code == 0
-    assert b"replaying preemption.jsonl.gz" in seen and b"steps" in seen
+    assert b"replaying preemption.jsonl.gz" in seen and b"%" in seen   # of the file read
     plain = subprocess.run([sys.executable, "-m", "kvtrace.cli", "replay", "--json", "--no-kv-check",
                             str(trace)], capture_output=True, env=dict(os.environ, CI="true"))
     assert out == plain.stdout and out.startswith(b"{")

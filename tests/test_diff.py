@@ -42,7 +42,7 @@ def test_modified_copy_names_request_and_step(tmp_path):
     d = r.divergences[0]
     assert (d.step, d.req, d.field) == (2, "r2", "num_computed_tokens")
     assert (d.recorded, d.expected) == (13, 10)
-    assert d.kind == "diff" and d.rule == "3rd schedule of r2 differs"
+    assert d.kind == "diff" and d.rule == "diff: 3rd schedule of r2 differs"
     assert d.line is not None and d.seq is not None
     assert r.divergent_requests == 1 and r.requests_compared == 3
 
@@ -107,7 +107,7 @@ def test_requests_only_in_one_trace(tmp_path):
     r3_line = next(n for n, text in enumerate(b.read_text().splitlines(), 1)
                    if '"arrival"' in text and '"r3"' in text)
     assert {(d.req, d.rule) for d in r.divergences} == {
-        ("r2", "request only in A"), ("r3", f"request only in B (B's line {r3_line})")}
+        ("r2", "diff: request only in A"), ("r3", f"diff: request only in B (B's line {r3_line})")}
     assert r.requests_compared == 2 and r.divergent_requests == 0
 
 
@@ -237,7 +237,7 @@ def test_a_preempted_requests_state_is_compared(recorded, tmp_path):
     r = diff_files(a, b)
     assert [(d.req, d.step, d.line, d.field, d.recorded, d.expected) for d in r.divergences] == [
         (victim, step["step"], _line_of(spoilt, step), "state.num_computed_tokens", 37, 0)]
-    assert r.divergences[0].rule == f"1st preemption of {victim} differs"
+    assert r.divergences[0].rule == f"diff: 1st preemption of {victim} differs"
 
 
 def test_what_a_trace_says_of_a_request_after_it_finished_is_not_compared(recorded, tmp_path):
@@ -527,7 +527,7 @@ def test_every_lookup_is_compared_where_it_happened(recorded, tmp_path):
     nth = {1: "1st", 2: "2nd", 3: "3rd"}.get(n, f"{n}th")
     assert [(d.req, d.step, d.line, d.field, d.recorded, d.expected, d.rule) for d in r.divergences] == [
         (lk["req"], first["step"], _line_of(recs, first), "lookup.ext", lk["ext"], lk["ext"] - 1,
-         f"{nth} lookup of {lk['req']} differs")]
+         f"diff: {nth} lookup of {lk['req']} differs")]
 
 
 def test_what_the_other_trace_holds_before_the_cut_is_still_compared(tmp_path):
@@ -549,7 +549,7 @@ def test_what_the_other_trace_holds_before_the_cut_is_still_compared(tmp_path):
     for name, recs in (("whole", a_recs), ("cut", a_recs[:-1])):
         r = diff_files(save_records(recs, tmp_path / f"a-{name}.jsonl"), b)
         assert (r.truncation_a is not None) == (name == "cut")
-        assert [(d.req, d.rule) for d in r.divergences] == [("r2", "1st schedule of r2 only in B (B's step 0, line 5)")], name
+        assert [(d.req, d.rule) for d in r.divergences] == [("r2", "diff: 1st schedule of r2 only in B (B's step 0, line 5)")], name
 
 
 def test_a_cut_between_an_output_and_its_prompt_stats_is_no_divergence(tmp_path):
@@ -668,14 +668,14 @@ def test_diff_compares_the_pause_states_of_two_traces(tmp_path):
     b = save_records(_with_pauses(records, {at1: "PAUSED_ALL", at2: "UNPAUSED"}), tmp_path / "b.jsonl")
     [d] = diff_files(a, b).divergences
     assert (d.field, d.rule, d.recorded, d.expected) == (
-        "pause_state", "1st pause state differs", {"state": "PAUSED_NEW"}, {"state": "PAUSED_ALL"})
+        "pause_state", "diff: 1st pause state differs", {"state": "PAUSED_NEW"}, {"state": "PAUSED_ALL"})
     assert d.line == at1 + 1 and d.step == records[steps[2]]["step"]
     c = save_records(_with_pauses(records, {at1: "PAUSED_NEW"}), tmp_path / "c.jsonl")
     [d] = diff_files(a, c).divergences
-    assert (d.rule, d.recorded, d.expected) == ("2nd pause state differs", {"state": "UNPAUSED"}, None)
+    assert (d.rule, d.recorded, d.expected) == ("diff: 2nd pause state differs", {"state": "UNPAUSED"}, None)
     # both pause states differ: only the first is reported
     e = save_records(_with_pauses(records, {at1: "PAUSED_ALL", at2: "PAUSED_NEW"}), tmp_path / "e.jsonl")
-    assert [d.rule for d in diff_files(a, e).divergences] == ["1st pause state differs"]
+    assert [d.rule for d in diff_files(a, e).divergences] == ["diff: 1st pause state differs"]
     # a reset that differs too is reported on its own
     f_records = _with_pauses(records, {at1: "PAUSED_ALL", at2: "UNPAUSED"})
     f_records.insert(at2 + 3, {"kind": "reset_prefix_cache", "seq": 0, "reset_running_requests": False,
@@ -684,4 +684,4 @@ def test_diff_compares_the_pause_states_of_two_traces(tmp_path):
         r["seq"] = n
     f = save_records(f_records, tmp_path / "f.jsonl")
     assert sorted(d.rule for d in diff_files(a, f).divergences) == [
-        "1st pause state differs", "1st prefix-cache reset differs"]
+        "diff: 1st pause state differs", "diff: 1st prefix-cache reset differs"]

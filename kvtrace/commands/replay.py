@@ -8,20 +8,22 @@ from pathlib import Path
 import click
 
 from ._common import (EXIT_BAD_INPUT, EXIT_DIVERGENT, EXIT_INTERNAL, EXIT_NOTHING, EXIT_OK,
-                      VLLM_HINT, FilePath, UsageProblem, importing, print_bytes,
-                      refuse_to_overwrite, require_vllm, say, trace_output)
+                      VLLM_HINT, FilePath, UsageProblem, alone_if_stdin, importing, print_bytes,
+                      refuse_pipes, refuse_to_overwrite, require_vllm, say, trace_output)
 from .progress import progress
 
 
 @click.command()
-@click.argument("traces", nargs=-1, required=True, type=FilePath())
+@click.argument("traces", nargs=-1, required=True, type=FilePath(stdin=True),
+                callback=alone_if_stdin)
 @click.option("-o", "--out", "out", type=FilePath(), default=None,
               help="Also write the replayed trace (the scheduler's decisions) here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--device", type=click.Choice(("auto", "cpu", "cuda")), default="auto",
-              show_default=True, help="Where the shadow KV-content check runs (auto: cuda when "
-                                      "torch sees one). Its small per-step operations often run "
-                                      "faster on cpu.")
+              show_default=True, help="Where the shadow KV-content check runs: cpu (NumPy), or "
+                                      "cuda (torch). auto: cuda only for a trace of 8 MiB or more "
+                                      "whose KV cache holds 2^20 slots or more, when torch sees "
+                                      "CUDA; else cpu (faster on smaller ones).")
 @click.option("--kv-check/--no-kv-check", default=True, show_default=True,
               help="Check what every KV slot holds (the shadow-KV check).")
 @click.option("--scheduler", type=click.Choice(("reference", "vllm")), default="reference",
@@ -37,8 +39,20 @@ from .progress import progress
 @click.option("-j", "--jobs", type=click.IntRange(min=0), default=0,
               help="Replay several traces in parallel on this many processes (default: as many "
                    "as there are traces, at most one per core).")
+@click.option("--request", "requests", multiple=True, metavar="ID",
+              help="Show only this request's divergences (repeatable). The exit code still "
+                   "counts every divergence.")
+@click.option("--field", "fields", multiple=True, metavar="NAME",
+              help="Show only divergences of this field, e.g. num_computed_tokens, kv-content "
+                   "(repeatable; 'state.' matches every field that starts so).")
+@click.option("--first", "first_only", is_flag=True,
+              help="Show only the first diverging request: the likely cause.")
+@click.option("--max", "max_stories", type=click.IntRange(min=1), default=10, show_default=True,
+              metavar="N", help="Show at most N diverging requests.")
 def command(traces: tuple[Path, ...], out: Path | None, as_json: bool, device: str, kv_check: bool,
-            scheduler: str, scheduler_cls: str | None, profile: str | None, jobs: int) -> int:
+            scheduler: str, scheduler_cls: str | None, profile: str | None, jobs: int,
+            requests: tuple[str, ...], fields: tuple[str, ...], first_only: bool,
+            max_stories: int) -> int:
     """Replay TRACE through the reference scheduler and report divergences.
 
     Several traces (one per engine rank or replica, say) are replayed in
@@ -49,11 +63,12 @@ def command(traces: tuple[Path, ...], out: Path | None, as_json: bool, device: s
     refuse_to_overwrite(out, *traces)
     trace_output(out)
     if kv_check and device.startswith("cuda"):   # before any trace is read or output written
-        from kvtrace.replay.shadow_kv import pick_device
+        from kvtrace.replay.shadow_torch import pick_device
 
         pick_device(device)
     if scheduler_cls:
         scheduler = "vllm"
+    select = Selection(requests, fields, 1 if first_only else max_stories)
     if scheduler == "vllm":
         if len(traces) != 1:
             raise UsageProblem("--scheduler vllm replays one trace at a time")
@@ -64,37 +79,66 @@ def command(traces: tuple[Path, ...], out: Path | None, as_json: bool, device: s
     if len(traces) > 1:
         if out is not None:
             raise UsageProblem("-o needs a single trace")
-        return _many(traces, as_json, device if kv_check else None, jobs, profile)
-    return _one(traces[0], out, as_json, device if kv_check else None, profile)
+        return _many(traces, as_json, device if kv_check else None, jobs, profile, select)
+    return _one(traces[0], out, as_json, device if kv_check else None, profile, select)
+
+
+class Selection:
+    """What of a replay's divergences to show: --request, --field, --first, --max."""
+
+    def __init__(self, requests: tuple[str, ...], fields: tuple[str, ...], max_stories: int):
+        self.requests, self.fields, self.max_stories = set(requests), fields, max_stories
+
+    def __bool__(self) -> bool:
+        return bool(self.requests or self.fields)
+
+    def keep(self, d) -> bool:
+        if self.requests and d.req not in self.requests:
+            return False
+        return not self.fields or any(d.field == f or (f.endswith(".") and d.field.startswith(f))
+                                      for f in self.fields)
+
+    def words(self) -> str | None:
+        said = [*(f"--request {r}" for r in sorted(self.requests)),
+                *(f"--field {f}" for f in self.fields)]
+        return " ".join(said) or None
+
+    def view(self, divs):
+        """The stories of the divergences kept, and the one to read first."""
+        from kvtrace.findings import headline, stories
+        from kvtrace.report.terminal import ReplayView
+
+        told = stories([d for d in divs if self.keep(d)] if self else list(divs))
+        return ReplayView(told, headline(told), self.max_stories, self.words())
 
 
 def _one(trace: Path, out: Path | None, as_json: bool, device: str | None,
-         profile: str | None) -> int:
+         profile: str | None, select: Selection) -> int:
     from kvtrace.replay import replay_file
     from kvtrace.report import terminal
 
-    with progress(f"replaying {trace.name}", "steps") as advance:
+    with progress(f"replaying {trace.name}", "steps", files=(trace,)) as advance:
         result = replay_file(trace, out=out, device=device, progress=advance, profile=profile)
     if as_json:
-        print_bytes(terminal.replay_json(result, str(trace)))
+        print_bytes(terminal.replay_json(result, str(trace), select.keep if select else None))
     else:
-        terminal.print_replay(result, str(trace))
+        terminal.print_replay(result, str(trace), select.view(result.divergences))
     if result.divergences:
         return EXIT_DIVERGENT
     return EXIT_NOTHING if not result.steps else EXIT_OK
 
 
 def _many(traces: tuple[Path, ...], as_json: bool, device: str | None, jobs: int,
-          profile: str | None) -> int:
+          profile: str | None, select: Selection) -> int:
     from kvtrace.replay.many import InternalError, replay_many
     from kvtrace.report import terminal
 
-    with progress(f"replaying {len(traces)} traces", "done") as advance:
+    with progress(f"replaying {len(traces)} traces", "done", total=len(traces)) as advance:
         results = replay_many([str(t) for t in traces], device, profile, jobs, advance)
     if as_json:
-        print_bytes(terminal.replay_many_json(results))
+        print_bytes(terminal.replay_many_json(results, select.keep if select else None))
     else:
-        terminal.print_replay_many(results)
+        terminal.print_replay_many(results, select)
     errors = [err for _, _, err in results if err]
     for err in errors:   # each on one line on stderr as well, as with a single trace
         say(err)
@@ -112,6 +156,7 @@ def _through_vllm(trace: Path, out: Path | None, as_json: bool, scheduler_cls: s
     from kvtrace.replay.data_path import check_file
     from kvtrace.report import terminal
 
+    refuse_pipes(trace)   # re-run, diffed, then audited: read three times
     require_vllm()
     with importing("the re-run through vLLM's scheduler", VLLM_HINT):
         from kvtrace.record.vllm.rerun import replay_through_vllm

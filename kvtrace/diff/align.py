@@ -574,7 +574,8 @@ class _Differ:
                     pair.broken.add(channel)
                     pair.offer(key, Divergence(
                         step=ia.step, req=pair.req, field=name, recorded=va, expected=vb,
-                        rule=f"{_what(channel, k, pair.req)} differs", kind="diff",
+                        in_b=(ib.step, ib.line),
+                        rule=f"diff: {_what(channel, k, pair.req)} differs", kind="diff",
                         seq=ia.seq, line=ia.line))
                     break
 
@@ -596,7 +597,7 @@ class _Differ:
             at = ia if ia is not None else ib
             self.found.append((ia[1] if ia is not None else math.inf, Divergence(
                 step=at[0], req=None, field=kind, recorded=va, expected=vb,
-                rule=f"{_ordinal(k + 1)} {_CALLS[kind]} differs", kind="diff",
+                rule=f"diff: {_ordinal(k + 1)} {_CALLS[kind]} differs", kind="diff",
                 seq=ia[1] if ia is not None else None, line=ia[2] if ia is not None else None)))
 
     def _cut_step(self, name: str) -> int | None:
@@ -623,7 +624,7 @@ class _Differ:
             self.only[side].append(pair.ids[side])
             first = next((q[0] for q in h.channels.values() if q), None)
             in_a = side == "a" and first is not None
-            rule = "request only in A" if side == "a" else "request only in B" + (
+            rule = "diff: request only in A" if side == "a" else "diff: request only in B" + (
                 f" ({_place_in_b(first)})" if first is not None else "")
             self.found.append((first.seq if in_a else math.inf, Divergence(
                 step=first.step if in_a else None, req=pair.ids[side], field="request",
@@ -653,13 +654,14 @@ class _Differ:
                 ia = qa[0]
                 pair.offer(ia.pos, Divergence(
                     step=ia.step, req=pair.req, field=channel, recorded=ia.value, expected=None,
-                    rule=f"{_what(channel, k, pair.req)} only in A", kind="diff",
+                    rule=f"diff: {_what(channel, k, pair.req)} only in A", kind="diff",
                     seq=ia.seq, line=ia.line))
             elif qb:   # nowhere in A: B's place is named instead
                 ib = qb[0]
                 pair.offer(ib.pos, Divergence(
                     step=None, req=pair.req, field=channel, recorded=None, expected=ib.value,
-                    rule=f"{_what(channel, k, pair.req)} only in B ({_place_in_b(ib)})", kind="diff",
+                    in_b=(ib.step, ib.line),
+                    rule=f"diff: {_what(channel, k, pair.req)} only in B ({_place_in_b(ib)})", kind="diff",
                     seq=None, line=None))
         if pair.best is None and past_cut:
             self.cut_short.append(pair.req)
@@ -813,5 +815,5 @@ def _header_divs(ha: Header, hb: Header) -> list[Divergence]:
     fa = _flatten(_config(ha), "config") | _flatten({k: na[k] for k in common}, "features")
     fb = _flatten(_config(hb), "config") | _flatten({k: nb[k] for k in common}, "features")
     return [Divergence(step=None, req=None, field=k, recorded=fa.get(k), expected=fb.get(k),
-                       rule="the two runs were configured differently", kind="diff")
+                       rule="diff: the two runs were configured differently", kind="diff")
             for k in _union(fa, fb) if fa.get(k) != fb.get(k)]

@@ -26,8 +26,9 @@ from kvtrace.reference.profiles import PROFILES, Profile
 from kvtrace.trace import TraceError, TraceReader, TraceWriter
 from kvtrace.trace import events as ev
 
-from . import checks
+from . import checks, derive
 from .data_path import DataPath
+from .kv_device import pick_backend
 from .connector import RecordedConnector
 from .liveness import ProgressWatch
 from kvtrace.workers import wanted
@@ -150,6 +151,7 @@ class Replayer:
                                         session_keeps_sampled=keeps,
                                         windows=header.features.windows())
         self.divergences: list[Divergence] = []
+        self._last_out = None   # the reference's previous step, for derivations
         self.data_path = DataPath()   # the KV audit's records, checked (rules D1-D3)
         self._kv_placed = 0   # content-check divergences placed in the list so far
         self.steps = 0
@@ -330,9 +332,9 @@ class Replayer:
         in_flight = None   # per request, the output placeholders held before this step
         if self._in_flight is not None:
             in_flight = self._placeholders(rec)
-        self.divergences.extend(checks.step_invariants(rec, self.cfg, self._preemptions, line,
-                                                       in_flight, self._reads_no_cache,
-                                                       self._windowed))
+        broken = checks.step_invariants(rec, self.cfg, self._preemptions, line, in_flight,
+                                        self._reads_no_cache, self._windowed)
+        self.divergences.extend(broken)
         self.connector.start_step(rec.step, rec.lookups)
         if rec.grammar:
             self.sched.grammar_compiled(rec.grammar)
@@ -342,7 +344,11 @@ class Replayer:
             d.seq, d.line = rec.seq, line
         self.divergences.extend(self.connector.divergences)
         self.connector.divergences = []
-        self.divergences.extend(checks.compare_step(rec, out, self.sched, line))
+        found = checks.compare_step(rec, out, self.sched, line)
+        if found or broken:
+            derive.annotate_step([*broken, *found], out, self._last_out, self.sched)
+            self.divergences.extend(found)
+        self._last_out = out
         self.divergences.extend(self._progress.after_schedule(rec.step, out, self.sched, rec.seq, line,
                                                               self.connector.loads))
         if self.content:
@@ -448,8 +454,8 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
                 worker: bool | int | None = None, profile: str | None = None) -> ReplayResult:
     """Replay one trace file. Raises TraceError for unusable input.
 
-    ``device`` is where the shadow-KV check runs ("auto", "cpu", "cuda"), or None
-    to skip it. ``progress``, if given, is called now and then with the number of
+    ``device`` is where the shadow-KV check runs ("auto", "cpu", "cuda", or a
+    backend named in kv_device.BACKENDS), or None to skip it. ``progress``, if given, is called now and then with the number of
     steps replayed so far. ``worker`` runs part of the work in worker processes
     that read the same file: with 1 (or True), the content check when it is on
     (content_worker.py), the record checks when it is off (record_worker.py);
@@ -469,6 +475,7 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
         _check_supported(header, path, chosen)
         if device:
             _check_fits(header, path)
+            device = pick_backend(device, path, header.config.num_blocks, header.config.block_size)
         if out is not None:
             replayed = ev.Header(engine="kvtrace-reference", engine_version=_version(),
                                  config=header.config, counters=header.counters,
@@ -480,7 +487,7 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
         workers = (wanted(path) if worker is None else int(worker)) if reader.shareable else 0
         content_worker = bool(device) and workers >= 1
         in_process = bool(device) and not content_worker
-        if in_process and (device == "cpu" or (device == "auto" and not _cuda())):
+        if in_process and device == "cpu":   # torch on the CPU
             import torch
             torch.set_num_threads(1)   # the check is many small ops: threads only add overhead
         # The record checks' worker, when there is one, checks every record; else
@@ -500,7 +507,7 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
             events = reader.validated_elsewhere(rp.content)
         else:
             events = reader
-        with _no_autograd(in_process):
+        with _no_autograd(in_process and device != "numpy"):
             for e in events:
                 result.events += 1
                 rp.feed(e, reader.last_line)
@@ -548,11 +555,6 @@ def _no_autograd(content_check: bool):
         return contextlib.nullcontext()
     import torch
     return torch.inference_mode()
-
-
-def _cuda() -> bool:
-    import torch
-    return torch.cuda.is_available()
 
 
 def _version() -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import orjson
@@ -17,11 +18,25 @@ from rich.table import Table
 from rich.text import Text
 
 from .._text import CONTROL_ESCAPES_BUT_LAYOUT, path_text
-from ..findings import Divergence, first_per_request
+from ..findings import Divergence, Story, first_per_request, stories
+from .failures import first_line, print_stories, print_wrapped
 from ..outputs import blamed_on, silence
 
 MAX_ROWS = 50
+MAX_STORIES = 10
 MAX_VALUE_CHARS = 48
+
+
+@dataclass(slots=True)
+class ReplayView:
+    """What a replay's terminal report shows: the stories of the divergences
+    selected (all, or those of --request and --field), the one to read first,
+    at most how many stories, and the selection in words (None: all)."""
+
+    stories: list[Story] = field(default_factory=list)
+    headline: Divergence | None = None
+    max_stories: int | None = None
+    filtered: str | None = None
 
 
 class _PlainConsole(Console):
@@ -105,65 +120,6 @@ def replayed_up_to(truncation: str | None, verb: str = "replayed") -> str | None
     return f"{verb} up to the cut: {truncation}"
 
 
-# --------------------------------------------------------------------------- table
-
-
-def fold_repeats(divs: list[Divergence]) -> list[tuple[Divergence, int, int | None]]:
-    """(divergence, times, last step): a divergence of the same request, field and
-    rule at the following steps (a slot that stays wrong, a count that stays off)
-    is folded into the first one, which then says how often and until when."""
-    rows: list[tuple[Divergence, int, int | None]] = []
-    open_rows: dict[tuple, int] = {}
-    for d in divs:
-        key = (d.req, d.field, d.rule)
-        at = open_rows.get(key)
-        if at is not None:
-            first, n, last = rows[at]
-            if d.step is not None and last is not None and d.step in (last, last + 1):
-                rows[at] = (first, n + 1, d.step)
-                continue
-        open_rows[key] = len(rows)
-        rows.append((d, 1, d.step))
-    return rows
-
-
-def divergence_table(divs: list[Divergence], max_rows: int = MAX_ROWS,
-                     per_request: bool = True) -> tuple[Table, int]:
-    """The table (first divergence of each request first unless ``per_request``
-    is off, repeats folded) and how many rows were left out."""
-    ordered = fold_repeats(first_per_request(divs) if per_request else list(divs))
-    table = Table(show_lines=False, header_style="bold", expand=False)
-    table.add_column("step", justify="right", no_wrap=True)
-    table.add_column("request", no_wrap=True)
-    table.add_column("field", overflow="fold")
-    table.add_column("recorded", style="red", max_width=24, overflow="fold")
-    table.add_column("expected", style="green", max_width=24, overflow="fold")
-    table.add_column("rule")
-    for d, times, last in ordered[:max_rows]:
-        step = "—" if d.step is None else str(d.step)
-        if times > 1:
-            step += (f"–{last}" if last != d.step else "") + f" ({times}×)"
-        table.add_row(
-            step,
-            "(all)" if d.req is None else d.req,
-            d.field,
-            Text(format_value(d.recorded)),
-            Text(format_value(d.expected)),
-            Text(d.rule),
-        )
-    return table, max(0, len(ordered) - max_rows)
-
-
-def _print_divergences(console: Console, divs: list[Divergence], max_rows: int,
-                       per_request: bool = True) -> None:
-    if not divs:
-        return
-    table, left_out = divergence_table(divs, max_rows, per_request)
-    console.print(table)
-    if left_out:
-        console.print(f"… and {left_out} more rows (use --json for all of them)")
-
-
 def _trace_line(path: str, header: Any, steps: Any, profile: str | None = None) -> str:
     engine = getattr(header, "engine", "?")
     version = getattr(header, "engine_version", "")
@@ -178,12 +134,21 @@ def _trace_line(path: str, header: Any, steps: Any, profile: str | None = None) 
 # --------------------------------------------------------------------------- replay
 
 
-def print_replay(result: Any, path: str, console: Console | None = None,
-                 max_rows: int = MAX_ROWS) -> None:
+def print_replay(result: Any, path: str, view: "ReplayView",
+                 console: Console | None = None) -> None:
+    """The verdict and the first divergence, then one block per diverging
+    request (``view.stories``), then the notes and a closing line."""
     console = console or make_console()
     divs: list[Divergence] = list(result.divergences)
-    console.print(Text(_trace_line(path, result.header, getattr(result, "steps", None),
-                                   getattr(result, "profile", None)), style="bold"))
+    steps = getattr(result, "steps", None)
+    if divs:
+        print_wrapped(console, f"FAILED: {_replay_summary(divs, steps, brief=True)}", "bold red")
+        if view.headline is not None:
+            print_wrapped(console, "first: " + first_line(view.headline)
+                          + (f" (line {view.headline.line})"
+                             if view.headline.line is not None else ""), "red")
+    print_wrapped(console, _trace_line(path, result.header, steps,
+                                       getattr(result, "profile", None)), "bold")
     note = getattr(result, "profile_note", None)
     if note:
         console.print(Text(note, style="yellow"))
@@ -193,10 +158,27 @@ def print_replay(result: Any, path: str, console: Console | None = None,
     note = end_note(getattr(result, "end", None))
     if note:
         console.print(Text(note, style="yellow"))
-    _print_divergences(console, divs, max_rows)
-    steps = getattr(result, "steps", None)
-    console.print(Text(_replay_summary(divs, steps),
-                       style="red" if divs else "yellow" if steps == 0 else "green"))
+    left_out = print_stories(console, view.stories, view.max_stories)
+    if divs:
+        console.print()
+        if view.filtered:
+            shown = sum(s.count for s in view.stories)
+            console.print(Text(f"{shown} of the {len(divs)} divergences match "
+                               f"{view.filtered}", style="yellow"))
+        if left_out:
+            console.print(Text(f"{left_out} more request{'s' if left_out != 1 else ''} "
+                               "diverge: --max N shows more, --request ID one, --json all",
+                               style="yellow"))
+        print_wrapped(console, "kvtrace explain RULE tells what a rule encodes, with an "
+                               "example; kvtrace show TRACE --step N shows a step.", "dim")
+    print_wrapped(console, _replay_summary(divs, steps, first=view.headline),
+                  "red" if divs else "yellow" if steps == 0 else "green")
+    fault = (getattr(result.header, "meta", None) or {}).get("fault")
+    if fault and not divs and steps:
+        print_wrapped(console, f"note: this trace was recorded with the fault {fault} planted, "
+                               "and replay found nothing: either the fault never fired in "
+                               "this workload (record says so when it does not), or replay "
+                               "missed it.", "yellow")
     line = audit_line(getattr(result, "audit", None))
     if line:
         console.print(Text(line))
@@ -236,7 +218,8 @@ def _print_audit(console: Console, divs: list, audit: dict | None) -> None:
     if line is None:
         return
     if divs:
-        _print_divergences(console, divs, MAX_ROWS)
+        print_stories(console, stories(divs), MAX_STORIES)
+        console.print()
     console.print(Text(line))
     console.print(Text(f"data path: {len(divs)} divergence{'s' if len(divs) != 1 else ''}"
                        if divs else "data path: no divergence", style="red" if divs else "green"))
@@ -271,16 +254,20 @@ def end_note(end: Any) -> str | None:
     return f"the recorder closed this trace as '{end.status}'{dropped}{why}"
 
 
-def _replay_summary(divs: list[Divergence], steps: int | None = None) -> str:
+def _replay_summary(divs: list[Divergence], steps: int | None = None,
+                    brief: bool = False, first: Divergence | None = None) -> str:
     if not divs and steps == 0:
         return "nothing to check: the trace holds no step (a recorder that captured nothing?)"
     if not divs:
         return "no divergence: the trace matches the reference scheduler"
     reqs = {d.req for d in divs if d.req is not None}
-    first = _first(divs)
+    if brief:
+        return (f"{len(divs):,} divergence{'s' if len(divs) != 1 else ''} in {len(reqs)} "
+                f"request{'s' if len(reqs) != 1 else ''}")
+    first = first or _first(divs)
     where = f"step {first.step}" if first.step is not None else "outside any step"
     who = f", request {first.req}" if first.req is not None else ""
-    return (f"{len(divs)} divergence{'s' if len(divs) != 1 else ''} in {len(reqs)} "
+    return (f"{len(divs):,} divergence{'s' if len(divs) != 1 else ''} in {len(reqs)} "
             f"request{'s' if len(reqs) != 1 else ''}; first at {where}{who}, field {first.field}")
 
 
@@ -293,7 +280,8 @@ def _first(divs: list[Divergence]) -> Divergence | None:
     return min(divs, key=lambda d: (d.seq is None, d.seq or 0, d.step is None, d.step or 0))
 
 
-def replay_json(result: Any, path: str) -> bytes:
+def replay_json(result: Any, path: str, keep=None) -> bytes:
+    """The replay as JSON; ``keep`` selects the divergences listed (all when None)."""
     header = result.header
     doc = {
         "trace": path_text(path),
@@ -303,16 +291,18 @@ def replay_json(result: Any, path: str) -> bytes:
         "profile_note": getattr(result, "profile_note", None),
         "steps": getattr(result, "steps", None),
         "truncation": getattr(result, "truncation", None),
-        "divergences": [d.to_json() for d in first_per_request(list(result.divergences))],
+        "divergences": [d.to_json() for d in first_per_request(list(result.divergences))
+                        if keep is None or keep(d)],
     }
     if getattr(result, "audit", None):
         doc["kv_audit"] = result.audit
     return _dumps(doc)
 
 
-def print_replay_many(results: list, console: Console | None = None, max_rows: int = MAX_ROWS) -> None:
-    """Several traces replayed together: a line per trace, then one combined table
-    whose request column names the trace too."""
+def print_replay_many(results: list, select, console: Console | None = None) -> None:
+    """Several traces replayed together: a line per trace, then the stories of
+    every trace's divergences, each request named with its trace's file name.
+    ``select`` keeps divergences (``keep``) and makes the view (``view``)."""
     console = console or make_console()
     combined: list[Divergence] = []
     for path, result, error in results:
@@ -326,21 +316,27 @@ def print_replay_many(results: list, console: Console | None = None, max_rows: i
                            style="red" if result.divergences else "green"))
         name = os.path.basename(str(path))
         for d in result.divergences:
-            combined.append(Divergence(d.step, f"{name}:{d.req}", d.field, d.recorded, d.expected,
-                                       d.rule, d.kind, d.seq, d.line))
-    _print_divergences(console, combined, max_rows)
+            if select.keep(d):
+                combined.append(Divergence(d.step, f"{name}:{d.req}", d.field, d.recorded,
+                                           d.expected, d.rule, d.kind, d.seq, d.line, d.why))
+    view = select.view(combined)
+    left_out = print_stories(console, view.stories, view.max_stories)
+    if left_out:
+        console.print()
+        console.print(Text(f"{left_out} more request{'s' if left_out != 1 else ''} diverge: "
+                           "--max N shows more, --json all", style="yellow"))
     bad = sum(1 for _, r, e in results if e or r.divergences)
     console.print(Text(f"{len(results)} traces, {bad} with divergences or unusable",
                        style="red" if bad else "green"))
 
 
-def replay_many_json(results: list) -> bytes:
+def replay_many_json(results: list, keep=None) -> bytes:
     docs = []
     for path, result, error in results:
         if error:
             docs.append({"trace": path_text(path), "error": error})
         else:
-            docs.append(orjson.loads(replay_json(result, str(path))))
+            docs.append(orjson.loads(replay_json(result, str(path), keep)))
     return _dumps({"traces": docs})
 
 
@@ -368,10 +364,21 @@ def print_diff(result: Any, console: Console | None = None, max_rows: int = MAX_
     else:
         paired = {"id": "by request id", "id-prefix": "by request id without vLLM's random suffix",
                   "arrival": "by order of arrival"}.get(matched_by, "")
-        console.print(f"recorded = A, expected = B; requests paired {paired}")
-    # One divergence per request already, in A's order: configs, then requests.
-    _print_divergences(console, result.divergences, max_rows, per_request=False)
+        console.print(f"requests paired {paired}")
     s = result.summary()
+    divs = list(result.divergences)
+    if divs:
+        first = next((d for d in divs if d.req is not None), divs[0])
+        print_wrapped(console, f"DIFFERENT: {_diff_count(s, matched_by)}; first: "
+                      + first_line(first, ("A", "B")), "bold red")
+    # One divergence per request already, in A's order: configs, then requests.
+    left_out = print_stories(console, [Story(d.req, d, [], 1) for d in divs[:max_rows]], None,
+                             words=("A", "B"))
+    if divs:
+        console.print()
+    if left_out or len(divs) > max_rows:
+        console.print(Text(f"… and {len(divs) - max_rows} more (--json lists them all)",
+                           style="yellow"))
     n, bad = s["requests_compared"], s["divergent_requests"]
     line = f"{n} request{'s' if n != 1 else ''} compared, {bad} diverge{'s' if bad == 1 else ''}"
     if matched_by == "handoff":
@@ -398,7 +405,23 @@ def print_diff(result: Any, console: Console | None = None, max_rows: int = MAX_
     if first is not None and first.line is not None:
         where = f"step {first.step}, line {first.line}" if first.step is not None else f"line {first.line}"
         line += f"; first divergence at {where} of A, request {first.req}, field {first.field}"
-    console.print(Text(line, style="red" if result.divergences else "green"))
+        if first.in_b is not None and first.in_b[1] is not None:
+            line += f" (line {first.in_b[1]} of B)"
+    print_wrapped(console, line, "red" if result.divergences else "green")
+    if bad:
+        print_wrapped(console, DIFF_VS_REPLAY, "dim")
+
+
+def _diff_count(s: dict, matched_by: str) -> str:
+    n, bad = s["requests_compared"], s["divergent_requests"]
+    what = "handoffs" if matched_by == "handoff" else "requests"
+    return f"{bad} of {n} {what} diverge"
+
+
+DIFF_VS_REPLAY = ("diff counts a request when anything in its history differs between A and "
+                  "B, knock-on effects of another request's divergence included; "
+                  "kvtrace replay counts the requests whose engine decisions break a rule, "
+                  "so its count can be smaller.")
 
 
 def _names(reqs: list[str], limit: int = 8) -> str:

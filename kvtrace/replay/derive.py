@@ -1,0 +1,134 @@
+"""How the reference arrived at an expected value, in words and numbers.
+
+A divergence says "recorded 40, expected 37"; a person needs to know why 37.
+Each function here takes a divergence of one step and the reference's state
+around it, and sets ``why`` only where the numbers add up to the expected value
+exactly: a derivation is a check too, never a guess.
+"""
+
+from __future__ import annotations
+
+from kvtrace.findings import Divergence
+from kvtrace.reference import Scheduler, SchedulerOutput
+from kvtrace.reference.interface import ScheduledRequest
+
+
+def annotate_step(divs: list[Divergence], out: SchedulerOutput, prev: SchedulerOutput | None,
+                  sched: Scheduler) -> None:
+    """Set ``why`` on the divergences of a step's comparison."""
+    if not divs:
+        return
+    mine = _scheduled(out)
+    before = _scheduled(prev) if prev is not None else {}
+    for d in divs:
+        if d.req is None or d.why is not None:
+            continue
+        s = mine.get(d.req)
+        if d.field == "num_computed_tokens" and s is not None:
+            d.why = (_admitted(d, sched) if d.req not in _running_ids(out)
+                     else _advanced(d, before.get(d.req), prev))
+        elif d.field == "num_scheduled_tokens" and s is not None:
+            d.why = _chunk(d, s, out, sched)
+        elif d.field == "scheduled":
+            d.why = _not_scheduled(d, out, sched)
+        elif d.field == "kv_load":
+            d.why = _load(d, sched)
+        elif d.field == "state.num_computed_tokens" and s is not None:
+            if s.num_computed_tokens + s.num_scheduled_tokens == d.expected:
+                d.why = (f"{d.expected} = {s.num_computed_tokens} before the step + "
+                         f"{s.num_scheduled_tokens} scheduled")
+
+
+def _scheduled(out: SchedulerOutput) -> dict[str, ScheduledRequest]:
+    return {s.req_id: s for part in (out.running, out.resumed, out.new) for s in part}
+
+
+def _running_ids(out: SchedulerOutput) -> set[str]:
+    return {s.req_id for s in out.running}
+
+
+def _admitted(d: Divergence, sched: Scheduler) -> str | None:
+    """An admission sets the count to the local hit plus the external hit
+    (semantics doc 1.3), one less after a full asynchronous load."""
+    r = sched.requests.get(d.req)
+    if r is None:
+        return None
+    if not r.lookup_history:
+        return f"{d.expected}: no prefix lookup was made" if d.expected == 0 else None
+    step, local, external, load_async = r.lookup_history[-1]
+    terms = f"local prefix hit {local} + external hit {external}"
+    where = f" (lookup at step {step})"
+    if local + external == d.expected:
+        return f"{d.expected} = {terms}{where}"
+    if load_async and local + external - 1 == d.expected:
+        return (f"{d.expected} = {terms} - 1{where}: after a full asynchronous load "
+                "the last token is computed again")
+    return None
+
+
+def _advanced(d: Divergence, was: ScheduledRequest | None, prev: SchedulerOutput | None
+              ) -> str | None:
+    """A running request's count advances by what the step before scheduled,
+    less the drafts it rejected."""
+    if was is None or prev is None:
+        return None
+    c, n = was.num_computed_tokens, was.num_scheduled_tokens
+    if c + n == d.expected:
+        return f"{d.expected} = {c} computed before the last step + {n} it scheduled"
+    drafts = [t for t in prev.spec.get(d.req, ()) if t != -1]
+    rejected = c + n - d.expected
+    if drafts and 0 < rejected <= len(drafts):
+        return (f"{d.expected} = {c} computed before the last step + {n} it scheduled "
+                f"- {rejected} rejected drafts")
+    return None
+
+
+def _chunk(d: Divergence, s: ScheduledRequest, out: SchedulerOutput, sched: Scheduler
+           ) -> str | None:
+    """A chunk is the smallest of what remains, the long-prefill threshold and
+    the budget the step has left (semantics doc 2.1/2.2)."""
+    r = sched.requests.get(d.req)
+    e = d.expected
+    if r is not None and r.num_tokens - s.num_computed_tokens == e:
+        return f"{e} = all that remains: {r.num_tokens} tokens - {s.num_computed_tokens} computed"
+    threshold = sched.config.long_prefill_token_threshold
+    if threshold and e == threshold:
+        return f"{e} = the long-prefill threshold"
+    budget = sched.config.token_budget
+    used = 0
+    for other, n in out.num_scheduled_tokens.items():
+        if other == d.req:
+            break
+        used += n
+    if budget - used == e:
+        return f"{e} = the token budget left: {budget} - {used} scheduled before it this step"
+    return None
+
+
+def _load(d: Divergence, sched: Scheduler) -> str | None:
+    """The load an admission asks for: the tokens of the external hit, after
+    the local one."""
+    r = sched.requests.get(d.req)
+    if r is None or not r.lookup_history or not isinstance(d.expected, list):
+        return None
+    step, local, external, _ = r.lookup_history[-1]
+    if d.expected != [local, local + external]:
+        return None
+    again = (f"; admitted again after {r.num_preemptions} preemption"
+             f"{'s' if r.num_preemptions != 1 else ''}" if r.num_preemptions else "")
+    return (f"the lookup at step {step} answered an external hit of {external} tokens after a "
+            f"local hit of {local}, and the step admitted it{again}")
+
+
+def _not_scheduled(d: Divergence, out: SchedulerOutput, sched: Scheduler) -> str | None:
+    """Why the reference left a request out of the step, or took it in."""
+    if d.expected is not None:
+        return None
+    budget = sched.config.token_budget
+    total = out.total_num_scheduled_tokens
+    if total >= budget:
+        return f"the step's token budget was spent: {total} of {budget} tokens scheduled"
+    seats = sched.config.max_num_seqs
+    if len(out.num_scheduled_tokens) >= seats:
+        return f"max_num_seqs: {seats} requests were scheduled"
+    return None

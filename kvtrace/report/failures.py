@@ -1,0 +1,193 @@
+"""A replay's divergences as a person reads them: one block per diverging
+request, its likely cause first with the derivation of the expected value, the
+rule it breaks, and the rest folded into a line per field.
+
+The stories come from ``kvtrace.findings.stories``; this module only lays
+them out. Text wraps at word boundaries to the console's width.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from typing import Any
+
+from rich.console import Console, Group
+from rich.rule import Rule
+from rich.text import Text
+
+from ..findings import Divergence, Story
+from ..rules import lookup, rule_id
+
+MAX_FOLDS = 4          # fold lines under a cause before the rest is counted
+LONG_VALUE = 24        # a value longer than this gets a line of its own
+
+# What the parts of a tuple-valued field are.
+_PARTS = {
+    ("legacy.num_external_computed_tokens", 2): ("num_cached_tokens", "num_external_computed_tokens"),
+    ("prefill_stats", 2): ("cached", "computed"),
+    ("prefill_stats", 3): ("local", "external", "prompt"),
+}
+
+
+def value_text(field: str, v: Any) -> str:
+    """A recorded or expected value in words a person reads: tuples labelled,
+    nothing left out."""
+    if field == "kv_load":
+        if v is None:
+            return "no load"
+        if isinstance(v, (tuple, list)) and len(v) == 2 and all(isinstance(x, int) for x in v):
+            return f"a load of tokens {v[0]} to {v[1] - 1}"
+        if isinstance(v, (tuple, list)):
+            return "; ".join(value_text(field, x) for x in v)
+    if v is None:
+        return "not scheduled" if field == "scheduled" else "none"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, (tuple, list)) and (field, len(v)) in _PARTS:
+        names = _PARTS[(field, len(v))]
+        return ", ".join(f"{n} {value_text('', x)}" for n, x in zip(names, v))
+    if isinstance(v, (tuple, list)):
+        return "[" + ", ".join(value_text("", x) for x in v) + "]"
+    if isinstance(v, dict):
+        return ", ".join(f"{k} {value_text('', x)}" for k, x in v.items())
+    return str(v)
+
+
+def rule_parts(rule: str) -> tuple[str, str]:
+    """("1.3", "admission sets ...") from "1.3: admission sets ...", and
+    ("S:1170", "an admission ...") from "S:1170 an admission ..."."""
+    rid = rule_id(rule)
+    if not rid or lookup(rid) is None and not rid[:1].isupper():
+        return "", rule
+    return rid, rule.lstrip()[len(rid):].lstrip(":").strip()
+
+
+def _where(d: Divergence) -> str:
+    if d.in_b is not None:
+        return _where_in_both(d)
+    parts = []
+    if d.step is not None:
+        parts.append(f"step {d.step}")
+    if d.line is not None:
+        parts.append(f"line {d.line}")
+    return ", ".join(parts)
+
+
+def _where_in_both(d: Divergence) -> str:
+    """A diff's divergence: where it shows in A and in B."""
+    (step_b, line_b), step_a, line_a = d.in_b, d.step, d.line
+    if step_a == step_b and line_a is not None and line_b is not None:
+        at = f"step {step_a}, " if step_a is not None else ""
+        return f"{at}A line {line_a}, B line {line_b}"
+
+    def side(name, step, line):
+        if line is None:
+            return f"not in {name}"
+        return f"{name} step {step} line {line}" if step is not None else f"{name} line {line}"
+
+    return f"{side('A', step_a, line_a)}, {side('B', step_b, line_b)}"
+
+
+def first_line(d: Divergence, words: tuple[str, str] = ("recorded", "expected")) -> str:
+    """The first divergence in one sentence."""
+    who = d.req if d.req is not None else "the step"
+    at = f"step {d.step}" if d.step is not None else "no step"
+    return (f"{at}, {who}, {d.field}: {words[0]} {value_text(d.field, d.recorded)}, "
+            f"{words[1]} {value_text(d.field, d.expected)}")
+
+
+def _para(text: str, width: int, style: str = "", indent: int = 2) -> list[Text]:
+    """``text`` wrapped at words to ``width``, indented, continuation lines
+    indented two more: no trailing spaces, nothing cut."""
+    lines = textwrap.wrap(text, max(20, width), initial_indent=" " * indent,
+                          subsequent_indent=" " * (indent + 2), break_long_words=True,
+                          break_on_hyphens=False)
+    return [Text(line, style=style) for line in lines]
+
+
+def _values(d: Divergence, width: int, words: tuple[str, str]) -> list[Text]:
+    rec, exp = value_text(d.field, d.recorded), value_text(d.field, d.expected)
+    w_rec, w_exp = words
+    short = f"{d.field}: {w_rec} {rec}, {w_exp} {exp}"
+    if len(rec) <= LONG_VALUE and len(exp) <= LONG_VALUE and len(short) <= width:
+        line = Text(f"{d.field}: ", style="bold")
+        line.append(f"{w_rec} ")
+        line.append(rec, style="red")
+        line.append(f", {w_exp} ")
+        line.append(exp, style="green")
+        return [line]
+    return [Text(d.field, style="bold"),
+            *_para(f"{w_rec}: {rec}", width, "red"),
+            *_para(f"{w_exp}: {exp}", width, "green")]
+
+
+def why_text(d: Divergence) -> str | None:
+    """The derivation as a sentence: "expected 48 = ..." when it derives the
+    value, else the reason as given."""
+    why = getattr(d, "why", None)
+    if not why:
+        return None
+    return f"expected {why}" if why.startswith(f"{d.expected} ") else f"why: {why}"
+
+
+def _fold_line(f) -> str:
+    d = f.first
+    if f.first_step is None:
+        steps = ""
+    elif f.first_step == f.last_step:
+        steps = f", step {f.first_step}"
+    else:
+        steps = f", steps {f.first_step}\u2013{f.last_step}"
+    rule_id = rule_parts(d.rule)[0]
+    return f"+ {f.count} {d.field}{steps}" + (f" (rule {rule_id})" if rule_id else "")
+
+
+def story(s: Story, width: int, label: str | None = None,
+          words: tuple[str, str] = ("recorded", "expected")) -> Group:
+    """One request's block: heading, cause, derivation, rule, folds. A diff's
+    says ``words`` ("A", "B") for the two sides."""
+    d = s.cause
+    who = label or (s.req if s.req is not None else "every request (step-wide)")
+    heading = f"{who} \u00b7 {_where(d)}" if _where(d) else who
+    if s.count > 1:
+        heading += f" \u00b7 {s.count} divergences"
+    parts: list = [Rule(Text(heading, style="bold"), align="left", style="dim")]
+    parts.extend(_values(d, width, words))
+    why = why_text(d)
+    if why:
+        parts.extend(_para(why, width))
+    rule_id, text = rule_parts(d.rule)
+    if d.kind == "diff":
+        parts.extend(_para(text, width, "cyan"))
+    else:
+        parts.extend(_para(f"rule {rule_id}: {text}" if rule_id else f"rule: {text}", width,
+                           "cyan"))
+    if s.after is not None:
+        a = s.after
+        said = ("likely follows from" if a.step == d.step else "may follow from")
+        parts.extend(_para(f"{said} {a.req}'s {a.field} at step {a.step}", width, "yellow"))
+    folds = sorted(s.folds, key=lambda f: (f.first_step is None, f.first_step or 0))
+    for f in folds[:MAX_FOLDS]:
+        parts.extend(_para(_fold_line(f), width, "dim"))
+    rest = folds[MAX_FOLDS:]
+    if rest:
+        n = sum(f.count for f in rest)
+        parts.extend(_para(f"+ {n} more in {len(rest)} other field"
+                           f"{'s' if len(rest) != 1 else ''}", width, "dim"))
+    return Group(*parts)
+
+
+def print_wrapped(console: Console, text: str, style: str = "") -> None:
+    """One paragraph at the console's width, continuation lines indented."""
+    for line in _para(text, console.width, style, indent=0):
+        console.print(line)
+
+
+def print_stories(console: Console, told: list[Story], max_stories: int | None,
+                  words: tuple[str, str] = ("recorded", "expected")) -> int:
+    """Print the stories, at most ``max_stories``; return how many were left out."""
+    shown = told if max_stories is None else told[:max_stories]
+    for s in shown:
+        console.print()
+        console.print(story(s, console.width, words=words))
+    return len(told) - len(shown)
