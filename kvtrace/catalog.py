@@ -27,6 +27,17 @@ EMBEDDED_FAULTS = {
     "window-freed-early": "a sliding-window block is given back while still read",
 }
 
+# The workload on which each fault shows: what --fault runs without --workload.
+EMBEDDED_FAULT_WORKLOADS = {
+    "stale-cached-on-preempt": "offload",
+    "negative-external-on-invalid-blocks": "load-failures",
+    "stale-computed-after-failed-schedule": "kv-pressure",
+    "no-reload-after-preempt": "offload",
+    "async-load-overshoot": "offload",
+    "hybrid-hit-not-served": "hybrid",
+    "window-freed-early": "hybrid",
+}
+
 # The vLLM recorder's workloads, under the embedded engine's names where they match.
 VLLM_ALIASES = {"shared-prefix": "prefix", "kv-pressure": "preemption"}
 
@@ -99,12 +110,33 @@ VLLM_FAULTS = {
     "window-freed-early": "a sliding-window block is given back while still read",
 }
 
+VLLM_FAULT_WORKLOADS = {
+    "async-load-overshoot": "async-partial",
+    "stale-computed-on-preempt": "preemption",
+    "async-stale-computed-on-preempt": "async-preemption",
+    "spec-rejected-kept": "speculative",
+    "grammar-not-awaited": "structured-late",
+    "free-before-send": "pd-prefill",
+    "hybrid-hit-not-served": "hybrid-prefix",
+    "window-freed-early": "hybrid-prefix",
+}
+
+
+def pairs(faults: dict[str, str], workloads: dict[str, str]) -> str:
+    """"fault (workload), ...": each fault with the workload that shows it."""
+    return ", ".join(f"{f} ({workloads[f]})" for f in faults)
+
 
 def markdown() -> str:
     """docs/reference/catalog.md."""
     def table(title: str, rows: dict[str, str]) -> list[str]:
         return [f"## {title}", "", "| name | what it runs |", "|---|---|",
                 *(f"| `{k}` | {v} |" for k, v in rows.items()), ""]
+
+    def faults(title: str, rows: dict[str, str], shown_by: dict[str, str]) -> list[str]:
+        return [f"## {title}", "", "| name | what it puts back | the workload that shows it |",
+                "|---|---|---|",
+                *(f"| `{k}` | {v} | `{shown_by[k]}` |" for k, v in rows.items()), ""]
 
     return "\n".join([
         "# Workloads and faults", "",
@@ -113,9 +145,10 @@ def markdown() -> str:
         "`--fault` puts a known bug back in; without `--workload`, each fault runs the "
         "workload that shows it.", "",
         *table("Embedded engine: `--workload`", EMBEDDED_WORKLOADS),
-        *table("Embedded engine: `--fault`", EMBEDDED_FAULTS),
+        *faults("Embedded engine: `--fault`", EMBEDDED_FAULTS, EMBEDDED_FAULT_WORKLOADS),
         *table("vLLM (`--engine vllm`): `--workload`", VLLM_WORKLOADS),
-        *table("vLLM (`--engine vllm`): `--fault` (a scheduler subclass)", VLLM_FAULTS),
+        *faults("vLLM (`--engine vllm`): `--fault` (a scheduler subclass)", VLLM_FAULTS,
+                VLLM_FAULT_WORKLOADS),
     ])
 
 

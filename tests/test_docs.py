@@ -67,11 +67,12 @@ def test_the_catalog_page_is_the_generated_one():
 
 def test_the_catalog_names_the_embedded_engines_workloads_and_faults():
     from kvtrace import catalog
-    from kvtrace.engine.faults import FAULTS
+    from kvtrace.engine.faults import FAULT_WORKLOADS, FAULTS
     from kvtrace.engine.workloads import WORKLOADS
 
     assert list(catalog.EMBEDDED_WORKLOADS) == list(WORKLOADS)
     assert list(catalog.EMBEDDED_FAULTS) == list(FAULTS)
+    assert catalog.EMBEDDED_FAULT_WORKLOADS == FAULT_WORKLOADS
 
 
 @pytest.mark.vllm
@@ -82,4 +83,5 @@ def test_the_catalog_names_the_vllm_workloads_and_faults():
 
     assert set(catalog.VLLM_WORKLOADS) == set(WORKLOADS)
     assert set(catalog.VLLM_FAULTS) == set(FAULTS) == set(FAULT_WORKLOADS)
+    assert catalog.VLLM_FAULT_WORKLOADS == FAULT_WORKLOADS
     assert set(catalog.VLLM_ALIASES.values()) <= set(WORKLOADS)

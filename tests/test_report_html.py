@@ -511,9 +511,10 @@ def test_kv_content_text_is_never_cut(tmp_path):
 def test_why_is_shown_under_the_cause(tmp_path):
     d = Divergence(step=2, req="4-99d0dc83", field="num_computed_tokens", recorded=9, expected=5,
                    rule="1.3: admission sets num_computed_tokens")
-    d.why = "expected 5 = local prefix hit 0 + external hit 5 (lookup at step 1)"
+    d.why = "5 = local prefix hit 0 + external hit 5 (lookup at step 1)"
     write_html_report(TRACES / "connector.jsonl.gz", tmp_path / "w.html", [d])
-    assert (tmp_path / "w.html").read_text().count(f"why: {d.why}") == 2   # headline and table
+    # as the terminal says it: the expected value, then its terms; headline and table
+    assert (tmp_path / "w.html").read_text().count(f"expected {d.why}") == 2
 
 
 def test_many_diverging_steps_stay_bounded(tmp_path):

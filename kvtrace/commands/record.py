@@ -6,7 +6,8 @@ from pathlib import Path
 
 import click
 
-from kvtrace.catalog import EMBEDDED_FAULTS, EMBEDDED_WORKLOADS, VLLM_FAULTS
+from kvtrace.catalog import (EMBEDDED_FAULT_WORKLOADS, EMBEDDED_FAULTS, EMBEDDED_WORKLOADS,
+                             VLLM_FAULT_WORKLOADS, VLLM_FAULTS, pairs)
 from kvtrace.outputs import blamed_on
 
 from ._common import (EXIT_NOTHING, EXIT_OK, VLLM_HINT, Bounded, FilePath, UsageProblem, echo,
@@ -31,8 +32,10 @@ STDOUT_REFUSED = ("'-' (standard output) is not accepted: a trace is written to 
                    "connector, speculative and more (default: prefix, or the fault's). "
                    "docs/reference/catalog.md lists them all.")
 @click.option("--fault", default=None,
-              help=f"Put a known scheduler bug back in. Embedded engine: {', '.join(FAULTS)}. "
-                   f"vLLM (a scheduler subclass): {', '.join(VLLM_FAULTS)}.")
+              help="Put a known scheduler bug back in; each runs, without --workload, the "
+                   "workload in brackets, which shows it. Embedded engine: "
+                   f"{pairs(EMBEDDED_FAULTS, EMBEDDED_FAULT_WORKLOADS)}. vLLM (a scheduler "
+                   f"subclass): {pairs(VLLM_FAULTS, VLLM_FAULT_WORKLOADS)}.")
 @click.option("--seed", type=SEEDS, default=None,
               help="Seed of the embedded engine's workload and sampler: 0 to 2^64-1 (default "
                    "0). The vLLM workloads are fixed: with --engine vllm or a command it is "

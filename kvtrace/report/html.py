@@ -24,6 +24,7 @@ from typing import Any, Iterable
 from .._text import path_text
 from ..findings import Divergence, Story, headline, stories as group_stories
 from ..outputs import writing
+from .failures import why_text
 from .figures import MAX_RUNS, RequestTimeline, RunSummary, kv_groups_text, percent, step_runs
 from .summary import summarize
 from .svg import Band, chart, legend
@@ -214,7 +215,7 @@ def _headline(p: _Page, note: str | None) -> str:
     verdict = (f"{verb}{len(divs)} divergence{_s(len(divs))} in {reqs} request{_s(reqs)}"
                + (" and the step-wide counts" if None in {d.req for d in divs} else "")
                + f". {roots} likely cause{_s(roots)}"
-               + (f"; {follow} more request{_s(follow)} likely follow{'s' if follow == 1 else ''} from "
+               + (f"; {follow} more request{_s(follow)} may follow{'s' if follow == 1 else ''} from "
                   f"{'it' if roots == 1 else 'them'}" if follow else "") + ".")
     d = p.head
     st = p.told[p.head_story]
@@ -225,9 +226,9 @@ def _headline(p: _Page, note: str | None) -> str:
            f'<b>{where}</b> · request {"(all)" if d.req is None else _req_link(p.s, d.req)} · '
            f'<b>{e(d.field)}</b>: {p.rec} {_value(d.recorded, "rec")}, {p.exp} {_value(d.expected, "exp")}</p>',
            f'<p class="rule">{_rule(d.rule, full=True)}</p>']
-    why = getattr(d, "why", None)
+    why = why_text(d)
     if why:
-        out.append(f'<p class="why">why: {e(why)}</p>')
+        out.append(f'<p class="why">{e(why)}</p>')
     if st.count > 1:
         out.append(f'<p class="muted">then {st.count - 1} more in {e(_req(d.req))}'
                    + _steps_text(_story_steps(st)) + f"; compared with {who}.</p>")
@@ -457,11 +458,12 @@ def _story_rows(p: _Page, i: int, st: Story, index: dict) -> str:
         a = st.after
         j = index.get(id(a))
         target = f'<a href="#story-{j}">{e(_req(a.req))}</a>' if j is not None else e(_req(a.req))
-        more.append(f'<div class="after">likely follows from {target}'
+        said = "likely follows from" if a.step == d.step else "may follow from"
+        more.append(f'<div class="after">{said} {target}'
                     + (f" at step {a.step}" if a.step is not None else "") + "</div>")
-    why = getattr(d, "why", None)
+    why = why_text(d)
     if why:
-        more.append(f'<div class="why">why: {e(why)}</div>')
+        more.append(f'<div class="why">{e(why)}</div>')
     if st.folds:
         n = st.count - 1
         summary = f"+ {n} more in {e(_req(st.req))}" + _steps_text(_story_steps(st))
