@@ -27,8 +27,8 @@ class Divergence:
 
     def to_json(self) -> dict:
         doc = {k: getattr(self, k) for k in _JSON_FIELDS}
-        if self.in_b is not None:
-            doc["step_b"], doc["line_b"] = self.in_b
+        if self.kind == "diff":   # where it shows in B; null where B has no such record
+            doc["step_b"], doc["line_b"] = self.in_b or (None, None)
         return doc
 
 
@@ -67,6 +67,7 @@ _RANK_OF_FIELD = {
     # what the step's output shows
     "finished_req_ids": 5, "finish_reason": 5,
 }
+_WINDOW_RULE = "4.9:"   # the KV-cache groups' tables: what a sliding window gave back
 _RANK_OF_KIND = {"invariant": 0, "lookup": 0, "counter": 1, "block": 3, "kv-data": 5,
                  "kv-content": 6, "stats": 7, "diff": 2}
 
@@ -78,6 +79,8 @@ def cause_rank(d: Divergence) -> int:
         rank = 0   # a legacy counter is written at the lookup
     if rank is None:
         rank = _RANK_OF_KIND.get(d.kind, 5)
+    if d.rule.startswith(_WINDOW_RULE):
+        rank = min(rank, 2)   # a sliding window gives blocks back before the step allocates
     return rank
 
 
@@ -143,6 +146,16 @@ def stories(divs: list[Divergence]) -> list[Story]:
         if cause_rank(s.cause) == 0 and s.req is not None:
             roots.append(s.cause)
     return told
+
+
+def narrowed(told: list[Story], kept: list[Divergence]) -> list[Story]:
+    """The stories of ``kept``, a part of the divergences ``told`` tells: each
+    keeps the link to the story its request follows from, shown or not."""
+    after = {s.req: s.after for s in told}
+    part = stories(kept)
+    for s in part:
+        s.after = s.after or after.get(s.req)
+    return part
 
 
 def headline(told: list[Story]) -> Divergence | None:

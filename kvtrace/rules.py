@@ -48,7 +48,7 @@ _ALL = (
          "(S:1629); a preemption sets 0 (S:1593); a failed-load block sets it to the first "
          "failed block's start (S:3315).",
          "recorded num_computed_tokens 40, expected 37 = local prefix hit 32 + external "
-         "hit 5 (lookup at step 44)"),
+         "hit 5 (the reference's lookup at step 44)"),
     Rule("1.4", "status transitions, and which requests the scheduler holds live",
          "WAITING or PREEMPTED goes to RUNNING at admission, or to WAITING_FOR_REMOTE_KVS "
          "for an async load; RUNNING goes to PREEMPTED as a victim, or to a finished "

@@ -113,13 +113,14 @@ def test_the_headline_is_the_cause_not_the_first_row(faults):
 
 
 def test_derivation_adds_up_from_the_trace(faults):
-    """'expected 37 = local prefix hit 32 + external hit 5 (lookup at step S)':
-    the numbers are those of the trace's own lookup record at step S."""
+    """'expected 37 = local prefix hit 32 + external hit 5 (the reference's
+    lookup at step S)': with the connector, the numbers are those of the
+    trace's own lookup record at step S."""
     path = faults["async-load-overshoot"]
     divs = replay_file(path, device=None).divergences
     d = next(d for d in divs if d.field == "num_computed_tokens" and d.why)
-    m = re.fullmatch(r"(\d+) = local prefix hit (\d+) \+ external hit (\d+) \(lookup at step "
-                     r"(\d+)\)", d.why)
+    m = re.fullmatch(r"(\d+) = local prefix hit (\d+) \+ external hit (\d+) "
+                     r"\(the reference's lookup at step (\d+)\)", d.why)
     assert m, d.why
     total, local, ext, step = map(int, m.groups())
     assert total == d.expected == local + ext
@@ -147,11 +148,14 @@ def test_filters_select_and_exit_code_counts_everything(faults):
     assert res.returncode == 1
     heads = [l for l in res.stdout.splitlines() if " · step " in l and "─" in l]
     assert heads and all(l.startswith("long-5 ") for l in heads), heads
+    # The first divergence named stays the trace's own, whatever is shown.
+    assert res.stdout.splitlines()[1].startswith("first: step 37 (line 95), long-2,")
     res = _run("replay", path, "--first")
     assert len([l for l in res.stdout.splitlines() if " · step " in l and "─" in l]) == 1
     res = _run("replay", path, "--max", "3")
     assert len([l for l in res.stdout.splitlines() if " · step " in l and "─" in l]) == 3
-    assert "more requests diverge" in res.stdout
+    flat = " ".join(res.stdout.split())
+    assert "more requests and the step-wide counts also diverge" in flat, res.stdout
     res = _run("replay", path, "--field", "num_free_blocks", "--json")
     doc = orjson.loads(res.stdout)
     assert doc["divergences"] and {d["field"] for d in doc["divergences"]} == {"num_free_blocks"}
@@ -216,3 +220,28 @@ def test_a_planted_fault_that_shows_nothing_is_said(tmp_path):
     assert res.returncode == 0 and "fault async-load-overshoot planted" in res.stdout
     res = _run("replay", str(clean))
     assert res.returncode == 0 and "fault" not in res.stdout.replace(str(tmp_path), "")
+
+
+def test_several_traces_keep_their_own_stories(tmp_path, faults):
+    """Two ranks' traces with one file name: each keeps its own blocks, named
+    by path, and no block links into the other trace."""
+    import shutil
+
+    for rank in ("r0", "r1"):
+        (tmp_path / rank).mkdir()
+        shutil.copy(faults["async-load-overshoot"], tmp_path / rank / "t.jsonl.gz")
+    res = _run("replay", str(tmp_path / "r0" / "t.jsonl.gz"), str(tmp_path / "r1" / "t.jsonl.gz"),
+               "--max", "50", columns=200)
+    assert res.returncode == 1
+    heads = [l for l in res.stdout.splitlines() if " · step " in l and "─" in l]
+    single = _run("replay", str(faults["async-load-overshoot"]), "--max", "50", columns=200)
+    n = len([l for l in single.stdout.splitlines() if " · step " in l and "─" in l])
+    assert len(heads) == 2 * n
+    assert sum(str(tmp_path / "r0") in h for h in heads) == n
+    assert "follows from" not in res.stdout or all(
+        "r1" not in l for l in res.stdout.splitlines() if "follows from" in l)
+
+
+def test_scheduler_vllm_refuses_the_view_options(faults):
+    res = _run("replay", "--scheduler", "vllm", "--first", str(faults["async-load-overshoot"]))
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "--scheduler vllm" in res.stderr

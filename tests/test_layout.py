@@ -23,7 +23,8 @@ RULES = {
     "replay": {"trace", "reference", "bridge", "baseline", "findings", "outputs", "workers",
                "_text"},
     "diff": {"trace", "findings", "workers", "_text"},     # no replay internals
-    "report": {"trace", "findings", "outputs", "_text"},   # renders what it is given
+    # renders what it is given; rules: the catalogue of rule ids, which imports nothing
+    "report": {"trace", "findings", "rules", "outputs", "_text"},
 }
 
 

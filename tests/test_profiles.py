@@ -157,10 +157,15 @@ def _kvtrace(*args: str) -> subprocess.CompletedProcess:
 
 def test_replay_names_the_profile_and_takes_another_when_asked():
     trace = str(TRACES / "vllm-0.33" / "prefill-interval.jsonl.gz")
+    def trace_line(out: str) -> str:   # after the verdict (and the first divergence), wrapped
+        lines = out.splitlines()
+        at = next(i for i, line in enumerate(lines) if line.startswith(trace))
+        return " ".join(" ".join(lines[at:at + 2]).split())
+
     own = _kvtrace("replay", "--no-kv-check", trace)
-    assert own.returncode == 0 and "· profile 0.33 ·" in own.stdout.splitlines()[0]
+    assert own.returncode == 0 and "· profile 0.33 ·" in trace_line(own.stdout)
     other = _kvtrace("replay", "--no-kv-check", "--profile", "0.32", trace)
-    assert other.returncode == 1 and "· profile 0.32 ·" in other.stdout.splitlines()[0]
+    assert other.returncode == 1 and "· profile 0.32 ·" in trace_line(other.stdout)
     doc = json.loads(_kvtrace("replay", "--no-kv-check", "--json", trace).stdout)
     assert doc["profile"] == "0.33" and doc["profile_note"] is None
 

@@ -52,7 +52,7 @@ def _fp_ref(tokens: list[int]) -> list[int]:
 def test_mix64_matches_unsigned_splitmix():
     rng = random.Random(1)
     xs = [rng.getrandbits(64) for _ in range(2000)] + [0, 1, M, 1 << 63, (1 << 63) - 1]
-    got = sk.mix64(torch.tensor([sk._s64(x) for x in xs], dtype=torch.int64)).tolist()
+    got = sk.mix64(torch.tensor([sk.s64(x) for x in xs], dtype=torch.int64)).tolist()
     assert [g & M for g in got] == [_mix_ref(x) for x in xs]
 
 

@@ -12,6 +12,8 @@ from ._common import (EXIT_BAD_INPUT, EXIT_DIVERGENT, EXIT_INTERNAL, EXIT_NOTHIN
                       refuse_pipes, refuse_to_overwrite, require_vllm, say, trace_output)
 from .progress import progress
 
+MAX_SHOWN = 10   # diverging requests shown unless --max says
+
 
 @click.command()
 @click.argument("traces", nargs=-1, required=True, type=FilePath(stdin=True),
@@ -47,7 +49,8 @@ from .progress import progress
                    "(repeatable; 'state.' matches every field that starts so).")
 @click.option("--first", "first_only", is_flag=True,
               help="Show only the first diverging request: the likely cause.")
-@click.option("--max", "max_stories", type=click.IntRange(min=1), default=10, show_default=True,
+@click.option("--max", "max_stories", type=click.IntRange(min=1), default=MAX_SHOWN,
+              show_default=True,
               metavar="N", help="Show at most N diverging requests.")
 def command(traces: tuple[Path, ...], out: Path | None, as_json: bool, device: str, kv_check: bool,
             scheduler: str, scheduler_cls: str | None, profile: str | None, jobs: int,
@@ -70,6 +73,9 @@ def command(traces: tuple[Path, ...], out: Path | None, as_json: bool, device: s
         scheduler = "vllm"
     select = Selection(requests, fields, 1 if first_only else max_stories)
     if scheduler == "vllm":
+        if select or first_only or max_stories != MAX_SHOWN:
+            raise UsageProblem("--request, --field, --first and --max select what replay through "
+                               "the reference shows; --scheduler vllm shows its diff whole")
         if len(traces) != 1:
             raise UsageProblem("--scheduler vllm replays one trace at a time")
         if profile is not None:
@@ -104,12 +110,16 @@ class Selection:
         return " ".join(said) or None
 
     def view(self, divs):
-        """The stories of the divergences kept, and the one to read first."""
-        from kvtrace.findings import headline, stories
+        """The stories of the divergences kept, and the one to read first: the
+        headline of them all, whatever is kept."""
+        from kvtrace.findings import headline, narrowed, stories
         from kvtrace.report.terminal import ReplayView
 
-        told = stories([d for d in divs if self.keep(d)] if self else list(divs))
-        return ReplayView(told, headline(told), self.max_stories, self.words())
+        told = stories(list(divs))
+        head = headline(told)
+        if self:
+            told = narrowed(told, [d for d in divs if self.keep(d)])
+        return ReplayView(told, head, self.max_stories, self.words())
 
 
 def _one(trace: Path, out: Path | None, as_json: bool, device: str | None,
@@ -162,9 +172,11 @@ def _through_vllm(trace: Path, out: Path | None, as_json: bool, scheduler_cls: s
         from kvtrace.record.vllm.rerun import replay_through_vllm
     if out is None:
         out = Path(tempfile.mkdtemp(prefix="kvtrace-")) / (trace.name.split(".")[0] + ".vllm.jsonl.gz")
-    run = replay_through_vllm(trace, out, scheduler_cls)
-    result = diff_files(trace, out)
-    data = check_file(trace)   # the KV audit's records: the same checks as the reference's replay
+    # It reads the trace three times: the re-run, the diff, the KV audit's checks.
+    with progress(f"replaying {trace.name} through vLLM", "steps", files=(trace, trace, trace)):
+        run = replay_through_vllm(trace, out, scheduler_cls)
+        result = diff_files(trace, out)
+        data = check_file(trace)   # the KV audit's records: the same checks as the reference's replay
     first = run.summary()["first_difference"]
     if as_json:
         print_bytes(terminal.rerun_json(result, first, data.divergences, data.checked))

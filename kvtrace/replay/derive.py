@@ -57,7 +57,7 @@ def _admitted(d: Divergence, sched: Scheduler) -> str | None:
         return f"{d.expected}: no prefix lookup was made" if d.expected == 0 else None
     step, local, external, load_async = r.lookup_history[-1]
     terms = f"local prefix hit {local} + external hit {external}"
-    where = f" (lookup at step {step})"
+    where = f" (the reference's lookup at step {step})"
     if local + external == d.expected:
         return f"{d.expected} = {terms}{where}"
     if load_async and local + external - 1 == d.expected:
@@ -116,8 +116,8 @@ def _load(d: Divergence, sched: Scheduler) -> str | None:
         return None
     again = (f"; admitted again after {r.num_preemptions} preemption"
              f"{'s' if r.num_preemptions != 1 else ''}" if r.num_preemptions else "")
-    return (f"the lookup at step {step} answered an external hit of {external} tokens after a "
-            f"local hit of {local}, and the step admitted it{again}")
+    return (f"the reference's lookup at step {step} found an external hit of {external} tokens "
+            f"after a local hit of {local}, and the step admitted it{again}")
 
 
 def _not_scheduled(d: Divergence, out: SchedulerOutput, sched: Scheduler) -> str | None:

@@ -176,16 +176,16 @@ _LATE = object()   # the tag of a batch entry that only writes (queue_late_write
 _MASK64 = (1 << 64) - 1
 
 
-def _s64(c: int) -> int:
+def s64(c: int) -> int:
     """An unsigned 64-bit constant as the int64 with the same bits."""
     c &= _MASK64
     return c - (1 << 64) if c >= 1 << 63 else c
 
 
-_C1 = _s64(0xBF58476D1CE4E5B9)
-_C2 = _s64(0x94D049BB133111EB)
-K_TOK = _s64(0x9E3779B97F4A7C15)   # odd: t -> t * K_TOK is a bijection mod 2^64
-K_POS = _s64(0xD1B54A32D192ED03)
+MIX_C1 = s64(0xBF58476D1CE4E5B9)
+MIX_C2 = s64(0x94D049BB133111EB)
+K_TOK = s64(0x9E3779B97F4A7C15)   # odd: t -> t * K_TOK is a bijection mod 2^64
+K_POS = s64(0xD1B54A32D192ED03)
 FP_INIT = 1                        # fp of the empty prefix; keeps every fingerprint odd
 
 
@@ -199,7 +199,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-_NOT_WRITTEN = 1 << 62
+NOT_WRITTEN = 1 << 62
 
 
 class _Req:
@@ -219,7 +219,7 @@ class _Req:
         self.verified: list[int] = []
 
 
-class _Batch:
+class Batch:
     """Steps queued for one evaluation, as flat lists of integers (one entry per
     request and step, never per token)."""
 
@@ -275,7 +275,7 @@ class ShadowCore:
         # block ids; such reads are reported, such writes land nowhere visible.
         # Per slot: _fp (int64), _wreq, _wstep, _wpos (int32, -1), _wload (bool),
         # and, while a batch is evaluated, _first: the first step slot of the
-        # batch that writes it (int64, _NOT_WRITTEN otherwise). And the arena.
+        # batch that writes it (int64, NOT_WRITTEN otherwise). And the arena.
         self._setup((num_blocks + 1) * block_size)
         self.ids: list[str] = []                 # interned request ids
         self._intern: dict[str, int] = {}
@@ -284,7 +284,7 @@ class ShadowCore:
         # a dropped request stays here while queued steps may read its tokens).
         self._pending: dict[_Req, None] = {}
         self._top = 0                            # next free arena row
-        self._batch = _Batch()
+        self._batch = Batch()
         self._ready: list[tuple[object, list[Divergence]]] = []
         # Per block id: the requests with it among their checked rows, each with
         # the first such row (a write to the block unchecks them from there).
@@ -573,7 +573,7 @@ class ShadowCore:
         ready, self._ready = self._ready, []
         return ready
 
-    def _queue_writes(self, b: _Batch, step: int, slot: int, items, loaded: bool) -> int:
+    def _queue_writes(self, b: Batch, step: int, slot: int, items, loaded: bool) -> int:
         """Queue writing the fingerprints of positions [start, end) of each item's
         request into the slots its block table names (items: request, start, end,
         table, the table's offset in the batch). Returns the positions queued."""
@@ -594,7 +594,7 @@ class ShadowCore:
             total += end - start
         return total
 
-    def _queue_reads(self, b: _Batch, step: int, slot: int, scheduled, divs: list) -> None:
+    def _queue_reads(self, b: Batch, step: int, slot: int, scheduled, divs: list) -> None:
         """Queue reading, for each scheduled request, every position before its
         num_computed_tokens through its block table (items: request, c, n, table,
         the table's offset in the batch)."""
@@ -669,7 +669,7 @@ class ShadowCore:
         if not b.steps:
             return
         self._materialise()                 # every position a queued step uses
-        self._batch = _Batch()
+        self._batch = Batch()
         for r in [r for r in self._pending if self._reqs.get(self.ids[r.idx]) is not r]:
             del self._pending[r]            # dropped: no step reads its tokens any more
         tables = self._ints(b.tables)
@@ -684,7 +684,7 @@ class ShadowCore:
             self._apply(w)
         self._ready += [(tag, divs) for _step, tag, divs in b.steps if tag is not _LATE]
 
-    def _check(self, b: _Batch, tables, w: tuple | None) -> None:
+    def _check(self, b: Batch, tables, w: tuple | None) -> None:
         """Every queued read against the slot as it stood at the read's step: the
         last write to it in the batch at or before that step, else the state
         before the batch. Rows already checked are left out, unless some slot
@@ -701,7 +701,7 @@ class ShadowCore:
         if found is not None:
             self._report(b, reads, w, *found)
 
-    def _report(self, b: _Batch, reads: tuple, w: tuple | None, *found) -> None:
+    def _report(self, b: Batch, reads: tuple, w: tuple | None, *found) -> None:
         """The rare path: name the first bad position of each read, and count them all."""
         nb = self.num_blocks
         for k, cnt, lim, blkid, p, s, sl, wreq, wstep, wpos, wload in self._first_bad(

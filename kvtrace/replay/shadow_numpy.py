@@ -13,7 +13,7 @@ from array import array
 
 import numpy as np
 
-from .shadow_kv import _C1, _C2, _NOT_WRITTEN, FP_INIT, K_POS, K_TOK, ShadowCore, _Batch
+from .shadow_kv import MIX_C1, MIX_C2, NOT_WRITTEN, FP_INIT, K_POS, K_TOK, ShadowCore, Batch
 
 __all__ = ["NumpyShadowKV", "mix64", "token_terms"]
 
@@ -23,9 +23,9 @@ _U = np.uint64
 def mix64(x: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser on uint64 arrays."""
     x = x ^ (x >> _U(30))
-    x = x * _U(_C1 & ((1 << 64) - 1))
+    x = x * _U(MIX_C1 & ((1 << 64) - 1))
     x = x ^ (x >> _U(27))
-    x = x * _U(_C2 & ((1 << 64) - 1))
+    x = x * _U(MIX_C2 & ((1 << 64) - 1))
     return x ^ (x >> _U(31))
 
 
@@ -61,7 +61,7 @@ class NumpyShadowKV(ShadowCore):
         self._wstep = np.full(n, -1, dtype=np.int32)
         self._wpos = np.full(n, -1, dtype=np.int32)
         self._wload = np.zeros(n, dtype=bool)
-        self._first = np.full(n, _NOT_WRITTEN, dtype=np.int64)
+        self._first = np.full(n, NOT_WRITTEN, dtype=np.int64)
         self._arena = self._zeros(64)
 
     def _ints(self, values: list[int]) -> np.ndarray:
@@ -97,9 +97,9 @@ class NumpyShadowKV(ShadowCore):
         self._wstep[u] = wstep[last]
         self._wpos[u] = wpos[last]
         self._wload[u] = wload[last] != 0
-        self._first[u] = _NOT_WRITTEN
+        self._first[u] = NOT_WRITTEN
 
-    def _write_log(self, b: _Batch, tables: np.ndarray) -> tuple:
+    def _write_log(self, b: Batch, tables: np.ndarray) -> tuple:
         """Every queued write, one entry per position, sorted by (slot, step slot)
         with the order of writing kept among equals; and the sort keys."""
         B, nb = self.block_size, self.num_blocks
@@ -124,7 +124,7 @@ class NumpyShadowKV(ShadowCore):
         return (wslot, self._arena.reshape(-1)[abase[seg] + pos],
                 who[seg], pos, step[seg], loaded[seg], key)
 
-    def _compare(self, b: _Batch, reads: tuple, tables: np.ndarray, w: tuple | None,
+    def _compare(self, b: Batch, reads: tuple, tables: np.ndarray, w: tuple | None,
                  skip: bool) -> tuple | None:
         """As ShadowKV._compare (shadow_torch.py)."""
         B, nb = self.block_size, self.num_blocks
@@ -163,7 +163,7 @@ class NumpyShadowKV(ShadowCore):
             return None
         return bad, rreq, bi, blk, blkc, hit
 
-    def _first_bad(self, b: _Batch, reads: tuple, w: tuple | None, bad: np.ndarray,
+    def _first_bad(self, b: Batch, reads: tuple, w: tuple | None, bad: np.ndarray,
                    rreq: np.ndarray, bi: np.ndarray, blk: np.ndarray, blkc: np.ndarray,
                    hit: np.ndarray | None):
         """As ShadowKV._first_bad (shadow_torch.py)."""

@@ -6,8 +6,8 @@ from array import array
 
 import torch
 
-from .shadow_kv import (_C1, _C2, _NOT_WRITTEN, FP_INIT, K_POS, K_TOK, DeviceUnavailable,
-                        ShadowCore, _Batch, _s64)
+from .shadow_kv import (MIX_C1, MIX_C2, NOT_WRITTEN, FP_INIT, K_POS, K_TOK, DeviceUnavailable,
+                        ShadowCore, Batch, s64)
 
 __all__ = ["ShadowKV", "mix64", "token_terms", "prefix_fingerprints", "pick_device"]
 
@@ -20,9 +20,9 @@ def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
 def mix64(x: torch.Tensor) -> torch.Tensor:
     """splitmix64's finaliser on int64 tensors (bit-for-bit the unsigned version mod 2^64)."""
     x = x ^ _srl(x, 30)
-    x = x * _C1
+    x = x * MIX_C1
     x = x ^ _srl(x, 27)
-    x = x * _C2
+    x = x * MIX_C2
     return x ^ _srl(x, 31)
 
 
@@ -37,7 +37,7 @@ def prefix_fingerprints(token_ids, start: int = 0, prev: int = FP_INIT,
     token sequence whose fingerprint before ``start`` is ``prev``."""
     tok = torch.as_tensor(token_ids, dtype=torch.int64, device=device)
     pos = torch.arange(start, start + tok.numel(), dtype=torch.int64, device=tok.device)
-    return torch.cumsum(token_terms(tok, pos), 0) + _s64(prev)
+    return torch.cumsum(token_terms(tok, pos), 0) + s64(prev)
 
 
 
@@ -84,7 +84,7 @@ class ShadowKV(ShadowCore):
         self._wstep = torch.full((n,), -1, dtype=torch.int32, device=dev)
         self._wpos = torch.full((n,), -1, dtype=torch.int32, device=dev)
         self._wload = torch.zeros(n, dtype=torch.bool, device=dev)
-        self._first = torch.full((n,), _NOT_WRITTEN, dtype=torch.int64, device=dev)
+        self._first = torch.full((n,), NOT_WRITTEN, dtype=torch.int64, device=dev)
         self._arena = self._zeros(64)
 
     def _ints(self, values: list[int]) -> torch.Tensor:
@@ -122,9 +122,9 @@ class ShadowKV(ShadowCore):
         self._wstep.index_copy_(0, uslot, wstep[last].to(torch.int32))
         self._wpos.index_copy_(0, uslot, wpos[last].to(torch.int32))
         self._wload.index_copy_(0, uslot, wload[last].to(torch.bool))
-        self._first.index_fill_(0, uslot, _NOT_WRITTEN)
+        self._first.index_fill_(0, uslot, NOT_WRITTEN)
 
-    def _write_log(self, b: _Batch, tables: torch.Tensor) -> tuple:
+    def _write_log(self, b: Batch, tables: torch.Tensor) -> tuple:
         """Every queued write, one entry per position, sorted by (slot, step slot)
         with the order of writing kept among equals; and the sort keys."""
         B, dev, nb = self.block_size, self.device, self.num_blocks
@@ -146,7 +146,7 @@ class ShadowKV(ShadowCore):
         return (wslot, self._arena.view(-1).index_select(0, abase[seg] + pos[order]),
                 who[seg], pos[order], step[seg], loaded[seg], key)
 
-    def _compare(self, b: _Batch, reads: tuple, tables: torch.Tensor, w: tuple | None,
+    def _compare(self, b: Batch, reads: tuple, tables: torch.Tensor, w: tuple | None,
                  skip: bool) -> tuple | None:
         """Compare the slots the batch's reads cover (with ``skip``, less the rows
         already checked). Returns None if all hold what they should, else what
@@ -189,7 +189,7 @@ class ShadowKV(ShadowCore):
             return None
         return bad, rreq, bi, blk, blkc, hit
 
-    def _first_bad(self, b: _Batch, reads: tuple, w: tuple | None, bad: torch.Tensor,
+    def _first_bad(self, b: Batch, reads: tuple, w: tuple | None, bad: torch.Tensor,
                    rreq: torch.Tensor, bi: torch.Tensor, blk: torch.Tensor, blkc: torch.Tensor,
                    hit: torch.Tensor | None):
         """Per read with a wrong slot: (read, wrong slots, positions read, block

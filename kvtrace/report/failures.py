@@ -12,7 +12,6 @@ import textwrap
 from typing import Any
 
 from rich.console import Console, Group
-from rich.rule import Rule
 from rich.text import Text
 
 from ..findings import Divergence, Story
@@ -20,6 +19,7 @@ from ..rules import lookup, rule_id
 
 MAX_FOLDS = 4          # fold lines under a cause before the rest is counted
 LONG_VALUE = 24        # a value longer than this gets a line of its own
+RULE_WIDTH = 100       # a heading's line stops here on a wide terminal
 
 # What the parts of a tuple-valued field are.
 _PARTS = {
@@ -65,6 +65,9 @@ def rule_parts(rule: str) -> tuple[str, str]:
 def _where(d: Divergence) -> str:
     if d.in_b is not None:
         return _where_in_both(d)
+    if d.kind == "diff":   # a diff's divergence that shows in A only: say so
+        at = f"step {d.step}, " if d.step is not None else ""
+        return f"{at}A line {d.line}" if d.line is not None else at.rstrip(", ")
     parts = []
     if d.step is not None:
         parts.append(f"step {d.step}")
@@ -88,10 +91,13 @@ def _where_in_both(d: Divergence) -> str:
     return f"{side('A', step_a, line_a)}, {side('B', step_b, line_b)}"
 
 
-def first_line(d: Divergence, words: tuple[str, str] = ("recorded", "expected")) -> str:
-    """The first divergence in one sentence."""
+def first_line(d: Divergence, words: tuple[str, str] = ("recorded", "expected"),
+               with_line: bool = False) -> str:
+    """The first divergence in one sentence: where, who, what."""
     who = d.req if d.req is not None else "the step"
     at = f"step {d.step}" if d.step is not None else "no step"
+    if with_line and d.line is not None:
+        at += f" (line {d.line})"
     return (f"{at}, {who}, {d.field}: {words[0]} {value_text(d.field, d.recorded)}, "
             f"{words[1]} {value_text(d.field, d.expected)}")
 
@@ -151,7 +157,8 @@ def story(s: Story, width: int, label: str | None = None,
     heading = f"{who} \u00b7 {_where(d)}" if _where(d) else who
     if s.count > 1:
         heading += f" \u00b7 {s.count} divergences"
-    parts: list = [Rule(Text(heading, style="bold"), align="left", style="dim")]
+    rule = max(3, min(width, RULE_WIDTH) - len(heading) - 1)
+    parts: list = [Text.assemble((heading, "bold"), " ", ("\u2500" * rule, "dim"))]
     parts.extend(_values(d, width, words))
     why = why_text(d)
     if why:
@@ -184,10 +191,11 @@ def print_wrapped(console: Console, text: str, style: str = "") -> None:
 
 
 def print_stories(console: Console, told: list[Story], max_stories: int | None,
-                  words: tuple[str, str] = ("recorded", "expected")) -> int:
-    """Print the stories, at most ``max_stories``; return how many were left out."""
+                  words: tuple[str, str] = ("recorded", "expected"), label=None) -> int:
+    """Print the stories, at most ``max_stories``; return how many were shown.
+    ``label(story)`` names a story's block (default: its request)."""
     shown = told if max_stories is None else told[:max_stories]
     for s in shown:
         console.print()
-        console.print(story(s, console.width, words=words))
-    return len(told) - len(shown)
+        console.print(story(s, console.width, label(s) if label else None, words=words))
+    return len(shown)

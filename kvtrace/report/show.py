@@ -8,11 +8,12 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..findings import Divergence
+from ..findings import Divergence, causal_key
 from .at_step import QUEUES, StepView
 from .figures import HistoryRow, Mark, RequestTimeline, RunSummary, Series, kv_groups_text, percent
 from .summary import summarize
-from .terminal import format_value, make_console, replayed_up_to
+from .failures import value_text, why_text
+from .terminal import make_console, replayed_up_to
 
 SPARK = "▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 60
@@ -484,7 +485,7 @@ def _print_divergences(view: StepView, divs: list[Divergence], note: str | None,
     if not divs:
         console.print(Text("  " + ("not replayed" if note else "none"), style="dim"))
         return
-    for d in divs:
+    for d in sorted(divs, key=causal_key):   # the likely cause first, as replay lists them
         head = Text("! ", style="bold red")
         head.append(d.req if d.req is not None else "step-wide", style="bold")
         head.append(f" {d.field}")
@@ -495,12 +496,15 @@ def _print_divergences(view: StepView, divs: list[Divergence], note: str | None,
         t.add_column(no_wrap=True, width=1)
         t.add_column(no_wrap=True, style="dim")
         t.add_column()
-        t.add_row("", "recorded", _whole(d.recorded))
-        t.add_row("", "expected", _whole(d.expected))
+        t.add_row("", "recorded", _whole(d.field, d.recorded))
+        t.add_row("", "expected", _whole(d.field, d.expected))
+        why = why_text(d)
+        if why:
+            t.add_row("", "derived" if why.startswith("expected ") else "why", d.why)
         t.add_row("", "rule", str(d.rule))
         console.print(t)
 
 
-def _whole(v) -> str:
-    """A recorded or expected value in full: never cut."""
-    return v if isinstance(v, str) else format_value(v, limit=1 << 30)
+def _whole(field: str, v) -> str:
+    """A recorded or expected value in full, in words: never cut."""
+    return value_text(field, v)

@@ -113,6 +113,11 @@ def _json(value: Any) -> str | None:
     return None if value is None else orjson.dumps(value, default=str).decode()
 
 
+def _json_text(value: Any) -> str:
+    """A value as JSON text, none included ("null"): json.loads always reads it."""
+    return orjson.dumps(value, default=str).decode()
+
+
 class _Builder:
     def __init__(self):
         self.rows = {name: _Rows(schema) for name, schema in SCHEMAS.items()}
@@ -243,8 +248,8 @@ class _Builder:
     def divergences(self, divs: Iterable[Divergence]) -> None:
         rows = self.rows["divergences"]
         for d in divs:
-            rows.add(step=d.step, req=d.req, field=d.field, recorded=_json(d.recorded),
-                     expected=_json(d.expected), rule=d.rule, kind=d.kind, seq=d.seq,
+            rows.add(step=d.step, req=d.req, field=d.field, recorded=_json_text(d.recorded),
+                     expected=_json_text(d.expected), rule=d.rule, kind=d.kind, seq=d.seq,
                      line=d.line, why=getattr(d, "why", None))
 
 

@@ -19,7 +19,7 @@ from rich.text import Text
 
 from .._text import CONTROL_ESCAPES_BUT_LAYOUT, path_text
 from ..findings import Divergence, Story, first_per_request, stories
-from .failures import first_line, print_stories, print_wrapped
+from .failures import first_line, print_stories, print_wrapped, story
 from ..outputs import blamed_on, silence
 
 MAX_ROWS = 50
@@ -57,9 +57,14 @@ class _PlainConsole(Console):
             super()._check_buffer()
 
     def _render_buffer(self, buffer: Iterable[Segment]) -> str:
-        return super()._render_buffer(
+        text = super()._render_buffer(
             seg if seg.control else Segment(_shown(seg.text), seg.style, seg.control)
             for seg in buffer)
+        # A table pads its cells to the column's width: no line ends in spaces.
+        return _TRAILING_SPACES.sub(r"\1\n", text)
+
+
+_TRAILING_SPACES = re.compile(r" +((?:\x1b\[[0-9;]*m)*)\n")
 
 
 def _shown(text: str) -> str:
@@ -73,12 +78,15 @@ def _shown(text: str) -> str:
     return text
 
 
+PIPE_WIDTH = 100   # the width of output that goes to no terminal, unless COLUMNS says
+
+
 def make_console(stderr: bool = False) -> Console:
-    """A console that is plain (no colour, wide enough for the table) when the
-    output is not a terminal."""
+    """A console that is plain (no colour) when the output is not a terminal,
+    and then ``PIPE_WIDTH`` wide, unless COLUMNS says otherwise."""
     c = _PlainConsole(stderr=stderr, highlight=False, markup=False)
     if not c.is_terminal and "COLUMNS" not in os.environ:
-        c = _PlainConsole(stderr=stderr, highlight=False, markup=False, width=160)
+        c = _PlainConsole(stderr=stderr, highlight=False, markup=False, width=PIPE_WIDTH)
     return c
 
 
@@ -144,35 +152,31 @@ def print_replay(result: Any, path: str, view: "ReplayView",
     if divs:
         print_wrapped(console, f"FAILED: {_replay_summary(divs, steps, brief=True)}", "bold red")
         if view.headline is not None:
-            print_wrapped(console, "first: " + first_line(view.headline)
-                          + (f" (line {view.headline.line})"
-                             if view.headline.line is not None else ""), "red")
+            print_wrapped(console, "first: " + first_line(view.headline, with_line=True), "red")
+    else:   # the verdict first, as with divergences
+        print_wrapped(console, _replay_summary(divs, steps), "yellow" if steps == 0 else "green")
     print_wrapped(console, _trace_line(path, result.header, steps,
                                        getattr(result, "profile", None)), "bold")
-    note = getattr(result, "profile_note", None)
-    if note:
-        console.print(Text(note, style="yellow"))
-    note = replayed_up_to(getattr(result, "truncation", None))
-    if note:
-        console.print(Text(f"truncated: {note}", style="yellow"))
-    note = end_note(getattr(result, "end", None))
-    if note:
-        console.print(Text(note, style="yellow"))
-    left_out = print_stories(console, view.stories, view.max_stories)
+    for note in (getattr(result, "profile_note", None),
+                 _prefixed("truncated: ", replayed_up_to(getattr(result, "truncation", None))),
+                 end_note(getattr(result, "end", None))):
+        if note:
+            print_wrapped(console, note, "yellow")
+    shown = print_stories(console, view.stories, view.max_stories)
     if divs:
         console.print()
         if view.filtered:
-            shown = sum(s.count for s in view.stories)
-            console.print(Text(f"{shown} of the {len(divs)} divergences match "
-                               f"{view.filtered}", style="yellow"))
-        if left_out:
-            console.print(Text(f"{left_out} more request{'s' if left_out != 1 else ''} "
-                               "diverge: --max N shows more, --request ID one, --json all",
-                               style="yellow"))
+            n = sum(s.count for s in view.stories)
+            print_wrapped(console, f"{n:,} of the {len(divs):,} divergences match "
+                                   f"{view.filtered}", "yellow")
+        rest = left_out(view.stories[shown:])
+        if rest:
+            print_wrapped(console, f"{rest} also diverge: --max N shows more, --request ID "
+                                   "one, --json all", "yellow")
         print_wrapped(console, "kvtrace explain RULE tells what a rule encodes, with an "
                                "example; kvtrace show TRACE --step N shows a step.", "dim")
-    print_wrapped(console, _replay_summary(divs, steps, first=view.headline),
-                  "red" if divs else "yellow" if steps == 0 else "green")
+    if divs:
+        print_wrapped(console, _replay_summary(divs, steps, first=view.headline), "red")
     fault = (getattr(result.header, "meta", None) or {}).get("fault")
     if fault and not divs and steps:
         print_wrapped(console, f"note: this trace was recorded with the fault {fault} planted, "
@@ -182,6 +186,19 @@ def print_replay(result: Any, path: str, view: "ReplayView",
     line = audit_line(getattr(result, "audit", None))
     if line:
         console.print(Text(line))
+
+
+def _prefixed(prefix: str, text: str | None) -> str | None:
+    return None if text is None else prefix + text
+
+
+def left_out(rest: list[Story]) -> str | None:
+    """Stories not shown, in words: "3 more requests and the step-wide counts"."""
+    n = sum(1 for s in rest if s.req is not None)
+    parts = [f"{n} more request{'s' if n != 1 else ''}"] if n else []
+    if any(s.req is None for s in rest):
+        parts.append("the step-wide counts")
+    return " and ".join(parts) or None
 
 
 def print_rerun(run: Any, out: str, first: dict | None, result: Any,
@@ -304,30 +321,38 @@ def print_replay_many(results: list, select, console: Console | None = None) -> 
     every trace's divergences, each request named with its trace's file name.
     ``select`` keeps divergences (``keep``) and makes the view (``view``)."""
     console = console or make_console()
-    combined: list[Divergence] = []
+    names = _names_of([str(p) for p, _, _ in results])
+    told: list[tuple[str, Story]] = []   # each trace's stories, trace by trace
     for path, result, error in results:
         if error:
-            console.print(Text(f"{path}: unusable: {error}", style="red"))
+            print_wrapped(console, f"{path}: unusable: {error}", "red")
             continue
         line = _trace_line(path, result.header, result.steps, getattr(result, "profile", None))
         note = replayed_up_to(result.truncation)
-        console.print(Text(f"{line}: {_replay_summary(result.divergences, result.steps)}"
-                           + (f" (truncated: {note})" if note else ""),
-                           style="red" if result.divergences else "green"))
-        name = os.path.basename(str(path))
-        for d in result.divergences:
-            if select.keep(d):
-                combined.append(Divergence(d.step, f"{name}:{d.req}", d.field, d.recorded,
-                                           d.expected, d.rule, d.kind, d.seq, d.line, d.why))
-    view = select.view(combined)
-    left_out = print_stories(console, view.stories, view.max_stories)
-    if left_out:
+        print_wrapped(console, f"{line}: {_replay_summary(result.divergences, result.steps)}"
+                      + (f" (truncated: {note})" if note else ""),
+                      "red" if result.divergences else "green")
+        told.extend((names[str(path)], s) for s in select.view(result.divergences).stories)
+    budget = select.max_stories
+    shown = told[:budget]
+    for name, s in shown:
         console.print()
-        console.print(Text(f"{left_out} more request{'s' if left_out != 1 else ''} diverge: "
-                           "--max N shows more, --json all", style="yellow"))
+        label = f"{name}: {s.req if s.req is not None else 'every request (step-wide)'}"
+        console.print(story(s, console.width, label))
+    rest = left_out([s for _, s in told[len(shown):]])
+    if rest:
+        console.print()
+        print_wrapped(console, f"{rest} also diverge: --max N shows more, --json all", "yellow")
     bad = sum(1 for _, r, e in results if e or r.divergences)
     console.print(Text(f"{len(results)} traces, {bad} with divergences or unusable",
                        style="red" if bad else "green"))
+
+
+def _names_of(paths: list[str]) -> dict[str, str]:
+    """How each trace is named beside its requests: its file name, or the path
+    as given where two traces share a file name (rank0/t.gz, rank1/t.gz)."""
+    base = [os.path.basename(p) for p in paths]
+    return {p: b if base.count(b) == 1 else p for p, b in zip(paths, base)}
 
 
 def replay_many_json(results: list, keep=None) -> bytes:
@@ -372,11 +397,11 @@ def print_diff(result: Any, console: Console | None = None, max_rows: int = MAX_
         print_wrapped(console, f"DIFFERENT: {_diff_count(s, matched_by)}; first: "
                       + first_line(first, ("A", "B")), "bold red")
     # One divergence per request already, in A's order: configs, then requests.
-    left_out = print_stories(console, [Story(d.req, d, [], 1) for d in divs[:max_rows]], None,
-                             words=("A", "B"))
+    print_stories(console, [Story(d.req, d, [], 1) for d in divs[:max_rows]], None,
+                  words=("A", "B"))
     if divs:
         console.print()
-    if left_out or len(divs) > max_rows:
+    if len(divs) > max_rows:
         console.print(Text(f"… and {len(divs) - max_rows} more (--json lists them all)",
                            style="yellow"))
     n, bad = s["requests_compared"], s["divergent_requests"]
