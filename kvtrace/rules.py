@@ -188,8 +188,9 @@ _ALL = (
          "[L, L + E) into the request's blocks (update_state_after_alloc, S:1288-1293), "
          "also for a request resumed after a preemption (bug class e, LMCache #1969, "
          "PR #2007).",
-         "step 40, kv_load of r3: recorded none, expected [32, 96]: r3 resumed with local "
-         "hit 32 and external hit 64, and the step's load plan holds no load for it",
+         "step 40, kv_load of r3: recorded no load, expected a load of tokens [32, 96) "
+         "(64 tokens): r3 resumed with local hit 32 and external hit 64, and the step's "
+         "load plan holds no load for it",
          _INVARIANTS),
     Rule("B1", "the block table covers every computed token",
          "After schedule(), a scheduled request's table holds at least "

@@ -245,3 +245,33 @@ def test_several_traces_keep_their_own_stories(tmp_path, faults):
 def test_scheduler_vllm_refuses_the_view_options(faults):
     res = _run("replay", "--scheduler", "vllm", "--first", str(faults["async-load-overshoot"]))
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "--scheduler vllm" in res.stderr
+
+
+def test_a_stale_recorded_count_is_traced_to_the_lookup_that_found_it(faults):
+    """stale-computed-after-failed-schedule keeps the hit of a lookup whose
+    admission did not happen: the recorded 104 is named as what an earlier
+    lookup found. The step named is one where the trace does not schedule
+    long-2 (the admission did not happen)."""
+    path = faults["stale-computed-after-failed-schedule"]
+    d = next(d for d in replay_file(path, device=None).divergences
+             if (d.req, d.field) == ("long-2", "num_computed_tokens"))
+    m = re.search(r"the recorded 104 is the hit the reference's lookup at step (\d+) found", d.why)
+    assert m, d.why
+    step = int(m.group(1))
+    assert step < d.step
+    rec = next(r for r in _records(path) if r["kind"] == "step" and r["step"] == step)
+    scheduled = {x["req"] for part in ("new", "resumed", "running") for x in rec.get(part) or ()}
+    assert "long-2" not in scheduled
+
+
+def test_a_negative_legacy_count_names_the_failed_load(faults):
+    path = faults["negative-external-on-invalid-blocks"]
+    divs = replay_file(path, device=None).divergences
+    assert divs and all("a KV load of this request failed before" in (d.why or "") for d in divs)
+    # and the expected count is the external hit of a lookup in the trace
+    recs = _records(path)
+    for d in divs:
+        step = int(re.search(r"lookup at step (\d+)", d.why).group(1))
+        hits = [lk["ext"] for r in recs if r["kind"] == "step" and r["step"] == step
+                for lk in r.get("lookups") or () if lk["req"] == d.req]
+        assert d.expected in hits, (d, hits)

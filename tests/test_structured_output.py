@@ -175,7 +175,8 @@ def test_redacted_structured_outputs_replay_alike(tmp_path):
     assert replay_file(out, device="cpu", worker=0).divergences == []
 
 
-def test_show_counts_the_structured_outputs(capsys):
+def test_show_counts_the_structured_outputs(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")   # the summary's line whole
     seen = _seen(TRACE)["reqs"].values()
     assert cli.run(["show", str(TRACE)]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if "structured outputs" in x)

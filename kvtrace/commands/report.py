@@ -102,7 +102,8 @@ def export(trace: Path, fmt: str, out: str, divergences: bool) -> int:
 
         from ._common import say as tell, show_progress
 
-        export_perfetto(trace, out, divergences=divs)
+        with progress(f"exporting {trace.name}", "steps", files=(trace,)):
+            export_perfetto(trace, out, divergences=divs)
         if show_progress():   # a person at a terminal; the file's metadata says it too
             tell(TIME_AXIS)
         echo(f"wrote {out}")

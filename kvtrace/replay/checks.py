@@ -245,8 +245,9 @@ def _legacy_checks(lg: ev.LegacyCounters, expected: RequestOutput | None, ref: R
           "L2: num_external_computed_tokens >= 0 (issue #36533, PR #36638)", "invariant")
     elif ne > nc + rec_:
         d("legacy.num_external_computed_tokens", ne, f"<= {nc + rec_}",
-          "L3: next <= num_cached_tokens + recomputed, so local_cache_hit "
-          f"({nc + rec_ - ne}) >= 0 (PR #36752){_lookups_named(nc, ne, ref)}", "invariant")
+          "L3: num_external_computed_tokens <= num_cached_tokens (+ 1 when the last prompt "
+          f"token is recomputed), so local_cache_hit ({nc + rec_ - ne}) >= 0 "
+          f"(PR #36752){_lookups_named(nc, ne, ref)}", "invariant")
     elif P is not None and nc + rec_ > P:
         d("legacy.num_cached_tokens", nc, want and want[0],
           "L4: num_cached_tokens + recomputed <= prompt_len", "invariant")

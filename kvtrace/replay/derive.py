@@ -9,7 +9,7 @@ exactly: a derivation is a check too, never a guess.
 from __future__ import annotations
 
 from kvtrace.findings import Divergence
-from kvtrace.reference import Scheduler, SchedulerOutput
+from kvtrace.reference import Request, Scheduler, SchedulerOutput
 from kvtrace.reference.interface import ScheduledRequest
 
 
@@ -39,6 +39,26 @@ def annotate_step(divs: list[Divergence], out: SchedulerOutput, prev: SchedulerO
                          f"{s.num_scheduled_tokens} scheduled")
 
 
+def annotate_stats(divs: list[Divergence], r: Request) -> None:
+    """Set ``why`` on the divergences of a request's prompt counters: where the
+    expected external count comes from, and a failed load that came before."""
+    for d in divs:
+        if d.why is not None or d.field != "legacy.num_external_computed_tokens":
+            continue
+        said = []
+        if isinstance(d.expected, int) and r.lookup_history:
+            at = [s for s, _, ext, _ in r.lookup_history if ext == d.expected]
+            if at:
+                said.append(f"{d.expected} = the external hit of the reference's lookup at "
+                            f"step {at[-1]}")
+        if r.invalid_block_hits:
+            n = r.invalid_block_hits
+            said.append(f"a KV load of this request failed before (invalid blocks, {n} "
+                        f"time{'s' if n != 1 else ''})")
+        if said:
+            d.why = "; ".join(said)
+
+
 def _scheduled(out: SchedulerOutput) -> dict[str, ScheduledRequest]:
     return {s.req_id: s for part in (out.running, out.resumed, out.new) for s in part}
 
@@ -59,11 +79,24 @@ def _admitted(d: Divergence, sched: Scheduler) -> str | None:
     terms = f"local prefix hit {local} + external hit {external}"
     where = f" (the reference's lookup at step {step})"
     if local + external == d.expected:
-        return f"{d.expected} = {terms}{where}"
+        return f"{d.expected} = {terms}{where}{_stale(d, r.lookup_history)}"
     if load_async and local + external - 1 == d.expected:
         return (f"{d.expected} = {terms} - 1{where}: after a full asynchronous load "
-                "the last token is computed again")
+                f"the last token is computed again{_stale(d, r.lookup_history)}")
     return None
+
+
+def _stale(d: Divergence, history: list[tuple[int, int, int, bool]]) -> str:
+    """Where the recorded count is what an earlier lookup found, say so: the
+    engine kept a hit that has changed since."""
+    if not isinstance(d.recorded, int) or d.recorded == d.expected:
+        return ""
+    step = history[-1][0]
+    earlier = [s for s, local, ext, _ in history if s < step and local + ext == d.recorded]
+    if not earlier:
+        return ""
+    return (f"; the recorded {d.recorded} is the hit the reference's lookup at step "
+            f"{earlier[-1]} found: a count kept from an earlier lookup")
 
 
 def _advanced(d: Divergence, was: ScheduledRequest | None, prev: SchedulerOutput | None

@@ -417,7 +417,10 @@ class Replayer:
     def _prompt_stats(self, rec: ev.PromptStats, line) -> None:
         expected = self._expected_stats.pop(rec.req, None)
         ref = self.sched.requests.get(rec.req) or self._finished_refs.get(rec.req)
-        self.divergences.extend(checks.compare_prompt_stats(rec, expected, ref, line))
+        found = checks.compare_prompt_stats(rec, expected, ref, line)
+        if found and ref is not None:
+            derive.annotate_stats(found, ref)
+        self.divergences.extend(found)
 
     def _unmatched_stats(self) -> None:
         """Stats the reference emitted that the engine's trace never carried."""

@@ -36,7 +36,7 @@ def value_text(field: str, v: Any) -> str:
         if v is None:
             return "no load"
         if isinstance(v, (tuple, list)) and len(v) == 2 and all(isinstance(x, int) for x in v):
-            return f"a load of tokens {v[0]} to {v[1] - 1}"
+            return f"a load of tokens [{v[0]}, {v[1]}) ({v[1] - v[0]} tokens)"
         if isinstance(v, (tuple, list)):
             return "; ".join(value_text(field, x) for x in v)
     if v is None:

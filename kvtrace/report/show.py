@@ -100,8 +100,8 @@ def print_summary(s: RunSummary, console: Console, brief: bool = False) -> None:
     t.add_row("config", f"block size {cfg.block_size}, {cfg.num_blocks} blocks ({s.usable_blocks} usable), "
                         f"token budget {budget}, max_num_seqs {cfg.max_num_seqs}, policy {cfg.policy}, "
                         f"prefix caching {'on' if cfg.enable_prefix_caching else 'off'}"
-                        + (f", connector {cfg.connector.name} ({cfg.connector.load_failure_policy})"
-                           if cfg.connector else ""))
+                        + (f", connector {cfg.connector.name} (on a failed load: "
+                           f"{cfg.connector.load_failure_policy})" if cfg.connector else ""))
     groups = kv_groups_text(h.features)
     if groups:
         t.add_row("KV cache", groups)
