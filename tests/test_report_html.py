@@ -10,6 +10,7 @@ that the charts are drawn where the DOM says they are.
 from __future__ import annotations
 
 import base64
+import gzip
 import json
 import os
 import re
@@ -25,6 +26,7 @@ import zlib
 from pathlib import Path
 
 import numpy as np
+import orjson
 import pytest
 
 from kvtrace.engine import FAULT_WORKLOADS, record_embedded
@@ -643,7 +645,17 @@ def test_against_shows_both_traces(browser, tmp_path, overshoot):
         rows: document.querySelectorAll('tr.story').length,
         steps: Array.from(document.querySelectorAll('svg.kv-chart svg.plot'))
             .map(p => p.getAttribute('viewBox')),
+        b_reqs: Array.from(document.querySelectorAll('svg.req-chart-b'))
+            .map(c => c.closest('.req').dataset.req),
+        req_steps: Array.from(document.querySelectorAll('svg.req-chart svg.plot'))
+            .map(p => p.getAttribute('viewBox')),
       }))()""")
+    # B's chart of each diverging request that B holds too, under A's, on the same axis
+    in_b = {r["req"] for r in map(orjson.loads, gzip.open(good).read().splitlines())
+            if r["kind"] == "arrival"}
+    diverging = {d.req for d in rep.divergences if d.req is not None}
+    assert diverging and sorted(dom["b_reqs"]) == sorted(diverging & in_b)
+    assert len({(v.split()[0], v.split()[2]) for v in dom["req_steps"]}) == 1   # one axis
     assert dom["names"] == [f"A {bad.name}", f"B {good.name}"]
     assert dom["kv"] == [1, 1] and dom["charts"] == [3, 3]
     assert dom["heads"][3:5] == ["A", "B"]

@@ -1,9 +1,10 @@
 """How the reference arrived at an expected value, in words and numbers.
 
 A divergence says "recorded 40, expected 37"; a person needs to know why 37.
-Each function here takes a divergence of one step and the reference's state
-around it, and sets ``why`` only where the numbers add up to the expected value
-exactly: a derivation is a check too, never a guess.
+Each function here takes divergences and the reference's state around them,
+and sets ``why`` only where the numbers add up to the expected value exactly,
+or with what the reference's history holds (an earlier lookup, a failed load):
+a derivation is a check too, never a guess.
 """
 
 from __future__ import annotations

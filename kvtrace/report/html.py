@@ -87,7 +87,8 @@ def write_html_report(trace: str | os.PathLike, out_html: str | os.PathLike,
     told = list(stories) if stories is not None else group_stories(divs)
     divergent = [s.req for s in told if s.req is not None][:max_divergent]
     s = summarize(trace, keep=divergent, max_timelines=max_requests)
-    sb = None if against is None else summarize(against, max_timelines=0)
+    # B's timelines of the requests that diverge, drawn under A's (same ids)
+    sb = None if against is None else summarize(against, keep=divergent, max_timelines=0)
     page = render(s, divs, told, source=source, against=sb, note=note)
     # errors: a file name shown in the page may hold bytes that are not UTF-8
     with writing(out_html) as out, out.open("w", encoding="utf-8", errors="backslashreplace") as f:
@@ -547,7 +548,8 @@ def _request_section(p: _Page, by_req: dict[str | None, list[Divergence]]) -> st
     s = p.s
     tls = sorted(s.timelines.values(), key=lambda t: t.index)
     out = ['<section id="requests"><h2>Request timelines'
-           + (' <span class="muted">(A)</span>' if p.b is not None else "") + "</h2>",
+           + (' <span class="muted">(A; B under each request that diverges)</span>'
+              if p.b is not None else "") + "</h2>",
            '<p class="controls"><label>filter by request id <input id="req-filter" type="search" '
            'placeholder="request id"></label> <label><input id="only-div" type="checkbox"> '
            "only requests with divergences</label></p>"]
@@ -569,8 +571,59 @@ def _request_section(p: _Page, by_req: dict[str | None, list[Divergence]]) -> st
 
 
 def _request_card(p: _Page, tl: RequestTimeline, divs: list[Divergence]) -> str:
+    """A request's card: its figures and its chart; with ``--against``, the
+    same request's chart in B under it, where B has a request of that id."""
     e = html.escape
     s = p.s
+    end = (tl.finish_step + 1) if tl.finish_step is not None else max(s.steps, tl.arrival_step + 1)
+    status = (f"finished ({tl.finish_reason}) at step {tl.finish_step}" if tl.finish_reason
+              else "not finished in the trace")
+    stats = ""
+    if tl.prefill_stats is not None:
+        ps = tl.prefill_stats
+        stats = (f"prompt stats: P {ps.num_prompt_tokens}, local {ps.num_local_cached_tokens}, "
+                 f"external {ps.num_external_cached_tokens}, computed {ps.num_computed_tokens}, "
+                 f"cache creation {ps.num_cache_creation_tokens}")
+    elif tl.legacy is not None:
+        stats = (f"legacy counters: num_cached_tokens {tl.legacy.num_cached_tokens}, "
+                 f"num_external_computed_tokens {tl.legacy.num_external_computed_tokens}")
+    cls = "req has-div" if divs else "req"
+    zoom = (f' <button class="zoom-to" type="button" data-from="{max(0, tl.arrival_step - 1)}" '
+            f'data-to="{min(p.steps, end + 1)}">zoom to steps {tl.arrival_step}–{end}</button>')
+    out = [f'<div class="{cls}" id="req-{tl.index}" data-req="{e(tl.req)}">',
+           f"<h3>{e(tl.req)}" + (f' <span class="badge">{len(divs)} divergence'
+                                  f'{_s(len(divs))}</span>' if divs else "") + zoom + "</h3>",
+           f'<p class="meta">arrived before step {tl.arrival_step} · prompt {tl.prompt_len} tokens · '
+           f"max_tokens {tl.max_tokens} · priority {tl.priority} · scheduled in {tl.steps_scheduled} steps "
+           f"({tl.tokens_scheduled} tokens) · {tl.num_preemptions} preemptions · {e(status)}</p>"]
+    if stats:
+        out.append(f'<p class="meta">{e(stats)}</p>')
+    other = p.b.timelines.get(tl.req) if p.b is not None else None
+    if other is not None:
+        out.append(f'<p class="meta">{_trace_tag(s, "A")}</p>')
+    out.append(_request_chart(p, s, tl, divs))
+    if other is not None:
+        out.append(f'<p class="meta">{_trace_tag(p.b, "B")} · scheduled in {other.steps_scheduled} '
+                   f"steps ({other.tokens_scheduled} tokens) · {other.num_preemptions} "
+                   "preemptions</p>")
+        out.append(_request_chart(p, p.b, other, divs, trace_b=True))
+    if tl.marks:
+        out.append(f"<details><summary>{len(tl.marks)} events</summary><ul class=\"marks\">")
+        for m in tl.marks:
+            out.append(f'<li class="mk-{e(m.kind)}"><b>step {m.step}</b> {e(m.kind)}'
+                       + (f": {e(m.text)}" if m.text else "") + "</li>")
+        if tl.marks_left_out:
+            out.append(f"<li>… and {tl.marks_left_out} more</li>")
+        out.append("</ul></details>")
+    out.append("</div>")
+    return "\n".join(out)
+
+
+def _request_chart(p: _Page, s: RunSummary, tl: RequestTimeline, divs: list[Divergence],
+                   trace_b: bool = False) -> str:
+    """A request's chart in trace ``s``: its counts and blocks over the steps,
+    its loads and preemptions, and its divergences as bands (A's steps; in B's
+    chart too, where a diff names them) and dots (A's chart only)."""
     bs = s.header.config.block_size
     end = (tl.finish_step + 1) if tl.finish_step is not None else max(s.steps, tl.arrival_step + 1)
     ymax = max(tl.computed.max or 0, (tl.blocks.max or 0) * bs, tl.cached.max or 0,
@@ -607,48 +660,17 @@ def _request_card(p: _Page, tl: RequestTimeline, divs: list[Divergence]) -> str:
     seen: set = set()
     for d in divs:   # the plotted count only: its recorded and expected values
         key = (d.step, d.recorded, d.expected)
-        if (d.step is None or d.field not in _DOT_FIELDS or not _is_num(d.recorded)
+        if (trace_b or d.step is None or d.field not in _DOT_FIELDS or not _is_num(d.recorded)
                 or not _is_num(d.expected) or key in seen or len(seen) >= MAX_REQ_DOTS):
             continue
         seen.add(key)
         title = f"step {d.step}: {d.field} {p.rec} {d.recorded}, {p.exp} {d.expected}"
         dots.append((d.step + 0.5, d.recorded, C_DIVERGENCE, title, True))
         dots.append((d.step + 0.5, d.expected, C_EXPECTED, title, False))
-    status = (f"finished ({tl.finish_reason}) at step {tl.finish_step}" if tl.finish_reason
-              else "not finished in the trace")
-    stats = ""
-    if tl.prefill_stats is not None:
-        ps = tl.prefill_stats
-        stats = (f"prompt stats: P {ps.num_prompt_tokens}, local {ps.num_local_cached_tokens}, "
-                 f"external {ps.num_external_cached_tokens}, computed {ps.num_computed_tokens}, "
-                 f"cache creation {ps.num_cache_creation_tokens}")
-    elif tl.legacy is not None:
-        stats = (f"legacy counters: num_cached_tokens {tl.legacy.num_cached_tokens}, "
-                 f"num_external_computed_tokens {tl.legacy.num_external_computed_tokens}")
-    cls = "req has-div" if divs else "req"
-    zoom = (f' <button class="zoom-to" type="button" data-from="{max(0, tl.arrival_step - 1)}" '
-            f'data-to="{min(p.steps, end + 1)}">zoom to steps {tl.arrival_step}–{end}</button>')
-    out = [f'<div class="{cls}" id="req-{tl.index}" data-req="{e(tl.req)}">',
-           f"<h3>{e(tl.req)}" + (f' <span class="badge">{len(divs)} divergence'
-                                  f'{_s(len(divs))}</span>' if divs else "") + zoom + "</h3>",
-           f'<p class="meta">arrived before step {tl.arrival_step} · prompt {tl.prompt_len} tokens · '
-           f"max_tokens {tl.max_tokens} · priority {tl.priority} · scheduled in {tl.steps_scheduled} steps "
-           f"({tl.tokens_scheduled} tokens) · {tl.num_preemptions} preemptions · {e(status)}</p>"]
-    if stats:
-        out.append(f'<p class="meta">{e(stats)}</p>')
-    out.append(chart("chart req-chart", 0, p.steps, ymax, series, vlines=vlines, bands=bands, dots=dots,
-                     first=p.first_mark(), first_light=p.head is None or p.head.req != tl.req,
-                     x_end=end, y_label="tokens", right_scale=bs, right_label="blocks", height=150))
-    if tl.marks:
-        out.append(f"<details><summary>{len(tl.marks)} events</summary><ul class=\"marks\">")
-        for m in tl.marks:
-            out.append(f'<li class="mk-{e(m.kind)}"><b>step {m.step}</b> {e(m.kind)}'
-                       + (f": {e(m.text)}" if m.text else "") + "</li>")
-        if tl.marks_left_out:
-            out.append(f"<li>… and {tl.marks_left_out} more</li>")
-        out.append("</ul></details>")
-    out.append("</div>")
-    return "\n".join(out)
+    return chart("chart req-chart" + (" req-chart-b" if trace_b else ""), 0, p.steps, ymax,
+                 series, vlines=vlines, bands=bands, dots=dots,
+                 first=p.first_mark(), first_light=p.head is None or p.head.req != tl.req,
+                 x_end=end, y_label="tokens", right_scale=bs, right_label="blocks", height=150)
 
 
 _DOT_FIELDS = {"num_computed_tokens", "state.num_computed_tokens"}   # the blue line
