@@ -143,8 +143,8 @@ def stories(divs: list[Divergence]) -> list[Story]:
         if cause_rank(s.cause) > 0 or s.req is None:
             s.after = next((r for r in roots if r.step is not None and s.cause.step is not None
                             and r.step <= s.cause.step), None)
-        if cause_rank(s.cause) == 0 and s.req is not None:
-            roots.append(s.cause)
+        if s.req is not None and (cause_rank(s.cause) == 0 or s.cause.rule.startswith(_WINDOW_RULE)):
+            roots.append(s.cause)   # a wrong count, or blocks a window gave back: a cause
     return told
 
 

@@ -275,3 +275,21 @@ def test_a_negative_legacy_count_names_the_failed_load(faults):
         hits = [lk["ext"] for r in recs if r["kind"] == "step" and r["step"] == step
                 for lk in r.get("lookups") or () if lk["req"] == d.req]
         assert d.expected in hits, (d, hits)
+
+
+def test_the_pattern_line_counts_likely_causes_and_followers(faults):
+    """Third line: the likely causes by field and rule, and how many requests may
+    follow from them; the two counts add up to the requests that diverge."""
+    for fault, path in faults.items():
+        out = _run("replay", str(path), columns=200).stdout.splitlines()
+        told = stories(replay_file(path, device=None).divergences)
+        reqs = [s for s in told if s.req is not None]
+        if len(reqs) < 2:
+            continue
+        line = out[2]
+        assert line.startswith("likely cause"), (fault, out[:4])
+        roots = sum(int(n) for n in re.findall(r" in (\d+)", line))
+        follow = re.search(r"; (\d+) more requests? may follow", line)
+        assert roots + (int(follow.group(1)) if follow else 0) == len(reqs), (fault, line)
+    line = _run("replay", str(faults["no-reload-after-preempt"]), columns=200).stdout.splitlines()[2]
+    assert line.startswith("likely causes: kv_load (rule I9) in "), line

@@ -19,7 +19,7 @@ from rich.text import Text
 
 from .._text import CONTROL_ESCAPES_BUT_LAYOUT, path_text
 from ..findings import Divergence, Story, first_per_request, stories
-from .failures import first_line, print_stories, print_wrapped, story
+from .failures import first_line, print_stories, print_wrapped, rule_parts, story
 from ..outputs import blamed_on, silence
 
 MAX_ROWS = 50
@@ -153,6 +153,9 @@ def print_replay(result: Any, path: str, view: "ReplayView",
         print_wrapped(console, f"FAILED: {_replay_summary(divs, steps, brief=True)}", "bold red")
         if view.headline is not None:
             print_wrapped(console, "first: " + first_line(view.headline, with_line=True), "red")
+        line = causes_line(view.stories)
+        if line:
+            print_wrapped(console, line, "red")
     else:   # the verdict first, as with divergences
         print_wrapped(console, _replay_summary(divs, steps), "yellow" if steps == 0 else "green")
     print_wrapped(console, _trace_line(path, result.header, steps,
@@ -186,6 +189,34 @@ def print_replay(result: Any, path: str, view: "ReplayView",
     line = audit_line(getattr(result, "audit", None))
     if line:
         console.print(Text(line))
+
+
+def causes_line(told: list[Story], most: int = 3) -> str | None:
+    """The pattern, when more than one request diverges: the likely causes
+    (stories that follow from no other), by field and rule, and how many more
+    requests may follow from them: "likely causes: kv_load (rule I9) in 10
+    requests; 3 more requests may follow from them"."""
+    reqs = [s for s in told if s.req is not None]
+    if len(reqs) < 2:
+        return None
+    counts: dict[tuple[str, str], int] = {}
+    for s in reqs:
+        if s.after is None:
+            key = (s.cause.field, rule_parts(s.cause.rule)[0])
+            counts[key] = counts.get(key, 0) + 1
+    ranked = sorted(counts.items(), key=lambda kv: -kv[1])
+    said = [field + (f" (rule {rid})" if rid and rid != field else "") + f" in {n}"
+            for (field, rid), n in ranked[:most]]
+    if len(ranked) > most:
+        said.append(f"other fields in {sum(n for _, n in ranked[most:])}")
+    roots = sum(counts.values())
+    follow = len(reqs) - roots
+    line = (f"likely cause{'s' if roots != 1 else ''}: " + ", ".join(said)
+            + f" request{'s' if roots != 1 else ''}")
+    if follow:
+        line += (f"; {follow} more request{'s' if follow != 1 else ''} may follow from "
+                 f"{'them' if roots != 1 else 'it'}")
+    return line
 
 
 def _prefixed(prefix: str, text: str | None) -> str | None:
