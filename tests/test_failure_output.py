@@ -217,9 +217,9 @@ def test_a_planted_fault_that_shows_nothing_is_said(tmp_path):
     record_embedded(planted, "shared-prefix", fault="async-load-overshoot", seed=0)
     record_embedded(clean, "shared-prefix", seed=0)
     res = _run("replay", str(planted))
-    assert res.returncode == 0 and "fault async-load-overshoot planted" in res.stdout
+    assert res.returncode == 0 and "fault async-load-overshoot planted" in " ".join(res.stdout.split())
     res = _run("replay", str(clean))
-    assert res.returncode == 0 and "fault" not in res.stdout.replace(str(tmp_path), "")
+    assert res.returncode == 0 and "recorded with the fault" not in " ".join(res.stdout.split())
 
 
 def test_several_traces_keep_their_own_stories(tmp_path, faults):
