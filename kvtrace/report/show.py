@@ -289,8 +289,10 @@ def show_step(view: StepView, divergences: list[Divergence] | None, console: Con
                 f"{s.num_free_blocks} of {cfg.num_blocks - 1} usable, after the step")
     if "num_free_blocks" in wide:
         free.append("  ! diverges", style="bold red")
-    rows = [("batch", f"{len(view.batch)} requests, {tokens} tokens scheduled (budget "
-                      f"{cfg.token_budget})"), ("free blocks", free)]
+    n = len(view.batch)
+    rows = [("batch", f"{n} request{'s' if n != 1 else ''}, {tokens} token"
+                      f"{'s' if tokens != 1 else ''} scheduled (budget {cfg.token_budget})"),
+            ("free blocks", free)]
     groups = kv_groups_text(view.header.features)
     if groups:
         rows.append(("KV cache", groups))
