@@ -617,7 +617,7 @@ def test_the_ring_passes_every_byte_in_order_across_wraps(seed):
     rnd = random.Random(seed)
     size = rnd.choice([97, 256, 4096])
     ring = Ring(memory_file(size), size, populate=True)
-    sent, got, written = bytearray(), bytearray(), 0
+    sent, got = bytearray(), bytearray()
     for _ in range(3000):
         if rnd.random() < 0.6:
             n, keep = rnd.randrange(0, size + 2), rnd.choice([0, 0, 8, 64])

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from kvtrace.report.show import UnknownRequest, show, sparkline
+from kvtrace.report.at_step import UnknownRequest
+from kvtrace.report.show import show, sparkline
 from kvtrace.report.figures import Series
 from kvtrace.report.summary import summarize
 from kvtrace.trace.events import (

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from ._common import (EXIT_DIVERGENT, EXIT_OK, READS_TWICE, FilePath, echo, refuse_pipes,
-                      refuse_to_overwrite)
+                      refuse_to_overwrite, say)
 from .progress import progress
 
 
@@ -100,18 +100,16 @@ def export(trace: Path, fmt: str, out: str, divergences: bool) -> int:
     if not tables:
         from kvtrace.report.perfetto import TIME_AXIS, export_perfetto
 
-        from ._common import say as tell, show_progress
+        from ._common import show_progress
 
         with progress(f"exporting {trace.name}", "steps", files=(trace,)):
             export_perfetto(trace, out, divergences=divs)
         if show_progress():   # a person at a terminal; the file's metadata says it too
-            tell(TIME_AXIS)
+            say(TIME_AXIS)
         echo(f"wrote {out}")
         return EXIT_OK
     from kvtrace.report.table_files import write_tables
     from kvtrace.report.terminal import replayed_up_to
-
-    from ._common import say
 
     with progress(f"exporting {trace.name}", "steps", files=(trace,)) as advance:
         done = write_tables(trace, out, divs, fmt=fmt, progress=advance)

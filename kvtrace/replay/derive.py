@@ -21,12 +21,13 @@ def annotate_step(divs: list[Divergence], out: SchedulerOutput, prev: SchedulerO
         return
     mine = _scheduled(out)
     before = _scheduled(prev) if prev is not None else {}
+    running = {s.req_id for s in out.running}
     for d in divs:
         if d.req is None or d.why is not None:
             continue
         s = mine.get(d.req)
         if d.field == "num_computed_tokens" and s is not None:
-            d.why = (_admitted(d, sched) if d.req not in _running_ids(out)
+            d.why = (_admitted(d, sched) if d.req not in running
                      else _advanced(d, before.get(d.req), prev))
         elif d.field == "num_scheduled_tokens" and s is not None:
             d.why = _chunk(d, s, out, sched)
@@ -62,10 +63,6 @@ def annotate_stats(divs: list[Divergence], r: Request) -> None:
 
 def _scheduled(out: SchedulerOutput) -> dict[str, ScheduledRequest]:
     return {s.req_id: s for part in (out.running, out.resumed, out.new) for s in part}
-
-
-def _running_ids(out: SchedulerOutput) -> set[str]:
-    return {s.req_id for s in out.running}
 
 
 def _admitted(d: Divergence, sched: Scheduler) -> str | None:

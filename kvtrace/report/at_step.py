@@ -37,6 +37,27 @@ class StepNotFound(LookupError):
     exit_code = 2
 
 
+class UnknownRequest(LookupError):
+    """The request id is not in the trace. ``str()`` is the one-line message."""
+
+    exit_code = 2
+
+
+def one_request(request: str, ids: list[str], path, where: str, total: int) -> str:
+    """The one id of ``ids`` that ``request`` names: itself, or the only id it
+    begins (vLLM ids end in a random suffix). Else ``UnknownRequest``, saying
+    ``where`` was looked ("in the trace") and among how many (``total``)."""
+    if request in ids:
+        return request
+    matches = [r for r in ids if r.startswith(request)]
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        raise UnknownRequest(f"{path}: no request {request!r} {where} ({total} requests)")
+    shown = ", ".join(matches[:8]) + (" …" if len(matches) > 8 else "")
+    raise UnknownRequest(f"{path}: {len(matches)} requests start with {request!r}: {shown}")
+
+
 @dataclass
 class Scheduled:
     """A request in the step's batch, as the step record gives it."""
@@ -96,7 +117,9 @@ def read_step(path: str | os.PathLike, n: int, request: str | None = None) -> St
                 last = e.step
                 if e.step == n:
                     view = t.view(path, h, e, r.last_line)
-                    view.request = _match(view, request, path) if request is not None else None
+                    if request is not None:
+                        view.request = one_request(request, view.arrived, path,
+                                                   f"arrived by step {n}", len(view.arrived))
                     return view
                 t.step(e)
                 t.before_step = e.step + 1
@@ -222,16 +245,4 @@ class _Tracker:
                         arrived=list(self.arrived), groups=groups)
 
 
-def _match(view: StepView, request: str, path) -> str:
-    from .show import UnknownRequest
 
-    if request in view.arrived:
-        return request
-    matches = [r for r in view.arrived if r.startswith(request)]
-    if len(matches) == 1:
-        return matches[0]
-    if not matches:
-        raise UnknownRequest(f"{path}: no request {request!r} arrived by step {view.step} "
-                             f"({len(view.arrived)} requests)")
-    shown = ", ".join(matches[:8]) + (" …" if len(matches) > 8 else "")
-    raise UnknownRequest(f"{path}: {len(matches)} requests start with {request!r}: {shown}")

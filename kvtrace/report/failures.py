@@ -148,13 +148,16 @@ def _fold_line(f) -> str:
     return f"+ {f.count} {d.field}{steps}" + (f" (rule {rule_id})" if rule_id else "")
 
 
-def story(s: Story, width: int, label: str | None = None,
-          words: tuple[str, str] = ("recorded", "expected")) -> Group:
+def story(s: Story, width: int, words: tuple[str, str] = ("recorded", "expected"),
+          trace: str = "") -> Group:
     """One request's block: heading, cause, derivation, rule, folds. A diff's
-    says ``words`` ("A", "B") for the two sides."""
+    says ``words`` ("A", "B") for the two sides; ``trace`` names the trace of
+    the request where several are shown."""
     d = s.cause
-    who = label or (s.req if s.req is not None else "every request (step-wide)")
-    heading = f"{who} \u00b7 {_where(d)}" if _where(d) else who
+    who = (f"{trace}: " if trace else "") + (s.req if s.req is not None
+                                             else "every request (step-wide)")
+    where = _where(d)
+    heading = f"{who} \u00b7 {where}" if where else who
     if s.count > 1:
         heading += f" \u00b7 {s.count} divergences"
     rule = max(3, min(width, RULE_WIDTH) - len(heading) - 1)
@@ -190,12 +193,14 @@ def print_wrapped(console: Console, text: str, style: str = "") -> None:
         console.print(line)
 
 
-def print_stories(console: Console, told: list[Story], max_stories: int | None,
-                  words: tuple[str, str] = ("recorded", "expected"), label=None) -> int:
+def print_stories(console: Console, told: list, max_stories: int | None,
+                  words: tuple[str, str] = ("recorded", "expected")) -> int:
     """Print the stories, at most ``max_stories``; return how many were shown.
-    ``label(story)`` names a story's block (default: its request)."""
+    An entry of ``told`` is a Story, or (trace name, Story) where several
+    traces are shown."""
     shown = told if max_stories is None else told[:max_stories]
     for s in shown:
+        trace, s = s if isinstance(s, tuple) else ("", s)
         console.print()
-        console.print(story(s, console.width, label(s) if label else None, words=words))
+        console.print(story(s, console.width, words, trace))
     return len(shown)

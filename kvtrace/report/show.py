@@ -9,7 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..findings import Divergence, causal_key
-from .at_step import QUEUES, StepView
+from .at_step import QUEUES, StepView, one_request
 from .figures import HistoryRow, Mark, RequestTimeline, RunSummary, Series, kv_groups_text, percent
 from .summary import summarize
 from .failures import value_text, why_text
@@ -17,12 +17,6 @@ from .terminal import make_console, replayed_up_to
 
 SPARK = "▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 60
-
-
-class UnknownRequest(LookupError):
-    """The request id is not in the trace. ``str()`` is the one-line message."""
-
-    exit_code = 2
 
 
 def show(trace: str | os.PathLike, request: str | None = None, console: Console | None = None,
@@ -42,16 +36,8 @@ def show(trace: str | os.PathLike, request: str | None = None, console: Console 
         return s
     s = summarize(trace, keep=lambda r: r.startswith(request), max_timelines=0,
                   history=lambda r: r.startswith(request))
-    tl = s.timelines.get(request)
-    if tl is None:
-        matches = sorted(s.timelines, key=lambda r: s.timelines[r].index)
-        if not matches:
-            raise UnknownRequest(f"{trace}: no request {request!r} in the trace "
-                                 f"({s.requests} requests)")
-        if len(matches) > 1:
-            shown = ", ".join(matches[:8]) + (" …" if len(matches) > 8 else "")
-            raise UnknownRequest(f"{trace}: {len(matches)} requests start with {request!r}: {shown}")
-        tl = s.timelines[matches[0]]
+    ids = sorted(s.timelines, key=lambda r: s.timelines[r].index)   # those it begins
+    tl = s.timelines[one_request(request, ids, trace, "in the trace", s.requests)]
     print_summary(s, console, brief=True)
     print_request(s, tl, console, collapse_decode=collapse_decode)
     return s

@@ -14,12 +14,11 @@ from typing import Any, Iterable
 import orjson
 from rich.console import Console
 from rich.segment import Segment
-from rich.table import Table
 from rich.text import Text
 
 from .._text import CONTROL_ESCAPES_BUT_LAYOUT, path_text
 from ..findings import Divergence, Story, first_per_request, stories
-from .failures import first_line, print_stories, print_wrapped, rule_parts, story
+from .failures import first_line, print_stories, print_wrapped, rule_parts
 from ..outputs import blamed_on, silence
 
 MAX_ROWS = 50
@@ -178,7 +177,6 @@ def print_replay(result: Any, path: str, view: "ReplayView",
                                    "one, --json all", "yellow")
         print_wrapped(console, "kvtrace explain RULE tells what a rule encodes, with an "
                                "example; kvtrace show TRACE --step N shows a step.", "dim")
-    if divs:
         print_wrapped(console, _replay_summary(divs, steps, first=view.headline), "red")
     fault = (getattr(result.header, "meta", None) or {}).get("fault")
     if fault and not divs and steps:
@@ -364,13 +362,8 @@ def print_replay_many(results: list, select, console: Console | None = None) -> 
                       + (f" (truncated: {note})" if note else ""),
                       "red" if result.divergences else "green")
         told.extend((names[str(path)], s) for s in select.view(result.divergences).stories)
-    budget = select.max_stories
-    shown = told[:budget]
-    for name, s in shown:
-        console.print()
-        label = f"{name}: {s.req if s.req is not None else 'every request (step-wide)'}"
-        console.print(story(s, console.width, label))
-    rest = left_out([s for _, s in told[len(shown):]])
+    shown = print_stories(console, told, select.max_stories)
+    rest = left_out([s for _, s in told[shown:]])
     if rest:
         console.print()
         print_wrapped(console, f"{rest} also diverge: --max N shows more, --json all", "yellow")
