@@ -334,7 +334,7 @@ def test_show_prints_the_wait_for_a_load_where_it_starts(offload):
     req, spans = next(iter(expected.items()))
     p = kvtrace("show", offload, "--request", req)
     assert p.returncode == 0, p.stderr
-    rows = re.findall(r"│\s*(\d+)\s*│ async-wait", p.stdout.decode())
+    rows = re.findall(r"^[ !] +(\d+)  async-wait ", p.stdout.decode(), flags=re.M)
     assert [int(k) for k in rows] == [a for a, _ in spans]
 
 

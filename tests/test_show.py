@@ -59,13 +59,12 @@ def test_request_history_with_preemption():
     lines = out.splitlines()
 
     def row(step: str, event: str) -> str:
-        hits = [ln for ln in lines if f"│ {step} │ {event}" in ln.replace("  ", " ").replace("  ", " ")
-                or (ln.split("│")[1:3] and [x.strip() for x in ln.split("│")[1:3]] == [step, event])]
+        hits = [ln for ln in lines if ln[2:].split()[:2] == [step, event]]
         assert hits, f"no row {step} {event} in\n{out}"
         return hits[0]
 
     adm = row("0", "admitted")
-    assert "32→68" in adm and "36" in adm and "4, 9, 10" in adm and "local 32, external 0" in adm
+    assert "32→68" in adm and "36" in adm and "new blocks 4 9 10" in adm and "local 32, external 0" in adm
     assert "60 decode steps" in row("1–60", "decode")
     assert "preempted with 128 tokens computed" in row("61", "preempted")
     res = row("64", "resumed")
@@ -83,7 +82,7 @@ def test_request_history_of_an_async_load():
                  "asynchronous load finished", "load tokens [96, 97)", "resumed", "preempted"):
         assert text in out, text
     assert "decode steps" not in out          # nothing collapsed
-    assert out.count("│ scheduled") >= 30
+    assert sum(ln[2:].split()[1:2] == ["scheduled"] for ln in out.splitlines()) >= 30
 
 
 def test_unknown_and_ambiguous_requests(tmp_path):
@@ -177,6 +176,7 @@ def _one_long_request(path: Path, decode_steps: int) -> Path:
 # Checked against the step records as orjson reads them, rebuilt here
 # independently of kvtrace/report/at_step.py.
 
+import gzip   # noqa: E402
 import re   # noqa: E402
 
 import orjson   # noqa: E402
@@ -188,7 +188,9 @@ from kvtrace.report.at_step import StepNotFound, read_step   # noqa: E402
 
 
 def _lines(path: Path) -> list[dict]:
-    return [orjson.loads(x) for x in path.read_bytes().splitlines() if x.strip()]
+    data = path.read_bytes()
+    data = gzip.decompress(data) if path.suffix == ".gz" else data
+    return [orjson.loads(x) for x in data.splitlines() if x.strip()]
 
 
 def _step_record(path: Path, n: int) -> dict:
@@ -377,3 +379,197 @@ def test_show_step_with_kv_cache_groups(tmp_path, capsys):
     assert "group 0: sliding window" in out and "g1: " in out
     # The window's freed blocks: the step's recorded state shows them as 0.
     assert "state: 0 0" in out
+
+
+# --------------------------------------------------------------------------- what replay reasons about
+# The expected values come from the trace's records (read with orjson) and
+# from `kvtrace replay --json`, never from show's own output.
+
+from kvtrace.report.show import show_step   # noqa: E402
+
+
+def _tried_lookups(path: Path) -> list[tuple[int, dict, str | None]]:
+    """Each (step, lookup, status after the step) of a request the step looked
+    up but did not schedule: the last lookup of it in the step's record."""
+    out = []
+    for r in _lines(path):
+        if r["kind"] != "step":
+            continue
+        scheduled = {b[0] for b in _batch_of(r)}
+        states = {st["req"]: st["status"] for st in r.get("states", [])}
+        last = {lk["req"]: lk for lk in r.get("lookups", [])}
+        out += [(r["step"], lk, states.get(q)) for q, lk in last.items() if q not in scheduled]
+    return out
+
+
+@pytest.mark.parametrize("name", ["connector.jsonl.gz", "data-path/example-connector.jsonl.gz"])
+def test_show_step_lists_a_failed_admission_with_its_lookup(name):
+    trace = TRACES / name
+    tried = _tried_lookups(trace)
+    assert tried
+    kinds = set()
+    for step, lk, status in tried:
+        c = _console()
+        show_step(read_step(trace, step), [], console=c)
+        out = c.export_text()
+        queues = out.split("\nqueues after the step\n", 1)[1].split("\nplaced by the step's", 1)[0]
+        lines = queues.splitlines()
+        at = [i for i, ln in enumerate(lines) if re.search(rf"(^|\s){re.escape(lk['req'])}\s", ln)]
+        assert at, f"step {step}: {lk['req']} is in no queue\n{queues}"
+        said = lines[at[0] + 1]
+        assert f"local hit {lk['local']} token" in said, (step, said)
+        if lk["ext"] is None:
+            assert "connector not ready" in said, (step, said)
+            kinds.add("not ready")
+        else:
+            assert f"external hit {lk['ext']}" in said, (step, said)
+            assert ("asynchronous" in said) == bool(lk.get("load_async")), (step, said)
+        if status == "WAITING_FOR_REMOTE_KVS":
+            assert "waits for the load" in said, (step, said)
+            kinds.add("parked")
+        else:
+            what = "resumption" if status == "PREEMPTED" else "admission"
+            assert f"{what} failed at this step" in said, (step, said)
+            kinds.add(what)
+    # Each trace shows the kinds it is known for (traces/README.md).
+    assert kinds >= ({"not ready", "parked", "admission"} if name == "connector.jsonl.gz"
+                     else {"resumption"})
+
+
+def _replay_json(capsys, trace: Path) -> list[dict]:
+    capsys.readouterr()
+    code = cli.run(["replay", "--json", str(trace)])
+    assert code in (0, 1)
+    return orjson.loads(capsys.readouterr().out)["divergences"]
+
+
+_ROW = re.compile(r"^([ !]) +(\d+)(?:–(\d+))? +(\S+)")
+
+
+def _history_rows(out: str) -> list[tuple[bool, set[int], str, list[str]]]:
+    """show --request's rows: (marked, the steps it covers, event, the
+    divergence lines under it, flattened)."""
+    body = out.split("  step  event", 1)[1].split("\nfinish: ", 1)[0].splitlines()[1:]
+    rows: list = []
+    for ln in body:
+        m = _ROW.match(ln)
+        if m and ln[1] == " ":
+            a, b = int(m.group(2)), int(m.group(3) or m.group(2))
+            rows.append((m.group(1) == "!", set(range(a, b + 1)), m.group(4), []))
+        elif ln.lstrip().startswith("! "):
+            rows[-1][3].append(ln.strip())
+        elif rows and rows[-1][3]:   # a divergence line wrapped
+            rows[-1][3][-1] += " " + ln.strip()
+    return rows
+
+
+@pytest.mark.parametrize("name,req", [
+    ("faults/async-load-overshoot.jsonl.gz", "0-a3c17fc3"),
+    ("faults/stale-computed-on-preempt.jsonl.gz", "6-9a2d06f4"),
+    ("faults/grammar-not-awaited.jsonl.gz", "4-b779c767"),
+    ("vllm-bugs/async-session-lost.jsonl.gz", "9-session"),
+])
+def test_show_request_marks_the_divergences_replay_finds(capsys, monkeypatch, name, req):
+    trace = TRACES / name
+    mine = [d for d in _replay_json(capsys, trace) if d["req"] == req]
+    assert mine
+    monkeypatch.setenv("COLUMNS", "200")
+    code, out, err = _cli(capsys, "show", str(trace), "--request", req)
+    assert code == 0, err
+    rows = _history_rows(out)
+    steps = {d["step"] for d in mine}
+    assert set().union(*(r[1] for r in rows if r[0])) == steps
+    for d in mine:
+        under = [x for marked, covered, _, lines in rows if marked and d["step"] in covered
+                 for x in lines]
+        assert any(re.match(rf"! (and .*)?{re.escape(d['field'])}[:, ]", x) or
+                   re.search(rf"[ ,]{re.escape(d['field'])}(,|$)", x) for x in under), (d, under)
+    first = mine[0]   # replay lists the likely cause first: compact, on its row
+    if isinstance(first["recorded"], int) and isinstance(first["expected"], int):
+        row = next(r for r in rows if r[0] and first["step"] in r[1])
+        assert any(x.startswith(f"! {first['field']}: recorded {first['recorded']}, expected "
+                                f"{first['expected']}") for x in row[3]), row
+    n = len(steps)
+    assert f"divergences: {len(mine)} at {n} step{'s' if n != 1 else ''}, marked !" in out
+
+
+def test_show_request_without_divergences_says_it_was_replayed(capsys, monkeypatch):
+    trace = TRACES / "faults/stale-computed-on-preempt.jsonl.gz"
+    diverging = {d["req"] for d in _replay_json(capsys, trace)}
+    calm = next(r["req"] for r in _lines(trace) if r["kind"] == "arrival" and r["req"] not in diverging)
+    code, out, err = _cli(capsys, "show", str(trace), "--request", calm)
+    assert code == 0, err
+    assert "divergences: none (replayed)" in out
+    assert not any(r[0] or r[3] for r in _history_rows(out))
+
+
+def test_show_request_from_a_pipe_says_it_is_not_replayed(faulty):
+    import os
+    import subprocess
+    import sys
+    req = next(r["req"] for r in _lines(faulty) if r["kind"] == "arrival")
+    code = "import sys\nfrom kvtrace.cli import main\nsys.exit(main(sys.argv[1:]))"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    p = subprocess.run([sys.executable, "-c", code, "show", "-", "--request", req],
+                       input=faulty.read_bytes(), capture_output=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert b"divergences: not replayed: the trace came through a pipe" in p.stdout
+
+
+def _events_of(path: Path, req: str) -> int:
+    """The events show lists for ``req`` with no decode run folded, counted
+    from the records: its arrival, each step that schedules it, each parked
+    async lookup, load, finished load, preemption, and its finish."""
+    n = 1
+    for r in _lines(path):
+        if r["kind"] == "step":
+            n += sum(b[0] == req for b in _batch_of(r)) + r.get("preempted", []).count(req)
+            n += sum(ld["req"] == req for ld in r.get("loads") or [])
+            parked = {st["req"] for st in r.get("states", []) if st["status"] == "WAITING_FOR_REMOTE_KVS"}
+            n += sum(lk["req"] == req and lk.get("load_async") and req in parked for lk in r.get("lookups", []))
+        elif r["kind"] == "output":
+            n += (r.get("connector") or {}).get("finished_recving", []).count(req)
+            n += req in r.get("finished", {})
+    return n
+
+
+def test_show_request_spends_a_line_on_an_event_at_80_columns():
+    trace, req = TRACES / "connector.jsonl.gz", "2-a1675dff"
+    events = _events_of(trace, req)
+    assert events > 40
+    c = Console(record=True, width=80, color_system=None)
+    show(trace, request=req, console=c, collapse_decode=False)
+    out = c.export_text()
+    table = out.split("  step  event", 1)[1].split("\nfinish: ", 1)[0].splitlines()[1:]
+    assert events <= len(table) <= events + events // 4, "\n".join(table)
+    assert max(len(ln.rstrip()) for ln in out.splitlines()) <= 80
+    assert "WAITING_FOR_REMOTE_KVS" in out and "asynchronously" in out and "…" not in out
+
+
+@pytest.mark.parametrize("columns", [80, None])   # None: a pipe, 100 columns
+@pytest.mark.parametrize("name,req", [
+    ("connector.jsonl.gz", "2-a1675dff"),
+    ("faults/stale-computed-on-preempt.jsonl.gz", "6-9a2d06f4"),
+    ("faults/window-freed-early.jsonl.gz", "1-"),
+    ("faults/grammar-not-awaited.jsonl.gz", "4-b779c767"),
+    ("long-id", "chatcmpl-"),
+])
+def test_show_request_fits_the_width_and_cuts_no_word(capsys, monkeypatch, tmp_path, columns, name, req):
+    if name == "long-id":   # an OpenAI-compatible server's id, 60 characters
+        long_id = "chatcmpl-" + "0123456789abcdef" * 3 + "-000"
+        trace = write_mini_trace(tmp_path / "t.jsonl", requests={long_id: 9, "r1": 5}, max_tokens=8)
+    else:
+        trace = TRACES / name
+    fields = {d["field"] for d in _replay_json(capsys, trace) if (d["req"] or "").startswith(req)}
+    if columns is None:
+        monkeypatch.delenv("COLUMNS", raising=False)
+    else:
+        monkeypatch.setenv("COLUMNS", str(columns))
+    code, out, err = _cli(capsys, "show", str(trace), "--request", req)
+    assert code == 0, err
+    assert max(len(ln.rstrip()) for ln in out.splitlines()) <= (columns or 100)
+    assert "…" not in out
+    for status in re.findall(r"\b[A-Z]+(?:_[A-Z]+)+\b", out):   # status names whole
+        assert status in ("WAITING_FOR_REMOTE_KVS", "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR"), status
+    for f in fields:                                               # field names whole
+        assert re.search(rf"(^|[\s,]){re.escape(f)}[:,\s]", out, flags=re.M), f

@@ -128,33 +128,57 @@ def export(trace: Path, fmt: str, out: str, divergences: bool) -> int:
               help="Show step N: the batch, the queues, the free blocks, each live request's "
                    "block table, and the divergences a replay finds at that step.")
 @click.option("--kv-check/--no-kv-check", default=True, show_default=True,
-              help="With --step: the replay checks what every KV slot holds (as replay does).")
+              help="With --step or --request: the replay checks what every KV slot holds "
+                   "(as replay does).")
 def show(trace: Path, request: str | None, step: int | None, kv_check: bool) -> int:
     """Show TRACE's run summary, one request's history, or one step, in the terminal.
 
-    Exit 0, or 2 for an unusable trace, a request that names no request or
-    several, or a step past the end of the trace.
+    With --request or --step, TRACE is replayed and the divergences found are
+    marked where they show. Exit 0, or 2 for an unusable trace, a request that
+    names no request or several, or a step past the end of the trace.
     """
-    if step is None:
+    if step is None and request is None:
         from kvtrace.report.show import show as show_trace
 
         with progress(f"reading {trace.name}", "steps", files=(trace,)):
-            show_trace(trace, request=request)
+            show_trace(trace)
+        return EXIT_OK
+    if step is None:
+        from kvtrace.report.show import print_request, print_summary, read_request
+        from kvtrace.report.terminal import make_console
+        from kvtrace.trace.io import not_regular
+
+        with progress(f"reading {trace.name}", "steps", files=(trace,)):
+            s, tl = read_request(trace, request)
+        if not_regular(trace):   # a pipe is read once: no replay
+            divs, note = None, ("not replayed: the trace came through a pipe, which is read "
+                                "once; save it to a file to see them marked")
+        else:
+            divs, note = _replayed(trace, kv_check)
+        console = make_console()
+        print_summary(s, console, brief=True)
+        print_request(s, tl, console, divergences=divs, note=note)
         return EXIT_OK
     refuse_pipes(trace)   # read up to the step, then replayed
-    from kvtrace.replay import replay_file
     from kvtrace.report.at_step import read_step
     from kvtrace.report.show import show_step
-    from kvtrace.trace import TraceError
 
     with progress(f"reading up to step {step}: {trace.name}", "steps", files=(trace,)):
         view = read_step(trace, step, request)
-    note = None
-    with progress(f"replaying {trace.name}", "steps", files=(trace,)) as advance:
-        try:
-            divs = replay_file(trace, device="auto" if kv_check else None,
-                               progress=advance).divergences
-        except TraceError as e:   # a feature the reference does not model, or a bad later record
-            divs, note = [], f"not replayed: {e}"
+    divs, note = _replayed(trace, kv_check)
     show_step(view, divs, note=note)
     return EXIT_OK
+
+
+def _replayed(trace: Path, kv_check: bool) -> tuple[list, str | None]:
+    """The divergences of a replay of ``trace``, or none and why: a trace
+    replay refuses (a feature the reference does not model, a bad later record)."""
+    from kvtrace.replay import replay_file
+    from kvtrace.trace import TraceError
+
+    with progress(f"replaying {trace.name}", "steps", files=(trace,)) as advance:
+        try:
+            return replay_file(trace, device="auto" if kv_check else None,
+                               progress=advance).divergences, None
+        except TraceError as e:
+            return [], f"not replayed: {e}"

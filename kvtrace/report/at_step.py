@@ -10,6 +10,9 @@ up to it:
   (waiting for remote KV); a finish, an abort or a ``finished`` entry ends it.
   A request the step's own ``states`` list is placed exactly; another by its
   last news (``Placed.news``).
+* a request the step looked up (its record's ``lookups``) but did not
+  schedule keeps that lookup (``Placed.lookup``): an admission that failed,
+  or an asynchronous load it now waits for.
 * a request's block table is the whole table of its last admission (``new``
   or ``resumed``) plus the new blocks of each step it ran in since; a
   preemption or a finish empties it. A request that is not running holds the
@@ -79,6 +82,9 @@ class Placed:
     status: str       # its status as last recorded or derived
     news: str         # the last news of it that placed it ("arrived @12": before step 12)
     exact: bool       # placed by the step's own recorded state
+    # Its lookup in this step (the last, if several): the scheduler looked it up
+    # for admission and did not schedule it. None: not looked up in this step.
+    lookup: ev.Lookup | None = None
 
 
 @dataclass
@@ -227,6 +233,7 @@ class _Tracker:
         self.step(s)
         own = {st.req: st for st in s.states}
         in_batch = {b.req for b in batch}
+        looked_up = {lk.req: lk for lk in s.lookups}
         queued = []
         for req in self.arrived:
             status = self.status.get(req)
@@ -235,7 +242,8 @@ class _Tracker:
             queue = ("waiting" if status in WAITING else
                      "waiting for remote KV" if status == "WAITING_FOR_REMOTE_KVS" else
                      "preempted" if status == "PREEMPTED" else "running, not scheduled")
-            queued.append(Placed(req, queue, status, self.news[req], req in own))
+            queued.append(Placed(req, queue, status, self.news[req], req in own,
+                                 looked_up.get(req)))
         live = set(self.status)
         groups = max([self.groups, *(len(t) for t in self.tables.values()),
                       *(len(b.blocks) for b in batch)])

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from ..findings import Divergence, causal_key
-from .at_step import QUEUES, StepView, one_request
+from ..rules import rule_id
+from .at_step import QUEUES, Placed, StepView, one_request
 from .figures import HistoryRow, Mark, RequestTimeline, RunSummary, Series, kv_groups_text, percent
 from .summary import summarize
 from .failures import value_text, why_text
@@ -20,27 +22,38 @@ SPARK_WIDTH = 60
 
 
 def show(trace: str | os.PathLike, request: str | None = None, console: Console | None = None,
-         collapse_decode: bool = True) -> RunSummary:
+         collapse_decode: bool = True, divergences: list[Divergence] | None = None,
+         note: str | None = None) -> RunSummary:
     """Print the run summary of ``trace``; with ``request``, also that request's history.
 
     ``request`` is a request id, or a prefix of exactly one (vLLM ids end in a
     random suffix: ``0-a3c1`` finds ``0-a3c17fc3``). Runs of decode steps with
     nothing else happening are printed as one row unless ``collapse_decode`` is
-    false. Raises ``TraceError`` for an unusable trace and ``UnknownRequest``
-    when no request, or more than one, matches.
+    false. ``divergences`` (a replay's, handed over) are marked on the rows of
+    the request's history; ``note`` says why there are none to mark (a replay
+    refused). Raises ``TraceError`` for an unusable trace and
+    ``UnknownRequest`` when no request, or more than one, matches.
     """
     console = console or make_console()
     if request is None:
         s = summarize(trace, max_timelines=0)
         print_summary(s, console)
         return s
+    s, tl = read_request(trace, request)
+    print_summary(s, console, brief=True)
+    print_request(s, tl, console, collapse_decode=collapse_decode, divergences=divergences,
+                  note=note)
+    return s
+
+
+def read_request(trace: str | os.PathLike, request: str) -> tuple[RunSummary, RequestTimeline]:
+    """The brief run summary and the whole history of the one request that
+    ``request`` names (an id, or a prefix of exactly one); ``UnknownRequest``
+    otherwise."""
     s = summarize(trace, keep=lambda r: r.startswith(request), max_timelines=0,
                   history=lambda r: r.startswith(request))
     ids = sorted(s.timelines, key=lambda r: s.timelines[r].index)   # those it begins
-    tl = s.timelines[one_request(request, ids, trace, "in the trace", s.requests)]
-    print_summary(s, console, brief=True)
-    print_request(s, tl, console, collapse_decode=collapse_decode)
-    return s
+    return s, s.timelines[one_request(request, ids, trace, "in the trace", s.requests)]
 
 
 # --------------------------------------------------------------------------- summary
@@ -134,25 +147,40 @@ def print_summary(s: RunSummary, console: Console, brief: bool = False) -> None:
 
 # --------------------------------------------------------------------------- one request
 
+MAX_ROW_DIVERGENCES = 4   # divergence lines under one row; the rest are named in one line
+MAX_NEW_BLOCKS = 12       # block ids listed on a row; the rest are counted
+GAP = 2                   # spaces between the history's columns
+
+
+@dataclass
+class _Row:
+    """One row of a request's history: a mark, a scheduled step, a run of
+    decode steps, or a step where only a divergence shows."""
+
+    step: int | None                 # None: a divergence of no step
+    step_text: str
+    event: Text
+    numbers: tuple[str, str, str] | None   # computed before→after, scheduled, table size
+    detail: Text
+    kind: str                        # a mark's kind, "scheduled", "decode" (a run) or "diverges"
+    steps: tuple[int, ...] = ()      # the steps a decode run folds
+    divs: list[Divergence] = field(default_factory=list)
+
 
 def print_request(s: RunSummary, tl: RequestTimeline, console: Console,
-                  collapse_decode: bool = True) -> None:
+                  collapse_decode: bool = True, divergences: list[Divergence] | None = None,
+                  note: str | None = None) -> None:
+    """The request's history, one line per event in aligned columns (only the
+    free-text tail wraps), each divergence of ``divergences`` that concerns it
+    under the row of its step."""
     bs = s.header.config.block_size
     console.print(Text(f"request {tl.req}", style="bold"))
     console.print(f"arrival: before step {tl.arrival_step} (line {tl.arrival_line}), prompt "
                   f"{tl.prompt_len} tokens, max_tokens {tl.max_tokens}, priority {tl.priority}, "
                   f"arrival_time {tl.arrival_time:.3f}")
-    table = Table(header_style="bold", expand=False)
-    table.add_column("step", justify="right", no_wrap=True)
-    table.add_column("event", no_wrap=True)
-    table.add_column("computed", justify="right")
-    table.add_column("scheduled", justify="right")
-    table.add_column("new blocks")
-    table.add_column("blocks", justify="right")
-    table.add_column("detail")
-    for row in _rows(tl, collapse_decode):
-        table.add_row(*row)
-    console.print(table)
+    mine = [d for d in divergences or () if d.req == tl.req]
+    for line in _layout(_history(tl, collapse_decode, mine), console.width):
+        console.print(line, soft_wrap=True)
     if tl.finish_reason:
         console.print(f"finish: {tl.finish_reason} at step {tl.finish_step}")
     else:
@@ -172,68 +200,103 @@ def print_request(s: RunSummary, tl: RequestTimeline, console: Console,
                       f"{tl.legacy.num_external_computed_tokens}")
     if tl.prefill_stats is None and tl.legacy is None:
         console.print(Text("prompt stats: none recorded", style="dim"))
+    if note:
+        console.print(Text(f"divergences: {note}", style="yellow"))
+    elif divergences is not None:
+        steps = {d.step for d in mine}
+        console.print(Text(
+            f"divergences: {len(mine)} at {len(steps)} step{'s' if len(steps) != 1 else ''}, "
+            f"marked ! (kvtrace replay --request {tl.req} tells each whole)" if mine
+            else "divergences: none (replayed)", style="bold red" if mine else "dim"))
 
 
 _MARK_STYLE = {"preempted": "bold yellow", "load": "cyan", "async-wait": "cyan", "load-done": "cyan",
                "load-failed": "bold red", "finished": "green", "aborted": "red", "not-ready": "dim",
                "lookup": "cyan", "arrival": "bold"}
 
+# Where a divergence shows when a step has several rows: on the row of the
+# event it concerns, else on the scheduled step's row, else the first.
+_ROW_OF_FIELD = {"finish_reason": ("finished", "aborted"), "finished_req_ids": ("finished", "aborted"),
+                 "preempted": ("preempted",), "num_preemptions": ("preempted",),
+                 "lookup": ("lookup", "async-wait", "not-ready"),
+                 "local_hit": ("lookup", "async-wait", "not-ready"),
+                 "kv_load": ("load",), "kv-load": ("load",)}
 
-def _rows(tl: RequestTimeline, collapse: bool):
-    """Marks and scheduled steps merged in step order, decode runs collapsed."""
+
+def _history(tl: RequestTimeline, collapse: bool, divs: list[Divergence]) -> list[_Row]:
+    """Marks and scheduled steps merged in step order, runs of plain decode
+    steps folded (a run goes on while its steps diverge alike), and ``divs``
+    on the rows of their steps (a row of its own where the request has none)."""
+    at: dict[int | None, list[Divergence]] = {}
+    for d in sorted(divs, key=causal_key):
+        at.setdefault(d.step, []).append(d)
+
+    def alike(step: int) -> frozenset:
+        return frozenset((d.field, rule_id(d.rule)) for d in at.get(step, ()))
+
     marks = [m for m in tl.marks if m.kind not in ("admitted", "resumed")]
     split = {m.step: m.text.split(" (", 1)[1].split(")", 1)[0] for m in tl.marks
              if m.kind in ("admitted", "resumed") and " (" in m.text}
-    hist = tl.history or []
     items: list[tuple[int, int, object]] = []
-    for i, m in enumerate(marks):
+    for m in marks:
         # At one step: lookups and loads before the scheduling, finishes after it.
         order = 2 if m.kind in ("finished", "aborted", "load-done", "load-failed") else 0
         items.append((m.step, order, m))
-    for r in hist:
+    for r in tl.history or ():
         items.append((r.step, 1, r))
     items.sort(key=lambda t: (t[0], t[1]))
-    run: list[HistoryRow] = []
     marked = {m.step for m in marks}
+    admitted = {r.step for r in tl.history or () if r.how != "running"}
+    rows: list[_Row] = []
+    run: list[HistoryRow] = []
 
     def flush():
-        if not run:
-            return []
         if len(run) == 1:
-            out = [_hist_row(run[0], split)]
-        else:
-            a, b = run[0], run[-1]
-            nb = sum(len(r.new_blocks) for r in run)
-            drafts = sum(r.drafts for r in run)
-            spec = (f", {sum(r.accepted or 0 for r in run)} of {drafts} drafts accepted"
-                    if drafts else "")
-            out = [(f"{a.step}–{b.step}", Text("decode", style="dim"), f"{a.computed}→{b.computed_after}",
-                    str(sum(r.scheduled for r in run)), f"{nb} blocks" if nb else "", str(b.blocks),
-                    Text(f"{len(run)} decode steps{spec}", style="dim"))]
+            rows.append(_hist_row(run[0], split))
+        elif run:
+            rows.append(_run_row(run))
         run.clear()
-        return out
 
-    for step, _, it in items:
+    for _, _, it in items:
         if isinstance(it, HistoryRow):
             plain = (collapse and it.how == "running" and it.phase == "decode" and it.step not in marked)
-            if plain and (not run or run[-1].step == it.step - 1):
+            if plain and run and run[-1].step == it.step - 1 and alike(it.step) == alike(run[-1].step):
                 run.append(it)
                 continue
-            yield from flush()
+            flush()
             if plain:
                 run.append(it)
-                continue
-            yield _hist_row(it, split)
+            else:
+                rows.append(_hist_row(it, split))
         else:
-            yield from flush()
-            yield _mark_row(it)
-    yield from flush()
+            flush()
+            rows.append(_mark_row(it))
+            if it.kind == "lookup" and it.step not in admitted and "not admitted" not in it.text:
+                rows[-1].detail.append("; not admitted")
+    flush()
+
+    by_step: dict[int, list[_Row]] = {}
+    for r in rows:
+        for k in r.steps or (r.step,):
+            by_step.setdefault(k, []).append(r)
+    for step, ds in at.items():
+        here = by_step.get(step) if step is not None else None
+        if not here:
+            rows.append(_Row(step, "" if step is None else str(step), Text("diverges", style="red"),
+                             None, Text(""), "diverges", divs=ds))
+            continue
+        for d in ds:
+            kinds = _ROW_OF_FIELD.get("lookup" if d.field.startswith("lookup.") else d.field, ())
+            target = (next((r for r in here if r.kind in kinds), None)
+                      or next((r for r in here if r.kind in ("scheduled", "decode")), here[0]))
+            target.divs.append(d)
+    order = {id(r): i for i, r in enumerate(rows)}
+    rows.sort(key=lambda r: (float("inf") if r.step is None else r.step, order[id(r)]))
+    return rows
 
 
-def _hist_row(r: HistoryRow, split: dict[int, str]):
+def _hist_row(r: HistoryRow, split: dict[int, str]) -> _Row:
     how = {"new": "admitted", "resumed": "resumed", "running": "scheduled"}[r.how]
-    style = "bold" if r.how != "running" else ""
-    blocks = ", ".join(map(str, r.new_blocks[:12])) + (" …" if len(r.new_blocks) > 12 else "")
     detail = f"{r.phase}" + (f", {r.status}" if r.status != "RUNNING" else "")
     if r.drafts:
         detail += (f", {r.accepted} of {r.drafts} drafts accepted" if r.accepted is not None
@@ -241,12 +304,157 @@ def _hist_row(r: HistoryRow, split: dict[int, str]):
     if r.how != "running" and r.step in split:
         source = split[r.step]
         detail += f", {source}" if source.endswith("last turn") else f", hit: {source}"
-    return (str(r.step), Text(how, style=style), f"{r.computed}→{r.computed_after}", str(r.scheduled),
-            blocks, str(r.blocks), detail)
+    if r.new_blocks:
+        more = len(r.new_blocks) - MAX_NEW_BLOCKS
+        detail += (f"; new blocks {_ids(r.new_blocks[:MAX_NEW_BLOCKS])}"
+                   + (f" and {more} more" if more > 0 else ""))
+    return _Row(r.step, str(r.step), Text(how, style="bold" if r.how != "running" else ""),
+                (f"{r.computed}→{r.computed_after}", str(r.scheduled), str(r.blocks)),
+                Text(detail), "scheduled", steps=(r.step,))
 
 
-def _mark_row(m: Mark):
-    return (str(m.step), Text(m.kind, style=_MARK_STYLE.get(m.kind, "")), "", "", "", "", m.text)
+def _run_row(run: list[HistoryRow]) -> _Row:
+    a, b = run[0], run[-1]
+    nb = sum(len(r.new_blocks) for r in run)
+    drafts = sum(r.drafts for r in run)
+    detail = f"{len(run)} decode steps"
+    if drafts:
+        detail += f", {sum(r.accepted or 0 for r in run)} of {drafts} drafts accepted"
+    if nb:
+        detail += f"; {nb} new block{'s' if nb != 1 else ''}"
+    return _Row(a.step, f"{a.step}–{b.step}", Text("decode", style="dim"),
+                (f"{a.computed}→{b.computed_after}", str(sum(r.scheduled for r in run)), str(b.blocks)),
+                Text(detail, style="dim"), "decode", steps=tuple(r.step for r in run))
+
+
+def _mark_row(m: Mark) -> _Row:
+    return _Row(m.step, str(m.step), Text(m.kind, style=_MARK_STYLE.get(m.kind, "")), None,
+                Text(m.text), m.kind)
+
+
+def _layout(rows: list[_Row], width: int) -> list[Text]:
+    """The rows in aligned columns: mark, step, event, then computed,
+    scheduled and table size for a scheduled step, and the detail, which
+    alone wraps (at spaces: no word is cut). A mark has no numbers: its text
+    starts where they would. Each divergence follows its row on lines of its own."""
+    head = ("step", "event", "computed", "sched", "blocks")
+    w = [max([len(head[0])] + [len(r.step_text) for r in rows]),
+         max([len(head[1])] + [len(r.event.plain) for r in rows])]
+    w += [max([len(head[i + 2])] + [len(r.numbers[i]) for r in rows if r.numbers]) for i in range(3)]
+    x_event = 2 + w[0] + GAP
+    x_numbers = x_event + w[1] + GAP
+    x_detail = x_numbers + sum(w[2:]) + 3 * GAP
+    gap = " " * GAP
+    title = Text("  " + gap.join([head[0].rjust(w[0]), head[1].ljust(w[1]),
+                                  *(h.rjust(n) for h, n in zip(head[2:], w[2:]))]) + gap + "detail",
+                 style="bold")
+    out = [title]
+    for r in rows:
+        line = Text("! " if r.divs else "  ", style="bold red")
+        line.append(r.step_text.rjust(w[0]) + gap)
+        line.append_text(r.event)
+        if r.numbers:
+            line.append(" " * (w[1] - len(r.event.plain)) + gap)
+            line.append(gap.join(v.rjust(n) for v, n in zip(r.numbers, w[2:])) + gap)
+            x = x_detail
+        else:
+            line.append(" " * (w[1] - len(r.event.plain)) + gap)
+            x = x_numbers
+        out += _hang(line, r.detail, x, width)
+        out += _div_lines(r, x_event, width)
+    return out
+
+
+def _hang(head: Text, tail: Text, x: int, width: int) -> list[Text]:
+    """``head`` (``x`` cells) followed by ``tail`` wrapped to the rest of the
+    line, continuation lines starting at ``x``. A word too long for that goes
+    on a line of its own, moved left as far as it must: never cut."""
+    pieces = _wrap(tail, max(1, width - x))
+    if not pieces:
+        return [head]
+    lines = []
+    for i, piece in enumerate(pieces):
+        pad = min(x, max(0, width - len(piece.plain)))
+        if i == 0 and pad == x:
+            line = head.copy()
+        else:
+            if i == 0:
+                lines.append(head.copy())
+            line = Text(" " * pad)
+        line.append_text(piece)
+        lines.append(line)
+    for line in lines:
+        line.rstrip()   # in place
+    return lines
+
+
+def _wrap(text: Text, width: int) -> list[Text]:
+    """``text`` in pieces of ``width`` cells at most, broken at spaces; a word
+    longer than ``width`` is a piece of its own, whole."""
+    s, pieces, i = text.plain, [], 0
+    while i < len(s):
+        while i < len(s) and s[i] == " ":
+            i += 1
+        if i >= len(s):
+            break
+        if len(s) - i <= width:
+            pieces.append(text[i:])
+            break
+        cut = s.rfind(" ", i, i + width + 1)
+        if cut <= i:
+            cut = s.find(" ", i)
+            cut = len(s) if cut < 0 else cut
+        pieces.append(text[i:cut])
+        i = cut
+    return pieces
+
+
+def _div_lines(r: _Row, x: int, width: int) -> list[Text]:
+    """A row's divergences, one line each (folded by field and rule over a
+    decode run), the likely cause first; past ``MAX_ROW_DIVERGENCES``, the
+    rest named in one line."""
+    folds: dict[tuple, list[Divergence]] = {}
+    for d in sorted(r.divs, key=causal_key):
+        folds.setdefault((d.field, d.rule), []).append(d)
+    out = []
+    groups = list(folds.values())
+    for ds in groups[:MAX_ROW_DIVERGENCES]:
+        d = ds[0]
+        tail = Text(d.field, style="bold")
+        steps = len({x.step for x in ds})
+        values = len({(repr(x.recorded), repr(x.expected)) for x in ds})
+        if steps > 1:
+            tail.append(f" at {steps} steps, first at {d.step}")
+        elif values > 1:
+            tail.append(f", {values} of them, the first")
+        if d.kind == "kv-content" and isinstance(d.recorded, str):
+            tail.append(": ")   # the expected value is the request's own prefix, always
+            tail.append(d.recorded, style="red")
+        else:
+            tail.append(": recorded ")
+            tail.append(_compact(d.field, d.recorded), style="red")
+            tail.append(", expected ")
+            tail.append(_compact(d.field, d.expected), style="green")
+        rid = rule_id(d.rule)
+        if rid:
+            tail.append(f" (rule {rid})", style="dim")
+        out += _hang(Text(" " * x) + Text("! ", style="bold red"), tail, x + 2, width)
+    rest = groups[MAX_ROW_DIVERGENCES:]
+    if rest:
+        names = ", ".join(dict.fromkeys(ds[0].field for ds in rest))
+        out += _hang(Text(" " * x) + Text("! ", style="bold red"),
+                     Text(f"and {names}", style="red"), x + 2, width)
+    return out
+
+
+def _compact(field: str, v) -> str:
+    """A value on one line: long lists of block ids with their runs as ``a–b``."""
+    if isinstance(v, list) and len(v) > 8 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                  for x in v):
+        return f"[{_ids(v)}]"
+    if isinstance(v, list) and v and all(isinstance(x, list) for x in v):
+        return "[" + ", ".join(_compact(field, x) for x in v) + "]"
+    return value_text(field, v)
 
 
 # --------------------------------------------------------------------------- one step
@@ -396,7 +604,7 @@ def _print_queues(view: StepView, only: str | None, marked: set, console: Consol
     t.add_column("", no_wrap=True, width=1)
     t.add_column("queue", no_wrap=True)
     t.add_column("request", overflow="fold")
-    t.add_column("placed by", no_wrap=True)
+    t.add_column("placed by", ratio=1)
     for q in QUEUES:
         items = [p for p in queued if p.queue == q]
         if not items:
@@ -405,7 +613,7 @@ def _print_queues(view: StepView, only: str | None, marked: set, console: Consol
             continue
         # Requests known only by their arrival, in one row, in arrival order.
         plain = [p for p in items if not p.exact and p.news.startswith("arrived")
-                 and p.status == "WAITING" and p.req not in marked]
+                 and p.status == "WAITING" and p.req not in marked and p.lookup is None]
         if len(plain) < 2 or only is not None:
             plain = []
         rest = [p for p in items if p not in plain]
@@ -421,6 +629,8 @@ def _print_queues(view: StepView, only: str | None, marked: set, console: Consol
             if p.status in _WAITING_KIND:
                 how += f", {_WAITING_KIND[p.status]}"
             t.add_row(_mark(p.req, marked), head, p.req, how)
+            if p.lookup is not None:
+                t.add_row("", "", "", Text(_lookup_text(p), style="cyan"))
             head = ""
         if len(rest) > MAX_QUEUED:
             t.add_row("", "", Text(f"… {len(rest) - MAX_QUEUED} more", style="dim"),
@@ -428,6 +638,22 @@ def _print_queues(view: StepView, only: str | None, marked: set, console: Consol
     console.print(t)
     console.print(Text("placed by the step's recorded state, else by the last news of the "
                        "request in the records up to the step (@ its step)", style="dim"))
+
+
+def _lookup_text(p: Placed) -> str:
+    """A request the step looked up and did not schedule, in words: what its
+    lookup found (``get_computed_blocks``' local hit, the connector's
+    ``get_num_new_matched_tokens``), and what became of it."""
+    lk = p.lookup
+    what = "resumption" if p.status == "PREEMPTED" else "admission"
+    local = f"local hit {lk.local} token{'s' if lk.local != 1 else ''}"
+    if lk.ext is None:
+        return f"{what} failed at this step: {local}, the connector not ready yet"
+    if p.queue == "waiting for remote KV":
+        return (f"looked up at this step: {local}, external hit {lk.ext} loading "
+                "asynchronously; waits for the load")
+    return (f"{what} failed at this step: {local}, external hit {lk.ext}"
+            + (" (asynchronous)" if lk.load_async else ""))
 
 
 def _print_tables(view: StepView, only: str | None, marked: set, console: Console) -> None:
