@@ -573,3 +573,21 @@ def test_show_request_fits_the_width_and_cuts_no_word(capsys, monkeypatch, tmp_p
         assert status in ("WAITING_FOR_REMOTE_KVS", "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR"), status
     for f in fields:                                               # field names whole
         assert re.search(rf"(^|[\s,]){re.escape(f)}[:,\s]", out, flags=re.M), f
+
+
+def test_show_request_says_a_lookup_admitted_nothing(faulty):
+    recs = _lines(faulty)
+    tried: dict[str, dict[int, bool]] = {}   # request -> step of a lookup -> admitted in it
+    for r in recs:
+        if r["kind"] == "step":
+            admitted = {e["req"] for e in r.get("new", []) + r.get("resumed", [])}
+            for lk in r.get("lookups", []):
+                tried.setdefault(lk["req"], {})[r["step"]] = lk["req"] in admitted
+    req = next(q for q, at in tried.items() if not all(at.values()) and any(at.values()))
+    c = _console()
+    show(faulty, request=req, console=c)
+    rows = [ln[2:].split(None, 2) for ln in c.export_text().splitlines()]
+    lookups = {int(r[0]): r[2] for r in rows if len(r) == 3 and r[1] == "lookup" and r[0].isdigit()}
+    assert lookups
+    for step, text in lookups.items():
+        assert ("not admitted" in text) == (not tried[req][step]), (step, text)
