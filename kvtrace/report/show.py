@@ -350,7 +350,8 @@ def _layout(rows: list[_Row], width: int) -> list[Text]:
                  style="bold")
     out = [title]
     for r in rows:
-        line = Text("! " if r.divs else "  ", style="bold red")
+        line = Text()
+        line.append("! " if r.divs else "  ", style="bold red")
         line.append(r.step_text.rjust(w[0]) + gap)
         line.append_text(r.event)
         if r.numbers:
@@ -420,7 +421,8 @@ def _div_lines(r: _Row, x: int, width: int) -> list[Text]:
     groups = list(folds.values())
     for ds in groups[:MAX_ROW_DIVERGENCES]:
         d = ds[0]
-        tail = Text(d.field, style="bold")
+        tail = Text()
+        tail.append(d.field, style="bold")
         steps = len({x.step for x in ds})
         values = len({(repr(x.recorded), repr(x.expected)) for x in ds})
         if steps > 1:
@@ -438,13 +440,19 @@ def _div_lines(r: _Row, x: int, width: int) -> list[Text]:
         rid = rule_id(d.rule)
         if rid:
             tail.append(f" (rule {rid})", style="dim")
-        out += _hang(Text(" " * x) + Text("! ", style="bold red"), tail, x + 2, width)
+        out += _hang(_bang(x), tail, x + 2, width)
     rest = groups[MAX_ROW_DIVERGENCES:]
     if rest:
         names = ", ".join(dict.fromkeys(ds[0].field for ds in rest))
-        out += _hang(Text(" " * x) + Text("! ", style="bold red"),
-                     Text(f"and {names}", style="red"), x + 2, width)
+        out += _hang(_bang(x), Text(f"and {names}", style="red"), x + 2, width)
     return out
+
+
+def _bang(x: int) -> Text:
+    """The head of a divergence's line: ``!`` at column ``x``."""
+    head = Text(" " * x)
+    head.append("! ", style="bold red")
+    return head
 
 
 def _compact(field: str, v) -> str:
