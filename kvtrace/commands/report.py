@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -23,7 +25,8 @@ def report(trace: Path, out: Path, against: Path | None) -> int:
     usage, per-request timelines and the divergences of a replay (or of a diff
     with --against), folded per request.
 
-    Exit 0 when there is no divergence, 1 when there are, 2 for unusable input.
+    Exit 0 when there is no divergence, 1 when there are or replay stopped
+    before the trace's end, 2 for unusable input.
     """
     from kvtrace.report.html import write_html_report
 
@@ -31,32 +34,52 @@ def report(trace: Path, out: Path, against: Path | None) -> int:
     refuse_pipes(trace, against)
 
     with progress(f"reporting {trace.name}", "steps", files=(trace, trace, against)):
-        divs, told, source, note = analysis(trace, against)
-        rep = write_html_report(trace, out, divs, stories=told, source=source, against=against,
-                                note=note)
-    echo(f"wrote {out}" + (f" ({rep.note})" if rep.note else ""))
-    return EXIT_DIVERGENT if rep.divergences else EXIT_OK
+        found = analysis(trace, against)
+        rep = write_html_report(trace, out, found.divergences, told=found.told,
+                                source=found.source, against=against, note=found.note,
+                                stop=found.stop, steps_checked=found.steps_checked)
+    echo(f"wrote {out}" + (f" ({rep.note})" if rep.note else "")
+         + (f"; {found.stop}" if found.stop else ""))
+    return EXIT_DIVERGENT if rep.divergences or found.stop else EXIT_OK
 
 
-def analysis(trace: Path, against: Path | None) -> tuple[list, list, str, str | None]:
-    """What a report shows: the divergences of a diff with ``against``, or of a
-    replay; the same told per request (``kvtrace.findings.stories``); where
-    they come from; and, for a trace replay refuses, why there are none."""
-    from kvtrace.findings import stories
+@dataclass
+class Analysis:
+    """What a report shows: the divergences of a diff or a replay; the same
+    told per request, with the one to read first (``kvtrace.findings.tell``);
+    where they come from; for a trace replay refuses, why there are none
+    (``note``); where replay stopped before the trace's end (``stop``), and
+    the steps it checked then (``steps_checked``), in the terminal's words."""
+
+    divergences: list
+    told: Any
+    source: str
+    note: str | None = None
+    stop: str | None = None
+    steps_checked: str | None = None
+
+
+def analysis(trace: Path, against: Path | None) -> Analysis:
+    """The divergences of a diff with ``against``, or of a replay, told."""
+    from kvtrace.findings import tell
+    from kvtrace.report.failures import steps_text, stop_text
     from kvtrace.trace import TraceError
 
     if against is not None:
         from kvtrace.diff import diff_files
 
         divs = list(diff_files(trace, against).divergences)
-        return divs, stories(divs), "diff", None
+        return Analysis(divs, tell(divs), "diff")
     from kvtrace.replay import replay_file
 
     try:
-        divs = list(replay_file(trace).divergences)
+        result = replay_file(trace)
     except TraceError as e:
-        return [], [], "replay", f"not replayed: {e}"
-    return divs, stories(divs), "replay", None
+        return Analysis([], tell([]), "replay", f"not replayed: {e}")
+    divs = list(result.divergences)
+    stop = stop_text(result)
+    return Analysis(divs, tell(divs), "replay", stop=stop,
+                    steps_checked=steps_text(result) if stop else None)
 
 
 @click.command()
@@ -95,8 +118,13 @@ def export(trace: Path, fmt: str, out: str, divergences: bool) -> int:
         refuse_pipes(trace)
         from kvtrace.replay import replay_file
 
+        from kvtrace.report.failures import stop_text
+
         with progress(f"replaying {trace.name}", "steps", files=(trace,)) as advance:
-            divs = replay_file(trace, progress=advance).divergences
+            result = replay_file(trace, progress=advance)
+        divs = result.divergences
+        if result.stopped_at is not None:   # the divergences end there: say so
+            say(f"{trace}: {stop_text(result)}")
     if not tables:
         from kvtrace.report.perfetto import TIME_AXIS, export_perfetto
 
@@ -152,9 +180,15 @@ def show(trace: Path, request: str | None, step: int | None, kv_check: bool) -> 
     note = None
     with progress(f"replaying {trace.name}", "steps", files=(trace,)) as advance:
         try:
-            divs = replay_file(trace, device="auto" if kv_check else None,
-                               progress=advance).divergences
+            result = replay_file(trace, device="auto" if kv_check else None, progress=advance)
+            divs = result.divergences
         except TraceError as e:   # a feature the reference does not model, or a bad later record
             divs, note = [], f"not replayed: {e}"
+        else:
+            stop = result.stopped_at
+            if stop is not None and step > stop.step:   # never "none" for a step not checked
+                from kvtrace.report.failures import stop_text
+
+                note = f"not replayed: {stop_text(result)}"
     show_step(view, divs, note=note)
     return EXIT_OK
