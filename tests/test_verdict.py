@@ -109,8 +109,11 @@ def test_every_other_view_says_it_too(stops, capsys, monkeypatch, tmp_path):
     # several traces at once: the stopped trace's own line
     code, out, _ = run(capsys, "replay", "-j", "1", str(CLEAN), str(stops))
     assert code == 1
-    (mine,) = [s for s in out.splitlines() if s.startswith(str(stops))]
-    assert f"replay stopped at step {step}, {in_trace - step - 1:,} steps not checked" in mine
+    lines = out.splitlines()
+    (at,) = [n for n, s in enumerate(lines) if s.startswith(str(stops))]
+    assert f" · {step + 1:,} of {in_trace:,} steps checked: " in lines[at]
+    assert lines[at + 1].startswith(words + ": ")
+    assert lines[at + 1].endswith(f"; {in_trace - step - 1:,} steps not checked")
     assert "1 with divergences, stopped or unusable" in out
     # the HTML report: the headline, and the steps checked
     page = tmp_path / "r.html"
@@ -128,6 +131,17 @@ def test_every_other_view_says_it_too(stops, capsys, monkeypatch, tmp_path):
     # show --step past the stop: not "none", but why there is nothing to show
     code, out, _ = run(capsys, "show", str(stops), "--step", str(step + 5), "--no-kv-check")
     assert code == 0 and "not replayed: " + words in out
+
+
+@pytest.mark.parametrize("device,worker", [(None, 1), ("cpu", 1), ("cpu", 2)])
+def test_the_stop_is_the_same_with_worker_processes(stops, device, worker):
+    from kvtrace.replay import replay_file
+
+    def seen(r):
+        return r.steps, r.steps_in_trace, r.stopped_at, [d.to_json() for d in r.divergences]
+
+    assert seen(replay_file(stops, device=device, worker=worker)) == \
+        seen(replay_file(stops, device=device, worker=0))
 
 
 def test_a_stop_without_a_divergence_is_no_pass(capsys, monkeypatch):

@@ -380,10 +380,13 @@ def print_replay_many(results: list, views: dict, max_stories: int | None,
         line = _trace_line(path, result.header, steps_text(result),
                            getattr(result, "profile", None))
         note = replayed_up_to(result.truncation)
-        stop = stop_brief(result)
-        print_wrapped(console, f"{line}: {_closing(result, view.headline)}"
+        stop = stop_text(result)
+        verdict = _replay_summary(result.divergences, result.steps, view.headline, stop is not None)
+        print_wrapped(console, f"{line}: {verdict}"
                       + (f" (truncated: {note})" if note else ""),
                       "red" if result.divergences or stop else "green")
+        if stop:
+            print_wrapped(console, stop, "bold red")
         told.extend((names[str(path)], s) for s in view.stories)
     shown = print_stories(console, told, max_stories)
     rest = left_out([s for _, s in told[shown:]])
