@@ -35,6 +35,28 @@ class Divergence:
 _JSON_FIELDS = ("step", "req", "field", "recorded", "expected", "rule", "kind", "seq", "line")
 
 
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """Where replay stopped before the end of the trace, and why. The reader
+    reads on to the end, so the steps after it are counted, not checked."""
+
+    step: int
+    line: int | None
+    reason: str
+
+    def words(self, checked: int, in_trace: int) -> str:
+        """The stop as every view says it: "replay stopped at step N (line
+        L): why; K steps not checked" (``checked`` and ``in_trace``: the
+        steps replayed, and the steps the trace holds)."""
+        left = max(0, in_trace - checked)
+        at = f"step {self.step}" + (f" (line {self.line})" if self.line is not None else "")
+        return (f"replay stopped at {at}: {self.reason}; {left:,} "
+                f"step{'s' if left != 1 else ''} not checked")
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "line": self.line, "reason": self.reason}
+
+
 def first_per_request(divs: list[Divergence]) -> list[Divergence]:
     """Order: each request's first divergence (by step), then everything else in trace order."""
     seen: set = set()
@@ -165,3 +187,56 @@ def headline(told: list[Story]) -> Divergence | None:
         if s.after is None:
             return s.cause
     return told[0].cause if told else None
+
+
+# What a divergence of each cause rank is, in the words ``why_first`` uses.
+_RANK_WORDS = {
+    0: "a count the step starts from, or the connector's answer",
+    1: "a queue the step takes requests from",
+    2: "a decision the step made",
+    3: "blocks the step's decision allocated or freed",
+    4: "state the step left",
+    5: "the step's output",
+    6: "what a KV slot holds",
+    7: "the prompt stats",
+}
+
+
+@dataclass(slots=True)
+class Told:
+    """A run's divergences as every view tells them (the terminal, several
+    traces, ``--json``, the HTML report): one story per request, the
+    divergence to read first (``headline``), and why it is the first."""
+
+    stories: list[Story]
+    headline: Divergence | None
+    why: str | None
+
+
+def tell(divs: list[Divergence]) -> Told:
+    """The stories of ``divs``, their headline and why it comes first:
+    computed once per trace, and handed to every view."""
+    told = stories(divs)
+    head = headline(told)
+    return Told(told, head, why_first(divs, told, head))
+
+
+def why_first(divs: list[Divergence], told: list[Story], head: Divergence | None) -> str | None:
+    """Why ``head`` is the divergence to read first, in one sentence: no
+    divergence at an earlier step, first among its step's in cause-and-effect
+    order, and how many requests' divergences may follow from it."""
+    if head is None:
+        return None
+    if head.step is None:
+        said = "no divergence shows at a step; this is the first record that diverges"
+    else:
+        same = sum(1 for d in divs if d.step == head.step)
+        said = f"no divergence at an earlier step than {head.step}"
+        if same > 1:
+            said += (f", and of the {same:,} at that step it comes first in cause-and-effect "
+                     f"order: {_RANK_WORDS.get(cause_rank(head), 'what it is')}")
+    follow = sum(1 for s in told if s.after is head and s.req is not None)
+    if follow:
+        said += (f"; {follow:,} other request{'s' if follow != 1 else ''} "
+                 f"diverge{'s' if follow == 1 else ''} later and may follow from it")
+    return said

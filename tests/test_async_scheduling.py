@@ -294,15 +294,29 @@ def test_the_worker_counts_the_slots_checked_as_one_process_does(tmp_path):
     assert (two.slots_checked, two.divergences) == (one.slots_checked, one.divergences)
 
 
-def test_the_summary_names_the_divergence_on_the_earliest_line():
+def test_the_summary_names_the_headline_not_the_earliest_line(tmp_path):
     """Under async scheduling the output of step N follows the record of step
-    N+1: the summary's first divergence is the earliest in the file."""
-    from kvtrace.report.terminal import _replay_summary as summary_line
+    N+1, so the earliest divergence in the file can sit at a later step than
+    the cause. Every view names the headline, the lowest step's cause: the
+    replay of this trace alone, and of it beside another."""
+    import os
+    import subprocess
+    import sys
 
-    res = replay_file(TRACES / "faults" / "async-stale-computed-on-preempt.jsonl.gz", device=None)
+    from kvtrace.findings import tell
+
+    path = TRACES / "faults" / "async-stale-computed-on-preempt.jsonl.gz"
+    res = replay_file(path, device=None)
     earliest = min(res.divergences, key=lambda d: d.line)
-    assert min(d.step for d in res.divergences if d.step is not None) < earliest.step
-    assert f"first at step {earliest.step}, request {earliest.req}" in summary_line(res.divergences)
+    head = tell(res.divergences).headline
+    assert head.step == min(d.step for d in res.divergences if d.step is not None) < earliest.step
+    said = f"first at step {head.step}, request {head.req}, field {head.field}"
+    env = {**os.environ, "COLUMNS": "400"}
+    for args in ([str(path)], [str(TRACES / "preemption.jsonl.gz"), str(path)]):
+        out = subprocess.run([sys.executable, "-m", "kvtrace.cli", "replay", "--no-kv-check", *args],
+                             capture_output=True, text=True, env=env).stdout
+        assert said in out, (args, out[-2000:])
+        assert f"first at step {earliest.step}," not in out
 
 
 def test_a_step_in_flight_for_a_request_that_stopped_leaves_nothing_behind(tmp_path):

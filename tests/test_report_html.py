@@ -55,9 +55,10 @@ def _report(trace, out, against=None):
     """The report ``kvtrace report`` writes: the command runs the analysis."""
     from kvtrace.commands.report import analysis
 
-    divs, told, source, note = analysis(trace, against)
-    return write_html_report(trace, out, divs, stories=told, source=source, against=against,
-                             note=note)
+    found = analysis(trace, against)
+    return write_html_report(trace, out, found.divergences, told=found.told, source=found.source,
+                             against=against, note=found.note, stop=found.stop,
+                             steps_checked=found.steps_checked)
 
 
 def _runs(steps) -> int:

@@ -60,8 +60,8 @@ def command(traces: tuple[Path, ...], out: Path | None, as_json: bool, device: s
 
     Several traces (one per engine rank or replica, say) are replayed in
     parallel, with one combined report. Exit 0 when every trace matches, 1 when
-    any diverges, 2 when any is unusable, 4 when one holds no step (nothing
-    was checked).
+    any diverges or replay stopped before its end (an engine assertion), 2 when
+    any is unusable, 4 when one holds no step (nothing was checked).
     """
     refuse_to_overwrite(out, *traces)
     trace_output(out)
@@ -111,15 +111,13 @@ class Selection:
 
     def view(self, divs):
         """The stories of the divergences kept, and the one to read first: the
-        headline of them all, whatever is kept."""
-        from kvtrace.findings import headline, narrowed, stories
+        headline of them all, whatever is kept (told once, for every view)."""
+        from kvtrace.findings import narrowed, tell
         from kvtrace.report.terminal import ReplayView
 
-        told = stories(list(divs))
-        head = headline(told)
-        if self:
-            told = narrowed(told, [d for d in divs if self.keep(d)])
-        return ReplayView(told, head, self.max_stories, self.words())
+        told = tell(list(divs))
+        shown = narrowed(told.stories, [d for d in divs if self.keep(d)]) if self else told.stories
+        return ReplayView(shown, told, self.max_stories, self.words())
 
 
 def _one(trace: Path, out: Path | None, as_json: bool, device: str | None,
@@ -129,11 +127,19 @@ def _one(trace: Path, out: Path | None, as_json: bool, device: str | None,
 
     with progress(f"replaying {trace.name}", "steps", files=(trace,)) as advance:
         result = replay_file(trace, out=out, device=device, progress=advance, profile=profile)
+    view = select.view(result.divergences)
     if as_json:
-        print_bytes(terminal.replay_json(result, str(trace), select.keep if select else None))
+        print_bytes(terminal.replay_json(result, str(trace), select.keep if select else None,
+                                         view.told))
     else:
-        terminal.print_replay(result, str(trace), select.view(result.divergences))
-    if result.divergences:
+        terminal.print_replay(result, str(trace), view)
+    return _exit_code(result)
+
+
+def _exit_code(result) -> int:
+    """1 for divergences, and for a replay that stopped before the trace's end
+    (steps left unchecked never count as a pass); 4 for a trace with no step."""
+    if result.divergences or result.stopped_at is not None:
         return EXIT_DIVERGENT
     return EXIT_NOTHING if not result.steps else EXIT_OK
 
@@ -145,10 +151,11 @@ def _many(traces: tuple[Path, ...], as_json: bool, device: str | None, jobs: int
 
     with progress(f"replaying {len(traces)} traces", "done", total=len(traces)) as advance:
         results = replay_many([str(t) for t in traces], device, profile, jobs, advance)
+    views = {str(p): select.view(r.divergences) for p, r, _ in results if r is not None}
     if as_json:
-        print_bytes(terminal.replay_many_json(results, select.keep if select else None))
+        print_bytes(terminal.replay_many_json(results, select.keep if select else None, views))
     else:
-        terminal.print_replay_many(results, select)
+        terminal.print_replay_many(results, views, select.max_stories)
     errors = [err for _, _, err in results if err]
     for err in errors:   # each on one line on stderr as well, as with a single trace
         say(err)
@@ -156,9 +163,8 @@ def _many(traces: tuple[Path, ...], as_json: bool, device: str | None, jobs: int
         return EXIT_INTERNAL
     if errors:
         return EXIT_BAD_INPUT
-    if any(r.divergences for _, r, _ in results):
-        return EXIT_DIVERGENT
-    return EXIT_NOTHING if any(not r.steps for _, r, _ in results) else EXIT_OK
+    codes = {_exit_code(r) for _, r, _ in results}
+    return next(c for c in (EXIT_DIVERGENT, EXIT_NOTHING, EXIT_OK) if c in codes)
 
 
 def _through_vllm(trace: Path, out: Path | None, as_json: bool, scheduler_cls: str | None) -> int:
@@ -179,8 +185,9 @@ def _through_vllm(trace: Path, out: Path | None, as_json: bool, scheduler_cls: s
         data = check_file(trace)   # the KV audit's records: the same checks as the reference's replay
     first = run.summary()["first_difference"]
     if as_json:
-        print_bytes(terminal.rerun_json(result, first, data.divergences, data.checked))
+        print_bytes(terminal.rerun_json(result, first, data.divergences, data.checked, run))
     else:
         terminal.print_rerun(run, out, first, result, data.divergences, data.checked)
+    # A scheduler that raised before the trace's end is no pass, whatever the diff says.
     return (EXIT_DIVERGENT if result.divergences or first is not None or data.divergences
-            else EXIT_OK)
+            or run.stopped else EXIT_OK)

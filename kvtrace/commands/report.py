@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -23,7 +25,8 @@ def report(trace: Path, out: Path, against: Path | None) -> int:
     usage, per-request timelines and the divergences of a replay (or of a diff
     with --against), folded per request.
 
-    Exit 0 when there is no divergence, 1 when there are, 2 for unusable input.
+    Exit 0 when there is no divergence, 1 when there are or replay stopped
+    before the trace's end, 2 for unusable input.
     """
     from kvtrace.report.html import write_html_report
 
@@ -31,32 +34,52 @@ def report(trace: Path, out: Path, against: Path | None) -> int:
     refuse_pipes(trace, against)
 
     with progress(f"reporting {trace.name}", "steps", files=(trace, trace, against)):
-        divs, told, source, note = analysis(trace, against)
-        rep = write_html_report(trace, out, divs, stories=told, source=source, against=against,
-                                note=note)
-    echo(f"wrote {out}" + (f" ({rep.note})" if rep.note else ""))
-    return EXIT_DIVERGENT if rep.divergences else EXIT_OK
+        found = analysis(trace, against)
+        rep = write_html_report(trace, out, found.divergences, told=found.told,
+                                source=found.source, against=against, note=found.note,
+                                stop=found.stop, steps_checked=found.steps_checked)
+    echo(f"wrote {out}" + (f" ({rep.note})" if rep.note else "")
+         + (f"; {found.stop}" if found.stop else ""))
+    return EXIT_DIVERGENT if rep.divergences or found.stop else EXIT_OK
 
 
-def analysis(trace: Path, against: Path | None) -> tuple[list, list, str, str | None]:
-    """What a report shows: the divergences of a diff with ``against``, or of a
-    replay; the same told per request (``kvtrace.findings.stories``); where
-    they come from; and, for a trace replay refuses, why there are none."""
-    from kvtrace.findings import stories
+@dataclass
+class Analysis:
+    """What a report shows: the divergences of a diff or a replay; the same
+    told per request, with the one to read first (``kvtrace.findings.tell``);
+    where they come from; for a trace replay refuses, why there are none
+    (``note``); where replay stopped before the trace's end (``stop``), and
+    the steps it checked then (``steps_checked``), in the terminal's words."""
+
+    divergences: list
+    told: Any
+    source: str
+    note: str | None = None
+    stop: str | None = None
+    steps_checked: str | None = None
+
+
+def analysis(trace: Path, against: Path | None) -> Analysis:
+    """The divergences of a diff with ``against``, or of a replay, told."""
+    from kvtrace.findings import tell
+    from kvtrace.report.failures import steps_text, stop_text
     from kvtrace.trace import TraceError
 
     if against is not None:
         from kvtrace.diff import diff_files
 
         divs = list(diff_files(trace, against).divergences)
-        return divs, stories(divs), "diff", None
+        return Analysis(divs, tell(divs), "diff")
     from kvtrace.replay import replay_file
 
     try:
-        divs = list(replay_file(trace).divergences)
+        result = replay_file(trace)
     except TraceError as e:
-        return [], [], "replay", f"not replayed: {e}"
-    return divs, stories(divs), "replay", None
+        return Analysis([], tell([]), "replay", f"not replayed: {e}")
+    divs = list(result.divergences)
+    stop = stop_text(result)
+    return Analysis(divs, tell(divs), "replay", stop=stop,
+                    steps_checked=steps_text(result) if stop else None)
 
 
 @click.command()
@@ -95,8 +118,13 @@ def export(trace: Path, fmt: str, out: str, divergences: bool) -> int:
         refuse_pipes(trace)
         from kvtrace.replay import replay_file
 
+        from kvtrace.report.failures import stop_text
+
         with progress(f"replaying {trace.name}", "steps", files=(trace,)) as advance:
-            divs = replay_file(trace, progress=advance).divergences
+            result = replay_file(trace, progress=advance)
+        divs = result.divergences
+        if result.stopped_at is not None:   # the divergences end there: say so
+            say(f"{trace}: {stop_text(result)}")
     if not tables:
         from kvtrace.report.perfetto import TIME_AXIS, export_perfetto
 
@@ -165,20 +193,28 @@ def show(trace: Path, request: str | None, step: int | None, kv_check: bool) -> 
 
     with progress(f"reading up to step {step}: {trace.name}", "steps", files=(trace,)):
         view = read_step(trace, step, request)
-    divs, note = _replayed(trace, kv_check)
+    divs, note = _replayed(trace, kv_check, until=step)
     show_step(view, divs, note=note)
     return EXIT_OK
 
 
-def _replayed(trace: Path, kv_check: bool) -> tuple[list, str | None]:
-    """The divergences of a replay of ``trace``, or none and why: a trace
-    replay refuses (a feature the reference does not model, a bad later record)."""
+def _replayed(trace: Path, kv_check: bool, until: int | None = None
+              ) -> tuple[list | None, str | None]:
+    """The divergences of a replay of ``trace``, or None and why: a trace
+    replay refuses (a feature the reference does not model, a bad later record),
+    or a replay that stopped before step ``until`` (before the trace's end when
+    None): never "none" for a step not checked."""
     from kvtrace.replay import replay_file
+    from kvtrace.report.failures import stop_text
     from kvtrace.trace import TraceError
 
     with progress(f"replaying {trace.name}", "steps", files=(trace,)) as advance:
         try:
-            return replay_file(trace, device="auto" if kv_check else None,
-                               progress=advance).divergences, None
+            result = replay_file(trace, device="auto" if kv_check else None, progress=advance)
         except TraceError as e:
-            return [], f"not replayed: {e}"
+            return None, f"not replayed: {e}"
+    stop = result.stopped_at
+    if stop is not None and (until is None or until > stop.step):
+        said = stop_text(result)
+        return result.divergences, (said if until is None else f"not replayed: {said}")
+    return result.divergences, None

@@ -19,7 +19,7 @@ import msgspec
 
 from kvtrace import baseline, bridge
 from kvtrace._text import path_text
-from kvtrace.findings import Divergence
+from kvtrace.findings import Divergence, Stop
 from kvtrace.outputs import Output
 from kvtrace.reference import Request, RequestOutput, Scheduler, SchedulerAssertion, SchedulerOutput, Status
 from kvtrace.reference.profiles import PROFILES, Profile
@@ -43,10 +43,12 @@ class ReplayResult:
     path: str
     header: ev.Header
     divergences: list[Divergence] = field(default_factory=list)
-    steps: int = 0
+    steps: int = 0                    # steps checked: the last step replayed, plus one
     events: int = 0
     truncation: str | None = None     # where and why the trace stops early
     stopped: str | None = None        # why replay stopped before the end of the trace
+    steps_in_trace: int = 0           # the trace's last step, plus one (past a stop too)
+    stopped_at: Stop | None = None    # where replay stopped with steps left unchecked
     device: str | None = None         # where the shadow-KV check ran; None when off
     assumed_loads: bool = False       # the trace had no load plan; loads were inferred
     slots_checked: int = 0            # KV slots the shadow-KV check verified
@@ -54,6 +56,10 @@ class ReplayResult:
     profile: str | None = None        # the version profile the reference followed
     profile_note: str | None = None   # why that one, when the trace's release has none
     audit: dict | None = None         # what the data-path checks checked (kv_audit records)
+
+    @property
+    def steps_checked(self) -> int:
+        return self.steps
 
 
 # ShadowKV's tensors per KV slot (fingerprint, writer, step, position, loaded,
@@ -155,7 +161,9 @@ class Replayer:
         self.data_path = DataPath()   # the KV audit's records, checked (rules D1-D3)
         self._kv_placed = 0   # content-check divergences placed in the list so far
         self.steps = 0
+        self.steps_in_trace = 0   # counted past a stop too: the reader reads on
         self.stopped: str | None = None
+        self.stop: Stop | None = None   # a stop before the trace's end record
         self._outputs: dict[int, SchedulerOutput] = {}         # step -> output awaiting update
         self._spec: dict[int, dict[str, list[int]]] = {}      # step -> drafts it scheduled, likewise
         self._expected_stats: dict[str, RequestOutput] = {}   # req -> first output, awaiting stats
@@ -175,6 +183,8 @@ class Replayer:
         self._stale: dict[int, set[str]] = {}
 
     def feed(self, e, line: int | None = None) -> None:
+        if type(e) is ev.Step and e.step >= self.steps_in_trace:
+            self.steps_in_trace = e.step + 1
         if self.stopped:
             return
         try:
@@ -212,6 +222,11 @@ class Replayer:
             self.divergences.append(Divergence(step, a.req_id, "assertion", did, "engine assertion",
                                                a.rule, "invariant", e.seq, line))
             self.stopped = f"the engine would have failed an assertion at step {step}: {a.rule}"
+            if kind is not ev.End:   # at the end record, nothing is left unchecked
+                who = f"; request {a.req_id}" if a.req_id is not None else ""
+                self.stop = Stop(step, line, f"the engine would have failed an assertion here "
+                                             f"({a.rule}{who}), and the reference cannot "
+                                             "schedule past it")
             stop_after = getattr(self.content, "stop_after", None)   # a content worker
             if stop_after is not None:
                 stop_after()
@@ -528,7 +543,8 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
             if part is not None:
                 part.close()
         if writer is not None:
-            error = failed or reader.truncation
+            stop = rp.stop.words(rp.steps, rp.steps_in_trace) if rp is not None and rp.stop else None
+            error = failed or stop or reader.truncation
             try:
                 writer.close(status="interrupted" if error else "complete", error=error)
             except BaseException as e:   # the output could not be finished: never put in place
@@ -543,6 +559,8 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
     result.steps = rp.steps
     result.truncation = reader.truncation
     result.stopped = rp.stopped
+    result.steps_in_trace = max(rp.steps_in_trace, rp.steps)
+    result.stopped_at = rp.stop
     result.audit = dict(rp.data_path.checked) or None
     if rp.content:
         result.device = rp.content.device

@@ -4,6 +4,12 @@ rule it breaks, and the rest folded into a line per field.
 
 The stories come from ``kvtrace.findings.stories``; this module only lays
 them out. Text wraps at word boundaries to the console's width.
+
+It is also the one source of the words the terminal and the HTML report
+share: values (``value_text``), counts (``count``: thousands separated; a step
+or line number is an id and is not), the verdict's counts
+(``divergences_text``), the likely causes (``causes_line``), the steps
+checked (``steps_text``) and a stop (``stop_text``).
 """
 
 from __future__ import annotations
@@ -51,6 +57,92 @@ def value_text(field: str, v: Any) -> str:
     if isinstance(v, dict):
         return ", ".join(f"{k} {value_text('', x)}" for k, x in v.items())
     return str(v)
+
+
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` things, thousands separated: "1 request", "4,538 divergences"."""
+    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"
+
+
+def divergences_text(divs: list[Divergence]) -> str:
+    """The verdict's counts: "5,886 divergences in 15 requests"."""
+    reqs = {d.req for d in divs if d.req is not None}
+    return f"{count(len(divs), 'divergence')} in {count(len(reqs), 'request')}"
+
+
+def steps_text(result: Any) -> str | None:
+    """The steps a replay checked: "295 steps", or, where it stopped before
+    the trace's end, "17,869 of 24,744 steps checked". None when unknown."""
+    checked = getattr(result, "steps", None)
+    if checked is None:
+        return None
+    in_trace = getattr(result, "steps_in_trace", None) or checked
+    if getattr(result, "stopped_at", None) is not None and in_trace > checked:
+        return f"{checked:,} of {count(in_trace, 'step')} checked"
+    return count(checked, "step")
+
+
+def stop_text(result: Any) -> str | None:
+    """Where replay stopped before the trace's end, why, and how many steps
+    it left unchecked; None when it did not stop."""
+    stop = getattr(result, "stopped_at", None)
+    if stop is None:
+        return None
+    return stop.words(result.steps, getattr(result, "steps_in_trace", result.steps))
+
+
+def stop_brief(result: Any) -> str | None:
+    """A stop in a few words, for a closing line: "stopped at step 256,
+    1,677 steps not checked"."""
+    stop = getattr(result, "stopped_at", None)
+    if stop is None:
+        return None
+    left = max(0, getattr(result, "steps_in_trace", result.steps) - result.steps)
+    return f"replay stopped at step {stop.step}, {count(left, 'step')} not checked"
+
+
+def likely_causes(told: list[Story]) -> tuple[list[tuple[tuple[str, str], int]], int, int]:
+    """The likely causes of a run's divergences, counted over the requests
+    (the step-wide story is no request): ((field, rule id), requests) by how
+    many requests, most first; how many requests they are; how many more
+    requests may follow from them."""
+    reqs = [s for s in told if s.req is not None]
+    counts: dict[tuple[str, str], int] = {}
+    for s in reqs:
+        if s.after is None:
+            key = (s.cause.field, rule_parts(s.cause.rule)[0])
+            counts[key] = counts.get(key, 0) + 1
+    roots = sum(counts.values())
+    return sorted(counts.items(), key=lambda kv: -kv[1]), roots, len(reqs) - roots
+
+
+def causes_line(told: list[Story], most: int = 3) -> str | None:
+    """The pattern, when more than one request diverges: the likely causes
+    (stories that follow from no other), by field and rule, and how many more
+    requests may follow from them: "likely causes: kv_load (rule I9) in 10
+    requests; 3 more requests may follow from them"."""
+    if sum(1 for s in told if s.req is not None) < 2:
+        return None
+    ranked, roots, follow = likely_causes(told)
+    said = [field + (f" (rule {rid})" if rid and rid != field else "") + f" in {n:,}"
+            for (field, rid), n in ranked[:most]]
+    if len(ranked) > most:
+        said.append(f"other fields in {sum(n for _, n in ranked[most:]):,}")
+    line = (f"likely cause{'s' if roots != 1 else ''}: " + ", ".join(said)
+            + f" request{'s' if roots != 1 else ''}")
+    if follow:
+        line += (f"; {count(follow, 'more request', 'more requests')} may follow from "
+                 f"{'them' if roots != 1 else 'it'}")
+    return line
+
+
+def left_out(rest: list[Story]) -> str | None:
+    """Stories not shown, in words: "3 more requests and the step-wide counts"."""
+    n = sum(1 for s in rest if s.req is not None)
+    parts = [count(n, "more request", "more requests")] if n else []
+    if any(s.req is None for s in rest):
+        parts.append("the step-wide counts")
+    return " and ".join(parts) or None
 
 
 def rule_parts(rule: str) -> tuple[str, str]:

@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from .._text import path_text
-from ..findings import Divergence, Story, headline, stories as group_stories
+from ..findings import Divergence, Story, Told, headline, tell, why_first
 from ..outputs import writing
-from .failures import why_text
+from .failures import causes_line, count, divergences_text, left_out, value_text, why_text
 from .figures import MAX_RUNS, RequestTimeline, RunSummary, kv_groups_text, percent, step_runs
 from .summary import summarize
 from .svg import Band, chart, legend
-from .terminal import format_value, replayed_up_to
+from .terminal import replayed_up_to
 
 MAX_REQUESTS = 40          # timelines drawn for the first requests by arrival ...
 MAX_DIVERGENT = 200        # ... plus this many requests with divergences
@@ -64,6 +64,7 @@ class HtmlReport:
     timelines: int = 0
     stories: list[Story] = field(default_factory=list)
     against: RunSummary | None = None
+    stop: str | None = None          # where replay stopped before the trace's end, in words
 
 
 def write_html_report(trace: str | os.PathLike, out_html: str | os.PathLike,
@@ -71,30 +72,43 @@ def write_html_report(trace: str | os.PathLike, out_html: str | os.PathLike,
                       against: str | os.PathLike | None = None, note: str | None = None,
                       stories: list[Story] | None = None,
                       max_requests: int = MAX_REQUESTS,
-                      max_divergent: int = MAX_DIVERGENT) -> HtmlReport:
+                      max_divergent: int = MAX_DIVERGENT,
+                      told: Told | None = None, stop: str | None = None,
+                      steps_checked: str | None = None) -> HtmlReport:
     """Write the report of ``trace`` and its ``divergences`` to ``out_html``.
 
     ``source`` says where the divergences come from (``replay``, ``diff``
     with ``against``, or ``given``); ``note`` why there are none to show (a
     trace that replay refuses still gets a report, with the reason in their
-    place). ``stories`` are the divergences told per request
-    (``kvtrace.findings.stories``); given divergences without them are grouped
-    so. With ``against``, that trace is drawn too, on the same step axis.
-    This renders; the caller runs the analysis. Raises ``TraceError`` when a
-    trace is unusable.
+    place). ``told`` is the divergences told per request, with the one to
+    read first (``kvtrace.findings.tell``), as the terminal tells them;
+    ``stories`` alone will do; given divergences without either are told
+    here. ``stop``: where replay stopped before the trace's end, and
+    ``steps_checked`` how many steps it checked, in words
+    (``failures.stop_text``, ``failures.steps_text``). With ``against``, that
+    trace is drawn too, on the same step axis. This renders; the caller runs
+    the analysis. Raises ``TraceError`` when a trace is unusable.
     """
     divs = list(divergences)
-    told = list(stories) if stories is not None else group_stories(divs)
-    divergent = [s.req for s in told if s.req is not None][:max_divergent]
+    if told is None:
+        told = tell(divs) if stories is None else _told(divs, list(stories))
+    divergent = [s.req for s in told.stories if s.req is not None][:max_divergent]
     s = summarize(trace, keep=divergent, max_timelines=max_requests)
     # B's timelines of the requests that diverge, drawn under A's (same ids)
     sb = None if against is None else summarize(against, keep=divergent, max_timelines=0)
-    page = render(s, divs, told, source=source, against=sb, note=note)
+    page = render(s, divs, told, source=source, against=sb, note=note, stop=stop,
+                  steps_checked=steps_checked)
     # errors: a file name shown in the page may hold bytes that are not UTF-8
     with writing(out_html) as out, out.open("w", encoding="utf-8", errors="backslashreplace") as f:
         f.write(page)
     return HtmlReport(path=os.fspath(out_html), summary=s, divergences=divs, source=source,
-                      note=note, timelines=len(s.timelines), stories=told, against=sb)
+                      note=note, timelines=len(s.timelines), stories=told.stories, against=sb,
+                      stop=stop)
+
+
+def _told(divs: list[Divergence], stories: list[Story]) -> Told:
+    head = headline(stories)
+    return Told(stories, head, why_first(divs, stories, head))
 
 
 # --------------------------------------------------------------------------- page
@@ -111,6 +125,9 @@ class _Page:
     head_story: int | None          # index of the headline's story
     source: str
     steps: int                      # the shared step axis: [0, steps]
+    why: str | None = None          # why the headline comes first
+    stop: str | None = None         # where replay stopped before the trace's end
+    steps_checked: str | None = None
 
     @property
     def rec(self) -> str:
@@ -125,20 +142,22 @@ class _Page:
         if d is None or d.step is None:
             return None
         return (d.step + 0.5, C_FIRST, f"step {d.step}: first divergence, {d.field} of "
-                f"{'(all)' if d.req is None else d.req}: {self.rec} {_plain(d.recorded)}, "
-                f"{self.exp} {_plain(d.expected)}")
+                f"{'(all)' if d.req is None else d.req}: {self.rec} {_plain(d.field, d.recorded)}, "
+                f"{self.exp} {_plain(d.field, d.expected)}")
 
 
-def render(s: RunSummary, divs: list[Divergence], told: list[Story] | None = None,
+def render(s: RunSummary, divs: list[Divergence], told: Told | None = None,
            source: str = "replay", against: RunSummary | None = None,
-           note: str | None = None) -> str:
+           note: str | None = None, stop: str | None = None,
+           steps_checked: str | None = None) -> str:
     """The whole page as a string. ``against``: the other trace's summary."""
     e = html.escape
-    told = group_stories(divs) if told is None else told
-    head = headline(told)
-    head_story = next((i for i, st in enumerate(told) if st.cause is head), None)
+    told = tell(divs) if told is None else told
+    head = told.headline
+    head_story = next((i for i, st in enumerate(told.stories) if st.cause is head), None)
     steps = max(1, s.steps, against.steps if against is not None else 0)
-    p = _Page(s, against, divs, told, head, head_story, source, steps)
+    p = _Page(s, against, divs, told.stories, head, head_story, source, steps, told.why, stop,
+              steps_checked)
     name = os.path.basename(path_text(s.path))
     title = name if against is None else f"{name} against {os.path.basename(path_text(against.path))}"
     by_req: dict[str | None, list[Divergence]] = {}
@@ -152,7 +171,7 @@ def render(s: RunSummary, divs: list[Divergence], told: list[Story] | None = Non
         f"<style>{_CSS}</style></head><body>",
         "<header>",
         f"<h1>kvtrace report <span class=\"file\">{e(title)}</span></h1>",
-        _trace_lines(s, "A" if against is not None else None),
+        _trace_lines(s, "A" if against is not None else None, steps_checked),
     ]
     if against is not None:
         parts.append(_trace_lines(against, "B"))
@@ -169,13 +188,15 @@ def render(s: RunSummary, divs: list[Divergence], told: list[Story] | None = Non
     return "\n".join(parts)
 
 
-def _trace_lines(s: RunSummary, label: str | None) -> str:
+def _trace_lines(s: RunSummary, label: str | None, steps_checked: str | None = None) -> str:
+    """The trace's lines under the title: what it is, its config, and notes.
+    ``steps_checked``: the steps replay checked, in words, where it stopped."""
     e = html.escape
     h, cfg = s.header, s.header.config
     path = path_text(s.path)   # a file name is any bytes: shown with \xNN escapes
     tag = f'<span class="tag tag-{label.lower()}">{label}</span> ' if label else ""
     out = [f"<p class=\"sub\">{tag}{e(path)} · engine {e(h.engine)} {e(h.engine_version)} · "
-           f"{s.steps} steps · {s.requests} requests</p>",
+           f"{e(steps_checked or count(s.steps, 'step'))} · {count(s.requests, 'request')}</p>",
            f"<p class=\"sub\">{'&nbsp;' * 5 if label else ''}block size {cfg.block_size} · "
            f"{cfg.num_blocks} blocks ({s.usable_blocks} usable) · token budget "
            f"{cfg.max_num_scheduled_tokens or cfg.max_num_batched_tokens}"
@@ -198,38 +219,44 @@ def _trace_lines(s: RunSummary, label: str | None) -> str:
 
 
 def _headline(p: _Page, note: str | None) -> str:
+    """The verdict, where replay stopped, and the divergence to read first:
+    the words of the terminal's first lines (``failures``)."""
     e = html.escape
-    divs, told = p.divs, p.told
+    divs = p.divs
     who = "B" if p.source == "diff" else "the reference scheduler"
+    stop = f'<p class="stop">{e(p.stop[:1].upper() + p.stop[1:])}.</p>' if p.stop else ""
     if not divs:
+        if p.stop:
+            return ('<section id="headline" class="headline bad"><p class="verdict">No divergence '
+                    "in the steps checked, but replay stopped before the trace's end.</p>"
+                    f"{stop}</section>")
         if note:
             return f'<section id="headline" class="headline none"><p class="verdict">{e(note)}</p></section>'
         text = ("No divergence: A and B agree." if p.source == "diff" else
                 "No divergence: the reference scheduler agrees with every step." if p.source == "replay"
                 else "No divergence.")
         return f'<section id="headline" class="headline good"><p class="verdict">{text}</p></section>'
-    reqs = len({d.req for d in divs if d.req is not None})
-    roots = sum(1 for st in told if st.after is None)
     verb = "A and B differ: " if p.source == "diff" else (
         "Replay disagrees with this trace: " if p.source == "replay" else "")
-    follow = len(told) - roots
-    verdict = (f"{verb}{len(divs)} divergence{_s(len(divs))} in {reqs} request{_s(reqs)}"
-               + (" and the step-wide counts" if None in {d.req for d in divs} else "")
-               + f". {roots} likely cause{_s(roots)}"
-               + (f"; {follow} more request{_s(follow)} may follow{'s' if follow == 1 else ''} from "
-                  f"{'it' if roots == 1 else 'them'}" if follow else "") + ".")
     d = p.head
     st = p.told[p.head_story]
     where = f"step {d.step}" if d.step is not None else "before any step"
-    out = ['<section id="headline" class="headline bad">',
-           f'<p class="verdict">{e(verdict)}</p>',
+    causes = causes_line(p.told)
+    out = [f'<section id="headline" class="headline bad" data-step="{"" if d.step is None else d.step}" '
+           f'data-req="{"" if d.req is None else e(d.req)}" data-field="{e(d.field)}">',
+           f'<p class="verdict">{e(verb + divergences_text(divs))}.</p>',
+           f'<p class="causes">{e(causes[:1].upper() + causes[1:])}.</p>' if causes else "",
+           stop,
            '<p class="first-div"><span class="label">First divergence</span> '
            f'<b>{where}</b> · request {"(all)" if d.req is None else _req_link(p.s, d.req)} · '
-           f'<b>{e(d.field)}</b>: {p.rec} {_value(d.recorded, "rec")}, {p.exp} {_value(d.expected, "exp")}</p>',
+           f'<b>{e(d.field)}</b>: {p.rec} {_value(d.field, d.recorded, "rec")}, '
+           f'{p.exp} {_value(d.field, d.expected, "exp")}</p>',
            f'<p class="rule">{_rule(d.rule, full=True)}</p>']
     why = why_text(d)
     if why:
         out.append(f'<p class="why">{e(why)}</p>')
+    if p.why:
+        out.append(f'<p class="why-first muted">First because: {e(p.why)}.</p>')
     if st.count > 1:
         out.append(f'<p class="muted">then {st.count - 1} more in {e(_req(d.req))}'
                    + _steps_text(_story_steps(st)) + f"; compared with {who}.</p>")
@@ -305,8 +332,8 @@ def _trace_tag(s: RunSummary, label: str) -> str:
 def _summary_cards(s: RunSummary, divs: list[Divergence] | None) -> str:
     fin = ", ".join(f"{n} {r}" for r, n in sorted(s.finished.items())) or "none"
     cards = [
-        _card("requests", str(s.requests), f"finished: {fin}"),
-        _card("steps", str(s.steps), f"{s.scheduled_tokens} tokens scheduled "
+        _card("requests", f"{s.requests:,}", f"finished: {fin}"),
+        _card("steps", f"{s.steps:,}", f"{s.scheduled_tokens} tokens scheduled "
                                      f"({s.prefill_tokens} prefill, {s.decode_tokens} decode)"),
         _card("preemptions", str(s.preemptions), f"{s.preempted_requests} requests preempted",
               "hot" if s.preemptions else ""),
@@ -325,8 +352,9 @@ def _summary_cards(s: RunSummary, divs: list[Divergence] | None) -> str:
                            f"{s.invalid_blocks} invalid blocks"))
     if divs is not None:
         reqs = {d.req for d in divs if d.req is not None}
-        cards.append(_card("divergences", str(len(divs)),
-                           f"in {len(reqs)} requests" if divs else "none", "bad" if divs else "good"))
+        cards.append(_card("divergences", f"{len(divs):,}",
+                           f"in {count(len(reqs), 'request')}" if divs else "none",
+                           "bad" if divs else "good"))
     return '<div class="cards">' + "".join(cards) + "</div>"
 
 
@@ -423,12 +451,15 @@ def _divergence_section(p: _Page, note: str | None) -> str:
                    "expected is the reference scheduler.</p>")
     if note:
         out.append(f'<p class="warn">{e(note)}</p>')
+    if p.stop:
+        out.append(f'<p class="warn stop">Only the steps before the stop were checked: '
+                   f'{e(p.stop)}.</p>')
     if not p.divs:
         out.append('<p class="ok">No divergence.</p></section>' if not note else "</section>")
         return "\n".join(out)
     out.append(f'<p class="muted">One row per request: its likely cause (the earliest divergence in '
-               f"cause-and-effect order), with the rest folded under it. {len(p.divs)} divergences, "
-               f"{len(p.told)} rows.</p>")
+               f"cause-and-effect order), with the rest folded under it. "
+               f"{count(len(p.divs), 'divergence')}, {count(len(p.told), 'row')}.</p>")
     out.append(f'<table class="divs"><thead><tr><th>step</th><th>request</th><th>field</th>'
                f"<th>{p.rec}</th><th>{p.exp}</th><th>rule</th><th>count</th></tr></thead>")
     index = {id(st.cause): i for i, st in enumerate(p.told)}
@@ -436,7 +467,7 @@ def _divergence_section(p: _Page, note: str | None) -> str:
         out.append(_story_rows(p, i, st, index))
     out.append("</table>")
     if len(p.told) > MAX_TABLE_ROWS:
-        out.append(f'<p class="muted">… and {len(p.told) - MAX_TABLE_ROWS} more requests '
+        out.append(f'<p class="muted">… and {e(left_out(p.told[MAX_TABLE_ROWS:]))} '
                    "(use <code>--json</code> on replay or diff for all of them)</p>")
     out.append("</section>")
     return "\n".join(out)
@@ -450,8 +481,8 @@ def _story_rows(p: _Page, i: int, st: Story, index: dict) -> str:
             f"<tr class=\"story\"><td class=\"num\">{'—' if d.step is None else d.step}</td>"
             f"<td class=\"rq\">{'(all)' if d.req is None else _req_link(p.s, d.req)}</td>"
             f"<td>{e(d.field)}</td>"
-            f"<td>{_value(d.recorded, 'rec')}</td><td>{_value(d.expected, 'exp')}</td>"
-            f"<td>{_rule(d.rule)}</td><td class=\"num\">{st.count}</td></tr>"]
+            f"<td>{_value(d.field, d.recorded, 'rec')}</td><td>{_value(d.field, d.expected, 'exp')}</td>"
+            f"<td>{_rule(d.rule)}</td><td class=\"num\">{st.count:,}</td></tr>"]
     more = []
     if i == p.head_story:
         more.append('<div class="first-tag">first divergence: the likely cause of what follows</div>')
@@ -472,8 +503,9 @@ def _story_rows(p: _Page, i: int, st: Story, index: dict) -> str:
         for f in st.folds:
             fd = f.first
             items.append(f"<li>+ {f.count} more <b>{e(fd.field)}</b>" + _steps_text((f.first_step, f.last_step))
-                         + f" · {_rule(fd.rule, inline=True)} · first: {p.rec} {_value(fd.recorded, 'rec')}, "
-                         f"{p.exp} {_value(fd.expected, 'exp')}"
+                         + f" · {_rule(fd.rule, inline=True)} · first: {p.rec} "
+                         f"{_value(fd.field, fd.recorded, 'rec')}, "
+                         f"{p.exp} {_value(fd.field, fd.expected, 'exp')}"
                          + (f" <span class=\"muted\">(line {fd.line})</span>" if fd.line is not None else "")
                          + "</li>")
         more.append(f'<details class="folds"><summary>{summary}</summary><ul>{"".join(items)}</ul></details>')
@@ -510,20 +542,23 @@ def _rule(rule: str, full: bool = False, inline: bool = False) -> str:
             f'<div class="rule-text">{e(text)}</div>')
 
 
-def _value(v: Any, cls: str) -> str:
-    """A value in full when it is text (a kv-content finding is a sentence);
-    a long list is cut, with the whole of it as a tooltip."""
+def _value(field: str, v: Any, cls: str) -> str:
+    """A value of ``field`` in the terminal's words (``failures.value_text``);
+    in full when it is text (a kv-content finding is a sentence), else cut
+    at ``VALUE_CHARS`` with the whole of it as a tooltip."""
     e = html.escape
     if isinstance(v, str):
         return f'<span class="{cls}">{e(v)}</span>'
-    short = format_value(v, VALUE_CHARS)
-    whole = format_value(v, 4000)
+    whole = value_text(field, v)
+    short = _plain(field, v)
     tip = f' title="{e(whole)}"' if whole != short else ""
     return f'<span class="{cls}"{tip}>{e(short)}</span>'
 
 
-def _plain(v: Any) -> str:
-    return v if isinstance(v, str) else format_value(v, VALUE_CHARS)
+def _plain(field: str, v: Any) -> str:
+    """A value in the terminal's words, cut at ``VALUE_CHARS``."""
+    text = value_text(field, v)
+    return text if len(text) <= VALUE_CHARS else text[:VALUE_CHARS - 1] + "…"
 
 
 def _req(req: str | None) -> str:
@@ -591,7 +626,7 @@ def _request_card(p: _Page, tl: RequestTimeline, divs: list[Divergence]) -> str:
     zoom = (f' <button class="zoom-to" type="button" data-from="{max(0, tl.arrival_step - 1)}" '
             f'data-to="{min(p.steps, end + 1)}">zoom to steps {tl.arrival_step}–{end}</button>')
     out = [f'<div class="{cls}" id="req-{tl.index}" data-req="{e(tl.req)}">',
-           f"<h3>{e(tl.req)}" + (f' <span class="badge">{len(divs)} divergence'
+           f"<h3>{e(tl.req)}" + (f' <span class="badge">{len(divs):,} divergence'
                                   f'{_s(len(divs))}</span>' if divs else "") + zoom + "</h3>",
            f'<p class="meta">arrived before step {tl.arrival_step} · prompt {tl.prompt_len} tokens · '
            f"max_tokens {tl.max_tokens} · priority {tl.priority} · scheduled in {tl.steps_scheduled} steps "
@@ -700,6 +735,7 @@ main{padding:0 24px 40px;max-width:1180px}
 .headline .first-div{font-size:15px}
 .headline .label{background:#222;color:#fff;border-radius:3px;padding:0 6px;font-size:12px;margin-right:4px}
 .headline .rule{color:#444}
+.headline .stop{color:var(--bad);font-weight:600}
 .jump a{font-weight:600}
 .why{color:#1a5e2a}
 #axis{position:sticky;top:0;z-index:5;background:#fafafa;border-bottom:1px solid #ddd;padding:6px 0;display:flex;align-items:center;gap:8px;flex-wrap:wrap}

@@ -200,14 +200,14 @@ def print_request(s: RunSummary, tl: RequestTimeline, console: Console,
                       f"{tl.legacy.num_external_computed_tokens}")
     if tl.prefill_stats is None and tl.legacy is None:
         console.print(Text("prompt stats: none recorded", style="dim"))
-    if note:
-        console.print(Text(f"divergences: {note}", style="yellow"))
-    elif divergences is not None:
+    if divergences is not None:
         steps = {d.step for d in mine}
         console.print(Text(
             f"divergences: {len(mine)} at {len(steps)} step{'s' if len(steps) != 1 else ''}, "
             f"marked ! (kvtrace replay --request {tl.req} tells each whole)" if mine
             else "divergences: none (replayed)", style="bold red" if mine else "dim"))
+    if note:   # why none are marked, or where the replay stopped short of the end
+        console.print(Text(f"divergences: {note}", style="yellow"))
 
 
 _MARK_STYLE = {"preempted": "bold yellow", "load": "cyan", "async-wait": "cyan", "load-done": "cyan",

@@ -17,8 +17,9 @@ from rich.segment import Segment
 from rich.text import Text
 
 from .._text import CONTROL_ESCAPES_BUT_LAYOUT, path_text
-from ..findings import Divergence, Story, first_per_request, stories
-from .failures import first_line, print_stories, print_wrapped, rule_parts
+from ..findings import Divergence, Story, Told, first_per_request, stories, tell
+from .failures import (causes_line, count, divergences_text, first_line, left_out,
+                       print_stories, print_wrapped, steps_text, stop_brief, stop_text)
 from ..outputs import blamed_on, silence
 
 MAX_ROWS = 50
@@ -29,13 +30,18 @@ MAX_VALUE_CHARS = 48
 @dataclass(slots=True)
 class ReplayView:
     """What a replay's terminal report shows: the stories of the divergences
-    selected (all, or those of --request and --field), the one to read first,
-    at most how many stories, and the selection in words (None: all)."""
+    selected (all, or those of --request and --field), the one to read first
+    and why (``told``: of every divergence, whatever is selected), at most
+    how many stories, and the selection in words (None: all)."""
 
     stories: list[Story] = field(default_factory=list)
-    headline: Divergence | None = None
+    told: Told | None = None
     max_stories: int | None = None
     filtered: str | None = None
+
+    @property
+    def headline(self) -> Divergence | None:
+        return self.told.headline if self.told is not None else None
 
 
 class _PlainConsole(Console):
@@ -127,14 +133,15 @@ def replayed_up_to(truncation: str | None, verb: str = "replayed") -> str | None
     return f"{verb} up to the cut: {truncation}"
 
 
-def _trace_line(path: str, header: Any, steps: Any, profile: str | None = None) -> str:
+def _trace_line(path: str, header: Any, steps: str | None, profile: str | None = None) -> str:
+    """The trace, its engine, the profile followed and ``steps`` (in words)."""
     engine = getattr(header, "engine", "?")
     version = getattr(header, "engine_version", "")
     parts = [str(path), f"engine {engine} {version}".rstrip()]
     if profile is not None:
         parts.append(f"profile {profile}")
     if steps is not None:
-        parts.append(f"{steps} steps")
+        parts.append(steps)
     return " · ".join(parts)
 
 
@@ -143,21 +150,26 @@ def _trace_line(path: str, header: Any, steps: Any, profile: str | None = None) 
 
 def print_replay(result: Any, path: str, view: "ReplayView",
                  console: Console | None = None) -> None:
-    """The verdict and the first divergence, then one block per diverging
-    request (``view.stories``), then the notes and a closing line."""
+    """The verdict and the first divergence, where replay stopped before the
+    trace's end, then one block per diverging request (``view.stories``),
+    then the notes and a closing line."""
     console = console or make_console()
     divs: list[Divergence] = list(result.divergences)
     steps = getattr(result, "steps", None)
+    stop = stop_text(result)
     if divs:
-        print_wrapped(console, f"FAILED: {_replay_summary(divs, steps, brief=True)}", "bold red")
+        print_wrapped(console, f"FAILED: {divergences_text(divs)}", "bold red")
         if view.headline is not None:
             print_wrapped(console, "first: " + first_line(view.headline, with_line=True), "red")
-        line = causes_line(view.stories)
+        line = causes_line(view.told.stories if view.told is not None else view.stories)
         if line:
             print_wrapped(console, line, "red")
     else:   # the verdict first, as with divergences
-        print_wrapped(console, _replay_summary(divs, steps), "yellow" if steps == 0 else "green")
-    print_wrapped(console, _trace_line(path, result.header, steps,
+        print_wrapped(console, _replay_summary(divs, steps, stopped=stop is not None),
+                      "bold red" if stop else "yellow" if steps == 0 else "green")
+    if stop:
+        print_wrapped(console, stop, "bold red")
+    print_wrapped(console, _trace_line(path, result.header, steps_text(result),
                                        getattr(result, "profile", None)), "bold")
     for note in (getattr(result, "profile_note", None),
                  _prefixed("truncated: ", replayed_up_to(getattr(result, "truncation", None))),
@@ -177,9 +189,11 @@ def print_replay(result: Any, path: str, view: "ReplayView",
                                    "one, --json all", "yellow")
         print_wrapped(console, "kvtrace explain RULE tells what a rule encodes, with an "
                                "example; kvtrace show TRACE --step N shows a step.", "dim")
-        print_wrapped(console, _replay_summary(divs, steps, first=view.headline), "red")
+        print_wrapped(console, _closing(result, view.headline), "red")
+    elif stop:
+        print_wrapped(console, _closing(result, None), "red")
     fault = (getattr(result.header, "meta", None) or {}).get("fault")
-    if fault and not divs and steps:
+    if fault and not divs and steps and not stop:
         print_wrapped(console, f"note: this trace was recorded with the fault {fault} planted, "
                                "and replay found nothing: either the fault never fired in "
                                "this workload (record says so when it does not), or replay "
@@ -189,45 +203,8 @@ def print_replay(result: Any, path: str, view: "ReplayView",
         console.print(Text(line))
 
 
-def causes_line(told: list[Story], most: int = 3) -> str | None:
-    """The pattern, when more than one request diverges: the likely causes
-    (stories that follow from no other), by field and rule, and how many more
-    requests may follow from them: "likely causes: kv_load (rule I9) in 10
-    requests; 3 more requests may follow from them"."""
-    reqs = [s for s in told if s.req is not None]
-    if len(reqs) < 2:
-        return None
-    counts: dict[tuple[str, str], int] = {}
-    for s in reqs:
-        if s.after is None:
-            key = (s.cause.field, rule_parts(s.cause.rule)[0])
-            counts[key] = counts.get(key, 0) + 1
-    ranked = sorted(counts.items(), key=lambda kv: -kv[1])
-    said = [field + (f" (rule {rid})" if rid and rid != field else "") + f" in {n}"
-            for (field, rid), n in ranked[:most]]
-    if len(ranked) > most:
-        said.append(f"other fields in {sum(n for _, n in ranked[most:])}")
-    roots = sum(counts.values())
-    follow = len(reqs) - roots
-    line = (f"likely cause{'s' if roots != 1 else ''}: " + ", ".join(said)
-            + f" request{'s' if roots != 1 else ''}")
-    if follow:
-        line += (f"; {follow} more request{'s' if follow != 1 else ''} may follow from "
-                 f"{'them' if roots != 1 else 'it'}")
-    return line
-
-
 def _prefixed(prefix: str, text: str | None) -> str | None:
     return None if text is None else prefix + text
-
-
-def left_out(rest: list[Story]) -> str | None:
-    """Stories not shown, in words: "3 more requests and the step-wide counts"."""
-    n = sum(1 for s in rest if s.req is not None)
-    parts = [f"{n} more request{'s' if n != 1 else ''}"] if n else []
-    if any(s.req is None for s in rest):
-        parts.append("the step-wide counts")
-    return " and ".join(parts) or None
 
 
 def print_rerun(run: Any, out: str, first: dict | None, result: Any,
@@ -240,6 +217,9 @@ def print_rerun(run: Any, out: str, first: dict | None, result: Any,
     console = console or make_console()
     console.print(f"replayed through {run.scheduler_cls} (vLLM {run.vllm_version}): "
                   f"{run.steps} steps in {run.seconds:.2f} s; its decisions are in {out}")
+    stop = rerun_stop(run, result)
+    if stop:
+        print_wrapped(console, stop, "bold red")
     for note in [*run.notes, *run.unanswered_lookups[:5], *run.unused_lookups[:5],
                  *run.dropped_samples[:5]]:
         console.print(f"note: {note}")
@@ -252,7 +232,9 @@ def print_rerun(run: Any, out: str, first: dict | None, result: Any,
                       f"{said(first['recorded'])}, this scheduler {said(first['vllm'])}",
                       style="red")
     else:
-        console.print("every step: the same decisions as recorded", style="green")
+        console.print(f"the {count(run.steps, 'step')} replayed: the same decisions as recorded"
+                      if stop else "every step: the same decisions as recorded",
+                      style="yellow" if stop else "green")
     print_diff(result, console)
     _print_audit(console, data_path or [], audit)
 
@@ -271,10 +253,24 @@ def _print_audit(console: Console, divs: list, audit: dict | None) -> None:
                        if divs else "data path: no divergence", style="red" if divs else "green"))
 
 
+def rerun_stop(run: Any, result: Any) -> str | None:
+    """Where the scheduler under test stopped before the trace's end, in
+    words; None when it replayed the whole trace."""
+    if not getattr(run, "stopped", None):
+        return None
+    in_trace = getattr(result, "steps_a", None)
+    left = f"; {run.steps:,} of the trace's {count(in_trace, 'step')} replayed" \
+        if in_trace is not None else ""
+    return f"replay stopped: the scheduler raised {run.stopped}{left}"
+
+
 def rerun_json(result: Any, first: dict | None, data_path: list | None = None,
-               audit: dict | None = None) -> bytes:
+               audit: dict | None = None, run: Any = None) -> bytes:
     doc = result.to_json()
     doc["first_step_difference"] = first
+    if run is not None:   # the scheduler under test: how far it went, where it stopped
+        doc["steps_checked"] = run.steps
+        doc["stopped"] = getattr(run, "stopped", None)
     if audit:
         doc["kv_audit"] = audit
         doc["data_path_divergences"] = [d.to_json() for d in data_path or []]
@@ -301,34 +297,53 @@ def end_note(end: Any) -> str | None:
 
 
 def _replay_summary(divs: list[Divergence], steps: int | None = None,
-                    brief: bool = False, first: Divergence | None = None) -> str:
+                    first: Divergence | None = None, stopped: bool = False) -> str:
+    """The verdict in one line: the counts and, where there are divergences,
+    the one to read first (``first``, the headline: ``kvtrace.findings.tell``)."""
+    if not divs and stopped:
+        return (f"STOPPED: no divergence in the {count(steps or 0, 'step')} checked, but "
+                "replay stopped before the trace's end")
     if not divs and steps == 0:
         return "nothing to check: the trace holds no step (a recorder that captured nothing?)"
     if not divs:
         return "no divergence: the trace matches the reference scheduler"
-    reqs = {d.req for d in divs if d.req is not None}
-    if brief:
-        return (f"{len(divs):,} divergence{'s' if len(divs) != 1 else ''} in {len(reqs)} "
-                f"request{'s' if len(reqs) != 1 else ''}")
-    first = first or _first(divs)
-    where = f"step {first.step}" if first.step is not None else "outside any step"
-    who = f", request {first.req}" if first.req is not None else ""
-    return (f"{len(divs):,} divergence{'s' if len(divs) != 1 else ''} in {len(reqs)} "
-            f"request{'s' if len(reqs) != 1 else ''}; first at {where}{who}, field {first.field}")
+    line = divergences_text(divs)
+    if first is not None:
+        where = f"step {first.step}" if first.step is not None else "outside any step"
+        who = f", request {first.req}" if first.req is not None else ""
+        line += f"; first at {where}{who}, field {first.field}"
+    return line
 
 
-def _first(divs: list[Divergence]) -> Divergence | None:
-    """The earliest divergence in record order: lowest sequence number, then
-    lowest step. (Under async scheduling the output record of step N comes after
-    the record of step N+1, so the lowest step is not always the earliest.)"""
-    if not divs:
+def _closing(result: Any, first: Divergence | None) -> str:
+    """A replay's last line: the verdict, and where replay stopped, if it did."""
+    stop = stop_brief(result)
+    line = _replay_summary(list(result.divergences), result.steps, first, stop is not None)
+    return f"{line}; {stop}" if stop and result.divergences else line
+
+
+def likely_cause_json(told: Told | None) -> dict | None:
+    """The divergence to read first, as ``--json`` gives it: the divergence's
+    own fields, how its expected value comes about (``derivation``) and why it
+    comes first (``why_first``)."""
+    if told is None or told.headline is None:
         return None
-    return min(divs, key=lambda d: (d.seq is None, d.seq or 0, d.step is None, d.step or 0))
+    d = told.headline
+    return {**d.to_json(), "derivation": d.why, "why_first": told.why}
 
 
-def replay_json(result: Any, path: str, keep=None) -> bytes:
-    """The replay as JSON; ``keep`` selects the divergences listed (all when None)."""
+def replay_json(result: Any, path: str, keep=None, told: Told | None = None) -> bytes:
+    """The replay as JSON; ``keep`` selects the divergences listed (all when None).
+    ``told``: the divergences' stories and headline (``kvtrace.findings.tell``;
+    told here when not given)."""
+    return _dumps(_replay_doc(result, path, keep, told))
+
+
+def _replay_doc(result: Any, path: str, keep=None, told: Told | None = None) -> dict:
     header = result.header
+    if told is None:
+        told = tell(list(result.divergences))
+    stop = getattr(result, "stopped_at", None)
     doc = {
         "trace": path_text(path),
         "engine": getattr(header, "engine", None),
@@ -336,19 +351,24 @@ def replay_json(result: Any, path: str, keep=None) -> bytes:
         "profile": getattr(result, "profile", None),
         "profile_note": getattr(result, "profile_note", None),
         "steps": getattr(result, "steps", None),
+        "steps_checked": getattr(result, "steps", None),
+        "steps_in_trace": getattr(result, "steps_in_trace", None),
+        "stopped_at": None if stop is None else stop.to_json(),
         "truncation": getattr(result, "truncation", None),
+        "likely_cause": likely_cause_json(told),
         "divergences": [d.to_json() for d in first_per_request(list(result.divergences))
                         if keep is None or keep(d)],
     }
     if getattr(result, "audit", None):
         doc["kv_audit"] = result.audit
-    return _dumps(doc)
+    return doc
 
 
-def print_replay_many(results: list, select, console: Console | None = None) -> None:
+def print_replay_many(results: list, views: dict, max_stories: int | None,
+                      console: Console | None = None) -> None:
     """Several traces replayed together: a line per trace, then the stories of
     every trace's divergences, each request named with its trace's file name.
-    ``select`` keeps divergences (``keep``) and makes the view (``view``)."""
+    ``views``: each replayed trace's ReplayView, by path."""
     console = console or make_console()
     names = _names_of([str(p) for p, _, _ in results])
     told: list[tuple[str, Story]] = []   # each trace's stories, trace by trace
@@ -356,19 +376,25 @@ def print_replay_many(results: list, select, console: Console | None = None) -> 
         if error:
             print_wrapped(console, f"{path}: unusable: {error}", "red")
             continue
-        line = _trace_line(path, result.header, result.steps, getattr(result, "profile", None))
+        view = views[str(path)]
+        line = _trace_line(path, result.header, steps_text(result),
+                           getattr(result, "profile", None))
         note = replayed_up_to(result.truncation)
-        print_wrapped(console, f"{line}: {_replay_summary(result.divergences, result.steps)}"
+        stop = stop_text(result)
+        verdict = _replay_summary(result.divergences, result.steps, view.headline, stop is not None)
+        print_wrapped(console, f"{line}: {verdict}"
                       + (f" (truncated: {note})" if note else ""),
-                      "red" if result.divergences else "green")
-        told.extend((names[str(path)], s) for s in select.view(result.divergences).stories)
-    shown = print_stories(console, told, select.max_stories)
+                      "red" if result.divergences or stop else "green")
+        if stop:
+            print_wrapped(console, stop, "bold red")
+        told.extend((names[str(path)], s) for s in view.stories)
+    shown = print_stories(console, told, max_stories)
     rest = left_out([s for _, s in told[shown:]])
     if rest:
         console.print()
         print_wrapped(console, f"{rest} also diverge: --max N shows more, --json all", "yellow")
-    bad = sum(1 for _, r, e in results if e or r.divergences)
-    console.print(Text(f"{len(results)} traces, {bad} with divergences or unusable",
+    bad = sum(1 for _, r, e in results if e or r.divergences or r.stopped_at)
+    console.print(Text(f"{len(results)} traces, {bad} with divergences, stopped or unusable",
                        style="red" if bad else "green"))
 
 
@@ -379,13 +405,16 @@ def _names_of(paths: list[str]) -> dict[str, str]:
     return {p: b if base.count(b) == 1 else p for p, b in zip(paths, base)}
 
 
-def replay_many_json(results: list, keep=None) -> bytes:
+def replay_many_json(results: list, keep=None, views: dict | None = None) -> bytes:
+    """Several traces' replays as JSON; ``views``: each one's ReplayView, by path."""
     docs = []
     for path, result, error in results:
         if error:
             docs.append({"trace": path_text(path), "error": error})
         else:
-            docs.append(orjson.loads(replay_json(result, str(path), keep)))
+            view = (views or {}).get(str(path))
+            docs.append(_replay_doc(result, str(path), keep,
+                                    view.told if view is not None else None))
     return _dumps({"traces": docs})
 
 
@@ -398,7 +427,7 @@ def print_diff(result: Any, console: Console | None = None, max_rows: int = MAX_
         ("A", result.path_a, result.header_a, result.steps_a, result.truncation_a, result.end_a),
         ("B", result.path_b, result.header_b, result.steps_b, result.truncation_b, result.end_b),
     ):
-        console.print(Text(f"{tag}: {_trace_line(path, header, steps)}", style="bold"))
+        console.print(Text(f"{tag}: {_trace_line(path, header, None if steps is None else count(steps, 'step'))}", style="bold"))
         if trunc:
             console.print(Text(f"   truncated: {replayed_up_to(trunc, 'read')}",
                                style="yellow"))
