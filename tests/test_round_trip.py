@@ -46,7 +46,9 @@ def _filled_features() -> ev.SchedulerFeatures:
         if isinstance(t, msgspec.inspect.ListType) and isinstance(t.item_type,
                                                                   msgspec.inspect.StructType):
             d[f.name] = [{"kind": "SlidingWindowSpec", "block_size": 16, "sliding_window": 32,
-                          "admission_blocks": 4, "layers": ["layers.0"]}]
+                          "admission_blocks": 4, "layers": ["layers.0"], "mamba_type": "mamba2",
+                          "mamba_cache_mode": "align", "num_speculative_blocks": 2,
+                          "num_prefill_checkpoint_blocks": 1, "prefill_checkpoint_alignment": 1}]
         elif isinstance(t, msgspec.inspect.ListType):
             d[f.name] = [values[t.item_type.cls]] if hasattr(t.item_type, "cls") else \
                 ["x" if isinstance(t.item_type, msgspec.inspect.StrType) else 3]

@@ -123,16 +123,26 @@ class SchedulerConfig(Struct):   # every field written: a reader sees the whole 
 
 class KVCacheGroup(_Part):
     """One KV-cache group: its spec's kind (vLLM's class name: ``FullAttentionSpec``,
-    ``SlidingWindowSpec`` ...), its block size, its window for a sliding-window
-    group, the most blocks an admission reserves for one request in a group
-    that recycles its blocks (vLLM's ``max_admission_blocks_per_request``), and
-    its layers."""
+    ``SlidingWindowSpec``, ``MambaSpec`` ...), its block size, its window for a
+    sliding-window group, the most blocks an admission reserves for one request
+    in a group that recycles its blocks (vLLM's ``max_admission_blocks_per_request``),
+    and its layers. A state group (``MambaSpec``: Mamba, Mamba2, gated delta net
+    and other linear-attention layers) also names its ``mamba_type``, its cache
+    mode (``align``: a state kept at block boundaries for prefix caching;
+    ``none``: one state per request), and the blocks its spec adds per request
+    for speculative decoding and for a prefill checkpoint."""
 
     kind: str
     block_size: Positive
     sliding_window: Positive | None = None
     admission_blocks: Positive | None = None
     layers: list[str] = []
+    # State groups (MambaSpec) only
+    mamba_type: str | None = None
+    mamba_cache_mode: Literal["align", "none"] | None = None
+    num_speculative_blocks: Count | None = None
+    num_prefill_checkpoint_blocks: Count | None = None
+    prefill_checkpoint_alignment: Positive | None = None
 
 
 class SchedulerFeatures(_Part, forbid_unknown_fields=False):
@@ -164,6 +174,9 @@ class SchedulerFeatures(_Part, forbid_unknown_fields=False):
     # prefix_cache_retention_dense, a window ending on every aligned boundary.
     prefix_cache_retention_interval: Count | None = None
     prefix_cache_retention_dense: bool | None = None
+    # A state group also keeps the state where two prompts' shared prefix ends
+    # (vLLM's enable_mamba_shared_prefix_checkpoint; absent: off).
+    enable_mamba_shared_prefix_checkpoint: bool | None = None
     prefix_caching_hash_algo: str | None = None
     prefix_replay_tokens: Count | None = None
     # KV connector
