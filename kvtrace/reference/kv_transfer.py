@@ -49,7 +49,7 @@ class KVTransfer:
         if r.num_computed_tokens == r.num_tokens and not (failed and legacy):
             r.num_computed_tokens = r.num_tokens - 1
         if legacy and not failed and r.legacy_num_cached_tokens < 0:
-            r.legacy_num_cached_tokens = r.num_computed_tokens   # 0.18: set once the load is in
+            r.legacy_num_cached_tokens = r.num_computed_tokens   # 0.18 scheduler.py:2045-2046
             r.legacy_cached_from = len(r.lookup_history) - 1
 
     def _transfers_finished(self, model: ModelOutput) -> None:
