@@ -95,32 +95,21 @@ def _check_supported(header: ev.Header, path, profile: Profile) -> None:
 
 
 def _profile_refusal(header: ev.Header, profile: Profile) -> str | None:
-    """Why the trace cannot be replayed under ``profile``, or None: async
-    scheduling under a profile that does not model it; block hashes that
-    cannot be reproduced. vLLM 0.33
-    hashes each EAGLE block with the token after it, by default, where prefix
-    caching is on and no connector is (config/vllm.py:678-692); a 0.33 trace
-    must say whether it did (``num_hash_lookahead_tokens``, written by this
-    kvtrace's recorder). A prompt of embeddings keys a block by its rows, and
-    the trace's digests do not cover the rows after a block."""
+    """Why the trace cannot be replayed under ``profile``, or None: what the
+    reference refuses under it (``baseline.REFUSED``), and block hashes that
+    cannot be reproduced. vLLM 0.33 hashes each EAGLE block with the token
+    after it, by default, where prefix caching is on and no connector is
+    (config/vllm.py:678-692); a 0.33 trace must say whether it did
+    (``num_hash_lookahead_tokens``, written by this kvtrace's recorder)."""
     f = header.features
-    if f.kv_cache_groups and not profile.hybrid_kv_modelled:
-        return (f"sliding-window KV-cache groups under the {profile.name} profile "
-                f"({profile.releases}): the reference models vLLM 0.32's and 0.33's hybrid "
-                "KV-cache manager only")
-    if f.async_scheduling and not profile.async_scheduling_modelled:
-        return (f"async scheduling under the {profile.name} profile ({profile.releases}): "
-                "its AsyncScheduler keeps a preempted request's output placeholders, which "
-                "the reference does not model; replay it with --scheduler vllm")
-    lookahead = f.num_hash_lookahead_tokens
-    if (lookahead is None and profile.name == "0.33" and f.use_eagle
+    why = baseline.profile_refusal(f, header.config.block_size, profile)
+    if why is not None:
+        return why
+    if (f.num_hash_lookahead_tokens is None and profile.name == "0.33" and f.use_eagle
             and header.config.enable_prefix_caching and header.config.connector is None):
         return ("this vLLM 0.33 trace of EAGLE with prefix caching does not say whether its "
                 "block hashes cover the token after each block (num_hash_lookahead_tokens): "
                 "record it again with this kvtrace")
-    if lookahead and f.prompt_embeds:
-        return ("prompt embeddings with lookahead block hashes (num_hash_lookahead_tokens="
-                f"{lookahead}): the trace's digests do not cover the rows after each block")
     return None
 
 
