@@ -155,3 +155,42 @@ def test_the_replay_guide_says_sliding_window_and_hybrid_models_replay():
     refused = guide.split("rather than replayed into false divergences", 1)[1].split(". ", 1)[0]
     assert "hybrid" not in refused and "sliding-window, " not in refused
     assert "Models with sliding-window layers are modelled" in guide
+
+
+# --------------------------------------------------------------------------- README's promises
+
+
+def _readme() -> str:
+    return " ".join((ROOT / "README.md").read_text().split())
+
+
+def test_the_readme_says_report_exits_1_on_divergences_as_it_does(tmp_path, capsys):
+    from kvtrace import cli
+
+    row = _readme().split("| 1 |", 1)[1].split("|", 1)[0]   # what exit code 1 means
+    assert "`report`" in row and "divergences" in row
+    trace = ROOT / "traces" / "faults" / "free-before-send.jsonl.gz"
+    assert cli.run(["report", str(trace), "-o", str(tmp_path / "r.html")]) == 1
+    assert cli.run(["report", str(ROOT / "traces" / "preemption.jsonl.gz"), "-o",
+                    str(tmp_path / "ok.html")]) == 0
+    capsys.readouterr()
+
+
+def test_the_readme_says_traces_are_written_0600_as_they_are(tmp_path, capsys):
+    import os
+    import stat
+
+    from kvtrace import cli
+
+    said = re.search(r"kvtrace writes one \(([^)]*)\) with mode 0600", _readme())
+    assert said and said.group(1) == "`record`, `replay -o`, `redact`"
+    old = os.umask(0o022)
+    try:
+        rec, out, red = tmp_path / "a.jsonl.gz", tmp_path / "b.jsonl.gz", tmp_path / "c.jsonl.gz"
+        assert cli.run(["record", "-o", str(rec), "--workload", "offload", "--requests", "4"]) == 0
+        assert cli.run(["replay", "--device", "cpu", "-o", str(out), str(rec)]) in (0, 1)
+        assert cli.run(["redact", str(rec), str(red)]) == 0
+    finally:
+        os.umask(old)
+    capsys.readouterr()
+    assert [stat.S_IMODE(p.stat().st_mode) for p in (rec, out, red)] == [0o600] * 3
