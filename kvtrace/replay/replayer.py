@@ -18,7 +18,7 @@ from itertools import chain
 import msgspec
 
 from kvtrace import baseline, bridge
-from kvtrace._text import path_text
+from kvtrace._text import count, path_text
 from kvtrace.findings import Divergence, Stop
 from kvtrace.outputs import Output
 from kvtrace.reference import Request, RequestOutput, Scheduler, SchedulerAssertion, SchedulerOutput, Status
@@ -78,10 +78,10 @@ def _check_fits(header: ev.Header, path) -> None:
     except (ValueError, OSError):
         return
     if need > have // 2:
-        raise TraceError(path, 1, f"the shadow-KV check of this KV cache ({cfg.num_blocks} blocks of "
-                                  f"{cfg.block_size} slots) needs {need / 2**30:.1f} GiB, more than "
-                                  f"half of this machine's {have / 2**30:.1f} GiB: replay it with "
-                                  "--no-kv-check")
+        raise TraceError(path, 1, "the shadow-KV check of this KV cache "
+                                  f"({count(cfg.num_blocks, 'block')} of {count(cfg.block_size, 'slot')}) "
+                                  f"needs {need / 2**30:.1f} GiB, more than half of this machine's "
+                                  f"{have / 2**30:.1f} GiB: replay it with --no-kv-check")
 
 
 def _check_supported(header: ev.Header, path, profile: Profile) -> None:
