@@ -70,6 +70,7 @@ def test_a_tuple_valued_finding_names_its_parts():
     assert value_text("prefill_stats", [1024, 0, 4096]) == "local 1,024, external 0, prompt 4,096"
     assert value_text("num_free_blocks", 67359) == "67,359"
     assert value_text("state.num_computed_tokens", "<= 12345") == "<= 12,345"
+    assert value_text("lookup.local", 2048) == "2,048"
     assert value_text("block_ids", [1234, 1235]) == "[1234, 1235]"   # ids, not counts
 
 

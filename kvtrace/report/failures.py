@@ -41,7 +41,7 @@ _PARTS = {
 # A field whose whole-number value counts something (tokens, blocks, steps,
 # requests): thousands separated. Ids (block ids, token ids, steps) are not.
 _COUNTED = re.compile(r"tokens|^num_|\.num_|_len$|^blocks$|^scheduled$|preemptions|free_blocks"
-                      r"|budget|size$")
+                      r"|budget|size$|^lookup\.(?:local|ext)$")
 # An expected bound, as the checks write one: "<= 12345", ">= 4".
 _BOUND = re.compile(r"^([<>]=?) (-?\d+)$")
 
