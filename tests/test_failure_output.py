@@ -134,7 +134,9 @@ def test_every_derivation_states_the_expected_value(faults):
         for d in replay_file(path, device=None).divergences:
             if d.why and "=" in d.why.split(":")[0]:
                 lhs = d.why.split(" = ")[0]
-                assert lhs == str(d.expected), (d, d.why)
+                shown = (f"({', '.join(f'{x:,}' for x in d.expected)})"
+                         if isinstance(d.expected, tuple) else f"{d.expected:,}")
+                assert lhs == shown, (d, d.why)
                 # the terms on the right add up to it
                 terms = re.findall(r"([+-]) [a-z -]*?(\d+)(?= |$|\))", " + " + d.why.split(" = ", 1)[1])
                 if terms and "budget" not in d.why and "remains" not in d.why:

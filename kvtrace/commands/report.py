@@ -143,7 +143,9 @@ def export(trace: Path, fmt: str, out: str, divergences: bool) -> int:
         done = write_tables(trace, out, divs, fmt=fmt, progress=advance)
     if done.truncation:
         say(f"{trace}: {replayed_up_to(done.truncation, verb='exported')}")
-    echo(f"wrote {out}: {len(done.rows)} tables, {sum(done.rows.values()):,} rows")
+    from kvtrace._text import count
+
+    echo(f"wrote {out}: {count(len(done.rows), 'table')}, {count(sum(done.rows.values()), 'row')}")
     return EXIT_OK
 
 

@@ -425,7 +425,7 @@ def step_invariants(rec: ev.Step, cfg: ev.SchedulerConfig, prev_preemptions: dic
         if (s.status in ("WAITING", "PREEMPTED") and (s.num_computed_tokens == 0) != (not s.block_ids)
                 and not loaded_one):
             d(s.req, "state.num_computed_tokens", (s.status, s.num_computed_tokens, len(s.block_ids)),
-              "c == 0 and no blocks, or a completed async load",
+              "num_computed_tokens 0 and no blocks, or a completed async load",
               "I4: a waiting or preempted request holds nothing")
         before = prev_preemptions.get(s.req, 0)
         want = before + 1 if preempted and s.req in preempted else before

@@ -18,7 +18,7 @@ from itertools import chain
 import msgspec
 
 from kvtrace import baseline, bridge
-from kvtrace._text import path_text
+from kvtrace._text import count, path_text
 from kvtrace.findings import Divergence, Stop
 from kvtrace.outputs import Output
 from kvtrace.reference import Request, RequestOutput, Scheduler, SchedulerAssertion, SchedulerOutput, Status
@@ -78,10 +78,10 @@ def _check_fits(header: ev.Header, path) -> None:
     except (ValueError, OSError):
         return
     if need > have // 2:
-        raise TraceError(path, 1, f"the shadow-KV check of this KV cache ({cfg.num_blocks} blocks of "
-                                  f"{cfg.block_size} slots) needs {need / 2**30:.1f} GiB, more than "
-                                  f"half of this machine's {have / 2**30:.1f} GiB: replay it with "
-                                  "--no-kv-check")
+        raise TraceError(path, 1, "the shadow-KV check of this KV cache "
+                                  f"({count(cfg.num_blocks, 'block')} of {count(cfg.block_size, 'slot')}) "
+                                  f"needs {need / 2**30:.1f} GiB, more than half of this machine's "
+                                  f"{have / 2**30:.1f} GiB: replay it with --no-kv-check")
 
 
 def _check_supported(header: ev.Header, path, profile: Profile) -> None:
@@ -95,32 +95,21 @@ def _check_supported(header: ev.Header, path, profile: Profile) -> None:
 
 
 def _profile_refusal(header: ev.Header, profile: Profile) -> str | None:
-    """Why the trace cannot be replayed under ``profile``, or None: async
-    scheduling under a profile that does not model it; block hashes that
-    cannot be reproduced. vLLM 0.33
-    hashes each EAGLE block with the token after it, by default, where prefix
-    caching is on and no connector is (config/vllm.py:678-692); a 0.33 trace
-    must say whether it did (``num_hash_lookahead_tokens``, written by this
-    kvtrace's recorder). A prompt of embeddings keys a block by its rows, and
-    the trace's digests do not cover the rows after a block."""
+    """Why the trace cannot be replayed under ``profile``, or None: what the
+    reference refuses under it (``baseline.REFUSED``), and block hashes that
+    cannot be reproduced. vLLM 0.33 hashes each EAGLE block with the token
+    after it, by default, where prefix caching is on and no connector is
+    (config/vllm.py:678-692); a 0.33 trace must say whether it did
+    (``num_hash_lookahead_tokens``, written by this kvtrace's recorder)."""
     f = header.features
-    if f.kv_cache_groups and not profile.hybrid_kv_modelled:
-        return (f"sliding-window KV-cache groups under the {profile.name} profile "
-                f"({profile.releases}): the reference models vLLM 0.32's and 0.33's hybrid "
-                "KV-cache manager only")
-    if f.async_scheduling and not profile.async_scheduling_modelled:
-        return (f"async scheduling under the {profile.name} profile ({profile.releases}): "
-                "its AsyncScheduler keeps a preempted request's output placeholders, which "
-                "the reference does not model; replay it with --scheduler vllm")
-    lookahead = f.num_hash_lookahead_tokens
-    if (lookahead is None and profile.name == "0.33" and f.use_eagle
+    why = baseline.profile_refusal(f, header.config.block_size, profile)
+    if why is not None:
+        return why
+    if (f.num_hash_lookahead_tokens is None and profile.name == "0.33" and f.use_eagle
             and header.config.enable_prefix_caching and header.config.connector is None):
         return ("this vLLM 0.33 trace of EAGLE with prefix caching does not say whether its "
                 "block hashes cover the token after each block (num_hash_lookahead_tokens): "
                 "record it again with this kvtrace")
-    if lookahead and f.prompt_embeds:
-        return ("prompt embeddings with lookahead block hashes (num_hash_lookahead_tokens="
-                f"{lookahead}): the trace's digests do not cover the rows after each block")
     return None
 
 

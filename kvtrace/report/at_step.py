@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from .._text import count
 from ..trace import events as ev
 from ..trace.io import TraceReader
 
@@ -56,9 +57,10 @@ def one_request(request: str, ids: list[str], path, where: str, total: int) -> s
     if len(matches) == 1:
         return matches[0]
     if not matches:
-        raise UnknownRequest(f"{path}: no request {request!r} {where} ({total} requests)")
+        raise UnknownRequest(f"{path}: no request {request!r} {where} ({count(total, 'request')})")
     shown = ", ".join(matches[:8]) + (" …" if len(matches) > 8 else "")
-    raise UnknownRequest(f"{path}: {len(matches)} requests start with {request!r}: {shown}")
+    raise UnknownRequest(f"{path}: {count(len(matches), 'request')} start with {request!r}: "
+                         f"{shown}")
 
 
 @dataclass
