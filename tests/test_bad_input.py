@@ -109,7 +109,15 @@ def test_wrong_schema_version(base, tmp_path, capsys):
     bad = _edit(base, tmp_path, lambda o: o[0].__setitem__("schema", 2))
     _assert_rejected(capsys, bad, base, 1, "unsupported schema version 2 (this kvtrace reads 1)")
     bad = _edit(base, tmp_path, lambda o: o[0].__setitem__("schema", True))
-    _assert_rejected(capsys, bad, base, 1, "unsupported schema version True (this kvtrace reads 1)")
+    _assert_rejected(capsys, bad, base, 1, "field 'schema': expected an integer, got a boolean "
+                                           "True (this kvtrace reads schema 1)")
+
+
+def test_a_schema_version_written_as_a_string_is_named_so(base, tmp_path, capsys):
+    """"1" once read "unsupported schema version '1' (this kvtrace reads 1)"."""
+    bad = _edit(base, tmp_path, lambda o: o[0].__setitem__("schema", "1"))
+    _assert_rejected(capsys, bad, base, 1, "field 'schema': expected an integer, got a string "
+                                           "'1' (this kvtrace reads schema 1)")
 
 
 def test_missing_header(base, tmp_path, capsys):
@@ -697,3 +705,59 @@ def test_written_files_are_owner_only(tmp_path, name):
         os.umask(old)
     for p in (tmp_path / name, tmp_path / ("r-" + name)):
         assert stat.S_IMODE(p.stat().st_mode) == 0o600, p
+
+
+# --------------------------------------------------------------------------- nesting
+
+
+def _nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+@pytest.mark.parametrize("argv", [
+    ["replay", "--device", "cpu", "{bad}"], ["replay", "-"], ["diff", "{bad}", "{base}"],
+    ["diff", "--match", "id", "-", "{base}"], ["show", "{bad}"], ["show", "-"],
+    ["report", "{bad}", "-o", "{tmp}/r.html"], ["export", "{bad}", "-o", "{tmp}/e.json"],
+    ["redact", "{bad}", "{tmp}/r.jsonl"],
+], ids=["replay", "replay-stdin", "diff", "diff-stdin", "show", "show-stdin", "report", "export",
+        "redact"])
+@pytest.mark.parametrize("where", ["kv_transfer_params", "unknown-field", "header"])
+def test_a_value_nested_a_thousand_levels_deep_is_one_line(base, tmp_path, argv, where):
+    """Once `internal error: RecursionError`, exit 3, in every command: the
+    decoder's recursion error was not caught."""
+    import subprocess
+    import sys
+
+    lines = base.read_bytes().splitlines(keepends=True)
+    at = 0 if where == "header" else 1
+    key = b"kv_transfer_params" if where == "kv_transfer_params" else b"zz"
+    lines[at] = lines[at].rstrip()[:-1] + b',"' + key + b'":{"a":' + _nested(1000) + b"}}\n"
+    bad = tmp_path / "deep.jsonl"
+    bad.write_bytes(b"".join(lines))
+    args = [a.format(bad=bad, base=base, tmp=tmp_path) for a in argv]
+    p = subprocess.run([sys.executable, "-m", "kvtrace.cli", *args], capture_output=True,
+                       stdin=bad.open("rb"), timeout=300)
+    err = p.stderr.decode()
+    assert p.returncode == 2 and len(err.splitlines()) == 1, err
+    shown = "standard input" if "-" in args else str(bad)
+    assert err.startswith(f"kvtrace: {shown}:{at + 1}: ") and "nested more than 32 levels deep" in err, err
+
+
+@pytest.mark.parametrize("field", ["arrival", "request_finished"])
+def test_a_free_form_value_nested_past_the_limit_is_named(base, tmp_path, capsys, field):
+    """kv_transfer_params 40 levels deep: within what the decoder takes, past
+    what the encoders of replay -o, redact and --json take."""
+    obj = {"a": orjson.loads(_nested(40))}
+    if field == "arrival":
+        bad = _edit(base, tmp_path, lambda o: o[1].__setitem__("kv_transfer_params", obj))
+    else:
+        bad = _edit(base, tmp_path, lambda o: o.insert(3, {"kind": "request_finished", "seq": 1,
+                                                           "req": o[1]["req"],
+                                                           "kv_transfer_params": obj}))
+    _assert_rejected(capsys, bad, base, 2 if field == "arrival" else 4,
+                     "field 'kv_transfer_params' holds a value nested more than 32 levels deep")
+    ok = _edit(base, tmp_path, lambda o: o[1].__setitem__("kv_transfer_params",
+                                                          {"a": orjson.loads(_nested(30))}),
+               name="ok.jsonl")
+    with TraceReader(ok) as r:
+        assert sum(1 for _ in r) > 10

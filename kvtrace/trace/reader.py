@@ -16,7 +16,8 @@ from typing import Iterator
 import msgspec
 import orjson
 
-from .events import LINE_DECODER, End, Event, Header, SchemaError, decode_header, decode_line
+from .events import (LINE_DECODER, TOO_DEEP, End, Event, Header, SchemaError, decode_header,
+                     decode_line)
 from .files import (ENV_MAX_BYTES, ENV_MAX_LINE_BYTES, MAX_LINE_BYTES, MAX_TOTAL_BYTES, READ_CHUNK,
                     SharedEnd, SharedFile, TraceError, decompressing, env_bytes, foreign_json,
                     is_stream_damage, open_read)
@@ -115,6 +116,8 @@ class TraceReader:
         try:
             obj = orjson.loads(raw)
         except orjson.JSONDecodeError as e:
+            if str(e).startswith("depth limit exceeded"):
+                raise TraceError(self.path, lineno, TOO_DEEP) from None
             if not complete:
                 self.truncation = f"line {lineno} is cut off mid-record"
                 raise TraceError(self.path, 1, "the header record is cut off") from None
@@ -127,6 +130,8 @@ class TraceReader:
         except SchemaError as e:
             raise (foreign_json(self.path, lineno, raw, obj)
                    or TraceError(self.path, lineno, str(e))) from None
+        except RecursionError:
+            raise TraceError(self.path, lineno, TOO_DEEP) from None
 
     # -- raw lines -------------------------------------------------------------
 
@@ -203,6 +208,8 @@ class TraceReader:
             return decode_line(raw)
         except SchemaError as e:
             raise TraceError(self.path, lineno, str(e)) from None
+        except RecursionError:   # msgspec's own limit, past MAX_DEPTH
+            raise TraceError(self.path, lineno, TOO_DEEP) from None
         except (msgspec.DecodeError, UnicodeDecodeError) as e:
             if not complete:
                 self.truncation = f"line {lineno} is cut off mid-record"
