@@ -443,11 +443,20 @@ def test_prompt_stats_for_future_step(base, tmp_path, capsys):
     (8, lambda o: o[7]["running"][0]["new_block_ids"].__setitem__(0, 96), "running.new_block_ids"),
     (4, lambda o: o[3].__setitem__("connector", {"invalid_block_ids": [1000]}),
      "connector.invalid_block_ids"),
+    # Another KV-cache group's ids: once never checked, so that replay reported a
+    # divergence and export --format parquet died with ArrowInvalid (exit 3).
+    (3, lambda o: o[2]["new"][0].__setitem__("more_groups", [[2 ** 40]]), "new.more_groups"),
+    (3, lambda o: o[2]["states"][0].__setitem__("more_groups", [[1], [2 ** 40]]),
+     "states.more_groups"),
+    (8, lambda o: o[7]["running"][0].__setitem__("more_groups", [[96]]), "running.more_groups"),
 ])
 def test_block_id_out_of_range(base, tmp_path, capsys, line, edit, field):
     bad = _edit(base, tmp_path, edit)
     _assert_rejected(capsys, bad, base, line, f"in '{field}' is out of range: the header's pool has "
                                               "ids 0..95 (num_blocks = 96)")
+    if field.endswith("more_groups"):
+        code, _, err = _run(capsys, "export", "--format", "parquet", bad, "-o", tmp_path / "tables")
+        assert code == 2 and len(err.splitlines()) == 1 and f"{bad}:{line}: " in err, err
 
 
 # --------------------------------------------------------------------------- size bounds

@@ -5,9 +5,10 @@ the records before it.
 then checks what only the whole file can say is wrong, so that every consumer of
 ``TraceReader`` (replay and diff alike) refuses the same unusable input:
 
-* block ids must exist in the header's pool (``0 .. num_blocks-1``; block 0 is
-  vLLM's null block, whose use is an engine bug that replay reports as a
-  divergence rather than a broken file);
+* block ids, those of every KV-cache group (``more_groups``) included, must
+  exist in the header's pool (``0 .. num_blocks-1``; block 0 is vLLM's null
+  block, whose use is an engine bug that replay reports as a divergence rather
+  than a broken file);
 * token counts and positions may not exceed what the header allows anywhere
   (``max_model_len`` plus the whole KV cache): a larger one is a corrupt file;
 * ``num_free_blocks`` may not exceed ``num_blocks``;
@@ -161,12 +162,14 @@ class Validator:
                     self._tokens(x.num_computed_tokens, f"{name}.num_computed_tokens")
                     self._tokens(x.num_scheduled_tokens, f"{name}.num_scheduled_tokens")
                     self._blocks(x.block_ids, f"{name}.block_ids")
+                    self._groups(x.more_groups, f"{name}.more_groups")
         if s.running and not self._fine(s.running, _NEW_COUNTS, _RUNNING_BLOCKS):
             for x in s.running:
                 self._known(x.req, "running.req")
                 self._tokens(x.num_computed_tokens, "running.num_computed_tokens")
                 self._tokens(x.num_scheduled_tokens, "running.num_scheduled_tokens")
                 self._blocks(x.new_block_ids, "running.new_block_ids")
+                self._groups(x.more_groups, "running.more_groups")
         for req in s.preempted:
             self._known(req, "preempted")
         for req in s.finished:
@@ -245,6 +248,9 @@ class Validator:
             ids = blocks(x)
             if x.req not in live or a > limit or b > limit or (ids and max(ids) >= pool):
                 return False
+            more = x.more_groups
+            if more and any(g and max(g) >= pool for g in more):
+                return False
         return True
 
     def _states(self, states: list[ev.RequestState]) -> None:
@@ -255,6 +261,7 @@ class Validator:
             self._tokens(st.num_computed_tokens, "states.num_computed_tokens")
             self._tokens(st.num_tokens, "states.num_tokens")
             self._blocks(st.block_ids, "states.block_ids")
+            self._groups(st.more_groups, "states.more_groups")
 
     # -- values ------------------------------------------------------------------
 
@@ -266,6 +273,10 @@ class Validator:
         if n > self.token_limit:
             raise SchemaError(f"field '{name}' is absurd: {n} tokens, more than max_model_len "
                               f"plus the whole KV cache ({self.token_limit})")
+
+    def _groups(self, groups: list[list[int]] | None, name: str) -> None:
+        for ids in groups or ():
+            self._blocks(ids, name)
 
     def _blocks(self, ids: list[int], name: str) -> None:
         if not ids or max(ids) < self.num_blocks:
