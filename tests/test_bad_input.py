@@ -194,6 +194,30 @@ def test_a_trace_of_only_a_header_is_cut_after_line_1(base, tmp_path, capsys):
 # --------------------------------------------------------------------------- records
 
 
+@pytest.mark.parametrize("how", ["arrives-twice", "never-arrived"])
+def test_a_request_id_of_megabytes_is_not_echoed_whole(base, tmp_path, capsys, how):
+    """A 10 MB request id was echoed whole to stderr."""
+    huge = "r" * 10_000_000
+    if how == "arrives-twice":
+        def edit(o):
+            o[1]["req"] = huge
+            o.insert(2, {**o[1], "seq": o[1]["seq"] + 0.5})
+        bad = _edit(base, tmp_path, lambda o: (edit(o), _renumber(o)))
+        line, needle = 3, "arrives twice"
+    else:
+        bad = _edit(base, tmp_path, lambda o: o[2]["new"][0].__setitem__("req", huge))
+        line, needle = 3, "which never arrived"
+    _assert_rejected(capsys, bad, base, line, needle, "(10,000,002 characters)")
+    for argv in (["replay", bad], ["show", bad]):
+        code, _, err = _run(capsys, *argv)
+        assert code == 2 and len(err) < 400, err[:400]
+
+
+def _renumber(objs) -> None:
+    for i, o in enumerate(objs[1:]):
+        o["seq"] = i
+
+
 def test_a_live_request_arriving_again(base, tmp_path, capsys):
     """Refused by every command alike (replay used to be the only one)."""
     def edit(o):
@@ -770,3 +794,19 @@ def test_a_free_form_value_nested_past_the_limit_is_named(base, tmp_path, capsys
                name="ok.jsonl")
     with TraceReader(ok) as r:
         assert sum(1 for _ in r) > 10
+
+
+# --------------------------------------------------------------------------- accepted, with a note
+
+
+def test_an_unknown_profile_in_an_embedded_trace_is_replayed_with_a_note(base, tmp_path, capsys):
+    """It was replayed under 0.32 with no word."""
+    odd = _edit(base, tmp_path, lambda o: o[0]["features"].__setitem__("profile", "9.9"))
+    code, out, err = _run(capsys, "replay", "--no-kv-check", odd)
+    assert code == 0, err
+    want = ("the trace names profile '9.9', which this kvtrace does not know (it knows legacy, "
+            "0.19, 0.32, 0.33); replaying under the 0.32 profile")
+    assert want in " ".join(out.split()), out
+    code, out, err = _run(capsys, "replay", "--no-kv-check", "--json", odd)
+    doc = orjson.loads(out)
+    assert code == 0 and doc["profile"] == "0.32" and doc["profile_note"] == want, doc

@@ -393,3 +393,23 @@ def test_a_sigterm_to_record_is_passed_on_to_the_recorded_command(tmp_path):
     p.communicate(timeout=120)
     assert p.returncode == 143
     assert (tmp_path / "got").read_text() == "passed on\n"
+
+
+def test_an_error_quoting_a_huge_value_keeps_its_start_and_end(capsys):
+    """An error line that quotes what it was given (here a request id of a
+    million characters) is cut to 1000 characters, its start and its end kept."""
+    code, _, err = _run(capsys, "show", CLEAN, "--request", "x" * 1_000_000)
+    lines = err.splitlines()
+    assert code == 2 and len(lines) == 1 and len(lines[0]) <= 1000 + len("kvtrace: "), err[:2000]
+    assert lines[0].startswith(f"kvtrace: {CLEAN}") and "characters left out" in lines[0], lines[0]
+
+
+def test_record_help_names_the_marks_it_prints(capsys):
+    """The help said "the workload in brackets" and printed parentheses."""
+    from kvtrace.catalog import EMBEDDED_FAULT_WORKLOADS, EMBEDDED_FAULTS
+
+    code, out, _ = _run(capsys, "record", "--help")
+    text = " ".join(out.split())
+    fault = next(iter(EMBEDDED_FAULTS))
+    assert code == 0 and f"({EMBEDDED_FAULT_WORKLOADS[fault]})" in text, text
+    assert "the workload in parentheses" in text and "brackets" not in text, text

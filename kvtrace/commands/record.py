@@ -33,7 +33,7 @@ STDOUT_REFUSED = ("'-' (standard output) is not accepted: a trace is written to 
                    "docs/reference/catalog.md lists them all.")
 @click.option("--fault", default=None,
               help="Put a known scheduler bug back in; each runs, without --workload, the "
-                   "workload in brackets, which shows it. Embedded engine: "
+                   "workload in parentheses, which shows it. Embedded engine: "
                    f"{pairs(EMBEDDED_FAULTS, EMBEDDED_FAULT_WORKLOADS)}. vLLM (a scheduler "
                    f"subclass): {pairs(VLLM_FAULTS, VLLM_FAULT_WORKLOADS)}.")
 @click.option("--seed", type=SEEDS, default=None,

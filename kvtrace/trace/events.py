@@ -714,9 +714,9 @@ def decode_header(obj: Any) -> Header:
         raise SchemaError("missing field 'schema'")
     if type(schema) is not int:
         raise SchemaError(f"field 'schema': expected an integer, got {_tname(schema)} "
-                          f"{_clip(repr(schema))} (this kvtrace reads schema {SCHEMA_VERSION})")
+                          f"{clip(repr(schema))} (this kvtrace reads schema {SCHEMA_VERSION})")
     if schema != SCHEMA_VERSION:
-        raise SchemaError(f"unsupported schema version {_clip(repr(schema))} (this kvtrace reads "
+        raise SchemaError(f"unsupported schema version {clip(repr(schema))} (this kvtrace reads "
                           f"{SCHEMA_VERSION})")
     try:
         for key, value in obj.items():
@@ -791,8 +791,9 @@ def _say(msg: str, prefix: str = "") -> str:
     return f"field '{path}': {problem}" if path else problem
 
 
-def _clip(text: str, limit: int = 80) -> str:
-    """``text`` cut to ``limit`` characters, saying how long it was."""
+def clip(text: str, limit: int = 80) -> str:
+    """``text`` cut to ``limit`` characters, saying how long it was: a value
+    quoted in a message (a request id may be megabytes long)."""
     if len(text) <= limit:
         return text
     return f"{text[:limit]}… ({len(text):,} characters)"

@@ -33,7 +33,7 @@ from collections import deque
 from operator import attrgetter
 
 from . import events as ev
-from .events import SchemaError
+from .events import SchemaError, clip
 
 FINISHED_STATUSES = frozenset(s for s in ev.STATUSES if s.startswith("FINISHED_"))
 
@@ -102,7 +102,7 @@ class Validator:
             if e.req in self.sessions:   # the next input chunk of a session, or its end
                 return
             if e.req in self.live:   # an id comes back only once its request has finished
-                raise SchemaError(f"request '{e.req}' arrives twice")
+                raise SchemaError(f"request {clip(repr(e.req))} arrives twice")
             # The engine refuses a prompt that leaves no room for the token it
             # samples; a pooling request samples none.
             room = self.max_model_len if e.pooling else self.max_model_len - 1
@@ -111,7 +111,7 @@ class Validator:
                                   f"for an output token within the header's max_model_len "
                                   f"{self.max_model_len}")
             if e.lora is not None and not self.lora:   # vLLM refuses it (input_processor.py:285)
-                raise SchemaError(f"request '{e.req}' names a LoRA adapter, but the header's "
+                raise SchemaError(f"request {clip(repr(e.req))} names a LoRA adapter, but the header's "
                                   "features say LoRA is off")
             if e.prompt_embeds is not None:
                 blocks = -(-len(e.prompt_token_ids) // self.hash_block_size)
@@ -267,7 +267,8 @@ class Validator:
 
     def _known(self, req: str, name: str) -> None:
         if req not in self.live and req not in self.finished:
-            raise SchemaError(f"field '{name}' names request {req!r}, which never arrived")
+            raise SchemaError(f"field '{name}' names request {clip(repr(req))}, which never "
+                              "arrived")
 
     def _tokens(self, n: int, name: str) -> None:
         if n > self.token_limit:
