@@ -53,7 +53,9 @@ def _leftovers(folder: Path) -> list[str]:
     ["export", "--no-divergences", "{bad}", "-o", "{out}"],
     ["export", "{bad}", "-o", "{out}"],
     ["report", "{bad}", "-o", "{out}"],
-], ids=["redact", "export-no-divergences", "export", "report"])
+    # Once put in place, ending 'interrupted', against the sentence before it in bad-input.md.
+    ["replay", "{bad}", "-o", "{out}"],
+], ids=["redact", "export-no-divergences", "export", "report", "replay"])
 def test_a_bad_input_leaves_an_existing_output_as_it_was(tmp_path, capsys, argv):
     bad = _bad_mid_trace(tmp_path)
     out = tmp_path / "keep.jsonl"
@@ -413,3 +415,19 @@ def test_record_help_names_the_marks_it_prints(capsys):
     fault = next(iter(EMBEDDED_FAULTS))
     assert code == 0 and f"({EMBEDDED_FAULT_WORKLOADS[fault]})" in text, text
     assert "the workload in parentheses" in text and "brackets" not in text, text
+
+
+@pytest.mark.parametrize("fmt", ["perfetto", "parquet"])
+def test_export_finds_an_output_it_cannot_write_before_it_replays(tmp_path, capsys, monkeypatch,
+                                                                  fmt):
+    """It replayed the whole trace first, and only then found the folder missing."""
+    import kvtrace.replay
+
+    def replayed(*a, **kw):
+        raise AssertionError("replayed before the output was found unwritable")
+
+    monkeypatch.setattr(kvtrace.replay, "replay_file", replayed)
+    out = tmp_path / "missing" / ("e.json" if fmt == "perfetto" else "tables")
+    code, _, err = _run(capsys, "export", "--format", fmt, CLEAN, "-o", out)
+    assert (code, err) == (2, f"kvtrace: {out}: No such file or directory\n")
+    assert _leftovers(tmp_path) == []

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from kvtrace.outputs import check_writable
+
 from ._common import (EXIT_DIVERGENT, EXIT_OK, READS_TWICE, FilePath, echo, refuse_pipes,
                       refuse_to_overwrite, say)
 from .progress import progress
@@ -89,6 +91,7 @@ def export(trace: Path, fmt: str, out: str, divergences: bool) -> int:
     refuse_to_overwrite(out, trace)
     if tables:
         check_out_dir(out)
+    check_writable(out)   # before the replay, which can take minutes
 
     divs = None
     if divergences:
