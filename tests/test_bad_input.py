@@ -810,3 +810,52 @@ def test_an_unknown_profile_in_an_embedded_trace_is_replayed_with_a_note(base, t
     code, out, err = _run(capsys, "replay", "--no-kv-check", "--json", odd)
     doc = orjson.loads(out)
     assert code == 0 and doc["profile"] == "0.32" and doc["profile_note"] == want, doc
+
+
+def _copy_open(base, path, records: int):
+    """A writer of ``path`` that has written the base trace's first records and
+    is still writing: a recording under way."""
+    from kvtrace.trace import TraceWriter
+    from kvtrace.trace.events import decode, decode_header
+
+    objs = _objs(base)
+    w = TraceWriter(path, decode_header(objs[0]))
+    for o in objs[1:records + 1]:
+        w.write(decode({**o, "seq": w.next_seq()}))
+    w.flush()
+    return w
+
+
+@pytest.mark.parametrize("name", ["live.jsonl", "live.jsonl.gz", "live.jsonl.zst"])
+def test_a_trace_still_being_recorded_is_said_to_be(base, tmp_path, capsys, name):
+    """show said nothing of a growing trace: it was taken as cut off."""
+    path = tmp_path / name
+    w = _copy_open(base, path, 20)
+    try:
+        for argv in (["show", path], ["replay", "--no-kv-check", path]):
+            code, out, err = _run(capsys, *argv)
+            text = " ".join(out.split())
+            assert code == 0 and "a recorder is still writing the file" in text, (argv, text, err)
+    finally:
+        w.close()
+    code, out, _ = _run(capsys, "show", path)
+    assert code == 0 and "still writing" not in out and "truncated" not in out, out
+
+
+def test_a_second_recording_into_one_file_is_refused(base, tmp_path, capsys):
+    """Two `kvtrace record -o c.jsonl` at once both said `wrote c.jsonl` and
+    left a corrupt file: the second is refused, and the first's file is left
+    to it."""
+    path = tmp_path / "c.jsonl"
+    first = _copy_open(base, path, 20)
+    try:
+        code, out, err = _run(capsys, "record", "-o", path, "--workload", "shared-prefix")
+        assert code == 2 and out == "", out
+        assert err == (f"kvtrace: {path}: another process is writing this trace now (a second "
+                       "recording into one file?); wait for it to end, or name another file\n")
+    finally:
+        first.close()
+    with TraceReader(path) as r:   # the first recording's, whole
+        assert sum(1 for _ in r) == 21 and r.end is not None and r.truncation is None
+    code, out, err = _run(capsys, "record", "-o", path, "--workload", "shared-prefix")
+    assert code == 0 and out == f"wrote {path}\n", err   # once the first is done

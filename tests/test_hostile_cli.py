@@ -431,3 +431,22 @@ def test_export_finds_an_output_it_cannot_write_before_it_replays(tmp_path, caps
     code, _, err = _run(capsys, "export", "--format", fmt, CLEAN, "-o", out)
     assert (code, err) == (2, f"kvtrace: {out}: No such file or directory\n")
     assert _leftovers(tmp_path) == []
+
+
+def test_two_commands_writing_one_output_at_once_leave_one_whole_file(tmp_path):
+    """Each writes its own temporary file and renames it into place: the
+    output is the one or the other, whole, never a mix, and nothing is left."""
+    out = tmp_path / "e.json"
+    want = set()
+    for src in (CLEAN, DIVERGENT):
+        alone = tmp_path / f"alone-{src.name}.json"
+        assert _kvtrace(["export", "--no-divergences", src, "-o", alone]).returncode == 0
+        want.add(alone.read_bytes())
+    procs = [subprocess.Popen(KVTRACE + ["export", "--no-divergences", str(src), "-o", str(out)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+             for src in (CLEAN, DIVERGENT, CLEAN, DIVERGENT)]
+    for p in procs:
+        assert p.wait(300) == 0, p.stderr.read()
+        p.stderr.close()
+    assert out.read_bytes() in want
+    assert _leftovers(tmp_path) == []

@@ -55,6 +55,7 @@ class TraceReader:
         self.max_total_bytes = env_bytes(ENV_MAX_BYTES, MAX_TOTAL_BYTES)
         self.bytes_read = 0
         self._grown = False   # the file grew past where this reader found its end
+        self._written = False   # a writer held the file when this reader found its end
         try:
             if shared is None:
                 self._file = SharedFile(open_read(self.path))
@@ -309,7 +310,9 @@ class TraceReader:
     def _note_no_end(self) -> None:
         if self.end is None and self.truncation is None:
             self.truncation = f"no 'end' record after line {self.last_line}: the recording was cut off"
-        if self.truncation is not None and self._grown:
+        if self.truncation is not None and self._written:
+            self.truncation += "; a recorder is still writing the file"
+        elif self.truncation is not None and self._grown:
             self.truncation += "; the file has grown since (is it still being written?)"
 
     def records(self) -> Iterator[tuple[int, Event]]:
@@ -336,6 +339,7 @@ class TraceReader:
 
     def _end_of_records(self) -> None:
         self._grown = self._file.grown()
+        self._written = self._file.being_written()
         self.close()
 
     def close(self) -> None:
