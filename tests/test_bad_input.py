@@ -196,8 +196,9 @@ def test_a_trace_of_only_a_header_is_cut_after_line_1(base, tmp_path, capsys):
 
 @pytest.mark.parametrize("how", ["arrives-twice", "never-arrived"])
 def test_a_request_id_of_megabytes_is_not_echoed_whole(base, tmp_path, capsys, how):
-    """A 10 MB request id was echoed whole to stderr."""
-    huge = "r" * 10_000_000
+    """A 10 MB request id was echoed whole to stderr. (An arrival is held to
+    1 MiB and its prompt under this header: its id is 500 KB.)"""
+    huge = "r" * (500_000 if how == "arrives-twice" else 10_000_000)
     if how == "arrives-twice":
         def edit(o):
             o[1]["req"] = huge
@@ -207,7 +208,7 @@ def test_a_request_id_of_megabytes_is_not_echoed_whole(base, tmp_path, capsys, h
     else:
         bad = _edit(base, tmp_path, lambda o: o[2]["new"][0].__setitem__("req", huge))
         line, needle = 3, "which never arrived"
-    _assert_rejected(capsys, bad, base, line, needle, "(10,000,002 characters)")
+    _assert_rejected(capsys, bad, base, line, needle, f"({len(huge) + 2:,} characters)")
     for argv in (["replay", bad], ["show", bad]):
         code, _, err = _run(capsys, *argv)
         assert code == 2 and len(err) < 400, err[:400]
@@ -859,3 +860,65 @@ def test_a_second_recording_into_one_file_is_refused(base, tmp_path, capsys):
         assert sum(1 for _ in r) == 21 and r.end is not None and r.truncation is None
     code, out, err = _run(capsys, "record", "-o", path, "--workload", "shared-prefix")
     assert code == 0 and out == f"wrote {path}\n", err   # once the first is done
+
+
+# --------------------------------------------------------------------------- lines the header cannot hold
+
+
+def _one_long_arrival(base, tmp_path, n_bytes: int) -> "Path":
+    """The base trace's header, then one legal-looking arrival whose prompt is
+    ``n_bytes`` of `1000,`, zstd-compressed (a file of a few kilobytes)."""
+    header = base.read_bytes().split(b"\n", 1)[0] + b"\n"
+    head = b'{"kind":"arrival","seq":0,"req":"r","max_tokens":1,"prompt_token_ids":['
+    path = tmp_path / "long-arrival.jsonl.zst"
+    with zstandard.ZstdCompressor(level=3).stream_writer(path.open("wb")) as z:
+        z.write(header + head)
+        block = b"1000," * (1 << 18)
+        for _ in range(n_bytes // len(block)):
+            z.write(block)
+        z.write(b"1]}\n")
+    return path
+
+
+def test_an_arrival_longer_than_the_header_allows_is_refused_before_it_is_built(base, tmp_path):
+    """A 24 KB zstd file whose one arrival held 255 MB of `1000,` peaked at
+    2.5 GB: the list was built, then found longer than max_model_len. Now the
+    line is refused, naming it, once it passes what the header allows, in
+    about 100 MB (the interpreter and kvtrace's imports take most of it)."""
+    import subprocess
+    import sys
+
+    path = _one_long_arrival(base, tmp_path, 64 << 20)
+    assert path.stat().st_size < 64 << 10
+    code = ("import re, sys\nfrom kvtrace import cli\n"
+            "rc = cli.run(['replay', '--no-kv-check', sys.argv[1]])\n"
+            "print(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1))\n"
+            "sys.exit(rc)\n")
+    p = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,
+                       timeout=300, stdin=subprocess.DEVNULL)
+    lines = p.stderr.splitlines()
+    assert p.returncode == 2 and len(lines) == 1, p.stderr
+    mml = _objs(base)[0]["config"]["max_model_len"]
+    assert lines[0].startswith(f"kvtrace: {path}:2: an arrival longer than ")
+    assert "more than a record of its kind can hold under this trace's header" in lines[0]
+    assert f"max_model_len {mml}" in lines[0], lines[0]
+    peak_kib = int(p.stdout.strip().splitlines()[-1])
+    assert peak_kib < 250 * 1024, peak_kib   # 9 bytes per byte of `1000,` once built: 600 MB
+
+
+def test_a_step_longer_than_any_record_of_the_header_is_refused_as_it_is_read(base, tmp_path,
+                                                                               capsys):
+    """A record of no kind held to less (a step) is read only up to what any
+    record of the header can hold."""
+    from kvtrace.trace.limits import LineLimits
+    from kvtrace.trace.events import decode_header
+
+    limits = LineLimits(decode_header(_objs(base)[0]), 256 << 20)
+    assert limits.general < 64 << 20
+    objs = _objs(base)
+    step = objs[2]
+    step["preempted"] = ["x" * 1000] * (limits.general // 1000 + 1)
+    bad = _edit(base, tmp_path, lambda o: o.__setitem__(2, step))
+    _assert_rejected(capsys, bad, base, 3, f"record longer than {limits.general} bytes without a "
+                                           "line break, more than any record of this trace's "
+                                           "header can hold (max_model_len")
