@@ -450,3 +450,19 @@ def test_two_commands_writing_one_output_at_once_leave_one_whole_file(tmp_path):
         p.stderr.close()
     assert out.read_bytes() in want
     assert _leftovers(tmp_path) == []
+
+
+def test_a_recording_that_outgrows_the_file_size_limit_says_so_in_one_line(tmp_path):
+    """The embedded engine's writer process meets the error (EFBIG past the
+    process's file-size limit, which it inherits) and says it in the ring;
+    record names the trace, exit 2, and the engine does not wait for a
+    writer that has stopped writing. (A ring smaller than the limit: the
+    ring is a file too.)"""
+    import resource
+
+    out = tmp_path / "t.jsonl"
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (16384, 16384))  # noqa: E731
+    p = _kvtrace(["record", "-o", out, "--workload", "offload"], stdout=subprocess.PIPE,
+                 stderr=subprocess.PIPE, preexec_fn=limit,
+                 env=dict(os.environ, KVTRACE_QUIET="1", KVTRACE_RING_BYTES="4096"))
+    assert (p.returncode, p.stderr, p.stdout) == (2, f"kvtrace: {out}: File too large\n".encode(), b"")

@@ -142,9 +142,13 @@ def _record_embedded(out: Path, workload: str | None, fault: str | None, seed: i
     wl = build_workload(workload, seed, requests)
     if async_scheduling:
         wl = replace(wl, config=replace(wl.config, async_scheduling=True))
+    from kvtrace.record.step_writer import open_step_writer
+
     with progress(f"recording {out.name}", "steps") as advance, blamed_on(out):
         try:
-            res = record_workload(out, wl, fault, seed, progress=advance)
+            # Each completed step goes to a writer process: a kill loses none.
+            res = record_workload(out, wl, fault, seed, progress=advance,
+                                  open_writer=open_step_writer)
         except ValueError as e:   # a combination the engine does not run
             raise UsageProblem(str(e)) from None
     if fault and not res.fault_log:

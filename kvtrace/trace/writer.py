@@ -65,6 +65,13 @@ def _claim(fd: int, path: str | os.PathLike) -> None:
             return
 
 
+def open_trace_stream(path: str | os.PathLike, fd: int | None = None
+                      ) -> tuple[IO[bytes], IO[bytes]]:
+    """(stream to write, the file under it) for the trace ``path``, or the open
+    descriptor ``fd`` of it: the compression follows the name."""
+    return _open_binary_write(Path(path), fd)
+
+
 def _open_binary_write(path: Path, fd: int | None = None) -> tuple[IO[bytes], IO[bytes]]:
     """(stream to write, the file under it): the compression follows the name."""
     raw = os.fdopen(open_trace_file(path) if fd is None else fd, "wb")
@@ -108,6 +115,11 @@ class TraceWriter:
 
     def _write_obj(self, obj: dict) -> None:
         self._fh.write(orjson.dumps(obj, option=orjson.OPT_APPEND_NEWLINE))
+
+    def end_step(self) -> None:
+        """An engine step is complete. A writer that hands each one on out of
+        the engine's process (``kvtrace.record.step_writer``) does so here;
+        this one writes through its buffer when it fills."""
 
     def flush(self) -> None:
         """Everything written so far reaches the file, compressed stream included,
