@@ -745,3 +745,20 @@ def test_diff_selects_what_it_shows_as_replay_does(overshoot_pair, capsys, monke
     doc = orjson.loads(out)
     assert code == 1 and [d["req"] for d in doc["divergences"]] == ["doc-16"]
     assert doc["summary"]["divergent_requests"] == 3 and doc["selection"] == "--request doc-16"
+
+
+def test_a_diff_that_compared_no_request_is_not_a_pass(tmp_path, capsys):
+    """Two traces with no arrival: nothing compared, exit 4 (it exited 0)."""
+    from kvtrace import cli
+    from kvtrace.trace import TraceWriter
+
+    from mini_traces import mini_header
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    for path in (a, b):
+        with TraceWriter(path, mini_header()):
+            pass
+    code = cli.run(["diff", str(a), str(b)])
+    out, err = capsys.readouterr()
+    assert code == 4 and "0 requests compared" in out, out
+    assert err == f"kvtrace: nothing compared: no requests of {a} and {b} pair up\n", err
