@@ -438,7 +438,8 @@ class ProcessSink(_Sink):
 
 
 class WriterProcessError(RuntimeError):
-    """The writer process could not be started."""
+    """The writer process could not be started (or, for a ``StepWriter``,
+    ended before the trace was whole)."""
 
 
 def start_writer(path: Path, first: bytes, size: int, copy: bool = False

@@ -153,7 +153,6 @@ class TraceReader:
         max_total = self.max_total_bytes
         while True:
             max_line = self.max_line_bytes   # the header's limit, then the records'
-
             try:
                 chunk = self._read(READ_CHUNK)
             except Exception as e:
