@@ -478,6 +478,7 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
         chosen, note = PROFILES[profile], None
     writer = dest = rp = record_worker = None
     failed = None   # why replay stopped before the end of the trace
+    unusable = False   # the trace was found unusable: the output is not put in place
     try:
         _check_supported(header, path, chosen)
         if device:
@@ -525,6 +526,7 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
             rp.finish()
     except BaseException as e:
         failed = f"replay stopped: {e}" if str(e) else f"replay stopped: {type(e).__name__}"
+        unusable = isinstance(e, TraceError)
         raise
     finally:
         reader.close()
@@ -539,7 +541,10 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
             except BaseException as e:   # the output could not be finished: never put in place
                 dest.discard()
                 raise (dest.named(e) if isinstance(e, OSError) else e) from e
-            dest.commit()   # whole, or a replay that stopped and says where in its end record
+            if unusable:   # the file that was there stays as it was
+                dest.discard()
+            else:   # whole, or a replay that stopped and says where in its end record
+                dest.commit()
         elif dest is not None:
             dest.discard()
     if reader.truncation is None:

@@ -5,9 +5,10 @@ the records before it.
 then checks what only the whole file can say is wrong, so that every consumer of
 ``TraceReader`` (replay and diff alike) refuses the same unusable input:
 
-* block ids must exist in the header's pool (``0 .. num_blocks-1``; block 0 is
-  vLLM's null block, whose use is an engine bug that replay reports as a
-  divergence rather than a broken file);
+* block ids, those of every KV-cache group (``more_groups``) included, must
+  exist in the header's pool (``0 .. num_blocks-1``; block 0 is vLLM's null
+  block, whose use is an engine bug that replay reports as a divergence rather
+  than a broken file);
 * token counts and positions may not exceed what the header allows anywhere
   (``max_model_len`` plus the whole KV cache): a larger one is a corrupt file;
 * ``num_free_blocks`` may not exceed ``num_blocks``;
@@ -32,7 +33,7 @@ from collections import deque
 from operator import attrgetter
 
 from . import events as ev
-from .events import SchemaError
+from .events import SchemaError, clip
 
 FINISHED_STATUSES = frozenset(s for s in ev.STATUSES if s.startswith("FINISHED_"))
 
@@ -101,7 +102,7 @@ class Validator:
             if e.req in self.sessions:   # the next input chunk of a session, or its end
                 return
             if e.req in self.live:   # an id comes back only once its request has finished
-                raise SchemaError(f"request '{e.req}' arrives twice")
+                raise SchemaError(f"request {clip(repr(e.req))} arrives twice")
             # The engine refuses a prompt that leaves no room for the token it
             # samples; a pooling request samples none.
             room = self.max_model_len if e.pooling else self.max_model_len - 1
@@ -110,7 +111,7 @@ class Validator:
                                   f"for an output token within the header's max_model_len "
                                   f"{self.max_model_len}")
             if e.lora is not None and not self.lora:   # vLLM refuses it (input_processor.py:285)
-                raise SchemaError(f"request '{e.req}' names a LoRA adapter, but the header's "
+                raise SchemaError(f"request {clip(repr(e.req))} names a LoRA adapter, but the header's "
                                   "features say LoRA is off")
             if e.prompt_embeds is not None:
                 blocks = -(-len(e.prompt_token_ids) // self.hash_block_size)
@@ -161,12 +162,14 @@ class Validator:
                     self._tokens(x.num_computed_tokens, f"{name}.num_computed_tokens")
                     self._tokens(x.num_scheduled_tokens, f"{name}.num_scheduled_tokens")
                     self._blocks(x.block_ids, f"{name}.block_ids")
+                    self._groups(x.more_groups, f"{name}.more_groups")
         if s.running and not self._fine(s.running, _NEW_COUNTS, _RUNNING_BLOCKS):
             for x in s.running:
                 self._known(x.req, "running.req")
                 self._tokens(x.num_computed_tokens, "running.num_computed_tokens")
                 self._tokens(x.num_scheduled_tokens, "running.num_scheduled_tokens")
                 self._blocks(x.new_block_ids, "running.new_block_ids")
+                self._groups(x.more_groups, "running.more_groups")
         for req in s.preempted:
             self._known(req, "preempted")
         for req in s.finished:
@@ -245,6 +248,9 @@ class Validator:
             ids = blocks(x)
             if x.req not in live or a > limit or b > limit or (ids and max(ids) >= pool):
                 return False
+            more = x.more_groups
+            if more and any(g and max(g) >= pool for g in more):
+                return False
         return True
 
     def _states(self, states: list[ev.RequestState]) -> None:
@@ -255,17 +261,23 @@ class Validator:
             self._tokens(st.num_computed_tokens, "states.num_computed_tokens")
             self._tokens(st.num_tokens, "states.num_tokens")
             self._blocks(st.block_ids, "states.block_ids")
+            self._groups(st.more_groups, "states.more_groups")
 
     # -- values ------------------------------------------------------------------
 
     def _known(self, req: str, name: str) -> None:
         if req not in self.live and req not in self.finished:
-            raise SchemaError(f"field '{name}' names request {req!r}, which never arrived")
+            raise SchemaError(f"field '{name}' names request {clip(repr(req))}, which never "
+                              "arrived")
 
     def _tokens(self, n: int, name: str) -> None:
         if n > self.token_limit:
             raise SchemaError(f"field '{name}' is absurd: {n} tokens, more than max_model_len "
                               f"plus the whole KV cache ({self.token_limit})")
+
+    def _groups(self, groups: list[list[int]] | None, name: str) -> None:
+        for ids in groups or ():
+            self._blocks(ids, name)
 
     def _blocks(self, ids: list[int], name: str) -> None:
         if not ids or max(ids) < self.num_blocks:
