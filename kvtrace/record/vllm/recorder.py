@@ -12,9 +12,10 @@
 * ``finish_requests``  -> ``Abort`` (only ``FINISHED_ABORTED`` calls from outside
   ``update_from_output``), its ids in the order the engine frees them, seen
   by wrapping ``_free_request``
-* ``schedule``         -> ``Step`` (with the connector's lookups and load plan,
-  captured by wrapping ``self.connector.get_num_new_matched_tokens`` and
-  ``self.connector.update_state_after_alloc`` on the instance)
+* ``schedule``         -> ``Step`` (with the connector's lookups and load plan:
+  the answers of ``self.connector.get_num_new_matched_tokens`` and the calls
+  of ``self.connector.update_state_after_alloc``, seen at the scheduler's own
+  call sites, ``call_sites``; the connector itself is never touched)
 * ``update_from_output`` -> ``Output`` (with the pooling requests whose pooler
   output came, ``Output.pooled``) and one ``PromptStats`` per request's first
   output that carries prompt accounting
@@ -24,15 +25,16 @@
   compiled or failed (``Step.grammar``: those that left
   ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR``, and those it noted in
   ``grammar_compile_error_reqs``), and ``update_from_output`` those whose
-  grammar refused their tokens (``Output.grammar_rejected``, seen by wrapping
-  ``self.structured_output_manager.accept_tokens`` on the instance)
+  grammar refused their tokens (``Output.grammar_rejected``, seen where the
+  scheduler calls ``self.structured_output_manager.accept_tokens``)
 * shutdown / process exit -> ``End``: ``complete``, or ``interrupted`` with the
   engine's error when the scheduler is shut down while an exception leaves the
   engine (vLLM's engine core process shuts it down from a ``finally``)
 
 Rules the recorder keeps:
 
-* The real method always runs; the recorder never changes arguments or results.
+* The real method always runs; the recorder never changes arguments or results,
+  nor the objects the scheduler holds.
 * When the scheduler's own ``schedule`` or ``update_from_output`` raises, the
   events waiting in the engine's process are handed to the writer at once:
   vLLM's front end may kill a failed engine core before it shuts down.
@@ -212,6 +214,11 @@ def _eos_token_id(request: Any, sp: Any) -> int | None:
     return getattr(request, "eos_token_id", None) if eos is None else eos
 
 
+def _argument(args: tuple, kwargs: dict, i: int, name: str) -> Any:
+    """Argument ``i`` of a call, given by position or as ``name``."""
+    return args[i] if len(args) > i else kwargs[name]
+
+
 def _finish_reason(r: Any) -> str | None:
     if r is None:
         return None
@@ -232,8 +239,7 @@ class Recorder:
         self.failed: str | None = None
         self.active = True
         self.step_index = 0
-        self.has_connector = getattr(sched, "connector", None) is not None
-        self.connector: Any = None   # the connector wrap_connector wrapped
+        self.has_connector = getattr(sched, "connector", None) is not None   # at this step
         self.audit: Any = None       # the KV audit (kv_audit), when it runs
         self.throttle_prefills = False
         # The size vLLM hashes blocks at: a prompt of embeddings has a digest per block.
@@ -395,6 +401,16 @@ class Recorder:
             raise ValueError(f"pause state {state!r} is not one of {', '.join(PAUSE_STATES)}")
         self.sink.put(PauseState(seq=0, state=state))
 
+    def on_lookup_call(self, args: tuple, kwargs: dict, result: Any) -> None:
+        """``get_num_new_matched_tokens(request, num_computed_tokens)`` answered ``result``."""
+        self.on_lookup(_argument(args, kwargs, 0, "request"),
+                       _argument(args, kwargs, 1, "num_computed_tokens"), result)
+
+    def on_alloc_call(self, args: tuple, kwargs: dict) -> None:
+        """``update_state_after_alloc(request, blocks, num_external_tokens)`` returned."""
+        self.on_alloc(_argument(args, kwargs, 0, "request"),
+                      _argument(args, kwargs, 2, "num_external_tokens"))
+
     def on_lookup(self, request: Any, local: int, result: Any) -> None:
         ext, load_async = (result if result is not None else (None, False))
         rid = str(request.request_id)
@@ -461,13 +477,9 @@ class Recorder:
     def begin_step(self, sched: Any = None, throttle_prefills: bool = False) -> None:
         # preempt_order is kept: a reset_prefix_cache between two steps preempts
         # too, and the next step reports it (on_schedule clears it).
-        conn = getattr(sched, "connector", None)
-        if conn is not None and conn is not self.connector:
-            # The scheduler's connector was replaced after the recorder wrapped
-            # it: wrap the new one, so that its answers are recorded too.
-            logger.warning("kvtrace: the scheduler's connector was replaced (now %s); "
-                           "recording the new one", type(conn).__name__)
-            wrap_connector(sched, self)
+        # The connector the scheduler holds now: one assigned or replaced since
+        # the last step is recorded as the scheduler calls it (call_sites).
+        self.has_connector = getattr(sched, "connector", None) is not None
         self.throttle_prefills = throttle_prefills   # the schedule() call's flag
         self.lookups = []
         self.loads = []
@@ -814,50 +826,61 @@ def _plain(params: Any) -> dict | None:
         return {"unrecorded": type(params).__name__}
 
 
-def wrap_connector(sched: Any, rec: Recorder) -> None:
-    conn = getattr(sched, "connector", None)
-    if conn is None:
-        return
-    orig_lookup = conn.get_num_new_matched_tokens
-    orig_alloc = conn.update_state_after_alloc
+class ConnectorCalls:
+    """What the scheduler's own code reads as ``self.connector`` where it calls
+    ``get_num_new_matched_tokens`` or ``update_state_after_alloc`` while it is
+    recorded (``call_sites.held``): the call goes to the connector's own
+    method, looked up on the connector as vLLM would, with the same arguments;
+    its answer, or its exception, goes back unchanged, and the recorder notes
+    the answer. Only the method looked up at the call site is ever read."""
 
-    def get_num_new_matched_tokens(request, num_computed_tokens, *args, **kwargs):
-        result = orig_lookup(request, num_computed_tokens, *args, **kwargs)
+    __slots__ = ("_conn", "_rec")
+
+    def __init__(self, conn: Any, rec: "Recorder", _entry: Any = None):
+        self._conn, self._rec = conn, rec
+
+    def get_num_new_matched_tokens(self, *args, **kwargs):
+        result = self._conn.get_num_new_matched_tokens(*args, **kwargs)
+        rec = self._rec
         if rec.active:
-            try:
-                rec.on_lookup(request, num_computed_tokens, result)
-            except Exception as e:
-                rec.fail("get_num_new_matched_tokens", e)
+            rec.guard("get_num_new_matched_tokens", rec.on_lookup_call, args, kwargs, result)
         return result
 
-    def update_state_after_alloc(request, blocks, num_external_tokens, *args, **kwargs):
-        result = orig_alloc(request, blocks, num_external_tokens, *args, **kwargs)
+    def update_state_after_alloc(self, *args, **kwargs):
+        result = self._conn.update_state_after_alloc(*args, **kwargs)
+        rec = self._rec
         if rec.active:
-            try:
-                rec.on_alloc(request, num_external_tokens)
-            except Exception as e:
-                rec.fail("update_state_after_alloc", e)
+            rec.guard("update_state_after_alloc", rec.on_alloc_call, args, kwargs)
         return result
 
-    conn.get_num_new_matched_tokens = get_num_new_matched_tokens
-    conn.update_state_after_alloc = update_state_after_alloc
-    rec.connector = conn   # the connector these wrap (a schedule checks it is still the one)
+    def __getattr__(self, name: str) -> Any:   # never read; the connector's, should it be
+        return getattr(self._conn, name)
 
 
-def wrap_grammar(sched: Any, rec: Recorder) -> None:
-    """See the grammar refuse a request's tokens: wrap the scheduler's
-    ``structured_output_manager.accept_tokens`` on the instance (S:2186)."""
-    som = getattr(sched, "structured_output_manager", None)
-    accept = getattr(som, "accept_tokens", None)
-    if accept is None:
-        return
+class GrammarCalls:
+    """``self.structured_output_manager`` where the scheduler calls its
+    ``accept_tokens`` (S:2186) while it is recorded: the grammar's refusal
+    of a request's tokens is noted, the answer goes back unchanged."""
 
-    def accept_tokens(request, *args, **kwargs):
-        ok = accept(request, *args, **kwargs)
+    __slots__ = ("_som", "_rec")
+
+    def __init__(self, som: Any, rec: "Recorder", _entry: Any = None):
+        self._som, self._rec = som, rec
+
+    def accept_tokens(self, request, *args, **kwargs):
+        ok = self._som.accept_tokens(request, *args, **kwargs)
+        rec = self._rec
         if not ok and rec.active:
             rec.guard("accept_tokens", rec.on_grammar_rejected, request)
         return ok
 
-    som.accept_tokens = accept_tokens
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._som, name)
 
 
+# What the recording scheduler records of the objects it holds: attribute ->
+# (the methods called on it whose answers are recorded, the view at those calls).
+HELD_CALLS = {
+    "connector": (("get_num_new_matched_tokens", "update_state_after_alloc"), ConnectorCalls),
+    "structured_output_manager": (("accept_tokens",), GrammarCalls),
+}
