@@ -207,7 +207,7 @@ class Harness:
         """(step, req, local, ext) of each lookup the trace recorded."""
         self.sched.shutdown()
         return [(e.step, lk.req, lk.local, lk.ext) for e in TraceReader(self.path)
-                if isinstance(e, ev.Step) for lk in e.lookups]
+                if isinstance(e, (ev.Step, ev.StepFailed)) for lk in e.lookups]
 
 
 def _mock_connector(hit: int):
@@ -325,3 +325,7 @@ def test_a_connector_that_raises_raises_the_same_exception_recorded_or_not(tmp_p
             h.step()
         assert raised.value is down and m.get_num_new_matched_tokens.call_count == 2
         assert h.sched.connector is m
+    h.sched.shutdown()
+    [f] = [e for e in TraceReader(h.path) if isinstance(e, ev.StepFailed)]
+    assert f.error == "ConnectionError: the KV store is down" and "mock" in f.where
+    assert [(lk.req, lk.ext) for lk in f.lookups] == [("a", 16)]

@@ -169,8 +169,10 @@ def make_recording_scheduler(base_cls: type) -> type:
                 rec.guard("schedule", rec.begin_step, self, throttle)
             try:
                 out = super().schedule(*args, **kwargs)
-            except BaseException:
+            except BaseException as exc:
+                rec = self._kv_rec()
                 if rec is not None:
+                    rec.guard("schedule", rec.on_schedule_failed, self, exc)
                     rec.guard("schedule", rec.sink.flush)   # the engine is failing
                 raise
             rec = self._kv_rec()

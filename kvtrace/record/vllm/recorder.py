@@ -15,7 +15,8 @@
 * ``schedule``         -> ``Step`` (with the connector's lookups and load plan:
   the answers of ``self.connector.get_num_new_matched_tokens`` and the calls
   of ``self.connector.update_state_after_alloc``, seen at the scheduler's own
-  call sites, ``call_sites``; the connector itself is never touched)
+  call sites, ``call_sites``; the connector itself is never touched); when
+  ``schedule`` raises, ``StepFailed`` with what the step had asked so far
 * ``update_from_output`` -> ``Output`` (with the pooling requests whose pooler
   output came, ``Output.pooled``) and one ``PromptStats`` per request's first
   output that carries prompt accounting
@@ -37,7 +38,10 @@ Rules the recorder keeps:
   nor the objects the scheduler holds.
 * When the scheduler's own ``schedule`` or ``update_from_output`` raises, the
   events waiting in the engine's process are handed to the writer at once:
-  vLLM's front end may kill a failed engine core before it shuts down.
+  vLLM's front end may kill a failed engine core before it shuts down. A
+  ``schedule`` that raises an ``Exception`` is recorded first (``StepFailed``:
+  its lookups, load plan, grammars and the exception), unless a driver raised
+  it to stop the run (an exception class with ``kvtrace_driver_stop = True``).
 * Every capture is wrapped: the first exception is logged once, the trace is
   marked failed (``End.status == "recorder-error"``), recording stops and the
   engine carries on.
@@ -101,11 +105,15 @@ from kvtrace.trace.events import (
     PromptStats,
     RequestFinished,
     ResetPrefixCache,
+    StepFailed,
 )
 
 logger = logging.getLogger("kvtrace.record")
 
 ENV_OUT = "KVTRACE_OUT"
+# An exception class with this attribute true is a driver's way to stop a run
+# from inside schedule() (model_free.EngineLooping): no failure of the engine's.
+DRIVER_STOP = "kvtrace_driver_stop"
 _REASONS = {"stop": "stop", "length": "length", "abort": "abort", "error": "error",
             "repetition": "stop"}
 
@@ -588,6 +596,23 @@ class Recorder:
         if len(self.pending) > 64:  # outputs that never came back (engine error paths)
             del self.pending[0]
 
+    def on_schedule_failed(self, sched: Any, exc: BaseException) -> None:
+        """``schedule()`` raised ``exc``: record what the step had asked so far
+        (``StepFailed``), so that a replay can run the same step. A driver's
+        exception that stops the run (``kvtrace_driver_stop``) is no failure
+        of the engine's, and an exception that is no ``Exception`` (a Ctrl-C)
+        none of the step's: neither is recorded here."""
+        if not isinstance(exc, Exception) or getattr(exc, DRIVER_STOP, False):
+            return
+        step = self.step_index
+        self.step_index += 1
+        self.preempt_order = []
+        grammar = self._grammar_seen(sched) if self.grammar_waiting else None
+        self.sink.put(StepFailed(
+            seq=0, step=step, error=exception_line(exc), where=raised_at(exc),
+            lookups=list(self.lookups), loads=list(self.loads) if self.has_connector else None,
+            grammar=grammar or None, throttle_prefills=self.throttle_prefills))
+
     # -- update_from_output -----------------------------------------------------
 
     def pre_update(self, sched: Any, so: Any, mro: Any) -> tuple:
@@ -749,6 +774,29 @@ def exception_line(exc: BaseException) -> str:
         msg = ""
     text = type(exc).__name__ + (f": {msg}" if msg else "")
     return text if len(text) <= 478 else text[:475] + "..."
+
+
+def raised_at(exc: BaseException) -> str | None:
+    """Where ``exc`` was raised: ``path:line in function`` of the innermost
+    frame of its traceback, the path relative to the ``sys.path`` folder it
+    lies in (``vllm/v1/core/sched/scheduler.py:1372 in schedule``). None when
+    it has no traceback. Never raises."""
+    try:
+        tb = exc.__traceback__
+        if tb is None:
+            return None
+        while tb.tb_next is not None:
+            tb = tb.tb_next
+        code = tb.tb_frame.f_code
+        path = os.path.abspath(code.co_filename)
+        roots = sorted((os.path.abspath(p) for p in sys.path if p), key=len, reverse=True)
+        for root in roots:
+            if path.startswith(root + os.sep):
+                path = os.path.relpath(path, root)
+                break
+        return f"{path}:{tb.tb_lineno} in {code.co_name}"
+    except Exception:
+        return None
 
 
 def engine_failure(exc: BaseException) -> str:
