@@ -26,7 +26,7 @@ class Store:
 
 
 class View:
-    def __init__(self, value, rec, entry):
+    def __init__(self, value, rec):
         self.value, self.rec = value, rec
 
     def answer(self, x):
@@ -39,6 +39,8 @@ class Rec:
 
     def __init__(self):
         self.calls = []
+        self.views = {}
+        self.watched = {"store"}
 
 
 class Sched:
@@ -61,7 +63,7 @@ class Sched:
 
 def _recording(base=Sched, attr="store"):
     cls = type("Recording", (base,), {})
-    setattr(cls, attr, call_sites.held(attr, base, {"answer": True}, View))
+    setattr(cls, attr, call_sites.held(attr, base, {"answer"}, View))
     return cls
 
 
@@ -79,6 +81,25 @@ def test_a_call_site_is_recorded_and_every_other_read_gets_the_object_itself():
     rec.active = False
     s.call(99)
     assert rec.calls[-1] == 8   # a recorder that stopped records nothing
+
+
+def test_a_call_site_returns_and_raises_what_the_object_does():
+    class Odd:
+        out = object()
+        error = LookupError("no such block")
+
+        def answer(self, x):
+            if x < 0:
+                raise self.error
+            return self.out
+
+    store, rec = Odd(), Rec()
+    s = _recording()(store)
+    s._kvtrace = rec
+    assert s.call(1) is Odd.out
+    with pytest.raises(LookupError) as raised:
+        s.call(-1)
+    assert raised.value is Odd.error and rec.calls == [1, -1]
 
 
 def test_a_call_site_past_many_names_is_found():

@@ -13,10 +13,11 @@ recording class:
 * anywhere but at a recorded call site, ``scheduler.connector`` is the very
   object stored (identity, attributes, ``isinstance``, mocks and all);
 * at a call site, the expression ``self.connector.get_num_new_matched_tokens``
-  of the scheduler's own code, it is a view (``make_view(obj, recorder)``)
-  whose method of that name calls the object's own method, records its answer
-  and returns it. Nothing else ever sees the view: the method is looked up on
-  it and called at once.
+  of the scheduler's own code, it is a view (``make_view(obj, recorder)``,
+  kept while the object and the recorder stay the same) whose method of that
+  name calls the object's own method, records its answer and returns it.
+  Nothing else ever sees the view: the method is looked up on it and called
+  at once.
 
 A call site is found in the bytecode: the load of the attribute followed by
 the load of a recorded method (``sites``). The property tells one from any
@@ -44,70 +45,71 @@ _MISSING = object()
 _ATTR_OPS = ("LOAD_ATTR", "LOAD_METHOD")
 
 
-def sites(code: CodeType, attr: str, methods: dict[str, Any]) -> dict[int, Any]:
-    """The call sites of ``code`` (not of the code nested in it): for each
-    bytecode offset at which the load of ``attr`` may run, when the next
-    instruction loads one of ``methods``, that method's entry in ``methods``.
-    The offsets cover the load's inline caches and any ``EXTENDED_ARG`` before
-    it: a specialized load reports a frame's ``f_lasti`` inside its caches."""
-    found: dict[int, Any] = {}
-    ops = [i for i in dis.get_instructions(code)]
+def sites(code: CodeType, attr: str, methods: set[str] | frozenset[str]) -> frozenset[int]:
+    """The call sites of ``code`` (not of the code nested in it): each bytecode
+    offset at which the load of ``attr`` may run when the next instruction
+    loads one of ``methods``. The offsets cover the load's inline caches and
+    any ``EXTENDED_ARG`` before it: a specialized load reports a frame's
+    ``f_lasti`` inside its caches."""
+    found: set[int] = set()
     starts = []   # each real instruction with the offset its EXTENDED_ARGs start at
     start = None
-    for i in ops:
+    for i in dis.get_instructions(code):
         if i.opname == "EXTENDED_ARG":
             start = i.offset if start is None else start
             continue
         starts.append((i, i.offset if start is None else start))
         start = None
     for (i, at), (j, end) in zip(starts, starts[1:]):
-        if i.opname in _ATTR_OPS and i.argval == attr and j.opname in _ATTR_OPS:
-            entry = methods.get(j.argval)
-            if entry is not None:
-                for off in range(at, end, 2):
-                    found[off] = entry
-    return found
+        if (i.opname in _ATTR_OPS and i.argval == attr and j.opname in _ATTR_OPS
+                and j.argval in methods):
+            found.update(range(at, end, 2))
+    return frozenset(found)
 
 
-def held(attr: str, base_cls: type, methods: dict[str, Any],
-         make_view: Callable[[Any, Any, Any], Any]) -> property:
+def held(attr: str, base_cls: type, methods: set[str] | frozenset[str],
+         make_view: Callable[[Any, Any], Any]) -> property:
     """The property through which a recording subclass of ``base_cls`` holds
     ``attr``: the value stored, as ``base_cls`` would give it, except at a call
     site of one of ``methods`` while the scheduler's recorder (``_kvtrace``)
-    records, where it is ``make_view(value, recorder, entry)``. Stored values go
-    where ``base_cls`` would put them: in the instance's ``__dict__``, or
-    through ``base_cls``'s own descriptor when it has a data descriptor of that
-    name."""
-    known: dict[CodeType, dict[int, Any]] = {}   # code object -> its call sites
+    records and watches ``attr`` (``attr in recorder.watched``), where it is
+    ``make_view(value, recorder)``, kept in the recorder's ``views``
+    (attribute -> (value, view)) while the value stays. Stored values go where
+    ``base_cls`` would put them: in the instance's ``__dict__``, or through
+    ``base_cls``'s own descriptor when it has a data descriptor of that name."""
+    known: dict[CodeType, frozenset[int]] = {}   # code object -> its call sites
     static = inspect.getattr_static(base_cls, attr, _MISSING)
     data_descr = static is not _MISSING and hasattr(type(static), "__set__")
 
-    def stored(self: Any) -> Any:
-        if data_descr:
-            return static.__get__(self, type(self))
-        try:
-            return self.__dict__[attr]
-        except KeyError:
-            if static is _MISSING:
-                raise AttributeError(
-                    f"'{type(self).__name__}' object has no attribute '{attr}'") from None
-            getter = getattr(type(static), "__get__", None)
-            return static if getter is None else getter(static, self, type(self))
+    def default(self: Any) -> Any:
+        """``attr`` of an instance that has stored none."""
+        if static is _MISSING:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{attr}'")
+        getter = getattr(type(static), "__get__", None)
+        return static if getter is None else getter(static, self, type(self))
 
-    def get(self: Any) -> Any:
-        value = stored(self)
-        rec = self.__dict__.get("_kvtrace")
-        if rec is None or value is None:
+    def get(self: Any, _getframe: Callable = sys._getframe) -> Any:
+        d = self.__dict__
+        if data_descr:
+            value = static.__get__(self, type(self))
+        else:
+            value = d.get(attr, _MISSING)
+            if value is _MISSING:
+                value = default(self)
+        rec = d.get("_kvtrace")
+        if rec is None or value is None or attr not in rec.watched:
             return value
-        frame = sys._getframe(1)
-        code = frame.f_code
-        at = known.get(code)
+        frame = _getframe(1)
+        at = known.get(frame.f_code)
         if at is None:
-            at = known[code] = sites(code, attr, methods)
-        if at:
-            entry = at.get(frame.f_lasti)
-            if entry is not None and rec.active:
-                return make_view(value, rec, entry)
+            at = known[frame.f_code] = sites(frame.f_code, attr, methods)
+        if frame.f_lasti in at and rec.active:
+            kept = rec.views.get(attr)
+            if kept is not None and kept[0] is value:
+                return kept[1]
+            view = make_view(value, rec)
+            rec.views[attr] = (value, view)
+            return view
         return value
 
     def put(self: Any, value: Any) -> None:
@@ -158,13 +160,17 @@ class _View:
 class _ProbeRecorder:
     active = True
 
+    def __init__(self) -> None:
+        self.views: dict = {}
+        self.watched = {"held"}
+
 
 def check() -> None:
     """Raise RuntimeError unless ``held`` tells call sites from other reads on
     this Python, before and after the interpreter specializes the reads (a
     few dozen runs)."""
-    cls = type("Probe", (_Probe,), {"held": held("held", _Probe, {"answer": True},
-                                                 lambda value, rec, entry: _View(value))})
+    cls = type("Probe", (_Probe,), {"held": held("held", _Probe, {"answer"},
+                                                 lambda value, rec: _View(value))})
     obj = _Held()
     p = cls(obj)
     p._kvtrace = _ProbeRecorder()

@@ -217,7 +217,7 @@ def make_recording_scheduler(base_cls: type) -> type:
 
     for attr, (methods, view) in HELD_CALLS.items():
         setattr(RecordingScheduler, attr,
-                call_sites.held(attr, base_cls, dict.fromkeys(methods, True), view))
+                call_sites.held(attr, base_cls, frozenset(methods), view))
     RecordingScheduler.__name__ = f"Recording{base_cls.__name__}"
     RecordingScheduler.__qualname__ = RecordingScheduler.__name__
     RecordingScheduler.__module__ = __name__

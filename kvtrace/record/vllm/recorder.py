@@ -249,6 +249,13 @@ class Recorder:
         self.step_index = 0
         self.has_connector = getattr(sched, "connector", None) is not None   # at this step
         self.audit: Any = None       # the KV audit (kv_audit), when it runs
+        # The views the scheduler's call sites get (call_sites.held): attribute
+        # -> (the object it holds, its view); and the attributes whose calls
+        # are recorded now: the grammar's answers from the first structured
+        # output on (before it, every answer is yes: vllm/v1/structured_output/
+        # __init__.py:464-465).
+        self.views: dict[str, tuple] = {}
+        self.watched: set[str] = {"connector"}
         self.throttle_prefills = False
         # The size vLLM hashes blocks at: a prompt of embeddings has a digest per block.
         self.hash_block_size = int(getattr(sched, "hash_block_size", None)
@@ -322,6 +329,8 @@ class Recorder:
     def on_add_request(self, request: Any, chunk: bool = False) -> None:
         """A new request, or (``chunk``) a session's next input chunk: vLLM takes
         only a chunk's token ids (S:1678-1679)."""
+        if getattr(request, "use_structured_output", False):
+            self.watched.add("structured_output_manager")   # its grammar's answers count
         sp = request.sampling_params
         prompt, embeds, mask = request.prompt_token_ids, None, None
         if not chunk and getattr(request, "prompt_embeds", None) is not None:
@@ -606,7 +615,6 @@ class Recorder:
             return
         step = self.step_index
         self.step_index += 1
-        self.preempt_order = []
         grammar = self._grammar_seen(sched) if self.grammar_waiting else None
         self.sink.put(StepFailed(
             seq=0, step=step, error=exception_line(exc), where=raised_at(exc),
@@ -884,7 +892,7 @@ class ConnectorCalls:
 
     __slots__ = ("_conn", "_rec")
 
-    def __init__(self, conn: Any, rec: "Recorder", _entry: Any = None):
+    def __init__(self, conn: Any, rec: "Recorder"):
         self._conn, self._rec = conn, rec
 
     def get_num_new_matched_tokens(self, *args, **kwargs):
@@ -912,7 +920,7 @@ class GrammarCalls:
 
     __slots__ = ("_som", "_rec")
 
-    def __init__(self, som: Any, rec: "Recorder", _entry: Any = None):
+    def __init__(self, som: Any, rec: "Recorder"):
         self._som, self._rec = som, rec
 
     def accept_tokens(self, request, *args, **kwargs):
