@@ -378,6 +378,16 @@ _ALL = (
          "any free, is for a finished request.",
          "finished_sending names r6, which is still RUNNING",
          _KINDS),
+    Rule("crash", "the engine's schedule() fails only where the reference fails",
+         "vLLM's scheduler raises inside schedule() on its own assertions (S:1048, S:1170, "
+         "S:1372), which the reference models. A schedule() that raises is recorded with what "
+         "the step had asked the connector (a step_failed record), and replay runs the same "
+         "step with those answers: where the reference schedules it, the engine failed where "
+         "none of those rules says it must (a bug of the engine, of a scheduler subclass or of "
+         "a connector).",
+         "step 3: schedule() raised KeyError: '2-a1' at my_scheduler.py:41 in schedule; the "
+         "reference scheduled the step",
+         _KINDS),
     Rule("diff", "two traces make the same decisions for the same request, under the same "
                  "configuration",
          "kvtrace diff pairs each request of trace A with its counterpart in B and names "

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-RULE = re.compile(r"^((?:\d+(?:\.\d+)?(?:/\d+\.\d+)?|I\d+|B\d+|SD\d+|D\d+|L\d+|liveness|kv-content|diff"
+RULE = re.compile(r"^((?:\d+(?:\.\d+)?(?:/\d+\.\d+)?|I\d+|B\d+|SD\d+|D\d+|L\d+|liveness|kv-content|crash|diff"
                   r"|handoff)(?=: )|(?:S|AS):\d+(?= ))")
 
 

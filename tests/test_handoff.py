@@ -265,46 +265,6 @@ def test_a_request_finished_answer_without_params_is_valid(tmp_path):
     assert first(write(objs, tmp_path / "p.jsonl")) is None
 
 
-def test_a_connector_swapped_in_after_the_recorder_wrapped_the_first_is_recorded_too(
-        caplog, monkeypatch):
-    from types import SimpleNamespace
-
-    from kvtrace.record.vllm import recorder as vllm_recorder
-    from kvtrace.record.vllm.recorder import Recorder, wrap_connector
-
-    monkeypatch.setattr(vllm_recorder, "_block_table", lambda kvm: None)
-
-    class Connector:
-        def __init__(self, hit):
-            self.hit = hit
-
-        def get_num_new_matched_tokens(self, request, num_computed_tokens):
-            return self.hit, False
-
-        def update_state_after_alloc(self, request, blocks, num_external_tokens):
-            return None
-
-    class Sched:   # what the recorder reads of a scheduler here
-        connector = Connector(32)
-        block_size = 32
-        kv_cache_manager = None
-
-    sched = Sched()
-    rec = Recorder(sched, sink=SimpleNamespace(put=lambda e: None))
-    wrap_connector(sched, rec)
-    req = SimpleNamespace(request_id="r")
-    rec.begin_step(sched)
-    sched.connector.get_num_new_matched_tokens(req, 0)
-    assert [(lk.req, lk.ext) for lk in rec.lookups] == [("r", 32)]
-
-    sched.connector = Connector(64)   # a connector put in after the recorder wrapped the first
-    with caplog.at_level("WARNING"):
-        rec.begin_step(sched)
-    sched.connector.get_num_new_matched_tokens(req, 0)
-    assert [(lk.req, lk.ext) for lk in rec.lookups] == [("r", 64)]
-    assert any("connector was replaced" in r.getMessage() for r in caplog.records)
-
-
 # --------------------------------------------------------------------------- a handoff diff of nothing
 
 

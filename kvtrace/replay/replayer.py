@@ -28,6 +28,7 @@ from kvtrace.trace import events as ev
 
 from . import checks, derive
 from .data_path import DataPath
+from .failed_step import run_failed_step
 from .kv_device import pick_backend
 from .connector import RecordedConnector
 from .liveness import ProgressWatch
@@ -202,8 +203,8 @@ class Replayer:
                 self._write(ev.Drafts(self._seq(), e.step, e.drafts))
             elif kind is ev.KVAudit:
                 self.divergences.extend(self.data_path.feed(e, line))
-            elif kind is ev.End and e.status == "interrupted":
-                self._next_schedule(e)
+            elif kind is ev.StepFailed or (kind is ev.End and e.status == "interrupted"):
+                self._next_schedule(e, line)
         except SchedulerAssertion as a:
             step = getattr(e, "step", self.steps)
             # At the end of an interrupted trace: the engine's own error.
@@ -437,11 +438,24 @@ class Replayer:
 
     # -- helpers -----------------------------------------------------------------
 
-    def _next_schedule(self, e: ev.End) -> None:
-        """The engine stopped on an error. An error inside ``schedule()`` leaves no
-        step record, so the reference schedules the next step: if that fails one
-        of the engine's assertions, the engine met it there (the reference raises
-        SchedulerAssertion, which ``feed`` reports). Nothing is written."""
+    def _next_schedule(self, e: ev.StepFailed | ev.End, line) -> None:
+        """The engine stopped on an error. A ``step_failed`` record is a
+        ``schedule()`` that raised: the reference runs that step with the
+        connector's answers it had, and the failure is reported whether the
+        reference fails there too or not (failed_step.py); replay stops there.
+        A trace without one (recorded before the recorder wrote it, or an error
+        outside ``schedule()``) ends ``interrupted``: the reference schedules
+        the next step, and if that fails one of the engine's assertions, the
+        engine met it there (the reference raises SchedulerAssertion, which
+        ``feed`` reports). Nothing is written."""
+        if type(e) is ev.StepFailed:
+            self.steps = e.step + 1
+            self.divergences.extend(run_failed_step(self.sched, self.connector, e, line))
+            self.stopped = f"the engine failed in schedule() at step {e.step}: {e.error}"
+            stop_after = getattr(self.content, "stop_after", None)   # a content worker
+            if stop_after is not None:
+                stop_after()
+            return
         out, self.out = self.out, None
         try:
             self.sched.schedule()

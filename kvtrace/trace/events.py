@@ -547,6 +547,27 @@ class Step(_Record, tag="step"):
         return out
 
 
+class StepFailed(_Record, tag="step_failed"):
+    """A ``Scheduler.schedule()`` call that raised: step ``step`` never
+    returned, so no ``step`` record has it. What the call had asked up to the
+    failure, as a ``step`` record holds it (``lookups`` in call order,
+    ``loads``, ``grammar``, ``throttle_prefills``): the inputs a replay needs
+    to run the same step. ``error``: the exception, ``Type: message`` on one
+    line; ``where``: the innermost frame it was raised in, ``path:line in
+    function``, the path relative to the folder it was imported from
+    (``vllm/v1/core/sched/scheduler.py:1372 in schedule``)."""
+
+    seq: Count
+    step: Count
+    error: str
+    where: str | None = None
+    lookups: list[Lookup] = []
+    loads: list[KVLoad] | None = None
+    grammar: dict[str, Literal[GRAMMAR_OUTCOMES]] | None = None
+    throttle_prefills: bool = False
+    kind: ClassVar[str] = "step_failed"
+
+
 # --------------------------------------------------------------------------- output
 
 
@@ -675,8 +696,8 @@ class End(_Record, tag="end"):
     kind: ClassVar[str] = "end"
 
 
-Event = (Arrival | Abort | RequestFinished | ResetPrefixCache | PauseState | Step | Output | Drafts
-         | PromptStats | KVAudit | End)
+Event = (Arrival | Abort | RequestFinished | ResetPrefixCache | PauseState | Step | StepFailed
+         | Output | Drafts | PromptStats | KVAudit | End)
 EVENT_TYPES: dict[str, type] = {cls.kind: cls for cls in Event.__args__}
 
 
