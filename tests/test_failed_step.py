@@ -16,6 +16,7 @@ import msgspec
 import pytest
 
 from kvtrace.replay import replay_file
+from kvtrace.trace import TraceError
 from kvtrace.trace import events as ev
 from kvtrace.trace.io import TraceReader, TraceWriter
 
@@ -93,13 +94,14 @@ def test_a_failed_step_whose_lookups_the_reference_does_not_make_says_so(tmp_pat
     failure."""
     path = _write(tmp_path / "t.jsonl", [
         ev.Arrival(seq=0, req="r0", prompt_token_ids=PROMPT, max_tokens=4),
+        ev.Arrival(seq=0, req="zz", prompt_token_ids=PROMPT, max_tokens=4),
         ev.StepFailed(seq=0, step=0, error="AssertionError",
                       lookups=[ev.Lookup(req="r0", local=0, ext=8), ev.Lookup(req="zz", local=0, ext=1)],
                       loads=[]),
     ])
     divs = replay_file(path, device=None).divergences
     assert [(d.req, d.field) for d in divs] == [("r0", "assertion"), ("zz", "lookup")]
-    assert all(d.step == 0 and d.line == 3 for d in divs)
+    assert all(d.step == 0 and d.line == 4 for d in divs)
 
 
 def test_an_older_interrupted_trace_still_replays_the_next_step(tmp_path):
@@ -133,6 +135,24 @@ def test_a_step_failed_record_round_trips_and_the_reader_takes_it_before_end(tmp
     assert isinstance(got[1], ev.StepFailed) and got[1].lookups[0].load_async
     assert got[1].grammar == {"r0": "ready"} and got[1].throttle_prefills
     assert r.end.status == "interrupted"
+
+
+@pytest.mark.parametrize("events,why", [
+    ([ev.Arrival(seq=0, req="r0", prompt_token_ids=PROMPT, max_tokens=4),
+      ev.StepFailed(seq=0, step=0, error="AssertionError"),
+      ev.Abort(seq=0, reqs=["r0"])],
+     "a abort record after step 0, whose schedule() raised: only the 'end' record may follow"),
+    ([ev.StepFailed(seq=0, step=0, error="AssertionError",
+                    lookups=[ev.Lookup(req="ghost", local=0, ext=8)])],
+     "field 'lookups.req' names request 'ghost', which never arrived"),
+], ids=["record-after-it", "unknown-request"])
+def test_a_step_failed_record_is_held_to_what_follows_and_what_it_names(tmp_path, events, why):
+    """These were read as if nothing were wrong: a record after the step that
+    stopped the engine, a lookup of a request that never arrived."""
+    path = _write(tmp_path / "t.jsonl", events)
+    with pytest.raises(TraceError) as e:
+        list(TraceReader(path))
+    assert why in str(e.value) and f"{path}:" in str(e.value)
 
 
 # --------------------------------------------------------------------------- vLLM

@@ -18,7 +18,9 @@ then checks what only the whole file can say is wrong, so that every consumer of
 * ``step`` numbers strictly increase; an output names a step whose record came
   before it and that has had no output yet, and outputs come in step order (also
   under async scheduling; a step may get no output, on an engine's error path);
-  a prompt_stats record names a step already recorded.
+  a prompt_stats record names a step already recorded;
+* a ``step_failed`` record (a ``schedule()`` that raised) is the step after the
+  last one, names requests that arrived, and only the ``end`` record follows it.
 
 Each check raises ``SchemaError`` with the problem; the reader adds file and line.
 Memory follows the live requests. Finished requests, which records may still
@@ -94,10 +96,14 @@ class Validator:
         # The recorded steps after the last output, in order: those that may
         # still get theirs (one or two in flight, under async scheduling).
         self.awaiting: deque[int] = deque()
+        self.failed_step: int | None = None   # a step whose schedule() raised: the engine's last
 
     # -- entry -------------------------------------------------------------------
 
     def check(self, e) -> None:
+        if self.failed_step is not None and not isinstance(e, ev.End):
+            raise SchemaError(f"a {e.kind} record after step {self.failed_step}, whose "
+                              "schedule() raised: only the 'end' record may follow a step_failed")
         if isinstance(e, ev.Arrival):
             if e.req in self.sessions:   # the next input chunk of a session, or its end
                 return
@@ -131,6 +137,8 @@ class Validator:
             self._step(e)
         elif isinstance(e, ev.Output):
             self._output(e)
+        elif isinstance(e, ev.StepFailed):
+            self._failed_step(e)
         elif isinstance(e, ev.Drafts):
             if e.step > self.last_output_step:
                 raise SchemaError(f"drafts for step {e.step}, whose output has not come "
@@ -174,6 +182,27 @@ class Validator:
             self._known(req, "preempted")
         for req in s.finished:
             self._known(req, "finished")
+        self._asked(s)
+        for req in s.spec or ():
+            self._known(req, "spec")
+        self._states(s.states)
+        if s.num_free_blocks is not None and s.num_free_blocks > self.num_blocks:
+            raise SchemaError(f"field 'num_free_blocks' is {s.num_free_blocks}, more than the "
+                              f"{self.num_blocks} blocks of the header's pool")
+        self.last_step = s.step
+        self.awaiting.append(s.step)
+
+    def _failed_step(self, f: ev.StepFailed) -> None:
+        """A step whose ``schedule()`` raised: the step after the last one, asking
+        about requests that arrived; the engine stops there."""
+        if f.step <= self.last_step:
+            raise SchemaError(f"step_failed for step {f.step}, which does not follow step "
+                              f"{self.last_step}: step numbers must increase")
+        self._asked(f)
+        self.failed_step = f.step
+
+    def _asked(self, s: ev.Step | ev.StepFailed) -> None:
+        """What a step asked: its lookups, its loads, the grammars it found compiled."""
         for lk in s.lookups:
             self._known(lk.req, "lookups.req")
             self._tokens(lk.local, "lookups.local")
@@ -183,16 +212,8 @@ class Validator:
             self._known(ld.req, "loads.req")
             self._tokens(ld.start, "loads.start")
             self._tokens(ld.end, "loads.end")
-        for req in s.spec or ():
-            self._known(req, "spec")
         for req in s.grammar or ():
             self._known(req, "grammar")
-        self._states(s.states)
-        if s.num_free_blocks is not None and s.num_free_blocks > self.num_blocks:
-            raise SchemaError(f"field 'num_free_blocks' is {s.num_free_blocks}, more than the "
-                              f"{self.num_blocks} blocks of the header's pool")
-        self.last_step = s.step
-        self.awaiting.append(s.step)
 
     def _output(self, o: ev.Output) -> None:
         if o.step > self.last_step:
