@@ -141,7 +141,7 @@ def test_a_step_failed_record_round_trips_and_the_reader_takes_it_before_end(tmp
     ([ev.Arrival(seq=0, req="r0", prompt_token_ids=PROMPT, max_tokens=4),
       ev.StepFailed(seq=0, step=0, error="AssertionError"),
       ev.Abort(seq=0, reqs=["r0"])],
-     "a abort record after step 0, whose schedule() raised: only the 'end' record may follow"),
+     "a record of kind 'abort' after step 0, whose schedule() raised: only the 'end' record may follow"),
     ([ev.StepFailed(seq=0, step=0, error="AssertionError",
                     lookups=[ev.Lookup(req="ghost", local=0, ext=8)])],
      "field 'lookups.req' names request 'ghost', which never arrived"),

@@ -102,7 +102,7 @@ class Validator:
 
     def check(self, e) -> None:
         if self.failed_step is not None and not isinstance(e, ev.End):
-            raise SchemaError(f"a {e.kind} record after step {self.failed_step}, whose "
+            raise SchemaError(f"a record of kind '{e.kind}' after step {self.failed_step}, whose "
                               "schedule() raised: only the 'end' record may follow a step_failed")
         if isinstance(e, ev.Arrival):
             if e.req in self.sessions:   # the next input chunk of a session, or its end
