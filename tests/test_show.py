@@ -591,3 +591,18 @@ def test_show_request_says_a_lookup_admitted_nothing(faulty):
     assert lookups
     for step, text in lookups.items():
         assert ("not admitted" in text) == (not tried[req][step]), (step, text)
+
+
+def test_show_step_shows_a_step_whose_schedule_raised(capsys):
+    """It said 'no step 30: the last step is 29' for the step that stopped the
+    engine, which the trace records as a step_failed record."""
+    path = TRACES / "vllm-bugs" / "spec-padding-cut.jsonl.gz"
+    from mini_traces import load_records
+
+    failed = next(r for r in load_records(path) if r["kind"] == "step_failed")
+    code, out, _ = _cli(capsys, "show", str(path), "--step", str(failed["step"]), "--no-kv-check")
+    flat = " ".join(out.split())
+    assert code == 0
+    assert f"step {failed['step']} (line " in flat
+    assert f"schedule() raised {failed['error']} at {failed['where']}" in flat
+    assert "the engine stopped in this step" in flat

@@ -514,6 +514,10 @@ def show_step(view: StepView, divergences: list[Divergence] | None, console: Con
     if groups:
         rows.append(("KV cache", groups))
     console.print(_grid(rows + _events(view, only)))
+    if view.failed:
+        console.print(Text(f"schedule() raised {view.failed}: the engine stopped in this step"
+                           + ("; the lookups it made before are under the queues"
+                              if s.lookups else ""), style="bold red"))
     if note:
         console.print(Text(note, style="yellow"))
 
