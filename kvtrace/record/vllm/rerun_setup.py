@@ -181,8 +181,10 @@ def state_groups_refusal(f: ev.SchedulerFeatures, block_size: int) -> str | None
     """Why the KV-cache groups of a header with state groups cannot be set
     up, or None: every group listed with its spec, of full attention,
     sliding window or state; every state group with its cache mode, all one
-    mode; every group's block size a divisor of the scheduler's, and the
-    hash block size one of every group's (KU:804-900)."""
+    mode; every group's block size a divisor of the scheduler's, and a hash
+    block size below the scheduler's a divisor of every group's (KU:804-900:
+    vLLM hashes at the scheduler's block when a state group is not in
+    "align" mode)."""
     groups = f.kv_cache_groups
     if not groups:
         return "Mamba layers, and the trace does not list its KV-cache groups (kv_cache_groups)"
@@ -203,7 +205,7 @@ def state_groups_refusal(f: ev.SchedulerFeatures, block_size: int) -> str | None
         if block_size % g.block_size:
             return (f"KV-cache group {i} has block_size {g.block_size}, which does not divide "
                     f"the trace's {block_size}")
-        if g.block_size % hash_size:
+        if hash_size != block_size and g.block_size % hash_size:
             return (f"KV-cache group {i} has block_size {g.block_size}, not a multiple of "
                     f"hash_block_size {hash_size}")
     if len(modes) > 1:
