@@ -606,7 +606,7 @@ def _state_connector_rules(b: int) -> list[dict]:
             {"req": "6", "hit": b}]                                   # the local hit covers it
 
 
-def _state_workloads(model: str, b: int) -> dict[str, dict]:
+def _state_workloads(model: str, b: int, connector_blocks: int) -> dict[str, dict]:
     engine = dict(max_model_len=1024, max_num_batched_tokens=1024)
     prefix = _state_prompts(b)
     pressure = _state_pressure_prompts(b)
@@ -626,24 +626,24 @@ def _state_workloads(model: str, b: int) -> dict[str, dict]:
         # More requests than blocks: preemptions free every group's table.
         f"{model}-preemption": dict(prompts=pressure, max_tokens=48, model=model,
                                     engine=dict(engine, num_gpu_blocks_override=24)),
-        # A step budget below one block (64 tokens): a chunk keeps its running
+        # A step budget below one block (3/4 of one): a chunk keeps its running
         # state private until the next boundary (S:443-556). The prompts come
         # again after the prefix cache is reset under them (running requests
         # preempted).
         f"{model}-chunked-reset": dict(
             prompts=prefix[:6] + prefix[:6], max_tokens=16, model=model,
             arrive_at=[0, 0, 2, 2, 4, 4] + [40] * 6, control=[[44, "reset", True, False]],
-            engine=dict(engine, max_num_batched_tokens=64, num_gpu_blocks_override=60)),
+            engine=dict(engine, max_num_batched_tokens=3 * b // 4, num_gpu_blocks_override=60)),
         # Preemptions under the AsyncScheduler.
         f"{model}-async": dict(prompts=pressure, max_tokens=48, model=model,
                                engine=dict(engine, num_gpu_blocks_override=24,
                                            async_scheduling=True)),
         # A scripted connector that keeps every group (SupportsHMA): sync and
-        # async hits, a hit that grows after preemption, a failed load. Room
-        # for the blocks an external hit takes beyond vLLM's count
-        # (state-hit-overdraw).
+        # async hits, a failed load, preemptions. Just room enough for the
+        # blocks an external hit takes beyond vLLM's count (a block less, and
+        # Qwen3-Next's engine fails: qwen3-next-hit-overdraw).
         f"{model}-connector": dict(prompts=prefix[:7], max_tokens=32, model=model,
-                                   engine=dict(engine, num_gpu_blocks_override=60,
+                                   engine=dict(engine, num_gpu_blocks_override=connector_blocks,
                                                kv_transfer_config=connector)),
         # N-gram drafts. Without prefix caching (mamba_cache_mode "none"): one
         # state per request and one more for the draft, in blocks of
@@ -658,8 +658,8 @@ def _state_workloads(model: str, b: int) -> dict[str, dict]:
     }
 
 
-WORKLOADS.update(_state_workloads("qwen3-next", 160))
-WORKLOADS.update(_state_workloads("nemotron-h", 64))
+WORKLOADS.update(_state_workloads("qwen3-next", 160, connector_blocks=41))
+WORKLOADS.update(_state_workloads("nemotron-h", 64, connector_blocks=26))
 # vLLM 0.32 and 0.33 with a state group and a connector: an external hit
 # of whole blocks takes a real block in each state group for every external
 # block (allocate_external_computed_blocks, ST:326-367, which MambaManager
