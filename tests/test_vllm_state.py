@@ -150,7 +150,7 @@ def test_headers_without_state_groups_are_written_as_before(tmp_path):
 
 @pytest.mark.parametrize("change, said", [
     (dict(kv_cache_groups=None, kv_cache_group_kinds=None, num_kv_cache_groups=None),
-     "Mamba layers, and the trace does not list its KV-cache groups"),
+     "state KV-cache groups (Mamba layers), and the trace does not list the groups' specs"),
     (dict(kv_cache_groups=[_state(64), _state(64, mode="none", layer=1), _attention(64, 2)],
           num_kv_cache_groups=3, kv_cache_group_kinds=None),
      "state KV-cache groups in several cache modes (align, none)"),
@@ -242,7 +242,7 @@ def test_a_state_trace_holds_every_groups_spec_and_table(trace):
         assert g.num_prefill_checkpoint_blocks in (0, 1)
         assert (g.prefill_checkpoint_alignment is not None) == bool(g.num_prefill_checkpoint_blocks)
     assert header.config.block_size % groups[0].block_size == 0
-    assert len(states) > 20
+    assert len(states) >= 8
     for e, s, tables in states:
         assert len(tables) == len(groups), (e.step, s.req)
         for i in state:

@@ -187,7 +187,8 @@ def state_groups_refusal(f: ev.SchedulerFeatures, block_size: int) -> str | None
     "align" mode)."""
     groups = f.kv_cache_groups
     if not groups:
-        return "Mamba layers, and the trace does not list its KV-cache groups (kv_cache_groups)"
+        return ("state KV-cache groups (Mamba layers), and the trace does not list the groups' "
+                "specs (kv_cache_groups)")
     if f.num_kv_cache_groups is not None and f.num_kv_cache_groups != len(groups):
         return f"num_kv_cache_groups is {f.num_kv_cache_groups} but kv_cache_groups lists {len(groups)}"
     known = baseline.FULL_ATTENTION + baseline.SLIDING_WINDOW + (STATE,)
