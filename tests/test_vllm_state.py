@@ -445,3 +445,43 @@ def test_the_over_draw_fails_both_releases(tmp_path):
                               str(tmp_path), timeout=900)
     for r in (mine, theirs):
         assert r["error"] == "ValueError: Cannot get 1 free blocks from the pool", r
+
+
+_QWEN3_5 = """
+import sys
+from kvtrace.record.vllm.run import record_vllm_offline
+from kvtrace.record.vllm.workloads import WORKLOADS
+wl = dict(WORKLOADS["qwen3-next-prefix"], model="qwen3.5")
+wl.update(prompts=wl["prompts"][:3], max_tokens=8, arrive_at=wl["arrive_at"][:3])
+record_vllm_offline(None, sys.argv[1], wl)
+"""
+
+
+def test_a_tiny_qwen3_5_is_recorded_as_qwen3_next_and_reruns_with_no_difference(tmp_path):
+    """Qwen3.5 (Qwen3-Next's gated delta net and full-attention layers,
+    without experts) gives vLLM's scheduler the same groups: three state
+    groups and a full-attention one, in blocks of 160. vLLM's module for it
+    imports torchvision, which this environment lacks: a stand-in for tests
+    (tests/stubs/torchvision) goes on the recording process's path."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "qwen3.5.jsonl.gz"
+    stubs = Path(__file__).resolve().parent / "stubs"
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               PYTHONPATH=os.pathsep.join([str(stubs), str(ROOT),
+                                           os.environ.get("PYTHONPATH", "")]))
+    env.pop("KVTRACE_OUT", None)
+    p = subprocess.run([sys.executable, "-c", _QWEN3_5, str(out)], capture_output=True,
+                       text=True, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    header, states = _tables(out)
+    groups = header.features.kv_cache_groups
+    assert [(g.kind, g.block_size, g.mamba_type, g.mamba_cache_mode) for g in groups] == \
+        [("MambaSpec", 160, "gdn_attn", "align")] * 3 + [("FullAttentionSpec", 160, None, None)]
+    with TraceReader(out) as r:
+        hits = {s.req.split("-")[0]: s.num_computed_tokens
+                for e in r if isinstance(e, ev.Step) for s in e.new}
+    assert hits == {"0": 0, "1": 320, "2": 320}
+    res = replay_through_vllm(out, tmp_path / "vllm.jsonl.gz")
+    assert res.stopped is None and diff_files(out, res.out).divergences == []

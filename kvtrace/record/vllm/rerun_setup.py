@@ -173,7 +173,7 @@ def check_supported(header: ev.Header, path: str = "<trace>") -> None:
 
 def has_state_groups(f: ev.SchedulerFeatures) -> bool:
     """Whether the header names a state group (or Mamba layers)."""
-    kinds = f.kv_cache_group_kinds or [g.kind for g in f.kv_cache_groups or ()]
+    kinds = [*(f.kv_cache_group_kinds or ()), *(g.kind for g in f.kv_cache_groups or ())]
     return bool(f.has_mamba_layers) or STATE in kinds
 
 

