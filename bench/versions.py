@@ -73,7 +73,7 @@ def _jobs(random_count: int, seed0: int) -> list[dict]:
                      "source": "random"})
     for path in sorted(ROOT.glob("traces/**/*.jsonl.gz")):
         rel = path.relative_to(ROOT / "traces")
-        jobs.append({"name": "trace-" + str(rel).replace("/", "-").split(".")[0],
+        jobs.append({"name": "trace-" + str(rel).replace("/", "-").removesuffix(".jsonl.gz"),
                      "through": str(path), "source": "traces"})
     return jobs
 
@@ -101,7 +101,10 @@ KNOWN = [
     ("preempted again and again", "a preemption loop without full-sequence reservation"),
     ("is ready at the head of the waiting queue", "a stall after a failed async load, or sessions' deadlock"),
     ("looked up and loaded again", "a one-token prompt loaded for ever"),
-    ("legacy: ", "the legacy counters (upstream PRs 36752, 36638)"),
+    ("(PR #36752)", "the legacy counters from two lookups (upstream PR 36752)"),
+    ("(issue #36533, PR #36638)", "a failed load taken off the legacy external count "
+                                  "(upstream issue 36533, PR 36638)"),
+    ("(PR #37354)", "the legacy cached count left at -1 (upstream PR 37354)"),
     ("S:1372", "a padded decode cut by the long-prefill threshold (upstream PR 54028)"),
     ("S:1170", "an admission with no token to compute"),
 ]

@@ -1,5 +1,6 @@
-"""The baseline profile (semantics doc, section 0.1): which engines' traces can
-be replayed, by the reference and by vLLM's own scheduler alike.
+"""What the reference models, from a header's features: the baseline profile,
+which engines' traces can be replayed, by the reference and by vLLM's own
+scheduler alike.
 
 Speculative decoding is inside it, under either scheduler: n-gram and
 suffix decoding, and drafters that run a model (EAGLE, EAGLE3, one-module
@@ -8,41 +9,173 @@ EAGLE, dropped hit block the reference models; with a fixed number of drafts
 or one that follows the batch size (dynamic speculative decoding, whose table
 the header holds). vLLM 0.32's scheduler reads nothing else of a drafter, so parallel
 drafting (P-EAGLE, PARD, DFlash, DSpark), which only takes more of those
-slots, is inside it too, though no trace of it was recorded here. Multi-module
-MTP is not: its chunks keep clear of the drafter's reads. Outside it, the
-scheduler's arithmetic changes (sliding-window null blocks, Mamba alignment,
-encoder budgets, ...). A trace whose header turns on such a feature is
-refused, with the feature named, rather than replayed into false divergences. The vLLM
-recorder writes every key read here (``build_header``); a key a trace does not
-name is taken as off (traces recorded before ``lora`` and
-``prefill_schedule_interval`` were written do not name them). Prompt
-embeddings (``prompt_embeds``) are inside it: each such arrival carries the
-digests vLLM keys its blocks with; so is LoRA, where the header says how
-many adapters a step may run (``max_loras``) and each arrival names its
-adapter.
+slots, is inside it too, though no trace of it was recorded here. So are
+full-attention and sliding-window KV-cache groups of one block size (Gemma 3,
+gpt-oss), prompt embeddings (``prompt_embeds``: each such arrival carries the
+digests vLLM keys its blocks with) and LoRA, where the header says how many
+adapters a step may run (``max_loras``) and each arrival names its adapter.
+
+``REFUSED`` is the one list of what the reference does not model: each entry
+names it as the docs do (README.md, docs/guide/replay.md,
+docs/reference/bad-input.md and docs/reference/checks.md list the same names;
+tests/test_docs.py holds them to it) and says in one line where a header
+turns it on. Replay refuses such a trace with that line rather than replay it
+into false divergences. When the reference learns to model one, its entry
+goes (and a KV-cache group kind it names joins ``MODELLED_KINDS``).
+
+Apart from the list, a trace is refused where it does not say what replay
+needs (``incomplete``): the number of input slots drafting takes, LoRA's
+``max_loras``, the specs of its KV-cache groups, ... The vLLM recorder writes
+every key read here (``build_header``); a key a trace does not name is taken
+as off (traces recorded before ``lora`` and ``prefill_schedule_interval``
+were written do not name them).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Callable
+
 from kvtrace.trace.events import SchedulerFeatures, features_from
 
-# Features that are on when they are true or a number above 0.
-FLAGS = {
-    "diffusion": "a diffusion language model (dLLM)",
-    "has_mamba_layers": "Mamba layers",
-    "multimodal": "a multimodal model",
-    "prefix_replay_tokens": "prefix replay windows",
-}
-# Sizes that are on when they are not 1.
-SIZES = {
-    "pipeline_parallel_size": "pipeline parallelism",
-    "decode_context_parallel_size": "decode context parallelism",
-}
 # KV-cache specs that vLLM 0.32 manages with its FullAttentionManager, the one
 # the reference models.
 FULL_ATTENTION = ("FullAttentionSpec", "MLAAttentionSpec")
 # Its SlidingWindowManager, modelled too (kvtrace/reference/kv_groups.py).
 SLIDING_WINDOW = ("SlidingWindowSpec",)
+MODELLED_KINDS = FULL_ATTENTION + SLIDING_WINDOW
+
+
+@dataclass(frozen=True)
+class Refused:
+    """One thing the reference does not model, which replay refuses in one line.
+
+    ``name``: what it is, as the docs list it. ``on(features, block_size,
+    profile)``: where a header turns it on, in one line, or None. ``profile``
+    is the version profile the reference follows, or None for what every
+    replay refuses (the reference and ``--scheduler vllm`` alike); an entry
+    that only some profiles refuse (``by_profile``) answers only with one."""
+
+    name: str
+    on: Callable[[SchedulerFeatures, int, Any], str | None]
+    by_profile: bool = False
+
+
+def _flag(key: str, what: str) -> Callable:
+    """On when the feature ``key`` is true or a number above 0."""
+    def on(f, block_size, profile):
+        v = getattr(f, key)
+        return f"{what} is on ({key}={v!r})" if v else None
+    return on
+
+
+def _size(key: str, what: str) -> Callable:
+    """On when the size ``key`` is given and is not 1."""
+    def on(f, block_size, profile):
+        v = getattr(f, key)
+        return f"{what} is on ({key}={v!r})" if v not in (None, 1) else None
+    return on
+
+
+def _group_kinds(f: SchedulerFeatures) -> list[str]:
+    return list(f.kv_cache_group_kinds or [g.kind for g in f.kv_cache_groups or ()])
+
+
+def _kinds(*kinds: str) -> Callable:
+    """On for a KV-cache group of one of ``kinds``; with none, of any kind
+    the reference does not model."""
+    def on(f, block_size, profile):
+        for k in _group_kinds(f):
+            if (k in kinds) if kinds else k not in MODELLED_KINDS:
+                return f"a KV-cache group of kind {k!r}, not full or sliding-window attention"
+        return None
+    return on
+
+
+def _either(*checks: Callable) -> Callable:
+    def on(f, block_size, profile):
+        return next((why for c in checks if (why := c(f, block_size, profile))), None)
+    return on
+
+
+def _multi_module_mtp(f, block_size, profile):
+    ahead = f.num_prefill_lookahead_tokens
+    if f.num_speculative_tokens and f.use_eagle and ahead is not None and ahead > 1:
+        # Chunks end clear of the drafter's reads (S:575-589), and the last
+        # ahead - 1 computed tokens are never cached (KC:346-352).
+        return (f"speculative decoding (num_speculative_tokens={f.num_speculative_tokens!r}) "
+                f"by multi-module MTP is on (num_prefill_lookahead_tokens={ahead!r})")
+    return None
+
+
+def _group_block_sizes(f, block_size, profile):
+    for i, g in enumerate(f.kv_cache_groups or ()):
+        if g.block_size != block_size:
+            return f"KV-cache group {i} has block_size {g.block_size}, not the trace's {block_size}"
+    return None
+
+
+def _eagle_with_window(f, block_size, profile):
+    if f.use_eagle and any(g.sliding_window for g in f.kv_cache_groups or ()):
+        return "EAGLE with a sliding-window KV-cache group"
+    return None
+
+
+def _hash_block_size(f, block_size, profile):
+    if f.hash_block_size not in (None, block_size):
+        return f"hash_block_size {f.hash_block_size!r} differs from block_size {block_size}"
+    return None
+
+
+def _async_under(f, block_size, profile):
+    if f.async_scheduling and not profile.async_scheduling_modelled:
+        return (f"async scheduling under the {profile.name} profile ({profile.releases}): "
+                "its AsyncScheduler keeps a preempted request's output placeholders, which "
+                "the reference does not model; replay it with --scheduler vllm")
+    return None
+
+
+def _windows_under(f, block_size, profile):
+    if f.kv_cache_groups and not profile.hybrid_kv_modelled:
+        return (f"sliding-window KV-cache groups under the {profile.name} profile "
+                f"({profile.releases}): the reference models vLLM 0.32's and 0.33's hybrid "
+                "KV-cache manager only")
+    return None
+
+
+def _embeds_with_lookahead(f, block_size, profile):
+    # A prompt of embeddings keys a block by its rows, and the trace's digests
+    # do not cover the rows after a block.
+    if f.num_hash_lookahead_tokens and f.prompt_embeds:
+        return ("prompt embeddings with lookahead block hashes (num_hash_lookahead_tokens="
+                f"{f.num_hash_lookahead_tokens}): the trace's digests do not cover the rows "
+                "after each block")
+    return None
+
+
+# What the reference does not model, in the order replay looks for it: a
+# header with several of them is refused with the first one's line.
+REFUSED: tuple[Refused, ...] = (
+    Refused("diffusion language models", _flag("diffusion", "a diffusion language model (dLLM)")),
+    Refused("Mamba and linear-attention layers",
+            _either(_flag("has_mamba_layers", "Mamba layers"), _kinds("MambaSpec"))),
+    Refused("multimodal models", _flag("multimodal", "a multimodal model")),
+    Refused("prefix replay windows", _flag("prefix_replay_tokens", "prefix replay windows")),
+    Refused("multi-module MTP", _multi_module_mtp),
+    Refused("pipeline parallelism", _size("pipeline_parallel_size", "pipeline parallelism")),
+    Refused("decode context parallelism",
+            _size("decode_context_parallel_size", "decode context parallelism")),
+    # A KV-cache group of a kind that is neither full nor sliding-window
+    # attention: chunked local attention, cross-attention, encoder-only, ...
+    Refused("other kinds of KV-cache group (chunked local or cross-attention)", _kinds()),
+    Refused("KV-cache groups of another block size", _group_block_sizes),
+    Refused("EAGLE with a sliding-window group", _eagle_with_window),
+    Refused("a hash block size other than the block size", _hash_block_size),
+    Refused("sliding-window groups or async scheduling under the legacy and 0.19 profiles",
+            _either(_windows_under, _async_under), by_profile=True),
+    Refused("prompt embeddings with lookahead block hashes", _embeds_with_lookahead,
+            by_profile=True),
+)
 
 
 def refusal(features: SchedulerFeatures, block_size: int, scope: str) -> str | None:
@@ -55,21 +188,37 @@ def refusal(features: SchedulerFeatures, block_size: int, scope: str) -> str | N
 
 def outside(features: SchedulerFeatures | dict, block_size: int) -> str | None:
     """The first thing in a header's ``features`` that the baseline does not
-    cover, in words, or None. A dict is typed first (``features_from``)."""
+    cover, in words, or None: an entry of ``REFUSED`` that every replay
+    refuses, or what the trace does not say (``incomplete``). A dict is typed
+    first (``features_from``)."""
     f = features if isinstance(features, SchedulerFeatures) else features_from(features)
-    for key, what in FLAGS.items():
-        v = getattr(f, key)
-        if v:
-            return f"{what} is on ({key}={v!r})"
+    for r in REFUSED:
+        if not r.by_profile:
+            why = r.on(f, block_size, None)
+            if why is not None:
+                return why
+    return incomplete(f, block_size)
+
+
+def profile_refusal(features: SchedulerFeatures, block_size: int, profile: Any) -> str | None:
+    """The first entry of ``REFUSED`` that the reference refuses under
+    ``profile`` (a ``kvtrace.reference.profiles.Profile``) only, in words, or None."""
+    for r in REFUSED:
+        if r.by_profile:
+            why = r.on(features, block_size, profile)
+            if why is not None:
+                return why
+    return None
+
+
+def incomplete(f: SchedulerFeatures, block_size: int) -> str | None:
+    """What a header does not say, or says inconsistently, that replay needs
+    to follow a feature the reference models, in words, or None."""
     spec = speculative(f)
     if spec is not None:
         return spec
     if f.lora and f.max_loras is None:
         return "LoRA is on (lora=True), and the trace does not say how many adapters a step may run (max_loras)"
-    for key, what in SIZES.items():
-        v = getattr(f, key)
-        if v not in (None, 1):
-            return f"{what} is on ({key}={v!r})"
     interval = f.prefill_schedule_interval
     if (interval not in (None, 1) and f.data_parallel_size not in (None, 1)
             and not f.throttle_prefills_recorded):
@@ -78,24 +227,18 @@ def outside(features: SchedulerFeatures | dict, block_size: int) -> str | None:
         # that flag cannot be followed.
         return (f"data-parallel prefill throttling is on (prefill_schedule_interval={interval!r}) "
                 "and the trace does not record which steps throttled prefills")
-    if f.hash_block_size not in (None, block_size):
-        return f"hash_block_size {f.hash_block_size!r} differs from block_size {block_size}"
-    return kv_cache_groups(f, block_size)
+    return kv_cache_groups(f)
 
 
-def kv_cache_groups(f: SchedulerFeatures, block_size: int) -> str | None:
-    """Why a header's KV-cache groups are outside the baseline, or None: one
-    full-attention group, or full-attention and sliding-window groups of
-    ``block_size`` whose specs the header lists (``kv_cache_groups``)."""
-    kinds = f.kv_cache_group_kinds or [g.kind for g in f.kv_cache_groups or ()]
-    other = [k for k in kinds if k not in FULL_ATTENTION + SLIDING_WINDOW]
-    if other:
-        return f"a KV-cache group of kind {other[0]!r}, not full or sliding-window attention"
+def kv_cache_groups(f: SchedulerFeatures) -> str | None:
+    """What a header does not say, or says inconsistently, about its KV-cache
+    groups, or None: one full-attention group needs nothing more; several, or
+    a sliding-window one, need their specs (``kv_cache_groups``)."""
     n = f.num_kv_cache_groups
     if f.kv_cache_groups is None:
         if n not in (None, 1):
             return f"{n} KV-cache groups, and the trace does not list their specs (kv_cache_groups)"
-        if any(k in SLIDING_WINDOW for k in kinds):
+        if any(k in SLIDING_WINDOW for k in _group_kinds(f)):
             return ("a sliding-window KV-cache group, and the trace does not list its spec "
                     "(kv_cache_groups)")
         return None
@@ -103,25 +246,19 @@ def kv_cache_groups(f: SchedulerFeatures, block_size: int) -> str | None:
         return (f"num_kv_cache_groups is {n} but kv_cache_groups lists "
                 f"{len(f.kv_cache_groups)}")
     for i, g in enumerate(f.kv_cache_groups):
-        if g.kind not in FULL_ATTENTION + SLIDING_WINDOW:
-            return f"a KV-cache group of kind {g.kind!r}, not full or sliding-window attention"
-        if g.block_size != block_size:
-            return (f"KV-cache group {i} has block_size {g.block_size}, not the trace's "
-                    f"{block_size}")
         if (g.kind in SLIDING_WINDOW) != (g.sliding_window is not None):
             return f"KV-cache group {i} ({g.kind}) gives sliding_window={g.sliding_window!r}"
-    if f.use_eagle and any(g.sliding_window for g in f.kv_cache_groups):
-        return "EAGLE with a sliding-window KV-cache group"
     return None
 
 
 def speculative(f: SchedulerFeatures) -> str | None:
-    """Why a header's speculative decoding is outside the baseline, or None
-    (none, or drafts under either scheduler, a fixed number or, with dynamic
-    speculative decoding, a number by batch size from the header's table: by
-    n-gram and suffix decoding, or by a drafter with its lookahead slots, its
-    input slots per request and, for EAGLE, EAGLE3 and one-module MTP, the
-    dropped hit block)."""
+    """What a header with speculative decoding does not say, or says
+    inconsistently, or None (none, or drafts under either scheduler, a fixed
+    number or, with dynamic speculative decoding, a number by batch size from
+    the header's table: by n-gram and suffix decoding, or by a drafter with
+    its lookahead slots, its input slots per request and, for EAGLE, EAGLE3
+    and one-module MTP, the dropped hit block). Multi-module MTP is in
+    ``REFUSED``."""
     k, eagle, lookahead = f.num_speculative_tokens, f.use_eagle, f.num_lookahead_tokens
     if not k:
         if eagle or lookahead:
@@ -142,12 +279,7 @@ def speculative(f: SchedulerFeatures) -> str | None:
         if f.eagle_block_drop is None:
             return (f"{on} by EAGLE is on, and the trace does not say whether a prefix hit drops "
                     "its last block (eagle_block_drop)")
-        ahead = f.num_prefill_lookahead_tokens
-        if ahead is None:
+        if f.num_prefill_lookahead_tokens is None:
             return (f"{on} by EAGLE is on, and the trace does not say how far past a prefill "
                     "chunk the drafter reads (num_prefill_lookahead_tokens)")
-        if ahead > 1:
-            # Multi-module MTP: chunks end clear of the drafter's reads (S:575-589),
-            # and the last ahead - 1 computed tokens are never cached (KC:346-352).
-            return f"{on} by multi-module MTP is on (num_prefill_lookahead_tokens={ahead!r})"
     return None

@@ -17,10 +17,16 @@ from kvtrace.trace import events as ev
 def header_profile(header: ev.Header) -> tuple[Profile, str | None]:
     """The profile a trace's header asks for: the embedded engine names the one
     it ran (``features.profile``); a vLLM trace's is its release's
-    (``profile_for``, with a line when no profile covers that release)."""
+    (``profile_for``, with a line when no profile covers that release). A
+    profile this kvtrace does not know is replayed under the default, with a
+    line saying so."""
     named = header.features.profile
-    if header.engine != "vllm" and named in PROFILES:
-        return PROFILES[named], None
+    if header.engine != "vllm" and named is not None:
+        if named in PROFILES:
+            return PROFILES[named], None
+        return DEFAULT, (f"the trace names profile {named[:80]!r}, which this kvtrace does not "
+                         f"know (it knows {', '.join(PROFILES)}); replaying under the "
+                         f"{DEFAULT.name} profile")
     return profile_for(header.engine, header.engine_version, header.counters)
 
 

@@ -156,8 +156,17 @@ def _internal(e: Exception, debug: bool) -> int:
     return EXIT_INTERNAL
 
 
+# The longest error line: one that quotes a value of a trace (a request id may
+# be megabytes long) keeps its start and its end.
+MAX_MESSAGE = 1000
+
+
 def _one_line(msg: str) -> str:
-    return " ".join(msg.split())
+    text = " ".join(msg.split())
+    if len(text) <= MAX_MESSAGE:
+        return text
+    return (f"{text[:MAX_MESSAGE - 300]} … ({len(text) - MAX_MESSAGE + 100:,} characters left "
+            f"out) … {text[-200:]}")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvtrace._text import count, number, plural
+
 
 @dataclass(slots=True)
 class Divergence:
@@ -50,8 +52,7 @@ class Stop:
         steps replayed, and the steps the trace holds)."""
         left = max(0, in_trace - checked)
         at = f"step {self.step}" + (f" (line {self.line})" if self.line is not None else "")
-        return (f"replay stopped at {at}: {self.reason}; {left:,} "
-                f"step{'s' if left != 1 else ''} not checked")
+        return f"replay stopped at {at}: {self.reason}; {count(left, 'step')} not checked"
 
     def to_json(self) -> dict:
         return {"step": self.step, "line": self.line, "reason": self.reason}
@@ -233,10 +234,10 @@ def why_first(divs: list[Divergence], told: list[Story], head: Divergence | None
         same = sum(1 for d in divs if d.step == head.step)
         said = f"no divergence at an earlier step than {head.step}"
         if same > 1:
-            said += (f", and of the {same:,} at that step it comes first in cause-and-effect "
+            said += (f", and of the {number(same)} at that step it comes first in cause-and-effect "
                      f"order: {_RANK_WORDS.get(cause_rank(head), 'what it is')}")
     follow = sum(1 for s in told if s.after is head and s.req is not None)
     if follow:
-        said += (f"; {follow:,} other request{'s' if follow != 1 else ''} "
-                 f"diverge{'s' if follow == 1 else ''} later and may follow from it")
+        said += (f"; {count(follow, 'other request')} {plural(follow, 'diverges', 'diverge')} "
+                 "later and may follow from it")
     return said

@@ -141,6 +141,35 @@ class Output:
                 os.close(self.fd)
 
 
+def check_writable(path: str | os.PathLike) -> None:
+    """Raise the error that writing ``path`` would meet, naming it as given,
+    when its folder is missing or cannot be written to: before a command
+    spends its time on its input. An output that exists and is neither a
+    regular file nor a folder (a device, a named pipe, ``/dev/stdout``) is
+    written as it is, and is not tried here. Nothing is left behind."""
+    p = os.fspath(path)
+    if _descriptor(p) is not None:
+        return
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise type(e)(e.errno, e.strerror, p) from e
+    if st is not None and not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+        return
+    # A new file or folder is made beside the output's real place, then renamed.
+    folder = os.path.dirname(os.path.realpath(p)) or "."
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(p)[:64]}.", suffix=".part",
+                                   dir=folder)
+    except OSError as e:
+        raise type(e)(e.errno, e.strerror, p) from e
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(tmp)
+
+
 @contextlib.contextmanager
 def writing(path: str | os.PathLike, trace: bool = False) -> Iterator[Output]:
     """Write ``path`` through an ``Output``: put in place when the block ends,

@@ -15,6 +15,11 @@ scheduler depends on and nothing of the text:
 * A prompt of embeddings' block digests (``prompt_embeds``) are replaced by
   their HMAC-SHA256 under the same key: equal digests stay equal, and a digest
   can no longer be checked against the embeddings of a guessed text.
+* The KV audit's block hashes and byte digests (``kv_audit`` records) are
+  replaced by their HMAC-SHA256 under the key, cut to the same width: the
+  engine's hash of a block of tokens, under a fixed hash seed, and the digest
+  of the KV bytes the model computed for it would confirm a guessed prompt.
+  Equal values stay equal, which is all the data-path checks (D1-D3) compare.
 * Pseudonyms spread over 2^40 values, so one lands inside a real vocabulary
   (at most a few hundred thousand ids) with probability below 2^-20: the
   redacted file shows no original id sequence.
@@ -89,6 +94,19 @@ class Redactor:
             left, right = right, left ^ (int.from_bytes(mac[:3], "big") & _MASK)
         return (left << _HALF) | right
 
+    def block_hash(self, h: str) -> str:
+        """A KV audit's block hash, keyed, as many hex digits long ("" stays "")."""
+        if not h:
+            return h
+        mac = hmac.digest(self._key, b"kv_audit block hash\0" + h.encode(), "sha256")
+        return mac.hex()[:len(h)]
+
+    def bytes_digest(self, d: int) -> int:
+        """A KV audit's 64-bit digest of a block's bytes, keyed."""
+        mac = hmac.digest(self._key, b"kv_audit bytes\0" + d.to_bytes(8, "big", signed=True),
+                          "sha256")
+        return int.from_bytes(mac[:8], "big", signed=True)
+
     # -- events ------------------------------------------------------------------
 
     def event(self, e):
@@ -108,6 +126,20 @@ class Redactor:
             e.drafts = {req: self.tokens(ts) for req, ts in e.drafts.items()}
         elif isinstance(e, ev.RequestFinished):
             e.kv_transfer_params = handoff_only(e.kv_transfer_params)
+        elif isinstance(e, ev.KVAudit):
+            e.loaded = [(req, block, self.block_hash(h), self.bytes_digest(before),
+                         self.bytes_digest(after), asked, by_connector)
+                        for req, block, h, before, after, asked, by_connector in e.loaded]
+            for name in ("saved", "cached", "hits"):
+                setattr(e, name, [(req, block, self.block_hash(h), self.bytes_digest(d))
+                                  for req, block, h, d in getattr(e, name)])
+        elif isinstance(e, ev.KVAudit):
+            e.loaded = [(req, block, self.block_hash(h), self.bytes_digest(before),
+                         self.bytes_digest(after), asked, by_connector)
+                        for req, block, h, before, after, asked, by_connector in e.loaded]
+            for name in ("saved", "cached", "hits"):
+                setattr(e, name, [(req, block, self.block_hash(h), self.bytes_digest(d))
+                                  for req, block, h, d in getattr(e, name)])
         elif isinstance(e, ev.Step) and e.spec:
             # A padding draft (-1) is no token id, and stays as it is.
             e.spec = {req: [t if t < 0 else self.token(t) for t in ts] for req, ts in e.spec.items()}

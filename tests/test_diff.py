@@ -685,3 +685,80 @@ def test_diff_compares_the_pause_states_of_two_traces(tmp_path):
     f = save_records(f_records, tmp_path / "f.jsonl")
     assert sorted(d.rule for d in diff_files(a, f).divergences) == [
         "diff: 1st pause state differs", "diff: 1st prefix-cache reset differs"]
+
+
+# --------------------------------------------------------------------------- what the command shows
+
+
+@pytest.fixture(scope="module")
+def overshoot_pair(tmp_path_factory):
+    """The offload workload with and without a fault: 3 of 22 requests diverge
+    (doc-4 first, then doc-16 and doc-17)."""
+    from kvtrace.engine import record_embedded
+
+    d = tmp_path_factory.mktemp("pair")
+    record_embedded(d / "bad.jsonl.gz", workload="offload", fault="async-load-overshoot")
+    record_embedded(d / "good.jsonl.gz", workload="offload")
+    return d / "bad.jsonl.gz", d / "good.jsonl.gz"
+
+
+def _diff_cli(capsys, *argv) -> tuple[int, str, str]:
+    from kvtrace import cli
+
+    code = cli.run(["diff", *(str(a) for a in argv)])
+    out, err = capsys.readouterr()
+    return code, " ".join(out.split()), err
+
+
+def test_diff_selects_what_it_shows_as_replay_does(overshoot_pair, capsys, monkeypatch):
+    """--request, --field, --first and --max, as replay has them; the counts
+    and the exit code stay the whole diff's."""
+    import orjson
+
+    monkeypatch.setenv("COLUMNS", "80")
+    bad, good = overshoot_pair
+    code, out, err = _diff_cli(capsys, bad, good)
+    assert code == 1 and err == "" and all(f"{r} · step" in out for r in ("doc-4", "doc-16", "doc-17"))
+
+    code, out, _ = _diff_cli(capsys, bad, good, "--request", "doc-16")
+    assert code == 1 and "doc-16 · step" in out and "doc-4 · step" not in out, out
+    assert "3 of 22 requests diverge" in out
+    assert ("shown: 1 of 3 divergences (--request doc-16); the diff's first: step 44, doc-4, "
+            "field num_computed_tokens") in out, out
+
+    code, out, _ = _diff_cli(capsys, bad, good, "--request", "doc-4", "--request", "doc-17")
+    assert code == 1 and "doc-16 · step" not in out and "doc-17 · step" in out, out
+    assert "shown: 2 of 3 divergences (--request doc-17 --request doc-4)" in out, out
+
+    code, out, _ = _diff_cli(capsys, bad, good, "--field", "state.")
+    assert code == 1 and "shown: 0 of 3 divergences (--field state.)" in out, out
+    code, out, _ = _diff_cli(capsys, bad, good, "--field", "num_computed_tokens")
+    assert "shown: 3 of 3 divergences" in out, out
+
+    code, out, _ = _diff_cli(capsys, bad, good, "--first")
+    assert code == 1 and "doc-4 · step" in out and "doc-16 · step" not in out, out
+    assert "… and 2 more" in out, out
+    code, out, _ = _diff_cli(capsys, bad, good, "--max", "2")
+    assert "doc-16 · step" in out and "doc-17 · step" not in out and "… and 1 more" in out, out
+
+    code, out, _ = _diff_cli(capsys, bad, good, "--json", "--request", "doc-16")
+    doc = orjson.loads(out)
+    assert code == 1 and [d["req"] for d in doc["divergences"]] == ["doc-16"]
+    assert doc["summary"]["divergent_requests"] == 3 and doc["selection"] == "--request doc-16"
+
+
+def test_a_diff_that_compared_no_request_is_not_a_pass(tmp_path, capsys):
+    """Two traces with no arrival: nothing compared, exit 4 (it exited 0)."""
+    from kvtrace import cli
+    from kvtrace.trace import TraceWriter
+
+    from mini_traces import mini_header
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    for path in (a, b):
+        with TraceWriter(path, mini_header()):
+            pass
+    code = cli.run(["diff", str(a), str(b)])
+    out, err = capsys.readouterr()
+    assert code == 4 and "0 requests compared" in out, out
+    assert err == f"kvtrace: nothing compared: no requests of {a} and {b} pair up\n", err

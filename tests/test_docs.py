@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-RULE = re.compile(r"^((?:\d+(?:\.\d+)?(?:/\d+\.\d+)?|I\d+|B\d+|SD\d+|D\d+|L\d+|liveness|kv-content|diff"
+RULE = re.compile(r"^((?:\d+(?:\.\d+)?(?:/\d+\.\d+)?|I\d+|B\d+|SD\d+|D\d+|L\d+|liveness|kv-content|crash|diff"
                   r"|handoff)(?=: )|(?:S|AS):\d+(?= ))")
 
 
@@ -85,3 +85,112 @@ def test_the_catalog_names_the_vllm_workloads_and_faults():
     assert set(catalog.VLLM_FAULTS) == set(FAULTS) == set(FAULT_WORKLOADS)
     assert catalog.VLLM_FAULT_WORKLOADS == FAULT_WORKLOADS
     assert set(catalog.VLLM_ALIASES.values()) <= set(WORKLOADS)
+
+
+# --------------------------------------------------------------------------- what replay refuses
+#
+# The reference's refusals are one list in the code (kvtrace.baseline.REFUSED);
+# each page that lists them names the same things, in the same order, as a
+# sentence "...: A, B, C." after the words given here.
+
+def _named_after(text: str, words: str) -> list[str]:
+    """The comma-separated list that follows ``words`` and a colon, up to the
+    sentence's full stop, wrapping undone."""
+    flat = " ".join(text.split())
+    at = flat.index(words) + len(words)
+    listed = re.match(r"[^:]*?: (.*?)\.(?:\s|$)", flat[at:])
+    assert listed, f"no list after {words!r}"
+    return [n.strip() for n in listed.group(1).split(", ")]
+
+
+def _bad_input_row(first_cell: str) -> list[str]:
+    table = (ROOT / "docs" / "reference" / "bad-input.md").read_text()
+    row = next(line for line in table.splitlines() if line.startswith(f"| {first_cell}"))
+    return [n.strip() for n in row.split(" | ")[1].split(", ")]
+
+
+def _refused() -> list[str]:
+    from kvtrace.baseline import REFUSED
+
+    return [r.name for r in REFUSED]
+
+
+@pytest.mark.parametrize("page, words", [
+    ("README.md", "**Refused with one line** (exit 2)"),
+    ("docs/guide/replay.md", "rather than replayed into false divergences"),
+    ("docs/reference/checks.md", "which only the reference refuses"),
+])
+def test_each_page_lists_what_the_reference_refuses_as_the_code_does(page, words):
+    assert _named_after((ROOT / page).read_text(), words) == _refused()
+
+
+def test_the_bad_input_table_lists_what_the_reference_refuses_as_the_code_does():
+    assert _bad_input_row("an engine feature the reference does not model") == _refused()
+
+
+def test_the_list_reader_sees_a_name_added_or_gone():
+    text = "Refused: a, b (c or d), e f. Then more."
+    assert _named_after(text, "Refused") == ["a", "b (c or d)", "e f"]
+    assert _named_after("x: one, two.", "x") != ["one"]
+
+
+def test_the_refusals_only_the_reference_makes_come_last_and_name_their_profiles():
+    """checks.md says "but for its last two entries"; the profiles named are
+    those that model neither sliding-window groups nor async scheduling."""
+    from kvtrace.baseline import REFUSED
+    from kvtrace.reference.profiles import PROFILES
+
+    by_profile = [r.by_profile for r in REFUSED]
+    assert by_profile == sorted(by_profile) and sum(by_profile) == 2
+    lacking = [p.name for p in PROFILES.values()
+               if not p.hybrid_kv_modelled or not p.async_scheduling_modelled]
+    assert lacking == ["legacy", "0.19"]
+    assert next(r.name for r in REFUSED if r.by_profile).endswith(
+        "under the legacy and 0.19 profiles")
+
+
+def test_the_replay_guide_says_sliding_window_and_hybrid_models_replay():
+    """They are modelled (traces/hybrid/ replays with no divergence)."""
+    guide = " ".join((ROOT / "docs" / "guide" / "replay.md").read_text().split())
+    refused = guide.split("rather than replayed into false divergences", 1)[1].split(". ", 1)[0]
+    assert "hybrid" not in refused and "sliding-window, " not in refused
+    assert "Models with sliding-window layers are modelled" in guide
+
+
+# --------------------------------------------------------------------------- README's promises
+
+
+def _readme() -> str:
+    return " ".join((ROOT / "README.md").read_text().split())
+
+
+def test_the_readme_says_report_exits_1_on_divergences_as_it_does(tmp_path, capsys):
+    from kvtrace import cli
+
+    row = _readme().split("| 1 |", 1)[1].split("|", 1)[0]   # what exit code 1 means
+    assert "`report`" in row and "divergences" in row
+    trace = ROOT / "traces" / "faults" / "free-before-send.jsonl.gz"
+    assert cli.run(["report", str(trace), "-o", str(tmp_path / "r.html")]) == 1
+    assert cli.run(["report", str(ROOT / "traces" / "preemption.jsonl.gz"), "-o",
+                    str(tmp_path / "ok.html")]) == 0
+    capsys.readouterr()
+
+
+def test_the_readme_says_traces_are_written_0600_as_they_are(tmp_path, capsys):
+    import os
+    import stat
+
+    from kvtrace import cli
+
+    said = re.search(r"kvtrace writes one \(([^)]*)\) with mode 0600", _readme())
+    assert said and said.group(1) == "`record`, `replay -o`, `redact`"
+    old = os.umask(0o022)
+    try:
+        rec, out, red = tmp_path / "a.jsonl.gz", tmp_path / "b.jsonl.gz", tmp_path / "c.jsonl.gz"
+        assert cli.run(["record", "-o", str(rec), "--workload", "offload", "--requests", "4"]) == 0
+        assert cli.run(["replay", "--device", "cpu", "-o", str(out), str(rec)]) in (0, 1)
+        assert cli.run(["redact", str(rec), str(red)]) == 0
+    finally:
+        os.umask(old)
+    capsys.readouterr()
+    assert [stat.S_IMODE(p.stat().st_mode) for p in (rec, out, red)] == [0o600] * 3

@@ -375,3 +375,41 @@ def test_explain_loads_neither_torch_nor_vllm():
             "print(rc, sorted(m for m in ('torch', 'vllm') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.splitlines()[-1] == "0 []"
+
+
+# --------------------------------------------------------------------------- words a reader knows
+
+# The rule entries a reader outside this project cannot follow: a section of a
+# document kvtrace does not ship ("semantics 5.1", "(4.3, 4.6)"), a bug's
+# private class ("bug class e").
+JARGON = re.compile(r"semantics \d|semantics doc|bug class|§|\((?:\d\.\d+(?:, )?)+\)"
+                    r"|recompute-the-last-token rule")
+
+
+@pytest.mark.parametrize("rid", list(RULES))
+def test_explain_says_what_a_rule_means_without_private_jargon(rid):
+    from kvtrace.commands.explain import entry
+
+    assert JARGON.findall(" ".join(entry(RULES[rid], 80).split())) == []
+
+
+def test_the_jargon_pattern_sees_what_it_is_for():
+    said = ["(semantics 5.1, I1)", "bug class e", "(4.3, 4.6)", "semantics §7.1"]
+    assert all(JARGON.search(s) for s in said)
+    assert not JARGON.search("S:1045-1047 (LMCache #1969, PR #2007), 0.33, rule 2.2")
+
+
+def test_explain_names_the_file_of_each_citation_and_what_each_letter_stands_for():
+    from kvtrace.commands.explain import entry
+    from kvtrace.rules import FILES
+
+    for r in RULES.values():
+        text = entry(r, 80)
+        cited = set(re.findall(r"\b([A-Z]{1,2}):\d", f"{r.id} {r.text} {r.behaviour} {r.example}"))
+        assert cited <= set(FILES), r.id
+        for k in cited:
+            assert re.search(rf"^  {k} +{re.escape(FILES[k])}$", text, re.M), (r.id, k)
+    text = entry(RULES["1.3"], 80)
+    letters = text.split("\nLetters\n", 1)[1].split("\n\n", 1)[0]
+    assert [line.split()[0] for line in letters.splitlines()] == ["L", "E", "T"]
+    assert "Letters" not in entry(RULES["4.5"], 80)

@@ -134,11 +134,14 @@ def test_a_one_token_prompt_waiting_on_its_loaded_block_is_not_an_I4_break(tmp_p
     assert i4 == ([(step["step"], "one")] if flagged else [])
 
 
-def test_loads_that_fail_and_are_retried_are_not_a_loop():
+def test_loads_that_fail_again_and_again_are_a_loop_named_with_its_loop():
     """A connector whose async loads of a request fail every time, under the
-    recompute policy: the engine retries each one, rightly, so the liveness
-    rule for repeated loads must not count them. The reference is driven
-    directly, with the watch fed as replay feeds it."""
+    recompute policy: the engine retries each one, and the next lookup takes
+    the same hit again, for ever. Retrying a failed load is right, retrying it
+    without end is not: the liveness rule names the request once, at its
+    RELOAD_LIMIT-th load, with the steps, the tokens and the failures of its
+    loop. The reference is driven directly, with the watch fed as replay
+    feeds it."""
     from kvtrace.reference import ModelOutput, Scheduler, SchedulerConfig
     from kvtrace.reference import Request
     from kvtrace.replay.liveness import RELOAD_LIMIT, ProgressWatch
@@ -161,18 +164,24 @@ def test_loads_that_fail_and_are_retried_are_not_a_loop():
     s = Scheduler(SchedulerConfig(block_size=4, num_blocks=16, max_num_batched_tokens=64, max_num_seqs=8,
                                   max_model_len=128, load_failure_policy="recompute"), store)
     s.add_request(Request("a", list(range(12)), max_tokens=8, block_size=4))
-    watch, loading, found, loads = ProgressWatch(), set(), [], 0
+    watch, loading, found, load_steps = ProgressWatch(), set(), [], []
     for step in range(4 * RELOAD_LIMIT):
         store.loads = []
         out = s.schedule()
         found += watch.after_schedule(step, out, s, None, None, store.loads)
-        loads += len(store.loads)
+        load_steps += [step for _ in store.loads]
         model = ModelOutput(finished_recving=set(loading), failed_recving=set(loading))
         loading = {x.req for x in store.loads}
         watch.after_output(model.failed_recving, model.invalid_block_ids)
         s.update_from_output(out, model)
-    assert loads >= 2 * RELOAD_LIMIT         # it was loaded again and again
-    assert found == []
+    assert len(load_steps) >= 2 * RELOAD_LIMIT         # it was loaded again and again
+    assert [(d.req, d.field, d.step) for d in found] == [("a", "progress", load_steps[RELOAD_LIMIT - 1])]
+    d = found[0]
+    assert d.recorded == f"{RELOAD_LIMIT} KV loads since it was last scheduled, {RELOAD_LIMIT - 1} failed"
+    assert f"makes no progress over {RELOAD_LIMIT} attempts" in d.rule
+    assert f"all {RELOAD_LIMIT - 1} before the last failed (failed_recving)" in d.rule
+    assert "each of tokens [0, 8)" in d.rule and "the same hit again" in d.rule
+    assert f"steps {load_steps[0]}, {load_steps[1]}," in d.rule
 
 
 @pytest.fixture(scope="module")

@@ -265,41 +265,47 @@ def test_a_request_finished_answer_without_params_is_valid(tmp_path):
     assert first(write(objs, tmp_path / "p.jsonl")) is None
 
 
-def test_a_connector_swapped_in_after_the_recorder_wrapped_the_first_is_recorded_too(
-        caplog, monkeypatch):
-    from types import SimpleNamespace
+# --------------------------------------------------------------------------- a handoff diff of nothing
 
-    from kvtrace.record.vllm import recorder as vllm_recorder
-    from kvtrace.record.vllm.recorder import Recorder, wrap_connector
 
-    monkeypatch.setattr(vllm_recorder, "_block_table", lambda kvm: None)
+def _diff(capsys, *argv) -> tuple[int, str, str]:
+    from kvtrace import cli
 
-    class Connector:
-        def __init__(self, hit):
-            self.hit = hit
+    code = cli.run(["diff", *(str(a) for a in argv)])
+    out, err = capsys.readouterr()
+    return code, out, err
 
-        def get_num_new_matched_tokens(self, request, num_computed_tokens):
-            return self.hit, False
 
-        def update_state_after_alloc(self, request, blocks, num_external_tokens):
-            return None
+CONNECTOR = TRACES / "connector.jsonl.gz"           # a KV consumer's, with no handoff
+PLAIN = TRACES / "preemption.jsonl.gz"               # no KV connector
+BOTH = TRACES / "data-path" / "example-connector.jsonl.gz"   # kv_both
 
-    class Sched:   # what the recorder reads of a scheduler here
-        connector = Connector(32)
-        block_size = 32
-        kv_cache_manager = None
 
-    sched = Sched()
-    rec = Recorder(sched, sink=SimpleNamespace(put=lambda e: None))
-    wrap_connector(sched, rec)
-    req = SimpleNamespace(request_id="r")
-    rec.begin_step(sched)
-    sched.connector.get_num_new_matched_tokens(req, 0)
-    assert [(lk.req, lk.ext) for lk in rec.lookups] == [("r", 32)]
+@pytest.mark.parametrize("a,b,why", [
+    (PREFILL, PREFILL, "are the same trace"),
+    (PREFILL, PLAIN, f"{PREFILL} is a KV producer's and {PLAIN} has no KV connector"),
+    (DECODE, CONNECTOR, f"{DECODE} is a KV consumer's and {CONNECTOR} is a KV consumer's"),
+    (PLAIN, PLAIN, "are the same trace"),
+], ids=["itself", "no-connector", "two-consumers", "plain-itself"])
+def test_a_handoff_diff_of_traces_that_cannot_pair_is_refused(capsys, a, b, why):
+    """These printed "0 handoffs compared" and exited 0."""
+    code, out, err = _diff(capsys, "--match", "handoff", a, b)
+    assert code == 2 and out == "" and len(err.splitlines()) == 1, err
+    assert why in err and "--match handoff pairs a" in err, err
 
-    sched.connector = Connector(64)   # a connector put in after the recorder wrapped the first
-    with caplog.at_level("WARNING"):
-        rec.begin_step(sched)
-    sched.connector.get_num_new_matched_tokens(req, 0)
-    assert [(lk.req, lk.ext) for lk in rec.lookups] == [("r", 64)]
-    assert any("connector was replaced" in r.getMessage() for r in caplog.records)
+
+def test_a_handoff_diff_that_compares_nothing_is_not_a_pass(tmp_path, capsys):
+    """A producer's and a consumer's trace whose requests name none of the
+    other's: nothing compared, exit 4, as replay of a trace with no step; so
+    is a kv_both trace diffed with a copy of itself."""
+    code, out, err = _diff(capsys, "--match", "handoff", PREFILL, CONNECTOR)
+    assert code == 4 and "0 handoffs compared" in " ".join(out.split()), out
+    assert err.startswith("kvtrace: nothing compared: no handoffs of ") and len(err.splitlines()) == 1
+    copy_ = tmp_path / "copy.jsonl.gz"
+    copy_.write_bytes(BOTH.read_bytes())
+    code, out, err = _diff(capsys, "--match", "handoff", BOTH, copy_)
+    assert code == 4 and "nothing compared" in err, (code, err)
+    code, out, err = _diff(capsys, "--match", "handoff", "--json", PREFILL, CONNECTOR)
+    assert code == 4 and orjson.loads(out)["summary"]["requests_compared"] == 0
+    code, _, err = _diff(capsys, PREFILL, DECODE)   # the pair itself still passes
+    assert code == 0 and err == "", err

@@ -53,7 +53,9 @@ def _leftovers(folder: Path) -> list[str]:
     ["export", "--no-divergences", "{bad}", "-o", "{out}"],
     ["export", "{bad}", "-o", "{out}"],
     ["report", "{bad}", "-o", "{out}"],
-], ids=["redact", "export-no-divergences", "export", "report"])
+    # Once put in place, ending 'interrupted', against the sentence before it in bad-input.md.
+    ["replay", "{bad}", "-o", "{out}"],
+], ids=["redact", "export-no-divergences", "export", "report", "replay"])
 def test_a_bad_input_leaves_an_existing_output_as_it_was(tmp_path, capsys, argv):
     bad = _bad_mid_trace(tmp_path)
     out = tmp_path / "keep.jsonl"
@@ -393,3 +395,88 @@ def test_a_sigterm_to_record_is_passed_on_to_the_recorded_command(tmp_path):
     p.communicate(timeout=120)
     assert p.returncode == 143
     assert (tmp_path / "got").read_text() == "passed on\n"
+
+
+def test_an_error_quoting_a_huge_value_keeps_its_start_and_end(capsys):
+    """An error line that quotes what it was given (here a request id of a
+    million characters) is cut to 1000 characters, its start and its end kept."""
+    code, _, err = _run(capsys, "show", CLEAN, "--request", "x" * 1_000_000)
+    lines = err.splitlines()
+    assert code == 2 and len(lines) == 1 and len(lines[0]) <= 1000 + len("kvtrace: "), err[:2000]
+    assert lines[0].startswith(f"kvtrace: {CLEAN}") and "characters left out" in lines[0], lines[0]
+
+
+def test_record_help_names_the_marks_it_prints(capsys):
+    """The help said "the workload in brackets" and printed parentheses."""
+    from kvtrace.catalog import EMBEDDED_FAULT_WORKLOADS, EMBEDDED_FAULTS
+
+    code, out, _ = _run(capsys, "record", "--help")
+    text = " ".join(out.split())
+    fault = next(iter(EMBEDDED_FAULTS))
+    assert code == 0 and f"({EMBEDDED_FAULT_WORKLOADS[fault]})" in text, text
+    assert "the workload in parentheses" in text and "brackets" not in text, text
+
+
+@pytest.mark.parametrize("fmt", ["perfetto", "parquet"])
+def test_export_finds_an_output_it_cannot_write_before_it_replays(tmp_path, capsys, monkeypatch,
+                                                                  fmt):
+    """It replayed the whole trace first, and only then found the folder missing."""
+    import kvtrace.replay
+
+    def replayed(*a, **kw):
+        raise AssertionError("replayed before the output was found unwritable")
+
+    monkeypatch.setattr(kvtrace.replay, "replay_file", replayed)
+    out = tmp_path / "missing" / ("e.json" if fmt == "perfetto" else "tables")
+    code, _, err = _run(capsys, "export", "--format", fmt, CLEAN, "-o", out)
+    assert (code, err) == (2, f"kvtrace: {out}: No such file or directory\n")
+    assert _leftovers(tmp_path) == []
+
+
+def test_report_finds_an_output_it_cannot_write_before_it_replays(tmp_path, capsys, monkeypatch):
+    """It replayed (and diffed) the whole trace first, and only then found the folder missing."""
+    import kvtrace.replay
+
+    def replayed(*a, **kw):
+        raise AssertionError("replayed before the output was found unwritable")
+
+    monkeypatch.setattr(kvtrace.replay, "replay_file", replayed)
+    out = tmp_path / "missing" / "r.html"
+    code, _, err = _run(capsys, "report", CLEAN, "-o", out)
+    assert (code, err) == (2, f"kvtrace: {out}: No such file or directory\n")
+    assert _leftovers(tmp_path) == []
+
+
+def test_two_commands_writing_one_output_at_once_leave_one_whole_file(tmp_path):
+    """Each writes its own temporary file and renames it into place: the
+    output is the one or the other, whole, never a mix, and nothing is left."""
+    out = tmp_path / "e.json"
+    want = set()
+    for src in (CLEAN, DIVERGENT):
+        alone = tmp_path / f"alone-{src.name}.json"
+        assert _kvtrace(["export", "--no-divergences", src, "-o", alone]).returncode == 0
+        want.add(alone.read_bytes())
+    procs = [subprocess.Popen(KVTRACE + ["export", "--no-divergences", str(src), "-o", str(out)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+             for src in (CLEAN, DIVERGENT, CLEAN, DIVERGENT)]
+    for p in procs:
+        assert p.wait(300) == 0, p.stderr.read()
+        p.stderr.close()
+    assert out.read_bytes() in want
+    assert _leftovers(tmp_path) == []
+
+
+def test_a_recording_that_outgrows_the_file_size_limit_says_so_in_one_line(tmp_path):
+    """The embedded engine's writer process meets the error (EFBIG past the
+    process's file-size limit, which it inherits) and says it in the ring;
+    record names the trace, exit 2, and the engine does not wait for a
+    writer that has stopped writing. (A ring smaller than the limit: the
+    ring is a file too.)"""
+    import resource
+
+    out = tmp_path / "t.jsonl"
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (16384, 16384))  # noqa: E731
+    p = _kvtrace(["record", "-o", out, "--workload", "offload"], stdout=subprocess.PIPE,
+                 stderr=subprocess.PIPE, preexec_fn=limit,
+                 env=dict(os.environ, KVTRACE_QUIET="1", KVTRACE_RING_BYTES="4096"))
+    assert (p.returncode, p.stderr, p.stdout) == (2, f"kvtrace: {out}: File too large\n".encode(), b"")

@@ -36,7 +36,7 @@ def test_summary_of_a_connector_trace():
     assert "prefix hit rate    9.9% (64 of 649 prompt tokens" in out
     assert "external hit rate  62.1% (403 prompt tokens" in out
     assert "48 lookups (1 not ready, 43 async), 8 loads" in out
-    assert "1 failed, 1 invalid blocks" in out
+    assert "1 failed, 1 invalid block\n" in out or "1 failed, 1 invalid block " in out
     assert "peak 19/19 blocks" in out
     assert s.steps == 82 and s.requests == 7 and not s.timelines
 
@@ -70,7 +70,7 @@ def test_request_history_with_preemption():
     res = row("64", "resumed")
     assert "64→129" in res and "65" in res and "prefill" in res
     assert "finished: length" in row("66", "finished")
-    assert "1 preemptions" in out
+    assert "; 1 preemption;" in out
     assert "num_local_cached_tokens 32" in out and "num_cache_creation_tokens 32" in out
 
 
@@ -591,3 +591,18 @@ def test_show_request_says_a_lookup_admitted_nothing(faulty):
     assert lookups
     for step, text in lookups.items():
         assert ("not admitted" in text) == (not tried[req][step]), (step, text)
+
+
+def test_show_step_shows_a_step_whose_schedule_raised(capsys):
+    """It said 'no step 30: the last step is 29' for the step that stopped the
+    engine, which the trace records as a step_failed record."""
+    path = TRACES / "vllm-bugs" / "spec-padding-cut.jsonl.gz"
+    from mini_traces import load_records
+
+    failed = next(r for r in load_records(path) if r["kind"] == "step_failed")
+    code, out, _ = _cli(capsys, "show", str(path), "--step", str(failed["step"]), "--no-kv-check")
+    flat = " ".join(out.split())
+    assert code == 0
+    assert f"step {failed['step']} (line " in flat
+    assert f"schedule() raised {failed['error']} at {failed['where']}" in flat
+    assert "the engine stopped in this step" in flat

@@ -6,8 +6,11 @@ from pathlib import Path
 
 import click
 
-from ._common import EXIT_DIVERGENT, EXIT_OK, FilePath, print_bytes
+from ._common import EXIT_DIVERGENT, EXIT_NOTHING, EXIT_OK, FilePath, echo, print_bytes, say
 from .progress import progress
+from .replay import Selection
+
+MAX_SHOWN = 50   # diverging requests shown unless --max says
 
 
 @click.command()
@@ -21,13 +24,26 @@ from .progress import progress
                    "request its kv_transfer_params name. auto: handoff for a KV producer's "
                    "trace and a KV consumer's, else what most of the first 1000 arrivals "
                    "share.")
-def command(a: Path, b: Path, as_json: bool, match: str) -> int:
+@click.option("--request", "requests", multiple=True, metavar="ID",
+              help="Show only this request's divergence (repeatable). The exit code still "
+                   "counts every divergence.")
+@click.option("--field", "fields", multiple=True, metavar="NAME",
+              help="Show only divergences of this field, e.g. num_computed_tokens (repeatable; "
+                   "'state.' matches every field that starts so).")
+@click.option("--first", "first_only", is_flag=True,
+              help="Show only the first diverging request.")
+@click.option("--max", "max_shown", type=click.IntRange(min=1), default=MAX_SHOWN,
+              show_default=True, metavar="N", help="Show at most N diverging requests.")
+def command(a: Path, b: Path, as_json: bool, match: str, requests: tuple[str, ...],
+            fields: tuple[str, ...], first_only: bool, max_shown: int) -> int:
     """Compare trace A with trace B, request by request.
 
     Requests are aligned by id and by their own scheduling history, so traces
     whose global step numbering differs still line up. Values from A are shown
     as "recorded", values from B as "expected". Exit 0 when they agree, 1 when
-    they differ, 2 when a file is unusable.
+    they differ, 2 when a file is unusable (or, with --match handoff, the two
+    cannot be a prefill side and a decode side), 4 when no request was
+    compared.
 
     The two sides of a disaggregated deployment (a prefill engine's trace and a
     decode engine's) are paired by handoff instead: each decode request with
@@ -37,10 +53,43 @@ def command(a: Path, b: Path, as_json: bool, match: str) -> int:
     from kvtrace.diff import diff_files
     from kvtrace.report import terminal
 
+    select = Selection(requests, fields, 1 if first_only else max_shown)
     with progress(f"diffing {a.name} with {b.name}", "steps", files=(a, b)) as advance:
         result = diff_files(a, b, match=match, progress=advance)
+    divs = list(result.divergences)
+    kept = [d for d in divs if select.keep(d)] if select else divs
     if as_json:
-        print_bytes(terminal.diff_json(result))
+        doc = result.to_json()
+        if select:
+            doc["divergences"] = [d.to_json() for d in kept]
+            doc["selection"] = select.words()
+        print_bytes(terminal.dumps(doc))
     else:
-        terminal.print_diff(result)
-    return EXIT_DIVERGENT if result.divergences else EXIT_OK
+        # The divergences shown; the counts and the exit code are the whole diff's.
+        shown = result if kept is divs else _with(result, kept)
+        terminal.print_diff(shown, max_rows=select.max_stories)
+        if select:
+            note = f"shown: {len(kept)} of {len(divs)} divergences ({select.words()})"
+            first = next((d for d in divs if d.req is not None), None)
+            if first is not None and (not kept or kept[0] is not first):
+                note += (f"; the diff's first: step {first.step}, {first.req}, field "
+                         f"{first.field}")
+            echo(note)
+    if divs:
+        return EXIT_DIVERGENT
+    if not result.requests_compared:
+        from kvtrace.trace.files import shown
+
+        what = "handoffs" if result.matched_by == "handoff" else "requests"
+        say(f"nothing compared: no {what} of {shown(a)} and {shown(b)} pair up" + (
+            " (no decode-side request names a request of the prefill side in its "
+            "kv_transfer_params' remote_request_id)" if result.matched_by == "handoff" else ""))
+        return EXIT_NOTHING
+    return EXIT_OK
+
+
+def _with(result, divergences: list):
+    """The diff's result showing only ``divergences``."""
+    from dataclasses import replace
+
+    return replace(result, divergences=divergences)

@@ -7,7 +7,9 @@ import textwrap
 
 import click
 
-from kvtrace.rules import RULES, Rule, closest, lookup
+import re
+
+from kvtrace.rules import FILES, LETTERS, RULES, Rule, closest, lookup
 
 from ._common import EXIT_OK, UsageProblem, echo
 
@@ -39,9 +41,34 @@ def entry(r: Rule, width: int = 80) -> str:
     if r.see:
         where += f'; more under "{r.see}"'
     lines = _wrap(r.text, width, f"{r.id}  ", " " * (len(r.id) + 2))
-    for title, body in (("vLLM", r.behaviour), ("Example", r.example), ("Docs", where)):
+    for title, body in (("vLLM", r.behaviour), ("Example", r.example)):
         lines += ["", title, *_wrap(body, width, "  ", "  ")]
+    for title, said in (("Letters", letters(r)), ("Files cited", cited_files(r))):
+        if said:
+            pad = max(map(len, said)) + 1
+            lines += ["", title, *(line for k, v in said.items()
+                                   for line in _wrap(v, width, f"  {k.ljust(pad)}",
+                                                     " " * (pad + 2)))]
+    lines += ["", "Docs", *_wrap(where, width, "  ", "  ")]
     return "\n".join(lines)
+
+
+_CITATION = re.compile(r"\b([A-Z]{1,2}):\d")
+# A letter standing alone, as in "L + E", "T - 1", "n > 0"; not a citation's "S:".
+_LETTER = re.compile(r"(?<![\w.#'/-])([A-Za-z])(?=$|[\s,;)=<>+'-])")
+
+
+def letters(r: Rule) -> dict[str, str]:
+    """What each letter that ``r`` writes a count with stands for."""
+    found = set(_LETTER.findall(" ".join((r.text, r.behaviour, r.example))))
+    return {k: v for k, v in LETTERS.items() if k in found}
+
+
+def cited_files(r: Rule) -> dict[str, str]:
+    """The files that the citations of ``r`` ("S:1369", "BP:681") abbreviate,
+    in the order cited."""
+    found = _CITATION.findall(" ".join((r.id, r.text, r.behaviour, r.example)))
+    return {k: FILES[k] for k in dict.fromkeys(found) if k in FILES}
 
 
 def listing(width: int = 80) -> str:

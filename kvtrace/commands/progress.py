@@ -16,6 +16,8 @@ import os
 import stat
 from typing import Callable, Iterator, Sequence
 
+from kvtrace._text import count
+
 from ._common import show_progress
 
 
@@ -117,7 +119,7 @@ def _bar(what: str, unit: str, known: bool, console):
             n = task.fields.get("count")
             if n is None:
                 return Text("")
-            text = f"{n:,} {unit}"
+            text = count(n, unit[:-1], unit) if unit.endswith("s") else f"{n:,} {unit}"
             if not known:
                 elapsed = task.elapsed or 0
                 if elapsed > 0.5:

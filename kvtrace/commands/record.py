@@ -33,7 +33,7 @@ STDOUT_REFUSED = ("'-' (standard output) is not accepted: a trace is written to 
                    "docs/reference/catalog.md lists them all.")
 @click.option("--fault", default=None,
               help="Put a known scheduler bug back in; each runs, without --workload, the "
-                   "workload in brackets, which shows it. Embedded engine: "
+                   "workload in parentheses, which shows it. Embedded engine: "
                    f"{pairs(EMBEDDED_FAULTS, EMBEDDED_FAULT_WORKLOADS)}. vLLM (a scheduler "
                    f"subclass): {pairs(VLLM_FAULTS, VLLM_FAULT_WORKLOADS)}.")
 @click.option("--seed", type=SEEDS, default=None,
@@ -142,9 +142,13 @@ def _record_embedded(out: Path, workload: str | None, fault: str | None, seed: i
     wl = build_workload(workload, seed, requests)
     if async_scheduling:
         wl = replace(wl, config=replace(wl.config, async_scheduling=True))
+    from kvtrace.record.step_writer import open_step_writer
+
     with progress(f"recording {out.name}", "steps") as advance, blamed_on(out):
         try:
-            res = record_workload(out, wl, fault, seed, progress=advance)
+            # Each completed step goes to a writer process: a kill loses none.
+            res = record_workload(out, wl, fault, seed, progress=advance,
+                                  open_writer=open_step_writer)
         except ValueError as e:   # a combination the engine does not run
             raise UsageProblem(str(e)) from None
     if fault and not res.fault_log:

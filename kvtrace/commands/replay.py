@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from kvtrace._text import count
+
 from ._common import (EXIT_BAD_INPUT, EXIT_DIVERGENT, EXIT_INTERNAL, EXIT_NOTHING, EXIT_OK,
                       VLLM_HINT, FilePath, UsageProblem, alone_if_stdin, importing, print_bytes,
                       refuse_pipes, refuse_to_overwrite, require_vllm, say, trace_output)
@@ -149,7 +151,7 @@ def _many(traces: tuple[Path, ...], as_json: bool, device: str | None, jobs: int
     from kvtrace.replay.many import InternalError, replay_many
     from kvtrace.report import terminal
 
-    with progress(f"replaying {len(traces)} traces", "done", total=len(traces)) as advance:
+    with progress(f"replaying {count(len(traces), 'trace')}", "done", total=len(traces)) as advance:
         results = replay_many([str(t) for t in traces], device, profile, jobs, advance)
     views = {str(p): select.view(r.divergences) for p, r, _ in results if r is not None}
     if as_json:

@@ -8,6 +8,8 @@ from typing import Any
 
 import click
 
+from kvtrace.outputs import check_writable
+
 from ._common import (EXIT_DIVERGENT, EXIT_OK, READS_TWICE, FilePath, echo, refuse_pipes,
                       refuse_to_overwrite, say)
 from .progress import progress
@@ -32,6 +34,7 @@ def report(trace: Path, out: Path, against: Path | None) -> int:
 
     refuse_to_overwrite(out, trace, against)
     refuse_pipes(trace, against)
+    check_writable(out)   # before the replay or diff, which can take minutes
 
     with progress(f"reporting {trace.name}", "steps", files=(trace, trace, against)):
         found = analysis(trace, against)
@@ -112,6 +115,7 @@ def export(trace: Path, fmt: str, out: str, divergences: bool) -> int:
     refuse_to_overwrite(out, trace)
     if tables:
         check_out_dir(out)
+    check_writable(out)   # before the replay, which can take minutes
 
     divs = None
     if divergences:
@@ -143,7 +147,9 @@ def export(trace: Path, fmt: str, out: str, divergences: bool) -> int:
         done = write_tables(trace, out, divs, fmt=fmt, progress=advance)
     if done.truncation:
         say(f"{trace}: {replayed_up_to(done.truncation, verb='exported')}")
-    echo(f"wrote {out}: {len(done.rows)} tables, {sum(done.rows.values()):,} rows")
+    from kvtrace._text import count
+
+    echo(f"wrote {out}: {count(len(done.rows), 'table')}, {count(sum(done.rows.values()), 'row')}")
     return EXIT_OK
 
 

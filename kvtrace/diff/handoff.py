@@ -41,6 +41,7 @@ from typing import Any
 
 from ..findings import Divergence
 from ..trace.events import Arrival, Output, RequestFinished, Step
+from ..trace.files import shown
 from ..trace.io import TraceReader
 
 PRODUCER, CONSUMER = "kv_producer", "kv_consumer"
@@ -82,9 +83,45 @@ class _Side:
     decode: list[_Decode] = field(default_factory=list)
 
 
+class NotAPair(ValueError):
+    """Two traces that cannot be the two sides of a disaggregated deployment."""
+
+    exit_code = 2
+
+
 def role(header: Any) -> str | None:
     """The header's KV role (``kv_producer``, ``kv_consumer``, ``kv_both``) or None."""
     return header.features.kv_role
+
+
+def side_role(header: Any) -> str | None:
+    """The KV role a trace can take in a handoff: the header's, ``kv_both``
+    for a connector that names none (as vLLM's KVTransferConfig takes it),
+    None without a connector."""
+    return role(header) or ("kv_both" if header.config.connector is not None else None)
+
+
+def _can_pair(path_a: Any, path_b: Any, ha: Any, hb: Any) -> None:
+    """Raise NotAPair unless one trace can be a KV producer's and the other a
+    KV consumer's: a handoff diff of anything else compares nothing."""
+    try:
+        same = os.path.samefile(path_a, path_b)
+    except (OSError, ValueError):   # standard input, or a name that is gone
+        same = False
+    if same:
+        raise NotAPair(f"{shown(path_a)} and {shown(path_b)} are the same trace: --match handoff pairs a "
+                       "prefill side's trace with a decode side's")
+    ra, rb = side_role(ha), side_role(hb)
+    if None not in (ra, rb) and (ra == "kv_both" or rb == "kv_both" or ra != rb):
+        return
+
+    def what(path: Any, r: str | None) -> str:
+        if r is None:
+            return f"{shown(path)} has no KV connector"
+        return f"{shown(path)} is a {'KV producer' if r == PRODUCER else 'KV consumer'}'s"
+
+    raise NotAPair(f"{what(path_a, ra)} and {what(path_b, rb)}: --match handoff pairs a KV "
+                   "producer's trace (the prefill side) with a KV consumer's (the decode side)")
 
 
 def is_handoff_pair(header_a: Any, header_b: Any) -> bool:
@@ -96,8 +133,12 @@ def diff_handoff(path_a: str | os.PathLike, path_b: str | os.PathLike,
                  progress=None) -> dict:
     """Pair the requests of a prefill-side trace with those of a decode-side
     trace (in either order) and check each pair. Returns the fields of a
-    ``DiffResult``. Raises ``TraceError`` when either file is unusable."""
+    ``DiffResult``. Raises ``TraceError`` when either file is unusable, and
+    ``NotAPair`` for a trace with itself, or two traces that cannot be the two
+    sides (neither a KV producer's nor a KV consumer's, both the same, or one
+    without a KV connector)."""
     with TraceReader(path_a) as ra, TraceReader(path_b) as rb:
+        _can_pair(path_a, path_b, ra.header, rb.header)
         sa, sb = _read(ra, progress), _read(rb, progress)
         a_is_prefill = _prefill_first(ra.header, rb.header, sa, sb)
         p, d = (sa, sb) if a_is_prefill else (sb, sa)

@@ -69,7 +69,7 @@ def record_embedded(out_path: str | os.PathLike, workload: str = "shared-prefix"
                     fault: str | None = None, seed: int = 0, counters: str = "both",
                     async_scheduling: bool = False,
                     progress: Callable[[int], None] | None = None,
-                    profile: str = DEFAULT.name) -> RecordResult:
+                    profile: str = DEFAULT.name, open_writer: Callable = TraceWriter) -> RecordResult:
     """Run a built-in workload on the embedded engine and write its trace.
 
     ``counters`` says which prompt accounting the PromptStats events carry:
@@ -79,7 +79,8 @@ def record_embedded(out_path: str | os.PathLike, workload: str = "shared-prefix"
     whose rules the engine's scheduler follows (kvtrace.reference.profiles),
     written in the header. Raises EngineStalled (after writing the
     trace) when the scheduler gets stuck. ``progress``, if given, is called now
-    and then with the number of steps run so far.
+    and then with the number of steps run so far. ``open_writer``: as
+    ``record_workload``'s.
     """
     wl = build_workload(workload, seed)
     if async_scheduling:
@@ -91,13 +92,18 @@ def record_embedded(out_path: str | os.PathLike, workload: str = "shared-prefix"
         # A release without whole-sequence admission runs without it.
         reserve = wl.config.reserve_full_isl and chosen.has_full_sequence_admission
         wl = replace(wl, config=replace(wl.config, profile=chosen, reserve_full_isl=reserve))
-    return record_workload(out_path, wl, fault, seed, counters, progress)
+    return record_workload(out_path, wl, fault, seed, counters, progress, open_writer)
 
 
 def record_workload(out_path: str | os.PathLike, wl: Workload, fault: str | None = None,
                     seed: int = 0, counters: str = "both",
-                    progress: Callable[[int], None] | None = None) -> RecordResult:
-    """``record_embedded`` for a Workload built by the caller."""
+                    progress: Callable[[int], None] | None = None,
+                    open_writer: Callable = TraceWriter) -> RecordResult:
+    """``record_embedded`` for a Workload built by the caller. ``open_writer``
+    makes the writer from the path and the header: ``TraceWriter``, or one
+    with its calls that hands each completed step on (``end_step``) where a
+    kill cannot reach it (``kvtrace.record.step_writer``, which ``kvtrace
+    record`` uses)."""
     if counters not in COUNTERS:
         raise ValueError(f"unknown counters {counters!r}; choose one of {', '.join(COUNTERS)}")
     if wl.store is not None:
@@ -120,7 +126,7 @@ def record_workload(out_path: str | os.PathLike, wl: Workload, fault: str | None
     )
     result = RecordResult(Path(out_path), requests=len(wl.arrivals))
     try:
-        with TraceWriter(out_path, header) as writer:
+        with open_writer(out_path, header) as writer:
             engine.run(writer, counters, result)
     except EngineStalled as stall:
         stall.result = result          # the trace and the fault log up to the stall
@@ -158,6 +164,7 @@ class _Engine:
             self._calls_due(writer, step)
             out, model = self._schedule(writer, step, result)
             self._update(writer, step, out, model, counters)
+            writer.end_step()
             result.steps = step + 1
             if self.progress is not None and step % PROGRESS_EVERY == 0:
                 self.progress(step + 1)
@@ -186,9 +193,11 @@ class _Engine:
             self._aborts_due(writer, step)
             done_step, done_out, done_model = in_flight.popleft()
             self._update(writer, done_step, done_out, done_model, counters)
+            writer.end_step()
             if self._finished():
                 while in_flight:   # no request left: the queue is drained (EC:761-768)
                     self._update(writer, *in_flight.popleft(), counters)
+                    writer.end_step()
                 return
             self._check_progress(writer, step, done_out)
         raise self._too_long(writer)

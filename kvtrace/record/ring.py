@@ -9,7 +9,8 @@ crash in native code, the writer process still reads it.
 
 Layout: 64 bytes of head, then ``size`` bytes of data. The head holds two
 unsigned 64-bit counters, bytes written and bytes read since the start; the
-data between them is unread. One process writes the first, the other the
+data between them is unread. A third word is the writer process's: the
+``errno`` of a write to the trace that failed, 0 until one does. One process writes the first, the other the
 second, each as one aligned 8-byte word (a memoryview of format "Q"), stored
 after the data it covers. That order holds on x86-64, whose stores are seen in
 the order they are made; Python issues no memory barrier, so on a CPU that
@@ -56,7 +57,7 @@ class Ring:
         self._mm = mmap.mmap(fd, HEAD + size)
         if populate:   # the creating side, before anything is written
             self._populate()
-        self._pos = memoryview(self._mm)[:16].cast("Q")   # written, read: aligned 8-byte words
+        self._pos = memoryview(self._mm)[:24].cast("Q")   # written, read, errno: 8-byte words
         self._data = memoryview(self._mm)[HEAD:]
 
     def _populate(self) -> None:
@@ -111,6 +112,16 @@ class Ring:
             chunk = bytes(self._data[at:]) + bytes(self._data[:at + n - self.size])
         self._pos[1] = written
         return chunk
+
+    @property
+    def error(self) -> int:
+        """The errno of the trace writer's failed write, or 0."""
+        return self._pos[2]
+
+    def set_error(self, errno_: int) -> None:
+        """(The reader side.) Say that writing the trace failed, once."""
+        if not self._pos[2]:
+            self._pos[2] = errno_ or 5   # EIO when the error has no number
 
     def close(self) -> None:
         self._data.release()

@@ -277,39 +277,8 @@ class ProcessSink(_Sink):
         self._settled = False    # the ring's last line says the engine settled
         size = int(ring_size or os.environ.get(ENV_RING, 0) or DEFAULT_SIZE)
         self._largest = size - self.KEEP   # an event longer than this never fits: dropped
-        raw = open_trace_file(self.path)  # may raise: caller handles it
-        if raw < 3:  # never where the writer process's stdin/stdout/stderr go
-            raw, low = above_stdio(raw), raw
-            os.close(low)
-        # Locked before the writer exists: the lock goes with the open file,
-        # which the writer inherits, so the file is never unlocked before the
-        # writer has finished it, however early wait_for_writers looks.
-        hold_lock(raw)
-        try:
-            memfd = above_stdio(memory_file(size))
-            self._ring = Ring(memfd, size, populate=True)
-        except BaseException as e:
-            os.close(raw)
-            raise WriterProcessError(f"the ring in shared memory: {type(e).__name__}: {e}") from e
-        self._ring.offer(orjson.dumps(to_json(header), option=orjson.OPT_APPEND_NEWLINE))
-        mine, theirs = socket.socketpair()
-        try:
-            if not sys.executable:
-                raise WriterProcessError("this Python does not know its own executable")
-            self._proc = Detached.start(
-                [sys.executable, "-m", "kvtrace.record.writer_process", "--detach",
-                 str(self.path), str(raw), str(memfd)], theirs, (raw, memfd), mine)
-        except BaseException as e:
-            mine.close()
-            self._ring.close()
-            if isinstance(e, (OSError, ValueError)):
-                raise WriterProcessError(f"{type(e).__name__}: {e}") from e
-            raise
-        finally:
-            os.close(raw)
-            os.close(memfd)
-            theirs.close()
-        self._sock = mine
+        first = orjson.dumps(to_json(header), option=orjson.OPT_APPEND_NEWLINE)
+        self._ring, self._proc, self._sock = start_writer(self.path, first, size)
         _OPEN.add(self)
         self._thread.start()
 
@@ -469,7 +438,53 @@ class ProcessSink(_Sink):
 
 
 class WriterProcessError(RuntimeError):
-    """The writer process could not be started."""
+    """The writer process could not be started (or, for a ``StepWriter``,
+    ended before the trace was whole)."""
+
+
+def start_writer(path: Path, first: bytes, size: int, copy: bool = False
+                 ) -> tuple[Ring, Detached, socket.socket]:
+    """Open the trace ``path`` (which may raise: the caller says why), make a
+    ring of ``size`` bytes holding ``first``, and start the writer process
+    (``python -m kvtrace.record.writer_process``, detached) that writes the
+    trace from the ring; with ``copy``, the ring's bytes as they are
+    (``serve_copy``). Returns the ring, the process and this side of the
+    connection whose end tells the writer that this process is gone. Raises
+    WriterProcessError when the ring or the process cannot be made."""
+    raw = open_trace_file(path)
+    if raw < 3:  # never where the writer process's stdin/stdout/stderr go
+        raw, low = above_stdio(raw), raw
+        os.close(low)
+    # Locked before the writer exists: the lock goes with the open file,
+    # which the writer inherits, so the file is never unlocked before the
+    # writer has finished it, however early wait_for_writers looks.
+    hold_lock(raw)
+    try:
+        memfd = above_stdio(memory_file(size))
+        ring = Ring(memfd, size, populate=True)
+    except BaseException as e:
+        os.close(raw)
+        raise WriterProcessError(f"the ring in shared memory: {type(e).__name__}: {e}") from e
+    ring.offer(first)
+    mine, theirs = socket.socketpair()
+    try:
+        if not sys.executable:
+            raise WriterProcessError("this Python does not know its own executable")
+        proc = Detached.start(
+            [sys.executable, "-m", "kvtrace.record.writer_process", "--detach",
+             *(["--copy"] if copy else []), str(path), str(raw), str(memfd)],
+            theirs, (raw, memfd), mine)
+    except BaseException as e:
+        mine.close()
+        ring.close()
+        if isinstance(e, (OSError, ValueError)):
+            raise WriterProcessError(f"{type(e).__name__}: {e}") from e
+        raise
+    finally:
+        os.close(raw)
+        os.close(memfd)
+        theirs.close()
+    return ring, proc, mine
 
 
 _OPEN: "weakref.WeakSet[ProcessSink]" = weakref.WeakSet()

@@ -14,6 +14,10 @@ engine's process puts, one JSON line each:
   everything it recorded, and ``["unsettled"]`` if the recorder then fails
   (see ``ProcessSink``).
 
+With ``--copy`` (``kvtrace.record.step_writer``, the embedded engine's
+writer), the ring holds the trace's own lines, header first and end record
+last, and they are written as they are (``serve_copy``).
+
 Its standard input is a socket that the engine's process holds open: it
 closes when that process ends, however it ends, and then the writer reads
 what is left in the ring. When nothing has come for ``FLUSH_IDLE_S``,
@@ -51,7 +55,7 @@ from kvtrace.record.records import Records
 from kvtrace.record.ring import Ring
 from kvtrace.record.sink import FLUSH_IDLE_S, dropped_end
 from kvtrace.trace.events import decode_header
-from kvtrace.trace.io import TraceWriter
+from kvtrace.trace.io import TraceWriter, open_trace_stream
 
 
 IDLE = None  # what ``_lines`` yields after FLUSH_IDLE_S without input
@@ -160,6 +164,63 @@ def serve(fd_in: int, path: str, fd_out: int, fd_ring: int) -> int:
     return 0 if error is None else 1
 
 
+def serve_copy(fd_in: int, path: str, fd_out: int, fd_ring: int) -> int:
+    """Write the trace ``path`` (open as ``fd_out``) from the bytes in the ring
+    ``fd_ring``, as they are (compressed as the name says), until the
+    connection ``fd_in`` closes; then what is left, and close the file. The
+    engine's process puts whole records there, its header first and its end
+    record last (``kvtrace.record.step_writer``). A write that fails is said
+    in the ring (``Ring.set_error``), for the engine's process to report; what
+    comes after it is read and dropped. Returns 0 when the file holds
+    everything it was sent."""
+    hold_lock(fd_out)
+    ring = Ring.of_file(fd_ring)
+    os.close(fd_ring)
+    error = False
+    try:
+        stream, raw = open_trace_stream(path, fd_out)
+    except OSError as e:
+        ring.set_error(e.errno)
+        os.close(fd_out)
+        stream = raw = None
+        error = True
+    poll = select.poll()
+    poll.register(fd_in, select.POLLIN)
+    quiet_since, dirty = time.monotonic(), False
+    while True:
+        closed = False
+        if poll.poll(RING_POLL_S * 1000):
+            closed = not os.read(fd_in, 1 << 16)   # nothing comes here but the end
+        chunk = ring.take()   # taken after the close is seen: all the engine put
+        try:
+            if chunk:
+                quiet_since = time.monotonic()
+                if not error:
+                    stream.write(chunk)
+                    dirty = True
+            elif dirty and not error and time.monotonic() - quiet_since >= FLUSH_IDLE_S:
+                stream.flush()   # a reader of the growing trace sees it
+                dirty = False
+        except OSError as e:
+            ring.set_error(e.errno)
+            error = True
+        if closed:
+            break
+    if stream is not None:
+        try:
+            stream.close()
+        except OSError as e:
+            ring.set_error(e.errno)
+            error = True
+        finally:
+            if raw is not stream:
+                try:
+                    raw.close()
+                except OSError:
+                    pass
+    return 1 if error else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -168,8 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     if detach:
         argv = argv[1:]
         _detach()
+    copy = argv[:1] == ["--copy"]
+    if copy:
+        argv = argv[1:]
     path, fd, fd_ring = argv[0], int(argv[1]), int(argv[2])
-    rc = serve(sys.stdin.fileno(), path, fd, fd_ring)
+    rc = (serve_copy if copy else serve)(sys.stdin.fileno(), path, fd, fd_ring)
     if detach:   # the engine waits for this line (kvtrace.record.detached.Detached)
         try:
             os.write(sys.stdin.fileno(), b"%d\n" % rc)

@@ -49,7 +49,8 @@ class KVTransfer:
         if r.num_computed_tokens == r.num_tokens and not (failed and legacy):
             r.num_computed_tokens = r.num_tokens - 1
         if legacy and not failed and r.legacy_num_cached_tokens < 0:
-            r.legacy_num_cached_tokens = r.num_computed_tokens   # 0.18: set once the load is in
+            r.legacy_num_cached_tokens = r.num_computed_tokens   # 0.18 scheduler.py:2045-2046
+            r.legacy_cached_from = len(r.lookup_history) - 1
 
     def _transfers_finished(self, model: ModelOutput) -> None:
         """Loads and sends the worker reports finished. vLLM goes through these
@@ -152,7 +153,7 @@ class KVTransfer:
         r.num_computed_tokens = block_index * self.block_size
         r.invalid_block_hits += 1
         if self.config.profile.legacy_counters:
-            r.legacy_num_external_computed_tokens -= pre - r.num_computed_tokens
+            r.take_off_legacy_external(pre - r.num_computed_tokens)   # 0.18 scheduler.py:2195
 
     # ---------------------------------------------------------------- deferred frees
 

@@ -61,6 +61,17 @@ class PrefillStats:
             0, min(cached_tokens, self.num_prompt_tokens) - self.num_cached_tokens)
 
 
+@dataclass(slots=True)
+class LegacyAdmission:
+    """An admission to RUNNING, as the legacy pair it gives: the lookup it came
+    from (an index in lookup_history), num_computed_tokens at the admission,
+    and that lookup's external hit less what failed loads took off since."""
+
+    lookup: int
+    num_cached_tokens: int
+    num_external_computed_tokens: int
+
+
 @dataclass(eq=False, slots=True)
 class Request:
     request_id: str
@@ -124,10 +135,19 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     prefill_stats: PrefillStats | None = field(default_factory=PrefillStats)
-    # Legacy per-request counters of older V1 engines (semantics doc 1.5), kept by
-    # the maintainers' rule: both taken once, from the first scheduled prefill.
+    # Legacy per-request counters of older V1 engines (semantics doc 1.5). Under
+    # the legacy profiles they follow those releases: num_cached_tokens set once,
+    # at the first admission; the external count at every lookup, less what a
+    # failed load takes off. Otherwise the maintainers' rule: both from the
+    # first scheduled prefill. Each names the lookup that set it (its index in
+    # lookup_history).
     legacy_num_cached_tokens: int = -1
     legacy_num_external_computed_tokens: int = 0
+    legacy_cached_from: int | None = None
+    legacy_external_from: int | None = None
+    # Each admission to RUNNING before the first output, with the pair it gives
+    # under the rule "both counters at each admission".
+    legacy_admissions: list[LegacyAdmission] = field(default_factory=list)
     # Every (step, local, external, async) split a lookup produced, in order;
     # the replayer checks emitted counters against these.
     lookup_history: list[tuple[int, int, int, bool]] = field(default_factory=list)
@@ -193,6 +213,28 @@ class Request:
         self.ignore_eos = update.ignore_eos
         self.min_tokens = update.min_tokens
         self.repetition = update.repetition
+
+    def set_legacy_external(self, num_external: int) -> None:
+        """The last lookup sets the legacy external count."""
+        self.legacy_num_external_computed_tokens = num_external
+        self.legacy_external_from = len(self.lookup_history) - 1
+
+    def note_legacy_admission(self) -> None:
+        """The request became RUNNING before its first output, from its last lookup."""
+        k = len(self.lookup_history) - 1
+        if k < 0 or self.prefill_stats is None:
+            return
+        ext = (self.legacy_num_external_computed_tokens if self.legacy_external_from == k
+               else self.lookup_history[k][2])
+        self.legacy_admissions.append(LegacyAdmission(k, self.num_computed_tokens, ext))
+
+    def take_off_legacy_external(self, tokens: int) -> None:
+        """A failed load takes ``tokens`` off the legacy external count, and off
+        the admission whose lookup set it."""
+        self.legacy_num_external_computed_tokens -= tokens
+        for a in self.legacy_admissions:
+            if a.lookup == self.legacy_external_from:
+                a.num_external_computed_tokens -= tokens
 
     def take_prefill_stats(self) -> PrefillStats | None:
         stats, self.prefill_stats = self.prefill_stats, None

@@ -344,14 +344,17 @@ class Scheduler(Admission, Outputs, SpeculativeDecoding, KVTransfer, AsyncOutput
         r.lookup_history.append((self.num_steps, num_local, num_external, load_async))
         if r.prefill_stats is not None and r.num_preemptions <= 0:
             r.prefill_stats.set(r.num_prompt_tokens, num_local, num_external)
-            r.legacy_num_external_computed_tokens = num_external
+            r.set_legacy_external(num_external)
         elif self.config.profile.legacy_counters:
-            r.legacy_num_external_computed_tokens = num_external   # legacy: every lookup
+            r.set_legacy_external(num_external)   # legacy: every lookup (0.18 scheduler.py:622)
 
     def _on_admitted(self, r: Request) -> None:
-        """A request became RUNNING. The legacy count is set once (−1 sentinel)."""
+        """A request became RUNNING. The legacy count is set once (−1 sentinel,
+        0.18 scheduler.py:806-807)."""
         if r.legacy_num_cached_tokens < 0:
             r.legacy_num_cached_tokens = r.num_computed_tokens
+            r.legacy_cached_from = len(r.lookup_history) - 1
+        r.note_legacy_admission()
 
     def _preempt_request(self, r: Request, drop_stale_output: bool = False,
                          listed: bool = True) -> None:

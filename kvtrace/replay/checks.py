@@ -8,6 +8,7 @@ from typing import Callable
 
 from kvtrace.findings import Divergence
 from kvtrace.reference import Request, RequestOutput, Scheduler, SchedulerOutput, Status
+from kvtrace.reference.request import LegacyAdmission
 from kvtrace.trace import events as ev
 
 
@@ -215,8 +216,9 @@ def compare_prompt_stats(rec: ev.PromptStats, expected: RequestOutput | None, re
                       "5.3: PrefillStats describe the last lookup before the first preemption")
                     break
         _prefill_invariants(ps, d)
-    if rec.legacy is not None:
-        _legacy_checks(rec.legacy, expected, ref, d)
+    lg = rec.legacy
+    if lg is not None and not _legacy_invariants(lg, expected, ref, d) and ref is not None:
+        _from_the_lookup_that_set_them(lg, expected, ref, d)
     return divs
 
 
@@ -229,19 +231,21 @@ def _prefill_invariants(ps: ev.PrefillStats, d) -> None:
           "5.3: cached = L + E, computed = P - L - E", "invariant")
 
 
-def _legacy_checks(lg: ev.LegacyCounters, expected: RequestOutput | None, ref: Request | None, d
-                   ) -> None:
-    """Legacy counters are checked by their invariants and by consistency with one
-    lookup, not against one release's exact rule (bug-classes.md)."""
+def _legacy_invariants(lg: ev.LegacyCounters, expected: RequestOutput | None, ref: Request | None,
+                       d) -> bool:
+    """L1 to L4: whether one of the legacy counters' invariants broke. The
+    counters are checked by their invariants and by consistency with the
+    lookup that set them (L5, L6), not against one release's exact rule
+    (bug-classes.md)."""
     nc, ne = lg.num_cached_tokens, lg.num_external_computed_tokens
     P = ref.num_prompt_tokens if ref else None
     want = expected.legacy_counters if expected else None
     rec_ = 1 if P is not None and nc + 1 == P else 0
     if nc < 0:
-        d("legacy.num_cached_tokens", nc, want and want[0],
+        d("legacy.num_cached_tokens", nc, _valid_or(want and want[0], nc, ">= 0"),
           "L1: num_cached_tokens >= 0 when emitted; -1 is the unset sentinel (PR #37354)", "invariant")
     elif ne < 0:
-        d("legacy.num_external_computed_tokens", ne, want and want[1],
+        d("legacy.num_external_computed_tokens", ne, _valid_or(want and want[1], ne, ">= 0"),
           "L2: num_external_computed_tokens >= 0 (issue #36533, PR #36638)", "invariant")
     elif ne > nc + rec_:
         d("legacy.num_external_computed_tokens", ne, f"<= {nc + rec_}",
@@ -249,41 +253,94 @@ def _legacy_checks(lg: ev.LegacyCounters, expected: RequestOutput | None, ref: R
           f"token is recomputed), so local_cache_hit ({nc + rec_ - ne}) >= 0 "
           f"(PR #36752){_lookups_named(nc, ne, ref)}", "invariant")
     elif P is not None and nc + rec_ > P:
-        d("legacy.num_cached_tokens", nc, want and want[0],
+        fits = want is not None and 0 <= want[0] <= P   # recomputed is 1 only at P - 1
+        d("legacy.num_cached_tokens", nc, want[0] if fits and want[0] != nc else f"<= {P - rec_}",
           "L4: num_cached_tokens + recomputed <= prompt_len", "invariant")
-    elif ref is not None and not _from_one_lookup(nc, ne, ref):
-        d("legacy.num_external_computed_tokens", (nc, ne), want,
-          "L5: both counters must come from the same lookup", "invariant")
+    else:
+        return False
+    return True
+
+
+def _valid_or(value: int | None, recorded: int, bound: str) -> int | str:
+    """The reference's count where it is a valid one other than the recorded
+    one; else the bound the recorded count breaks."""
+    return value if value is not None and value >= 0 and value != recorded else bound
+
+
+def _from_the_lookup_that_set_them(lg: ev.LegacyCounters, expected: RequestOutput | None,
+                                   ref: Request, d) -> None:
+    """L5 and L6. The pair is that of one admission's lookup: the first (the
+    maintainers' rule, "both at the first scheduled prefill") or the last
+    before the first output (PR #36752's, "both at each admission"); lookups
+    that admitted nothing count for neither. Where both rules give one pair,
+    the reference knows each count (L6)."""
+    nc, ne = lg.num_cached_tokens, lg.num_external_computed_tokens
+    want = expected.legacy_counters if expected else None
+    admissions = ref.legacy_admissions
+    if not admissions:
+        return   # never admitted: nothing set the counters but the sentinel (L1)
+    first, last = admissions[0], admissions[-1]
+    pairs = [_pair(first), _pair(last)]
+    if (nc, ne) in pairs:
+        return
+    if pairs[0] == pairs[1]:
+        step = ref.lookup_history[first.lookup][0]
+        lost = ref.lookup_history[first.lookup][2] - first.num_external_computed_tokens
+        if nc != first.num_cached_tokens:
+            d("legacy.num_cached_tokens", nc, first.num_cached_tokens,
+              "L6: a request admitted once before its first output takes both counters from "
+              f"that admission: num_cached_tokens = its num_computed_tokens "
+              f"({first.num_cached_tokens}, from the lookup at step {step})", "invariant")
+        if ne != first.num_external_computed_tokens:
+            less = f", less {lost} tokens its failed loads took off" if lost else ""
+            d("legacy.num_external_computed_tokens", ne, first.num_external_computed_tokens,
+              "L6: a request admitted once before its first output takes both counters from "
+              f"that admission: num_external_computed_tokens = the external hit of the lookup "
+              f"at step {step}{less}", "invariant")
+        return
+    # Several admissions: the pair closest to the recorded one, by its cached count.
+    near = pairs[1] if nc == pairs[1][0] and nc != pairs[0][0] else pairs[0]
+    d("legacy.num_external_computed_tokens" if nc == near[0] else "legacy.num_cached_tokens",
+      (nc, ne), near,
+      f"L5: both counters come from one admission's lookup{_lookups_named(nc, ne, ref)}"
+      + (" (PR #36752)" if want == (nc, ne) else
+         f"; the first admission (step {ref.lookup_history[first.lookup][0]}) gives "
+         f"{pairs[0]}, the last (step {ref.lookup_history[last.lookup][0]}) {pairs[1]}"),
+      "invariant")
+
+
+def _pair(a: LegacyAdmission) -> tuple[int, int]:
+    return a.num_cached_tokens, a.num_external_computed_tokens
 
 
 def _lookups_named(nc: int, ne: int, ref: Request | None) -> str:
-    """Where each counter came from: the lookups of ``ref`` that gave them."""
+    """Where each counter came from: the lookup that set it, as the reference
+    followed the release's rule, where the reference's count is the recorded
+    one; else an admission that gave it."""
     if ref is None or not ref.lookup_history:
         return ""
-    ext_at = [step for step, _, ext, _ in ref.lookup_history if ext == ne]
-    cached_at = [step for step, local, ext, a in ref.lookup_history
-                 if nc in (local + ext, local + ext - a)]
+    history, admissions = ref.lookup_history, ref.legacy_admissions
+    first = admissions[0].lookup if admissions else None
+
+    def from_(k: int | None, count: int, value: int, of_admission) -> int | None:
+        if k is not None and count == value:
+            return k
+        return next((a.lookup for a in admissions if of_admission(a) == count), None)
+
     parts = []
-    if cached_at:
-        parts.append(f"num_cached_tokens {nc} from the lookup at step {cached_at[0]}")
-    if ext_at:
-        resumed = " (a resume after preemption)" if ext_at[-1] != ref.lookup_history[0][0] else ""
+    k = from_(ref.legacy_cached_from, nc, ref.legacy_num_cached_tokens, lambda a: a.num_cached_tokens)
+    if k is not None:
+        first_ = " (its first admission)" if k == first and len(admissions) > 1 else ""
+        parts.append(f"num_cached_tokens {nc} from the lookup at step {history[k][0]}{first_}")
+    k = from_(ref.legacy_external_from, ne, ref.legacy_num_external_computed_tokens,
+              lambda a: a.num_external_computed_tokens)
+    if k is not None:
+        step, _, ext, _ = history[k]
+        resumed = " (a resume after preemption)" if first is not None and k > first else ""
+        less = f", {ext} less {ext - ne} tokens a failed load took off" if ne < ext else ""
         parts.append(f"num_external_computed_tokens {ne} from the lookup at step "
-                     f"{ext_at[-1]}{resumed}")
+                     f"{step}{resumed}{less}")
     return ": " + ", ".join(parts) if parts else ""
-
-
-def _from_one_lookup(nc: int, ne: int, ref: Request) -> bool:
-    for _, local, ext, load_async in ref.lookup_history:
-        cached_ok = nc == local + ext or (load_async and nc == local + ext - 1)
-        ext_ok = ne == ext or (ref.invalid_block_hits and 0 <= ne <= ext)
-        if ref.invalid_block_hits and ext_ok and 0 <= nc <= local + ext and nc - ne == local:
-            # An async load that failed in part, by a legacy engine: both
-            # counters lose the tokens it did not load (upstream PR 36638).
-            cached_ok = True
-        if cached_ok and ext_ok:
-            return True
-    return not ref.lookup_history and ne == 0
 
 
 # --------------------------------------------------------------------------- invariants
@@ -368,7 +425,7 @@ def step_invariants(rec: ev.Step, cfg: ev.SchedulerConfig, prev_preemptions: dic
         if (s.status in ("WAITING", "PREEMPTED") and (s.num_computed_tokens == 0) != (not s.block_ids)
                 and not loaded_one):
             d(s.req, "state.num_computed_tokens", (s.status, s.num_computed_tokens, len(s.block_ids)),
-              "c == 0 and no blocks, or a completed async load",
+              "num_computed_tokens 0 and no blocks, or a completed async load",
               "I4: a waiting or preempted request holds nothing")
         before = prev_preemptions.get(s.req, 0)
         want = before + 1 if preempted and s.req in preempted else before

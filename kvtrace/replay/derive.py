@@ -4,11 +4,13 @@ A divergence says "recorded 40, expected 37"; a person needs to know why 37.
 Each function here takes divergences and the reference's state around them,
 and sets ``why`` only where the numbers add up to the expected value exactly,
 or with what the reference's history holds (an earlier lookup, a failed load):
-a derivation is a check too, never a guess.
+a derivation is a check too, never a guess. Its counts are thousands
+separated (``n``); steps are ids, and are not.
 """
 
 from __future__ import annotations
 
+from kvtrace._text import count, number as n
 from kvtrace.findings import Divergence
 from kvtrace.reference import Request, Scheduler, SchedulerOutput
 from kvtrace.reference.interface import ScheduledRequest
@@ -37,28 +39,58 @@ def annotate_step(divs: list[Divergence], out: SchedulerOutput, prev: SchedulerO
             d.why = _load(d, sched)
         elif d.field == "state.num_computed_tokens" and s is not None:
             if s.num_computed_tokens + s.num_scheduled_tokens == d.expected:
-                d.why = (f"{d.expected} = {s.num_computed_tokens} before the step + "
-                         f"{s.num_scheduled_tokens} scheduled")
+                d.why = (f"{n(d.expected)} = {n(s.num_computed_tokens)} before the step + "
+                         f"{n(s.num_scheduled_tokens)} scheduled")
 
 
 def annotate_stats(divs: list[Divergence], r: Request) -> None:
-    """Set ``why`` on the divergences of a request's prompt counters: where the
-    expected external count comes from, and a failed load that came before."""
+    """Set ``why`` on the divergences of a request's legacy prompt counters:
+    the lookup the expected count comes from, and a failed load that came
+    before."""
     for d in divs:
-        if d.why is not None or d.field != "legacy.num_external_computed_tokens":
+        if d.why is not None or not d.field.startswith("legacy."):
             continue
         said = []
-        if isinstance(d.expected, int) and r.lookup_history:
-            at = [s for s, _, ext, _ in r.lookup_history if ext == d.expected]
-            if at:
-                said.append(f"{d.expected} = the external hit of the reference's lookup at "
-                            f"step {at[-1]}")
+        if isinstance(d.expected, tuple):
+            said += _admission_pair(d.expected, r)
+        elif isinstance(d.expected, int) and d.field == "legacy.num_external_computed_tokens":
+            said += _external_count(d.expected, r)
         if r.invalid_block_hits:
-            n = r.invalid_block_hits
-            said.append(f"a KV load of this request failed before (invalid blocks, {n} "
-                        f"time{'s' if n != 1 else ''})")
+            said.append(f"a KV load of this request failed before (invalid blocks, "
+                        f"{count(r.invalid_block_hits, 'time')})")
         if said:
             d.why = "; ".join(said)
+
+
+def _external_count(expected: int, r: Request) -> list[str]:
+    """An expected external count is the hit of the lookup that set it, less
+    what failed loads took off."""
+    at = [a for a in r.legacy_admissions if a.num_external_computed_tokens == expected]
+    k = at[0].lookup if at else r.legacy_external_from
+    if k is None or k >= len(r.lookup_history):
+        return []
+    step, _, ext, _ = r.lookup_history[k]
+    if ext == expected:
+        return [f"{n(expected)} = the external hit of the reference's lookup at step {step}"]
+    if at or expected == r.legacy_num_external_computed_tokens:
+        return [f"{n(expected)} = the external hit of the reference's lookup at step {step}, "
+                f"{n(ext)}, less {count(ext - expected, 'token')} failed loads took off"]
+    return []
+
+
+def _admission_pair(expected: tuple, r: Request) -> list[str]:
+    """An expected pair is the one admission that gives it."""
+    for a in r.legacy_admissions:
+        if (a.num_cached_tokens, a.num_external_computed_tokens) == expected:
+            step, _, ext, _ = r.lookup_history[a.lookup]
+            lost = ext - a.num_external_computed_tokens
+            less = f" less {count(lost, 'token')} failed loads took off" if lost else ""
+            return [f"({n(expected[0])}, {n(expected[1])}) = num_cached_tokens "
+                    f"{n(a.num_cached_tokens)}, the num_computed_tokens of the admission from "
+                    f"the reference's lookup at step {step}, and num_external_computed_tokens "
+                    f"{n(a.num_external_computed_tokens)}, that lookup's external hit "
+                    f"{n(ext)}{less}"]
+    return []
 
 
 def _scheduled(out: SchedulerOutput) -> dict[str, ScheduledRequest]:
@@ -72,14 +104,14 @@ def _admitted(d: Divergence, sched: Scheduler) -> str | None:
     if r is None:
         return None
     if not r.lookup_history:
-        return f"{d.expected}: no prefix lookup was made" if d.expected == 0 else None
+        return f"{n(d.expected)}: no prefix lookup was made" if d.expected == 0 else None
     step, local, external, load_async = r.lookup_history[-1]
-    terms = f"local prefix hit {local} + external hit {external}"
+    terms = f"local prefix hit {n(local)} + external hit {n(external)}"
     where = f" (the reference's lookup at step {step})"
     if local + external == d.expected:
-        return f"{d.expected} = {terms}{where}{_stale(d, r.lookup_history)}"
+        return f"{n(d.expected)} = {terms}{where}{_stale(d, r.lookup_history)}"
     if load_async and local + external - 1 == d.expected:
-        return (f"{d.expected} = {terms} - 1{where}: after a full asynchronous load "
+        return (f"{n(d.expected)} = {terms} - 1{where}: after a full asynchronous load "
                 f"the last token is computed again{_stale(d, r.lookup_history)}")
     return None
 
@@ -93,7 +125,7 @@ def _stale(d: Divergence, history: list[tuple[int, int, int, bool]]) -> str:
     earlier = [s for s, local, ext, _ in history if s < step and local + ext == d.recorded]
     if not earlier:
         return ""
-    return (f"; the recorded {d.recorded} is the hit the reference's lookup at step "
+    return (f"; the recorded {n(d.recorded)} is the hit the reference's lookup at step "
             f"{earlier[-1]} found: a count kept from an earlier lookup")
 
 
@@ -103,14 +135,14 @@ def _advanced(d: Divergence, was: ScheduledRequest | None, prev: SchedulerOutput
     less the drafts it rejected."""
     if was is None or prev is None:
         return None
-    c, n = was.num_computed_tokens, was.num_scheduled_tokens
-    if c + n == d.expected:
-        return f"{d.expected} = {c} computed before the last step + {n} it scheduled"
+    c, k = was.num_computed_tokens, was.num_scheduled_tokens
+    if c + k == d.expected:
+        return f"{n(d.expected)} = {n(c)} computed before the last step + {n(k)} it scheduled"
     drafts = [t for t in prev.spec.get(d.req, ()) if t != -1]
-    rejected = c + n - d.expected
+    rejected = c + k - d.expected
     if drafts and 0 < rejected <= len(drafts):
-        return (f"{d.expected} = {c} computed before the last step + {n} it scheduled "
-                f"- {rejected} rejected drafts")
+        return (f"{n(d.expected)} = {n(c)} computed before the last step + {n(k)} it scheduled "
+                f"- {count(rejected, 'rejected draft')}")
     return None
 
 
@@ -121,18 +153,20 @@ def _chunk(d: Divergence, s: ScheduledRequest, out: SchedulerOutput, sched: Sche
     r = sched.requests.get(d.req)
     e = d.expected
     if r is not None and r.num_tokens - s.num_computed_tokens == e:
-        return f"{e} = all that remains: {r.num_tokens} tokens - {s.num_computed_tokens} computed"
+        return (f"{n(e)} = all that remains: {count(r.num_tokens, 'token')} - "
+                f"{n(s.num_computed_tokens)} computed")
     threshold = sched.config.long_prefill_token_threshold
     if threshold and e == threshold:
-        return f"{e} = the long-prefill threshold"
+        return f"{n(e)} = the long-prefill threshold"
     budget = sched.config.token_budget
     used = 0
-    for other, n in out.num_scheduled_tokens.items():
+    for other, k in out.num_scheduled_tokens.items():
         if other == d.req:
             break
-        used += n
+        used += k
     if budget - used == e:
-        return f"{e} = the token budget left: {budget} - {used} scheduled before it this step"
+        return (f"{n(e)} = the token budget left: {n(budget)} - {n(used)} scheduled before it "
+                "this step")
     return None
 
 
@@ -145,10 +179,11 @@ def _load(d: Divergence, sched: Scheduler) -> str | None:
     step, local, external, _ = r.lookup_history[-1]
     if d.expected != [local, local + external]:
         return None
-    again = (f"; admitted again after {r.num_preemptions} preemption"
-             f"{'s' if r.num_preemptions != 1 else ''}" if r.num_preemptions else "")
-    return (f"the reference's lookup at step {step} found an external hit of {external} tokens "
-            f"after a local hit of {local}, and the step admitted it{again}")
+    again = (f"; admitted again after {count(r.num_preemptions, 'preemption')}"
+             if r.num_preemptions else "")
+    return (f"the reference's lookup at step {step} found an external hit of "
+            f"{count(external, 'token')} after a local hit of {n(local)}, and the step admitted "
+            f"it{again}")
 
 
 def _not_scheduled(d: Divergence, out: SchedulerOutput, sched: Scheduler) -> str | None:
@@ -158,8 +193,9 @@ def _not_scheduled(d: Divergence, out: SchedulerOutput, sched: Scheduler) -> str
     budget = sched.config.token_budget
     total = out.total_num_scheduled_tokens
     if total >= budget:
-        return f"the step's token budget was spent: {total} of {budget} tokens scheduled"
+        return (f"the step's token budget was spent: {n(total)} of {count(budget, 'token')} "
+                "scheduled")
     seats = sched.config.max_num_seqs
     if len(out.num_scheduled_tokens) >= seats:
-        return f"max_num_seqs: {seats} requests were scheduled"
+        return f"max_num_seqs: {count(seats, 'request')} {'was' if seats == 1 else 'were'} scheduled"
     return None

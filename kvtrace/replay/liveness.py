@@ -16,14 +16,18 @@ After ``STALL_STEPS`` consecutive steps with nothing scheduled and a ready
 request waiting, replay reports one ``progress`` divergence (per stall).
 Engines that wait on in-flight loads, or that are simply idle, are not flagged.
 
-A request that is loaded again and again without ever running is stuck too, even
-though each of its loads succeeds: after ``RELOAD_LIMIT`` KV loads since it was
-last scheduled, none of which failed, replay reports a ``progress`` divergence
-for it. A failed load (``failed_recving``, or any ``invalid_block_ids``) starts
-the count again, since retrying one is what an engine should do. (vLLM 0.32
-loops this way on a one-token prompt with a full async hit: the full-hit rule
-takes it back to ``num_computed_tokens`` 0 when its load completes,
-S:3171-3172, which starts another lookup and another load.)
+A request that is looked up and loaded again and again without ever running
+is stuck too, whatever the reason: after ``RELOAD_LIMIT`` KV loads since it
+was last scheduled, replay reports a ``progress`` divergence for it, with its
+loop: the steps of its loads, the tokens each loaded, and which of them failed
+(``failed_recving``, or an ``invalid_block_ids`` block in its table). Retrying
+a failed load is right; retrying it without end is not. (vLLM 0.32 loops this
+way on a one-token prompt with a full async hit: the full-hit rule takes it
+back to ``num_computed_tokens`` 0 when its load completes, S:3171-3172, which
+starts another lookup and another load. Under the ``recompute`` policy it
+loops on a connector that offers the same failing hit at each lookup: the
+failed load takes the request back to ``num_computed_tokens`` 0, S:3352, and
+the next lookup takes the hit again.)
 
 A request preempted again and again without producing a token may be stuck as
 well: once it has been preempted ``PREEMPT_LIMIT`` times since its last sampled
@@ -71,27 +75,33 @@ class ProgressWatch:
         self.got_through: list[Divergence] = []
         self.idle = 0          # consecutive steps with a ready request and nothing scheduled
         self.since: int | None = None
-        self.loads: dict[str, int] = {}   # request -> KV loads since it last ran or a load failed
+        # request -> its KV loads since it last ran, each [step, start, end, how it failed]
+        self.loads: dict[str, list[list]] = {}
+        self._sched: Scheduler | None = None
 
     def after_schedule(self, step: int, out: SchedulerOutput, sched: Scheduler,
                        seq: int | None, line: int | None,
                        loads: list | None = None) -> list[Divergence]:
         """The divergences this step shows; ``loads`` are the KV loads the
         reference's admissions made in it (``KVLoad``)."""
+        self._sched = sched
         return (self._reloads(step, out, sched, seq, line, loads or ())
                 + self._preemptions(step, out, seq, line)
                 + self._stall(step, out, sched, seq, line))
 
     def after_output(self, failed_recving: set[str], invalid_block_ids: set[int],
                      sampled: dict[str, list[int]] | None = None) -> None:
-        """A failed load is retried, rightly: it starts its request's count of
-        loads again (for invalid blocks, which do not name their request, every
-        count). A sampled token is progress: it starts the request's count of
-        preemptions again."""
-        if invalid_block_ids:
-            self.loads.clear()
+        """A failed load is noted in its request's loop: a whole load named
+        in ``failed_recving``, or a load whose request's table holds one of
+        the ``invalid_block_ids``. A sampled token is progress: it starts the
+        request's count of preemptions again."""
         for req in failed_recving:
-            self.loads.pop(req, None)
+            if self.loads.get(req):
+                self.loads[req][-1][3] = "failed_recving"
+        if invalid_block_ids and self._sched is not None:
+            for req, loads in self.loads.items():
+                if loads and not invalid_block_ids.isdisjoint(self._sched.kv.get_block_ids(req)):
+                    loads[-1][3] = loads[-1][3] or "invalid blocks"
         for req, tokens in (sampled or {}).items():
             if tokens:
                 self.preempted.pop(req, None)
@@ -141,16 +151,29 @@ class ProgressWatch:
     def _reloads(self, step, out, sched, seq, line, loads) -> list[Divergence]:
         found = []
         for load in loads:
-            n = self.loads[load.req] = self.loads.get(load.req, 0) + 1
-            if n == self.reload_limit:
-                r = sched.requests.get(load.req)
-                why = (" (a one-token prompt: each completed full hit takes it back to "
-                       "num_computed_tokens 0, S:3171-3172)" if r is not None and r.num_tokens == 1 else "")
+            mine = self.loads.setdefault(load.req, [])
+            if len(mine) >= self.reload_limit:
+                continue   # reported once: the loop is what it was
+            mine.append([step, load.start, load.end, None])
+            if len(mine) < self.reload_limit:
+                continue
+            n, r = len(mine), sched.requests.get(load.req)
+            why = (" (a one-token prompt: each completed full hit takes it back to "
+                   "num_computed_tokens 0, S:3171-3172)" if r is not None and r.num_tokens == 1 else "")
+            failed = [x for x in mine if x[3]]
+            if not failed:
                 found.append(Divergence(
                     step, load.req, "progress", f"{n} KV loads since it was last scheduled, none failed",
                     "a request whose KV load completed is scheduled, not loaded again",
                     f"liveness: {load.req} is looked up and loaded again each time its load "
                     f"completes, and never runs{why}", "invariant", seq, line))
+                continue
+            found.append(Divergence(
+                step, load.req, "progress",
+                f"{n} KV loads since it was last scheduled, {len(failed)} failed",
+                f"the request runs within {n} attempts",
+                f"liveness: {load.req} makes no progress over {n} attempts, each a lookup and a "
+                f"KV load: {_loop(mine)}{why}", "invariant", seq, line))
         for req in out.num_scheduled_tokens:
             self.loads.pop(req, None)
         for req in out.finished_req_ids:
@@ -190,6 +213,24 @@ class ProgressWatch:
             f"{free} free blocks ({reserved} reserved for in-flight prefills"
             f"{', itself included' if head in sched.inflight_prefills else ''}{also})",
             "invariant", seq, line)]
+
+
+def _loop(loads: list[list]) -> str:
+    """A request's loads, in words: their steps, the tokens they loaded, and
+    which failed and how."""
+    steps = [x[0] for x in loads]
+    shown = ", ".join(map(str, steps)) if len(steps) <= 6 else \
+        f"{', '.join(map(str, steps[:3]))}, ..., {', '.join(map(str, steps[-2:]))}"
+    spans = {(x[1], x[2]) for x in loads}
+    tokens = (f"each of tokens [{loads[0][1]}, {loads[0][2]})" if len(spans) == 1
+              else "of tokens " + ", ".join(f"[{a}, {b})" for a, b in sorted(spans)))
+    before = loads[:-1]   # the last is still under way
+    failed = [x[3] for x in before if x[3]]
+    how = ", ".join(dict.fromkeys(failed))
+    said = (f"all {len(before)} before the last failed ({how})" if len(failed) == len(before)
+            else f"{len(failed)} of the {len(before)} before the last failed ({how})")
+    same = "; each lookup took the same hit again" if len(spans) == 1 else ""
+    return f"loads at steps {shown}, {tokens}; {said}{same}"
 
 
 def _queued(sched: Scheduler, r) -> bool:

@@ -18,7 +18,7 @@ from itertools import chain
 import msgspec
 
 from kvtrace import baseline, bridge
-from kvtrace._text import path_text
+from kvtrace._text import count, path_text
 from kvtrace.findings import Divergence, Stop
 from kvtrace.outputs import Output
 from kvtrace.reference import Request, RequestOutput, Scheduler, SchedulerAssertion, SchedulerOutput, Status
@@ -28,6 +28,7 @@ from kvtrace.trace import events as ev
 
 from . import checks, derive
 from .data_path import DataPath
+from .failed_step import run_failed_step
 from .kv_device import pick_backend
 from .connector import RecordedConnector
 from .liveness import ProgressWatch
@@ -78,10 +79,10 @@ def _check_fits(header: ev.Header, path) -> None:
     except (ValueError, OSError):
         return
     if need > have // 2:
-        raise TraceError(path, 1, f"the shadow-KV check of this KV cache ({cfg.num_blocks} blocks of "
-                                  f"{cfg.block_size} slots) needs {need / 2**30:.1f} GiB, more than "
-                                  f"half of this machine's {have / 2**30:.1f} GiB: replay it with "
-                                  "--no-kv-check")
+        raise TraceError(path, 1, "the shadow-KV check of this KV cache "
+                                  f"({count(cfg.num_blocks, 'block')} of {count(cfg.block_size, 'slot')}) "
+                                  f"needs {need / 2**30:.1f} GiB, more than half of this machine's "
+                                  f"{have / 2**30:.1f} GiB: replay it with --no-kv-check")
 
 
 def _check_supported(header: ev.Header, path, profile: Profile) -> None:
@@ -95,32 +96,21 @@ def _check_supported(header: ev.Header, path, profile: Profile) -> None:
 
 
 def _profile_refusal(header: ev.Header, profile: Profile) -> str | None:
-    """Why the trace cannot be replayed under ``profile``, or None: async
-    scheduling under a profile that does not model it; block hashes that
-    cannot be reproduced. vLLM 0.33
-    hashes each EAGLE block with the token after it, by default, where prefix
-    caching is on and no connector is (config/vllm.py:678-692); a 0.33 trace
-    must say whether it did (``num_hash_lookahead_tokens``, written by this
-    kvtrace's recorder). A prompt of embeddings keys a block by its rows, and
-    the trace's digests do not cover the rows after a block."""
+    """Why the trace cannot be replayed under ``profile``, or None: what the
+    reference refuses under it (``baseline.REFUSED``), and block hashes that
+    cannot be reproduced. vLLM 0.33 hashes each EAGLE block with the token
+    after it, by default, where prefix caching is on and no connector is
+    (config/vllm.py:678-692); a 0.33 trace must say whether it did
+    (``num_hash_lookahead_tokens``, written by this kvtrace's recorder)."""
     f = header.features
-    if f.kv_cache_groups and not profile.hybrid_kv_modelled:
-        return (f"sliding-window KV-cache groups under the {profile.name} profile "
-                f"({profile.releases}): the reference models vLLM 0.32's and 0.33's hybrid "
-                "KV-cache manager only")
-    if f.async_scheduling and not profile.async_scheduling_modelled:
-        return (f"async scheduling under the {profile.name} profile ({profile.releases}): "
-                "its AsyncScheduler keeps a preempted request's output placeholders, which "
-                "the reference does not model; replay it with --scheduler vllm")
-    lookahead = f.num_hash_lookahead_tokens
-    if (lookahead is None and profile.name == "0.33" and f.use_eagle
+    why = baseline.profile_refusal(f, header.config.block_size, profile)
+    if why is not None:
+        return why
+    if (f.num_hash_lookahead_tokens is None and profile.name == "0.33" and f.use_eagle
             and header.config.enable_prefix_caching and header.config.connector is None):
         return ("this vLLM 0.33 trace of EAGLE with prefix caching does not say whether its "
                 "block hashes cover the token after each block (num_hash_lookahead_tokens): "
                 "record it again with this kvtrace")
-    if lookahead and f.prompt_embeds:
-        return ("prompt embeddings with lookahead block hashes (num_hash_lookahead_tokens="
-                f"{lookahead}): the trace's digests do not cover the rows after each block")
     return None
 
 
@@ -213,8 +203,8 @@ class Replayer:
                 self._write(ev.Drafts(self._seq(), e.step, e.drafts))
             elif kind is ev.KVAudit:
                 self.divergences.extend(self.data_path.feed(e, line))
-            elif kind is ev.End and e.status == "interrupted":
-                self._next_schedule(e)
+            elif kind is ev.StepFailed or (kind is ev.End and e.status == "interrupted"):
+                self._next_schedule(e, line)
         except SchedulerAssertion as a:
             step = getattr(e, "step", self.steps)
             # At the end of an interrupted trace: the engine's own error.
@@ -448,11 +438,24 @@ class Replayer:
 
     # -- helpers -----------------------------------------------------------------
 
-    def _next_schedule(self, e: ev.End) -> None:
-        """The engine stopped on an error. An error inside ``schedule()`` leaves no
-        step record, so the reference schedules the next step: if that fails one
-        of the engine's assertions, the engine met it there (the reference raises
-        SchedulerAssertion, which ``feed`` reports). Nothing is written."""
+    def _next_schedule(self, e: ev.StepFailed | ev.End, line) -> None:
+        """The engine stopped on an error. A ``step_failed`` record is a
+        ``schedule()`` that raised: the reference runs that step with the
+        connector's answers it had, and the failure is reported whether the
+        reference fails there too or not (failed_step.py); replay stops there.
+        A trace without one (recorded before the recorder wrote it, or an error
+        outside ``schedule()``) ends ``interrupted``: the reference schedules
+        the next step, and if that fails one of the engine's assertions, the
+        engine met it there (the reference raises SchedulerAssertion, which
+        ``feed`` reports). Nothing is written."""
+        if type(e) is ev.StepFailed:
+            self.steps = e.step + 1
+            self.divergences.extend(run_failed_step(self.sched, self.connector, e, line))
+            self.stopped = f"the engine failed in schedule() at step {e.step}: {e.error}"
+            stop_after = getattr(self.content, "stop_after", None)   # a content worker
+            if stop_after is not None:
+                stop_after()
+            return
         out, self.out = self.out, None
         try:
             self.sched.schedule()
@@ -489,6 +492,7 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
         chosen, note = PROFILES[profile], None
     writer = dest = rp = record_worker = None
     failed = None   # why replay stopped before the end of the trace
+    unusable = False   # the trace was found unusable: the output is not put in place
     try:
         _check_supported(header, path, chosen)
         if device:
@@ -536,6 +540,7 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
             rp.finish()
     except BaseException as e:
         failed = f"replay stopped: {e}" if str(e) else f"replay stopped: {type(e).__name__}"
+        unusable = isinstance(e, TraceError)
         raise
     finally:
         reader.close()
@@ -550,7 +555,10 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
             except BaseException as e:   # the output could not be finished: never put in place
                 dest.discard()
                 raise (dest.named(e) if isinstance(e, OSError) else e) from e
-            dest.commit()   # whole, or a replay that stopped and says where in its end record
+            if unusable:   # the file that was there stays as it was
+                dest.discard()
+            else:   # whole, or a replay that stopped and says where in its end record
+                dest.commit()
         elif dest is not None:
             dest.discard()
     if reader.truncation is None:

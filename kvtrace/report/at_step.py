@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from .._text import count
 from ..trace import events as ev
 from ..trace.io import TraceReader
 
@@ -56,9 +57,10 @@ def one_request(request: str, ids: list[str], path, where: str, total: int) -> s
     if len(matches) == 1:
         return matches[0]
     if not matches:
-        raise UnknownRequest(f"{path}: no request {request!r} {where} ({total} requests)")
+        raise UnknownRequest(f"{path}: no request {request!r} {where} ({count(total, 'request')})")
     shown = ", ".join(matches[:8]) + (" …" if len(matches) > 8 else "")
-    raise UnknownRequest(f"{path}: {len(matches)} requests start with {request!r}: {shown}")
+    raise UnknownRequest(f"{path}: {count(len(matches), 'request')} start with {request!r}: "
+                         f"{shown}")
 
 
 @dataclass
@@ -102,6 +104,9 @@ class StepView:
     arrived: list[str]                          # every request arrived by the step, in order
     groups: int                                 # KV-cache groups
     request: str | None = None                  # the one request asked for, resolved
+    # A step whose schedule() raised (a step_failed record): the exception and
+    # where it was raised; the record holds what the step asked until then.
+    failed: str | None = None
 
     def table_of(self, req: str) -> list[list[int]]:
         return self.tables.get(req, [[] for _ in range(self.groups)])
@@ -119,14 +124,16 @@ def read_step(path: str | os.PathLike, n: int, request: str | None = None) -> St
         last = -1
         for e in r:
             kind = type(e)
+            if (kind is ev.Step or kind is ev.StepFailed) and e.step == n:
+                view = t.view(path, h, e if kind is ev.Step else _as_step(e), r.last_line)
+                if kind is ev.StepFailed:
+                    view.failed = e.error + (f" at {e.where}" if e.where else "")
+                if request is not None:
+                    view.request = one_request(request, view.arrived, path,
+                                               f"arrived by step {n}", len(view.arrived))
+                return view
             if kind is ev.Step:
                 last = e.step
-                if e.step == n:
-                    view = t.view(path, h, e, r.last_line)
-                    if request is not None:
-                        view.request = one_request(request, view.arrived, path,
-                                                   f"arrived by step {n}", len(view.arrived))
-                    return view
                 t.step(e)
                 t.before_step = e.step + 1
             elif kind is ev.Output:
@@ -139,6 +146,13 @@ def read_step(path: str | os.PathLike, n: int, request: str | None = None) -> St
     if last < 0:
         raise StepNotFound(f"{path}: no step {n}: the trace holds no step{cut}")
     raise StepNotFound(f"{path}: no step {n}: the last step is {last}{cut}")
+
+
+def _as_step(f: ev.StepFailed) -> ev.Step:
+    """A failed step as the step record it never got: what it asked, nothing
+    scheduled."""
+    return ev.Step(seq=f.seq, step=f.step, lookups=f.lookups, loads=f.loads, grammar=f.grammar,
+                   throttle_prefills=f.throttle_prefills)
 
 
 class _Tracker:

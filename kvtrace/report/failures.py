@@ -6,20 +6,23 @@ The stories come from ``kvtrace.findings.stories``; this module only lays
 them out. Text wraps at word boundaries to the console's width.
 
 It is also the one source of the words the terminal and the HTML report
-share: values (``value_text``), counts (``count``: thousands separated; a step
-or line number is an id and is not), the verdict's counts
-(``divergences_text``), the likely causes (``causes_line``), the steps
+share: values (``value_text``: a tuple's parts named, a count thousands
+separated), counts (``count``, from ``kvtrace._text``: thousands separated,
+the noun agreeing; a step or line number is an id and is not), the verdict's
+counts (``divergences_text``), the likely causes (``causes_line``), the steps
 checked (``steps_text``) and a stop (``stop_text``).
 """
 
 from __future__ import annotations
 
+import re
 import textwrap
 from typing import Any
 
 from rich.console import Console, Group
 from rich.text import Text
 
+from .._text import count, number, plural
 from ..findings import Divergence, Story
 from ..rules import lookup, rule_id
 
@@ -27,41 +30,53 @@ MAX_FOLDS = 4          # fold lines under a cause before the rest is counted
 LONG_VALUE = 24        # a value longer than this gets a line of its own
 RULE_WIDTH = 100       # a heading's line stops here on a wide terminal
 
-# What the parts of a tuple-valued field are.
+# What the parts of a tuple-valued field are (--json keeps the bare list).
 _PARTS = {
     ("legacy.num_external_computed_tokens", 2): ("num_cached_tokens", "num_external_computed_tokens"),
     ("prefill_stats", 2): ("cached", "computed"),
     ("prefill_stats", 3): ("local", "external", "prompt"),
+    # I4: a waiting or preempted request's status, computed tokens and blocks held
+    ("state.num_computed_tokens", 3): ("status", "num_computed_tokens", "blocks"),
 }
+# A field whose whole-number value counts something (tokens, blocks, steps,
+# requests): thousands separated. Ids (block ids, token ids, steps) are not.
+_COUNTED = re.compile(r"tokens|^num_|\.num_|_len$|^blocks$|^scheduled$|preemptions|free_blocks"
+                      r"|budget|size$|^lookup\.(?:local|ext)$")
+# An expected bound, as the checks write one: "<= 12345", ">= 4".
+_BOUND = re.compile(r"^([<>]=?) (-?\d+)$")
 
 
 def value_text(field: str, v: Any) -> str:
     """A recorded or expected value in words a person reads: tuples labelled,
-    nothing left out."""
+    counts thousands separated, nothing left out."""
     if field == "kv_load":
         if v is None:
             return "no load"
         if isinstance(v, (tuple, list)) and len(v) == 2 and all(isinstance(x, int) for x in v):
-            return f"a load of tokens [{v[0]}, {v[1]}) ({v[1] - v[0]} tokens)"
+            return f"a load of tokens [{v[0]}, {v[1]}) ({count(v[1] - v[0], 'token')})"
         if isinstance(v, (tuple, list)):
             return "; ".join(value_text(field, x) for x in v)
     if v is None:
         return "not scheduled" if field == "scheduled" else "none"
     if isinstance(v, bool):
         return "yes" if v else "no"
+    if isinstance(v, int) and _COUNTED.search(field):
+        return number(v)
+    if isinstance(v, str) and _COUNTED.search(field) and (m := _BOUND.match(v)):
+        return f"{m[1]} {number(int(m[2]))}"
     if isinstance(v, (tuple, list)) and (field, len(v)) in _PARTS:
-        names = _PARTS[(field, len(v))]
-        return ", ".join(f"{n} {value_text('', x)}" for n, x in zip(names, v))
+        names = _PARTS[(field, len(v))]   # each a count but the status
+        return ", ".join(f"{n} {number(x) if isinstance(x, int) else value_text('', x)}"
+                         for n, x in zip(names, v))
+    if isinstance(v, (tuple, list)) and field.endswith("more_groups") and all(
+            isinstance(g, (tuple, list)) for g in v):
+        # The tables of KV-cache groups 1, 2, ... (group 0's is block_ids).
+        return "; ".join(f"group {i} {value_text('', g)}" for i, g in enumerate(v, 1)) or "none"
     if isinstance(v, (tuple, list)):
         return "[" + ", ".join(value_text("", x) for x in v) + "]"
     if isinstance(v, dict):
-        return ", ".join(f"{k} {value_text('', x)}" for k, x in v.items())
+        return ", ".join(f"{k} {value_text(str(k), x)}" for k, x in v.items())
     return str(v)
-
-
-def count(n: int, noun: str, plural: str | None = None) -> str:
-    """``n`` things, thousands separated: "1 request", "4,538 divergences"."""
-    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"
 
 
 def divergences_text(divs: list[Divergence]) -> str:
@@ -78,7 +93,7 @@ def steps_text(result: Any) -> str | None:
         return None
     in_trace = getattr(result, "steps_in_trace", None) or checked
     if getattr(result, "stopped_at", None) is not None and in_trace > checked:
-        return f"{checked:,} of {count(in_trace, 'step')} checked"
+        return f"{number(checked)} of {count(in_trace, 'step')} checked"
     return count(checked, "step")
 
 
@@ -124,25 +139,34 @@ def causes_line(told: list[Story], most: int = 3) -> str | None:
     if sum(1 for s in told if s.req is not None) < 2:
         return None
     ranked, roots, follow = likely_causes(told)
-    said = [field + (f" (rule {rid})" if rid and rid != field else "") + f" in {n:,}"
-            for (field, rid), n in ranked[:most]]
+    said = [field + (f" (rule {rid})" if rid and rid != field else "")
+            + f" in {count(n, 'request')}" for (field, rid), n in ranked[:most]]
     if len(ranked) > most:
-        said.append(f"other fields in {sum(n for _, n in ranked[most:]):,}")
-    line = (f"likely cause{'s' if roots != 1 else ''}: " + ", ".join(said)
-            + f" request{'s' if roots != 1 else ''}")
+        said.append(f"other fields in {count(sum(n for _, n in ranked[most:]), 'request')}")
+    line = f"{plural(roots, 'likely cause')}: " + ", ".join(said)
     if follow:
-        line += (f"; {count(follow, 'more request', 'more requests')} may follow from "
-                 f"{'them' if roots != 1 else 'it'}")
+        line += (f"; {count(follow, 'more request')} may follow from "
+                 f"{plural(roots, 'it', 'them')}")
     return line
 
 
 def left_out(rest: list[Story]) -> str | None:
     """Stories not shown, in words: "3 more requests and the step-wide counts"."""
     n = sum(1 for s in rest if s.req is not None)
-    parts = [count(n, "more request", "more requests")] if n else []
+    parts = [count(n, "more request")] if n else []
     if any(s.req is None for s in rest):
         parts.append("the step-wide counts")
     return " and ".join(parts) or None
+
+
+def also_diverge(rest: list[Story]) -> str | None:
+    """Stories not shown, as a sentence's start: "1 more request also
+    diverges", "3 more requests and the step-wide counts also diverge"."""
+    said = left_out(rest)
+    if said is None:
+        return None
+    one = said.startswith("1 ") and " and " not in said
+    return f"{said} also {'diverges' if one else 'diverge'}"
 
 
 def rule_parts(rule: str) -> tuple[str, str]:
@@ -152,6 +176,15 @@ def rule_parts(rule: str) -> tuple[str, str]:
     if not rid or lookup(rid) is None and not rid[:1].isupper():
         return "", rule
     return rid, rule.lstrip()[len(rid):].lstrip(":").strip()
+
+
+def rule_words(rule: str) -> str:
+    """A divergence's rule as it is written, or, where it is a bare id ("I6"),
+    with the catalogue's text: "I6: num_preemptions grows by one ..."."""
+    rid, text = rule_parts(rule)
+    if rid and not text and lookup(rid) is not None:
+        return f"{rid}: {lookup(rid).text}"
+    return rule
 
 
 def _where(d: Divergence) -> str:
@@ -225,7 +258,9 @@ def why_text(d: Divergence) -> str | None:
     why = getattr(d, "why", None)
     if not why:
         return None
-    return f"expected {why}" if why.startswith(f"{d.expected} ") else f"why: {why}"
+    e = d.expected
+    said = number(e) if isinstance(e, int) and not isinstance(e, bool) else str(e)
+    return f"expected {why}" if why.startswith((f"{said} ", f"{e} ")) else f"why: {why}"
 
 
 def _fold_line(f) -> str:
@@ -237,7 +272,7 @@ def _fold_line(f) -> str:
     else:
         steps = f", steps {f.first_step}\u2013{f.last_step}"
     rule_id = rule_parts(d.rule)[0]
-    return f"+ {f.count} {d.field}{steps}" + (f" (rule {rule_id})" if rule_id else "")
+    return f"+ {number(f.count)} {d.field}{steps}" + (f" (rule {rule_id})" if rule_id else "")
 
 
 def story(s: Story, width: int, words: tuple[str, str] = ("recorded", "expected"),
@@ -251,14 +286,14 @@ def story(s: Story, width: int, words: tuple[str, str] = ("recorded", "expected"
     where = _where(d)
     heading = f"{who} \u00b7 {where}" if where else who
     if s.count > 1:
-        heading += f" \u00b7 {s.count} divergences"
+        heading += f" \u00b7 {count(s.count, 'divergence')}"
     rule = max(3, min(width, RULE_WIDTH) - len(heading) - 1)
     parts: list = [Text.assemble((heading, "bold"), " ", ("\u2500" * rule, "dim"))]
     parts.extend(_values(d, width, words))
     why = why_text(d)
     if why:
         parts.extend(_para(why, width))
-    rule_id, text = rule_parts(d.rule)
+    rule_id, text = rule_parts(rule_words(d.rule))
     if d.kind == "diff":
         parts.extend(_para(text, width, "cyan"))
     else:
@@ -274,8 +309,8 @@ def story(s: Story, width: int, words: tuple[str, str] = ("recorded", "expected"
     rest = folds[MAX_FOLDS:]
     if rest:
         n = sum(f.count for f in rest)
-        parts.extend(_para(f"+ {n} more in {len(rest)} other field"
-                           f"{'s' if len(rest) != 1 else ''}", width, "dim"))
+        parts.extend(_para(f"+ {number(n)} more in {count(len(rest), 'other field')}", width,
+                           "dim"))
     return Group(*parts)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from .._text import count
 from ..trace import events as ev
 
 SERIES_POINTS = 2000        # at most this many points per run-level series
@@ -241,7 +242,7 @@ def kv_groups_text(features: ev.SchedulerFeatures) -> str | None:
     groups = features.kv_cache_groups
     if not groups:
         return None
-    return ", ".join(f"group {i}: " + (f"sliding window of {g.sliding_window} tokens"
+    return ", ".join(f"group {i}: " + (f"sliding window of {count(g.sliding_window, 'token')}"
                                        if g.sliding_window else "full attention")
                      for i, g in enumerate(groups))
 

@@ -24,7 +24,9 @@ from typing import Any, Iterable
 from .._text import path_text
 from ..findings import Divergence, Story, Told, headline, tell, why_first
 from ..outputs import writing
-from .failures import causes_line, count, divergences_text, left_out, value_text, why_text
+from .._text import number as _n
+from .failures import (causes_line, count, divergences_text, left_out, rule_words, value_text,
+                       why_text)
 from .figures import MAX_RUNS, RequestTimeline, RunSummary, kv_groups_text, percent, step_runs
 from .summary import summarize
 from .svg import Band, chart, legend
@@ -198,8 +200,8 @@ def _trace_lines(s: RunSummary, label: str | None, steps_checked: str | None = N
     out = [f"<p class=\"sub\">{tag}{e(path)} · engine {e(h.engine)} {e(h.engine_version)} · "
            f"{e(steps_checked or count(s.steps, 'step'))} · {count(s.requests, 'request')}</p>",
            f"<p class=\"sub\">{'&nbsp;' * 5 if label else ''}block size {cfg.block_size} · "
-           f"{cfg.num_blocks} blocks ({s.usable_blocks} usable) · token budget "
-           f"{cfg.max_num_scheduled_tokens or cfg.max_num_batched_tokens}"
+           f"{_n(cfg.num_blocks)} blocks ({_n(s.usable_blocks)} usable) · token budget "
+           f"{_n(cfg.max_num_scheduled_tokens or cfg.max_num_batched_tokens)}"
            f" · max_num_seqs {cfg.max_num_seqs} · policy {e(cfg.policy)}"
            f" · prefix caching {'on' if cfg.enable_prefix_caching else 'off'}"
            + (f" · connector {e(cfg.connector.name)} ({e(cfg.connector.load_failure_policy)})"
@@ -210,7 +212,7 @@ def _trace_lines(s: RunSummary, label: str | None, steps_checked: str | None = N
         out.append(f'<p class="warn">{tag}truncated: {e(trunc)}</p>')
     if s.end is not None and (s.end.status != "complete" or s.end.dropped_events):
         out.append(f'<p class="warn">{tag}the recorder closed this trace as \'{e(s.end.status)}\''
-                   + (f", {s.end.dropped_events} events dropped" if s.end.dropped_events else "")
+                   + (f", {count(s.end.dropped_events, 'event')} dropped" if s.end.dropped_events else "")
                    + (f": {e(s.end.error)}" if s.end.error else "") + "</p>")
     return "\n".join(out)
 
@@ -258,7 +260,7 @@ def _headline(p: _Page, note: str | None) -> str:
     if p.why:
         out.append(f'<p class="why-first muted">First because: {e(p.why)}.</p>')
     if st.count > 1:
-        out.append(f'<p class="muted">then {st.count - 1} more in {e(_req(d.req))}'
+        out.append(f'<p class="muted">then {_n(st.count - 1)} more in {e(_req(d.req))}'
                    + _steps_text(_story_steps(st)) + f"; compared with {who}.</p>")
     links = [f'<a id="to-table" href="#story-{p.head_story}">→ in the table</a>']
     if d.step is not None:
@@ -304,22 +306,25 @@ def _summary_section(p: _Page) -> str:
 def _kv_text(s: RunSummary) -> str:
     if s.peak_kv_used is None:
         return "—"
-    return f"peak {s.peak_kv_used}/{s.usable_blocks}, mean {s.mean_kv_used:.1f}"
+    return f"peak {_n(s.peak_kv_used)}/{_n(s.usable_blocks)}, mean {s.mean_kv_used:,.1f}"
 
 
 _COMPARED = [
-    ("requests", lambda s: f"{s.requests} (finished: "
-                           + (", ".join(f"{n} {r}" for r, n in sorted(s.finished.items())) or "none") + ")"),
-    ("steps", lambda s: str(s.steps)),
-    ("tokens scheduled", lambda s: f"{s.scheduled_tokens} ({s.prefill_tokens} prefill, "
-                                   f"{s.decode_tokens} decode)"),
-    ("preemptions", lambda s: f"{s.preemptions} ({s.preempted_requests} requests)"),
-    ("prefix hit rate", lambda s: f"{percent(s.prefix_hit_rate)} ({s.local_cached_tokens} of "
-                                  f"{s.prompt_tokens} prompt tokens)"),
-    ("external hit rate", lambda s: f"{percent(s.external_hit_rate)} ({s.external_cached_tokens} tokens)"),
+    ("requests", lambda s: f"{_n(s.requests)} (finished: "
+                           + (", ".join(f"{_n(n)} {r}" for r, n in sorted(s.finished.items()))
+                              or "none") + ")"),
+    ("steps", lambda s: _n(s.steps)),
+    ("tokens scheduled", lambda s: f"{_n(s.scheduled_tokens)} ({_n(s.prefill_tokens)} prefill, "
+                                   f"{_n(s.decode_tokens)} decode)"),
+    ("preemptions", lambda s: f"{_n(s.preemptions)} ({count(s.preempted_requests, 'request')})"),
+    ("prefix hit rate", lambda s: f"{percent(s.prefix_hit_rate)} ({_n(s.local_cached_tokens)} of "
+                                  f"{count(s.prompt_tokens, 'prompt token')})"),
+    ("external hit rate", lambda s: f"{percent(s.external_hit_rate)} "
+                                    f"({count(s.external_cached_tokens, 'token')})"),
     ("KV blocks in use", _kv_text),
-    ("connector", lambda s: f"{s.lookups} lookups, {s.loads} loads ({s.load_tokens} tokens), "
-                            f"{s.failed_recving} failed" if s.lookups or s.loads else "—"),
+    ("connector", lambda s: f"{count(s.lookups, 'lookup')}, {count(s.loads, 'load')} "
+                            f"({count(s.load_tokens, 'token')}), {_n(s.failed_recving)} failed"
+                            if s.lookups or s.loads else "—"),
 ]
 
 
@@ -330,26 +335,28 @@ def _trace_tag(s: RunSummary, label: str) -> str:
 
 
 def _summary_cards(s: RunSummary, divs: list[Divergence] | None) -> str:
-    fin = ", ".join(f"{n} {r}" for r, n in sorted(s.finished.items())) or "none"
+    fin = ", ".join(f"{_n(n)} {r}" for r, n in sorted(s.finished.items())) or "none"
     cards = [
-        _card("requests", f"{s.requests:,}", f"finished: {fin}"),
-        _card("steps", f"{s.steps:,}", f"{s.scheduled_tokens} tokens scheduled "
-                                     f"({s.prefill_tokens} prefill, {s.decode_tokens} decode)"),
-        _card("preemptions", str(s.preemptions), f"{s.preempted_requests} requests preempted",
+        _card("requests", _n(s.requests), f"finished: {fin}"),
+        _card("steps", _n(s.steps), f"{count(s.scheduled_tokens, 'token')} scheduled "
+                                    f"({_n(s.prefill_tokens)} prefill, {_n(s.decode_tokens)} decode)"),
+        _card("preemptions", _n(s.preemptions), f"{count(s.preempted_requests, 'request')} preempted",
               "hot" if s.preemptions else ""),
         _card("prefix hit rate", percent(s.prefix_hit_rate),
-              f"{s.local_cached_tokens} of {s.prompt_tokens} prompt tokens from the local cache"),
+              f"{_n(s.local_cached_tokens)} of {count(s.prompt_tokens, 'prompt token')} from the "
+              "local cache"),
         _card("external hit rate", percent(s.external_hit_rate),
-              f"{s.external_cached_tokens} prompt tokens from the connector"),
-        _card("KV usage", "—" if s.peak_kv_used is None else f"peak {s.peak_kv_used}/{s.usable_blocks}",
-              "" if s.mean_kv_used is None else f"mean {s.mean_kv_used:.1f} blocks "
+              f"{count(s.external_cached_tokens, 'prompt token')} from the connector"),
+        _card("KV usage", "—" if s.peak_kv_used is None
+              else f"peak {_n(s.peak_kv_used)}/{_n(s.usable_blocks)}",
+              "" if s.mean_kv_used is None else f"mean {s.mean_kv_used:,.1f} blocks "
                                                 f"({percent(s.mean_kv_used / max(1, s.usable_blocks))})"),
     ]
     if s.lookups or s.loads:
-        cards.append(_card("connector", f"{s.lookups} lookups",
-                           f"{s.lookups_not_ready} not ready, {s.lookups_async} async; {s.loads} loads "
-                           f"({s.load_tokens} tokens); {s.failed_recving} failed, "
-                           f"{s.invalid_blocks} invalid blocks"))
+        cards.append(_card("connector", count(s.lookups, "lookup"),
+                           f"{_n(s.lookups_not_ready)} not ready, {_n(s.lookups_async)} async; "
+                           f"{count(s.loads, 'load')} ({count(s.load_tokens, 'token')}); "
+                           f"{_n(s.failed_recving)} failed, {count(s.invalid_blocks, 'invalid block')}"))
     if divs is not None:
         reqs = {d.req for d in divs if d.req is not None}
         cards.append(_card("divergences", f"{len(divs):,}",
@@ -403,7 +410,7 @@ def _run_charts(p: _Page) -> str:
             return '<p class="muted">The trace does not record num_free_blocks: no KV usage chart.</p>'
         return chart("chart kv-chart", 0, p.steps, s.usable_blocks,
                      [dict(points=s.kv_used.points(), color=C_KV, kind="area", label="blocks in use")],
-                     hlines=[(s.usable_blocks, "#888", f"{s.usable_blocks} usable blocks")],
+                     hlines=[(s.usable_blocks, "#888", f"{count(s.usable_blocks, 'usable block')}")],
                      vlines=_preempt_lines(s.preemption_steps), bands=bands, first=fm,
                      y_label="blocks", height=200)
 
@@ -412,7 +419,7 @@ def _run_charts(p: _Page) -> str:
         return chart("chart tokens-chart", 0, p.steps, max(budget, s.sched_tokens.max or 0),
                      [dict(points=s.sched_tokens.points(), color=C_SCHED, kind="area",
                            label="scheduled tokens")],
-                     hlines=[(budget, "#888", f"token budget {budget}")],
+                     hlines=[(budget, "#888", f"token budget {_n(budget)}")],
                      vlines=_preempt_lines(s.preemption_steps), bands=bands, first=fm,
                      y_label="tokens", height=150)
 
@@ -498,11 +505,11 @@ def _story_rows(p: _Page, i: int, st: Story, index: dict) -> str:
         more.append(f'<div class="why">{e(why)}</div>')
     if st.folds:
         n = st.count - 1
-        summary = f"+ {n} more in {e(_req(st.req))}" + _steps_text(_story_steps(st))
+        summary = f"+ {_n(n)} more in {e(_req(st.req))}" + _steps_text(_story_steps(st))
         items = []
         for f in st.folds:
             fd = f.first
-            items.append(f"<li>+ {f.count} more <b>{e(fd.field)}</b>" + _steps_text((f.first_step, f.last_step))
+            items.append(f"<li>+ {_n(f.count)} more <b>{e(fd.field)}</b>" + _steps_text((f.first_step, f.last_step))
                          + f" · {_rule(fd.rule, inline=True)} · first: {p.rec} "
                          f"{_value(fd.field, fd.recorded, 'rec')}, "
                          f"{p.exp} {_value(fd.field, fd.expected, 'exp')}"
@@ -531,7 +538,7 @@ def _steps_text(span: tuple[int | None, int | None]) -> str:
 def _rule(rule: str, full: bool = False, inline: bool = False) -> str:
     """A rule's id ("1.3") with its text as a second line (or a tooltip)."""
     e = html.escape
-    rid, sep, text = rule.partition(": ")
+    rid, sep, text = rule_words(rule).partition(": ")
     if not sep:
         return f'<span class="rule-id">{e(rule)}</span>'
     if full:
@@ -548,7 +555,7 @@ def _value(field: str, v: Any, cls: str) -> str:
     at ``VALUE_CHARS`` with the whole of it as a tooltip."""
     e = html.escape
     if isinstance(v, str):
-        return f'<span class="{cls}">{e(v)}</span>'
+        return f'<span class="{cls}">{e(value_text(field, v))}</span>'
     whole = value_text(field, v)
     short = _plain(field, v)
     tip = f' title="{e(whole)}"' if whole != short else ""
@@ -563,10 +570,6 @@ def _plain(field: str, v: Any) -> str:
 
 def _req(req: str | None) -> str:
     return "the step-wide counts" if req is None else req
-
-
-def _s(n: int) -> str:
-    return "" if n == 1 else "s"
 
 
 def _req_link(s: RunSummary, req: str) -> str:
@@ -616,21 +619,24 @@ def _request_card(p: _Page, tl: RequestTimeline, divs: list[Divergence]) -> str:
     stats = ""
     if tl.prefill_stats is not None:
         ps = tl.prefill_stats
-        stats = (f"prompt stats: P {ps.num_prompt_tokens}, local {ps.num_local_cached_tokens}, "
-                 f"external {ps.num_external_cached_tokens}, computed {ps.num_computed_tokens}, "
-                 f"cache creation {ps.num_cache_creation_tokens}")
+        stats = (f"prompt stats: prompt {_n(ps.num_prompt_tokens)}, local "
+                 f"{_n(ps.num_local_cached_tokens)}, external {_n(ps.num_external_cached_tokens)}, "
+                 f"computed {_n(ps.num_computed_tokens)}, cache creation "
+                 f"{_n(ps.num_cache_creation_tokens)}")
     elif tl.legacy is not None:
-        stats = (f"legacy counters: num_cached_tokens {tl.legacy.num_cached_tokens}, "
-                 f"num_external_computed_tokens {tl.legacy.num_external_computed_tokens}")
+        stats = (f"legacy counters: num_cached_tokens {_n(tl.legacy.num_cached_tokens)}, "
+                 f"num_external_computed_tokens {_n(tl.legacy.num_external_computed_tokens)}")
     cls = "req has-div" if divs else "req"
     zoom = (f' <button class="zoom-to" type="button" data-from="{max(0, tl.arrival_step - 1)}" '
             f'data-to="{min(p.steps, end + 1)}">zoom to steps {tl.arrival_step}–{end}</button>')
     out = [f'<div class="{cls}" id="req-{tl.index}" data-req="{e(tl.req)}">',
-           f"<h3>{e(tl.req)}" + (f' <span class="badge">{len(divs):,} divergence'
-                                  f'{_s(len(divs))}</span>' if divs else "") + zoom + "</h3>",
-           f'<p class="meta">arrived before step {tl.arrival_step} · prompt {tl.prompt_len} tokens · '
-           f"max_tokens {tl.max_tokens} · priority {tl.priority} · scheduled in {tl.steps_scheduled} steps "
-           f"({tl.tokens_scheduled} tokens) · {tl.num_preemptions} preemptions · {e(status)}</p>"]
+           f"<h3>{e(tl.req)}" + (f' <span class="badge">{count(len(divs), "divergence")}'
+                                  '</span>' if divs else "") + zoom + "</h3>",
+           f'<p class="meta">arrived before step {tl.arrival_step} · prompt '
+           f"{count(tl.prompt_len, 'token')} · max_tokens {_n(tl.max_tokens)} · priority "
+           f"{tl.priority} · scheduled in {count(tl.steps_scheduled, 'step')} "
+           f"({count(tl.tokens_scheduled, 'token')}) · {count(tl.num_preemptions, 'preemption')} · "
+           f"{e(status)}</p>"]
     if stats:
         out.append(f'<p class="meta">{e(stats)}</p>')
     other = p.b.timelines.get(tl.req) if p.b is not None else None
@@ -638,17 +644,17 @@ def _request_card(p: _Page, tl: RequestTimeline, divs: list[Divergence]) -> str:
         out.append(f'<p class="meta">{_trace_tag(s, "A")}</p>')
     out.append(_request_chart(p, s, tl, divs))
     if other is not None:
-        out.append(f'<p class="meta">{_trace_tag(p.b, "B")} · scheduled in {other.steps_scheduled} '
-                   f"steps ({other.tokens_scheduled} tokens) · {other.num_preemptions} "
-                   "preemptions</p>")
+        out.append(f'<p class="meta">{_trace_tag(p.b, "B")} · scheduled in '
+                   f"{count(other.steps_scheduled, 'step')} ({count(other.tokens_scheduled, 'token')})"
+                   f" · {count(other.num_preemptions, 'preemption')}</p>")
         out.append(_request_chart(p, p.b, other, divs, trace_b=True))
     if tl.marks:
-        out.append(f"<details><summary>{len(tl.marks)} events</summary><ul class=\"marks\">")
+        out.append(f"<details><summary>{count(len(tl.marks), 'event')}</summary><ul class=\"marks\">")
         for m in tl.marks:
             out.append(f'<li class="mk-{e(m.kind)}"><b>step {m.step}</b> {e(m.kind)}'
                        + (f": {e(m.text)}" if m.text else "") + "</li>")
         if tl.marks_left_out:
-            out.append(f"<li>… and {tl.marks_left_out} more</li>")
+            out.append(f"<li>… and {_n(tl.marks_left_out)} more</li>")
         out.append("</ul></details>")
     out.append("</div>")
     return "\n".join(out)
@@ -699,7 +705,8 @@ def _request_chart(p: _Page, s: RunSummary, tl: RequestTimeline, divs: list[Dive
                 or not _is_num(d.expected) or key in seen or len(seen) >= MAX_REQ_DOTS):
             continue
         seen.add(key)
-        title = f"step {d.step}: {d.field} {p.rec} {d.recorded}, {p.exp} {d.expected}"
+        title = (f"step {d.step}: {d.field} {p.rec} {value_text(d.field, d.recorded)}, "
+                 f"{p.exp} {value_text(d.field, d.expected)}")
         dots.append((d.step + 0.5, d.recorded, C_DIVERGENCE, title, True))
         dots.append((d.step + 0.5, d.expected, C_EXPECTED, title, False))
     return chart("chart req-chart" + (" req-chart-b" if trace_b else ""), 0, p.steps, ymax,

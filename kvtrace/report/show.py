@@ -9,12 +9,13 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from .._text import count, number as _n
 from ..findings import Divergence, causal_key
 from ..rules import rule_id
 from .at_step import QUEUES, Placed, StepView, one_request
 from .figures import HistoryRow, Mark, RequestTimeline, RunSummary, Series, kv_groups_text, percent
 from .summary import summarize
-from .failures import value_text, why_text
+from .failures import print_wrapped, rule_words, value_text, why_text
 from .terminal import make_console, replayed_up_to
 
 SPARK = "▁▂▃▄▅▆▇█"
@@ -81,14 +82,15 @@ def sparkline(series: Series, hi: float, width: int = SPARK_WIDTH) -> str:
 def print_summary(s: RunSummary, console: Console, brief: bool = False) -> None:
     h = s.header
     cfg = h.config
-    console.print(Text(f"{s.path} · engine {h.engine} {h.engine_version} · {s.steps} steps · "
-                       f"{s.requests} requests", style="bold"))
+    print_wrapped(console, f"{s.path} · engine {h.engine} {h.engine_version} · "
+                           f"{count(s.steps, 'step')} · {count(s.requests, 'request')}", "bold")
     note = replayed_up_to(s.truncation, "read")
     if note:
         console.print(Text(f"truncated: {note}", style="yellow"))
     if s.end is not None and (s.end.status != "complete" or s.end.dropped_events):
         console.print(Text(f"the recorder closed this trace as '{s.end.status}'"
-                           + (f", {s.end.dropped_events} events dropped" if s.end.dropped_events else "")
+                           + (f", {count(s.end.dropped_events, 'event')} dropped"
+                              if s.end.dropped_events else "")
                            + (f": {s.end.error}" if s.end.error else ""), style="yellow"))
     if brief:
         return
@@ -96,48 +98,55 @@ def print_summary(s: RunSummary, console: Console, brief: bool = False) -> None:
     t = Table(show_header=False, box=None, pad_edge=False)
     t.add_column(style="bold", no_wrap=True)
     t.add_column()
-    t.add_row("config", f"block size {cfg.block_size}, {cfg.num_blocks} blocks ({s.usable_blocks} usable), "
-                        f"token budget {budget}, max_num_seqs {cfg.max_num_seqs}, policy {cfg.policy}, "
+    t.add_row("config", f"block size {cfg.block_size}, {count(cfg.num_blocks, 'block')} "
+                        f"({_n(s.usable_blocks)} usable), token budget {_n(budget)}, max_num_seqs "
+                        f"{_n(cfg.max_num_seqs)}, policy {cfg.policy}, "
                         f"prefix caching {'on' if cfg.enable_prefix_caching else 'off'}"
                         + (f", connector {cfg.connector.name} (on a failed load: "
                            f"{cfg.connector.load_failure_policy})" if cfg.connector else ""))
     groups = kv_groups_text(h.features)
     if groups:
         t.add_row("KV cache", groups)
-    fin = ", ".join(f"{n} {r}" for r, n in sorted(s.finished.items())) or "none"
+    fin = ", ".join(f"{_n(n)} {r}" for r, n in sorted(s.finished.items())) or "none"
     unfinished = s.requests - sum(s.finished.values())
-    t.add_row("requests", f"{s.requests} (finished: {fin}"
-                          + (f"; {unfinished} not finished" if unfinished else "") + f"); "
-                          f"at most {s.max_live} at once")
-    t.add_row("steps", f"{s.steps}: {s.scheduled_tokens} tokens scheduled "
-                       f"({s.prefill_tokens} prefill, {s.decode_tokens} decode)")
-    t.add_row("preemptions", f"{s.preemptions} (requests preempted: {s.preempted_requests})")
-    t.add_row("prefix hit rate", f"{percent(s.prefix_hit_rate)} ({s.local_cached_tokens} of "
-                                 f"{s.prompt_tokens} prompt tokens from the local cache)")
-    t.add_row("external hit rate", f"{percent(s.external_hit_rate)} ({s.external_cached_tokens} prompt "
-                                   "tokens from the connector)")
+    t.add_row("requests", f"{_n(s.requests)} (finished: {fin}"
+                          + (f"; {_n(unfinished)} not finished" if unfinished else "") + f"); "
+                          f"at most {_n(s.max_live)} at once")
+    t.add_row("steps", f"{_n(s.steps)}: {count(s.scheduled_tokens, 'token')} scheduled "
+                       f"({_n(s.prefill_tokens)} prefill, {_n(s.decode_tokens)} decode)")
+    t.add_row("preemptions", f"{_n(s.preemptions)} (requests preempted: {_n(s.preempted_requests)})")
+    t.add_row("prefix hit rate", f"{percent(s.prefix_hit_rate)} ({_n(s.local_cached_tokens)} of "
+                                 f"{count(s.prompt_tokens, 'prompt token')} from the local cache)")
+    t.add_row("external hit rate", f"{percent(s.external_hit_rate)} "
+                                   f"({count(s.external_cached_tokens, 'prompt token')} from the "
+                                   "connector)")
     if s.stats_requests < s.requests:
-        t.add_row("", Text(f"prompt stats for {s.stats_requests} of {s.requests} requests", style="dim"))
+        t.add_row("", Text(f"prompt stats for {_n(s.stats_requests)} of "
+                           f"{count(s.requests, 'request')}", style="dim"))
     if s.lookups or s.loads:
-        t.add_row("connector", f"{s.lookups} lookups ({s.lookups_not_ready} not ready, {s.lookups_async} "
-                               f"async), {s.loads} loads ({s.load_tokens} tokens), {s.finished_recving} "
-                               f"async loads finished, {s.failed_recving} failed, "
-                               f"{s.invalid_blocks} invalid blocks")
+        t.add_row("connector", f"{count(s.lookups, 'lookup')} ({_n(s.lookups_not_ready)} not ready, "
+                               f"{_n(s.lookups_async)} async), {count(s.loads, 'load')} "
+                               f"({count(s.load_tokens, 'token')}), "
+                               f"{count(s.finished_recving, 'async load')} finished, "
+                               f"{_n(s.failed_recving)} failed, "
+                               f"{count(s.invalid_blocks, 'invalid block')}")
     if s.drafts_scheduled:
-        t.add_row("drafts", f"{s.drafts_scheduled} scheduled, {s.drafts_accepted} accepted "
+        t.add_row("drafts", f"{_n(s.drafts_scheduled)} scheduled, {_n(s.drafts_accepted)} accepted "
                             f"({percent(s.drafts_accepted / s.drafts_scheduled)})")
     if s.structured:
         # The scheduler looks at a grammar when the request comes up in the waiting pass.
-        waited = (f", grammar found compiled {s.grammar_wait_steps / s.grammar_ready:.1f} steps "
+        waited = (f", grammar found compiled {s.grammar_wait_steps / s.grammar_ready:,.1f} steps "
                   "after arrival on average" if s.grammar_ready else "")
-        t.add_row("structured outputs", f"{s.structured} requests{waited}, {s.grammar_failed} "
-                                        f"failed to compile, {s.grammar_rejected} refused "
-                                        "the tokens sampled")
+        t.add_row("structured outputs", f"{count(s.structured, 'request')}{waited}, "
+                                        f"{_n(s.grammar_failed)} failed to compile, "
+                                        f"{_n(s.grammar_rejected)} refused the tokens sampled")
     if s.embeds:
-        t.add_row("prompt embeddings", f"{s.embeds} requests ({s.embeds_mixed} mixed with token ids)")
+        t.add_row("prompt embeddings", f"{count(s.embeds, 'request')} ({_n(s.embeds_mixed)} mixed "
+                                       "with token ids)")
     if s.peak_kv_used is not None:
-        t.add_row("KV usage", f"peak {s.peak_kv_used}/{s.usable_blocks} blocks, mean "
-                              f"{s.mean_kv_used:.1f} ({percent(s.mean_kv_used / max(1, s.usable_blocks))})")
+        t.add_row("KV usage", f"peak {_n(s.peak_kv_used)}/{count(s.usable_blocks, 'block')}, mean "
+                              f"{s.mean_kv_used:,.1f} "
+                              f"({percent(s.mean_kv_used / max(1, s.usable_blocks))})")
         t.add_row("", Text(sparkline(s.kv_used, s.usable_blocks), style="cyan"))
     else:
         t.add_row("KV usage", Text("not recorded (no num_free_blocks)", style="dim"))
@@ -176,7 +185,8 @@ def print_request(s: RunSummary, tl: RequestTimeline, console: Console,
     bs = s.header.config.block_size
     console.print(Text(f"request {tl.req}", style="bold"))
     console.print(f"arrival: before step {tl.arrival_step} (line {tl.arrival_line}), prompt "
-                  f"{tl.prompt_len} tokens, max_tokens {tl.max_tokens}, priority {tl.priority}, "
+                  f"{count(tl.prompt_len, 'token')}, max_tokens {_n(tl.max_tokens)}, priority "
+                  f"{tl.priority}, "
                   f"arrival_time {tl.arrival_time:.3f}")
     mine = [d for d in divergences or () if d.req == tl.req]
     for line in _layout(_history(tl, collapse_decode, mine), console.width):
@@ -185,25 +195,27 @@ def print_request(s: RunSummary, tl: RequestTimeline, console: Console,
         console.print(f"finish: {tl.finish_reason} at step {tl.finish_step}")
     else:
         console.print(Text("finish: not finished in the trace", style="yellow"))
-    console.print(f"scheduled in {tl.steps_scheduled} steps, {tl.tokens_scheduled} tokens; "
-                  f"{tl.num_preemptions} preemptions; block size {bs}")
+    console.print(f"scheduled in {count(tl.steps_scheduled, 'step')}, "
+                  f"{count(tl.tokens_scheduled, 'token')}; "
+                  f"{count(tl.num_preemptions, 'preemption')}; block size {bs}")
     if tl.prefill_stats is not None:
         p = tl.prefill_stats
-        console.print(f"prompt stats (step {tl.stats_step}): num_prompt_tokens {p.num_prompt_tokens}, "
-                      f"num_local_cached_tokens {p.num_local_cached_tokens}, num_external_cached_tokens "
-                      f"{p.num_external_cached_tokens}, num_cached_tokens {p.num_cached_tokens}, "
-                      f"num_computed_tokens {p.num_computed_tokens}, num_cache_creation_tokens "
-                      f"{p.num_cache_creation_tokens}")
+        console.print(f"prompt stats (step {tl.stats_step}): num_prompt_tokens "
+                      f"{_n(p.num_prompt_tokens)}, num_local_cached_tokens "
+                      f"{_n(p.num_local_cached_tokens)}, num_external_cached_tokens "
+                      f"{_n(p.num_external_cached_tokens)}, num_cached_tokens "
+                      f"{_n(p.num_cached_tokens)}, num_computed_tokens {_n(p.num_computed_tokens)}, "
+                      f"num_cache_creation_tokens {_n(p.num_cache_creation_tokens)}")
     if tl.legacy is not None:
         console.print(f"legacy counters (step {tl.stats_step}): num_cached_tokens "
-                      f"{tl.legacy.num_cached_tokens}, num_external_computed_tokens "
-                      f"{tl.legacy.num_external_computed_tokens}")
+                      f"{_n(tl.legacy.num_cached_tokens)}, num_external_computed_tokens "
+                      f"{_n(tl.legacy.num_external_computed_tokens)}")
     if tl.prefill_stats is None and tl.legacy is None:
         console.print(Text("prompt stats: none recorded", style="dim"))
     if divergences is not None:
         steps = {d.step for d in mine}
         console.print(Text(
-            f"divergences: {len(mine)} at {len(steps)} step{'s' if len(steps) != 1 else ''}, "
+            f"divergences: {_n(len(mine))} at {count(len(steps), 'step')}, "
             f"marked ! (kvtrace replay --request {tl.req} tells each whole)" if mine
             else "divergences: none (replayed)", style="bold red" if mine else "dim"))
     if note:   # why none are marked, or where the replay stopped short of the end
@@ -299,17 +311,17 @@ def _hist_row(r: HistoryRow, split: dict[int, str]) -> _Row:
     how = {"new": "admitted", "resumed": "resumed", "running": "scheduled"}[r.how]
     detail = f"{r.phase}" + (f", {r.status}" if r.status != "RUNNING" else "")
     if r.drafts:
-        detail += (f", {r.accepted} of {r.drafts} drafts accepted" if r.accepted is not None
-                   else f", {r.drafts} drafts")
+        detail += (f", {_n(r.accepted)} of {count(r.drafts, 'draft')} accepted"
+                   if r.accepted is not None else f", {count(r.drafts, 'draft')}")
     if r.how != "running" and r.step in split:
         source = split[r.step]
         detail += f", {source}" if source.endswith("last turn") else f", hit: {source}"
     if r.new_blocks:
         more = len(r.new_blocks) - MAX_NEW_BLOCKS
         detail += (f"; new blocks {_ids(r.new_blocks[:MAX_NEW_BLOCKS])}"
-                   + (f" and {more} more" if more > 0 else ""))
+                   + (f" and {_n(more)} more" if more > 0 else ""))
     return _Row(r.step, str(r.step), Text(how, style="bold" if r.how != "running" else ""),
-                (f"{r.computed}→{r.computed_after}", str(r.scheduled), str(r.blocks)),
+                (f"{_n(r.computed)}→{_n(r.computed_after)}", _n(r.scheduled), _n(r.blocks)),
                 Text(detail), "scheduled", steps=(r.step,))
 
 
@@ -317,13 +329,14 @@ def _run_row(run: list[HistoryRow]) -> _Row:
     a, b = run[0], run[-1]
     nb = sum(len(r.new_blocks) for r in run)
     drafts = sum(r.drafts for r in run)
-    detail = f"{len(run)} decode steps"
+    detail = count(len(run), "decode step")
     if drafts:
-        detail += f", {sum(r.accepted or 0 for r in run)} of {drafts} drafts accepted"
+        detail += f", {_n(sum(r.accepted or 0 for r in run))} of {count(drafts, 'draft')} accepted"
     if nb:
-        detail += f"; {nb} new block{'s' if nb != 1 else ''}"
+        detail += f"; {count(nb, 'new block')}"
     return _Row(a.step, f"{a.step}–{b.step}", Text("decode", style="dim"),
-                (f"{a.computed}→{b.computed_after}", str(sum(r.scheduled for r in run)), str(b.blocks)),
+                (f"{_n(a.computed)}→{_n(b.computed_after)}", _n(sum(r.scheduled for r in run)),
+                 _n(b.blocks)),
                 Text(detail, style="dim"), "decode", steps=tuple(r.step for r in run))
 
 
@@ -426,9 +439,9 @@ def _div_lines(r: _Row, x: int, width: int) -> list[Text]:
         steps = len({x.step for x in ds})
         values = len({(repr(x.recorded), repr(x.expected)) for x in ds})
         if steps > 1:
-            tail.append(f" at {steps} steps, first at {d.step}")
+            tail.append(f" at {count(steps, 'step')}, first at {d.step}")
         elif values > 1:
-            tail.append(f", {values} of them, the first")
+            tail.append(f", {_n(values)} of them, the first")
         if d.kind == "kv-content" and isinstance(d.recorded, str):
             tail.append(": ")   # the expected value is the request's own prefix, always
             tail.append(d.recorded, style="red")
@@ -461,6 +474,8 @@ def _compact(field: str, v) -> str:
                                                   for x in v):
         return f"[{_ids(v)}]"
     if isinstance(v, list) and v and all(isinstance(x, list) for x in v):
+        if field.endswith("more_groups"):   # KV-cache groups 1, 2, ...: named as value_text does
+            return "; ".join(f"group {i} {_compact('', x)}" for i, x in enumerate(v, 1))
         return "[" + ", ".join(_compact(field, x) for x in v) + "]"
     return value_text(field, v)
 
@@ -488,17 +503,21 @@ def show_step(view: StepView, divergences: list[Divergence] | None, console: Con
                        + (f" · request {only}" if only else ""), style="bold"))
     tokens = sum(b.scheduled for b in view.batch)
     free = Text("not recorded" if s.num_free_blocks is None else
-                f"{s.num_free_blocks} of {cfg.num_blocks - 1} usable, after the step")
+                f"{_n(s.num_free_blocks)} of {_n(cfg.num_blocks - 1)} usable, after the step")
     if "num_free_blocks" in wide:
         free.append("  ! diverges", style="bold red")
     n = len(view.batch)
-    rows = [("batch", f"{n} request{'s' if n != 1 else ''}, {tokens} token"
-                      f"{'s' if tokens != 1 else ''} scheduled (budget {cfg.token_budget})"),
+    rows = [("batch", f"{count(n, 'request')}, {count(tokens, 'token')} scheduled (budget "
+                      f"{_n(cfg.token_budget)})"),
             ("free blocks", free)]
     groups = kv_groups_text(view.header.features)
     if groups:
         rows.append(("KV cache", groups))
     console.print(_grid(rows + _events(view, only)))
+    if view.failed:
+        console.print(Text(f"schedule() raised {view.failed}: the engine stopped in this step"
+                           + ("; the lookups it made before are under the queues"
+                              if s.lookups else ""), style="bold red"))
     if note:
         console.print(Text(note, style="yellow"))
 
@@ -537,7 +556,7 @@ def _group_ids(groups: list[list[int]], n_groups: int, new: bool) -> str:
     def one(ids):
         if new:
             return ("+" + _ids(ids)) if ids else "none new"
-        return f"({len(ids)}) {_ids(ids)}" if ids else "(0)"
+        return f"({_n(len(ids))}) {_ids(ids)}" if ids else "(0)"
     if len(groups) <= 1:
         return one(groups[0] if groups else [])
     return "\n".join(f"g{g}: {one(ids)}" for g, ids in enumerate(groups))
@@ -552,8 +571,8 @@ def _batch_table(batch, marked: set, n_groups: int) -> Table:
     t.add_column("sched", justify="right", no_wrap=True)
     t.add_column("blocks (whole table, or +new)", ratio=1)
     for b in batch:
-        sched = str(b.scheduled) + (f" ({b.drafts} drafts)" if b.drafts else "")
-        t.add_row(_mark(b.req, marked), b.req, b.how, str(b.computed), sched,
+        sched = _n(b.scheduled) + (f" ({count(b.drafts, 'draft')})" if b.drafts else "")
+        t.add_row(_mark(b.req, marked), b.req, b.how, _n(b.computed), sched,
                   _group_ids(b.blocks, n_groups, b.how == "running"))
     return t
 
@@ -576,8 +595,8 @@ def _events(view: StepView, only: str | None) -> list:
     looks = [lk for lk in s.lookups if mine(lk.req)]
     if looks:
         rows.append(("lookups", "; ".join(
-            f"{lk.req} local {lk.local} external "
-            + ("not ready" if lk.ext is None else str(lk.ext)) + (" async" if lk.load_async else "")
+            f"{lk.req} local {_n(lk.local)} external "
+            + ("not ready" if lk.ext is None else _n(lk.ext)) + (" async" if lk.load_async else "")
             for lk in looks)))
     loads = [ld for ld in s.loads or () if mine(ld.req)]
     if loads:
@@ -625,11 +644,11 @@ def _print_queues(view: StepView, only: str | None, marked: set, console: Consol
         if len(plain) < 2 or only is not None:
             plain = []
         rest = [p for p in items if p not in plain]
-        head = f"{q} ({len(items)})"
+        head = f"{q} ({_n(len(items))})"
         if plain:
             ids = ", ".join(p.req for p in plain[:MAX_QUEUED])
             if len(plain) > MAX_QUEUED:
-                ids += f", … {len(plain) - MAX_QUEUED} more"
+                ids += f", … {_n(len(plain) - MAX_QUEUED)} more"
             t.add_row("", head, ids, "arrival")
             head = ""
         for p in rest[:MAX_QUEUED]:
@@ -641,7 +660,7 @@ def _print_queues(view: StepView, only: str | None, marked: set, console: Consol
                 t.add_row("", "", "", Text(_lookup_text(p), style="cyan"))
             head = ""
         if len(rest) > MAX_QUEUED:
-            t.add_row("", "", Text(f"… {len(rest) - MAX_QUEUED} more", style="dim"),
+            t.add_row("", "", Text(f"… {_n(len(rest) - MAX_QUEUED)} more", style="dim"),
                       Text("--request ID shows one", style="dim"))
     console.print(t)
     console.print(Text("placed by the step's recorded state, else by the last news of the "
@@ -654,13 +673,13 @@ def _lookup_text(p: Placed) -> str:
     ``get_num_new_matched_tokens``), and what became of it."""
     lk = p.lookup
     what = "resumption" if p.status == "PREEMPTED" else "admission"
-    local = f"local hit {lk.local} token{'s' if lk.local != 1 else ''}"
+    local = f"local hit {count(lk.local, 'token')}"
     if lk.ext is None:
         return f"{what} failed at this step: {local}, the connector not ready yet"
     if p.queue == "waiting for remote KV":
-        return (f"looked up at this step: {local}, external hit {lk.ext} loading "
+        return (f"looked up at this step: {local}, external hit {_n(lk.ext)} loading "
                 "asynchronously; waits for the load")
-    return (f"{what} failed at this step: {local}, external hit {lk.ext}"
+    return (f"{what} failed at this step: {local}, external hit {_n(lk.ext)}"
             + (" (asynchronous)" if lk.load_async else ""))
 
 
@@ -689,7 +708,7 @@ def _print_tables(view: StepView, only: str | None, marked: set, console: Consol
             if view.groups > 1:
                 cells.append(str(g))
             source = " (recorded state)" if req in view.from_state else ""
-            t.add_row(*cells, str(len(ids)), _ids(ids) + source)
+            t.add_row(*cells, _n(len(ids)), _ids(ids) + source)
             if recorded is not None and g < len(recorded) and recorded[g] != ids:
                 differs = True
                 t.add_row(Text(""), "", *([""] if view.groups > 1 else []), "",
@@ -703,7 +722,7 @@ def _print_tables(view: StepView, only: str | None, marked: set, console: Consol
 
 def _print_divergences(view: StepView, divs: list[Divergence], note: str | None,
                        console: Console) -> None:
-    console.print(Text(f"\ndivergences at step {view.step} ({len(divs)})", style="bold"))
+    console.print(Text(f"\ndivergences at step {view.step} ({_n(len(divs))})", style="bold"))
     if not divs:
         console.print(Text("  " + ("not replayed" if note else "none"), style="dim"))
         return
@@ -723,7 +742,7 @@ def _print_divergences(view: StepView, divs: list[Divergence], note: str | None,
         why = why_text(d)
         if why:
             t.add_row("", "derived" if why.startswith("expected ") else "why", d.why)
-        t.add_row("", "rule", str(d.rule))
+        t.add_row("", "rule", rule_words(str(d.rule)))
         console.print(t)
 
 

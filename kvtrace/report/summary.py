@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+from .._text import count, number as _n
 from ..trace import events as ev
 from ..trace.io import TraceReader
 from .figures import HistoryRow, RequestTimeline, RunSummary
@@ -113,7 +114,7 @@ class _Pass:
         session = self.live.get(e.req)
         if session is not None:   # a streaming-input session's next chunk, or its end of input
             if session.tl is not None:
-                session.tl.mark(s.steps, "input", f"{len(e.prompt_token_ids)} more prompt tokens"
+                session.tl.mark(s.steps, "input", f"{count(len(e.prompt_token_ids), 'more prompt token')}"
                                 if e.resumable else "end of input")
             return
         index = s.requests
@@ -129,7 +130,8 @@ class _Pass:
                 tl.history = []
             tl.computed.add(s.steps, 0)
             tl.blocks.add(s.steps, 0)
-            tl.mark(s.steps, "arrival", f"prompt {lv.prompt_len} tokens, max_tokens {e.max_tokens}")
+            tl.mark(s.steps, "arrival", f"prompt {count(lv.prompt_len, 'token')}, max_tokens "
+                                           f"{_n(e.max_tokens)}")
             s.timelines[e.req] = tl
             lv.tl = tl
         self.live[e.req] = lv
@@ -178,19 +180,19 @@ class _Pass:
                                         else not again)
             if lv.tl is not None and (not again or parked):
                 if lv.reads_no_cache and lk.ext != 0:   # forced to nothing (S:983-984)
-                    answer = "not ready" if lk.ext is None else f"external {lk.ext}"
-                    lv.tl.mark(k, "lookup", f"local {lk.local}, connector's answer ({answer}) "
+                    answer = "not ready" if lk.ext is None else f"external {_n(lk.ext)}"
+                    lv.tl.mark(k, "lookup", f"local {_n(lk.local)}, connector's answer ({answer}) "
                                             "not used: the request reads no prefix cache")
                 elif lk.ext is None:
-                    lv.tl.mark(k, "not-ready", f"local {lk.local}, connector not ready")
+                    lv.tl.mark(k, "not-ready", f"local {_n(lk.local)}, connector not ready")
                 elif parked:
-                    lv.tl.mark(k, "async-wait", f"local {lk.local}, external {lk.ext} loading "
+                    lv.tl.mark(k, "async-wait", f"local {_n(lk.local)}, external {_n(lk.ext)} loading "
                                                 "asynchronously (WAITING_FOR_REMOTE_KVS)")
                 elif lk.load_async:
-                    lv.tl.mark(k, "lookup", f"local {lk.local}, external {lk.ext} to load "
+                    lv.tl.mark(k, "lookup", f"local {_n(lk.local)}, external {_n(lk.ext)} to load "
                                             "asynchronously; not admitted: still WAITING")
                 else:
-                    lv.tl.mark(k, "lookup", f"local {lk.local}, external {lk.ext}")
+                    lv.tl.mark(k, "lookup", f"local {_n(lk.local)}, external {_n(lk.ext)}")
         for ld in e.loads or ():
             s.loads += 1
             s.load_tokens += max(0, ld.end - ld.start)
@@ -209,7 +211,8 @@ class _Pass:
                 s.preempted_requests += 1
             if lv.tl is not None:
                 lv.tl.num_preemptions += 1
-                lv.tl.mark(k, "preempted", f"preempted with {lv.computed} tokens computed")
+                lv.tl.mark(k, "preempted", f"preempted with {count(lv.computed, 'token')} "
+                                              "computed")
         total = 0
         for how, items in (("new", e.new), ("resumed", e.resumed), ("running", e.running)):
             for it in items:
@@ -266,10 +269,10 @@ class _Pass:
                 tl.external.add(k, ext)
                 what = "admitted" if how == "new" else "resumed"
                 # A session's next turn looks nothing up: it goes on from its own KV.
-                source = (f"{pre} kept from its last turn" if lv.local is None and lv.session and pre
-                          else f"local {local}, external {ext}")
-                tl.mark(k, what, f"{what} with {pre} tokens computed ({source}), "
-                                 f"{n} scheduled, {len(it.block_ids)} blocks")
+                source = (f"{_n(pre)} kept from its last turn" if lv.local is None and lv.session
+                          and pre else f"local {_n(local)}, external {_n(ext)}")
+                tl.mark(k, what, f"{what} with {count(pre, 'token')} computed ({source}), "
+                                 f"{_n(n)} scheduled, {count(len(it.block_ids), 'block')}")
             lv.local = lv.ext = None
         lv.blocks = nblocks
         lv.computed = pre + n

@@ -16,9 +16,9 @@ from rich.console import Console
 from rich.segment import Segment
 from rich.text import Text
 
-from .._text import CONTROL_ESCAPES_BUT_LAYOUT, path_text
+from .._text import CONTROL_ESCAPES_BUT_LAYOUT, count, number, path_text, plural
 from ..findings import Divergence, Story, Told, first_per_request, stories, tell
-from .failures import (causes_line, count, divergences_text, first_line, left_out,
+from .failures import (also_diverge, causes_line, divergences_text, first_line,
                        print_stories, print_wrapped, steps_text, stop_brief, stop_text)
 from ..outputs import blamed_on, silence
 
@@ -108,7 +108,7 @@ def format_value(v: Any, limit: int = MAX_VALUE_CHARS) -> str:
         s = "[" + ", ".join(format_value(x, limit) for x in v) + "]"
         if len(s) > limit:
             head = s[: limit - 12].rsplit(",", 1)[0]
-            s = f"{head}, … ({len(v)} items)]"
+            s = f"{head}, … ({count(len(v), 'item')})]"
     elif isinstance(v, dict):
         s = ", ".join(f"{k}={format_value(x, limit)}" for k, x in v.items())
     else:
@@ -181,12 +181,12 @@ def print_replay(result: Any, path: str, view: "ReplayView",
         console.print()
         if view.filtered:
             n = sum(s.count for s in view.stories)
-            print_wrapped(console, f"{n:,} of the {len(divs):,} divergences match "
-                                   f"{view.filtered}", "yellow")
-        rest = left_out(view.stories[shown:])
+            print_wrapped(console, f"{number(n)} of the {count(len(divs), 'divergence')} "
+                                   f"{plural(n, 'matches', 'match')} {view.filtered}", "yellow")
+        rest = also_diverge(view.stories[shown:])
         if rest:
-            print_wrapped(console, f"{rest} also diverge: --max N shows more, --request ID "
-                                   "one, --json all", "yellow")
+            print_wrapped(console, f"{rest}: --max N shows more, --request ID one, --json all",
+                          "yellow")
         print_wrapped(console, "kvtrace explain RULE tells what a rule encodes, with an "
                                "example; kvtrace show TRACE --step N shows a step.", "dim")
         print_wrapped(console, _closing(result, view.headline), "red")
@@ -216,7 +216,7 @@ def print_rerun(run: Any, out: str, first: dict | None, result: Any,
     recording's KV audit (``data_path``, what they checked: ``audit``)."""
     console = console or make_console()
     console.print(f"replayed through {run.scheduler_cls} (vLLM {run.vllm_version}): "
-                  f"{run.steps} steps in {run.seconds:.2f} s; its decisions are in {out}")
+                  f"{count(run.steps, 'step')} in {run.seconds:.2f} s; its decisions are in {out}")
     stop = rerun_stop(run, result)
     if stop:
         print_wrapped(console, stop, "bold red")
@@ -249,7 +249,7 @@ def _print_audit(console: Console, divs: list, audit: dict | None) -> None:
         print_stories(console, stories(divs), MAX_STORIES)
         console.print()
     console.print(Text(line))
-    console.print(Text(f"data path: {len(divs)} divergence{'s' if len(divs) != 1 else ''}"
+    console.print(Text(f"data path: {count(len(divs), 'divergence')}"
                        if divs else "data path: no divergence", style="red" if divs else "green"))
 
 
@@ -259,7 +259,7 @@ def rerun_stop(run: Any, result: Any) -> str | None:
     if not getattr(run, "stopped", None):
         return None
     in_trace = getattr(result, "steps_a", None)
-    left = f"; {run.steps:,} of the trace's {count(in_trace, 'step')} replayed" \
+    left = f"; {number(run.steps)} of the trace's {count(in_trace, 'step')} replayed" \
         if in_trace is not None else ""
     return f"replay stopped: the scheduler raised {run.stopped}{left}"
 
@@ -282,9 +282,11 @@ def audit_line(checked: dict | None) -> str | None:
     if not checked:
         return None
     more = checked.get("unchecked loads")
-    return (f"KV audit: checked {checked.get('loads', 0)} loaded, {checked.get('saves', 0)} saved, "
-            f"{checked.get('filled', 0)} filled, {checked.get('hits', 0)} prefix-hit blocks (D1-D3)"
-            + (f"; {more} loaded blocks had no save to compare with" if more else ""))
+    hits = checked.get("hits", 0)
+    return (f"KV audit: checked {number(checked.get('loads', 0))} loaded, "
+            f"{number(checked.get('saves', 0))} saved, {number(checked.get('filled', 0))} filled, "
+            f"{number(hits)} prefix-hit {plural(hits, 'block')} (D1-D3)"
+            + (f"; {count(more, 'loaded block')} had no save to compare with" if more else ""))
 
 
 def end_note(end: Any) -> str | None:
@@ -292,7 +294,7 @@ def end_note(end: Any) -> str | None:
     if end is None or (end.status == "complete" and not end.dropped_events):
         return None
     why = f": {end.error}" if end.error else ""
-    dropped = f", {end.dropped_events} events dropped" if end.dropped_events else ""
+    dropped = f", {count(end.dropped_events, 'event')} dropped" if end.dropped_events else ""
     return f"the recorder closed this trace as '{end.status}'{dropped}{why}"
 
 
@@ -389,13 +391,13 @@ def print_replay_many(results: list, views: dict, max_stories: int | None,
             print_wrapped(console, stop, "bold red")
         told.extend((names[str(path)], s) for s in view.stories)
     shown = print_stories(console, told, max_stories)
-    rest = left_out([s for _, s in told[shown:]])
+    rest = also_diverge([s for _, s in told[shown:]])
     if rest:
         console.print()
-        print_wrapped(console, f"{rest} also diverge: --max N shows more, --json all", "yellow")
+        print_wrapped(console, f"{rest}: --max N shows more, --json all", "yellow")
     bad = sum(1 for _, r, e in results if e or r.divergences or r.stopped_at)
-    console.print(Text(f"{len(results)} traces, {bad} with divergences, stopped or unusable",
-                       style="red" if bad else "green"))
+    console.print(Text(f"{count(len(results), 'trace')}, {number(bad)} with divergences, stopped "
+                       "or unusable", style="red" if bad else "green"))
 
 
 def _names_of(paths: list[str]) -> dict[str, str]:
@@ -455,13 +457,13 @@ def print_diff(result: Any, console: Console | None = None, max_rows: int = MAX_
     if divs:
         console.print()
     if len(divs) > max_rows:
-        console.print(Text(f"… and {len(divs) - max_rows} more (--json lists them all)",
+        console.print(Text(f"… and {number(len(divs) - max_rows)} more (--json lists them all)",
                            style="yellow"))
     n, bad = s["requests_compared"], s["divergent_requests"]
-    line = f"{n} request{'s' if n != 1 else ''} compared, {bad} diverge{'s' if bad == 1 else ''}"
+    line = f"{count(n, 'request')} compared, {number(bad)} {plural(bad, 'diverges', 'diverge')}"
     if matched_by == "handoff":
-        line = (f"{n} handoff{'s' if n != 1 else ''} compared (decode request and its prefill), "
-                f"{bad} diverge{'s' if bad == 1 else ''}")
+        line = (f"{count(n, 'handoff')} compared (decode request and its prefill), "
+                f"{number(bad)} {plural(bad, 'diverges', 'diverge')}")
         unread, unknown = ((s["only_in_a"], s["only_in_b"]) if result.prefill_side == "a"
                            else (s["only_in_b"], s["only_in_a"]))
         if unread:
@@ -473,11 +475,9 @@ def print_diff(result: Any, console: Console | None = None, max_rows: int = MAX_
             line += f"; only in A: {_names(s['only_in_a'])}"
         if s["only_in_b"]:
             line += f"; only in B: {_names(s['only_in_b'])}"
-    line += f"; steps: A {s['steps_a']}, B {s['steps_b']}"
+    line += f"; steps: A {number(s['steps_a'])}, B {number(s['steps_b'])}"
     if s["cut_short"]:
-        n_cut = len(s["cut_short"])
-        line += (f"; {n_cut} request{'s' if n_cut != 1 else ''} compared only up to a trace's "
-                 "cut")
+        line += f"; {count(len(s['cut_short']), 'request')} compared only up to a trace's cut"
     # The earliest in A (requests only in B, which have no place in A, come last).
     first = next((d for d in result.divergences if d.req is not None), None)
     if first is not None and first.line is not None:
@@ -492,8 +492,8 @@ def print_diff(result: Any, console: Console | None = None, max_rows: int = MAX_
 
 def _diff_count(s: dict, matched_by: str) -> str:
     n, bad = s["requests_compared"], s["divergent_requests"]
-    what = "handoffs" if matched_by == "handoff" else "requests"
-    return f"{bad} of {n} {what} diverge"
+    what = "handoff" if matched_by == "handoff" else "request"
+    return f"{number(bad)} of {count(n, what)} {plural(bad, 'diverges', 'diverge')}"
 
 
 DIFF_VS_REPLAY = ("diff counts a request when anything in its history differs between A and "
@@ -504,7 +504,7 @@ DIFF_VS_REPLAY = ("diff counts a request when anything in its history differs be
 
 def _names(reqs: list[str], limit: int = 8) -> str:
     shown = ", ".join(reqs[:limit])
-    return shown + (f" … ({len(reqs)} in all)" if len(reqs) > limit else "")
+    return shown + (f" … ({number(len(reqs))} in all)" if len(reqs) > limit else "")
 
 
 def diff_json(result: Any) -> bytes:

@@ -58,6 +58,11 @@ MAX_COUNT = 1 << 40
 MAX_KV_SLOTS = 1 << 31
 MAX_NUM_BLOCKS = 1 << 24   # 16.7 million blocks: far above any engine's pool
 MAX_MODEL_LEN = 1 << 31
+# The deepest a free-form value (kv_transfer_params, the header's meta and
+# features) may nest: far beyond what an engine writes, and well within what
+# every JSON encoder and decoder kvtrace uses takes.
+MAX_DEPTH = 32
+TOO_DEEP = f"a value nested more than {MAX_DEPTH} levels deep"
 
 
 class SchemaError(ValueError):
@@ -315,6 +320,8 @@ class Arrival(_Record, tag="arrival"):
     kind: ClassVar[str] = "arrival"
 
     def __post_init__(self) -> None:
+        if self.kv_transfer_params is not None:
+            shallow(self.kv_transfer_params, "kv_transfer_params")
         if self.repetition_detection is not None:
             self.repetition_detection = _repetition(self.repetition_detection)
         if self.prompt_is_token_ids is not None:
@@ -324,6 +331,22 @@ class Arrival(_Record, tag="arrival"):
             self.prompt_is_token_ids = _runs(self.prompt_is_token_ids, len(self.prompt_token_ids))
         if self.lora is not None:
             self.lora = _lora(self.lora)
+
+
+def shallow(value: Any, name: str) -> None:
+    """Raise ValueError when ``value`` (a free-form object of a record)
+    nests more than ``MAX_DEPTH`` levels deep."""
+    if type(value) is not dict and type(value) is not list:
+        return
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        items = v.values() if type(v) is dict else v
+        for x in items:
+            if type(x) is dict or type(x) is list:
+                if depth >= MAX_DEPTH:
+                    raise ValueError(f"field '{name}' holds {TOO_DEEP}")
+                stack.append((x, depth + 1))
 
 
 def _repetition(d: dict) -> dict[str, int]:
@@ -398,6 +421,10 @@ class RequestFinished(_Record, tag="request_finished"):
     delay_free: bool = False
     kv_transfer_params: dict | None = None
     kind: ClassVar[str] = "request_finished"
+
+    def __post_init__(self) -> None:
+        if self.kv_transfer_params is not None:
+            shallow(self.kv_transfer_params, "kv_transfer_params")
 
 
 class ResetPrefixCache(_Record, tag="reset_prefix_cache"):
@@ -518,6 +545,27 @@ class Step(_Record, tag="step"):
         out.update((s.req, s.num_scheduled_tokens) for s in self.resumed)
         out.update((s.req, s.num_scheduled_tokens) for s in self.running)
         return out
+
+
+class StepFailed(_Record, tag="step_failed"):
+    """A ``Scheduler.schedule()`` call that raised: step ``step`` never
+    returned, so no ``step`` record has it. What the call had asked up to the
+    failure, as a ``step`` record holds it (``lookups`` in call order,
+    ``loads``, ``grammar``, ``throttle_prefills``): the inputs a replay needs
+    to run the same step. ``error``: the exception, ``Type: message`` on one
+    line; ``where``: the innermost frame it was raised in, ``path:line in
+    function``, the path relative to the folder it was imported from
+    (``vllm/v1/core/sched/scheduler.py:1372 in schedule``)."""
+
+    seq: Count
+    step: Count
+    error: str
+    where: str | None = None
+    lookups: list[Lookup] = []
+    loads: list[KVLoad] | None = None
+    grammar: dict[str, Literal[GRAMMAR_OUTCOMES]] | None = None
+    throttle_prefills: bool = False
+    kind: ClassVar[str] = "step_failed"
 
 
 # --------------------------------------------------------------------------- output
@@ -648,8 +696,8 @@ class End(_Record, tag="end"):
     kind: ClassVar[str] = "end"
 
 
-Event = (Arrival | Abort | RequestFinished | ResetPrefixCache | PauseState | Step | Output | Drafts
-         | PromptStats | KVAudit | End)
+Event = (Arrival | Abort | RequestFinished | ResetPrefixCache | PauseState | Step | StepFailed
+         | Output | Drafts | PromptStats | KVAudit | End)
 EVENT_TYPES: dict[str, type] = {cls.kind: cls for cls in Event.__args__}
 
 
@@ -698,8 +746,17 @@ def decode_header(obj: Any) -> Header:
     schema = obj.get("schema", ...)
     if schema is ...:
         raise SchemaError("missing field 'schema'")
-    if type(schema) is not int or schema != SCHEMA_VERSION:
-        raise SchemaError(f"unsupported schema version {schema!r} (this kvtrace reads {SCHEMA_VERSION})")
+    if type(schema) is not int:
+        raise SchemaError(f"field 'schema': expected an integer, got {_tname(schema)} "
+                          f"{clip(repr(schema))} (this kvtrace reads schema {SCHEMA_VERSION})")
+    if schema != SCHEMA_VERSION:
+        raise SchemaError(f"unsupported schema version {clip(repr(schema))} (this kvtrace reads "
+                          f"{SCHEMA_VERSION})")
+    try:
+        for key, value in obj.items():
+            shallow(value, key)
+    except ValueError as e:
+        raise SchemaError(str(e)) from None
     features = features_from(obj.get("features", {}))
     try:
         h = msgspec.convert({**obj, "features": {}}, Header)
@@ -766,6 +823,14 @@ def _say(msg: str, prefix: str = "") -> str:
                               "a sha256 digest (64 lowercase hex digits)")
     problem = problem[0].lower() + problem[1:] if problem else problem
     return f"field '{path}': {problem}" if path else problem
+
+
+def clip(text: str, limit: int = 80) -> str:
+    """``text`` cut to ``limit`` characters, saying how long it was: a value
+    quoted in a message (a request id may be megabytes long)."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(text):,} characters)"
 
 
 def _tname(v: Any) -> str:

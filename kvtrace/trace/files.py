@@ -157,6 +157,20 @@ class SharedFile(io.RawIOBase):
         return (self._at_offset and self.ended_at is not None and not self.closed
                 and os.fstat(self.fd).st_size > self.ended_at)
 
+    def being_written(self) -> bool:
+        """Whether a writer holds the file, as kvtrace's writers hold a trace
+        until it is whole (an exclusive ``flock``, writer.open_trace_file)."""
+        if not self._at_offset or self.closed:
+            return False
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        except OSError:   # a file system without locks
+            return False
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        return False
+
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         if not self._at_offset:
             raise io.UnsupportedOperation("seek")

@@ -16,10 +16,12 @@ from typing import Iterator
 import msgspec
 import orjson
 
-from .events import LINE_DECODER, End, Event, Header, SchemaError, decode_header, decode_line
+from .events import (LINE_DECODER, TOO_DEEP, End, Event, Header, SchemaError, decode_header,
+                     decode_line)
 from .files import (ENV_MAX_BYTES, ENV_MAX_LINE_BYTES, MAX_LINE_BYTES, MAX_TOTAL_BYTES, READ_CHUNK,
                     SharedEnd, SharedFile, TraceError, decompressing, env_bytes, foreign_json,
                     is_stream_damage, open_read)
+from .limits import HEADER_BYTES, SMALL, LineLimits
 from .validate import Validator
 
 _CUT = object()   # what _decode returns for a line cut off mid-record
@@ -50,10 +52,15 @@ class TraceReader:
         self.truncation: str | None = None
         self.end: End | None = None
         self.last_line = 0
-        self.max_line_bytes = env_bytes(ENV_MAX_LINE_BYTES, MAX_LINE_BYTES)
+        cap = env_bytes(ENV_MAX_LINE_BYTES, MAX_LINE_BYTES)
+        explicit = bool(os.environ.get(ENV_MAX_LINE_BYTES, "").strip())
+        # The header's line, then any record's, as its header allows (limits.py).
+        self.max_line_bytes = cap if explicit else min(cap, HEADER_BYTES)
+        self._limits: LineLimits | None = None
         self.max_total_bytes = env_bytes(ENV_MAX_BYTES, MAX_TOTAL_BYTES)
         self.bytes_read = 0
         self._grown = False   # the file grew past where this reader found its end
+        self._written = False   # a writer held the file when this reader found its end
         try:
             if shared is None:
                 self._file = SharedFile(open_read(self.path))
@@ -69,6 +76,8 @@ class TraceReader:
         except BaseException:
             self.close()
             raise
+        self._limits = LineLimits(self.header, cap, explicit)
+        self.max_line_bytes = self._limits.general
         self._validator = Validator(self.header) if validate else None
 
     @property
@@ -115,6 +124,8 @@ class TraceReader:
         try:
             obj = orjson.loads(raw)
         except orjson.JSONDecodeError as e:
+            if str(e).startswith("depth limit exceeded"):
+                raise TraceError(self.path, lineno, TOO_DEEP) from None
             if not complete:
                 self.truncation = f"line {lineno} is cut off mid-record"
                 raise TraceError(self.path, 1, "the header record is cut off") from None
@@ -127,6 +138,8 @@ class TraceReader:
         except SchemaError as e:
             raise (foreign_json(self.path, lineno, raw, obj)
                    or TraceError(self.path, lineno, str(e))) from None
+        except RecursionError:
+            raise TraceError(self.path, lineno, TOO_DEEP) from None
 
     # -- raw lines -------------------------------------------------------------
 
@@ -136,8 +149,10 @@ class TraceReader:
         lineno = 0
         pieces: list[bytes] = []   # the current, unfinished line
         plen = 0
-        max_line, max_total = self.max_line_bytes, self.max_total_bytes
+        kind = None   # the unfinished line's kind, once it is long and says it first
+        max_total = self.max_total_bytes
         while True:
+            max_line = self.max_line_bytes   # the header's limit, then the records'
             try:
                 chunk = self._read(READ_CHUNK)
             except Exception as e:
@@ -167,21 +182,27 @@ class TraceReader:
                         rest = chunk[start:]
                         pieces.append(rest)
                         plen += len(rest)
+                        if plen > SMALL and self._limits is not None:
+                            if kind is None:
+                                kind = self._limits.leading_kind(pieces[0])
+                            problem = self._limits.too_long(kind, plen)
+                            if problem is not None:
+                                raise TraceError(self.path, lineno + 1, problem)
                         if plen > max_line:
-                            raise TraceError(self.path, lineno + 1, _too_long(max_line))
+                            raise TraceError(self.path, lineno + 1, self._too_long(max_line))
                     break
                 part = chunk[start:nl + 1]
                 start = nl + 1
                 lineno += 1
                 if pieces:
                     if plen + len(part) > max_line:
-                        raise TraceError(self.path, lineno, _too_long(max_line))
+                        raise TraceError(self.path, lineno, self._too_long(max_line))
                     pieces.append(part)
                     raw = b"".join(pieces)
-                    pieces, plen = [], 0
+                    pieces, plen, kind = [], 0, None
                 else:
                     if len(part) > max_line:
-                        raise TraceError(self.path, lineno, _too_long(max_line))
+                        raise TraceError(self.path, lineno, self._too_long(max_line))
                     raw = part
                 if raw.isspace():
                     continue
@@ -191,6 +212,19 @@ class TraceReader:
             if not raw.isspace():
                 yield lineno + 1, raw, False
 
+    def _too_long(self, limit: int) -> str:
+        held = self._limits
+        why = (f", more than any record of this trace's header can hold ({held.why})"
+               if held is not None and limit < held.cap else "")
+        return (f"record longer than {limit} bytes without a line break{why} "
+                f"(set {ENV_MAX_LINE_BYTES} to allow longer records)")
+
+    def _sized(self, lineno: int, raw: bytes) -> None:
+        """Refuse a line longer than its kind may be, before decoding it."""
+        problem = self._limits.check(raw) if self._limits is not None else None
+        if problem is not None:
+            raise TraceError(self.path, lineno, problem)
+
     def _next_raw(self):
         if not hasattr(self, "_raw_iter"):
             self._raw_iter = self._lines()
@@ -199,10 +233,14 @@ class TraceReader:
     def _decode(self, lineno: int, raw: bytes, complete: bool):
         """The line's event, its own checks passed, or ``_CUT`` for a last line
         cut off mid-record."""
+        if len(raw) > SMALL:
+            self._sized(lineno, raw)
         try:
             return decode_line(raw)
         except SchemaError as e:
             raise TraceError(self.path, lineno, str(e)) from None
+        except RecursionError:   # msgspec's own limit, past MAX_DEPTH
+            raise TraceError(self.path, lineno, TOO_DEEP) from None
         except (msgspec.DecodeError, UnicodeDecodeError) as e:
             if not complete:
                 self.truncation = f"line {lineno} is cut off mid-record"
@@ -249,6 +287,8 @@ class TraceReader:
             self._raw_iter = self._lines()
         for lineno, raw, complete in self._raw_iter:
             self.last_line = lineno
+            if len(raw) > SMALL:
+                self._sized(lineno, raw)
             try:
                 ev = fast(raw)
             except Exception:   # named, or found cut off, the slow way
@@ -302,7 +342,9 @@ class TraceReader:
     def _note_no_end(self) -> None:
         if self.end is None and self.truncation is None:
             self.truncation = f"no 'end' record after line {self.last_line}: the recording was cut off"
-        if self.truncation is not None and self._grown:
+        if self.truncation is not None and self._written:
+            self.truncation += "; a recorder is still writing the file"
+        elif self.truncation is not None and self._grown:
             self.truncation += "; the file has grown since (is it still being written?)"
 
     def records(self) -> Iterator[tuple[int, Event]]:
@@ -329,6 +371,7 @@ class TraceReader:
 
     def _end_of_records(self) -> None:
         self._grown = self._file.grown()
+        self._written = self._file.being_written()
         self.close()
 
     def close(self) -> None:
@@ -352,9 +395,6 @@ def _mostly_text(raw: bytes) -> bool:
     return sum(32 <= b < 127 or b in (9, 10, 13) for b in sample) >= 0.9 * len(sample)
 
 
-def _too_long(limit: int) -> str:
-    return (f"record longer than {limit} bytes without a line break "
-            f"(set {ENV_MAX_LINE_BYTES} to allow longer records)")
 
 
 def _short(e: Exception) -> str:

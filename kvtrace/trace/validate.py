@@ -5,9 +5,10 @@ the records before it.
 then checks what only the whole file can say is wrong, so that every consumer of
 ``TraceReader`` (replay and diff alike) refuses the same unusable input:
 
-* block ids must exist in the header's pool (``0 .. num_blocks-1``; block 0 is
-  vLLM's null block, whose use is an engine bug that replay reports as a
-  divergence rather than a broken file);
+* block ids, those of every KV-cache group (``more_groups``) included, must
+  exist in the header's pool (``0 .. num_blocks-1``; block 0 is vLLM's null
+  block, whose use is an engine bug that replay reports as a divergence rather
+  than a broken file);
 * token counts and positions may not exceed what the header allows anywhere
   (``max_model_len`` plus the whole KV cache): a larger one is a corrupt file;
 * ``num_free_blocks`` may not exceed ``num_blocks``;
@@ -17,7 +18,9 @@ then checks what only the whole file can say is wrong, so that every consumer of
 * ``step`` numbers strictly increase; an output names a step whose record came
   before it and that has had no output yet, and outputs come in step order (also
   under async scheduling; a step may get no output, on an engine's error path);
-  a prompt_stats record names a step already recorded.
+  a prompt_stats record names a step already recorded;
+* a ``step_failed`` record (a ``schedule()`` that raised) is the step after the
+  last one, names requests that arrived, and only the ``end`` record follows it.
 
 Each check raises ``SchemaError`` with the problem; the reader adds file and line.
 Memory follows the live requests. Finished requests, which records may still
@@ -32,7 +35,7 @@ from collections import deque
 from operator import attrgetter
 
 from . import events as ev
-from .events import SchemaError
+from .events import SchemaError, clip
 
 FINISHED_STATUSES = frozenset(s for s in ev.STATUSES if s.startswith("FINISHED_"))
 
@@ -93,15 +96,19 @@ class Validator:
         # The recorded steps after the last output, in order: those that may
         # still get theirs (one or two in flight, under async scheduling).
         self.awaiting: deque[int] = deque()
+        self.failed_step: int | None = None   # a step whose schedule() raised: the engine's last
 
     # -- entry -------------------------------------------------------------------
 
     def check(self, e) -> None:
+        if self.failed_step is not None and not isinstance(e, ev.End):
+            raise SchemaError(f"a record of kind '{e.kind}' after step {self.failed_step}, whose "
+                              "schedule() raised: only the 'end' record may follow a step_failed")
         if isinstance(e, ev.Arrival):
             if e.req in self.sessions:   # the next input chunk of a session, or its end
                 return
             if e.req in self.live:   # an id comes back only once its request has finished
-                raise SchemaError(f"request '{e.req}' arrives twice")
+                raise SchemaError(f"request {clip(repr(e.req))} arrives twice")
             # The engine refuses a prompt that leaves no room for the token it
             # samples; a pooling request samples none.
             room = self.max_model_len if e.pooling else self.max_model_len - 1
@@ -110,7 +117,7 @@ class Validator:
                                   f"for an output token within the header's max_model_len "
                                   f"{self.max_model_len}")
             if e.lora is not None and not self.lora:   # vLLM refuses it (input_processor.py:285)
-                raise SchemaError(f"request '{e.req}' names a LoRA adapter, but the header's "
+                raise SchemaError(f"request {clip(repr(e.req))} names a LoRA adapter, but the header's "
                                   "features say LoRA is off")
             if e.prompt_embeds is not None:
                 blocks = -(-len(e.prompt_token_ids) // self.hash_block_size)
@@ -130,6 +137,8 @@ class Validator:
             self._step(e)
         elif isinstance(e, ev.Output):
             self._output(e)
+        elif isinstance(e, ev.StepFailed):
+            self._failed_step(e)
         elif isinstance(e, ev.Drafts):
             if e.step > self.last_output_step:
                 raise SchemaError(f"drafts for step {e.step}, whose output has not come "
@@ -161,16 +170,39 @@ class Validator:
                     self._tokens(x.num_computed_tokens, f"{name}.num_computed_tokens")
                     self._tokens(x.num_scheduled_tokens, f"{name}.num_scheduled_tokens")
                     self._blocks(x.block_ids, f"{name}.block_ids")
+                    self._groups(x.more_groups, f"{name}.more_groups")
         if s.running and not self._fine(s.running, _NEW_COUNTS, _RUNNING_BLOCKS):
             for x in s.running:
                 self._known(x.req, "running.req")
                 self._tokens(x.num_computed_tokens, "running.num_computed_tokens")
                 self._tokens(x.num_scheduled_tokens, "running.num_scheduled_tokens")
                 self._blocks(x.new_block_ids, "running.new_block_ids")
+                self._groups(x.more_groups, "running.more_groups")
         for req in s.preempted:
             self._known(req, "preempted")
         for req in s.finished:
             self._known(req, "finished")
+        self._asked(s)
+        for req in s.spec or ():
+            self._known(req, "spec")
+        self._states(s.states)
+        if s.num_free_blocks is not None and s.num_free_blocks > self.num_blocks:
+            raise SchemaError(f"field 'num_free_blocks' is {s.num_free_blocks}, more than the "
+                              f"{self.num_blocks} blocks of the header's pool")
+        self.last_step = s.step
+        self.awaiting.append(s.step)
+
+    def _failed_step(self, f: ev.StepFailed) -> None:
+        """A step whose ``schedule()`` raised: the step after the last one, asking
+        about requests that arrived; the engine stops there."""
+        if f.step <= self.last_step:
+            raise SchemaError(f"step_failed for step {f.step}, which does not follow step "
+                              f"{self.last_step}: step numbers must increase")
+        self._asked(f)
+        self.failed_step = f.step
+
+    def _asked(self, s: ev.Step | ev.StepFailed) -> None:
+        """What a step asked: its lookups, its loads, the grammars it found compiled."""
         for lk in s.lookups:
             self._known(lk.req, "lookups.req")
             self._tokens(lk.local, "lookups.local")
@@ -180,16 +212,8 @@ class Validator:
             self._known(ld.req, "loads.req")
             self._tokens(ld.start, "loads.start")
             self._tokens(ld.end, "loads.end")
-        for req in s.spec or ():
-            self._known(req, "spec")
         for req in s.grammar or ():
             self._known(req, "grammar")
-        self._states(s.states)
-        if s.num_free_blocks is not None and s.num_free_blocks > self.num_blocks:
-            raise SchemaError(f"field 'num_free_blocks' is {s.num_free_blocks}, more than the "
-                              f"{self.num_blocks} blocks of the header's pool")
-        self.last_step = s.step
-        self.awaiting.append(s.step)
 
     def _output(self, o: ev.Output) -> None:
         if o.step > self.last_step:
@@ -245,6 +269,9 @@ class Validator:
             ids = blocks(x)
             if x.req not in live or a > limit or b > limit or (ids and max(ids) >= pool):
                 return False
+            more = x.more_groups
+            if more and any(g and max(g) >= pool for g in more):
+                return False
         return True
 
     def _states(self, states: list[ev.RequestState]) -> None:
@@ -255,17 +282,23 @@ class Validator:
             self._tokens(st.num_computed_tokens, "states.num_computed_tokens")
             self._tokens(st.num_tokens, "states.num_tokens")
             self._blocks(st.block_ids, "states.block_ids")
+            self._groups(st.more_groups, "states.more_groups")
 
     # -- values ------------------------------------------------------------------
 
     def _known(self, req: str, name: str) -> None:
         if req not in self.live and req not in self.finished:
-            raise SchemaError(f"field '{name}' names request {req!r}, which never arrived")
+            raise SchemaError(f"field '{name}' names request {clip(repr(req))}, which never "
+                              "arrived")
 
     def _tokens(self, n: int, name: str) -> None:
         if n > self.token_limit:
             raise SchemaError(f"field '{name}' is absurd: {n} tokens, more than max_model_len "
                               f"plus the whole KV cache ({self.token_limit})")
+
+    def _groups(self, groups: list[list[int]] | None, name: str) -> None:
+        for ids in groups or ():
+            self._blocks(ids, name)
 
     def _blocks(self, ids: list[int], name: str) -> None:
         if not ids or max(ids) < self.num_blocks:

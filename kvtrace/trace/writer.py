@@ -3,10 +3,13 @@ created with mode 0600 (it holds prompts as token ids)."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import gzip
 import io
 import os
 import stat
+import time
 from pathlib import Path
 from typing import IO
 
@@ -14,13 +17,59 @@ import orjson
 
 from .events import End, Event, Header, encode
 
+# How long a new writer of a trace waits for another process's lock on it to
+# go: a reader looks at the lock for a moment (files.being_written); a writer
+# holds it until the trace is whole.
+CLAIM_WAIT_S = 0.5
+
+
+class TraceBusy(OSError):
+    """Another writer holds the trace: a second recording into one file."""
+
+
 def open_trace_file(path: str | os.PathLike) -> int:
     """A descriptor for writing the trace ``path``, created or emptied. Traces
-    hold users' prompts: readable by their owner only."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    if stat.S_ISREG(os.fstat(fd).st_mode):   # never a device's or a pipe's mode
-        os.fchmod(fd, 0o600)   # also when writing over an existing file
+    hold users' prompts: readable by their owner only.
+
+    A regular file is claimed first, with an exclusive lock (``flock``) that
+    its open file holds until the writer closes it, and emptied only then: a
+    second writer of the same path (two ``kvtrace record -o t.jsonl`` at
+    once, or a writer process still finishing a trace) raises ``TraceBusy``
+    and leaves the file as it is. Readers take the lock as the sign that a
+    recorder is still writing the trace."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):   # never a device's or a pipe's
+            _claim(fd, path)
+            os.ftruncate(fd, 0)
+            os.fchmod(fd, 0o600)   # also when writing over an existing file
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
+
+
+def _claim(fd: int, path: str | os.PathLike) -> None:
+    deadline = time.monotonic() + CLAIM_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise TraceBusy(errno.EBUSY, "another process is writing this trace now (a "
+                                "second recording into one file?); wait for it to end, or name "
+                                "another file", os.fspath(path)) from None
+            time.sleep(0.01)
+        except OSError:   # a file system without locks
+            return
+
+
+def open_trace_stream(path: str | os.PathLike, fd: int | None = None
+                      ) -> tuple[IO[bytes], IO[bytes]]:
+    """(stream to write, the file under it) for the trace ``path``, or the open
+    descriptor ``fd`` of it: the compression follows the name."""
+    return _open_binary_write(Path(path), fd)
 
 
 def _open_binary_write(path: Path, fd: int | None = None) -> tuple[IO[bytes], IO[bytes]]:
@@ -66,6 +115,11 @@ class TraceWriter:
 
     def _write_obj(self, obj: dict) -> None:
         self._fh.write(orjson.dumps(obj, option=orjson.OPT_APPEND_NEWLINE))
+
+    def end_step(self) -> None:
+        """An engine step is complete. A writer that hands each one on out of
+        the engine's process (``kvtrace.record.step_writer``) does so here;
+        this one writes through its buffer when it fills."""
 
     def flush(self) -> None:
         """Everything written so far reaches the file, compressed stream included,

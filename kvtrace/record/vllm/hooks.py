@@ -1,31 +1,37 @@
 """The recording scheduler: a subclass of vLLM's ``Scheduler`` (or of any
 scheduler class) whose methods hand each call to the ``Recorder`` and always run
-the real method (see ``kvtrace.record.vllm.recorder`` for what is recorded)."""
+the real method (see ``kvtrace.record.vllm.recorder`` for what is recorded).
+It holds its connector and its structured-output manager through properties
+that record their answers at the scheduler's own call sites and leave the
+objects untouched (``call_sites``)."""
 
 from __future__ import annotations
 
 import logging
 
 from kvtrace.record.capture import status_name
-from kvtrace.record.vllm import kv_audit
-from kvtrace.record.vllm.recorder import (open_recorder, propagating_failure, termination_deferred,
-                                          wrap_connector, wrap_grammar)
+from kvtrace.record.vllm import call_sites, kv_audit
+from kvtrace.record.vllm.recorder import (HELD_CALLS, open_recorder, propagating_failure,
+                                          termination_deferred)
 
 logger = logging.getLogger("kvtrace.record")
 
 _CLASS_CACHE: dict[type, type] = {}
-
-
+_CHECKED: list[bool] = []   # call_sites.check() passed on this Python
 
 
 def make_recording_scheduler(base_cls: type) -> type:
     """A subclass of ``base_cls`` that records its decisions (see the module doc).
-    Wrapping an already-recording class returns it unchanged."""
+    Wrapping an already-recording class returns it unchanged. Raises
+    RuntimeError on a Python whose bytecode ``call_sites`` cannot read."""
     if getattr(base_cls, "_kvtrace_recording", False):
         return base_cls
     cached = _CLASS_CACHE.get(base_cls)
     if cached is not None:
         return cached
+    if not _CHECKED:
+        call_sites.check()
+        _CHECKED.append(True)
 
     class RecordingScheduler(base_cls):  # type: ignore[misc, valid-type]
         _kvtrace_recording = True
@@ -36,8 +42,6 @@ def make_recording_scheduler(base_cls: type) -> type:
             try:
                 rec = open_recorder(self)
                 if rec is not None:
-                    wrap_connector(self, rec)
-                    wrap_grammar(self, rec)
                     rec.audit = kv_audit.install(self, rec)
                     self._kvtrace = rec
             except Exception:
@@ -165,8 +169,10 @@ def make_recording_scheduler(base_cls: type) -> type:
                 rec.guard("schedule", rec.begin_step, self, throttle)
             try:
                 out = super().schedule(*args, **kwargs)
-            except BaseException:
+            except BaseException as exc:
+                rec = self._kv_rec()
                 if rec is not None:
+                    rec.guard("schedule", rec.on_schedule_failed, self, exc)
                     rec.guard("schedule", rec.sink.flush)   # the engine is failing
                 raise
             rec = self._kv_rec()
@@ -209,6 +215,9 @@ def make_recording_scheduler(base_cls: type) -> type:
                     except Exception:
                         logger.exception("kvtrace: closing the trace failed")
 
+    for attr, (methods, view) in HELD_CALLS.items():
+        setattr(RecordingScheduler, attr,
+                call_sites.held(attr, base_cls, frozenset(methods), view))
     RecordingScheduler.__name__ = f"Recording{base_cls.__name__}"
     RecordingScheduler.__qualname__ = RecordingScheduler.__name__
     RecordingScheduler.__module__ = __name__

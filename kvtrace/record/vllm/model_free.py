@@ -510,7 +510,10 @@ STEP_LIMIT = 2000   # a run still going after this many steps is stopped (a pree
 
 
 class EngineLooping(RuntimeError):
-    """A run still going after STEP_LIMIT steps."""
+    """A run still going after STEP_LIMIT steps. Raised from ``schedule()`` by
+    the driver, not the engine: the recorder records no failed step for it."""
+
+    kvtrace_driver_stop = True
 
 
 def step_limited(base: type) -> type:

@@ -12,9 +12,11 @@
 * ``finish_requests``  -> ``Abort`` (only ``FINISHED_ABORTED`` calls from outside
   ``update_from_output``), its ids in the order the engine frees them, seen
   by wrapping ``_free_request``
-* ``schedule``         -> ``Step`` (with the connector's lookups and load plan,
-  captured by wrapping ``self.connector.get_num_new_matched_tokens`` and
-  ``self.connector.update_state_after_alloc`` on the instance)
+* ``schedule``         -> ``Step`` (with the connector's lookups and load plan:
+  the answers of ``self.connector.get_num_new_matched_tokens`` and the calls
+  of ``self.connector.update_state_after_alloc``, seen at the scheduler's own
+  call sites, ``call_sites``; the connector itself is never touched); when
+  ``schedule`` raises, ``StepFailed`` with what the step had asked so far
 * ``update_from_output`` -> ``Output`` (with the pooling requests whose pooler
   output came, ``Output.pooled``) and one ``PromptStats`` per request's first
   output that carries prompt accounting
@@ -24,18 +26,22 @@
   compiled or failed (``Step.grammar``: those that left
   ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR``, and those it noted in
   ``grammar_compile_error_reqs``), and ``update_from_output`` those whose
-  grammar refused their tokens (``Output.grammar_rejected``, seen by wrapping
-  ``self.structured_output_manager.accept_tokens`` on the instance)
+  grammar refused their tokens (``Output.grammar_rejected``, seen where the
+  scheduler calls ``self.structured_output_manager.accept_tokens``)
 * shutdown / process exit -> ``End``: ``complete``, or ``interrupted`` with the
   engine's error when the scheduler is shut down while an exception leaves the
   engine (vLLM's engine core process shuts it down from a ``finally``)
 
 Rules the recorder keeps:
 
-* The real method always runs; the recorder never changes arguments or results.
+* The real method always runs; the recorder never changes arguments or results,
+  nor the objects the scheduler holds.
 * When the scheduler's own ``schedule`` or ``update_from_output`` raises, the
   events waiting in the engine's process are handed to the writer at once:
-  vLLM's front end may kill a failed engine core before it shuts down.
+  vLLM's front end may kill a failed engine core before it shuts down. A
+  ``schedule`` that raises an ``Exception`` is recorded first (``StepFailed``:
+  its lookups, load plan, grammars and the exception), unless a driver raised
+  it to stop the run (an exception class with ``kvtrace_driver_stop = True``).
 * Every capture is wrapped: the first exception is logged once, the trace is
   marked failed (``End.status == "recorder-error"``), recording stops and the
   engine carries on.
@@ -99,11 +105,15 @@ from kvtrace.trace.events import (
     PromptStats,
     RequestFinished,
     ResetPrefixCache,
+    StepFailed,
 )
 
 logger = logging.getLogger("kvtrace.record")
 
 ENV_OUT = "KVTRACE_OUT"
+# An exception class with this attribute true is a driver's way to stop a run
+# from inside schedule() (model_free.EngineLooping): no failure of the engine's.
+DRIVER_STOP = "kvtrace_driver_stop"
 _REASONS = {"stop": "stop", "length": "length", "abort": "abort", "error": "error",
             "repetition": "stop"}
 
@@ -212,6 +222,11 @@ def _eos_token_id(request: Any, sp: Any) -> int | None:
     return getattr(request, "eos_token_id", None) if eos is None else eos
 
 
+def _argument(args: tuple, kwargs: dict, i: int, name: str) -> Any:
+    """Argument ``i`` of a call, given by position or as ``name``."""
+    return args[i] if len(args) > i else kwargs[name]
+
+
 def _finish_reason(r: Any) -> str | None:
     if r is None:
         return None
@@ -232,9 +247,15 @@ class Recorder:
         self.failed: str | None = None
         self.active = True
         self.step_index = 0
-        self.has_connector = getattr(sched, "connector", None) is not None
-        self.connector: Any = None   # the connector wrap_connector wrapped
+        self.has_connector = getattr(sched, "connector", None) is not None   # at this step
         self.audit: Any = None       # the KV audit (kv_audit), when it runs
+        # The views the scheduler's call sites get (call_sites.held): attribute
+        # -> (the object it holds, its view); and the attributes whose calls
+        # are recorded now: the grammar's answers from the first structured
+        # output on (before it, every answer is yes: vllm/v1/structured_output/
+        # __init__.py:464-465).
+        self.views: dict[str, tuple] = {}
+        self.watched: set[str] = {"connector"}
         self.throttle_prefills = False
         # The size vLLM hashes blocks at: a prompt of embeddings has a digest per block.
         self.hash_block_size = int(getattr(sched, "hash_block_size", None)
@@ -308,6 +329,8 @@ class Recorder:
     def on_add_request(self, request: Any, chunk: bool = False) -> None:
         """A new request, or (``chunk``) a session's next input chunk: vLLM takes
         only a chunk's token ids (S:1678-1679)."""
+        if getattr(request, "use_structured_output", False):
+            self.watched.add("structured_output_manager")   # its grammar's answers count
         sp = request.sampling_params
         prompt, embeds, mask = request.prompt_token_ids, None, None
         if not chunk and getattr(request, "prompt_embeds", None) is not None:
@@ -395,6 +418,16 @@ class Recorder:
             raise ValueError(f"pause state {state!r} is not one of {', '.join(PAUSE_STATES)}")
         self.sink.put(PauseState(seq=0, state=state))
 
+    def on_lookup_call(self, args: tuple, kwargs: dict, result: Any) -> None:
+        """``get_num_new_matched_tokens(request, num_computed_tokens)`` answered ``result``."""
+        self.on_lookup(_argument(args, kwargs, 0, "request"),
+                       _argument(args, kwargs, 1, "num_computed_tokens"), result)
+
+    def on_alloc_call(self, args: tuple, kwargs: dict) -> None:
+        """``update_state_after_alloc(request, blocks, num_external_tokens)`` returned."""
+        self.on_alloc(_argument(args, kwargs, 0, "request"),
+                      _argument(args, kwargs, 2, "num_external_tokens"))
+
     def on_lookup(self, request: Any, local: int, result: Any) -> None:
         ext, load_async = (result if result is not None else (None, False))
         rid = str(request.request_id)
@@ -461,13 +494,9 @@ class Recorder:
     def begin_step(self, sched: Any = None, throttle_prefills: bool = False) -> None:
         # preempt_order is kept: a reset_prefix_cache between two steps preempts
         # too, and the next step reports it (on_schedule clears it).
-        conn = getattr(sched, "connector", None)
-        if conn is not None and conn is not self.connector:
-            # The scheduler's connector was replaced after the recorder wrapped
-            # it: wrap the new one, so that its answers are recorded too.
-            logger.warning("kvtrace: the scheduler's connector was replaced (now %s); "
-                           "recording the new one", type(conn).__name__)
-            wrap_connector(sched, self)
+        # The connector the scheduler holds now: one assigned or replaced since
+        # the last step is recorded as the scheduler calls it (call_sites).
+        self.has_connector = getattr(sched, "connector", None) is not None
         self.throttle_prefills = throttle_prefills   # the schedule() call's flag
         self.lookups = []
         self.loads = []
@@ -575,6 +604,22 @@ class Recorder:
         self.pending.append((out, step))
         if len(self.pending) > 64:  # outputs that never came back (engine error paths)
             del self.pending[0]
+
+    def on_schedule_failed(self, sched: Any, exc: BaseException) -> None:
+        """``schedule()`` raised ``exc``: record what the step had asked so far
+        (``StepFailed``), so that a replay can run the same step. A driver's
+        exception that stops the run (``kvtrace_driver_stop``) is no failure
+        of the engine's, and an exception that is no ``Exception`` (a Ctrl-C)
+        none of the step's: neither is recorded here."""
+        if not isinstance(exc, Exception) or getattr(exc, DRIVER_STOP, False):
+            return
+        step = self.step_index
+        self.step_index += 1
+        grammar = self._grammar_seen(sched) if self.grammar_waiting else None
+        self.sink.put(StepFailed(
+            seq=0, step=step, error=exception_line(exc), where=raised_at(exc),
+            lookups=list(self.lookups), loads=list(self.loads) if self.has_connector else None,
+            grammar=grammar or None, throttle_prefills=self.throttle_prefills))
 
     # -- update_from_output -----------------------------------------------------
 
@@ -739,6 +784,29 @@ def exception_line(exc: BaseException) -> str:
     return text if len(text) <= 478 else text[:475] + "..."
 
 
+def raised_at(exc: BaseException) -> str | None:
+    """Where ``exc`` was raised: ``path:line in function`` of the innermost
+    frame of its traceback, the path relative to the ``sys.path`` folder it
+    lies in (``vllm/v1/core/sched/scheduler.py:1372 in schedule``). None when
+    it has no traceback. Never raises."""
+    try:
+        tb = exc.__traceback__
+        if tb is None:
+            return None
+        while tb.tb_next is not None:
+            tb = tb.tb_next
+        code = tb.tb_frame.f_code
+        path = os.path.abspath(code.co_filename)
+        roots = sorted((os.path.abspath(p) for p in sys.path if p), key=len, reverse=True)
+        for root in roots:
+            if path.startswith(root + os.sep):
+                path = os.path.relpath(path, root)
+                break
+        return f"{path}:{tb.tb_lineno} in {code.co_name}"
+    except Exception:
+        return None
+
+
 def engine_failure(exc: BaseException) -> str:
     """An exception that stopped the engine as a trace's end error: one line,
     at most 500 characters. Never raises."""
@@ -814,50 +882,61 @@ def _plain(params: Any) -> dict | None:
         return {"unrecorded": type(params).__name__}
 
 
-def wrap_connector(sched: Any, rec: Recorder) -> None:
-    conn = getattr(sched, "connector", None)
-    if conn is None:
-        return
-    orig_lookup = conn.get_num_new_matched_tokens
-    orig_alloc = conn.update_state_after_alloc
+class ConnectorCalls:
+    """What the scheduler's own code reads as ``self.connector`` where it calls
+    ``get_num_new_matched_tokens`` or ``update_state_after_alloc`` while it is
+    recorded (``call_sites.held``): the call goes to the connector's own
+    method, looked up on the connector as vLLM would, with the same arguments;
+    its answer, or its exception, goes back unchanged, and the recorder notes
+    the answer. Only the method looked up at the call site is ever read."""
 
-    def get_num_new_matched_tokens(request, num_computed_tokens, *args, **kwargs):
-        result = orig_lookup(request, num_computed_tokens, *args, **kwargs)
+    __slots__ = ("_conn", "_rec")
+
+    def __init__(self, conn: Any, rec: "Recorder"):
+        self._conn, self._rec = conn, rec
+
+    def get_num_new_matched_tokens(self, *args, **kwargs):
+        result = self._conn.get_num_new_matched_tokens(*args, **kwargs)
+        rec = self._rec
         if rec.active:
-            try:
-                rec.on_lookup(request, num_computed_tokens, result)
-            except Exception as e:
-                rec.fail("get_num_new_matched_tokens", e)
+            rec.guard("get_num_new_matched_tokens", rec.on_lookup_call, args, kwargs, result)
         return result
 
-    def update_state_after_alloc(request, blocks, num_external_tokens, *args, **kwargs):
-        result = orig_alloc(request, blocks, num_external_tokens, *args, **kwargs)
+    def update_state_after_alloc(self, *args, **kwargs):
+        result = self._conn.update_state_after_alloc(*args, **kwargs)
+        rec = self._rec
         if rec.active:
-            try:
-                rec.on_alloc(request, num_external_tokens)
-            except Exception as e:
-                rec.fail("update_state_after_alloc", e)
+            rec.guard("update_state_after_alloc", rec.on_alloc_call, args, kwargs)
         return result
 
-    conn.get_num_new_matched_tokens = get_num_new_matched_tokens
-    conn.update_state_after_alloc = update_state_after_alloc
-    rec.connector = conn   # the connector these wrap (a schedule checks it is still the one)
+    def __getattr__(self, name: str) -> Any:   # never read; the connector's, should it be
+        return getattr(self._conn, name)
 
 
-def wrap_grammar(sched: Any, rec: Recorder) -> None:
-    """See the grammar refuse a request's tokens: wrap the scheduler's
-    ``structured_output_manager.accept_tokens`` on the instance (S:2186)."""
-    som = getattr(sched, "structured_output_manager", None)
-    accept = getattr(som, "accept_tokens", None)
-    if accept is None:
-        return
+class GrammarCalls:
+    """``self.structured_output_manager`` where the scheduler calls its
+    ``accept_tokens`` (S:2186) while it is recorded: the grammar's refusal
+    of a request's tokens is noted, the answer goes back unchanged."""
 
-    def accept_tokens(request, *args, **kwargs):
-        ok = accept(request, *args, **kwargs)
+    __slots__ = ("_som", "_rec")
+
+    def __init__(self, som: Any, rec: "Recorder"):
+        self._som, self._rec = som, rec
+
+    def accept_tokens(self, request, *args, **kwargs):
+        ok = self._som.accept_tokens(request, *args, **kwargs)
+        rec = self._rec
         if not ok and rec.active:
             rec.guard("accept_tokens", rec.on_grammar_rejected, request)
         return ok
 
-    som.accept_tokens = accept_tokens
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._som, name)
 
 
+# What the recording scheduler records of the objects it holds: attribute ->
+# (the methods called on it whose answers are recorded, the view at those calls).
+HELD_CALLS = {
+    "connector": (("get_num_new_matched_tokens", "update_state_after_alloc"), ConnectorCalls),
+    "structured_output_manager": (("accept_tokens",), GrammarCalls),
+}

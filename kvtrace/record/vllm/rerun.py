@@ -18,6 +18,9 @@ recorded inputs, in the recorded call order:
 * ``step``     -> ``schedule()``; a replay connector answers every
   ``get_num_new_matched_tokens`` call with the recorded answer for that request
   in that step, in call order;
+* ``step_failed`` -> ``schedule()`` with that step's recorded answers: the
+  recorded one raised, and this one should too (the replay stops there; a
+  step it schedules is its first difference);
 * ``output``   -> ``update_from_output(the SchedulerOutput of that step,
   ModelRunnerOutput)`` with the recorded sampled tokens for the requests this
   scheduler scheduled (an empty list for those the recording has none for) and
@@ -436,6 +439,19 @@ def replay_through_vllm(trace_path: str | os.PathLike, out_path: str | os.PathLi
                         result.steps += 1
                         if conn is not None:
                             conn.end_step()
+                    elif isinstance(e, ev.StepFailed):
+                        # The recorded schedule() raised here: this one is given
+                        # the same inputs, and should raise too (the except below).
+                        if conn is not None:
+                            conn.start_step(e.step, e.lookups)
+                        if e.grammar:
+                            grammars.compiled(e.grammar)
+                        (sched.schedule(throttle_prefills=True) if e.throttle_prefills
+                         else sched.schedule())
+                        result.steps += 1
+                        if result.first_difference is None:
+                            result.first_difference = (e.step, None, "schedule",
+                                                       f"raised {e.error}", "scheduled the step")
                     elif isinstance(e, ev.Drafts):
                         from vllm.v1.outputs import DraftTokenIds
 
@@ -457,7 +473,7 @@ def replay_through_vllm(trace_path: str | os.PathLike, out_path: str | os.PathLi
                                      f"vLLM {result.vllm_version} cannot take this {where}: "
                                      f"{x}") from None
                 except Exception as x:  # the scheduler under test failed
-                    result.stopped = f"{type(x).__name__} at {where}: {x}"
+                    result.stopped = f"{type(x).__name__} at {where}" + (f": {x}" if str(x) else "")
                     status, error = "interrupted", f"the scheduler raised {result.stopped}"
                     break
         result.truncation = reader.truncation

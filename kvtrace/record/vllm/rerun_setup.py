@@ -653,8 +653,6 @@ def build_scheduler(header: ev.Header, out_path: str | os.PathLike, scheduler_cl
         oc.max_num_scheduled_tokens = None
     sink = vr.TraceSink(out_path, out_header)
     rec = vr.Recorder(sched, sink)
-    vr.wrap_connector(sched, rec)
-    vr.wrap_grammar(sched, rec)
-    sched._kvtrace = rec
+    sched._kvtrace = rec   # from here its connector's and grammar's answers are recorded too
     vr.track(rec)
     return sched, out_header

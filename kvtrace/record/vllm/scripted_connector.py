@@ -38,6 +38,9 @@ holds. The first matching rule wins; unmatched requests get no hit.
              ``get_block_ids_with_load_errors`` - in the step of a sync load, or in
              the step an async load finishes.
 ``fail_once`` only the first load of the request fails (default true).
+``uncapped``  a broken connector: a sync hit is not capped, and may cover the
+             whole prompt, which vLLM's scheduler refuses with an assertion
+             inside ``schedule()`` (S:1170).
 ``not_ready_steps``  answer None ("ask again later") this many times first.
 """
 
@@ -138,7 +141,7 @@ class ScriptedConnector(KVConnectorBase_V1):
                 return None, False
         size = min(self._store_size(rule, request.num_preemptions), request.num_tokens)
         is_async = bool(rule.get("async", False))
-        cap = request.num_tokens if is_async else request.num_tokens - 1
+        cap = request.num_tokens if is_async or rule.get("uncapped") else request.num_tokens - 1
         ext = max(0, min(size, cap) - num_computed_tokens)
         self._last_local[request.request_id] = num_computed_tokens
         if ext == 0:
