@@ -91,6 +91,27 @@ VLLM_WORKLOADS = {
     "sliding-preemption": "every layer windowed: more requests than KV blocks",
     "gpt-oss-prefix": "tiny gpt-oss (experts, sliding + full attention): shared prefixes",
     "gpt-oss-preemption": "tiny gpt-oss: more requests than KV blocks",
+    **{f"{model}-{kind}": f"tiny {name} ({layers}): {what}"
+       for model, name, layers in (("qwen3-next", "Qwen3-Next", "gated delta net states"),
+                                   ("nemotron-h", "Nemotron-H", "Mamba2 states"))
+       for kind, what in (("prefix", "shared prefixes hit a kept state"),
+                          ("preemption", "more requests than KV blocks"),
+                          ("chunked-reset", "a step budget below a block, a prefix-cache reset"),
+                          ("async", "preemption under the AsyncScheduler"),
+                          ("connector", "a connector that keeps every group: sync, async and "
+                                        "failed loads"),
+                          ("spec", "n-gram drafts, one state per request (no prefix caching)"))},
+    "state-gdn": "Qwen3-Next's cache with no model: shared prefixes, preemptions",
+    "state-gdn-async": "Qwen3-Next's cache with no model: the AsyncScheduler",
+    "state-gdn-siblings": "Qwen3-Next's cache with no model: identical prompts hit one state "
+                          "(vLLM 0.32 admits one a step, 0.33 all at once)",
+    "state-gdn-spec": "Qwen3-Next's cache with no model: n-gram drafts, one state per request",
+    "state-gdn-connector": "Qwen3-Next's cache with no model: the scripted connector",
+    "state-hit-overdraw": "vLLM bug: an external hit on a state group takes more blocks than "
+                          "counted (no model)",
+    "qwen3-next-hit-overdraw": "vLLM bug: the same on the tiny Qwen3-Next, the pool runs out",
+    "state-mamba2": "Nemotron-H's cache with no model: Mamba2 prefill checkpoint blocks",
+    "state-mamba2-swa": "a Mamba2 state, a sliding window and full attention, with no model",
     "example-connector": "vLLM's ExampleConnector (real KV bytes on disk) under KV pressure, "
                          "a reset, every prompt again",
     "example-connector-roomy": "the same with room: fewer preemptions",

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from _state_traces import as_params
 from kvtrace.engine import FAULT_WORKLOADS, record_embedded
 from kvtrace.replay import kv_device, replay_file
 
@@ -27,7 +28,7 @@ def _same_report(path) -> int:
     return sum(d.kind == "kv-content" for d in mine.divergences)
 
 
-@pytest.mark.parametrize("path", sorted(TRACES.rglob("*.jsonl.gz")),
+@pytest.mark.parametrize("path", as_params(sorted(TRACES.rglob("*.jsonl.gz"))),
                          ids=lambda p: str(p.relative_to(TRACES)))
 def test_every_trace_replays_word_for_word_the_same_on_numpy_as_on_torch(path):
     _same_report(path)

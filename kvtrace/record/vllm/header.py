@@ -78,6 +78,8 @@ def _group_features(groups: list, kcc: Any, kvm: Any) -> dict:
         if cap is not None:
             d["admission_blocks"] = int(cap)
         d["layers"] = [str(name) for name in getattr(g, "layer_names", ())]
+        if d["kind"] == "MambaSpec":
+            d.update(_state_group(spec))
         specs.append(d)
     out: dict = {"kv_cache_groups": specs}
     interval = getattr(kcc, "prefix_cache_retention_interval", 0)
@@ -86,6 +88,31 @@ def _group_features(groups: list, kcc: Any, kvm: Any) -> dict:
     elif interval:
         out["prefix_cache_retention_interval"] = int(interval)
     return out
+
+
+def _state_group(spec: Any) -> dict:
+    """What a state group's spec (vLLM's ``MambaSpec``) tells its manager:
+    the layer kind, the cache mode, and the blocks each request takes for
+    speculative decoding and for a prefill checkpoint (KI:1034-1107)."""
+    kind = getattr(spec, "mamba_type", None)
+    name = getattr(kind, "name", None)   # a MambaAttentionBackendEnum member
+    d = {"mamba_type": str(name).lower() if name is not None else str(kind),
+         "mamba_cache_mode": str(getattr(spec, "mamba_cache_mode", "none")),
+         "num_speculative_blocks": int(getattr(spec, "num_speculative_blocks", 0) or 0),
+         "num_prefill_checkpoint_blocks": int(getattr(spec, "num_prefill_checkpoint_blocks", 0)
+                                              or 0)}
+    alignment = getattr(spec, "prefill_checkpoint_alignment", None)
+    if alignment is not None:
+        d["prefill_checkpoint_alignment"] = int(alignment)
+    return d
+
+
+def _shared_prefix_checkpoint(cc: Any) -> dict:
+    """vLLM's opt-in state checkpoint at a shared-prefix junction, when on
+    (absent from the header: off)."""
+    if getattr(cc, "enable_mamba_shared_prefix_checkpoint", False) is True:
+        return {"enable_mamba_shared_prefix_checkpoint": True}
+    return {}
 
 
 def build_header(sched: Any, meta: dict | None = None) -> Header:
@@ -159,6 +186,7 @@ def build_header(sched: Any, meta: dict | None = None) -> Header:
             [int(k) for k in sched.dynamic_sd_lookup]
             if getattr(sched, "dynamic_sd_lookup", None) is not None else None),
         "has_mamba_layers": bool(getattr(sched, "has_mamba_layers", False)),
+        **_shared_prefix_checkpoint(cc),
         "multimodal": bool(getattr(vc.model_config, "is_multimodal_model", False)),
         # A diffusion language model (dLLM): vLLM counts its canvas as drafts
         # (num_speculative_tokens), which are not speculative decoding.

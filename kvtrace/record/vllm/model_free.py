@@ -95,6 +95,8 @@ class ModelFreeExecutor(Executor):
         return True
 
     def _init_executor(self) -> None:
+        if _LAYERS is not None:
+            _as_hybrid_hook_sets(self.vllm_config)
         self.scheduler: Any = None
         self.kv_cache_config: Any = None
         self.connector: Any = None
@@ -121,6 +123,8 @@ class ModelFreeExecutor(Executor):
         spec = FullAttentionSpec(block_size=self.vllm_config.cache_config.block_size,
                                  num_kv_heads=mc.get_total_num_kv_heads(),
                                  head_size=mc.get_head_size(), dtype=torch.bfloat16)
+        if _LAYERS is not None:
+            return [state_layer_specs(_LAYERS, spec, self.vllm_config)]
         layers = mc.hf_config.num_hidden_layers
         return [{f"model.layers.{i}.self_attn.attn": spec for i in range(layers)}]
 
@@ -296,6 +300,82 @@ class ModelFreeExecutor(Executor):
         kw["invalid_block_ids"] = set(c.get_block_ids_with_load_errors() or ())
         c.clear_connector_metadata()
         return KVConnectorOutput(**kw)
+
+
+# The layers of the model the executor stands in for, while ``layers_given``
+# holds: None for the config's model (full attention).
+_LAYERS: list[str] | None = None
+STATE_LAYERS = ("gdn", "mamba2")
+
+
+@contextlib.contextmanager
+def layers_given(layers: list[str]):
+    """While an engine is built: its model has these layers, one KV-cache
+    spec each, as a hybrid model's would give them: ``full`` (full
+    attention), ``sliding:W`` (a window of W tokens), ``gdn`` (a gated delta
+    net, as Qwen3-Next's) and ``mamba2`` (a Mamba2 layer with a prefill
+    checkpoint block, as on a GPU). vLLM makes one KV-cache group of each
+    state layer."""
+    global _LAYERS
+    unknown = [x for x in layers if x not in ("full", *STATE_LAYERS)
+               and not x.startswith("sliding:")]
+    if unknown:
+        raise ValueError(f"unknown model-free layer {unknown[0]!r}")
+    before, _LAYERS = _LAYERS, list(layers)
+    try:
+        yield
+    finally:
+        _LAYERS = before
+
+
+def _as_hybrid_hook_sets(vc: Any) -> None:
+    """What vLLM's config hook for hybrid models (MC:672-709) sets for a
+    model with state layers, which the config's stand-in model (a Llama) does
+    not trigger: with prefix caching, states at block boundaries ("align") in
+    blocks of the attention's size; without, one state per request ("none")
+    in blocks of max_model_len."""
+    cc = vc.cache_config
+    if cc.enable_prefix_caching:
+        cc.mamba_cache_mode, cc.mamba_block_size = "align", cc.block_size
+    else:
+        cc.mamba_cache_mode, cc.mamba_block_size = "none", vc.model_config.max_model_len
+
+
+def state_layer_specs(layers: list[str], attention: Any, vc: Any) -> dict[str, Any]:
+    """One KV-cache spec per layer of ``layers`` (``layers_given``): the
+    attention ones as ``attention`` is, the state ones as vLLM's layers give
+    theirs (``MambaBase.get_kv_cache_spec``, mamba_mixer2.py:1098-1108): the
+    cache mode and block size the config holds, a block per speculative token,
+    and for Mamba2 a prefill checkpoint block. Each state's page is padded to
+    the attention page, as vLLM pads it for a hybrid model (PI:939-1122)."""
+    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
+
+    try:
+        from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum as kinds
+        gdn, mamba2 = kinds.GDN_ATTN, kinds.MAMBA2
+    except ImportError:   # a release that names the kind by a string
+        gdn, mamba2 = "gdn_attention", "mamba2"
+    cc = vc.cache_config
+    spec = vc.speculative_config
+    drafts = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0
+    out = {}
+    for i, kind in enumerate(layers):
+        if kind == "full":
+            out[f"model.layers.{i}.self_attn.attn"] = attention
+        elif kind.startswith("sliding:"):
+            out[f"model.layers.{i}.self_attn.attn"] = SlidingWindowSpec(
+                block_size=attention.block_size, num_kv_heads=attention.num_kv_heads,
+                head_size=attention.head_size, dtype=attention.dtype,
+                sliding_window=int(kind.split(":", 1)[1]))
+        else:
+            extra = ({"mamba_type": gdn} if kind == "gdn" else
+                     {"mamba_type": mamba2, "num_prefill_checkpoint_blocks": 1,
+                      "prefill_checkpoint_alignment": 1})
+            out[f"model.layers.{i}.mixer"] = MambaSpec(
+                block_size=cc.mamba_block_size, shapes=((2, 32),), dtypes=(torch.bfloat16,),
+                page_size_padded=attention.page_size_bytes, mamba_cache_mode=cc.mamba_cache_mode,
+                num_speculative_blocks=drafts, **extra)
+    return out
 
 
 @contextlib.contextmanager

@@ -373,14 +373,16 @@ def replay_through_vllm(trace_path: str | os.PathLike, out_path: str | os.PathLi
         raise
     rec = sched._kvtrace
     block_hasher = None
+    # The size vLLM hashes blocks at: the block size, or less with state groups.
+    hash_size = header.features.hash_block_size or header.config.block_size
     if header.config.enable_prefix_caching or header.config.connector is not None:
         hash_fn = get_hash_fn_by_name(header.features.prefix_caching_hash_algo or "sha256")
         init_none_hash(hash_fn)
         lookahead = int(getattr(sched.vllm_config, "num_hash_lookahead_tokens", 0) or 0)
         if "num_hash_lookahead_tokens" in inspect.signature(get_request_block_hasher).parameters:
-            block_hasher = get_request_block_hasher(header.config.block_size, hash_fn, lookahead)
+            block_hasher = get_request_block_hasher(hash_size, hash_fn, lookahead)
         else:
-            block_hasher = get_request_block_hasher(header.config.block_size, hash_fn)
+            block_hasher = get_request_block_hasher(hash_size, hash_fn)
     conn = sched.connector
     result = VllmReplayResult(path=trace_path, out=out_path, scheduler_cls=qualname(cls),
                               vllm_version=str(getattr(vllm, "__version__", "unknown")))
@@ -403,7 +405,7 @@ def replay_through_vllm(trace_path: str | os.PathLike, out_path: str | os.PathLi
                          + f" (seq {e.seq}, line {reader.last_line})")
                 try:
                     if isinstance(e, ev.Arrival):
-                        r = _request(e, block_hasher, header.config.block_size)
+                        r = _request(e, block_hasher, hash_size)
                         if r.structured_output_request is not None and e.req not in sched.requests:
                             grammars.attach(r)   # not a session's next chunk: a new request
                         sched.add_request(r)

