@@ -9,9 +9,10 @@ or one that follows the batch size (dynamic speculative decoding, whose table
 the header holds). vLLM 0.32's scheduler reads nothing else of a drafter, so parallel
 drafting (P-EAGLE, PARD, DFlash, DSpark), which only takes more of those
 slots, is inside it too, though no trace of it was recorded here. Multi-module
-MTP is not: its chunks keep clear of the drafter's reads. Outside it, the
-scheduler's arithmetic changes (sliding-window null blocks, Mamba alignment,
-encoder budgets, ...). A trace whose header turns on such a feature is
+MTP is not: its chunks keep clear of the drafter's reads. KV-cache groups
+of full attention, sliding windows and states (Mamba, gated delta nets:
+``MambaSpec``) are inside it, as ``kv_cache_groups`` lists them. Outside it,
+the scheduler's arithmetic changes (partial hash hits, encoder budgets, ...). A trace whose header turns on such a feature is
 refused, with the feature named, rather than replayed into false divergences. The vLLM
 recorder writes every key read here (``build_header``); a key a trace does not
 name is taken as off (traces recorded before ``lora`` and
@@ -29,7 +30,6 @@ from kvtrace.trace.events import SchedulerFeatures, features_from
 # Features that are on when they are true or a number above 0.
 FLAGS = {
     "diffusion": "a diffusion language model (dLLM)",
-    "has_mamba_layers": "Mamba layers",
     "multimodal": "a multimodal model",
     "prefix_replay_tokens": "prefix replay windows",
 }
@@ -43,19 +43,25 @@ SIZES = {
 FULL_ATTENTION = ("FullAttentionSpec", "MLAAttentionSpec")
 # Its SlidingWindowManager, modelled too (kvtrace/reference/kv_groups.py).
 SLIDING_WINDOW = ("SlidingWindowSpec",)
+# Its MambaManager (kvtrace/reference/state_groups.py).
+STATE = ("MambaSpec",)
 
 
-def refusal(features: SchedulerFeatures, block_size: int, scope: str) -> str | None:
+def refusal(features: SchedulerFeatures, block_size: int, scope: str,
+            enable_prefix_caching: bool = True) -> str | None:
     """Why a replay refuses a header's ``features``, or None: the first thing
     outside the baseline, followed by ``scope``, what that replay covers. (A
     feature of the wrong type never gets here: the reader refuses the header.)"""
-    why = outside(features, block_size)
+    why = outside(features, block_size, enable_prefix_caching)
     return None if why is None else f"{why}; {scope}"
 
 
-def outside(features: SchedulerFeatures | dict, block_size: int) -> str | None:
+def outside(features: SchedulerFeatures | dict, block_size: int,
+            enable_prefix_caching: bool = True) -> str | None:
     """The first thing in a header's ``features`` that the baseline does not
-    cover, in words, or None. A dict is typed first (``features_from``)."""
+    cover, in words, or None. A dict is typed first (``features_from``).
+    ``enable_prefix_caching``: the header's; without it, KV-cache groups may
+    have block sizes of their own."""
     f = features if isinstance(features, SchedulerFeatures) else features_from(features)
     for key, what in FLAGS.items():
         v = getattr(f, key)
@@ -80,19 +86,29 @@ def outside(features: SchedulerFeatures | dict, block_size: int) -> str | None:
                 "and the trace does not record which steps throttled prefills")
     if f.hash_block_size not in (None, block_size):
         return f"hash_block_size {f.hash_block_size!r} differs from block_size {block_size}"
-    return kv_cache_groups(f, block_size)
+    return kv_cache_groups(f, block_size, enable_prefix_caching)
 
 
-def kv_cache_groups(f: SchedulerFeatures, block_size: int) -> str | None:
+MODELLED = FULL_ATTENTION + SLIDING_WINDOW + STATE
+
+
+def kv_cache_groups(f: SchedulerFeatures, block_size: int,
+                    enable_prefix_caching: bool = True) -> str | None:
     """Why a header's KV-cache groups are outside the baseline, or None: one
-    full-attention group, or full-attention and sliding-window groups of
-    ``block_size`` whose specs the header lists (``kv_cache_groups``)."""
+    full-attention group, or full-attention, sliding-window and state groups
+    whose specs the header lists (``kv_cache_groups``), of ``block_size``
+    unless prefix caching is off (then the scheduler's block is a multiple of
+    each group's)."""
     kinds = f.kv_cache_group_kinds or [g.kind for g in f.kv_cache_groups or ()]
-    other = [k for k in kinds if k not in FULL_ATTENTION + SLIDING_WINDOW]
+    other = [k for k in kinds if k not in MODELLED]
     if other:
-        return f"a KV-cache group of kind {other[0]!r}, not full or sliding-window attention"
+        return (f"a KV-cache group of kind {other[0]!r}, not full attention, a sliding window "
+                "or a state (MambaSpec)")
     n = f.num_kv_cache_groups
     if f.kv_cache_groups is None:
+        if f.has_mamba_layers:
+            return ("Mamba layers are on (has_mamba_layers=True), and the trace does not list "
+                    "their KV-cache groups (kv_cache_groups)")
         if n not in (None, 1):
             return f"{n} KV-cache groups, and the trace does not list their specs (kv_cache_groups)"
         if any(k in SLIDING_WINDOW for k in kinds):
@@ -103,15 +119,42 @@ def kv_cache_groups(f: SchedulerFeatures, block_size: int) -> str | None:
         return (f"num_kv_cache_groups is {n} but kv_cache_groups lists "
                 f"{len(f.kv_cache_groups)}")
     for i, g in enumerate(f.kv_cache_groups):
-        if g.kind not in FULL_ATTENTION + SLIDING_WINDOW:
-            return f"a KV-cache group of kind {g.kind!r}, not full or sliding-window attention"
-        if g.block_size != block_size:
+        if g.kind not in MODELLED:
+            return (f"a KV-cache group of kind {g.kind!r}, not full attention, a sliding window "
+                    "or a state (MambaSpec)")
+        if g.block_size != block_size and (enable_prefix_caching or block_size % g.block_size):
             return (f"KV-cache group {i} has block_size {g.block_size}, not the trace's "
-                    f"{block_size}")
+                    f"{block_size}" + (" (groups of different block sizes share prefix-cache "
+                                       "hits at a finer hash unit, which is not modelled)"
+                                       if enable_prefix_caching else ""))
         if (g.kind in SLIDING_WINDOW) != (g.sliding_window is not None):
             return f"KV-cache group {i} ({g.kind}) gives sliding_window={g.sliding_window!r}"
+        if g.kind in STATE:
+            why = _state_group(i, g, enable_prefix_caching)
+            if why is not None:
+                return why
+    states = [g for g in f.kv_cache_groups if g.kind in STATE]
+    if len({g.mamba_cache_mode for g in states}) > 1:
+        return "state groups of different cache modes (mamba_cache_mode)"
     if f.use_eagle and any(g.sliding_window for g in f.kv_cache_groups):
         return "EAGLE with a sliding-window KV-cache group"
+    if f.use_eagle and states:
+        return "EAGLE with a state (Mamba) KV-cache group"
+    if states and f.num_hash_lookahead_tokens:
+        return (f"lookahead block hashes (num_hash_lookahead_tokens={f.num_hash_lookahead_tokens}) "
+                "with a state (Mamba) KV-cache group")
+    return None
+
+
+def _state_group(i: int, g, enable_prefix_caching: bool) -> str | None:
+    """Why a state group (MambaSpec) is outside the baseline, or None."""
+    for key in ("mamba_cache_mode", "num_speculative_blocks", "num_prefill_checkpoint_blocks"):
+        if getattr(g, key) is None:
+            return f"KV-cache group {i} (MambaSpec) does not say its {key}"
+    if g.mamba_cache_mode == "none" and enable_prefix_caching:
+        # vLLM 0.33 asserts against it (ST:1442-1444); no engine builds it.
+        return (f"KV-cache group {i} (MambaSpec) keeps one state per request "
+                "(mamba_cache_mode 'none') with prefix caching on")
     return None
 
 

@@ -154,6 +154,12 @@ class Admission:
             raise SchedulerAssertion(
                 r.request_id, "S:1170 an admission must leave a token to compute (a sync "
                               "external hit over the whole prompt, or a count past its tokens)")
+        if self.state_split is not None:
+            n = self.state_split.chunk(r, num_computed, n)   # S:1172-1190
+            if n == 0:
+                return None, False   # no block-aligned chunk fits
+            if padded and n != 1 + self.config.num_spec_tokens:
+                n, padded = 1, False   # the split clipped the padding: it is dropped
         return n, padded
 
     def _allocate_admission(self, r: Request, n: int, lookup: Lookup) -> bool:

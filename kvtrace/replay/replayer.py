@@ -86,8 +86,9 @@ def _check_fits(header: ev.Header, path) -> None:
 
 def _check_supported(header: ev.Header, path, profile: Profile) -> None:
     why = baseline.refusal(header.features, header.config.block_size,
-                           "the reference models the baseline profile only (full-attention and "
-                           "sliding-window KV-cache groups, no pipeline parallelism)")
+                           "the reference models the baseline profile only (full-attention, "
+                           "sliding-window and state KV-cache groups, no pipeline parallelism)",
+                           header.config.enable_prefix_caching)
     if why is None:
         why = _profile_refusal(header, profile)
     if why is not None:
@@ -105,7 +106,8 @@ def _profile_refusal(header: ev.Header, profile: Profile) -> str | None:
     the trace's digests do not cover the rows after a block."""
     f = header.features
     if f.kv_cache_groups and not profile.hybrid_kv_modelled:
-        return (f"sliding-window KV-cache groups under the {profile.name} profile "
+        kind = "state" if any(g.kind == "MambaSpec" for g in f.kv_cache_groups) else "sliding-window"
+        return (f"{kind} KV-cache groups under the {profile.name} profile "
                 f"({profile.releases}): the reference models vLLM 0.32's and 0.33's hybrid "
                 "KV-cache manager only")
     if f.async_scheduling and not profile.async_scheduling_modelled:
@@ -169,8 +171,9 @@ class Replayer:
         self._expected_stats: dict[str, RequestOutput] = {}   # req -> first output, awaiting stats
         self._finished_refs: dict[str, Request] = {}          # finished requests, for their stats
         self._preemptions: dict[str, int] = {}
-        # Per KV-cache group: a sliding-window one, whose tables may hold the null block.
-        self._windowed = tuple(w is not None for w in header.features.windows())
+        # Per KV-cache group: where it may hold the null block (a sliding window's
+        # tables; a state group's tables and new blocks).
+        self._windowed = checks.null_blocks(header.features)
         self._progress = ProgressWatch()
         # Async scheduling: the ids each recorded step samples a token for, for
         # the steps with no recorded output yet (the I1 check's allowance for

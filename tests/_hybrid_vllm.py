@@ -1,0 +1,274 @@
+"""vLLM's own Scheduler, model-free, with state (Mamba) KV-cache groups: the
+judge of the reference's state groups.
+
+``record(workload, out_path)`` builds the installed vLLM's ``Scheduler`` (its
+``AsyncScheduler`` under async scheduling) for a hybrid ``KVCacheConfig`` (state
+groups beside full-attention and sliding-window ones, as the workload lists
+them), drives it with the workload's arrivals, aborts and prefix-cache resets
+as vLLM's engine core does (a batch queue of two under async scheduling), with
+``model_free``'s model (tokens and n-gram drafts as functions of the request
+and position), and records every call with kvtrace's recorder. Replaying that
+trace through the reference must find no divergence.
+
+The recorder side of kvtrace does not write state groups yet; ``states_on``
+patches the three places that must (the KV-cache config built from a header,
+the vLLM config's cache mode, and the header's groups), and ``state_header``
+is what the header must hold.
+
+Run as a script with another release first on ``PYTHONPATH`` (vLLM 0.33's,
+``releases.environment``): ``python tests/_hybrid_vllm.py JOBS.json OUT_DIR``
+records each job (``{"name": ..., "workload": {...}}``) into
+OUT_DIR/NAME.jsonl and prints one JSON line per job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import sys
+from typing import Any
+
+from kvtrace.trace import events as ev
+
+# Workload keys: config (SchedulerConfig's fields), groups (KVCacheGroup dicts:
+# kind, block_size, sliding_window, mamba_type, mamba_cache_mode,
+# num_speculative_blocks, num_prefill_checkpoint_blocks,
+# prefill_checkpoint_alignment), retention (0, k or None: dense), async,
+# spec (n-gram drafts per step), arrivals ({step, req, prompt, max_tokens,
+# priority}), aborts ({step, req}), resets ({step, running}).
+
+
+def header_of(wl: dict) -> ev.Header:
+    """The header a recording of ``wl`` starts from: its config and groups."""
+    c = dict(wl["config"])
+    c.setdefault("max_num_scheduled_tokens", None)
+    groups = [ev.KVCacheGroup(**{"layers": [f"model.layers.{i}.mixer"], **g})
+              for i, g in enumerate(wl["groups"])]
+    features: dict[str, Any] = {
+        "kv_cache_groups": groups, "num_kv_cache_groups": len(groups),
+        "kv_cache_group_kinds": [g.kind for g in groups],
+        "has_mamba_layers": any(g.kind == "MambaSpec" for g in groups),
+        "hash_block_size": c["block_size"],
+        "async_scheduling": bool(wl.get("async")),
+    }
+    retention = wl.get("retention", 0)
+    if retention is None:
+        features["prefix_cache_retention_dense"] = True
+    elif retention:
+        features["prefix_cache_retention_interval"] = retention
+    if wl.get("spec"):
+        features.update(num_speculative_tokens=wl["spec"], speculative_method="ngram",
+                        num_draft_slots=0, num_lookahead_tokens=0)
+    return ev.Header(engine="vllm", engine_version="", config=ev.SchedulerConfig(**c),
+                     features=features)
+
+
+# --------------------------------------------------------------------------- what the recorder must do
+
+
+def kv_cache_config(num_blocks: int, block_size: int, features: ev.SchedulerFeatures) -> Any:
+    """vLLM's KVCacheConfig for the header's groups, state groups included:
+    a MambaSpec of the recorded mode, block size, speculative and checkpoint
+    blocks (its shapes only size a page, which no scheduler decision reads;
+    padded to the attention page, as vLLM pads it)."""
+    import torch
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
+                                            MambaSpec, SlidingWindowSpec)
+
+    def attn(bs: int) -> dict:
+        return dict(block_size=bs, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
+
+    page = FullAttentionSpec(**attn(block_size)).page_size_bytes
+    groups = []
+    for i, g in enumerate(features.kv_cache_groups):
+        if g.kind == "MambaSpec":
+            spec = MambaSpec(
+                shapes=((3, 64), (2, 16, 16)), dtypes=(torch.bfloat16, torch.float32),
+                block_size=g.block_size, page_size_padded=page,
+                mamba_type=MambaAttentionBackendEnum[(g.mamba_type or "mamba2").upper()],
+                mamba_cache_mode=g.mamba_cache_mode,
+                num_speculative_blocks=g.num_speculative_blocks or 0,
+                num_prefill_checkpoint_blocks=g.num_prefill_checkpoint_blocks or 0,
+                prefill_checkpoint_alignment=g.prefill_checkpoint_alignment)
+        elif g.sliding_window is not None:
+            spec = SlidingWindowSpec(**attn(g.block_size), sliding_window=g.sliding_window)
+        else:
+            spec = FullAttentionSpec(**attn(g.block_size))
+        groups.append(KVCacheGroupSpec(g.layers or [f"model.layers.{i}.mixer"], spec))
+    retention = (None if features.prefix_cache_retention_dense
+                 else features.prefix_cache_retention_interval or 0)
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups,
+                         hash_block_size=block_size, cache_hit_alignment_tokens=block_size,
+                         prefix_cache_retention_interval=retention)
+
+
+def state_header(sched: Any, header: ev.Header) -> ev.Header:
+    """``header`` (the recorder's) with what a state group adds: each
+    MambaSpec group's mamba_type, mamba_cache_mode, num_speculative_blocks,
+    num_prefill_checkpoint_blocks and prefill_checkpoint_alignment, from the
+    scheduler's own KV-cache config; and enable_mamba_shared_prefix_checkpoint."""
+    f = header.features
+    for g, spec in zip(f.kv_cache_groups or (), (x.kv_cache_spec for x in
+                                                  sched.kv_cache_config.kv_cache_groups)):
+        if type(spec).__name__ != "MambaSpec":
+            continue
+        g.mamba_type = spec.mamba_type.name.lower()
+        g.mamba_cache_mode = spec.mamba_cache_mode
+        g.num_speculative_blocks = int(spec.num_speculative_blocks)
+        g.num_prefill_checkpoint_blocks = int(spec.num_prefill_checkpoint_blocks)
+        g.prefill_checkpoint_alignment = spec.prefill_checkpoint_alignment
+    f.enable_mamba_shared_prefix_checkpoint = bool(
+        getattr(sched.vllm_config.cache_config, "enable_mamba_shared_prefix_checkpoint", False))
+    return header
+
+
+@contextlib.contextmanager
+def states_on():
+    """While it lasts, kvtrace's re-run set-up builds state groups: the
+    KV-cache config (``kv_cache_config``), the cache mode vLLM's config must
+    carry (a Llama stand-in never sets it: S:375-379 reads it), the header's
+    groups (``state_header``) and the check of what it can set up."""
+    from kvtrace import baseline
+    from kvtrace.record.vllm import header as vh
+    from kvtrace.record.vllm import rerun_setup as rs
+    from kvtrace.trace.io import TraceError
+
+    saved = rs.build_kv_cache_config, rs.build_vllm_config, vh.build_header, rs.check_supported
+    build_config, build_header = rs.build_vllm_config, vh.build_header
+
+    def vllm_config(header: ev.Header) -> Any:
+        vc = build_config(header)
+        modes = {g.mamba_cache_mode for g in header.features.kv_cache_groups or ()
+                 if g.kind == "MambaSpec"}
+        if modes:
+            (mode,) = modes
+            vc.cache_config.mamba_cache_mode = mode
+            if mode == "align":
+                vc.cache_config.mamba_block_size = header.config.block_size
+        return vc
+
+    def recorder_header(sched: Any, meta: dict | None = None) -> ev.Header:
+        return state_header(sched, build_header(sched, meta))
+
+    def check(header: ev.Header, path: str = "<trace>") -> None:
+        why = baseline.refusal(header.features, header.config.block_size, "model-free states",
+                               header.config.enable_prefix_caching)
+        if why is not None:
+            raise TraceError(path, 1, why)
+
+    rs.build_kv_cache_config = lambda n, bs, f=None: kv_cache_config(n, bs, f)
+    rs.build_vllm_config, vh.build_header, rs.check_supported = vllm_config, recorder_header, check
+    try:
+        yield
+    finally:
+        rs.build_kv_cache_config, rs.build_vllm_config, vh.build_header, rs.check_supported = saved
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def record(wl: dict, out_path: str, step_limit: int = 3000) -> dict:
+    """Record ``wl`` on the installed vLLM's scheduler, model-free, into
+    ``out_path``. Returns {"steps", "preemptions", "error"}."""
+    import vllm
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import RequestStatus
+
+    from kvtrace.record.vllm import recorder as vr
+    from kvtrace.record.vllm.model_free import ModelFreeExecutor
+    from kvtrace.record.vllm.rerun import _request
+    from kvtrace.record.vllm.rerun_setup import build_scheduler, resolve_scheduler_cls
+
+    header = header_of(wl)
+    with states_on():
+        cls = resolve_scheduler_cls(None, bool(wl.get("async")))
+        sched, _ = build_scheduler(header, out_path, cls, meta={"model_free_states": True})
+    rec = sched._kvtrace
+    hasher = None
+    if header.config.enable_prefix_caching:
+        hash_fn = get_hash_fn_by_name("sha256")
+        init_none_hash(hash_fn)
+        hasher = get_request_block_hasher(header.config.block_size, hash_fn)
+    model = ModelFreeExecutor.__new__(ModelFreeExecutor)   # its model only, no engine
+    model.scheduler, model.connector, model.drafts, model.pending = sched, None, {}, None
+    model.num_spec_tokens = int(wl.get("spec") or 0)
+    model.async_scheduling = bool(wl.get("async"))
+    arrivals = sorted(wl.get("arrivals", ()), key=lambda a: a["step"])
+    aborts = sorted(wl.get("aborts", ()), key=lambda a: a["step"])
+    resets = sorted(wl.get("resets", ()), key=lambda a: a["step"])
+    queue: list = []   # (output, model output) in flight, oldest first
+    depth = 2 if wl.get("async") else 1
+    status, error, step, preemptions = "complete", None, 0, 0
+    try:
+        while arrivals or aborts or resets or sched.has_requests() or queue:
+            if step >= step_limit:
+                raise RuntimeError(f"still running after {step_limit} steps")
+            while arrivals and arrivals[0]["step"] <= step:
+                a = arrivals.pop(0)
+                sched.add_request(_request(ev.Arrival(
+                    seq=0, req=a["req"], prompt_token_ids=a["prompt"], max_tokens=a["max_tokens"],
+                    arrival_time=float(a["step"]), priority=a.get("priority", 0), ignore_eos=True),
+                    hasher, header.config.block_size))
+            due = [a["req"] for a in aborts if a["step"] <= step]
+            aborts = [a for a in aborts if a["step"] > step]
+            live = [r for r in due if r in sched.requests]
+            if live:
+                sched.finish_requests_in_order(live, RequestStatus.FINISHED_ABORTED)
+            while resets and resets[0]["step"] <= step:
+                try:
+                    sched.reset_prefix_cache(reset_running_requests=resets.pop(0)["running"])
+                except RuntimeError:
+                    pass
+            executed = False
+            if sched.has_requests():
+                so = sched.schedule()
+                preemptions += len(so.preempted_req_ids or ())
+                executed = so.total_num_scheduled_tokens > 0
+                queue.append((so, model._output(so)))
+            step += 1
+            if queue and (len(queue) >= depth or not (executed or sched.has_requests())):
+                so, out = queue.pop(0)
+                sched.update_from_output(so, out)
+                if model.num_spec_tokens and not model.async_scheduling and \
+                        so.total_num_scheduled_tokens:
+                    drafts = model.take_draft_token_ids()
+                    if drafts is not None:
+                        sched.update_draft_token_ids(drafts)
+    except Exception as e:   # the scheduler under test failed: the trace ends there
+        status, error = "interrupted", f"{type(e).__name__}: {e}"
+    finally:
+        if rec.failed is not None:
+            rec.sink.close("recorder-error", rec.failed)
+        else:
+            rec.sink.close(status, error)
+        vr.untrack(rec)
+        rec.active = False
+    return {"steps": step, "preemptions": preemptions, "error": error,
+            "vllm": str(getattr(vllm, "__version__", ""))}
+
+
+def lcm_block(groups: list[dict]) -> int:
+    return math.lcm(*(g["block_size"] for g in groups))
+
+
+def main(argv: list[str]) -> int:
+    jobs_path, out_dir = argv
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    with open(jobs_path) as f:
+        jobs = json.load(f)
+    for job in jobs:
+        out = os.path.join(out_dir, f"{job['name']}.jsonl")
+        try:
+            res = record(job["workload"], out)
+        except Exception as e:
+            res = {"error": f"refused: {type(e).__name__}: {e}"}
+        print(json.dumps({"name": job["name"], "path": out, **res}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
