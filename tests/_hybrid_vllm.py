@@ -44,8 +44,15 @@ def header_of(wl: dict) -> ev.Header:
     """The header a recording of ``wl`` starts from: its config and groups."""
     c = dict(wl["config"])
     c.setdefault("max_num_scheduled_tokens", None)
+    # A sliding window's admission cap, as vLLM derives it (KI:859-885): its
+    # window and the tokens of the steps in flight.
+    in_flight = c["max_num_batched_tokens"] * (2 if wl.get("async") else 1)
     groups = [ev.KVCacheGroup(**{"layers": [f"model.layers.{i}.mixer"], **g})
               for i, g in enumerate(wl["groups"])]
+    for g in groups:
+        if g.sliding_window is not None:
+            tokens = min(g.sliding_window - 1 + in_flight, c["max_model_len"])
+            g.admission_blocks = -(-tokens // g.block_size) + 1
     features: dict[str, Any] = {
         "kv_cache_groups": groups, "num_kv_cache_groups": len(groups),
         "kv_cache_group_kinds": [g.kind for g in groups],
@@ -251,8 +258,106 @@ def record(wl: dict, out_path: str, step_limit: int = 3000) -> dict:
             "vllm": str(getattr(vllm, "__version__", ""))}
 
 
-def lcm_block(groups: list[dict]) -> int:
-    return math.lcm(*(g["block_size"] for g in groups))
+# --------------------------------------------------------------------------- random workloads
+
+
+def state_group(block_size: int, kind: str = "gdn", mode: str = "align", spec: int = 0) -> dict:
+    """A state group: gated delta net (Qwen3-Next, Qwen3.5: no checkpoint
+    block) or Mamba2 (Nemotron-H, Granite 4: a prefill checkpoint block)."""
+    g = {"kind": "MambaSpec", "block_size": block_size, "mamba_cache_mode": mode,
+         "num_speculative_blocks": spec, "num_prefill_checkpoint_blocks": 0,
+         "mamba_type": "gdn_attn" if kind == "gdn" else "mamba2"}
+    if kind == "mamba2" and mode == "align":
+        g.update(num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1)
+    return g
+
+
+LAYOUTS = ("gdn", "mamba2", "mamba2-nockpt", "pure", "three-kinds", "none", "none-pure")
+
+
+def random_workload(seed: int, layout: str | None = None, async_scheduling: bool | None = None,
+                    spec: int | None = None) -> dict:
+    """A random workload over state groups: ``layout`` (one of LAYOUTS, or
+    drawn) is Qwen3-Next's (three GDN groups and full attention), Nemotron-H's
+    (Mamba2 groups with checkpoint blocks), Mamba2 without them, a model of
+    state layers only, Qwen3.5's three kinds (a sliding window, full
+    attention, GDN), or one of those without prefix caching (mode none: a
+    state block of max_model_len tokens). Prompts share prefixes in
+    families, some identical, some of whole blocks; block counts from
+    plenty down to preemption; budgets and thresholds below a block too;
+    retention 0, dense or an interval; n-gram drafts; async scheduling;
+    prefix-cache resets and aborts."""
+    import random
+
+    rng = random.Random(f"hybrid-state:{seed}")
+    layout = layout or rng.choice(LAYOUTS)
+    bs = rng.choice((16, 16, 32, 64))
+    max_len = rng.choice((512, 1024))
+    k = rng.choice((0, 0, 0, 2, 3)) if spec is None else spec
+    mode = "none" if layout.startswith("none") else "align"
+    gdn, m2 = state_group(bs, "gdn", mode, k), state_group(bs, "mamba2", mode, k)
+    if mode == "none":   # the state's block spans max_model_len; attention keeps its own
+        gdn["block_size"] = m2["block_size"] = max_len
+    full = {"kind": "FullAttentionSpec", "block_size": bs}
+    window = rng.choice((2, 3, 4)) * bs
+    groups = {"gdn": [gdn] * rng.randint(1, 3) + [full],
+              "mamba2": [m2] * rng.randint(1, 2) + [full],
+              "mamba2-nockpt": [state_group(bs, "mamba2-nockpt", mode, k), full],
+              "pure": [m2 if rng.random() < 0.5 else gdn],
+              "three-kinds": [{"kind": "SlidingWindowSpec", "block_size": bs,
+                               "sliding_window": window}, full, gdn],
+              "none": [gdn] * rng.randint(1, 3) + [full],
+              "none-pure": [gdn]}[layout]
+    if layout == "mamba2" and rng.random() < 0.3:
+        groups = [full] + groups[:-1]   # full attention first (Falcon-H1)
+    sched_bs = math.lcm(*(g["block_size"] for g in groups))
+    budget = rng.choice((bs // 2 + 3, bs, 2 * bs + 5, 4 * bs, 256, 512))
+    budget = max(budget, 8)
+    # Room for a few whole prompts, or barely one (preemptions).
+    num_blocks = rng.choice((12, 20, 40, 80, 200)) * (len(groups) if mode == "align" else 1)
+    if mode == "none":
+        num_blocks = rng.choice((3, 5, 8, 16)) * len(groups) + 1
+    # At least what one request of max_model_len holds, as vLLM's start-up
+    # checks (a state: its running state, one for the state before, a
+    # checkpoint and the speculative blocks; none mode: one and those).
+    one = sum(-(-max_len // g["block_size"]) if g["kind"] == "FullAttentionSpec"
+              else -(-(g.get("sliding_window") or 0) // bs) + 2 if g["kind"] != "MambaSpec"
+              else (1 if mode == "none" else 3) + k for g in groups)
+    num_blocks = max(num_blocks, one + 1)
+    families = [[rng.randrange(16, 480) for _ in range(rng.randint(bs, 3 * bs + 20))]
+                for _ in range(rng.randint(1, 3))]
+    arrivals, step = [], 0
+    for i in range(rng.randint(3, 9)):
+        head = rng.choice(families)
+        pick = rng.random()
+        if pick < 0.2:
+            prompt = list(head)                                     # identical
+        elif pick < 0.35:
+            prompt = head[: rng.randint(1, 3) * bs] + [rng.randrange(16, 480) for _ in range(bs)]
+        else:
+            prompt = head + [rng.randrange(16, 480) for _ in range(rng.randint(0, 2 * bs + 7))]
+        prompt = prompt[: max_len - 40] or [17]
+        arrivals.append({"step": step, "req": f"r{i}", "prompt": prompt,
+                         "max_tokens": rng.randint(1, 40), "priority": rng.randint(0, 2)})
+        step += rng.choice((0, 0, 1, 2, 5, 12))
+    resets = [{"step": rng.randint(1, step + 30), "running": rng.random() < 0.5}
+              for _ in range(rng.choice((0, 0, 1, 2)))]
+    aborts = [{"step": a["step"] + rng.randint(0, 8), "req": a["req"]}
+              for a in arrivals if rng.random() < 0.1]
+    threshold = rng.choice((0, 0, 0, bs // 2 + 1, 2 * bs))
+    return {
+        "name": f"{layout}-{seed}",
+        "config": {"block_size": sched_bs, "num_blocks": num_blocks,
+                   "max_num_batched_tokens": budget, "max_num_seqs": rng.choice((2, 4, 8)),
+                   "max_model_len": max_len, "enable_prefix_caching": mode == "align",
+                   "long_prefill_token_threshold": threshold,
+                   "policy": rng.choice(("fcfs", "fcfs", "priority"))},
+        "groups": groups,
+        "retention": rng.choice((0, 0, 0, None, 2 * bs, 4 * bs)) if mode == "align" else 0,
+        "async": rng.random() < 0.35 if async_scheduling is None else async_scheduling,
+        "spec": k,
+        "arrivals": arrivals, "resets": resets, "aborts": aborts,
+    }
 
 
 def main(argv: list[str]) -> int:

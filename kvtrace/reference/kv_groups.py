@@ -143,9 +143,10 @@ class FullAttentionGroup:
 
     def cache(self, request: Request, num_tokens: int, boundaries: tuple[int, ...]) -> None:
         """Make the table's full blocks among the first ``num_tokens`` tokens
-        hash-visible (ST:476-534)."""
+        hash-visible (ST:476-534), those whose hash exists (they lag with
+        lookahead hashes, ST:502-503)."""
         req_id = request.request_id
-        num_full = num_tokens // self.block_size
+        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
         num_cached = self.num_cached.get(req_id, 0)
         if num_cached >= num_full:
             return
@@ -421,14 +422,16 @@ class GroupedKVCacheManager:
     evict_blocks = KVCacheManager.evict_blocks
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
-        """Make full blocks hash-visible in every group, up to a block
-        boundary (KC:340-378, KC:438-450); a sliding-window or state group
-        keeps what a hit ending at the prompt's replay boundary (its last
-        token but one) and at the request's shared-prefix boundary needs."""
+        """Make full blocks hash-visible in every group (KC:340-378); a
+        sliding-window or state group keeps what a hit ending at the prompt's
+        replay boundary (its last token but one) and at the request's
+        shared-prefix boundary needs. Several groups are told the tokens up to
+        a block boundary (KC:767-794), one group all of them (KC:346-352),
+        which a state group's boundary state reads (state_groups.py)."""
         if not self.enable_caching:
             return
-        bs = self.block_size
-        num_tokens = min(num_tokens, len(request.block_hashes) * bs) // bs * bs
+        if len(self.groups) > 1:
+            num_tokens = num_tokens // self.block_size * self.block_size
         boundaries = (request.num_prompt_tokens - 1,)
         if request.shared_prefix_boundary:
             boundaries += (request.shared_prefix_boundary,)
