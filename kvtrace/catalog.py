@@ -13,6 +13,11 @@ EMBEDDED_WORKLOADS = {
     "load-failures": "external hits whose loads fail, whole or by block",
     "hybrid": "a sliding-window and a full-attention KV-cache group (Gemma 3's cache)",
     "sliding-window": "every layer windowed: one sliding-window KV-cache group",
+    "hybrid-state": "three gated-delta-net state groups and full attention (Qwen3-Next's cache)",
+    "hybrid-state-checkpoint": "Mamba2 state groups with prefill checkpoints and full attention "
+                               "(Nemotron-H's)",
+    "hybrid-state-uncached": "state groups without prefix caching: one state per request",
+    "hybrid-three-kinds": "a sliding window, full attention and a state group (Qwen3.5's shape)",
 }
 
 EMBEDDED_FAULTS = {

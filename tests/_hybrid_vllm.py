@@ -140,10 +140,12 @@ def states_on():
     groups (``state_header``) and the check of what it can set up."""
     from kvtrace import baseline
     from kvtrace.record.vllm import header as vh
+    from kvtrace.record.vllm import rerun
     from kvtrace.record.vllm import rerun_setup as rs
     from kvtrace.trace.io import TraceError
 
-    saved = rs.build_kv_cache_config, rs.build_vllm_config, vh.build_header, rs.check_supported
+    saved = (rs.build_kv_cache_config, rs.build_vllm_config, vh.build_header, rs.check_supported,
+             rerun.check_supported)
     build_config, build_header = rs.build_vllm_config, vh.build_header
 
     def vllm_config(header: ev.Header) -> Any:
@@ -167,11 +169,13 @@ def states_on():
             raise TraceError(path, 1, why)
 
     rs.build_kv_cache_config = lambda n, bs, f=None: kv_cache_config(n, bs, f)
-    rs.build_vllm_config, vh.build_header, rs.check_supported = vllm_config, recorder_header, check
+    rs.build_vllm_config, vh.build_header = vllm_config, recorder_header
+    rs.check_supported = rerun.check_supported = check
     try:
         yield
     finally:
-        rs.build_kv_cache_config, rs.build_vllm_config, vh.build_header, rs.check_supported = saved
+        (rs.build_kv_cache_config, rs.build_vllm_config, vh.build_header, rs.check_supported,
+         rerun.check_supported) = saved
 
 
 # --------------------------------------------------------------------------- the run

@@ -494,6 +494,8 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
     failed = None   # why replay stopped before the end of the trace
     try:
         _check_supported(header, path, chosen)
+        if device and any(g.kind == "MambaSpec" for g in header.features.kv_cache_groups or ()):
+            device = None   # the content check reads attention KV: not yet a state group's
         if device:
             _check_fits(header, path)
             device = pick_backend(device, path, header.config.num_blocks, header.config.block_size)
