@@ -44,6 +44,9 @@ def header_of(wl: dict) -> ev.Header:
     """The header a recording of ``wl`` starts from: its config and groups."""
     c = dict(wl["config"])
     c.setdefault("max_num_scheduled_tokens", None)
+    if wl.get("connector"):   # kvtrace's scripted connector, keeping the groups (SupportsHMA)
+        c["connector"] = ev.ConnectorConfig("ScriptedHMAConnector",
+                                            wl["connector"].get("policy", "fail"))
     # A sliding window's admission cap, as vLLM derives it (KI:859-885): its
     # window and the tokens of the steps in flight.
     in_flight = c["max_num_batched_tokens"] * (2 if wl.get("async") else 1)
@@ -68,6 +71,8 @@ def header_of(wl: dict) -> ev.Header:
     if wl.get("spec"):
         features.update(num_speculative_tokens=wl["spec"], speculative_method="ngram",
                         num_draft_slots=0, num_lookahead_tokens=0)
+    if wl.get("connector"):
+        features["kv_role"] = "kv_consumer"
     return ev.Header(engine="vllm", engine_version="", config=ev.SchedulerConfig(**c),
                      features=features)
 
@@ -178,6 +183,36 @@ def states_on():
          rerun.check_supported) = saved
 
 
+@contextlib.contextmanager
+def scripted(connector: dict | None):
+    """While it lasts, the scheduler built from a header with a connector gets
+    kvtrace's scripted connector (``connector["rules"]``: its external hits)
+    instead of the replay connector, which answers as a recording did."""
+    if not connector:
+        yield
+        return
+    from kvtrace.record.vllm import rerun_setup as rs
+
+    build = rs.build_vllm_config
+
+    def vllm_config(header: ev.Header) -> Any:
+        from vllm.config import KVTransferConfig
+
+        vc = build(header)
+        vc.kv_transfer_config = KVTransferConfig(
+            kv_connector="ScriptedHMAConnector",
+            kv_connector_module_path="kvtrace.record.vllm.scripted_connector",
+            kv_role="kv_consumer", kv_load_failure_policy=connector.get("policy", "fail"),
+            kv_connector_extra_config={"rules": connector["rules"]})
+        return vc
+
+    rs.build_vllm_config = vllm_config
+    try:
+        yield
+    finally:
+        rs.build_vllm_config = build
+
+
 # --------------------------------------------------------------------------- the run
 
 
@@ -195,7 +230,7 @@ def record(wl: dict, out_path: str, step_limit: int = 3000) -> dict:
     from kvtrace.record.vllm.rerun_setup import build_scheduler, resolve_scheduler_cls
 
     header = header_of(wl)
-    with states_on():
+    with states_on(), scripted(wl.get("connector")):
         cls = resolve_scheduler_cls(None, bool(wl.get("async")))
         sched, _ = build_scheduler(header, out_path, cls, meta={"model_free_states": True})
     rec = sched._kvtrace
@@ -206,6 +241,11 @@ def record(wl: dict, out_path: str, step_limit: int = 3000) -> dict:
         hasher = get_request_block_hasher(header.config.block_size, hash_fn)
     model = ModelFreeExecutor.__new__(ModelFreeExecutor)   # its model only, no engine
     model.scheduler, model.connector, model.drafts, model.pending = sched, None, {}, None
+    if wl.get("connector"):   # its worker side, as vLLM's model runner calls it
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        model.connector = type(sched.connector)(sched.vllm_config, KVConnectorRole.WORKER,
+                                                sched.kv_cache_config)
     model.num_spec_tokens = int(wl.get("spec") or 0)
     model.async_scheduling = bool(wl.get("async"))
     arrivals = sorted(wl.get("arrivals", ()), key=lambda a: a["step"])
@@ -349,6 +389,13 @@ def random_workload(seed: int, layout: str | None = None, async_scheduling: bool
     aborts = [{"step": a["step"] + rng.randint(0, 8), "req": a["req"]}
               for a in arrivals if rng.random() < 0.1]
     threshold = rng.choice((0, 0, 0, bs // 2 + 1, 2 * bs))
+    connector = None
+    if mode == "align" and rng.random() < 0.3:
+        # An external store holding a family's head, of whole blocks or not,
+        # loaded at once or asynchronously.
+        connector = {"rules": [{"prefix": f[:bs], "hit": rng.randint(1, len(f)),
+                                "async": rng.random() < 0.4, "delay_steps": rng.randint(1, 3)}
+                               for f in families if rng.random() < 0.7]}
     return {
         "name": f"{layout}-{seed}",
         "config": {"block_size": sched_bs, "num_blocks": num_blocks,
@@ -360,7 +407,7 @@ def random_workload(seed: int, layout: str | None = None, async_scheduling: bool
         "retention": rng.choice((0, 0, 0, None, 2 * bs, 4 * bs)) if mode == "align" else 0,
         "async": rng.random() < 0.35 if async_scheduling is None else async_scheduling,
         "spec": k,
-        "arrivals": arrivals, "resets": resets, "aborts": aborts,
+        "arrivals": arrivals, "resets": resets, "aborts": aborts, "connector": connector,
     }
 
 
