@@ -76,6 +76,7 @@ def config_from_header(header: ev.Header, profile: Profile | None = None) -> Sch
         kv_groups=tuple(group_spec(g, c.block_size) for g in f.kv_cache_groups or ()),
         prefix_cache_retention=(None if f.prefix_cache_retention_dense
                                 else f.prefix_cache_retention_interval or 0),
+        connector_restores_states=bool(c.connector and f.supports_divergent_local_hybrid_hits),
         profile=profile,
     )
 
@@ -126,6 +127,7 @@ def header_features(cfg: SchedulerConfig) -> dict:
            if cfg.num_spec_tokens and cfg.eagle_block_drop else {}),
         **({"lora": True, "max_loras": cfg.max_loras} if cfg.max_loras else {}),
         **(_group_features(cfg) if cfg.kv_groups else {}),
+        **({"supports_divergent_local_hybrid_hits": True} if cfg.connector_restores_states else {}),
     }
 
 

@@ -119,12 +119,19 @@ _ALL = (
          "tokens, block_size) blocks; a preemption or a free returns them all.",
          "recorded r1's table [1, 2, 3], expected [1, 2]: after a step that computes "
          "tokens 0-29 at block size 16 the table holds cdiv(30, 16) = 2 blocks"),
-    Rule("4.9", "each KV-cache group's table: blocks before a sliding window are given back "
-                "as the null block 0; a prefix hit holds in every group",
+    Rule("4.9", "each KV-cache group's table: blocks before a sliding window, and states "
+                "before a request's last, are given back as the null block 0; a prefix hit "
+                "holds in every group",
          "With several KV-cache groups each keeps its own table from the one pool. A "
          "sliding-window group gives back each block wholly before the window of the "
          "request's next token, and the null block 0 takes its place (ST:645-710, "
-         "KM:560-572); a prefix hit is the length every group holds (KC:846-961).",
+         "KM:560-572). A state group (Mamba, linear attention) in align mode keeps the "
+         "state after (p + 1) * block_size tokens at slot p, null where it keeps none, "
+         "gives back every state before the last processed one (ST:1592-1641) and takes "
+         "at most one new state, a checkpoint and its speculative blocks a step "
+         "(ST:1676-1906). A prefix hit is the length every group holds (KC:796-931); a "
+         "state group's hit is its rightmost cached state (ST:1454-1531), not one cached "
+         "in the same step (ST:1688-1697).",
          "group 1 (window 32) of r0 at 50 computed tokens: recorded [0, 0, 9, 10], "
          "expected [0, 8, 9, 10]: the window reads from position 19, so block 8 "
          "(positions 16-31) is still needed",
@@ -198,6 +205,19 @@ _ALL = (
          "5.2, B1).",
          "r2's table has 3 blocks, expected >= 4: 50 computed tokens at block size 16 "
          "need cdiv(50, 16) = 4",
+         _INVARIANTS),
+    Rule("B6", "a request resumes from the state of its whole hit",
+         "A request admitted at c > 0 computed tokens holds, in each state group that keeps "
+         "states at block boundaries, a block at slot cdiv(c, block_size) - 1, the state "
+         "after c tokens: its local hit's cached state (ST:267-324), or the block its "
+         "external hit loads that state into (ST:326-367). A lookup that takes full "
+         "attention's hit past the state a state group holds leaves the null block there "
+         "(LMCache #4247, vLLM 0.26); vLLM 0.32 takes it only for a connector that restores "
+         "states, and falls back to the hit every group holds when the connector finds "
+         "nothing (S:558-568, S:1029-1037).",
+         "step 5, turn-3's group 0 state slot 3: recorded 0, expected a state block: turn-3 "
+         "was admitted at 64 computed tokens with no external hit, and group 0 holds no "
+         "state after 64 tokens",
          _INVARIANTS),
     Rule("B5", "free blocks = blocks with no reference",
          "A block is in the free queue exactly when its reference count is 0 and it is not "

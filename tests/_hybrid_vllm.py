@@ -45,7 +45,7 @@ def header_of(wl: dict) -> ev.Header:
     c = dict(wl["config"])
     c.setdefault("max_num_scheduled_tokens", None)
     if wl.get("connector"):   # kvtrace's scripted connector, keeping the groups (SupportsHMA)
-        c["connector"] = ev.ConnectorConfig("ScriptedHMAConnector",
+        c["connector"] = ev.ConnectorConfig(_connector_name(wl["connector"]),
                                             wl["connector"].get("policy", "fail"))
     # A sliding window's admission cap, as vLLM derives it (KI:859-885): its
     # window and the tokens of the steps in flight.
@@ -73,6 +73,7 @@ def header_of(wl: dict) -> ev.Header:
                         num_draft_slots=0, num_lookahead_tokens=0)
     if wl.get("connector"):
         features["kv_role"] = "kv_consumer"
+        features["supports_divergent_local_hybrid_hits"] = bool(wl["connector"].get("divergent"))
     return ev.Header(engine="vllm", engine_version="", config=ev.SchedulerConfig(**c),
                      features=features)
 
@@ -134,6 +135,9 @@ def state_header(sched: Any, header: ev.Header) -> ev.Header:
         g.prefill_checkpoint_alignment = spec.prefill_checkpoint_alignment
     f.enable_mamba_shared_prefix_checkpoint = bool(
         getattr(sched.vllm_config.cache_config, "enable_mamba_shared_prefix_checkpoint", False))
+    if sched.connector is not None:
+        f.supports_divergent_local_hybrid_hits = bool(
+            getattr(sched.connector, "supports_divergent_local_hybrid_hits", False))
     return header
 
 
@@ -183,6 +187,23 @@ def states_on():
          rerun.check_supported) = saved
 
 
+def _connector_name(connector: dict) -> str:
+    return "DivergentScriptedConnector" if connector.get("divergent") else "ScriptedHMAConnector"
+
+
+def __getattr__(name: str) -> Any:
+    """``DivergentScriptedConnector``: the scripted connector as one that
+    restores a state group's lagging state (as NIXL does), built when vLLM's
+    connector factory asks for it."""
+    if name != "DivergentScriptedConnector":
+        raise AttributeError(name)
+    from kvtrace.record.vllm.scripted_connector import ScriptedHMAConnector
+
+    cls = type(name, (ScriptedHMAConnector,), {"supports_divergent_local_hybrid_hits": True})
+    globals()[name] = cls
+    return cls
+
+
 @contextlib.contextmanager
 def scripted(connector: dict | None):
     """While it lasts, the scheduler built from a header with a connector gets
@@ -199,9 +220,11 @@ def scripted(connector: dict | None):
         from vllm.config import KVTransferConfig
 
         vc = build(header)
+        divergent = connector.get("divergent")
         vc.kv_transfer_config = KVTransferConfig(
-            kv_connector="ScriptedHMAConnector",
-            kv_connector_module_path="kvtrace.record.vllm.scripted_connector",
+            kv_connector=_connector_name(connector),
+            kv_connector_module_path=(__name__ if divergent
+                                      else "kvtrace.record.vllm.scripted_connector"),
             kv_role="kv_consumer", kv_load_failure_policy=connector.get("policy", "fail"),
             kv_connector_extra_config={"rules": connector["rules"]})
         return vc
@@ -395,7 +418,8 @@ def random_workload(seed: int, layout: str | None = None, async_scheduling: bool
         # loaded at once or asynchronously.
         connector = {"rules": [{"prefix": f[:bs], "hit": rng.randint(1, len(f)),
                                 "async": rng.random() < 0.4, "delay_steps": rng.randint(1, 3)}
-                               for f in families if rng.random() < 0.7]}
+                               for f in families if rng.random() < 0.7],
+                     "divergent": rng.random() < 0.4}
     return {
         "name": f"{layout}-{seed}",
         "config": {"block_size": sched_bs, "num_blocks": num_blocks,

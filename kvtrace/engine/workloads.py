@@ -17,8 +17,9 @@ requests hit each other's blocks in the prefix cache and in the external store.
   (invalid_block_ids), some of those reported a step late.
 * ``hybrid``, ``sliding-window``: sliding-window KV-cache groups.
 * ``hybrid-state``, ``hybrid-state-checkpoint``, ``hybrid-state-uncached``,
-  ``hybrid-three-kinds``: state (Mamba, gated delta net) KV-cache groups
-  beside full attention (and a sliding window).
+  ``hybrid-state-offload``, ``hybrid-three-kinds``: state (Mamba, gated delta
+  net) KV-cache groups beside full attention (and a sliding window; an
+  external store).
 """
 
 from __future__ import annotations
@@ -200,6 +201,19 @@ def hybrid_state_uncached(seed: int, requests: int | None = None) -> Workload:
                      requests, block_size=512, caching=False)
 
 
+def hybrid_state_offload(seed: int, requests: int | None = None) -> Workload:
+    """Qwen3-Next's KV cache with an external store that holds documents and
+    saves what requests computed: external hits after a local hit, where full
+    attention often hits further than the state groups keep a state."""
+    wl = _stateful("hybrid-state-offload", seed, (GroupSpec(state=GDN),) * 3 + (GroupSpec(),),
+                   requests)
+    rng = _rng("hybrid-state-offload-store", seed)
+    documents = tuple(a.prompt[: rng.randint(20, len(a.prompt))] for a in wl.arrivals[:3])
+    store = StoreSettings(capacity_tokens=4000, preload=documents, async_fraction=0.3,
+                          async_delay_steps=2)
+    return replace(wl, store=store)
+
+
 def hybrid_three_kinds(seed: int, requests: int | None = None) -> Workload:
     """Three kinds of group at once: a sliding window, full attention and a
     gated-delta-net state group (Qwen3.5's shape)."""
@@ -266,6 +280,7 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "hybrid-state": hybrid_state,
     "hybrid-state-checkpoint": hybrid_state_checkpoint,
     "hybrid-state-uncached": hybrid_state_uncached,
+    "hybrid-state-offload": hybrid_state_offload,
     "hybrid-three-kinds": hybrid_three_kinds,
 }
 

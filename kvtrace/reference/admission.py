@@ -119,10 +119,20 @@ class Admission:
             return Lookup([], 0, 0, False, r.num_computed_tokens)
         if r.resumable and r.hash_lookahead:
             r.rehash()   # a turn's dropped token may linger in a lookahead hash (S:1111-1115)
-        hits, num_local = self._local_prefix_hit(r)
+        lags = False
+        if self.config.connector_restores_states and self.connector is not None and self.kv_groups:
+            # Full attention's own hit, a state group's lagging state to come
+            # with the external hit (S:558-568).
+            hits, num_local, lags = self.kv.get_computed_blocks_for_connector(r)
+        else:
+            hits, num_local = self._local_prefix_hit(r)
         num_external, load_async = self._external_hit(r, num_local)
         if num_external is None:
             return None
+        if lags and not num_external:
+            # No external hit brings the lagging state: the hit every group
+            # holds (S:1029-1037).
+            hits, num_local = self.kv.get_computed_blocks(r)
         num_computed = num_local + num_external
         if num_computed > r.num_tokens:
             raise SchedulerAssertion(r.request_id, "S:1048 local + external hit exceeds num_tokens")

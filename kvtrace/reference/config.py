@@ -113,6 +113,10 @@ class SchedulerConfig:
     # ending on each multiple of this many tokens and on the prompt's replay
     # boundary needs (0: the boundary only); None: every block.
     prefix_cache_retention: int | None = 0
+    # The connector restores a state group's lagging state at the end of its
+    # external hit (vLLM's supports_divergent_local_hybrid_hits, NIXL's): a
+    # lookup takes full attention's own hit as the local one (S:558-568).
+    connector_restores_states: bool = False
     # Which release's rules to follow where releases differ (profiles.py).
     profile: Profile = DEFAULT
 

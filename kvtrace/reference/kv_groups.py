@@ -248,6 +248,7 @@ class GroupedKVCacheManager:
         # A speculative step's blocks are reserved in the attention groups only:
         # a state group keeps its speculative blocks already (S:347-357).
         self.spec_step_block_sizes = tuple(g.block_size for g in self.groups if g.spec_step_blocks)
+        self.has_states = any(spec.state is not None for spec in config.kv_groups)
 
     def _group(self, gid: int, spec: GroupSpec, config: SchedulerConfig) -> FullAttentionGroup:
         block_size = spec.block_size or self.block_size
@@ -300,6 +301,32 @@ class GroupedKVCacheManager:
         request.shared_prefix_boundary = longest if longest > hit_length else 0
         out = tuple(h or [] for h in hits)
         return (out if any(out) else ()), hit_length
+
+    def get_computed_blocks_for_connector(self, request: Request
+                                          ) -> tuple[tuple[list[Block], ...], int, bool]:
+        """The lookup under a connector that restores a state group's lagging
+        state (KM:323-369, KC:933-977): each group's hit on its own, full
+        attention's taken as the local hit, and whether a group lags behind it.
+        A group that hits further than full attention (whose blocks were
+        evicted) makes it the hit every group holds."""
+        fa = self.lookup_order[0]
+        if not (self.has_states and len(self.groups) > 1 and self._full_attention(fa)):
+            return (*self.get_computed_blocks(request), False)
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            request.shared_prefix_boundary = 0
+            return (), 0, False
+        hits: list[list[Block]] = [[] for _ in self.groups]
+        lengths = [0] * len(self.groups)
+        for gids in self.lookup_order:
+            found, length = self.groups[gids[0]].find_hit(request.block_hashes,
+                                                          request.num_tokens - 1, gids)
+            for g, blocks in zip(gids, found):
+                hits[g], lengths[g] = blocks, length
+        local = lengths[fa[0]]
+        if max(lengths) > local:
+            return (*self.get_computed_blocks(request), False)
+        request.shared_prefix_boundary = 0
+        return (tuple(hits) if any(hits) else ()), local, min(lengths) < local
 
     def _full_attention(self, gids: list[int]) -> bool:
         return type(self.groups[gids[0]]) is FullAttentionGroup

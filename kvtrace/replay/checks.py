@@ -392,6 +392,8 @@ def step_invariants(rec: ev.Step, cfg: ev.SchedulerConfig, prev_preemptions: dic
                                    tuple(w == IN_NEW_BLOCKS for w in windowed))
                    for s in rec.running)):
         d(None, "block_ids", 0, f"1..{cfg.num_blocks - 1}", "4.5: block 0 is the null block", "block")
+    if IN_NEW_BLOCKS in windowed and rec.lookups:
+        _resumes_from_a_state(rec, windowed, block_size, d)
     for lk in rec.lookups:
         if lk.ext is not None and lk.ext < 0:
             d(lk.req, "lookup.ext", lk.ext, ">= 0",
@@ -416,6 +418,31 @@ def null_blocks(features: ev.SchedulerFeatures) -> tuple[str | None, ...]:
         else:
             out.append(IN_TABLES if g.sliding_window is not None else None)
     return tuple(out)
+
+
+def _resumes_from_a_state(rec: ev.Step, windowed: tuple, block_size: int, d) -> None:
+    """B6: a request admitted from a lookup at c > 0 computed tokens holds,
+    in each aligned state group, a block at the slot of the state after c
+    tokens, cdiv(c, block_size) - 1: its local hit's state, or the block its
+    external hit loads that state into (ST:267-367). A hit taken from full
+    attention alone, past the state a state group holds, leaves the null
+    block there: the request would resume from a state never written
+    (LMCache #4247's shape; vLLM's own such lookup, for a connector that
+    restores states, falls back when the connector finds nothing, S:1029-1037)."""
+    looked_up = {lk.req for lk in rec.lookups}
+    states = [g for g, w in enumerate(windowed) if w == IN_NEW_BLOCKS]
+    for s in (*rec.new, *rec.resumed):
+        c = s.num_computed_tokens
+        if c <= 0 or s.req not in looked_up:
+            continue
+        slot = -(-c // block_size) - 1
+        tables = [s.block_ids, *(s.more_groups or ())]
+        for g in states:
+            table = tables[g] if g < len(tables) else []
+            if slot >= len(table) or table[slot] == 0:
+                d(s.req, f"group {g} state slot {slot}",
+                  table[slot] if slot < len(table) else None, "a state block",
+                  "B6: a request resumes from the state of its whole hit", "block")
 
 
 def _holds_null(ids: list[int], more: list[list[int]] | None, windowed: tuple) -> bool:
