@@ -158,6 +158,10 @@ def states_on():
     build_config, build_header = rs.build_vllm_config, vh.build_header
 
     def vllm_config(header: ev.Header) -> Any:
+        # The replay connector restores states if the recorded one did.
+        restores = bool(header.features.supports_divergent_local_hybrid_hits)
+        replay_connector = rs._connector_module().ReplayConnector
+        replay_connector.supports_divergent_local_hybrid_hits = property(lambda self: restores)
         vc = build_config(header)
         modes = {g.mamba_cache_mode for g in header.features.kv_cache_groups or ()
                  if g.kind == "MambaSpec"}
@@ -185,6 +189,9 @@ def states_on():
     finally:
         (rs.build_kv_cache_config, rs.build_vllm_config, vh.build_header, rs.check_supported,
          rerun.check_supported) = saved
+        replay_connector = rs._connector_module().ReplayConnector
+        if "supports_divergent_local_hybrid_hits" in vars(replay_connector):
+            del replay_connector.supports_divergent_local_hybrid_hits
 
 
 def _connector_name(connector: dict) -> str:
