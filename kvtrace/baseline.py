@@ -114,6 +114,9 @@ def kv_cache_groups(f: SchedulerFeatures, block_size: int,
         if any(k in SLIDING_WINDOW for k in kinds):
             return ("a sliding-window KV-cache group, and the trace does not list its spec "
                     "(kv_cache_groups)")
+        if any(k in STATE for k in kinds):
+            return ("a state (MambaSpec) KV-cache group, and the trace does not list its spec "
+                    "(kv_cache_groups)")
         return None
     if n is not None and n != len(f.kv_cache_groups):
         return (f"num_kv_cache_groups is {n} but kv_cache_groups lists "

@@ -206,6 +206,12 @@ _ALL = (
          "r2's table has 3 blocks, expected >= 4: 50 computed tokens at block size 16 "
          "need cdiv(50, 16) = 4",
          _INVARIANTS),
+    Rule("B5", "free blocks = blocks with no reference",
+         "A block is in the free queue exactly when its reference count is 0 and it is not "
+         "the null block, and num_free_blocks is the queue's length (BP:774-805, "
+         "semantics 5.2, B5).",
+         "recorded num_free_blocks 120, expected 118: two blocks that r4 still holds are "
+         "counted free"),
     Rule("B6", "a request resumes from the state of its whole hit",
          "A request admitted at c > 0 computed tokens holds, in each state group that keeps "
          "states at block boundaries, a block at slot cdiv(c, block_size) - 1, the state "
@@ -219,12 +225,6 @@ _ALL = (
          "was admitted at 64 computed tokens with no external hit, and group 0 holds no "
          "state after 64 tokens",
          _INVARIANTS),
-    Rule("B5", "free blocks = blocks with no reference",
-         "A block is in the free queue exactly when its reference count is 0 and it is not "
-         "the null block, and num_free_blocks is the queue's length (BP:774-805, "
-         "semantics 5.2, B5).",
-         "recorded num_free_blocks 120, expected 118: two blocks that r4 still holds are "
-         "counted free"),
     Rule("SD1", "the tokens sampled are the drafts accepted and one more",
          "Speculative decoding: a request's sampled tokens are its drafts accepted, in "
          "order, then one token of the model's own; a padding draft (-1) is never "

@@ -315,7 +315,7 @@ def test_a_linear_attention_hybrid_is_recorded_and_refused_by_replay_naming_it(t
     assert r.header.features.has_mamba_layers is True
     assert "MambaSpec" in r.header.features.kv_cache_group_kinds
     assert evs[-1].status == "complete" and any(e.kind == "step" for e in evs)
-    _refused_by_both(capsys, out, "Mamba layers is on (has_mamba_layers=True)")
+    _refused_by_both(capsys, out, "KV-cache group 0 (MambaSpec) does not say its mamba_cache_mode")
 
 
 def test_an_engine_that_takes_prompt_embeddings_and_gets_token_ids_replays_clean(tmp_path):

@@ -483,7 +483,8 @@ def test_the_watermark_the_recording_names_is_the_replay_s_too(tmp_path):
     ({"num_kv_cache_groups": 2}, "2 KV-cache groups"),
     ({"kv_cache_group_kinds": ["SlidingWindowSpec"]},
      r"a sliding-window KV-cache group, and the trace does not list its spec \(kv_cache_groups\)"),
-    ({"kv_cache_group_kinds": ["MambaSpec"]}, "kind 'MambaSpec', not full or sliding-window attention"),
+    ({"kv_cache_group_kinds": ["MambaSpec"]},
+     r"a state \(MambaSpec\) KV-cache group, and the trace does not list its spec"),
     # A size of true is not 1 (True == 1 in Python): the same type checks as the reference's replay.
     ({"decode_context_parallel_size": True},
      "field 'features.decode_context_parallel_size': expected an integer or null, got a boolean"),
