@@ -139,10 +139,13 @@ def kv_cache_groups(f: SchedulerFeatures, block_size: int,
     states = [g for g in f.kv_cache_groups if g.kind in STATE]
     if len({g.mamba_cache_mode for g in states}) > 1:
         return "state groups of different cache modes (mamba_cache_mode)"
-    if f.use_eagle and any(g.sliding_window for g in f.kv_cache_groups):
-        return "EAGLE with a sliding-window KV-cache group"
-    if f.use_eagle and states:
-        return "EAGLE with a state (Mamba) KV-cache group"
+    # EAGLE changes which blocks a hit and the cache keep (KC:128-177,
+    # KC:65-86, ST:1110-1122): not modelled with these groups; without
+    # prefix caching it only adds lookahead slots, which are.
+    if f.use_eagle and enable_prefix_caching and any(g.sliding_window for g in f.kv_cache_groups):
+        return "EAGLE with a sliding-window KV-cache group and prefix caching"
+    if f.use_eagle and enable_prefix_caching and states:
+        return "EAGLE with a state (Mamba) KV-cache group and prefix caching"
     if states and f.num_hash_lookahead_tokens:
         return (f"lookahead block hashes (num_hash_lookahead_tokens={f.num_hash_lookahead_tokens}) "
                 "with a state (Mamba) KV-cache group")

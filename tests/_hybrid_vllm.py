@@ -68,7 +68,11 @@ def header_of(wl: dict) -> ev.Header:
         features["prefix_cache_retention_dense"] = True
     elif retention:
         features["prefix_cache_retention_interval"] = retention
-    if wl.get("spec"):
+    if wl.get("spec") and wl.get("eagle"):   # an EAGLE head: lookahead slots, the block drop
+        features.update(num_speculative_tokens=wl["spec"], speculative_method="eagle",
+                        num_draft_slots=0, num_lookahead_tokens=wl["spec"], use_eagle=True,
+                        eagle_block_drop=True, num_prefill_lookahead_tokens=1)
+    elif wl.get("spec"):
         features.update(num_speculative_tokens=wl["spec"], speculative_method="ngram",
                         num_draft_slots=0, num_lookahead_tokens=0)
     if wl.get("connector"):
@@ -346,7 +350,8 @@ def state_group(block_size: int, kind: str = "gdn", mode: str = "align", spec: i
     return g
 
 
-LAYOUTS = ("gdn", "mamba2", "mamba2-nockpt", "pure", "three-kinds", "none", "none-pure")
+LAYOUTS = ("gdn", "mamba2", "mamba2-nockpt", "pure", "three-kinds", "none", "none-pure",
+           "none-three-kinds")
 
 
 def random_workload(seed: int, layout: str | None = None, async_scheduling: bool | None = None,
@@ -381,7 +386,9 @@ def random_workload(seed: int, layout: str | None = None, async_scheduling: bool
               "three-kinds": [{"kind": "SlidingWindowSpec", "block_size": bs,
                                "sliding_window": window}, full, gdn],
               "none": [gdn] * rng.randint(1, 3) + [full],
-              "none-pure": [gdn]}[layout]
+              "none-pure": [gdn],
+              "none-three-kinds": [{"kind": "SlidingWindowSpec", "block_size": bs,
+                                    "sliding_window": window}, full, gdn]}[layout]
     if layout == "mamba2" and rng.random() < 0.3:
         groups = [full] + groups[:-1]   # full attention first (Falcon-H1)
     sched_bs = math.lcm(*(g["block_size"] for g in groups))
@@ -438,6 +445,8 @@ def random_workload(seed: int, layout: str | None = None, async_scheduling: bool
         "retention": rng.choice((0, 0, 0, None, 2 * bs, 4 * bs)) if mode == "align" else 0,
         "async": rng.random() < 0.35 if async_scheduling is None else async_scheduling,
         "spec": k,
+        # Without prefix caching a drafter's head only adds lookahead slots.
+        "eagle": bool(k) and mode == "none" and rng.random() < 0.5,
         "arrivals": arrivals, "resets": resets, "aborts": aborts, "connector": connector,
     }
 

@@ -264,10 +264,17 @@ STATE = {"kind": "MambaSpec", "block_size": 64, "mamba_type": "gdn_attn",
 FULL = {"kind": "FullAttentionSpec", "block_size": 64}
 
 
+EAGLE = dict(use_eagle=True, num_speculative_tokens=2, num_draft_slots=0, eagle_block_drop=True,
+             num_prefill_lookahead_tokens=1)
+
+
 def test_state_groups_are_inside_the_baseline():
     assert baseline.outside(_features([STATE, FULL]), 64) is None
     uncached = {**STATE, "mamba_cache_mode": "none", "block_size": 1024}
     assert baseline.outside(_features([uncached, FULL]), 1024, enable_prefix_caching=False) is None
+    # Without prefix caching an EAGLE head only adds lookahead slots.
+    assert baseline.outside(_features([uncached, FULL], **EAGLE), 1024,
+                            enable_prefix_caching=False) is None
 
 
 @pytest.mark.parametrize("features, caching, words", [
@@ -277,9 +284,8 @@ def test_state_groups_are_inside_the_baseline():
     (_features([{**STATE, "mamba_cache_mode": "none"}, FULL]), True, "with prefix caching on"),
     (_features([STATE, {**STATE, "mamba_cache_mode": "none"}, FULL]), False, "cache modes"),
     (_features([{**STATE, "block_size": 1024}, FULL]), True, "different block sizes"),
-    (_features([STATE, FULL], use_eagle=True, num_speculative_tokens=2, num_draft_slots=0,
-               eagle_block_drop=True, num_prefill_lookahead_tokens=1), True,
-     "EAGLE with a state"),
+    (_features([STATE, FULL], **EAGLE), True,
+     "EAGLE with a state (Mamba) KV-cache group and prefix caching"),
 ])
 def test_what_state_groups_the_reference_refuses(features, caching, words):
     f = features if isinstance(features, ev.SchedulerFeatures) else ev.features_from(features)
