@@ -90,6 +90,7 @@ class StateGroup(FullAttentionGroup):
         self.checkpoints: dict[str, tuple[int, int]] = {}
 
     def skipped_tokens(self, num_computed: int) -> int:
+        """Tokens whose states are no longer needed: all but the last."""
         return max(num_computed - 1, 0)
 
     def new_step_starts(self) -> None:
