@@ -10,8 +10,9 @@ or one that follows the batch size (dynamic speculative decoding, whose table
 the header holds). vLLM 0.32's scheduler reads nothing else of a drafter, so parallel
 drafting (P-EAGLE, PARD, DFlash, DSpark), which only takes more of those
 slots, is inside it too, though no trace of it was recorded here. So are
-full-attention and sliding-window KV-cache groups of one block size (Gemma 3,
-gpt-oss), prompt embeddings (``prompt_embeds``: each such arrival carries the
+KV-cache groups of full attention, sliding windows and states (Mamba, gated
+delta nets: ``MambaSpec``; Gemma 3, gpt-oss, Qwen3-Next, Nemotron-H), of one
+block size under prefix caching, prompt embeddings (``prompt_embeds``: each such arrival carries the
 digests vLLM keys its blocks with) and LoRA, where the header says how many
 adapters a step may run (``max_loras``) and each arrival names its adapter.
 
@@ -43,27 +44,37 @@ from kvtrace.trace.events import SchedulerFeatures, features_from
 FULL_ATTENTION = ("FullAttentionSpec", "MLAAttentionSpec")
 # Its SlidingWindowManager, modelled too (kvtrace/reference/kv_groups.py).
 SLIDING_WINDOW = ("SlidingWindowSpec",)
-MODELLED_KINDS = FULL_ATTENTION + SLIDING_WINDOW
+# Its MambaManager (kvtrace/reference/state_groups.py).
+STATE = ("MambaSpec",)
+MODELLED_KINDS = FULL_ATTENTION + SLIDING_WINDOW + STATE
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What of a header's config an entry may read beside its features."""
+
+    block_size: int
+    prefix_caching: bool = True
 
 
 @dataclass(frozen=True)
 class Refused:
     """One thing the reference does not model, which replay refuses in one line.
 
-    ``name``: what it is, as the docs list it. ``on(features, block_size,
+    ``name``: what it is, as the docs list it. ``on(features, setting,
     profile)``: where a header turns it on, in one line, or None. ``profile``
     is the version profile the reference follows, or None for what every
     replay refuses (the reference and ``--scheduler vllm`` alike); an entry
     that only some profiles refuse (``by_profile``) answers only with one."""
 
     name: str
-    on: Callable[[SchedulerFeatures, int, Any], str | None]
+    on: Callable[[SchedulerFeatures, Setting, Any], str | None]
     by_profile: bool = False
 
 
 def _flag(key: str, what: str) -> Callable:
     """On when the feature ``key`` is true or a number above 0."""
-    def on(f, block_size, profile):
+    def on(f, at, profile):
         v = getattr(f, key)
         return f"{what} is on ({key}={v!r})" if v else None
     return on
@@ -71,7 +82,7 @@ def _flag(key: str, what: str) -> Callable:
 
 def _size(key: str, what: str) -> Callable:
     """On when the size ``key`` is given and is not 1."""
-    def on(f, block_size, profile):
+    def on(f, at, profile):
         v = getattr(f, key)
         return f"{what} is on ({key}={v!r})" if v not in (None, 1) else None
     return on
@@ -84,21 +95,22 @@ def _group_kinds(f: SchedulerFeatures) -> list[str]:
 def _kinds(*kinds: str) -> Callable:
     """On for a KV-cache group of one of ``kinds``; with none, of any kind
     the reference does not model."""
-    def on(f, block_size, profile):
+    def on(f, at, profile):
         for k in _group_kinds(f):
             if (k in kinds) if kinds else k not in MODELLED_KINDS:
-                return f"a KV-cache group of kind {k!r}, not full or sliding-window attention"
+                return (f"a KV-cache group of kind {k!r}, not full attention, a sliding window "
+                        "or a state (MambaSpec)")
         return None
     return on
 
 
 def _either(*checks: Callable) -> Callable:
-    def on(f, block_size, profile):
-        return next((why for c in checks if (why := c(f, block_size, profile))), None)
+    def on(f, at, profile):
+        return next((why for c in checks if (why := c(f, at, profile))), None)
     return on
 
 
-def _multi_module_mtp(f, block_size, profile):
+def _multi_module_mtp(f, at, profile):
     ahead = f.num_prefill_lookahead_tokens
     if f.num_speculative_tokens and f.use_eagle and ahead is not None and ahead > 1:
         # Chunks end clear of the drafter's reads (S:575-589), and the last
@@ -108,26 +120,58 @@ def _multi_module_mtp(f, block_size, profile):
     return None
 
 
-def _group_block_sizes(f, block_size, profile):
+def _group_block_sizes(f, at, profile):
+    """Groups of another block size share prefix-cache hits at a finer hash
+    unit; without prefix caching the scheduler's block is a multiple of each
+    group's (a state group of max_model_len beside attention)."""
     for i, g in enumerate(f.kv_cache_groups or ()):
-        if g.block_size != block_size:
-            return f"KV-cache group {i} has block_size {g.block_size}, not the trace's {block_size}"
+        if g.block_size != at.block_size and (at.prefix_caching or at.block_size % g.block_size):
+            return (f"KV-cache group {i} has block_size {g.block_size}, not the trace's "
+                    f"{at.block_size}" + (" (groups of different block sizes share prefix-cache "
+                                          "hits at a finer hash unit, which is not modelled)"
+                                          if at.prefix_caching else ""))
     return None
 
 
-def _eagle_with_window(f, block_size, profile):
-    if f.use_eagle and any(g.sliding_window for g in f.kv_cache_groups or ()):
-        return "EAGLE with a sliding-window KV-cache group"
+def _eagle_with_groups(f, at, profile):
+    # EAGLE changes which blocks a hit and the cache keep (KC:128-177,
+    # KC:65-86, ST:1110-1122); without prefix caching it only adds lookahead
+    # slots, which are modelled.
+    groups = f.kv_cache_groups or ()
+    if f.use_eagle and at.prefix_caching:
+        if any(g.sliding_window for g in groups):
+            return "EAGLE with a sliding-window KV-cache group and prefix caching"
+        if any(g.kind in STATE for g in groups):
+            return "EAGLE with a state (Mamba) KV-cache group and prefix caching"
     return None
 
 
-def _hash_block_size(f, block_size, profile):
-    if f.hash_block_size not in (None, block_size):
-        return f"hash_block_size {f.hash_block_size!r} differs from block_size {block_size}"
+def _hash_block_size(f, at, profile):
+    if f.hash_block_size not in (None, at.block_size):
+        return f"hash_block_size {f.hash_block_size!r} differs from block_size {at.block_size}"
     return None
 
 
-def _async_under(f, block_size, profile):
+def _state_modes(f, at, profile):
+    states = [(i, g) for i, g in enumerate(f.kv_cache_groups or ()) if g.kind in STATE]
+    if len({g.mamba_cache_mode for _, g in states}) > 1:
+        return "state groups of different cache modes (mamba_cache_mode)"
+    for i, g in states:
+        if g.mamba_cache_mode == "none" and at.prefix_caching:
+            # vLLM 0.33 asserts against it (ST:1442-1444); no engine builds it.
+            return (f"KV-cache group {i} (MambaSpec) keeps one state per request "
+                    "(mamba_cache_mode 'none') with prefix caching on")
+    return None
+
+
+def _states_with_lookahead(f, at, profile):
+    if f.num_hash_lookahead_tokens and any(g.kind in STATE for g in f.kv_cache_groups or ()):
+        return (f"lookahead block hashes (num_hash_lookahead_tokens={f.num_hash_lookahead_tokens}) "
+                "with a state (Mamba) KV-cache group")
+    return None
+
+
+def _async_under(f, at, profile):
     if f.async_scheduling and not profile.async_scheduling_modelled:
         return (f"async scheduling under the {profile.name} profile ({profile.releases}): "
                 "its AsyncScheduler keeps a preempted request's output placeholders, which "
@@ -135,15 +179,16 @@ def _async_under(f, block_size, profile):
     return None
 
 
-def _windows_under(f, block_size, profile):
+def _groups_under(f, at, profile):
     if f.kv_cache_groups and not profile.hybrid_kv_modelled:
-        return (f"sliding-window KV-cache groups under the {profile.name} profile "
+        kind = "state" if any(g.kind in STATE for g in f.kv_cache_groups) else "sliding-window"
+        return (f"{kind} KV-cache groups under the {profile.name} profile "
                 f"({profile.releases}): the reference models vLLM 0.32's and 0.33's hybrid "
                 "KV-cache manager only")
     return None
 
 
-def _embeds_with_lookahead(f, block_size, profile):
+def _embeds_with_lookahead(f, at, profile):
     # A prompt of embeddings keys a block by its rows, and the trace's digests
     # do not cover the rows after a block.
     if f.num_hash_lookahead_tokens and f.prompt_embeds:
@@ -157,44 +202,49 @@ def _embeds_with_lookahead(f, block_size, profile):
 # header with several of them is refused with the first one's line.
 REFUSED: tuple[Refused, ...] = (
     Refused("diffusion language models", _flag("diffusion", "a diffusion language model (dLLM)")),
-    Refused("Mamba and linear-attention layers",
-            _either(_flag("has_mamba_layers", "Mamba layers"), _kinds("MambaSpec"))),
     Refused("multimodal models", _flag("multimodal", "a multimodal model")),
     Refused("prefix replay windows", _flag("prefix_replay_tokens", "prefix replay windows")),
     Refused("multi-module MTP", _multi_module_mtp),
     Refused("pipeline parallelism", _size("pipeline_parallel_size", "pipeline parallelism")),
     Refused("decode context parallelism",
             _size("decode_context_parallel_size", "decode context parallelism")),
-    # A KV-cache group of a kind that is neither full nor sliding-window
-    # attention: chunked local attention, cross-attention, encoder-only, ...
+    # A KV-cache group of a kind that is none of full attention, sliding
+    # window or state: chunked local attention, cross-attention, encoder-only, ...
     Refused("other kinds of KV-cache group (chunked local or cross-attention)", _kinds()),
-    Refused("KV-cache groups of another block size", _group_block_sizes),
-    Refused("EAGLE with a sliding-window group", _eagle_with_window),
-    Refused("a hash block size other than the block size", _hash_block_size),
-    Refused("sliding-window groups or async scheduling under the legacy and 0.19 profiles",
-            _either(_windows_under, _async_under), by_profile=True),
+    Refused("KV-cache groups of another block size under prefix caching", _group_block_sizes),
+    Refused("EAGLE with a sliding-window or state group under prefix caching", _eagle_with_groups),
+    Refused("a hash block size other than the block size (partial prefix hits)",
+            _hash_block_size),
+    Refused("state groups of mixed cache modes or one state per request under prefix caching",
+            _state_modes),
+    Refused("lookahead block hashes with a state group", _states_with_lookahead),
+    Refused("sliding-window or state groups or async scheduling under the legacy and 0.19 "
+            "profiles", _either(_groups_under, _async_under), by_profile=True),
     Refused("prompt embeddings with lookahead block hashes", _embeds_with_lookahead,
             by_profile=True),
 )
 
 
-def refusal(features: SchedulerFeatures, block_size: int, scope: str) -> str | None:
+def refusal(features: SchedulerFeatures, block_size: int, scope: str,
+            enable_prefix_caching: bool = True) -> str | None:
     """Why a replay refuses a header's ``features``, or None: the first thing
     outside the baseline, followed by ``scope``, what that replay covers. (A
     feature of the wrong type never gets here: the reader refuses the header.)"""
-    why = outside(features, block_size)
+    why = outside(features, block_size, enable_prefix_caching)
     return None if why is None else f"{why}; {scope}"
 
 
-def outside(features: SchedulerFeatures | dict, block_size: int) -> str | None:
+def outside(features: SchedulerFeatures | dict, block_size: int,
+            enable_prefix_caching: bool = True) -> str | None:
     """The first thing in a header's ``features`` that the baseline does not
     cover, in words, or None: an entry of ``REFUSED`` that every replay
     refuses, or what the trace does not say (``incomplete``). A dict is typed
-    first (``features_from``)."""
+    first (``features_from``). ``enable_prefix_caching``: the header's config's."""
     f = features if isinstance(features, SchedulerFeatures) else features_from(features)
+    at = Setting(block_size, enable_prefix_caching)
     for r in REFUSED:
         if not r.by_profile:
-            why = r.on(f, block_size, None)
+            why = r.on(f, at, None)
             if why is not None:
                 return why
     return incomplete(f, block_size)
@@ -205,7 +255,7 @@ def profile_refusal(features: SchedulerFeatures, block_size: int, profile: Any) 
     ``profile`` (a ``kvtrace.reference.profiles.Profile``) only, in words, or None."""
     for r in REFUSED:
         if r.by_profile:
-            why = r.on(features, block_size, profile)
+            why = r.on(features, Setting(block_size), profile)
             if why is not None:
                 return why
     return None
@@ -232,15 +282,20 @@ def incomplete(f: SchedulerFeatures, block_size: int) -> str | None:
 
 def kv_cache_groups(f: SchedulerFeatures) -> str | None:
     """What a header does not say, or says inconsistently, about its KV-cache
-    groups, or None: one full-attention group needs nothing more; several, or
-    a sliding-window one, need their specs (``kv_cache_groups``)."""
+    groups, or None: one full-attention group needs nothing more; several, a
+    sliding-window one or Mamba layers need their specs (``kv_cache_groups``),
+    and a state group its cache mode and blocks."""
     n = f.num_kv_cache_groups
     if f.kv_cache_groups is None:
+        if f.has_mamba_layers:
+            return ("Mamba layers are on (has_mamba_layers=True), and the trace does not list "
+                    "their KV-cache groups (kv_cache_groups)")
         if n not in (None, 1):
             return f"{n} KV-cache groups, and the trace does not list their specs (kv_cache_groups)"
-        if any(k in SLIDING_WINDOW for k in _group_kinds(f)):
-            return ("a sliding-window KV-cache group, and the trace does not list its spec "
-                    "(kv_cache_groups)")
+        for k in _group_kinds(f):
+            if k in SLIDING_WINDOW or k in STATE:
+                what = "sliding-window" if k in SLIDING_WINDOW else "state (MambaSpec)"
+                return f"a {what} KV-cache group, and the trace does not list its spec (kv_cache_groups)"
         return None
     if n is not None and n != len(f.kv_cache_groups):
         return (f"num_kv_cache_groups is {n} but kv_cache_groups lists "
@@ -248,6 +303,11 @@ def kv_cache_groups(f: SchedulerFeatures) -> str | None:
     for i, g in enumerate(f.kv_cache_groups):
         if (g.kind in SLIDING_WINDOW) != (g.sliding_window is not None):
             return f"KV-cache group {i} ({g.kind}) gives sliding_window={g.sliding_window!r}"
+        if g.kind in STATE:
+            for key in ("mamba_cache_mode", "num_speculative_blocks",
+                        "num_prefill_checkpoint_blocks"):
+                if getattr(g, key) is None:
+                    return f"KV-cache group {i} (MambaSpec) does not say its {key}"
     return None
 
 

@@ -9,7 +9,7 @@ and kvtrace.reference.
 from __future__ import annotations
 
 from kvtrace.reference import (GroupSpec, ModelOutput, PromptEmbeds, Request, RequestOutput,
-                               Scheduler, SchedulerConfig, SchedulerOutput)
+                               Scheduler, SchedulerConfig, SchedulerOutput, StateSpec)
 from kvtrace.reference.profiles import DEFAULT, PROFILES, Profile, profile_for
 from kvtrace.trace import events as ev
 
@@ -79,12 +79,25 @@ def config_from_header(header: ev.Header, profile: Profile | None = None) -> Sch
         prefill_schedule_interval=f.prefill_schedule_interval or 1,
         num_hash_lookahead_tokens=f.num_hash_lookahead_tokens or 0,
         data_parallel_size=f.data_parallel_size or 1,
-        kv_groups=tuple(GroupSpec(g.sliding_window, g.admission_blocks)
-                        for g in f.kv_cache_groups or ()),
+        kv_groups=tuple(group_spec(g, c.block_size) for g in f.kv_cache_groups or ()),
         prefix_cache_retention=(None if f.prefix_cache_retention_dense
                                 else f.prefix_cache_retention_interval or 0),
+        connector_restores_states=bool(c.connector and f.supports_divergent_local_hybrid_hits),
         profile=profile,
     )
+
+
+def group_spec(g: ev.KVCacheGroup, block_size: int) -> GroupSpec:
+    """A header's KV-cache group as the reference's spec: a state group
+    (``MambaSpec``) with its cache mode and blocks, and a block size of its
+    own where it is not the scheduler's ``block_size``."""
+    state = None
+    if g.kind == "MambaSpec":
+        state = StateSpec(g.mamba_cache_mode or "none", g.num_speculative_blocks or 0,
+                          g.num_prefill_checkpoint_blocks or 0, g.prefill_checkpoint_alignment,
+                          g.mamba_type)
+    return GroupSpec(g.sliding_window, g.admission_blocks, state,
+                     None if g.block_size == block_size else g.block_size)
 
 
 def connector_rules(kv_role: str | None, async_scheduling: bool,
@@ -120,6 +133,7 @@ def header_features(cfg: SchedulerConfig) -> dict:
            if cfg.num_spec_tokens and cfg.eagle_block_drop else {}),
         **({"lora": True, "max_loras": cfg.max_loras} if cfg.max_loras else {}),
         **(_group_features(cfg) if cfg.kv_groups else {}),
+        **({"supports_divergent_local_hybrid_hits": True} if cfg.connector_restores_states else {}),
     }
 
 
@@ -128,12 +142,20 @@ def _group_features(cfg: SchedulerConfig) -> dict:
     groups = []
     for i, g in enumerate(cfg.kv_groups):
         d = {"kind": "FullAttentionSpec" if g.sliding_window is None else "SlidingWindowSpec",
-             "block_size": cfg.block_size, "layers": [f"layers.{i}"]}
+             "block_size": g.block_size or cfg.block_size, "layers": [f"layers.{i}"]}
         if g.sliding_window is not None:
             d.update(sliding_window=g.sliding_window, admission_blocks=g.admission_blocks)
+        if g.state is not None:
+            st = g.state
+            d.update(kind="MambaSpec", mamba_type=st.mamba_type, mamba_cache_mode=st.mode,
+                     num_speculative_blocks=st.speculative_blocks,
+                     num_prefill_checkpoint_blocks=st.checkpoint_blocks,
+                     prefill_checkpoint_alignment=st.checkpoint_alignment)
         groups.append(d)
     out: dict = {"num_kv_cache_groups": len(groups),
                  "kv_cache_group_kinds": [d["kind"] for d in groups], "kv_cache_groups": groups}
+    if any(g.state is not None for g in cfg.kv_groups):
+        out["has_mamba_layers"] = True
     if cfg.prefix_cache_retention is None:
         out["prefix_cache_retention_dense"] = True
     elif cfg.prefix_cache_retention:

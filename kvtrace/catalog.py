@@ -13,6 +13,13 @@ EMBEDDED_WORKLOADS = {
     "load-failures": "external hits whose loads fail, whole or by block",
     "hybrid": "a sliding-window and a full-attention KV-cache group (Gemma 3's cache)",
     "sliding-window": "every layer windowed: one sliding-window KV-cache group",
+    "hybrid-state": "three gated-delta-net state groups and full attention (Qwen3-Next's cache)",
+    "hybrid-state-checkpoint": "Mamba2 state groups with prefill checkpoints and full attention "
+                               "(Nemotron-H's)",
+    "hybrid-state-uncached": "state groups without prefix caching: one state per request",
+    "hybrid-state-offload": "Qwen3-Next's cache with an external store: external hits after "
+                            "a local hit",
+    "hybrid-three-kinds": "a sliding window, full attention and a state group (Qwen3.5's shape)",
 }
 
 EMBEDDED_FAULTS = {
@@ -25,6 +32,8 @@ EMBEDDED_FAULTS = {
     "async-load-overshoot": "an async load counts more tokens as computed than it loaded",
     "hybrid-hit-not-served": "a prefix hit the sliding-window group cannot serve is taken",
     "window-freed-early": "a sliding-window block is given back while still read",
+    "state-hit-not-restored": "full attention's hit taken though a state group lags and the "
+                              "connector restores no state (LMCache #4247)",
 }
 
 # The workload on which each fault shows: what --fault runs without --workload.
@@ -36,6 +45,7 @@ EMBEDDED_FAULT_WORKLOADS = {
     "async-load-overshoot": "offload",
     "hybrid-hit-not-served": "hybrid",
     "window-freed-early": "hybrid",
+    "state-hit-not-restored": "hybrid-state-offload",
 }
 
 # The vLLM recorder's workloads, under the embedded engine's names where they match.

@@ -146,12 +146,19 @@ _ALL = (
          "tokens, block_size) blocks; a preemption or a free returns them all.",
          "recorded r1's table [1, 2, 3], expected [1, 2]: after a step that computes "
          "tokens 0-29 at block size 16 the table holds cdiv(30, 16) = 2 blocks"),
-    Rule("4.9", "each KV-cache group's table: blocks before a sliding window are given back "
-                "as the null block 0; a prefix hit holds in every group",
+    Rule("4.9", "each KV-cache group's table: blocks before a sliding window, and states "
+                "before a request's last, are given back as the null block 0; a prefix hit "
+                "holds in every group",
          "With several KV-cache groups each keeps its own table from the one pool. A "
          "sliding-window group gives back each block wholly before the window of the "
          "request's next token, and the null block 0 takes its place (ST:645-710, "
-         "KM:560-572); a prefix hit is the length every group holds (KC:846-961).",
+         "KM:560-572). A state group (Mamba, linear attention) in align mode keeps the "
+         "state after (p + 1) * block_size tokens at slot p, null where it keeps none, "
+         "gives back every state before the last processed one (ST:1592-1641) and takes "
+         "at most one new state, a checkpoint and its speculative blocks a step "
+         "(ST:1676-1906). A prefix hit is the length every group holds (KC:796-931); a "
+         "state group's hit is its rightmost cached state (ST:1454-1531), not one cached "
+         "in the same step (ST:1688-1697).",
          "group 1 (window 32) of r0 at 50 computed tokens: recorded [0, 0, 9, 10], "
          "expected [0, 8, 9, 10]: the window reads from position 19, so block 8 "
          "(positions 16-31) is still needed",
@@ -233,6 +240,19 @@ _ALL = (
          "the null block, and num_free_blocks is the queue's length (BP:774-805).",
          "recorded num_free_blocks 120, expected 118: two blocks that r4 still holds are "
          "counted free"),
+    Rule("B6", "a request resumes from the state of its whole hit",
+         "A request admitted at c > 0 computed tokens holds, in each state group that keeps "
+         "states at block boundaries, a block at slot cdiv(c, block_size) - 1, the state "
+         "after c tokens: its local hit's cached state (ST:267-324), or the block its "
+         "external hit loads that state into (ST:326-367). A lookup that takes full "
+         "attention's hit past the state a state group holds leaves the null block there "
+         "(LMCache #4247, vLLM 0.26); vLLM 0.32 takes it only for a connector that restores "
+         "states, and falls back to the hit every group holds when the connector finds "
+         "nothing (S:558-568, S:1029-1037).",
+         "step 5, turn-3's group 0 state slot 3: recorded 0, expected a state block: turn-3 "
+         "was admitted at 64 computed tokens with no external hit, and group 0 holds no "
+         "state after 64 tokens",
+         _INVARIANTS),
     Rule("SD1", "the tokens sampled are the drafts accepted and one more",
          "Speculative decoding: a request's sampled tokens are its drafts accepted, in "
          "order, then one token of the model's own; a padding draft (-1) is never "
@@ -377,6 +397,18 @@ _ALL = (
          "_free_blocks asserts request.is_finished() (S:2746-2747): a finished send, or "
          "any free, is for a finished request.",
          "finished_sending names r6, which is still RUNNING",
+         _KINDS),
+    Rule("BP:679", "an allocation takes no more blocks than the pool has free (vLLM raises "
+                   "ValueError)",
+         "BlockPool.get_new_blocks raises 'Cannot get N free blocks from the pool' "
+         "(BP:678-679) when asked for more than it has free. The scheduler counts the blocks "
+         "an admission needs first (get_num_blocks_to_allocate); a count short of what "
+         "allocate_slots then takes fails inside schedule(). With state groups, "
+         "MambaManager keeps the base allocate_external_computed_blocks (ST:326-367), a "
+         "block for every block an external hit covers, while its count takes one "
+         "(ST:1676-1778).",
+         "r1 is admitted with an external hit of 128 tokens: counted 6 blocks with 7 free, "
+         "the state groups take 9",
          _KINDS),
     Rule("crash", "the engine's schedule() fails only where the reference fails",
          "vLLM's scheduler raises inside schedule() on its own assertions (S:1048, S:1170, "

@@ -565,7 +565,7 @@ def test_garbage_inside_gzip(base, tmp_path, capsys):
     ({"kv_cache_group_kinds": ["SlidingWindowSpec"]},
      "a sliding-window KV-cache group, and the trace does not list its spec (kv_cache_groups)"),
     ({"kv_cache_group_kinds": ["MambaSpec", "FullAttentionSpec"]},
-     "a KV-cache group of kind 'MambaSpec', not full or sliding-window attention"),
+     "a state (MambaSpec) KV-cache group, and the trace does not list its spec (kv_cache_groups)"),
     ({"kv_cache_groups": [{"kind": "SlidingWindowSpec", "block_size": 16, "sliding_window": 64},
                           {"kind": "FullAttentionSpec", "block_size": 8}]},
      "KV-cache group 0 has block_size 16, not the trace's 8"),

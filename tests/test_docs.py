@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 RULE = re.compile(r"^((?:\d+(?:\.\d+)?(?:/\d+\.\d+)?|I\d+|B\d+|SD\d+|D\d+|L\d+|liveness|kv-content|crash|diff"
-                  r"|handoff)(?=: )|(?:S|AS):\d+(?= ))")
+                  r"|handoff)(?=: )|(?:S|AS|BP):\d+(?= ))")
 
 
 def _rule_ids() -> dict[str, str]:

@@ -15,7 +15,6 @@ from pathlib import Path
 import orjson
 import pytest
 
-from _state_traces import reference_replays
 from kvtrace.diff import diff_files
 from kvtrace.engine import FAULT_WORKLOADS, record_embedded
 from kvtrace.replay import replay_file
@@ -62,9 +61,7 @@ def emitted(tmp_path_factory) -> list[tuple[str, str]]:
     put back, on those against clean runs, and on a broken handoff."""
     d = tmp_path_factory.mktemp("explain")
     found = []
-    # The state models' traces wait for the reference to model state groups
-    # (tests/_state_traces.py; tests/test_vllm_state.py expects them to fail).
-    for path in filter(reference_replays, sorted(TRACES.rglob("*.jsonl.gz"))):
+    for path in sorted(TRACES.rglob("*.jsonl.gz")):
         found += [(path.name, x.rule) for x in replay_file(path, device=None).divergences]
     for fault, workload in FAULT_WORKLOADS.items():
         bad = record_embedded(d / f"{fault}.jsonl", workload=workload, fault=fault).path

@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from kvtrace import cli
-from kvtrace.baseline import REFUSED, outside, profile_refusal
+from kvtrace.baseline import REFUSED, Setting, outside, profile_refusal
 from kvtrace.reference.profiles import PROFILES
 
 TRACE = Path(__file__).resolve().parent.parent / "traces" / "preemption.jsonl.gz"
@@ -22,9 +22,13 @@ EAGLE = {"num_speculative_tokens": 2, "num_draft_slots": 0, "use_eagle": True,
          "eagle_block_drop": True, "num_prefill_lookahead_tokens": 1}
 
 # name of an entry -> (features that turn it on, the profile replay follows)
+STATE = {"kind": "MambaSpec", "block_size": BLOCK, "mamba_type": "gdn_attn",
+         "mamba_cache_mode": "align", "num_speculative_blocks": 0,
+         "num_prefill_checkpoint_blocks": 0}
+FULL = {"kind": "FullAttentionSpec", "block_size": BLOCK}
+
 CASES = {
     "diffusion language models": ({"diffusion": True}, "0.32"),
-    "Mamba and linear-attention layers": ({"has_mamba_layers": True}, "0.32"),
     "multimodal models": ({"multimodal": True}, "0.32"),
     "prefix replay windows": ({"prefix_replay_tokens": 64}, "0.32"),
     "multi-module MTP": ({**EAGLE, "num_prefill_lookahead_tokens": 2}, "0.32"),
@@ -32,13 +36,18 @@ CASES = {
     "decode context parallelism": ({"decode_context_parallel_size": 4}, "0.32"),
     "other kinds of KV-cache group (chunked local or cross-attention)":
         ({"kv_cache_group_kinds": ["FullAttentionSpec", "ChunkedLocalAttentionSpec"]}, "0.32"),
-    "KV-cache groups of another block size":
+    "KV-cache groups of another block size under prefix caching":
         ({"kv_cache_groups": [{"kind": "FullAttentionSpec", "block_size": 16}]}, "0.32"),
-    "EAGLE with a sliding-window group":
+    "EAGLE with a sliding-window or state group under prefix caching":
         ({**EAGLE, "kv_cache_groups": [{"kind": "SlidingWindowSpec", "block_size": BLOCK,
                                         "sliding_window": 64}]}, "0.32"),
-    "a hash block size other than the block size": ({"hash_block_size": 16}, "0.32"),
-    "sliding-window groups or async scheduling under the legacy and 0.19 profiles":
+    "a hash block size other than the block size (partial prefix hits)":
+        ({"hash_block_size": 16}, "0.32"),
+    "state groups of mixed cache modes or one state per request under prefix caching":
+        ({"kv_cache_groups": [dict(STATE, mamba_cache_mode="none"), FULL]}, "0.32"),
+    "lookahead block hashes with a state group":
+        ({"num_hash_lookahead_tokens": 1, "kv_cache_groups": [STATE, FULL]}, "0.32"),
+    "sliding-window or state groups or async scheduling under the legacy and 0.19 profiles":
         ({"async_scheduling": True}, "legacy"),
     "prompt embeddings with lookahead block hashes":
         ({"prompt_embeds": True, "num_hash_lookahead_tokens": 1}, "0.33"),
@@ -54,7 +63,8 @@ def _claims(features: dict, profile: str) -> list[str]:
     from kvtrace.trace.events import features_from
 
     f = features_from(features)
-    return [r.name for r in REFUSED if r.on(f, BLOCK, PROFILES[profile] if r.by_profile else None)]
+    return [r.name for r in REFUSED
+            if r.on(f, Setting(BLOCK), PROFILES[profile] if r.by_profile else None)]
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -75,13 +85,25 @@ def test_each_entry_refuses_its_feature_in_one_line(name, tmp_path, capsys):
     assert why and f"{bad}:1: {why}" in err
 
 
-def test_an_entry_taken_out_refuses_no_more_but_its_group_kind_waits_for_the_model(monkeypatch):
-    """Shrinking the list is taking an entry out: its flag is then refused by
-    no other entry, while a KV-cache group kind it named stays refused until
-    it joins MODELLED_KINDS (the reference models its groups)."""
+def test_an_entry_taken_out_refuses_no_more(monkeypatch):
+    """Shrinking the list is taking an entry out: its feature is then refused
+    by no other entry."""
     from kvtrace import baseline
 
+    assert baseline.outside({"multimodal": True}, BLOCK) is not None
     monkeypatch.setattr(baseline, "REFUSED", tuple(
-        r for r in REFUSED if r.name != "Mamba and linear-attention layers"))
-    assert baseline.outside({"has_mamba_layers": True}, BLOCK) is None
-    assert "MambaSpec" in baseline.outside({"kv_cache_group_kinds": ["MambaSpec"]}, BLOCK)
+        r for r in REFUSED if r.name != "multimodal models"))
+    assert baseline.outside({"multimodal": True}, BLOCK) is None
+
+
+def test_state_groups_are_modelled_where_the_header_lists_them():
+    """Mamba layers replay once the header lists their groups with each state
+    group's cache mode and blocks; a header that does not say them is refused
+    for what it does not say."""
+    assert outside({"kv_cache_groups": [STATE, STATE, FULL], "has_mamba_layers": True},
+                   BLOCK) is None
+    assert "does not list their KV-cache groups" in outside({"has_mamba_layers": True}, BLOCK)
+    assert "does not list its spec" in outside({"kv_cache_group_kinds": ["MambaSpec"]}, BLOCK)
+    no_mode = {k: v for k, v in STATE.items() if k != "mamba_cache_mode"}
+    assert "does not say its mamba_cache_mode" in outside({"kv_cache_groups": [no_mode, FULL]},
+                                                          BLOCK)

@@ -307,3 +307,31 @@ def test_a_scheduler_under_test_that_raises_is_no_pass(tmp_path, capsys, monkeyp
     code, out, _ = run(capsys, *args, "--json", "-o", str(tmp_path / "w.jsonl"))
     doc = orjson.loads(out)
     assert code == 1 and doc["steps_checked"] == 3 and "on purpose" in doc["stopped"]
+
+
+# --------------------------------------------------------------------------- a check that did not run
+
+
+def test_a_content_check_that_did_not_run_is_said_in_every_view(capsys, monkeypatch, tmp_path):
+    """A state model's trace replayed with the content check asked for (the
+    default): the check does not run on it, and the terminal, --json and the
+    HTML report say so. It said "no divergence" and nothing more."""
+    import json
+
+    monkeypatch.setenv("COLUMNS", "400")
+    state = TRACES / "hybrid-state" / "qwen3-next-prefix.jsonl.gz"
+    code, out, _ = run(capsys, "replay", str(state))
+    assert code == 0 and "KV content not checked: the shadow-KV check does not run on a " in out
+    code, out, _ = run(capsys, "replay", "--json", str(state))
+    doc = json.loads(out)
+    assert doc["kv_content"]["device"] is None
+    assert doc["kv_content"]["not_checked"].startswith("the shadow-KV check does not run on a ")
+    page = tmp_path / "r.html"
+    code, _, _ = run(capsys, "report", str(state), "-o", str(page))
+    assert code == 0 and "KV content not checked: the shadow-KV check" in page.read_text()
+    # A trace it runs on says where, and how many slots it checked.
+    code, out, _ = run(capsys, "replay", "--json", "--device", "cpu", str(CLEAN))
+    checked = json.loads(out)["kv_content"]
+    assert checked["device"] and checked["slots_checked"] > 0 and checked["not_checked"] is None
+    code, out, _ = run(capsys, "replay", str(CLEAN))
+    assert "not checked" not in out

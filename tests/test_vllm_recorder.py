@@ -291,8 +291,8 @@ def test_a_linear_attention_hybrid_given_as_a_model_is_recorded_and_reruns_throu
     """A tiny random Qwen3-Next given as the model (three gated delta net
     layers, whose states vLLM keeps in state groups, and a full-attention
     layer): the recording names each state group's spec in its header, and
-    vLLM's own scheduler re-runs it with no difference (exit 0). The
-    reference does not model state groups yet (tests/test_vllm_state.py)."""
+    vLLM's own scheduler and the reference both replay it with no difference
+    (exit 0)."""
     from kvtrace import cli
     from kvtrace.record.vllm.tiny_model import ensure_tiny_model
 
@@ -311,6 +311,7 @@ def test_a_linear_attention_hybrid_given_as_a_model_is_recorded_and_reruns_throu
     capsys.readouterr()
     assert cli.run(["replay", str(out), "--scheduler", "vllm",
                     "-o", str(tmp_path / "vllm.jsonl.gz")]) == 0, capsys.readouterr().err
+    assert cli.run(["replay", str(out)]) == 0, capsys.readouterr().out
 
 
 def test_an_engine_that_takes_prompt_embeddings_and_gets_token_ids_replays_clean(tmp_path):

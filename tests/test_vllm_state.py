@@ -298,7 +298,26 @@ def test_the_over_draw_trace_ends_where_vllm_fails(trace):
     assert any(lk.ext for lk in failed.lookups)
 
 
-@pytest.mark.xfail(strict=True, reason="the reference does not model state groups yet")
+@pytest.mark.parametrize("trace", [p for p in STATE_TRACES if _name(p) in FAILING],
+                         ids=_ids([p for p in STATE_TRACES if _name(p) in FAILING]))
+def test_the_reference_fails_the_over_draw_where_vllm_does(trace):
+    """Replay runs the failed step with its recorded lookups and runs out of
+    blocks there too: the request with the external hit, the pool's error
+    (BP:679) and why, with exit 1 (it was an internal error, exit 3)."""
+    from kvtrace.replay import replay_file
+
+    with TraceReader(trace) as r:
+        failed = next(e for e in r if isinstance(e, ev.StepFailed))
+    hit = failed.lookups[-1]   # the admission under way when it raised
+    assert hit.ext
+    res = replay_file(trace, device="cpu", worker=0)
+    [d] = res.divergences
+    assert (d.step, d.req, d.field) == (failed.step, hit.req, "assertion")
+    assert d.rule.startswith("BP:679 cannot get ")
+    assert f"external hit {hit.ext}" in d.why and "each state group takes a block" in d.why
+    assert res.stopped_at is None and res.steps == failed.step + 1
+
+
 @pytest.mark.parametrize("trace", [p for p in STATE_TRACES if _name(p) not in FAILING],
                          ids=_ids([p for p in STATE_TRACES if _name(p) not in FAILING]))
 def test_a_state_trace_replays_through_the_reference_with_no_divergence(trace):

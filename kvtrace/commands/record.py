@@ -132,16 +132,15 @@ def _record_embedded(out: Path, workload: str | None, fault: str | None, seed: i
         raise UsageProblem("--model needs --engine vllm")
     if fault is not None and fault not in FAULTS:
         raise UsageProblem(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
-    from dataclasses import replace
-
     from kvtrace.engine import FAULT_WORKLOADS, build_workload, record_workload
+    from kvtrace.engine.workloads import under_async_scheduling
 
     workload = workload or (FAULT_WORKLOADS[fault] if fault else WORKLOADS[0])
     if workload not in WORKLOADS:
         raise UsageProblem(f"unknown workload {workload!r}; known: {', '.join(WORKLOADS)}")
     wl = build_workload(workload, seed, requests)
     if async_scheduling:
-        wl = replace(wl, config=replace(wl.config, async_scheduling=True))
+        wl = under_async_scheduling(wl)
     from kvtrace.record.step_writer import open_step_writer
 
     with progress(f"recording {out.name}", "steps") as advance, blamed_on(out):

@@ -40,7 +40,8 @@ def report(trace: Path, out: Path, against: Path | None) -> int:
         found = analysis(trace, against)
         rep = write_html_report(trace, out, found.divergences, told=found.told,
                                 source=found.source, against=against, note=found.note,
-                                stop=found.stop, steps_checked=found.steps_checked)
+                                stop=found.stop, steps_checked=found.steps_checked,
+                                unchecked=found.unchecked)
     echo(f"wrote {out}" + (f" ({rep.note})" if rep.note else "")
          + (f"; {found.stop}" if found.stop else ""))
     return EXIT_DIVERGENT if rep.divergences or found.stop else EXIT_OK
@@ -60,12 +61,13 @@ class Analysis:
     note: str | None = None
     stop: str | None = None
     steps_checked: str | None = None
+    unchecked: str | None = None   # what replay did not check, in words
 
 
 def analysis(trace: Path, against: Path | None) -> Analysis:
     """The divergences of a diff with ``against``, or of a replay, told."""
     from kvtrace.findings import tell
-    from kvtrace.report.failures import steps_text, stop_text
+    from kvtrace.report.failures import steps_text, stop_text, unchecked_text
     from kvtrace.trace import TraceError
 
     if against is not None:
@@ -82,7 +84,8 @@ def analysis(trace: Path, against: Path | None) -> Analysis:
     divs = list(result.divergences)
     stop = stop_text(result)
     return Analysis(divs, tell(divs), "replay", stop=stop,
-                    steps_checked=steps_text(result) if stop else None)
+                    steps_checked=steps_text(result) if stop else None,
+                    unchecked=unchecked_text(result))
 
 
 @click.command()

@@ -33,7 +33,7 @@ from .faults import STORE_FAULTS, scheduler_class
 from .kv_store import ExternalKVStore
 from .lookups import LookupRecorder
 from .sampler import EOS_TOKEN_ID, Sampler
-from .workloads import PlannedPause, Workload, build_workload
+from .workloads import PlannedPause, Workload, build_workload, under_async_scheduling
 
 ENGINE_NAME = "kvtrace-embedded"
 CONNECTOR_NAME = "kvtrace-simulated-store"
@@ -84,7 +84,7 @@ def record_embedded(out_path: str | os.PathLike, workload: str = "shared-prefix"
     """
     wl = build_workload(workload, seed)
     if async_scheduling:
-        wl = replace(wl, config=replace(wl.config, async_scheduling=True))
+        wl = under_async_scheduling(wl)
     if profile != DEFAULT.name:
         chosen = PROFILES[profile]
         if async_scheduling and not chosen.async_scheduling_modelled:

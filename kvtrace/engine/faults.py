@@ -1,6 +1,7 @@
-"""``--fault NAME``: the five bug classes of bug-classes.md, and two of hybrid
-KV caches (a hit one group cannot serve, a window's block given back while
-read), put back into the embedded engine. Each is a scheduler subclass
+"""``--fault NAME``: the five bug classes of bug-classes.md, and three of
+hybrid KV caches (a hit one group cannot serve, a window's block given back
+while read, a state group's lagging state taken as restored), put back into
+the embedded engine. Each is a scheduler subclass
 overriding one or two of the reference's rule methods, or
 (no-reload-after-preempt) a store behaviour. The reference itself stays
 correct, which is what lets replay find them.
@@ -133,6 +134,24 @@ class HybridHitNotServed(EngineScheduler):
         return tuple(out), length
 
 
+class StateHitNotRestored(EngineScheduler):
+    """LMCache #4247's shape (vLLM 0.26): with a connector, a lookup takes
+    full attention's own hit as the local hit though a state group keeps no
+    state that far, and the connector restores none: where the connector
+    finds nothing more, the request resumes from a state never written."""
+
+    def _local_prefix_hit(self, r: Request):
+        hits, n = super()._local_prefix_hit(r)
+        if self.connector is None or not getattr(self.kv, "has_states", False):
+            return hits, n
+        own, local, lags = self.kv.get_computed_blocks_for_connector(r)
+        if not lags or local <= n:
+            return hits, n
+        self.fault_log.note(r.request_id, f"took full attention's hit of {local} tokens; every "
+                                          f"group holds {n}")
+        return own, local
+
+
 class WindowFreedEarly(EngineScheduler):
     """A sliding-window group gives back one block more than the window
     allows: the last block before the next token's window, still read."""
@@ -179,6 +198,7 @@ SCHEDULERS: dict[str | None, type[EngineScheduler]] = {
     "async-load-overshoot": AsyncLoadOvershoot,
     "hybrid-hit-not-served": HybridHitNotServed,
     "window-freed-early": WindowFreedEarly,
+    "state-hit-not-restored": StateHitNotRestored,
 }
 STORE_FAULTS = {"no-reload-after-preempt"}
 FAULTS = tuple(name for name in SCHEDULERS if name is not None)
@@ -192,6 +212,7 @@ FAULT_WORKLOADS: dict[str, str] = {
     "async-load-overshoot": "offload",
     "hybrid-hit-not-served": "hybrid",
     "window-freed-early": "hybrid",
+    "state-hit-not-restored": "hybrid-state-offload",
 }
 
 

@@ -15,15 +15,20 @@ requests hit each other's blocks in the prefix cache and in the external store.
 * ``load-failures``: the store with the "recompute" load-failure policy; some
   async loads fail whole (failed_recving), some sync loads lose a block
   (invalid_block_ids), some of those reported a step late.
+* ``hybrid``, ``sliding-window``: sliding-window KV-cache groups.
+* ``hybrid-state``, ``hybrid-state-checkpoint``, ``hybrid-state-uncached``,
+  ``hybrid-state-offload``, ``hybrid-three-kinds``: state (Mamba, gated delta
+  net) KV-cache groups beside full attention (and a sliding window; an
+  external store).
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
-from kvtrace.reference import GroupSpec, SchedulerConfig
+from kvtrace.reference import GroupSpec, SchedulerConfig, StateSpec
 
 from .kv_store import StoreSettings
 from .sampler import FIRST_ORDINARY_TOKEN
@@ -150,6 +155,73 @@ def sliding_window(seed: int, requests: int | None = None) -> Workload:
     return _windowed("sliding-window", seed, ("sliding",), requests)
 
 
+GDN = StateSpec("align", mamba_type="gdn_attn")                   # gated delta net: no checkpoint
+MAMBA2 = StateSpec("align", checkpoint_blocks=1, checkpoint_alignment=1, mamba_type="mamba2")
+
+
+def _stateful(name: str, seed: int, groups: tuple[GroupSpec, ...], requests: int | None,
+              block_size: int = 16, caching: bool = True) -> Workload:
+    """Families of prompts that share prefixes of several blocks, some sent
+    again whole, outputs that cross block boundaries, under a cache that
+    preempts: the states a state group keeps, hits on them, and the chunks
+    the scheduler splits at block boundaries."""
+    rng = _rng(name, seed)
+    batch, max_len = 96, 512
+    config = SchedulerConfig(block_size=block_size, num_blocks=30 * len(groups),
+                             max_num_batched_tokens=batch, max_num_seqs=6, max_model_len=max_len,
+                             enable_prefix_caching=caching, kv_groups=groups)
+    systems = [_tokens(rng, rng.randint(40, 90)) for _ in range(3)]
+    arrivals: list[PlannedArrival] = []
+    for i, step in enumerate(_arrival_steps(rng, requests or 20, (0, 1, 1, 2, 3))):
+        if i >= 4 and rng.random() < 0.2:
+            prompt = rng.choice(arrivals).prompt                          # the same prompt again
+        else:
+            prompt = rng.choice(systems) + _tokens(rng, rng.randint(1, 40))
+        arrivals.append(PlannedArrival(step, f"turn-{i}", prompt, rng.randint(8, 40)))
+    return Workload(name, config, tuple(arrivals), eos_probability=0.02)
+
+
+def hybrid_state(seed: int, requests: int | None = None) -> Workload:
+    """Qwen3-Next's KV cache: three gated-delta-net state groups, then full attention."""
+    return _stateful("hybrid-state", seed, (GroupSpec(state=GDN),) * 3 + (GroupSpec(),), requests)
+
+
+def hybrid_state_checkpoint(seed: int, requests: int | None = None) -> Workload:
+    """Nemotron-H's: two Mamba2 state groups, which write a prefill checkpoint
+    inside a chunk, then full attention."""
+    return _stateful("hybrid-state-checkpoint", seed, (GroupSpec(state=MAMBA2),) * 2 + (GroupSpec(),),
+                     requests)
+
+
+def hybrid_state_uncached(seed: int, requests: int | None = None) -> Workload:
+    """Qwen3-Next's without prefix caching: one state per request, in a block
+    of max_model_len tokens, beside full attention's blocks of 16."""
+    state = GroupSpec(state=StateSpec("none", mamba_type="gdn_attn"), block_size=512)
+    return _stateful("hybrid-state-uncached", seed, (state,) * 3 + (GroupSpec(block_size=16),),
+                     requests, block_size=512, caching=False)
+
+
+def hybrid_state_offload(seed: int, requests: int | None = None) -> Workload:
+    """Qwen3-Next's KV cache with an external store that holds documents and
+    saves what requests computed: external hits after a local hit, where full
+    attention often hits further than the state groups keep a state."""
+    wl = _stateful("hybrid-state-offload", seed, (GroupSpec(state=GDN),) * 3 + (GroupSpec(),),
+                   requests)
+    rng = _rng("hybrid-state-offload-store", seed)
+    documents = tuple(a.prompt[: rng.randint(20, len(a.prompt))] for a in wl.arrivals[:3])
+    store = StoreSettings(capacity_tokens=4000, preload=documents, async_fraction=0.3,
+                          async_delay_steps=2)
+    return replace(wl, store=store)
+
+
+def hybrid_three_kinds(seed: int, requests: int | None = None) -> Workload:
+    """Three kinds of group at once: a sliding window, full attention and a
+    gated-delta-net state group (Qwen3.5's shape)."""
+    window = sliding_group(32, 16, 96, 512)
+    return _stateful("hybrid-three-kinds", seed, (window, GroupSpec(), GroupSpec(state=GDN)),
+                     requests)
+
+
 def kv_pressure(seed: int, requests: int | None = None) -> Workload:
     rng = _rng("kv-pressure", seed)
     config = SchedulerConfig(block_size=8, num_blocks=33, max_num_batched_tokens=64,
@@ -205,7 +277,22 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "load-failures": load_failures,
     "hybrid": hybrid,
     "sliding-window": sliding_window,
+    "hybrid-state": hybrid_state,
+    "hybrid-state-checkpoint": hybrid_state_checkpoint,
+    "hybrid-state-uncached": hybrid_state_uncached,
+    "hybrid-state-offload": hybrid_state_offload,
+    "hybrid-three-kinds": hybrid_three_kinds,
 }
+
+
+def under_async_scheduling(wl: Workload) -> Workload:
+    """``wl`` run as vLLM's AsyncScheduler runs it: two steps in flight,
+    which a sliding window's admission cap covers too (KI:859-885)."""
+    c = wl.config
+    groups = tuple(g if g.sliding_window is None else sliding_group(
+        g.sliding_window, g.block_size or c.block_size, 2 * c.max_num_batched_tokens,
+        c.max_model_len) for g in c.kv_groups)
+    return replace(wl, config=replace(c, async_scheduling=True, kv_groups=groups))
 
 
 def build_workload(name: str, seed: int = 0, requests: int | None = None) -> Workload:

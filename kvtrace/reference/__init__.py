@@ -3,10 +3,10 @@
 
 Read in this order: request.py, block_pool.py, kv_manager.py, scheduler.py, then
 the feature modules it mixes in (speculative.py, kv_transfer.py, async_output.py,
-sessions.py) and profiles.py.
+sessions.py), kv_groups.py and state_groups.py for hybrid KV caches, and profiles.py.
 """
 
-from .config import GroupSpec, SchedulerConfig
+from .config import GroupSpec, SchedulerConfig, StateSpec
 from .hashing import PromptEmbeds
 from .interface import (Connector, ModelOutput, RequestOutput, ScheduledRequest, SchedulerAssertion,
                         SchedulerOutput)
@@ -17,5 +17,5 @@ __all__ = [
     "Connector", "FINISH_REASONS", "GroupSpec", "ModelOutput", "PrefillStats", "PromptEmbeds", "Request",
     "RequestOutput",
     "ScheduledRequest", "Scheduler", "SchedulerAssertion", "SchedulerConfig", "SchedulerOutput",
-    "Status",
+    "StateSpec", "Status",
 ]

@@ -9,7 +9,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .block_pool import Block
-from .interface import SchedulerAssertion
+from .interface import SchedulerAssertion, failing_for
 from .request import Request, Status
 from .step import StepPlan
 
@@ -119,10 +119,20 @@ class Admission:
             return Lookup([], 0, 0, False, r.num_computed_tokens)
         if r.resumable and r.hash_lookahead:
             r.rehash()   # a turn's dropped token may linger in a lookahead hash (S:1111-1115)
-        hits, num_local = self._local_prefix_hit(r)
+        lags = False
+        if self.config.connector_restores_states and self.connector is not None and self.kv_groups:
+            # Full attention's own hit, a state group's lagging state to come
+            # with the external hit (S:558-568).
+            hits, num_local, lags = self.kv.get_computed_blocks_for_connector(r)
+        else:
+            hits, num_local = self._local_prefix_hit(r)
         num_external, load_async = self._external_hit(r, num_local)
         if num_external is None:
             return None
+        if lags and not num_external:
+            # No external hit brings the lagging state: the hit every group
+            # holds (S:1029-1037).
+            hits, num_local = self.kv.get_computed_blocks(r)
         num_computed = num_local + num_external
         if num_computed > r.num_tokens:
             raise SchedulerAssertion(r.request_id, "S:1048 local + external hit exceeds num_tokens")
@@ -154,18 +164,25 @@ class Admission:
             raise SchedulerAssertion(
                 r.request_id, "S:1170 an admission must leave a token to compute (a sync "
                               "external hit over the whole prompt, or a count past its tokens)")
+        if self.state_split is not None:
+            n = self.state_split.chunk(r, num_computed, n)   # S:1172-1190
+            if n == 0:
+                return None, False   # no block-aligned chunk fits
+            if padded and n != 1 + self.config.num_spec_tokens:
+                n, padded = 1, False   # the split clipped the padding: it is dropped
         return n, padded
 
     def _allocate_admission(self, r: Request, n: int, lookup: Lookup) -> bool:
         """Blocks for the hit and ``n`` new tokens; the connector is told what it
         loads into them. False when they do not fit."""
-        blocks = self.kv.allocate_slots(
-            r, n, lookup.num_local, lookup.hits, lookup.num_external,
-            delay_cache_blocks=lookup.load_async,
-            reserved_blocks=self._blocks_reserved_for_loads() if lookup.load_async else 0,
-            has_scheduled_reqs=bool(self.running),
-            full_sequence_must_fit=self.config.reserve_full_isl,
-            num_lookahead_tokens=self._admission_lookahead(r, lookup.load_async))
+        with failing_for(r.request_id):
+            blocks = self.kv.allocate_slots(
+                r, n, lookup.num_local, lookup.hits, lookup.num_external,
+                delay_cache_blocks=lookup.load_async,
+                reserved_blocks=self._blocks_reserved_for_loads() if lookup.load_async else 0,
+                has_scheduled_reqs=bool(self.running),
+                full_sequence_must_fit=self.config.reserve_full_isl,
+                num_lookahead_tokens=self._admission_lookahead(r, lookup.load_async))
         if blocks is None:
             return False
         if self.connector is not None:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from .interface import SchedulerAssertion
+
 
 class Block:
     __slots__ = ("block_id", "ref_cnt", "block_hash", "hash_num_tokens", "hash_group", "prev",
@@ -106,7 +108,9 @@ class BlockPool:
         return self.cached if group == 0 else self.more_cached.setdefault(group, {})
 
     def get_new_blocks(self, n: int) -> list[Block]:
-        assert n <= self.num_free_blocks, f"cannot get {n} free blocks"
+        if n > self.num_free_blocks:   # vLLM raises ValueError: the engine fails here
+            raise SchedulerAssertion(None, f"BP:679 cannot get {n} free blocks from the pool "
+                                           f"({self.num_free_blocks} free)")
         blocks = self.free_queue.popleft_n(n)
         for b in blocks:
             if self.enable_caching:

@@ -8,13 +8,35 @@ from .profiles import DEFAULT, Profile
 
 
 @dataclass(frozen=True, slots=True)
+class StateSpec:
+    """What a state group (vLLM's ``MambaSpec``: Mamba, Mamba2, gated delta
+    net and other linear-attention layers) adds to a KV-cache group
+    (state_groups.py, KI:1034-1107): its cache mode ("align": a state kept at
+    each block boundary, for prefix caching; "none": one state per request),
+    the blocks it keeps per request for speculative decoding, whether it
+    writes a prefill checkpoint inside a chunk and at what alignment, and the
+    layer kind (groups of one spec are looked up together, KC:708-765)."""
+
+    mode: str = "align"
+    speculative_blocks: int = 0
+    checkpoint_blocks: int = 0
+    checkpoint_alignment: int | None = None
+    mamba_type: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class GroupSpec:
     """One KV-cache group (kv_groups.py): ``sliding_window`` is None for full
     attention. ``admission_blocks`` caps what an admission reserves for one
-    request in a sliding-window group, which recycles its blocks (ST:214-228)."""
+    request in a sliding-window group, which recycles its blocks (ST:214-228).
+    ``state`` makes it a state group (state_groups.py). ``block_size`` is the
+    group's own, where it is not the scheduler's (the scheduler's block is a
+    multiple of every group's, KC:115-119)."""
 
     sliding_window: int | None = None
     admission_blocks: int | None = None
+    state: StateSpec | None = None
+    block_size: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,13 +105,18 @@ class SchedulerConfig:
     # connector): the tokens after each block its hash covers.
     num_hash_lookahead_tokens: int = 0
     data_parallel_size: int = 1
-    # Several KV-cache groups, or one sliding-window group (kv_groups.py); empty:
-    # one full-attention group. Every group has block_size.
+    # Several KV-cache groups, or one sliding-window or state group
+    # (kv_groups.py, state_groups.py); empty: one full-attention group. A
+    # group's block size is block_size unless its spec says otherwise.
     kv_groups: tuple[GroupSpec, ...] = ()
-    # Sliding-window groups make hash-visible the window ending on each multiple
-    # of this many tokens and on the prompt's replay boundary (0: the boundary
-    # only); None: a window ending on every block.
+    # Sliding-window and state groups make hash-visible the blocks a later hit
+    # ending on each multiple of this many tokens and on the prompt's replay
+    # boundary needs (0: the boundary only); None: every block.
     prefix_cache_retention: int | None = 0
+    # The connector restores a state group's lagging state at the end of its
+    # external hit (vLLM's supports_divergent_local_hybrid_hits, NIXL's): a
+    # lookup takes full attention's own hit as the local one (S:558-568).
+    connector_restores_states: bool = False
     # Which release's rules to follow where releases differ (profiles.py).
     profile: Profile = DEFAULT
 

@@ -3,6 +3,7 @@ model output it is fed, and the decisions it returns (semantics doc 2.3, 3)."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -98,6 +99,18 @@ class SchedulerAssertion(AssertionError):
     """The engine itself would have failed an assertion here (for example a sync
     external hit that covers the whole prompt, S:1170)."""
 
-    def __init__(self, req_id: str, rule: str):
+    def __init__(self, req_id: str | None, rule: str):
         self.req_id, self.rule = req_id, rule
         super().__init__(f"{req_id}: {rule}")
+
+
+@contextmanager
+def failing_for(req_id: str):
+    """An assertion met inside, whose request is not known there (the block
+    pool's), is ``req_id``'s."""
+    try:
+        yield
+    except SchedulerAssertion as a:
+        if a.req_id is not None:
+            raise
+        raise SchedulerAssertion(req_id, a.rule) from None

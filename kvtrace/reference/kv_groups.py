@@ -1,22 +1,25 @@
 """The KV-cache manager for several KV-cache groups, or for one sliding-window
-group (semantics doc 4.9): vLLM's hybrid coordinator over one manager per group
-(KC: kv_cache_coordinator.py, ST: single_type_kv_cache_manager.py, KM:
-kv_cache_manager.py).
+or state group (semantics doc 4.9): vLLM's hybrid coordinator over one manager
+per group (KC: kv_cache_coordinator.py, ST: single_type_kv_cache_manager.py,
+KM: kv_cache_manager.py).
 
 Every group draws blocks from the one pool and keeps its own table per
-request. Two kinds of group are modelled:
+request. Three kinds of group are modelled:
 
 * full attention: the table only grows; a hit is the longest run of cached
   blocks from the start;
 * sliding window (``w`` tokens): a block wholly before the window of the next
   token is given back and replaced by the null block 0; a hit is the rightmost
   run of ``cdiv(w - 1, block_size)`` cached blocks, with null blocks before it;
-  and only the blocks a later hit can use are made hash-visible.
+  and only the blocks a later hit can use are made hash-visible;
+* a state group (Mamba, linear attention): state_groups.py.
 
 A hit must hold in every group: the groups are asked in turn, full attention
 first, each at most the length the last one answered, until none shortens it
-(KC:846-961). All groups share ``block_size`` here (the baseline refuses others),
-so every length is block-aligned.
+(KC:796-931). With prefix caching all groups share ``block_size`` (the
+baseline refuses others), so every length is block-aligned; without it, a
+group may have a block of its own, of which the scheduler's block is a
+multiple (KC:115-119).
 
 It answers the scheduler as ``KVCacheManager`` does; a hit is a tuple of
 per-group block lists, and ``get_block_ids`` is group 0's table, the other
@@ -37,6 +40,9 @@ def cdiv(a: int, b: int) -> int:
 
 class FullAttentionGroup:
     """One group's tables (ST:48-729, FullAttentionManager ST:729-830)."""
+
+    # The scheduler reserves a speculative step's blocks in this group (S:347-357).
+    spec_step_blocks = True
 
     def __init__(self, gid: int, spec: GroupSpec, pool: BlockPool, block_size: int):
         self.gid = gid
@@ -69,9 +75,11 @@ class FullAttentionGroup:
     # -- allocation --------------------------------------------------------------
 
     def blocks_needed(self, req_id: str, num_tokens: int, hits: list[Block],
-                      num_computed: int, admission: bool) -> int:
+                      num_computed: int, admission: bool, main: int = 0,
+                      prefill_end: int = 0) -> int:
         """New blocks for ``num_tokens`` slots (ST:175-265): those not held or
-        hit, less those before the window, plus hits on free blocks."""
+        hit, less those before the window, plus hits on free blocks. (A state
+        group also reads the main model's tokens and the prefill's end.)"""
         required = cdiv(num_tokens, self.block_size)
         if admission and self.admission_blocks is not None:
             required = min(required, self.admission_blocks)
@@ -106,7 +114,7 @@ class FullAttentionGroup:
         table = self.tables.setdefault(req_id, [])
         table.extend(self.pool.get_new_blocks(max(0, cdiv(total, self.block_size) - len(table))))
 
-    def allocate(self, req_id: str, num_tokens: int) -> list[Block]:
+    def allocate(self, req_id: str, num_tokens: int, main: int = 0) -> list[Block]:
         """New blocks up to ``num_tokens`` slots (ST:369-410)."""
         table = self.tables.setdefault(req_id, [])
         n = cdiv(num_tokens, self.block_size) - len(table)
@@ -133,9 +141,12 @@ class FullAttentionGroup:
         if freed:
             self.pool.free_blocks(freed)
 
-    def cache(self, request: Request, num_full: int, boundaries: tuple[int, ...]) -> None:
-        """Make the table's full blocks up to ``num_full`` hash-visible (ST:476-534)."""
+    def cache(self, request: Request, num_tokens: int, boundaries: tuple[int, ...]) -> None:
+        """Make the table's full blocks among the first ``num_tokens`` tokens
+        hash-visible (ST:476-534), those whose hash exists (they lag with
+        lookahead hashes, ST:502-503)."""
         req_id = request.request_id
+        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
         num_cached = self.num_cached.get(req_id, 0)
         if num_cached >= num_full:
             return
@@ -147,6 +158,9 @@ class FullAttentionGroup:
     def pop(self, req_id: str) -> list[Block]:
         self.num_cached.pop(req_id, None)
         return self.tables.pop(req_id, [])
+
+    def new_step_starts(self) -> None:
+        """Nothing to forget when a step starts (a state group has, ST:2008)."""
 
 
 class SlidingWindowGroup(FullAttentionGroup):
@@ -223,17 +237,30 @@ class GroupedKVCacheManager:
         self.num_lookahead_tokens = config.num_lookahead_tokens
         self.pool = BlockPool(config.num_blocks, config.enable_prefix_caching,
                               config.profile.free_uncached_to_head)
-        self.groups: list[FullAttentionGroup] = [
-            FullAttentionGroup(gid, spec, self.pool, self.block_size) if spec.sliding_window is None
-            else SlidingWindowGroup(gid, spec, self.pool, self.block_size,
-                                    config.prefix_cache_retention)
-            for gid, spec in enumerate(config.kv_groups)]
-        # Groups of one spec are looked up together; full attention first (KC:706-760).
+        self.retention = config.prefix_cache_retention
+        self.groups: list[FullAttentionGroup] = [self._group(gid, spec, config)
+                                                 for gid, spec in enumerate(config.kv_groups)]
+        # Groups of one spec are looked up together; full attention first (KC:708-765).
         by_spec: dict[GroupSpec, list[int]] = {}
         for gid, spec in enumerate(config.kv_groups):
             by_spec.setdefault(spec, []).append(gid)
-        self.lookup_order = sorted(by_spec.values(),
-                                   key=lambda gids: self.groups[gids[0]].skipped_tokens(1 << 62) > 0)
+        self.lookup_order = sorted(by_spec.values(), key=lambda gids: not self._full_attention(gids))
+        # A speculative step's blocks are reserved in the attention groups only:
+        # a state group keeps its speculative blocks already (S:347-357).
+        self.spec_step_block_sizes = tuple(g.block_size for g in self.groups if g.spec_step_blocks)
+        self.has_states = any(spec.state is not None for spec in config.kv_groups)
+
+    def _group(self, gid: int, spec: GroupSpec, config: SchedulerConfig) -> FullAttentionGroup:
+        block_size = spec.block_size or self.block_size
+        if spec.state is not None:
+            from .state_groups import StateGroup   # it builds on FullAttentionGroup
+
+            return StateGroup(gid, spec, self.pool, block_size, config.prefix_cache_retention,
+                              config.profile.rekeys_boundary_state)
+        if spec.sliding_window is not None:
+            return SlidingWindowGroup(gid, spec, self.pool, block_size,
+                                      config.prefix_cache_retention)
+        return FullAttentionGroup(gid, spec, self.pool, block_size)
 
     # -- lookups ---------------------------------------------------------------
 
@@ -250,12 +277,12 @@ class GroupedKVCacheManager:
         hits: list[list[Block] | None] = [None] * len(self.groups)
         lengths = [0] * len(self.groups)
         longest = 0
-        simple = len(self.lookup_order) == 2 and not self._windowed(self.lookup_order[0])
+        simple = len(self.lookup_order) == 2 and self._full_attention(self.lookup_order[0])
         while True:
             length = hit_length
             for gids in self.lookup_order:
                 first = gids[0]
-                if hits[first] is not None and not self._windowed(gids):
+                if hits[first] is not None and self._full_attention(gids):
                     length = min(length, lengths[first])   # full attention: a prefix of its hit
                     continue
                 found, length = self.groups[first].find_hit(hashes, length, gids)
@@ -268,15 +295,46 @@ class GroupedKVCacheManager:
             if simple:
                 break
         for gids in self.lookup_order:
-            if not self._windowed(gids):
+            if self._full_attention(gids):
                 for g in gids:
-                    del hits[g][cdiv(hit_length, self.block_size):]
+                    del hits[g][cdiv(hit_length, self.groups[g].block_size):]
         request.shared_prefix_boundary = longest if longest > hit_length else 0
         out = tuple(h or [] for h in hits)
         return (out if any(out) else ()), hit_length
 
-    def _windowed(self, gids: list[int]) -> bool:
-        return isinstance(self.groups[gids[0]], SlidingWindowGroup)
+    def get_computed_blocks_for_connector(self, request: Request
+                                          ) -> tuple[tuple[list[Block], ...], int, bool]:
+        """The lookup under a connector that restores a state group's lagging
+        state (KM:323-369, KC:933-977): each group's hit on its own, full
+        attention's taken as the local hit, and whether a group lags behind it.
+        A group that hits further than full attention (whose blocks were
+        evicted) makes it the hit every group holds."""
+        fa = self.lookup_order[0]
+        if not (self.has_states and len(self.groups) > 1 and self._full_attention(fa)):
+            return (*self.get_computed_blocks(request), False)
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            request.shared_prefix_boundary = 0
+            return (), 0, False
+        hits: list[list[Block]] = [[] for _ in self.groups]
+        lengths = [0] * len(self.groups)
+        for gids in self.lookup_order:
+            found, length = self.groups[gids[0]].find_hit(request.block_hashes,
+                                                          request.num_tokens - 1, gids)
+            for g, blocks in zip(gids, found):
+                hits[g], lengths[g] = blocks, length
+        local = lengths[fa[0]]
+        if max(lengths) > local:
+            return (*self.get_computed_blocks(request), False)
+        request.shared_prefix_boundary = 0
+        return (tuple(hits) if any(hits) else ()), local, min(lengths) < local
+
+    def _full_attention(self, gids: list[int]) -> bool:
+        return type(self.groups[gids[0]]) is FullAttentionGroup
+
+    def new_step_starts(self) -> None:
+        """A step starts (KC:470-473)."""
+        for g in self.groups:
+            g.new_step_starts()
 
     def get_block_ids(self, req_id: str) -> list[int]:
         """Group 0's table."""
@@ -304,17 +362,28 @@ class GroupedKVCacheManager:
     # -- allocation ------------------------------------------------------------
 
     def _blocks_needed(self, req_id: str, num_tokens: int, hits: tuple, num_computed: int,
-                       admission: bool = False) -> int:
+                       admission: bool = False, main: int = 0, prefill_end: int = 0) -> int:
         return sum(g.blocks_needed(req_id, num_tokens, hits[g.gid] if hits else [],
-                                   num_computed, admission) for g in self.groups)
+                                   num_computed, admission, main, prefill_end)
+                   for g in self.groups)
+
+    def _prefill_end(self, request: Request) -> int:
+        """Where the request's prefill ends, as the scheduler splits chunks
+        (KM:518-520); state groups read it only when the retention interval
+        is 0 (KC:233-234)."""
+        if self.retention != 0:
+            return 0
+        return max(request.num_prompt_tokens, request.num_tokens - 1)
 
     def remaining_blocks(self, request: Request) -> int:
         """Blocks the request still needs to hold its whole sequence (S:3060-3076)."""
-        num_tokens = min(request.num_tokens, self.max_model_len)
+        full = min(request.num_tokens, self.max_model_len)
+        num_tokens = full
         if self.num_spec_tokens:
             num_tokens += 1 + self.num_spec_tokens + self.num_lookahead_tokens
         return self._blocks_needed(request.request_id, num_tokens, (),
-                                   request.num_computed_tokens, admission=True)
+                                   request.num_computed_tokens, True, full,
+                                   self._prefill_end(request))
 
     def allocate_slots(
         self,
@@ -330,27 +399,32 @@ class GroupedKVCacheManager:
         num_lookahead_tokens: int = 0,
     ) -> tuple[list[Block], ...] | None:
         """``KVCacheManager.allocate_slots`` in every group (KM:371-618). Blocks
-        before a sliding window are given back first, on the tokens whose
-        output is in, even when the new blocks then do not fit."""
+        before a sliding window, and states before the last, are given back
+        first, on the tokens whose output is in, even when the new blocks then
+        do not fit. State groups count the main model's tokens, lookahead slots
+        left out."""
         req_id = request.request_id
         num_local = request.num_computed_tokens + num_new_computed_tokens
         num_external = num_external_computed_tokens
         total = min(num_local + num_external, self.max_model_len)
         watermark = self._watermark(request, has_scheduled_reqs)
+        prefill_end = self._prefill_end(request)
         if full_sequence_must_fit:
             full = min(request.num_tokens, self.max_model_len)
-            needed = self._blocks_needed(req_id, full, hits, total, admission=True)
+            needed = self._blocks_needed(req_id, full, hits, total, True, full, prefill_end)
             if needed + watermark > self.pool.num_free_blocks:
                 return None
-        need_slots = min(total + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        main = total + num_new_tokens
+        need_slots = min(main + num_lookahead_tokens, self.max_model_len)
         for g in self.groups:
             g.remove_skipped(req_id, max(0, total - request.num_in_flight_tokens))
-        needed = self._blocks_needed(req_id, need_slots, hits, num_local + num_external)
+        needed = self._blocks_needed(req_id, need_slots, hits, num_local + num_external, False,
+                                     main, prefill_end)
         if needed + watermark > self.pool.num_free_blocks - reserved_blocks:
             return None
         if hits or num_external > 0:
             self._admit_prefix(req_id, hits, num_local, num_external)
-        new = tuple(g.allocate(req_id, need_slots) for g in self.groups)
+        new = tuple(g.allocate(req_id, need_slots, main) for g in self.groups)
         if not delay_cache_blocks:
             self.cache_blocks(request, min(total + num_new_tokens, request.num_tokens))
         return new
@@ -375,17 +449,21 @@ class GroupedKVCacheManager:
     evict_blocks = KVCacheManager.evict_blocks
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
-        """Make full blocks hash-visible in every group; a sliding-window group
-        keeps the windows ending at the prompt's replay boundary (its last token
-        but one) and at the request's shared-prefix boundary (KC:340-378)."""
+        """Make full blocks hash-visible in every group (KC:340-378); a
+        sliding-window or state group keeps what a hit ending at the prompt's
+        replay boundary (its last token but one) and at the request's
+        shared-prefix boundary needs. Several groups are told the tokens up to
+        a block boundary (KC:767-794), one group all of them (KC:346-352),
+        which a state group's boundary state reads (state_groups.py)."""
         if not self.enable_caching:
             return
-        num_full = min(num_tokens, len(request.block_hashes) * self.block_size) // self.block_size
+        if len(self.groups) > 1:
+            num_tokens = num_tokens // self.block_size * self.block_size
         boundaries = (request.num_prompt_tokens - 1,)
         if request.shared_prefix_boundary:
             boundaries += (request.shared_prefix_boundary,)
         for g in self.groups:
-            g.cache(request, num_full, boundaries)
+            g.cache(request, num_tokens, boundaries)
 
     def remove_skipped_blocks(self, request: Request) -> None:
         """Give back what is before each window, on the tokens whose output is

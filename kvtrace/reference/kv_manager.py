@@ -27,6 +27,7 @@ class KVCacheManager:
         self.eagle_block_drop = config.eagle_block_drop
         self.pool = BlockPool(config.num_blocks, config.enable_prefix_caching,
                               config.profile.free_uncached_to_head)
+        self.spec_step_block_sizes = (self.block_size,)   # a speculative step's blocks (S:347-357)
         self.req_to_blocks: dict[str, list[Block]] = {}
         self.req_to_ids: dict[str, list[int]] = {}        # the same tables, as block ids
         self.num_cached_block: dict[str, int] = {}
@@ -60,6 +61,9 @@ class KVCacheManager:
 
     def remove_skipped_blocks(self, request: Request) -> None:
         """Full attention gives nothing back before a request finishes."""
+
+    def new_step_starts(self) -> None:
+        """Nothing to forget when a step starts (state groups have, kv_groups.py)."""
 
     def _extend(self, req_id: str, table: list[Block], blocks: list[Block]) -> None:
         table.extend(blocks)

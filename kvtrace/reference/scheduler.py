@@ -1,7 +1,7 @@
 """The reference scheduler: vLLM V1's ``Scheduler`` in the baseline profile of
-the semantics doc (full-attention and sliding-window KV-cache groups, no
-pipeline parallelism, no encoder inputs), and its ``AsyncScheduler`` when the config says
-``async_scheduling``.
+the semantics doc (full-attention, sliding-window and state KV-cache groups,
+no pipeline parallelism, no encoder inputs), and its ``AsyncScheduler`` when
+the config says ``async_scheduling``.
 
 One ``schedule()`` call is two passes (semantics doc 2):
 
@@ -45,6 +45,7 @@ from .queues import make_queue
 from .request import Request, Status
 from .sessions import Sessions
 from .speculative import SpeculativeDecoding
+from .state_groups import StateSplit
 from .step import StepPlan
 
 __all__ = ["Scheduler", "SchedulerAssertion"]
@@ -65,6 +66,8 @@ class Scheduler(Admission, Outputs, SpeculativeDecoding, KVTransfer, AsyncOutput
         self.max_model_len = config.max_model_len
         self.kv_groups = bool(config.kv_groups)
         self.kv = GroupedKVCacheManager(config) if self.kv_groups else KVCacheManager(config)
+        # With state groups in align mode, prefill chunks end on block boundaries.
+        self.state_split = StateSplit.of(config)
         self.connector = connector
         self.requests: dict[str, Request] = {}
         self.waiting = make_queue(config.policy)
@@ -157,6 +160,7 @@ class Scheduler(Admission, Outputs, SpeculativeDecoding, KVTransfer, AsyncOutput
         """One step. ``throttle_prefills``: the engine core asks this step to hold
         prefills back (a data-parallel engine off its cadence, cadence.py)."""
         paused_all = self.pause_state == "PAUSED_ALL"   # no token budget at all (S:615-617)
+        self.kv.new_step_starts()
         step = StepPlan(0 if paused_all else self.config.token_budget,
                         self.config.max_num_batched_tokens, self._long_prefill_threshold(),
                         self.config.num_draft_slots)
@@ -202,8 +206,10 @@ class Scheduler(Admission, Outputs, SpeculativeDecoding, KVTransfer, AsyncOutput
                                - r.num_computed_tokens),
                     self.max_model_len - r.num_computed_tokens
                     - self.config.num_sampled_tokens_per_step)
+            if self.state_split is not None and n > 0:
+                n = self.state_split.chunk(r, r.num_computed_tokens, n)   # S:723-727
             if n <= 0:
-                i += 1
+                i += 1   # nothing to schedule, or no block-aligned chunk fits (S:753-776)
                 continue
             blocks, i = self._allocate_preempting(r, n, i, step)
             if blocks is None:

@@ -40,10 +40,12 @@ class SpeculativeDecoding:
     def spec_decode_step_blocks(self) -> int:
         """Blocks of one decode step with every draft and the drafter's
         lookahead: 1 + num_spec_tokens + num_lookahead_tokens slots, in each
-        KV-cache group (S:348-357)."""
+        KV-cache group but state groups, which hold theirs (S:347-357)."""
         k = self.config.num_spec_tokens
-        groups = len(self.config.kv_groups) or 1
-        return groups * -(-(1 + k + self.config.num_lookahead_tokens) // self.block_size) if k else 0
+        if not k:
+            return 0
+        slots = 1 + k + self.config.num_lookahead_tokens
+        return sum(-(-slots // bs) for bs in self.kv.spec_step_block_sizes)
 
     def _admission_lookahead(self, r: Request, load_async: bool) -> int:
         """The drafter's lookahead slots an admission allocates. An async load

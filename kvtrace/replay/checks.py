@@ -148,8 +148,9 @@ _STATE_FIELDS = ("status", "state.num_computed_tokens", "num_tokens", "num_preem
 _STATE_RULES = ("1.4: status transitions", "1.3: every write to num_computed_tokens",
                 "1.1: num_tokens = prompt + outputs", "I6", "4.5/4.7: the block table")
 _STATE_KINDS = ("counter", "counter", "counter", "counter", "block")
-_GROUPS_RULE = ("4.9: each KV-cache group's table: blocks before a sliding window are given "
-                "back as the null block 0, a hit holds in every group")
+_GROUPS_RULE = ("4.9: each KV-cache group's table: blocks before a sliding window, and "
+                "states before a request's last, are given back as the null block 0, a hit "
+                "holds in every group")
 _DELAYED_FREE_RULE = ("3.5: a finished request keeps its blocks while the connector sends them "
                       "(request_finished answered delay_free) until finished_sending")
 
@@ -375,8 +376,10 @@ def step_invariants(rec: ev.Step, cfg: ev.SchedulerConfig, prev_preemptions: dic
     tokens and those placeholders, no further (AS:25-47): c <= T + placeholders.
     ``reads_no_cache(req)``: whether the request arrived with
     ``skip_reading_prefix_cache`` (its connector answers count for nothing).
-    ``windowed``: for each KV-cache group, whether it is a sliding-window one,
-    whose tables hold the null block in place of blocks given back."""
+    ``windowed``: for each KV-cache group, where it may hold the null block
+    (``null_blocks``): in its tables (a sliding window's blocks given back),
+    or also in a running request's new blocks (a state group's skipped
+    slots)."""
     divs: list[Divergence] = []
 
     def d(req, field, recorded, expected, rule, kind="invariant"):
@@ -442,8 +445,12 @@ def step_invariants(rec: ev.Step, cfg: ev.SchedulerConfig, prev_preemptions: dic
             or any((0 in s.block_ids or s.more_groups)
                    and _holds_null(s.block_ids, s.more_groups, windowed) for s in rec.resumed)
             or any((0 in s.new_block_ids or s.more_groups)
-                   and _holds_null(s.new_block_ids, s.more_groups, ()) for s in rec.running)):
+                   and _holds_null(s.new_block_ids, s.more_groups,
+                                   tuple(w == IN_NEW_BLOCKS for w in windowed))
+                   for s in rec.running)):
         d(None, "block_ids", 0, f"1..{cfg.num_blocks - 1}", "4.5: block 0 is the null block", "block")
+    if IN_NEW_BLOCKS in windowed and rec.lookups:
+        _resumes_from_a_state(rec, windowed, block_size, d)
     for lk in rec.lookups:
         if lk.ext is not None and lk.ext < 0:
             d(lk.req, "lookup.ext", lk.ext, ">= 0",
@@ -453,10 +460,51 @@ def step_invariants(rec: ev.Step, cfg: ev.SchedulerConfig, prev_preemptions: dic
     return divs
 
 
-def _holds_null(ids: list[int], more: list[list[int]] | None, windowed: tuple[bool, ...]) -> bool:
-    """Whether a table holds the null block 0 where its group may not: a
-    sliding-window group's tables hold it in place of blocks given back, but
-    newly allocated blocks (``windowed`` empty) never are."""
+IN_TABLES, IN_NEW_BLOCKS = "tables", "new blocks"
+
+
+def null_blocks(features: ev.SchedulerFeatures) -> tuple[str | None, ...]:
+    """Per KV-cache group, where it may hold the null block 0: a sliding
+    window's tables, in place of blocks given back (ST:645-710); an aligned
+    state group's tables and a running request's new blocks too, at the
+    slots it keeps no state in (ST:1824-1852); None: nowhere."""
+    out: list[str | None] = []
+    for g in features.kv_cache_groups or ():
+        if g.kind == "MambaSpec" and g.mamba_cache_mode == "align":
+            out.append(IN_NEW_BLOCKS)
+        else:
+            out.append(IN_TABLES if g.sliding_window is not None else None)
+    return tuple(out)
+
+
+def _resumes_from_a_state(rec: ev.Step, windowed: tuple, block_size: int, d) -> None:
+    """B6: a request admitted from a lookup at c > 0 computed tokens holds,
+    in each aligned state group, a block at the slot of the state after c
+    tokens, cdiv(c, block_size) - 1: its local hit's state, or the block its
+    external hit loads that state into (ST:267-367). A hit taken from full
+    attention alone, past the state a state group holds, leaves the null
+    block there: the request would resume from a state never written
+    (LMCache #4247's shape; vLLM's own such lookup, for a connector that
+    restores states, falls back when the connector finds nothing, S:1029-1037)."""
+    looked_up = {lk.req for lk in rec.lookups}
+    states = [g for g, w in enumerate(windowed) if w == IN_NEW_BLOCKS]
+    for s in (*rec.new, *rec.resumed):
+        c = s.num_computed_tokens
+        if c <= 0 or s.req not in looked_up:
+            continue
+        slot = -(-c // block_size) - 1
+        tables = [s.block_ids, *(s.more_groups or ())]
+        for g in states:
+            table = tables[g] if g < len(tables) else []
+            if slot >= len(table) or table[slot] == 0:
+                d(s.req, f"group {g} state slot {slot}",
+                  table[slot] if slot < len(table) else None, "a state block",
+                  "B6: a request resumes from the state of its whole hit", "block")
+
+
+def _holds_null(ids: list[int], more: list[list[int]] | None, windowed: tuple) -> bool:
+    """Whether a table holds the null block 0 where its group may not (a
+    truthy entry of ``windowed`` allows it; ``null_blocks`` says where)."""
     if 0 in ids and not (windowed and windowed[0]):
         return True
     return any(0 in g and not (len(windowed) > i and windowed[i])

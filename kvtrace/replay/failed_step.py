@@ -72,4 +72,9 @@ def counts(sched: Scheduler, connector: RecordedConnector, a: SchedulerAssertion
         threshold = sched.config.long_prefill_token_threshold
         return (f"num_scheduled_tokens: one token left to compute, padded to 1 + {k} drafts = "
                 f"{1 + k}, cut by long_prefill_token_threshold {threshold}")
+    if rule == "BP:679" and hit and lookup.ext and any(g.state for g in sched.config.kv_groups):
+        # MambaManager keeps the base allocate_external_computed_blocks (ST:326-367):
+        # a block per block of the external hit, where its count took one (ST:1676-1778).
+        return (f"an admission with {hit}: each state group takes a block for every block "
+                f"the external hit covers, where the count of blocks to allocate took one")
     return f"num_tokens {r.num_tokens}, num_computed_tokens {r.num_computed_tokens}"

@@ -57,6 +57,8 @@ class ReplayResult:
     profile: str | None = None        # the version profile the reference followed
     profile_note: str | None = None   # why that one, when the trace's release has none
     audit: dict | None = None         # what the data-path checks checked (kv_audit records)
+    # Why the shadow-KV check, asked for, did not run (a model it does not cover).
+    content_unchecked: str | None = None
 
     @property
     def steps_checked(self) -> int:
@@ -87,8 +89,9 @@ def _check_fits(header: ev.Header, path) -> None:
 
 def _check_supported(header: ev.Header, path, profile: Profile) -> None:
     why = baseline.refusal(header.features, header.config.block_size,
-                           "the reference models the baseline profile only (full-attention and "
-                           "sliding-window KV-cache groups, no pipeline parallelism)")
+                           "the reference models the baseline profile only (full-attention, "
+                           "sliding-window and state KV-cache groups, no pipeline parallelism)",
+                           header.config.enable_prefix_caching)
     if why is None:
         why = _profile_refusal(header, profile)
     if why is not None:
@@ -159,8 +162,9 @@ class Replayer:
         self._expected_stats: dict[str, RequestOutput] = {}   # req -> first output, awaiting stats
         self._finished_refs: dict[str, Request] = {}          # finished requests, for their stats
         self._preemptions: dict[str, int] = {}
-        # Per KV-cache group: a sliding-window one, whose tables may hold the null block.
-        self._windowed = tuple(w is not None for w in header.features.windows())
+        # Per KV-cache group: where it may hold the null block (a sliding window's
+        # tables; a state group's tables and new blocks).
+        self._windowed = checks.null_blocks(header.features)
         self._progress = ProgressWatch()
         # Async scheduling: the ids each recorded step samples a token for, for
         # the steps with no recorded output yet (the I1 check's allowance for
@@ -495,6 +499,12 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
     unusable = False   # the trace was found unusable: the output is not put in place
     try:
         _check_supported(header, path, chosen)
+        unchecked = None
+        if device and any(g.kind == "MambaSpec" for g in header.features.kv_cache_groups or ()):
+            device = None   # the content check reads attention KV: not yet a state group's
+            unchecked = ("the shadow-KV check does not run on a model with state groups "
+                         "(Mamba, gated delta nets) yet; every group's block table and every "
+                         "count are checked")
         if device:
             _check_fits(header, path)
             device = pick_backend(device, path, header.config.num_blocks, header.config.block_size)
@@ -519,6 +529,7 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
                       shared=reader.share() if content_worker else None,
                       gate=content_worker and workers < 2, profile=chosen)
         result = ReplayResult(path=str(path), header=header, profile=chosen.name,
+                              content_unchecked=unchecked,
                               profile_note=note)
         if workers >= (2 if device else 1):
             from kvtrace.workers.record_worker import RecordWorker   # a module the worker runs as __main__

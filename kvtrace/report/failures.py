@@ -97,6 +97,13 @@ def steps_text(result: Any) -> str | None:
     return count(checked, "step")
 
 
+def unchecked_text(result: Any) -> str | None:
+    """What a replay was asked to check and did not, in words; None when it
+    checked all it was asked to."""
+    why = getattr(result, "content_unchecked", None)
+    return None if why is None else f"KV content not checked: {why}"
+
+
 def stop_text(result: Any) -> str | None:
     """Where replay stopped before the trace's end, why, and how many steps
     it left unchecked; None when it did not stop."""

@@ -238,13 +238,21 @@ def percent(x: float | None) -> str:
 
 def kv_groups_text(features: ev.SchedulerFeatures) -> str | None:
     """A header's KV-cache groups in words ("group 0: sliding window of 64
-    tokens, group 1: full attention"), or None for one full-attention group."""
+    tokens, group 1: full attention", "group 0: state (gdn_attn, align)"),
+    or None for one full-attention group."""
     groups = features.kv_cache_groups
     if not groups:
         return None
-    return ", ".join(f"group {i}: " + (f"sliding window of {count(g.sliding_window, 'token')}"
-                                       if g.sliding_window else "full attention")
-                     for i, g in enumerate(groups))
+    return ", ".join(f"group {i}: {_group_kind(g)}" for i, g in enumerate(groups))
+
+
+def _group_kind(g: ev.KVCacheGroup) -> str:
+    if g.sliding_window:
+        return f"sliding window of {count(g.sliding_window, 'token')}"
+    if g.kind == "MambaSpec":
+        return (f"state ({g.mamba_type or 'Mamba'}, {g.mamba_cache_mode}, "
+                f"blocks of {count(g.block_size, 'token')})")
+    return "full attention"
 
 
 # --------------------------------------------------------------------------- marks

@@ -76,7 +76,8 @@ def write_html_report(trace: str | os.PathLike, out_html: str | os.PathLike,
                       max_requests: int = MAX_REQUESTS,
                       max_divergent: int = MAX_DIVERGENT,
                       told: Told | None = None, stop: str | None = None,
-                      steps_checked: str | None = None) -> HtmlReport:
+                      steps_checked: str | None = None,
+                      unchecked: str | None = None) -> HtmlReport:
     """Write the report of ``trace`` and its ``divergences`` to ``out_html``.
 
     ``source`` says where the divergences come from (``replay``, ``diff``
@@ -87,7 +88,8 @@ def write_html_report(trace: str | os.PathLike, out_html: str | os.PathLike,
     ``stories`` alone will do; given divergences without either are told
     here. ``stop``: where replay stopped before the trace's end, and
     ``steps_checked`` how many steps it checked, in words
-    (``failures.stop_text``, ``failures.steps_text``). With ``against``, that
+    (``failures.stop_text``, ``failures.steps_text``); ``unchecked``: what
+    replay was asked to check and did not (``failures.unchecked_text``). With ``against``, that
     trace is drawn too, on the same step axis. This renders; the caller runs
     the analysis. Raises ``TraceError`` when a trace is unusable.
     """
@@ -99,7 +101,7 @@ def write_html_report(trace: str | os.PathLike, out_html: str | os.PathLike,
     # B's timelines of the requests that diverge, drawn under A's (same ids)
     sb = None if against is None else summarize(against, keep=divergent, max_timelines=0)
     page = render(s, divs, told, source=source, against=sb, note=note, stop=stop,
-                  steps_checked=steps_checked)
+                  steps_checked=steps_checked, unchecked=unchecked)
     # errors: a file name shown in the page may hold bytes that are not UTF-8
     with writing(out_html) as out, out.open("w", encoding="utf-8", errors="backslashreplace") as f:
         f.write(page)
@@ -130,6 +132,7 @@ class _Page:
     why: str | None = None          # why the headline comes first
     stop: str | None = None         # where replay stopped before the trace's end
     steps_checked: str | None = None
+    unchecked: str | None = None    # what replay did not check, in words
 
     @property
     def rec(self) -> str:
@@ -151,7 +154,7 @@ class _Page:
 def render(s: RunSummary, divs: list[Divergence], told: Told | None = None,
            source: str = "replay", against: RunSummary | None = None,
            note: str | None = None, stop: str | None = None,
-           steps_checked: str | None = None) -> str:
+           steps_checked: str | None = None, unchecked: str | None = None) -> str:
     """The whole page as a string. ``against``: the other trace's summary."""
     e = html.escape
     told = tell(divs) if told is None else told
@@ -159,7 +162,7 @@ def render(s: RunSummary, divs: list[Divergence], told: Told | None = None,
     head_story = next((i for i, st in enumerate(told.stories) if st.cause is head), None)
     steps = max(1, s.steps, against.steps if against is not None else 0)
     p = _Page(s, against, divs, told.stories, head, head_story, source, steps, told.why, stop,
-              steps_checked)
+              steps_checked, unchecked)
     name = os.path.basename(path_text(s.path))
     title = name if against is None else f"{name} against {os.path.basename(path_text(against.path))}"
     by_req: dict[str | None, list[Divergence]] = {}
@@ -173,7 +176,7 @@ def render(s: RunSummary, divs: list[Divergence], told: Told | None = None,
         f"<style>{_CSS}</style></head><body>",
         "<header>",
         f"<h1>kvtrace report <span class=\"file\">{e(title)}</span></h1>",
-        _trace_lines(s, "A" if against is not None else None, steps_checked),
+        _trace_lines(s, "A" if against is not None else None, steps_checked, unchecked),
     ]
     if against is not None:
         parts.append(_trace_lines(against, "B"))
@@ -190,7 +193,8 @@ def render(s: RunSummary, divs: list[Divergence], told: Told | None = None,
     return "\n".join(parts)
 
 
-def _trace_lines(s: RunSummary, label: str | None, steps_checked: str | None = None) -> str:
+def _trace_lines(s: RunSummary, label: str | None, steps_checked: str | None = None,
+                 unchecked: str | None = None) -> str:
     """The trace's lines under the title: what it is, its config, and notes.
     ``steps_checked``: the steps replay checked, in words, where it stopped."""
     e = html.escape
@@ -199,7 +203,7 @@ def _trace_lines(s: RunSummary, label: str | None, steps_checked: str | None = N
     tag = f'<span class="tag tag-{label.lower()}">{label}</span> ' if label else ""
     out = [f"<p class=\"sub\">{tag}{e(path)} · engine {e(h.engine)} {e(h.engine_version)} · "
            f"{e(steps_checked or count(s.steps, 'step'))} · {count(s.requests, 'request')}</p>",
-           f"<p class=\"sub\">{'&nbsp;' * 5 if label else ''}block size {cfg.block_size} · "
+           f"<p class=\"sub\">{'&nbsp;' * 5 if label else ''}block size {_n(cfg.block_size)} · "
            f"{_n(cfg.num_blocks)} blocks ({_n(s.usable_blocks)} usable) · token budget "
            f"{_n(cfg.max_num_scheduled_tokens or cfg.max_num_batched_tokens)}"
            f" · max_num_seqs {cfg.max_num_seqs} · policy {e(cfg.policy)}"
@@ -207,6 +211,8 @@ def _trace_lines(s: RunSummary, label: str | None, steps_checked: str | None = N
            + (f" · connector {e(cfg.connector.name)} ({e(cfg.connector.load_failure_policy)})"
               if cfg.connector else "")
            + (f" · KV cache {e(groups)}" if (groups := kv_groups_text(h.features)) else "") + "</p>"]
+    if unchecked:
+        out.append(f'<p class="warn">{tag}{e(unchecked)}</p>')
     trunc = replayed_up_to(s.truncation, "read")
     if trunc:
         out.append(f'<p class="warn">{tag}truncated: {e(trunc)}</p>')

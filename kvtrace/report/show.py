@@ -98,7 +98,7 @@ def print_summary(s: RunSummary, console: Console, brief: bool = False) -> None:
     t = Table(show_header=False, box=None, pad_edge=False)
     t.add_column(style="bold", no_wrap=True)
     t.add_column()
-    t.add_row("config", f"block size {cfg.block_size}, {count(cfg.num_blocks, 'block')} "
+    t.add_row("config", f"block size {_n(cfg.block_size)}, {count(cfg.num_blocks, 'block')} "
                         f"({_n(s.usable_blocks)} usable), token budget {_n(budget)}, max_num_seqs "
                         f"{_n(cfg.max_num_seqs)}, policy {cfg.policy}, "
                         f"prefix caching {'on' if cfg.enable_prefix_caching else 'off'}"
@@ -197,7 +197,7 @@ def print_request(s: RunSummary, tl: RequestTimeline, console: Console,
         console.print(Text("finish: not finished in the trace", style="yellow"))
     console.print(f"scheduled in {count(tl.steps_scheduled, 'step')}, "
                   f"{count(tl.tokens_scheduled, 'token')}; "
-                  f"{count(tl.num_preemptions, 'preemption')}; block size {bs}")
+                  f"{count(tl.num_preemptions, 'preemption')}; block size {_n(bs)}")
     if tl.prefill_stats is not None:
         p = tl.prefill_stats
         console.print(f"prompt stats (step {tl.stats_step}): num_prompt_tokens "

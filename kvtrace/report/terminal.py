@@ -19,7 +19,8 @@ from rich.text import Text
 from .._text import CONTROL_ESCAPES_BUT_LAYOUT, count, number, path_text, plural
 from ..findings import Divergence, Story, Told, first_per_request, stories, tell
 from .failures import (also_diverge, causes_line, divergences_text, first_line,
-                       print_stories, print_wrapped, steps_text, stop_brief, stop_text)
+                       print_stories, print_wrapped, steps_text, stop_brief, stop_text,
+                       unchecked_text)
 from ..outputs import blamed_on, silence
 
 MAX_ROWS = 50
@@ -171,7 +172,7 @@ def print_replay(result: Any, path: str, view: "ReplayView",
         print_wrapped(console, stop, "bold red")
     print_wrapped(console, _trace_line(path, result.header, steps_text(result),
                                        getattr(result, "profile", None)), "bold")
-    for note in (getattr(result, "profile_note", None),
+    for note in (getattr(result, "profile_note", None), unchecked_text(result),
                  _prefixed("truncated: ", replayed_up_to(getattr(result, "truncation", None))),
                  end_note(getattr(result, "end", None))):
         if note:
@@ -363,6 +364,9 @@ def _replay_doc(result: Any, path: str, keep=None, told: Told | None = None) -> 
     }
     if getattr(result, "audit", None):
         doc["kv_audit"] = result.audit
+    doc["kv_content"] = {"device": getattr(result, "device", None),
+                         "slots_checked": getattr(result, "slots_checked", 0),
+                         "not_checked": getattr(result, "content_unchecked", None)}
     return doc
 
 

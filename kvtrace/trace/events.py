@@ -186,6 +186,10 @@ class SchedulerFeatures(_Part, forbid_unknown_fields=False):
     prefix_replay_tokens: Count | None = None
     # KV connector
     kv_role: str | None = None
+    # The connector restores a state group's lagging state at the end of its
+    # external hit, so a lookup takes full attention's own hit as the local
+    # one (vLLM's supports_divergent_local_hybrid_hits; absent: no).
+    supports_divergent_local_hybrid_hits: bool | None = None
     defer_block_free: bool | None = None
     requires_kv_delivery: bool | None = None
     # Speculative decoding
