@@ -43,8 +43,9 @@ res = record_workload(sys.argv[1], build_workload("shared-prefix", 0, int(sys.ar
 print(json.dumps({"seconds": time.perf_counter() - t, "steps": res.steps}))
 """
 
-# One replay; CPU time of this process and of its ended workers, and the CPU
-# time at the progress call nearest the trace's middle step.
+# One replay: CPU time of this process and of its ended workers; and this
+# process's CPU time since the start at each progress call, the last one and
+# the one nearest the trace's middle step.
 _REPLAY = """
 import json, resource, sys, time
 from kvtrace.replay import replay_file
@@ -53,13 +54,14 @@ def cpu():
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
     return time.process_time() + ru.ru_utime + ru.ru_stime
 marks = []
-t, c = time.perf_counter(), cpu()
+t, c, own = time.perf_counter(), cpu(), time.process_time()
 r = replay_file(path, device="cpu" if kv else None, worker=worker,
-                progress=lambda n: marks.append((n, time.process_time())))
+                progress=lambda n: marks.append((n, time.process_time() - own)))
 wall, c = time.perf_counter() - t, cpu() - c
 assert not r.divergences, r.divergences[0]
 mid = min(marks, key=lambda m: abs(m[0] - r.steps // 2), default=None)
-print(json.dumps({"wall": wall, "cpu": c, "steps": r.steps, "mid": mid, "marks": marks[-1:]}))
+print(json.dumps({"wall": wall, "cpu": c, "steps": r.steps, "mid": mid,
+                  "last": marks[-1] if marks else None}))
 """
 
 
@@ -105,8 +107,8 @@ def run(requests: int = 12_500, rounds: int = 1, worker: bool = False,
     rows = []
     for kv, w in arms:
         short, long = best[("short", kv, w)], best[("long", kv, w)]
-        mid_step, mid_cpu = long["mid"]
-        last_step, last_cpu = long["marks"][-1]
+        mid_step, mid_cpu = long["mid"] or (0, 0.0)
+        last_step, last_cpu = long["last"] or (0, 0.0)
         rows.append({
             "kv": kv, "worker": w,
             "short": short, "long": long,

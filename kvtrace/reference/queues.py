@@ -1,4 +1,5 @@
-"""Waiting queues: FCFS keeps arrival order; priority is a heap, where "prepend" is just "add"."""
+"""Waiting queues: FCFS is an ordered dict, in queue order; priority is a heap,
+where "prepend" is just "add"."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ from .request import Request
 
 
 class FCFSQueue:
-    """vLLM's FCFSRequestQueue (request_queue.py): a deque, filtered whole to take
-    out an aborted request. Here the requests are an ordered dict's keys, in
-    queue order: the same order, and an abort costs the same whatever the
-    length of the queue."""
+    """First come, first served, as vLLM's FCFSRequestQueue
+    (v1/core/sched/request_queue.py:75-128), a deque that filters the whole
+    queue to take out an aborted request (:109-116). Here the requests are an
+    ordered dict's keys, in queue order: the same order, and an abort costs
+    the same however many requests wait."""
 
     def __init__(self) -> None:
         self._queue: OrderedDict[Request, None] = OrderedDict()
