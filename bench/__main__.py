@@ -8,6 +8,9 @@ to the limit it is measured against, all measured in the same run.
   CUDA when the shadow-KV check runs there (bench/kv_audit.py);
 * a small trace's replay with the shadow-KV check, next to replay without it
   and the interpreter's start with the CLI imported (bench/small_replay.py);
+* replay time against trace length: a workload whose waiting queue grows
+  all along, at an eighth of the scale and four times that, with the
+  shadow-KV check and without (bench/scaling.py);
 * the embedded engine producing a large trace (its own wall time);
 * decompressing and JSON-parsing that trace, and parsing it into checked
   records (the floor for anything that reads it), measured again after every
@@ -128,6 +131,17 @@ def main() -> None:
                  f"kvtrace.cli {m['import_cli']:.3f} s; torch imported: "
                  f"{'yes' if sr['torch_imported'] else 'no'} (import torch alone "
                  f"{m['import_torch']:.3f} s)", "well under 1 s"))
+
+    sc = _child("scaling", requests=max(n // 8, 2500))
+    with_kv, without = (next(row for row in sc["rows"] if row["kv"] is kv) for kv in (True, False))
+    made = sc["made"]
+    rows.append((f"replay time, a 4x longer trace ({sc['requests']['short']:,} and "
+                 f"{sc['requests']['long']:,} requests, a growing waiting queue)",
+                 f"with the KV check {with_kv['short']['cpu']:.1f} s -> {with_kv['long']['cpu']:.1f} s "
+                 f"of CPU = {with_kv['cpu_ratio']:.2f}x (wall {with_kv['wall_ratio']:.2f}x), for "
+                 f"{made['long']['steps'] / made['short']['steps']:.2f}x the steps; without it "
+                 f"{without['cpu_ratio']:.2f}x; one process",
+                 f"<= {sc['limit']}x"))
 
     eng = _child("engine", out=str(big), requests=n)
     _child("engine", out=str(small), requests=max(n // 100, 100))

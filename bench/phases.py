@@ -287,6 +287,12 @@ def small_replay(runs: int = 10) -> dict:
     return run(runs)
 
 
+def scaling(requests: int = 12_500) -> dict:
+    from bench.scaling import run
+
+    return run(requests)
+
+
 def kv_digests(device: str = "cpu", batch: int = 64) -> dict:
     from bench.kv_audit import digest_throughput
 

@@ -1,35 +1,55 @@
-"""Waiting queues: FCFS is a deque; priority is a heap, where "prepend" is just "add"."""
+"""Waiting queues: FCFS is an ordered dict, in queue order; priority is a heap,
+where "prepend" is just "add"."""
 
 from __future__ import annotations
 
 import heapq
-from collections import deque
+from collections import OrderedDict
 from typing import Iterable
 
 from .request import Request
 
 
-class FCFSQueue(deque):
+class FCFSQueue:
+    """First come, first served, as vLLM's FCFSRequestQueue
+    (v1/core/sched/request_queue.py:75-128), a deque that filters the whole
+    queue to take out an aborted request (:109-116). Here the requests are an
+    ordered dict's keys, in queue order: the same order, and an abort costs
+    the same however many requests wait."""
+
+    def __init__(self) -> None:
+        self._queue: OrderedDict[Request, None] = OrderedDict()
+
     def add(self, r: Request) -> None:
-        self.append(r)
+        self._queue[r] = None
 
     def pop_request(self) -> Request:
-        return self.popleft()
+        return self._queue.popitem(last=False)[0]
 
     def peek(self) -> Request:
-        return self[0]
+        return next(iter(self._queue))
 
     def prepend(self, r: Request) -> None:
-        self.appendleft(r)
+        self._queue[r] = None
+        self._queue.move_to_end(r, last=False)
 
     def prepend_all(self, rs: Iterable[Request]) -> None:
         """Like deque.extendleft: the last of ``rs`` ends up first."""
-        self.extendleft(rs)
+        for r in rs:
+            self.prepend(r)
 
     def remove_all(self, rs: set) -> None:
-        kept = [r for r in self if r not in rs]
-        self.clear()
-        self.extend(kept)
+        for r in rs:
+            self._queue.pop(r, None)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __bool__(self) -> bool:
+        return bool(self._queue)
+
+    def __iter__(self):
+        return iter(self._queue)
 
 
 class PriorityQueue:

@@ -96,6 +96,10 @@ A segment is sized with room to grow; for a request whose longest length is
 known (prompt plus max_tokens, from its arrival), with room for that length
 when it is not far off, so that most requests never move (about a tenth less
 time for the whole check on the benchmark's trace).
+A request gets its arena rows, and its prompt's fingerprints, when a step
+first uses it: the requests still waiting are in none of a batch's passes
+(fingerprints, compaction), so a step costs the same however long the waiting
+queue grows.
 A batch reports each of its steps' divergences in the words, and the order,
 that checking the steps one at a time would (tests/test_shadow_kv.py checks
 both against a slot-by-slot model of these semantics).
@@ -280,9 +284,13 @@ class ShadowCore:
         self.ids: list[str] = []                 # interned request ids
         self._intern: dict[str, int] = {}
         self._reqs: dict[str, _Req] = {}
-        # Requests with tokens awaiting fingerprints (keyed by the request object:
-        # a dropped request stays here while queued steps may read its tokens).
+        # Requests with tokens awaiting fingerprints and room for them in the
+        # arena (keyed by the request object: a dropped request stays here while
+        # queued steps may read its tokens). A request gets room when a step
+        # first uses it, so the waiting queue is neither here nor in _placed:
+        # the cost of a batch stays that of the requests it uses ("Performance").
         self._pending: dict[_Req, None] = {}
+        self._placed: dict[_Req, None] = {}     # live requests with arena rows
         self._top = 0                            # next free arena row
         self._batch = Batch()
         self._ready: list[tuple[object, list[Divergence]]] = []
@@ -367,13 +375,18 @@ class ShadowCore:
         if prompt_token_ids:
             r.pending = list(prompt_token_ids)
             r.ntok = len(r.pending)
-            self._pending[r] = None
 
     def append_tokens(self, req: str, token_ids: list[int]) -> None:
         r = self._req(req)
         if token_ids:
             r.pending.extend(token_ids)
             r.ntok += len(token_ids)
+            self._note_pending(r)
+
+    def _note_pending(self, r: _Req) -> None:
+        """Have the request's pending tokens fingerprinted with the next batch, if
+        its arena segment has room for any; else ``_ensure`` does it on making room."""
+        if r.pending and r.n_fp < r.rows * self.block_size:
             self._pending[r] = None
 
     def truncate(self, req: str, ntok: int) -> None:
@@ -389,6 +402,7 @@ class ShadowCore:
             self._pending.pop(r, None)
         else:
             del r.pending[ntok - r.n_fp:]
+            self._note_pending(r)
         r.ntok = ntok
         self._uncheck(r, ntok // self.block_size)
 
@@ -397,6 +411,7 @@ class ShadowCore:
         # evaluated: they may still read them.
         r = self._reqs.pop(req, None)
         if r is not None:
+            self._placed.pop(r, None)
             self._uncheck(r)
             if not self._batch.steps:
                 self._pending.pop(r, None)
@@ -443,11 +458,11 @@ class ShadowCore:
         steps hold arena offsets: they are evaluated first."""
         self._evaluate()
         B = self.block_size
-        live = sum(r.rows for r in self._reqs.values())
+        live = sum(r.rows for r in self._placed)
         cap = max(64, 4 * (live + extra))   # room to spare: each compaction ends a batch
         old, new = self._arena, self._zeros(cap)
         top = 0
-        for r in self._reqs.values():
+        for r in self._placed:
             used = min(_cdiv(r.n_fp, B), r.rows)
             if used:
                 new[top: top + used] = old[r.row: r.row + used]
@@ -471,11 +486,13 @@ class ShadowCore:
         if used:
             self._arena[row: row + used] = old
         r.row, r.rows = row, rows
+        self._placed[r] = None
+        self._note_pending(r)
 
     def _materialise(self, reqs: list[_Req] | None = None) -> None:
-        """Compute the fingerprints of the pending tokens of ``reqs`` (default: every
-        request), in one batch, as far as each request's arena segment reaches;
-        what does not fit stays pending until ``_ensure`` makes room."""
+        """Compute the fingerprints of the pending tokens of ``reqs`` (default: those
+        in ``_pending``), in one batch, as far as each request's arena segment
+        reaches; what does not fit stays pending until ``_ensure`` makes room."""
         pend = list(self._pending) if reqs is None else reqs
         if not pend:
             return
@@ -484,6 +501,7 @@ class ShadowCore:
         meta: list[int] = []                # per request: first, start position, arena offset
         total = 0
         for r in pend:
+            self._pending.pop(r, None)      # done, or out of room
             k = min(len(r.pending), r.rows * B - r.n_fp)
             if k <= 0:
                 continue
@@ -492,8 +510,6 @@ class ShadowCore:
             total += k
             r.n_fp += k
             del r.pending[:k]
-            if not r.pending:
-                self._pending.pop(r, None)
         if total:
             self._fingerprint(toks, meta, total)
 
@@ -670,8 +686,6 @@ class ShadowCore:
             return
         self._materialise()                 # every position a queued step uses
         self._batch = Batch()
-        for r in [r for r in self._pending if self._reqs.get(self.ids[r.idx]) is not r]:
-            del self._pending[r]            # dropped: no step reads its tokens any more
         tables = self._ints(b.tables)
         w = self._write_log(b, tables) if b.n_writes else None
         if w is not None and len(b.steps) == 1:
