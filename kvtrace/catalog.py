@@ -20,6 +20,10 @@ EMBEDDED_WORKLOADS = {
     "hybrid-state-offload": "Qwen3-Next's cache with an external store: external hits after "
                             "a local hit",
     "hybrid-three-kinds": "a sliding window, full attention and a state group (Qwen3.5's shape)",
+    "hybrid-state-pressure": "Qwen3-Next's cache in a small pool: kept states evicted, their "
+                             "blocks handed out again",
+    "hybrid-state-async-reset": "Qwen3-Next's cache under async scheduling with a store that "
+                                "loads KV, the prefix cache reset under running requests",
 }
 
 EMBEDDED_FAULTS = {
@@ -34,6 +38,14 @@ EMBEDDED_FAULTS = {
     "window-freed-early": "a sliding-window block is given back while still read",
     "state-hit-not-restored": "full attention's hit taken though a state group lags and the "
                               "connector restores no state (LMCache #4247)",
+    "state-hit-attention-kept": "a hit cut back to a state group's last state keeps full "
+                                "attention's blocks past it",
+    "state-freed-in-flight": "a preempted request's state blocks freed while the step in flight "
+                             "still writes them",
+    "state-chunk-off-boundary": "prefill chunks not split at block boundaries: states written "
+                                "off the block grid",
+    "state-key-outlives-eviction": "a state block handed out again keeps its key: a hit is served "
+                                   "another prefix's state",
 }
 
 # The workload on which each fault shows: what --fault runs without --workload.
@@ -46,6 +58,10 @@ EMBEDDED_FAULT_WORKLOADS = {
     "hybrid-hit-not-served": "hybrid",
     "window-freed-early": "hybrid",
     "state-hit-not-restored": "hybrid-state-offload",
+    "state-hit-attention-kept": "hybrid-state",
+    "state-freed-in-flight": "hybrid-state-async-reset",
+    "state-chunk-off-boundary": "hybrid-state",
+    "state-key-outlives-eviction": "hybrid-state-pressure",
 }
 
 # The vLLM recorder's workloads, under the embedded engine's names where they match.
@@ -120,6 +136,8 @@ VLLM_WORKLOADS = {
     "state-hit-overdraw": "vLLM bug: an external hit on a state group takes more blocks than "
                           "counted (no model)",
     "qwen3-next-hit-overdraw": "vLLM bug: the same on the tiny Qwen3-Next, the pool runs out",
+    "qwen3-next-async-reset": "tiny Qwen3-Next under the AsyncScheduler with a connector that "
+                              "loads KV: the prefix cache reset under running requests",
     "state-mamba2": "Nemotron-H's cache with no model: Mamba2 prefill checkpoint blocks",
     "state-mamba2-swa": "a Mamba2 state, a sliding window and full attention, with no model",
     "example-connector": "vLLM's ExampleConnector (real KV bytes on disk) under KV pressure, "
@@ -139,6 +157,14 @@ VLLM_FAULTS = {
     "free-before-send": "the prefill side frees a request's blocks before they are sent",
     "hybrid-hit-not-served": "a prefix hit the sliding-window group cannot serve is taken",
     "window-freed-early": "a sliding-window block is given back while still read",
+    "state-hit-attention-kept": "a hit cut back to a state group's last state keeps full "
+                                "attention's blocks past it",
+    "state-freed-in-flight": "a preempted request's state blocks freed while the step in flight "
+                             "still writes them",
+    "state-chunk-off-boundary": "prefill chunks not split at block boundaries: states written "
+                                "off the block grid",
+    "state-key-outlives-eviction": "a state block handed out again keeps its key: a hit is served "
+                                   "another prefix's state",
 }
 
 VLLM_FAULT_WORKLOADS = {
@@ -150,6 +176,10 @@ VLLM_FAULT_WORKLOADS = {
     "free-before-send": "pd-prefill",
     "hybrid-hit-not-served": "hybrid-prefix",
     "window-freed-early": "hybrid-prefix",
+    "state-hit-attention-kept": "qwen3-next-prefix",
+    "state-freed-in-flight": "qwen3-next-async-reset",
+    "state-chunk-off-boundary": "qwen3-next-prefix",
+    "state-key-outlives-eviction": "qwen3-next-preemption",
 }
 
 

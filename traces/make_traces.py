@@ -104,7 +104,8 @@ RELEASE_TRACES = {
 # Traces of vLLM with a bug put back (kvtrace.record.vllm.fault_schedulers), in faults/.
 FAULT_TRACES = ["async-load-overshoot", "stale-computed-on-preempt",
                 "async-stale-computed-on-preempt", "spec-rejected-kept", "grammar-not-awaited",
-                "hybrid-hit-not-served", "window-freed-early"]
+                "hybrid-hit-not-served", "window-freed-early", "state-hit-attention-kept",
+                "state-freed-in-flight", "state-chunk-off-boundary", "state-key-outlives-eviction"]
 # vLLM's ExampleConnector, which moves real KV bytes, recorded with the KV
 # audit, in data-path/: two clean runs, and two with a data-path bug put back
 # (kvtrace.record.vllm.fault_connectors): a resumed request's load dropped,

@@ -1,10 +1,12 @@
-"""``--fault NAME``: the five bug classes of bug-classes.md, and three of
+"""``--fault NAME``: the five bug classes of bug-classes.md, and seven of
 hybrid KV caches (a hit one group cannot serve, a window's block given back
-while read, a state group's lagging state taken as restored), put back into
-the embedded engine. Each is a scheduler subclass
-overriding one or two of the reference's rule methods, or
-(no-reload-after-preempt) a store behaviour. The reference itself stays
-correct, which is what lets replay find them.
+while read, a state group's lagging state taken as restored, full
+attention's blocks kept past a state hit, a preempted request's states freed
+while a step writes them, prefill chunks off the block grid, a state's key
+kept after its block is handed out again), put back into the embedded
+engine. Each is a scheduler subclass overriding one or two of the
+reference's rule methods, or (no-reload-after-preempt) a store behaviour.
+The reference itself stays correct, which is what lets replay find them.
 
 Every fault notes in the engine's FaultLog each place where it really changed
 what the engine did, so tests can check a replay's findings independently.
@@ -13,6 +15,7 @@ what the engine did, so tests can check a replay's findings independently.
 from __future__ import annotations
 
 from kvtrace.reference import Request
+from kvtrace.reference.state_groups import StateGroup
 
 from .scheduler import EngineScheduler
 
@@ -188,6 +191,139 @@ class WindowFreedEarly(EngineScheduler):
         g.adopt_hits = adopt_hits
 
 
+def _state_groups(kv) -> list:
+    return [g for g in getattr(kv, "groups", ()) if isinstance(g, StateGroup)]
+
+
+class StateHitAttentionKept(EngineScheduler):
+    """A hit cut back to the last state every state group holds keeps full
+    attention's own blocks past it: the coordinator's fixed point forgets to
+    truncate full attention's hit to the length all groups agree on
+    (KC:796-931). The request computes on from the state's length, writing
+    tokens into cached blocks that other requests share."""
+
+    def _local_prefix_hit(self, r: Request):
+        hits, n = super()._local_prefix_hit(r)
+        kv = self.kv
+        if not _state_groups(kv) or not kv.enable_caching or r.skip_reading_prefix_cache:
+            return hits, n
+        out = [list(h) for h in hits] if hits else [[] for _ in kv.groups]
+        kept = 0
+        for g in kv.groups:
+            if g.skipped_tokens(1 << 62) != 0:   # full attention only
+                continue
+            (own,), length = g.find_hit(r.block_hashes, r.num_tokens - 1, [g.gid])
+            if length > n:
+                out[g.gid] = own
+                kept = max(kept, length)
+        if not kept:
+            return hits, n
+        self.fault_log.note(r.request_id, f"kept full attention's hit of {kept} tokens past "
+                                          f"the {n} every group holds")
+        return tuple(out), n
+
+
+class StateFreedInFlight(EngineScheduler):
+    """A preempted request's state blocks go back to the pool at once, though
+    a step still in flight writes its state into them: only its attention
+    blocks wait for that step, as a connector that loads KV needs
+    (S:2759-2801). Another request may be handed those blocks, and a load
+    fill them, while the step writes."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._preempting: Request | None = None
+
+    def _preempt_request(self, r: Request, drop_stale_output: bool = False,
+                         listed: bool = True) -> None:
+        self._preempting = r
+        try:
+            super()._preempt_request(r, drop_stale_output, listed)
+        finally:
+            self._preempting = None
+
+    def _free_request_blocks(self, r: Request) -> None:
+        if r is self._preempting and not self._blocks_can_be_freed(r):
+            pool, freed = self.kv.pool, []
+            for g in _state_groups(self.kv):
+                table = g.pop(r.request_id)
+                freed += [b.block_id for b in table if b is not pool.null_block]
+                pool.free_blocks(reversed(table))
+            if freed:
+                self.fault_log.note(r.request_id, f"freed state blocks {freed} while a step in "
+                                                  f"flight still writes them")
+        super()._free_request_blocks(r)
+
+
+class _UnsplitChunks:
+    """The scheduler's chunk split that is never applied: what the fault puts
+    in place of ``Scheduler.state_split``."""
+
+    def __init__(self, split, note):
+        self.split, self.note = split, note
+
+    def chunk(self, r: Request, start: int, n: int) -> int:
+        aligned = self.split.chunk(r, start, n)
+        if aligned != n:
+            self.note(r.request_id, f"scheduled tokens [{start}, {start + n}); the block "
+                                    f"grid ends the chunk at {start + aligned}")
+        return n
+
+
+class StateChunkOffBoundary(EngineScheduler):
+    """Prefill chunks are not split at block boundaries (S:443-556): the
+    scheduler does not see that its state groups keep states aligned. A
+    chunk cut by the budget ends off the block grid, and one runs past the
+    prompt's last boundary, so the state a slot is keyed for (after (p + 1) *
+    block_size tokens) is another position's."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.state_split is not None:
+            self.state_split = _UnsplitChunks(self.state_split, self.fault_log.note)
+
+
+class StateKeyOutlivesEviction(EngineScheduler):
+    """A state block handed out again keeps its key in the prefix cache: the
+    pool drops the block's hash but not the cache's entry for a state group
+    (BP:729-750). A later lookup of that prefix is served the block, which
+    holds another request's state by then."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._served: dict[str, str] = {}   # req -> the stale state its last lookup served
+        states = {g.gid for g in _state_groups(self.kv)}
+        if not states or not self.kv.enable_caching:
+            return
+        pool = self.kv.pool
+        evict = pool._evict
+
+        def keep_state_key(b) -> None:
+            if b.block_hash is not None and b.hash_group in states:
+                b.block_hash, b.hash_num_tokens = None, 0   # the cache's entry stays
+                return
+            evict(b)
+        pool._evict = keep_state_key
+
+    def _local_prefix_hit(self, r: Request):
+        hits, n = super()._local_prefix_hit(r)
+        self._served.pop(r.request_id, None)
+        for g in _state_groups(self.kv):
+            found = hits[g.gid] if hits else []
+            if found and found[-1].block_hash != r.block_hashes[len(found) - 1]:
+                self._served[r.request_id] = (f"served block {found[-1].block_id} of group "
+                                              f"{g.gid} as the state after {n} tokens; it "
+                                              f"holds another prefix's")
+                break
+        return hits, n
+
+    def _on_admitted(self, r: Request) -> None:
+        note = self._served.pop(r.request_id, None)
+        if note is not None:
+            self.fault_log.note(r.request_id, note)
+        super()._on_admitted(r)
+
+
 # Fault name -> scheduler class. no-reload-after-preempt lives in the store.
 SCHEDULERS: dict[str | None, type[EngineScheduler]] = {
     None: EngineScheduler,
@@ -199,6 +335,10 @@ SCHEDULERS: dict[str | None, type[EngineScheduler]] = {
     "hybrid-hit-not-served": HybridHitNotServed,
     "window-freed-early": WindowFreedEarly,
     "state-hit-not-restored": StateHitNotRestored,
+    "state-hit-attention-kept": StateHitAttentionKept,
+    "state-freed-in-flight": StateFreedInFlight,
+    "state-chunk-off-boundary": StateChunkOffBoundary,
+    "state-key-outlives-eviction": StateKeyOutlivesEviction,
 }
 STORE_FAULTS = {"no-reload-after-preempt"}
 FAULTS = tuple(name for name in SCHEDULERS if name is not None)
@@ -213,6 +353,10 @@ FAULT_WORKLOADS: dict[str, str] = {
     "hybrid-hit-not-served": "hybrid",
     "window-freed-early": "hybrid",
     "state-hit-not-restored": "hybrid-state-offload",
+    "state-hit-attention-kept": "hybrid-state",
+    "state-freed-in-flight": "hybrid-state-async-reset",
+    "state-chunk-off-boundary": "hybrid-state",
+    "state-key-outlives-eviction": "hybrid-state-pressure",
 }
 
 

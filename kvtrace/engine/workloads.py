@@ -20,6 +20,11 @@ requests hit each other's blocks in the prefix cache and in the external store.
   ``hybrid-state-offload``, ``hybrid-three-kinds``: state (Mamba, gated delta
   net) KV-cache groups beside full attention (and a sliding window; an
   external store).
+* ``hybrid-state-pressure``: Qwen3-Next's cache in a small pool: the states
+  kept are evicted and their blocks handed out again.
+* ``hybrid-state-async-reset``: Qwen3-Next's cache under async scheduling
+  with a store that loads KV (a freed request's blocks wait for the step in
+  flight), the prefix cache reset under running requests.
 """
 
 from __future__ import annotations
@@ -160,14 +165,15 @@ MAMBA2 = StateSpec("align", checkpoint_blocks=1, checkpoint_alignment=1, mamba_t
 
 
 def _stateful(name: str, seed: int, groups: tuple[GroupSpec, ...], requests: int | None,
-              block_size: int = 16, caching: bool = True) -> Workload:
+              block_size: int = 16, caching: bool = True, num_blocks: int | None = None
+              ) -> Workload:
     """Families of prompts that share prefixes of several blocks, some sent
     again whole, outputs that cross block boundaries, under a cache that
     preempts: the states a state group keeps, hits on them, and the chunks
     the scheduler splits at block boundaries."""
     rng = _rng(name, seed)
     batch, max_len = 96, 512
-    config = SchedulerConfig(block_size=block_size, num_blocks=30 * len(groups),
+    config = SchedulerConfig(block_size=block_size, num_blocks=num_blocks or 30 * len(groups),
                              max_num_batched_tokens=batch, max_num_seqs=6, max_model_len=max_len,
                              enable_prefix_caching=caching, kv_groups=groups)
     systems = [_tokens(rng, rng.randint(40, 90)) for _ in range(3)]
@@ -212,6 +218,26 @@ def hybrid_state_offload(seed: int, requests: int | None = None) -> Workload:
     store = StoreSettings(capacity_tokens=4000, preload=documents, async_fraction=0.3,
                           async_delay_steps=2)
     return replace(wl, store=store)
+
+
+def hybrid_state_pressure(seed: int, requests: int | None = None) -> Workload:
+    """Qwen3-Next's KV cache in a pool of 40 blocks: preemptions, and the
+    states kept evicted, their blocks handed out again."""
+    return _stateful("hybrid-state-pressure", seed, (GroupSpec(state=GDN),) * 3 + (GroupSpec(),),
+                     requests, num_blocks=40)
+
+
+def hybrid_state_async_reset(seed: int, requests: int | None = None) -> Workload:
+    """Qwen3-Next's KV cache under async scheduling, with a store that loads
+    KV (a freed request's blocks go back to the pool once the step in flight
+    that writes them is processed, S:2759-2801), and the prefix cache reset
+    under the running requests two steps after every seventh arrival."""
+    wl = _stateful("hybrid-state-async-reset", seed, (GroupSpec(state=GDN),) * 3 + (GroupSpec(),),
+                   requests)
+    resets = tuple(PlannedReset(a.step + 2, reset_running_requests=True)
+                   for a in wl.arrivals[6::7])
+    return replace(wl, config=replace(wl.config, async_scheduling=True), resets=resets,
+                   store=StoreSettings(capacity_tokens=4000, kv_role="kv_consumer"))
 
 
 def hybrid_three_kinds(seed: int, requests: int | None = None) -> Workload:
@@ -282,6 +308,8 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "hybrid-state-uncached": hybrid_state_uncached,
     "hybrid-state-offload": hybrid_state_offload,
     "hybrid-three-kinds": hybrid_three_kinds,
+    "hybrid-state-pressure": hybrid_state_pressure,
+    "hybrid-state-async-reset": hybrid_state_async_reset,
 }
 
 

@@ -44,6 +44,32 @@ wraps it like any user scheduler. Names follow docs/bug-classes.
     the next token's window is still read, but is already back in the pool
     (and the null block stands in its table).
 
+``StateHitAttentionKeptScheduler`` ("state-hit-attention-kept"): with state
+    groups (Mamba, gated delta nets), a hit cut back to the last state every
+    state group holds keeps full attention's own blocks past it (the hybrid
+    coordinator's truncation of full attention's hit, KC:796-931, left out).
+    The request computes from the state's length into cached blocks that
+    other requests share.
+
+``StateFreedInFlightScheduler`` ("state-freed-in-flight"): with a connector
+    that loads KV under async scheduling (``defer_block_free``), a preempted
+    request's state blocks go back to the pool at once, though the step in
+    flight still writes its state into them; only its attention blocks wait
+    for that step (S:2759-2801). Another request may be handed those blocks,
+    and a load fill them, while the step writes.
+
+``StateChunkOffBoundaryScheduler`` ("state-chunk-off-boundary"): prefill
+    chunks are not split at block boundaries (``_mamba_block_aligned_split``,
+    S:443-556, never applied): a chunk ends off the block grid or runs past
+    the prompt's last boundary, so a state slot keyed as the state after
+    (p + 1) * block_size tokens holds another position's.
+
+``StateKeyOutlivesEvictionScheduler`` ("state-key-outlives-eviction"): a
+    state group's block handed out again keeps its key in the prefix cache
+    (the pool resets the block's hash but leaves the cache's entry,
+    BP:729-750). A later lookup of that prefix is served the block, which
+    holds another request's state by then.
+
 ``GrammarNotAwaitedScheduler`` ("grammar-not-awaited"): the waiting pass
     promotes a structured output without looking at its grammar, so the request
     is admitted while its grammar still compiles. Its tokens would be sampled
@@ -147,6 +173,74 @@ class FreeBeforeSendScheduler(Scheduler):
         super()._update_from_kv_xfer_finished(kv_connector_output)
 
 
+def _state_group_ids(scheduler) -> set[int]:
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return {i for i, g in enumerate(scheduler.kv_cache_config.kv_cache_groups)
+            if isinstance(g.kv_cache_spec, MambaSpec)}
+
+
+class StateHitAttentionKeptScheduler(Scheduler):
+    def _get_local_prefix_cache_hit(self, request):
+        blocks, num_local, boundary, diverged = super()._get_local_prefix_cache_hit(request)
+        kvm = self.kv_cache_manager
+        states = _state_group_ids(self)
+        if not states or not kvm.prefix_cache_lookup_enabled(request):
+            return blocks, num_local, boundary, diverged
+        per_group, lengths = kvm.coordinator.find_longest_cache_hit_per_group(
+            request.block_hashes, request.num_tokens - 1)
+        hit = [list(g) for g in blocks.blocks]
+        kept = False
+        for gid, spec in enumerate(self.kv_cache_config.kv_cache_groups):
+            if type(spec.kv_cache_spec).__name__ == "FullAttentionSpec" and lengths[gid] > num_local:
+                hit[gid] = list(per_group[gid][: lengths[gid] // self.block_size])
+                kept = True
+        if not kept:
+            return blocks, num_local, boundary, diverged
+        return kvm.create_kv_cache_blocks(tuple(hit)), num_local, boundary, diverged
+
+
+class StateFreedInFlightScheduler(AsyncScheduler):
+    _preempting = None
+
+    def _preempt_request(self, request, *args, **kwargs) -> None:
+        self._preempting = request
+        try:
+            super()._preempt_request(request, *args, **kwargs)
+        finally:
+            self._preempting = None
+
+    def _free_request_blocks(self, request) -> None:
+        if request is self._preempting and not self._request_blocks_can_be_freed(request):
+            managers = self.kv_cache_manager.coordinator.single_type_managers
+            for gid in sorted(_state_group_ids(self)):
+                managers[gid].free(request.request_id)   # the bug: not deferred
+        super()._free_request_blocks(request)
+
+
+class StateChunkOffBoundaryScheduler(Scheduler):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.need_mamba_block_aligned_split = False
+
+
+class StateKeyOutlivesEvictionScheduler(Scheduler):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        from vllm.v1.core.kv_cache_utils import get_group_id
+
+        states = _state_group_ids(self)
+        pool = self.kv_cache_manager.block_pool
+        evict = pool._maybe_evict_cached_block
+
+        def keep_state_key(block) -> bool:
+            if block.block_hash is not None and get_group_id(block.block_hash) in states:
+                block.reset_hash()   # the bug: the cache's entry stays
+                return False
+            return evict(block)
+        pool._maybe_evict_cached_block = keep_state_key
+
+
 FAULTS = {
     "async-load-overshoot": "kvtrace.record.vllm.fault_schedulers.AsyncLoadOvershootScheduler",
     "stale-computed-on-preempt": "kvtrace.record.vllm.fault_schedulers.NoResetOnPreemptScheduler",
@@ -157,6 +251,13 @@ FAULTS = {
     "free-before-send": "kvtrace.record.vllm.fault_schedulers.FreeBeforeSendScheduler",
     "hybrid-hit-not-served": "kvtrace.record.vllm.fault_schedulers.HybridHitNotServedScheduler",
     "window-freed-early": "kvtrace.record.vllm.fault_schedulers.WindowFreedEarlyScheduler",
+    "state-hit-attention-kept":
+        "kvtrace.record.vllm.fault_schedulers.StateHitAttentionKeptScheduler",
+    "state-freed-in-flight": "kvtrace.record.vllm.fault_schedulers.StateFreedInFlightScheduler",
+    "state-chunk-off-boundary":
+        "kvtrace.record.vllm.fault_schedulers.StateChunkOffBoundaryScheduler",
+    "state-key-outlives-eviction":
+        "kvtrace.record.vllm.fault_schedulers.StateKeyOutlivesEvictionScheduler",
 }
 
 # The workloads.py workload that triggers each fault.
@@ -169,6 +270,10 @@ FAULT_WORKLOADS = {
     "free-before-send": "pd-prefill",
     "hybrid-hit-not-served": "hybrid-prefix",
     "window-freed-early": "hybrid-prefix",
+    "state-hit-attention-kept": "qwen3-next-prefix",
+    "state-freed-in-flight": "qwen3-next-async-reset",
+    "state-chunk-off-boundary": "qwen3-next-prefix",
+    "state-key-outlives-eviction": "qwen3-next-preemption",
 }
 
 

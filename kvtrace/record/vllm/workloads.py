@@ -668,6 +668,18 @@ WORKLOADS.update(_state_workloads("nemotron-h", 64, connector_blocks=26))
 # admission takes more blocks than it counted, and with 40 blocks the pool
 # runs out inside schedule(): ValueError "Cannot get 1 free blocks from the
 # pool" (block_pool.py:679). docs/findings.md.
+# The AsyncScheduler with a connector that loads KV (no external hits): a
+# freed request's blocks go back to the pool only once the step in flight
+# that writes them is processed (S:2759-2801). The prefix cache is reset under
+# the running requests while a step is in flight, which preempts them all.
+# The workload of the state-freed-in-flight fault.
+WORKLOADS["qwen3-next-async-reset"] = dict(
+    prompts=_state_prompts(160), max_tokens=24, model="qwen3-next",
+    arrive_at=[2 * i for i in range(8)], control=[[9, "reset", True, False]],
+    engine=dict(max_model_len=1024, max_num_batched_tokens=1024, num_gpu_blocks_override=80,
+                async_scheduling=True,
+                kv_transfer_config=dict(scripted([], "kv_consumer"),
+                                        kv_connector="ScriptedHMAConnector")))
 WORKLOADS["qwen3-next-hit-overdraw"] = dict(
     WORKLOADS["qwen3-next-connector"],
     engine=dict(WORKLOADS["qwen3-next-connector"]["engine"], num_gpu_blocks_override=40))
