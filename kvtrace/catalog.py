@@ -178,7 +178,7 @@ VLLM_FAULT_WORKLOADS = {
     "window-freed-early": "hybrid-prefix",
     "state-hit-attention-kept": "qwen3-next-prefix",
     "state-freed-in-flight": "qwen3-next-async-reset",
-    "state-chunk-off-boundary": "qwen3-next-prefix",
+    "state-chunk-off-boundary": "qwen3-next-chunked-reset",
     "state-key-outlives-eviction": "qwen3-next-preemption",
 }
 

