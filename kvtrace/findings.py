@@ -107,9 +107,26 @@ def cause_rank(d: Divergence) -> int:
     return rank
 
 
-def causal_key(d: Divergence) -> tuple:
-    """Sort key: step, then cause before effect, then trace order."""
-    return (float("inf") if d.step is None else d.step, cause_rank(d),
+def reached_steps(divs: list[Divergence]) -> dict[int, int]:
+    """The step the trace had reached at each divergence's record (keyed by
+    ``id``): its own step, or a later one an earlier record shows. Under async
+    scheduling the output of step N comes after step N + 1 is scheduled
+    (AS:59-77), and the states it carries are the ones step N + 1 left: what
+    diverges there follows from step N + 1's decisions, not the other way."""
+    out: dict[int, int] = {}
+    top = None
+    for d in sorted((d for d in divs if d.step is not None and d.seq is not None),
+                    key=lambda d: d.seq):
+        top = d.step if top is None else max(top, d.step)
+        out[id(d)] = top
+    return out
+
+
+def causal_key(d: Divergence, reached: dict[int, int] | None = None) -> tuple:
+    """Sort key: step (the step the trace had reached, with ``reached``),
+    then cause before effect, then trace order."""
+    step = d.step if reached is None else reached.get(id(d), d.step)
+    return (float("inf") if step is None else step, cause_rank(d),
             float("inf") if d.seq is None else d.seq)
 
 
@@ -141,12 +158,17 @@ class Story:
 def stories(divs: list[Divergence]) -> list[Story]:
     """The divergences of a run, one story per request, the story with the
     earliest cause first. Step-wide divergences (``req`` None) form one story."""
+    reached = reached_steps(divs)
+
+    def order(d: Divergence) -> tuple:
+        return causal_key(d, reached)
+
     by_req: dict[str | None, list[Divergence]] = {}
     for d in divs:
         by_req.setdefault(d.req, []).append(d)
     told = []
     for req, mine in by_req.items():
-        mine.sort(key=causal_key)
+        mine.sort(key=order)
         cause = mine[0]
         folds: dict[tuple, Fold] = {}
         for d in mine[1:]:
@@ -160,12 +182,13 @@ def stories(divs: list[Divergence]) -> list[Story]:
                 f.first_step = d.step if f.first_step is None else min(f.first_step, d.step)
                 f.last_step = d.step if f.last_step is None else max(f.last_step, d.step)
         told.append(Story(req, cause, list(folds.values()), len(mine)))
-    told.sort(key=lambda s: causal_key(s.cause))
+    told.sort(key=lambda s: order(s.cause))
     roots: list[Divergence] = []
     for s in told:
         if cause_rank(s.cause) > 0 or s.req is None:
-            s.after = next((r for r in roots if r.step is not None and s.cause.step is not None
-                            and r.step <= s.cause.step), None)
+            at = reached.get(id(s.cause), s.cause.step)
+            s.after = next((r for r in roots if r.step is not None and at is not None
+                            and reached.get(id(r), r.step) <= at), None)
         if s.req is not None and (cause_rank(s.cause) == 0 or s.cause.rule.startswith(_WINDOW_RULE)):
             roots.append(s.cause)   # a wrong count, or blocks a window gave back: a cause
     return told
@@ -231,8 +254,14 @@ def why_first(divs: list[Divergence], told: list[Story], head: Divergence | None
     if head.step is None:
         said = "no divergence shows at a step; this is the first record that diverges"
     else:
-        same = sum(1 for d in divs if d.step == head.step)
-        said = f"no divergence at an earlier step than {head.step}"
+        reached = reached_steps(divs)
+        step = reached.get(id(head), head.step)
+        same = sum(1 for d in divs if reached.get(id(d), d.step) == step)
+        said = f"no divergence at an earlier step than {step}"
+        late = min((d.step for d in divs if d.step is not None and d.step < step), default=None)
+        if late is not None:
+            said += (f" (the records of step {late} that diverge come after step {step} is "
+                     f"scheduled, as under async scheduling, and show the state step {step} left)")
         if same > 1:
             said += (f", and of the {number(same)} at that step it comes first in cause-and-effect "
                      f"order: {_RANK_WORDS.get(cause_rank(head), 'what it is')}")

@@ -294,11 +294,13 @@ def test_the_worker_counts_the_slots_checked_as_one_process_does(tmp_path):
     assert (two.slots_checked, two.divergences) == (one.slots_checked, one.divergences)
 
 
-def test_the_summary_names_the_headline_not_the_earliest_line(tmp_path):
+def test_the_summary_names_the_step_where_the_fault_is_not_an_output_read_after_it(tmp_path):
     """Under async scheduling the output of step N follows the record of step
-    N+1, so the earliest divergence in the file can sit at a later step than
-    the cause. Every view names the headline, the lowest step's cause: the
-    replay of this trace alone, and of it beside another."""
+    N+1 and shows the states step N+1 left, so a fault at step N+1 (here a
+    preemption that keeps the request's computed tokens) shows in an output
+    numbered lower. Every view names step N+1's divergence first, not the
+    output's lower step: the replay of this trace alone, and of it beside
+    another."""
     import os
     import subprocess
     import sys
@@ -307,16 +309,20 @@ def test_the_summary_names_the_headline_not_the_earliest_line(tmp_path):
 
     path = TRACES / "faults" / "async-stale-computed-on-preempt.jsonl.gz"
     res = replay_file(path, device=None)
-    earliest = min(res.divergences, key=lambda d: d.line)
     head = tell(res.divergences).headline
-    assert head.step == min(d.step for d in res.divergences if d.step is not None) < earliest.step
+    # The divergences numbered with an earlier step are in records read after the headline's.
+    lower = [d for d in res.divergences if d.step is not None and d.step < head.step]
+    assert lower and all(d.seq > head.seq for d in lower)
+    # The headline's step is the one that preempted its request.
+    step = next(r for r in load_records(path) if r["kind"] == "step" and r["step"] == head.step)
+    assert head.req in step["preempted"]
     said = f"first at step {head.step}, request {head.req}, field {head.field}"
     env = {**os.environ, "COLUMNS": "400"}
     for args in ([str(path)], [str(TRACES / "preemption.jsonl.gz"), str(path)]):
         out = subprocess.run([sys.executable, "-m", "kvtrace.cli", "replay", "--no-kv-check", *args],
                              capture_output=True, text=True, env=env).stdout
         assert said in out, (args, out[-2000:])
-        assert f"first at step {earliest.step}," not in out
+        assert f"first at step {min(d.step for d in lower)}," not in out
 
 
 def test_a_step_in_flight_for_a_request_that_stopped_leaves_nothing_behind(tmp_path):

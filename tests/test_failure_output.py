@@ -193,6 +193,20 @@ def test_stories_order_causes_before_effects():
     assert told[0].folds[0].count == 2 and told[0].folds[0].last_step == 9
 
 
+def test_an_output_read_after_the_next_step_is_ordered_at_that_step():
+    """Under async scheduling the output of step 8 comes after step 9's record
+    and shows the tables step 9 left: step 9's decision is the cause."""
+    d = [Divergence(9, "a", "block_ids", [8], [31], "4.9: x", "block", seq=27),
+         Divergence(8, "a", "state.more_groups", [[7]], [[32]], "4.9: x", "block", seq=28),
+         Divergence(9, "b", "state.block_ids", [1], [2], "4.5/4.7: z", "block", seq=27)]
+    told = stories(d)
+    assert headline(told) is d[0] and told[0].cause is d[0]
+    assert told[0].folds[0].first is d[1]
+    # In a synchronous trace, step order and file order agree: nothing moves.
+    d[1].seq = 26
+    assert headline(stories(d)) is d[1]
+
+
 def test_diff_speaks_of_a_and_b_with_lines_in_both(tmp_path, faults):
     from kvtrace.engine.faults import FAULT_WORKLOADS
 

@@ -4,9 +4,11 @@ freed while a step in flight writes them, prefill chunks off the block grid,
 a state's key kept after its block is handed out again) are flagged where
 the recording itself first breaks the rule each one breaks
 (tests/_state_faults.py works that place out from the trace's records, not
-from a replay): replay's first divergence, in trace order, is at that step
-and request, on that field, and the fault's own log changed the engine at
-that step. The same workload without the fault breaks no rule and replays
+from a replay): replay's first divergence, in trace order, and the one
+its report names first (under async scheduling an output of step N comes
+after step N + 1 and shows the tables step N + 1 left) are at that step and
+request, on that field, and the fault's own log changed the engine at that
+step. The same workload without the fault breaks no rule and replays
 clean, so the rule and the place are the fault's.
 """
 
@@ -17,6 +19,7 @@ import pytest
 from _state_faults import FAULTS, first_violation
 
 from kvtrace.engine import FAULT_WORKLOADS, record_embedded
+from kvtrace.findings import tell
 from kvtrace.replay import replay_file
 
 
@@ -45,6 +48,8 @@ def test_a_state_fault_is_flagged_where_the_recording_breaks_its_rule(fault, rec
     assert where is not None, f"the trace of {fault} breaks no rule"
     assert divs, f"replay flags nothing in the trace of {fault}"
     assert (divs[0].step, divs[0].req, divs[0].field) == where
+    head = tell(divs).headline   # what every view of the replay names first
+    assert (head.step, head.req, head.field) == where
     first = res.fault_log[0]
     assert first.step == where[0]
     if fault != "state-freed-in-flight":   # there the log names the preempted request

@@ -2,9 +2,10 @@
 (kvtrace/record/vllm/fault_schedulers.py), recorded on the tiny Qwen3-Next
 in traces/faults/, are flagged where the recording itself first breaks the
 rule each one breaks (tests/_state_faults.py works that place out from the
-trace's records): replay's first divergence, in trace order, is at that
-step and request, on that field, and vLLM's own scheduler, fed the same
-inputs, decides otherwise at that step and request. The workload's clean
+trace's records): replay's first divergence, in trace order, and the one
+its report names first are at that step and request, on that field, and
+vLLM's own scheduler, fed the same inputs, decides otherwise at that step
+and request. The workload's clean
 recording (traces/hybrid-state/) breaks no rule. The embedded engine's
 faults of the same names are where vLLM's scheduler departs from them too,
 and a live recording with each fault scheduler breaks its rule where replay
@@ -28,6 +29,7 @@ from _state_faults import FAULTS, first_violation  # noqa: E402
 
 from kvtrace.engine import FAULT_WORKLOADS as EMBEDDED_WORKLOADS  # noqa: E402
 from kvtrace.engine import record_embedded  # noqa: E402
+from kvtrace.findings import tell  # noqa: E402
 from kvtrace.record.vllm import fault_schedulers  # noqa: E402
 from kvtrace.record.vllm.rerun import replay_through_vllm  # noqa: E402
 from kvtrace.record.vllm.run import record_vllm_offline  # noqa: E402
@@ -64,6 +66,8 @@ def test_a_state_fault_on_vllm_is_flagged_where_the_recording_breaks_its_rule(fa
     assert where is not None, f"the trace of {fault} breaks no rule"
     divs = replay_file(trace, device=None).divergences
     assert (divs[0].step, divs[0].req, divs[0].field) == where
+    head = tell(divs).headline   # what every view of the replay names first
+    assert (head.step, head.req, head.field) == where
     run = replay_through_vllm(trace, tmp_path / "vllm.jsonl.gz")
     assert run.stopped is None
     assert run.first_difference[:2] == where[:2]
