@@ -307,6 +307,7 @@ def test_a_scheduler_under_test_that_raises_is_no_pass(tmp_path, capsys, monkeyp
     code, out, _ = run(capsys, *args, "--json", "-o", str(tmp_path / "w.jsonl"))
     doc = orjson.loads(out)
     assert code == 1 and doc["steps_checked"] == 3 and "on purpose" in doc["stopped"]
+    assert doc["steps_in_trace"] == in_trace
 
 
 # --------------------------------------------------------------------------- a check that did not run
