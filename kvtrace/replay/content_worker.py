@@ -249,7 +249,7 @@ def _serve(path: str, device: str, validate: str, keeps_sampled: str,
         check = ContentCheck(reader.header.config, device,
                              reader.header.features.async_scheduling is True,
                              keep_counts=True, session_keeps_sampled=keeps_sampled == "1",
-                             windows=reader.header.features.windows())
+                             groups=reader.header.features.kv_cache_groups)
         conn.send(("device", check.device))
         if validate == "1":
             events = reader.shares_checks()
