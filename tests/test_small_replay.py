@@ -14,9 +14,7 @@ from kvtrace.engine import FAULT_WORKLOADS, record_embedded
 from kvtrace.replay import kv_device, replay_file
 
 TRACES = Path(__file__).resolve().parent.parent / "traces"
-# The content check runs on every trace but a state model's (it says so:
-# tests/test_verdict.py).
-CHECKED = [p for p in sorted(TRACES.rglob("*.jsonl.gz")) if "hybrid-state" not in p.parts]
+CHECKED = sorted(TRACES.rglob("*.jsonl.gz"))
 
 
 def _same_report(path) -> int:
@@ -41,8 +39,7 @@ def test_the_traces_compared_include_kv_content_divergences():
     assert sum(_same_report(p) > 0 for p in faulty) >= 3
 
 
-@pytest.mark.parametrize("fault", sorted(f for f, w in FAULT_WORKLOADS.items()
-                                         if not w.startswith("hybrid-state")))
+@pytest.mark.parametrize("fault", sorted(FAULT_WORKLOADS))
 def test_embedded_fault_traces_replay_the_same_on_numpy_as_on_torch(tmp_path, fault):
     res = record_embedded(tmp_path / "t.jsonl", workload=FAULT_WORKLOADS[fault], fault=fault)
     assert res.fault_log, f"the fault {fault} never fired"

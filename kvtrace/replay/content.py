@@ -194,9 +194,10 @@ class ContentCheck:
         # and the sessions whose turn it ended.
         self._rejected: dict[int, dict[str, int]] = {}
         self._turn_ended: dict[int, set[str]] = {}
-        # With keep_counts, (slots checked, loads assumed) as each step is queued,
-        # in step order, for a caller that reports them per step (the worker).
-        self.counts: deque[tuple[int, bool]] | None = deque() if keep_counts else None
+        # With keep_counts, (slots checked, states checked, loads assumed) as each
+        # step is queued, in step order, for a caller that reports them per step
+        # (the worker).
+        self.counts: deque[tuple[int, int, bool]] | None = deque() if keep_counts else None
 
     @property
     def device(self) -> str:
@@ -205,6 +206,10 @@ class ContentCheck:
     @property
     def slots_checked(self) -> int:
         return self.kv.slots_checked
+
+    @property
+    def states_checked(self) -> int:
+        return self.kv.states_checked
 
     def arrival(self, a: ev.Arrival) -> None:
         chunks = self.sessions.get(a.req)
@@ -333,7 +338,7 @@ class ContentCheck:
             loads, scheduled = self._in_groups(loads), self._in_groups(scheduled)
         ready = self.kv.queue(rec.step, loads, scheduled, (tag, rec.seq, line), states)
         if self.counts is not None:
-            self.counts.append((self.kv.slots_checked, self.assumed_loads))
+            self.counts.append((self.kv.slots_checked, self.kv.states_checked, self.assumed_loads))
         return self._placed(ready)
 
     def _more_tables(self, rec: ev.Step) -> None:

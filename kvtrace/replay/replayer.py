@@ -53,6 +53,7 @@ class ReplayResult:
     device: str | None = None         # where the shadow-KV check ran; None when off
     assumed_loads: bool = False       # the trace had no load plan; loads were inferred
     slots_checked: int = 0            # KV slots the shadow-KV check verified
+    states_checked: int = 0           # state reads (state groups) it verified
     end: ev.End | None = None
     profile: str | None = None        # the version profile the reference followed
     profile_note: str | None = None   # why that one, when the trace's release has none
@@ -585,6 +586,7 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
         result.device = rp.content.device
         result.assumed_loads = rp.content.assumed_loads
         result.slots_checked = rp.content.slots_checked
+        result.states_checked = rp.content.states_checked
     return result
 
 

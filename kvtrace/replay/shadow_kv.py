@@ -324,9 +324,12 @@ class ShadowCore:
         self._holders: dict[int, dict[_Req, int]] = {}
         # Counters, for reports and benchmarks.
         self.slots_checked = 0          # slot reads checked, by comparison or unchanged since
+        self.states_checked = 0         # state reads checked (each compared)
         self.slots_compared = 0         # of which compared (the rest: unchanged since)
         self.slots_written = 0
         self.slots_loaded = 0
+        self.states_written = 0
+        self.states_loaded = 0
 
     # -- what each backend provides ---------------------------------------------------
 
@@ -584,7 +587,7 @@ class ShadowCore:
             loads = [(r, start, end, table, b.table(table)) for r, start, end, table in loads]
             self.slots_loaded += self._queue_writes(b, step, slot, loads, loaded=True)
         if states:
-            self.slots_loaded += self._queue_states(b, step, slot, states, "load", divs)
+            self.states_loaded += self._queue_states(b, step, slot, states, "load", divs)
             self._queue_states(b, step, slot, states, "read", divs)
         if reads_states:
             slot += 1
@@ -598,7 +601,7 @@ class ShadowCore:
         if writes:
             self.slots_written += self._queue_writes(b, step, slot, writes, loaded=False)
         if states:
-            self.slots_written += self._queue_states(b, step, slot, states, "write", divs)
+            self.states_written += self._queue_states(b, step, slot, states, "write", divs)
         self._queue_reads(b, step, slot, scheduled, divs)
         if len(b.steps) >= self.BATCH_STEPS or b.n_rows * self.block_size >= self.BATCH_SLOTS:
             self._evaluate()
@@ -621,7 +624,7 @@ class ShadowCore:
         writes = [(r, start, end, table, b.table(table)) for r, start, end, table in writes]
         self.slots_written += self._queue_writes(b, step, slot, writes, loaded=False)
         if states:
-            self.slots_written += self._queue_states(b, step, slot, states, "write", [])
+            self.states_written += self._queue_states(b, step, slot, states, "write", [])
         if len(b.steps) >= self.BATCH_STEPS:
             self._evaluate()
 
@@ -697,8 +700,7 @@ class ShadowCore:
                 b.read_reqs.append(r)
                 b.n_rows += 1
                 b.n_compared += 1
-                self.slots_checked += 1
-                self.slots_compared += 1
+                self.states_checked += 1
                 continue
             holders = self._holders.get(blk)
             if holders:
