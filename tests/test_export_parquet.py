@@ -326,3 +326,4 @@ def test_other_commands_never_import_pyarrow(tmp_path):
                         str(FAULT), "-o", str(tmp_path / "e.json")],
                        capture_output=True, text=True)
     assert p.stdout.split()[-2:] == ["0", "False"], p.stderr
+

@@ -307,6 +307,7 @@ def test_a_scheduler_under_test_that_raises_is_no_pass(tmp_path, capsys, monkeyp
     code, out, _ = run(capsys, *args, "--json", "-o", str(tmp_path / "w.jsonl"))
     doc = orjson.loads(out)
     assert code == 1 and doc["steps_checked"] == 3 and "on purpose" in doc["stopped"]
+    assert doc["steps_in_trace"] == in_trace
 
 
 # --------------------------------------------------------------------------- a check that did not run
@@ -352,3 +353,29 @@ def test_a_content_check_that_did_not_run_is_said_in_every_view(capsys, monkeypa
     assert checked["device"] and checked["slots_checked"] > 0 and checked["not_checked"] is None
     code, out, _ = run(capsys, "replay", str(CLEAN))
     assert "not checked" not in out
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "perfetto"])
+def test_an_export_says_where_the_replay_that_found_its_divergences_stopped(stops, capsys, tmp_path, fmt):
+    """The divergences of a replay that stopped end at the stop: the exported
+    file's metadata says what the replay checked, as replay's --json does; of a
+    replay that went to the end as well."""
+    import json
+
+    for trace in (stops, TRACES / "connector.jsonl.gz"):
+        _, out, _ = run(capsys, "replay", "--json", str(trace))
+        said = orjson.loads(out)
+        dest = tmp_path / f"{trace.name}.{fmt}"
+        code, _, _ = run(capsys, "export", "--format", fmt, "-o", str(dest), str(trace))
+        assert code == 0
+        if fmt == "perfetto":
+            meta = json.loads(dest.read_text())["metadata"]
+        else:
+            import pyarrow.parquet as pq
+
+            raw = pq.read_schema(dest / "steps.parquet").metadata
+            meta = {k: json.loads(raw[f"kvtrace.{k}".encode()]) for k in
+                    ("steps_checked", "steps_in_trace", "stopped_at")}
+        for key in ("steps_checked", "steps_in_trace", "stopped_at"):
+            assert meta[key] == said[key], (trace.name, key)
+        assert (meta["stopped_at"] is not None) == (trace == stops)

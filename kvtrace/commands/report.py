@@ -120,7 +120,7 @@ def export(trace: Path, fmt: str, out: str, divergences: bool) -> int:
         check_out_dir(out)
     check_writable(out)   # before the replay, which can take minutes
 
-    divs = None
+    divs = checked = None
     if divergences:
         refuse_pipes(trace)
         from kvtrace.replay import replay_file
@@ -130,6 +130,8 @@ def export(trace: Path, fmt: str, out: str, divergences: bool) -> int:
         with progress(f"replaying {trace.name}", "steps", files=(trace,)) as advance:
             result = replay_file(trace, progress=advance)
         divs = result.divergences
+        checked = {"steps_checked": result.steps, "steps_in_trace": result.steps_in_trace,
+                   "stopped_at": None if result.stopped_at is None else result.stopped_at.to_json()}
         if result.stopped_at is not None:   # the divergences end there: say so
             say(f"{trace}: {stop_text(result)}")
     if not tables:
@@ -138,7 +140,7 @@ def export(trace: Path, fmt: str, out: str, divergences: bool) -> int:
         from ._common import show_progress
 
         with progress(f"exporting {trace.name}", "steps", files=(trace,)):
-            export_perfetto(trace, out, divergences=divs)
+            export_perfetto(trace, out, divergences=divs, checked=checked)
         if show_progress():   # a person at a terminal; the file's metadata says it too
             say(TIME_AXIS)
         echo(f"wrote {out}")
@@ -147,7 +149,7 @@ def export(trace: Path, fmt: str, out: str, divergences: bool) -> int:
     from kvtrace.report.terminal import replayed_up_to
 
     with progress(f"exporting {trace.name}", "steps", files=(trace,)) as advance:
-        done = write_tables(trace, out, divs, fmt=fmt, progress=advance)
+        done = write_tables(trace, out, divs, fmt=fmt, progress=advance, checked=checked)
     if done.truncation:
         say(f"{trace}: {replayed_up_to(done.truncation, verb='exported')}")
     from kvtrace._text import count

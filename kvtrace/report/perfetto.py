@@ -73,8 +73,10 @@ class _Track:
 
 
 class _Exporter:
-    def __init__(self, out: IO[bytes], header: ev.Header, divergences: Iterable[Divergence] | None):
+    def __init__(self, out: IO[bytes], header: ev.Header, divergences: Iterable[Divergence] | None,
+                 checked: dict | None = None):
         self.out = out
+        self.checked = checked or {}
         self.first = True
         self.header = header
         self.usable = header.config.num_blocks - 1
@@ -121,6 +123,7 @@ class _Exporter:
                 "time_unit": "1 ms = 1 scheduler step", "time_axis": TIME_AXIS}
         if reader.truncation:
             meta["truncation"] = reader.truncation
+        meta.update(self.checked)
         self.out.write(b'\n],"metadata":' + orjson.dumps(meta, default=str) + b"}\n")
 
     # -- slices --------------------------------------------------------------------
@@ -328,18 +331,21 @@ class _Exporter:
 
 
 def export_perfetto(trace: str | os.PathLike, out_json: str | os.PathLike,
-                    divergences: Iterable[Divergence] | None = None) -> dict[str, int]:
+                    divergences: Iterable[Divergence] | None = None,
+                    checked: dict | None = None) -> dict[str, int]:
     """Write ``trace`` as Chrome trace-event JSON to ``out_json``.
 
     ``divergences`` (from ``replay_file`` or ``diff_files``) become instant
-    events at their step; none are computed here. Returns how many events of
+    events at their step; none are computed here. ``checked``: what the
+    replay that found them checked (``steps_checked``, ``steps_in_trace``,
+    ``stopped_at``), written into the metadata. Returns how many events of
     each phase were written (``{"X": ..., "C": ..., "i": ..., "M": ...}``).
     Raises ``TraceError`` for unusable input; ``out_json`` is then left as it
     was (kvtrace/outputs.py).
     """
     reader = TraceReader(trace)
     with reader, writing(out_json) as dest, dest.open("wb") as out:
-        x = _Exporter(out, reader.header, divergences)
+        x = _Exporter(out, reader.header, divergences, checked)
         x.begin()
         for e in reader:
             x.feed(e)

@@ -78,11 +78,12 @@ class Written:
 
 def write_tables(trace: str | os.PathLike, out: str | os.PathLike,
                  divergences: list[Divergence] | None = None, fmt: str = "parquet",
-                 progress=None) -> Written:
+                 progress=None, checked: dict | None = None) -> Written:
     """Write ``trace``'s tables into the new directory ``out``, one file per
     table (``steps.parquet`` ...; ``.arrow``: Arrow IPC files for
     ``fmt="arrow"``). ``divergences`` fill the ``divergences`` table; None
-    leaves it out. Raises ``TraceError`` for unusable input, ``OutputExists``
+    leaves it out. ``checked``: what the replay that found them checked
+    (``steps_checked``, ``steps_in_trace``, ``stopped_at``), as metadata. Raises ``TraceError`` for unusable input, ``OutputExists``
     when ``out`` is anything but a missing or empty directory."""
     from .tables import build_tables
 
@@ -93,6 +94,8 @@ def write_tables(trace: str | os.PathLike, out: str | os.PathLike,
     with reader:
         tables = build_tables(_records(reader, last), divergences, progress)
     meta = _metadata(reader, last[0])
+    for key, value in (checked or {}).items():
+        meta[f"kvtrace.{key}"] = orjson.dumps(value, default=str).decode()
     done = Written(truncation=reader.truncation)
     with _new_dir(out) as tmp:
         for name, table in tables.items():

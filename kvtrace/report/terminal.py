@@ -271,6 +271,7 @@ def rerun_json(result: Any, first: dict | None, data_path: list | None = None,
     doc["first_step_difference"] = first
     if run is not None:   # the scheduler under test: how far it went, where it stopped
         doc["steps_checked"] = run.steps
+        doc["steps_in_trace"] = getattr(result, "steps_a", None)
         doc["stopped"] = getattr(run, "stopped", None)
     if audit:
         doc["kv_audit"] = audit
