@@ -119,14 +119,6 @@ def _state(req: str, s: dict, status: str = "RUNNING") -> RequestState:
                         num_tokens=s["tokens"], num_preemptions=0, block_ids=list(s["blocks"]))
 
 
-def has_state_groups(path: Path) -> bool:
-    """Whether the trace is of a model with state groups (Mamba, gated delta
-    nets), whose KV content the shadow-KV check does not check."""
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rb") as f:
-        return bool(orjson.loads(f.readline()).get("features", {}).get("has_mamba_layers"))
-
-
 def load_records(path: Path) -> list[dict]:
     """Every record of a trace file (plain or gzip), header first, as dicts,
     each with every field of its kind, a field the file leaves at its default

@@ -27,9 +27,19 @@ def test_real_vllm_traces_have_no_content_divergence(path):
     assert content(replay_file(path).divergences) == []
 
 
+@pytest.mark.parametrize("path", sorted(TRACES.glob("hybrid*/**/*.jsonl.gz")),
+                         ids=lambda p: str(p.relative_to(TRACES)))
+def test_hybrid_and_state_model_traces_have_no_content_divergence(path):
+    """Every trace of a hybrid KV cache, of state models included (real vLLM,
+    vLLM's bugs and model-free runs of 0.32 and 0.33): the check runs on each,
+    reads states, and finds nothing wrong."""
+    res = replay_file(path)
+    assert res.content_unchecked is None and res.slots_checked > 0
+    assert content(res.divergences) == []
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("path", [p for p in sorted(TRACES.rglob("*.jsonl.gz"))
-                                  if "hybrid-state" not in p.parts],   # the check runs on none
+@pytest.mark.parametrize("path", sorted(TRACES.rglob("*.jsonl.gz")),
                          ids=lambda p: str(p.relative_to(TRACES)))
 def test_every_trace_replays_word_for_word_the_same_on_cuda_as_on_cpu(path):
     """The shadow-KV check on CUDA reports what it reports on the CPU, clean

@@ -15,7 +15,7 @@ from kvtrace.replay.replayer import Replayer
 from kvtrace.trace import TraceError, TraceReader
 
 import test_record_worker as rw
-from mini_traces import has_state_groups, load_records, save_records
+from mini_traces import load_records, save_records
 from test_record_worker import REAL
 
 TRACES = Path(__file__).resolve().parent.parent / "traces"
@@ -35,12 +35,8 @@ def kv(divs: list[dict]) -> list[dict]:
     return [d for d in divs if d["kind"] == "kv-content"]
 
 
-# The content check runs on every trace but a state model's (tests/test_verdict.py).
-CHECKED = [p for p in sorted(TRACES.glob("*.jsonl.gz")) + sorted(TRACES.glob("faults/*.jsonl.gz"))
-           + sorted(TRACES.glob("vllm-bugs/*.jsonl.gz")) if not has_state_groups(p)]
-
-
-@pytest.mark.parametrize("path", CHECKED, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted(TRACES.glob("*.jsonl.gz")) + sorted(TRACES.glob("faults/*.jsonl.gz"))
+                         + sorted(TRACES.glob("vllm-bugs/*.jsonl.gz")), ids=lambda p: p.name)
 def test_real_vllm_traces_replay_the_same_with_a_worker(path):
     here, there = both(path)
     assert there == here
@@ -275,7 +271,7 @@ def hand_over(monkeypatch) -> dict:
     return state
 
 
-@pytest.mark.parametrize("path", [p for p in REAL if not has_state_groups(p)], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", REAL, ids=lambda p: p.name)
 def test_real_vllm_traces_replay_the_same_when_the_worker_checks_across_records(path, hand_over):
     here = rw.result(path, 0, "cpu")
     assert hand_over["own"] > 0

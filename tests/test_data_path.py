@@ -230,3 +230,42 @@ def test_the_plan_leaves_out_async_loads_and_names_blocks_with_no_hash_yet():
     assert [t[:2] for t in p.targets] == [("new", 6)]
     assert p.hits == [("new", 5, h[1].hex())]
     assert p.cached == [("new", 7, h[3].hex()), ("old", 3, "")]
+
+
+def test_the_plan_forgets_every_block_a_steps_drafts_write_into():
+    """Under speculative decoding a step's own tokens fill a block, and its
+    drafts write past them: the blocks they write into are named with an
+    empty hash, so that what replay held for them (a filling by an earlier
+    owner) is never compared with a later hit; a block the drafts complete
+    is digested by no step."""
+    from types import SimpleNamespace as NS
+
+    from kvtrace.record.vllm.kv_audit import KVAudit
+
+    tables = {"a": [1, 2, 3, 4], "b": [5, 6, 7]}
+    kvm = NS(get_block_ids=lambda rid: (tables[rid],), block_pool=NS(num_gpu_blocks=16))
+    requests = {"a": NS(block_hashes=[b"\x01" * 8, b"\x02" * 8]),
+                "b": NS(block_hashes=[b"\x03" * 8])}
+    sched = NS(cache_config=NS(block_size=4), kv_cache_manager=kvm, requests=requests)
+    kv = KVAudit(NS(sink=None), sched, conn=None)
+    meta = object()
+    # a: 7 computed, 1 token + 3 drafts: its own token ends block 1 (8), the
+    # drafts write 8..10, into block 2; b: 2 computed, 1 + 3 drafts (one a
+    # padding -1): 2..5, into blocks 0 and 1.
+    out = NS(kv_connector_metadata=meta, num_scheduled_tokens={"a": 4, "b": 4},
+             scheduled_spec_decode_tokens={"a": [9, 9, 9], "b": [9, 9, -1]},
+             scheduled_new_reqs=[],
+             scheduled_cached_reqs=NS(req_ids=["a", "b"], num_computed_tokens=[7, 2],
+                                      resumed_req_ids=set()))
+    kv.plan(4, out, sched, [], [])
+    p = kv._plans[id(meta)][1]
+    h = [bytes([i]) * 8 for i in range(4)]
+    assert p.cached == [("a", 2, h[2].hex()), ("a", 3, ""), ("b", 5, ""), ("b", 6, "")]
+    # Replay: block 3 held another hash from an earlier owner; after the
+    # drafts wrote into it, a hit on it (completed by accepted drafts) is not
+    # compared with that.
+    dp = DataPath()
+    dp.feed(audit(1, cached=[("x", 3, "aa", 11)]))
+    dp.feed(audit(4, cached=[(r, b, hh, 0) for r, b, hh in p.cached]))
+    assert dp.feed(audit(6, hits=[("c", 3, "bb", 12)])) == []
+    assert dp.checked["hits"] == 1

@@ -472,7 +472,18 @@ def _chaos(seed: int):
             if rng.random() < 0.2:
                 loads.append((r, rng.randrange(0, c + 1), c + rng.randrange(0, B), list(t)))
             sched.append((r, c, k, list(t)))
-        yield ("step", step, loads, sched)
+        # State operations: through short positional tables with the null block,
+        # into blocks that KV is written to as well; some of another length, out
+        # of the table, or past the request's tokens.
+        states = []
+        for r in rng.sample(sorted(live), min(len(live), rng.randrange(0, 4))):
+            t = [0] * rng.randrange(0, 2) + [rng.randrange(0, nblocks + (1 if rng.random() < 0.05 else 0))
+                                             for _ in range(rng.randrange(1, 3))]
+            for what in rng.sample(["load", "read", "write", "read"], rng.randrange(1, 4)):
+                length = rng.randrange(0, live[r] + 2)
+                states.append((what, r, length, t,
+                               rng.randrange(0, len(t) + (1 if rng.random() < 0.1 else 0))))
+        yield ("step", step, loads, sched, states)
         for r in list(live):
             if rng.random() < 0.5:
                 extra = [rng.randrange(500) for _ in range(rng.randrange(1, 4))]
@@ -507,12 +518,59 @@ class _SlotModel:
         for p in range(max(start, 0), min(end, len(fps), len(table) * B)):
             self.slots[self._slot(table, p)] = (fps[p], req, step, p, loaded)
 
-    def step(self, step, loads, sched):
+    def _state(self, step, what, req, n, table, i):
+        """A state load or write: slot 0 of the block, the fingerprint of the
+        prefix it follows. False when it lands nowhere."""
+        fps = _fp_ref(self.tokens[req])
+        if not (0 <= i < len(table) and 0 < n <= len(fps)):
+            return False
+        b = table[i]
+        self.slots[(b if 0 <= b < self.nb else self.nb, 0)] = (fps[n - 1], req, step, -n, what == "load")
+        return True
+
+    def _state_reads(self, step, states):
+        words, late = [], []
+        for what, req, n, table, i in states:
+            if what != "read":
+                continue
+            ntok = len(self.tokens[req])
+            if not 0 <= i < len(table):
+                words.append((req, f"state slot {i}: no block for it (the table has {len(table)} "
+                                   f"blocks), but the step starts from the state after {n} tokens", n))
+                continue
+            if not 0 < n <= ntok:
+                words.append((req, f"state slot {i}: the state after {n} tokens is read, but the "
+                                   f"request has only {ntok} tokens", n))
+                continue
+            blk = table[i]
+            got = self.slots.get((blk if 0 <= blk < self.nb else self.nb, 0))
+            if 0 <= blk < self.nb and got is not None and got[0] == _fp_ref(self.tokens[req])[n - 1]:
+                continue
+            if not 0 <= blk < self.nb:
+                held = f"block id {blk} is outside the cache ({self.nb} blocks)"
+            elif got is None:
+                held = "never written"
+            else:
+                _, who, ws, wp, wl = got
+                its = f"its state after {-wp} tokens" if wp < 0 else f"its position {wp}"
+                held = f"{'loaded for' if wl else 'written by'} {who} at step {ws} ({its})"
+            null = " (the null block)" if blk == 0 else ""
+            late.append((req, f"state slot {i}, block {blk}{null}: {held}", n))
+        return words, late
+
+    def step(self, step, loads, sched, states=()):
         for req, start, end, table in loads:
             self._write(step, req, start, end, table, True)
+        for op in states:
+            if op[0] == "load":
+                self._state(step, *op)
+        state_words, state_late = self._state_reads(step, states)
         for req, c, n, table in sched:
             if n > 0:
                 self._write(step, req, c, c + n, table, False)
+        for op in states:
+            if op[0] == "write":
+                self._state(step, *op)
         words, late = [], []
         for req, c, _n, table in sched:
             ntok, lim = len(self.tokens[req]), c
@@ -536,11 +594,15 @@ class _SlotModel:
                     what = "never written"
                 else:
                     _, who, ws, wp, wl = self.slots[self._slot(table, p)]
-                    what = f"{'loaded for' if wl else 'written by'} {who} at step {ws} (its position {wp})"
+                    its = f"its state after {-wp} tokens" if wp < 0 else f"its position {wp}"
+                    what = f"{'loaded for' if wl else 'written by'} {who} at step {ws} ({its})"
                 late.append((req, f"block {blk} slot {p % B} (position {p}): {what}; "
                                   f"{len(bad)} of {lim} positions read are wrong", p))
-        return [{"step": step, "req": req, "recorded": text, "expected": f"prefix of {req} up to position {p}"}
-                for req, text, p in words + late]
+        state = [{"step": step, "req": req, "recorded": text, "expected": f"state of {req} after {n} tokens"}
+                 for req, text, n in state_words + state_late]
+        kv = [{"step": step, "req": req, "recorded": text, "expected": f"prefix of {req} up to position {p}"}
+              for req, text, p in words + late]
+        return state[:len(state_words)] + kv[:len(words)] + state[len(state_words):] + kv[len(words):]
 
 
 def _words(divs) -> list[dict]:
@@ -563,10 +625,10 @@ def test_batched_steps_report_what_single_steps_and_a_slot_model_report(seed, de
     modelled: dict[int, list] = {}
     for op in _chaos(seed):
         if op[0] == "step":
-            _, step, loads, sched = op
-            single[step] = _words(one.step(step, loads, sched))
-            modelled[step] = model.step(step, loads, sched)
-            for tag, divs in many.queue(step, loads, sched, tag=step):
+            _, step, loads, sched, states = op
+            single[step] = _words(one.step(step, loads, sched, states))
+            modelled[step] = model.step(step, loads, sched, states)
+            for tag, divs in many.queue(step, loads, sched, tag=step, states=states):
                 batched[tag] = _words(divs)
         elif op[0] == "add":   # only one cache is told how long each request may grow
             _, req, toks = op
@@ -581,6 +643,9 @@ def test_batched_steps_report_what_single_steps_and_a_slot_model_report(seed, de
     assert single == modelled
     assert batched == single
     assert sum(len(v) for v in single.values()) > 10        # the run did go wrong, often
+    said = [d["recorded"] for v in single.values() for d in v]
+    assert any(w.startswith("state slot") for w in said)    # states read wrong, too
+    assert any("its state after" in w for w in said)        # and KV read where a state was written
     for name in ("fp", "writer_req", "writer_step", "writer_pos", "writer_loaded"):
         assert _same(getattr(one, name), getattr(many, name)), name
     assert (one.slots_checked, one.slots_written, one.slots_loaded) == \

@@ -13,12 +13,8 @@ import pytest
 from kvtrace.engine import FAULT_WORKLOADS, record_embedded
 from kvtrace.replay import kv_device, replay_file
 
-from mini_traces import has_state_groups
-
 TRACES = Path(__file__).resolve().parent.parent / "traces"
-# The content check runs on every trace but a state model's (it says so:
-# tests/test_verdict.py).
-CHECKED = [p for p in sorted(TRACES.rglob("*.jsonl.gz")) if not has_state_groups(p)]
+CHECKED = sorted(TRACES.rglob("*.jsonl.gz"))
 
 
 def _same_report(path) -> int:
@@ -39,12 +35,11 @@ def test_every_trace_replays_word_for_word_the_same_on_numpy_as_on_torch(path):
 
 def test_the_traces_compared_include_kv_content_divergences():
     """The comparison above covers the check's report, not only clean runs."""
-    faulty = [p for p in sorted((TRACES / "faults").glob("*.jsonl.gz")) if p in CHECKED]
+    faulty = sorted((TRACES / "faults").glob("*.jsonl.gz"))
     assert sum(_same_report(p) > 0 for p in faulty) >= 3
 
 
-@pytest.mark.parametrize("fault", sorted(f for f, w in FAULT_WORKLOADS.items()
-                                         if not w.startswith("hybrid-state")))
+@pytest.mark.parametrize("fault", sorted(FAULT_WORKLOADS))
 def test_embedded_fault_traces_replay_the_same_on_numpy_as_on_torch(tmp_path, fault):
     res = record_embedded(tmp_path / "t.jsonl", workload=FAULT_WORKLOADS[fault], fault=fault)
     assert res.fault_log, f"the fault {fault} never fired"

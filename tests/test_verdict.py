@@ -313,20 +313,37 @@ def test_a_scheduler_under_test_that_raises_is_no_pass(tmp_path, capsys, monkeyp
 # --------------------------------------------------------------------------- a check that did not run
 
 
+def _two_block_sizes(tmp_path) -> Path:
+    """A trace whose two attention groups have blocks of 16 and 32 tokens (no
+    prefix caching), which the shadow-KV check does not run on."""
+    import dataclasses
+
+    from kvtrace.engine import record_workload
+    from kvtrace.engine.workloads import WORKLOADS
+    from kvtrace.reference import GroupSpec
+
+    wl = WORKLOADS["hybrid"](0, 6)
+    config = dataclasses.replace(wl.config, block_size=32, enable_prefix_caching=False,
+                                 kv_groups=(GroupSpec(block_size=16), GroupSpec(block_size=32)))
+    return record_workload(tmp_path / "sizes.jsonl", dataclasses.replace(wl, config=config)).path
+
+
 def test_a_content_check_that_did_not_run_is_said_in_every_view(capsys, monkeypatch, tmp_path):
-    """A state model's trace replayed with the content check asked for (the
-    default): the check does not run on it, and the terminal, --json and the
-    HTML report say so. It said "no divergence" and nothing more."""
+    """A trace replayed with the content check asked for (the default) that
+    the check cannot read (attention groups of two block sizes): the
+    terminal, --json and the HTML report say it did not run. It said "no
+    divergence" and nothing more."""
     import json
 
     monkeypatch.setenv("COLUMNS", "400")
-    state = TRACES / "hybrid-state" / "qwen3-next-prefix.jsonl.gz"
+    state = _two_block_sizes(tmp_path)
     code, out, _ = run(capsys, "replay", str(state))
-    assert code == 0 and "KV content not checked: the shadow-KV check does not run on a " in out
+    assert code == 0 and "KV content not checked: the shadow-KV check does not run on " in out
     code, out, _ = run(capsys, "replay", "--json", str(state))
     doc = json.loads(out)
     assert doc["kv_content"]["device"] is None
-    assert doc["kv_content"]["not_checked"].startswith("the shadow-KV check does not run on a ")
+    assert doc["kv_content"]["not_checked"].startswith(
+        "the shadow-KV check does not run on attention groups of different block sizes")
     page = tmp_path / "r.html"
     code, _, _ = run(capsys, "report", str(state), "-o", str(page))
     assert code == 0 and "KV content not checked: the shadow-KV check" in page.read_text()

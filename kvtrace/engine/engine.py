@@ -98,12 +98,19 @@ def record_embedded(out_path: str | os.PathLike, workload: str = "shared-prefix"
 def record_workload(out_path: str | os.PathLike, wl: Workload, fault: str | None = None,
                     seed: int = 0, counters: str = "both",
                     progress: Callable[[int], None] | None = None,
-                    open_writer: Callable = TraceWriter) -> RecordResult:
+                    open_writer: Callable = TraceWriter,
+                    scheduler_cls: type | None = None) -> RecordResult:
     """``record_embedded`` for a Workload built by the caller. ``open_writer``
     makes the writer from the path and the header: ``TraceWriter``, or one
     with its calls that hands each completed step on (``end_step``) where a
     kill cannot reach it (``kvtrace.record.step_writer``, which ``kvtrace
-    record`` uses)."""
+    record`` uses). ``scheduler_cls`` runs instead of ``fault``'s scheduler
+    (a fault of content_faults.py), named in the header as its fault."""
+    if scheduler_cls is not None:
+        from .content_faults import FAULTS as CONTENT_FAULTS
+
+        fault = next((k for k, v in CONTENT_FAULTS.items() if v is scheduler_cls),
+                     scheduler_cls.__name__)
     if counters not in COUNTERS:
         raise ValueError(f"unknown counters {counters!r}; choose one of {', '.join(COUNTERS)}")
     if wl.store is not None:
@@ -112,7 +119,7 @@ def record_workload(out_path: str | os.PathLike, wl: Workload, fault: str | None
         wl = replace(wl, config=replace(wl.config, defer_block_free=defer,
                                         requires_kv_delivery=delivery))
     workload = wl.name
-    engine = _Engine(wl, fault, seed)
+    engine = _Engine(wl, fault, seed, scheduler_cls)
     engine.progress = progress
     header = ev.Header(
         engine=ENGINE_NAME,
@@ -137,18 +144,22 @@ def record_workload(out_path: str | os.PathLike, wl: Workload, fault: str | None
 
 
 class _Engine:
-    def __init__(self, wl: Workload, fault: str | None, seed: int):
+    def __init__(self, wl: Workload, fault: str | None, seed: int,
+                 scheduler_cls: type | None = None):
         self.wl = wl
         self.fault_log = FaultLog()
         self.store = None
         self.lookups = None
         if wl.store is not None:
+            states = any(g.state is not None for g in wl.config.kv_groups)
             self.store = ExternalKVStore(wl.store, wl.config.block_size, seed, self.fault_log,
-                                         skip_reload_after_preempt=fault in STORE_FAULTS)
+                                         skip_reload_after_preempt=fault in STORE_FAULTS,
+                                         keeps_last_token=states)
             self.lookups = LookupRecorder(self.store)
         elif fault in STORE_FAULTS:
             raise ValueError(f"fault {fault!r} needs a workload with an external store")
-        self.sched = scheduler_class(fault)(wl.config, self.lookups, self.store, self.fault_log)
+        cls = scheduler_cls or scheduler_class(fault)
+        self.sched = cls(wl.config, self.lookups, self.store, self.fault_log)
         self.sampler = Sampler(seed, wl.vocab_size, wl.eos_probability)
         self.progress: Callable[[int], None] | None = None   # told the steps run, now and then
 

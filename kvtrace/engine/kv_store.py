@@ -5,7 +5,12 @@ Scheduler side (the Connector protocol of kvtrace.reference.interface):
 * ``get_num_new_matched_tokens(request, num_local)`` answers how many tokens
   beyond the local hit the store holds as a prefix of the request's tokens, and
   whether they load asynchronously. A sync hit leaves at least one token to
-  compute; an async hit may cover them all.
+  compute; an async hit may cover them all, but on a model with state groups
+  (``keeps_last_token``): the scheduler computes a whole prompt's last token
+  again, and a state group then needs the state before that token, which a
+  connector that loaded the whole prompt does not hold (vLLM's Mooncake
+  connector answers one token short on such a model,
+  ``mooncake_connector.py:946-953``).
 * ``update_state_after_alloc`` plans the load of an admitted hit:
   positions [num_local, num_local + E).
 * ``request_finished`` saves the request's computed prefix and never delays
@@ -83,8 +88,10 @@ class _Report:
 
 class ExternalKVStore:
     def __init__(self, settings: StoreSettings, block_size: int, seed: int,
-                 fault_log: FaultLog | None = None, skip_reload_after_preempt: bool = False):
+                 fault_log: FaultLog | None = None, skip_reload_after_preempt: bool = False,
+                 keeps_last_token: bool = False):
         self.settings = settings
+        self.keeps_last_token = keeps_last_token   # no hit covers a request's last token
         self.block_size = block_size
         self.seed = seed
         self.contents = PrefixStore(settings.capacity_tokens)
@@ -108,7 +115,8 @@ class ExternalKVStore:
                                    ) -> tuple[int, bool]:
         held, entry = self.contents.longest_prefix(request.all_token_ids)
         load_async = self.load_is_async(request.request_id)
-        limit = request.num_tokens - num_computed_tokens - (0 if load_async else 1)
+        limit = request.num_tokens - num_computed_tokens - (
+            0 if load_async and not self.keeps_last_token else 1)
         ext = max(0, min(held - num_computed_tokens, limit))
         if ext < self.settings.min_hit_tokens:
             ext = 0

@@ -46,6 +46,7 @@ turn's end if it came during the turn, else when it comes.
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from hashlib import blake2b
 
@@ -53,6 +54,7 @@ from kvtrace.findings import Divergence
 from kvtrace.trace import events as ev
 
 from .checks import admitted_hits
+from .content_states import StateLayout, StateModel
 from .shadow_kv import open_shadow
 
 
@@ -98,8 +100,52 @@ def _in_group(tokens: list[int], group: int) -> list[int]:
     return out
 
 
+_WRITER = re.compile("(written by|loaded for) (.*?) at step ")
+
+
+def _in_words(d: Divergence) -> None:
+    """A divergence of a KV-cache group's copy of a request, as a person reads
+    it: the request's own id, its group named before the words (but group 0),
+    and a writer's copy named by its request, with its group when another."""
+    name = d.req
+    req, _, group = name.partition(_GROUP)
+    d.req = req
+
+    def writer(m: re.Match) -> str:
+        name, _, of = m[2].partition(_GROUP)
+        other = f" (group {of or 0})" if (of or "0") != (group or "0") else ""
+        return f"{m[1]} {name}{other} at step "
+
+    d.recorded = _WRITER.sub(writer, d.recorded)
+    d.expected = d.expected.replace(name, req)
+    if group:
+        d.recorded = f"group {group}: {d.recorded}"
+
+
 FINISHED = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_ABORTED",
             "FINISHED_IGNORED", "FINISHED_ERROR")
+
+
+def _attention_sizes(groups) -> set[int]:
+    return {g.block_size for g in groups or () if g.kind != "MambaSpec"}
+
+
+def shadow_block_size(cfg: ev.SchedulerConfig, groups) -> int:
+    """The slots per block of the shadow cache: the attention groups' block
+    size (a state group without prefix caching has blocks of max_model_len
+    tokens, and a block id is one page whichever group holds it), else the
+    trace's."""
+    sizes = _attention_sizes(groups)
+    return sizes.pop() if len(sizes) == 1 else cfg.block_size
+
+
+def unchecked(header: ev.Header) -> str | None:
+    """What the content check cannot check on this trace, in a sentence; None
+    when it checks everything it reads."""
+    if len(_attention_sizes(header.features.kv_cache_groups)) > 1:
+        return ("the shadow-KV check does not run on attention groups of different block "
+                "sizes; every group's block table and every count are checked")
+    return None
 
 
 class ContentCheck:
@@ -109,12 +155,21 @@ class ContentCheck:
 
     def __init__(self, cfg: ev.SchedulerConfig, device: str = "auto",
                  async_scheduling: bool = False, keep_counts: bool = False,
-                 session_keeps_sampled: bool = False, windows: tuple[int | None, ...] = ()):
-        """``windows``: each KV-cache group's sliding window, or None (full
-        attention); empty for one full-attention group."""
-        self.kv = open_shadow(cfg.num_blocks, cfg.block_size, device)
+                 session_keeps_sampled: bool = False, windows: tuple[int | None, ...] = (),
+                 groups: list[ev.KVCacheGroup] | None = None):
+        """``groups``: the header's KV-cache groups (None: one full-attention
+        group, or the groups ``windows`` gives, each one's sliding window or
+        None for full attention)."""
+        self.kv = open_shadow(cfg.num_blocks, shadow_block_size(cfg, groups), device)
+        if groups:
+            windows = tuple(g.sliding_window for g in groups)
         self.windows = tuple(w or 0 for w in windows) or (0,)
         self.more_groups = range(1, len(self.windows))
+        layouts = [StateLayout.of(g, spec) for g, spec in enumerate(groups or ())]
+        # State groups (content_states.py), and the groups attention reads.
+        self.states = StateModel([s for s in layouts if s]) if any(layouts) else None
+        self.attention = [g for g in range(len(self.windows)) if not any(layouts) or not layouts[g]]
+        self.more_attention = [g for g in self.attention if g]
         self.more_tables: dict[str, list[list[int]]] = {}   # groups 1, 2, ...: their tables
         self.block_size = cfg.block_size
         self.has_connector = cfg.connector is not None
@@ -139,9 +194,10 @@ class ContentCheck:
         # and the sessions whose turn it ended.
         self._rejected: dict[int, dict[str, int]] = {}
         self._turn_ended: dict[int, set[str]] = {}
-        # With keep_counts, (slots checked, loads assumed) as each step is queued,
-        # in step order, for a caller that reports them per step (the worker).
-        self.counts: deque[tuple[int, bool]] | None = deque() if keep_counts else None
+        # With keep_counts, (slots checked, states checked, loads assumed) as each
+        # step is queued, in step order, for a caller that reports them per step
+        # (the worker).
+        self.counts: deque[tuple[int, int, bool]] | None = deque() if keep_counts else None
 
     @property
     def device(self) -> str:
@@ -150,6 +206,10 @@ class ContentCheck:
     @property
     def slots_checked(self) -> int:
         return self.kv.slots_checked
+
+    @property
+    def states_checked(self) -> int:
+        return self.kv.states_checked
 
     def arrival(self, a: ev.Arrival) -> None:
         chunks = self.sessions.get(a.req)
@@ -168,6 +228,8 @@ class ContentCheck:
                                 self.windows[g])
         if a.skip_reading_prefix_cache:
             self.reads_no_cache.add(a.req)
+        if self.states is not None:
+            self.states.prompt[a.req] = len(tokens)
 
     def abort(self, reqs: list[str]) -> None:
         if self._held:   # async scheduling: after the step recorded before it
@@ -242,6 +304,8 @@ class ContentCheck:
         for req in rec.preempted:
             self.tables.pop(req, None)
             self.more_tables.pop(req, None)
+            if self.states is not None:
+                self.states.forget(req)
         kv = self.kv   # a request that finished (or never arrived) gets no table
         for s in (*rec.new, *rec.resumed):
             if s.req in kv:
@@ -266,11 +330,15 @@ class ContentCheck:
             self._drafts[rec.step] = {req: len(ids) for req, ids in rec.spec.items() if req in kv}
             if len(self._drafts) > self.MAX_HELD:   # outputs that never came (engine error paths)
                 del self._drafts[min(self._drafts)]
-        if self.more_groups:
+        states = ()
+        if self.states is not None:
+            states = self._state_ops(rec, loads, scheduled)
             loads, scheduled = self._in_groups(loads), self._in_groups(scheduled)
-        ready = self.kv.queue(rec.step, loads, scheduled, (tag, rec.seq, line))
+        elif self.more_groups:
+            loads, scheduled = self._in_groups(loads), self._in_groups(scheduled)
+        ready = self.kv.queue(rec.step, loads, scheduled, (tag, rec.seq, line), states)
         if self.counts is not None:
-            self.counts.append((self.kv.slots_checked, self.assumed_loads))
+            self.counts.append((self.kv.slots_checked, self.kv.states_checked, self.assumed_loads))
         return self._placed(ready)
 
     def _more_tables(self, rec: ev.Step) -> None:
@@ -286,14 +354,44 @@ class ContentCheck:
                     table.extend(new)
 
     def _in_groups(self, items: list[tuple]) -> list[tuple]:
-        """(request, a, b, group 0's table) items, and the same for each other
-        group: its copy of the request, through its table."""
-        out = list(items)
+        """(request, a, b, group 0's table) items, as each group attention reads
+        takes them: its copy of the request, through its table."""
+        out = list(items) if self.attention[:1] == [0] else []
         for req, a, b, _table in items:
             tables = self.more_tables.get(req)
-            for g in self.more_groups:
+            for g in self.more_attention:
                 out.append((req + _GROUP + str(g), a, b, tables[g - 1] if tables else []))
         return out
+
+    def _table(self, req: str, g: int) -> list[int]:
+        """The request's table in KV-cache group ``g``."""
+        if not g:
+            return self.tables.get(req, [])
+        tables = self.more_tables.get(req)
+        return tables[g - 1] if tables else []
+
+    def _name(self, req: str, g: int) -> str:
+        """The shadow cache's name of the request's copy in group ``g``."""
+        return req + _GROUP + str(g) if g else req
+
+    def _state_ops(self, rec: ev.Step, loads: list[tuple], scheduled: list[tuple]) -> list[tuple]:
+        """The step's state loads, reads and writes (content_states.py), as the
+        shadow cache takes them."""
+        sm = self.states
+        for s in rec.resumed:
+            sm.forget(s.req)
+        drafts = rec.spec or {}
+        ops = []
+        for req, _start, end, _t in loads:
+            ops += [(w, self._name(req, g), n, t, i)
+                    for w, g, n, t, i in sm.loads(end, lambda g, r=req: self._table(r, g))]
+        for req, c, n, _t in scheduled:
+            ops += [(w, self._name(req, g), m, t, i)
+                    for w, g, m, t, i in sm.step(rec.step, req, c, n, len(drafts.get(req, ())),
+                                                 lambda g, r=req: self._table(r, g))]
+        while len(sm.decodes) > self.MAX_HELD:   # outputs that never came (engine error paths)
+            sm.step_done(min(sm.decodes))
+        return ops
 
     def _names(self, req: str) -> list[str]:
         """The shadow cache's names of the request: one per KV-cache group."""
@@ -306,17 +404,13 @@ class ContentCheck:
         out, self._ready = self._ready, []
         return out + self._placed(self.kv.flush())
 
-    @staticmethod
-    def _placed(ready: list) -> list[tuple[object, list[Divergence]]]:
+    def _placed(self, ready: list) -> list[tuple[object, list[Divergence]]]:
         out = []
         for (tag, seq, line), divs in ready:
             for d in divs:
                 d.seq, d.line = seq, line
-                if _GROUP in d.req:   # a KV-cache group's copy of the request
-                    name, group = d.req, d.req.split(_GROUP)[1]
-                    d.req = name.split(_GROUP)[0]
-                    d.recorded = f"group {group}: {d.recorded}".replace(name, d.req)
-                    d.expected = d.expected.replace(name, d.req)
+                if self.more_groups:
+                    _in_words(d)
             out.append((tag, divs))
         return out
 
@@ -334,6 +428,7 @@ class ContentCheck:
         states = {s.req: s for s in rec.states}
         drafts = self._drafts.pop(rec.step, None)
         accepted = []
+        late_states = []
         for req, tokens in rec.sampled.items():
             if req not in self.kv:
                 continue
@@ -350,17 +445,22 @@ class ContentCheck:
             # The step wrote the KV of its drafts; the sampled tokens are the drafts
             # accepted and one more (SD1), so the accepted ones hold the request's own
             # tokens: those of them it keeps (a stop may cut the sampled tokens short).
+            num_accepted = 0
             if num_drafts:
                 num_accepted = min(num_drafts, len(tokens) - 1, keep)
                 if num_accepted > 0:
                     accepted.append((req, before, before + num_accepted, self.tables.get(req, [])))
-                    if self.more_groups:
+                    if self.more_groups or self.states is not None:
                         accepted[-1:] = self._in_groups(accepted[-1:])
                 if self.async_scheduling:
                     rejected = num_drafts - max(len(tokens) - 1, 0)
                     self._rejected.setdefault(rec.step, {})[req] = rejected
-        if accepted:
-            self.kv.queue_late_writes(rec.step, accepted)
+            if self.states is not None:
+                late_states += [(self._name(req, g), n, t, i) for _, g, n, t, i in self.states.output(
+                    rec.step, req, len(tokens), max(num_accepted, 0),
+                    lambda g, r=req: self._table(r, g))]
+        if accepted or late_states:
+            self.kv.queue_late_writes(rec.step, accepted, late_states)
         for st in rec.states:
             if st.status in FINISHED:
                 self._drop(st.req)
@@ -394,6 +494,8 @@ class ContentCheck:
         else:
             for name in self._names(req):
                 self.kv.append_tokens(name, chunk)
+            if self.states is not None:
+                self.states.prompt[req] = self.kv.num_tokens(req)
 
     def _loads(self, rec: ev.Step) -> list[ev.KVLoad]:
         if rec.loads is not None:
@@ -408,6 +510,8 @@ class ContentCheck:
     def _drop(self, req: str) -> None:
         self.tables.pop(req, None)
         self.more_tables.pop(req, None)
+        if self.states is not None:
+            self.states.drop(req)
         self.reads_no_cache.discard(req)
         self.sessions.pop(req, None)
         self.between_turns.discard(req)

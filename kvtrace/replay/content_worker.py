@@ -18,7 +18,7 @@ has caught up (``TraceReader.validated_elsewhere``): the worker's verdict on a
 record is then the one replay reports.
 
 The worker reports in step order, per step: (line, divergences or None, slots
-checked so far, loads assumed so far). The main process pairs each of its own
+checked so far, states checked so far, loads assumed so far). The main process pairs each of its own
 steps with the worker's result for the same line and gives its divergences the
 place they would have had with the check in process (``ContentWorker.step``
 returns what ``ContentCheck.step`` returns), so a replay reports the same
@@ -86,6 +86,7 @@ class ContentWorker:
         # What ContentCheck offers after a replay, as of the last step replayed here.
         self.assumed_loads = False
         self.slots_checked = 0
+        self.states_checked = 0
         self.device: str | None = None
 
     # The worker reads these inputs from the file itself.
@@ -187,7 +188,8 @@ class ContentWorker:
         tags, results = self._tags, self._results
         while tags and results:
             line, tag = tags.popleft()
-            at, divs, self.slots_checked, self.assumed_loads = results.popleft()
+            at, divs, self.slots_checked, self.states_checked, self.assumed_loads = \
+                results.popleft()
             if at != line:
                 raise ContentWorkerError(f"the content check's result for line {at} came where "
                                          f"line {line} was expected")
@@ -202,7 +204,8 @@ class ContentWorker:
 def _serve(path: str, device: str, validate: str, keeps_sampled: str,
            shared: tuple[int, int] | None, conn: Connection) -> list[tuple]:
     """The worker process: check the trace ``path``; report to ``conn``, per step,
-    (line, divergences or None, slots checked so far, loads assumed so far), and
+    (line, divergences or None, slots and states checked so far, loads assumed so
+    far), and
     with ``validate`` ("1") run the checks across records too, and report the
     last line they passed. Returns the last reports: the results not sent yet, and
     ("end", report)."""
@@ -224,8 +227,8 @@ def _serve(path: str, device: str, validate: str, keeps_sampled: str,
     def ready(results: list) -> None:
         for line, divs in results:
             at = queued.popleft()
-            slots, assumed = check.counts.popleft()   # as the step was queued
-            done.append((at, divs or None, slots, assumed))
+            slots, states, assumed = check.counts.popleft()   # as the step was queued
+            done.append((at, divs or None, slots, states, assumed))
 
     def send() -> None:
         conn.send(("ready", done[:], report["through"]))
@@ -249,7 +252,7 @@ def _serve(path: str, device: str, validate: str, keeps_sampled: str,
         check = ContentCheck(reader.header.config, device,
                              reader.header.features.async_scheduling is True,
                              keep_counts=True, session_keeps_sampled=keeps_sampled == "1",
-                             windows=reader.header.features.windows())
+                             groups=reader.header.features.kv_cache_groups)
         conn.send(("device", check.device))
         if validate == "1":
             events = reader.shares_checks()

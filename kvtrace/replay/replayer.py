@@ -53,6 +53,7 @@ class ReplayResult:
     device: str | None = None         # where the shadow-KV check ran; None when off
     assumed_loads: bool = False       # the trace had no load plan; loads were inferred
     slots_checked: int = 0            # KV slots the shadow-KV check verified
+    states_checked: int = 0           # state reads (state groups) it verified
     end: ev.End | None = None
     profile: str | None = None        # the version profile the reference followed
     profile_note: str | None = None   # why that one, when the trace's release has none
@@ -70,19 +71,19 @@ class ReplayResult:
 SHADOW_BYTES_PER_SLOT = 8 + 4 + 4 + 4 + 1 + 8
 
 
-def _check_fits(header: ev.Header, path) -> None:
-    """The shadow-KV check holds a few tensors the size of the KV cache: a
-    header whose cache cannot fit in this machine's memory is refused at once,
-    not after filling it."""
+def _check_fits(header: ev.Header, path, block_size: int) -> None:
+    """The shadow-KV check holds a few tensors the size of the KV cache
+    (``block_size`` slots a block): a header whose cache cannot fit in this
+    machine's memory is refused at once, not after filling it."""
     cfg = header.config
-    need = SHADOW_BYTES_PER_SLOT * (cfg.num_blocks + 1) * cfg.block_size
+    need = SHADOW_BYTES_PER_SLOT * (cfg.num_blocks + 1) * block_size
     try:
         have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         return
     if need > have // 2:
         raise TraceError(path, 1, "the shadow-KV check of this KV cache "
-                                  f"({count(cfg.num_blocks, 'block')} of {count(cfg.block_size, 'slot')}) "
+                                  f"({count(cfg.num_blocks, 'block')} of {count(block_size, 'slot')}) "
                                   f"needs {need / 2**30:.1f} GiB, more than half of this machine's "
                                   f"{have / 2**30:.1f} GiB: replay it with --no-kv-check")
 
@@ -148,7 +149,7 @@ class Replayer:
             self.content = ContentCheck(header.config, device,
                                         header.features.async_scheduling is True,
                                         session_keeps_sampled=keeps,
-                                        windows=header.features.windows())
+                                        groups=header.features.kv_cache_groups)
         self.divergences: list[Divergence] = []
         self._last_out = None   # the reference's previous step, for derivations
         self.data_path = DataPath()   # the KV audit's records, checked (rules D1-D3)
@@ -502,15 +503,15 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
     unusable = False   # the trace was found unusable: the output is not put in place
     try:
         _check_supported(header, path, chosen)
-        unchecked = None
-        if device and any(g.kind == "MambaSpec" for g in header.features.kv_cache_groups or ()):
-            device = None   # the content check reads attention KV: not yet a state group's
-            unchecked = ("the shadow-KV check does not run on a model with state groups "
-                         "(Mamba, gated delta nets) yet; every group's block table and every "
-                         "count are checked")
+        from .content import unchecked as content_unchecked, shadow_block_size
+
+        unchecked = content_unchecked(header) if device else None
+        if unchecked is not None:
+            device = None
         if device:
-            _check_fits(header, path)
-            device = pick_backend(device, path, header.config.num_blocks, header.config.block_size)
+            slots = shadow_block_size(header.config, header.features.kv_cache_groups)
+            _check_fits(header, path, slots)
+            device = pick_backend(device, path, header.config.num_blocks, slots)
         if out is not None:
             replayed = ev.Header(engine="kvtrace-reference", engine_version=_version(),
                                  config=header.config, counters=header.counters,
@@ -588,6 +589,7 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
         result.device = rp.content.device
         result.assumed_loads = rp.content.assumed_loads
         result.slots_checked = rp.content.slots_checked
+        result.states_checked = rp.content.states_checked
     return result
 
 

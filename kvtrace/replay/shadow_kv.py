@@ -21,9 +21,24 @@ Step semantics, in this order:
    (taken before the step) is read through its block table, and the slot must
    hold the fingerprint of the request's prefix ending at p.
 
+A state group (Mamba, gated delta nets) keeps one recurrent state per block:
+the state after some prefix of a request. The shadow cache holds it in the
+block's slot 0, as the fingerprint of that prefix (the state after L tokens is
+the fingerprint of the prefix ending at position L - 1), so that a state and
+KV written into the same block id overwrite each other, as they do in the
+engine, where one block id is one page of memory whatever group holds it. A
+step's state operations (``queue``'s ``states``) are loads and reads, which
+come after the step's loads and before any of its writes (the engine copies
+and reads a request's state before its forward pass writes any), and writes,
+which come with the step's writes. A state read must find the fingerprint of
+the request's own prefix of exactly the length it reads; a slot written since
+by anyone else, or with a state of another length, is a divergence naming its
+writer. The design and its reasons: docs/design/content-check.md.
+
 Every written slot also records its writer: the request (an index into an
-interned table of request ids), the step, the writer's position and whether it
-was a load. That is what a divergence reports when a slot holds something else.
+interned table of request ids), the step, the writer's position (-L for the
+state after L tokens) and whether it was a load. That is what a divergence
+reports when a slot holds something else.
 
 Fingerprints
 ------------
@@ -175,7 +190,11 @@ def open_shadow(num_blocks: int, block_size: int, device: str, **kwargs) -> "Sha
 
 
 RULE = "kv-content: every slot a request's attention reads holds that request's own prefix"
+STATE_RULE = ("kv-content: every state a request starts from is the state after exactly "
+              "its own prefix of that length")
 _LATE = object()   # the tag of a batch entry that only writes (queue_late_writes)
+_PRE = object()    # the tag of a step's loads and state reads, when it reads states
+NULL_BLOCK = 0     # vLLM's null block: the placeholder of a slot that holds nothing
 
 _MASK64 = (1 << 64) - 1
 
@@ -231,12 +250,16 @@ class Batch:
         self.steps: list[tuple[int, object, list[Divergence]]] = []  # step, tag, divergences
         self.tables: list[int] = []      # every item's block table, concatenated
         self.writes: list[int] = []      # per write: first, length, start, table offset,
-        #                                   arena offset, request, step slot, step, loaded
+        #                                   arena offset, request, step slot, step, loaded,
+        #                                   what the writer's position is recorded as, less
+        #                                   the position (0; a state's: -L - 0)
         self.n_writes = 0                # positions written
-        self.reads: list[int] = []       # per read: rows, table offset, limit, arena row,
-        #                                   step slot, leading rows already checked,
-        #                                   first position read (a sliding window)
+        self.reads: list[int] = []       # per read: rows, table offset, limit, arena offset
+        #                                   (flat) of its first row, step slot, leading
+        #                                   rows already checked, first position read (a
+        #                                   sliding window)
         self.read_reqs: list[_Req] = []
+        self.read_states: dict[int, tuple[int, int]] = {}   # read -> (length, table slot)
         self.n_rows = 0                  # block rows read
         self.n_compared = 0              # of which not already checked
 
@@ -254,7 +277,8 @@ class ShadowCore:
 
     Public arrays (on ``device``), all shaped (num_blocks, block_size):
     ``fp`` (int64 fingerprint, 0 = never written), ``writer_req`` (int32 index
-    into ``ids``, -1 = never written), ``writer_step``, ``writer_pos`` (int32) and
+    into ``ids``, -1 = never written), ``writer_step``, ``writer_pos`` (int32;
+    -L for the state after L tokens) and
     ``writer_loaded`` (bool: the slot was last written by an external load).
     They hold the state after the last evaluated step (see ``queue``).
     """
@@ -300,9 +324,12 @@ class ShadowCore:
         self._holders: dict[int, dict[_Req, int]] = {}
         # Counters, for reports and benchmarks.
         self.slots_checked = 0          # slot reads checked, by comparison or unchanged since
+        self.states_checked = 0         # state reads checked (each compared)
         self.slots_compared = 0         # of which compared (the rest: unchanged since)
         self.slots_written = 0
         self.slots_loaded = 0
+        self.states_written = 0
+        self.states_loaded = 0
 
     # -- what each backend provides ---------------------------------------------------
 
@@ -447,7 +474,9 @@ class ShadowCore:
         return _cdiv(room, self.block_size)
 
     def _alloc(self, rows: int) -> int:
-        if self._top + rows > self._arena.shape[0]:
+        # One row to spare past the last segment: a read's expected row may start
+        # inside a segment's last row (a state's, see _queue_states).
+        if self._top + rows + 1 > self._arena.shape[0]:
             self._compact(rows)
         row = self._top
         self._top += rows
@@ -518,19 +547,26 @@ class ShadowCore:
     def step(self, step: int,
              loads: list[tuple[str, int, int, list[int]]],
              scheduled: list[tuple[str, int, int, list[int]]],
+             states: list[tuple[str, str, int, list[int], int]] = (),
              ) -> list[Divergence]:
         """Check one step at once: ``queue`` it, then ``flush``."""
-        ready = self.queue(step, loads, scheduled) + self.flush()
+        ready = self.queue(step, loads, scheduled, states=states) + self.flush()
         return [d for _, divs in ready for d in divs]
 
     def queue(self, step: int,
               loads: list[tuple[str, int, int, list[int]]],
               scheduled: list[tuple[str, int, int, list[int]]],
-              tag: object = None) -> list[tuple[object, list[Divergence]]]:
+              tag: object = None,
+              states: list[tuple[str, str, int, list[int], int]] = (),
+              ) -> list[tuple[object, list[Divergence]]]:
         """Add one step to the batch: ``loads`` as (request, start, end, block table),
         ``scheduled`` as (request, num_computed_tokens, num_scheduled_tokens, block
-        table). Returns the steps evaluated meanwhile, as (tag, divergences) in step
-        order; the rest come out of a later ``queue`` or ``flush``.
+        table), ``states`` as (what, request, length, block table, table slot): what
+        "load" (a connector loads the state after ``length`` tokens into the block
+        the table names at that slot), "read" (the step starts from that state, read
+        from there) or "write" (the step writes it there). Returns the steps
+        evaluated meanwhile, as (tag, divergences) in step order; the rest come out
+        of a later ``queue`` or ``flush``.
 
         Steps are evaluated together (see "Performance" in the module docstring), so
         that the per-operation cost of torch is paid once per batch, not per step."""
@@ -538,15 +574,24 @@ class ShadowCore:
         # must happen before this step takes any arena offset.
         loads = [(self._room(req), start, end, table) for req, start, end, table in loads]
         scheduled = [(self._room(req), c, n, table) for req, c, n, table in scheduled]
+        states = [(what, self._room(req), n, table, i) for what, req, n, table, i in states]
         if self._batch.n_rows * self.block_size + sum(c for _, c, _, _ in scheduled) > self.BATCH_SLOTS:
             self._evaluate()                # a heavy step goes on its own
         b = self._batch
-        slot = len(b.steps)
         divs: list[Divergence] = []
-        b.steps.append((step, tag, divs))
+        reads_states = any(op[0] == "read" for op in states)
+        if reads_states:   # its loads and state reads before its writes: a step slot of their own
+            b.steps.append((step, _PRE, divs))
+        slot = len(b.steps) - (1 if reads_states else 0)
         if loads:
             loads = [(r, start, end, table, b.table(table)) for r, start, end, table in loads]
             self.slots_loaded += self._queue_writes(b, step, slot, loads, loaded=True)
+        if states:
+            self.states_loaded += self._queue_states(b, step, slot, states, "load", divs)
+            self._queue_states(b, step, slot, states, "read", divs)
+        if reads_states:
+            slot += 1
+        b.steps.append((step, tag, divs))
         # A scheduled request writes and reads through the same table: one copy.
         scheduled = [(r, c, n, table, b.table(table)) for r, c, n, table in scheduled]
         # Within one forward pass every layer writes the step's KV before attention
@@ -555,23 +600,31 @@ class ShadowCore:
         writes = [(r, c, c + n, table, off) for r, c, n, table, off in scheduled if n > 0]
         if writes:
             self.slots_written += self._queue_writes(b, step, slot, writes, loaded=False)
+        if states:
+            self.states_written += self._queue_states(b, step, slot, states, "write", divs)
         self._queue_reads(b, step, slot, scheduled, divs)
         if len(b.steps) >= self.BATCH_STEPS or b.n_rows * self.block_size >= self.BATCH_SLOTS:
             self._evaluate()
         return self._take()
 
-    def queue_late_writes(self, step: int, writes: list[tuple[str, int, int, list[int]]]) -> None:
+    def queue_late_writes(self, step: int, writes: list[tuple[str, int, int, list[int]]],
+                          states: list[tuple[str, int, list[int], int]] = ()) -> None:
         """Queue writes that ``step`` made but that only its output could place, as
-        (request, start, end, block table): under speculative decoding, the KV of
-        the drafts the output accepted (their tokens are the request's only once
-        the output says so). They count after every write and read of ``step``
-        and before those of any later step; they report nothing themselves."""
+        (request, start, end, block table), and states as (request, length, block
+        table, table slot): under speculative decoding, the KV of the drafts the
+        output accepted, and the states after them (their tokens are the
+        request's only once the output says so). They count after every write
+        and read of ``step`` and before those of any later step; they report
+        nothing themselves."""
         writes = [(self._room(req), start, end, table) for req, start, end, table in writes]
+        states = [("write", self._room(req), n, table, i) for req, n, table, i in states]
         b = self._batch
         slot = len(b.steps)
         b.steps.append((step, _LATE, []))
         writes = [(r, start, end, table, b.table(table)) for r, start, end, table in writes]
         self.slots_written += self._queue_writes(b, step, slot, writes, loaded=False)
+        if states:
+            self.states_written += self._queue_states(b, step, slot, states, "write", [])
         if len(b.steps) >= self.BATCH_STEPS:
             self._evaluate()
 
@@ -605,10 +658,58 @@ class ShadowCore:
                 if holders:
                     for other, row in list(holders.items()):
                         self._uncheck(other, row)
-            b.writes += (b.n_writes, end - start, start, off, r.row * B, r.idx, slot, step, loaded)
+            b.writes += (b.n_writes, end - start, start, off, r.row * B, r.idx, slot, step, loaded, 0)
             b.n_writes += end - start
             total += end - start
         return total
+
+    def _queue_states(self, b: Batch, step: int, slot: int, states, which: str,
+                      divs: list) -> int:
+        """Queue the ``which`` ("load", "read" or "write") items of ``states``
+        (what, request, length, block table, table slot). A state lives in slot 0
+        of its block, as the fingerprint of the prefix it follows; a read checks
+        that one slot. Returns the items queued."""
+        done = 0
+        for what, r, n, table, i in states:
+            if what != which:
+                continue
+            if not 0 <= i < len(table):
+                if what == "read":
+                    req = self.ids[r.idx]
+                    divs.append(Divergence(
+                        step, req, "kv-content",
+                        f"state slot {i}: no block for it (the table has {len(table)} blocks), "
+                        f"but the step starts from the state after {n} tokens",
+                        f"state of {req} after {n} tokens", STATE_RULE, "kv-content"))
+                continue
+            if not 0 < n <= r.ntok:
+                if what == "read":
+                    req = self.ids[r.idx]
+                    divs.append(Divergence(
+                        step, req, "kv-content",
+                        f"state slot {i}: the state after {n} tokens is read, but the request "
+                        f"has only {r.ntok} tokens", f"state of {req} after {n} tokens",
+                        STATE_RULE, "kv-content"))
+                continue
+            blk = table[i]
+            off = b.table([blk])
+            done += 1
+            if what == "read":
+                b.read_states[len(b.read_reqs)] = (n, i)
+                b.reads += (1, off, 1, r.row * self.block_size + n - 1, slot, 0, 0)
+                b.read_reqs.append(r)
+                b.n_rows += 1
+                b.n_compared += 1
+                self.states_checked += 1
+                continue
+            holders = self._holders.get(blk)
+            if holders:
+                for other, row in list(holders.items()):
+                    self._uncheck(other, row)
+            b.writes += (b.n_writes, 1, 0, off, r.row * self.block_size + n - 1, r.idx, slot,
+                         step, what == "load", -n)
+            b.n_writes += 1
+        return done
 
     def _queue_reads(self, b: Batch, step: int, slot: int, scheduled, divs: list) -> None:
         """Queue reading, for each scheduled request, every position before its
@@ -638,7 +739,7 @@ class ShadowCore:
             rows = -(-lim // B)
             skip = self._skippable(r, table, lim) if self.skip_checked else 0
             lo = max(0, c - r.window + 1) if r.window else 0
-            b.reads += (rows, off, lim, r.row, slot, skip, lo)
+            b.reads += (rows, off, lim, r.row * B, slot, skip, lo)
             b.read_reqs.append(r)
             b.n_rows += rows
             b.n_compared += rows - skip
@@ -696,7 +797,8 @@ class ShadowCore:
             self._check(b, tables, w)
         if w is not None:
             self._apply(w)
-        self._ready += [(tag, divs) for _step, tag, divs in b.steps if tag is not _LATE]
+        self._ready += [(tag, divs) for _step, tag, divs in b.steps
+                        if tag is not _LATE and tag is not _PRE]
 
     def _check(self, b: Batch, tables, w: tuple | None) -> None:
         """Every queued read against the slot as it stood at the read's step: the
@@ -724,15 +826,23 @@ class ShadowCore:
             self._uncheck(r)
             req = self.ids[r.idx]
             step = b.steps[sl][0]
-            where_s = f"block {blkid} slot {s} (position {p})"
             if not 0 <= blkid < nb:
                 what = f"block id {blkid} is outside the cache ({nb} blocks)"
             elif wreq < 0:
                 what = "never written"
             else:
                 verb = "loaded for" if wload else "written by"
-                what = f"{verb} {self.ids[wreq]} at step {wstep} (its position {wpos})"
+                held = f"its state after {-wpos} tokens" if wpos < 0 else f"its position {wpos}"
+                what = f"{verb} {self.ids[wreq]} at step {wstep} ({held})"
+            state = b.read_states.get(k)
+            if state is not None:
+                n, i = state
+                null = " (the null block)" if blkid == NULL_BLOCK else ""
+                b.steps[sl][2].append(Divergence(
+                    step, req, "kv-content", f"state slot {i}, block {blkid}{null}: {what}",
+                    f"state of {req} after {n} tokens", STATE_RULE, "kv-content"))
+                continue
             b.steps[sl][2].append(Divergence(
                 step, req, "kv-content",
-                f"{where_s}: {what}; {cnt} of {lim} positions read are wrong",
-                f"prefix of {req} up to position {p}", RULE, "kv-content"))
+                f"block {blkid} slot {s} (position {p}): {what}; {cnt} of {lim} positions read "
+                f"are wrong", f"prefix of {req} up to position {p}", RULE, "kv-content"))

@@ -76,6 +76,15 @@ class NumpyShadowKV(ShadowCore):
     def _copy(self, a: np.ndarray) -> np.ndarray:
         return a.copy()
 
+    def _rows_from(self) -> np.ndarray:
+        """The arena as rows of a block's width starting at every position (a
+        view): the expected fingerprints of a read, whose first row may start
+        anywhere (a state's)."""
+        flat = self._arena.reshape(-1)
+        return np.lib.stride_tricks.as_strided(
+            flat, (flat.size - self.block_size + 1, self.block_size),
+            (flat.itemsize, flat.itemsize), writeable=False)
+
     def _fingerprint(self, toks: list[int], meta: list[int], total: int) -> None:
         first, start, dest = self._columns(meta, 3)
         lens = np.diff(first, append=total)
@@ -105,7 +114,7 @@ class NumpyShadowKV(ShadowCore):
         B, nb = self.block_size, self.num_blocks
         K = len(b.steps)
         total = b.n_writes
-        first, lens, start, toff, abase, who, slot, step, loaded = self._columns(b.writes, 9)
+        first, lens, start, toff, abase, who, slot, step, loaded, posoff = self._columns(b.writes, 10)
         seg = np.repeat(np.arange(first.size), lens)
         pos = start[seg] + np.arange(total) - first[seg]
         blk = tables[toff[seg] + pos // B]
@@ -122,14 +131,14 @@ class NumpyShadowKV(ShadowCore):
         u = wslot[firsts]
         self._first[u] = np.minimum(self._first[u], slot[seg[firsts]])
         return (wslot, self._arena.reshape(-1)[abase[seg] + pos],
-                who[seg], pos, step[seg], loaded[seg], key)
+                who[seg], pos + posoff[seg], step[seg], loaded[seg], key)
 
     def _compare(self, b: Batch, reads: tuple, tables: np.ndarray, w: tuple | None,
                  skip: bool) -> tuple | None:
         """As ShadowKV._compare (shadow_torch.py)."""
         B, nb = self.block_size, self.num_blocks
         K = len(b.steps)
-        rows, toff, lims, arow, slot, skipped, los = reads
+        rows, toff, lims, abase, slot, skipped, los = reads
         nrows = b.n_compared if skip else b.n_rows
         if skip:
             rows = rows - skipped
@@ -154,7 +163,7 @@ class NumpyShadowKV(ShadowCore):
                 j = np.searchsorted(key, (blkc[r] * B + sel % B) * K + slot[rreq[r]],
                                     side="right") - 1
                 held.reshape(-1)[sel] = wval[j]
-        want = self._arena[arow[rreq] + bi]
+        want = self._rows_from()[abase[rreq] + bi * B]
         rowlim = np.minimum(lims[rreq] - bi * B, B)
         rowlo = los[rreq] - bi * B
         bad = (((held != want) | oob[:, None]) & (col[None, :] < rowlim[:, None])

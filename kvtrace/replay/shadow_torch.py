@@ -131,8 +131,8 @@ class ShadowKV(ShadowCore):
         K = len(b.steps)
         i64 = dict(dtype=torch.int64, device=dev)
         total = b.n_writes
-        first, lens, start, toff, abase, who, slot, step, loaded = \
-            _i64(b.writes, dev).view(-1, 9).unbind(1)
+        first, lens, start, toff, abase, who, slot, step, loaded, posoff = \
+            _i64(b.writes, dev).view(-1, 10).unbind(1)
         seg = torch.repeat_interleave(torch.arange(first.numel(), **i64), lens, output_size=total)
         pos = start[seg] + torch.arange(total, **i64) - first[seg]
         blk = tables.index_select(0, toff[seg] + pos // B)
@@ -143,8 +143,9 @@ class ShadowKV(ShadowCore):
         seg = seg[order]
         wslot = wslot[order]
         self._first.scatter_reduce_(0, wslot, slot[seg], "amin")
-        return (wslot, self._arena.view(-1).index_select(0, abase[seg] + pos[order]),
-                who[seg], pos[order], step[seg], loaded[seg], key)
+        pos = pos[order]
+        return (wslot, self._arena.view(-1).index_select(0, abase[seg] + pos),
+                who[seg], pos + posoff[seg], step[seg], loaded[seg], key)
 
     def _compare(self, b: Batch, reads: tuple, tables: torch.Tensor, w: tuple | None,
                  skip: bool) -> tuple | None:
@@ -154,7 +155,7 @@ class ShadowKV(ShadowCore):
         B, dev, nb = self.block_size, self.device, self.num_blocks
         K = len(b.steps)
         i64 = dict(dtype=torch.int64, device=dev)
-        rows, toff, lims, arow, slot, skipped, los = reads
+        rows, toff, lims, abase, slot, skipped, los = reads
         nrows = b.n_compared if skip else b.n_rows
         if skip:
             rows = rows - skipped
@@ -180,7 +181,11 @@ class ShadowKV(ShadowCore):
                 r = sel // B
                 j = torch.searchsorted(key, (blkc[r] * B + sel % B) * K + slot[rreq[r]], right=True) - 1
                 held.view(-1)[sel] = wval[j]
-        want = self._arena.index_select(0, arow[rreq] + bi)
+        # The expected rows: the arena as rows of a block's width starting at
+        # every position (a view), since a state read's row starts anywhere.
+        flat = self._arena.view(-1)
+        rows_from = flat.as_strided((flat.numel() - B + 1, B), (1, 1))
+        want = rows_from.index_select(0, abase[rreq] + bi * B)
         rowlim = (lims[rreq] - bi * B).clamp(max=B)
         rowlo = los[rreq] - bi * B      # positions before a sliding window are not read
         bad = (((held != want) | oob[:, None]) & (col[None, :] < rowlim[:, None])

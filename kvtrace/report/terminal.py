@@ -367,6 +367,7 @@ def _replay_doc(result: Any, path: str, keep=None, told: Told | None = None) -> 
         doc["kv_audit"] = result.audit
     doc["kv_content"] = {"device": getattr(result, "device", None),
                          "slots_checked": getattr(result, "slots_checked", 0),
+                         "states_checked": getattr(result, "states_checked", 0),
                          "not_checked": getattr(result, "content_unchecked", None)}
     return doc
 

@@ -42,9 +42,28 @@ A connector's own metadata is read when it has ExampleConnector's shape
 "metadata". Any other connector is a black box (``view`` "bytes"): a block it
 loaded is one whose bytes the step changed, and its saves are not known.
 
+Speculative decoding (a proposer with no draft head, such as n-gram, under
+synchronous scheduling): a step's drafts write KV past the tokens it computes
+for sure; a block counts as filled by the step whose own tokens (drafts left
+out) reach its end, when every position in it holds KV of accepted tokens.
+Every block a step's drafts write into is written with an empty hash, so
+that replay forgets what it held: a block completed by accepted drafts, which
+the scheduler caches at the output, is not digested, and a later hit on it is
+not compared.
+
 Not audited (the audit is off, and says so in the log): several KV-cache
-groups, a KV cache whose block dimension cannot be told (none, or several,
-of the scheduler's number of blocks), and speculative decoding. Asynchronous
+groups (the audit reads one block table at one block size), an EAGLE or MTP
+head, drafts under asynchronous scheduling (a step is scheduled before the
+previous step's drafts are accepted or rejected), and a KV cache whose block
+dimension cannot be told (none, or several, of the scheduler's number of
+blocks). No connector of
+vLLM 0.32 that moves KV bytes runs here with several groups or an EAGLE head:
+ExampleConnector does not support the hybrid KV-cache manager, so vLLM turns
+it off (a sliding-window model then runs as one group, which is audited; a
+state model fails at start-up, ``Failed to promote local KV cache specs to
+one unified type``), the connectors that support it (SimpleCPUOffloadConnector,
+OffloadingConnector) need CUDA streams, and with an EAGLE head
+ExampleConnector fails looking up a file it never stored. Asynchronous
 loads (``load_async``) are left out of ``loaded``. A block a step fills whose
 hash is not known yet (the last token of a decode under async scheduling is
 a placeholder when the step is scheduled) is written with an empty hash:
@@ -250,13 +269,19 @@ class KVAudit:
         tables = _Tables(self.kvm, sched.requests,
                          list(dict.fromkeys(admitted + [r for r in computed if r in sched.requests])))
         for rid, c in computed.items():
-            n = nst.get(rid, 0) - len(spec.get(rid, ()))
-            if (c + n) // bs > c // bs and rid in sched.requests:   # the step fills a block
+            k = len(spec.get(rid, ()))
+            n = nst.get(rid, 0) - k
+            if rid not in sched.requests:
+                continue
+            if (c + n) // bs > c // bs:   # the step fills a block
                 filled = tables.blocks(rid, c // bs, (c + n) // bs)
                 # Blocks with no hash yet (under async scheduling a decode's last
                 # token is a placeholder now): an empty hash, compared with nothing.
                 table = tables.table(rid)[len(filled) + c // bs:(c + n) // bs]
                 p.cached += filled + [(rid, b, "") for b in table]
+            if k:   # the blocks its drafts write into: an empty hash, forgotten
+                drafted = tables.table(rid)[(c + n) // bs:-(-(c + n + k) // bs)]
+                p.cached += [(rid, b, "") for b in drafted]
         local = {lk.req: lk.local for lk in lookups}
         for rid in admitted:
             if local.get(rid, 0) >= bs:
@@ -335,6 +360,16 @@ class KVAudit:
                                        saved=saved, cached=cached, hits=hits))
 
 
+def _schedules_ahead(sched: Any) -> bool:
+    """Whether ``sched`` is vLLM's AsyncScheduler, which schedules a step
+    before the output of the one before comes back."""
+    try:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    except Exception:
+        return bool(getattr(sched.vllm_config.scheduler_config, "async_scheduling", False))
+    return isinstance(sched, AsyncScheduler)
+
+
 def refusal(sched: Any, worker_conn: Any) -> str | None:
     """Why the audit cannot run for this engine, or None."""
     if os.environ.get(ENV, "1").strip() == "0":
@@ -345,11 +380,13 @@ def refusal(sched: Any, worker_conn: Any) -> str | None:
         return "the connector moves no data"
     try:
         if len(sched.kv_cache_config.kv_cache_groups) != 1:
-            return "several KV-cache groups"
+            return "several KV-cache groups (the audit reads one block table)"
     except AttributeError:
         return "no KV cache config"
-    if getattr(sched, "use_eagle", False) or getattr(sched, "num_spec_tokens", 0):
-        return "speculative decoding"
+    if getattr(sched, "use_eagle", False):
+        return "an EAGLE or MTP head"
+    if getattr(sched, "num_spec_tokens", 0) and _schedules_ahead(sched):
+        return "drafts under asynchronous scheduling"
     return None
 
 

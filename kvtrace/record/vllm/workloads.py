@@ -445,6 +445,21 @@ WORKLOADS["example-connector-corrupt"] = _example_connector(
     control=[[200, "corrupt-store", _example_prompts()[2], 2]], blocks=40)
 # The shape of LMCache #2007: a resumed request's load is dropped.
 WORKLOADS["example-connector-dropped-resume"] = _example_connector("DropsResumedLoad")
+
+
+def _example_ngram(connector: str = "ExampleConnector") -> dict:
+    """ExampleConnector with n-gram drafts: three more prompts that repeat
+    themselves, so that drafts are taken and accepted (no prompt a prefix of
+    another, none 1 past a block boundary)."""
+    wl = _example_connector(connector)
+    repeating = [([5 + 10 * i, 6, 7, 8] * 20)[:42 + 6 * i] for i in range(3)]
+    prompts = wl["prompts"][:6] + repeating
+    return dict(wl, prompts=prompts + prompts, arrive_at=[0] * 9 + [200] * 9,
+                engine=dict(wl["engine"], speculative_config=_NGRAM))
+
+
+WORKLOADS["example-connector-ngram"] = _example_ngram()
+WORKLOADS["example-connector-ngram-dropped-resume"] = _example_ngram("DropsResumedLoad")
 # ExampleConnector's own bug: a prompt 1 past a block boundary (97 tokens) is
 # stored under its first 96 tokens but looked up under its first 64. Prompt 0
 # (65 tokens) stores the 64; prompt 1 (97) stores the 96; prompt 2, the same
