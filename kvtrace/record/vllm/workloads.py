@@ -680,6 +680,17 @@ WORKLOADS["qwen3-next-hit-overdraw"] = dict(
 # samples a token the prompt lacks and no draft comes. docs/findings.md.
 WORKLOADS["qwen3-next-spec-no-draft"] = dict(
     WORKLOADS["qwen3-next-spec"], prompts=[[307, 449, 426] * 39 + [146]], max_tokens=16)
+# The same kernel, with drafts on, takes a step whose whole batch is one
+# request's prefill chunk of one token down its non-speculative path, with
+# that request's state index a strided view of one element (which torch's
+# contiguous() leaves as it is); the fused op it calls wants a stride of 1,
+# and the engine fails ("tensormust be contiguous at last dimension"). A
+# 129-token prompt in a budget of 128, arriving after a first request has
+# finished: chunks of 128 and 1. docs/findings.md.
+WORKLOADS["qwen3-next-spec-one-token-chunk"] = dict(
+    WORKLOADS["qwen3-next-spec"], max_tokens=8, arrive_at=[0, 12],
+    prompts=[[(5 * j) % 480 + 16 for j in range(40)], [(7 * j) % 480 + 16 for j in range(129)]],
+    engine=dict(WORKLOADS["qwen3-next-spec"]["engine"], max_num_batched_tokens=128))
 
 
 # State models with no model behind them (kvtrace.record.vllm.model_free:
