@@ -762,3 +762,62 @@ def test_a_diff_that_compared_no_request_is_not_a_pass(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert code == 4 and "0 requests compared" in out, out
     assert err == f"kvtrace: nothing compared: no requests of {a} and {b} pair up\n", err
+
+
+def test_a_schedule_that_raised_in_one_trace_only_is_a_divergence(tmp_path, capsys):
+    """A trace whose engine failed inside schedule() (a step_failed record)
+    against one where that step ran: diff ignored the failed step and named
+    only what followed from the missing step, if anything."""
+    import gzip
+
+    import orjson
+
+    from kvtrace import cli
+
+    crashed = Path(__file__).resolve().parent.parent / "traces/vllm-bugs/spec-padding-cut.jsonl.gz"
+    records = [orjson.loads(x) for x in gzip.open(crashed)]
+    failed = next(r for r in records if r["kind"] == "step_failed")
+    ran = [r for r in records if r["kind"] != "step_failed"]
+    ran[-1] = {k: v for k, v in ran[-1].items() if k != "error"} | {"status": "complete"}
+    other = tmp_path / "ran.jsonl"
+    other.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in ran))
+    code = cli.run(["diff", "--json", str(crashed), str(other)])
+    doc = orjson.loads(capsys.readouterr().out)
+    assert code == 1
+    d = next(d for d in doc["divergences"] if d["field"] == "step_failed")
+    assert d["step"] == failed["step"] and d["req"] is None
+    assert d["recorded"] == {"step": failed["step"], "error": failed["error"], "where": failed["where"]}
+    assert d["expected"] is None
+
+
+@pytest.mark.parametrize("change,differs", [
+    ({"error": "AssertionError: another message", "where": "elsewhere.py:1 in f"}, False),
+    ({"error": "ValueError: Cannot get 1 free blocks from the pool"}, True),
+    ({"step": None}, True),   # a step later: set below
+])
+def test_two_schedules_that_raised_agree_on_their_step_and_exception_class(tmp_path, capsys, change, differs):
+    """Two traces that failed in schedule() at the same step with the same
+    exception class agree: the message and the line are each engine's own
+    words (the reference's replay -o writes its rule there). Another class,
+    or another step, is a divergence."""
+    import gzip
+
+    import orjson
+
+    from kvtrace import cli
+
+    crashed = Path(__file__).resolve().parent.parent / "traces/vllm-bugs/spec-padding-cut.jsonl.gz"
+    records = [orjson.loads(x) for x in gzip.open(crashed)]
+    failed = next(r for r in records if r["kind"] == "step_failed")
+    if change.get("step", 0) is None:
+        change = {"step": failed["step"] + 1}
+    records = [r | change if r["kind"] == "step_failed" else r for r in records]
+    other = tmp_path / "other.jsonl"
+    other.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
+    code = cli.run(["diff", "--json", str(crashed), str(other)])
+    doc = orjson.loads(capsys.readouterr().out)
+    found = [d for d in doc["divergences"] if d["field"] == "step_failed"]
+    assert bool(found) == differs, doc["divergences"]
+    assert code == (1 if differs else 0)
+    if differs:
+        assert found[0]["recorded"]["error"] == failed["error"]

@@ -271,7 +271,10 @@ STEP_LIMIT = 2000
 
 
 class EngineLooping(RuntimeError):
-    pass
+    """The driver's stop, not the engine's failure: the recorder writes no
+    failed step for it (recorder.DRIVER_STOP)."""
+
+    kvtrace_driver_stop = True
 
 
 class _StepLimit:

@@ -22,6 +22,9 @@ history and compares like with like:
 * ``prompt_stats`` PrefillStats or the legacy counters;
 * ``finish``       finish reason, and after how many schedules.
 
+Scheduler-wide calls (a prefix-cache reset, a pause state, a ``schedule()``
+that raised) are compared k-th with k-th, as inputs are.
+
 Each channel is a queue per side. An item is compared as soon as the other
 side has its counterpart, then dropped, so memory follows the live requests
 and the lag between the two files, not their length. A request's first
@@ -42,7 +45,7 @@ from typing import Any, Callable, Iterator
 from .._text import path_text
 from ..findings import Divergence
 from ..trace.events import (Abort, Arrival, End, Header, Output, PauseState, PromptStats, ResetPrefixCache, Step,
-                            joined_groups, to_json)
+                            StepFailed, joined_groups, to_json)
 from ..trace.io import TraceError, TraceReader, not_regular
 from .handoff import diff_handoff, is_handoff_pair
 
@@ -265,13 +268,26 @@ class _Pair:
 
 
 # Scheduler-wide calls, compared in order per kind: the kind and its name in a rule.
-_CALLS = {"reset_prefix_cache": "prefix-cache reset", "pause_state": "pause state"}
+_CALLS = {"reset_prefix_cache": "prefix-cache reset", "pause_state": "pause state",
+          "step_failed": "schedule() that raised"}
 
 
-def _call_values(ev: ResetPrefixCache | PauseState) -> dict:
+def _call_values(ev: ResetPrefixCache | PauseState | StepFailed) -> dict:
     if isinstance(ev, PauseState):
         return {"state": ev.state}
+    if isinstance(ev, StepFailed):
+        return {"step": ev.step, "error": ev.error, "where": ev.where}
     return {"reset_running_requests": ev.reset_running_requests, "succeeded": ev.succeeded}
+
+
+def _same_call(va: dict | None, vb: dict | None) -> bool:
+    """Whether two calls of a kind agree. Two schedule() calls that raised
+    agree on their step and the exception's class: its message and the line
+    it was raised at are each engine's own words, and differ between releases
+    and the reference."""
+    if va is None or vb is None or "where" not in va:
+        return va == vb
+    return va["step"] == vb["step"] and va["error"].split(":", 1)[0] == vb["error"].split(":", 1)[0]
 
 
 class _Side:
@@ -362,8 +378,9 @@ class _Differ:
             if ev.legacy is not None:
                 v.update((f"legacy.{k}", x) for k, x in to_json(ev.legacy).items())
             self._add(side, ev.req, "prompt_stats", _item(ev.step, ev.seq, line, v))
-        elif isinstance(ev, (ResetPrefixCache, PauseState)):
-            side.calls[ev.kind].append((side.cur_step, ev.seq, line, _call_values(ev)))
+        elif isinstance(ev, (ResetPrefixCache, PauseState, StepFailed)):
+            step = ev.step if isinstance(ev, StepFailed) else side.cur_step
+            side.calls[ev.kind].append((step, ev.seq, line, _call_values(ev)))
             self._compare_calls(ev.kind)
         elif isinstance(ev, End):
             pass
@@ -591,7 +608,7 @@ class _Differ:
             k = self.calls_compared[kind]
             self.calls_compared[kind] += 1
             va, vb = (None if i is None else i[3] for i in (ia, ib))
-            if va == vb or kind in self.calls_differ:
+            if _same_call(va, vb) or kind in self.calls_differ:
                 continue
             self.calls_differ.add(kind)
             at = ia if ia is not None else ib

@@ -110,7 +110,7 @@ class BlockPool:
     def get_new_blocks(self, n: int) -> list[Block]:
         if n > self.num_free_blocks:   # vLLM raises ValueError: the engine fails here
             raise SchedulerAssertion(None, f"BP:679 cannot get {n} free blocks from the pool "
-                                           f"({self.num_free_blocks} free)")
+                                           f"({self.num_free_blocks} free)", "ValueError")
         blocks = self.free_queue.popleft_n(n)
         for b in blocks:
             if self.enable_caching:

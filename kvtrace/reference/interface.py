@@ -97,10 +97,12 @@ class RequestOutput:
 
 class SchedulerAssertion(AssertionError):
     """The engine itself would have failed an assertion here (for example a sync
-    external hit that covers the whole prompt, S:1170)."""
+    external hit that covers the whole prompt, S:1170). ``engine_error``: the
+    exception class the engine raises there (an ``assert`` raises
+    AssertionError; the block pool raises ValueError)."""
 
-    def __init__(self, req_id: str | None, rule: str):
-        self.req_id, self.rule = req_id, rule
+    def __init__(self, req_id: str | None, rule: str, engine_error: str = "AssertionError"):
+        self.req_id, self.rule, self.engine_error = req_id, rule, engine_error
         super().__init__(f"{req_id}: {rule}")
 
 
@@ -113,4 +115,4 @@ def failing_for(req_id: str):
     except SchedulerAssertion as a:
         if a.req_id is not None:
             raise
-        raise SchedulerAssertion(req_id, a.rule) from None
+        raise SchedulerAssertion(req_id, a.rule, a.engine_error) from None

@@ -100,7 +100,7 @@ class KVTransfer:
         vLLM refuses them with several KV-cache groups (S:3365-3374)."""
         if self.config.kv_groups and len(self.config.kv_groups) > 1:
             raise SchedulerAssertion(None, "S:3365 a block-level load failure with several "
-                                           "KV-cache groups (vLLM raises RuntimeError)")
+                                           "KV-cache groups (vLLM raises RuntimeError)", "RuntimeError")
         loading = [r for r in self.kv_holding_waiting if r.status == Status.WAITING_FOR_REMOTE_KVS]
         async_failed, _ = self._truncate_requests(loading, invalid, num_scheduled)
         sync_failed, to_evict = self._truncate_requests(self.running, invalid, num_scheduled)

@@ -21,9 +21,10 @@ CRASH_RULE = ("crash: the engine's schedule() fails only where the reference fai
 
 
 def run_failed_step(sched: Scheduler, connector: RecordedConnector, e: ev.StepFailed,
-                    line: int | None) -> list[Divergence]:
-    """Run step ``e.step`` on ``sched`` with ``e``'s inputs; the divergences
-    it shows: the failure first, then the lookups that do not line up."""
+                    line: int | None) -> tuple[list[Divergence], SchedulerAssertion | None]:
+    """Run step ``e.step`` on ``sched`` with ``e``'s inputs. The divergences
+    it shows (the failure first, then the lookups that do not line up), and
+    the reference's own failure there, if it failed."""
     connector.start_step(e.step, e.lookups)
     if e.grammar:
         sched.grammar_compiled(e.grammar)
@@ -45,7 +46,19 @@ def run_failed_step(sched: Scheduler, connector: RecordedConnector, e: ev.StepFa
     connector.divergences = []
     for d in found:
         d.seq, d.line = e.seq, line
-    return found
+    return found, failed
+
+
+def failed_record(seq: int, e: ev.StepFailed, failed: SchedulerAssertion,
+                  connector: RecordedConnector) -> ev.StepFailed:
+    """The reference's own failure of step ``e.step``, as a ``step_failed``
+    record of what it decided: the exception class the engine raises there,
+    the rule as its message and where, and the lookups it made."""
+    return ev.StepFailed(seq, e.step, f"{failed.engine_error}: {failed.rule}",
+                         where=f"reference {failed.rule.split(' ', 1)[0]}",
+                         lookups=list(connector.made),
+                         loads=None if e.loads is None else list(connector.loads), grammar=e.grammar,
+                         throttle_prefills=e.throttle_prefills)
 
 
 def counts(sched: Scheduler, connector: RecordedConnector, a: SchedulerAssertion) -> str | None:

@@ -28,7 +28,7 @@ from kvtrace.trace import events as ev
 
 from . import checks, derive
 from .data_path import DataPath
-from .failed_step import run_failed_step
+from .failed_step import failed_record, run_failed_step
 from .kv_device import pick_backend
 from .connector import RecordedConnector
 from .liveness import ProgressWatch
@@ -454,7 +454,10 @@ class Replayer:
         ``feed`` reports). Nothing is written."""
         if type(e) is ev.StepFailed:
             self.steps = e.step + 1
-            self.divergences.extend(run_failed_step(self.sched, self.connector, e, line))
+            found, failed = run_failed_step(self.sched, self.connector, e, line)
+            self.divergences.extend(found)
+            if failed is not None and self.out:
+                self._write(failed_record(self._seq(), e, failed, self.connector))
             self.stopped = f"the engine failed in schedule() at step {e.step}: {e.error}"
             stop_after = getattr(self.content, "stop_after", None)   # a content worker
             if stop_after is not None:
