@@ -637,10 +637,16 @@ def _holders_of_failed_blocks(trace) -> set[str]:
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Random workloads of the tiny state models (st- kinds), a few in CI; the
-# batch of ``python -m bench.state_random --runs 300 --seed 30000``
-# (docs/design/reference.md) found what each stands for.
-ST_CI_SEEDS: list[tuple[int, str, str]] = []
+# Random workloads of the tiny state models (st- kinds), a few in CI, each
+# clean in the batch of ``python -m bench.state_random --runs 300 --seed 30000``
+# (docs/design/reference.md): Qwen3-Next with states kept at block boundaries,
+# preemptions, a hit and a prefix-cache reset; Nemotron-H under async
+# scheduling with the connector's external hits and a failed load; Qwen3-Next
+# with n-gram drafts and external hits; Nemotron-H served as a stream with
+# preemptions, hits and aborts.
+ST_CI_SEEDS: list[tuple[int, str, str]] = [
+    (30009, "st-rlhf", "clean"), (30007, "st-async-mixed", "clean"),
+    (30020, "st-spec-mixed", "clean"), (30003, "st-stream", "clean")]
 
 
 def _state_seeds() -> list[tuple[int, str, str | None]]:
