@@ -162,7 +162,7 @@ def classify(found: dict, wl: dict, trace: str) -> tuple[str, str]:
     if engine == "complete" and vllm_stopped:
         return RERUN_DIFFERS, f"vLLM's scheduler stopped: {vllm_stopped}"
     stopped = found["reference_stopped"] or found["reference_unchecked_stopped"]
-    if stopped:
+    if stopped and not _stopped_where_the_engine_failed(stopped, engine, error):
         return REFERENCE_DIFFERS, f"replay stopped: {stopped}"
     if unchecked == [] and ref and all(d["kind"] == "kv-content" for d in ref):
         return CONTENT_FLAGS, _said(ref[0])
@@ -186,6 +186,15 @@ def classify(found: dict, wl: dict, trace: str) -> tuple[str, str]:
     if engine in ("failed", "stranded") and not named:
         return UNNAMED_FAILURE, error
     return (" + ".join(sorted(named)) or CLEAN), error
+
+
+def _stopped_where_the_engine_failed(stopped: str, engine: str, error: str) -> bool:
+    """Whether replay stopped because the recorded engine's ``schedule()``
+    raised (a ``step_failed`` record): replay runs that step and stops there
+    by design (``kvtrace.replay.replayer``), and what the reference did at it
+    is among the divergences, which are judged as any other."""
+    return (engine == "failed" and stopped.startswith("the engine failed in schedule() at step ")
+            and stopped.endswith(f": {error}"))
 
 
 def _said(d: dict) -> str:

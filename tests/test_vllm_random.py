@@ -736,3 +736,31 @@ def test_a_one_token_prefill_chunk_alone_fails_the_gated_delta_net_kernel_with_d
     other = os.path.join(ROOT, "traces", "hybrid-state", "vllm-bugs",
                          "qwen3-next-spec-no-draft.jsonl.gz")
     assert classify(found, wl, other)[0] != GDN_ONE_TOKEN
+
+
+def test_the_over_draw_of_an_external_hit_on_a_state_group_is_named(tmp_path):
+    """vLLM's bug (docs/findings.md): an external hit on a state group takes
+    more blocks than vLLM counted, and the pool runs out inside schedule().
+    Replay stops at that failed step by design; the classifier judges what
+    the reference said there (the over-draw, at its request) and names the
+    bug, and does not take replay's stop for a gap of the reference."""
+    from bench.state_random import OVERDRAW, check, classify
+    from kvtrace.record.vllm.workloads import WORKLOADS
+    from kvtrace.trace import events as ev
+
+    trace = os.path.join(ROOT, "traces", "hybrid-state", "vllm-bugs",
+                         "qwen3-next-hit-overdraw.jsonl.gz")
+    with TraceReader(trace) as r:
+        failed = [e for e in r if isinstance(e, ev.StepFailed)]
+    assert [f.step for f in failed] == [5]
+    found = check(trace, str(tmp_path / "vllm.jsonl.gz"))
+    assert found["reference_stopped"].startswith("the engine failed in schedule() at step 5")
+    [d] = found["reference"]
+    assert d["rule"].startswith("BP:679") and "each state group takes a block" in d["why"]
+    wl = WORKLOADS["qwen3-next-hit-overdraw"]
+    found.update(engine="failed", error="ValueError: Cannot get 1 free blocks from the pool")
+    assert classify(found, wl, trace)[0] == OVERDRAW
+    # A replay that stops for any other reason is still the reference's gap.
+    assert classify(dict(found, reference_stopped="bad input at line 3"), wl, trace)[0] \
+        != OVERDRAW
+
