@@ -9,6 +9,7 @@ import gzip
 import json
 import random
 import re
+from pathlib import Path
 
 import orjson
 import pytest
@@ -922,3 +923,24 @@ def test_a_step_longer_than_any_record_of_the_header_is_refused_as_it_is_read(ba
     _assert_rejected(capsys, bad, base, 3, f"record longer than {limits.general} bytes without a "
                                            "line break, more than any record of this trace's "
                                            "header can hold (max_model_len")
+
+
+@pytest.mark.parametrize("where", ["states", "new", "running"])
+def test_a_record_with_a_table_too_few_for_its_kv_cache_groups(tmp_path, capsys, where):
+    """A record's ``more_groups`` holds one table for each KV-cache group past
+    the first: a list one short (a group's table dropped) once read, and
+    replay indexed past its end (exit 3)."""
+    good = Path(__file__).resolve().parent.parent / "traces/faults/state-chunk-off-boundary.jsonl.gz"
+    objs = [orjson.loads(x) for x in gzip.decompress(good.read_bytes()).splitlines()]
+    groups = len(objs[0]["features"]["kv_cache_groups"])
+    line, field = next((i + 1, f"{where}.more_groups") for i, o in enumerate(objs)
+                       if any(x.get("more_groups") for x in o.get(where) or ()))
+    x = next(x for x in objs[line - 1][where] if x.get("more_groups"))
+    assert len(x["more_groups"]) == groups - 1
+    x["more_groups"] = x["more_groups"][:-1]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(_dump(objs))
+    _assert_rejected(capsys, bad, good, line, f"'{field}' holds {groups - 2} block tables: the "
+                                              f"header's {groups} KV-cache groups give {groups - 1}")
+    code, _, err = _run(capsys, "export", "--format", "parquet", bad, "-o", tmp_path / "tables")
+    assert code == 2 and f"{bad}:{line}: " in err, err

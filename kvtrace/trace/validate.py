@@ -81,6 +81,11 @@ class Validator:
     def __init__(self, header: ev.Header):
         cfg = header.config
         self.num_blocks = cfg.num_blocks
+        # The tables a record holds beyond group 0's (``more_groups``): one per
+        # group the header names; None where it names none (any count reads).
+        f = header.features
+        named = max(len(f.kv_cache_groups or ()), f.num_kv_cache_groups or 0)
+        self.more_tables = named - 1 if named else None
         self.token_limit = cfg.max_model_len + cfg.num_blocks * cfg.block_size
         self.max_model_len = cfg.max_model_len
         self.lora = bool(header.features.lora)
@@ -270,6 +275,8 @@ class Validator:
             if x.req not in live or a > limit or b > limit or (ids and max(ids) >= pool):
                 return False
             more = x.more_groups
+            if more is not None and self.more_tables is not None and len(more) != self.more_tables:
+                return False
             if more and any(g and max(g) >= pool for g in more):
                 return False
         return True
@@ -297,6 +304,11 @@ class Validator:
                               f"plus the whole KV cache ({self.token_limit})")
 
     def _groups(self, groups: list[list[int]] | None, name: str) -> None:
+        if groups is not None and self.more_tables is not None and len(groups) != self.more_tables:
+            tables = "block table" if len(groups) == 1 else "block tables"
+            raise SchemaError(f"'{name}' holds {len(groups)} {tables}: the header's "
+                              f"{self.more_tables + 1} KV-cache groups give {self.more_tables} "
+                              "beyond group 0's")
         for ids in groups or ():
             self._blocks(ids, name)
 
