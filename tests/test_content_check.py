@@ -70,7 +70,7 @@ def test_batches_place_divergences_as_single_steps_would(tmp_path, fault, device
     """The content check evaluates steps in batches; replay must list every
     divergence in the order a step-at-a-time check gives, also when a batch ends
     early (a step that reads many slots goes on its own)."""
-    from kvtrace.replay.shadow_kv import ShadowCore
+    from kvtrace.replay.kv_content.core import ShadowCore
 
     res = record_embedded(tmp_path / "t.jsonl", workload=FAULT_WORKLOADS[fault], fault=fault)
     runs = []

@@ -10,7 +10,8 @@ import orjson
 import pytest
 
 from kvtrace.workers import policy as workers
-from kvtrace.replay import content_worker, replay_file
+from kvtrace.replay.kv_content import worker as content_worker
+from kvtrace.replay import replay_file
 from kvtrace.replay.replayer import Replayer
 from kvtrace.trace import TraceError, TraceReader
 
@@ -108,7 +109,7 @@ _HOOK = """
 import os
 _at = os.environ.get("KVTRACE_TEST_BREAK_CHECK_AT")
 if _at:
-    from kvtrace.replay import content
+    from kvtrace.replay.kv_content import check as content
     _real = content.ContentCheck.step
     def _step(self, rec, line, tag=None):
         if line is not None and line >= int(_at):

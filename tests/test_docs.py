@@ -78,8 +78,8 @@ def test_the_catalog_names_the_embedded_engines_workloads_and_faults():
 @pytest.mark.vllm
 def test_the_catalog_names_the_vllm_workloads_and_faults():
     from kvtrace import catalog
-    from kvtrace.record.vllm.fault_schedulers import FAULT_WORKLOADS, FAULTS
-    from kvtrace.record.vllm.workloads import WORKLOADS
+    from kvtrace.lab.fault_schedulers import FAULT_WORKLOADS, FAULTS
+    from kvtrace.lab.workloads import WORKLOADS
 
     assert set(catalog.VLLM_WORKLOADS) == set(WORKLOADS)
     assert set(catalog.VLLM_FAULTS) == set(FAULTS) == set(FAULT_WORKLOADS)

@@ -88,7 +88,7 @@ def test_vllms_own_scheduler_takes_the_drafting_slots_from_the_header(tmp_path):
     from _require import require
 
     require("vllm", "vLLM is not installed: this test replays through vLLM's own scheduler")
-    from kvtrace.record.vllm.rerun import replay_through_vllm
+    from kvtrace.rerun.core import replay_through_vllm
     from kvtrace.trace.io import TraceError
 
     def none(objs):

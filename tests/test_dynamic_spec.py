@@ -156,7 +156,7 @@ def test_vllms_own_scheduler_takes_the_table_from_the_header(tmp_path, path, cha
 
     require("vllm", "vLLM is not installed: this test replays through vLLM's own scheduler")
     from kvtrace.diff import diff_files
-    from kvtrace.record.vllm.rerun import replay_through_vllm
+    from kvtrace.rerun.core import replay_through_vllm
 
     def widest(objs):
         f = objs[0]["features"]

@@ -130,7 +130,7 @@ def test_vllms_own_scheduler_takes_the_eagle_rules_from_the_header(tmp_path):
 
     require("vllm", "vLLM is not installed: this test replays through vLLM's own scheduler")
     from kvtrace.diff import diff_files
-    from kvtrace.record.vllm.rerun import replay_through_vllm
+    from kvtrace.rerun.core import replay_through_vllm
 
     def keep(objs):
         objs[0]["features"]["eagle_block_drop"] = False
@@ -163,7 +163,7 @@ def test_the_shadow_kv_check_writes_a_step_where_the_model_runner_does(monkeypat
     drafts as computed; the model runner, knowing by then which it rejected,
     writes the step's tokens that many positions lower. Without that shift the
     check reads positions that no token has reached."""
-    from kvtrace.replay.content import ContentCheck
+    from kvtrace.replay.kv_content.check import ContentCheck
 
     monkeypatch.setattr(ContentCheck, "_came_back", lambda self, in_flight: ({}, set()))
     divs = replay_file(ASYNC, device="cpu", worker=0).divergences
@@ -201,7 +201,7 @@ def test_vllms_async_scheduler_decides_the_same_with_placeholder_drafts(tmp_path
 
     require("vllm", "vLLM is not installed: this test replays through vLLM's own scheduler")
     from kvtrace.diff import diff_files
-    from kvtrace.record.vllm.rerun import replay_through_vllm
+    from kvtrace.rerun.core import replay_through_vllm
 
     res = replay_through_vllm(ASYNC, tmp_path / "vllm.jsonl")
     assert res.faithful_inputs

@@ -168,7 +168,7 @@ def _whole_prompt_hit() -> dict:
     """Three requests; the third, arriving at step 3, gets a sync external hit
     over its whole prompt from a broken connector (``uncapped``): vLLM 0.32
     fails its assertion S:1170 inside schedule()."""
-    from kvtrace.record.vllm.random_workloads import scripted
+    from kvtrace.lab.random_workloads import scripted
 
     prompts = [[(37 * i + 5 * j) % 480 + 16 for j in range(n)] for i, n in enumerate([80, 90, 70])]
     return dict(prompts=prompts, max_tokens=8, arrive_at=[0, 0, 3],
@@ -178,7 +178,7 @@ def _whole_prompt_hit() -> dict:
 
 
 def _record(record, *args, **kwargs):
-    from kvtrace.record.vllm.run import EngineFailed
+    from kvtrace.lab.run import EngineFailed
 
     with pytest.raises(EngineFailed) as failed:
         record(*args, **kwargs)
@@ -190,8 +190,8 @@ def test_a_connector_answer_that_fails_vllm_is_recorded_and_replayed_to_the_fail
     """vLLM 0.32 model-free: the failing step's lookup reaches the trace, and
     replay (and the re-run through vLLM's own scheduler) fail at that step."""
     _vllm()
-    from kvtrace.record.vllm.model_free import record_model_free
-    from kvtrace.record.vllm.rerun import replay_through_vllm
+    from kvtrace.lab.run import record_model_free
+    from kvtrace.rerun.core import replay_through_vllm
 
     out = tmp_path / "t.jsonl.gz"
     failed = _record(record_model_free, str(out), _whole_prompt_hit())
@@ -234,8 +234,8 @@ def test_a_real_engine_whose_scheduler_raises_inside_schedule_replays_to_a_crash
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from kvtrace.record.vllm import plugin
-    from kvtrace.record.vllm.run import record_vllm_offline
-    from kvtrace.record.vllm.tiny_model import ensure_tiny_model
+    from kvtrace.lab.run import record_vllm_offline
+    from kvtrace.lab.tiny_model import ensure_tiny_model
 
     cls = type("RaisesAfterLookupsScheduler", (RaisesAfterLookups, Scheduler), {})
     wl = _whole_prompt_hit()
@@ -265,12 +265,13 @@ def test_a_driver_stop_inside_schedule_is_no_failed_step(tmp_path):
     _vllm()
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from kvtrace.record.vllm import model_free
+    from kvtrace.lab import model_free
+    from kvtrace.lab.run import record_model_free
 
     out = tmp_path / "t.jsonl.gz"
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(model_free, "STEP_LIMIT", 3)
-        failed = _record(model_free.record_model_free, str(out), "prefix",
+        failed = _record(record_model_free, str(out), "prefix",
                          scheduler_cls=model_free.step_limited(Scheduler))
     assert isinstance(failed.error, model_free.EngineLooping)
     r = TraceReader(out)
@@ -286,7 +287,7 @@ def test_other_releases_record_the_failed_step_and_replay_names_it(version, line
     fails each release's assertion that an admission leaves a token to compute
     (at its own line); replay under the release's profile names the request
     and S:1170."""
-    from kvtrace.record.vllm import releases
+    from kvtrace.lab import releases
 
     folder = releases.configured().get(version)
     if folder is None:

@@ -72,7 +72,7 @@ def test_vllm_own_scheduler_stalls_the_same_way(stalled, tmp_path):
 
     require("vllm", "vLLM is not installed: this finding is checked against vLLM's scheduler")
     from kvtrace.diff import diff_files
-    from kvtrace.record.vllm.rerun import replay_through_vllm
+    from kvtrace.rerun.core import replay_through_vllm
 
     out = tmp_path / "vllm.jsonl"
     run = replay_through_vllm(stalled, out)
@@ -258,7 +258,7 @@ def test_vllm_own_scheduler_loops_the_same_way(preemption_loop, tmp_path):
 
     require("vllm", "vLLM is not installed: this finding is checked against vLLM's scheduler")
     from kvtrace.diff import diff_files
-    from kvtrace.record.vllm.rerun import replay_through_vllm
+    from kvtrace.rerun.core import replay_through_vllm
 
     out = tmp_path / "vllm.jsonl"
     res = replay_through_vllm(preemption_loop, out)
@@ -339,7 +339,7 @@ def test_vllm_own_scheduler_makes_the_same_uncomputed_hit(tmp_path):
 
     require("vllm", "vLLM is not installed: this finding is checked against vLLM's scheduler")
     from kvtrace.diff import diff_files
-    from kvtrace.record.vllm.rerun import replay_through_vllm
+    from kvtrace.rerun.core import replay_through_vllm
 
     out = tmp_path / "vllm.jsonl"
     res = replay_through_vllm(UNCOMPUTED_HIT, out)
@@ -404,7 +404,7 @@ def test_vllm_own_scheduler_loses_the_same_session(tmp_path):
 
     require("vllm", "vLLM is not installed: this finding is checked against vLLM's scheduler")
     from kvtrace.diff import diff_files
-    from kvtrace.record.vllm.rerun import replay_through_vllm
+    from kvtrace.rerun.core import replay_through_vllm
 
     out = tmp_path / "vllm.jsonl"
     res = replay_through_vllm(LOST_SESSION, out)
@@ -462,7 +462,7 @@ def test_vllm_own_scheduler_counts_the_cut_drafts_the_same_way(tmp_path):
 
     require("vllm", "vLLM is not installed: this finding is checked against vLLM's scheduler")
     from kvtrace.diff import diff_files
-    from kvtrace.record.vllm.rerun import replay_through_vllm
+    from kvtrace.rerun.core import replay_through_vllm
 
     out = tmp_path / "vllm.jsonl"
     assert replay_through_vllm(OVERSHOOT, out).faithful_inputs

@@ -108,7 +108,7 @@ def test_a_full_attention_group_alone_serves_the_whole_prefix():
 def test_the_content_check_reads_a_window_only():
     torch = pytest.importorskip("torch")
     del torch
-    from kvtrace.replay.shadow_kv import ShadowKV
+    from kvtrace.replay.kv_content.torch_backend import ShadowKV
 
     s = ShadowKV(16, B, "cpu")
     s.add_request("a", list(range(100, 113)), window=WINDOW)
@@ -126,7 +126,7 @@ def test_the_content_check_reads_a_window_only():
 def test_the_content_check_tells_groups_apart():
     """A slot one group wrote, read through another group's table, is wrong KV."""
     pytest.importorskip("torch")
-    from kvtrace.replay.content import ContentCheck
+    from kvtrace.replay.kv_content.check import ContentCheck
 
     c = ev.SchedulerConfig(block_size=B, num_blocks=16, max_num_batched_tokens=64,
                            max_num_seqs=4, max_model_len=64)

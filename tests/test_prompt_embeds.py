@@ -102,8 +102,8 @@ def _check_digests(path, workload: str) -> None:
     of positions a mixed prompt gives as token ids."""
     import torch
 
-    from kvtrace.record.vllm.tiny_model import CONFIG
-    from kvtrace.record.vllm.workloads import WORKLOADS
+    from kvtrace.lab.tiny_model import CONFIG
+    from kvtrace.lab.workloads import WORKLOADS
 
     wl = WORKLOADS[workload]
     arrivals, _ = _first_schedules(path)
@@ -202,7 +202,7 @@ def test_vllm_own_scheduler_makes_the_same_hit_and_the_output_is_wrong(tmp_path)
 
     require("vllm", "vLLM is not installed: this finding is checked against vLLM itself")
     from kvtrace.diff import diff_files
-    from kvtrace.record.vllm.rerun import replay_through_vllm
+    from kvtrace.rerun.core import replay_through_vllm
 
     res = replay_through_vllm(MIXED, tmp_path / "vllm.jsonl")
     assert res.faithful_inputs and diff_files(MIXED, res.out).divergences == []
@@ -216,8 +216,8 @@ def test_vllm_own_scheduler_makes_the_same_hit_and_the_output_is_wrong(tmp_path)
 
     script = """
 import json, sys
-from kvtrace.record.vllm.run import run_workload
-from kvtrace.record.vllm.workloads import WORKLOADS
+from kvtrace.lab.run import run_workload
+from kvtrace.lab.workloads import WORKLOADS
 wl = WORKLOADS["embeds-mixed-mask"]
 both = run_workload(None, "embeds-mixed-mask")["outputs"]
 alone = run_workload(None, dict(wl, prompts=wl["prompts"][1:], embeds=wl["embeds"][1:],
@@ -271,7 +271,7 @@ def test_the_references_keys_split_blocks_as_vllms_do():
     from vllm.v1.request import Request as VllmRequest
 
     from kvtrace.record.vllm.recorder import _embeds_digests, _lora, _runs
-    from kvtrace.record.vllm.rerun import _request
+    from kvtrace.rerun.core import _request
 
     init_none_hash(sha256)
     bs, rng = 4, random.Random(7)
@@ -322,7 +322,7 @@ def test_the_references_keys_split_blocks_as_vllms_do():
 
 def test_show_counts_the_prompts_of_embeddings(capsys):
     from kvtrace import cli
-    from kvtrace.record.vllm.workloads import WORKLOADS
+    from kvtrace.lab.workloads import WORKLOADS
 
     given = WORKLOADS["embeds"]["embeds"]
     assert cli.run(["show", str(TRACE)]) == 0

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 
 from kvtrace.reference import Request, Scheduler, SchedulerConfig, Status
-from kvtrace.replay.shadow_kv import open_shadow
+from kvtrace.replay.kv_content.device import open_shadow
 
 B = 4
 

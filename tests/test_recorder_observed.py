@@ -177,8 +177,8 @@ class Harness:
         from vllm.v1.structured_output import StructuredOutputManager
 
         from kvtrace.record.vllm.hooks import make_recording_scheduler
-        from kvtrace.record.vllm.random_workloads import SCRIPTED
-        from kvtrace.record.vllm.rerun_setup import build_kv_cache_config, build_vllm_config
+        from kvtrace.lab.random_workloads import SCRIPTED
+        from kvtrace.rerun.build import build_kv_cache_config, build_vllm_config
 
         header = ev.Header(engine="vllm", engine_version="0.32.0", config=ev.SchedulerConfig(
             block_size=BLOCK, num_blocks=64, max_num_batched_tokens=256, max_num_seqs=8,
@@ -282,7 +282,7 @@ def test_a_mock_connector_assigned_after_construction_sees_what_it_sees_unrecord
 @pytest.mark.vllm
 def test_the_connector_built_from_kv_transfer_config_is_left_as_vllm_built_it(tmp_path):
     _vllm()
-    from kvtrace.record.vllm.scripted_connector import ScriptedConnector
+    from kvtrace.lab.scripted_connector import ScriptedConnector
 
     seen = {}
     for recorded in (False, True):

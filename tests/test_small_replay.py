@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from kvtrace.engine import FAULT_WORKLOADS, record_embedded
-from kvtrace.replay import kv_device, replay_file
+from kvtrace.replay.kv_content import device as kv_device
+from kvtrace.replay import replay_file
 
 TRACES = Path(__file__).resolve().parent.parent / "traces"
 CHECKED = sorted(TRACES.rglob("*.jsonl.gz"))

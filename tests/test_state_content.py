@@ -13,7 +13,7 @@ from kvtrace.engine import kv_store
 from kvtrace.engine.content_faults import FAULTS, FAULT_WORKLOADS
 from kvtrace.engine.workloads import build_workload
 from kvtrace.replay import replay_file
-from kvtrace.replay.content import ContentCheck
+from kvtrace.replay.kv_content.check import ContentCheck
 from kvtrace.trace import events as ev
 
 B = 4

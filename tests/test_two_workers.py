@@ -11,7 +11,8 @@ import orjson
 import pytest
 
 from kvtrace.workers import policy as workers
-from kvtrace.replay import content_worker, replay_file
+from kvtrace.replay.kv_content import worker as content_worker
+from kvtrace.replay import replay_file
 from kvtrace.workers import record_worker
 
 import test_record_worker as rw

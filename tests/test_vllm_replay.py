@@ -26,8 +26,8 @@ vllm = require("vllm", "vLLM is not installed: replay through vLLM's scheduler n
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
 from kvtrace.diff import diff_files  # noqa: E402
-from kvtrace.record.vllm.rerun import replay_through_vllm  # noqa: E402
-from kvtrace.record.vllm.rerun_setup import resolve_scheduler_cls  # noqa: E402
+from kvtrace.rerun.core import replay_through_vllm  # noqa: E402
+from kvtrace.rerun.build import resolve_scheduler_cls  # noqa: E402
 from kvtrace.replay import replay_file  # noqa: E402
 from kvtrace.trace import events as ev  # noqa: E402
 from kvtrace.trace.io import TraceReader  # noqa: E402
@@ -520,8 +520,8 @@ def test_an_abort_inside_an_abort_loses_no_request(tmp_path):
     from vllm.v1.request import RequestStatus
 
     from kvtrace.engine import record_workload
-    from kvtrace.record.vllm.rerun import _close, _request
-    from kvtrace.record.vllm.rerun_setup import build_scheduler
+    from kvtrace.rerun.core import _close, _request
+    from kvtrace.rerun.build import build_scheduler
 
     rec_path = tmp_path / "emb.jsonl"
     record_workload(rec_path, abort_workload("x", "y"), counters="prefill_stats")
@@ -569,4 +569,4 @@ def test_cli_replay_through_vllm_exit_codes(tmp_path):
     assert run(["replay", str(FAULTS / "async-load-overshoot.jsonl.gz"), "--scheduler", "vllm"]) == 1
     # ... and through the same patched class: the decisions agree, exit 0.
     assert run(["replay", str(FAULTS / "async-load-overshoot.jsonl.gz"), "--scheduler-cls",
-                "kvtrace.record.vllm.fault_schedulers.AsyncLoadOvershootScheduler"]) == 0
+                "kvtrace.lab.fault_schedulers.AsyncLoadOvershootScheduler"]) == 0

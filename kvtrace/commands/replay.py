@@ -68,7 +68,7 @@ def command(traces: tuple[Path, ...], out: Path | None, as_json: bool, device: s
     refuse_to_overwrite(out, *traces)
     trace_output(out)
     if kv_check and device.startswith("cuda"):   # before any trace is read or output written
-        from kvtrace.replay.shadow_torch import pick_device
+        from kvtrace.replay.kv_content.torch_backend import pick_device
 
         pick_device(device)
     if scheduler_cls:
@@ -177,7 +177,7 @@ def _through_vllm(trace: Path, out: Path | None, as_json: bool, scheduler_cls: s
     refuse_pipes(trace)   # re-run, diffed, then audited: read three times
     require_vllm()
     with importing("the re-run through vLLM's scheduler", VLLM_HINT):
-        from kvtrace.record.vllm.rerun import replay_through_vllm
+        from kvtrace.rerun.core import replay_through_vllm
     if out is None:
         out = Path(tempfile.mkdtemp(prefix="kvtrace-")) / (trace.name.split(".")[0] + ".vllm.jsonl.gz")
     # It reads the trace three times: the re-run, the diff, the KV audit's checks.

@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtrace.reference import ModelOutput, Request, Scheduler, Status
+from kvtrace.reference.kv_manager import cdiv
 from kvtrace.trace.events import KVLoad
 
 from .chance import below, unit
@@ -54,10 +55,6 @@ class StoreSettings:
     # under async scheduling: a consumer's frees wait for the steps in flight, a
     # producer's preempted requests drop their output in flight.
     kv_role: str = "kv_both"
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(slots=True)

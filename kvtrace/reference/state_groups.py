@@ -37,7 +37,8 @@ from dataclasses import dataclass
 
 from .block_pool import Block, BlockPool
 from .config import GroupSpec, SchedulerConfig
-from .kv_groups import FullAttentionGroup, cdiv
+from .attention_groups import FullAttentionGroup
+from .kv_manager import cdiv
 from .request import Request
 
 

@@ -29,7 +29,7 @@ from kvtrace.trace import events as ev
 from . import checks, derive
 from .data_path import DataPath
 from .failed_step import failed_record, run_failed_step
-from .kv_device import pick_backend
+from .kv_content.device import pick_backend
 from .connector import RecordedConnector
 from .liveness import ProgressWatch
 from kvtrace.workers import wanted
@@ -136,15 +136,15 @@ class Replayer:
         # The shadow-KV content check; device None turns it off. With
         # ``content_worker`` it runs in a second process that reads ``path`` itself
         # (through ``shared``, from this process's reader of it, when given), and
-        # with ``gate`` runs the checks across records too (content_worker.py).
+        # with ``gate`` runs the checks across records too (kv_content/worker.py).
         self.content = None
         if device and content_worker:
-            from .content_worker import ContentWorker
+            from .kv_content.worker import ContentWorker
 
             self.content = ContentWorker(path, device, shared, validate=gate,
                                          session_keeps_sampled=keeps)
         elif device:
-            from .content import ContentCheck   # imports torch; only when the check runs
+            from .kv_content.check import ContentCheck   # imports torch; only when the check runs
 
             self.content = ContentCheck(header.config, device,
                                         header.features.async_scheduling is True,
@@ -484,10 +484,10 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
     """Replay one trace file. Raises TraceError for unusable input.
 
     ``device`` is where the shadow-KV check runs ("auto", "cpu", "cuda", or a
-    backend named in kv_device.BACKENDS), or None to skip it. ``progress``, if given, is called now and then with the number of
+    backend named in kv_content.device.BACKENDS), or None to skip it. ``progress``, if given, is called now and then with the number of
     steps replayed so far. ``worker`` runs part of the work in worker processes
     that read the same file: with 1 (or True), the content check when it is on
-    (content_worker.py), the record checks when it is off (record_worker.py);
+    (kv_content/worker.py), the record checks when it is off (record_worker.py);
     with 2, the record checks as well beside the content check; None decides by
     the file's size and the machine's cores (workers.py). The result is the same
     either way. ``profile`` names the version profile to follow (the header's
@@ -503,7 +503,7 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
     unusable = False   # the trace was found unusable: the output is not put in place
     try:
         _check_supported(header, path, chosen)
-        from .content import unchecked as content_unchecked, shadow_block_size
+        from .kv_content.check import unchecked as content_unchecked, shadow_block_size
 
         unchecked = content_unchecked(header) if device else None
         if unchecked is not None:

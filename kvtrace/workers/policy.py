@@ -2,7 +2,7 @@
 
 On a large trace, replay runs part of its work in worker processes that read
 the same file on their own: the shadow-KV content check when it is on
-(content_worker.py), and the record checks (record_worker.py) when the check is
+(kv_content/worker.py), and the record checks (record_worker.py) when the check is
 off, or beside the content check's worker on a machine with three or more
 cores. The report is the same either way; only the time differs.
 """

@@ -210,7 +210,7 @@ def build_header(sched: Any, meta: dict | None = None) -> Header:
     }
     m = {"recorder": "kvtrace.record.vllm.recorder", "pid": os.getpid(),
          "data_parallel_rank": int(getattr(pc, "data_parallel_rank", 0) or 0)}
-    if os.environ.get(MODEL_FREE_ENV):   # kvtrace.record.vllm.model_free's engine: no model ran
+    if os.environ.get(MODEL_FREE_ENV):   # kvtrace.lab.model_free's engine: no model ran
         m["model_free"] = True
     if meta:
         m.update(meta)

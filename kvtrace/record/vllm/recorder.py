@@ -214,7 +214,7 @@ def _block_table(kvm: Any) -> dict | None:
     return None
 
 
-# Set while kvtrace.record.vllm.model_free runs an engine with no model behind it.
+# Set while kvtrace.lab.model_free runs an engine with no model behind it.
 def _eos_token_id(request: Any, sp: Any) -> int | None:
     """The request's end-of-sequence token: its sampling parameters hold it
     (vLLM 0.17 and later), or the request itself (0.16)."""

@@ -25,7 +25,7 @@ from kvtrace.trace.io import TraceError
 # The module the replay connector is loaded from. vLLM's connector factory looks
 # the recorded connector name up as an attribute of this module, and every name
 # resolves to ReplayConnector, so the replayed header names the recorded connector.
-_CONNECTOR_MODULE = "kvtrace.record.vllm._rerun_connectors"
+_CONNECTOR_MODULE = "kvtrace.rerun._connectors"
 
 # --------------------------------------------------------------------------- connector
 
@@ -111,7 +111,7 @@ def _make_connector_cls() -> type:
 def _connector_module() -> types.ModuleType:
     mod = sys.modules.get(_CONNECTOR_MODULE)
     if mod is None:
-        mod = types.ModuleType(_CONNECTOR_MODULE, "Replay connectors for kvtrace.record.vllm.rerun")
+        mod = types.ModuleType(_CONNECTOR_MODULE, "Replay connectors for kvtrace.rerun.core")
         mod.ReplayConnector = _make_connector_cls()
 
         def __getattr__(name: str):
@@ -531,7 +531,19 @@ class BadSchedulerClass(ValueError):
 
 # kvtrace's own modules that moved: a trace's header names the scheduler class
 # where it was when the trace was recorded.
-MOVED_MODULES = {"kvtrace.record.fault_schedulers": "kvtrace.record.vllm.fault_schedulers"}
+MOVED_MODULES = {
+    'kvtrace.record.fault_schedulers': 'kvtrace.lab.fault_schedulers',
+    'kvtrace.record.vllm.fault_connectors': 'kvtrace.lab.fault_connectors',
+    'kvtrace.record.vllm.fault_schedulers': 'kvtrace.lab.fault_schedulers',
+    'kvtrace.record.vllm.model_free': 'kvtrace.lab.model_free',
+    'kvtrace.record.vllm.random_workloads': 'kvtrace.lab.random_workloads',
+    'kvtrace.record.vllm.releases': 'kvtrace.lab.releases',
+    'kvtrace.record.vllm.run': 'kvtrace.lab.run',
+    'kvtrace.record.vllm.scripted_connector': 'kvtrace.lab.scripted_connector',
+    'kvtrace.record.vllm.serve': 'kvtrace.lab.serve',
+    'kvtrace.record.vllm.tiny_model': 'kvtrace.lab.tiny_model',
+    'kvtrace.record.vllm.workloads': 'kvtrace.lab.workloads',
+}
 
 
 def resolve_scheduler_cls(scheduler_cls: str | type | None, async_scheduling: bool = False) -> type:

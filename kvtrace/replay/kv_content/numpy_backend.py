@@ -1,6 +1,6 @@
-"""The shadow cache in NumPy, on the CPU, without torch (see shadow_kv.py).
+"""The shadow cache in NumPy, on the CPU, without torch (see core.py).
 
-The same steps as the torch backend (shadow_torch.py), operation for
+The same steps as the torch backend (torch_backend.py), operation for
 operation, so the same reports word for word: fingerprints are computed in
 uint64, whose products and sums wrap modulo 2^64 as the torch backend's int64
 ones do, and stored as int64 with the same bits. NumPy costs about a
@@ -13,7 +13,7 @@ from array import array
 
 import numpy as np
 
-from .shadow_kv import MIX_C1, MIX_C2, NOT_WRITTEN, FP_INIT, K_POS, K_TOK, ShadowCore, Batch
+from .core import MIX_C1, MIX_C2, NOT_WRITTEN, FP_INIT, K_POS, K_TOK, ShadowCore, Batch
 
 __all__ = ["NumpyShadowKV", "mix64", "token_terms"]
 
@@ -135,7 +135,7 @@ class NumpyShadowKV(ShadowCore):
 
     def _compare(self, b: Batch, reads: tuple, tables: np.ndarray, w: tuple | None,
                  skip: bool) -> tuple | None:
-        """As ShadowKV._compare (shadow_torch.py)."""
+        """As ShadowKV._compare (torch_backend.py)."""
         B, nb = self.block_size, self.num_blocks
         K = len(b.steps)
         rows, toff, lims, abase, slot, skipped, los = reads
@@ -175,7 +175,7 @@ class NumpyShadowKV(ShadowCore):
     def _first_bad(self, b: Batch, reads: tuple, w: tuple | None, bad: np.ndarray,
                    rreq: np.ndarray, bi: np.ndarray, blk: np.ndarray, blkc: np.ndarray,
                    hit: np.ndarray | None):
-        """As ShadowKV._first_bad (shadow_torch.py)."""
+        """As ShadowKV._first_bad (torch_backend.py)."""
         B, K = self.block_size, len(b.steps)
         lims, slot = reads[2] - reads[6], reads[4]
         where = np.flatnonzero(bad)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import random
 
-SCRIPTED = "kvtrace.record.vllm.scripted_connector"
+SCRIPTED = "kvtrace.lab.scripted_connector"
 
 
 def scripted(rules: list, role: str) -> dict:
@@ -596,7 +596,7 @@ def state_workload(seed: int, kind: str = "knobs") -> dict:
 
 def model_free_workload(wl: dict) -> dict:
     """A state model's workload (``state_workload``) for an engine with no
-    model (``kvtrace.record.vllm.model_free``): the model's layers instead of
+    model (``kvtrace.lab.model_free``): the model's layers instead of
     its weights (``STATE_MODEL_LAYERS``), for releases whose engine does not
     run here."""
     wl = copy.deepcopy(wl)

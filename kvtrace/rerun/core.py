@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtrace._text import path_text
-from kvtrace.record.vllm.rerun_setup import (ConfigRefused, accepted, build_scheduler,
+from kvtrace.rerun.build import (ConfigRefused, accepted, build_scheduler,
                                              check_supported, qualname, resolve_scheduler_cls)
 from kvtrace.trace import events as ev
 from kvtrace.trace.io import TraceError, TraceReader
@@ -363,7 +363,7 @@ def replay_through_vllm(trace_path: str | os.PathLike, out_path: str | os.PathLi
             "replayed_from": path_text(trace_path), "recorded_engine": header.engine,
             "recorded_engine_version": header.engine_version,
             "recorded_scheduler_cls": header.features.scheduler_cls,
-            "replay": "kvtrace.record.vllm.rerun"})
+            "replay": "kvtrace.rerun.core"})
     except ConfigRefused as e:
         reader.close()
         raise TraceError(trace_path, 1, f"vLLM {getattr(vllm, '__version__', '')} refuses this "

@@ -1,5 +1,5 @@
 """vLLM releases installed beside the one this environment imports, to drive
-their schedulers model-free (``kvtrace.record.vllm.model_free``).
+their schedulers model-free (``kvtrace.lab.model_free``).
 
 A release lives in a folder of its own: its wheel installed with ``pip
 install --no-deps --target DIR``, with the few packages it needs in other
@@ -42,13 +42,13 @@ def environment(folder: str) -> dict[str, str]:
 
 def record(folder: str, jobs: list[dict], out_dir: str, check_vllm: bool = True,
            timeout: float | None = None) -> list[dict]:
-    """Record ``jobs`` (see ``kvtrace.release_jobs.main``) on the release in ``folder``,
+    """Record ``jobs`` (see ``kvtrace.lab.release_jobs.main``) on the release in ``folder``,
     in one process; each job's result, in order. A job the process never
     reported (it died) comes back with its error."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(jobs, f)
     try:
-        argv = [sys.executable, "-m", "kvtrace.release_jobs", f.name, out_dir]
+        argv = [sys.executable, "-m", "kvtrace.lab.release_jobs", f.name, out_dir]
         if not check_vllm:
             argv.append("--no-check")
         p = subprocess.run(argv, env=environment(folder), capture_output=True, text=True,

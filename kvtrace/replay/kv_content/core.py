@@ -40,153 +40,16 @@ interned table of request ids), the step, the writer's position (-L for the
 state after L tokens) and whether it was a load. That is what a divergence
 reports when a slot holds something else.
 
-Fingerprints
-------------
-For a request with tokens t_0, t_1, ... the fingerprint of the prefix ending at
-position i is
-
-    fp(i) = 1 + sum_{j <= i} term(t_j, j)      (mod 2^64, stored as int64)
-
-    term(t, j) = mix64(t * K_TOK + mix64(j + K_POS)) with its lowest bit cleared
-
-where mix64 is the splitmix64 finaliser (xor-shift-multiply, a bijection of
-64-bit words), computed with int64 tensor ops: logical right shifts are
-arithmetic shifts masked to the low 64 - s bits, and products and the cumsum
-wrap modulo 2^64 (NumPy: uint64 ops, the same bits). Every term is even, so every fingerprint is odd; a slot that
-was never written holds 0, which no fingerprint equals. "Never written" is
-therefore detected exactly, with no probability involved. A request's
-fingerprints are kept on the device and extended incrementally as tokens are
-appended (a segmented cumsum over all pending tokens of all requests at once).
-
-Collision bound
----------------
-Assumption: mix64 behaves as a uniformly random function of (token, position)
-(so each term is a uniformly random even 64-bit word, independent across
-distinct (token, position) pairs). This is a modelling assumption about a
-fixed, public, non-cryptographic mixer; it is not a proof, and it does not hold
-against inputs chosen to collide (the fingerprint is linear in the terms, so
-collisions can be constructed deliberately). It is the usual assumption for
-content fingerprints of data not crafted against the hash.
-
-Under it, take two prefixes that differ: different tokens, or different end
-positions (a slot holding the right tokens at the wrong position counts as
-different). Each prefix uses each position once, so there is a (token,
-position) pair that appears in one sum and not in the other; its term is
-uniform over the 2^63 even words and independent of the rest, so
-
-    P[fp(prefix A) == fp(prefix B)] = 2^-63.
-
-A replay that checks N slot reads, of which any number are wrong, misses a
-wrong slot (accepts it as correct) with probability at most N * 2^-63 by the
-union bound. For scale: 10^12 checked slots give at most about 1.1e-7. Slots
-that were never written are always caught. Within one (token, position) the map
-token -> term is injective up to the cleared low bit (two tokens can share a
-term only if they differ in the mixer's output lowest bit alone, which the
-random-function model already counts).
-
-Performance
------------
-The check runs a fixed number of array operations per *batch* of steps, not per
-step: the cost per operation (about a microsecond in NumPy, several in torch on
-the CPU, a kernel launch on CUDA) is what a step of small arrays costs. ``queue`` records a step as flat lists
-of integers (per request, never per token): its block tables, arena offsets and
-positions. A batch (up to ``BATCH_STEPS`` steps, or ``BATCH_SLOTS`` slots read)
-is then evaluated at once:
-
-1. the fingerprints of every pending token are computed (one segmented cumsum);
-2. the batch's writes are expanded to one entry per position and sorted by
-   (slot, step), keeping the order of writing among equals;
-3. every read is gathered a block row at a time from the state *before* the
-   batch; a read of a slot that the batch writes at or before the read's step
-   (marked per slot with the first step that writes it) takes the last such
-   write instead, found by binary search in the sorted writes. Within one step
-   writes come before reads, as the step semantics say;
-4. the state becomes each slot's last write.
-
-A step that reads more than ``BATCH_SLOTS`` slots is evaluated on its own, with
-its writes applied first; a batch ends early when a request's fingerprints must
-move in a compaction of the arena (queued steps hold arena offsets; a segment
-that only grows leaves its old rows in place, with what fits computed first).
-A segment is sized with room to grow; for a request whose longest length is
-known (prompt plus max_tokens, from its arrival), with room for that length
-when it is not far off, so that most requests never move (about a tenth less
-time for the whole check on the benchmark's trace).
-A request gets its arena rows, and its prompt's fingerprints, when a step
-first uses it: the requests still waiting are in none of a batch's passes
-(fingerprints, compaction), so a step costs the same however long the waiting
-queue grows.
-A batch reports each of its steps' divergences in the words, and the order,
-that checking the steps one at a time would (tests/test_shadow_kv.py checks
-both against a slot-by-slot model of these semantics).
-
-Reads already checked
----------------------
-A request reads its whole prefix at every step, but from one step to the next
-only its last block row is new: the rows before it were compared already, and
-a slot's fingerprint changes only when a step writes it. So each request keeps
-the block ids of its leading full rows that were compared and found right
-(``_Req.verified``), and each such block lists the requests that rely on it
-(``ShadowKV._holders``). A read compares only the rows after them. The rows
-stop counting as checked, from the first one affected, when
-
-* a write or a load is queued into one of their blocks, by any request
-  (including a block freed while in use and handed to another request);
-* the request's block table no longer names the same block for the row
-  (preemption, or a wrong table);
-* a read of the request in a batch finds a wrong slot (below).
-
-The rows a read covers in full count as checked from the moment it is queued,
-before the batch is evaluated. If the batch then finds any wrong slot, every
-read of the batch is compared again in full, and the report is made from that:
-a wrong slot is reported at every step that reads it, in the same words and
-counts as a full comparison gives. A clean batch needs no second comparison,
-since a skipped row is one that was right and has not been written since. On
-the benchmark's trace this compares 7% of the slots read (``slots_compared``
-against ``slots_checked``) and takes about a quarter off the check's time.
-``ShadowKV(..., skip_checked=False)`` compares everything, for measuring the
-comparison itself.
-
-Backends
---------
-``ShadowCore`` here holds everything but the array operations: the requests,
-the batches, the reads already checked and the report's words. Its
-subclasses do the rest, one operation for another: ``shadow_numpy.NumpyShadowKV``
-(NumPy, on the CPU) and ``shadow_torch.ShadowKV`` (torch, on the CPU or CUDA).
-``open_shadow`` picks one by name. NumPy checks faster than torch on the CPU
-and imports in a twentieth of its time, so replay uses it unless the check
-goes to CUDA (kv_device.py). Both give the same report word for word
-(tests/test_small_replay.py, over every trace under traces/).
+How fingerprints are made and why a collision is unlikely (the bound), how a
+batch of steps is evaluated at once, which reads are skipped as already
+checked, and the two backends: docs/design/content-check.md.
 """
 
 from __future__ import annotations
 
 from kvtrace.findings import Divergence
 
-__all__ = ["ShadowCore", "open_shadow", "ShadowKV", "mix64", "token_terms",
-           "prefix_fingerprints", "pick_device", "DeviceUnavailable", "RULE"]
-
-# The torch backend's names, imported (with torch) only when asked for.
-_TORCH_NAMES = ("ShadowKV", "mix64", "token_terms", "prefix_fingerprints", "pick_device")
-
-
-def __getattr__(name: str):
-    if name in _TORCH_NAMES:
-        from . import shadow_torch
-
-        return getattr(shadow_torch, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def open_shadow(num_blocks: int, block_size: int, device: str, **kwargs) -> "ShadowCore":
-    """The shadow cache on ``device``: "numpy" (NumPy on the CPU, no torch), or
-    a torch device ("cpu", "cuda", "auto": see ``shadow_torch.pick_device``)."""
-    if device == "numpy":
-        from .shadow_numpy import NumpyShadowKV
-
-        return NumpyShadowKV(num_blocks, block_size, **kwargs)
-    from .shadow_torch import ShadowKV
-
-    return ShadowKV(num_blocks, block_size, device, **kwargs)
+__all__ = ["ShadowCore", "DeviceUnavailable", "RULE"]
 
 
 RULE = "kv-content: every slot a request's attention reads holds that request's own prefix"
@@ -272,7 +135,7 @@ class Batch:
 
 class ShadowCore:
     """The shadow cache, less its array operations: each backend's subclass
-    (``shadow_torch.ShadowKV``, ``shadow_numpy.NumpyShadowKV``) has them. See
+    (``torch_backend.ShadowKV``, ``numpy_backend.NumpyShadowKV``) has them. See
     the module docstring for the step semantics.
 
     Public arrays (on ``device``), all shaped (num_blocks, block_size):
@@ -353,7 +216,7 @@ class ShadowCore:
         ``meta`` (per segment: first index in toks, start position, arena offset)."""
         raise NotImplementedError
 
-    # _write_log, _apply, _compare and _first_bad: see ShadowKV's (shadow_torch.py).
+    # _write_log, _apply, _compare and _first_bad: see ShadowKV's (torch_backend.py).
 
     # -- views ---------------------------------------------------------------------
 

@@ -242,22 +242,22 @@ class StateKeyOutlivesEvictionScheduler(Scheduler):
 
 
 FAULTS = {
-    "async-load-overshoot": "kvtrace.record.vllm.fault_schedulers.AsyncLoadOvershootScheduler",
-    "stale-computed-on-preempt": "kvtrace.record.vllm.fault_schedulers.NoResetOnPreemptScheduler",
+    "async-load-overshoot": "kvtrace.lab.fault_schedulers.AsyncLoadOvershootScheduler",
+    "stale-computed-on-preempt": "kvtrace.lab.fault_schedulers.NoResetOnPreemptScheduler",
     "async-stale-computed-on-preempt":
-        "kvtrace.record.vllm.fault_schedulers.AsyncNoResetOnPreemptScheduler",
-    "spec-rejected-kept": "kvtrace.record.vllm.fault_schedulers.KeepRejectedDraftsScheduler",
-    "grammar-not-awaited": "kvtrace.record.vllm.fault_schedulers.GrammarNotAwaitedScheduler",
-    "free-before-send": "kvtrace.record.vllm.fault_schedulers.FreeBeforeSendScheduler",
-    "hybrid-hit-not-served": "kvtrace.record.vllm.fault_schedulers.HybridHitNotServedScheduler",
-    "window-freed-early": "kvtrace.record.vllm.fault_schedulers.WindowFreedEarlyScheduler",
+        "kvtrace.lab.fault_schedulers.AsyncNoResetOnPreemptScheduler",
+    "spec-rejected-kept": "kvtrace.lab.fault_schedulers.KeepRejectedDraftsScheduler",
+    "grammar-not-awaited": "kvtrace.lab.fault_schedulers.GrammarNotAwaitedScheduler",
+    "free-before-send": "kvtrace.lab.fault_schedulers.FreeBeforeSendScheduler",
+    "hybrid-hit-not-served": "kvtrace.lab.fault_schedulers.HybridHitNotServedScheduler",
+    "window-freed-early": "kvtrace.lab.fault_schedulers.WindowFreedEarlyScheduler",
     "state-hit-attention-kept":
-        "kvtrace.record.vllm.fault_schedulers.StateHitAttentionKeptScheduler",
-    "state-freed-in-flight": "kvtrace.record.vllm.fault_schedulers.StateFreedInFlightScheduler",
+        "kvtrace.lab.fault_schedulers.StateHitAttentionKeptScheduler",
+    "state-freed-in-flight": "kvtrace.lab.fault_schedulers.StateFreedInFlightScheduler",
     "state-chunk-off-boundary":
-        "kvtrace.record.vllm.fault_schedulers.StateChunkOffBoundaryScheduler",
+        "kvtrace.lab.fault_schedulers.StateChunkOffBoundaryScheduler",
     "state-key-outlives-eviction":
-        "kvtrace.record.vllm.fault_schedulers.StateKeyOutlivesEvictionScheduler",
+        "kvtrace.lab.fault_schedulers.StateKeyOutlivesEvictionScheduler",
 }
 
 # The workloads.py workload that triggers each fault.

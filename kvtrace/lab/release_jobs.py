@@ -1,7 +1,7 @@
 """Jobs on an installed vLLM release, run in that release's own process:
 record a workload model-free, re-run a trace through the release's own
-scheduler, and diff the two (``python -m kvtrace.release_jobs JOBS.json
-OUT_DIR``). ``kvtrace.record.vllm.releases`` starts it; tests, benchmarks and
+scheduler, and diff the two (``python -m kvtrace.lab.release_jobs JOBS.json
+OUT_DIR``). ``kvtrace.lab.releases`` starts it; tests, benchmarks and
 traces/make_traces.py read the JSON lines it prints.
 
 It drives a source (record/vllm), then a checker (diff), so it sits on top,
@@ -13,7 +13,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from kvtrace.record.vllm.model_free import record_model_free, step_limited
+from kvtrace.lab.model_free import step_limited
+from kvtrace.lab.run import record_model_free
 
 
 def run_one(out_path: str, wl: dict | str, check_vllm: bool = True,
@@ -28,9 +29,9 @@ def run_one(out_path: str, wl: dict | str, check_vllm: bool = True,
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from kvtrace.record.vllm.rerun_setup import resolve_scheduler_cls
-    from kvtrace.record.vllm.run import EngineFailed
-    from kvtrace.record.vllm.workloads import WORKLOADS
+    from kvtrace.rerun.build import resolve_scheduler_cls
+    from kvtrace.lab.run import EngineFailed
+    from kvtrace.lab.workloads import WORKLOADS
 
     spec = WORKLOADS[wl] if isinstance(wl, str) else wl
     if scheduler_cls is not None:
@@ -63,7 +64,7 @@ def through(trace: str, out_path: str, scheduler_cls: str | None = None) -> dict
     import time
 
     from kvtrace.diff import diff_files
-    from kvtrace.record.vllm.rerun import replay_through_vllm
+    from kvtrace.rerun.core import replay_through_vllm
 
     t0 = time.perf_counter()
     try:
@@ -79,7 +80,7 @@ def through(trace: str, out_path: str, scheduler_cls: str | None = None) -> dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvtrace.release_jobs JOBS.json OUT_DIR``: record each
+    """``python -m kvtrace.lab.release_jobs JOBS.json OUT_DIR``: record each
     job, a JSON object with "name" and either "workload" (a workload dict or
     the name of one of workloads.py's) or "seed" and "kind" (random_workloads),
     into OUT_DIR/NAME.jsonl.gz, optionally under "scheduler_cls" (a dotted
@@ -106,14 +107,14 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
             continue
         if "handoff_from" in job:   # the decode side of an earlier job's prefill side
-            from kvtrace.record.vllm.workloads import handoff_workload
+            from kvtrace.lab.workloads import handoff_workload
 
             wl = handoff_workload(os.path.join(out_dir, f"{job['handoff_from']}.jsonl.gz"),
                                   job.get("workload", "pd-decode"))
         elif "workload" in job:
             wl = job["workload"]
         else:
-            from kvtrace.record.vllm.random_workloads import workload
+            from kvtrace.lab.random_workloads import workload
 
             wl = workload(int(job["seed"]), job["kind"])
         res = run_one(out_path, wl, check, job.get("scheduler_cls"))

@@ -174,7 +174,7 @@ def apply_control(eng: Any, action: str, *args: Any) -> None:
             core.scheduler.finish_requests(ids, RequestStatus[args[1]])
             eng.output_processor.abort_requests(sorted(wanted), False)   # the front end forgets them
         elif action == "corrupt-store":
-            from kvtrace.record.vllm.fault_connectors import corrupt_stored_prompt
+            from kvtrace.lab.fault_connectors import corrupt_stored_prompt
 
             logger.info("corrupted %s", corrupt_stored_prompt(core.scheduler.connector, list(args[0]),
                                                                   *args[1:]))

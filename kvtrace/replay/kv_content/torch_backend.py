@@ -1,4 +1,4 @@
-"""The shadow cache in torch, on the CPU or on CUDA (see shadow_kv.py)."""
+"""The shadow cache in torch, on the CPU or on CUDA (see core.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from array import array
 
 import torch
 
-from .shadow_kv import (MIX_C1, MIX_C2, NOT_WRITTEN, FP_INIT, K_POS, K_TOK, DeviceUnavailable,
+from .core import (MIX_C1, MIX_C2, NOT_WRITTEN, FP_INIT, K_POS, K_TOK, DeviceUnavailable,
                         ShadowCore, Batch, s64)
 
 __all__ = ["ShadowKV", "mix64", "token_terms", "prefix_fingerprints", "pick_device"]

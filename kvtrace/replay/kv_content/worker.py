@@ -2,7 +2,7 @@
 
 Replay spends more time in the shadow-KV content check than in the reference
 scheduler, and the check needs nothing the reference computes: it uses only the
-recording (see content.py). So for a large trace, replay runs the check in a
+recording (see check.py). So for a large trace, replay runs the check in a
 worker process that reads the same file on its own, beside the main process:
 
     main process:   read + check records -> reference scheduler -> compare
@@ -73,7 +73,7 @@ class ContentWorker:
         ``TraceReader.validated_elsewhere``. ``session_keeps_sampled``: as
         ``ContentCheck``'s."""
         self.path = str(Path(path))   # as TraceReader names it
-        self._proc, self._conn = spawn("kvtrace.replay.content_worker", self.path, device,
+        self._proc, self._conn = spawn("kvtrace.replay.kv_content.worker", self.path, device,
                                        "1" if validate else "0",
                                        "1" if session_keeps_sampled else "0",
                                        share=shared or ())
@@ -211,7 +211,7 @@ def _serve(path: str, device: str, validate: str, keeps_sampled: str,
     ("end", report)."""
     from kvtrace.trace.io import TraceReader
 
-    from .content import ContentCheck
+    from .check import ContentCheck
 
     if device != "numpy":   # torch's backends
         import torch
