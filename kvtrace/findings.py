@@ -4,9 +4,15 @@ a run disagree. Reporters consume these; they never re-read traces."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from kvtrace._text import count, number, plural
+
+
+# What a divergence is about (docs/reference/checks.md, "Divergence kinds");
+# "diff": one trace against another (kvtrace diff).
+DivergenceKind = Literal["counter", "block", "lookup", "stats", "invariant", "kv-content",
+                         "kv-data", "diff"]
 
 
 @dataclass(slots=True)
@@ -17,7 +23,7 @@ class Divergence:
     recorded: Any             # what the trace says
     expected: Any             # what the reference (or the other trace) says
     rule: str                 # the rule broken, e.g. "S:1369 admission sets c = L + E" or "I3"
-    kind: str = "counter"     # "counter", "block", "invariant", "stats", "kv-content", "lookup", "diff"
+    kind: DivergenceKind = "counter"
     seq: int | None = None    # sequence number of the record that shows it
     line: int | None = None   # line of the record in the recorded trace, when known
     # How the expected value comes about, in words and numbers, where replay can

@@ -207,3 +207,34 @@ def test_the_rules_see_a_bad_import(tmp_path):
     names = [n for _, n in _imports(mod, tmp_path / "kvtrace")]
     assert names == ["kvtrace.trace.events", "kvtrace.replay", "kvtrace.diff"]
     assert [_top(n) for n in names] == ["trace", "replay", "diff"]
+
+
+def test_every_divergence_kind_made_is_one_the_type_names_and_the_docs_explain():
+    """Each kind a module gives a Divergence (a literal argument, or a default
+    of the helper that makes them) is one of ``DivergenceKind``, and each of
+    those but "diff" has a row in checks.md's table of kinds."""
+    from typing import get_args
+
+    from kvtrace.findings import DivergenceKind
+
+    kinds = set(get_args(DivergenceKind))
+    made = set()
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Divergence":
+                arg = next((kw.value for kw in node.keywords if kw.arg == "kind"),
+                           node.args[6] if len(node.args) > 6 else None)
+                if isinstance(arg, ast.Constant):
+                    made.add((path.name, arg.value))
+            elif isinstance(node, ast.FunctionDef) and any(   # a helper's default: kind="counter"
+                    getattr(getattr(c, "func", None), "id", None) == "Divergence" for c in ast.walk(node)):
+                for a, default in zip(node.args.args[::-1], node.args.defaults[::-1]):
+                    if a.arg == "kind" and isinstance(default, ast.Constant):
+                        made.add((path.name, default.value))
+            elif isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "_STATE_KINDS"
+                                                      for t in node.targets):
+                made |= {(path.name, e.value) for e in node.value.elts}
+    assert {k for _, k in made} >= {"counter", "block", "invariant", "kv-content", "diff"}
+    assert [m for m in sorted(made) if m[1] not in kinds] == []
+    table = (ROOT.parent / "docs" / "reference" / "checks.md").read_text()
+    assert [k for k in sorted(kinds - {"diff"}) if f"| `{k}` |" not in table] == []
