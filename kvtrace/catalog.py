@@ -1,7 +1,9 @@
 """What ``kvtrace record`` can run: the workloads and faults of each engine,
 with one line each. ``record``'s help, the README and
 docs/reference/catalog.md read them from here (``python -m kvtrace.catalog``
-writes that page); tests hold them equal to what each engine defines.
+writes that page). Each engine reads the workload each fault runs on from
+here; tests hold the names of workloads and faults equal to what each engine
+defines.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ RULES = {
     # capture: what runs inside a user's vLLM; it writes traces and reads nothing else
     "record": {"trace", "workers"},
     # the embedded engine: a source that runs the reference's scheduler
-    "engine": {"trace", "reference", "bridge"},
+    "engine": {"trace", "reference", "bridge", "catalog"},
     # replay through vLLM's own scheduler: it records that scheduler as capture does
     "rerun": {"trace", "record", "_text"},
     # the lab: drivers, workloads, models and faults for commands, tests and benches

@@ -14,6 +14,7 @@ what the engine did, so tests can check a replay's findings independently.
 
 from __future__ import annotations
 
+from kvtrace.catalog import EMBEDDED_FAULT_WORKLOADS
 from kvtrace.reference import Request
 from kvtrace.reference.state_groups import StateGroup
 
@@ -343,21 +344,8 @@ SCHEDULERS: dict[str | None, type[EngineScheduler]] = {
 STORE_FAULTS = {"no-reload-after-preempt"}
 FAULTS = tuple(name for name in SCHEDULERS if name is not None)
 
-# The built-in workload on which each fault shows.
-FAULT_WORKLOADS: dict[str, str] = {
-    "stale-cached-on-preempt": "offload",
-    "negative-external-on-invalid-blocks": "load-failures",
-    "stale-computed-after-failed-schedule": "kv-pressure",
-    "no-reload-after-preempt": "offload",
-    "async-load-overshoot": "offload",
-    "hybrid-hit-not-served": "hybrid",
-    "window-freed-early": "hybrid",
-    "state-hit-not-restored": "hybrid-state-offload",
-    "state-hit-attention-kept": "hybrid-state",
-    "state-freed-in-flight": "hybrid-state-async-reset",
-    "state-chunk-off-boundary": "hybrid-state",
-    "state-key-outlives-eviction": "hybrid-state-pressure",
-}
+# The built-in workload on which each fault shows (one table, in kvtrace.catalog).
+FAULT_WORKLOADS: dict[str, str] = EMBEDDED_FAULT_WORKLOADS
 
 
 def scheduler_class(fault: str | None) -> type[EngineScheduler]:

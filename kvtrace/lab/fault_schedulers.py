@@ -81,6 +81,8 @@ from __future__ import annotations
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from kvtrace.catalog import VLLM_FAULT_WORKLOADS
+
 
 class AsyncLoadOvershootScheduler(Scheduler):
     def _update_waiting_for_remote_kv(self, request) -> None:
@@ -260,21 +262,8 @@ FAULTS = {
         "kvtrace.lab.fault_schedulers.StateKeyOutlivesEvictionScheduler",
 }
 
-# The workloads.py workload that triggers each fault.
-FAULT_WORKLOADS = {
-    "async-load-overshoot": "async-partial",
-    "stale-computed-on-preempt": "preemption",
-    "async-stale-computed-on-preempt": "async-preemption",
-    "spec-rejected-kept": "speculative",
-    "grammar-not-awaited": "structured-late",
-    "free-before-send": "pd-prefill",
-    "hybrid-hit-not-served": "hybrid-prefix",
-    "window-freed-early": "hybrid-prefix",
-    "state-hit-attention-kept": "qwen3-next-prefix",
-    "state-freed-in-flight": "qwen3-next-async-reset",
-    "state-chunk-off-boundary": "qwen3-next-chunked-reset",
-    "state-key-outlives-eviction": "qwen3-next-preemption",
-}
+# The workloads.py workload that triggers each fault (one table, in kvtrace.catalog).
+FAULT_WORKLOADS = VLLM_FAULT_WORKLOADS
 
 
 class ResetCachedOnPreemptScheduler(Scheduler):
