@@ -6,7 +6,8 @@
     plugin records the scheduler to ``out_path`` (.jsonl, .jsonl.gz or .jsonl.zst).
     ``model_dir`` may be None: the tiny random Llama (``tiny_model``) is used.
     ``workload`` is one of ``WORKLOADS`` ("prefix", "preemption", "connector") or a
-    dict ``{"prompts": [[ids...], ...], "max_tokens": int, "engine": {...},
+    ``workload_spec.Workload``, or a dict of its keys (a key it does not name
+    is refused, ``BadWorkload``): ``{"prompts": [[ids...], ...], "max_tokens": int, "engine": {...},
     "sampling": {...}, "per_request": [{...}, ...], "priority": [int, ...],
     "cache_salts": [str | None, ...], "arrive_at": [step, ...],
     "aborts": [[step, [index, ...]], ...], "control": [[step, action, ...], ...],
@@ -77,6 +78,7 @@ from typing import Any
 from kvtrace.lab.tiny_model import (MAMBA2_NO_PREFILL_CHECKPOINTS, ensure_eagle_draft,
                                             ensure_lora_adapter, ensure_tiny_model, ensure_tokenizer)
 from kvtrace.lab.serve import serve
+from kvtrace.lab.workload_spec import Workload, as_workload
 from kvtrace.lab.workloads import BASE_ENGINE, WORKLOADS, resolve, runs_model_free
 from kvtrace.trace.events import mask_from_runs
 
@@ -91,18 +93,18 @@ def run_workload(model_dir: str | None, workload: Any = "prefix", model_free: bo
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM
 
-    wl = resolve(workload)
-    model = model_dir or ensure_tiny_model(size=wl.get("model", "tiny"))
+    wl = as_workload(resolve(workload))
+    model = model_dir or ensure_tiny_model(size=wl.model)
     kwargs = dict(BASE_ENGINE)
-    if any(wl.get("structured") or ()):   # a grammar compiles over the tokenizer's vocabulary
+    if any(wl.structured or ()):   # a grammar compiles over the tokenizer's vocabulary
         kwargs.update(skip_tokenizer_init=False, tokenizer=ensure_tokenizer(model))
-    if any(s is not None for s in wl.get("embeds") or ()):
+    if any(s is not None for s in wl.embeds or ()):
         kwargs.update(enable_prompt_embeds=True)
-    if any(i is not None for i in wl.get("lora") or ()):
+    if any(i is not None for i in wl.lora or ()):
         kwargs.update(enable_lora=True, max_lora_rank=8)
-    if wl.get("pooling"):   # an embedding model: the tiny Llama's last hidden state
+    if wl.pooling:   # an embedding model: the tiny Llama's last hidden state
         kwargs.update(runner="pooling", skip_tokenizer_init=False, tokenizer=ensure_tokenizer(model))
-    kwargs.update(wl.get("engine", {}))
+    kwargs.update(wl.engine)
     kwargs.update(engine_kwargs)
     spec = kwargs.get("speculative_config")
     if isinstance(spec, dict) and "model" not in spec:
@@ -127,14 +129,14 @@ def run_workload(model_dir: str | None, workload: Any = "prefix", model_free: bo
 
             kwargs["distributed_executor_backend"] = "uni"
             stack.enter_context(executor_chosen())
-            if wl.get("model_free_layers"):
-                stack.enter_context(layers_given(wl["model_free_layers"]))
-        elif wl.get("model_free_layers"):
+            if wl.model_free_layers:
+                stack.enter_context(layers_given(wl.model_free_layers))
+        elif wl.model_free_layers:
             raise UnknownChoice("this workload's model has no weights (model_free_layers): it "
                                 "runs with no model only (kvtrace.lab.model_free)")
         # Before the engine is built: its scheduler binds the grammar manager's methods.
-        stack.enter_context(_grammar_faults(wl.get("grammar_faults") or {}))
-        if model_dir is None and wl.get("model") in MAMBA2_NO_PREFILL_CHECKPOINTS:
+        stack.enter_context(_grammar_faults(wl.grammar_faults or {}))
+        if model_dir is None and wl.model in MAMBA2_NO_PREFILL_CHECKPOINTS:
             stack.enter_context(_mamba2_no_prefill_checkpoints())
         with _async_scheduling_kept(bool(kwargs.get("async_scheduling"))):
             llm = LLM(model=model, **kwargs)
@@ -160,36 +162,36 @@ def _known_engine_args(kwargs: dict) -> dict:
     return {k: v for k, v in kwargs.items() if k not in dropped}
 
 
-def _run(llm: Any, wl: dict) -> dict:
+def _run(llm: Any, wl: Workload) -> dict:
     from vllm import SamplingParams
 
     try:
-        sp = dict(max_tokens=wl.get("max_tokens", 32), ignore_eos=True, temperature=0.0)
-        sp.update(wl.get("sampling", {}))
+        sp = dict(max_tokens=wl.max_tokens, ignore_eos=True, temperature=0.0)
+        sp.update(wl.sampling)
         # "per_request": each request's own changes to those sampling settings.
         params = SamplingParams(**sp)
-        if wl.get("per_request") or wl.get("structured"):
-            n = len(wl["prompts"])
-            own = wl.get("per_request") or [{}] * n
+        if wl.per_request or wl.structured:
+            n = len(wl.prompts)
+            own = wl.per_request or [{}] * n
             params = [SamplingParams(**_sampling(dict(sp, **o)), **_structured(so))
-                      for o, so in zip(own, wl.get("structured") or [None] * n)]
-        prompts = [{"prompt_token_ids": list(p)} for p in wl["prompts"]]
-        for prompt, salt in zip(prompts, wl.get("cache_salts") or ()):
+                      for o, so in zip(own, wl.structured or [None] * n)]
+        prompts = [{"prompt_token_ids": list(p)} for p in wl.prompts]
+        for prompt, salt in zip(prompts, wl.cache_salts or ()):
             if salt:
                 prompt["cache_salt"] = salt
-        if wl.get("embeds"):
-            _embed_prompts(llm, prompts, wl["embeds"])
-        if wl.get("pooling"):
+        if wl.embeds:
+            _embed_prompts(llm, prompts, wl.embeds)
+        if wl.pooling:
             embeddings = llm.embed(prompts, use_tqdm=False)
             return {"outputs": {i: [] for i in range(len(embeddings))},
                     "finish_reasons": {i: "stop" for i in range(len(embeddings))}}
-        loras = _lora_requests(llm, wl.get("lora"), len(prompts))
-        if "arrive_at" in wl or "aborts" in wl:
+        loras = _lora_requests(llm, wl.lora, len(prompts))
+        if wl.driven_step_by_step:
             outs = serve(llm.llm_engine, prompts, params, wl, loras)
         else:
             gen_kwargs = {}
-            if wl.get("priority") is not None:
-                gen_kwargs["priority"] = list(wl["priority"])
+            if wl.priority is not None:
+                gen_kwargs["priority"] = list(wl.priority)
             if any(loras):
                 gen_kwargs["lora_request"] = loras
             outs = dict(enumerate(llm.generate(prompts, params, use_tqdm=False, **gen_kwargs)))

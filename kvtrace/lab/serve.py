@@ -10,10 +10,12 @@ import copy
 import logging
 from typing import Any
 
+from kvtrace.lab.workload_spec import Workload
+
 logger = logging.getLogger("kvtrace.record")
 
 
-def serve(eng: Any, prompts: list, params: Any, wl: dict, loras: list | None = None) -> dict:
+def serve(eng: Any, prompts: list, params: Any, wl: Workload, loras: list | None = None) -> dict:
     """Drive ``eng`` (a ``LLMEngine``) step by step, as a server does: request i
     (id ``str(i)``) arrives before engine step ``arrive_at[i]``; ``aborts``, a list
     of ``[step, [i, ...]]``, aborts those requests in one call before that step.
@@ -29,20 +31,20 @@ def serve(eng: Any, prompts: list, params: Any, wl: dict, loras: list | None = N
     if not isinstance(params, list):
         params = [params] * n
     loras = loras or [None] * n
-    arrive = list(wl.get("arrive_at") or [0] * n)
-    priority = list(wl.get("priority") or [0] * n)
-    aborts = {int(step): [str(i) for i in ids] for step, ids in wl.get("aborts") or ()}
+    arrive = list(wl.arrive_at or [0] * n)
+    priority = list(wl.priority or [0] * n)
+    aborts = {int(step): [str(i) for i in ids] for step, ids in wl.aborts or ()}
     order = sorted(range(n), key=lambda i: (arrive[i], i))
-    control = [list(c) for c in wl.get("control") or ()]
-    sessions = {int(i): chunks for i, chunks in wl.get("sessions") or ()}
+    control = [list(c) for c in wl.control or ()]
+    sessions = {int(i): chunks for i, chunks in wl.sessions or ()}
     chunks = sorted((int(at), i, k, tokens) for i, given in sessions.items()
                     for k, (at, tokens) in enumerate(given))
     aborted: set[str] = set()
     outs: dict[int, Any] = {}
     step = 0
     core = getattr(eng.engine_core, "engine_core", None)   # the engine core, when in process
-    if wl.get("throttle_every"):
-        _throttle_like_data_parallel(core, int(wl["throttle_every"]))
+    if wl.throttle_every:
+        _throttle_like_data_parallel(core, int(wl.throttle_every))
     idle = 0   # steps in a row with unfinished requests, nothing to schedule and nothing to come
     drain = DRAIN_STEPS
     while order or chunks or eng.has_unfinished_requests() or (
