@@ -21,15 +21,16 @@ RULES = {
     # the embedded engine: a source that runs the reference's scheduler
     "engine": {"trace", "reference", "bridge", "catalog"},
     # replay through vLLM's own scheduler: it records that scheduler as capture does
-    "rerun": {"trace", "record", "_text"},
+    "rerun": {"trace", "record", "results", "_text"},
     # the lab: drivers, workloads, models and faults for commands, tests and benches
     "lab": {"trace", "record", "rerun", "diff", "catalog", "workers", "baseline", "_text"},
     # checkers: read traces, never a source's internals
-    "replay": {"trace", "reference", "bridge", "baseline", "findings", "outputs", "workers",
-               "_text"},
-    "diff": {"trace", "findings", "workers", "_text"},     # no replay internals
-    # renders what it is given; rules: the catalogue of rule ids, which imports nothing
-    "report": {"trace", "findings", "rules", "outputs", "_text"},
+    "replay": {"trace", "reference", "bridge", "baseline", "findings", "results", "outputs",
+               "workers", "_text"},
+    "diff": {"trace", "findings", "results", "workers", "_text"},     # no replay internals
+    # renders what it is given (results: the typed results of replay and diff);
+    # rules: the catalogue of rule ids, which imports nothing
+    "report": {"trace", "findings", "results", "rules", "outputs", "_text"},
 }
 
 

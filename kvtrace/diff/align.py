@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from .._text import path_text
 from ..findings import Divergence
+from ..results import DiffResult
 from ..trace.events import (Abort, Arrival, End, Header, Output, PauseState, PromptStats, ResetPrefixCache, Step,
                             StepFailed, joined_groups, to_json)
 from ..trace.io import TraceError, TraceReader, not_regular
@@ -54,62 +54,6 @@ CHANNELS = ("arrival", "lookup", "grammar", "schedule", "output", "preempt", "pl
 PROGRESS_EVERY = 4096   # records read (both traces) between progress calls
 # Outputs are matched to their step; forget unmatched steps older than this.
 _OUTPUT_WINDOW = 8
-
-
-@dataclass(slots=True)
-class DiffResult:
-    path_a: str
-    path_b: str
-    header_a: Header
-    header_b: Header
-    divergences: list[Divergence]
-    only_a: list[str]
-    only_b: list[str]
-    requests_compared: int
-    divergent_requests: int
-    steps_a: int
-    steps_b: int
-    truncation_a: str | None = None
-    truncation_b: str | None = None
-    matched_by: str = "id"  # how requests were paired (see diff_files)
-    end_a: End | None = None   # each trace's end record (None: cut off)
-    end_b: End | None = None
-    # Requests a cut-off trace holds only before its cut: their history in the
-    # other trace after the cut is not compared.
-    cut_short: list[str] = field(default_factory=list)
-    # matched_by "handoff": which trace ("a" or "b") is the prefill side.
-    prefill_side: str | None = None
-
-    @property
-    def identical(self) -> bool:
-        return not self.divergences
-
-    def summary(self) -> dict:
-        return {
-            "requests_compared": self.requests_compared,
-            "divergent_requests": self.divergent_requests,
-            "only_in_a": self.only_a,
-            "only_in_b": self.only_b,
-            "steps_a": self.steps_a,
-            "steps_b": self.steps_b,
-            "matched_by": self.matched_by,
-            "cut_short": self.cut_short,
-            **({"prefill_side": self.prefill_side} if self.prefill_side else {}),
-        }
-
-    def to_json(self) -> dict:
-        return {
-            "a": {"path": path_text(self.path_a), "engine": self.header_a.engine,
-                  "engine_version": self.header_a.engine_version,
-                  "steps": self.steps_a, "truncation": self.truncation_a,
-                  "end": _end_json(self.end_a)},
-            "b": {"path": path_text(self.path_b), "engine": self.header_b.engine,
-                  "engine_version": self.header_b.engine_version,
-                  "steps": self.steps_b, "truncation": self.truncation_b,
-                  "end": _end_json(self.end_b)},
-            "summary": self.summary(),
-            "divergences": [d.to_json() for d in self.divergences],
-        }
 
 
 def diff_files(path_a: str | os.PathLike, path_b: str | os.PathLike,
@@ -188,12 +132,6 @@ def _events(reader: TraceReader, workers: contextlib.ExitStack, worker: bool | N
     gate = RecordWorker(reader.path, reader.share())
     workers.callback(gate.close)
     return reader.checked_elsewhere(gate)
-
-
-def _end_json(end: End | None) -> dict | None:
-    if end is None:
-        return None
-    return {"status": end.status, "error": end.error, "dropped_events": end.dropped_events}
 
 
 # --------------------------------------------------------------------------- histories

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 from collections import Counter
-from dataclasses import dataclass, field
 from itertools import chain
 
 import msgspec
@@ -23,47 +22,21 @@ from kvtrace.findings import Divergence, Stop
 from kvtrace.outputs import Output
 from kvtrace.reference import Request, RequestOutput, Scheduler, SchedulerAssertion, SchedulerOutput, Status
 from kvtrace.reference.profiles import PROFILES, Profile
+from kvtrace.results import ReplayResult
 from kvtrace.trace import TraceError, TraceReader, TraceWriter
 from kvtrace.trace import events as ev
+from kvtrace.workers import wanted
 
 from . import checks, derive
+from .connector import RecordedConnector
 from .data_path import DataPath
 from .failed_step import failed_record, run_failed_step
 from .kv_content.device import pick_backend
-from .connector import RecordedConnector
 from .liveness import ProgressWatch
-from kvtrace.workers import wanted
 
 PROGRESS_EVERY = 4096   # events between progress calls
 # Async scheduling: a step whose output has not come this many steps later never will.
 _OUTPUT_WINDOW = 64
-
-
-@dataclass
-class ReplayResult:
-    path: str
-    header: ev.Header
-    divergences: list[Divergence] = field(default_factory=list)
-    steps: int = 0                    # steps checked: the last step replayed, plus one
-    events: int = 0
-    truncation: str | None = None     # where and why the trace stops early
-    stopped: str | None = None        # why replay stopped before the end of the trace
-    steps_in_trace: int = 0           # the trace's last step, plus one (past a stop too)
-    stopped_at: Stop | None = None    # where replay stopped with steps left unchecked
-    device: str | None = None         # where the shadow-KV check ran; None when off
-    assumed_loads: bool = False       # the trace had no load plan; loads were inferred
-    slots_checked: int = 0            # KV slots the shadow-KV check verified
-    states_checked: int = 0           # state reads (state groups) it verified
-    end: ev.End | None = None
-    profile: str | None = None        # the version profile the reference followed
-    profile_note: str | None = None   # why that one, when the trace's release has none
-    audit: dict | None = None         # what the data-path checks checked (kv_audit records)
-    # Why the shadow-KV check, asked for, did not run (a model it does not cover).
-    content_unchecked: str | None = None
-
-    @property
-    def steps_checked(self) -> int:
-        return self.steps
 
 
 # ShadowKV's tensors per KV slot (fingerprint, writer, step, position, loaded,

@@ -24,6 +24,7 @@ from rich.text import Text
 
 from .._text import count, number, plural
 from ..findings import Divergence, Story
+from ..results import ReplayResult
 from ..rules import lookup, rule_id
 
 MAX_FOLDS = 4          # fold lines under a cause before the rest is counted
@@ -85,7 +86,7 @@ def divergences_text(divs: list[Divergence]) -> str:
     return f"{count(len(divs), 'divergence')} in {count(len(reqs), 'request')}"
 
 
-def steps_text(result: Any) -> str | None:
+def steps_text(result: ReplayResult) -> str | None:
     """The steps a replay checked: "295 steps", or, where it stopped before
     the trace's end, "17,869 of 24,744 steps checked". None when unknown."""
     checked = getattr(result, "steps", None)
@@ -97,14 +98,14 @@ def steps_text(result: Any) -> str | None:
     return count(checked, "step")
 
 
-def unchecked_text(result: Any) -> str | None:
+def unchecked_text(result: ReplayResult) -> str | None:
     """What a replay was asked to check and did not, in words; None when it
     checked all it was asked to."""
     why = getattr(result, "content_unchecked", None)
     return None if why is None else f"KV content not checked: {why}"
 
 
-def stop_text(result: Any) -> str | None:
+def stop_text(result: ReplayResult) -> str | None:
     """Where replay stopped before the trace's end, why, and how many steps
     it left unchecked; None when it did not stop."""
     stop = getattr(result, "stopped_at", None)
@@ -113,7 +114,7 @@ def stop_text(result: Any) -> str | None:
     return stop.words(result.steps, getattr(result, "steps_in_trace", result.steps))
 
 
-def stop_brief(result: Any) -> str | None:
+def stop_brief(result: ReplayResult) -> str | None:
     """A stop in a few words, for a closing line: "stopped at step 256,
     1,677 steps not checked"."""
     stop = getattr(result, "stopped_at", None)

@@ -1,7 +1,8 @@
 """Render divergences for people (a rich table) and for machines (JSON).
 
-Reporters only consume results: a replay result (``divergences``, ``header``,
-``steps``, ``truncation``) or a ``DiffResult``. They never read traces.
+Reporters only consume results, typed as kvtrace.results defines them: a
+``ReplayResult``, a ``DiffResult``, or a ``VllmReplayResult`` with the diff of
+its decisions. They never read traces.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from rich.text import Text
 
 from .._text import CONTROL_ESCAPES_BUT_LAYOUT, count, number, path_text, plural
 from ..findings import Divergence, Story, Told, first_per_request, stories, tell
+from ..results import DiffResult, ReplayResult, VllmReplayResult
+from ..trace import events as ev
 from .failures import (also_diverge, causes_line, divergences_text, first_line,
                        print_stories, print_wrapped, steps_text, stop_brief, stop_text,
                        unchecked_text)
@@ -134,7 +137,7 @@ def replayed_up_to(truncation: str | None, verb: str = "replayed") -> str | None
     return f"{verb} up to the cut: {truncation}"
 
 
-def _trace_line(path: str, header: Any, steps: str | None, profile: str | None = None) -> str:
+def _trace_line(path: str, header: ev.Header, steps: str | None, profile: str | None = None) -> str:
     """The trace, its engine, the profile followed and ``steps`` (in words)."""
     engine = getattr(header, "engine", "?")
     version = getattr(header, "engine_version", "")
@@ -149,7 +152,7 @@ def _trace_line(path: str, header: Any, steps: str | None, profile: str | None =
 # --------------------------------------------------------------------------- replay
 
 
-def print_replay(result: Any, path: str, view: "ReplayView",
+def print_replay(result: ReplayResult, path: str, view: "ReplayView",
                  console: Console | None = None) -> None:
     """The verdict and the first divergence, where replay stopped before the
     trace's end, then one block per diverging request (``view.stories``),
@@ -208,7 +211,7 @@ def _prefixed(prefix: str, text: str | None) -> str | None:
     return None if text is None else prefix + text
 
 
-def print_rerun(run: Any, out: str, first: dict | None, result: Any,
+def print_rerun(run: VllmReplayResult, out: str, first: dict | None, result: DiffResult,
                 data_path: list | None = None, audit: dict | None = None,
                 console: Console | None = None) -> None:
     """A trace re-run through vLLM's own scheduler (``run``), the first step
@@ -254,7 +257,7 @@ def _print_audit(console: Console, divs: list, audit: dict | None) -> None:
                        if divs else "data path: no divergence", style="red" if divs else "green"))
 
 
-def rerun_stop(run: Any, result: Any) -> str | None:
+def rerun_stop(run: VllmReplayResult, result: DiffResult) -> str | None:
     """Where the scheduler under test stopped before the trace's end, in
     words; None when it replayed the whole trace."""
     if not getattr(run, "stopped", None):
@@ -265,8 +268,8 @@ def rerun_stop(run: Any, result: Any) -> str | None:
     return f"replay stopped: the scheduler raised {run.stopped}{left}"
 
 
-def rerun_json(result: Any, first: dict | None, data_path: list | None = None,
-               audit: dict | None = None, run: Any = None) -> bytes:
+def rerun_json(result: DiffResult, first: dict | None, data_path: list | None = None,
+               audit: dict | None = None, run: VllmReplayResult | None = None) -> bytes:
     doc = result.to_json()
     doc["first_step_difference"] = first
     if run is not None:   # the scheduler under test: how far it went, where it stopped
@@ -291,7 +294,7 @@ def audit_line(checked: dict | None) -> str | None:
             + (f"; {count(more, 'loaded block')} had no save to compare with" if more else ""))
 
 
-def end_note(end: Any) -> str | None:
+def end_note(end: ev.End | None) -> str | None:
     """What a trace's end record says, when the recording did not end cleanly."""
     if end is None or (end.status == "complete" and not end.dropped_events):
         return None
@@ -319,7 +322,7 @@ def _replay_summary(divs: list[Divergence], steps: int | None = None,
     return line
 
 
-def _closing(result: Any, first: Divergence | None) -> str:
+def _closing(result: ReplayResult, first: Divergence | None) -> str:
     """A replay's last line: the verdict, and where replay stopped, if it did."""
     stop = stop_brief(result)
     line = _replay_summary(list(result.divergences), result.steps, first, stop is not None)
@@ -336,14 +339,14 @@ def likely_cause_json(told: Told | None) -> dict | None:
     return {**d.to_json(), "derivation": d.why, "why_first": told.why}
 
 
-def replay_json(result: Any, path: str, keep=None, told: Told | None = None) -> bytes:
+def replay_json(result: ReplayResult, path: str, keep=None, told: Told | None = None) -> bytes:
     """The replay as JSON; ``keep`` selects the divergences listed (all when None).
     ``told``: the divergences' stories and headline (``kvtrace.findings.tell``;
     told here when not given)."""
     return _dumps(_replay_doc(result, path, keep, told))
 
 
-def _replay_doc(result: Any, path: str, keep=None, told: Told | None = None) -> dict:
+def _replay_doc(result: ReplayResult, path: str, keep=None, told: Told | None = None) -> dict:
     header = result.header
     if told is None:
         told = tell(list(result.divergences))
@@ -429,7 +432,7 @@ def replay_many_json(results: list, keep=None, views: dict | None = None) -> byt
 # --------------------------------------------------------------------------- diff
 
 
-def print_diff(result: Any, console: Console | None = None, max_rows: int = MAX_ROWS) -> None:
+def print_diff(result: DiffResult, console: Console | None = None, max_rows: int = MAX_ROWS) -> None:
     console = console or make_console()
     for tag, path, header, steps, trunc, end in (
         ("A", result.path_a, result.header_a, result.steps_a, result.truncation_a, result.end_a),
@@ -513,7 +516,7 @@ def _names(reqs: list[str], limit: int = 8) -> str:
     return shown + (f" … ({number(len(reqs))} in all)" if len(reqs) > limit else "")
 
 
-def diff_json(result: Any) -> bytes:
+def diff_json(result: DiffResult) -> bytes:
     return _dumps(result.to_json())
 
 

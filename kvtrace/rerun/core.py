@@ -50,71 +50,14 @@ from __future__ import annotations
 import inspect
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvtrace._text import path_text
-from kvtrace.rerun.build import (ConfigRefused, accepted, build_scheduler,
-                                             check_supported, qualname, resolve_scheduler_cls)
+from kvtrace.results import VllmReplayResult
+from kvtrace.rerun.build import (ConfigRefused, accepted, build_scheduler, check_supported,
+                                 qualname, resolve_scheduler_cls)
 from kvtrace.trace import events as ev
 from kvtrace.trace.io import TraceError, TraceReader
-
-_NOTES = 5  # entries of each input-note list that summary() shows
-
-
-
-@dataclass
-class VllmReplayResult:
-    path: str                     # the recorded trace
-    out: str                      # the trace this scheduler's decisions were written to
-    scheduler_cls: str            # dotted name of the scheduler class that ran
-    vllm_version: str
-    steps: int = 0                # schedule() calls made
-    events: int = 0               # recorded events fed
-    seconds: float = 0.0          # wall time of the replay loop (set-up excluded)
-    setup_seconds: float = 0.0    # building the config and the scheduler
-    truncation: str | None = None  # where and why the recorded trace stops early
-    stopped: str | None = None    # why the replay stopped before the end of the trace
-    # Differences the replay cannot avoid, known before it starts.
-    notes: list[str] = field(default_factory=list)
-    # "step S: REQ looked up (local=L) with no recorded answer; answered 0"
-    unanswered_lookups: list[str] = field(default_factory=list)
-    # "step S: recorded lookup of REQ (local=L, ext=E) was not asked for"
-    unused_lookups: list[str] = field(default_factory=list)
-    # "step S: sampled tokens for REQ, which this scheduler did not schedule"
-    dropped_samples: list[str] = field(default_factory=list)
-    # The first step whose decisions differ from the recording's: (step,
-    # request, what, recorded, this scheduler's); None when every step agrees.
-    first_difference: tuple | None = None
-
-    @property
-    def steps_per_s(self) -> float:
-        return self.steps / self.seconds if self.seconds > 0 else float("inf")
-
-    @property
-    def faithful_inputs(self) -> bool:
-        """True when every recorded input was used exactly as recorded."""
-        return not (self.unanswered_lookups or self.unused_lookups or self.dropped_samples
-                    or self.stopped)
-
-    def summary(self) -> dict:
-        return {
-            "path": self.path, "out": self.out, "scheduler_cls": self.scheduler_cls,
-            "vllm_version": self.vllm_version, "steps": self.steps, "events": self.events,
-            "seconds": round(self.seconds, 4), "setup_seconds": round(self.setup_seconds, 3),
-            "steps_per_s": round(self.steps_per_s, 1) if self.seconds > 0 else None,
-            "truncation": self.truncation, "stopped": self.stopped, "notes": self.notes,
-            "first_difference": (None if self.first_difference is None else
-                                 dict(zip(("step", "req", "field", "recorded", "vllm"),
-                                          self.first_difference))),
-            # Counts, with the first few entries of each list.
-            "unanswered_lookups": len(self.unanswered_lookups),
-            "unused_lookups": len(self.unused_lookups),
-            "dropped_samples": len(self.dropped_samples),
-            "input_notes": (self.unanswered_lookups[:_NOTES] + self.unused_lookups[:_NOTES]
-                            + self.dropped_samples[:_NOTES]),
-        }
-
 
 # --------------------------------------------------------------------------- inputs
 
