@@ -9,86 +9,30 @@ is recomputed.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections import Counter
 from itertools import chain
 
 import msgspec
 
-from kvtrace import baseline, bridge
-from kvtrace._text import count, path_text
+from kvtrace import bridge
 from kvtrace.findings import Divergence, Stop
-from kvtrace.outputs import Output
 from kvtrace.reference import Request, RequestOutput, Scheduler, SchedulerAssertion, SchedulerOutput, Status
 from kvtrace.reference.profiles import PROFILES, Profile
 from kvtrace.results import ReplayResult
 from kvtrace.trace import TraceError, TraceReader, TraceWriter
 from kvtrace.trace import events as ev
-from kvtrace.workers import wanted
 
 from . import checks, derive
 from .connector import RecordedConnector
 from .data_path import DataPath
 from .failed_step import failed_record, run_failed_step
-from .kv_content.device import pick_backend
 from .liveness import ProgressWatch
+from .plan import ReplayedTrace, check_supported, plan
 
 PROGRESS_EVERY = 4096   # events between progress calls
 # Async scheduling: a step whose output has not come this many steps later never will.
 _OUTPUT_WINDOW = 64
-
-
-# ShadowKV's tensors per KV slot (fingerprint, writer, step, position, loaded,
-# first write), in bytes; kept here so that the main process need not import torch.
-SHADOW_BYTES_PER_SLOT = 8 + 4 + 4 + 4 + 1 + 8
-
-
-def _check_fits(header: ev.Header, path, block_size: int) -> None:
-    """The shadow-KV check holds a few tensors the size of the KV cache
-    (``block_size`` slots a block): a header whose cache cannot fit in this
-    machine's memory is refused at once, not after filling it."""
-    cfg = header.config
-    need = SHADOW_BYTES_PER_SLOT * (cfg.num_blocks + 1) * block_size
-    try:
-        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return
-    if need > have // 2:
-        raise TraceError(path, 1, "the shadow-KV check of this KV cache "
-                                  f"({count(cfg.num_blocks, 'block')} of {count(block_size, 'slot')}) "
-                                  f"needs {need / 2**30:.1f} GiB, more than half of this machine's "
-                                  f"{have / 2**30:.1f} GiB: replay it with --no-kv-check")
-
-
-def _check_supported(header: ev.Header, path, profile: Profile) -> None:
-    why = baseline.refusal(header.features, header.config.block_size,
-                           "the reference models the baseline profile only (full-attention, "
-                           "sliding-window and state KV-cache groups, no pipeline parallelism)",
-                           header.config.enable_prefix_caching)
-    if why is None:
-        why = _profile_refusal(header, profile)
-    if why is not None:
-        raise TraceError(path, 1, why)
-
-
-def _profile_refusal(header: ev.Header, profile: Profile) -> str | None:
-    """Why the trace cannot be replayed under ``profile``, or None: what the
-    reference refuses under it (``baseline.REFUSED``), and block hashes that
-    cannot be reproduced. vLLM 0.33 hashes each EAGLE block with the token
-    after it, by default, where prefix caching is on and no connector is
-    (config/vllm.py:678-692); a 0.33 trace must say whether it did
-    (``num_hash_lookahead_tokens``, written by this kvtrace's recorder)."""
-    f = header.features
-    why = baseline.profile_refusal(f, header.config.block_size, profile)
-    if why is not None:
-        return why
-    if (f.num_hash_lookahead_tokens is None and profile.name == "0.33" and f.use_eagle
-            and header.config.enable_prefix_caching and header.config.connector is None):
-        return ("this vLLM 0.33 trace of EAGLE with prefix caching does not say whether its "
-                "block hashes cover the token after each block (num_hash_lookahead_tokens): "
-                "record it again with this kvtrace")
-    return None
 
 
 class Replayer:
@@ -414,6 +358,24 @@ class Replayer:
         self._expected_stats.clear()
         self._finished_refs.clear()
 
+    def tell(self, result: ReplayResult, truncation: str | None) -> None:
+        """Put what this replay found and checked into ``result``; a trace
+        that ends whole also checks its last prompt stats."""
+        if truncation is None:
+            self._unmatched_stats()
+        result.divergences = self.divergences
+        result.steps = self.steps
+        result.truncation = truncation
+        result.stopped = self.stopped
+        result.steps_in_trace = max(self.steps_in_trace, self.steps)
+        result.stopped_at = self.stop
+        result.audit = dict(self.data_path.checked) or None
+        if self.content:
+            result.device = self.content.device
+            result.assumed_loads = self.content.assumed_loads
+            result.slots_checked = self.content.slots_checked
+            result.states_checked = self.content.states_checked
+
     # -- helpers -----------------------------------------------------------------
 
     def _next_schedule(self, e: ev.StepFailed | ev.End, line) -> None:
@@ -457,67 +419,29 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
     """Replay one trace file. Raises TraceError for unusable input.
 
     ``device`` is where the shadow-KV check runs ("auto", "cpu", "cuda", or a
-    backend named in kv_content.device.BACKENDS), or None to skip it. ``progress``, if given, is called now and then with the number of
-    steps replayed so far. ``worker`` runs part of the work in worker processes
-    that read the same file: with 1 (or True), the content check when it is on
-    (kv_content/worker.py), the record checks when it is off (record_worker.py);
-    with 2, the record checks as well beside the content check; None decides by
-    the file's size and the machine's cores (workers.py). The result is the same
-    either way. ``profile`` names the version profile to follow (the header's
-    release's when None)."""
+    backend named in kv_content.device.BACKENDS), or None to skip it.
+    ``progress``, if given, is called now and then with the number of steps
+    replayed so far. ``worker`` runs part of the work in worker processes that
+    read the same file (plan.py); None decides by the file's size and the
+    machine's cores. The result is the same either way. ``profile`` names the
+    version profile to follow (the header's release's when None)."""
     reader = TraceReader(path)
     header = reader.header
-    if profile is None:
-        chosen, note = bridge.header_profile(header)
-    else:
-        chosen, note = PROFILES[profile], None
-    writer = dest = rp = record_worker = None
+    chosen, note = bridge.header_profile(header) if profile is None else (PROFILES[profile], None)
+    out_file = rp = record_worker = None
     failed = None   # why replay stopped before the end of the trace
-    unusable = False   # the trace was found unusable: the output is not put in place
     try:
-        _check_supported(header, path, chosen)
-        from .kv_content.check import unchecked as content_unchecked, shadow_block_size
-
-        unchecked = content_unchecked(header) if device else None
-        if unchecked is not None:
-            device = None
-        if device:
-            slots = shadow_block_size(header.config, header.features.kv_cache_groups)
-            _check_fits(header, path, slots)
-            device = pick_backend(device, path, header.config.num_blocks, slots)
-        if out is not None:
-            replayed = ev.Header(engine="kvtrace-reference", engine_version=_version(),
-                                 config=header.config, counters=header.counters,
-                                 features=header.features,
-                                 meta={"replayed_from": path_text(path), "recorded_engine": header.engine,
-                                       "recorded_engine_version": header.engine_version})
-            dest = Output(out, trace=True)   # put in place at the end, whole or cut
-            writer = TraceWriter(out, replayed, fd=dest.take_fd())
-        workers = (wanted(path) if worker is None else int(worker)) if reader.shareable else 0
-        content_worker = bool(device) and workers >= 1
-        in_process = bool(device) and not content_worker
-        if in_process and device == "cpu":   # torch on the CPU
-            import torch
-            torch.set_num_threads(1)   # the check is many small ops: threads only add overhead
-        # The record checks' worker, when there is one, checks every record; else
-        # the content check's worker takes the checks across records over once it
-        # has caught up with this process.
-        rp = Replayer(header, str(path), writer, device, content_worker=content_worker,
-                      shared=reader.share() if content_worker else None,
-                      gate=content_worker and workers < 2, profile=chosen)
+        check_supported(header, path, chosen)
+        p = plan(reader, path, device, worker)
+        out_file = ReplayedTrace(out, header, path) if out is not None else None
+        rp = Replayer(header, str(path), out_file and out_file.writer, p.device,
+                      content_worker=p.content_worker,
+                      shared=reader.share() if p.content_worker else None,
+                      gate=p.gate, profile=chosen)
         result = ReplayResult(path=str(path), header=header, profile=chosen.name,
-                              content_unchecked=unchecked,
-                              profile_note=note)
-        if workers >= (2 if device else 1):
-            from kvtrace.workers.record_worker import RecordWorker   # a module the worker runs as __main__
-
-            record_worker = RecordWorker(reader.path, reader.share())
-            events = reader.checked_elsewhere(record_worker)
-        elif content_worker:
-            events = reader.validated_elsewhere(rp.content)
-        else:
-            events = reader
-        with _no_autograd(in_process and device != "numpy"):
+                              content_unchecked=p.unchecked, profile_note=note)
+        events, record_worker = p.events(reader, rp)
+        with p.no_autograd():
             for e in events:
                 result.events += 1
                 rp.feed(e, reader.last_line)
@@ -527,54 +451,14 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
                     progress(rp.steps)
             rp.finish()
     except BaseException as e:
-        failed = f"replay stopped: {e}" if str(e) else f"replay stopped: {type(e).__name__}"
-        unusable = isinstance(e, TraceError)
+        failed = e
         raise
     finally:
         reader.close()
         for part in (rp, record_worker):
             if part is not None:
                 part.close()
-        if writer is not None:
-            stop = rp.stop.words(rp.steps, rp.steps_in_trace) if rp is not None and rp.stop else None
-            error = failed or stop or reader.truncation
-            try:
-                writer.close(status="interrupted" if error else "complete", error=error)
-            except BaseException as e:   # the output could not be finished: never put in place
-                dest.discard()
-                raise (dest.named(e) if isinstance(e, OSError) else e) from e
-            if unusable:   # the file that was there stays as it was
-                dest.discard()
-            else:   # whole, or a replay that stopped and says where in its end record
-                dest.commit()
-        elif dest is not None:
-            dest.discard()
-    if reader.truncation is None:
-        rp._unmatched_stats()
-    result.divergences = rp.divergences
-    result.steps = rp.steps
-    result.truncation = reader.truncation
-    result.stopped = rp.stopped
-    result.steps_in_trace = max(rp.steps_in_trace, rp.steps)
-    result.stopped_at = rp.stop
-    result.audit = dict(rp.data_path.checked) or None
-    if rp.content:
-        result.device = rp.content.device
-        result.assumed_loads = rp.content.assumed_loads
-        result.slots_checked = rp.content.slots_checked
-        result.states_checked = rp.content.states_checked
+        if out_file is not None:
+            out_file.close(failed, rp, reader.truncation)
+    rp.tell(result, reader.truncation)
     return result
-
-
-def _no_autograd(content_check: bool):
-    """The content check runs many small torch ops per step; inference mode skips
-    autograd's bookkeeping on each of them (about a fifth of the check's time on CPU)."""
-    if not content_check:
-        return contextlib.nullcontext()
-    import torch
-    return torch.inference_mode()
-
-
-def _version() -> str:
-    from kvtrace import __version__
-    return __version__
