@@ -56,6 +56,7 @@ def _filled_features() -> ev.SchedulerFeatures:
             d[f.name] = {msgspec.inspect.BoolType: True, msgspec.inspect.IntType: 3,
                          msgspec.inspect.FloatType: 0.5, msgspec.inspect.StrType: "x"}[type(t)]
     d["hash_block_size"] = 16          # the arrival's one digest covers its 5 tokens
+    d["num_kv_cache_groups"] = 2       # the records' tables: group 0's and one in more_groups
     d["newer_key"] = {"kept": True}   # a key this version does not know
     return ev.features_from(d)
 

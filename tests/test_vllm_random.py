@@ -638,16 +638,20 @@ def _holders_of_failed_blocks(trace) -> set[str]:
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Random workloads of the tiny state models (st- kinds), a few in CI, each
-# clean in the batch of ``python -m bench.state_random --runs 300 --seed 30000``
-# (docs/design/reference.md): Qwen3-Next with states kept at block boundaries,
-# preemptions, a hit and a prefix-cache reset; Nemotron-H under async
-# scheduling with the connector's external hits and a failed load; Qwen3-Next
+# classed as in the batch of ``python -m bench.state_random --runs 300 --seed
+# 30000`` (docs/design/reference.md): Qwen3-Next with states kept at block
+# boundaries, preemptions, a hit and a prefix-cache reset; Nemotron-H under
+# async scheduling with the connector's external hits and a failed load, whose
+# async hit over a whole prompt makes vLLM compute its last token again from
+# the state after it (the content check's finding, docs/findings.md); Qwen3-Next
 # with n-gram drafts and external hits; Nemotron-H served as a stream with a
 # hit and aborts; and Nemotron-H with the connector, whose failed async load
 # stalls the scheduler (vLLM's bug of docs/findings.md: the engine meets the
 # step limit, replay's liveness check names the stall).
 ST_CI_SEEDS: list[tuple[int, str, str]] = [
-    (30009, "st-rlhf", "clean"), (30007, "st-async-mixed", "clean"),
+    (30009, "st-rlhf", "clean"),
+    (30007, "st-async-mixed", "vLLM: a state model's async hit over a whole prompt computes its "
+                              "last token again from the state after it"),
     (30020, "st-spec-mixed", "clean"), (30015, "st-stream", "clean"),
     (30114, "st-mixed", "vLLM: a failed async load stalls the scheduler")]
 

@@ -26,9 +26,9 @@ vllm = require("vllm", "vLLM is not installed: replay through vLLM's scheduler n
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
 from kvtrace.diff import diff_files  # noqa: E402
-from kvtrace.rerun.core import replay_through_vllm  # noqa: E402
-from kvtrace.rerun.build import resolve_scheduler_cls  # noqa: E402
 from kvtrace.replay import replay_file  # noqa: E402
+from kvtrace.rerun.build import MOVED_MODULES, resolve_scheduler_cls  # noqa: E402
+from kvtrace.rerun.core import replay_through_vllm  # noqa: E402
 from kvtrace.trace import events as ev  # noqa: E402
 from kvtrace.trace.io import TraceReader  # noqa: E402
 from mini_traces import abort_workload, one_token_full_hit_workload  # noqa: E402
@@ -215,7 +215,8 @@ def test_fault_trace_replayed_through_its_own_subclass_is_identical(name, tmp_pa
     h, rec, _ = events(trace)
     dotted = h.features.scheduler_cls   # where the class was when it was recorded
     assert dotted.startswith("kvtrace.record.fault_schedulers.")
-    now = dotted.replace("kvtrace.record.", "kvtrace.record.vllm.", 1)
+    module, _, cls = dotted.rpartition(".")
+    now = f"{MOVED_MODULES[module]}.{cls}"   # where the class is now
     out = tmp_path / "same.jsonl.gz"
     res = replay_through_vllm(trace, out, scheduler_cls=dotted)  # a dotted path
     assert res.scheduler_cls == now and res.faithful_inputs
