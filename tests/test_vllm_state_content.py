@@ -78,9 +78,9 @@ def test_a_whole_prompt_loaded_asynchronously_leaves_its_last_token_without_a_st
     # The random runs' classifier names the bug from the trace's own lookups:
     # an async hit that took the request to all its tokens, then the read one
     # token short; a read of another length is not it.
-    from bench.state_random import _reads_past_a_whole_prompt_load, _whole_prompt_loads
+    from bench.state_random import _async_hits, _reads_past_a_whole_prompt_load
 
-    whole = _whole_prompt_loads(trace)
+    whole = _async_hits(trace)
     assert any(req == "r1" and n == 28 for req, _, n in whole)
     assert all(_reads_past_a_whole_prompt_load(d.to_json(), whole) for d in divs)
     other = dict(divs[0].to_json(), expected="state of r1 after 26 tokens")
