@@ -826,7 +826,7 @@ def test_a_checked_row_under_a_changed_table_is_compared_again():
 def test_the_memory_replay_reserves_per_slot_is_the_shadow_caches():
     """replay refuses a KV cache whose shadow would not fit before building it,
     from a count of bytes per slot that must match ShadowKV's tensors."""
-    from kvtrace.replay.replayer import SHADOW_BYTES_PER_SLOT
+    from kvtrace.replay.plan import SHADOW_BYTES_PER_SLOT
 
     kv = ShadowKV(num_blocks=7, block_size=4, device="cpu")
     per_slot = sum(t.element_size() * t.numel() for t in
