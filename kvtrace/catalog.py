@@ -28,6 +28,18 @@ EMBEDDED_WORKLOADS = {
                                 "loads KV, the prefix cache reset under running requests",
 }
 
+# The state-group faults, planted on both engines alike.
+STATE_FAULTS = {
+    "state-hit-attention-kept": "a hit cut back to a state group's last state keeps full "
+                                "attention's blocks past it",
+    "state-freed-in-flight": "a preempted request's state blocks freed while the step in flight "
+                             "still writes them",
+    "state-chunk-off-boundary": "prefill chunks not split at block boundaries: states written "
+                                "off the block grid",
+    "state-key-outlives-eviction": "a state block handed out again keeps its key: a hit is served "
+                                   "another prefix's state",
+}
+
 EMBEDDED_FAULTS = {
     "stale-cached-on-preempt": "legacy num_cached_tokens kept from the first admission (PR 36752)",
     "negative-external-on-invalid-blocks":
@@ -40,14 +52,7 @@ EMBEDDED_FAULTS = {
     "window-freed-early": "a sliding-window block is given back while still read",
     "state-hit-not-restored": "full attention's hit taken though a state group lags and the "
                               "connector restores no state (LMCache #4247)",
-    "state-hit-attention-kept": "a hit cut back to a state group's last state keeps full "
-                                "attention's blocks past it",
-    "state-freed-in-flight": "a preempted request's state blocks freed while the step in flight "
-                             "still writes them",
-    "state-chunk-off-boundary": "prefill chunks not split at block boundaries: states written "
-                                "off the block grid",
-    "state-key-outlives-eviction": "a state block handed out again keeps its key: a hit is served "
-                                   "another prefix's state",
+    **STATE_FAULTS,
 }
 
 # The workload on which each fault shows: what --fault runs without --workload.
@@ -165,14 +170,7 @@ VLLM_FAULTS = {
     "free-before-send": "the prefill side frees a request's blocks before they are sent",
     "hybrid-hit-not-served": "a prefix hit the sliding-window group cannot serve is taken",
     "window-freed-early": "a sliding-window block is given back while still read",
-    "state-hit-attention-kept": "a hit cut back to a state group's last state keeps full "
-                                "attention's blocks past it",
-    "state-freed-in-flight": "a preempted request's state blocks freed while the step in flight "
-                             "still writes them",
-    "state-chunk-off-boundary": "prefill chunks not split at block boundaries: states written "
-                                "off the block grid",
-    "state-key-outlives-eviction": "a state block handed out again keeps its key: a hit is served "
-                                   "another prefix's state",
+    **STATE_FAULTS,
 }
 
 VLLM_FAULT_WORKLOADS = {

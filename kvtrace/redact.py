@@ -133,13 +133,6 @@ class Redactor:
             for name in ("saved", "cached", "hits"):
                 setattr(e, name, [(req, block, self.block_hash(h), self.bytes_digest(d))
                                   for req, block, h, d in getattr(e, name)])
-        elif isinstance(e, ev.KVAudit):
-            e.loaded = [(req, block, self.block_hash(h), self.bytes_digest(before),
-                         self.bytes_digest(after), asked, by_connector)
-                        for req, block, h, before, after, asked, by_connector in e.loaded]
-            for name in ("saved", "cached", "hits"):
-                setattr(e, name, [(req, block, self.block_hash(h), self.bytes_digest(d))
-                                  for req, block, h, d in getattr(e, name)])
         elif isinstance(e, ev.Step) and e.spec:
             # A padding draft (-1) is no token id, and stays as it is.
             e.spec = {req: [t if t < 0 else self.token(t) for t in ts] for req, ts in e.spec.items()}
