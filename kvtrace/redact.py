@@ -161,10 +161,14 @@ class RedactSummary:
     tokens: int = 0              # token ids replaced
     distinct_tokens: int = 0
     truncation: str | None = None
+    keyframes_left_out: int = 0   # keyframes hold token ids in their state
 
     def __str__(self) -> str:
         s = (f"redacted {self.src} -> {self.dst}: {self.events} events, {self.arrivals} requests, "
              f"{self.tokens} token ids ({self.distinct_tokens} distinct) replaced")
+        if self.keyframes_left_out:
+            s += (f"; {self.keyframes_left_out} keyframes left out (add them again with "
+                  "'kvtrace keyframes')")
         if self.truncation:
             s += f"; the input stops early ({self.truncation}), and so does the copy"
         return s
@@ -212,6 +216,9 @@ def _copy(reader: TraceReader, writer: TraceWriter, red: "Redactor", summary: "R
                 summary.tokens += sum(t >= 0 for ts in e.spec.values() for t in ts)
             if isinstance(e, ev.End):
                 end = e
+                continue
+            if isinstance(e, ev.Keyframe):   # its state holds token ids: left out
+                summary.keyframes_left_out += 1
                 continue
             writer.write(red.event(e))
     except BaseException:

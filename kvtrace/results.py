@@ -32,10 +32,12 @@ class ReplayResult:
     audit: dict | None = None         # what the data-path checks checked (kv_audit records)
     # Why the shadow-KV check, asked for, did not run (a model it does not cover).
     content_unchecked: str | None = None
+    # The step of the keyframe replay started from (None: the trace's start).
+    from_keyframe: int | None = None
 
     @property
     def steps_checked(self) -> int:
-        return self.steps
+        return self.steps - (self.from_keyframe or 0)
 
 
 @dataclass(slots=True)

@@ -278,8 +278,10 @@ def test_real_process_no_traceback(tmp_path):
 
 
 def _fake_replay_result(divs):
-    return SimpleNamespace(divergences=divs, header=mini_header(), steps=3, steps_in_trace=3,
-                           stopped_at=None, truncation="line 9 is cut off mid-record")
+    from kvtrace.results import ReplayResult
+
+    return ReplayResult(path="fake", header=mini_header(), divergences=divs, steps=3,
+                        steps_in_trace=3, truncation="line 9 is cut off mid-record")
 
 
 @pytest.mark.skipif(not _has("kvtrace.replay", "replay_file"), reason="kvtrace.replay not built yet")

@@ -21,12 +21,12 @@ RULES = {
     # the embedded engine: a source that runs the reference's scheduler
     "engine": {"trace", "reference", "bridge", "catalog"},
     # replay through vLLM's own scheduler: it records that scheduler as capture does
-    "rerun": {"trace", "record", "results", "_text"},
+    "rerun": {"trace", "record", "results", "baseline", "_text"},
     # the lab: drivers, workloads, models and faults for commands, tests and benches
     "lab": {"trace", "record", "rerun", "diff", "catalog", "workers", "baseline", "_text"},
     # checkers: read traces, never a source's internals
     "replay": {"trace", "reference", "bridge", "baseline", "findings", "results", "outputs",
-               "workers", "_text"},
+               "workers", "snapshot", "_text"},
     "diff": {"trace", "findings", "results", "workers", "_text"},     # no replay internals
     # renders what it is given (results: the typed results of replay and diff);
     # rules: the catalogue of rule ids, which imports nothing
@@ -48,6 +48,9 @@ def _imports(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
                 name = ".".join(base + ((node.module,) if node.module else ()))
                 names = [name] if node.module else [f"{name}.{a.name}" for a in node.names]
                 out += [(node.lineno, n) for n in names]
+            elif node.module == "kvtrace":   # from kvtrace import bridge: the module bridge
+                out += [(node.lineno, f"kvtrace.{a.name}") for a in node.names
+                        if not a.name.startswith("__")]   # __version__ is no module
             elif (node.module or "").startswith("kvtrace"):
                 out.append((node.lineno, node.module))
     return out

@@ -1,7 +1,7 @@
 """One module per subcommand; ``COMMANDS`` is what the ``kvtrace`` group registers."""
 
 from . import diff, record, redact, replay, report
-from . import explain
+from . import explain, keyframes
 
 COMMANDS = {
     "record": record.command,
@@ -11,5 +11,6 @@ COMMANDS = {
     "export": report.export,
     "show": report.show,
     "redact": redact.command,
+    "keyframes": keyframes.command,
     "explain": explain.command,
 }

@@ -43,6 +43,9 @@ MAX_SHOWN = 10   # diverging requests shown unless --max says
 @click.option("-j", "--jobs", type=click.IntRange(min=0), default=0,
               help="Replay several traces in parallel on this many processes (default: as many "
                    "as there are traces, at most one per core).")
+@click.option("--from-step", "from_step", type=click.IntRange(min=0), default=None, metavar="N",
+              help="Start at the trace's last keyframe at or before step N (see 'kvtrace "
+                   "keyframes'); KV contents are not checked.")
 @click.option("--request", "requests", multiple=True, metavar="ID",
               help="Show only this request's divergences (repeatable). The exit code still "
                    "counts every divergence.")
@@ -56,7 +59,7 @@ MAX_SHOWN = 10   # diverging requests shown unless --max says
               metavar="N", help="Show at most N diverging requests.")
 def command(traces: tuple[Path, ...], out: Path | None, as_json: bool, device: str, kv_check: bool,
             scheduler: str, scheduler_cls: str | None, profile: str | None, jobs: int,
-            requests: tuple[str, ...], fields: tuple[str, ...], first_only: bool,
+            from_step: int | None, requests: tuple[str, ...], fields: tuple[str, ...], first_only: bool,
             max_stories: int) -> int:
     """Replay TRACE through the reference scheduler and report divergences.
 
@@ -74,6 +77,8 @@ def command(traces: tuple[Path, ...], out: Path | None, as_json: bool, device: s
     if scheduler_cls:
         scheduler = "vllm"
     select = Selection(requests, fields, 1 if first_only else max_stories)
+    if from_step is not None and (scheduler == "vllm" or len(traces) > 1):
+        raise UsageProblem("--from-step replays one trace through the reference")
     if scheduler == "vllm":
         if select or first_only or max_stories != MAX_SHOWN:
             raise UsageProblem("--request, --field, --first and --max select what replay through "
@@ -88,7 +93,7 @@ def command(traces: tuple[Path, ...], out: Path | None, as_json: bool, device: s
         if out is not None:
             raise UsageProblem("-o needs a single trace")
         return _many(traces, as_json, device if kv_check else None, jobs, profile, select)
-    return _one(traces[0], out, as_json, device if kv_check else None, profile, select)
+    return _one(traces[0], out, as_json, device if kv_check else None, profile, select, from_step)
 
 
 class Selection:
@@ -123,12 +128,17 @@ class Selection:
 
 
 def _one(trace: Path, out: Path | None, as_json: bool, device: str | None,
-         profile: str | None, select: Selection) -> int:
+         profile: str | None, select: Selection, from_step: int | None = None) -> int:
     from kvtrace.replay import replay_file
     from kvtrace.report import terminal
 
     with progress(f"replaying {trace.name}", "steps", files=(trace,)) as advance:
-        result = replay_file(trace, out=out, device=device, progress=advance, profile=profile)
+        if from_step is None:
+            result = replay_file(trace, out=out, device=device, progress=advance, profile=profile)
+        else:
+            from kvtrace.replay.keyframes import replay_from
+
+            result = replay_from(trace, from_step, out=out, progress=advance, profile=profile)
     view = select.view(result.divergences)
     if as_json:
         print_bytes(terminal.replay_json(result, str(trace), select.keep if select else None,

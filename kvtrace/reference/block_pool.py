@@ -180,3 +180,53 @@ class BlockPool:
         if not entry:
             del cached[b.block_hash]
         b.block_hash, b.hash_num_tokens = None, 0
+
+    # -- keyframes ---------------------------------------------------------------
+
+    def columns(self) -> dict:
+        """The pool as plain data, a few bytes a block: reference counts, the
+        free queue's order (as runs of consecutive ids), and each hashed block
+        with its hash and the map entries in their order (a hit takes the first)."""
+        free = self.free_queue.ids()
+        runs: list[list[int]] = []
+        for i in free:
+            if runs and runs[-1][0] + runs[-1][1] == i:
+                runs[-1][1] += 1
+            else:
+                runs.append([i, 1])
+        maps = [[0, self.cached], *([g, m] for g, m in self.more_cached.items())]
+        return {
+            "num_blocks": len(self.blocks), "enable_caching": self.enable_caching,
+            "free_uncached_to_head": self.free_uncached_to_head,
+            "null_block": self.null_block.block_id,
+            "ref_cnt": [b.ref_cnt for b in self.blocks],
+            "free": runs,
+            "hashed": [[b.block_id, b.block_hash.hex(), b.hash_num_tokens, b.hash_group]
+                       for b in self.blocks if b.block_hash is not None],
+            "maps": [[g, [[h.hex(), list(entry)] for h, entry in m.items()]] for g, m in maps],
+        }
+
+    @classmethod
+    def from_columns(cls, c: dict) -> "BlockPool":
+        """The pool ``columns`` wrote."""
+        pool = cls.__new__(cls)
+        pool.enable_caching = c["enable_caching"]
+        pool.free_uncached_to_head = c["free_uncached_to_head"]
+        pool.blocks = [Block(i) for i in range(c["num_blocks"])]
+        for b, n in zip(pool.blocks, c["ref_cnt"], strict=True):
+            b.ref_cnt = n
+        pool.free_queue = FreeBlockQueue([])
+        pool.free_queue.append_n([pool.blocks[i] for first, n in c["free"]
+                                  for i in range(first, first + n)])
+        pool.null_block = pool.blocks[c["null_block"]]
+        for i, h, num_tokens, group in c["hashed"]:
+            b = pool.blocks[i]
+            b.block_hash, b.hash_num_tokens, b.hash_group = bytes.fromhex(h), num_tokens, group
+        pool.cached, pool.more_cached = {}, {}
+        for g, entries in c["maps"]:
+            m = {bytes.fromhex(h): {i: pool.blocks[i] for i in ids} for h, ids in entries}
+            if g == 0:
+                pool.cached = m
+            else:
+                pool.more_cached[g] = m
+        return pool

@@ -93,6 +93,10 @@ def steps_text(result: ReplayResult) -> str | None:
     if checked is None:
         return None
     in_trace = getattr(result, "steps_in_trace", None) or checked
+    first = getattr(result, "from_keyframe", None)
+    if first is not None:   # a replay from a keyframe
+        last = checked - 1 if checked > first else first
+        return f"steps {number(first)} to {number(last)} of {number(in_trace)}, from a keyframe"
     if getattr(result, "stopped_at", None) is not None and in_trace > checked:
         return f"{number(checked)} of {count(in_trace, 'step')} checked"
     return count(checked, "step")

@@ -358,7 +358,7 @@ def _replay_doc(result: ReplayResult, path: str, keep=None, told: Told | None = 
         "profile": getattr(result, "profile", None),
         "profile_note": getattr(result, "profile_note", None),
         "steps": getattr(result, "steps", None),
-        "steps_checked": getattr(result, "steps", None),
+        "steps_checked": result.steps_checked,
         "steps_in_trace": getattr(result, "steps_in_trace", None),
         "stopped_at": None if stop is None else stop.to_json(),
         "truncation": getattr(result, "truncation", None),
@@ -366,6 +366,8 @@ def _replay_doc(result: ReplayResult, path: str, keep=None, told: Told | None = 
         "divergences": [d.to_json() for d in first_per_request(list(result.divergences))
                         if keep is None or keep(d)],
     }
+    if result.from_keyframe is not None:
+        doc["from_keyframe"] = result.from_keyframe
     if getattr(result, "audit", None):
         doc["kv_audit"] = result.audit
     doc["kv_content"] = {"device": getattr(result, "device", None),

@@ -690,6 +690,34 @@ class KVAudit(_Record, tag="kv_audit"):
     kind: ClassVar[str] = "kv_audit"
 
 
+class Keyframe(_Record, tag="keyframe"):
+    """The whole state a replay needs to start at ``step``: the reference
+    scheduler's (every request, its counts, tokens and block tables; the queues;
+    the block pool's reference counts, free-queue order and hash map) and the
+    checks' own (steps in flight, connector answers, preemption counts), as
+    the replay of the records before it left them. It comes right before the
+    ``step`` record and shares its ``seq``. ``state`` is kvtrace's own
+    (docs/reference/trace-format.md, "Keyframes"): written by ``kvtrace`` of
+    ``version``, read by a kvtrace of the same keyframe ``format``. A replay
+    from the start passes over it."""
+
+    seq: Count
+    step: Count
+    format: int
+    version: str
+    state: dict[str, Any]
+    # What a reader that starts here needs of the records before it: the
+    # requests live, the streaming sessions among them, requests finished
+    # lately (records may still name them), the steps recorded whose output
+    # has not come, and the last step that had one.
+    live: list[str] = []
+    sessions: list[str] = []
+    finished: list[str] = []
+    awaiting: list[Count] = []
+    last_output_step: int = -1
+    kind: ClassVar[str] = "keyframe"
+
+
 class End(_Record, tag="end"):
     """The last record of a trace the recorder closed. A trace without it was cut off."""
 
@@ -701,7 +729,7 @@ class End(_Record, tag="end"):
 
 
 Event = (Arrival | Abort | RequestFinished | ResetPrefixCache | PauseState | Step | StepFailed
-         | Output | Drafts | PromptStats | KVAudit | End)
+         | Output | Drafts | PromptStats | KVAudit | Keyframe | End)
 EVENT_TYPES: dict[str, type] = {cls.kind: cls for cls in Event.__args__}
 
 

@@ -17,6 +17,8 @@ a longer one before decoding it:
   requests' block tables of every KV-cache group, four times over (scheduled
   and their states), a KV audit of every block eight times, and
   ``GENERAL_ROOM`` for the rest (ids, requests finished or aborted at once);
+* a ``keyframe``: the cap (it holds every live request's tokens, waiting
+  ones too, which no header bounds);
 * the header: ``HEADER_BYTES``.
 
 Each is at most ``KVTRACE_MAX_LINE_BYTES`` (256 MiB unless set); set, it
@@ -88,7 +90,9 @@ class LineLimits:
         small = self.general if explicit else min(self.general, FREE_ROOM)
         self.by_kind = {"arrival": self.general if explicit else min(self.general, arrival),
                         "request_finished": small, "prompt_stats": small,
-                        "reset_prefix_cache": small, "pause_state": small, "end": small}
+                        "reset_prefix_cache": small, "pause_state": small, "end": small,
+                        # every live request's tokens: no header bound but the cap
+                        "keyframe": cap}
         self.why = (f"max_model_len {mml}, num_blocks {cfg.num_blocks}, max_num_seqs "
                     f"{cfg.max_num_seqs}, {n_groups} KV-cache group{'s' if n_groups > 1 else ''}")
 

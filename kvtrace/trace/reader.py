@@ -16,8 +16,8 @@ from typing import Iterator
 import msgspec
 import orjson
 
-from .events import (LINE_DECODER, TOO_DEEP, End, Event, Header, SchemaError, decode_header,
-                     decode_line)
+from .events import (LINE_DECODER, TOO_DEEP, End, Event, Header, Keyframe, SchemaError,
+                     decode_header, decode_line)
 from .files import (ENV_MAX_BYTES, ENV_MAX_LINE_BYTES, MAX_LINE_BYTES, MAX_TOTAL_BYTES, READ_CHUNK,
                     SharedEnd, SharedFile, TraceError, decompressing, env_bytes, foreign_json,
                     is_stream_damage, open_read)
@@ -298,7 +298,8 @@ class TraceReader:
             if ev.seq <= last_seq:
                 raise TraceError(self.path, lineno,
                                  f"sequence number {ev.seq} does not follow {last_seq}")
-            last_seq = ev.seq
+            # A keyframe shares the sequence number of the step record after it.
+            last_seq = ev.seq - 1 if type(ev) is Keyframe else ev.seq
             if self.end is not None:
                 raise TraceError(self.path, lineno, "record after the 'end' record")
             if check is not None:

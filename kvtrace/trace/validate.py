@@ -38,6 +38,7 @@ from . import events as ev
 from .events import SchemaError, clip
 
 FINISHED_STATUSES = frozenset(s for s in ev.STATUSES if s.startswith("FINISHED_"))
+RECENT_FINISHED = 1024   # finished requests a keyframe names (records after it may name them)
 
 
 _REQ = attrgetter("req")
@@ -96,6 +97,8 @@ class Validator:
         self.live: set[str] = set()
         self.sessions: set[str] = set()   # live streaming-input sessions: arrive in chunks
         self.finished = FinishedRequests()
+        # The last requests finished, in order: what a keyframe says of them.
+        self.recent: deque[str] = deque(maxlen=RECENT_FINISHED)
         self.last_step = -1
         self.last_output_step = -1
         # The recorded steps after the last output, in order: those that may
@@ -156,6 +159,8 @@ class Validator:
                                   f"(the last step is {self.last_step})")
             for name in ("loaded", "saved", "cached", "hits"):
                 self._blocks([x[1] for x in getattr(e, name)], name)
+        elif isinstance(e, ev.Keyframe):
+            self._keyframe(e)
         elif isinstance(e, ev.PromptStats):
             if e.step > self.last_step:
                 raise SchemaError(f"prompt_stats for step {e.step}, which has not been scheduled "
@@ -196,6 +201,27 @@ class Validator:
                               f"{self.num_blocks} blocks of the header's pool")
         self.last_step = s.step
         self.awaiting.append(s.step)
+
+    def _keyframe(self, k: ev.Keyframe) -> None:
+        """A keyframe comes before its step; a trace that starts with one (a
+        segment) starts from what it says of the records before it."""
+        if k.step <= self.last_step:
+            raise SchemaError(f"a keyframe for step {k.step}, which has been scheduled "
+                              f"(the last step is {self.last_step}): a keyframe comes "
+                              "before its step")
+        if self.last_step == -1 and not self.live:
+            self.live, self.sessions = set(k.live), set(k.sessions)
+            for req in k.finished:
+                self._finish_id(req)
+            self.awaiting = deque(k.awaiting)
+            self.last_output_step = k.last_output_step
+            self.last_step = k.step - 1
+
+    def for_keyframe(self) -> dict:
+        """What a keyframe written now says of the records so far (``_keyframe``)."""
+        return {"live": sorted(self.live), "sessions": sorted(self.sessions),
+                "finished": list(self.recent), "awaiting": list(self.awaiting),
+                "last_output_step": self.last_output_step}
 
     def _failed_step(self, f: ev.StepFailed) -> None:
         """A step whose ``schedule()`` raised: the step after the last one, asking
@@ -261,7 +287,11 @@ class Validator:
         if req in self.live:
             self.live.discard(req)
             self.sessions.discard(req)
-            self.finished.add(req)
+            self._finish_id(req)
+
+    def _finish_id(self, req: str) -> None:
+        self.finished.add(req)
+        self.recent.append(req)
 
     def _fine(self, items: list, counts, blocks) -> bool:
         """Whether every item of a list of requests passes the checks below,

@@ -1,0 +1,232 @@
+"""Keyframes: a replay's whole state at a step, written into a trace, and a
+replay that starts from one.
+
+A keyframe is what replaying the records before it left: the reference
+scheduler (requests, queues, the block pool as columns) and the checks' own
+bookkeeping (steps in flight, the connector's answers, preemption counts,
+the liveness watch). It is taken before a ``step`` record, and a replay that
+restores it and reads on from there finds exactly what a replay from the
+start finds from that step on (tests/unit/replay/test_keyframes.py holds
+every stored trace to it; ``python -m bench.keyframes`` random ones).
+
+What a keyframe leaves out: the divergences found before it (a replay from it
+reports from its step on), and the shadow-KV content check, whose state is the
+cache's contents: a replay from a keyframe does not check KV contents, and
+says so.
+
+``Keyframer`` makes them as records are written: it replays each record it is
+shown (no content check) and gives a keyframe before every ``every``-th step.
+Its replay is the reference's, so a keyframe holds what the engine should
+have had; a segment replayed from it reports what a replay of the whole run
+would.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator
+
+import msgspec
+
+import kvtrace
+from kvtrace import bridge, snapshot
+from kvtrace.reference.block_pool import BlockPool
+from kvtrace.reference.profiles import PROFILES, Profile
+from kvtrace.results import ReplayResult
+from kvtrace.trace import TraceError, TraceReader
+from kvtrace.trace import events as ev
+from kvtrace.trace.validate import Validator
+
+from .plan import ReplayedTrace, check_supported
+from .replayer import PROGRESS_EVERY, Replayer
+
+NO_CONTENT = "a replay from a keyframe does not check KV contents"
+
+FORMAT = 1   # the keyframe format this kvtrace writes and reads
+
+# Fields of a Replayer a keyframe leaves out; ``restore`` gives them back.
+_LEFT_OUT = {Replayer: frozenset({"divergences", "content", "out", "path", "_kv_placed"})}
+
+
+class KeyframeError(ValueError):
+    """A keyframe this kvtrace cannot start from (message names why)."""
+
+
+def take(rp: Replayer) -> dict:
+    """``rp``'s state as a keyframe's ``state``."""
+    return snapshot.encode(rp, _externals(rp.header, rp.sched.config), _LEFT_OUT,
+                           {"pool": (rp.sched.kv.pool, _pack_pool)})
+
+
+def restore(kf: ev.Keyframe, header: ev.Header, path: str, profile: Profile | None,
+            out=None) -> Replayer:
+    """A Replayer in the state ``kf`` holds, for the trace ``path`` with
+    ``header``, that writes to ``out`` (a TraceWriter or None). No content check."""
+    if kf.format != FORMAT:
+        raise KeyframeError(f"a keyframe of format {kf.format} (kvtrace {kf.version}); this "
+                            f"kvtrace reads format {FORMAT}")
+    config = bridge.config_from_header(header, profile)
+    try:
+        rp = snapshot.decode(kf.state, _externals(header, config), {"pool": _unpack_pool})
+    except snapshot.SnapshotError as e:
+        raise KeyframeError(f"the keyframe at step {kf.step} (kvtrace {kf.version}) "
+                            f"cannot be read: {e}") from None
+    if type(rp) is not Replayer:
+        raise KeyframeError(f"the keyframe at step {kf.step} holds no replay")
+    rp.divergences, rp.content, rp.out, rp.path, rp._kv_placed = [], None, out, path, 0
+    return rp
+
+
+class Keyframer:
+    """Replays records as they are written, and gives a keyframe before every
+    ``every``-th step (none once the replay has stopped at an engine error)."""
+
+    def __init__(self, header: ev.Header, every: int, profile: Profile | None = None):
+        if every < 1:
+            raise ValueError("keyframes every 0 steps")
+        self.every = every
+        chosen = profile if profile is not None else bridge.header_profile(header)[0]
+        self.replayer = Replayer(header, "<keyframes>", None, None, profile=chosen)
+        self.records = Validator(header)   # what a reader starting at a keyframe needs
+        self.made = 0
+
+    def feed(self, e, line: int | None = None) -> ev.Keyframe | None:
+        """Show the record ``e``; returns the keyframe to write before it, if any."""
+        kf = None
+        if (type(e) is ev.Step and e.step and not e.step % self.every
+                and not self.replayer.stopped):
+            kf = ev.Keyframe(e.seq, e.step, FORMAT, kvtrace.__version__, take(self.replayer),
+                             **self.records.for_keyframe())
+            self.made += 1
+        if type(e) is not ev.Keyframe:
+            self.records.check(e)
+            self.replayer.feed(e, line)
+        self.replayer.divergences.clear()   # a keyframe keeps none; the list would only grow
+        return kf
+
+
+def _externals(header: ev.Header, config) -> dict[str, object]:
+    return {"header": header, "cfg": header.config, "config": config}
+
+
+def _pack_pool(pool: BlockPool) -> tuple[dict, list]:
+    return pool.columns(), pool.blocks
+
+
+def _unpack_pool(columns: dict) -> tuple[BlockPool, list]:
+    pool = BlockPool.from_columns(columns)
+    return pool, pool.blocks
+
+
+def find(reader: TraceReader, step: int) -> tuple[ev.Keyframe | None, list[tuple[object, int]],
+                                                    Iterator]:
+    """The last keyframe of ``reader``'s trace at or before ``step``, the
+    records read after it (with their lines), and the reader's iterator, which
+    goes on after them. Reads no further than the first record past ``step``."""
+    found, after = None, []
+    events = iter(reader)
+    for e in events:
+        if type(e) is ev.Keyframe:
+            if e.step > step:
+                after.append((e, reader.last_line))
+                break
+            found, after = e, []
+            continue
+        after.append((e, reader.last_line))
+        if type(e) is ev.Step and e.step >= step:
+            break
+    return found, after, events
+
+
+def replay_from(path: str | os.PathLike, step: int, out: str | os.PathLike | None = None,
+                progress=None, profile: str | None = None) -> ReplayResult:
+    """Replay ``path`` from its last keyframe at or before ``step``. Raises
+    TraceError when it has none, or one this kvtrace cannot read."""
+    reader = TraceReader(path)
+    header = reader.header
+    chosen, note = bridge.header_profile(header) if profile is None else (PROFILES[profile], None)
+    out_file = rp = None
+    failed = None
+    try:
+        check_supported(header, path, chosen)
+        kf, after, rest = find(reader, step)
+        if kf is None:
+            raise TraceError(path, reader.last_line or 1,
+                             f"no keyframe at or before step {step}: replay it whole, or add "
+                             "keyframes with 'kvtrace keyframes'")
+        out_file = ReplayedTrace(out, header, path) if out is not None else None
+        try:
+            rp = restore(kf, header, str(path), chosen, out_file and out_file.writer)
+        except KeyframeError as e:
+            raise TraceError(path, None, str(e)) from None
+        if out_file is not None:
+            out_file.writer.write(msgspec.structs.replace(kf, seq=out_file.writer.next_seq()))
+        result = ReplayResult(path=str(path), header=header, profile=chosen.name,
+                              content_unchecked=NO_CONTENT, profile_note=note,
+                              from_keyframe=kf.step)
+        for e, line in after:
+            _feed(rp, result, e, line, progress)
+        for e in rest:
+            _feed(rp, result, e, reader.last_line, progress)
+        rp.finish()
+    except BaseException as e:
+        failed = e
+        raise
+    finally:
+        reader.close()
+        if out_file is not None:
+            out_file.close(failed, rp, reader.truncation)
+    rp.tell(result, reader.truncation)
+    return result
+
+
+def _feed(rp: Replayer, result: ReplayResult, e, line, progress) -> None:
+    result.events += 1
+    rp.feed(e, line)
+    if type(e) is ev.End:
+        result.end = e
+    elif progress is not None and not result.events % PROGRESS_EVERY:
+        progress(rp.steps)
+
+
+def add_keyframes(src: str | os.PathLike, dst: str | os.PathLike, every: int,
+                  profile: str | None = None) -> tuple[int, int]:
+    """Copy the trace ``src`` to ``dst`` with a keyframe before every
+    ``every``-th step (those ``src`` had are made again). Returns (keyframes
+    written, steps). A cut-off ``src`` gives a cut-off ``dst``; a replay that
+    stops at an engine error makes no keyframe past it."""
+    from kvtrace.outputs import Output
+    from kvtrace.trace import TraceWriter
+
+    reader = TraceReader(src)
+    header = reader.header
+    chosen = bridge.header_profile(header)[0] if profile is None else PROFILES[profile]
+    dest = None
+    try:
+        check_supported(header, src, chosen)
+        keyframer = Keyframer(header, every, chosen)
+        dest = Output(dst, trace=True)
+        writer = TraceWriter(dst, header, fd=dest.take_fd())
+        steps = 0
+        end = None
+        for e in reader:
+            if type(e) is ev.End:
+                end = e
+                break
+            if type(e) is ev.Keyframe:
+                continue
+            kf = keyframer.feed(e, reader.last_line)
+            if kf is not None:
+                writer.write(kf)
+            if type(e) is ev.Step:
+                steps = e.step + 1
+            writer.write(e)
+        writer.finish(end)
+    except BaseException:
+        if dest is not None:
+            dest.discard()
+        raise
+    finally:
+        reader.close()
+    dest.commit()
+    return keyframer.made, steps
