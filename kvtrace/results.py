@@ -34,10 +34,12 @@ class ReplayResult:
     content_unchecked: str | None = None
     # The step of the keyframe replay started from (None: the trace's start).
     from_keyframe: int | None = None
+    # A segment directory: the steps [first, last) missing between its segments.
+    gaps: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def steps_checked(self) -> int:
-        return self.steps - (self.from_keyframe or 0)
+        return self.steps - (self.from_keyframe or 0) - sum(b - a for a, b in self.gaps)
 
 
 @dataclass(slots=True)

@@ -31,6 +31,8 @@ RULES = {
     # renders what it is given (results: the typed results of replay and diff);
     # rules: the catalogue of rule ids, which imports nothing
     "report": {"trace", "findings", "results", "rules", "outputs", "_text"},
+    # the flight recorder: keyframes as a trace is written, segments, their replay
+    "flight": {"trace", "record", "replay", "reference", "bridge", "results"},
 }
 
 

@@ -29,15 +29,17 @@ READS_TWICE = ("'-' (standard input) cannot be read here: this command reads its
 
 
 class FilePath(click.Path):
-    """A file named on the command line: never a directory, and never empty
+    """A file named on the command line: never a directory (unless
+    ``dir_okay``: a flight recorder's segment directory), and never empty
     (which pathlib makes '.', so that errors would name the current folder).
 
     ``-`` is standard input where ``stdin`` is true (a trace read once: the
     reader opens it, kvtrace/trace/files.py), for one argument of a command
     at most; elsewhere it is refused, with ``no_dash`` as the reason."""
 
-    def __init__(self, stdin: bool = False, no_dash: str = NO_DASH, **kw):
-        super().__init__(dir_okay=False, path_type=Path, **kw)
+    def __init__(self, stdin: bool = False, no_dash: str = NO_DASH, dir_okay: bool = False,
+                 **kw):
+        super().__init__(dir_okay=dir_okay, path_type=Path, **kw)
         self.stdin, self.no_dash = stdin, no_dash
 
     def convert(self, value, param, ctx):
@@ -85,6 +87,29 @@ class Bounded(click.ParamType):
         if not self.low <= n <= self.high:
             self.fail(f"{n} is out of range: {self.words}", param, ctx)
         return n
+
+
+class Size(click.ParamType):
+    """A size in bytes: 64MB, 2GB, 512KiB, or a plain number."""
+
+    name = "size"
+    UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+             "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
+             "tib": 2**40}
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        text = str(value).strip().lower()
+        digits = text.rstrip("abcdefghijklmnopqrstuvwxyz ")
+        unit = text[len(digits):].strip()
+        try:
+            n = float(digits)
+        except ValueError:
+            n = -1
+        if n <= 0 or unit not in self.UNITS:
+            self.fail(f"{value!r} is not a size (64MB, 2GB, 512KiB)", param, ctx)
+        return int(n * self.UNITS[unit])
 
 
 class UsageProblem(Exception):

@@ -10,8 +10,8 @@ from kvtrace.catalog import (EMBEDDED_FAULT_WORKLOADS, EMBEDDED_FAULTS, EMBEDDED
                              VLLM_FAULT_WORKLOADS, VLLM_FAULTS, pairs)
 from kvtrace.outputs import blamed_on
 
-from ._common import (EXIT_NOTHING, EXIT_OK, VLLM_HINT, Bounded, FilePath, UsageProblem, echo,
-                      importing, require_vllm, say, trace_output)
+from ._common import (EXIT_NOTHING, EXIT_OK, VLLM_HINT, Bounded, FilePath, Size, UsageProblem,
+                      echo, importing, require_vllm, say, trace_output)
 from .progress import progress
 
 WORKLOADS = tuple(EMBEDDED_WORKLOADS)
@@ -53,10 +53,20 @@ STDOUT_REFUSED = ("'-' (standard output) is not accepted: a trace is written to 
                    "does (the default on GPUs).")
 @click.option("--redact", is_flag=True,
               help="Replace token ids with keyed pseudonyms in the written trace.")
+@click.option("--keyframe-every", "keyframe_every", type=click.IntRange(min=1), default=None,
+              metavar="N", help="Write a keyframe before every N-th step (replay --from-step "
+                                "starts there). Embedded engine.")
+@click.option("--ring", type=Size(), default=None, metavar="SIZE",
+              help="Always-on: -o is a directory of segments, each replayable alone, that never "
+                   "holds more than SIZE (2GB); the oldest go first, those around a trigger are "
+                   "kept. Embedded engine.")
+@click.option("--segment", type=Size(), default=None, metavar="SIZE",
+              help="With --ring: the size of a segment (default: an eighth of the ring).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def command(out: Path, workload: str | None, fault: str | None, seed: int | None,
             requests: int | None, engine: str, model: Path | None, async_scheduling: bool,
-            redact: bool, command: tuple[str, ...]) -> int:
+            redact: bool, keyframe_every: int | None, ring: int | None, segment: int | None,
+            command: tuple[str, ...]) -> int:
     """Record a trace, from the embedded engine, an offline vLLM run, or any
     command given after -- (for example a vLLM server).
 
@@ -66,7 +76,14 @@ def command(out: Path, workload: str | None, fault: str | None, seed: int | None
     kvtrace record -o run.jsonl.gz --engine vllm --workload preemption
     kvtrace record -o run.jsonl.gz -- python -m vllm.entrypoints.openai.api_server --model DIR
     """
-    trace_output(out)
+    flight = Flight(keyframe_every, ring, segment)
+    if flight and (command or engine == "vllm"):
+        raise UsageProblem("--keyframe-every, --ring and --segment apply to the embedded engine; "
+                           "a vLLM engine takes KVTRACE_KEYFRAME_EVERY")
+    if flight.ring and redact:
+        raise UsageProblem("--redact and --ring: redact the segments you keep, one by one")
+    if not flight.ring:
+        trace_output(out)
     target = out.with_name(out.name + ".plain") if redact else out
     if seed is not None and (command or engine == "vllm"):
         raise UsageProblem("--seed applies to the embedded engine only: the vLLM workloads "
@@ -101,7 +118,8 @@ def command(out: Path, workload: str | None, fault: str | None, seed: int | None
             raise
         code = EXIT_OK
     else:
-        _record_embedded(target, workload, fault, seed or 0, requests, model, async_scheduling)
+        _record_embedded(target, workload, fault, seed or 0, requests, model, async_scheduling,
+                         flight)
         code = EXIT_OK
     if redact:
         _redact(target, out)
@@ -126,8 +144,39 @@ def _redact(plain: Path, out: Path) -> None:
     plain.unlink()
 
 
+class Flight:
+    """What --keyframe-every, --ring and --segment ask for."""
+
+    def __init__(self, every: int | None, ring: int | None, segment: int | None):
+        if segment is not None and ring is None:
+            raise UsageProblem("--segment needs --ring")
+        if ring is not None:
+            segment = segment or ring // 8
+            if ring < 2 * segment:
+                raise UsageProblem(f"--ring {ring:,} bytes holds less than two segments of "
+                                   f"{segment:,}")
+        self.every, self.ring, self.segment = every, ring, segment
+
+    def __bool__(self) -> bool:
+        return self.every is not None or self.ring is not None
+
+    def writer(self, open_file):
+        """``open_file`` (the path and header -> a trace writer) wrapped as asked."""
+        from kvtrace.flight import KeyframingWriter, SegmentWriter
+
+        if self.ring is not None:
+            return lambda path, header: SegmentWriter(path, header, self.segment, self.ring,
+                                                      self.every, open_file=open_file,
+                                                      on_pin=say)
+        if self.every is not None:
+            return lambda path, header: KeyframingWriter(open_file(path, header), header,
+                                                         self.every)
+        return open_file
+
+
 def _record_embedded(out: Path, workload: str | None, fault: str | None, seed: int,
-                     requests: int | None, model: Path | None, async_scheduling: bool) -> None:
+                     requests: int | None, model: Path | None, async_scheduling: bool,
+                     flight: Flight | None = None) -> None:
     if model is not None:
         raise UsageProblem("--model needs --engine vllm")
     if fault is not None and fault not in FAULTS:
@@ -147,7 +196,8 @@ def _record_embedded(out: Path, workload: str | None, fault: str | None, seed: i
         try:
             # Each completed step goes to a writer process: a kill loses none.
             res = record_workload(out, wl, fault, seed, progress=advance,
-                                  open_writer=open_step_writer)
+                                  open_writer=(flight or Flight(None, None, None)).writer(
+                                      open_step_writer))
         except ValueError as e:   # a combination the engine does not run
             raise UsageProblem(str(e)) from None
     if fault and not res.fault_log:

@@ -18,7 +18,7 @@ MAX_SHOWN = 10   # diverging requests shown unless --max says
 
 
 @click.command()
-@click.argument("traces", nargs=-1, required=True, type=FilePath(stdin=True),
+@click.argument("traces", nargs=-1, required=True, type=FilePath(stdin=True, dir_okay=True),
                 callback=alone_if_stdin)
 @click.option("-o", "--out", "out", type=FilePath(), default=None,
               help="Also write the replayed trace (the scheduler's decisions) here.")
@@ -79,6 +79,11 @@ def command(traces: tuple[Path, ...], out: Path | None, as_json: bool, device: s
     select = Selection(requests, fields, 1 if first_only else max_stories)
     if from_step is not None and (scheduler == "vllm" or len(traces) > 1):
         raise UsageProblem("--from-step replays one trace through the reference")
+    if any(t.is_dir() for t in traces):
+        if len(traces) > 1 or scheduler != "reference" or from_step is not None or out:
+            raise UsageProblem("a segment directory is replayed alone, through the reference, "
+                               "without --from-step or -o")
+        return _folder(traces[0], as_json, profile, select)
     if scheduler == "vllm":
         if select or first_only or max_stories != MAX_SHOWN:
             raise UsageProblem("--request, --field, --first and --max select what replay through "
@@ -145,6 +150,21 @@ def _one(trace: Path, out: Path | None, as_json: bool, device: str | None,
                                          view.told))
     else:
         terminal.print_replay(result, str(trace), view)
+    return _exit_code(result)
+
+
+def _folder(folder: Path, as_json: bool, profile: str | None, select: Selection) -> int:
+    from kvtrace.flight.replay import replay_folder
+    from kvtrace.report import terminal
+
+    with progress(f"replaying {folder.name}", "steps") as advance:
+        result = replay_folder(folder, progress=advance, profile=profile)
+    view = select.view(result.divergences)
+    if as_json:
+        print_bytes(terminal.replay_json(result, str(folder), select.keep if select else None,
+                                         view.told))
+    else:
+        terminal.print_replay(result, str(folder), view)
     return _exit_code(result)
 
 

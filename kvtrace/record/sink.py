@@ -460,7 +460,11 @@ def start_writer(path: Path, first: bytes, size: int, copy: bool = False
     # writer has finished it, however early wait_for_writers looks.
     hold_lock(raw)
     try:
-        memfd = above_stdio(memory_file(size))
+        low = memory_file(size)
+        try:   # the copy above standard I/O only: each writer started would leak one
+            memfd = above_stdio(low)
+        finally:
+            os.close(low)
         ring = Ring(memfd, size, populate=True)
     except BaseException as e:
         os.close(raw)

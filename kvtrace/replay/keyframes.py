@@ -89,11 +89,13 @@ class Keyframer:
         self.replayer = Replayer(header, "<keyframes>", None, None, profile=chosen)
         self.records = Validator(header)   # what a reader starting at a keyframe needs
         self.made = 0
+        self.found: list = []   # the divergences the last record showed
 
-    def feed(self, e, line: int | None = None) -> ev.Keyframe | None:
-        """Show the record ``e``; returns the keyframe to write before it, if any."""
+    def feed(self, e, line: int | None = None, force: bool = False) -> ev.Keyframe | None:
+        """Show the record ``e``; returns the keyframe to write before it, if
+        any (``force``: before any step record, whatever its number)."""
         kf = None
-        if (type(e) is ev.Step and e.step and not e.step % self.every
+        if (type(e) is ev.Step and (force or (e.step and not e.step % self.every))
                 and not self.replayer.stopped):
             kf = ev.Keyframe(e.seq, e.step, FORMAT, kvtrace.__version__, take(self.replayer),
                              **self.records.for_keyframe())
@@ -101,7 +103,10 @@ class Keyframer:
         if type(e) is not ev.Keyframe:
             self.records.check(e)
             self.replayer.feed(e, line)
-        self.replayer.divergences.clear()   # a keyframe keeps none; the list would only grow
+        # What this record showed wrong (a trigger for a flight recorder); a
+        # keyframe keeps no divergence, so the list never grows.
+        self.found = self.replayer.divergences
+        self.replayer.divergences = []
         return kf
 
 

@@ -94,9 +94,15 @@ def steps_text(result: ReplayResult) -> str | None:
         return None
     in_trace = getattr(result, "steps_in_trace", None) or checked
     first = getattr(result, "from_keyframe", None)
+    gaps = getattr(result, "gaps", None)
+    missing = "".join(f"; steps {number(a)} to {number(b - 1)} missing (rotated out)"
+                      for a, b in gaps or ())
     if first is not None:   # a replay from a keyframe
         last = checked - 1 if checked > first else first
-        return f"steps {number(first)} to {number(last)} of {number(in_trace)}, from a keyframe"
+        return (f"steps {number(first)} to {number(last)} of {number(in_trace)}, from a "
+                f"keyframe{missing}")
+    if missing:
+        return f"{count(checked, 'step')}{missing}"
     if getattr(result, "stopped_at", None) is not None and in_trace > checked:
         return f"{number(checked)} of {count(in_trace, 'step')} checked"
     return count(checked, "step")

@@ -300,6 +300,8 @@ def end_note(end: ev.End | None) -> str | None:
         return None
     why = f": {end.error}" if end.error else ""
     dropped = f", {count(end.dropped_events, 'event')} dropped" if end.dropped_events else ""
+    if end.status == "continued":   # a flight recorder's segment
+        return f"a segment: the recording goes on in the next one{dropped}{why}"
     return f"the recorder closed this trace as '{end.status}'{dropped}{why}"
 
 
@@ -368,6 +370,8 @@ def _replay_doc(result: ReplayResult, path: str, keep=None, told: Told | None = 
     }
     if result.from_keyframe is not None:
         doc["from_keyframe"] = result.from_keyframe
+    if result.gaps:
+        doc["gaps"] = [list(g) for g in result.gaps]
     if getattr(result, "audit", None):
         doc["kv_audit"] = result.audit
     doc["kv_content"] = {"device": getattr(result, "device", None),

@@ -45,7 +45,7 @@ STATUS_REASONS = {"FINISHED_STOPPED": "stop", "FINISHED_LENGTH_CAPPED": "length"
                   "FINISHED_ERROR": "error"}
 POLICIES = ("fcfs", "priority")
 COUNTER_SHAPES = ("prefill_stats", "legacy")
-END_STATUSES = ("complete", "recorder-error", "interrupted")
+END_STATUSES = ("complete", "recorder-error", "interrupted", "continued")
 PAUSE_STATES = ("UNPAUSED", "PAUSED_NEW", "PAUSED_ALL")
 GRAMMAR_OUTCOMES = ("ready", "error")
 REPETITION_FIELDS = ("max_pattern_size", "min_pattern_size", "min_count")
