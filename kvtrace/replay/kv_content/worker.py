@@ -9,12 +9,12 @@ worker process that reads the same file on its own, beside the main process:
     worker process: read JSON            -> ContentCheck          -> results
 
 The main process checks every record (docs/reference/bad-input.md); the worker decodes
-them with their own checks too (one decoder), and trusts the main process
-with the checks across records. A record the main process refuses ends the
+them with their own checks and those of order too (one reader), and trusts
+the main process with the checks across records. A record the main process refuses ends the
 replay there, with the main process's error, whatever the worker made of it.
 With ``validate`` (one worker, on two cores), the worker runs the checks
 across records as well, and the main process hands those over once the worker
-has caught up (``TraceReader.validated_elsewhere``): the worker's verdict on a
+has caught up (``TraceReader.checked_elsewhere``): the worker's verdict on a
 record is then the one replay reports.
 
 The worker reports in step order, per step: (line, divergences or None, slots
@@ -70,7 +70,7 @@ class ContentWorker:
         (``TraceReader.share``); the worker then reads the very bytes it reads. With
         ``validate`` the worker runs the checks across records as well, and this
         is a gate for
-        ``TraceReader.validated_elsewhere``. ``session_keeps_sampled``: as
+        ``TraceReader.checked_elsewhere``. ``session_keeps_sampled``: as
         ``ContentCheck``'s."""
         self.path = str(Path(path))   # as TraceReader names it
         self._proc, self._conn = spawn("kvtrace.replay.kv_content.worker", self.path, device,
@@ -141,12 +141,12 @@ class ContentWorker:
         across records are still waited for, as far as the main process reads."""
         self._last_needed = self._tags[-1][0] if self._tags else 0
 
-    # The gate: see TraceReader.validated_elsewhere. Once the worker has caught
+    # The gate: see TraceReader.checked_elsewhere. Once the worker has caught
     # up, it runs the checks across records, and the main process leaves them.
 
-    def caught_up(self, line: int) -> bool:
-        """Whether the worker's checks across records have passed ``line`` (as
-        far as its reports read so far say)."""
+    def takes_over(self, line: int) -> bool:
+        """Whether the worker's checks across records take over at ``line``:
+        once they have passed it (as far as its reports read so far say)."""
         return self.through >= line
 
     def wait(self, line: int) -> None:
@@ -254,13 +254,9 @@ def _serve(path: str, device: str, validate: str, keeps_sampled: str,
                              keep_counts=True, session_keeps_sampled=keeps_sampled == "1",
                              groups=reader.header.features.kv_cache_groups)
         conn.send(("device", check.device))
-        if validate == "1":
-            events = reader.shares_checks()
-        else:
-            events = (e for _, e in reader.records())
         with _no_autograd(device):
             try:
-                for n, e in enumerate(events, 1):
+                for n, e in enumerate(reader, 1):
                     line = reader.last_line
                     if check is not None:
                         try:
