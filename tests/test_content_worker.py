@@ -254,7 +254,7 @@ def hand_over(monkeypatch) -> dict:
 
     state: dict = {"at": None, "took": None, "own": 0}
 
-    def caught_up(self, line):
+    def takes_over(self, line):
         if state["at"] is None or line < state["at"]:
             return False
         state["took"] = line
@@ -267,7 +267,7 @@ def hand_over(monkeypatch) -> dict:
         state["own"] += 1
         return real_check(self, e)
 
-    monkeypatch.setattr(content_worker.ContentWorker, "caught_up", caught_up)
+    monkeypatch.setattr(content_worker.ContentWorker, "takes_over", takes_over)
     monkeypatch.setattr(validate.Validator, "check", check)
     return state
 
@@ -349,7 +349,7 @@ def test_a_worker_that_read_less_than_the_hand_over_needs_is_an_error(faulty, tm
     hand_over["at"] = 2
     with pytest.raises(content_worker.ContentWorkerError, match="it found the end of the file there"):
         with TraceReader(faulty) as reader:
-            for e in reader.validated_elsewhere(rp.content):
+            for e in reader.checked_elsewhere(rp.content):
                 rp.feed(e, reader.last_line)
     assert hand_over["took"] == 2 and reader.last_line == len(recs) // 2 + 1
     rp.close()

@@ -613,3 +613,70 @@ def test_a_shared_end_without_locks_still_bounds_the_reads(tmp_path, monkeypatch
     end.close()
     os.close(fd)
     assert len(tried) == 2   # each reader tried once, then went on without
+
+
+# --------------------------------------------------------------------------- checks left to another reader
+
+
+class _Gate:
+    """The other reader of ``checked_elsewhere``: it takes the checks across
+    records over from line ``at`` and has already passed every line."""
+
+    through = 1 << 30
+
+    def __init__(self, at: int = 2):
+        self.at = at
+
+    def takes_over(self, line):
+        return line >= self.at
+
+    def wait(self, line):
+        raise AssertionError("a gate past every line is never waited for")
+
+
+@pytest.mark.parametrize("seqs", [[0, 0], [3, 2]])
+def test_records_out_of_order_are_refused_also_when_checked_elsewhere(tmp_path, seqs):
+    """The checks of order stay with the reader that gives the events."""
+    path = tmp_path / "t.jsonl"
+    _write_lines(path, [_header_obj()] + [{"seq": s, "kind": "abort", "reqs": []} for s in seqs])
+    with pytest.raises(TraceError, match=rf":3: sequence number {seqs[1]} does not follow {seqs[0]}"):
+        list(TraceReader(path).checked_elsewhere(_Gate()))
+
+
+def test_a_record_after_the_end_is_refused_also_when_checked_elsewhere(tmp_path):
+    path = tmp_path / "t.jsonl"
+    _write_lines(path, [_header_obj(), {"seq": 0, "kind": "end"}, {"seq": 1, "kind": "abort", "reqs": []}])
+    with pytest.raises(TraceError, match=r":3: record after the 'end' record"):
+        list(TraceReader(path).checked_elsewhere(_Gate()))
+
+
+def test_checks_across_records_stay_here_until_the_gate_takes_them_over(tmp_path):
+    """A step that does not follow the one before (line 3) is refused here when
+    the gate takes over after it, and left to the gate when it takes over
+    before it."""
+    path = tmp_path / "t.jsonl"
+    _write_lines(path, [_header_obj(), {"seq": 0, "kind": "step", "step": 0},
+                        {"seq": 1, "kind": "step", "step": 0}, {"seq": 2, "kind": "end"}])
+    with pytest.raises(TraceError, match=r":3: step 0 does not follow step 0") as here:
+        _read_all(path)
+    with pytest.raises(TraceError) as kept:
+        list(TraceReader(path).checked_elsewhere(_Gate(at=4)))
+    assert str(kept.value) == str(here.value)
+    r = TraceReader(path)
+    assert [e.seq for e in r.checked_elsewhere(_Gate(at=3))] == [0, 1, 2]
+    assert r.truncation is None and r.end is not None
+
+
+@pytest.mark.parametrize("cut", ["mid-record", "no end"])
+def test_a_cut_trace_ends_alike_when_checked_elsewhere(tmp_path, cut):
+    """Same events, same cut, same words for it, either way."""
+    path = write_mini_trace(tmp_path / "t.jsonl")
+    lines = _lines(path)
+    path.write_bytes(b"".join(lines[:-3]) + lines[-3][: len(lines[-3]) // 2] if cut == "mid-record"
+                     else b"".join(lines[:-1]))
+    alone = TraceReader(path)
+    want = [e.seq for e in alone]
+    other = TraceReader(path)
+    assert [e.seq for e in other.checked_elsewhere(_Gate())] == want
+    assert other.truncation == alone.truncation and alone.truncation is not None
+    assert other.last_line == alone.last_line and other.end is alone.end is None

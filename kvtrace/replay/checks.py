@@ -369,22 +369,38 @@ def step_invariants(rec: ev.Step, cfg: ev.SchedulerConfig, prev_preemptions: dic
                     line: int | None, in_flight: dict[str, int] | None = None,
                     reads_no_cache: Callable[[str], bool] = lambda req: False,
                     windowed: tuple[bool, ...] = ()) -> list[Divergence]:
-    """Section 5 checks that need only the recording. ``in_flight`` (async
+    """Section 5 checks that need only the recording, in this order: the
+    scheduled tokens (I5), each request's state (B1, I1, I4, I6), the null
+    block (4.5), the state a request resumes from (B6), the connector's
+    answers (I7) and the loads of external hits (I9). ``in_flight`` (async
     scheduling) counts, per request, the output placeholders it held when this
     step was scheduled: one for each step before it, with no output recorded
-    yet, that samples a token for it. A step may compute up to the request's
-    tokens and those placeholders, no further (AS:25-47): c <= T + placeholders.
-    ``reads_no_cache(req)``: whether the request arrived with
-    ``skip_reading_prefix_cache`` (its connector answers count for nothing).
-    ``windowed``: for each KV-cache group, where it may hold the null block
-    (``null_blocks``): in its tables (a sliding window's blocks given back),
-    or also in a running request's new blocks (a state group's skipped
-    slots)."""
+    yet, that samples a token for it. ``reads_no_cache(req)``: whether the
+    request arrived with ``skip_reading_prefix_cache`` (its connector answers
+    count for nothing). ``windowed``: for each KV-cache group, where it may
+    hold the null block (``null_blocks``): in its tables (a sliding window's
+    blocks given back), or also in a running request's new blocks (a state
+    group's skipped slots)."""
     divs: list[Divergence] = []
 
     def d(req, field, recorded, expected, rule, kind="invariant"):
         divs.append(Divergence(rec.step, req, field, recorded, expected, rule, kind, rec.seq, line))
 
+    sched = _scheduled_tokens(rec, cfg, d)
+    _request_states(rec, cfg, sched, prev_preemptions, in_flight, d)
+    if _hands_out_null_block(rec, windowed):
+        d(None, "block_ids", 0, f"1..{cfg.num_blocks - 1}", "4.5: block 0 is the null block", "block")
+    if IN_NEW_BLOCKS in windowed and rec.lookups:
+        _resumes_from_a_state(rec, windowed, cfg.block_size, d)
+    _connector_answers(rec, d)
+    _loads_cover_hits(rec, reads_no_cache, d)
+    return divs
+
+
+def _scheduled_tokens(rec: ev.Step, cfg: ev.SchedulerConfig, d) -> dict[str, int]:
+    """I5: the step schedules no more tokens than its budget, more than none
+    to each request it schedules, and each request once. Returns the tokens
+    scheduled, per request."""
     scheduled = [*rec.new, *rec.resumed, *rec.running]
     sched = {s.req: s.num_scheduled_tokens for s in scheduled}
     total = sum(sched.values())
@@ -401,13 +417,22 @@ def step_invariants(rec: ev.Step, cfg: ev.SchedulerConfig, prev_preemptions: dic
             if s.req in seen:
                 d(s.req, "scheduled", "twice", "once", "I5: a request is scheduled at most once per step")
             seen.add(s.req)
+    return sched
+
+
+def _request_states(rec: ev.Step, cfg: ev.SchedulerConfig, sched: dict[str, int],
+                    prev_preemptions: dict[str, int], in_flight: dict[str, int] | None, d) -> None:
+    """Each request's state after schedule(), in one pass (its findings in the
+    order of the states): a scheduled request's table covers its computed
+    tokens (B1), which are no more than its tokens (I1: c <= T, plus the
+    output placeholders of the steps in flight (AS:25-47) and the drafts
+    scheduled); a waiting or preempted request holds nothing (I4); its
+    preemptions count up by one each time it is preempted (I6, which
+    ``prev_preemptions`` carries from step to step)."""
     max_len, block_size = cfg.max_model_len, cfg.block_size
     preempted = rec.preempted
     spec = rec.spec
-    null_block = False
     for s in rec.states:
-        if (0 in s.block_ids or s.more_groups) and _holds_null(s.block_ids, s.more_groups, windowed):
-            null_block = True
         if s.req in sched:
             need = -(-min(s.num_computed_tokens, max_len) // block_size)
             if len(s.block_ids) < need:
@@ -437,27 +462,39 @@ def step_invariants(rec: ev.Step, cfg: ev.SchedulerConfig, prev_preemptions: dic
               "I6: +1 per appearance in preempted_req_ids")
         if s.num_preemptions != before:
             prev_preemptions[s.req] = s.num_preemptions
-    # Ids past the pool are refused by the reader; handing out the null block 0 is an
-    # engine bug.
-    if (null_block
-            or any((0 in s.block_ids or s.more_groups)
-                   and _holds_null(s.block_ids, s.more_groups, windowed) for s in rec.new)
-            or any((0 in s.block_ids or s.more_groups)
-                   and _holds_null(s.block_ids, s.more_groups, windowed) for s in rec.resumed)
-            or any((0 in s.new_block_ids or s.more_groups)
-                   and _holds_null(s.new_block_ids, s.more_groups,
-                                   tuple(w == IN_NEW_BLOCKS for w in windowed))
-                   for s in rec.running)):
-        d(None, "block_ids", 0, f"1..{cfg.num_blocks - 1}", "4.5: block 0 is the null block", "block")
-    if IN_NEW_BLOCKS in windowed and rec.lookups:
-        _resumes_from_a_state(rec, windowed, block_size, d)
+
+
+def _hands_out_null_block(rec: ev.Step, windowed: tuple) -> bool:
+    """4.5: whether a table of the step holds the null block 0 where its group
+    may not (``windowed``): a state's, a new or resumed request's, or a running
+    request's new blocks. Ids past the pool are refused by the reader; handing
+    out the null block is an engine bug."""
+    if (_null_in_tables(rec.states, windowed) or _null_in_tables(rec.new, windowed)
+            or _null_in_tables(rec.resumed, windowed)):
+        return True
+    for s in rec.running:
+        if (0 in s.new_block_ids or s.more_groups) and _holds_null(
+                s.new_block_ids, s.more_groups, tuple(w == IN_NEW_BLOCKS for w in windowed)):
+            return True
+    return False
+
+
+def _null_in_tables(tables: list, windowed: tuple) -> bool:
+    """Whether one of these block tables (``block_ids``, ``more_groups``)
+    holds the null block where its group may not."""
+    for s in tables:
+        if (0 in s.block_ids or s.more_groups) and _holds_null(s.block_ids, s.more_groups, windowed):
+            return True
+    return False
+
+
+def _connector_answers(rec: ev.Step, d) -> None:
+    """I7: a connector answers a lookup with no fewer than 0 tokens."""
     for lk in rec.lookups:
         if lk.ext is not None and lk.ext < 0:
             d(lk.req, "lookup.ext", lk.ext, ">= 0",
               "I7: a connector's answer is >= 0 tokens (a negative one takes local hit "
               "tokens back)")
-    _loads_cover_hits(rec, reads_no_cache, d)
-    return divs
 
 
 IN_TABLES, IN_NEW_BLOCKS = "tables", "new blocks"

@@ -112,7 +112,7 @@ class Plan:
             worker = RecordWorker(reader.path, reader.share())
             return reader.checked_elsewhere(worker), worker
         if self.content_worker:
-            return reader.validated_elsewhere(rp.content), None
+            return reader.checked_elsewhere(rp.content), None
         return reader, None
 
     def no_autograd(self):

@@ -38,6 +38,9 @@ class TraceReader:
     >>> for ev in r: ...
     >>> r.truncation   # None, or "line 812 is cut off" etc.
 
+    ``checked_elsewhere(gate)`` gives the same events with the checks across
+    records left to a reader in another process.
+
     ``validate`` (on by default) also checks each record against the header and
     the records before it (validate.py): block ids in the pool, request ids that
     arrived, step order. Turn it off only to read a file for repair.
@@ -109,7 +112,8 @@ class TraceReader:
             raise TraceError(self.path, None, f"cannot open: {e.strerror or e}") from None
         self._fh = fh
         self._read = getattr(fh, "read1", fh.read)
-        first = self._next_raw()
+        self._raw_iter = self._lines()
+        first = next(self._raw_iter, None)
         if first is None:
             if self.truncation:
                 raise TraceError(self.path, 1, f"the header record is cut off: {self.truncation}")
@@ -225,11 +229,6 @@ class TraceReader:
         if problem is not None:
             raise TraceError(self.path, lineno, problem)
 
-    def _next_raw(self):
-        if not hasattr(self, "_raw_iter"):
-            self._raw_iter = self._lines()
-        return next(self._raw_iter, None)
-
     def _decode(self, lineno: int, raw: bytes, complete: bool):
         """The line's event, its own checks passed, or ``_CUT`` for a last line
         cut off mid-record."""
@@ -254,37 +253,35 @@ class TraceReader:
             raise TraceError(self.path, lineno, f"not JSON ({_short(e)})") from None
 
     # -- events ----------------------------------------------------------------
+    # Two ways to read the events: iteration, every check here, and
+    # ``checked_elsewhere``, the checks across records left to another reader.
+    # Both run one loop: it stops at the file's end or a cut last line, and
+    # then says why in ``truncation`` the same way.
 
     def __iter__(self) -> Iterator[Event]:
-        return self._events(self._validator)
+        """Each event after the header: each record decoded with its own checks,
+        then the checks of order and (with ``validate``) those across records.
+        Stops before a last line cut off mid-record; then ``truncation`` says
+        why the events stopped, if they stopped before an 'end' record."""
+        return self._events(None)
 
-    def validated_elsewhere(self, gate) -> Iterator[Event]:
-        """The events of a file that another reader of it checks as well, from
-        its first record, through ``shares_checks``. Here every record gets
-        every check until the other reader has caught up, at the first record
-        whose line ``gate.caught_up`` says it has checked. From there on, the
-        checks across records (validate.py) are left to it, and each record
-        waits for ``gate`` as in ``checked_elsewhere``; each record still gets
-        its own checks as it is decoded. Same events, same cut, same errors as
-        iteration, as long as the other reader reads the same bytes (replay's
-        content worker)."""
-        return self._events(self._validator, gate)
+    def checked_elsewhere(self, gate) -> Iterator[Event]:
+        """The events of iteration, with the checks across records (validate.py)
+        left to another reader of the same bytes (``share()``) from the first
+        record at whose line ``gate.takes_over(line)`` says so; before that,
+        every record gets every check here. From there on, each record is
+        decoded with its own checks and the checks of order, and then waits
+        until ``gate`` has passed its line: ``gate.through`` is the last line it
+        has checked, and ``gate.wait(line)`` returns once it has checked
+        ``line``, or raises its TraceError for that line or one before it. Same
+        events, same cut, same errors as iteration, as long as the other reader
+        reads the same bytes (replay's record worker and content worker)."""
+        return self._events(gate)
 
-    def shares_checks(self) -> Iterator[Event]:
-        """The other reader's side of ``validated_elsewhere``: iteration, every
-        check included, so a record's first problem raises the TraceError
-        iteration would raise."""
-        return self._events(self._validator)
-
-    def _events(self, validator: Validator | None, gate=None) -> Iterator[Event]:
-        """Each record decoded with its own checks, then the checks of order and,
-        with ``validator``, those across records. With ``gate``, see
-        ``validated_elsewhere``."""
+    def _events(self, gate) -> Iterator[Event]:
         last_seq = -1
-        check = validator.check if validator is not None else None
+        check = self._validator.check if self._validator is not None else None
         fast = LINE_DECODER.decode
-        if not hasattr(self, "_raw_iter"):
-            self._raw_iter = self._lines()
         for lineno, raw, complete in self._raw_iter:
             self.last_line = lineno
             if len(raw) > SMALL:
@@ -293,7 +290,7 @@ class TraceReader:
                 ev = fast(raw)
             except Exception:   # named, or found cut off, the slow way
                 ev = self._decode(lineno, raw, complete)
-                if ev is _CUT:
+                if ev is _CUT:   # a cut last line: the other reader never passes it
                     break
             if ev.seq <= last_seq:
                 raise TraceError(self.path, lineno,
@@ -303,7 +300,7 @@ class TraceReader:
             if self.end is not None:
                 raise TraceError(self.path, lineno, "record after the 'end' record")
             if check is not None:
-                if gate is not None and gate.caught_up(lineno):
+                if gate is not None and gate.takes_over(lineno):
                     check = None   # the other reader checks from here on
                 else:
                     try:
@@ -316,64 +313,19 @@ class TraceReader:
                 self.end = ev
             yield ev
         self._end_of_records()
-        self._note_no_end()
 
-    def checked_elsewhere(self, gate) -> Iterator[Event]:
-        """The events of a file whose records another reader of it checks across
-        records: each record is decoded, with its own checks, once ``gate`` says
-        that the other reader has passed its line: ``gate.through`` is the last
-        line it has checked, and ``gate.wait(line)`` returns when it has checked
-        ``line``, or raises its TraceError for that line or one before it. Same
-        events, same cut, same errors as iteration, as long as the other reader
-        reads the same bytes (replay's record worker, through ``share()``)."""
-        for lineno, raw, complete in self._raw_records():
-            # Decoded first: its own checks are the other reader's, which has
-            # passed every line before this one (a cut last line it never passes).
-            ev = self._decode(lineno, raw, complete)
-            if ev is _CUT:
-                break
-            if lineno > gate.through:
-                gate.wait(lineno)
-            if type(ev) is End:
-                self.end = ev
-            yield ev
-        self._end_of_records()
-        self._note_no_end()
-
-    def _note_no_end(self) -> None:
+    def _end_of_records(self) -> None:
+        """Close the file, and say in ``truncation`` why the events stopped
+        where they stopped before an 'end' record."""
+        self._grown = self._file.grown()
+        self._written = self._file.being_written()
+        self.close()
         if self.end is None and self.truncation is None:
             self.truncation = f"no 'end' record after line {self.last_line}: the recording was cut off"
         if self.truncation is not None and self._written:
             self.truncation += "; a recorder is still writing the file"
         elif self.truncation is not None and self._grown:
             self.truncation += "; the file has grown since (is it still being written?)"
-
-    def records(self) -> Iterator[tuple[int, Event]]:
-        """(line number, event) for each record after the header, with its own
-        checks (types, ranges, allowed values) and none across records, which
-        iteration adds. On its own, for a second reader of a file whose records
-        another reader checks across records (the replay's content worker).
-        Stops where the file is cut off, and closes it."""
-        for lineno, raw, complete in self._raw_records():
-            ev = self._decode(lineno, raw, complete)
-            if ev is _CUT:
-                break
-            yield lineno, ev
-        self._end_of_records()
-
-    def _raw_records(self) -> Iterator[tuple[int, bytes, bool]]:
-        """(line number, bytes, whether the line ended) of each line after the header."""
-        while True:
-            item = self._next_raw()
-            if item is None:
-                return
-            self.last_line = item[0]
-            yield item
-
-    def _end_of_records(self) -> None:
-        self._grown = self._file.grown()
-        self._written = self._file.being_written()
-        self.close()
 
     def close(self) -> None:
         # A GzipFile leaves the file under it open: close both.

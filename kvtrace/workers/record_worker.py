@@ -5,8 +5,8 @@ Replay without the content check spends about half its time checking and
 decoding records (docs/reference/bad-input.md) and half replaying them. So for a large
 trace, a worker process reads the same file on its own and checks every record
 as any reader does, while the main process decodes the same records (their
-own checks come with decoding) without the checks across records, and
-replays them:
+own checks come with decoding, and it checks their order) without the checks
+across records, and replays them:
 
     worker process: read + check records          -> "checked through line N"
     main process:   read + decode records         -> reference scheduler -> compare
@@ -54,6 +54,11 @@ class RecordWorker:
         self._proc, self._conn = spawn("kvtrace.workers.record_worker", self.path, share=shared or ())
         self.through = 0            # the worker has checked every record up to this line
         self._end: dict | None = None
+
+    def takes_over(self, line: int) -> bool:
+        """The worker checks every record: it takes the checks across records
+        over from the first."""
+        return True
 
     def wait(self, line: int) -> None:
         """Return once the worker has checked the record at ``line``. Raise the

@@ -9,12 +9,12 @@ worker process that reads the same file on its own, beside the main process:
     worker process: read JSON            -> ContentCheck          -> results
 
 The main process checks every record (docs/reference/bad-input.md); the worker decodes
-them with their own checks too (one decoder), and trusts the main process
-with the checks across records. A record the main process refuses ends the
+them with their own checks and those of order too (one reader), and trusts
+the main process with the checks across records. A record the main process refuses ends the
 replay there, with the main process's error, whatever the worker made of it.
 With ``validate`` (one worker, on two cores), the worker runs the checks
 across records as well, and the main process hands those over once the worker
-has caught up (``TraceReader.validated_elsewhere``): the worker's verdict on a
+has caught up (``TraceReader.checked_elsewhere``): the worker's verdict on a
 record is then the one replay reports.
 
 The worker reports in step order, per step: (line, divergences or None, slots
@@ -70,7 +70,7 @@ class ContentWorker:
         (``TraceReader.share``); the worker then reads the very bytes it reads. With
         ``validate`` the worker runs the checks across records as well, and this
         is a gate for
-        ``TraceReader.validated_elsewhere``. ``session_keeps_sampled``: as
+        ``TraceReader.checked_elsewhere``. ``session_keeps_sampled``: as
         ``ContentCheck``'s."""
         self.path = str(Path(path))   # as TraceReader names it
         self._proc, self._conn = spawn("kvtrace.replay.kv_content.worker", self.path, device,
@@ -141,12 +141,12 @@ class ContentWorker:
         across records are still waited for, as far as the main process reads."""
         self._last_needed = self._tags[-1][0] if self._tags else 0
 
-    # The gate: see TraceReader.validated_elsewhere. Once the worker has caught
+    # The gate: see TraceReader.checked_elsewhere. Once the worker has caught
     # up, it runs the checks across records, and the main process leaves them.
 
-    def caught_up(self, line: int) -> bool:
-        """Whether the worker's checks across records have passed ``line`` (as
-        far as its reports read so far say)."""
+    def takes_over(self, line: int) -> bool:
+        """Whether the worker's checks across records take over at ``line``:
+        once they have passed it (as far as its reports read so far say)."""
         return self.through >= line
 
     def wait(self, line: int) -> None:
@@ -217,79 +217,102 @@ def _serve(path: str, device: str, validate: str, keeps_sampled: str,
         import torch
 
         torch.set_num_threads(1)   # the main process has the other core
-    # line: where the check stopped (the last line read when it did not), and
-    # error: why, or None. through: the last line the checks across records
-    # passed; problem: [line, what] for a record they refuse.
-    report = {"line": 0, "error": None, "through": 0, "problem": None}
-    queued: deque[int] = deque()   # the line of each step given to the check, not reported yet
-    done: list[tuple] = []
+    worker = _Worker(conn, device, validate == "1")
+    reader = None
+    try:
+        reader = TraceReader(path, validate=worker.validate, shared=shared)
+        worker.start(ContentCheck(reader.header.config, device,
+                                  reader.header.features.async_scheduling is True,
+                                  keep_counts=True, session_keeps_sampled=keeps_sampled == "1",
+                                  groups=reader.header.features.kv_cache_groups))
+        with _no_autograd(device):
+            worker.read(reader)
+    except Exception as error:   # a record the main process refuses, or a bug
+        # The record that raised: the steps before it count.
+        worker.failed(reader.last_line if reader is not None else 0, f"{type(error).__name__}: {error}")
+    return worker.last_reports()
 
-    def ready(results: list) -> None:
-        for line, divs in results:
-            at = queued.popleft()
-            slots, states, assumed = check.counts.popleft()   # as the step was queued
-            done.append((at, divs or None, slots, states, assumed))
 
-    def send() -> None:
-        conn.send(("ready", done[:], report["through"]))
-        done.clear()
+class _Worker:
+    """The worker's check and what it tells the main process, one method per
+    message: ("device", name) once the check has started (``start``),
+    ("ready", results, through) every ``_REPORT_EVERY`` records
+    (``send_ready``), and last the results not sent yet and ("end", report)
+    (``last_reports``)."""
 
-    def stop_check(line: int, error: str) -> None:
-        """The check stops before ``line``: the steps queued before it still count."""
-        nonlocal check
-        report.update(line=line, error=error)
+    def __init__(self, conn: Connection, device: str, validate: bool):
+        self.conn, self.device, self.validate = conn, device, validate
+        self.check = None
+        # line: where the check stopped (the last line read when it did not), and
+        # error: why, or None. through: the last line the checks across records
+        # passed; problem: [line, what] for a record they refuse.
+        self.report = {"line": 0, "error": None, "through": 0, "problem": None}
+        self.queued: deque[int] = deque()   # the line of each step given to the check, not reported yet
+        self.done: list[tuple] = []
+
+    def start(self, check) -> None:
+        self.check = check
+        self.conn.send(("device", check.device))
+
+    def send_ready(self) -> None:
+        self.conn.send(("ready", self.done[:], self.report["through"]))
+        self.done.clear()
+
+    def last_reports(self) -> list[tuple]:
+        return [("ready", self.done, self.report["through"]), ("end", self.report)]
+
+    def read(self, reader) -> None:
+        """Give each record of ``reader`` to the check, until the trace ends or
+        a record the reader refuses."""
+        report, ready, queued = self.report, self.ready, self.queued
+        line = 0
         try:
-            with _no_autograd(device):   # the shadow cache's tensors were made in it
-                ready([r for r in check.flush() if r[0] < line])
+            for n, e in enumerate(reader, 1):
+                line = reader.last_line
+                if self.check is not None:
+                    try:
+                        _check(self.check, e, line, queued, ready)
+                    except Exception as error:   # a record the main process refuses, or a bug
+                        self.stop_check(line, f"{type(error).__name__}: {error}")
+                        if not self.validate:
+                            break
+                if self.validate:
+                    report["through"] = line
+                if not n % _REPORT_EVERY:
+                    self.send_ready()
+        except TraceError as problem:   # the main process stops before this record
+            report["problem"] = [problem.line, problem.problem]
+            line = problem.line
+        if self.check is not None:
+            if report["problem"] is None:
+                ready(self.check.flush())
+                report["line"] = line
+            else:
+                self.stop_check(line, "a record the checks it shares refuse")
+
+    def ready(self, results: list) -> None:
+        """The check's results for steps queued before, to be sent."""
+        for line, divs in results:
+            at = self.queued.popleft()
+            slots, states, assumed = self.check.counts.popleft()   # as the step was queued
+            self.done.append((at, divs or None, slots, states, assumed))
+
+    def stop_check(self, line: int, error: str) -> None:
+        """The check stops before ``line``: the steps queued before it still count."""
+        self.report.update(line=line, error=error)
+        try:
+            with _no_autograd(self.device):   # the shadow cache's tensors were made in it
+                self.ready([r for r in self.check.flush() if r[0] < line])
         except Exception:
             pass
-        check = None
+        self.check = None
 
-    line = 0
-    check = reader = None
-    try:
-        reader = TraceReader(path, validate=validate == "1", shared=shared)
-        check = ContentCheck(reader.header.config, device,
-                             reader.header.features.async_scheduling is True,
-                             keep_counts=True, session_keeps_sampled=keeps_sampled == "1",
-                             groups=reader.header.features.kv_cache_groups)
-        conn.send(("device", check.device))
-        if validate == "1":
-            events = reader.shares_checks()
+    def failed(self, line: int, error: str) -> None:
+        """What stopped the worker outside its check's own steps."""
+        if self.check is not None:
+            self.stop_check(line, error)
         else:
-            events = (e for _, e in reader.records())
-        with _no_autograd(device):
-            try:
-                for n, e in enumerate(events, 1):
-                    line = reader.last_line
-                    if check is not None:
-                        try:
-                            _check(check, e, line, queued, ready)
-                        except Exception as error:   # a record the main process refuses, or a bug
-                            stop_check(line, f"{type(error).__name__}: {error}")
-                            if validate != "1":
-                                break
-                    if validate == "1":
-                        report["through"] = line
-                    if not n % _REPORT_EVERY:
-                        send()
-            except TraceError as problem:   # the main process stops before this record
-                report["problem"] = [problem.line, problem.problem]
-                line = problem.line
-            if check is not None:
-                if report["problem"] is None:
-                    ready(check.flush())
-                    report["line"] = line
-                else:
-                    stop_check(line, "a record the checks it shares refuse")
-    except Exception as error:   # a record the main process refuses, or a bug
-        if reader is not None:
-            line = reader.last_line   # the record that raised: the steps before it count
-        if check is not None:
-            stop_check(line, f"{type(error).__name__}: {error}")
-        else:
-            report.update(line=line, error=f"{type(error).__name__}: {error}")
-    return [("ready", done, report["through"]), ("end", report)]
+            self.report.update(line=line, error=error)
 
 
 def _no_autograd(device: str):
