@@ -2,7 +2,7 @@
 each entry refuses a header that turns its feature on, in one line naming it,
 with exit 2, and no other entry claims that header. A new entry needs a case
 here; an entry taken out (the reference learned to model it) takes its case
-with it, and its names out of the docs (tests/test_docs.py)."""
+with it, and its names out of the docs (tests/house/test_docs.py)."""
 
 from __future__ import annotations
 

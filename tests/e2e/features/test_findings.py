@@ -9,7 +9,7 @@ inputs, makes the same decisions.
 
 vLLM 0.32 also loads a one-token prompt with a full async hit again every time
 its load completes, so it never runs. Replay's liveness check names it (vLLM's
-agreement: tests/test_vllm_replay.py).
+agreement: tests/e2e/vllm/test_vllm_replay.py).
 
 And with scheduler_reserve_full_isl off, priority scheduling and chunked long
 prefills, it can admit and preempt the same requests forever. Replay's liveness
@@ -233,7 +233,7 @@ def test_a_request_preempted_often_that_then_gets_through_is_not_a_loop():
     """Three requests each reach PREEMPT_LIMIT preemptions without a token, at
     steps LIMIT-1, LIMIT and LIMIT+1. "thrash" then samples a token: it got
     through, so nothing is reported for it (vLLM 0.32 did this on a random
-    workload: tests/test_vllm_random.py, seed 542), so its report is taken
+    workload: tests/e2e/vllm/test_vllm_random.py, seed 542), so its report is taken
     back. "aborted" finishes without one, and "looping" is still going when
     the trace ends: their reports stand, at the step of their LIMIT-th
     preemption."""

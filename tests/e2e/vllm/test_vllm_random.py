@@ -97,7 +97,7 @@ MEETS_THE_BUG = (209, "async-failures")
 # a 32-token budget with preemptions and stop tokens (403), preemptions and
 # stop tokens under async scheduling (400), chunked prefill off under async
 # scheduling (404), a request preempted 16 times before it gets through (542:
-# replay's liveness rule once called it a loop, tests/test_findings.py), and
+# replay's liveness rule once called it a loop, tests/e2e/features/test_findings.py), and
 # the loop (457).
 # Served as a stream, seeds stream:600-659, async-stream:700-759,
 # async-aborts:800-859 and sync-aborts:900-929 all replay with no divergence.

@@ -316,7 +316,7 @@ def test_a_linear_attention_hybrid_given_as_a_model_is_recorded_and_reruns_throu
 
 def test_an_engine_that_takes_prompt_embeddings_and_gets_token_ids_replays_clean(tmp_path):
     """With ``enable_prompt_embeds`` on, a prompt may be embeddings
-    (tests/test_prompt_embeds.py); prompts of token ids are recorded and
+    (tests/e2e/features/test_prompt_embeds.py); prompts of token ids are recorded and
     replayed as without it."""
     from tests._recording import replays_clean_through_both
 
@@ -522,7 +522,7 @@ def test_exception_in_capture_marks_trace_failed_and_engine_continues(tmp_path, 
 
 def test_writer_failure_ends_trace_incomplete(tmp_path, model_dir, monkeypatch):
     """The in-process writer (KVTRACE_WRITER=thread); the writer process's own
-    handling of a failing disk is tested in test_record_sink.py."""
+    handling of a failing disk is tested in tests/unit/record/test_sink.py."""
     plain = run_workload(model_dir, SMALL)
     from kvtrace.trace import io as trace_io
 

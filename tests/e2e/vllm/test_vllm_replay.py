@@ -305,7 +305,7 @@ def test_a_one_token_prompt_with_a_full_async_hit_is_loaded_again_as_vllm_does(t
     used to fail an assertion there; it now does what vLLM does. The request is
     never scheduled: the embedded engine stops as stalled, and vLLM's own
     scheduler, given the same inputs, makes the same decisions to the end
-    (replay's liveness check: tests/test_findings.py)."""
+    (replay's liveness check: tests/e2e/features/test_findings.py)."""
     from kvtrace.engine import EngineStalled, record_workload
 
     rec_path = tmp_path / "emb.jsonl"
@@ -341,14 +341,14 @@ _DIFFERENTIAL = {"small": 150, "small-connector": 120, "large-connector": 25, "s
 @pytest.mark.parametrize("case", list(_DIFFERENTIAL))
 def test_random_embedded_workloads_replay_identically_through_vllm(case, tmp_path_factory,
                                                                    monkeypatch):
-    """Random workloads and engine settings (tests/test_properties.py) run on the
+    """Random workloads and engine settings (tests/e2e/features/test_properties.py) run on the
     embedded engine, whose scheduler is the reference, then through vLLM's own
     Scheduler (its AsyncScheduler for the async cases, where the embedded engine
     runs vLLM's batch queue of two) with the same inputs: every decision, block
     ids included, must be the same. Runs that stall are compared too, up to the stall. This is how
     three disagreements were found: the abort order and the one-token reload
     loop (tests above, docs/findings.md), and how shared failed blocks are
-    claimed (tests/test_reference.py)."""
+    claimed (tests/unit/reference/test_scheduler.py)."""
     from hypothesis import HealthCheck, given, settings
 
     from kvtrace.engine import engine as embedded

@@ -157,7 +157,7 @@ def test_a_full_attention_hit_past_a_lagging_state_is_named_where_vllm_departs(t
 
 def test_siblings_on_one_state_are_admitted_as_each_release_does(tmp_path):
     """vLLM 0.32 admits three siblings that hit one state one per step; the
-    0.32 recording diverges under the 0.33 profile (tests/test_state_groups.py
+    0.32 recording diverges under the 0.33 profile (tests/unit/reference/test_state_groups.py
     holds the reference to both)."""
     trace = tmp_path / "siblings.jsonl"
     assert H.record(_siblings(), str(trace))["error"] is None

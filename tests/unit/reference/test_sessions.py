@@ -4,7 +4,7 @@ and the end of its input an arrival under that id without the mark. In the
 reference, a stop ends a turn, not the request (S:2465-2491, S:1650-1691,
 S:2616-2628): the expectations below are worked out by hand from those lines,
 not copied from a run. The real engine's sessions, replayed with no
-divergence, are in tests/test_vllm_recorder.py."""
+divergence, are in tests/e2e/vllm/test_vllm_recorder.py."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 rules worked out by hand from vLLM's MambaManager and scheduler (0.32 and
 0.33), and tables vLLM's own scheduler produced for the same inputs (cited
 where used); the header's refusals; the invariant a resumed state obeys.
-tests/test_vllm_state_groups.py holds the reference to vLLM's scheduler on
+tests/e2e/vllm/test_vllm_state_groups.py holds the reference to vLLM's scheduler on
 random workloads."""
 
 from __future__ import annotations
