@@ -19,6 +19,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" | tee -a "$out/gpu.txt"
 timeout 420 python3 -m pytest -q -p no:cacheprovider -n 8 -rs -k cuda \
-    tests/test_content_check.py tests/test_shadow_kv.py tests/test_data_path.py 2>&1 | tee "$out/tests.log" | tail -15
+    tests/unit/replay/kv_content/test_check.py tests/unit/replay/kv_content/test_core.py \
+    tests/unit/replay/test_data_path.py 2>&1 | tee "$out/tests.log" | tail -15
 timeout 60 python3 -m bench.kv_audit --no-vllm 2>&1 | tee "$out/kv_audit.log"
 timeout 120 python3 -m bench.shadow_kv --device cuda 2>&1 | tee "$out/shadow_kv.log" | tail -25

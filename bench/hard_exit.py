@@ -18,8 +18,8 @@ steps it has completed.
     python -m bench.hard_exit --runs 5 --modes kill
     python -m bench.hard_exit --modes embedded-kill,embedded-exit
 
-``tests/test_hard_exit.py`` runs a few of the vLLM engine's;
-``tests/test_embedded_hard_exit.py`` a few of the embedded engine's.
+``tests/e2e/vllm/test_hard_exit.py`` runs a few of the vLLM engine's;
+``tests/e2e/cli/test_embedded_hard_exit.py`` a few of the embedded engine's.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ adapters a step may run (``max_loras``) and each arrival names its adapter.
 ``REFUSED`` is the one list of what the reference does not model: each entry
 names it as the docs do (README.md, docs/guide/replay.md,
 docs/reference/bad-input.md and docs/reference/checks.md list the same names;
-tests/test_docs.py holds them to it) and says in one line where a header
+tests/house/test_docs.py holds them to it) and says in one line where a header
 turns it on. Replay refuses such a trace with that line rather than replay it
 into false divergences. When the reference learns to model one, its entry
 goes (and a KV-cache group kind it names joins ``MODELLED_KINDS``).

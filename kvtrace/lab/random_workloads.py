@@ -39,7 +39,7 @@ JSON_OUTPUT = {"json": {"type": "object", "properties": {"name": {"type": "strin
 
 
 def knobs_workload(seed: int, kind: str = "knobs") -> dict:
-    """A random workload for a real engine (tests/test_vllm_random.py): no
+    """A random workload for a real engine (tests/e2e/vllm/test_vllm_random.py): no
     connector; the scheduler's settings drawn instead: block size, KV
     blocks (few enough to preempt), token budget, max_num_seqs and
     max_num_active_seqs, the long-prefill threshold (fixed or adaptive), chunked
@@ -342,7 +342,7 @@ def with_loras(workload: dict, seed: int) -> dict:
 
 
 def connector_workload(seed: int, kind: str) -> dict:
-    """A random workload for a real engine (tests/test_vllm_random.py):
+    """A random workload for a real engine (tests/e2e/vllm/test_vllm_random.py):
     prompts with an optional shared prefix, a small KV cache, and scripted
     external hits: sync or async, some answered "not ready" first, some growing
     after a preemption, and with ``kind`` "...-failures", request- and

