@@ -1,7 +1,7 @@
 """One module per subcommand; ``COMMANDS`` is what the ``kvtrace`` group registers."""
 
 from . import diff, record, redact, replay, report
-from . import explain, keyframes
+from . import dump, explain, keyframes
 
 COMMANDS = {
     "record": record.command,
@@ -12,5 +12,6 @@ COMMANDS = {
     "show": report.show,
     "redact": redact.command,
     "keyframes": keyframes.command,
+    "dump": dump.command,
     "explain": explain.command,
 }

@@ -165,9 +165,12 @@ class Flight:
         from kvtrace.flight import KeyframingWriter, SegmentWriter
 
         if self.ring is not None:
-            return lambda path, header: SegmentWriter(path, header, self.segment, self.ring,
-                                                      self.every, open_file=open_file,
-                                                      on_pin=say)
+            def segments(path, header):
+                w = SegmentWriter(path, header, self.segment, self.ring, self.every,
+                                  open_file=open_file, on_pin=say)
+                w.listen()   # kvtrace dump DIR
+                return w
+            return segments
         if self.every is not None:
             return lambda path, header: KeyframingWriter(open_file(path, header), header,
                                                          self.every)

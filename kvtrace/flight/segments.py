@@ -21,6 +21,8 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -35,6 +37,8 @@ logger = logging.getLogger("kvtrace.record")
 
 NAME = re.compile(r"segment-(\d{6,})\.jsonl(\.gz|\.zst)?$")
 PINS = "pins.json"
+PID = "recorder.pid"   # the recording process, for 'kvtrace dump DIR'
+DUMP_SIGNAL = signal.SIGUSR2
 
 
 def segment_files(folder: str | os.PathLike) -> list[Path]:
@@ -79,6 +83,8 @@ class SegmentWriter:
         self.pin_next: str | None = None            # pin the next segment too, for this reason
         self.deleted = 0
         self.tripped = False                        # the replay found a divergence
+        self.asked: str | None = None               # a pin asked from outside (a signal)
+        self._old_handler = None
         self._open(None)
 
     # -- a trace writer's calls --------------------------------------------------
@@ -90,6 +96,9 @@ class SegmentWriter:
 
     def write(self, e) -> None:
         step = type(e) is ev.Step
+        if self.asked is not None and step:
+            why, self.asked = self.asked, None
+            self.pin(why)
         if step:
             self.step_bytes = max(self.step_bytes, self.bytes - self._at_step)
         due = step and self.bytes >= self.segment_bytes
@@ -119,9 +128,27 @@ class SegmentWriter:
         self.finish(ev.End(self.next_seq(), status, error, dropped_events))
 
     def finish(self, end: ev.End | None) -> None:
+        if self._old_handler is not None:
+            signal.signal(DUMP_SIGNAL, self._old_handler)
+            self._old_handler = None
+            (self.folder / PID).unlink(missing_ok=True)
         if self.current is not None:
             self.current.finish(end)
             self.current = None
+
+    def listen(self) -> bool:
+        """Pin the segments at hand when this process gets SIGUSR2 ('kvtrace
+        dump DIR' sends it, naming the process in ``recorder.pid``). Only from
+        the main thread, where Python runs signal handlers."""
+        if threading.current_thread() is not threading.main_thread():
+            return False
+
+        def asked(signum, frame):   # pinned at the next step record, not in the handler
+            self.asked = f"{signal.Signals(signum).name} (kvtrace dump)"
+
+        self._old_handler = signal.signal(DUMP_SIGNAL, asked)
+        (self.folder / PID).write_text(f"{os.getpid()}\n")
+        return True
 
     def __enter__(self) -> "SegmentWriter":
         return self

@@ -19,7 +19,7 @@ from kvtrace.replay.keyframes import add_keyframes, replay_from
 from kvtrace.trace import TraceError, TraceReader
 from kvtrace.trace import events as ev
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests._paths import REPO as ROOT
 STORED = sorted(p.relative_to(ROOT / "traces").as_posix()
                 for p in (ROOT / "traces").rglob("*.jsonl*"))
 
