@@ -115,6 +115,13 @@ def _shared_prefix_checkpoint(cc: Any) -> dict:
     return {}
 
 
+def _class_name(sched: Any) -> str:
+    """The scheduler class that runs: the one its recording class wraps
+    (``hooks.make_recording_scheduler``)."""
+    cls = getattr(type(sched), "_kvtrace_base", None) or type(sched).__mro__[1]
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 def build_header(sched: Any, meta: dict | None = None) -> Header:
     """The trace header for a constructed vLLM scheduler."""
     import vllm
@@ -206,7 +213,7 @@ def build_header(sched: Any, meta: dict | None = None) -> Header:
         # The connector's rules under async scheduling, as this scheduler holds them.
         "defer_block_free": bool(getattr(sched, "defer_block_free", False)),
         "requires_kv_delivery": bool(getattr(sched, "requires_kv_delivery", False)),
-        "scheduler_cls": f"{type(sched).__mro__[1].__module__}.{type(sched).__mro__[1].__qualname__}",
+        "scheduler_cls": _class_name(sched),
     }
     m = {"recorder": "kvtrace.record.vllm.recorder", "pid": os.getpid(),
          "data_parallel_rank": int(getattr(pc, "data_parallel_rank", 0) or 0)}
