@@ -541,36 +541,13 @@ class Recorder:
         nst = dict(out.num_scheduled_tokens)
         new: list[Scheduled] = []
         resumed: list[Scheduled] = []
-        for r in out.scheduled_new_reqs:
-            item = Scheduled(req=r.req_id, num_computed_tokens=r.num_computed_tokens,
-                             num_scheduled_tokens=nst.get(r.req_id, 0),
-                             block_ids=all_groups(r.block_ids))
-            # The V2 model runner folds resumed requests into scheduled_new_reqs.
-            if r.req_id in self.preempted_out:
-                self.preempted_out.discard(r.req_id)
-                resumed.append(item)
-            else:
-                new.append(item)
+        self._admitted(out.scheduled_new_reqs, nst, new, resumed)
         cd = out.scheduled_cached_reqs
         rids, ncts, nbis = list(cd.req_ids), list(cd.num_computed_tokens), list(cd.new_block_ids)
         resumed_ids = cd.resumed_req_ids
         if resumed_ids:
-            keep = []
-            for i, rid in enumerate(rids):
-                if rid in resumed_ids:
-                    self.preempted_out.discard(rid)
-                    resumed.append(Scheduled(req=rid, num_computed_tokens=ncts[i],
-                                             num_scheduled_tokens=nst.get(rid, 0),
-                                             block_ids=all_groups(nbis[i])))
-                else:
-                    keep.append(i)
-            rids, ncts, nbis = [rids[i] for i in keep], [ncts[i] for i in keep], [nbis[i] for i in keep]
-        pre_set = out.preempted_req_ids
-        preempted = []
-        if pre_set:
-            preempted = [r for r in dict.fromkeys(self.preempt_order) if r in pre_set]
-            preempted += sorted(r for r in pre_set if r not in set(preempted))
-        self.preempt_order = []
+            rids, ncts, nbis = self._resumed_running(resumed_ids, rids, ncts, nbis, nst, resumed)
+        preempted = self._preempted(out.preempted_req_ids)
         finished = sorted(out.finished_req_ids or ())
         if finished:
             self.stats_done.difference_update(finished)
@@ -582,7 +559,65 @@ class Recorder:
             free = int(self.kvm.block_pool.get_num_free_blocks())
         except Exception:
             free = None
-        rare = {}   # the step's rare fields that hold something
+        rare = self._step_rare(sched, out)
+        self.sink.put(RawStep(
+            step=step, new=new, resumed=resumed,
+            running=RunningColumns(req_ids=rids, num_computed_tokens=ncts, new_block_ids=nbis,
+                                   num_scheduled_tokens=nst),
+            preempted=preempted, finished=finished, lookups=self.lookups,
+            loads=self.loads if self.has_connector else None, states=states,
+            num_free_blocks=free, rare=rare))
+        if self.audit is not None:
+            self.audit.plan(step, out, sched, self.lookups, self.loads)
+        self.pending.append((out, step))
+        if len(self.pending) > 64:  # outputs that never came back (engine error paths)
+            del self.pending[0]
+
+    def _admitted(self, new_reqs: Any, nst: dict, new: list[Scheduled],
+                  resumed: list[Scheduled]) -> None:
+        """The step's ``scheduled_new_reqs`` into ``new``, but for those
+        preempted before, which go into ``resumed``: the V2 model runner folds
+        resumed requests into scheduled_new_reqs."""
+        for r in new_reqs:
+            item = Scheduled(req=r.req_id, num_computed_tokens=r.num_computed_tokens,
+                             num_scheduled_tokens=nst.get(r.req_id, 0),
+                             block_ids=all_groups(r.block_ids))
+            if r.req_id in self.preempted_out:
+                self.preempted_out.discard(r.req_id)
+                resumed.append(item)
+            else:
+                new.append(item)
+
+    def _resumed_running(self, resumed_ids: Any, rids: list, ncts: list, nbis: list, nst: dict,
+                         resumed: list[Scheduled]) -> tuple[list, list, list]:
+        """The cached requests' columns (ids, computed tokens, new blocks)
+        without those resumed in the step, which go into ``resumed``."""
+        keep = []
+        for i, rid in enumerate(rids):
+            if rid in resumed_ids:
+                self.preempted_out.discard(rid)
+                resumed.append(Scheduled(req=rid, num_computed_tokens=ncts[i],
+                                         num_scheduled_tokens=nst.get(rid, 0),
+                                         block_ids=all_groups(nbis[i])))
+            else:
+                keep.append(i)
+        return [rids[i] for i in keep], [ncts[i] for i in keep], [nbis[i] for i in keep]
+
+    def _preempted(self, pre_set: Any) -> list[str]:
+        """The step's preempted requests, in the order the scheduler preempted
+        them (``on_preempt``; any it did not say, sorted, after them); the
+        order is kept for the next step no longer."""
+        preempted = []
+        if pre_set:
+            preempted = [r for r in dict.fromkeys(self.preempt_order) if r in pre_set]
+            preempted += sorted(r for r in pre_set if r not in set(preempted))
+        self.preempt_order = []
+        return preempted
+
+    def _step_rare(self, sched: Any, out: Any) -> dict | None:
+        """The step's rare fields that hold something (None for none): the
+        drafts it scheduled, the grammars it found, its throttle flag."""
+        rare = {}
         spec = out.scheduled_spec_decode_tokens
         if spec:
             rare["spec"] = {rid: list(ids) for rid, ids in spec.items()}
@@ -592,18 +627,7 @@ class Recorder:
                 rare["grammar"] = grammar
         if self.throttle_prefills:
             rare["throttle_prefills"] = True
-        self.sink.put(RawStep(
-            step=step, new=new, resumed=resumed,
-            running=RunningColumns(req_ids=rids, num_computed_tokens=ncts, new_block_ids=nbis,
-                                   num_scheduled_tokens=nst),
-            preempted=preempted, finished=finished, lookups=self.lookups,
-            loads=self.loads if self.has_connector else None, states=states,
-            num_free_blocks=free, rare=rare or None))
-        if self.audit is not None:
-            self.audit.plan(step, out, sched, self.lookups, self.loads)
-        self.pending.append((out, step))
-        if len(self.pending) > 64:  # outputs that never came back (engine error paths)
-            del self.pending[0]
+        return rare or None
 
     def on_schedule_failed(self, sched: Any, exc: BaseException) -> None:
         """``schedule()`` raised ``exc``: record what the step had asked so far
