@@ -235,6 +235,78 @@ class _Tables:
         return None
 
 
+def _filled(tables: _Tables, computed: dict[str, int], out: Any, requests: dict,
+            bs: int) -> list[tuple[str, int, str]]:
+    """(req, block, hash) of every block the step's forward pass fills, and,
+    with an empty hash, the blocks its drafts write into (forgotten)."""
+    nst = out.num_scheduled_tokens
+    spec = out.scheduled_spec_decode_tokens or {}
+    cached: list[tuple[str, int, str]] = []
+    for rid, c in computed.items():
+        k = len(spec.get(rid, ()))
+        n = nst.get(rid, 0) - k
+        if rid not in requests:
+            continue
+        if (c + n) // bs > c // bs:   # the step fills a block
+            filled = tables.blocks(rid, c // bs, (c + n) // bs)
+            # Blocks with no hash yet (under async scheduling a decode's last
+            # token is a placeholder now): an empty hash, compared with nothing.
+            table = tables.table(rid)[len(filled) + c // bs:(c + n) // bs]
+            cached += filled + [(rid, b, "") for b in table]
+        if k:   # the blocks its drafts write into: an empty hash, forgotten
+            drafted = tables.table(rid)[(c + n) // bs:-(-(c + n + k) // bs)]
+            cached += [(rid, b, "") for b in drafted]
+    return cached
+
+
+def _local_hits(tables: _Tables, admitted: list[str], lookups: list,
+                bs: int) -> list[tuple[str, int, str]]:
+    """(req, block, hash) of every block an admitted request took as a local
+    prefix hit."""
+    local = {lk.req: lk.local for lk in lookups}
+    hits: list[tuple[str, int, str]] = []
+    for rid in admitted:
+        if local.get(rid, 0) >= bs:
+            hits += tables.blocks(rid, 0, local[rid] // bs)
+    return hits
+
+
+def _loads_asked(tables: _Tables, computed: dict[str, int], lookups: list, loads: list,
+                 bs: int) -> dict[int, tuple[str, str]]:
+    """block -> (req, hash) of every whole block the scheduler asked the
+    connector to load synchronously: the request is scheduled now, and reads
+    them."""
+    sync = {lk.req for lk in lookups if not lk.load_async}
+    asked: dict[int, tuple[str, str]] = {}
+    for ld in loads:
+        if ld.req in computed and ld.req in sync:
+            for req, b, h in tables.blocks(ld.req, -(-ld.start // bs), ld.end // bs):
+                asked[b] = (req, h)
+    return asked
+
+
+def _said(p: _Plan, tables: _Tables, meta: Any, bs: int) -> dict[int, tuple[str, str]]:
+    """block -> (req, hash) of every block the connector's own metadata says
+    it loads, when it has ExampleConnector's shape (then the plan's view is
+    "metadata", and its saves are those the metadata names); else none."""
+    said: dict[int, tuple[str, str]] = {}
+    view = _metadata_view(meta, bs)
+    if view is None:
+        return said
+    p.view = "metadata"
+    entries_loaded, entries_saved = view
+    for blocks in entries_loaded:
+        rid = tables.owner(blocks)
+        named = tables.blocks(rid, 0, len(blocks)) if rid else []
+        for i, b in enumerate(blocks):
+            said[b] = named[i][::2] if i < len(named) else ("", "")
+    for blocks in entries_saved:
+        rid = tables.owner(blocks)
+        if rid is not None:
+            p.saves += tables.blocks(rid, 0, len(blocks))
+    return said
+
+
 class KVAudit:
     """One recorder's audit (see the module doc)."""
 
@@ -259,8 +331,6 @@ class KVAudit:
             return
         bs = self.block_size
         p = _Plan(step)
-        nst = out.num_scheduled_tokens
-        spec = out.scheduled_spec_decode_tokens or {}
         computed = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
         cd = out.scheduled_cached_reqs
         computed.update(zip(cd.req_ids, cd.num_computed_tokens))
@@ -268,43 +338,10 @@ class KVAudit:
         # Admitted requests first: a connector's entries are theirs, mostly.
         tables = _Tables(self.kvm, sched.requests,
                          list(dict.fromkeys(admitted + [r for r in computed if r in sched.requests])))
-        for rid, c in computed.items():
-            k = len(spec.get(rid, ()))
-            n = nst.get(rid, 0) - k
-            if rid not in sched.requests:
-                continue
-            if (c + n) // bs > c // bs:   # the step fills a block
-                filled = tables.blocks(rid, c // bs, (c + n) // bs)
-                # Blocks with no hash yet (under async scheduling a decode's last
-                # token is a placeholder now): an empty hash, compared with nothing.
-                table = tables.table(rid)[len(filled) + c // bs:(c + n) // bs]
-                p.cached += filled + [(rid, b, "") for b in table]
-            if k:   # the blocks its drafts write into: an empty hash, forgotten
-                drafted = tables.table(rid)[(c + n) // bs:-(-(c + n + k) // bs)]
-                p.cached += [(rid, b, "") for b in drafted]
-        local = {lk.req: lk.local for lk in lookups}
-        for rid in admitted:
-            if local.get(rid, 0) >= bs:
-                p.hits += tables.blocks(rid, 0, local[rid] // bs)
-        sync = {lk.req for lk in lookups if not lk.load_async}
-        for ld in loads:   # synchronous loads: the request is scheduled now, and reads them
-            if ld.req in computed and ld.req in sync:
-                for req, b, h in tables.blocks(ld.req, -(-ld.start // bs), ld.end // bs):
-                    p.asked[b] = (req, h)
-        said: dict[int, tuple[str, str]] = {}
-        view = _metadata_view(meta, bs)
-        if view is not None:
-            p.view = "metadata"
-            entries_loaded, entries_saved = view
-            for blocks in entries_loaded:
-                rid = tables.owner(blocks)
-                named = tables.blocks(rid, 0, len(blocks)) if rid else []
-                for i, b in enumerate(blocks):
-                    said[b] = named[i][::2] if i < len(named) else ("", "")
-            for blocks in entries_saved:
-                rid = tables.owner(blocks)
-                if rid is not None:
-                    p.saves += tables.blocks(rid, 0, len(blocks))
+        p.cached = _filled(tables, computed, out, sched.requests, bs)
+        p.hits = _local_hits(tables, admitted, lookups, bs)
+        p.asked = _loads_asked(tables, computed, lookups, loads, bs)
+        said = _said(p, tables, meta, bs)
         for b in dict.fromkeys([*p.asked, *said]):
             req, h = p.asked.get(b) or said[b]
             p.targets.append((req, b, h, b in p.asked, b in said))
