@@ -4,14 +4,20 @@ outside the baseline profile, the counters shape and the class that runs."""
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvtrace.trace.events import ConnectorConfig, Header, SchedulerConfig
+
+if TYPE_CHECKING:
+    from vllm.config import CacheConfig, KVTransferConfig, SpeculativeConfig, VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
 
 MODEL_FREE_ENV = "KVTRACE_MODEL_FREE"
 
 
-def _runs_async(sched: Any) -> bool:
+def _runs_async(sched: Scheduler) -> bool:
     """Whether the scheduler is vLLM's AsyncScheduler (or a subclass of it),
     which schedules a step before the output of the one before comes back."""
     try:
@@ -21,7 +27,7 @@ def _runs_async(sched: Any) -> bool:
     return isinstance(sched, AsyncScheduler)
 
 
-def _is_diffusion(vc: Any) -> bool:
+def _is_diffusion(vc: VllmConfig) -> bool:
     if getattr(vc, "diffusion_config", None) is not None:
         return True
     try:
@@ -44,7 +50,7 @@ def _counters_shape() -> str:
     return "prefill_stats"
 
 
-def _spec_features(spec: Any) -> dict:
+def _spec_features(spec: SpeculativeConfig | None) -> dict:
     """What replay must know of a speculative-decoding config: its method, the
     extra input slots each request takes for drafting, and whether the number
     of drafts changes with the batch size (dynamic speculative decoding; the
@@ -57,7 +63,8 @@ def _spec_features(spec: Any) -> dict:
                                                 None))}
 
 
-def _group_features(groups: list, kcc: Any, kvm: Any) -> dict:
+def _group_features(groups: list[KVCacheGroupSpec], kcc: KVCacheConfig | None,
+                    kvm: KVCacheManager) -> dict:
     """Every KV-cache group's spec, and the sliding-window retention rule,
     unless the cache is one full-attention group (traces of those stay as they were)."""
     kinds = [type(g.kv_cache_spec).__name__ for g in groups]
@@ -90,7 +97,7 @@ def _group_features(groups: list, kcc: Any, kvm: Any) -> dict:
     return out
 
 
-def _state_group(spec: Any) -> dict:
+def _state_group(spec: MambaSpec) -> dict:
     """What a state group's spec (vLLM's ``MambaSpec``) tells its manager:
     the layer kind, the cache mode, and the blocks each request takes for
     speculative decoding and for a prefill checkpoint (KI:1034-1107)."""
@@ -107,7 +114,7 @@ def _state_group(spec: Any) -> dict:
     return d
 
 
-def _shared_prefix_checkpoint(cc: Any) -> dict:
+def _shared_prefix_checkpoint(cc: CacheConfig) -> dict:
     """vLLM's opt-in state checkpoint at a shared-prefix junction, when on
     (absent from the header: off)."""
     if getattr(cc, "enable_mamba_shared_prefix_checkpoint", False) is True:
@@ -115,23 +122,24 @@ def _shared_prefix_checkpoint(cc: Any) -> dict:
     return {}
 
 
-def _class_name(sched: Any) -> str:
+def _class_name(sched: Scheduler) -> str:
     """The scheduler class that runs: the one its recording class wraps
     (``hooks.make_recording_scheduler``)."""
     cls = getattr(type(sched), "_kvtrace_base", None) or type(sched).__mro__[1]
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _connector(ktc: Any) -> ConnectorConfig | None:
+def _connector(ktc: KVTransferConfig | None) -> ConnectorConfig | None:
     """The scheduler's connector, and what it does when a load fails."""
     if ktc is None or not getattr(ktc, "kv_connector", None):
         return None
     policy = getattr(ktc, "kv_load_failure_policy", "fail")
-    return ConnectorConfig(name=str(ktc.kv_connector),
-                           load_failure_policy=policy if policy in ("fail", "recompute") else "fail")
+    if policy not in ("fail", "recompute"):
+        policy = "fail"
+    return ConnectorConfig(name=str(ktc.kv_connector), load_failure_policy=policy)
 
 
-def _scheduler_config(sched: Any) -> SchedulerConfig:
+def _scheduler_config(sched: Scheduler) -> SchedulerConfig:
     """The settings every trace's header holds: the KV cache's size and the
     scheduler's limits and policy."""
     vc = sched.vllm_config
@@ -157,7 +165,7 @@ def _scheduler_config(sched: Any) -> SchedulerConfig:
     )
 
 
-def _admission_features(sched: Any) -> dict:
+def _admission_features(sched: Scheduler) -> dict:
     """How the scheduler admits and chunks requests, and the class that runs."""
     sc = sched.vllm_config.scheduler_config
     return {
@@ -177,7 +185,7 @@ def _admission_features(sched: Any) -> dict:
     }
 
 
-def _speculation_features(sched: Any) -> dict:
+def _speculation_features(sched: Scheduler) -> dict:
     """Speculative decoding: the drafts a step schedules, and how a drafter
     changes the blocks a request hashes and holds."""
     return {
@@ -201,7 +209,7 @@ def _speculation_features(sched: Any) -> dict:
     }
 
 
-def _cache_features(sched: Any) -> dict:
+def _cache_features(sched: Scheduler) -> dict:
     """The KV cache: its groups, how blocks are hashed, and state layers."""
     cc = sched.vllm_config.cache_config
     kcc = getattr(sched, "kv_cache_config", None)
@@ -217,7 +225,7 @@ def _cache_features(sched: Any) -> dict:
     }
 
 
-def _engine_features(sched: Any) -> dict:
+def _engine_features(sched: Scheduler) -> dict:
     """The engine around the scheduler: parallelism, the model runner, the
     model's kind and inputs, LoRA, and the connector's rules."""
     vc = sched.vllm_config
@@ -247,7 +255,7 @@ def _engine_features(sched: Any) -> dict:
     }
 
 
-def build_header(sched: Any, meta: dict | None = None) -> Header:
+def build_header(sched: Scheduler, meta: dict | None = None) -> Header:
     """The trace header for a constructed vLLM scheduler."""
     import vllm
 

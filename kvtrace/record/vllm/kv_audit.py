@@ -75,9 +75,22 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvtrace.trace.events import KVAudit as KVAuditEvent
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
+                                                                   KVConnectorMetadata)
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import BlockHash, BlockHashWithGroupId
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import Request
+
+    from kvtrace.record.vllm.recorder import Recorder
+    from kvtrace.trace.events import KVLoad, Lookup
 
 logger = logging.getLogger("kvtrace.record")
 
@@ -87,7 +100,7 @@ _MIX = 0x2545F4914F6CDD1D   # odd, below 2^63: a signed 64-bit integer as it is
 _BATCH = 256   # blocks digested at once: the copies stay small beside the cache
 
 
-def hash_hex(h: Any) -> str:
+def hash_hex(h: BlockHash | BlockHashWithGroupId) -> str:
     """A vLLM block hash as the trace writes it: its first 16 hex digits."""
     raw = getattr(h, "block_hash", h)   # BlockHashWithGroupId
     return bytes(raw)[:8].hex() if isinstance(raw, (bytes, bytearray)) else str(raw)[:16]
@@ -96,7 +109,7 @@ def hash_hex(h: Any) -> str:
 class BlockDigests:
     """Digests of whole blocks of a set of per-layer KV cache tensors."""
 
-    def __init__(self, layers: list, num_blocks: int):
+    def __init__(self, layers: list[torch.Tensor], num_blocks: int) -> None:
         import torch
 
         self.torch = torch
@@ -115,9 +128,9 @@ class BlockDigests:
                                  f"{num_blocks} blocks among its first two")
             self.layers.append((t, dims[0]))
         self.device = self.layers[0][0].device
-        self._weights: dict[int, Any] = {}
+        self._weights: dict[int, torch.Tensor] = {}
 
-    def _w(self, n: int):
+    def _w(self, n: int) -> torch.Tensor:
         w = self._weights.get(n)
         if w is None:
             g = self.torch.Generator().manual_seed(0x6B76 + n)
@@ -154,7 +167,7 @@ class BlockDigests:
         return acc.tolist()
 
 
-def _kv_layers(conn: Any) -> list:
+def _kv_layers(conn: KVConnectorBase_V1) -> list[torch.Tensor]:
     """The worker's per-layer KV cache tensors, from vLLM's static forward
     context (the layers that hold one)."""
     cfg = getattr(conn, "_vllm_config", None)
@@ -172,7 +185,8 @@ def _kv_layers(conn: Any) -> list:
     return out
 
 
-def _metadata_view(meta: Any, block_size: int) -> tuple[list[list[int]], list[list[int]]] | None:
+def _metadata_view(meta: KVConnectorMetadata,
+                   block_size: int) -> tuple[list[list[int]], list[list[int]]] | None:
     """(blocks loaded, blocks saved), a list per entry, when the connector's
     metadata has ExampleConnector's shape; None for a black box."""
     reqs = getattr(meta, "requests", None)
@@ -207,7 +221,7 @@ class _Tables:
     """Block tables and block hashes of a step's requests, read when first
     needed (a long context's table is read only in a step that needs it)."""
 
-    def __init__(self, kvm: Any, requests: dict, order: list[str]):
+    def __init__(self, kvm: KVCacheManager, requests: dict[str, Request], order: list[str]) -> None:
         self.kvm, self.requests, self.order = kvm, requests, order
         self._tables: dict[str, list[int]] = {}
 
@@ -235,7 +249,8 @@ class _Tables:
         return None
 
 
-def _filled(tables: _Tables, computed: dict[str, int], out: Any, requests: dict,
+def _filled(tables: _Tables, computed: dict[str, int], out: SchedulerOutput,
+            requests: dict[str, Request],
             bs: int) -> list[tuple[str, int, str]]:
     """(req, block, hash) of every block the step's forward pass fills, and,
     with an empty hash, the blocks its drafts write into (forgotten)."""
@@ -259,7 +274,7 @@ def _filled(tables: _Tables, computed: dict[str, int], out: Any, requests: dict,
     return cached
 
 
-def _local_hits(tables: _Tables, admitted: list[str], lookups: list,
+def _local_hits(tables: _Tables, admitted: list[str], lookups: list[Lookup],
                 bs: int) -> list[tuple[str, int, str]]:
     """(req, block, hash) of every block an admitted request took as a local
     prefix hit."""
@@ -271,7 +286,8 @@ def _local_hits(tables: _Tables, admitted: list[str], lookups: list,
     return hits
 
 
-def _loads_asked(tables: _Tables, computed: dict[str, int], lookups: list, loads: list,
+def _loads_asked(tables: _Tables, computed: dict[str, int], lookups: list[Lookup],
+                 loads: list[KVLoad],
                  bs: int) -> dict[int, tuple[str, str]]:
     """block -> (req, hash) of every whole block the scheduler asked the
     connector to load synchronously: the request is scheduled now, and reads
@@ -285,7 +301,8 @@ def _loads_asked(tables: _Tables, computed: dict[str, int], lookups: list, loads
     return asked
 
 
-def _said(p: _Plan, tables: _Tables, meta: Any, bs: int) -> dict[int, tuple[str, str]]:
+def _said(p: _Plan, tables: _Tables, meta: KVConnectorMetadata,
+          bs: int) -> dict[int, tuple[str, str]]:
     """block -> (req, hash) of every block the connector's own metadata says
     it loads, when it has ExampleConnector's shape (then the plan's view is
     "metadata", and its saves are those the metadata names); else none."""
@@ -310,7 +327,7 @@ def _said(p: _Plan, tables: _Tables, meta: Any, bs: int) -> dict[int, tuple[str,
 class KVAudit:
     """One recorder's audit (see the module doc)."""
 
-    def __init__(self, rec: Any, sched: Any, conn: Any):
+    def __init__(self, rec: Recorder, sched: Scheduler, conn: KVConnectorBase_V1) -> None:
         self.rec = rec
         self.conn = conn
         self.block_size = int(sched.cache_config.block_size)
@@ -318,12 +335,13 @@ class KVAudit:
         self.kvm = sched.kv_cache_manager
         self.digests: BlockDigests | None = None
         self.off = False   # set when the KV cache cannot be read
-        self._plans: dict[int, tuple[Any, _Plan]] = {}
+        self._plans: dict[int, tuple[KVConnectorMetadata, _Plan]] = {}
         self._bound: _Plan | None = None
 
     # -- the scheduler's thread --------------------------------------------------
 
-    def plan(self, step: int, out: Any, sched: Any, lookups: list, loads: list) -> None:
+    def plan(self, step: int, out: SchedulerOutput, sched: Scheduler, lookups: list[Lookup],
+             loads: list[KVLoad]) -> None:
         """At the end of ``schedule()``: which blocks the step's execution must
         digest, and whose they are (read now, while the tables are this step's)."""
         meta = getattr(out, "kv_connector_metadata", None)
@@ -351,7 +369,7 @@ class KVAudit:
 
     # -- the worker's side ---------------------------------------------------------
 
-    def bind(self, meta: Any) -> None:
+    def bind(self, meta: KVConnectorMetadata) -> None:
         """Before the step's loads: the digests of the blocks they write."""
         got = self._plans.pop(id(meta), None)
         self._bound = None
@@ -397,7 +415,7 @@ class KVAudit:
                                        saved=saved, cached=cached, hits=hits))
 
 
-def _schedules_ahead(sched: Any) -> bool:
+def _schedules_ahead(sched: Scheduler) -> bool:
     """Whether ``sched`` is vLLM's AsyncScheduler, which schedules a step
     before the output of the one before comes back."""
     try:
@@ -407,7 +425,7 @@ def _schedules_ahead(sched: Any) -> bool:
     return isinstance(sched, AsyncScheduler)
 
 
-def refusal(sched: Any, worker_conn: Any) -> str | None:
+def refusal(sched: Scheduler, worker_conn: KVConnectorBase_V1 | None) -> str | None:
     """Why the audit cannot run for this engine, or None."""
     if os.environ.get(ENV, "1").strip() == "0":
         return f"{ENV}=0"
@@ -427,7 +445,7 @@ def refusal(sched: Any, worker_conn: Any) -> str | None:
     return None
 
 
-def install(sched: Any, rec: Any) -> KVAudit | None:
+def install(sched: Scheduler, rec: Recorder) -> KVAudit | None:
     """Start the audit for the recorder ``rec`` of ``sched`` when it can run:
     wrap the worker-side connector's ``bind_connector_metadata`` and
     ``clear_connector_metadata``. An error in the audit stops recording,
@@ -450,12 +468,12 @@ def install(sched: Any, rec: Any) -> KVAudit | None:
     orig_bind = worker_conn.bind_connector_metadata
     orig_clear = worker_conn.clear_connector_metadata
 
-    def bind_connector_metadata(meta, *args, **kwargs):
+    def bind_connector_metadata(meta: KVConnectorMetadata, *args: object, **kwargs: object) -> None:
         if rec.active:
             rec.guard("kv audit (bind_connector_metadata)", audit.bind, meta)
         return orig_bind(meta, *args, **kwargs)
 
-    def clear_connector_metadata(*args, **kwargs):
+    def clear_connector_metadata(*args: object, **kwargs: object) -> None:
         result = orig_clear(*args, **kwargs)
         if rec.active:
             rec.guard("kv audit (clear_connector_metadata)", audit.clear)
