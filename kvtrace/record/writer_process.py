@@ -47,6 +47,7 @@ import select
 import signal
 import sys
 import time
+from collections.abc import Iterator
 
 import orjson
 
@@ -103,19 +104,40 @@ def serve(fd_in: int, path: str, fd_out: int, fd_ring: int) -> int:
     ring = Ring.of_file(fd_ring)
     os.close(fd_ring)   # the mapping stays
     lines = _lines(fd_in, ring)
+    writer = _start(path, fd_out, lines)
+    if writer is None:
+        return 1
+    rc, error, settled = _write_lines(writer, lines)
+    if rc is not None:
+        return rc
+    return _end_cut_off(writer, path, error, settled)
+
+
+def _start(path: str, fd_out: int, lines: Iterator[bytes | None | object]) -> TraceWriter | None:
+    """The trace's writer, its header (the first line) written; None, said,
+    when no header came or the file cannot be written."""
     first = next((line for line in lines if line is not IDLE), None)
     if first is None:
         os.close(fd_out)
-        return 1
+        return None
     try:
         writer = TraceWriter(path, decode_header(orjson.loads(first)), fd=fd_out)
         writer.flush()   # an engine killed before the first idle moment leaves a readable trace
     except Exception as e:
         _say(f"cannot write the trace {path}: {type(e).__name__}: {e}")
-        return 1
+        return None
+    return writer
+
+
+def _write_lines(writer: TraceWriter, lines: Iterator[bytes | None | object]
+                 ) -> tuple[int | None, str | None, int | None]:
+    """The records of ``lines`` into ``writer``, up to the end line. Returns
+    the exit status when the end line came (None when the input ended
+    without it), the first write error, and the events dropped when the last
+    line said the engine settled (None when it did not)."""
     records = Records()
     error: str | None = None
-    settled: int | None = None   # dropped events, while the last line said the engine settled
+    settled: int | None = None
     for line in lines:
         try:
             if line is IDLE:
@@ -139,7 +161,7 @@ def serve(fd_in: int, path: str, fd_out: int, fd_ring: int) -> int:
                 if error is not None:
                     status, message = "recorder-error", error
                 writer.close(status=status, error=message, dropped_events=dropped)
-                return 0 if error is None else 1
+                return (0 if error is None else 1), error, settled
             if error is not None:
                 continue
             rec = records(item, writer.next_seq)
@@ -149,9 +171,14 @@ def serve(fd_in: int, path: str, fd_out: int, fd_ring: int) -> int:
             if error is None:
                 error = f"writing the trace failed: {type(e).__name__}: {e}"
                 _say(f"{error}; recording stopped, the engine is unaffected")
-    # The engine is gone without an end line. Killed while it held no request,
-    # with every event handed on (vLLM's API server SIGKILLs its engine core at
-    # Ctrl-C): the trace is whole. Otherwise it stops where its events stop.
+    return None, error, settled
+
+
+def _end_cut_off(writer: TraceWriter, path: str, error: str | None, settled: int | None) -> int:
+    """The engine is gone without an end line. Killed while it held no
+    request, with every event handed on (vLLM's API server SIGKILLs its
+    engine core at Ctrl-C): the trace is whole. Otherwise it stops where its
+    events stop. Returns the exit status."""
     try:
         if settled is not None and error is None:
             status, message = dropped_end(settled)

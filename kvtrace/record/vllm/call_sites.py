@@ -67,6 +67,47 @@ def sites(code: CodeType, attr: str, methods: set[str] | frozenset[str]) -> froz
     return frozenset(found)
 
 
+def _stored(attr: str, base_cls: type) -> tuple[Any, bool, Callable[[Any], Any]]:
+    """Where ``base_cls`` keeps ``attr``: what its class holds under that
+    name (``_MISSING`` for nothing), whether that is a data descriptor (which
+    then stores the value), and how an instance that has stored no value
+    reads it."""
+    static = inspect.getattr_static(base_cls, attr, _MISSING)
+    data_descr = static is not _MISSING and hasattr(type(static), "__set__")
+
+    def default(self: Any) -> Any:
+        """``attr`` of an instance that has stored none."""
+        if static is _MISSING:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{attr}'")
+        getter = getattr(type(static), "__get__", None)
+        return static if getter is None else getter(static, self, type(self))
+
+    return static, data_descr, default
+
+
+def _store_and_delete(attr: str, static: Any, data_descr: bool
+                      ) -> tuple[Callable[[Any, Any], None], Callable[[Any], None]]:
+    """The setter and the deleter of ``attr``: through ``static`` when it is
+    a data descriptor, else in the instance's ``__dict__``."""
+
+    def put(self: Any, value: Any) -> None:
+        if data_descr:
+            static.__set__(self, value)
+        else:
+            self.__dict__[attr] = value
+
+    def drop(self: Any) -> None:
+        if data_descr:
+            static.__delete__(self)
+            return
+        try:
+            del self.__dict__[attr]
+        except KeyError:
+            raise AttributeError(attr) from None
+
+    return put, drop
+
+
 def held(attr: str, base_cls: type, methods: set[str] | frozenset[str],
          make_view: Callable[[Any, Any], Any]) -> property:
     """The property through which a recording subclass of ``base_cls`` holds
@@ -78,15 +119,7 @@ def held(attr: str, base_cls: type, methods: set[str] | frozenset[str],
     ``base_cls`` would put them: in the instance's ``__dict__``, or through
     ``base_cls``'s own descriptor when it has a data descriptor of that name."""
     known: dict[CodeType, frozenset[int]] = {}   # code object -> its call sites
-    static = inspect.getattr_static(base_cls, attr, _MISSING)
-    data_descr = static is not _MISSING and hasattr(type(static), "__set__")
-
-    def default(self: Any) -> Any:
-        """``attr`` of an instance that has stored none."""
-        if static is _MISSING:
-            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{attr}'")
-        getter = getattr(type(static), "__get__", None)
-        return static if getter is None else getter(static, self, type(self))
+    static, data_descr, default = _stored(attr, base_cls)
 
     def get(self: Any, _getframe: Callable = sys._getframe) -> Any:
         d = self.__dict__
@@ -112,21 +145,7 @@ def held(attr: str, base_cls: type, methods: set[str] | frozenset[str],
             return view
         return value
 
-    def put(self: Any, value: Any) -> None:
-        if data_descr:
-            static.__set__(self, value)
-        else:
-            self.__dict__[attr] = value
-
-    def drop(self: Any) -> None:
-        if data_descr:
-            static.__delete__(self)
-            return
-        try:
-            del self.__dict__[attr]
-        except KeyError:
-            raise AttributeError(attr) from None
-
+    put, drop = _store_and_delete(attr, static, data_descr)
     return property(get, put, drop, doc=getattr(static, "__doc__", None) if data_descr else None)
 
 

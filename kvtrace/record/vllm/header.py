@@ -4,14 +4,20 @@ outside the baseline profile, the counters shape and the class that runs."""
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvtrace.trace.events import ConnectorConfig, Header, SchedulerConfig
+
+if TYPE_CHECKING:
+    from vllm.config import CacheConfig, KVTransferConfig, SpeculativeConfig, VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
 
 MODEL_FREE_ENV = "KVTRACE_MODEL_FREE"
 
 
-def _runs_async(sched: Any) -> bool:
+def _runs_async(sched: Scheduler) -> bool:
     """Whether the scheduler is vLLM's AsyncScheduler (or a subclass of it),
     which schedules a step before the output of the one before comes back."""
     try:
@@ -21,7 +27,7 @@ def _runs_async(sched: Any) -> bool:
     return isinstance(sched, AsyncScheduler)
 
 
-def _is_diffusion(vc: Any) -> bool:
+def _is_diffusion(vc: VllmConfig) -> bool:
     if getattr(vc, "diffusion_config", None) is not None:
         return True
     try:
@@ -44,7 +50,7 @@ def _counters_shape() -> str:
     return "prefill_stats"
 
 
-def _spec_features(spec: Any) -> dict:
+def _spec_features(spec: SpeculativeConfig | None) -> dict:
     """What replay must know of a speculative-decoding config: its method, the
     extra input slots each request takes for drafting, and whether the number
     of drafts changes with the batch size (dynamic speculative decoding; the
@@ -57,7 +63,8 @@ def _spec_features(spec: Any) -> dict:
                                                 None))}
 
 
-def _group_features(groups: list, kcc: Any, kvm: Any) -> dict:
+def _group_features(groups: list[KVCacheGroupSpec], kcc: KVCacheConfig | None,
+                    kvm: KVCacheManager) -> dict:
     """Every KV-cache group's spec, and the sliding-window retention rule,
     unless the cache is one full-attention group (traces of those stay as they were)."""
     kinds = [type(g.kv_cache_spec).__name__ for g in groups]
@@ -90,7 +97,7 @@ def _group_features(groups: list, kcc: Any, kvm: Any) -> dict:
     return out
 
 
-def _state_group(spec: Any) -> dict:
+def _state_group(spec: MambaSpec) -> dict:
     """What a state group's spec (vLLM's ``MambaSpec``) tells its manager:
     the layer kind, the cache mode, and the blocks each request takes for
     speculative decoding and for a prefill checkpoint (KI:1034-1107)."""
@@ -107,7 +114,7 @@ def _state_group(spec: Any) -> dict:
     return d
 
 
-def _shared_prefix_checkpoint(cc: Any) -> dict:
+def _shared_prefix_checkpoint(cc: CacheConfig) -> dict:
     """vLLM's opt-in state checkpoint at a shared-prefix junction, when on
     (absent from the header: off)."""
     if getattr(cc, "enable_mamba_shared_prefix_checkpoint", False) is True:
@@ -115,25 +122,35 @@ def _shared_prefix_checkpoint(cc: Any) -> dict:
     return {}
 
 
-def build_header(sched: Any, meta: dict | None = None) -> Header:
-    """The trace header for a constructed vLLM scheduler."""
-    import vllm
+def _class_name(sched: Scheduler) -> str:
+    """The scheduler class that runs: the one its recording class wraps
+    (``hooks.make_recording_scheduler``)."""
+    cls = getattr(type(sched), "_kvtrace_base", None) or type(sched).__mro__[1]
+    return f"{cls.__module__}.{cls.__qualname__}"
 
+
+def _connector(ktc: KVTransferConfig | None) -> ConnectorConfig | None:
+    """The scheduler's connector, and what it does when a load fails."""
+    if ktc is None or not getattr(ktc, "kv_connector", None):
+        return None
+    policy = getattr(ktc, "kv_load_failure_policy", "fail")
+    if policy not in ("fail", "recompute"):
+        policy = "fail"
+    return ConnectorConfig(name=str(ktc.kv_connector), load_failure_policy=policy)
+
+
+def _scheduler_config(sched: Scheduler) -> SchedulerConfig:
+    """The settings every trace's header holds: the KV cache's size and the
+    scheduler's limits and policy."""
     vc = sched.vllm_config
     sc = vc.scheduler_config
     cc = vc.cache_config
     kvm = sched.kv_cache_manager
-    ktc = vc.kv_transfer_config
-    conn = None
-    if ktc is not None and getattr(ktc, "kv_connector", None):
-        policy = getattr(ktc, "kv_load_failure_policy", "fail")
-        conn = ConnectorConfig(name=str(ktc.kv_connector),
-                               load_failure_policy=policy if policy in ("fail", "recompute") else "fail")
     num_blocks = getattr(getattr(kvm, "block_pool", None), "num_gpu_blocks", None)
     if num_blocks is None:
         num_blocks = cc.num_gpu_blocks
     mnst = getattr(sched, "max_num_scheduled_tokens", None) or sc.max_num_batched_tokens
-    cfg = SchedulerConfig(
+    return SchedulerConfig(
         block_size=int(sched.block_size),
         num_blocks=int(num_blocks),
         max_num_batched_tokens=int(sc.max_num_batched_tokens),
@@ -144,33 +161,37 @@ def build_header(sched: Any, meta: dict | None = None) -> Header:
         long_prefill_token_threshold=int(getattr(sc, "long_prefill_token_threshold", 0) or 0),
         max_num_scheduled_tokens=int(mnst),
         watermark_blocks=int(getattr(kvm, "watermark_blocks", 0) or 0),
-        connector=conn,
+        connector=_connector(vc.kv_transfer_config),
     )
-    kcc = getattr(sched, "kv_cache_config", None)
-    groups = kcc.kv_cache_groups if kcc is not None else []
-    pc = vc.parallel_config
-    features = {
+
+
+def _admission_features(sched: Scheduler) -> dict:
+    """How the scheduler admits and chunks requests, and the class that runs."""
+    sc = sched.vllm_config.scheduler_config
+    return {
         # The class that runs decides, not the config: vLLM's CPU platform turns
         # the flag off, and a caller may pass an AsyncScheduler regardless.
         "async_scheduling": _runs_async(sched),
-        "num_speculative_tokens": int(getattr(sched, "num_spec_tokens", 0) or 0),
-        "num_lookahead_tokens": int(getattr(sched, "num_lookahead_tokens", 0) or 0),
-        **_spec_features(vc.speculative_config),
-        "num_kv_cache_groups": len(groups),
-        "kv_cache_group_kinds": [type(g.kv_cache_spec).__name__ for g in groups],
-        "hash_block_size": int(getattr(sched, "hash_block_size", sched.block_size)),
-        **_group_features(groups, kcc, kvm),
-        "pipeline_parallel_size": int(getattr(pc, "pipeline_parallel_size", 1)),
-        "data_parallel_size": int(getattr(pc, "data_parallel_size", 1)),
-        "decode_context_parallel_size": int(getattr(pc, "decode_context_parallel_size", 1)),
-        "use_v2_model_runner": bool(getattr(vc, "use_v2_model_runner", False)),
         "enable_chunked_prefill": bool(getattr(sc, "enable_chunked_prefill", True)),
         "max_num_active_seqs": getattr(sc, "max_num_active_seqs", None),
         "long_prefill_token_threshold_adaptive": bool(
             getattr(sc, "long_prefill_token_threshold_adaptive", False)),
         "scheduler_reserve_full_isl": bool(getattr(sc, "scheduler_reserve_full_isl", False)),
         "watermark": float(getattr(sc, "watermark", 0.0) or 0.0),
-        "prefix_caching_hash_algo": str(getattr(cc, "prefix_caching_hash_algo", "")),
+        "prefill_schedule_interval": int(getattr(sc, "prefill_schedule_interval", 1) or 1),
+        # Each step's schedule(throttle_prefills=...) is in the trace (Step.throttle_prefills).
+        "throttle_prefills_recorded": True,
+        "scheduler_cls": _class_name(sched),
+    }
+
+
+def _speculation_features(sched: Scheduler) -> dict:
+    """Speculative decoding: the drafts a step schedules, and how a drafter
+    changes the blocks a request hashes and holds."""
+    return {
+        "num_speculative_tokens": int(getattr(sched, "num_spec_tokens", 0) or 0),
+        "num_lookahead_tokens": int(getattr(sched, "num_lookahead_tokens", 0) or 0),
+        **_spec_features(sched.vllm_config.speculative_config),
         "prefix_replay_tokens": int(getattr(sched, "prefix_replay_tokens", 0) or 0),
         "use_eagle": bool(getattr(sched, "use_eagle", False)),
         # With EAGLE: whether a prefix hit drops its last block, and how far past
@@ -185,29 +206,63 @@ def build_header(sched: Any, meta: dict | None = None) -> Header:
         "spec_tokens_by_batch_size": (
             [int(k) for k in sched.dynamic_sd_lookup]
             if getattr(sched, "dynamic_sd_lookup", None) is not None else None),
+    }
+
+
+def _cache_features(sched: Scheduler) -> dict:
+    """The KV cache: its groups, how blocks are hashed, and state layers."""
+    cc = sched.vllm_config.cache_config
+    kcc = getattr(sched, "kv_cache_config", None)
+    groups = kcc.kv_cache_groups if kcc is not None else []
+    return {
+        "num_kv_cache_groups": len(groups),
+        "kv_cache_group_kinds": [type(g.kv_cache_spec).__name__ for g in groups],
+        "hash_block_size": int(getattr(sched, "hash_block_size", sched.block_size)),
+        **_group_features(groups, kcc, sched.kv_cache_manager),
+        "prefix_caching_hash_algo": str(getattr(cc, "prefix_caching_hash_algo", "")),
         "has_mamba_layers": bool(getattr(sched, "has_mamba_layers", False)),
         **_shared_prefix_checkpoint(cc),
+    }
+
+
+def _engine_features(sched: Scheduler) -> dict:
+    """The engine around the scheduler: parallelism, the model runner, the
+    model's kind and inputs, LoRA, and the connector's rules."""
+    vc = sched.vllm_config
+    pc = vc.parallel_config
+    ktc = vc.kv_transfer_config
+    lora = getattr(vc, "lora_config", None)
+    return {
+        "pipeline_parallel_size": int(getattr(pc, "pipeline_parallel_size", 1)),
+        "data_parallel_size": int(getattr(pc, "data_parallel_size", 1)),
+        "decode_context_parallel_size": int(getattr(pc, "decode_context_parallel_size", 1)),
+        "use_v2_model_runner": bool(getattr(vc, "use_v2_model_runner", False)),
         "multimodal": bool(getattr(vc.model_config, "is_multimodal_model", False)),
         # A diffusion language model (dLLM): vLLM counts its canvas as drafts
         # (num_speculative_tokens), which are not speculative decoding.
         "diffusion": _is_diffusion(vc),
         # A LoRA slot limit (max_loras) and data-parallel prefill throttling
         # change which requests a step admits.
-        "lora": getattr(vc, "lora_config", None) is not None,
-        "max_loras": (int(vc.lora_config.max_loras)
-                      if getattr(vc, "lora_config", None) is not None else None),
+        "lora": lora is not None,
+        "max_loras": int(lora.max_loras) if lora is not None else None,
         "prompt_embeds": bool(getattr(vc.model_config, "enable_prompt_embeds", False)),
         # A pooling model keeps no context slot for a sampled token (S:150-159).
         "pooling_runner": getattr(vc.model_config, "runner_type", None) == "pooling",
-        "prefill_schedule_interval": int(getattr(sc, "prefill_schedule_interval", 1) or 1),
-        # Each step's schedule(throttle_prefills=...) is in the trace (Step.throttle_prefills).
-        "throttle_prefills_recorded": True,
         "kv_role": getattr(ktc, "kv_role", None) if ktc is not None else None,
         # The connector's rules under async scheduling, as this scheduler holds them.
         "defer_block_free": bool(getattr(sched, "defer_block_free", False)),
         "requires_kv_delivery": bool(getattr(sched, "requires_kv_delivery", False)),
-        "scheduler_cls": f"{type(sched).__mro__[1].__module__}.{type(sched).__mro__[1].__qualname__}",
     }
+
+
+def build_header(sched: Scheduler, meta: dict | None = None) -> Header:
+    """The trace header for a constructed vLLM scheduler."""
+    import vllm
+
+    config = _scheduler_config(sched)
+    features = {**_admission_features(sched), **_speculation_features(sched),
+                **_cache_features(sched), **_engine_features(sched)}
+    pc = sched.vllm_config.parallel_config
     m = {"recorder": "kvtrace.record.vllm.recorder", "pid": os.getpid(),
          "data_parallel_rank": int(getattr(pc, "data_parallel_rank", 0) or 0)}
     if os.environ.get(MODEL_FREE_ENV):   # kvtrace.lab.model_free's engine: no model ran
@@ -215,4 +270,5 @@ def build_header(sched: Any, meta: dict | None = None) -> Header:
     if meta:
         m.update(meta)
     return Header(engine="vllm", engine_version=str(getattr(vllm, "__version__", "unknown")),
-                  config=cfg, counters=_counters_shape(), features=features, meta=m)
+                  config=config, counters=_counters_shape(),
+                  features=features, meta=m)

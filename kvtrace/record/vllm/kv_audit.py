@@ -75,9 +75,22 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvtrace.trace.events import KVAudit as KVAuditEvent
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
+                                                                   KVConnectorMetadata)
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import BlockHash, BlockHashWithGroupId
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import Request
+
+    from kvtrace.record.vllm.recorder import Recorder
+    from kvtrace.trace.events import KVLoad, Lookup
 
 logger = logging.getLogger("kvtrace.record")
 
@@ -87,7 +100,7 @@ _MIX = 0x2545F4914F6CDD1D   # odd, below 2^63: a signed 64-bit integer as it is
 _BATCH = 256   # blocks digested at once: the copies stay small beside the cache
 
 
-def hash_hex(h: Any) -> str:
+def hash_hex(h: BlockHash | BlockHashWithGroupId) -> str:
     """A vLLM block hash as the trace writes it: its first 16 hex digits."""
     raw = getattr(h, "block_hash", h)   # BlockHashWithGroupId
     return bytes(raw)[:8].hex() if isinstance(raw, (bytes, bytearray)) else str(raw)[:16]
@@ -96,7 +109,7 @@ def hash_hex(h: Any) -> str:
 class BlockDigests:
     """Digests of whole blocks of a set of per-layer KV cache tensors."""
 
-    def __init__(self, layers: list, num_blocks: int):
+    def __init__(self, layers: list[torch.Tensor], num_blocks: int) -> None:
         import torch
 
         self.torch = torch
@@ -115,9 +128,9 @@ class BlockDigests:
                                  f"{num_blocks} blocks among its first two")
             self.layers.append((t, dims[0]))
         self.device = self.layers[0][0].device
-        self._weights: dict[int, Any] = {}
+        self._weights: dict[int, torch.Tensor] = {}
 
-    def _w(self, n: int):
+    def _w(self, n: int) -> torch.Tensor:
         w = self._weights.get(n)
         if w is None:
             g = self.torch.Generator().manual_seed(0x6B76 + n)
@@ -154,7 +167,7 @@ class BlockDigests:
         return acc.tolist()
 
 
-def _kv_layers(conn: Any) -> list:
+def _kv_layers(conn: KVConnectorBase_V1) -> list[torch.Tensor]:
     """The worker's per-layer KV cache tensors, from vLLM's static forward
     context (the layers that hold one)."""
     cfg = getattr(conn, "_vllm_config", None)
@@ -172,7 +185,8 @@ def _kv_layers(conn: Any) -> list:
     return out
 
 
-def _metadata_view(meta: Any, block_size: int) -> tuple[list[list[int]], list[list[int]]] | None:
+def _metadata_view(meta: KVConnectorMetadata,
+                   block_size: int) -> tuple[list[list[int]], list[list[int]]] | None:
     """(blocks loaded, blocks saved), a list per entry, when the connector's
     metadata has ExampleConnector's shape; None for a black box."""
     reqs = getattr(meta, "requests", None)
@@ -207,7 +221,7 @@ class _Tables:
     """Block tables and block hashes of a step's requests, read when first
     needed (a long context's table is read only in a step that needs it)."""
 
-    def __init__(self, kvm: Any, requests: dict, order: list[str]):
+    def __init__(self, kvm: KVCacheManager, requests: dict[str, Request], order: list[str]) -> None:
         self.kvm, self.requests, self.order = kvm, requests, order
         self._tables: dict[str, list[int]] = {}
 
@@ -235,10 +249,85 @@ class _Tables:
         return None
 
 
+def _filled(tables: _Tables, computed: dict[str, int], out: SchedulerOutput,
+            requests: dict[str, Request],
+            bs: int) -> list[tuple[str, int, str]]:
+    """(req, block, hash) of every block the step's forward pass fills, and,
+    with an empty hash, the blocks its drafts write into (forgotten)."""
+    nst = out.num_scheduled_tokens
+    spec = out.scheduled_spec_decode_tokens or {}
+    cached: list[tuple[str, int, str]] = []
+    for rid, c in computed.items():
+        k = len(spec.get(rid, ()))
+        n = nst.get(rid, 0) - k
+        if rid not in requests:
+            continue
+        if (c + n) // bs > c // bs:   # the step fills a block
+            filled = tables.blocks(rid, c // bs, (c + n) // bs)
+            # Blocks with no hash yet (under async scheduling a decode's last
+            # token is a placeholder now): an empty hash, compared with nothing.
+            table = tables.table(rid)[len(filled) + c // bs:(c + n) // bs]
+            cached += filled + [(rid, b, "") for b in table]
+        if k:   # the blocks its drafts write into: an empty hash, forgotten
+            drafted = tables.table(rid)[(c + n) // bs:-(-(c + n + k) // bs)]
+            cached += [(rid, b, "") for b in drafted]
+    return cached
+
+
+def _local_hits(tables: _Tables, admitted: list[str], lookups: list[Lookup],
+                bs: int) -> list[tuple[str, int, str]]:
+    """(req, block, hash) of every block an admitted request took as a local
+    prefix hit."""
+    local = {lk.req: lk.local for lk in lookups}
+    hits: list[tuple[str, int, str]] = []
+    for rid in admitted:
+        if local.get(rid, 0) >= bs:
+            hits += tables.blocks(rid, 0, local[rid] // bs)
+    return hits
+
+
+def _loads_asked(tables: _Tables, computed: dict[str, int], lookups: list[Lookup],
+                 loads: list[KVLoad],
+                 bs: int) -> dict[int, tuple[str, str]]:
+    """block -> (req, hash) of every whole block the scheduler asked the
+    connector to load synchronously: the request is scheduled now, and reads
+    them."""
+    sync = {lk.req for lk in lookups if not lk.load_async}
+    asked: dict[int, tuple[str, str]] = {}
+    for ld in loads:
+        if ld.req in computed and ld.req in sync:
+            for req, b, h in tables.blocks(ld.req, -(-ld.start // bs), ld.end // bs):
+                asked[b] = (req, h)
+    return asked
+
+
+def _said(p: _Plan, tables: _Tables, meta: KVConnectorMetadata,
+          bs: int) -> dict[int, tuple[str, str]]:
+    """block -> (req, hash) of every block the connector's own metadata says
+    it loads, when it has ExampleConnector's shape (then the plan's view is
+    "metadata", and its saves are those the metadata names); else none."""
+    said: dict[int, tuple[str, str]] = {}
+    view = _metadata_view(meta, bs)
+    if view is None:
+        return said
+    p.view = "metadata"
+    entries_loaded, entries_saved = view
+    for blocks in entries_loaded:
+        rid = tables.owner(blocks)
+        named = tables.blocks(rid, 0, len(blocks)) if rid else []
+        for i, b in enumerate(blocks):
+            said[b] = named[i][::2] if i < len(named) else ("", "")
+    for blocks in entries_saved:
+        rid = tables.owner(blocks)
+        if rid is not None:
+            p.saves += tables.blocks(rid, 0, len(blocks))
+    return said
+
+
 class KVAudit:
     """One recorder's audit (see the module doc)."""
 
-    def __init__(self, rec: Any, sched: Any, conn: Any):
+    def __init__(self, rec: Recorder, sched: Scheduler, conn: KVConnectorBase_V1) -> None:
         self.rec = rec
         self.conn = conn
         self.block_size = int(sched.cache_config.block_size)
@@ -246,12 +335,13 @@ class KVAudit:
         self.kvm = sched.kv_cache_manager
         self.digests: BlockDigests | None = None
         self.off = False   # set when the KV cache cannot be read
-        self._plans: dict[int, tuple[Any, _Plan]] = {}
+        self._plans: dict[int, tuple[KVConnectorMetadata, _Plan]] = {}
         self._bound: _Plan | None = None
 
     # -- the scheduler's thread --------------------------------------------------
 
-    def plan(self, step: int, out: Any, sched: Any, lookups: list, loads: list) -> None:
+    def plan(self, step: int, out: SchedulerOutput, sched: Scheduler, lookups: list[Lookup],
+             loads: list[KVLoad]) -> None:
         """At the end of ``schedule()``: which blocks the step's execution must
         digest, and whose they are (read now, while the tables are this step's)."""
         meta = getattr(out, "kv_connector_metadata", None)
@@ -259,8 +349,6 @@ class KVAudit:
             return
         bs = self.block_size
         p = _Plan(step)
-        nst = out.num_scheduled_tokens
-        spec = out.scheduled_spec_decode_tokens or {}
         computed = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
         cd = out.scheduled_cached_reqs
         computed.update(zip(cd.req_ids, cd.num_computed_tokens))
@@ -268,43 +356,10 @@ class KVAudit:
         # Admitted requests first: a connector's entries are theirs, mostly.
         tables = _Tables(self.kvm, sched.requests,
                          list(dict.fromkeys(admitted + [r for r in computed if r in sched.requests])))
-        for rid, c in computed.items():
-            k = len(spec.get(rid, ()))
-            n = nst.get(rid, 0) - k
-            if rid not in sched.requests:
-                continue
-            if (c + n) // bs > c // bs:   # the step fills a block
-                filled = tables.blocks(rid, c // bs, (c + n) // bs)
-                # Blocks with no hash yet (under async scheduling a decode's last
-                # token is a placeholder now): an empty hash, compared with nothing.
-                table = tables.table(rid)[len(filled) + c // bs:(c + n) // bs]
-                p.cached += filled + [(rid, b, "") for b in table]
-            if k:   # the blocks its drafts write into: an empty hash, forgotten
-                drafted = tables.table(rid)[(c + n) // bs:-(-(c + n + k) // bs)]
-                p.cached += [(rid, b, "") for b in drafted]
-        local = {lk.req: lk.local for lk in lookups}
-        for rid in admitted:
-            if local.get(rid, 0) >= bs:
-                p.hits += tables.blocks(rid, 0, local[rid] // bs)
-        sync = {lk.req for lk in lookups if not lk.load_async}
-        for ld in loads:   # synchronous loads: the request is scheduled now, and reads them
-            if ld.req in computed and ld.req in sync:
-                for req, b, h in tables.blocks(ld.req, -(-ld.start // bs), ld.end // bs):
-                    p.asked[b] = (req, h)
-        said: dict[int, tuple[str, str]] = {}
-        view = _metadata_view(meta, bs)
-        if view is not None:
-            p.view = "metadata"
-            entries_loaded, entries_saved = view
-            for blocks in entries_loaded:
-                rid = tables.owner(blocks)
-                named = tables.blocks(rid, 0, len(blocks)) if rid else []
-                for i, b in enumerate(blocks):
-                    said[b] = named[i][::2] if i < len(named) else ("", "")
-            for blocks in entries_saved:
-                rid = tables.owner(blocks)
-                if rid is not None:
-                    p.saves += tables.blocks(rid, 0, len(blocks))
+        p.cached = _filled(tables, computed, out, sched.requests, bs)
+        p.hits = _local_hits(tables, admitted, lookups, bs)
+        p.asked = _loads_asked(tables, computed, lookups, loads, bs)
+        said = _said(p, tables, meta, bs)
         for b in dict.fromkeys([*p.asked, *said]):
             req, h = p.asked.get(b) or said[b]
             p.targets.append((req, b, h, b in p.asked, b in said))
@@ -314,7 +369,7 @@ class KVAudit:
 
     # -- the worker's side ---------------------------------------------------------
 
-    def bind(self, meta: Any) -> None:
+    def bind(self, meta: KVConnectorMetadata) -> None:
         """Before the step's loads: the digests of the blocks they write."""
         got = self._plans.pop(id(meta), None)
         self._bound = None
@@ -360,7 +415,7 @@ class KVAudit:
                                        saved=saved, cached=cached, hits=hits))
 
 
-def _schedules_ahead(sched: Any) -> bool:
+def _schedules_ahead(sched: Scheduler) -> bool:
     """Whether ``sched`` is vLLM's AsyncScheduler, which schedules a step
     before the output of the one before comes back."""
     try:
@@ -370,7 +425,7 @@ def _schedules_ahead(sched: Any) -> bool:
     return isinstance(sched, AsyncScheduler)
 
 
-def refusal(sched: Any, worker_conn: Any) -> str | None:
+def refusal(sched: Scheduler, worker_conn: KVConnectorBase_V1 | None) -> str | None:
     """Why the audit cannot run for this engine, or None."""
     if os.environ.get(ENV, "1").strip() == "0":
         return f"{ENV}=0"
@@ -390,7 +445,7 @@ def refusal(sched: Any, worker_conn: Any) -> str | None:
     return None
 
 
-def install(sched: Any, rec: Any) -> KVAudit | None:
+def install(sched: Scheduler, rec: Recorder) -> KVAudit | None:
     """Start the audit for the recorder ``rec`` of ``sched`` when it can run:
     wrap the worker-side connector's ``bind_connector_metadata`` and
     ``clear_connector_metadata``. An error in the audit stops recording,
@@ -413,12 +468,12 @@ def install(sched: Any, rec: Any) -> KVAudit | None:
     orig_bind = worker_conn.bind_connector_metadata
     orig_clear = worker_conn.clear_connector_metadata
 
-    def bind_connector_metadata(meta, *args, **kwargs):
+    def bind_connector_metadata(meta: KVConnectorMetadata, *args: object, **kwargs: object) -> None:
         if rec.active:
             rec.guard("kv audit (bind_connector_metadata)", audit.bind, meta)
         return orig_bind(meta, *args, **kwargs)
 
-    def clear_connector_metadata(*args, **kwargs):
+    def clear_connector_metadata(*args: object, **kwargs: object) -> None:
         result = orig_clear(*args, **kwargs)
         if rec.active:
             rec.guard("kv audit (clear_connector_metadata)", audit.clear)

@@ -26,6 +26,12 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm.config.scheduler import SchedulerConfig
+    from vllm.v1.core.sched.interface import SchedulerInterface
+    from vllm.v1.engine.core import EngineCore
 
 logger = logging.getLogger("kvtrace.record")
 
@@ -49,7 +55,8 @@ def install() -> bool:
     if getattr(orig, _PATCHED_ATTR, False):
         return False
 
-    def get_scheduler_cls(self, *args, **kwargs):
+    def get_scheduler_cls(self: SchedulerConfig, *args: object,
+                          **kwargs: object) -> type[SchedulerInterface]:
         base = orig(self, *args, **kwargs)
         if not os.environ.get("KVTRACE_OUT"):
             return base
@@ -88,7 +95,7 @@ def _hook_engine_shutdown() -> None:
     if getattr(orig, _PATCHED_ATTR, False):
         return
 
-    def shutdown(self, *args, **kwargs):
+    def shutdown(self: EngineCore, *args: object, **kwargs: object) -> None:
         try:
             from kvtrace.record.vllm.recorder import close_all, propagating_failure
 

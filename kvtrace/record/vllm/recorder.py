@@ -73,7 +73,7 @@ import threading
 import weakref
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import orjson
 
@@ -108,7 +108,31 @@ from kvtrace.trace.events import (
     StepFailed,
 )
 
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Iterator, Sequence
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    from vllm.lora.request import LoRARequest
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.core.sched.interface import PauseState as EnginePauseState
+    from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine import EngineCoreOutputs, FinishReason
+    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    # What pre_update reads before the update and post_update records after
+    # it: the step, its sampled tokens, the connector's output, the requests
+    # it names, and the pooling requests whose output came.
+    UpdateContext = tuple[int, Sampled, ConnectorOutput | None, dict[str, Request | None],
+                          list[str] | None]
+
 logger = logging.getLogger("kvtrace.record")
+
+_T = TypeVar("_T")
 
 ENV_OUT = "KVTRACE_OUT"
 # An exception class with this attribute true is a driver's way to stop a run
@@ -128,7 +152,7 @@ _READ_STATE = operator.attrgetter("request_id", *StateCounters._fields[1:])
 _GRAMMAR_WAIT = "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR"
 
 
-def _repetition(sp: Any) -> dict | None:
+def _repetition(sp: SamplingParams | None) -> dict | None:
     """A request's repetition detection, when it has one that can stop it."""
     rd = getattr(sp, "repetition_detection", None)
     if rd is None:
@@ -136,7 +160,7 @@ def _repetition(sp: Any) -> dict | None:
     return {k: int(getattr(rd, k)) for k in REPETITION_FIELDS}
 
 
-def _embeds_digests(request: Any, block_size: int) -> list[str]:
+def _embeds_digests(request: Request, block_size: int) -> list[str]:
     """The sha256 of each block's rows of a prompt of embeddings, as vLLM keys
     the block with them (KU:598-622): read from the request's own cache of
     them where vLLM has hashed the block already (every full block, with prefix
@@ -154,14 +178,14 @@ def _embeds_digests(request: Any, block_size: int) -> list[str]:
     return out
 
 
-def _lora(lr: Any) -> dict | None:
+def _lora(lr: LoRARequest | None) -> dict | None:
     """A request's LoRA adapter, as its blocks are keyed with it (KU:584-595)."""
     if lr is None:
         return None
     return {"id": int(lr.lora_int_id), "name": str(lr.lora_name), "path": str(lr.lora_path)}
 
 
-def _runs(mask: Any) -> list[list[int]] | None:
+def _runs(mask: Sequence[bool] | None) -> list[list[int]] | None:
     """The runs [start, end) of True in a per-position mask; None for none."""
     if not mask:
         return None
@@ -175,7 +199,7 @@ def _runs(mask: Any) -> list[list[int]] | None:
     return runs or None
 
 
-def _grammar_resolved(req: Any) -> bool:
+def _grammar_resolved(req: Request) -> bool:
     """Whether the request's grammar is compiled, as the scheduler's look at it
     leaves it: vLLM 0.32 keeps the compile's Future until a look finds it done,
     then the grammar, or the compile's exception. True when this vLLM keeps it
@@ -186,12 +210,12 @@ def _grammar_resolved(req: Any) -> bool:
     return not isinstance(grammar, (Future, BaseException))
 
 
-def _status_name(req: Any) -> str:
+def _status_name(req: Request) -> str:
     status = getattr(req, "status", None)
     return str(getattr(status, "name", status))
 
 
-def _read_state_slow(req: Any) -> StateCounters:
+def _read_state_slow(req: Request) -> StateCounters:
     """``_READ_STATE`` for engines whose requests lack ``num_preemptions``."""
     return StateCounters(req=req.request_id, status=req.status,
                          num_computed_tokens=req.num_computed_tokens, num_tokens=req.num_tokens,
@@ -201,7 +225,7 @@ def _read_state_slow(req: Any) -> StateCounters:
 _NO_BLOCKS = itertools.repeat(())  # the default for each table.get in a map
 
 
-def _block_table(kvm: Any) -> dict | None:
+def _block_table(kvm: KVCacheManager) -> dict[str, list[KVCacheBlock]] | None:
     """The KV manager's request -> block list table when it can be read as
     ``BlockTables`` expects (one full-attention group), else None: the
     manager's own ``get_block_ids`` is asked instead."""
@@ -215,7 +239,7 @@ def _block_table(kvm: Any) -> dict | None:
 
 
 # Set while kvtrace.lab.model_free runs an engine with no model behind it.
-def _eos_token_id(request: Any, sp: Any) -> int | None:
+def _eos_token_id(request: Request, sp: SamplingParams | None) -> int | None:
     """The request's end-of-sequence token: its sampling parameters hold it
     (vLLM 0.17 and later), or the request itself (0.16)."""
     eos = getattr(sp, "eos_token_id", None) if sp is not None else None
@@ -227,7 +251,7 @@ def _argument(args: tuple, kwargs: dict, i: int, name: str) -> Any:
     return args[i] if len(args) > i else kwargs[name]
 
 
-def _finish_reason(r: Any) -> str | None:
+def _finish_reason(r: FinishReason | str | None) -> str | None:
     if r is None:
         return None
     name = getattr(r, "name", None) or str(r)
@@ -237,18 +261,25 @@ def _finish_reason(r: Any) -> str | None:
 # --------------------------------------------------------------------------- recorder
 
 
+class _Audit(Protocol):
+    """What the recorder asks of the KV audit (``kv_audit.KVAudit``)."""
+
+    def plan(self, step: int, out: SchedulerOutput, sched: Scheduler, lookups: list[Lookup],
+             loads: list[KVLoad]) -> None: ...
+
+
 class Recorder:
     """Per-scheduler capture state. All public ``on_*`` methods may raise; the
     scheduler subclass catches and calls ``fail``."""
 
-    def __init__(self, sched: Any, sink: TraceSink):
+    def __init__(self, sched: Scheduler, sink: TraceSink) -> None:
         self._sched_ref = weakref.ref(sched)
         self.sink = sink
         self.failed: str | None = None
         self.active = True
         self.step_index = 0
         self.has_connector = getattr(sched, "connector", None) is not None   # at this step
-        self.audit: Any = None       # the KV audit (kv_audit), when it runs
+        self.audit: _Audit | None = None   # the KV audit (kv_audit), when it runs
         # The views the scheduler's call sites get (call_sites.held): attribute
         # -> (the object it holds, its view); and the attributes whose calls
         # are recorded now: the grammar's answers from the first structured
@@ -267,7 +298,7 @@ class Recorder:
         self.preempt_order: list[str] = []
         self.preempted_out: set[str] = set()  # preempted, not yet resumed
         # SchedulerOutput identity -> step index (FIFO, for async / PP engines).
-        self.pending: list[tuple[Any, int]] = []
+        self.pending: list[tuple[SchedulerOutput, int]] = []
         self.stats_done: set[str] = set()
         self.in_update = False
         self.last_output_step = -1   # the step whose output was recorded last
@@ -278,13 +309,13 @@ class Recorder:
         self.table = _block_table(self.kvm)
         self.read_state = _READ_STATE
         # Structured outputs whose grammar no step has found compiled or failed yet.
-        self.grammar_waiting: dict[str, Any] = {}
+        self.grammar_waiting: dict[str, Request] = {}
         # Requests whose grammar refused their tokens in the update under way.
         self.grammar_rejected: list[str] = []
 
     # -- lifecycle -------------------------------------------------------------
 
-    def guard(self, where: str, capture, *args):
+    def guard(self, where: str, capture: Callable[..., _T], *args: object) -> _T | None:
         """Run one capture step. An error in it stops recording, never the engine."""
         try:
             return capture(*args)
@@ -319,14 +350,14 @@ class Recorder:
 
     # -- inputs ----------------------------------------------------------------
 
-    def on_session_input(self, request: Any, session: Any) -> None:
+    def on_session_input(self, request: Request, session: Request | None) -> None:
         """``add_request`` with the id of a request the engine holds: vLLM takes it as
         the next input chunk of a streaming-input session (``resumable``), or as the
         end of its input; anything else it refuses, and nothing is recorded."""
         if session is not None and getattr(session, "resumable", False):
             self.on_add_request(request, chunk=True)
 
-    def on_add_request(self, request: Any, chunk: bool = False) -> None:
+    def on_add_request(self, request: Request, chunk: bool = False) -> None:
         """A new request, or (``chunk``) a session's next input chunk: vLLM takes
         only a chunk's token ids (S:1678-1679)."""
         if getattr(request, "use_structured_output", False):
@@ -365,7 +396,8 @@ class Recorder:
                 and sched.requests.get(request.request_id) is request):
             self.grammar_waiting[str(request.request_id)] = request
 
-    def begin_abort(self, request_ids: Any, sched: Any, status: str = "FINISHED_ABORTED") -> None:
+    def begin_abort(self, request_ids: str | Iterable[str] | None, sched: Scheduler,
+                    status: str = "FINISHED_ABORTED") -> None:
         """A call that finishes requests from outside starts (an abort, or
         another finished status): note its ids and status, and watch the order
         in which the engine frees them (``on_free``)."""
@@ -377,7 +409,7 @@ class Recorder:
             ids = list(dict.fromkeys(request_ids))
         self.aborts.append(([str(i) for i in ids], [], status))
 
-    def on_free(self, request: Any) -> None:
+    def on_free(self, request: Request) -> None:
         if self.aborts:
             self.aborts[-1][1].append(str(request.request_id))
 
@@ -397,7 +429,7 @@ class Recorder:
         self.preempted_out.difference_update(ids)   # an id used again is a new request
         self.sink.put(Abort(seq=0, reqs=list(dict.fromkeys(freed + ids)), status=status))
 
-    def settle(self, sched: Any) -> None:
+    def settle(self, sched: Scheduler) -> None:
         """After a call that may have left the engine with no request: if it has
         none, and no step that scheduled one still waits for its output (async
         scheduling), tell the sink (an engine process killed now has recorded
@@ -407,28 +439,30 @@ class Recorder:
                 and not any(getattr(o, "num_scheduled_tokens", None) for o, _ in self.pending)):
             self.sink.settled()
 
-    def on_reset(self, reset_running_requests: Any, reset_connector: Any, result: Any) -> None:
+    def on_reset(self, reset_running_requests: bool, reset_connector: bool, result: bool) -> None:
         self.sink.put(ResetPrefixCache(seq=0, reset_running_requests=bool(reset_running_requests),
                                        succeeded=bool(result),
                                        reset_connector=bool(reset_connector)))
 
-    def on_pause(self, pause_state: Any) -> None:
+    def on_pause(self, pause_state: EnginePauseState) -> None:
         state = str(getattr(pause_state, "name", pause_state))
         if state not in PAUSE_STATES:   # a state the format cannot hold: stop recording here
             raise ValueError(f"pause state {state!r} is not one of {', '.join(PAUSE_STATES)}")
         self.sink.put(PauseState(seq=0, state=state))
 
-    def on_lookup_call(self, args: tuple, kwargs: dict, result: Any) -> None:
+    def on_lookup_call(self, args: tuple[object, ...], kwargs: dict[str, object],
+                       result: tuple[int | None, bool] | None) -> None:
         """``get_num_new_matched_tokens(request, num_computed_tokens)`` answered ``result``."""
         self.on_lookup(_argument(args, kwargs, 0, "request"),
                        _argument(args, kwargs, 1, "num_computed_tokens"), result)
 
-    def on_alloc_call(self, args: tuple, kwargs: dict) -> None:
+    def on_alloc_call(self, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
         """``update_state_after_alloc(request, blocks, num_external_tokens)`` returned."""
         self.on_alloc(_argument(args, kwargs, 0, "request"),
                       _argument(args, kwargs, 2, "num_external_tokens"))
 
-    def on_lookup(self, request: Any, local: int, result: Any) -> None:
+    def on_lookup(self, request: Request, local: int,
+                  result: tuple[int | None, bool] | None) -> None:
         ext, load_async = (result if result is not None else (None, False))
         rid = str(request.request_id)
         self.last_local[rid] = int(local)
@@ -436,13 +470,14 @@ class Recorder:
                                    ext=None if ext is None else int(ext),
                                    load_async=bool(load_async)))
 
-    def on_alloc(self, request: Any, num_external_tokens: int) -> None:
+    def on_alloc(self, request: Request, num_external_tokens: int) -> None:
         if num_external_tokens and num_external_tokens > 0:
             rid = str(request.request_id)
             start = self.last_local.get(rid, 0)
             self.loads.append(KVLoad(req=rid, start=start, end=start + int(num_external_tokens)))
 
-    def on_request_finished(self, request: Any, result: Any) -> None:
+    def on_request_finished(self, request: Request,
+                            result: tuple[bool, dict[str, object] | None] | bool) -> None:
         """The connector's answer for a finished request: (delay_free, params)."""
         delay, params = result if isinstance(result, tuple) else (bool(result), None)
         if not delay and params is None:
@@ -450,11 +485,11 @@ class Recorder:
         self.sink.put(RequestFinished(seq=0, req=str(request.request_id), delay_free=bool(delay),
                                       kv_transfer_params=_plain(params)))
 
-    def on_preempt(self, request: Any) -> None:
+    def on_preempt(self, request: Request) -> None:
         self.preempt_order.append(str(request.request_id))
         self.preempted_out.add(str(request.request_id))
 
-    def on_drafts(self, sched: Any, draft_token_ids: Any) -> None:
+    def on_drafts(self, sched: Scheduler, draft_token_ids: DraftTokenIds) -> None:
         """``update_draft_token_ids``: the drafts proposed after the last output,
         each decoding request's as the scheduler kept them (a structured
         output's grammar may cut them short), the others' as proposed."""
@@ -466,11 +501,11 @@ class Recorder:
             drafts[str(rid)] = list(map(int, ids))
         self.sink.put(Drafts(seq=0, step=self.last_output_step, drafts=drafts))
 
-    def on_grammar_rejected(self, request: Any) -> None:
+    def on_grammar_rejected(self, request: Request) -> None:
         if self.in_update:
             self.grammar_rejected.append(str(request.request_id))
 
-    def _grammar_seen(self, sched: Any) -> dict[str, str]:
+    def _grammar_seen(self, sched: Scheduler) -> dict[str, str]:
         """The grammars this step found compiled ("ready") or failed ("error":
         the scheduler noted it, S:3196-3198), each the first time. A request
         that left WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR had its grammar found
@@ -491,7 +526,7 @@ class Recorder:
             del self.grammar_waiting[rid]
         return seen
 
-    def begin_step(self, sched: Any = None, throttle_prefills: bool = False) -> None:
+    def begin_step(self, sched: Scheduler | None = None, throttle_prefills: bool = False) -> None:
         # preempt_order is kept: a reset_prefix_cache between two steps preempts
         # too, and the next step reports it (on_schedule clears it).
         # The connector the scheduler holds now: one assigned or replaced since
@@ -504,7 +539,7 @@ class Recorder:
 
     # -- state -----------------------------------------------------------------
 
-    def states(self, rids: list, reqs: list) -> Snapshot:
+    def states(self, rids: list[str], reqs: list[Request | None]) -> Snapshot:
         """A states snapshot (see ``kvtrace.record.sink``) of ``reqs``, the
         requests with ids ``rids``, skipping those the engine no longer holds (None)."""
         try:
@@ -535,42 +570,19 @@ class Recorder:
 
     # -- schedule --------------------------------------------------------------
 
-    def on_schedule(self, sched: Any, out: Any) -> None:
+    def on_schedule(self, sched: Scheduler, out: SchedulerOutput) -> None:
         step = self.step_index
         self.step_index += 1
         nst = dict(out.num_scheduled_tokens)
         new: list[Scheduled] = []
         resumed: list[Scheduled] = []
-        for r in out.scheduled_new_reqs:
-            item = Scheduled(req=r.req_id, num_computed_tokens=r.num_computed_tokens,
-                             num_scheduled_tokens=nst.get(r.req_id, 0),
-                             block_ids=all_groups(r.block_ids))
-            # The V2 model runner folds resumed requests into scheduled_new_reqs.
-            if r.req_id in self.preempted_out:
-                self.preempted_out.discard(r.req_id)
-                resumed.append(item)
-            else:
-                new.append(item)
+        self._admitted(out.scheduled_new_reqs, nst, new, resumed)
         cd = out.scheduled_cached_reqs
         rids, ncts, nbis = list(cd.req_ids), list(cd.num_computed_tokens), list(cd.new_block_ids)
         resumed_ids = cd.resumed_req_ids
         if resumed_ids:
-            keep = []
-            for i, rid in enumerate(rids):
-                if rid in resumed_ids:
-                    self.preempted_out.discard(rid)
-                    resumed.append(Scheduled(req=rid, num_computed_tokens=ncts[i],
-                                             num_scheduled_tokens=nst.get(rid, 0),
-                                             block_ids=all_groups(nbis[i])))
-                else:
-                    keep.append(i)
-            rids, ncts, nbis = [rids[i] for i in keep], [ncts[i] for i in keep], [nbis[i] for i in keep]
-        pre_set = out.preempted_req_ids
-        preempted = []
-        if pre_set:
-            preempted = [r for r in dict.fromkeys(self.preempt_order) if r in pre_set]
-            preempted += sorted(r for r in pre_set if r not in set(preempted))
-        self.preempt_order = []
+            rids, ncts, nbis = self._resumed_running(resumed_ids, rids, ncts, nbis, nst, resumed)
+        preempted = self._preempted(out.preempted_req_ids)
         finished = sorted(out.finished_req_ids or ())
         if finished:
             self.stats_done.difference_update(finished)
@@ -582,7 +594,66 @@ class Recorder:
             free = int(self.kvm.block_pool.get_num_free_blocks())
         except Exception:
             free = None
-        rare = {}   # the step's rare fields that hold something
+        rare = self._step_rare(sched, out)
+        self.sink.put(RawStep(
+            step=step, new=new, resumed=resumed,
+            running=RunningColumns(req_ids=rids, num_computed_tokens=ncts, new_block_ids=nbis,
+                                   num_scheduled_tokens=nst),
+            preempted=preempted, finished=finished, lookups=self.lookups,
+            loads=self.loads if self.has_connector else None, states=states,
+            num_free_blocks=free, rare=rare))
+        if self.audit is not None:
+            self.audit.plan(step, out, sched, self.lookups, self.loads)
+        self.pending.append((out, step))
+        if len(self.pending) > 64:  # outputs that never came back (engine error paths)
+            del self.pending[0]
+
+    def _admitted(self, new_reqs: list[NewRequestData], nst: dict[str, int], new: list[Scheduled],
+                  resumed: list[Scheduled]) -> None:
+        """The step's ``scheduled_new_reqs`` into ``new``, but for those
+        preempted before, which go into ``resumed``: the V2 model runner folds
+        resumed requests into scheduled_new_reqs."""
+        for r in new_reqs:
+            item = Scheduled(req=r.req_id, num_computed_tokens=r.num_computed_tokens,
+                             num_scheduled_tokens=nst.get(r.req_id, 0),
+                             block_ids=all_groups(r.block_ids))
+            if r.req_id in self.preempted_out:
+                self.preempted_out.discard(r.req_id)
+                resumed.append(item)
+            else:
+                new.append(item)
+
+    def _resumed_running(self, resumed_ids: set[str], rids: list, ncts: list, nbis: list,
+                         nst: dict[str, int],
+                         resumed: list[Scheduled]) -> tuple[list, list, list]:
+        """The cached requests' columns (ids, computed tokens, new blocks)
+        without those resumed in the step, which go into ``resumed``."""
+        keep = []
+        for i, rid in enumerate(rids):
+            if rid in resumed_ids:
+                self.preempted_out.discard(rid)
+                resumed.append(Scheduled(req=rid, num_computed_tokens=ncts[i],
+                                         num_scheduled_tokens=nst.get(rid, 0),
+                                         block_ids=all_groups(nbis[i])))
+            else:
+                keep.append(i)
+        return [rids[i] for i in keep], [ncts[i] for i in keep], [nbis[i] for i in keep]
+
+    def _preempted(self, pre_set: set[str] | None) -> list[str]:
+        """The step's preempted requests, in the order the scheduler preempted
+        them (``on_preempt``; any it did not say, sorted, after them); the
+        order is kept for the next step no longer."""
+        preempted = []
+        if pre_set:
+            preempted = [r for r in dict.fromkeys(self.preempt_order) if r in pre_set]
+            preempted += sorted(r for r in pre_set if r not in set(preempted))
+        self.preempt_order = []
+        return preempted
+
+    def _step_rare(self, sched: Scheduler, out: SchedulerOutput) -> dict | None:
+        """The step's rare fields that hold something (None for none): the
+        drafts it scheduled, the grammars it found, its throttle flag."""
+        rare = {}
         spec = out.scheduled_spec_decode_tokens
         if spec:
             rare["spec"] = {rid: list(ids) for rid, ids in spec.items()}
@@ -592,20 +663,9 @@ class Recorder:
                 rare["grammar"] = grammar
         if self.throttle_prefills:
             rare["throttle_prefills"] = True
-        self.sink.put(RawStep(
-            step=step, new=new, resumed=resumed,
-            running=RunningColumns(req_ids=rids, num_computed_tokens=ncts, new_block_ids=nbis,
-                                   num_scheduled_tokens=nst),
-            preempted=preempted, finished=finished, lookups=self.lookups,
-            loads=self.loads if self.has_connector else None, states=states,
-            num_free_blocks=free, rare=rare or None))
-        if self.audit is not None:
-            self.audit.plan(step, out, sched, self.lookups, self.loads)
-        self.pending.append((out, step))
-        if len(self.pending) > 64:  # outputs that never came back (engine error paths)
-            del self.pending[0]
+        return rare or None
 
-    def on_schedule_failed(self, sched: Any, exc: BaseException) -> None:
+    def on_schedule_failed(self, sched: Scheduler, exc: BaseException) -> None:
         """``schedule()`` raised ``exc``: record what the step had asked so far
         (``StepFailed``), so that a replay can run the same step. A driver's
         exception that stops the run (``kvtrace_driver_stop``) is no failure
@@ -623,7 +683,8 @@ class Recorder:
 
     # -- update_from_output -----------------------------------------------------
 
-    def pre_update(self, sched: Any, so: Any, mro: Any) -> tuple:
+    def pre_update(self, sched: Scheduler, so: SchedulerOutput,
+                   mro: ModelRunnerOutput) -> UpdateContext:
         step = None
         for i, (o, s) in enumerate(self.pending):
             if o is so:
@@ -666,7 +727,8 @@ class Recorder:
                       if (i := index.get(rid)) is not None and i < len(po) and po[i] is not None]
         return step, sampled, conn, reqs, pooled
 
-    def post_update(self, sched: Any, ctx: tuple, result: Any) -> None:
+    def post_update(self, sched: Scheduler, ctx: UpdateContext,
+                    result: dict[int, EngineCoreOutputs] | None) -> None:
         step, sampled, conn, reqs, pooled = ctx
         finished: dict[str, str] = {}
         stats: list[PromptStats] = []
@@ -711,7 +773,7 @@ class Recorder:
 
 
 @contextlib.contextmanager
-def termination_deferred():
+def termination_deferred() -> Iterator[None]:
     """While the engine's shutdown closes the trace: a SIGTERM or SIGINT waits
     until the end record is written, then takes effect as it would have. vLLM
     resets the engine core's handlers before its shutdown, and its process
@@ -831,7 +893,7 @@ def propagating_failure() -> str | None:
     return engine_failure(exc)
 
 
-def _destination(sched: Any) -> str | None:
+def _destination(sched: Scheduler) -> str | None:
     out = os.environ.get(ENV_OUT)
     if not out:
         return None
@@ -850,7 +912,7 @@ def _destination(sched: Any) -> str | None:
     return str(p.with_name(stem + tag + ext))
 
 
-def open_recorder(sched: Any) -> Recorder | None:
+def open_recorder(sched: Scheduler) -> Recorder | None:
     dest = _destination(sched)
     if dest is None:
         return None
@@ -870,7 +932,7 @@ def open_recorder(sched: Any) -> Recorder | None:
 # --------------------------------------------------------------------------- wrappers on the instance
 
 
-def _plain(params: Any) -> dict | None:
+def _plain(params: object) -> dict | None:
     """A connector's kv_transfer_params as plain JSON (None when there are none;
     a value JSON cannot hold is written as its str())."""
     if not isinstance(params, dict):
@@ -892,17 +954,18 @@ class ConnectorCalls:
 
     __slots__ = ("_conn", "_rec")
 
-    def __init__(self, conn: Any, rec: "Recorder"):
+    def __init__(self, conn: KVConnectorBase_V1, rec: Recorder) -> None:
         self._conn, self._rec = conn, rec
 
-    def get_num_new_matched_tokens(self, *args, **kwargs):
+    def get_num_new_matched_tokens(self, *args: object,
+                                   **kwargs: object) -> tuple[int | None, bool]:
         result = self._conn.get_num_new_matched_tokens(*args, **kwargs)
         rec = self._rec
         if rec.active:
             rec.guard("get_num_new_matched_tokens", rec.on_lookup_call, args, kwargs, result)
         return result
 
-    def update_state_after_alloc(self, *args, **kwargs):
+    def update_state_after_alloc(self, *args: object, **kwargs: object) -> None:
         result = self._conn.update_state_after_alloc(*args, **kwargs)
         rec = self._rec
         if rec.active:
@@ -920,10 +983,10 @@ class GrammarCalls:
 
     __slots__ = ("_som", "_rec")
 
-    def __init__(self, som: Any, rec: "Recorder"):
+    def __init__(self, som: StructuredOutputManager, rec: Recorder) -> None:
         self._som, self._rec = som, rec
 
-    def accept_tokens(self, request, *args, **kwargs):
+    def accept_tokens(self, request: Request, *args: object, **kwargs: object) -> bool:
         ok = self._som.accept_tokens(request, *args, **kwargs)
         rec = self._rec
         if not ok and rec.active:
