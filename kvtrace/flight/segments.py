@@ -4,11 +4,12 @@
 ``segment-000002.jsonl.gz``... in a directory: each a whole trace file (the
 header, then records), and each but the first starts with a keyframe, so that
 it replays alone. A segment ends, with an ``end`` record of status
-``continued``, at the first step record after it holds ``segment_bytes``; the
-next one starts with that step's keyframe. Before a segment starts, the
+``continued``, at the first step record after it holds ``segment_bytes`` past
+its keyframe; the next one starts with that step's keyframe. Before a segment starts, the
 oldest segments not pinned are deleted until the finished ones and a whole new
-one (its size, and twice the most one step has written, since a segment ends
-only at a step) fit in ``cap_bytes``: the directory never holds more.
+one (its keyframe, its size, and twice the most one step has written, since a
+segment ends only at a step) fit in ``cap_bytes``: the directory never holds
+more.
 
 Sizes count the trace's text before compression, which bounds what a
 compressed segment takes on disk. Each segment is written by the writer
@@ -78,6 +79,7 @@ class SegmentWriter:
         self.bytes = 0                              # the current segment's, before compression
         self.step_bytes = 0                         # the most one step has written
         self._at_step = 0                           # self.bytes at the last step record
+        self.kf_bytes = 0                           # the current segment's keyframe
         self.sizes: dict[Path, int] = {}            # finished segments -> their size on disk
         self.pinned: dict[str, str] = {}            # segment name -> why
         self.pin_next: str | None = None            # pin the next segment too, for this reason
@@ -101,7 +103,7 @@ class SegmentWriter:
             self.pin(why)
         if step:
             self.step_bytes = max(self.step_bytes, self.bytes - self._at_step)
-        due = step and self.bytes >= self.segment_bytes
+        due = step and self.bytes - self.kf_bytes >= self.segment_bytes
         kf = self.frames.keyframe_for(e, force=due)
         found = self.frames.found()
         if found and not self.tripped:   # the run's first divergence: its segments kept
@@ -188,6 +190,7 @@ class SegmentWriter:
 
     def _open(self, kf: ev.Keyframe | None) -> None:
         self._at_step = 0
+        self.kf_bytes = len(ev.encode(kf)) + 1 if kf is not None else 0
         self.number += 1
         self.current_path = self.folder / self._name(self.number)
         self._make_room()
@@ -208,9 +211,9 @@ class SegmentWriter:
 
     @property
     def _room(self) -> int:
-        """What a new segment may take: its size, and the step that ends it
-        past that (twice the most one step has written so far)."""
-        return self.segment_bytes + 2 * self.step_bytes
+        """What a new segment may take: its keyframe, its size, and the step
+        that ends it past that (twice the most one step has written so far)."""
+        return self.kf_bytes + self.segment_bytes + 2 * self.step_bytes
 
     def _make_room(self) -> None:
         """Delete the oldest segments not pinned until the finished ones and

@@ -102,7 +102,7 @@ def steps_text(result: ReplayResult) -> str | None:
         return (f"steps {number(first)} to {number(last)} of {number(in_trace)}, from a "
                 f"keyframe{missing}")
     if missing:
-        return f"{count(checked, 'step')}{missing}"
+        return f"{number(result.steps_checked)} of {count(in_trace, 'step')} checked{missing}"
     if getattr(result, "stopped_at", None) is not None and in_trace > checked:
         return f"{number(checked)} of {count(in_trace, 'step')} checked"
     return count(checked, "step")

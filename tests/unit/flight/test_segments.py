@@ -78,11 +78,11 @@ def _segments(folder: Path, workload: str, fault=None, seed=1, requests=None, ri
 
 def test_a_ring_never_holds_more_than_its_cap_and_every_segment_left_replays_alone(tmp_path):
     folder, sizes = tmp_path / "ring", []
-    ring = 1 << 20
-    _segments(folder, "offload", seed=3, requests=120, ring=ring, segment=96 << 10, sizes=sizes,
+    ring = 256 << 10
+    _segments(folder, "offload", seed=3, requests=40, ring=ring, segment=32 << 10, sizes=sizes,
               open_file=open_step_writer)
     left = segment_files(folder)
-    assert len(sizes) > 30 and len(left) < len(sizes)   # segments rotated out
+    assert len(sizes) > 15 and len(left) < len(sizes)   # segments rotated out
     assert max(sizes) <= ring
     assert sum(p.stat().st_size for p in folder.iterdir()) <= ring
     assert left[0].name != "segment-000001.jsonl.gz"
@@ -130,7 +130,7 @@ def test_a_late_fault_is_caught_from_the_pinned_segments_alone(tmp_path, capsys)
 def test_dump_pins_the_segments_at_hand(tmp_path, capsys):
     folder = tmp_path / "ring"
     code = (f"import sys, time\nsys.argv = ['kvtrace', 'record', '-o', {str(folder)!r}, "
-            "'--workload', 'offload', '--requests', '400', '--ring', '8MB', '--segment', '64KB']\n"
+            "'--workload', 'offload', '--requests', '120', '--ring', '8MB', '--segment', '32KB']\n"
             "from kvtrace.cli import main\nsys.exit(main(sys.argv[1:]))")
     env = {**os.environ, "KVTRACE_QUIET": "1", "PYTHONPATH": os.getcwd()}
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE)

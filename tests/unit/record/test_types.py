@@ -17,9 +17,11 @@ import typing
 from pathlib import Path
 
 import pytest
-from _require import require
+from tests._require import require
 
-ROOT = Path(__file__).resolve().parent.parent / "kvtrace"
+from tests._paths import REPO
+
+ROOT = REPO / "kvtrace"
 # The recorder's public interface: what runs inside a user's vLLM.
 INTERFACE = [ROOT / "record" / "vllm" / f"{name}.py"
              for name in ("recorder", "hooks", "header", "kv_audit", "plugin")]
@@ -144,11 +146,7 @@ class _Mixin:
         "_Mixin.add_request(request): no annotation"]
 
 
-@pytest.mark.parametrize("package", [
-    "record",
-    pytest.param("replay", marks=pytest.mark.xfail(strict=False,
-                                                    reason="replay/ split in progress")),
-])
+@pytest.mark.parametrize("package", ["record", "replay", "flight"])
 def test_no_function_runs_to_60_lines(package):
     found = []
     for path in sorted((ROOT / package).rglob("*.py")):
