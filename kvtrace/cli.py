@@ -20,7 +20,7 @@ import click
 
 from kvtrace.commands import COMMANDS
 from kvtrace.commands._common import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_OK, quiet_stdout, say
-from kvtrace.outputs import WRITE_ERRORS
+from kvtrace.writing import WRITE_ERRORS
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

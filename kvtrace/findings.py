@@ -147,10 +147,10 @@ class Fold:
 
 
 @dataclass(slots=True)
-class Story:
+class RequestFindings:
     """One request's divergences: its likely cause first, the rest folded.
 
-    ``after`` is the cause of an earlier story this one likely follows from: a
+    ``after`` is the cause of another request's findings these likely follow from: a
     request whose first divergence is a decision (what was scheduled, which
     blocks it got) in a step where another request's state was already wrong."""
 
@@ -161,9 +161,9 @@ class Story:
     after: Divergence | None = None
 
 
-def stories(divs: list[Divergence]) -> list[Story]:
-    """The divergences of a run, one story per request, the story with the
-    earliest cause first. Step-wide divergences (``req`` None) form one story."""
+def by_request(divs: list[Divergence]) -> list[RequestFindings]:
+    """The divergences of a run, one RequestFindings per request, the one with
+    the earliest cause first. Step-wide divergences (``req`` None) form one."""
     reached = reached_steps(divs)
 
     def order(d: Divergence) -> tuple:
@@ -172,7 +172,7 @@ def stories(divs: list[Divergence]) -> list[Story]:
     by_req: dict[str | None, list[Divergence]] = {}
     for d in divs:
         by_req.setdefault(d.req, []).append(d)
-    told = []
+    per_request = []
     for req, mine in by_req.items():
         mine.sort(key=order)
         cause = mine[0]
@@ -187,36 +187,38 @@ def stories(divs: list[Divergence]) -> list[Story]:
             if d.step is not None:
                 f.first_step = d.step if f.first_step is None else min(f.first_step, d.step)
                 f.last_step = d.step if f.last_step is None else max(f.last_step, d.step)
-        told.append(Story(req, cause, list(folds.values()), len(mine)))
-    told.sort(key=lambda s: order(s.cause))
+        per_request.append(RequestFindings(req, cause, list(folds.values()), len(mine)))
+    per_request.sort(key=lambda s: order(s.cause))
     roots: list[Divergence] = []
-    for s in told:
+    for s in per_request:
         if cause_rank(s.cause) > 0 or s.req is None:
             at = reached.get(id(s.cause), s.cause.step)
             s.after = next((r for r in roots if r.step is not None and at is not None
                             and reached.get(id(r), r.step) <= at), None)
         if s.req is not None and (cause_rank(s.cause) == 0 or s.cause.rule.startswith(_WINDOW_RULE)):
             roots.append(s.cause)   # a wrong count, or blocks a window gave back: a cause
-    return told
+    return per_request
 
 
-def narrowed(told: list[Story], kept: list[Divergence]) -> list[Story]:
-    """The stories of ``kept``, a part of the divergences ``told`` tells: each
-    keeps the link to the story its request follows from, shown or not."""
-    after = {s.req: s.after for s in told}
-    part = stories(kept)
+def narrowed(per_request: list[RequestFindings], kept: list[Divergence]
+             ) -> list[RequestFindings]:
+    """The findings of each request in ``kept``, a part of the divergences
+    ``per_request`` holds: each keeps the link to the request it follows from,
+    shown or not."""
+    after = {s.req: s.after for s in per_request}
+    part = by_request(kept)
     for s in part:
         s.after = s.after or after.get(s.req)
     return part
 
 
-def headline(told: list[Story]) -> Divergence | None:
+def headline(per_request: list[RequestFindings]) -> Divergence | None:
     """The divergence a person should read first: the earliest cause that no
-    other story's cause explains."""
-    for s in told:
+    other request's cause explains."""
+    for s in per_request:
         if s.after is None:
             return s.cause
-    return told[0].cause if told else None
+    return per_request[0].cause if per_request else None
 
 
 # What a divergence of each cause rank is, in the words ``why_first`` uses.
@@ -233,25 +235,26 @@ _RANK_WORDS = {
 
 
 @dataclass(slots=True)
-class Told:
+class Findings:
     """A run's divergences as every view tells them (the terminal, several
-    traces, ``--json``, the HTML report): one story per request, the
+    traces, ``--json``, the HTML report): the findings of each request, the
     divergence to read first (``headline``), and why it is the first."""
 
-    stories: list[Story]
+    per_request: list[RequestFindings]
     headline: Divergence | None
     why: str | None
 
 
-def tell(divs: list[Divergence]) -> Told:
-    """The stories of ``divs``, their headline and why it comes first:
+def gather(divs: list[Divergence]) -> Findings:
+    """The findings of ``divs`` per request, their headline and why it comes first:
     computed once per trace, and handed to every view."""
-    told = stories(divs)
-    head = headline(told)
-    return Told(told, head, why_first(divs, told, head))
+    per_request = by_request(divs)
+    head = headline(per_request)
+    return Findings(per_request, head, why_first(divs, per_request, head))
 
 
-def why_first(divs: list[Divergence], told: list[Story], head: Divergence | None) -> str | None:
+def why_first(divs: list[Divergence], per_request: list[RequestFindings],
+              head: Divergence | None) -> str | None:
     """Why ``head`` is the divergence to read first, in one sentence: no
     divergence at an earlier step, first among its step's in cause-and-effect
     order, and how many requests' divergences may follow from it."""
@@ -271,7 +274,7 @@ def why_first(divs: list[Divergence], told: list[Story], head: Divergence | None
         if same > 1:
             said += (f", and of the {number(same)} at that step it comes first in cause-and-effect "
                      f"order: {_RANK_WORDS.get(cause_rank(head), 'what it is')}")
-    follow = sum(1 for s in told if s.after is head and s.req is not None)
+    follow = sum(1 for s in per_request if s.after is head and s.req is not None)
     if follow:
         said += (f"; {count(follow, 'other request')} {plural(follow, 'diverges', 'diverge')} "
                  "later and may follow from it")

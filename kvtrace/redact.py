@@ -44,7 +44,7 @@ import hmac
 import os
 from dataclasses import dataclass
 
-from kvtrace.outputs import writing
+from kvtrace.writing import writing
 from kvtrace.trace import TraceReader, TraceWriter
 from kvtrace.trace import events as ev
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from kvtrace._text import CONTROL_ESCAPES
-from kvtrace.outputs import blamed_on, silence
+from kvtrace.writing import blamed_on, silence
 
 EXIT_OK, EXIT_DIVERGENT, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 EXIT_NOTHING = 4   # nothing was checked or recorded: never a pass

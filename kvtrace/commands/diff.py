@@ -67,7 +67,7 @@ def command(a: Path, b: Path, as_json: bool, match: str, requests: tuple[str, ..
     else:
         # The divergences shown; the counts and the exit code are the whole diff's.
         shown = result if kept is divs else _with(result, kept)
-        terminal.print_diff(shown, max_rows=select.max_stories)
+        terminal.print_diff(shown, max_rows=select.max_requests)
         if select:
             note = f"shown: {len(kept)} of {len(divs)} divergences ({select.words()})"
             first = next((d for d in divs if d.req is not None), None)

@@ -8,7 +8,7 @@ import click
 
 from kvtrace.catalog import (EMBEDDED_FAULT_WORKLOADS, EMBEDDED_FAULTS, EMBEDDED_WORKLOADS,
                              VLLM_FAULT_WORKLOADS, VLLM_FAULTS, pairs)
-from kvtrace.outputs import blamed_on
+from kvtrace.writing import blamed_on
 
 from ._common import (EXIT_NOTHING, EXIT_OK, VLLM_HINT, Bounded, FilePath, Size, UsageProblem,
                       echo, importing, require_vllm, say, trace_output)

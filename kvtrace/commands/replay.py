@@ -54,13 +54,13 @@ MAX_SHOWN = 10   # diverging requests shown unless --max says
                    "(repeatable; 'state.' matches every field that starts so).")
 @click.option("--first", "first_only", is_flag=True,
               help="Show only the first diverging request: the likely cause.")
-@click.option("--max", "max_stories", type=click.IntRange(min=1), default=MAX_SHOWN,
+@click.option("--max", "max_requests", type=click.IntRange(min=1), default=MAX_SHOWN,
               show_default=True,
               metavar="N", help="Show at most N diverging requests.")
 def command(traces: tuple[Path, ...], out: Path | None, as_json: bool, device: str, kv_check: bool,
             scheduler: str, scheduler_cls: str | None, profile: str | None, jobs: int,
             from_step: int | None, requests: tuple[str, ...], fields: tuple[str, ...], first_only: bool,
-            max_stories: int) -> int:
+            max_requests: int) -> int:
     """Replay TRACE through the reference scheduler and report divergences.
 
     Several traces (one per engine rank or replica, say) are replayed in
@@ -76,7 +76,7 @@ def command(traces: tuple[Path, ...], out: Path | None, as_json: bool, device: s
         pick_device(device)
     if scheduler_cls:
         scheduler = "vllm"
-    select = Selection(requests, fields, 1 if first_only else max_stories)
+    select = Selection(requests, fields, 1 if first_only else max_requests)
     if from_step is not None and (scheduler == "vllm" or len(traces) > 1):
         raise UsageProblem("--from-step replays one trace through the reference")
     if any(t.is_dir() for t in traces):
@@ -85,7 +85,7 @@ def command(traces: tuple[Path, ...], out: Path | None, as_json: bool, device: s
                                "without --from-step or -o")
         return _folder(traces[0], as_json, profile, select)
     if scheduler == "vllm":
-        if select or first_only or max_stories != MAX_SHOWN:
+        if select or first_only or max_requests != MAX_SHOWN:
             raise UsageProblem("--request, --field, --first and --max select what replay through "
                                "the reference shows; --scheduler vllm shows its diff whole")
         if len(traces) != 1:
@@ -104,8 +104,8 @@ def command(traces: tuple[Path, ...], out: Path | None, as_json: bool, device: s
 class Selection:
     """What of a replay's divergences to show: --request, --field, --first, --max."""
 
-    def __init__(self, requests: tuple[str, ...], fields: tuple[str, ...], max_stories: int):
-        self.requests, self.fields, self.max_stories = set(requests), fields, max_stories
+    def __init__(self, requests: tuple[str, ...], fields: tuple[str, ...], max_requests: int):
+        self.requests, self.fields, self.max_requests = set(requests), fields, max_requests
 
     def __bool__(self) -> bool:
         return bool(self.requests or self.fields)
@@ -122,14 +122,14 @@ class Selection:
         return " ".join(said) or None
 
     def view(self, divs):
-        """The stories of the divergences kept, and the one to read first: the
-        headline of them all, whatever is kept (told once, for every view)."""
-        from kvtrace.findings import narrowed, tell
+        """The findings per request of the divergences kept, and the one to read first: the
+        headline of them all, whatever is kept (findings once, for every view)."""
+        from kvtrace.findings import narrowed, gather
         from kvtrace.report.terminal import ReplayView
 
-        told = tell(list(divs))
-        shown = narrowed(told.stories, [d for d in divs if self.keep(d)]) if self else told.stories
-        return ReplayView(shown, told, self.max_stories, self.words())
+        findings = gather(list(divs))
+        shown = narrowed(findings.per_request, [d for d in divs if self.keep(d)]) if self else findings.per_request
+        return ReplayView(shown, findings, self.max_requests, self.words())
 
 
 def _one(trace: Path, out: Path | None, as_json: bool, device: str | None,
@@ -147,7 +147,7 @@ def _one(trace: Path, out: Path | None, as_json: bool, device: str | None,
     view = select.view(result.divergences)
     if as_json:
         print_bytes(terminal.replay_json(result, str(trace), select.keep if select else None,
-                                         view.told))
+                                         view.findings))
     else:
         terminal.print_replay(result, str(trace), view)
     return _exit_code(result)
@@ -162,7 +162,7 @@ def _folder(folder: Path, as_json: bool, profile: str | None, select: Selection)
     view = select.view(result.divergences)
     if as_json:
         print_bytes(terminal.replay_json(result, str(folder), select.keep if select else None,
-                                         view.told))
+                                         view.findings))
     else:
         terminal.print_replay(result, str(folder), view)
     return _exit_code(result)
@@ -187,7 +187,7 @@ def _many(traces: tuple[Path, ...], as_json: bool, device: str | None, jobs: int
     if as_json:
         print_bytes(terminal.replay_many_json(results, select.keep if select else None, views))
     else:
-        terminal.print_replay_many(results, views, select.max_stories)
+        terminal.print_replay_many(results, views, select.max_requests)
     errors = [err for _, _, err in results if err]
     for err in errors:   # each on one line on stderr as well, as with a single trace
         say(err)

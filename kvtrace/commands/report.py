@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from kvtrace.outputs import check_writable
+from kvtrace.writing import check_writable
 
 from ._common import (EXIT_DIVERGENT, EXIT_OK, READS_TWICE, FilePath, echo, refuse_pipes,
                       refuse_to_overwrite, say)
@@ -38,7 +38,7 @@ def report(trace: Path, out: Path, against: Path | None) -> int:
 
     with progress(f"reporting {trace.name}", "steps", files=(trace, trace, against)):
         found = analysis(trace, against)
-        rep = write_html_report(trace, out, found.divergences, told=found.told,
+        rep = write_html_report(trace, out, found.divergences, findings=found.findings,
                                 source=found.source, against=against, note=found.note,
                                 stop=found.stop, steps_checked=found.steps_checked,
                                 unchecked=found.unchecked)
@@ -50,13 +50,13 @@ def report(trace: Path, out: Path, against: Path | None) -> int:
 @dataclass
 class Analysis:
     """What a report shows: the divergences of a diff or a replay; the same
-    told per request, with the one to read first (``kvtrace.findings.tell``);
+    findings per request, with the one to read first (``kvtrace.findings.gather``);
     where they come from; for a trace replay refuses, why there are none
     (``note``); where replay stopped before the trace's end (``stop``), and
     the steps it checked then (``steps_checked``), in the terminal's words."""
 
     divergences: list
-    told: Any
+    findings: Any
     source: str
     note: str | None = None
     stop: str | None = None
@@ -65,8 +65,8 @@ class Analysis:
 
 
 def analysis(trace: Path, against: Path | None) -> Analysis:
-    """The divergences of a diff with ``against``, or of a replay, told."""
-    from kvtrace.findings import tell
+    """The divergences of a diff with ``against``, or of a replay, findings."""
+    from kvtrace.findings import gather
     from kvtrace.report.failures import steps_text, stop_text, unchecked_text
     from kvtrace.trace import TraceError
 
@@ -74,16 +74,16 @@ def analysis(trace: Path, against: Path | None) -> Analysis:
         from kvtrace.diff import diff_files
 
         divs = list(diff_files(trace, against).divergences)
-        return Analysis(divs, tell(divs), "diff")
+        return Analysis(divs, gather(divs), "diff")
     from kvtrace.replay import replay_file
 
     try:
         result = replay_file(trace)
     except TraceError as e:
-        return Analysis([], tell([]), "replay", f"not replayed: {e}")
+        return Analysis([], gather([]), "replay", f"not replayed: {e}")
     divs = list(result.divergences)
     stop = stop_text(result)
-    return Analysis(divs, tell(divs), "replay", stop=stop,
+    return Analysis(divs, gather(divs), "replay", stop=stop,
                     steps_checked=steps_text(result) if stop else None,
                     unchecked=unchecked_text(result))
 

@@ -105,7 +105,7 @@ class _Run:
 
     def result(self) -> ReplayResult:
         self.rp.finish()
-        self.rp.tell(self.res, self.truncation)
+        self.rp.put_into(self.res, self.truncation)
         self.res.divergences = self.found + self.res.divergences
         self.res.gaps = self.gaps
         return self.res

@@ -181,7 +181,7 @@ def replay_from(path: str | os.PathLike, step: int, out: str | os.PathLike | Non
         reader.close()
         if out_file is not None:
             out_file.close(failed, rp, reader.truncation)
-    rp.tell(result, reader.truncation)
+    rp.put_into(result, reader.truncation)
     return result
 
 
@@ -200,7 +200,7 @@ def add_keyframes(src: str | os.PathLike, dst: str | os.PathLike, every: int,
     ``every``-th step (those ``src`` had are made again). Returns (keyframes
     written, steps). A cut-off ``src`` gives a cut-off ``dst``; a replay that
     stops at an engine error makes no keyframe past it."""
-    from kvtrace.outputs import Output
+    from kvtrace.writing import WrittenFile
     from kvtrace.trace import TraceWriter
 
     reader = TraceReader(src)
@@ -210,7 +210,7 @@ def add_keyframes(src: str | os.PathLike, dst: str | os.PathLike, every: int,
     try:
         check_supported(header, src, chosen)
         keyframer = Keyframer(header, every, chosen)
-        dest = Output(dst, trace=True)
+        dest = WrittenFile(dst, trace=True)
         writer = TraceWriter(dst, header, fd=dest.take_fd())
         steps = 0
         end = None

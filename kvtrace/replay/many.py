@@ -35,7 +35,7 @@ def replay_quietly(args: tuple[str, str | None, str | None]
 def replay_many(paths: list[str], device: str | None, profile: str | None, jobs: int = 0,
                 progress: Callable[[int], None] | None = None) -> list:
     """Replay ``paths`` on ``jobs`` processes (0: one per core, at most one per
-    trace); ``progress`` is told how many are done."""
+    trace); ``progress`` is findings how many are done."""
     jobs = min(jobs or os.cpu_count() or 1, len(paths))
     work = [(str(p), device, profile) for p in paths]
     results = []

@@ -19,7 +19,7 @@ from typing import Iterable
 
 from kvtrace import baseline
 from kvtrace._text import count, path_text
-from kvtrace.outputs import Output
+from kvtrace.writing import WrittenFile
 from kvtrace.reference.profiles import Profile
 from kvtrace.trace import TraceError, TraceReader, TraceWriter
 from kvtrace.trace import events as ev
@@ -160,7 +160,7 @@ class ReplayedTrace:
                              features=header.features,
                              meta={"replayed_from": path_text(path), "recorded_engine": header.engine,
                                    "recorded_engine_version": header.engine_version})
-        self.dest = Output(out, trace=True)
+        self.dest = WrittenFile(out, trace=True)
         try:
             self.writer = TraceWriter(out, replayed, fd=self.dest.take_fd())
         except BaseException:

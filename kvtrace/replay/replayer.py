@@ -358,7 +358,7 @@ class Replayer:
         self._expected_stats.clear()
         self._finished_refs.clear()
 
-    def tell(self, result: ReplayResult, truncation: str | None) -> None:
+    def put_into(self, result: ReplayResult, truncation: str | None) -> None:
         """Put what this replay found and checked into ``result``; a trace
         that ends whole also checks its last prompt stats."""
         if truncation is None:
@@ -460,5 +460,5 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
                 part.close()
         if out_file is not None:
             out_file.close(failed, rp, reader.truncation)
-    rp.tell(result, reader.truncation)
+    rp.put_into(result, reader.truncation)
     return result

@@ -2,7 +2,7 @@
 request, its likely cause first with the derivation of the expected value, the
 rule it breaks, and the rest folded into a line per field.
 
-The stories come from ``kvtrace.findings.stories``; this module only lays
+The per_request come from ``kvtrace.findings.per_request``; this module only lays
 them out. Text wraps at word boundaries to the console's width.
 
 It is also the one source of the words the terminal and the HTML report
@@ -23,7 +23,7 @@ from rich.console import Console, Group
 from rich.text import Text
 
 from .._text import count, number, plural
-from ..findings import Divergence, Story
+from ..findings import Divergence, RequestFindings
 from ..results import ReplayResult
 from ..rules import lookup, rule_id
 
@@ -134,12 +134,12 @@ def stop_brief(result: ReplayResult) -> str | None:
     return f"replay stopped at step {stop.step}, {count(left, 'step')} not checked"
 
 
-def likely_causes(told: list[Story]) -> tuple[list[tuple[tuple[str, str], int]], int, int]:
+def likely_causes(findings: list[RequestFindings]) -> tuple[list[tuple[tuple[str, str], int]], int, int]:
     """The likely causes of a run's divergences, counted over the requests
     (the step-wide story is no request): ((field, rule id), requests) by how
     many requests, most first; how many requests they are; how many more
     requests may follow from them."""
-    reqs = [s for s in told if s.req is not None]
+    reqs = [s for s in findings if s.req is not None]
     counts: dict[tuple[str, str], int] = {}
     for s in reqs:
         if s.after is None:
@@ -149,14 +149,14 @@ def likely_causes(told: list[Story]) -> tuple[list[tuple[tuple[str, str], int]],
     return sorted(counts.items(), key=lambda kv: -kv[1]), roots, len(reqs) - roots
 
 
-def causes_line(told: list[Story], most: int = 3) -> str | None:
+def causes_line(findings: list[RequestFindings], most: int = 3) -> str | None:
     """The pattern, when more than one request diverges: the likely causes
-    (stories that follow from no other), by field and rule, and how many more
+    (per_request that follow from no other), by field and rule, and how many more
     requests may follow from them: "likely causes: kv_load (rule I9) in 10
     requests; 3 more requests may follow from them"."""
-    if sum(1 for s in told if s.req is not None) < 2:
+    if sum(1 for s in findings if s.req is not None) < 2:
         return None
-    ranked, roots, follow = likely_causes(told)
+    ranked, roots, follow = likely_causes(findings)
     said = [field + (f" (rule {rid})" if rid and rid != field else "")
             + f" in {count(n, 'request')}" for (field, rid), n in ranked[:most]]
     if len(ranked) > most:
@@ -168,7 +168,7 @@ def causes_line(told: list[Story], most: int = 3) -> str | None:
     return line
 
 
-def left_out(rest: list[Story]) -> str | None:
+def left_out(rest: list[RequestFindings]) -> str | None:
     """Stories not shown, in words: "3 more requests and the step-wide counts"."""
     n = sum(1 for s in rest if s.req is not None)
     parts = [count(n, "more request")] if n else []
@@ -177,7 +177,7 @@ def left_out(rest: list[Story]) -> str | None:
     return " and ".join(parts) or None
 
 
-def also_diverge(rest: list[Story]) -> str | None:
+def also_diverge(rest: list[RequestFindings]) -> str | None:
     """Stories not shown, as a sentence's start: "1 more request also
     diverges", "3 more requests and the step-wide counts also diverge"."""
     said = left_out(rest)
@@ -293,7 +293,7 @@ def _fold_line(f) -> str:
     return f"+ {number(f.count)} {d.field}{steps}" + (f" (rule {rule_id})" if rule_id else "")
 
 
-def story(s: Story, width: int, words: tuple[str, str] = ("recorded", "expected"),
+def request_text(s: RequestFindings, width: int, words: tuple[str, str] = ("recorded", "expected"),
           trace: str = "") -> Group:
     """One request's block: heading, cause, derivation, rule, folds. A diff's
     says ``words`` ("A", "B") for the two sides; ``trace`` names the trace of
@@ -338,14 +338,14 @@ def print_wrapped(console: Console, text: str, style: str = "") -> None:
         console.print(line)
 
 
-def print_stories(console: Console, told: list, max_stories: int | None,
+def print_per_request(console: Console, findings: list, max_requests: int | None,
                   words: tuple[str, str] = ("recorded", "expected")) -> int:
-    """Print the stories, at most ``max_stories``; return how many were shown.
-    An entry of ``told`` is a Story, or (trace name, Story) where several
+    """Print the findings per request, at most ``max_requests``; return how many were shown.
+    An entry of ``findings`` is a RequestFindings, or (trace name, RequestFindings) where several
     traces are shown."""
-    shown = told if max_stories is None else told[:max_stories]
+    shown = findings if max_requests is None else findings[:max_requests]
     for s in shown:
         trace, s = s if isinstance(s, tuple) else ("", s)
         console.print()
-        console.print(story(s, console.width, words, trace))
+        console.print(request_text(s, console.width, words, trace))
     return len(shown)

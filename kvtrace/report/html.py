@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from .._text import path_text
-from ..findings import Divergence, Story, Told, headline, tell, why_first
-from ..outputs import writing
+from ..findings import Divergence, RequestFindings, Findings, headline, gather, why_first
+from ..writing import writing
 from .._text import number as _n
 from .failures import (causes_line, count, divergences_text, left_out, rule_words, value_text,
                        why_text)
@@ -34,7 +34,7 @@ from .terminal import replayed_up_to
 
 MAX_REQUESTS = 40          # timelines drawn for the first requests by arrival ...
 MAX_DIVERGENT = 200        # ... plus this many requests with divergences
-MAX_TABLE_ROWS = 500       # stories in the table
+MAX_TABLE_ROWS = 500       # requests in the table
 MAX_REQ_RUNS = 100         # divergence bands per request chart
 MAX_REQ_DOTS = 40          # recorded/expected pairs of dots per request chart
 VALUE_CHARS = 120          # a list or mapping is cut here (a text never is)
@@ -64,7 +64,7 @@ class HtmlReport:
     source: str                      # "replay", "diff" or "given"
     note: str | None = None          # why no divergences could be computed, if so
     timelines: int = 0
-    stories: list[Story] = field(default_factory=list)
+    per_request: list[RequestFindings] = field(default_factory=list)
     against: RunSummary | None = None
     stop: str | None = None          # where replay stopped before the trace's end, in words
 
@@ -72,10 +72,10 @@ class HtmlReport:
 def write_html_report(trace: str | os.PathLike, out_html: str | os.PathLike,
                       divergences: Iterable[Divergence], source: str = "given",
                       against: str | os.PathLike | None = None, note: str | None = None,
-                      stories: list[Story] | None = None,
+                      per_request: list[RequestFindings] | None = None,
                       max_requests: int = MAX_REQUESTS,
                       max_divergent: int = MAX_DIVERGENT,
-                      told: Told | None = None, stop: str | None = None,
+                      findings: Findings | None = None, stop: str | None = None,
                       steps_checked: str | None = None,
                       unchecked: str | None = None) -> HtmlReport:
     """Write the report of ``trace`` and its ``divergences`` to ``out_html``.
@@ -83,10 +83,10 @@ def write_html_report(trace: str | os.PathLike, out_html: str | os.PathLike,
     ``source`` says where the divergences come from (``replay``, ``diff``
     with ``against``, or ``given``); ``note`` why there are none to show (a
     trace that replay refuses still gets a report, with the reason in their
-    place). ``told`` is the divergences told per request, with the one to
-    read first (``kvtrace.findings.tell``), as the terminal tells them;
-    ``stories`` alone will do; given divergences without either are told
-    here. ``stop``: where replay stopped before the trace's end, and
+    place). ``findings`` holds the divergences per request, with the one to
+    read first (``kvtrace.findings.gather``), as the terminal shows them;
+    ``per_request`` alone will do; given divergences without either are
+    gathered here. ``stop``: where replay stopped before the trace's end, and
     ``steps_checked`` how many steps it checked, in words
     (``failures.stop_text``, ``failures.steps_text``); ``unchecked``: what
     replay was asked to check and did not (``failures.unchecked_text``). With ``against``, that
@@ -94,25 +94,25 @@ def write_html_report(trace: str | os.PathLike, out_html: str | os.PathLike,
     the analysis. Raises ``TraceError`` when a trace is unusable.
     """
     divs = list(divergences)
-    if told is None:
-        told = tell(divs) if stories is None else _told(divs, list(stories))
-    divergent = [s.req for s in told.stories if s.req is not None][:max_divergent]
+    if findings is None:
+        findings = gather(divs) if per_request is None else _findings_of(divs, list(per_request))
+    divergent = [s.req for s in findings.per_request if s.req is not None][:max_divergent]
     s = summarize(trace, keep=divergent, max_timelines=max_requests)
     # B's timelines of the requests that diverge, drawn under A's (same ids)
     sb = None if against is None else summarize(against, keep=divergent, max_timelines=0)
-    page = render(s, divs, told, source=source, against=sb, note=note, stop=stop,
+    page = render(s, divs, findings, source=source, against=sb, note=note, stop=stop,
                   steps_checked=steps_checked, unchecked=unchecked)
     # errors: a file name shown in the page may hold bytes that are not UTF-8
     with writing(out_html) as out, out.open("w", encoding="utf-8", errors="backslashreplace") as f:
         f.write(page)
     return HtmlReport(path=os.fspath(out_html), summary=s, divergences=divs, source=source,
-                      note=note, timelines=len(s.timelines), stories=told.stories, against=sb,
+                      note=note, timelines=len(s.timelines), per_request=findings.per_request, against=sb,
                       stop=stop)
 
 
-def _told(divs: list[Divergence], stories: list[Story]) -> Told:
-    head = headline(stories)
-    return Told(stories, head, why_first(divs, stories, head))
+def _findings_of(divs: list[Divergence], per_request: list[RequestFindings]) -> Findings:
+    head = headline(per_request)
+    return Findings(per_request, head, why_first(divs, per_request, head))
 
 
 # --------------------------------------------------------------------------- page
@@ -124,9 +124,9 @@ class _Page:
     s: RunSummary
     b: RunSummary | None
     divs: list[Divergence]
-    told: list[Story]
+    findings: list[RequestFindings]
     head: Divergence | None
-    head_story: int | None          # index of the headline's story
+    head_index: int | None          # index of the headline's story
     source: str
     steps: int                      # the shared step axis: [0, steps]
     why: str | None = None          # why the headline comes first
@@ -151,17 +151,17 @@ class _Page:
                 f"{self.exp} {_plain(d.field, d.expected)}")
 
 
-def render(s: RunSummary, divs: list[Divergence], told: Told | None = None,
+def render(s: RunSummary, divs: list[Divergence], findings: Findings | None = None,
            source: str = "replay", against: RunSummary | None = None,
            note: str | None = None, stop: str | None = None,
            steps_checked: str | None = None, unchecked: str | None = None) -> str:
     """The whole page as a string. ``against``: the other trace's summary."""
     e = html.escape
-    told = tell(divs) if told is None else told
-    head = told.headline
-    head_story = next((i for i, st in enumerate(told.stories) if st.cause is head), None)
+    findings = gather(divs) if findings is None else findings
+    head = findings.headline
+    head_index = next((i for i, st in enumerate(findings.per_request) if st.cause is head), None)
     steps = max(1, s.steps, against.steps if against is not None else 0)
-    p = _Page(s, against, divs, told.stories, head, head_story, source, steps, told.why, stop,
+    p = _Page(s, against, divs, findings.per_request, head, head_index, source, steps, findings.why, stop,
               steps_checked, unchecked)
     name = os.path.basename(path_text(s.path))
     title = name if against is None else f"{name} against {os.path.basename(path_text(against.path))}"
@@ -247,9 +247,9 @@ def _headline(p: _Page, note: str | None) -> str:
     verb = "A and B differ: " if p.source == "diff" else (
         "Replay disagrees with this trace: " if p.source == "replay" else "")
     d = p.head
-    st = p.told[p.head_story]
+    st = p.findings[p.head_index]
     where = f"step {d.step}" if d.step is not None else "before any step"
-    causes = causes_line(p.told)
+    causes = causes_line(p.findings)
     out = [f'<section id="headline" class="headline bad" data-step="{"" if d.step is None else d.step}" '
            f'data-req="{"" if d.req is None else e(d.req)}" data-field="{e(d.field)}">',
            f'<p class="verdict">{e(verb + divergences_text(divs))}.</p>',
@@ -267,8 +267,8 @@ def _headline(p: _Page, note: str | None) -> str:
         out.append(f'<p class="why-first muted">First because: {e(p.why)}.</p>')
     if st.count > 1:
         out.append(f'<p class="muted">then {_n(st.count - 1)} more in {e(_req(d.req))}'
-                   + _steps_text(_story_steps(st)) + f"; compared with {who}.</p>")
-    links = [f'<a id="to-table" href="#story-{p.head_story}">→ in the table</a>']
+                   + _steps_text(_request_steps(st)) + f"; compared with {who}.</p>")
+    links = [f'<a id="to-table" href="#story-{p.head_index}">→ in the table</a>']
     if d.step is not None:
         links.append(f'<a id="to-charts" href="#kv" data-zoom="{d.step}">→ step {d.step} on the charts</a>')
     out.append('<p class="jump">' + " · ".join(links) + "</p>")
@@ -472,24 +472,24 @@ def _divergence_section(p: _Page, note: str | None) -> str:
         return "\n".join(out)
     out.append(f'<p class="muted">One row per request: its likely cause (the earliest divergence in '
                f"cause-and-effect order), with the rest folded under it. "
-               f"{count(len(p.divs), 'divergence')}, {count(len(p.told), 'row')}.</p>")
+               f"{count(len(p.divs), 'divergence')}, {count(len(p.findings), 'row')}.</p>")
     out.append(f'<table class="divs"><thead><tr><th>step</th><th>request</th><th>field</th>'
                f"<th>{p.rec}</th><th>{p.exp}</th><th>rule</th><th>count</th></tr></thead>")
-    index = {id(st.cause): i for i, st in enumerate(p.told)}
-    for i, st in enumerate(p.told[:MAX_TABLE_ROWS]):
-        out.append(_story_rows(p, i, st, index))
+    index = {id(st.cause): i for i, st in enumerate(p.findings)}
+    for i, st in enumerate(p.findings[:MAX_TABLE_ROWS]):
+        out.append(_request_rows(p, i, st, index))
     out.append("</table>")
-    if len(p.told) > MAX_TABLE_ROWS:
-        out.append(f'<p class="muted">… and {e(left_out(p.told[MAX_TABLE_ROWS:]))} '
+    if len(p.findings) > MAX_TABLE_ROWS:
+        out.append(f'<p class="muted">… and {e(left_out(p.findings[MAX_TABLE_ROWS:]))} '
                    "(use <code>--json</code> on replay or diff for all of them)</p>")
     out.append("</section>")
     return "\n".join(out)
 
 
-def _story_rows(p: _Page, i: int, st: Story, index: dict) -> str:
+def _request_rows(p: _Page, i: int, st: RequestFindings, index: dict) -> str:
     e = html.escape
     d = st.cause
-    cls = "story headline" if i == p.head_story else "story"
+    cls = "story headline" if i == p.head_index else "story"
     rows = [f'<tbody class="{cls}" id="story-{i}" data-step="{"" if d.step is None else d.step}">',
             f"<tr class=\"story\"><td class=\"num\">{'—' if d.step is None else d.step}</td>"
             f"<td class=\"rq\">{'(all)' if d.req is None else _req_link(p.s, d.req)}</td>"
@@ -497,7 +497,7 @@ def _story_rows(p: _Page, i: int, st: Story, index: dict) -> str:
             f"<td>{_value(d.field, d.recorded, 'rec')}</td><td>{_value(d.field, d.expected, 'exp')}</td>"
             f"<td>{_rule(d.rule)}</td><td class=\"num\">{st.count:,}</td></tr>"]
     more = []
-    if i == p.head_story:
+    if i == p.head_index:
         more.append('<div class="first-tag">first divergence: the likely cause of what follows</div>')
     if st.after is not None:
         a = st.after
@@ -511,7 +511,7 @@ def _story_rows(p: _Page, i: int, st: Story, index: dict) -> str:
         more.append(f'<div class="why">{e(why)}</div>')
     if st.folds:
         n = st.count - 1
-        summary = f"+ {_n(n)} more in {e(_req(st.req))}" + _steps_text(_story_steps(st))
+        summary = f"+ {_n(n)} more in {e(_req(st.req))}" + _steps_text(_request_steps(st))
         items = []
         for f in st.folds:
             fd = f.first
@@ -528,7 +528,7 @@ def _story_rows(p: _Page, i: int, st: Story, index: dict) -> str:
     return "".join(rows)
 
 
-def _story_steps(st: Story) -> tuple[int | None, int | None]:
+def _request_steps(st: RequestFindings) -> tuple[int | None, int | None]:
     steps = [x for x in [st.cause.step] + [f.first_step for f in st.folds] + [f.last_step for f in st.folds]
              if x is not None]
     return (min(steps), max(steps)) if steps else (None, None)

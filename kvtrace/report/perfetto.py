@@ -35,7 +35,7 @@ import orjson
 
 from .._text import path_text
 from ..findings import Divergence
-from ..outputs import writing
+from ..writing import writing
 from ..trace import events as ev
 from ..trace.io import TraceReader
 from .summary import phase_of
@@ -341,7 +341,7 @@ def export_perfetto(trace: str | os.PathLike, out_json: str | os.PathLike,
     ``stopped_at``), written into the metadata. Returns how many events of
     each phase were written (``{"X": ..., "C": ..., "i": ..., "M": ...}``).
     Raises ``TraceError`` for unusable input; ``out_json`` is then left as it
-    was (kvtrace/outputs.py).
+    was (kvtrace/writing.py).
     """
     reader = TraceReader(trace)
     with reader, writing(out_json) as dest, dest.open("wb") as out:

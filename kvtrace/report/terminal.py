@@ -18,34 +18,34 @@ from rich.segment import Segment
 from rich.text import Text
 
 from .._text import CONTROL_ESCAPES_BUT_LAYOUT, count, number, path_text, plural
-from ..findings import Divergence, Story, Told, first_per_request, stories, tell
+from ..findings import Divergence, RequestFindings, Findings, first_per_request, by_request, gather
 from ..results import DiffResult, ReplayResult, VllmReplayResult
 from ..trace import events as ev
 from .failures import (also_diverge, causes_line, divergences_text, first_line,
-                       print_stories, print_wrapped, steps_text, stop_brief, stop_text,
+                       print_per_request, print_wrapped, steps_text, stop_brief, stop_text,
                        unchecked_text)
-from ..outputs import blamed_on, silence
+from ..writing import blamed_on, silence
 
 MAX_ROWS = 50
-MAX_STORIES = 10
+MAX_REQUESTS_SHOWN = 10
 MAX_VALUE_CHARS = 48
 
 
 @dataclass(slots=True)
 class ReplayView:
-    """What a replay's terminal report shows: the stories of the divergences
+    """What a replay's terminal report shows: the findings per request of the divergences
     selected (all, or those of --request and --field), the one to read first
-    and why (``told``: of every divergence, whatever is selected), at most
-    how many stories, and the selection in words (None: all)."""
+    and why (``findings``: of every divergence, whatever is selected), at most
+    how many requests, and the selection in words (None: all)."""
 
-    stories: list[Story] = field(default_factory=list)
-    told: Told | None = None
-    max_stories: int | None = None
+    per_request: list[RequestFindings] = field(default_factory=list)
+    findings: Findings | None = None
+    max_requests: int | None = None
     filtered: str | None = None
 
     @property
     def headline(self) -> Divergence | None:
-        return self.told.headline if self.told is not None else None
+        return self.findings.headline if self.findings is not None else None
 
 
 class _PlainConsole(Console):
@@ -155,7 +155,7 @@ def _trace_line(path: str, header: ev.Header, steps: str | None, profile: str | 
 def print_replay(result: ReplayResult, path: str, view: "ReplayView",
                  console: Console | None = None) -> None:
     """The verdict and the first divergence, where replay stopped before the
-    trace's end, then one block per diverging request (``view.stories``),
+    trace's end, then one block per diverging request (``view.per_request``),
     then the notes and a closing line."""
     console = console or make_console()
     divs: list[Divergence] = list(result.divergences)
@@ -165,7 +165,7 @@ def print_replay(result: ReplayResult, path: str, view: "ReplayView",
         print_wrapped(console, f"FAILED: {divergences_text(divs)}", "bold red")
         if view.headline is not None:
             print_wrapped(console, "first: " + first_line(view.headline, with_line=True), "red")
-        line = causes_line(view.told.stories if view.told is not None else view.stories)
+        line = causes_line(view.findings.per_request if view.findings is not None else view.per_request)
         if line:
             print_wrapped(console, line, "red")
     else:   # the verdict first, as with divergences
@@ -180,14 +180,14 @@ def print_replay(result: ReplayResult, path: str, view: "ReplayView",
                  end_note(getattr(result, "end", None))):
         if note:
             print_wrapped(console, note, "yellow")
-    shown = print_stories(console, view.stories, view.max_stories)
+    shown = print_per_request(console, view.per_request, view.max_requests)
     if divs:
         console.print()
         if view.filtered:
-            n = sum(s.count for s in view.stories)
+            n = sum(s.count for s in view.per_request)
             print_wrapped(console, f"{number(n)} of the {count(len(divs), 'divergence')} "
                                    f"{plural(n, 'matches', 'match')} {view.filtered}", "yellow")
-        rest = also_diverge(view.stories[shown:])
+        rest = also_diverge(view.per_request[shown:])
         if rest:
             print_wrapped(console, f"{rest}: --max N shows more, --request ID one, --json all",
                           "yellow")
@@ -250,7 +250,7 @@ def _print_audit(console: Console, divs: list, audit: dict | None) -> None:
     if line is None:
         return
     if divs:
-        print_stories(console, stories(divs), MAX_STORIES)
+        print_per_request(console, by_request(divs), MAX_REQUESTS_SHOWN)
         console.print()
     console.print(Text(line))
     console.print(Text(f"data path: {count(len(divs), 'divergence')}"
@@ -308,7 +308,7 @@ def end_note(end: ev.End | None) -> str | None:
 def _replay_summary(divs: list[Divergence], steps: int | None = None,
                     first: Divergence | None = None, stopped: bool = False) -> str:
     """The verdict in one line: the counts and, where there are divergences,
-    the one to read first (``first``, the headline: ``kvtrace.findings.tell``)."""
+    the one to read first (``first``, the headline: ``kvtrace.findings.gather``)."""
     if not divs and stopped:
         return (f"STOPPED: no divergence in the {count(steps or 0, 'step')} checked, but "
                 "replay stopped before the trace's end")
@@ -331,27 +331,27 @@ def _closing(result: ReplayResult, first: Divergence | None) -> str:
     return f"{line}; {stop}" if stop and result.divergences else line
 
 
-def likely_cause_json(told: Told | None) -> dict | None:
+def likely_cause_json(findings: Findings | None) -> dict | None:
     """The divergence to read first, as ``--json`` gives it: the divergence's
     own fields, how its expected value comes about (``derivation``) and why it
     comes first (``why_first``)."""
-    if told is None or told.headline is None:
+    if findings is None or findings.headline is None:
         return None
-    d = told.headline
-    return {**d.to_json(), "derivation": d.why, "why_first": told.why}
+    d = findings.headline
+    return {**d.to_json(), "derivation": d.why, "why_first": findings.why}
 
 
-def replay_json(result: ReplayResult, path: str, keep=None, told: Told | None = None) -> bytes:
+def replay_json(result: ReplayResult, path: str, keep=None, findings: Findings | None = None) -> bytes:
     """The replay as JSON; ``keep`` selects the divergences listed (all when None).
-    ``told``: the divergences' stories and headline (``kvtrace.findings.tell``;
-    told here when not given)."""
-    return _dumps(_replay_doc(result, path, keep, told))
+    ``findings``: the divergences' findings per request and headline (``kvtrace.findings.gather``;
+    findings here when not given)."""
+    return _dumps(_replay_doc(result, path, keep, findings))
 
 
-def _replay_doc(result: ReplayResult, path: str, keep=None, told: Told | None = None) -> dict:
+def _replay_doc(result: ReplayResult, path: str, keep=None, findings: Findings | None = None) -> dict:
     header = result.header
-    if told is None:
-        told = tell(list(result.divergences))
+    if findings is None:
+        findings = gather(list(result.divergences))
     stop = getattr(result, "stopped_at", None)
     doc = {
         "trace": path_text(path),
@@ -364,7 +364,7 @@ def _replay_doc(result: ReplayResult, path: str, keep=None, told: Told | None = 
         "steps_in_trace": getattr(result, "steps_in_trace", None),
         "stopped_at": None if stop is None else stop.to_json(),
         "truncation": getattr(result, "truncation", None),
-        "likely_cause": likely_cause_json(told),
+        "likely_cause": likely_cause_json(findings),
         "divergences": [d.to_json() for d in first_per_request(list(result.divergences))
                         if keep is None or keep(d)],
     }
@@ -381,14 +381,14 @@ def _replay_doc(result: ReplayResult, path: str, keep=None, told: Told | None = 
     return doc
 
 
-def print_replay_many(results: list, views: dict, max_stories: int | None,
+def print_replay_many(results: list, views: dict, max_requests: int | None,
                       console: Console | None = None) -> None:
-    """Several traces replayed together: a line per trace, then the stories of
+    """Several traces replayed together: a line per trace, then the findings per request of
     every trace's divergences, each request named with its trace's file name.
     ``views``: each replayed trace's ReplayView, by path."""
     console = console or make_console()
     names = _names_of([str(p) for p, _, _ in results])
-    told: list[tuple[str, Story]] = []   # each trace's stories, trace by trace
+    findings: list[tuple[str, RequestFindings]] = []   # each trace's findings per request, trace by trace
     for path, result, error in results:
         if error:
             print_wrapped(console, f"{path}: unusable: {error}", "red")
@@ -404,9 +404,9 @@ def print_replay_many(results: list, views: dict, max_stories: int | None,
                       "red" if result.divergences or stop else "green")
         if stop:
             print_wrapped(console, stop, "bold red")
-        told.extend((names[str(path)], s) for s in view.stories)
-    shown = print_stories(console, told, max_stories)
-    rest = also_diverge([s for _, s in told[shown:]])
+        findings.extend((names[str(path)], s) for s in view.per_request)
+    shown = print_per_request(console, findings, max_requests)
+    rest = also_diverge([s for _, s in findings[shown:]])
     if rest:
         console.print()
         print_wrapped(console, f"{rest}: --max N shows more, --json all", "yellow")
@@ -431,7 +431,7 @@ def replay_many_json(results: list, keep=None, views: dict | None = None) -> byt
         else:
             view = (views or {}).get(str(path))
             docs.append(_replay_doc(result, str(path), keep,
-                                    view.told if view is not None else None))
+                                    view.findings if view is not None else None))
     return _dumps({"traces": docs})
 
 
@@ -467,7 +467,7 @@ def print_diff(result: DiffResult, console: Console | None = None, max_rows: int
         print_wrapped(console, f"DIFFERENT: {_diff_count(s, matched_by)}; first: "
                       + first_line(first, ("A", "B")), "bold red")
     # One divergence per request already, in A's order: configs, then requests.
-    print_stories(console, [Story(d.req, d, [], 1) for d in divs[:max_rows]], None,
+    print_per_request(console, [RequestFindings(d.req, d, [], 1) for d in divs[:max_rows]], None,
                   words=("A", "B"))
     if divs:
         console.print()

@@ -27,12 +27,12 @@ RULES = {
     # the lab: drivers, workloads, models and faults for commands, tests and benches
     "lab": {"trace", "record", "rerun", "diff", "catalog", "workers", "baseline", "_text"},
     # checkers: read traces, never a source's internals
-    "replay": {"trace", "reference", "bridge", "baseline", "findings", "results", "outputs",
+    "replay": {"trace", "reference", "bridge", "baseline", "findings", "results", "writing",
                "workers", "snapshot", "_text"},
     "diff": {"trace", "findings", "results", "workers", "_text"},     # no replay internals
     # renders what it is given (results: the typed results of replay and diff);
     # rules: the catalogue of rule ids, which imports nothing
-    "report": {"trace", "findings", "results", "rules", "outputs", "_text"},
+    "report": {"trace", "findings", "results", "rules", "writing", "_text"},
     # the flight recorder: keyframes as a trace is written, segments, their replay
     "flight": {"trace", "record", "replay", "reference", "bridge", "results"},
 }

@@ -15,7 +15,7 @@ import pytest
 
 from kvtrace import cli
 from kvtrace._text import count, number, plural
-from kvtrace.findings import Divergence, Story
+from kvtrace.findings import Divergence, RequestFindings
 from kvtrace.report.failures import also_diverge, causes_line, value_text
 
 from tests._paths import REPO
@@ -43,9 +43,9 @@ def test_count_agrees_with_its_number_and_separates_thousands():
 
 
 def _story(req: str | None, field: str = "num_computed_tokens", rule: str = "1.3: x",
-           after: Divergence | None = None) -> Story:
+           after: Divergence | None = None) -> RequestFindings:
     d = Divergence(3, req, field, 1, 2, rule)
-    return Story(req, d, [], 1, after)
+    return RequestFindings(req, d, [], 1, after)
 
 
 def test_the_stories_left_out_and_the_causes_agree_with_one():

@@ -143,10 +143,14 @@ def test_usage_errors_exit_2_with_one_line(capsys, argv, needle):
 
 
 def test_a_directory_for_a_trace_is_one_line(capsys, tmp_path):
-    for argv in (["replay", str(tmp_path)], ["diff", str(tmp_path), str(tmp_path)], ["show", str(tmp_path)]):
+    for argv in (["diff", str(tmp_path), str(tmp_path)], ["show", str(tmp_path)]):
         code, _, err = run(capsys, *argv)
         assert code == 2
         _one_line_error(err, str(tmp_path), "is a directory")
+    # replay reads a flight recorder's segment directory; this one holds none
+    code, _, err = run(capsys, "replay", str(tmp_path))
+    assert code == 2
+    _one_line_error(err, str(tmp_path), "holds no segment")
 
 
 def test_an_output_that_cannot_be_written_is_one_line(capsys, tmp_path):
@@ -414,13 +418,13 @@ def test_record_vllm_plumbing(tmp_path, capsys, monkeypatch):
 
 
 def test_repeated_divergences_fold_into_one_line_per_field():
-    from kvtrace.findings import Divergence, stories
+    from kvtrace.findings import Divergence, by_request
 
     divs = [Divergence(s, "r", "kv-content", "x", "y", "rule", seq=s) for s in (5, 6, 6, 7, 9)]
     divs.insert(2, Divergence(6, "q", "kv-content", "x", "y", "rule", seq=6))
-    told = stories(divs)
-    assert [(s.req, s.cause.step, s.count) for s in told] == [("r", 5, 5), ("q", 6, 1)]
-    (fold,) = told[0].folds   # r's four later ones: one line, steps 6 to 9
+    findings = by_request(divs)
+    assert [(s.req, s.cause.step, s.count) for s in findings] == [("r", 5, 5), ("q", 6, 1)]
+    (fold,) = findings[0].folds   # r's four later ones: one line, steps 6 to 9
     assert (fold.count, fold.first_step, fold.last_step) == (4, 6, 9)
 
 

@@ -20,7 +20,7 @@ import orjson
 import pytest
 
 from kvtrace.engine import record_embedded
-from kvtrace.findings import Divergence, causal_key, headline, stories
+from kvtrace.findings import Divergence, by_request, causal_key, headline
 from kvtrace.replay import replay_file
 
 KVTRACE = [sys.executable, "-m", "kvtrace.cli"]
@@ -105,7 +105,7 @@ def test_the_headline_is_the_cause_not_the_first_row(faults):
     the headline is long-2's num_computed_tokens, the stale value."""
     divs = replay_file(faults["stale-computed-after-failed-schedule"], device=None).divergences
     first_row = divs[0]
-    head = headline(stories(divs))
+    head = headline(by_request(divs))
     assert (head.req, head.field, head.step) == ("long-2", "num_computed_tokens", 37)
     assert (first_row.req, first_row.field) != (head.req, head.field)
     # Same step, and the cause's rank comes first.
@@ -187,10 +187,10 @@ def test_stories_order_causes_before_effects():
          Divergence(7, "a", "num_computed_tokens", 9, 5, "1.3: y", seq=7),
          Divergence(8, "a", "state.block_ids", [1], [2], "4.5/4.7: z", "block", seq=8),
          Divergence(9, "a", "state.block_ids", [1], [3], "4.5/4.7: z", "block", seq=9)]
-    told = stories(d)
-    assert [s.req for s in told] == ["a", "b"]
-    assert told[1].after is told[0].cause          # b's chunk follows from a's count
-    assert told[0].folds[0].count == 2 and told[0].folds[0].last_step == 9
+    findings = by_request(d)
+    assert [s.req for s in findings] == ["a", "b"]
+    assert findings[1].after is findings[0].cause          # b's chunk follows from a's count
+    assert findings[0].folds[0].count == 2 and findings[0].folds[0].last_step == 9
 
 
 def test_an_output_read_after_the_next_step_is_ordered_at_that_step():
@@ -199,12 +199,12 @@ def test_an_output_read_after_the_next_step_is_ordered_at_that_step():
     d = [Divergence(9, "a", "block_ids", [8], [31], "4.9: x", "block", seq=27),
          Divergence(8, "a", "state.more_groups", [[7]], [[32]], "4.9: x", "block", seq=28),
          Divergence(9, "b", "state.block_ids", [1], [2], "4.5/4.7: z", "block", seq=27)]
-    told = stories(d)
-    assert headline(told) is d[0] and told[0].cause is d[0]
-    assert told[0].folds[0].first is d[1]
+    findings = by_request(d)
+    assert headline(findings) is d[0] and findings[0].cause is d[0]
+    assert findings[0].folds[0].first is d[1]
     # In a synchronous trace, step order and file order agree: nothing moves.
     d[1].seq = 26
-    assert headline(stories(d)) is d[1]
+    assert headline(by_request(d)) is d[1]
 
 
 def test_diff_speaks_of_a_and_b_with_lines_in_both(tmp_path, faults):
@@ -300,8 +300,8 @@ def test_the_pattern_line_counts_likely_causes_and_followers(faults):
     follow from them; the two counts add up to the requests that diverge."""
     for fault, path in faults.items():
         out = _run("replay", str(path), columns=200).stdout.splitlines()
-        told = stories(replay_file(path, device=None).divergences)
-        reqs = [s for s in told if s.req is not None]
+        findings = by_request(replay_file(path, device=None).divergences)
+        reqs = [s for s in findings if s.req is not None]
         if len(reqs) < 2:
             continue
         line = out[2]

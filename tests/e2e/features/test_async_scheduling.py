@@ -304,11 +304,11 @@ def test_the_summary_names_the_step_where_the_fault_is_not_an_output_read_after_
     import subprocess
     import sys
 
-    from kvtrace.findings import tell
+    from kvtrace.findings import gather
 
     path = TRACES / "faults" / "async-stale-computed-on-preempt.jsonl.gz"
     res = replay_file(path, device=None)
-    head = tell(res.divergences).headline
+    head = gather(res.divergences).headline
     # The divergences numbered with an earlier step are in records read after the headline's.
     lower = [d for d in res.divergences if d.step is not None and d.step < head.step]
     assert lower and all(d.seq > head.seq for d in lower)

@@ -29,7 +29,7 @@ from tests._state_faults import FAULTS, first_violation  # noqa: E402
 
 from kvtrace.engine import FAULT_WORKLOADS as EMBEDDED_WORKLOADS  # noqa: E402
 from kvtrace.engine import record_embedded  # noqa: E402
-from kvtrace.findings import tell  # noqa: E402
+from kvtrace.findings import gather  # noqa: E402
 from kvtrace.lab import fault_schedulers  # noqa: E402
 from kvtrace.lab.run import record_vllm_offline  # noqa: E402
 from kvtrace.replay import replay_file  # noqa: E402
@@ -70,7 +70,7 @@ def test_a_state_fault_on_vllm_is_flagged_where_the_recording_breaks_its_rule(fa
     assert where is not None, f"the trace of {fault} breaks no rule"
     divs = replay_file(trace, device=None).divergences
     assert (divs[0].step, divs[0].req, divs[0].field) == where
-    head = tell(divs).headline   # what every view of the replay names first
+    head = gather(divs).headline   # what every view of the replay names first
     assert (head.step, head.req, head.field) == where
     run = replay_through_vllm(trace, tmp_path / "vllm.jsonl.gz")
     assert run.stopped is None

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 
 from kvtrace.engine import FAULT_WORKLOADS, record_embedded
-from kvtrace.findings import tell
+from kvtrace.findings import gather
 from kvtrace.replay import replay_file
 
 from tests._state_faults import FAULTS, first_violation
@@ -48,7 +48,7 @@ def test_a_state_fault_is_flagged_where_the_recording_breaks_its_rule(fault, rec
     assert where is not None, f"the trace of {fault} breaks no rule"
     assert divs, f"replay flags nothing in the trace of {fault}"
     assert (divs[0].step, divs[0].req, divs[0].field) == where
-    head = tell(divs).headline   # what every view of the replay names first
+    head = gather(divs).headline   # what every view of the replay names first
     assert (head.step, head.req, head.field) == where
     first = res.fault_log[0]
     assert first.step == where[0]

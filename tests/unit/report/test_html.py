@@ -30,7 +30,7 @@ import orjson
 import pytest
 
 from kvtrace.engine import FAULT_WORKLOADS, record_embedded
-from kvtrace.findings import Divergence, headline, stories
+from kvtrace.findings import Divergence, by_request, headline
 from kvtrace.report import html as report_html
 from kvtrace.report.html import write_html_report
 from kvtrace.report.figures import MAX_RUNS, SERIES_POINTS, step_runs
@@ -57,7 +57,7 @@ def _report(trace, out, against=None):
     from kvtrace.commands.report import analysis
 
     found = analysis(trace, against)
-    return write_html_report(trace, out, found.divergences, told=found.told, source=found.source,
+    return write_html_report(trace, out, found.divergences, findings=found.findings, source=found.source,
                              against=against, note=found.note, stop=found.stop,
                              steps_checked=found.steps_checked)
 
@@ -85,8 +85,8 @@ def test_report_from_replay(tmp_path):
     page = out.read_text()
     _no_external_references(page)
     assert rep.source == "replay" and rep.divergences
-    assert page.count('<tr class="story"') == len(stories(rep.divergences))
-    first = headline(stories(rep.divergences))
+    assert page.count('<tr class="story"') == len(by_request(rep.divergences))
+    first = headline(by_request(rep.divergences))
     assert first.step == 1 and f"<b>step {first.step}</b>" in page
     assert 'class="rec">64<' in page and 'class="exp">40<' in page
     assert page.count('class="req has-div"') == 1
@@ -100,7 +100,7 @@ def test_report_from_diff(tmp_path):
     page = out.read_text()
     assert rep.source == "diff" and rep.divergences
     assert "From <code>kvtrace diff</code>" in page
-    assert page.count('<tr class="story"') == len(stories(rep.divergences))
+    assert page.count('<tr class="story"') == len(by_request(rep.divergences))
     assert "<th>A</th><th>B</th>" in page
 
 
@@ -421,7 +421,7 @@ def test_page_loads_cleanly_and_draws_its_charts(browser, tmp_path):
     assert dom["title"] == "kvtrace report: async-load-overshoot.jsonl.gz"
     assert dom["charts"] == 3 + rep.timelines
     assert dom["series"] >= 3 + 4 * rep.timelines - 2
-    assert dom["rows"] == len(rep.stories)
+    assert dom["rows"] == len(rep.per_request)
     token_divs = {(d.step, d.recorded, d.expected) for d in rep.divergences
                   if d.field in ("num_computed_tokens", "state.num_computed_tokens")}
     assert dom["dots"] == 2 * len(token_divs) > 0
@@ -531,7 +531,7 @@ def test_many_diverging_steps_stay_bounded(tmp_path):
     page = (tmp_path / "l.html").read_text()
     kv = re.search(r'<svg class="chart kv-chart".*?<rect class="frame"', page, re.S).group(0)
     assert 0 < kv.count('class="div-band"') <= MAX_RUNS < _runs(d.step for d in divs)
-    assert page.count('<tr class="story"') == len(rep.stories) == 1
+    assert page.count('<tr class="story"') == len(rep.per_request) == 1
     assert len(page) < 2_000_000
 
 
@@ -540,9 +540,9 @@ def test_headline_table_and_bands(browser, tmp_path, overshoot):
     bad, _ = overshoot
     out = tmp_path / "report.html"
     rep = _report(bad, out)
-    told = stories(rep.divergences)
-    first = headline(told)
-    assert len(told) > 1 and first is not None
+    findings = by_request(rep.divergences)
+    first = headline(findings)
+    assert len(findings) > 1 and first is not None
     sid = browser.open(out.as_uri(), 1400, 900)
     dom = browser.evaluate(sid, """(() => {
         const t = document.getElementById('to-table'), c = document.getElementById('to-charts');
@@ -570,9 +570,9 @@ def test_headline_table_and_bands(browser, tmp_path, overshoot):
     assert "story headline" in dom["target"]                  # the link lands on the headline's row
     assert (dom["step"], dom["req"], dom["field"]) == (str(first.step), first.req, first.field)
     assert dom["charts"]
-    assert dom["rows"] == len(told)
-    assert dom["folds"] == sum(1 for s in told if s.folds) > 0 and dom["open"] == 0
-    for s, text in zip([s for s in told if s.folds], dom["summaries"]):
+    assert dom["rows"] == len(findings)
+    assert dom["folds"] == sum(1 for s in findings if s.folds) > 0 and dom["open"] == 0
+    for s, text in zip([s for s in findings if s.folds], dom["summaries"]):
         assert text.startswith(f"+ {s.count - 1} more in {s.req}")
     steps = [d.step for d in rep.divergences if d.step is not None]
     assert _runs(steps) > 1
@@ -661,6 +661,6 @@ def test_against_shows_both_traces(browser, tmp_path, overshoot):
     assert dom["names"] == [f"A {bad.name}", f"B {good.name}"]
     assert dom["kv"] == [1, 1] and dom["charts"] == [3, 3]
     assert dom["heads"][3:5] == ["A", "B"]
-    assert dom["rows"] == len(stories(rep.divergences))
+    assert dom["rows"] == len(by_request(rep.divergences))
     assert len(set(dom["steps"])) == 1                      # one step axis for both
     assert browser.problems(sid) == []

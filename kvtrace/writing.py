@@ -62,7 +62,7 @@ def _descriptor(path: str) -> int | None:
     return None
 
 
-class Output:
+class WrittenFile:
     """One output file being written: ``fd`` is open for writing."""
 
     def __init__(self, path: str | os.PathLike, trace: bool = False):
@@ -171,11 +171,11 @@ def check_writable(path: str | os.PathLike) -> None:
 
 
 @contextlib.contextmanager
-def writing(path: str | os.PathLike, trace: bool = False) -> Iterator[Output]:
-    """Write ``path`` through an ``Output``: put in place when the block ends,
+def writing(path: str | os.PathLike, trace: bool = False) -> Iterator[WrittenFile]:
+    """Write ``path`` through an ``WrittenFile``: put in place when the block ends,
     thrown away when it raises. The file object of ``open`` or the writer
     given ``take_fd`` must be closed inside the block."""
-    out = Output(path, trace=trace)
+    out = WrittenFile(path, trace=trace)
     try:
         yield out
     except BaseException as e:
