@@ -10,6 +10,14 @@ steps, the same stop and the same truncation.
 
     python -m bench.keyframes                 # traces/ and 100 random runs
     python -m bench.keyframes --random 20 --per-trace 8
+    python -m bench.keyframes --overhead      # what keyframes cost a recording
+
+``--overhead`` times the recorder with keyframes against the recorder
+without them: on a real vLLM engine (bench/recorder_overhead.py's interleaved
+rounds, run once with KVTRACE_KEYFRAME_EVERY set and once without: the
+writer process makes the keyframes), and on the embedded engine, whose
+keyframer runs in its own process (``record --keyframe-every``). The target
+is a ratio of at most 1.03.
 
 The random runs are embedded-engine recordings, a random seed each: half of
 them a random fault on the workload that shows it, half a random workload
@@ -128,13 +136,67 @@ def random_runs(n: int, seed: int, tmp: Path) -> list[Path]:
     return out
 
 
+TARGET = 1.03
+
+
+def overhead(rounds: int, every: int) -> None:
+    """Print what keyframes every ``every`` steps cost a recording."""
+    import os
+
+    from kvtrace.engine import record_embedded
+    from kvtrace.flight import KeyframingWriter
+    from kvtrace.trace import TraceWriter
+
+    with tempfile.TemporaryDirectory() as d:
+        times = {"plain": [], "keyframes": []}
+        for i in range(5):
+            for name in ("plain", "keyframes") if i % 2 else ("keyframes", "plain"):
+                opener = TraceWriter if name == "plain" else (
+                    lambda path, header: KeyframingWriter(TraceWriter(path, header), header,
+                                                          every))
+                t = time.perf_counter()
+                record_embedded(Path(d) / f"{name}{i}.jsonl.gz", "offload", seed=i,
+                                open_writer=opener)
+                times[name].append(time.perf_counter() - t)
+    plain, kf = min(times["plain"]), min(times["keyframes"])
+    print(f"embedded engine, offload: {plain:.2f} s plain, {kf:.2f} s with a keyframe every "
+          f"{every} steps: {kf / plain:.2f}x (the keyframer runs in the engine's process; "
+          f"target <= {TARGET:.2f} is the vLLM recorder's)")
+    try:
+        from bench.recorder_overhead import run
+    except ImportError as e:   # no vLLM here
+        print(f"vLLM: not measured ({e})")
+        return
+    got = {}
+    for name in ("plain", "keyframes"):
+        if name == "keyframes":
+            os.environ["KVTRACE_KEYFRAME_EVERY"] = str(every)
+        else:
+            os.environ.pop("KVTRACE_KEYFRAME_EVERY", None)
+        got[name] = run(rounds, 16)
+    os.environ.pop("KVTRACE_KEYFRAME_EVERY", None)
+    a, b = got["plain"], got["keyframes"]
+    print(f"vLLM, tiny model ({rounds} interleaved rounds each): recorded/unrecorded median "
+          f"{a['ratio_median']:.3f} without keyframes, {b['ratio_median']:.3f} with one every "
+          f"{every} steps; keyframes' share {b['ratio_median'] / a['ratio_median']:.3f}x, "
+          f"target <= {TARGET:.2f}; noise floor {a['control_median']:.3f} and "
+          f"{b['control_median']:.3f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--overhead", action="store_true",
+                   help="time recordings with keyframes against recordings without")
+    p.add_argument("--rounds", type=int, default=21, help="--overhead: vLLM rounds")
+    p.add_argument("--every", type=int, default=100, help="--overhead: keyframe interval")
     p.add_argument("--random", type=int, default=100, help="random embedded runs (default 100)")
     p.add_argument("--per-trace", type=int, default=6, help="keyframes per trace (about)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("traces", nargs="*", type=Path, help="traces (default: all under traces/)")
     a = p.parse_args(argv)
+    if a.overhead:
+        overhead(a.rounds, a.every)
+        return 0
     stored = a.traces or sorted(q for q in (ROOT / "traces").rglob("*.jsonl*"))
     bad = 0
     with tempfile.TemporaryDirectory() as d:

@@ -33,6 +33,8 @@ class KeyframingWriter:
         if self.keyframer is None:
             return None
         try:
+            if type(e) is dict:   # the vLLM recorder's writer writes most records as dicts
+                e = ev.decode_line(ev.encode(e))
             return self.keyframer.feed(e, force=force)
         except Exception as err:   # the recording goes on without keyframes
             self.failed = f"{type(err).__name__}: {err}"

@@ -68,6 +68,10 @@ _encode = msgspec.json.Encoder(enc_hook=plain_values).encode
 ENV_QUEUE = "KVTRACE_QUEUE_SIZE"
 ENV_WRITER = "KVTRACE_WRITER"       # "process" (default) or "thread"
 ENV_RING = "KVTRACE_RING_BYTES"     # the shared-memory ring's size (ProcessSink)
+# A keyframe before every N-th step: the writer process that makes them is the
+# flight recorder's (kvtrace.flight.writer_process), started by its name.
+ENV_KEYFRAME_EVERY = "KVTRACE_KEYFRAME_EVERY"
+KEYFRAMING_WRITER = "kvtrace.flight.writer_process"
 DEFAULT_QUEUE_SIZE = 1 << 16
 FLUSH_IDLE_S = 0.25  # flush after this long without events
 
@@ -278,7 +282,11 @@ class ProcessSink(_Sink):
         size = int(ring_size or os.environ.get(ENV_RING, 0) or DEFAULT_SIZE)
         self._largest = size - self.KEEP   # an event longer than this never fits: dropped
         first = orjson.dumps(to_json(header), option=orjson.OPT_APPEND_NEWLINE)
-        self._ring, self._proc, self._sock = start_writer(self.path, first, size)
+        every = keyframe_every()
+        self._ring, self._proc, self._sock = start_writer(
+            self.path, first, size,
+            **({"module": KEYFRAMING_WRITER, "args": ["--keyframe-every", str(every)]}
+               if every else {}))
         _OPEN.add(self)
         self._thread.start()
 
@@ -442,7 +450,21 @@ class WriterProcessError(RuntimeError):
     ended before the trace was whole)."""
 
 
-def start_writer(path: Path, first: bytes, size: int, copy: bool = False
+def keyframe_every() -> int | None:
+    """``KVTRACE_KEYFRAME_EVERY``: a keyframe before every N-th step (None:
+    unset, or not a positive number, which is said once)."""
+    text = os.environ.get(ENV_KEYFRAME_EVERY, "").strip()
+    if not text:
+        return None
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    logger.warning("kvtrace: %s=%r is not a positive number of steps; no keyframes",
+                   ENV_KEYFRAME_EVERY, text)
+    return None
+
+
+def start_writer(path: Path, first: bytes, size: int, copy: bool = False,
+                 module: str = "kvtrace.record.writer_process", args: list[str] = ()
                  ) -> tuple[Ring, Detached, socket.socket]:
     """Open the trace ``path`` (which may raise: the caller says why), make a
     ring of ``size`` bytes holding ``first``, and start the writer process
@@ -475,7 +497,7 @@ def start_writer(path: Path, first: bytes, size: int, copy: bool = False
         if not sys.executable:
             raise WriterProcessError("this Python does not know its own executable")
         proc = Detached.start(
-            [sys.executable, "-m", "kvtrace.record.writer_process", "--detach",
+            [sys.executable, "-m", module, "--detach", *args,
              *(["--copy"] if copy else []), str(path), str(raw), str(memfd)],
             theirs, (raw, memfd), mine)
     except BaseException as e:

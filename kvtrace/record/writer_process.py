@@ -96,15 +96,17 @@ def _say(msg: str) -> None:
     print(f"kvtrace: {msg}", file=sys.stderr, flush=True)
 
 
-def serve(fd_in: int, path: str, fd_out: int, fd_ring: int) -> int:
+def serve(fd_in: int, path: str, fd_out: int, fd_ring: int, wrap=None) -> int:
     """Write the trace ``path`` (open as ``fd_out``) from the lines in the ring
     ``fd_ring``, until the connection ``fd_in`` closes. Returns the exit
-    status: 0 when the file holds everything it was sent."""
+    status: 0 when the file holds everything it was sent. ``wrap(writer,
+    header)``, if given, is the writer the records go through (the flight
+    recorder's, which adds keyframes)."""
     hold_lock(fd_out)   # held already, unless the file came from elsewhere
     ring = Ring.of_file(fd_ring)
     os.close(fd_ring)   # the mapping stays
     lines = _lines(fd_in, ring)
-    writer = _start(path, fd_out, lines)
+    writer = _start(path, fd_out, lines, wrap)
     if writer is None:
         return 1
     rc, error, settled = _write_lines(writer, lines)
@@ -113,7 +115,8 @@ def serve(fd_in: int, path: str, fd_out: int, fd_ring: int) -> int:
     return _end_cut_off(writer, path, error, settled)
 
 
-def _start(path: str, fd_out: int, lines: Iterator[bytes | None | object]) -> TraceWriter | None:
+def _start(path: str, fd_out: int, lines: Iterator[bytes | None | object],
+           wrap=None) -> TraceWriter | None:
     """The trace's writer, its header (the first line) written; None, said,
     when no header came or the file cannot be written."""
     first = next((line for line in lines if line is not IDLE), None)
@@ -121,12 +124,13 @@ def _start(path: str, fd_out: int, lines: Iterator[bytes | None | object]) -> Tr
         os.close(fd_out)
         return None
     try:
-        writer = TraceWriter(path, decode_header(orjson.loads(first)), fd=fd_out)
+        header = decode_header(orjson.loads(first))
+        writer = TraceWriter(path, header, fd=fd_out)
         writer.flush()   # an engine killed before the first idle moment leaves a readable trace
     except Exception as e:
         _say(f"cannot write the trace {path}: {type(e).__name__}: {e}")
         return None
-    return writer
+    return writer if wrap is None else wrap(writer, header)
 
 
 def _write_lines(writer: TraceWriter, lines: Iterator[bytes | None | object]
@@ -248,7 +252,8 @@ def serve_copy(fd_in: int, path: str, fd_out: int, fd_ring: int) -> int:
     return 1 if error else 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, wrap=None) -> int:
+    """``[--detach] [--copy] PATH FD RING``; ``wrap``: as ``serve``'s."""
     argv = sys.argv[1:] if argv is None else argv
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -260,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     if copy:
         argv = argv[1:]
     path, fd, fd_ring = argv[0], int(argv[1]), int(argv[2])
-    rc = (serve_copy if copy else serve)(sys.stdin.fileno(), path, fd, fd_ring)
+    rc = (serve_copy(sys.stdin.fileno(), path, fd, fd_ring) if copy
+          else serve(sys.stdin.fileno(), path, fd, fd_ring, wrap))
     if detach:   # the engine waits for this line (kvtrace.record.detached.Detached)
         try:
             os.write(sys.stdin.fileno(), b"%d\n" % rc)

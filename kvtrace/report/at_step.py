@@ -47,7 +47,8 @@ class UnknownRequest(LookupError):
     exit_code = 2
 
 
-def one_request(request: str, ids: list[str], path, where: str, total: int) -> str:
+def one_request(request: str, ids: list[str], path: str | os.PathLike, where: str,
+                total: int) -> str:
     """The one id of ``ids`` that ``request`` names: itself, or the only id it
     begins (vLLM ids end in a random suffix). Else ``UnknownRequest``, saying
     ``where`` was looked ("in the trace") and among how many (``total``)."""

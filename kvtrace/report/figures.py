@@ -4,8 +4,10 @@ marks and history rows, and the run's counts (``RunSummary``)."""
 
 from __future__ import annotations
 
+
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Iterable
 
 from .._text import count
 from ..trace import events as ev
@@ -260,7 +262,7 @@ def _group_kind(g: ev.KVCacheGroup) -> str:
 MAX_RUNS = 400              # bands drawn per chart
 
 
-def step_runs(steps, max_runs: int = MAX_RUNS) -> list[tuple[int, int]]:
+def step_runs(steps: Iterable[int], max_runs: int = MAX_RUNS) -> list[tuple[int, int]]:
     """Runs of consecutive steps, as (first, last). When there are more than
     ``max_runs``, runs closer than a gap merge, the gap doubling until they fit,
     so a chart of a long trace draws a bounded number of bands."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
-from typing import IO, Any, Iterable
+from typing import IO, Iterable
 
 import orjson
 
@@ -353,7 +353,7 @@ def export_perfetto(trace: str | os.PathLike, out_json: str | os.PathLike,
     return dict(x.counts)
 
 
-def load_events(path: str | os.PathLike) -> list[dict[str, Any]]:
+def load_events(path: str | os.PathLike) -> list[dict[str, object]]:
     """The ``traceEvents`` of an exported file (for tests and scripts)."""
     with open(path, "rb") as f:
         return orjson.loads(f.read())["traceEvents"]

@@ -52,7 +52,7 @@ def phase_of(computed: int, scheduled: int, prompt_len: int, num_tokens: int) ->
     return "decode"
 
 
-def summarize(path, keep: Iterable[str] | Callable[[str], bool] | None = None,
+def summarize(path: str | os.PathLike, keep: Iterable[str] | Callable[[str], bool] | None = None,
               max_timelines: int = 50, history: Callable[[str], bool] | None = None,
               reader: TraceReader | None = None) -> RunSummary:
     """Read ``path`` once and summarize it.

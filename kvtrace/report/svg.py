@@ -10,9 +10,11 @@ are zero-length round-capped strokes, so they stay round.
 
 from __future__ import annotations
 
+
 import html
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 C_GRID = "#e6e6e6"
 NS = ' vector-effect="non-scaling-stroke"'
@@ -166,7 +168,7 @@ def chart(cls: str, x0: float, x1: float, ymax: float, series: list[dict], *,
     return "".join(out)
 
 
-def path(pts: list, sy, kind: str, x_end: float) -> str:
+def path(pts: list, sy: Callable[[float], float], kind: str, x_end: float) -> str:
     """A series as path data: x in steps, y in plot pixels."""
     x, y = pts[0]
     d = [f"M{_n(x)} {sy(y):.1f}"]

@@ -10,6 +10,7 @@ key-value metadata (``kvtrace.*``).
 
 from __future__ import annotations
 
+
 import contextlib
 import errno
 import os
@@ -17,6 +18,7 @@ import secrets
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import orjson
 
@@ -78,7 +80,8 @@ class Written:
 
 def write_tables(trace: str | os.PathLike, out: str | os.PathLike,
                  divergences: list[Divergence] | None = None, fmt: str = "parquet",
-                 progress=None, checked: dict | None = None) -> Written:
+                 progress: Callable[[int], None] | None = None,
+                 checked: dict | None = None) -> Written:
     """Write ``trace``'s tables into the new directory ``out``, one file per
     table (``steps.parquet`` ...; ``.arrow``: Arrow IPC files for
     ``fmt="arrow"``). ``divergences`` fill the ``divergences`` table; None

@@ -9,7 +9,7 @@ docs/guide/export.md lists the columns; ``SCHEMAS`` is their definition.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import orjson
 import pyarrow as pa
@@ -255,7 +255,7 @@ class _Builder:
 
 def build_tables(records: Iterable[tuple[int, ev.Event]],
                  divergences: Iterable[Divergence] | None = None,
-                 progress=None) -> dict[str, pa.Table]:
+                 progress: Callable[[int], None] | None = None) -> dict[str, pa.Table]:
     """The tables of a trace: ``records`` are (line, event) pairs after the
     header, in trace order (``TraceReader.last_line`` gives the line of the
     event just read). ``divergences`` come from ``replay_file`` or

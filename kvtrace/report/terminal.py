@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import orjson
 from rich.console import Console
@@ -341,7 +341,8 @@ def likely_cause_json(findings: Findings | None) -> dict | None:
     return {**d.to_json(), "derivation": d.why, "why_first": findings.why}
 
 
-def replay_json(result: ReplayResult, path: str, keep=None, findings: Findings | None = None) -> bytes:
+def replay_json(result: ReplayResult, path: str, keep: Callable[[Divergence], bool] | None = None,
+                findings: Findings | None = None) -> bytes:
     """The replay as JSON; ``keep`` selects the divergences listed (all when None).
     ``findings``: the divergences' findings per request and headline (``kvtrace.findings.gather``;
     findings here when not given)."""
@@ -422,7 +423,8 @@ def _names_of(paths: list[str]) -> dict[str, str]:
     return {p: b if base.count(b) == 1 else p for p, b in zip(paths, base)}
 
 
-def replay_many_json(results: list, keep=None, views: dict | None = None) -> bytes:
+def replay_many_json(results: list, keep: Callable[[Divergence], bool] | None = None,
+                     views: dict | None = None) -> bytes:
     """Several traces' replays as JSON; ``views``: each one's ReplayView, by path."""
     docs = []
     for path, result, error in results:
