@@ -4,8 +4,10 @@ The segments are read oldest first. The first one left starts the replay, from
 its keyframe (or from the start, for the run's first segment); each next one
 goes on where the one before stopped, past its keyframe. Where segments are
 missing (the oldest rotated out between pinned ones), replay starts again at
-the next segment's keyframe and the gap is said. KV contents are not checked
-(their check needs the cache's whole history).
+the next segment's keyframe and the gap is said. A segment whose keyframe
+holds no state (made after the recorder's replay stopped) only goes on from
+the one before. KV contents are not checked (their check needs the cache's
+whole history).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from kvtrace.results import ReplayResult
 from kvtrace.trace import TraceError, TraceReader
 from kvtrace.trace import events as ev
 
-from .segments import segment_files
+from .segments import NAME, segment_files
 
 NO_SEGMENTS = "holds no segment (segment-NNNNNN.jsonl.gz files of 'kvtrace record --ring')"
 
@@ -48,27 +50,33 @@ class _Run:
         self.found: list = []       # divergences of the replays before a gap
         self.gaps: list[tuple[int, int]] = []
         self.truncation: str | None = None
+        self.last_number: int | None = None   # the last segment read
 
     def segment(self, path: Path) -> None:
+        number = int(NAME.match(path.name).group(1))
+        follows = self.last_number is not None and number == self.last_number + 1
         with TraceReader(path) as reader:
             events = iter(reader)
             first = next(events, None)
             if first is None:
                 return
+            keyframe = first if type(first) is ev.Keyframe else None
             if self.rp is None:
-                self._start(path, reader.header, first, reader.last_line)
-            elif type(first) is ev.Keyframe and first.step != self.rp.steps:
-                self._gap(path, reader.header, first)
-            elif type(first) is not ev.Keyframe:
-                raise TraceError(path, reader.last_line, "a segment after the first that does "
-                                                         "not start with a keyframe")
-            if type(first) is not ev.Keyframe:
+                if keyframe is None and number != 1:   # nothing to start from
+                    return
+                self._start(path, reader.header, first)
+            elif keyframe is not None and not (follows and keyframe.step == self.rp.steps_in_trace):
+                self._gap(path, reader.header, keyframe)
+            elif keyframe is None and not follows:
+                return   # after a gap, a segment without a keyframe cannot start a replay
+            self.last_number = number
+            if keyframe is None:
                 self._feed(first, reader.last_line)
             for e in events:
                 self._feed(e, reader.last_line)
             self.truncation = reader.truncation
 
-    def _start(self, path: Path, header: ev.Header, first, line) -> None:
+    def _start(self, path: Path, header: ev.Header, first) -> None:
         chosen, note = (bridge.header_profile(header) if self.profile is None
                         else (PROFILES[self.profile], None))
         check_supported(header, path, chosen)

@@ -65,6 +65,9 @@ def restore(kf: ev.Keyframe, header: ev.Header, path: str, profile: Profile | No
     if kf.format != FORMAT:
         raise KeyframeError(f"a keyframe of format {kf.format} (kvtrace {kf.version}); this "
                             f"kvtrace reads format {FORMAT}")
+    if "root" not in kf.state and "stopped" in kf.state:
+        raise KeyframeError(f"the keyframe at step {kf.step} holds no replay state: the "
+                            f"replay that made it had stopped ({kf.state['stopped']})")
     config = bridge.config_from_header(header, profile)
     try:
         rp = snapshot.decode(kf.state, _externals(header, config), {"pool": _unpack_pool})
@@ -79,7 +82,9 @@ def restore(kf: ev.Keyframe, header: ev.Header, path: str, profile: Profile | No
 
 class Keyframer:
     """Replays records as they are written, and gives a keyframe before every
-    ``every``-th step (none once the replay has stopped at an engine error)."""
+    ``every``-th step. Once the replay has stopped at an engine error it gives
+    none, but where one is forced (a segment's start): then one that a
+    reader can start at and no replay can (its state says why)."""
 
     def __init__(self, header: ev.Header, every: int, profile: Profile | None = None):
         if every < 1:
@@ -95,11 +100,14 @@ class Keyframer:
         """Show the record ``e``; returns the keyframe to write before it, if
         any (``force``: before any step record, whatever its number)."""
         kf = None
-        if (type(e) is ev.Step and (force or (e.step and not e.step % self.every))
-                and not self.replayer.stopped):
+        due = type(e) is ev.Step and (force or (e.step and not e.step % self.every))
+        if due and not self.replayer.stopped:
             kf = ev.Keyframe(e.seq, e.step, FORMAT, kvtrace.__version__, take(self.replayer),
                              **self.records.for_keyframe())
             self.made += 1
+        elif due and force:   # a segment's start: readable, though no replay starts there
+            kf = ev.Keyframe(e.seq, e.step, FORMAT, kvtrace.__version__,
+                             {"stopped": self.replayer.stopped}, **self.records.for_keyframe())
         if type(e) is not ev.Keyframe:
             self.records.check(e)
             self.replayer.feed(e, line)

@@ -23,7 +23,7 @@ from kvtrace.flight.replay import replay_folder
 from kvtrace.record.step_writer import StepWriter, open_step_writer
 from kvtrace.replay import replay_file
 from kvtrace.replay.keyframes import replay_from
-from kvtrace.trace import TraceReader, TraceWriter
+from kvtrace.trace import TraceError, TraceReader, TraceWriter
 from kvtrace.trace import events as ev
 
 KEYS = ("step", "req", "field", "recorded", "expected", "rule", "kind")
@@ -208,3 +208,29 @@ def test_ring_and_segment_sizes_are_checked(tmp_path, capsys):
     assert code == 2 and "--segment needs --ring" in err
     code, _, err = run(capsys, "record", "-o", tmp_path / "d", "--ring", "lots")
     assert code == 2 and "is not a size" in err
+
+
+def test_segments_after_the_replay_stopped_go_on_without_keyframes(tmp_path):
+    """The recorder's replay stops where the engine would have failed an
+    assertion: later segments start without a keyframe, and a directory
+    replay stops where the whole trace's does."""
+    one = tmp_path / "one.jsonl.gz"
+    wl = build_workload("offload", 4, 160)
+    record_workload(one, wl, "async-load-overshoot", 4)
+    folder = tmp_path / "ring"
+    _segments(folder, "offload", "async-load-overshoot", seed=4, requests=160,
+              ring=64 << 20, segment=64 << 10)
+    starts = []
+    for seg in segment_files(folder)[1:]:
+        with TraceReader(seg) as r:
+            first = next(iter(r))
+        assert type(first) is ev.Keyframe
+        starts.append("root" in first.state)
+    assert starts[0] and not starts[-1]   # past the stop: readable, not replayable
+    with pytest.raises(TraceError, match="holds no replay state"):
+        replay_from(segment_files(folder)[-1], 10**9)
+    whole = replay_file(one, device=None)
+    parts = replay_folder(folder)
+    assert whole.stopped_at is not None
+    assert parts.stopped_at.step == whole.stopped_at.step
+    assert _found(parts) == _found(whole)
