@@ -137,6 +137,10 @@ def _one(trace: Path, out: Path | None, as_json: bool, device: str | None,
     from kvtrace.replay import replay_file
     from kvtrace.report import terminal
 
+    if from_step is None:   # a trace that starts with a keyframe starts there
+        from kvtrace.replay.keyframes import first_keyframe
+
+        from_step = first_keyframe(trace)
     with progress(f"replaying {trace.name}", "steps", files=(trace,)) as advance:
         if from_step is None:
             result = replay_file(trace, out=out, device=device, progress=advance, profile=profile)

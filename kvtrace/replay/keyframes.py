@@ -133,14 +133,15 @@ def _unpack_pool(columns: dict) -> tuple[BlockPool, list]:
 
 def find(reader: TraceReader, step: int) -> tuple[ev.Keyframe | None, list[tuple[object, int]],
                                                     Iterator]:
-    """The last keyframe of ``reader``'s trace at or before ``step``, the
-    records read after it (with their lines), and the reader's iterator, which
-    goes on after them. Reads no further than the first record past ``step``."""
+    """The last keyframe of ``reader``'s trace at or before ``step`` (or the
+    one the trace starts with: nothing comes before it), the records read
+    after it (with their lines), and the reader's iterator, which goes on
+    after them. Reads no further than the first record past ``step``."""
     found, after = None, []
     events = iter(reader)
-    for e in events:
+    for i, e in enumerate(events):
         if type(e) is ev.Keyframe:
-            if e.step > step:
+            if e.step > step and i:
                 after.append((e, reader.last_line))
                 break
             found, after = e, []
@@ -243,3 +244,14 @@ def add_keyframes(src: str | os.PathLike, dst: str | os.PathLike, every: int,
         reader.close()
     dest.commit()
     return keyframer.made, steps
+
+
+def first_keyframe(path: str | os.PathLike) -> int | None:
+    """The step of the keyframe ``path`` starts with (a segment, or what
+    ``replay -o`` wrote from a keyframe); None when it starts otherwise, or
+    is standard input (read once)."""
+    if str(path) == "-":
+        return None
+    with TraceReader(path, validate=False) as reader:
+        first = next(iter(reader), None)
+    return first.step if type(first) is ev.Keyframe else None

@@ -179,6 +179,17 @@ def test_replay_o_from_a_keyframe_writes_a_trace_that_starts_there(tmp_path):
     assert again.steps == part.steps
 
 
+def test_a_trace_that_starts_with_a_keyframe_replays_from_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    kf = _keyframed(tmp_path)
+    out = tmp_path / "out.jsonl.gz"
+    replay_from(kf, 60, out=out)
+    code, text, _ = run(capsys, "replay", out, "--json")
+    assert orjson.loads(text)["from_keyframe"] == 60
+    code, text, _ = run(capsys, "replay", out, "--from-step", 0, "--json")
+    assert orjson.loads(text)["from_keyframe"] == 60   # nothing comes before it
+
+
 def test_redact_leaves_keyframes_out(tmp_path, capsys):
     kf = _keyframed(tmp_path)
     red = tmp_path / "red.jsonl.gz"
