@@ -70,6 +70,34 @@ def _said(result) -> dict:
             "truncation": result.truncation}
 
 
+def _whole(path: Path):
+    """The whole replay of ``path`` (no content check), as ``replay_file``
+    runs it, and, for each keyframe's step, the divergences it had found
+    when it reached that keyframe (their ids)."""
+    from kvtrace import bridge
+    from kvtrace.replay.replayer import Replayer
+    from kvtrace.results import ReplayResult
+    from kvtrace.trace import TraceReader
+    from kvtrace.trace import events as ev
+
+    before: dict[int, set[int]] = {}
+    with TraceReader(path) as reader:
+        header = reader.header
+        profile = bridge.header_profile(header)[0]
+        rp = Replayer(header, str(path), None, None, profile=profile)
+        result = ReplayResult(path=str(path), header=header, profile=profile.name)
+        for e in reader:
+            if type(e) is ev.Keyframe:
+                before[e.step] = {id(d) for d in rp.divergences}
+            result.events += 1
+            rp.feed(e, reader.last_line)
+            if type(e) is ev.End:
+                result.end = e
+        rp.finish()
+    rp.put_into(result, reader.truncation)
+    return result, before
+
+
 def check(src: Path, per_trace: int, tmp: Path) -> Checked:
     """Keyframes into a copy of ``src``, then each replay from one against the
     whole replay."""
@@ -84,27 +112,26 @@ def check(src: Path, per_trace: int, tmp: Path) -> Checked:
     t = time.perf_counter()
     add_keyframes(src, copy, every)
     out.add_s = time.perf_counter() - t
-    steps = []
+    t = time.perf_counter()
+    whole, before = _whole(copy)
+    out.replay_s = time.perf_counter() - t
     with TraceReader(copy) as r:
         for e in r:
             if type(e) is ev.Keyframe:
-                steps.append(e.step)
                 out.keyframe_bytes += len(orjson.dumps(e.state))
-    t = time.perf_counter()
-    whole = replay_file(copy, device=None, worker=0)
-    out.replay_s = time.perf_counter() - t
-    divs = [d.to_json() for d in whole.divergences]
-    for k in steps:
+    for k, earlier in before.items():
         part = replay_from(copy, k)
+        # What the whole replay reports from the keyframe on: every divergence
+        # it had not found when it reached the keyframe, in its order.
+        want = [d.to_json() for d in whole.divergences if id(d) not in earlier]
         got = [d.to_json() for d in part.divergences]
-        cut = len(divs) - len(got)
         out.keyframes += 1
-        if cut < 0 or divs[cut:] != got:
-            first = next((i for i, (a, b) in enumerate(zip(divs[max(cut, 0):], got)) if a != b),
-                         min(len(got), len(divs)))
+        if got != want:
+            first = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b),
+                         min(len(got), len(want)))
             out.mismatches.append(f"{src}: from the keyframe at step {k}: {len(got)} "
-                                  f"divergences, the whole replay {len(divs)} ({cut} before "
-                                  f"it); the first that differs is #{first}")
+                                  f"divergences, the whole replay {len(want)} from there; the "
+                                  f"first that differs is #{first}")
         elif _said(part) != _said(whole):
             out.mismatches.append(f"{src}: from the keyframe at step {k}: {_said(part)} "
                                   f"!= {_said(whole)}")

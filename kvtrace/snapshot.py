@@ -172,18 +172,31 @@ def encode(root: object, externals: dict[str, object] | None = None,
     return _Encoder(ext, skip or {}, packed or {}, modules).run(root)
 
 
-def _resolve(name: str, modules: tuple[str, ...]) -> Any:
+def _mine(module: str, modules: tuple[str, ...]) -> bool:
+    return module.startswith(modules) or module + "." in modules
+
+
+def _resolve(name: object, modules: tuple[str, ...]) -> Any:
+    """The class ``module:Qualname`` names: one defined in one of
+    ``modules`` (never one a kvtrace module merely imports, nor a builtin
+    reached through an attribute), and only through class names."""
+    if type(name) is not str:
+        raise SnapshotError(f"a keyframe names a class by {str(name)[:40]!r}, not a string")
     module, _, qual = name.partition(":")
-    if not module.startswith(modules) and module + "." not in modules:
-        raise SnapshotError(f"a keyframe names {name}, which is not kvtrace's")
+    if not _mine(module, modules):
+        raise SnapshotError(f"a keyframe names {name[:80]}, which is not kvtrace's")
+    parts = qual.split(".")
+    if not qual or any(not p.isidentifier() or p.startswith("__") for p in parts):
+        raise SnapshotError(f"a keyframe names {name[:80]}, which is not a class of kvtrace's")
     try:
         obj: Any = importlib.import_module(module)
-        for part in qual.split("."):
+        for part in parts:
             obj = getattr(obj, part)
-    except (ImportError, AttributeError):
-        raise SnapshotError(f"a keyframe names {name}, which this kvtrace does not have") from None
-    if not isinstance(obj, type):
-        raise SnapshotError(f"a keyframe names {name}, which is not a class")
+    except (ImportError, AttributeError, ValueError):
+        raise SnapshotError(f"a keyframe names {name[:80]}, which this kvtrace does not have") from None
+    if (not isinstance(obj, type) or not _mine(obj.__module__, modules)
+            or obj.__qualname__ != qual):
+        raise SnapshotError(f"a keyframe names {name[:80]}, which is not a class of kvtrace's")
     return obj
 
 
@@ -215,6 +228,8 @@ class _Decoder:
             return v
         try:
             if "r" in v:
+                if type(v["r"]) is not int or v["r"] < 0:
+                    raise IndexError("a reference that is not an index")
                 made = self.made[v["r"]]
                 return made if made is not None else self._struct(v["r"])
             if "d" in v:
@@ -241,6 +256,8 @@ class _Decoder:
                 return self.packed[v["p"]][0]
             if "m" in v:
                 name, i = v["m"]
+                if type(i) is not int or i < 0:
+                    raise IndexError("a member that is not an index")
                 return self.packed[name][1][i]
         except (KeyError, IndexError, TypeError, ValueError) as e:
             raise SnapshotError(f"a keyframe's value {str(v)[:60]} is not readable: {e}") from None
@@ -278,5 +295,12 @@ def decode(data: dict, externals: dict[str, object] | None = None,
            unpack: dict[str, Callable] | None = None, modules: tuple[str, ...] = OWN) -> object:
     """The graph ``encode`` wrote, with each external name replaced by the
     object given for it; ``unpack[name](data)`` gives (object, members) back
-    for each packed object."""
-    return _Decoder(data, externals or {}, unpack or {}, modules).run()
+    for each packed object. Any damage is a SnapshotError."""
+    try:
+        return _Decoder(data, externals or {}, unpack or {}, modules).run()
+    except SnapshotError:
+        raise
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError,
+            MemoryError, RecursionError) as e:
+        raise SnapshotError(f"a keyframe's state is damaged: {type(e).__name__}: "
+                            f"{str(e)[:80]}") from None

@@ -24,6 +24,7 @@ would.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from typing import Iterator
 
 import msgspec
@@ -53,9 +54,12 @@ class KeyframeError(ValueError):
 
 
 def take(rp: Replayer) -> dict:
-    """``rp``'s state as a keyframe's ``state``."""
-    return snapshot.encode(rp, _externals(rp.header, rp.sched.config), _LEFT_OUT,
-                           {"pool": (rp.sched.kv.pool, _pack_pool)})
+    """``rp``'s state as a keyframe's ``state``, with the version profile it
+    follows (a replay from it follows the same)."""
+    state = snapshot.encode(rp, _externals(rp.header, rp.sched.config), _LEFT_OUT,
+                            {"pool": (rp.sched.kv.pool, _pack_pool)})
+    state["profile"] = rp.sched.config.profile.name
+    return state
 
 
 def restore(kf: ev.Keyframe, header: ev.Header, path: str, profile: Profile | None,
@@ -68,16 +72,52 @@ def restore(kf: ev.Keyframe, header: ev.Header, path: str, profile: Profile | No
     if "root" not in kf.state and "stopped" in kf.state:
         raise KeyframeError(f"the keyframe at step {kf.step} holds no replay state: the "
                             f"replay that made it had stopped ({kf.state['stopped']})")
+    made_by = kf.state.get("profile")
+    if profile is not None and made_by != profile.name:
+        raise KeyframeError(f"the keyframe at step {kf.step} was made under the {made_by} "
+                            f"profile, not {profile.name}: replay it under {made_by}, or "
+                            "from the start")
     config = bridge.config_from_header(header, profile)
+
+    def unpack(columns: dict) -> tuple[BlockPool, list]:
+        if columns.get("num_blocks") != config.num_blocks:   # before a pool is built
+            raise snapshot.SnapshotError(f"its pool has {str(columns.get('num_blocks'))[:20]} "
+                                         f"blocks, the header's {config.num_blocks}")
+        return _unpack_pool(columns)
+
     try:
-        rp = snapshot.decode(kf.state, _externals(header, config), {"pool": _unpack_pool})
+        rp = snapshot.decode(kf.state, _externals(header, config), {"pool": unpack})
+        _check(rp, kf)
     except snapshot.SnapshotError as e:
         raise KeyframeError(f"the keyframe at step {kf.step} (kvtrace {kf.version}) "
                             f"cannot be read: {e}") from None
-    if type(rp) is not Replayer:
-        raise KeyframeError(f"the keyframe at step {kf.step} holds no replay")
     rp.divergences, rp.content, rp.out, rp.path, rp._kv_placed = [], None, out, path, 0
+    rp.data_path.checked = Counter()   # what this replay checks, from the keyframe on
     return rp
+
+
+def _check(rp: object, kf: ev.Keyframe) -> None:
+    """What a replay from ``rp`` relies on: a replay that had not stopped, at
+    the keyframe's step, over a pool whose free queue holds exactly its free
+    blocks. Raises SnapshotError (a keyframe edited or damaged)."""
+    if type(rp) is not Replayer:
+        raise snapshot.SnapshotError("it holds no replay")
+    if rp.stopped is not None or rp.stop is not None:
+        raise snapshot.SnapshotError("it holds a replay that had stopped")
+    if not (type(rp.steps) is int and type(rp.steps_in_trace) is int
+            and 0 <= rp.steps <= kf.step and rp.steps_in_trace <= kf.step):
+        raise snapshot.SnapshotError(f"it holds a replay at step {str(rp.steps)[:20]}, not "
+                                     f"before step {kf.step}")
+    pool = getattr(getattr(rp.sched, "kv", None), "pool", None)
+    if not isinstance(pool, BlockPool):
+        raise snapshot.SnapshotError("it holds no block pool")
+    null = pool.null_block   # its count is never read (it is never free)
+    if any(type(b.ref_cnt) is not int or (b.ref_cnt < 0 and b is not null) for b in pool.blocks):
+        raise snapshot.SnapshotError("a block's reference count is not a count")
+    free = pool.free_queue.ids()
+    expected = {b.block_id for b in pool.blocks if b.ref_cnt == 0} - {null.block_id}
+    if len(free) != len(set(free)) or set(free) != expected:
+        raise snapshot.SnapshotError("its free queue does not hold exactly the free blocks")
 
 
 class Keyframer:

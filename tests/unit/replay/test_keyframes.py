@@ -196,3 +196,22 @@ def test_redact_leaves_keyframes_out(tmp_path, capsys):
     code, out, _ = run(capsys, "redact", kf, red)
     assert code == 0 and "6 keyframes left out" in out
     assert b'"keyframe"' not in gzip.open(red, "rb").read()
+
+
+def test_the_equivalence_check_sees_a_lost_divergence(tmp_path, monkeypatch):
+    """A replay from a keyframe that lost a divergence the whole replay finds
+    after the keyframe is a mismatch (the check compares with what the whole
+    replay had not found when it reached the keyframe, not with its tail)."""
+    import bench.keyframes as bk
+    import kvtrace.replay.keyframes as kfm
+
+    real = kfm.replay_from
+
+    def lossy(*a, **k):
+        r = real(*a, **k)
+        r.divergences = r.divergences[1:]
+        return r
+
+    monkeypatch.setattr(kfm, "replay_from", lossy)
+    c = bk.check(ROOT / "traces" / "faults" / "stale-computed-on-preempt.jsonl.gz", 3, tmp_path)
+    assert c.keyframes >= 3 and c.mismatches
