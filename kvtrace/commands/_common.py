@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 import os
 import sys
 from pathlib import Path
@@ -107,9 +108,10 @@ class Size(click.ParamType):
             n = float(digits)
         except ValueError:
             n = -1
-        if n <= 0 or unit not in self.UNITS:
-            self.fail(f"{value!r} is not a size (64MB, 2GB, 512KiB)", param, ctx)
-        return int(n * self.UNITS[unit])
+        size = n * self.UNITS.get(unit, 0)
+        if not (n > 0 and math.isfinite(size) and 1 <= size <= 2 ** 62):
+            self.fail(f"{value!r} is not a size (64MB, 2GB, 512KiB; a byte at least)", param, ctx)
+        return int(size)
 
 
 class UsageProblem(Exception):

@@ -24,7 +24,8 @@ STDOUT_REFUSED = ("'-' (standard output) is not accepted: a trace is written to 
 
 
 @click.command(context_settings={"allow_interspersed_args": False})
-@click.option("-o", "--out", "out", required=True, type=FilePath(no_dash=STDOUT_REFUSED),
+@click.option("-o", "--out", "out", required=True,
+              type=FilePath(no_dash=STDOUT_REFUSED, dir_okay=True),
               help="Trace file to write (.jsonl, .jsonl.gz or .jsonl.zst).")
 @click.option("--workload", default=None,
               help=f"Built-in workload. Embedded engine: {', '.join(WORKLOADS)} (default "
@@ -80,9 +81,13 @@ def command(out: Path, workload: str | None, fault: str | None, seed: int | None
     if flight and (command or engine == "vllm"):
         raise UsageProblem("--keyframe-every, --ring and --segment apply to the embedded engine; "
                            "a vLLM engine takes KVTRACE_KEYFRAME_EVERY")
-    if flight.ring and redact:
-        raise UsageProblem("--redact and --ring: redact the segments you keep, one by one")
+    if flight and redact:   # keyframes hold token ids: redact leaves them out
+        raise UsageProblem("--redact with --keyframe-every or --ring: keyframes hold token ids, "
+                           "which redact leaves out; redact the traces you keep")
     if not flight.ring:
+        if out.is_dir():
+            raise UsageProblem(f"{out} is a directory: a trace is one file (--ring writes a "
+                               "directory of segments)")
         trace_output(out)
     target = out.with_name(out.name + ".plain") if redact else out
     if seed is not None and (command or engine == "vllm"):

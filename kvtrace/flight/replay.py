@@ -32,13 +32,22 @@ NO_SEGMENTS = "holds no segment (segment-NNNNNN.jsonl.gz files of 'kvtrace recor
 def replay_folder(folder: str | os.PathLike, progress=None,
                   profile: str | None = None) -> ReplayResult:
     """Replay the segments of ``folder`` as one trace. Raises TraceError for
-    a folder with no segment, or segments this kvtrace cannot read."""
+    a folder with no segment, no segment a replay can start from, segments
+    of two recordings, or segments out of order."""
     segs = segment_files(folder)
     if not segs:
         raise TraceError(folder, None, NO_SEGMENTS)
+    numbers = [int(NAME.match(p.name).group(1)) for p in segs]
+    twice = sorted({n for n in numbers if numbers.count(n) > 1})
+    if twice:
+        raise TraceError(folder, None, f"holds segment {twice[0]} twice (two files of one "
+                                       "number)")
     run = _Run(str(folder), progress, profile)
     for seg in segs:
         run.segment(seg)
+    if run.rp is None:
+        raise TraceError(folder, None, "holds no segment a replay can start from (the first "
+                                       "one, or one that starts with a keyframe)")
     return run.result()
 
 
@@ -47,34 +56,53 @@ class _Run:
         self.folder, self.progress, self.profile = folder, progress, profile
         self.rp: Replayer | None = None
         self.res: ReplayResult | None = None
+        self.header: ev.Header | None = None
         self.found: list = []       # divergences of the replays before a gap
         self.gaps: list[tuple[int, int]] = []
         self.truncation: str | None = None
         self.last_number: int | None = None   # the last segment read
+        self.last_end: str | None = None      # the end status of the last one read
 
     def segment(self, path: Path) -> None:
         number = int(NAME.match(path.name).group(1))
         follows = self.last_number is not None and number == self.last_number + 1
         with TraceReader(path) as reader:
+            if self.header is not None and reader.header != self.header:
+                raise TraceError(path, 1, "a segment of another recording: its header is "
+                                          "not the first segment's")
             events = iter(reader)
             first = next(events, None)
-            if first is None:
+            if first is None:   # a header alone: the recorder stopped as it began it
+                self._cut(path, reader.truncation or "it holds no record")
                 return
             keyframe = first if type(first) is ev.Keyframe else None
             if self.rp is None:
                 if keyframe is None and number != 1:   # nothing to start from
                     return
+                self.header = reader.header
                 self._start(path, reader.header, first)
+            elif keyframe is not None and keyframe.step < self.rp.steps_in_trace:
+                raise TraceError(path, reader.last_line,
+                                 f"starts at step {keyframe.step}, before step "
+                                 f"{self.rp.steps_in_trace}, where the segment before it "
+                                 "ended: segments out of order")
             elif keyframe is not None and not (follows and keyframe.step == self.rp.steps_in_trace):
                 self._gap(path, reader.header, keyframe)
             elif keyframe is None and not follows:
                 return   # after a gap, a segment without a keyframe cannot start a replay
             self.last_number = number
+            self.last_end = None
             if keyframe is None:
                 self._feed(first, reader.last_line)
             for e in events:
                 self._feed(e, reader.last_line)
-            self.truncation = reader.truncation
+            if reader.truncation is not None:
+                self._cut(path, reader.truncation)
+            elif self.last_end is None or self.last_end == "continued":
+                self.truncation = None   # whole so far; the next segment goes on
+
+    def _cut(self, path: Path, why: str) -> None:
+        self.truncation = f"{path.name}: {why}"
 
     def _start(self, path: Path, header: ev.Header, first) -> None:
         chosen, note = (bridge.header_profile(header) if self.profile is None
@@ -102,8 +130,10 @@ class _Run:
             raise TraceError(path, 2, str(e)) from None
 
     def _feed(self, e, line) -> None:
-        if type(e) is ev.End and e.status == "continued":
-            return
+        if type(e) is ev.End:
+            self.last_end = e.status
+            if e.status == "continued":
+                return
         self.res.events += 1
         self.rp.feed(e, line)
         if type(e) is ev.End:
@@ -112,6 +142,11 @@ class _Run:
             self.progress(self.rp.steps)
 
     def result(self) -> ReplayResult:
+        if self.truncation is None and self.last_end in (None, "continued"):
+            # The last segment ends without the run's end record: the
+            # recorder was killed between two segments, or as one began.
+            self.truncation = (f"the recording stops after segment {self.last_number} "
+                               "without its end (the recorder was stopped)")
         self.rp.finish()
         self.rp.put_into(self.res, self.truncation)
         self.res.divergences = self.found + self.res.divergences

@@ -24,6 +24,7 @@ import os
 import re
 import signal
 import threading
+import zlib
 from pathlib import Path
 from typing import Callable
 
@@ -86,6 +87,9 @@ class SegmentWriter:
         self.deleted = 0
         self.tripped = False                        # the replay found a divergence
         self.asked: str | None = None               # a pin asked from outside (a signal)
+        self.too_small = False                      # said: a segment does not fit the ring
+        self.pins_failed = False                    # said: pins.json cannot be written
+        self.kf_disk = 0                            # the current keyframe, on disk
         self._old_handler = None
         self._open(None)
 
@@ -190,7 +194,11 @@ class SegmentWriter:
 
     def _open(self, kf: ev.Keyframe | None) -> None:
         self._at_step = 0
-        self.kf_bytes = len(ev.encode(kf)) + 1 if kf is not None else 0
+        line = ev.encode(kf) + b"\n" if kf is not None else b""
+        self.kf_bytes = len(line)
+        # On disk the keyframe takes about what zlib's fastest level makes of
+        # it (the segment's gzip is at least as good), and a block's framing.
+        self.kf_disk = len(zlib.compress(line, 1)) + 1024 if line else 0
         self.number += 1
         self.current_path = self.folder / self._name(self.number)
         self._make_room()
@@ -211,9 +219,10 @@ class SegmentWriter:
 
     @property
     def _room(self) -> int:
-        """What a new segment may take: its keyframe, its size, and the step
-        that ends it past that (twice the most one step has written so far)."""
-        return self.kf_bytes + self.segment_bytes + 2 * self.step_bytes
+        """What a new segment may take on disk: its keyframe, its size, and
+        the step that ends it past that (twice the most one step has written
+        so far)."""
+        return self.kf_disk + self.segment_bytes + 2 * self.step_bytes
 
     def _make_room(self) -> None:
         """Delete the oldest segments not pinned until the finished ones and
@@ -226,11 +235,17 @@ class SegmentWriter:
             path.unlink(missing_ok=True)
             del self.sizes[path]
             self.deleted += 1
+        if not self.sizes and self._room > self.cap_bytes and not self.too_small:
+            self.too_small = True
+            self.on_pin(f"the ring in {self.folder} ({self.cap_bytes:,} bytes) cannot hold a "
+                        f"segment with its keyframe ({self._room:,}): it may pass its size; "
+                        "raise --ring")
         if self.sizes and sum(self.sizes.values()) + self._room > self.cap_bytes:
-            # Pins fill the ring: the oldest pin goes (said), the cap stays.
+            # Pinned segments and the next one do not fit: the oldest pin goes (said).
             oldest = next(iter(self.sizes))
-            logger.warning("kvtrace: the pinned segment %s is deleted: pins fill the %s-byte "
-                           "ring", oldest.name, f"{self.cap_bytes:,}")
+            self.on_pin(f"the pinned segment {oldest.name} is deleted: with the next segment "
+                        f"({self._room:,} bytes with its keyframe) the pins do not fit in the "
+                        f"{self.cap_bytes:,}-byte ring; raise --ring to keep more")
             self.pinned.pop(oldest.name, None)
             oldest.unlink(missing_ok=True)
             del self.sizes[oldest]
@@ -239,6 +254,14 @@ class SegmentWriter:
             self._make_room()
 
     def _save_pins(self) -> None:
+        """pins.json, whole or not at all; a failure is said once and never
+        stops the recording (the pins still hold in this process)."""
         tmp = self.folder / f".{PINS}.tmp"
-        tmp.write_bytes(orjson.dumps(self.pinned, option=orjson.OPT_INDENT_2))
-        os.replace(tmp, self.folder / PINS)
+        try:
+            tmp.write_bytes(orjson.dumps(self.pinned, option=orjson.OPT_INDENT_2))
+            os.replace(tmp, self.folder / PINS)
+        except OSError as e:
+            if not self.pins_failed:
+                self.pins_failed = True
+                self.on_pin(f"cannot write {self.folder / PINS}: {e.strerror or e}; the pins "
+                            "hold while this recorder runs")

@@ -456,7 +456,7 @@ def keyframe_every() -> int | None:
     text = os.environ.get(ENV_KEYFRAME_EVERY, "").strip()
     if not text:
         return None
-    if text.isdigit() and int(text) > 0:
+    if text.isascii() and text.isdigit() and int(text) > 0:
         return int(text)
     logger.warning("kvtrace: %s=%r is not a positive number of steps; no keyframes",
                    ENV_KEYFRAME_EVERY, text)
@@ -538,6 +538,9 @@ def open_sink(path: str | os.PathLike, header: Header, maxsize: int | None = Non
     (and says so): a trace written more slowly beats no trace."""
     kind = os.environ.get(ENV_WRITER, "process").strip().lower() or "process"
     if kind == "thread":
+        if keyframe_every():
+            logger.warning("kvtrace: %s=thread writes no keyframes (the writer process makes "
+                           "them)", ENV_WRITER)
         return TraceSink(path, header, maxsize)
     if kind != "process":
         raise ValueError(f"{ENV_WRITER}={kind!r}: expected 'process' or 'thread'")

@@ -24,6 +24,7 @@ would.
 from __future__ import annotations
 
 import os
+import stat
 from collections import Counter
 from typing import Iterator
 
@@ -289,8 +290,11 @@ def add_keyframes(src: str | os.PathLike, dst: str | os.PathLike, every: int,
 def first_keyframe(path: str | os.PathLike) -> int | None:
     """The step of the keyframe ``path`` starts with (a segment, or what
     ``replay -o`` wrote from a keyframe); None when it starts otherwise, or
-    is standard input (read once)."""
-    if str(path) == "-":
+    is not a regular file (standard input, a pipe: read once)."""
+    try:
+        if str(path) == "-" or not stat.S_ISREG(os.stat(path).st_mode):
+            return None
+    except OSError:   # the replay's own reader says what is wrong
         return None
     with TraceReader(path, validate=False) as reader:
         first = next(iter(reader), None)

@@ -105,10 +105,16 @@ class Validator:
         # still get theirs (one or two in flight, under async scheduling).
         self.awaiting: deque[int] = deque()
         self.failed_step: int | None = None   # a step whose schedule() raised: the engine's last
+        self.keyframe_step: int | None = None   # a keyframe's, until its step's record
 
     # -- entry -------------------------------------------------------------------
 
     def check(self, e) -> None:
+        if self.keyframe_step is not None:   # the record after a keyframe is its step's
+            kf, self.keyframe_step = self.keyframe_step, None
+            if not (isinstance(e, (ev.Step, ev.StepFailed)) and e.step == kf):
+                raise SchemaError(f"a record of kind '{e.kind}' after the keyframe for step "
+                                  f"{kf}: a keyframe comes right before its step's record")
         if self.failed_step is not None and not isinstance(e, ev.End):
             raise SchemaError(f"a record of kind '{e.kind}' after step {self.failed_step}, whose "
                               "schedule() raised: only the 'end' record may follow a step_failed")
@@ -209,6 +215,7 @@ class Validator:
             raise SchemaError(f"a keyframe for step {k.step}, which has been scheduled "
                               f"(the last step is {self.last_step}): a keyframe comes "
                               "before its step")
+        self.keyframe_step = k.step
         if self.last_step == -1 and not self.live:
             self.live, self.sessions = set(k.live), set(k.sessions)
             for req in k.finished:

@@ -234,3 +234,69 @@ def test_segments_after_the_replay_stopped_go_on_without_keyframes(tmp_path):
     assert whole.stopped_at is not None
     assert parts.stopped_at.step == whole.stopped_at.step
     assert _found(parts) == _found(whole)
+
+
+def test_a_directory_says_when_it_was_cut_and_refuses_what_is_not_one_run(tmp_path):
+    folder = tmp_path / "ring"
+    _segments(folder, "offload", seed=4, ring=64 << 20, segment=32 << 10)
+    segs = segment_files(folder)
+    assert len(segs) >= 4 and replay_folder(folder).truncation is None
+    segs[-1].unlink()   # the recorder killed as it began its last segment
+    cut = replay_folder(folder)
+    assert f"stops after segment {len(segs) - 1} without its end" in cut.truncation
+    twin = folder / segs[1].name.replace(".jsonl.gz", ".jsonl")
+    twin.write_bytes(b"")
+    with pytest.raises(TraceError, match="holds segment 2 twice"):
+        replay_folder(folder)
+    twin.unlink()
+    segs[1].rename(folder / "segment-000090.jsonl.gz")   # out of order
+    with pytest.raises(TraceError, match="segments out of order"):
+        replay_folder(folder)
+    (folder / "segment-000090.jsonl.gz").rename(segs[1])
+    other = tmp_path / "other"
+    _segments(other, "kv-pressure", seed=1, ring=64 << 20, segment=32 << 10)
+    shutil.copy(segment_files(other)[1], folder / "segment-000091.jsonl.gz")
+    with pytest.raises(TraceError, match="another recording"):
+        replay_folder(folder)
+    for p in segment_files(folder):
+        p.unlink()
+    shutil.copy(segment_files(other)[0], folder / "segment-000005.jsonl.gz")
+    with pytest.raises(TraceError, match="no segment a replay can start from"):
+        replay_folder(folder)
+
+
+def test_a_ring_too_small_for_one_segment_says_so(tmp_path):
+    said = []
+    wl = build_workload("offload", 2, 60)
+
+    def opener(path, header):
+        return SegmentWriter(path, header, 4 << 10, 8 << 10, None, on_pin=said.append)
+
+    record_workload(tmp_path / "small", wl, None, 2, open_writer=opener)
+    assert any("cannot hold a segment with its keyframe" in m for m in said)
+
+
+def test_dump_signals_no_process_but_a_recorder(tmp_path, capsys):
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        (tmp_path / "recorder.pid").write_text(f"{sleeper.pid}\n")
+        code, _, err = run(capsys, "dump", tmp_path)
+        assert code == 2 and "is not a kvtrace recorder" in err
+        assert sleeper.poll() is None   # alive: not signalled
+    finally:
+        sleeper.kill()
+
+
+@pytest.mark.parametrize("size", ["0.5", "1e999MB", "-5MB", "MB", "lots"])
+def test_a_size_that_is_not_one_is_refused(tmp_path, capsys, size):
+    code, _, err = run(capsys, "record", "-o", tmp_path / "d", "--ring", size)
+    assert code == 2 and "is not a size" in err
+
+
+def test_a_keyframe_interval_that_is_not_a_number_is_no_keyframes(monkeypatch, caplog):
+    from kvtrace.record.sink import keyframe_every
+
+    for text in ("²", "often", "0"):
+        monkeypatch.setenv("KVTRACE_KEYFRAME_EVERY", text)
+        assert keyframe_every() is None
+    assert "not a positive number" in caplog.text

@@ -215,3 +215,45 @@ def test_the_equivalence_check_sees_a_lost_divergence(tmp_path, monkeypatch):
     monkeypatch.setattr(kfm, "replay_from", lossy)
     c = bk.check(ROOT / "traces" / "faults" / "stale-computed-on-preempt.jsonl.gz", 3, tmp_path)
     assert c.keyframes >= 3 and c.mismatches
+
+
+def test_a_keyframe_must_come_right_before_its_step(tmp_path):
+    kf = _keyframed(tmp_path)
+    lines = gzip.open(kf, "rb").read().splitlines(keepends=True)
+    i = next(i for i, line in enumerate(lines) if b'"kind":"keyframe"' in line)
+    rec = orjson.loads(lines[i])
+    rec["step"] += 3   # names a later step than the record after it
+    lines[i] = orjson.dumps(rec) + b"\n"
+    bad = tmp_path / "misplaced.jsonl.gz"
+    with gzip.open(bad, "wb") as g:
+        g.writelines(lines)
+    with pytest.raises(TraceError, match="a keyframe comes right before its step's record"):
+        replay_file(bad, device=None)
+
+
+def test_a_keyframe_replays_only_under_the_profile_that_made_it(tmp_path, capsys):
+    src = ROOT / "traces" / "vllm-0.18" / "preemption.jsonl.gz"
+    dst = tmp_path / "q.jsonl.gz"
+    add_keyframes(src, dst, 20, profile="0.32")
+    code, _, err = run(capsys, "replay", dst, "--from-step", 40)
+    assert code == 2 and "made under the 0.32 profile, not legacy" in err
+    code, _, _ = run(capsys, "replay", dst, "--from-step", 40, "--profile", "0.32")
+    assert code in (0, 1)
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda st: st["packed"]["pool"].update(num_blocks=10**9), "blocks, the header's"),
+    (lambda st: st["objects"][0]["f"].update(steps="five"), "not before step"),
+    (lambda st: st["objects"][0]["f"].update(stopped="x"), "had stopped"),
+    (lambda st: st["packed"]["pool"]["free"].append(st["packed"]["pool"]["free"][0]),
+     "free queue"),
+    (lambda st: st["objects"][0].update(o="kvtrace.record.step_writer:subprocess.Popen"),
+     "not a class of kvtrace's"),
+])
+def test_a_damaged_state_is_refused_before_replay_runs(tmp_path, capsys, change, words):
+    bad = tmp_path / "bad.jsonl.gz"
+    _rewrite(_keyframed(tmp_path), bad, lambda rec: change(rec["state"]))
+    code, _, err = run(capsys, "replay", bad, "--from-step", 45)
+    assert code == 2, err
+    line, = err.strip().splitlines()
+    assert words in line, line
