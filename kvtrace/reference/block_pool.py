@@ -215,11 +215,17 @@ class BlockPool:
         pool.blocks = [Block(i) for i in range(c["num_blocks"])]
         for b, n in zip(pool.blocks, c["ref_cnt"], strict=True):
             b.ref_cnt = n
+        if sum(n for _, n in c["free"]) > len(pool.blocks):
+            raise ValueError("the free queue holds more blocks than the pool")
+        free = [i for first, n in c["free"] for i in range(first, first + n)]
+        if len(set(free)) != len(free) or not all(0 <= i < len(pool.blocks) for i in free):
+            raise ValueError("the free queue names a block twice, or one the pool lacks")
         pool.free_queue = FreeBlockQueue([])
-        pool.free_queue.append_n([pool.blocks[i] for first, n in c["free"]
-                                  for i in range(first, first + n)])
+        pool.free_queue.append_n([pool.blocks[i] for i in free])
         pool.null_block = pool.blocks[c["null_block"]]
         for i, h, num_tokens, group in c["hashed"]:
+            if not 0 <= i < len(pool.blocks):
+                raise ValueError(f"a hashed block {i} the pool lacks")
             b = pool.blocks[i]
             b.block_hash, b.hash_num_tokens, b.hash_group = bytes.fromhex(h), num_tokens, group
         pool.cached, pool.more_cached = {}, {}
