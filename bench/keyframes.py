@@ -186,7 +186,8 @@ def overhead(rounds: int, every: int) -> None:
                 record_workload(Path(d) / f"{name}{i}.jsonl.gz", wl, seed=i, open_writer=opener)
                 times[name].append(time.perf_counter() - t)
     plain, kf = min(times["plain"]), min(times["keyframes"])
-    print(f"embedded engine, offload of 300 requests (best of 5): {plain:.2f} s plain, {kf:.2f} s with a keyframe every "
+    print(f"embedded engine, offload of 300 requests (best of 5): {plain:.2f} s plain, "
+          f"{kf:.2f} s with a keyframe every "
           f"{every} steps: {kf / plain:.2f}x (the keyframer runs in the engine's process; "
           f"target <= {TARGET:.2f} is the vLLM recorder's)")
     if rounds == 0:

@@ -59,8 +59,8 @@ MAX_SHOWN = 10   # diverging requests shown unless --max says
               metavar="N", help="Show at most N diverging requests.")
 def command(traces: tuple[Path, ...], out: Path | None, as_json: bool, device: str, kv_check: bool,
             scheduler: str, scheduler_cls: str | None, profile: str | None, jobs: int,
-            from_step: int | None, requests: tuple[str, ...], fields: tuple[str, ...], first_only: bool,
-            max_requests: int) -> int:
+            from_step: int | None, requests: tuple[str, ...], fields: tuple[str, ...],
+            first_only: bool, max_requests: int) -> int:
     """Replay TRACE through the reference scheduler and report divergences.
 
     Several traces (one per engine rank or replica, say) are replayed in
@@ -123,19 +123,19 @@ class Selection:
 
     def view(self, divs):
         """The findings per request of the divergences kept, and the one to read first: the
-        headline of them all, whatever is kept (findings once, for every view)."""
+        headline of them all, whatever is kept (gathered once, for every view)."""
         from kvtrace.findings import narrowed, gather
         from kvtrace.report.terminal import ReplayView
 
         findings = gather(list(divs))
-        shown = narrowed(findings.per_request, [d for d in divs if self.keep(d)]) if self else findings.per_request
+        shown = (narrowed(findings.per_request, [d for d in divs if self.keep(d)]) if self
+                 else findings.per_request)
         return ReplayView(shown, findings, self.max_requests, self.words())
 
 
 def _one(trace: Path, out: Path | None, as_json: bool, device: str | None,
          profile: str | None, select: Selection, from_step: int | None = None) -> int:
     from kvtrace.replay import replay_file
-    from kvtrace.report import terminal
 
     if from_step is None:   # a trace that starts with a keyframe starts there
         from kvtrace.replay.keyframes import first_keyframe
@@ -148,27 +148,27 @@ def _one(trace: Path, out: Path | None, as_json: bool, device: str | None,
             from kvtrace.replay.keyframes import replay_from
 
             result = replay_from(trace, from_step, out=out, progress=advance, profile=profile)
-    view = select.view(result.divergences)
-    if as_json:
-        print_bytes(terminal.replay_json(result, str(trace), select.keep if select else None,
-                                         view.findings))
-    else:
-        terminal.print_replay(result, str(trace), view)
-    return _exit_code(result)
+    return _show(result, trace, as_json, select)
 
 
 def _folder(folder: Path, as_json: bool, profile: str | None, select: Selection) -> int:
     from kvtrace.flight.replay import replay_folder
-    from kvtrace.report import terminal
 
     with progress(f"replaying {folder.name}", "steps") as advance:
         result = replay_folder(folder, progress=advance, profile=profile)
+    return _show(result, folder, as_json, select)
+
+
+def _show(result, path: Path, as_json: bool, select: Selection) -> int:
+    """One replay's report, as JSON or in the terminal; its exit code."""
+    from kvtrace.report import terminal
+
     view = select.view(result.divergences)
     if as_json:
-        print_bytes(terminal.replay_json(result, str(folder), select.keep if select else None,
+        print_bytes(terminal.replay_json(result, str(path), select.keep if select else None,
                                          view.findings))
     else:
-        terminal.print_replay(result, str(folder), view)
+        terminal.print_replay(result, str(path), view)
     return _exit_code(result)
 
 

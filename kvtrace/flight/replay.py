@@ -15,11 +15,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvtrace import bridge
-from kvtrace.reference.profiles import PROFILES
-from kvtrace.replay.keyframes import NO_CONTENT, KeyframeError, restore
-from kvtrace.replay.plan import check_supported
-from kvtrace.replay.replayer import PROGRESS_EVERY, Replayer
+from kvtrace.replay.keyframes import NO_CONTENT, KeyframeError, feed_counted, restore
+from kvtrace.replay.plan import check_supported, choose_profile
+from kvtrace.replay.replayer import Replayer
 from kvtrace.results import ReplayResult
 from kvtrace.trace import TraceError, TraceReader
 from kvtrace.trace import events as ev
@@ -105,8 +103,7 @@ class _Run:
         self.truncation = f"{path.name}: {why}"
 
     def _start(self, path: Path, header: ev.Header, first) -> None:
-        chosen, note = (bridge.header_profile(header) if self.profile is None
-                        else (PROFILES[self.profile], None))
+        chosen, note = choose_profile(header, self.profile)
         check_supported(header, path, chosen)
         self.chosen = chosen
         self.res = ReplayResult(path=self.folder, header=header, profile=chosen.name,
@@ -134,12 +131,7 @@ class _Run:
             self.last_end = e.status
             if e.status == "continued":
                 return
-        self.res.events += 1
-        self.rp.feed(e, line)
-        if type(e) is ev.End:
-            self.res.end = e
-        elif self.progress is not None and not self.res.events % PROGRESS_EVERY:
-            self.progress(self.rp.steps)
+        feed_counted(self.rp, self.res, e, line, self.progress)
 
     def result(self) -> ReplayResult:
         if self.truncation is None and self.last_end in (None, "continued"):

@@ -33,13 +33,13 @@ import msgspec
 import kvtrace
 from kvtrace import bridge, snapshot
 from kvtrace.reference.block_pool import BlockPool
-from kvtrace.reference.profiles import PROFILES, Profile
+from kvtrace.reference.profiles import Profile
 from kvtrace.results import ReplayResult
 from kvtrace.trace import TraceError, TraceReader
 from kvtrace.trace import events as ev
 from kvtrace.trace.validate import Validator
 
-from .plan import ReplayedTrace, check_supported
+from .plan import ReplayedTrace, check_supported, choose_profile
 from .replayer import PROGRESS_EVERY, Replayer
 
 NO_CONTENT = "a replay from a keyframe does not check KV contents"
@@ -199,7 +199,7 @@ def replay_from(path: str | os.PathLike, step: int, out: str | os.PathLike | Non
     TraceError when it has none, or one this kvtrace cannot read."""
     reader = TraceReader(path)
     header = reader.header
-    chosen, note = bridge.header_profile(header) if profile is None else (PROFILES[profile], None)
+    chosen, note = choose_profile(header, profile)
     out_file = rp = None
     failed = None
     try:
@@ -220,9 +220,9 @@ def replay_from(path: str | os.PathLike, step: int, out: str | os.PathLike | Non
                               content_unchecked=NO_CONTENT, profile_note=note,
                               from_keyframe=kf.step)
         for e, line in after:
-            _feed(rp, result, e, line, progress)
+            feed_counted(rp, result, e, line, progress)
         for e in rest:
-            _feed(rp, result, e, reader.last_line, progress)
+            feed_counted(rp, result, e, reader.last_line, progress)
         rp.finish()
     except BaseException as e:
         failed = e
@@ -235,7 +235,9 @@ def replay_from(path: str | os.PathLike, step: int, out: str | os.PathLike | Non
     return result
 
 
-def _feed(rp: Replayer, result: ReplayResult, e, line, progress) -> None:
+def feed_counted(rp: Replayer, result: ReplayResult, e, line, progress) -> None:
+    """Feed ``e`` to ``rp``, counted in ``result``, as ``replay_file``'s loop
+    does (which keeps it inline: it runs for every event of every replay)."""
     result.events += 1
     rp.feed(e, line)
     if type(e) is ev.End:
@@ -255,7 +257,7 @@ def add_keyframes(src: str | os.PathLike, dst: str | os.PathLike, every: int,
 
     reader = TraceReader(src)
     header = reader.header
-    chosen = bridge.header_profile(header)[0] if profile is None else PROFILES[profile]
+    chosen = choose_profile(header, profile)[0]
     dest = None
     try:
         check_supported(header, src, chosen)

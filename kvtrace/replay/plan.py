@@ -17,10 +17,10 @@ import os
 from dataclasses import dataclass
 from typing import Iterable
 
-from kvtrace import baseline
+from kvtrace import baseline, bridge
 from kvtrace._text import count, path_text
 from kvtrace.writing import WrittenFile
-from kvtrace.reference.profiles import Profile
+from kvtrace.reference.profiles import PROFILES, Profile
 from kvtrace.trace import TraceError, TraceReader, TraceWriter
 from kvtrace.trace import events as ev
 from kvtrace.workers import wanted
@@ -47,6 +47,12 @@ def check_fits(header: ev.Header, path, block_size: int) -> None:
                                   f"({count(cfg.num_blocks, 'block')} of {count(block_size, 'slot')}) "
                                   f"needs {need / 2**30:.1f} GiB, more than half of this machine's "
                                   f"{have / 2**30:.1f} GiB: replay it with --no-kv-check")
+
+
+def choose_profile(header: ev.Header, name: str | None) -> tuple[Profile, str | None]:
+    """The version profile a replay follows: ``name`` (``--profile``), or the
+    trace's own release's, with why when that release has none."""
+    return bridge.header_profile(header) if name is None else (PROFILES[name], None)
 
 
 def check_supported(header: ev.Header, path, profile: Profile) -> None:

@@ -18,7 +18,7 @@ import msgspec
 from kvtrace import bridge
 from kvtrace.findings import Divergence, Stop
 from kvtrace.reference import Request, RequestOutput, Scheduler, SchedulerAssertion, SchedulerOutput, Status
-from kvtrace.reference.profiles import PROFILES, Profile
+from kvtrace.reference.profiles import Profile
 from kvtrace.results import ReplayResult
 from kvtrace.trace import TraceError, TraceReader, TraceWriter
 from kvtrace.trace import events as ev
@@ -28,7 +28,7 @@ from .connector import RecordedConnector
 from .data_path import DataPath
 from .failed_step import failed_record, run_failed_step
 from .liveness import ProgressWatch
-from .plan import ReplayedTrace, check_supported, plan
+from .plan import ReplayedTrace, check_supported, choose_profile, plan
 
 PROGRESS_EVERY = 4096   # events between progress calls
 # Async scheduling: a step whose output has not come this many steps later never will.
@@ -427,7 +427,7 @@ def replay_file(path: str | os.PathLike, out: str | os.PathLike | None = None,
     version profile to follow (the header's release's when None)."""
     reader = TraceReader(path)
     header = reader.header
-    chosen, note = bridge.header_profile(header) if profile is None else (PROFILES[profile], None)
+    chosen, note = choose_profile(header, profile)
     out_file = rp = record_worker = None
     failed = None   # why replay stopped before the end of the trace
     try:

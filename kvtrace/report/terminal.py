@@ -344,8 +344,8 @@ def likely_cause_json(findings: Findings | None) -> dict | None:
 def replay_json(result: ReplayResult, path: str, keep: Callable[[Divergence], bool] | None = None,
                 findings: Findings | None = None) -> bytes:
     """The replay as JSON; ``keep`` selects the divergences listed (all when None).
-    ``findings``: the divergences' findings per request and headline (``kvtrace.findings.gather``;
-    findings here when not given)."""
+    ``findings``: the divergences per request and their headline
+    (``kvtrace.findings.gather``; gathered here when not given)."""
     return _dumps(_replay_doc(result, path, keep, findings))
 
 
