@@ -14,7 +14,8 @@ more.
 Sizes count the trace's text before compression, which bounds what a
 compressed segment takes on disk. Each segment is written by the writer
 ``open_file`` makes (``kvtrace record``'s: a writer process, so that a kill
-loses no completed step), and ``pins.json`` names the pinned segments.
+loses no completed step; it counts the text it writes, ``bytes_written``),
+and ``pins.json`` names the pinned segments.
 """
 
 from __future__ import annotations
@@ -77,7 +78,6 @@ class SegmentWriter:
         self.number = 0
         self.current = None
         self.current_path: Path | None = None
-        self.bytes = 0                              # the current segment's, before compression
         self.step_bytes = 0                         # the most one step has written
         self._at_step = 0                           # self.bytes at the last step record
         self.kf_bytes = 0                           # the current segment's keyframe
@@ -188,9 +188,14 @@ class SegmentWriter:
     def _name(self, number: int) -> str:
         return f"segment-{number:06d}{self.suffix}"
 
+    @property
+    def bytes(self) -> int:
+        """The current segment's text so far, before compression (its writer
+        counts what it writes: ``bytes_written``)."""
+        return self.current.bytes_written
+
     def _put(self, e) -> None:
         self.current.write(e)
-        self.bytes += len(ev.encode(e)) + 1
 
     def _open(self, kf: ev.Keyframe | None) -> None:
         self._at_step = 0
@@ -203,7 +208,6 @@ class SegmentWriter:
         self.current_path = self.folder / self._name(self.number)
         self._make_room()
         self.current = self.open_file(self.current_path, self.header)
-        self.bytes = len(ev.encode(self.header)) + 1
         if self.pin_next is not None:
             self.pinned.setdefault(self.current_path.name, self.pin_next)
             self.pin_next = None

@@ -54,8 +54,9 @@ class StepWriter:
         self._bytes = 0
         self._closed = False
         size = int(ring_size or os.environ.get(ENV_RING, 0) or DEFAULT_SIZE)
-        self._ring, self._proc, self._sock = start_writer(self.path, encode(header) + b"\n",
-                                                          size, copy=True)
+        first = encode(header) + b"\n"
+        self._ring, self._proc, self._sock = start_writer(self.path, first, size, copy=True)
+        self.bytes_written = len(first)   # the trace's text so far, before compression
         self._piece = max(1, size // 2)   # the most offered at once: a line may be split
 
     # -- TraceWriter's calls ----------------------------------------------------------
@@ -69,6 +70,7 @@ class StepWriter:
         line = encode(event)
         self._held.append(line)
         self._bytes += len(line) + 1
+        self.bytes_written += len(line) + 1
         if self._bytes >= HAND_ON_BYTES:
             self._hand_on()
 

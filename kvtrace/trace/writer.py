@@ -101,7 +101,9 @@ class TraceWriter:
         self._fh = io.BufferedWriter(self._inner, buffer_size=1 << 20)
         self._seq = 0
         self._closed = False
-        self._fh.write(encode(header) + b"\n")
+        line = encode(header) + b"\n"
+        self._fh.write(line)
+        self.bytes_written = len(line)   # the trace's text so far, before compression
 
     def next_seq(self) -> int:
         s = self._seq
@@ -111,7 +113,9 @@ class TraceWriter:
     def write(self, event: Event | dict) -> None:
         # An event as the schema encodes it (numpy integers as integers); a dict
         # of a record's fields as it is.
-        self._fh.write(encode(event) + b"\n")
+        line = encode(event) + b"\n"
+        self._fh.write(line)
+        self.bytes_written += len(line)
 
     def _write_obj(self, obj: dict) -> None:
         self._fh.write(orjson.dumps(obj, option=orjson.OPT_APPEND_NEWLINE))
