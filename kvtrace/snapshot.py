@@ -115,7 +115,7 @@ class _Encoder:
         if t is set or t is frozenset:
             if t is set:
                 self._own(v)
-            return {"s" if t is set else "fs": [self.value(x) for x in v]}
+            return {"s" if t is set else "fs": [self.value(x) for x in _ordered(v)]}
         if t is deque:
             self._own(v)
             return {"q": [self.value(x) for x in v], **({"m": v.maxlen} if v.maxlen else {})}
@@ -304,3 +304,13 @@ def decode(data: dict, externals: dict[str, object] | None = None,
             MemoryError, RecursionError) as e:
         raise SnapshotError(f"a keyframe's state is damaged: {type(e).__name__}: "
                             f"{str(e)[:80]}") from None
+
+
+def _ordered(items) -> list:
+    """A set's items in an order that does not depend on string hashing (which
+    changes from process to process), so the same state gives the same
+    keyframe; as they come when they do not compare (objects)."""
+    try:
+        return sorted(items)
+    except TypeError:
+        return list(items)

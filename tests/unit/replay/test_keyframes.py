@@ -257,3 +257,23 @@ def test_a_damaged_state_is_refused_before_replay_runs(tmp_path, capsys, change,
     assert code == 2, err
     line, = err.strip().splitlines()
     assert words in line, line
+
+
+def test_the_same_trace_gives_the_same_keyframes_in_every_process(tmp_path):
+    """Sets of request ids are written in order, not in the order string
+    hashing (which changes from process to process) gives them."""
+    import os
+    import subprocess
+    import sys
+
+    src = ROOT / "traces" / "hybrid-state" / "qwen3-next-connector.jsonl.gz"
+    made = []
+    for seed in ("1", "2"):
+        dst = tmp_path / f"kf{seed}.jsonl.gz"
+        subprocess.run([sys.executable, "-c", "import sys; from kvtrace.cli import main; "
+                        "sys.argv[0] = 'kvtrace'; main()", "keyframes", str(src), str(dst),
+                        "--every", "5"], check=True, capture_output=True,
+                       env={**os.environ, "PYTHONHASHSEED": seed})
+        made.append(gzip.decompress(dst.read_bytes()))
+    assert made[0].count(b'"keyframe"') >= 3
+    assert made[0] == made[1]
