@@ -30,6 +30,10 @@ CLEAN = TRACES / "pooling.jsonl.gz"
 FLEET = 200
 
 
+# Ray may run in this process (its threads), from a test before: the local
+# replays here run in it (-j 1) or in a process of their own, and never fork it.
+
+
 def run(capsys, *argv):
     code = cli.run([str(a) for a in argv])
     out, err = capsys.readouterr()
@@ -91,13 +95,13 @@ def _bad_set(rings, tmp_path) -> list[str]:
 def test_a_directory_among_traces_is_one_item_of_the_report(rings, capsys):
     code, alone, _ = run(capsys, "replay", "--json", rings[1])
     assert code == 1
-    code, out, err = run(capsys, "replay", "--json", CLEAN, rings[1], DIVERGENT[0])
+    code, out, err = run(capsys, "replay", "--json", "-j", "1", CLEAN, rings[1], DIVERGENT[0])
     assert code == 1, err
     docs = orjson.loads(out)["traces"]
     assert [d["trace"] for d in docs] == [str(CLEAN), str(rings[1]), str(DIVERGENT[0])]
     assert docs[1] == orjson.loads(alone)   # what replay of the directory alone says
     assert docs[1]["divergences"] and docs[1]["gaps"]
-    code, out, _ = run(capsys, "replay", CLEAN, rings[1])
+    code, out, _ = run(capsys, "replay", "-j", "1", CLEAN, rings[1])
     assert code == 1 and f"{rings[1]} · engine kvtrace-embedded" in out
 
 
@@ -105,7 +109,7 @@ def test_the_parquet_table_holds_each_traces_export_divergences(rings, tmp_path,
     pq = pytest.importorskip("pyarrow.parquet")
     items = _bad_set(rings, tmp_path)
     table = tmp_path / "fleet.parquet"
-    code, out, err = run(capsys, "replay", "--json", "-j", "2", "--parquet", table, *items)
+    code, out, err = run(capsys, "replay", "--json", "-j", "1", "--parquet", table, *items)
     assert code == 2, err   # the bad file; the table is written all the same
     rows = pq.read_table(table).to_pylist()
     assert [k for k in rows[0]][:2] == ["trace", "step"]
@@ -167,8 +171,6 @@ def _env() -> dict:
             "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
 
 
-# While Ray runs in this process (its threads), the local replays here run in
-# it (-j 1) or in a process of their own: none forks it.
 
 
 @pytest.mark.ray
