@@ -17,6 +17,17 @@ from .progress import progress
 MAX_SHOWN = 10   # diverging requests shown unless --max says
 
 
+def _ray_address(ctx, param, value: str | None) -> str | None:
+    """``--ray``'s address; a file name after it was meant as a trace."""
+    from kvtrace.fleet.on_ray import is_address
+
+    if value is not None and not is_address(value):
+        raise click.BadParameter(
+            f"{value!r} is no Ray address (auto, HOST:PORT, ray://HOST:PORT): name the traces "
+            "before --ray, or write --ray=ADDRESS", ctx, param)
+    return value
+
+
 @click.command()
 @click.argument("traces", nargs=-1, required=True, type=FilePath(stdin=True, dir_okay=True),
                 callback=alone_if_stdin)
@@ -43,6 +54,16 @@ MAX_SHOWN = 10   # diverging requests shown unless --max says
 @click.option("-j", "--jobs", type=click.IntRange(min=0), default=0,
               help="Replay several traces in parallel on this many processes (default: as many "
                    "as there are traces, at most one per core).")
+@click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None,
+              metavar="[ADDRESS]", callback=_ray_address,
+              help="Replay each trace or segment directory as a task on a Ray cluster (needs "
+                   "kvtrace[ray]): the one at ADDRESS (auto, HOST:PORT, ray://HOST:PORT), or a "
+                   "local one started for the command. Name the traces first, or write "
+                   "--ray=ADDRESS.")
+@click.option("--parquet", "parquet", type=FilePath(), default=None, metavar="FILE",
+              help="Also write every divergence of every trace into one Parquet table: the "
+                   "trace's path, then the columns of the divergences table of 'kvtrace "
+                   "export' (needs pyarrow).")
 @click.option("--from-step", "from_step", type=click.IntRange(min=0), default=None, metavar="N",
               help="Start at the trace's last keyframe at or before step N (see 'kvtrace "
                    "keyframes'); KV contents are not checked.")
@@ -59,12 +80,14 @@ MAX_SHOWN = 10   # diverging requests shown unless --max says
               metavar="N", help="Show at most N diverging requests.")
 def command(traces: tuple[Path, ...], out: Path | None, as_json: bool, device: str, kv_check: bool,
             scheduler: str, scheduler_cls: str | None, profile: str | None, jobs: int,
-            from_step: int | None, requests: tuple[str, ...], fields: tuple[str, ...],
-            first_only: bool, max_requests: int) -> int:
+            ray_address: str | None, parquet: Path | None, from_step: int | None,
+            requests: tuple[str, ...], fields: tuple[str, ...], first_only: bool,
+            max_requests: int) -> int:
     """Replay TRACE through the reference scheduler and report divergences.
 
-    Several traces (one per engine rank or replica, say) are replayed in
-    parallel, with one combined report. Exit 0 when every trace matches, 1 when
+    Several traces and segment directories (one per engine rank or replica,
+    say) are replayed in parallel, here or on a Ray cluster (--ray), with one
+    combined report. Exit 0 when every trace matches, 1 when
     any diverges or replay stopped before its end (an engine assertion), 2 when
     any is unusable, 4 when one holds no step (nothing was checked).
     """
@@ -77,13 +100,17 @@ def command(traces: tuple[Path, ...], out: Path | None, as_json: bool, device: s
     if scheduler_cls:
         scheduler = "vllm"
     select = Selection(requests, fields, 1 if first_only else max_requests)
+    fleet = ray_address is not None or parquet is not None   # the report of several, even for one
+    if fleet:
+        _fleet_usage(traces, out, scheduler, from_step, jobs, ray_address, parquet)
     if from_step is not None and (scheduler == "vllm" or len(traces) > 1):
         raise UsageProblem("--from-step replays one trace through the reference")
     if any(t.is_dir() for t in traces):
-        if len(traces) > 1 or scheduler != "reference" or from_step is not None or out:
-            raise UsageProblem("a segment directory is replayed alone, through the reference, "
-                               "without --from-step or -o")
-        return _folder(traces[0], as_json, profile, select)
+        if scheduler != "reference" or from_step is not None or out:
+            raise UsageProblem("a segment directory is replayed through the reference, without "
+                               "--from-step or -o")
+        if len(traces) == 1 and not fleet:
+            return _folder(traces[0], as_json, profile, select)
     if scheduler == "vllm":
         if select or first_only or max_requests != MAX_SHOWN:
             raise UsageProblem("--request, --field, --first and --max select what replay through "
@@ -94,10 +121,11 @@ def command(traces: tuple[Path, ...], out: Path | None, as_json: bool, device: s
             raise UsageProblem("--profile applies to the reference scheduler; --scheduler vllm "
                                "runs the installed vLLM's own rules")
         return _through_vllm(traces[0], out, as_json, scheduler_cls)
-    if len(traces) > 1:
+    if len(traces) > 1 or fleet:
         if out is not None:
             raise UsageProblem("-o needs a single trace")
-        return _many(traces, as_json, device if kv_check else None, jobs, profile, select)
+        return _many(traces, as_json, device if kv_check else None, jobs, profile, select,
+                     ray_address, parquet)
     return _one(traces[0], out, as_json, device if kv_check else None, profile, select, from_step)
 
 
@@ -181,12 +209,29 @@ def _exit_code(result) -> int:
 
 
 def _many(traces: tuple[Path, ...], as_json: bool, device: str | None, jobs: int,
-          profile: str | None, select: Selection) -> int:
+          profile: str | None, select: Selection, ray_address: str | None = None,
+          parquet: Path | None = None) -> int:
+    """Several traces and segment directories, each replayed in a process of
+    this machine or a Ray task, with one report."""
+    from kvtrace.fleet.items import Item, replay_item
     from kvtrace.replay.many import InternalError, replay_many
     from kvtrace.report import terminal
 
-    with progress(f"replaying {count(len(traces), 'trace')}", "done", total=len(traces)) as advance:
-        results = replay_many([str(t) for t in traces], device, profile, jobs, advance)
+    paths = [str(t) for t in traces]
+    where = "" if ray_address is None else " on Ray"
+    with progress(f"replaying {count(len(traces), 'trace')}{where}", "done",
+                  total=len(traces)) as advance:
+        if ray_address is None:
+            results = replay_many(paths, device, profile, jobs, advance, task=replay_item)
+        else:
+            from kvtrace.fleet.on_ray import replay_on_ray
+
+            results = replay_on_ray([Item(p, device, profile) for p in paths], ray_address,
+                                    advance)
+    if parquet is not None:
+        from kvtrace.report.table_files import write_fleet_divergences
+
+        write_fleet_divergences(parquet, results)
     views = {str(p): select.view(r.divergences) for p, r, _ in results if r is not None}
     if as_json:
         print_bytes(terminal.replay_many_json(results, select.keep if select else None, views))
@@ -201,6 +246,34 @@ def _many(traces: tuple[Path, ...], as_json: bool, device: str | None, jobs: int
         return EXIT_BAD_INPUT
     codes = {_exit_code(r) for _, r, _ in results}
     return next(c for c in (EXIT_DIVERGENT, EXIT_NOTHING, EXIT_OK) if c in codes)
+
+
+def _fleet_usage(traces: tuple[Path, ...], out: Path | None, scheduler: str,
+                 from_step: int | None, jobs: int, ray_address: str | None,
+                 parquet: Path | None) -> None:
+    """--ray and --parquet: what they do not go with, and what they need, said
+    before any trace is read."""
+    said = "--ray" if ray_address is not None else "--parquet"
+    if out is not None or from_step is not None or scheduler != "reference":
+        raise UsageProblem(f"{said} replays through the reference, without -o, --from-step or "
+                           "--scheduler vllm")
+    if ray_address is not None:
+        if jobs:
+            raise UsageProblem("-j sets the processes of this machine; with --ray each trace is "
+                               "a task on the cluster's cores")
+        if any(str(t) == "-" for t in traces):
+            raise UsageProblem("--ray reads each trace by its path, not standard input; save it "
+                               "to a file first")
+        from kvtrace.fleet.on_ray import require_ray
+
+        require_ray()
+    if parquet is not None:
+        from kvtrace.report.table_files import require_pyarrow
+        from kvtrace.writing import check_writable
+
+        require_pyarrow("parquet", "--parquet")
+        refuse_to_overwrite(parquet, *traces)
+        check_writable(parquet)
 
 
 def _through_vllm(trace: Path, out: Path | None, as_json: bool, scheduler_cls: str | None) -> int:

@@ -38,16 +38,18 @@ class PyarrowUnavailable(Exception):
     exit_code = 2
 
 
-def require_pyarrow(fmt: str) -> None:
-    """Import pyarrow, or say in one line why ``--format fmt`` cannot run."""
+def require_pyarrow(fmt: str, option: str | None = None) -> None:
+    """Import pyarrow, or say in one line why ``--format fmt`` (or ``option``)
+    cannot run."""
+    option = option or f"--format {fmt}"
     try:
         import pyarrow
     except ImportError:
-        raise PyarrowUnavailable(f"--format {fmt} needs pyarrow, which is not installed: "
+        raise PyarrowUnavailable(f"{option} needs pyarrow, which is not installed: "
                                  f"{PYARROW_INSTALL}") from None
     major = pyarrow.__version__.split(".")[0]
     if major.isdigit() and int(major) < MIN_PYARROW:
-        raise PyarrowUnavailable(f"--format {fmt} needs pyarrow {MIN_PYARROW} or newer, not "
+        raise PyarrowUnavailable(f"{option} needs pyarrow {MIN_PYARROW} or newer, not "
                                  f"{pyarrow.__version__}: {PYARROW_INSTALL}")
 
 
@@ -111,6 +113,40 @@ def write_tables(trace: str | os.PathLike, out: str | os.PathLike,
             done.rows[name] = table.num_rows
             done.files.append(out / path.name)
     return done
+
+
+def write_fleet_divergences(out: str | os.PathLike, answers: list) -> int:
+    """Write one Parquet file ``out``: every divergence of several traces
+    replayed together (kvtrace.report.tables.fleet_divergences), each trace's in
+    the order its replay found them. ``answers`` are (path, result or None,
+    None or why not), as a replay of many gives them; the file's metadata holds
+    ``kvtrace.traces``: each trace's path, what its replay checked, and the
+    error of an unusable one, as JSON. Written whole or not at all; returns
+    the rows written."""
+    import pyarrow.parquet as pq
+
+    from ..writing import writing
+    from .tables import fleet_divergences
+
+    table = fleet_divergences((path_text(p), r.divergences) for p, r, _ in answers
+                              if r is not None)
+    traces = [_checked(p, r, err) for p, r, err in answers]
+    table = table.replace_schema_metadata({
+        "kvtrace.table": "divergences",
+        "kvtrace.traces": orjson.dumps(traces, default=str).decode()})
+    with writing(out) as w, w.open("wb") as f:
+        pq.write_table(table, f, compression="zstd")
+    return table.num_rows
+
+
+def _checked(path, result, error) -> dict:
+    """What a trace's replay checked, or why it could not (``error``)."""
+    if result is None:
+        return {"trace": path_text(path), "error": str(error)}
+    stop = result.stopped_at
+    return {"trace": path_text(path), "steps_checked": result.steps_checked,
+            "steps_in_trace": result.steps_in_trace,
+            "stopped_at": None if stop is None else stop.to_json(), "error": None}
 
 
 def _records(reader: TraceReader, last: list[int]):

@@ -77,6 +77,9 @@ SCHEMAS: dict[str, pa.Schema] = {
         ("why", _STR)),
 }
 TABLES = tuple(SCHEMAS)
+# Every divergence of several traces replayed together: the divergences
+# table, with the trace each comes from (its path as given) first.
+FLEET_DIVERGENCES = pa.schema([pa.field("trace", _STR), *SCHEMAS["divergences"]])
 
 
 class _Rows:
@@ -246,11 +249,24 @@ class _Builder:
         self.rows["prompt_stats"].add(step=e.step, req=e.req, seq=e.seq, line=line, **row)
 
     def divergences(self, divs: Iterable[Divergence]) -> None:
-        rows = self.rows["divergences"]
-        for d in divs:
-            rows.add(step=d.step, req=d.req, field=d.field, recorded=_json_text(d.recorded),
-                     expected=_json_text(d.expected), rule=d.rule, kind=d.kind, seq=d.seq,
-                     line=d.line, why=getattr(d, "why", None))
+        _add_divergences(self.rows["divergences"], divs)
+
+
+def _add_divergences(rows: _Rows, divs: Iterable[Divergence], **more: Any) -> None:
+    for d in divs:
+        rows.add(step=d.step, req=d.req, field=d.field, recorded=_json_text(d.recorded),
+                 expected=_json_text(d.expected), rule=d.rule, kind=d.kind, seq=d.seq,
+                 line=d.line, why=getattr(d, "why", None), **more)
+
+
+def fleet_divergences(traces: Iterable[tuple[str, Iterable[Divergence]]]) -> pa.Table:
+    """One table of the divergences of several traces: for each (trace, its
+    divergences), in the order given, its rows as the ``divergences`` table
+    has them, with ``trace`` (the path as given) first."""
+    rows = _Rows(FLEET_DIVERGENCES)
+    for trace, divs in traces:
+        _add_divergences(rows, divs, trace=trace)
+    return rows.table()
 
 
 def build_tables(records: Iterable[tuple[int, ev.Event]],

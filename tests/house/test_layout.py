@@ -35,6 +35,8 @@ RULES = {
     "report": {"trace", "findings", "results", "rules", "writing", "_text"},
     # the flight recorder: keyframes as a trace is written, segments, their replay
     "flight": {"trace", "record", "replay", "reference", "bridge", "results"},
+    # replay of many: one item (a trace, a segment directory), items as Ray tasks
+    "fleet": {"trace", "replay", "flight", "results", "_text"},
 }
 
 
