@@ -30,6 +30,8 @@ DUMPED = f"{DUMP_SIGNAL.name} (kvtrace dump)"   # the reason when no file says o
 ENV_RING = "KVTRACE_RING"        # a vLLM engine's ring: KVTRACE_OUT is a directory
 ENV_SEGMENT = "KVTRACE_SEGMENT"  # its segments' size (default: an eighth of the ring)
 
+CLAIM_WAIT_S = 0.5   # how long a claim waits for the lock of a recorder finishing
+
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
           "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
           "tib": 2**40}
@@ -93,12 +95,18 @@ def open_folder(path: str | os.PathLike) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ValueError(f"{folder}: another recorder writes segments there now") from None
-        except OSError:
-            pass   # a file system without locks
+        deadline = time.monotonic() + CLAIM_WAIT_S   # a writer process finishing lets go
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise ValueError(f"{folder}: another recorder writes segments there "
+                                     "now") from None
+                time.sleep(0.01)
+            except OSError:
+                break   # a file system without locks
         if segment_files(folder):
             raise ValueError(f"{folder} holds segments already: record into a new folder")
     except BaseException:

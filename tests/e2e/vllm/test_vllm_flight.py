@@ -32,21 +32,27 @@ pytestmark = pytest.mark.vllm
 
 RING, SEGMENT = 40_000, 16_000   # bytes: the preemption workload's 220 KB of text rotates
 
-# Run in a process of its own: the workload, with the planted fault if asked,
-# and what the caller of vLLM saw when it raised.
-_RECORD = """
+# Run in a process of its own: the workload with the planted fault and the
+# front end's stats on (KVTRACE_RING set), and what the caller of vLLM saw
+# when it raised.
+_PLANTED = """
 import sys, traceback
 from kvtrace.lab.run import EngineFailed, record_vllm_offline
-kw = {}
-if sys.argv[2] == "planted":
-    from tests.e2e.vllm.test_vllm_flight import NegativeExternalStats
-    kw = {"scheduler_cls": NegativeExternalStats, "disable_log_stats": False}
+from tests.e2e.vllm.test_vllm_flight import NegativeExternalStats
 try:
-    record_vllm_offline(None, sys.argv[1], "preemption", **kw)
+    record_vllm_offline(None, sys.argv[1], "preemption", scheduler_cls=NegativeExternalStats,
+                        disable_log_stats=False)
 except EngineFailed as e:
     err = e.error
     last = traceback.extract_tb(err.__traceback__)[-1]
     print("engine failed:", type(err).__name__, str(err), "| raised in", last.filename)
+"""
+# kvtrace record --engine vllm --ring: the command sets KVTRACE_RING for the engine.
+_CLI = """
+import sys
+from kvtrace.cli import main
+sys.exit(main(["record", "-o", sys.argv[1], "--engine", "vllm", "--workload", "preemption",
+               "--ring", sys.argv[2], "--segment", sys.argv[3]]))
 """
 
 
@@ -80,11 +86,17 @@ def _record(tmp_path: Path, name: str, mode: str, during=None) -> tuple[Path, st
     folder, what the process printed and said on stderr (its writer process's
     lines too), and the most bytes the folder held at any moment seen."""
     folder = tmp_path / name
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", KVTRACE_RING=str(RING),
-               KVTRACE_SEGMENT=str(SEGMENT), PYTHONPATH=os.getcwd())
-    env.pop("KVTRACE_OUT", None)
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH=os.getcwd(),
+               KVTRACE_QUIET="1")
+    for k in ("KVTRACE_OUT", "KVTRACE_RING", "KVTRACE_SEGMENT"):
+        env.pop(k, None)
     env.setdefault("VLLM_CACHE_ROOT", str(tmp_path / "vllm"))
-    proc = subprocess.Popen([sys.executable, "-c", _RECORD, str(folder), mode], env=env,
+    if mode == "planted":
+        argv = ["-c", _PLANTED, str(folder)]
+        env.update(KVTRACE_RING=str(RING), KVTRACE_SEGMENT=str(SEGMENT))
+    else:
+        argv = ["-c", _CLI, str(folder), str(RING), str(SEGMENT)]
+    proc = subprocess.Popen([sys.executable, *argv], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     most = [0]
     done = threading.Event()
@@ -123,8 +135,8 @@ def _dump_at_third_segment(folder: Path, proc) -> None:
 
 
 def test_a_ring_of_a_vllm_engine_stays_in_its_cap_replays_clean_and_keeps_a_dump(tmp_path):
-    folder, out, err, most = _record(tmp_path, "ring", "clean", _dump_at_third_segment)
-    assert "engine failed" not in out
+    folder, out, err, most = _record(tmp_path, "ring", "cli", _dump_at_third_segment)
+    assert f"wrote {folder}" in out
     left = segment_files(folder)
     assert 0 < most <= RING
     assert left[0].name != "segment-000001.jsonl.gz"   # the oldest rotated out
