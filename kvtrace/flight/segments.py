@@ -251,7 +251,7 @@ class SegmentWriter:
                 names.insert(0, before.name)
         for n in names:
             self.pinned.setdefault(n, why)
-        if not last:
+        if not last and self.pin_next is None:   # the first reason, as for the others
             self.pin_next = why
         self._save_pins()
         self.on_pin(f"pinned {', '.join(names)}{'' if last else ' and the next segment'} in "
