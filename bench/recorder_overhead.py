@@ -90,7 +90,8 @@ def run(rounds: int = 101, requests: int = 16, max_tokens: int = 48, suffix: str
     vllm_plugin.install()
     model_dir = str(ensure_tiny_model(size=model))
     engine = dict(BASE_ENGINE, num_gpu_blocks_override=48, max_num_seqs=16)
-    trace = scratch / f"overhead{suffix}"
+    # KVTRACE_RING set (bench/keyframes.py --overhead --ring): a directory of segments.
+    trace = scratch / ("ring" if os.environ.get("KVTRACE_RING") else f"overhead{suffix}")
     os.environ["KVTRACE_OUT"] = str(trace)
     try:
         llm = LLM(model=model_dir, **engine)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import math
 import os
 import sys
 from pathlib import Path
@@ -94,24 +93,16 @@ class Size(click.ParamType):
     """A size in bytes: 64MB, 2GB, 512KiB, or a plain number."""
 
     name = "size"
-    UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
-             "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
-             "tib": 2**40}
 
     def convert(self, value, param, ctx):
         if isinstance(value, int):
             return value
-        text = str(value).strip().lower()
-        digits = text.rstrip("abcdefghijklmnopqrstuvwxyz ")
-        unit = text[len(digits):].strip()
-        try:
-            n = float(digits)
-        except ValueError:
-            n = -1
-        size = n * self.UNITS.get(unit, 0)
-        if not (n > 0 and math.isfinite(size) and 1 <= size <= 2 ** 62):
+        from kvtrace.record.folder import parse_size
+
+        size = parse_size(value)
+        if size is None:
             self.fail(f"{value!r} is not a size (64MB, 2GB, 512KiB; a byte at least)", param, ctx)
-        return int(size)
+        return size
 
 
 class UsageProblem(Exception):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 
 import click
@@ -56,11 +58,11 @@ STDOUT_REFUSED = ("'-' (standard output) is not accepted: a trace is written to 
               help="Replace token ids with keyed pseudonyms in the written trace.")
 @click.option("--keyframe-every", "keyframe_every", type=click.IntRange(min=1), default=None,
               metavar="N", help="Write a keyframe before every N-th step (replay --from-step "
-                                "starts there). Embedded engine.")
+                                "starts there). A vLLM engine: KVTRACE_KEYFRAME_EVERY.")
 @click.option("--ring", type=Size(), default=None, metavar="SIZE",
               help="Always-on: -o is a directory of segments, each replayable alone, that never "
                    "holds more than SIZE (2GB); the oldest go first, those around a trigger are "
-                   "kept. Embedded engine.")
+                   "kept. A vLLM engine: KVTRACE_RING.")
 @click.option("--segment", type=Size(), default=None, metavar="SIZE",
               help="With --ring: the size of a segment (default: an eighth of the ring).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
@@ -78,9 +80,31 @@ def command(out: Path, workload: str | None, fault: str | None, seed: int | None
     kvtrace record -o run.jsonl.gz -- python -m vllm.entrypoints.openai.api_server --model DIR
     """
     flight = Flight(keyframe_every, ring, segment)
-    if flight and (command or engine == "vllm"):
-        raise UsageProblem("--keyframe-every, --ring and --segment apply to the embedded engine; "
-                           "a vLLM engine takes KVTRACE_KEYFRAME_EVERY")
+    # A vLLM engine takes them from its environment: its writer process makes
+    # the keyframes and writes the segments.
+    with _environ(flight.env() if command or engine == "vllm" else {}):
+        return _record(out, workload, fault, seed, requests, engine, model, async_scheduling,
+                       redact, flight, command)
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]):
+    """``values`` in the environment while the recording runs."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _record(out: Path, workload: str | None, fault: str | None, seed: int | None,
+            requests: int | None, engine: str, model: Path | None, async_scheduling: bool,
+            redact: bool, flight: "Flight", command: tuple[str, ...]) -> int:
     if flight and redact:   # keyframes hold token ids: redact leaves them out
         raise UsageProblem("--redact with --keyframe-every or --ring: keyframes hold token ids, "
                            "which redact leaves out; redact the traces you keep")
@@ -164,6 +188,18 @@ class Flight:
 
     def __bool__(self) -> bool:
         return self.every is not None or self.ring is not None
+
+    def env(self) -> dict[str, str]:
+        """The same, as a vLLM engine's recorder reads them from its environment."""
+        from kvtrace.record.folder import ENV_RING, ENV_SEGMENT
+        from kvtrace.record.sink import ENV_KEYFRAME_EVERY
+
+        env = {}
+        if self.every is not None:
+            env[ENV_KEYFRAME_EVERY] = str(self.every)
+        if self.ring is not None:
+            env[ENV_RING], env[ENV_SEGMENT] = str(self.ring), str(self.segment)
+        return env
 
     def writer(self, open_file):
         """``open_file`` (the path and header -> a trace writer) wrapped as asked."""

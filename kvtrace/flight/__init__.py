@@ -4,7 +4,8 @@
 written; ``SegmentWriter`` writes a directory of segments, each starting with
 a keyframe and replayable alone, deleting the oldest so that the directory
 never holds more than its cap, and pinning the segments around a trigger
-(pins.py); ``replay_folder`` replays a segment directory as one trace.
+(segments.py; ``Watch``, watch.py, checks each record's invariants for
+one); ``replay_folder`` replays a segment directory as one trace.
 """
 
 from .segments import SegmentWriter, segment_files

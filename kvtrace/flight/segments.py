@@ -14,15 +14,23 @@ more.
 Sizes count the trace's text before compression, which bounds what a
 compressed segment takes on disk. Each segment is written by the writer
 ``open_file`` makes (``kvtrace record``'s: a writer process, so that a kill
-loses no completed step; it counts the text it writes, ``bytes_written``),
+loses no completed step; in a vLLM engine's writer process, a plain
+``TraceWriter`` there; each counts the text it writes, ``bytes_written``),
 and ``pins.json`` names the pinned segments.
+
+Triggers pin the segment under way, the one before it and the next one:
+the replay's first divergence, the first invariant a record breaks
+(``watch``), a record that breaks the trace's schema, a ``step_failed``
+record, an end ``interrupted``, a recording that stops without its end (the
+engine's process died), and SIGUSR2 (``kvtrace dump DIR``, or a metrics
+error in vLLM's front end, whose reason waits in a file: ``record.folder``).
+Each trigger kind pins once a recording.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import signal
 import threading
 import zlib
@@ -31,27 +39,17 @@ from typing import Callable
 
 import orjson
 
+from kvtrace.record.folder import (DUMP_SIGNAL, DUMPED, NAME, PID, PINS, segment_files,
+                                   take_reasons)
 from kvtrace.trace import events as ev
 from kvtrace.trace.io import TraceWriter
 
+from .watch import Watch, broken_at, rule_id
 from .writer import KeyframingWriter
 
 logger = logging.getLogger("kvtrace.record")
 
-NAME = re.compile(r"segment-(\d{6,})\.jsonl(\.gz|\.zst)?$")
-PINS = "pins.json"
-PID = "recorder.pid"   # the recording process, for 'kvtrace dump DIR'
-DUMP_SIGNAL = signal.SIGUSR2
-
-
-def segment_files(folder: str | os.PathLike) -> list[Path]:
-    """The segments of ``folder``, oldest first."""
-    found = []
-    for p in Path(folder).iterdir():
-        m = NAME.match(p.name)
-        if m:
-            found.append((int(m.group(1)), p))
-    return [p for _, p in sorted(found)]
+__all__ = ["DUMP_SIGNAL", "NAME", "PID", "PINS", "SegmentWriter", "segment_files"]
 
 
 class SegmentWriter:
@@ -74,6 +72,7 @@ class SegmentWriter:
         # Keyframes before every ``every``-th step (if given) and at each
         # segment's start: the keyframer sees every record.
         self.frames = KeyframingWriter(None, header, every or (1 << 62))
+        self.watch: Watch | None = Watch(header)   # the invariants a record breaks
         self._seq = 0
         self.number = 0
         self.current = None
@@ -85,7 +84,8 @@ class SegmentWriter:
         self.pinned: dict[str, str] = {}            # segment name -> why
         self.pin_next: str | None = None            # pin the next segment too, for this reason
         self.deleted = 0
-        self.tripped = False                        # the replay found a divergence
+        self.tripped: set[str] = set()              # the trigger kinds that have pinned
+        self.failed_in: Path | None = None          # the segment a step_failed record pinned
         self.asked: str | None = None               # a pin asked from outside (a signal)
         self.too_small = False                      # said: a segment does not fit the ring
         self.pins_failed = False                    # said: pins.json cannot be written
@@ -101,22 +101,33 @@ class SegmentWriter:
         return s
 
     def write(self, e) -> None:
-        step = type(e) is ev.Step
-        if self.asked is not None and step:
-            why, self.asked = self.asked, None
-            self.pin(why)
+        """Write the record ``e``: an event, or a dict of a record's fields
+        (as the vLLM recorder's writer process has them), which is written as
+        it is."""
+        if self.asked is not None:
+            self.heed()
+        if type(e) is dict:
+            kind, seq = e.get("kind"), e.get("seq")
+            rec = self._read(e)
+        else:
+            kind, seq, rec = type(e).kind, getattr(e, "seq", None), e
+        step = kind == "step"
         if step:
             self.step_bytes = max(self.step_bytes, self.bytes - self._at_step)
         due = step and self.bytes - self.kf_bytes >= self.segment_bytes
-        kf = self.frames.keyframe_for(e, force=due)
+        # A dict that fits no record is shown as it is: the keyframer stops there.
+        kf = self.frames.keyframe_for(e if rec is None else rec, force=due)
         found = self.frames.found()
-        if found and not self.tripped:   # the run's first divergence: its segments kept
-            self.tripped = True
+        if found:
             d = found[0]
-            self.pin(f"replay found a divergence at step {d.step}: request {d.req}, "
-                     f"{d.field} ({d.rule.split(':')[0]})")
+            self._trigger("replay", f"replay found a divergence at step {d.step}: request "
+                                    f"{d.req}, {d.field} ({rule_id(d.rule)})")
+        if self.watch is not None and rec is not None:
+            self._check(rec)
+        if kind == "step_failed":
+            self._failed_step(e if rec is None else rec)
         if due:   # with its keyframe; without one only when none can be made
-            self._rotate(kf, e.seq)
+            self._rotate(kf, seq)
         elif kf is not None:
             self._put(kf)
         if step:
@@ -127,6 +138,8 @@ class SegmentWriter:
         self.current.end_step()
 
     def flush(self) -> None:
+        if self.asked is not None:
+            self.heed()
         self.current.flush()
 
     def close(self, status: str = "complete", error: str | None = None,
@@ -134,6 +147,17 @@ class SegmentWriter:
         self.finish(ev.End(self.next_seq(), status, error, dropped_events))
 
     def finish(self, end: ev.End | None) -> None:
+        """End the recording with ``end``; None: it stops without its end
+        record (the engine's process ended without shutting down)."""
+        if self.current is not None:
+            if self.asked is not None:
+                self.heed()
+            if end is None:
+                self._trigger("cut", "the recording stops without its end: the engine's "
+                                     "process ended without shutting down", last=True)
+            elif end.status == "interrupted" and self.failed_in != self.current_path:
+                self._trigger("interrupted", "the recording ends interrupted: "
+                                             f"{end.error or 'the engine failed'}", last=True)
         if self._old_handler is not None:
             signal.signal(DUMP_SIGNAL, self._old_handler)
             self._old_handler = None
@@ -149,12 +173,19 @@ class SegmentWriter:
         if threading.current_thread() is not threading.main_thread():
             return False
 
-        def asked(signum, frame):   # pinned at the next step record, not in the handler
-            self.asked = f"{signal.Signals(signum).name} (kvtrace dump)"
+        def asked(signum, frame):   # pinned at the next record, not in the handler
+            self.asked = DUMPED
 
         self._old_handler = signal.signal(DUMP_SIGNAL, asked)
         (self.folder / PID).write_text(f"{os.getpid()}\n")
         return True
+
+    def heed(self) -> None:
+        """Pin what a signal asked for, for the reasons waiting in the folder
+        (a dump when none does)."""
+        self.asked = None
+        reasons = take_reasons(self.folder)
+        self.pin("; ".join(reasons) if reasons else DUMPED)
 
     def __enter__(self) -> "SegmentWriter":
         return self
@@ -163,14 +194,56 @@ class SegmentWriter:
         if exc is None:
             self.close()
         else:
-            self.pin(f"the engine raised {type(exc).__name__}: {exc}")
             self.close(status="interrupted", error=f"{type(exc).__name__}: {exc}")
+
+    # -- triggers ----------------------------------------------------------------
+
+    def _read(self, d: dict):
+        """A dict of a record's fields as its event; None (a trigger) when it
+        breaks the trace's schema: a reader would refuse the file there."""
+        try:
+            return ev.decode_line(ev.encode(d))
+        except Exception as err:
+            self._trigger("schema", f"record {d.get('seq')} ({d.get('kind')}"
+                                    f"{', step ' + str(d['step']) if 'step' in d else ''}) breaks "
+                                    f"the trace's schema: {err}")
+            return None
+
+    def _check(self, rec) -> None:
+        """The invariants ``rec`` breaks; the first one pins. A watch that
+        fails stops (said), never the recording."""
+        try:
+            broken = self.watch.feed(rec)
+        except Exception as err:
+            self.watch = None
+            logger.warning("kvtrace: the invariant checks stopped at record %s: %s: %s",
+                           getattr(rec, "seq", "?"), type(err).__name__, err)
+            return
+        if broken:
+            self._trigger("invariant", f"an invariant broke at {broken_at(broken[0])}")
+
+    def _failed_step(self, rec) -> None:
+        if type(rec) is dict:
+            step, error = rec.get("step"), rec.get("error")
+        else:
+            step, error = rec.step, rec.error
+        if "step_failed" not in self.tripped:
+            self.failed_in = self.current_path
+        self._trigger("step_failed", f"the engine's schedule() raised at step {step}: {error}")
+
+    def _trigger(self, kind: str, why: str, last: bool = False) -> None:
+        """Pin for ``why``, the first time a trigger of ``kind`` fires."""
+        if kind in self.tripped:
+            return
+        self.tripped.add(kind)
+        self.pin(why, last=last)
 
     # -- pins --------------------------------------------------------------------
 
-    def pin(self, why: str) -> list[str]:
-        """Keep the segment under way, the one before it and the next one,
-        whatever the cap; says so (``on_pin``); returns the names pinned now."""
+    def pin(self, why: str, last: bool = False) -> list[str]:
+        """Keep the segment under way, the one before it and the next one
+        (none when ``last``: the recording ends), whatever the cap; says so
+        (``on_pin``); returns the names pinned now."""
         names = [self.current_path.name]
         if self.number > 1:
             before = self.folder / self._name(self.number - 1)
@@ -178,9 +251,11 @@ class SegmentWriter:
                 names.insert(0, before.name)
         for n in names:
             self.pinned.setdefault(n, why)
-        self.pin_next = why
+        if not last and self.pin_next is None:   # the first reason, as for the others
+            self.pin_next = why
         self._save_pins()
-        self.on_pin(f"pinned {', '.join(names)} and the next segment in {self.folder}: {why}")
+        self.on_pin(f"pinned {', '.join(names)}{'' if last else ' and the next segment'} in "
+                    f"{self.folder}: {why}")
         return names
 
     # -- segments ----------------------------------------------------------------

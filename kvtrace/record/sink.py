@@ -54,6 +54,8 @@ import msgspec
 import orjson
 
 from kvtrace.record.detached import Detached, hold_lock
+from kvtrace.record.folder import ENV_RING as ENV_FLIGHT_RING
+from kvtrace.record.folder import open_folder, ring_settings
 from kvtrace.record.records import Records, Resolver
 from kvtrace.record.ring import DEFAULT_SIZE, Ring, memory_file
 from kvtrace.trace.events import Header, plain_values, to_json
@@ -68,8 +70,9 @@ _encode = msgspec.json.Encoder(enc_hook=plain_values).encode
 ENV_QUEUE = "KVTRACE_QUEUE_SIZE"
 ENV_WRITER = "KVTRACE_WRITER"       # "process" (default) or "thread"
 ENV_RING = "KVTRACE_RING_BYTES"     # the shared-memory ring's size (ProcessSink)
-# A keyframe before every N-th step: the writer process that makes them is the
-# flight recorder's (kvtrace.flight.writer_process), started by its name.
+# A keyframe before every N-th step, or a ring (KVTRACE_RING, KVTRACE_SEGMENT:
+# record.folder): the writer process that makes them is the flight
+# recorder's (kvtrace.flight.writer_process), started by its name.
 ENV_KEYFRAME_EVERY = "KVTRACE_KEYFRAME_EVERY"
 KEYFRAMING_WRITER = "kvtrace.flight.writer_process"
 DEFAULT_QUEUE_SIZE = 1 << 16
@@ -283,10 +286,13 @@ class ProcessSink(_Sink):
         self._largest = size - self.KEEP   # an event longer than this never fits: dropped
         first = orjson.dumps(to_json(header), option=orjson.OPT_APPEND_NEWLINE)
         every = keyframe_every()
+        flight = ring_settings()   # may raise: the caller says why
+        args = ["--keyframe-every", str(every)] if every else []
+        if flight is not None:
+            args += ["--ring", str(flight[0]), "--segment", str(flight[1])]
         self._ring, self._proc, self._sock = start_writer(
-            self.path, first, size,
-            **({"module": KEYFRAMING_WRITER, "args": ["--keyframe-every", str(every)]}
-               if every else {}))
+            self.path, first, size, folder=flight is not None,
+            **({"module": KEYFRAMING_WRITER, "args": args} if args else {}))
         _OPEN.add(self)
         self._thread.start()
 
@@ -464,16 +470,18 @@ def keyframe_every() -> int | None:
 
 
 def start_writer(path: Path, first: bytes, size: int, copy: bool = False,
-                 module: str = "kvtrace.record.writer_process", args: list[str] = ()
-                 ) -> tuple[Ring, Detached, socket.socket]:
+                 module: str = "kvtrace.record.writer_process", args: list[str] = (),
+                 folder: bool = False) -> tuple[Ring, Detached, socket.socket]:
     """Open the trace ``path`` (which may raise: the caller says why), make a
     ring of ``size`` bytes holding ``first``, and start the writer process
     (``python -m kvtrace.record.writer_process``, detached) that writes the
     trace from the ring; with ``copy``, the ring's bytes as they are
-    (``serve_copy``). Returns the ring, the process and this side of the
-    connection whose end tells the writer that this process is gone. Raises
-    WriterProcessError when the ring or the process cannot be made."""
-    raw = open_trace_file(path)
+    (``serve_copy``); with ``folder``, ``path`` is a directory of segments,
+    claimed here (``folder.open_folder``). Returns the ring, the process and
+    this side of the connection whose end tells the writer that this process
+    is gone. Raises WriterProcessError when the ring or the process cannot be
+    made."""
+    raw = open_folder(path) if folder else open_trace_file(path)
     if raw < 3:  # never where the writer process's stdin/stdout/stderr go
         raw, low = above_stdio(raw), raw
         os.close(low)
@@ -535,8 +543,15 @@ os.register_at_fork(after_in_child=_close_in_forked_child)
 def open_sink(path: str | os.PathLike, header: Header, maxsize: int | None = None) -> _Sink:
     """The sink ``KVTRACE_WRITER`` asks for: ``process`` (default) or ``thread``.
     When the writer process cannot be started, the writer runs in this process
-    (and says so): a trace written more slowly beats no trace."""
+    (and says so): a trace written more slowly beats no trace. A ring
+    (``KVTRACE_RING``: ``path`` is a directory of segments) is written by the
+    writer process alone: without one this raises, and the engine runs
+    unrecorded (the caller says why)."""
     kind = os.environ.get(ENV_WRITER, "process").strip().lower() or "process"
+    ring = bool(os.environ.get(ENV_FLIGHT_RING, "").strip())
+    if kind == "thread" and ring:
+        raise ValueError(f"{ENV_FLIGHT_RING} needs the writer process ({ENV_WRITER}=thread "
+                         "writes whole traces only)")
     if kind == "thread":
         if keyframe_every():
             logger.warning("kvtrace: %s=thread writes no keyframes (the writer process makes "
@@ -547,6 +562,8 @@ def open_sink(path: str | os.PathLike, header: Header, maxsize: int | None = Non
     try:
         return ProcessSink(path, header, maxsize)
     except WriterProcessError as e:
+        if ring:   # a ring is written outside the engine's process, or not at all
+            raise
         logger.warning("kvtrace: cannot start the trace writer process (%s); writing %s from "
                        "a thread of this process instead", e, path)
         return TraceSink(path, header, maxsize)

@@ -64,18 +64,25 @@ CUT = object()   # what ``_lines`` yields last when the input ends inside a line
 RING_POLL_S = 0.02   # how often the ring is read: the engine sends no wake-ups
 
 
-def _lines(fd: int, ring: Ring):
+def _lines(fd: int, ring: Ring, wake_fd: int | None = None):
     """Complete lines read from ``ring`` until the connection ``fd`` closes
     (then what is left); ``IDLE`` once whenever nothing has come for
-    ``FLUSH_IDLE_S``; ``CUT`` at the end when a line was left unfinished."""
+    ``FLUSH_IDLE_S``, and whenever ``wake_fd`` (a signal's wake-up) can be
+    read; ``CUT`` at the end when a line was left unfinished."""
     rest = b""
     poll = select.poll()
     poll.register(fd, select.POLLIN)
+    if wake_fd is not None:
+        poll.register(wake_fd, select.POLLIN)
     quiet_since: float | None = time.monotonic()
     while True:
-        closed = False
-        if poll.poll(RING_POLL_S * 1000):
-            closed = not os.read(fd, 1 << 16)   # nothing comes here but the end
+        closed = woken = False
+        for ready, _ in poll.poll(RING_POLL_S * 1000):
+            if ready == fd:
+                closed = not os.read(fd, 1 << 16)   # nothing comes here but the end
+            else:
+                os.read(wake_fd, 512)
+                woken = True
         # Taken after the close is seen: then it holds all the engine's process put.
         chunk = ring.take()
         if chunk:
@@ -86,27 +93,32 @@ def _lines(fd: int, ring: Ring):
         elif quiet_since is not None and time.monotonic() - quiet_since >= FLUSH_IDLE_S:
             quiet_since = None
             yield IDLE
+            woken = False
+        if woken:   # a signal came, and may ask something of the writer
+            yield IDLE
         if closed:
             if rest:
                 yield CUT
             return
 
 
-def _say(msg: str) -> None:
+def say(msg: str) -> None:
     print(f"kvtrace: {msg}", file=sys.stderr, flush=True)
 
 
-def serve(fd_in: int, path: str, fd_out: int, fd_ring: int, wrap=None) -> int:
+def serve(fd_in: int, path: str, fd_out: int, fd_ring: int, open_writer=None,
+          wake_fd: int | None = None) -> int:
     """Write the trace ``path`` (open as ``fd_out``) from the lines in the ring
     ``fd_ring``, until the connection ``fd_in`` closes. Returns the exit
-    status: 0 when the file holds everything it was sent. ``wrap(writer,
-    header)``, if given, is the writer the records go through (the flight
-    recorder's, which adds keyframes)."""
+    status: 0 when the file holds everything it was sent. ``open_writer(path,
+    header, fd_out)``, if given, makes the writer the records go through (the
+    flight recorder's, which adds keyframes, or writes a directory of
+    segments); its ``flush`` is called whenever ``wake_fd`` can be read."""
     hold_lock(fd_out)   # held already, unless the file came from elsewhere
     ring = Ring.of_file(fd_ring)
     os.close(fd_ring)   # the mapping stays
-    lines = _lines(fd_in, ring)
-    writer = _start(path, fd_out, lines, wrap)
+    lines = _lines(fd_in, ring, wake_fd)
+    writer = _start(path, fd_out, lines, open_writer)
     if writer is None:
         return 1
     rc, error, settled = _write_lines(writer, lines)
@@ -116,7 +128,7 @@ def serve(fd_in: int, path: str, fd_out: int, fd_ring: int, wrap=None) -> int:
 
 
 def _start(path: str, fd_out: int, lines: Iterator[bytes | None | object],
-           wrap=None) -> TraceWriter | None:
+           open_writer=None) -> TraceWriter | None:
     """The trace's writer, its header (the first line) written; None, said,
     when no header came or the file cannot be written."""
     first = next((line for line in lines if line is not IDLE), None)
@@ -125,12 +137,17 @@ def _start(path: str, fd_out: int, lines: Iterator[bytes | None | object],
         return None
     try:
         header = decode_header(orjson.loads(first))
-        writer = TraceWriter(path, header, fd=fd_out)
+        writer = (open_writer or trace_writer)(path, header, fd_out)
         writer.flush()   # an engine killed before the first idle moment leaves a readable trace
     except Exception as e:
-        _say(f"cannot write the trace {path}: {type(e).__name__}: {e}")
+        say(f"cannot write the trace {path}: {type(e).__name__}: {e}")
         return None
-    return writer if wrap is None else wrap(writer, header)
+    return writer
+
+
+def trace_writer(path: str, header, fd: int) -> TraceWriter:
+    """The trace file's writer, on its open descriptor ``fd``."""
+    return TraceWriter(path, header, fd=fd)
 
 
 def _write_lines(writer: TraceWriter, lines: Iterator[bytes | None | object]
@@ -174,7 +191,7 @@ def _write_lines(writer: TraceWriter, lines: Iterator[bytes | None | object]
         except Exception as e:
             if error is None:
                 error = f"writing the trace failed: {type(e).__name__}: {e}"
-                _say(f"{error}; recording stopped, the engine is unaffected")
+                say(f"{error}; recording stopped, the engine is unaffected")
     return None, error, settled
 
 
@@ -190,7 +207,7 @@ def _end_cut_off(writer: TraceWriter, path: str, error: str | None, settled: int
             return 0
         writer.finish(None)
     except Exception as e:
-        _say(f"closing the trace {path} failed: {type(e).__name__}: {e}")
+        say(f"closing the trace {path} failed: {type(e).__name__}: {e}")
         return 1
     return 0 if error is None else 1
 
@@ -252,8 +269,9 @@ def serve_copy(fd_in: int, path: str, fd_out: int, fd_ring: int) -> int:
     return 1 if error else 0
 
 
-def main(argv: list[str] | None = None, wrap=None) -> int:
-    """``[--detach] [--copy] PATH FD RING``; ``wrap``: as ``serve``'s."""
+def main(argv: list[str] | None = None, open_writer=None, wake_fd: int | None = None) -> int:
+    """``[--detach] [--copy] PATH FD RING``; ``open_writer``, ``wake_fd``: as
+    ``serve``'s."""
     argv = sys.argv[1:] if argv is None else argv
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -266,7 +284,7 @@ def main(argv: list[str] | None = None, wrap=None) -> int:
         argv = argv[1:]
     path, fd, fd_ring = argv[0], int(argv[1]), int(argv[2])
     rc = (serve_copy(sys.stdin.fileno(), path, fd, fd_ring) if copy
-          else serve(sys.stdin.fileno(), path, fd, fd_ring, wrap))
+          else serve(sys.stdin.fileno(), path, fd, fd_ring, open_writer, wake_fd))
     if detach:   # the engine waits for this line (kvtrace.record.detached.Detached)
         try:
             os.write(sys.stdin.fileno(), b"%d\n" % rc)

@@ -232,14 +232,35 @@ def _prefill_invariants(ps: ev.PrefillStats, d) -> None:
           "5.3: cached = L + E, computed = P - L - E", "invariant")
 
 
+def stats_invariants(rec: ev.PromptStats, prompt_len: int | None, line: int | None = None
+                     ) -> list[Divergence]:
+    """The prompt stats' invariants that need no reference: PrefillStats'
+    bounds and sums (5.3), the legacy counters' L1 and L2, and, given the
+    prompt's length, L3 and L4 (L3's allowance for a recomputed last token
+    needs it)."""
+    divs: list[Divergence] = []
+
+    def d(field, recorded, want, rule, kind="stats"):
+        divs.append(Divergence(rec.step, rec.req, field, recorded, want, rule, kind, rec.seq, line))
+
+    if rec.prefill_stats is not None:
+        _prefill_invariants(rec.prefill_stats, d)
+    lg = rec.legacy
+    if lg is not None and (prompt_len is not None or lg.num_cached_tokens < 0
+                           or lg.num_external_computed_tokens < 0):
+        _legacy_invariants(lg, None, None, d, prompt_len)
+    return divs
+
+
 def _legacy_invariants(lg: ev.LegacyCounters, expected: RequestOutput | None, ref: Request | None,
-                       d) -> bool:
+                       d, prompt_len: int | None = None) -> bool:
     """L1 to L4: whether one of the legacy counters' invariants broke. The
     counters are checked by their invariants and by consistency with the
     lookup that set them (L5, L6), not against one release's exact rule
-    (bug-classes.md)."""
+    (bug-classes.md). ``prompt_len``: the prompt's length where no reference
+    request says it."""
     nc, ne = lg.num_cached_tokens, lg.num_external_computed_tokens
-    P = ref.num_prompt_tokens if ref else None
+    P = ref.num_prompt_tokens if ref else prompt_len
     want = expected.legacy_counters if expected else None
     rec_ = 1 if P is not None and nc + 1 == P else 0
     if nc < 0:
@@ -462,6 +483,63 @@ def _request_states(rec: ev.Step, cfg: ev.SchedulerConfig, sched: dict[str, int]
               "I6: +1 per appearance in preempted_req_ids")
         if s.num_preemptions != before:
             prev_preemptions[s.req] = s.num_preemptions
+
+
+def blocks_held(rec: ev.Step, cfg: ev.SchedulerConfig, block_sizes: tuple[int | None, ...],
+                unshared: Callable[[str], bool] = lambda req: False,
+                line: int | None = None) -> list[Divergence]:
+    """Block checks of one step record that need no reference, on the tables
+    its states hold at one moment (after schedule()):
+
+    * 4.5: a block in two places at once is a prefix-cache block that both
+      requests hit, so at the same position in both (its hash chains every
+      block before it); a block at two positions is handed out twice. And a
+      cached block is a full one: at a position past a request's tokens it
+      is that request's own, shared with no other. ``block_sizes``: per
+      KV-cache group, its block size, None for a group not checked (a state
+      group); ``unshared(req)``: whether the request's tokens only grow (the
+      second check is made for those alone).
+    * B5: the blocks held and the free ones together fit in the pool (less
+      the null block): a held block has a reference, a free one none.
+
+    The null block 0 stands anywhere."""
+    divs: list[Divergence] = []
+    where: dict[tuple[int, int], tuple[str, int, int]] = {}   # (group, block) -> (req, pos, tokens)
+    held: set[int] = set()
+    for s in rec.states:
+        tables = (s.block_ids, *(s.more_groups or ()))
+        for g, table in enumerate(tables):
+            held.update(table)
+            bs = block_sizes[g] if g < len(block_sizes) else None
+            if bs is None:
+                continue
+            for pos, b in enumerate(table):
+                if not b:
+                    continue
+                other = where.get((g, b))
+                if other is None:
+                    where[g, b] = (s.req, pos, s.num_tokens)
+                    continue
+                o_req, o_pos, o_tokens = other
+                past = [(r, p) for r, p, n in ((s.req, pos, s.num_tokens), other)
+                        if (p + 1) * bs > n and unshared(r)]
+                if o_pos != pos or past:
+                    why = (f"{o_req} holds it at position {o_pos}" if o_pos != pos else
+                           f"position {past[0][1]} is past {past[0][0]}'s tokens: a block no "
+                           "prefix hit shares")
+                    divs.append(Divergence(
+                        rec.step, s.req, f"group {g} block {b}" if g else f"block {b}",
+                        f"held at position {pos} by {s.req}", f"only {o_req}'s ({why})",
+                        "4.5: a block two requests hold is a prefix-cache block, at one "
+                        "position in both", "block", rec.seq, line))
+    held.discard(0)
+    free = rec.num_free_blocks
+    if free is not None and len(held) + free > cfg.num_blocks - 1:
+        divs.append(Divergence(
+            rec.step, None, "num_free_blocks", free,
+            f"<= {cfg.num_blocks - 1 - len(held)} = {cfg.num_blocks} blocks - the null block "
+            f"- {len(held)} held", "B5: a held block is not free", "block", rec.seq, line))
+    return divs
 
 
 def _hands_out_null_block(rec: ev.Step, windowed: tuple) -> bool:

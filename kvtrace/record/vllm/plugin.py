@@ -20,6 +20,11 @@ recording subclass built by ``make_recording_scheduler``.
   to the path with ``.dp<rank>``/``.pid<pid>`` inserted before the extension.
 * The trace is closed (End record) by ``Scheduler.shutdown`` and, failing that,
   at process exit.
+* With ``KVTRACE_RING`` (a directory of segments, ``kvtrace.flight``), an
+  exception out of vLLM's stat loggers in the front end (Prometheus'
+  ``Counters can only be incremented by non-negative amounts``) asks the
+  engine's writer process to pin its segments (``record.folder.ask_pin``);
+  the exception goes on as it came.
 """
 
 from __future__ import annotations
@@ -73,7 +78,71 @@ def install() -> bool:
     get_scheduler_cls.__wrapped__ = orig  # type: ignore[attr-defined]
     get_scheduler_cls.__doc__ = orig.__doc__
     SchedulerConfig.get_scheduler_cls = get_scheduler_cls
+    try:
+        _hook_metrics()
+    except Exception:
+        logger.exception("kvtrace: could not watch vLLM's metrics; a metrics error pins nothing")
     return True
+
+
+def _hook_metrics() -> None:
+    """Watch ``StatLoggerManager.record``, where vLLM's front end hands each
+    step's stats to its stat loggers (vllm/v1/engine/llm_engine.py,
+    async_llm.py's output handler). When it raises, a ring's writer process
+    is asked to pin its segments, and the exception is raised again, the
+    same object: the caller sees what it saw before (its traceback holds
+    one frame more, this wrapper's)."""
+    from vllm.v1.metrics.loggers import StatLoggerManager
+
+    orig = StatLoggerManager.record
+    if getattr(orig, _PATCHED_ATTR, False):
+        return
+
+    def record(self: object, *args: object, **kwargs: object) -> object:
+        try:
+            return orig(self, *args, **kwargs)
+        except Exception as exc:
+            rank = kwargs.get("engine_idx", args[3] if len(args) > 3 else None)
+            metrics_failed(exc, rank)
+            raise
+
+    setattr(record, _PATCHED_ATTR, True)
+    record.__wrapped__ = orig  # type: ignore[attr-defined]
+    record.__doc__ = orig.__doc__
+    StatLoggerManager.record = record
+
+
+def metrics_failed(exc: BaseException, rank: object = None) -> None:
+    """vLLM's metrics raised ``exc`` for the engine of data-parallel rank
+    ``rank``: ask the writer process of each ring it records to pin its
+    segments. Never raises."""
+    try:
+        from kvtrace.record.folder import ENV_RING, NoRecorder, ask_pin
+
+        out = os.environ.get("KVTRACE_OUT")
+        if not out or not os.environ.get(ENV_RING, "").strip():
+            return
+        why = " ".join(f"vLLM's metrics failed: {type(exc).__name__}: {exc}".split())
+        for folder in recorded_folders(out, int(rank or 0)):
+            try:
+                pid = ask_pin(folder, why)
+            except (NoRecorder, OSError):
+                continue
+            logger.warning("kvtrace: %s; asked the recorder (pid %d) to pin its segments in %s",
+                           why, pid, folder)
+    except Exception:
+        logger.exception("kvtrace: asking the recorder to pin its segments failed")
+
+
+def recorded_folders(out: str, rank: int) -> list[str]:
+    """The segment directories that engines of data-parallel rank ``rank``
+    record for ``KVTRACE_OUT=out``: ``out`` itself (rank 0), and those named
+    with ``.dp<rank>``/``.pid<pid>`` (``recorder._destination``)."""
+    import glob
+
+    if rank:
+        return sorted(glob.glob(glob.escape(out) + f".dp{rank}.pid*"))
+    return [out, *sorted(glob.glob(glob.escape(out) + ".pid*"))]
 
 
 def _hook_engine_shutdown() -> None:
