@@ -151,6 +151,7 @@ def check(folder: Path, res, said: list[str], fault_at: float | None, scratch: P
 
     from kvtrace.flight.replay import replay_folder
     from kvtrace.flight.segments import PINS, segment_files
+    from kvtrace.trace import TraceError
 
     failures = []
     first = res.fault_log[0] if res.fault_log else None
@@ -159,7 +160,11 @@ def check(folder: Path, res, said: list[str], fault_at: float | None, scratch: P
     left = segment_files(folder)
     clean = dirty = 0
     for path in left:
-        r = replay_segment(path)
+        try:
+            r = replay_segment(path)
+        except TraceError as e:
+            failures.append(f"{path.name} cannot be replayed: {e}")
+            continue
         if r.stopped_at is not None or r.truncation:
             failures.append(f"{path.name}: replay stopped ({r.stopped_at}, {r.truncation})")
         wholly_before = first is None or r.steps_in_trace <= first.step
@@ -217,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--baseline", action="store_true",
                    help="also time the same run into one whole trace, without keyframes")
-    p.add_argument("--keep", type=Path, default=None, help="record into this (new) directory")
+    p.add_argument("--keep", type=Path, default=None,
+                   help="record into this (new) directory, and keep it")
     a = p.parse_args(argv)
     size = Size()
     ring = size.convert(a.ring, None, None)
@@ -243,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
                             f"over its cap of {ring:,}")
         failures += check(folder, res, said, fault_at, scratch)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        if a.keep is None:
+            shutil.rmtree(scratch, ignore_errors=True)
     for f in failures:
         print(f"FAILED: {f}")
     print("all checks passed" if not failures else f"{len(failures)} checks failed")

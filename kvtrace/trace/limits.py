@@ -23,7 +23,8 @@ a longer one before decoding it:
 
 Each is at most ``KVTRACE_MAX_LINE_BYTES`` (256 MiB unless set); set, it
 replaces them all. A line is read into memory only up to the limit of any
-record (``general``); a line longer than ``SMALL`` is held to its kind's
+record (``general``), or a keyframe's when it says its kind first (as
+kvtrace's writers write it); a line longer than ``SMALL`` is held to its kind's
 limit, as soon as it passes it when it says its kind first, else once it is
 whole (a decode that builds nothing finds it).
 """

@@ -192,20 +192,21 @@ class TraceReader:
                             problem = self._limits.too_long(kind, plen)
                             if problem is not None:
                                 raise TraceError(self.path, lineno + 1, problem)
-                        if plen > max_line:
+                        if plen > self._longest(kind, max_line):
                             raise TraceError(self.path, lineno + 1, self._too_long(max_line))
                     break
                 part = chunk[start:nl + 1]
                 start = nl + 1
                 lineno += 1
                 if pieces:
-                    if plen + len(part) > max_line:
+                    if plen + len(part) > self._longest(kind, max_line):
                         raise TraceError(self.path, lineno, self._too_long(max_line))
                     pieces.append(part)
                     raw = b"".join(pieces)
                     pieces, plen, kind = [], 0, None
                 else:
-                    if len(part) > max_line:
+                    if len(part) > self._longest(self._limits and self._limits.leading_kind(part),
+                                                 max_line):
                         raise TraceError(self.path, lineno, self._too_long(max_line))
                     raw = part
                 if raw.isspace():
@@ -215,6 +216,14 @@ class TraceReader:
             raw = b"".join(pieces)
             if not raw.isspace():
                 yield lineno + 1, raw, False
+
+    def _longest(self, kind: str | None, max_line: int) -> int:
+        """How long a line being read may grow: ``max_line``, the limit of any
+        record, but for a keyframe that says its kind first (every live
+        request's tokens, which no header bounds): its own limit."""
+        if kind == "keyframe" and self._limits is not None:
+            return max(max_line, self._limits.by_kind["keyframe"])
+        return max_line
 
     def _too_long(self, limit: int) -> str:
         held = self._limits
