@@ -104,6 +104,24 @@ def _end_json(end: ev.End | None) -> dict | None:
     return {"status": end.status, "error": end.error, "dropped_events": end.dropped_events}
 
 
+@dataclass
+class RanksResult:
+    """The data-parallel ranks of one run replayed together, and the checks across them."""
+
+    path: str                         # rank 0's trace, as named
+    size: int | None                  # the size the headers name; None: not recorded
+    lockstep: bool                    # the ranks run in lockstep (a mixture-of-experts model)
+    # rank, its trace, its replay (None when unusable), and why not
+    ranks: list[tuple[int, str, ReplayResult | None, str | None]] = field(default_factory=list)
+    missing: list[int] = field(default_factory=list)
+    others: list[tuple[str, str]] = field(default_factory=list)   # files not taken, and why
+    # the checks across ranks: each divergence with the rank whose trace shows it
+    across: list[tuple[int, Divergence]] = field(default_factory=list)
+    requests: int = 0                 # distinct requests the ranks hold
+    steps_checked: int = 0            # steps whose throttle flag the cadence check judged
+    unread: dict[int, str] = field(default_factory=dict)   # ranks the checks could not read
+
+
 _NOTES = 5  # entries of each input-note list that summary() shows
 
 
