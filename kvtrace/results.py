@@ -105,6 +105,38 @@ def _end_json(end: ev.End | None) -> dict | None:
 
 
 @dataclass
+class HandoffTrace:
+    """One trace of a fleet's handoff diff: its side and what it holds."""
+
+    path: str
+    header: ev.Header
+    role: str                         # "prefill", "decode" or "both" (a kv_both engine)
+    steps: int = 0
+    handed_over: int = 0              # prefill-side requests handed over
+    pulls: int = 0                    # decode-side requests that pull a remote prefill
+    truncation: str | None = None
+    end: ev.End | None = None
+
+
+@dataclass
+class HandoffsResult:
+    """Every decode-side request of several traces paired with its prefill-side
+    request in any of them (``kvtrace diff --match handoff`` of many traces)."""
+
+    traces: list[HandoffTrace]
+    # each pair's first failed check: (decode trace, prefill trace or None, divergence),
+    # the traces as indexes into ``traces``
+    divergences: list[tuple[int, int | None, Divergence]] = field(default_factory=list)
+    compared: int = 0                 # decode requests paired with a prefill request
+    unread: dict[int, list[str]] = field(default_factory=dict)    # handed over, read by none
+    unknown: dict[int, list[str]] = field(default_factory=dict)   # naming a request none holds
+
+    @property
+    def divergent(self) -> int:
+        return len({(d, div.req) for d, _, div in self.divergences})
+
+
+@dataclass
 class RanksResult:
     """The data-parallel ranks of one run replayed together, and the checks across them."""
 
