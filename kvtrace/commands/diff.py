@@ -15,7 +15,7 @@ MAX_SHOWN = 50   # diverging requests shown unless --max says
 
 @click.command()
 @click.argument("a", type=FilePath(stdin=True, dir_okay=True))
-@click.argument("b", type=FilePath(stdin=True, dir_okay=True))
+@click.argument("b", type=FilePath(stdin=True, dir_okay=True), required=False)
 @click.argument("more", nargs=-1, type=FilePath(dir_okay=True))
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--match", type=click.Choice(("auto", "id", "id-prefix", "arrival", "handoff")),
@@ -35,7 +35,7 @@ MAX_SHOWN = 50   # diverging requests shown unless --max says
               help="Show only the first diverging request.")
 @click.option("--max", "max_shown", type=click.IntRange(min=1), default=MAX_SHOWN,
               show_default=True, metavar="N", help="Show at most N diverging requests.")
-def command(a: Path, b: Path, more: tuple[Path, ...], as_json: bool, match: str,
+def command(a: Path, b: Path | None, more: tuple[Path, ...], as_json: bool, match: str,
             requests: tuple[str, ...], fields: tuple[str, ...], first_only: bool,
             max_shown: int) -> int:
     """Compare trace A with trace B, request by request.
@@ -51,17 +51,18 @@ def command(a: Path, b: Path, more: tuple[Path, ...], as_json: bool, match: str,
     decode engine's) are paired by handoff instead: each decode request with
     the prefill request it reads, checked for the same prompt, the blocks kept
     and sent, and the tokens loaded. More than two traces, or directories of
-    them (a fleet of prefill and decode engines), are paired so across all of
-    them, each finding named with its two traces.
+    them (a fleet of prefill and decode engines; one directory may hold them
+    all), are paired so across all of them, each finding named with its two
+    traces.
     """
     from kvtrace.diff import diff_files
     from kvtrace.report import terminal
 
     select = Selection(requests, fields, 1 if first_only else max_shown)
-    if more or a.is_dir() or b.is_dir():
+    if more or a.is_dir() or b is None or b.is_dir():
         from .handoffs import diff_fleet
 
-        return diff_fleet([a, b, *more], match, as_json, select)
+        return diff_fleet([a, *([b] if b else []), *more], match, as_json, select)
     with progress(f"diffing {a.name} with {b.name}", "steps", files=(a, b)) as advance:
         result = diff_files(a, b, match=match, progress=advance)
     divs = list(result.divergences)

@@ -26,7 +26,8 @@ def traces_named(paths: list[Path]) -> list[Path]:
         found = sorted(q for q in p.iterdir() if q.name.endswith(ENDINGS)
                        and not q.name.startswith(".") and q.is_file())
         if not found:
-            raise UsageProblem(f"{p} holds no trace (no *.jsonl, *.jsonl.gz or *.jsonl.zst)")
+            raise UsageProblem(f"{p} is a directory that holds no trace (no *.jsonl, "
+                               "*.jsonl.gz or *.jsonl.zst)")
         out += found
     return out
 
@@ -39,6 +40,9 @@ def diff_fleet(paths: list[Path], match: str, as_json: bool, select) -> int:
     if match not in ("auto", "handoff"):
         raise UsageProblem(f"--match {match} pairs two traces; more than two, or directories, "
                            "are paired by handoff (--match handoff)")
+    if len(paths) == 1 and not paths[0].is_dir():
+        raise UsageProblem("Missing argument 'B': diff compares trace A with trace B, or "
+                           "the traces of a fleet (a directory of them) by handoff")
     traces = traces_named(paths)
     if len(traces) < 2:
         raise UsageProblem(f"{paths[0]} holds one trace: a handoff diff needs a prefill side "

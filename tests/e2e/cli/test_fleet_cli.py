@@ -114,3 +114,12 @@ def test_a_fleet_diff_refuses_what_it_cannot_pair(tmp_path, capsys):
                        ([PREFILL, DECODE, TRACES / "preemption.jsonl.gz"], "no KV connector")]:
         code, out, err = _run(capsys, "diff", *argv)
         assert code == 2 and out == "" and len(err.splitlines()) == 1 and said in err, err
+
+
+def test_one_directory_holds_a_whole_fleet_and_one_file_is_no_diff(tmp_path, capsys):
+    split(PREFILL, tmp_path, 2, "prefill")
+    split(DECODE, tmp_path, 2, "decode")
+    code, out, _ = _run(capsys, "diff", "--json", tmp_path)
+    assert code == 0 and orjson.loads(out)["summary"]["handoffs_compared"] == 8
+    code, out, err = _run(capsys, "diff", PREFILL)
+    assert code == 2 and out == "" and "Missing argument 'B'" in err and len(err.splitlines()) == 1
