@@ -9,7 +9,6 @@ from typing import Callable
 
 import orjson
 from rich.console import Console
-from rich.text import Text
 
 from .._text import count, number, path_text
 from ..findings import Divergence, RequestFindings
@@ -23,7 +22,7 @@ def print_ranks(result: RanksResult, views: dict, max_requests: int | None,
                 console: Console | None = None) -> None:
     """``views``: each replayed rank's ReplayView, by rank."""
     console = console or make_console()
-    console.print(Text(run_line(result), style="bold"))
+    print_wrapped(console, run_line(result), "bold")
     for rank, path, replay, error in result.ranks:
         _rank_line(console, rank, path, replay, error)
     for rank in result.missing:
@@ -49,7 +48,7 @@ def print_ranks(result: RanksResult, views: dict, max_requests: int | None,
         line += f"; {count(len(result.across), 'divergence')} across ranks"
     if result.missing:
         line += f"; {count(len(result.missing), 'rank')} missing"
-    console.print(Text(line, style="red" if bad or result.across or result.missing else "green"))
+    print_wrapped(console, line, "red" if bad or result.across or result.missing else "green")
 
 
 def run_line(result: RanksResult) -> str:
@@ -75,16 +74,15 @@ def _rank_line(console: Console, rank: int, path: str, replay: ReplayResult | No
 
 
 def across_line(result: RanksResult) -> str:
-    """What the checks across ranks found, in one line."""
-    said = [f"{count(result.requests, 'request')}, each at one rank (DP2)",
-            "every rank's header agrees (DP1)",
-            f"{count(result.steps_checked, 'step')} whose prefill throttling follows "
-            + ("the shared step counter (DP3)" if result.lockstep else "an engine core not in "
-               "lockstep (DP3)")]
-    head = ("across ranks: " if not result.across else
-            f"ACROSS RANKS: {count(len(result.across), 'divergence')}; checked: ")
+    """What the checks across ranks found, and what they checked, in one line."""
+    checked = (f"checked: the ranks' headers (DP1), {count(result.requests, 'request')} "
+               f"(DP2), {count(result.steps_checked, 'step')}' prefill throttling against "
+               + ("the step counter the ranks share (DP3)" if result.lockstep else
+                  "an engine core not in lockstep (DP3)"))
+    head = (f"ACROSS RANKS: {count(len(result.across), 'divergence')}" if result.across
+            else "across ranks: no divergence")
     unread = "".join(f"; rank {k} not read: {why}" for k, why in sorted(result.unread.items()))
-    return head + ", ".join(said) + unread
+    return f"{head}; {checked}{unread}"
 
 
 def failed_ranks(result: RanksResult) -> list[int]:

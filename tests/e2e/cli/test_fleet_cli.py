@@ -29,7 +29,8 @@ def test_rank_0s_trace_replays_every_rank_as_one_run(tmp_path, capsys, monkeypat
     text = " ".join(out.split())
     assert "data-parallel run of 2 ranks, in lockstep" in text
     assert "rank 0: run.jsonl · " in text and f"rank 1: {rank_name(run, 1).name} · " in text
-    assert "each at one rank (DP2)" in text and "2 ranks replayed, 0 with divergences" in text
+    assert "across ranks: no divergence; checked: the ranks' headers (DP1)" in text
+    assert "2 ranks replayed, 0 with divergences" in text
     code, out, _ = _run(capsys, "replay", "--json", run)
     doc = orjson.loads(out)
     assert code == 0 and [r["rank"] for r in doc["ranks"]] == [0, 1]
