@@ -30,7 +30,8 @@ with its ``throttle_prefills`` flag; not the passes a rank ran without one
   data-parallel size (the KV cache's size aside: each rank sizes it from its
   own memory, EC:261-340);
 * DP2: a request arrives at one rank only;
-* DP3: while a rank holds unfinished requests, every pass runs its
+* DP3: while a rank holds unfinished requests (and is not paused, which
+  makes its scheduler count fewer, S:2803-2811), every pass runs its
   ``schedule()``, so its steps count the shared counter one by one: under
   lockstep the steps that admit prefills come every interval-th step (and
   never more than interval - 1 held back in a row); an engine core not in
@@ -47,7 +48,7 @@ import msgspec
 
 from .._text import count
 from ..findings import Divergence
-from ..trace.events import Abort, Arrival, Header, Output, Step, StepFailed
+from ..trace.events import Abort, Arrival, Header, Output, PauseState, Step, StepFailed
 from ..trace.io import TraceError, TraceReader
 
 DP1 = ("DP1: the ranks of one run are built from one configuration: the same engine, "
@@ -158,6 +159,7 @@ class Cadence:
     def __init__(self, interval: int):
         self.interval = interval
         self.live: set[str] = set()     # requests arrived and not finished
+        self.paused = False             # a pause state: the scheduler counts fewer unfinished
         self.held = False               # live requests held since the last step, throughout
         self.since: int | None = None   # the shared counter, modulo the interval, in this stretch
         self.last: int | None = None    # the stretch's last step at a multiple of the interval
@@ -168,9 +170,12 @@ class Cadence:
     def feed(self, e: Any, line: int | None) -> None:
         if isinstance(e, Step):
             self._step(e, line)
-            self.held = bool(self.live)
+            self.held = bool(self.live) and not self.paused
             return
-        if isinstance(e, Arrival):
+        if isinstance(e, PauseState):   # S:2803-2811: paused, fewer requests count as unfinished
+            self.paused = e.state != "UNPAUSED"
+            self.held = self.held and not self.paused
+        elif isinstance(e, Arrival):
             self.live.add(e.req)
         elif isinstance(e, Abort):
             self.live.difference_update(e.reqs)

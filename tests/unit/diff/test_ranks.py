@@ -124,3 +124,21 @@ def _step(step, held):
     from kvtrace.trace.events import Step
 
     return Step(seq=step, step=step, throttle_prefills=held)
+
+
+def test_a_pause_ends_a_stretch():
+    """Paused, vLLM's scheduler counts fewer requests unfinished (none under
+    PAUSED_ALL), so the wave may end, and the counter start again, while the
+    rank still holds requests."""
+    from kvtrace.trace.events import PauseState
+
+    c = Cadence(3)
+    c.feed(_arrival("a"), None)
+    c.feed(_step(0, False), None)
+    c.feed(PauseState(seq=50, state="PAUSED_ALL"), None)
+    c.feed(_step(1, True), None)
+    c.feed(PauseState(seq=51, state="UNPAUSED"), None)
+    c.feed(_step(2, False), None)   # a new wave: the counter is 0 again
+    assert c.found == [] and c.checked == 0
+    c.feed(_step(3, False), None)   # held back, unpaused: one step after a multiple of 3
+    assert [d.step for d in c.found] == [3]
