@@ -104,6 +104,56 @@ def _end_json(end: ev.End | None) -> dict | None:
     return {"status": end.status, "error": end.error, "dropped_events": end.dropped_events}
 
 
+@dataclass
+class HandoffTrace:
+    """One trace of a fleet's handoff diff: its side and what it holds."""
+
+    path: str
+    header: ev.Header
+    role: str                         # "prefill", "decode" or "both" (a kv_both engine)
+    steps: int = 0
+    handed_over: int = 0              # prefill-side requests handed over
+    pulls: int = 0                    # decode-side requests that pull a remote prefill
+    truncation: str | None = None
+    end: ev.End | None = None
+
+
+@dataclass
+class HandoffsResult:
+    """Every decode-side request of several traces paired with its prefill-side
+    request in any of them (``kvtrace diff --match handoff`` of many traces)."""
+
+    traces: list[HandoffTrace]
+    # each pair's first failed check: (decode trace, prefill trace or None, divergence),
+    # the traces as indexes into ``traces``
+    divergences: list[tuple[int, int | None, Divergence]] = field(default_factory=list)
+    compared: int = 0                 # decode requests paired with a prefill request
+    unread: dict[int, list[str]] = field(default_factory=dict)    # handed over, read by none
+    unknown: dict[int, list[str]] = field(default_factory=dict)   # naming a request none holds
+
+    @property
+    def divergent(self) -> int:
+        return len({(d, div.req) for d, _, div in self.divergences})
+
+
+@dataclass
+class RanksResult:
+    """The data-parallel ranks of one run replayed together, and the checks across them."""
+
+    path: str                         # rank 0's trace, as named
+    size: int | None                  # the size the headers name; None: not recorded
+    lockstep: bool                    # the ranks run in lockstep (a mixture-of-experts model)
+    # rank, its trace, its replay (None when unusable), and why not
+    ranks: list[tuple[int, str, ReplayResult | None, str | None]] = field(default_factory=list)
+    missing: list[int] = field(default_factory=list)
+    others: list[tuple[str, str]] = field(default_factory=list)   # files not taken, and why
+    # the checks across ranks: each divergence with the rank whose trace shows it
+    across: list[tuple[int, Divergence]] = field(default_factory=list)
+    requests: int = 0                 # distinct requests the ranks hold
+    steps_checked: int = 0            # steps whose throttle flag the cadence check judged
+    unread: dict[int, str] = field(default_factory=dict)   # ranks the checks could not read
+
+
 _NOTES = 5  # entries of each input-note list that summary() shows
 
 

@@ -5,8 +5,9 @@ Every divergence's ``rule`` starts with its id: "1.3: admission sets ...",
 the scheduler's rules, grouped by what they govern (1 a request's counts and
 status, 2 what a step schedules, 3 how a request finishes, 4 blocks, 5 the
 prompt stats, 7 the connector); ``I``, ``B`` and ``SD`` ids invariants; ``L``
-ids the legacy counters; ``D`` ids the KV data path; ``S:1170``-style ids the
-engine's own assertions, at that line of vLLM's scheduler. Citations
+ids the legacy counters; ``D`` ids the KV data path; ``DP`` ids what the
+data-parallel ranks of one run agree on; ``S:1170``-style ids the engine's own
+assertions, at that line of vLLM's scheduler. Citations
 (``S:1369``) are file:line in vLLM 0.32, the files abbreviated as ``FILES``
 says. docs/reference/checks.md, "Rule ids", shows the same catalogue;
 ``kvtrace explain RULE`` prints one entry.
@@ -40,6 +41,8 @@ FILES = {
     "ST": "vllm/v1/core/single_type_kv_cache_manager.py",
     "BP": "vllm/v1/core/block_pool.py",
     "MS": "vllm/v1/metrics/stats.py",
+    "EC": "vllm/v1/engine/core.py",
+    "CC": "vllm/v1/engine/core_client.py",
 }
 
 # The letters the rules write counts with.
@@ -54,6 +57,7 @@ LETTERS = {
 }
 
 _INVARIANTS = "Invariants checked on the recording itself"
+_RANKS = "Data-parallel ranks"
 _KINDS = "Divergence kinds"
 
 _ALL = (
@@ -435,6 +439,28 @@ _ALL = (
          "side frees them after finished_sending (request_finished, S:3005-3058).",
          "r7: the decode side reads remote_block_ids [12, 13]; the prefill request's "
          "table when it finished was [12, 14]"),
+    Rule("DP1", "the data-parallel ranks of one run are built from one configuration",
+         "Every rank of a data-parallel run is an engine core started from one configuration "
+         "(EC:1473-1482): its trace's header names the same engine, scheduler settings and "
+         "data-parallel size as every other rank's, the KV cache's size aside, which each "
+         "rank finds from its own memory (EC:261-340).",
+         "rank 1, config.max_num_seqs: 9, where rank 0's header names 8", _RANKS),
+    Rule("DP2", "a request arrives at one data-parallel rank only",
+         "The front end hands each request to one rank, chosen by load, and sends a "
+         "streaming-input session's later chunks to the same rank (CC:1642-1697).",
+         "rank 1, r3: arrived at rank 0 too", _RANKS),
+    Rule("DP3", "ranks in lockstep admit prefills only at steps whose shared step counter is "
+                "a multiple of prefill_schedule_interval",
+         "A mixture-of-experts model's ranks run in lockstep (EC:1473-1476): every pass of "
+         "each rank's busy loop is one model step on every rank, a dummy batch where the rank "
+         "has nothing to schedule (EC:2350-2373), and advances step_counter, the same on "
+         "every rank (EC:2410-2414); a rank that holds unfinished requests runs schedule() "
+         "at every pass (EC:665-667), and the wave, after which the counter starts again at "
+         "0, ends only when no rank holds one (EC:2375-2393). A step holds prefills back "
+         "unless the counter is a multiple of prefill_schedule_interval (EC:2318-2325); an "
+         "engine core not in lockstep never does (EC:652-655).",
+         "rank 1, step 100: throttle_prefills yes, expected no (3 steps after step 97, where "
+         "the shared counter was a multiple of 3, it is one)", _RANKS),
 )
 
 RULES: dict[str, Rule] = {r.id: r for r in _ALL}

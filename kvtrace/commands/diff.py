@@ -14,8 +14,9 @@ MAX_SHOWN = 50   # diverging requests shown unless --max says
 
 
 @click.command()
-@click.argument("a", type=FilePath(stdin=True))
-@click.argument("b", type=FilePath(stdin=True))
+@click.argument("a", type=FilePath(stdin=True, dir_okay=True))
+@click.argument("b", type=FilePath(stdin=True, dir_okay=True), required=False)
+@click.argument("more", nargs=-1, type=FilePath(dir_okay=True))
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--match", type=click.Choice(("auto", "id", "id-prefix", "arrival", "handoff")),
               default="auto", show_default=True,
@@ -34,8 +35,9 @@ MAX_SHOWN = 50   # diverging requests shown unless --max says
               help="Show only the first diverging request.")
 @click.option("--max", "max_shown", type=click.IntRange(min=1), default=MAX_SHOWN,
               show_default=True, metavar="N", help="Show at most N diverging requests.")
-def command(a: Path, b: Path, as_json: bool, match: str, requests: tuple[str, ...],
-            fields: tuple[str, ...], first_only: bool, max_shown: int) -> int:
+def command(a: Path, b: Path | None, more: tuple[Path, ...], as_json: bool, match: str,
+            requests: tuple[str, ...], fields: tuple[str, ...], first_only: bool,
+            max_shown: int) -> int:
     """Compare trace A with trace B, request by request.
 
     Requests are aligned by id and by their own scheduling history, so traces
@@ -48,12 +50,19 @@ def command(a: Path, b: Path, as_json: bool, match: str, requests: tuple[str, ..
     The two sides of a disaggregated deployment (a prefill engine's trace and a
     decode engine's) are paired by handoff instead: each decode request with
     the prefill request it reads, checked for the same prompt, the blocks kept
-    and sent, and the tokens loaded.
+    and sent, and the tokens loaded. More than two traces, or directories of
+    them (a fleet of prefill and decode engines; one directory may hold them
+    all), are paired so across all of them, each finding named with its two
+    traces.
     """
     from kvtrace.diff import diff_files
     from kvtrace.report import terminal
 
     select = Selection(requests, fields, 1 if first_only else max_shown)
+    if more or a.is_dir() or b is None or b.is_dir():
+        from .handoffs import diff_fleet
+
+        return diff_fleet([a, *([b] if b else []), *more], match, as_json, select)
     with progress(f"diffing {a.name} with {b.name}", "steps", files=(a, b)) as advance:
         result = diff_files(a, b, match=match, progress=advance)
     divs = list(result.divergences)
@@ -75,7 +84,12 @@ def command(a: Path, b: Path, as_json: bool, match: str, requests: tuple[str, ..
                 note += (f"; the diff's first: step {first.step}, {first.req}, field "
                          f"{first.field}")
             echo(note)
-    if divs:
+    return _exit_code(result, a, b)
+
+
+def _exit_code(result, a: Path, b: Path) -> int:
+    """1 for divergences, 4 (said on stderr) when nothing was compared, else 0."""
+    if result.divergences:
         return EXIT_DIVERGENT
     if not result.requests_compared:
         from kvtrace.trace.files import shown

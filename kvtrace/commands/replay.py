@@ -87,7 +87,9 @@ def command(traces: tuple[Path, ...], out: Path | None, as_json: bool, device: s
 
     Several traces and segment directories (one per engine rank or replica,
     say) are replayed in parallel, here or on a Ray cluster (--ray), with one
-    combined report. Exit 0 when every trace matches, 1 when
+    combined report. Rank 0's trace of a data-parallel run replays every rank
+    found beside it (its .dp<k> files) as one report, with the checks across
+    ranks. Exit 0 when every trace matches, 1 when
     any diverges or replay stopped before its end (an engine assertion), 2 when
     any is unusable, 4 when one holds no step (nothing was checked).
     """
@@ -126,6 +128,11 @@ def command(traces: tuple[Path, ...], out: Path | None, as_json: bool, device: s
             raise UsageProblem("-o needs a single trace")
         return _many(traces, as_json, device if kv_check else None, jobs, profile, select,
                      ray_address, parquet)
+    if from_step is None and out is None:   # rank 0 of a data-parallel run: every rank
+        from .ranks import replay_run, run_of
+
+        if (run := run_of(traces[0])) is not None:
+            return replay_run(run, as_json, device if kv_check else None, jobs, profile, select)
     return _one(traces[0], out, as_json, device if kv_check else None, profile, select, from_step)
 
 

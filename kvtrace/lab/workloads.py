@@ -503,6 +503,21 @@ def handoff_workload(prefill_trace: str | os.PathLike, decode: Any = "pd-decode"
                 for step, ids in wl.get("aborts", ()) if any(i in new_index for i in ids)])
 
 
+def fleet_handoff_workload(prefill_traces: list, decode: Any = "pd-decode") -> dict:
+    """The decode side of several prefill engines behind one proxy: the
+    requests each prefill trace handed over (``handoff_workload``), the
+    traces' one after another, each at its own arrival steps."""
+    parts = [handoff_workload(p, decode) for p in prefill_traces]
+    out = dict(parts[0], prompts=[], per_request=[], arrive_at=[], aborts=[])
+    for part in parts:
+        base = len(out["prompts"])
+        out["prompts"] += part["prompts"]
+        out["per_request"] += part["per_request"]
+        out["arrive_at"] += part["arrive_at"]
+        out["aborts"] += [[step, [base + i for i in ids]] for step, ids in part["aborts"]]
+    return out
+
+
 # A request whose external hit grows while it is preempted in its prefill (the
 # trigger of upstream PR 36752, "stale-cached-on-preempt" in bug-classes):
 # request "0" (256 tokens, a sync hit of 32) arrives after two long decodes

@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+from kvtrace.trace.files import split_trace_name
 from kvtrace.workers.child import child_env
 
 logger = logging.getLogger("kvtrace.record")
@@ -108,15 +109,6 @@ class Detached:
             said += chunk
         self.returncode = int(said)
         return self.returncode
-
-
-def split_trace_name(name: str) -> tuple[str, str]:
-    """A trace file's name as (stem, ending): ``run.jsonl.gz`` -> ``("run", ".jsonl.gz")``.
-    Further schedulers' traces are named ``stem + tag + ending``."""
-    for ext in (".jsonl.gz", ".jsonl.zst", ".jsonl", ".gz", ".zst"):
-        if name.endswith(ext):
-            return name[: -len(ext)], ext
-    return name, ""
 
 
 def hold_lock(fd: int) -> None:

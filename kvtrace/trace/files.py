@@ -43,6 +43,15 @@ def shown(path: str | os.PathLike) -> str:
     return STDIN_NAME if is_stdin(path) else str(path)
 
 
+def split_trace_name(name: str) -> tuple[str, str]:
+    """A trace file's name as (stem, ending): ``run.jsonl.gz`` -> ``("run", ".jsonl.gz")``.
+    Further schedulers' traces are named ``stem + tag + ending``."""
+    for ext in (".jsonl.gz", ".jsonl.zst", ".jsonl", ".gz", ".zst"):
+        if name.endswith(ext):
+            return name[: -len(ext)], ext
+    return name, ""
+
+
 class TraceError(Exception):
     """Unusable input. ``str()`` is the one-line message the CLI prints (exit code 2)."""
 

@@ -12,7 +12,7 @@ import pytest
 from tests._paths import REPO
 
 ROOT = REPO
-RULE = re.compile(r"^((?:\d+(?:\.\d+)?(?:/\d+\.\d+)?|I\d+|B\d+|SD\d+|D\d+|L\d+|liveness|kv-content|crash|diff"
+RULE = re.compile(r"^((?:\d+(?:\.\d+)?(?:/\d+\.\d+)?|I\d+|B\d+|SD\d+|D\d+|DP\d+|L\d+|liveness|kv-content|crash|diff"
                   r"|handoff)(?=: )|(?:S|AS|BP):\d+(?= ))")
 
 

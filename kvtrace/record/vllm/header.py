@@ -255,6 +255,31 @@ def _engine_features(sched: Scheduler) -> dict:
     }
 
 
+def data_parallel_rank(pc: object) -> int:
+    """The engine's data-parallel rank: vLLM's ``data_parallel_index``, which
+    it keeps when it turns a dense model's ranks into independent engines of
+    rank 0 and size 1 (core.py:1477-1482, ``reconfigure_for_independent_dp_rank``,
+    config/parallel.py:1172-1181), else ``data_parallel_rank``."""
+    for name in ("data_parallel_index", "data_parallel_rank"):
+        value = getattr(pc, name, None)
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+def data_parallel_meta(pc: object) -> dict:
+    """The header's meta keys of a data-parallel rank: its rank, and the
+    address every rank of one run shares (the DP group's master,
+    ``data_parallel_master_ip``/``_port``, a port vLLM picks free for each
+    run it starts with several ranks, config/parallel.py:979-995), which
+    tells a rank of this run from one of another run recorded to the same path."""
+    meta = {"data_parallel_rank": data_parallel_rank(pc)}
+    port = getattr(pc, "data_parallel_master_port", None)
+    if port:
+        meta["data_parallel_master"] = f"{getattr(pc, 'data_parallel_master_ip', '')}:{port}"
+    return meta
+
+
 def build_header(sched: Scheduler, meta: dict | None = None) -> Header:
     """The trace header for a constructed vLLM scheduler."""
     import vllm
@@ -262,9 +287,8 @@ def build_header(sched: Scheduler, meta: dict | None = None) -> Header:
     config = _scheduler_config(sched)
     features = {**_admission_features(sched), **_speculation_features(sched),
                 **_cache_features(sched), **_engine_features(sched)}
-    pc = sched.vllm_config.parallel_config
     m = {"recorder": "kvtrace.record.vllm.recorder", "pid": os.getpid(),
-         "data_parallel_rank": int(getattr(pc, "data_parallel_rank", 0) or 0)}
+         **data_parallel_meta(sched.vllm_config.parallel_config)}
     if os.environ.get(MODEL_FREE_ENV):   # kvtrace.lab.model_free's engine: no model ran
         m["model_free"] = True
     if meta:

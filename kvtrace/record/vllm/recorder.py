@@ -89,7 +89,7 @@ from kvtrace.record.capture import (
 )
 from kvtrace.record.detached import split_trace_name
 from kvtrace.record.sink import TraceSink, open_sink
-from kvtrace.record.vllm.header import build_header
+from kvtrace.record.vllm.header import build_header, data_parallel_rank
 from kvtrace.trace.events import (
     PAUSE_STATES,
     REPETITION_FIELDS,
@@ -897,8 +897,7 @@ def _destination(sched: Scheduler) -> str | None:
     out = os.environ.get(ENV_OUT)
     if not out:
         return None
-    pc = sched.vllm_config.parallel_config
-    rank = int(getattr(pc, "data_parallel_rank", 0) or 0)
+    rank = data_parallel_rank(sched.vllm_config.parallel_config)
     p = Path(out)
     with _CLAIM_LOCK:
         n = _CLAIMED.get(out, 0)
