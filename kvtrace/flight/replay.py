@@ -15,7 +15,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvtrace.replay.keyframes import NO_CONTENT, KeyframeError, feed_counted, restore
+from kvtrace.findings import Stop
+from kvtrace.replay.keyframes import KeyframeError, feed_counted, restore
 from kvtrace.replay.plan import check_supported, choose_profile
 from kvtrace.replay.replayer import Replayer
 from kvtrace.results import ReplayResult
@@ -24,6 +25,8 @@ from kvtrace.trace import events as ev
 
 from .segments import NAME, segment_files
 
+NO_FOLDER_CONTENT = ("a segment directory's replay does not check KV contents (that check "
+                     "needs the cache's whole history)")
 NO_SEGMENTS = "holds no segment (segment-NNNNNN.jsonl.gz files of 'kvtrace record --ring')"
 
 
@@ -42,7 +45,7 @@ def replay_folder(folder: str | os.PathLike, progress=None,
                                        "number)")
     run = _Run(str(folder), progress, profile)
     for seg in segs:
-        run.segment(seg)
+        run.segment(seg, newest=seg is segs[-1])
     if run.rp is None:
         raise TraceError(folder, None, "holds no segment a replay can start from (the first "
                                        "one, or one that starts with a keyframe)")
@@ -61,10 +64,19 @@ class _Run:
         self.last_number: int | None = None   # the last segment read
         self.last_end: str | None = None      # the end status of the last one read
 
-    def segment(self, path: Path) -> None:
+    def segment(self, path: Path, newest: bool = False) -> None:
         number = int(NAME.match(path.name).group(1))
         follows = self.last_number is not None and number == self.last_number + 1
-        with TraceReader(path) as reader:
+        try:
+            opened = TraceReader(path)
+        except TraceError as e:
+            if not (newest and self.rp is not None):
+                raise
+            # The newest segment has no whole header (empty: a full disk, or
+            # the recorder stopped as it made it): the recording is cut there.
+            self._cut(path, f"no header ({e.problem})")
+            return
+        with opened as reader:
             if self.header is not None and reader.header != self.header:
                 raise TraceError(path, 1, "a segment of another recording: its header is "
                                           "not the first segment's")
@@ -84,6 +96,8 @@ class _Run:
                                  f"starts at step {keyframe.step}, before step "
                                  f"{self.rp.steps_in_trace}, where the segment before it "
                                  "ended: segments out of order")
+            elif self.rp.stopped:
+                pass   # nothing more is checked; the steps are counted
             elif keyframe is not None and not (follows and keyframe.step == self.rp.steps_in_trace):
                 self._gap(path, reader.header, keyframe)
             elif keyframe is None and not follows:
@@ -107,7 +121,7 @@ class _Run:
         check_supported(header, path, chosen)
         self.chosen = chosen
         self.res = ReplayResult(path=self.folder, header=header, profile=chosen.name,
-                                content_unchecked=NO_CONTENT, profile_note=note)
+                                content_unchecked=NO_FOLDER_CONTENT, profile_note=note)
         if type(first) is ev.Keyframe:
             self.rp = self._restore(path, header, first)
             self.res.from_keyframe = first.step
@@ -115,9 +129,19 @@ class _Run:
             self.rp = Replayer(header, str(path), None, None, profile=chosen)
 
     def _gap(self, path: Path, header: ev.Header, kf: ev.Keyframe) -> None:
+        if kf.step > self.rp.steps:   # (segments renumbered by hand may miss none)
+            self.gaps.append((self.rp.steps, kf.step))
+        if "root" not in kf.state and "stopped" in kf.state:
+            # Made after the recorder's replay stopped (the segments around
+            # the stop rotated out): no replay starts here, nor later.
+            self.rp.stopped = str(kf.state["stopped"])
+            self.rp.stop = Stop(kf.step, None, f"the recorder's replay had stopped before "
+                                               f"{path.name} ({self.rp.stopped}): no replay "
+                                               "starts there, nor in the segments after it")
+            self.rp.steps = kf.step   # the steps missing are said as a gap
+            return
         self.rp.finish()
         self.found += self.rp.divergences
-        self.gaps.append((self.rp.steps, kf.step))
         self.rp = self._restore(path, header, kf)
 
     def _restore(self, path: Path, header: ev.Header, kf: ev.Keyframe) -> Replayer:

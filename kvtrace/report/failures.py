@@ -95,7 +95,7 @@ def steps_text(result: ReplayResult) -> str | None:
     in_trace = getattr(result, "steps_in_trace", None) or checked
     first = getattr(result, "from_keyframe", None)
     gaps = getattr(result, "gaps", None)
-    missing = "".join(f"; steps {number(a)} to {number(b - 1)} missing (rotated out)"
+    missing = "".join(f"; steps {number(a)} to {number(b - 1)} missing (rotated out or cut off)"
                       for a, b in gaps or ())
     if first is not None:   # a replay from a keyframe
         last = checked - 1 if checked > first else first

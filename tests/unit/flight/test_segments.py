@@ -242,6 +242,37 @@ def test_segments_after_the_replay_stopped_go_on_without_keyframes(tmp_path):
     assert whole.stopped_at is not None
     assert parts.stopped_at.step == whole.stopped_at.step
     assert _found(parts) == _found(whole)
+    # The segments around the stop rotated out: what came before is still
+    # reported, and the replay says where it could not go on.
+    segs = segment_files(folder)
+    stop_seg = next(i for i, p in enumerate(segs) if _first_step(p) > whole.stopped_at.step)
+    before = [d for d in _found(whole) if orjson.loads(d[0]) < _first_step(segs[1])]
+    for p in segs[1:stop_seg + 1]:
+        p.unlink()
+    gapped = replay_folder(folder)
+    assert before and _found(gapped) == before
+    assert gapped.stopped_at is not None and "no replay starts there" in gapped.stopped_at.reason
+    assert gapped.gaps and gapped.steps_in_trace == whole.steps_in_trace
+
+
+def _first_step(seg) -> int:
+    with TraceReader(seg) as r:
+        return next(e.step for e in r if hasattr(e, "step"))
+
+
+def test_a_newest_segment_without_a_whole_header_is_a_cut(tmp_path):
+    folder = tmp_path / "ring"
+    _segments(folder, "offload", seed=4, ring=64 << 20, segment=32 << 10)
+    segs = segment_files(folder)
+    whole = replay_folder(folder)
+    for content in (b"", segs[-1].read_bytes()[:40]):   # a full disk, or killed as it began
+        (folder / "segment-000999.jsonl.gz").write_bytes(content)
+        cut = replay_folder(folder)
+        assert _found(cut) == _found(whole) and cut.steps == whole.steps
+        assert cut.truncation.startswith("segment-000999.jsonl.gz: no header")
+    segs[1].write_bytes(b"")   # not the newest: damage in the middle is refused
+    with pytest.raises(TraceError):
+        replay_folder(folder)
 
 
 def test_a_directory_says_when_it_was_cut_and_refuses_what_is_not_one_run(tmp_path):
