@@ -53,29 +53,37 @@ logger = logging.getLogger("kvtrace.record")
 __all__ = ["DUMP_SIGNAL", "NAME", "PID", "PINS", "SegmentWriter", "segment_files"]
 
 
+HELD = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)   # what stops a recording
+
+
 @contextlib.contextmanager
 def _interrupt_held():
-    """SIGINT (Ctrl-C) held back while the block runs, then raised as it
-    would have been; a second one is not held. Only in the main thread,
-    where Python runs signal handlers, and over Python's own handler."""
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+    """SIGINT (Ctrl-C), SIGTERM and SIGHUP held back while the block runs,
+    then handled as they would have been (``kvtrace``'s handlers raise); a
+    second one is not held. Only in the main thread, where Python runs
+    signal handlers, and for handlers written in Python."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    came = []
+    before = {sig: signal.getsignal(sig) for sig in HELD}
+    before = {sig: h for sig, h in before.items() if callable(h)}
+    came: list[tuple[int, object]] = []
 
     def hold(signum, frame):
         if came:
-            signal.default_int_handler(signum, frame)
-        came.append(signum)
+            before[signum](signum, frame)
+        came.append((signum, frame))
 
-    signal.signal(signal.SIGINT, hold)
+    for sig in before:
+        signal.signal(sig, hold)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for sig, h in before.items():
+            signal.signal(sig, h)
     if came:
-        signal.default_int_handler(signal.SIGINT, None)
+        signum, frame = came[0]
+        before[signum](signum, frame)
 
 
 class SegmentWriter:

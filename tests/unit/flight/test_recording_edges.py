@@ -90,7 +90,12 @@ def test_a_dump_while_the_last_segment_is_finished_is_ignored(tmp_path, monkeypa
         signal.signal(signal.SIGUSR2, before)
 
 
-def test_a_ctrl_c_in_a_rotation_ends_the_segment_under_way_interrupted(tmp_path):
+def _raises(signum, frame):   # as kvtrace's command line handles SIGINT
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("handler", [signal.default_int_handler, _raises])
+def test_a_ctrl_c_in_a_rotation_ends_the_segment_under_way_interrupted(tmp_path, handler):
     header, records = _trace()
     folder = tmp_path / "ring"
     opened = []
@@ -101,7 +106,7 @@ def test_a_ctrl_c_in_a_rotation_ends_the_segment_under_way_interrupted(tmp_path)
             os.kill(os.getpid(), signal.SIGINT)
         return TraceWriter(path, header)
 
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    before = signal.signal(signal.SIGINT, handler)
     written = 0
     try:
         with pytest.raises(KeyboardInterrupt):
