@@ -28,7 +28,8 @@ STDOUT_REFUSED = ("'-' (standard output) is not accepted: a trace is written to 
 @click.command(context_settings={"allow_interspersed_args": False})
 @click.option("-o", "--out", "out", required=True,
               type=FilePath(no_dash=STDOUT_REFUSED, dir_okay=True),
-              help="Trace file to write (.jsonl, .jsonl.gz or .jsonl.zst).")
+              help="Trace file to write (.jsonl, .jsonl.gz or .jsonl.zst); with --ring, the "
+                   "directory of segments to write.")
 @click.option("--workload", default=None,
               help=f"Built-in workload. Embedded engine: {', '.join(WORKLOADS)} (default "
                    f"{WORKLOADS[0]}, or the one that shows --fault). vLLM: prefix, preemption, "
@@ -108,6 +109,9 @@ def _record(out: Path, workload: str | None, fault: str | None, seed: int | None
     if flight and redact:   # keyframes hold token ids: redact leaves them out
         raise UsageProblem("--redact with --keyframe-every or --ring: keyframes hold token ids, "
                            "which redact leaves out; redact the traces you keep")
+    if flight.ring and out.exists() and not out.is_dir():
+        raise UsageProblem(f"{out} is a file: --ring writes a directory of segments (name a new "
+                           "directory)")
     if not flight.ring:
         if out.is_dir():
             raise UsageProblem(f"{out} is a directory: a trace is one file (--ring writes a "

@@ -29,6 +29,7 @@ Each trigger kind pins once a recording.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -39,10 +40,10 @@ from typing import Callable
 
 import orjson
 
-from kvtrace.record.folder import (DUMP_SIGNAL, DUMPED, NAME, PID, PINS, segment_files,
-                                   take_reasons)
+from kvtrace.record.folder import (DUMP_SIGNAL, DUMPED, NAME, PID, PINS, open_folder,
+                                   pid_line, segment_files, take_reasons)
 from kvtrace.trace import events as ev
-from kvtrace.trace.io import TraceWriter
+from kvtrace.trace.io import TraceWriter, interrupted_by
 
 from .watch import Watch, broken_at, rule_id
 from .writer import KeyframingWriter
@@ -52,20 +53,55 @@ logger = logging.getLogger("kvtrace.record")
 __all__ = ["DUMP_SIGNAL", "NAME", "PID", "PINS", "SegmentWriter", "segment_files"]
 
 
+HELD = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)   # what stops a recording
+
+
+@contextlib.contextmanager
+def _interrupt_held():
+    """SIGINT (Ctrl-C), SIGTERM and SIGHUP held back while the block runs,
+    then handled as they would have been (``kvtrace``'s handlers raise); a
+    second one is not held. Only in the main thread, where Python runs
+    signal handlers, and for handlers written in Python."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {sig: signal.getsignal(sig) for sig in HELD}
+    before = {sig: h for sig, h in before.items() if callable(h)}
+    came: list[tuple[int, object]] = []
+
+    def hold(signum, frame):
+        if came:
+            before[signum](signum, frame)
+        came.append((signum, frame))
+
+    for sig in before:
+        signal.signal(sig, hold)
+    try:
+        yield
+    finally:
+        for sig, h in before.items():
+            signal.signal(sig, h)
+    if came:
+        signum, frame = came[0]
+        before[signum](signum, frame)
+
+
 class SegmentWriter:
     """A trace writer's calls, the trace cut into segments in ``folder``."""
 
     def __init__(self, folder: str | os.PathLike, header: ev.Header, segment_bytes: int,
                  cap_bytes: int, every: int | None = None,
                  open_file: Callable = TraceWriter, suffix: str = ".jsonl.gz",
-                 on_pin: Callable[[str], None] = logger.warning):
+                 on_pin: Callable[[str], None] = logger.warning, fd: int | None = None):
+        """``fd``: the directory, claimed already (``record.folder.open_folder``,
+        in a vLLM engine's process); without it the directory is claimed here,
+        the same way, and let go when the recording ends."""
         if cap_bytes < 2 * segment_bytes:
             raise ValueError(f"a ring of {cap_bytes:,} bytes holds less than two segments of "
                              f"{segment_bytes:,}")
         self.folder = Path(folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
-        if segment_files(self.folder):
-            raise ValueError(f"{self.folder} holds segments already: record into a new folder")
+        # ValueError when another recorder holds it or it holds segments already.
+        self._claim = open_folder(self.folder) if fd is None else None
         self.header = header
         self.segment_bytes, self.cap_bytes = segment_bytes, cap_bytes
         self.open_file, self.suffix, self.on_pin = open_file, suffix, on_pin
@@ -91,7 +127,12 @@ class SegmentWriter:
         self.pins_failed = False                    # said: pins.json cannot be written
         self.kf_disk = 0                            # the current keyframe, on disk
         self._old_handler = None
-        self._open(None)
+        self._listening = False
+        try:
+            self._open(None)
+        except BaseException:
+            self._let_go()
+            raise
 
     # -- a trace writer's calls --------------------------------------------------
 
@@ -126,13 +167,16 @@ class SegmentWriter:
             self._check(rec)
         if kind == "step_failed":
             self._failed_step(e if rec is None else rec)
-        if due:   # with its keyframe; without one only when none can be made
-            self._rotate(kf, seq)
-        elif kf is not None:
-            self._put(kf)
-        if step:
-            self._at_step = self.bytes
-        self._put(e)
+        # A Ctrl-C in a rotation waits until the new segment holds this
+        # record: the recording's end then goes to a segment under way.
+        with (_interrupt_held() if due else contextlib.nullcontext()):
+            if due:   # with its keyframe; without one only when none can be made
+                self._rotate(kf, seq)
+            elif kf is not None:
+                self._put(kf)
+            if step:
+                self._at_step = self.bytes
+            self._put(e)
 
     def end_step(self) -> None:
         self.current.end_step()
@@ -158,13 +202,28 @@ class SegmentWriter:
             elif end.status == "interrupted" and self.failed_in != self.current_path:
                 self._trigger("interrupted", "the recording ends interrupted: "
                                              f"{end.error or 'the engine failed'}", last=True)
-        if self._old_handler is not None:
-            signal.signal(DUMP_SIGNAL, self._old_handler)
-            self._old_handler = None
-            (self.folder / PID).unlink(missing_ok=True)
-        if self.current is not None:
-            self.current.finish(end)
-            self.current = None
+        try:
+            if self._listening:
+                # A dump from now on finds no recorder, or one that ignores it:
+                # its default action would end this process.
+                signal.signal(DUMP_SIGNAL, signal.SIG_IGN)
+                (self.folder / PID).unlink(missing_ok=True)
+            if self.current is not None:
+                self.current.finish(end)
+                self.current = None
+        finally:
+            if self._listening:
+                self._listening = False
+                signal.signal(DUMP_SIGNAL, signal.SIG_DFL if self._old_handler is None
+                              else self._old_handler)
+                self._old_handler = None
+            self._let_go()
+
+    def _let_go(self) -> None:
+        """Let go of the directory, if it was claimed here."""
+        if self._claim is not None:
+            os.close(self._claim)
+            self._claim = None
 
     def listen(self) -> bool:
         """Pin the segments at hand when this process gets SIGUSR2 ('kvtrace
@@ -177,7 +236,8 @@ class SegmentWriter:
             self.asked = DUMPED
 
         self._old_handler = signal.signal(DUMP_SIGNAL, asked)
-        (self.folder / PID).write_text(f"{os.getpid()}\n")
+        self._listening = True
+        (self.folder / PID).write_text(pid_line(os.getpid()))
         return True
 
     def heed(self) -> None:
@@ -194,7 +254,7 @@ class SegmentWriter:
         if exc is None:
             self.close()
         else:
-            self.close(status="interrupted", error=f"{type(exc).__name__}: {exc}")
+            self.close(status="interrupted", error=interrupted_by(exc))
 
     # -- triggers ----------------------------------------------------------------
 
@@ -340,6 +400,10 @@ class SegmentWriter:
             tmp.write_bytes(orjson.dumps(self.pinned, option=orjson.OPT_INDENT_2))
             os.replace(tmp, self.folder / PINS)
         except OSError as e:
+            try:
+                tmp.unlink(missing_ok=True)   # a full disk leaves it cut short
+            except OSError:
+                pass
             if not self.pins_failed:
                 self.pins_failed = True
                 self.on_pin(f"cannot write {self.folder / PINS}: {e.strerror or e}; the pins "

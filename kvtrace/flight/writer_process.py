@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
             # ``fd`` (the directory, locked) stays open until this process
             # ends: whoever started the engine waits on its lock.
             w = SegmentWriter(path, header, segment or ring // 8, ring, every,
-                              open_file=TraceWriter, on_pin=writer_process.say)
+                              open_file=TraceWriter, on_pin=writer_process.say, fd=fd)
             w.listen()   # kvtrace dump PATH
             return w
 

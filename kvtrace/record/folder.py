@@ -92,6 +92,8 @@ def open_folder(path: str | os.PathLike) -> int:
     (``flock``) as a trace file is while its writer writes it: whoever
     started the engine waits on that lock (``detached.wait_for_writers``)."""
     folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{folder} is a file: a ring writes a directory of segments there")
     folder.mkdir(parents=True, exist_ok=True)
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -119,21 +121,50 @@ class NoRecorder(ValueError):
     """No live recorder writes the directory: the message says why."""
 
 
+def pid_line(pid: int) -> str:
+    """What ``recorder.pid`` holds for the recorder ``pid``: its pid and the
+    moment it started (``process_start``), which a pid used again does not
+    share."""
+    start = process_start(pid)
+    return f"{pid}\n" if start is None else f"{pid} {start}\n"
+
+
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (field 22 of
+    /proc/PID/stat); None when it is gone or there is no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def recorder_of(folder: str | os.PathLike) -> int:
-    """The pid of the recorder writing ``folder``; NoRecorder when none does
-    (no pid file, not a pid, or a process that runs no kvtrace: a recorder
-    killed leaves its pid file behind, and the pid may be another's now)."""
+    """The pid of the recorder writing ``folder``; NoRecorder when none does:
+    no pid file, not a pid, nobody holds the directory's lock
+    (``open_folder``), or the pid is no longer the recorder's (a recorder
+    killed leaves its pid file behind, and the pid may be another's now:
+    its start differs from the one the file says)."""
     folder = Path(folder)
     try:
         text = (folder / PID).read_bytes()[:64].decode("ascii", "replace").strip()
     except OSError:
         raise NoRecorder(f"{folder}: no recorder is writing here (no {PID})") from None
-    if not (text.isascii() and text.isdigit() and 0 < int(text) < 2 ** 22):
+    fields = text.split()
+    if not (1 <= len(fields) <= 2 and all(f.isascii() and f.isdigit() for f in fields)
+            and 0 < int(fields[0]) < 2 ** 22):
         raise NoRecorder(f"{folder / PID}: not a process id: {text[:40]!r}")
-    pid = int(text)
+    pid = int(fields[0])
+    stale = (f"{folder}: process {pid} is not a kvtrace recorder (a recorder killed leaves "
+             f"{PID} behind)")
+    if not holds_lock(folder):
+        raise NoRecorder(f"{folder}: no recorder holds it: {PID} (pid {pid}) is left from a "
+                         "recorder that ended")
+    if len(fields) == 2 and process_start(pid) not in (int(fields[1]), None):
+        raise NoRecorder(stale)
     if not runs_kvtrace(pid):
-        raise NoRecorder(f"{folder}: process {pid} is not a kvtrace recorder (a recorder "
-                         f"killed leaves {PID} behind)")
+        raise NoRecorder(stale)
     return pid
 
 
@@ -146,6 +177,24 @@ def runs_kvtrace(pid: int) -> bool:
         return False
     except OSError:   # no /proc here: the pid file is all there is
         return True
+
+
+def holds_lock(folder: str | os.PathLike) -> bool:
+    """Whether a recorder holds the directory ``folder`` (its lock,
+    ``open_folder``); True where it cannot be told (no locks there)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return True   # a file system without locks
+    finally:
+        os.close(fd)   # lets go of a lock taken here
+    return False
 
 
 def ask_pin(folder: str | os.PathLike, why: str | None = None) -> int:

@@ -34,7 +34,7 @@ from pathlib import Path
 from kvtrace.record.ring import DEFAULT_SIZE
 from kvtrace.record.sink import ENV_RING, ENV_WRITER, WriterProcessError, start_writer
 from kvtrace.trace.events import End, Header, encode
-from kvtrace.trace.io import TraceWriter
+from kvtrace.trace.io import TraceWriter, interrupted_by
 
 logger = logging.getLogger("kvtrace.record")
 
@@ -122,7 +122,7 @@ class StepWriter:
             self.close()
             return
         try:
-            self.close(status="interrupted", error=f"{type(exc).__name__}: {exc}")
+            self.close(status="interrupted", error=interrupted_by(exc))
         except Exception:   # the error on its way out says more
             pass
 

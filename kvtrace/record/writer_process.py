@@ -298,7 +298,10 @@ def _detach() -> None:
     the child, the writer, is left to init, outside the engine's process tree."""
     pid = os.fork()
     if pid:
-        os.write(sys.stdout.fileno(), b"%d\n" % pid)
+        try:
+            os.write(sys.stdout.fileno(), b"%d\n" % pid)
+        except OSError:
+            pass   # the engine is gone (killed): nobody reads it, and the writer goes on
         os._exit(0)
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, sys.stdout.fileno())   # the engine has read what it wanted there

@@ -23,6 +23,13 @@ from .events import End, Event, Header, encode
 CLAIM_WAIT_S = 0.5
 
 
+def interrupted_by(exc: BaseException) -> str:
+    """The end record's error for a recording that ``exc`` interrupted: its
+    type and message, or, without a message (Ctrl-C), what happened."""
+    said = str(exc).strip()
+    return f"{type(exc).__name__}: {said}" if said else f"interrupted ({type(exc).__name__})"
+
+
 class TraceBusy(OSError):
     """Another writer holds the trace: a second recording into one file."""
 
@@ -166,4 +173,4 @@ class TraceWriter:
         if exc is None:
             self.close()
         else:
-            self.close(status="interrupted", error=f"{type(exc).__name__}: {exc}")
+            self.close(status="interrupted", error=interrupted_by(exc))

@@ -20,6 +20,7 @@ from kvtrace.engine import build_workload, record_embedded, record_workload
 from kvtrace.engine.scheduler import EngineScheduler
 from kvtrace.flight import KeyframingWriter, SegmentWriter, segment_files
 from kvtrace.flight.replay import replay_folder
+from kvtrace.record.folder import open_folder, pid_line, process_start, recorder_of
 from kvtrace.record.step_writer import StepWriter, open_step_writer
 from kvtrace.replay import replay_file
 from kvtrace.replay.keyframes import replay_from
@@ -317,13 +318,62 @@ def test_a_ring_too_small_for_one_segment_says_so(tmp_path):
 
 def test_dump_signals_no_process_but_a_recorder(tmp_path, capsys):
     sleeper = subprocess.Popen(["sleep", "30"])
+    claim = open_folder(tmp_path)   # as a recorder holds it
     try:
         (tmp_path / "recorder.pid").write_text(f"{sleeper.pid}\n")
         code, _, err = run(capsys, "dump", tmp_path)
         assert code == 2 and "is not a kvtrace recorder" in err
         assert sleeper.poll() is None   # alive: not signalled
     finally:
+        os.close(claim)
         sleeper.kill()
+
+
+def _stand_in(tmp_path):
+    """A process that is no recorder and whose command line says kvtrace, as
+    a 'tail -f' of a log under a kvtrace folder does."""
+    logs = tmp_path / "kvtrace-logs"
+    logs.mkdir()
+    (logs / "engine.log").touch()
+    proc = subprocess.Popen(["tail", "-f", str(logs / "engine.log")])
+    deadline = time.monotonic() + 30
+    while b"kvtrace" not in Path(f"/proc/{proc.pid}/cmdline").read_bytes():   # once exec'd
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    return proc
+
+
+def test_dump_on_a_pid_file_no_recorder_holds_signals_nothing(tmp_path, capsys):
+    folder = tmp_path / "ring"
+    folder.mkdir()
+    other = _stand_in(tmp_path)
+    try:
+        (folder / "recorder.pid").write_text(f"{other.pid}\n")   # a killed recorder's
+        code, out, err = run(capsys, "dump", folder)
+        assert code == 2 and "no recorder holds it" in err and len(err.splitlines()) == 1
+        time.sleep(0.2)
+        assert other.poll() is None   # alive: not signalled
+    finally:
+        other.kill()
+
+
+def test_dump_on_a_pid_used_again_signals_nothing(tmp_path, capsys):
+    folder = tmp_path / "ring"
+    claim = open_folder(folder)   # a recorder holds it, but the pid is another's now
+    other = _stand_in(tmp_path)
+    try:
+        start = process_start(other.pid)
+        (folder / "recorder.pid").write_text(f"{other.pid} {start - 1}\n")
+        code, out, err = run(capsys, "dump", folder)
+        assert code == 2 and "is not a kvtrace recorder" in err and len(err.splitlines()) == 1
+        time.sleep(0.2)
+        assert other.poll() is None   # alive: not signalled
+        # Its own start, as a recorder writes it (pid_line): that one is asked.
+        (folder / "recorder.pid").write_text(pid_line(other.pid))
+        assert recorder_of(folder) == other.pid
+    finally:
+        os.close(claim)
+        other.kill()
 
 
 @pytest.mark.parametrize("size", ["0.5", "1e999MB", "-5MB", "MB", "lots"])

@@ -143,7 +143,7 @@ def test_dump_and_a_reason_asked_reach_the_writer_process_at_once(tmp_path, capf
     fed = Fed(folder, header)
     _feed_all(fed, records[:40])
     fed.wait_for(lambda: (folder / "recorder.pid").exists())
-    pid = int((folder / "recorder.pid").read_text())
+    pid = int((folder / "recorder.pid").read_text().split()[0])
     assert pid == fed.proc.pid
     assert cli.run(["dump", str(folder)]) == 0
     # The engine idles: the writer pins at once, at no record.

@@ -4,6 +4,7 @@ recorder writing it."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -50,6 +51,7 @@ def test_a_pin_is_asked_of_a_live_kvtrace_process_only(tmp_path):
     with pytest.raises(folder.NoRecorder, match="not a process id"):
         folder.ask_pin(tmp_path)
     sleeper = subprocess.Popen(["sleep", "30"])
+    claim = folder.open_folder(tmp_path)   # as a recorder holds it
     try:
         (tmp_path / folder.PID).write_text(f"{sleeper.pid}\n")
         with pytest.raises(folder.NoRecorder, match="is not a kvtrace recorder"):
@@ -57,6 +59,7 @@ def test_a_pin_is_asked_of_a_live_kvtrace_process_only(tmp_path):
         assert sleeper.poll() is None   # never signalled
         assert folder.take_reasons(tmp_path) == []   # and no reason left behind
     finally:
+        os.close(claim)
         sleeper.kill()
 
 
