@@ -27,7 +27,6 @@ from kvtrace.replay.split import (Unsplittable, check_content, merge, plan_split
                                   report_key)
 from kvtrace.report.terminal import replay_json
 from kvtrace.trace import TraceReader, TraceWriter
-from kvtrace.trace import events as ev
 from kvtrace.trace.scan import keyframe_lines
 
 from tests._paths import REPO
@@ -140,16 +139,19 @@ def test_pieces_after_the_stop_only_count(stops, tmp_path):
     assert pieces[-1] in stubs and serial.end is not None
 
 
-def test_a_report_made_in_one_piece_is_taken_back_in_a_later_one(tmp_path):
+@pytest.mark.parametrize("every", [5, 8])
+def test_a_report_made_in_one_piece_is_taken_back_in_a_later_one(every, tmp_path):
     """q5 is preempted PREEMPT_LIMIT times without a token by step 48 (the
     preemption loop of docs/findings.md), then q4 is aborted at step 60 and
     q5 gets through: its report is taken back. With a piece starting between
-    the two, the later piece takes back its copy of the report."""
+    the two, the later piece takes back its copy of the report. (Every 8
+    steps, a keyframe comes right before step 48's record: the keyframes
+    after it hold the report with the line it has in the trace.)"""
     wl = dataclasses.replace(preemption_loop_workload(), aborts=(PlannedAbort(60, "q4"),))
     src = tmp_path / "thrash.jsonl"
     record_workload(src, wl, counters="prefill_stats")
     kf = tmp_path / "kf.jsonl"
-    add_keyframes(src, kf, 5)
+    add_keyframes(src, kf, every)
     serial, pieces = _same(kf, None, jobs=6)
     later = [p for p in pieces if p.taken_back_earlier]
     assert later and later[0].start > min(p.start or 0 for p in pieces if p.divergences)
