@@ -4,6 +4,7 @@ shadow-KV check and without it.
 
     python -m bench.split                        # 20,000 requests, a keyframe every 1,000 steps
     python -m bench.split --requests 5000 --every 500 --rounds 1
+    python -m bench.split --trace T --jobs 2 4     # a trace with keyframes, made before
 
 The trace is the embedded engine's steady serving run (bench/phases.py's
 ``scale_workload``: about eight requests running, preemptions now and then),
@@ -73,27 +74,53 @@ def _make(work: Path, requests: int, every: int) -> tuple[Path, dict]:
                 "keyframes_s": time.perf_counter() - t, "bytes": kf.stat().st_size}
 
 
+_PIECES: dict[int, list[float]] = {}   # jobs -> each piece's CPU seconds (with or without the check)
+
+
 def _bounds(trace: Path, jobs: int, kv: bool) -> dict:
-    """What a split on ``jobs`` processes cannot share out, timed here."""
-    from kvtrace.replay.split import check_content, plan_split
+    """What a split on ``jobs`` processes cannot share out, and the CPU time
+    of each of its jobs, timed here one at a time (process time, so that
+    others' load does not count)."""
+    from kvtrace.replay.split import check_content, plan_split, replay_piece
     from kvtrace.trace import TraceReader
     from kvtrace.trace.scan import keyframe_lines
 
-    t = time.perf_counter()
+    t = time.process_time()
     keyframe_lines(trace)
-    scan = time.perf_counter() - t
+    scan = time.process_time() - t
     split = plan_split(str(trace), jobs, "cpu" if kv else None)
-    t = time.perf_counter()
+    t = time.process_time()
     with TraceReader(trace) as reader:
         reader.skip_to(split.pieces[-1].start)
         next(iter(reader))
-    skip = time.perf_counter() - t
+    skip = time.process_time() - t
+    if jobs not in _PIECES:
+        _PIECES[jobs] = []
+        for piece in split.pieces:
+            t = time.process_time()
+            replay_piece(piece)
+            _PIECES[jobs].append(time.process_time() - t)
     content = None
     if kv:
-        t = time.perf_counter()
+        t = time.process_time()
         check_content(split.content)
-        content = time.perf_counter() - t
-    return {"pieces": len(split.pieces), "scan": scan, "skip": skip, "content": content}
+        content = time.process_time() - t
+    tasks = ([content] if kv else []) + _PIECES[jobs]
+    ends = [0.0] * jobs   # the pool's order: each job to the first process free
+    for task in tasks:
+        ends[ends.index(min(ends))] += task
+    return {"pieces": _PIECES[jobs], "scan": scan, "skip": skip, "content": content,
+            "idle": scan + max(ends)}
+
+
+def _main_cpu(trace: Path, kv: bool) -> float:
+    """CPU seconds of a serial replay's own process (its workers, as it
+    chooses them, not counted), in this process."""
+    from kvtrace.replay import replay_file
+
+    t = time.process_time()
+    replay_file(trace, device="cpu" if kv else None)
+    return time.process_time() - t
 
 
 def _row(name: str, figure: str, limit: str = "") -> tuple[str, str, str]:
@@ -115,8 +142,11 @@ def measure(trace: Path, kv: bool, jobs_list: list[int], rounds: int) -> list[tu
             outputs[jobs], notes[jobs] = out, err.strip()
     what = "with the KV check" if kv else "without the KV check"
     serial, serial_cpu = best[None]
-    rows = [_row(f"serial replay, {what}", f"{serial:.2f} s, CPU {serial_cpu:.2f} s "
-                                           f"(loads {'; '.join(loads[None])})")]
+    main = _main_cpu(trace, kv)
+    rows = [_row(f"serial replay, {what}",
+                 f"{serial:.2f} s, CPU {serial_cpu:.2f} s (loads {'; '.join(loads[None])}); its "
+                 f"main process alone, timed here: {main:.2f} s of CPU (its workers, if any, run "
+                 "beside it: on idle cores, about its wall time)")]
     for jobs in jobs_list:
         b = _bounds(trace, jobs, kv)
         same = "the same JSON" if outputs[jobs] == outputs[None] else "A DIFFERENT JSON"
@@ -125,10 +155,14 @@ def measure(trace: Path, kv: bool, jobs_list: list[int], rounds: int) -> list[tu
                  f"the last piece's skip to its keyframe {b['skip']:.2f} s"]
         if b["content"] is not None:
             floor.append(f"the content check of the whole trace, one job, {b['content']:.2f} s")
+        floor.append(f"the pieces {min(b['pieces']):.2f}-{max(b['pieces']):.2f} s each (sum "
+                     f"{sum(b['pieces']):.2f} s); all of these CPU times, one at a time; on "
+                     f"{jobs} idle cores in the pool's order: {b['idle']:.2f} s = "
+                     f"{main / b['idle']:.2f}x the serial main process's CPU time")
         target = TARGETS.get(jobs)
         wall, cpu = best[jobs]
         rows.append(_row(
-            f"split, -j {jobs} ({b['pieces']} pieces), {what}",
+            f"split, -j {jobs} ({len(b['pieces'])} pieces), {what}",
             f"{wall:.2f} s = {serial / wall:.2f}x the serial replay, {same}"
             f"{'; said: ' + notes[jobs] if notes[jobs] else ''}; CPU {cpu:.2f} s = "
             f"{cpu / serial_cpu:.2f}x the serial's (loads {'; '.join(loads[jobs])}); bounds: "
@@ -145,21 +179,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--no-kv", action="store_true", help="only without the content check")
     p.add_argument("--dir", default=None, help="where to write the traces (default: a temp dir)")
+    p.add_argument("--trace", type=Path, default=None,
+                   help="replay this trace with keyframes instead of making one")
     a = p.parse_args(argv)
     jobs_list = a.jobs or sorted({2, os.cpu_count() or 1})
-    work = Path(a.dir or tempfile.mkdtemp(prefix="kvtrace-split-"))
-    work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    trace, made = _make(work, a.requests, a.every)
-    rows = [_row("trace", f"{a.requests:,} requests, {made['steps']:,} steps, "
-                          f"{made['keyframes']} keyframes (every {a.every} steps), "
-                          f"{made['bytes'] / 1e6:.1f} MB zstd; the engine {made['engine_s']:.1f} s, "
-                          f"adding keyframes {made['keyframes_s']:.1f} s")]
+    if a.trace is None:
+        work = Path(a.dir or tempfile.mkdtemp(prefix="kvtrace-split-"))
+        work.mkdir(parents=True, exist_ok=True)
+        trace, made = _make(work, a.requests, a.every)
+        said = (f"{a.requests:,} requests, {made['steps']:,} steps, {made['keyframes']} "
+                f"keyframes (every {a.every} steps), {made['bytes'] / 1e6:.1f} MB; the engine "
+                f"{made['engine_s']:.1f} s, adding keyframes {made['keyframes_s']:.1f} s")
+    else:
+        trace, said = a.trace, f"{a.trace.stat().st_size / 1e6:.1f} MB"
+    rows = [_row("trace", f"{trace}: {said}")]
     for kv in (False,) if a.no_kv else (False, True):
         rows += measure(trace, kv, jobs_list, a.rounds)
     width = max(len(r[0]) for r in rows)
-    print(f"kvtrace split replay ({time.perf_counter() - t0:.0f} s on {os.cpu_count()} CPU cores, "
-          f"trace in {work})")
+    print(f"kvtrace split replay ({time.perf_counter() - t0:.0f} s on {os.cpu_count()} CPU cores)")
     for name, figure, limit in rows:
         print(f"  {name:<{width}}  {figure}" + (f"   [target {limit}]" if limit else ""))
     return 0

@@ -68,7 +68,9 @@ def command(traces: tuple[Path, ...], out: Path | None, as_json: bool, device: s
     """Replay TRACE through the reference scheduler and report divergences.
 
     Several traces (one per engine rank or replica, say) are replayed in
-    parallel, with one combined report. Exit 0 when every trace matches, 1 when
+    parallel, with one combined report. One trace with keyframes is split at
+    them and its pieces replayed in parallel with -j N, with the report a
+    serial replay gives. Exit 0 when every trace matches, 1 when
     any diverges or replay stopped before its end (an engine assertion), 2 when
     any is unusable, 4 when one holds no step (nothing was checked).
     """

@@ -30,8 +30,8 @@ class KeyframeLines:
 
 def keyframe_lines(path: str | os.PathLike) -> KeyframeLines:
     """The lines of the keyframes of the trace file ``path`` (a regular file:
-    plain, gzip or zstd). Reads up to a damaged stream or the byte limit
-    (``KVTRACE_MAX_BYTES``), whichever comes first."""
+    plain, gzip or zstd), each ended by a line break. Reads up to a damaged
+    stream or the byte limit (``KVTRACE_MAX_BYTES``), whichever comes first."""
     found = KeyframeLines()
     limit = env_bytes(ENV_MAX_BYTES, MAX_TOTAL_BYTES)
     mark, keep = KEYFRAME_START, len(KEYFRAME_START) - 1
@@ -58,6 +58,9 @@ def keyframe_lines(path: str | os.PathLike) -> KeyframeLines:
                 found.whole = False
         finally:
             fh.close()
+    while found.lines and found.lines[-1] > newlines:   # cut off: no line break ends it
+        found.lines.pop()
+        found.offsets.pop()
     return found
 
 

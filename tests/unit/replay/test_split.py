@@ -85,7 +85,7 @@ def test_a_cut_trace_replays_up_to_the_cut(name, cut, tmp_path):
     data = kf.read_bytes()
     kf.write_bytes(data[:int(len(data) * 0.7)])
     for device in (None, "auto"):
-        serial, pieces = _same(kf, device)
+        serial, pieces = _same(kf, device, jobs=4)
         assert serial.truncation is not None and len(pieces) >= 3
         assert ("cut off mid-record" if name == "t.jsonl" else "ends early") in serial.truncation
 
@@ -104,7 +104,7 @@ def test_a_replay_that_stops_at_an_assertion_stops_there_split_too(stops, tmp_pa
     for device in (None, "auto"):
         serial, pieces = _same(kf, device, jobs=3)
         assert serial.stopped_at is not None and serial.steps < serial.steps_in_trace
-        assert len(pieces) >= 3 and pieces[-1].stopped
+        assert len(pieces) >= 2 and pieces[-1].stopped
 
 
 def _forced(src: Path, dst: Path, every: int) -> None:

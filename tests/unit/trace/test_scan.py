@@ -37,3 +37,13 @@ def test_a_damaged_stream_is_scanned_up_to_the_damage(tmp_path):
     found = keyframe_lines(path)
     assert not found.whole and 0 < found.size < len(text)
     assert found.lines[:len(want)] == want
+
+
+def test_a_keyframe_cut_off_is_not_found(tmp_path):
+    """A trace cut in the middle of a keyframe's line: that keyframe is not
+    one (no reader reads it), those before it are."""
+    text = _keyframed_text(tmp_path)
+    whole = keyframe_lines(_written(tmp_path / "t.jsonl", text))
+    at = whole.offsets[3] + 100
+    found = keyframe_lines(_written(tmp_path / "cut.jsonl", text[:at]))
+    assert found.lines == whole.lines[:3] and found.size == at
