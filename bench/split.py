@@ -74,7 +74,7 @@ def _make(work: Path, requests: int, every: int) -> tuple[Path, dict]:
                 "keyframes_s": time.perf_counter() - t, "bytes": kf.stat().st_size}
 
 
-_PIECES: dict[int, list[float]] = {}   # jobs -> each piece's CPU seconds (with or without the check)
+_PIECES: dict[tuple, list[float]] = {}   # the pieces' lines -> each piece's CPU seconds
 
 
 def _bounds(trace: Path, jobs: int, kv: bool) -> dict:
@@ -94,22 +94,23 @@ def _bounds(trace: Path, jobs: int, kv: bool) -> dict:
         reader.skip_to(split.pieces[-1].start)
         next(iter(reader))
     skip = time.process_time() - t
-    if jobs not in _PIECES:
-        _PIECES[jobs] = []
+    key = tuple((p.start, p.end) for p in split.pieces)
+    if key not in _PIECES:   # the same pieces with the check and without it
+        _PIECES[key] = []
         for piece in split.pieces:
             t = time.process_time()
             replay_piece(piece)
-            _PIECES[jobs].append(time.process_time() - t)
+            _PIECES[key].append(time.process_time() - t)
     content = None
     if kv:
         t = time.process_time()
         check_content(split.content)
         content = time.process_time() - t
-    tasks = ([content] if kv else []) + _PIECES[jobs]
+    tasks = ([content] if kv else []) + _PIECES[key]
     ends = [0.0] * jobs   # the pool's order: each job to the first process free
     for task in tasks:
         ends[ends.index(min(ends))] += task
-    return {"pieces": _PIECES[jobs], "scan": scan, "skip": skip, "content": content,
+    return {"pieces": _PIECES[key], "scan": scan, "skip": skip, "content": content,
             "idle": scan + max(ends)}
 
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import multiprocessing
 import signal
 import traceback
 from array import array
@@ -66,8 +67,9 @@ from .replayer import Replayer
 # which takes one process for much of the run while the others share the pieces.
 PIECES_PER_JOB = {False: 1, True: 2}
 # What skipping a byte of text costs a piece, as a share of what replaying it
-# costs: on bench/split.py's trace about 1/35 from zstd, 1/18 from gzip.
-SKIP_COST = 0.04
+# costs, by the file's compression (bench/split.py's trace: skipping 297 MB of
+# text took 0.15 s from zstd, 0.45 s from gzip; replaying it 10 s).
+SKIP_COST = {"zstd": 0.015, "gzip": 0.045, "plain": 0.01}
 _DATA_PATH = f"{DataPath.__module__}:{DataPath.__qualname__}"
 
 
@@ -171,7 +173,8 @@ def plan_split(path: str, jobs: int, device: str | None, profile: str | None = N
     except TraceError:
         return None
     found = keyframe_lines(path)
-    cuts = _cuts(found.lines, found.offsets, found.size, jobs * PIECES_PER_JOB[bool(how.device)])
+    cuts = _cuts(found.lines, found.offsets, found.size, jobs * PIECES_PER_JOB[bool(how.device)],
+                 SKIP_COST[found.compression])
     if not cuts:
         return None
     bounds = [None, *cuts, None]
@@ -181,14 +184,14 @@ def plan_split(path: str, jobs: int, device: str | None, profile: str | None = N
     return Split(str(path), header, chosen.name, note, pieces, content, how.unchecked)
 
 
-def _cuts(lines: list[int], offsets: list[int], size: int, n: int) -> list[int]:
+def _cuts(lines: list[int], offsets: list[int], size: int, n: int, skip: float) -> list[int]:
     """The lines of at most ``n - 1`` keyframes that cut ``size`` bytes of text
     into ``n`` pieces of about equal cost (``offsets``: where each starts). A
-    piece's cost: its bytes, and SKIP_COST for each byte before it; so the
-    piece after the i-th cut x_i ends at x_i + c - SKIP_COST x_i, which puts
-    x_i at size (1 - r^i) / (1 - r^n), r = 1 - SKIP_COST."""
+    piece's cost: its bytes, and ``skip`` for each byte before it; so the
+    piece after the i-th cut x_i ends at x_i + c - skip x_i, which puts x_i
+    at size (1 - r^i) / (1 - r^n), r = 1 - skip."""
     cuts: list[int] = []
-    r = 1 - SKIP_COST
+    r = 1 - skip
     for i in range(1, n):
         target = size * (1 - r ** i) / (1 - r ** n)
         j = bisect.bisect_left(offsets, target)
@@ -493,7 +496,8 @@ def replay_split(split: Split, jobs: int, progress: Callable[[int], None] | None
     done. Raises as ``merge`` does, as soon as a piece's result says so."""
     results: list[PieceResult | None] = [None] * len(split.pieces)
     with contextlib.ExitStack() as stack:
-        pool = stack.enter_context(ProcessPoolExecutor(max_workers=jobs, initializer=_child))
+        pool = stack.enter_context(ProcessPoolExecutor(max_workers=jobs, initializer=_child,
+                                                       mp_context=_context(split)))
         stack.push(lambda *exc: stop_pool(pool) if exc[0] is not None else None)
         job = pool.submit(check_content, split.content) if split.content is not None else None
         futures = {pool.submit(replay_piece, p): i for i, p in enumerate(split.pieces)}
@@ -506,6 +510,18 @@ def replay_split(split: Split, jobs: int, progress: Callable[[int], None] | None
                 progress(done)
         checked = _outcome(split, job, "the content check") if job is not None else None
     return merge(split, results, checked)
+
+
+def _context(split: Split):
+    """How the pool's processes start: forked from this one, unless the content
+    check runs on torch (this process may have asked CUDA about its devices,
+    and a process forked after that cannot use CUDA): then forked from a
+    server process that imported this module and nothing of torch."""
+    if split.content is None or split.content.device == "numpy":
+        return None
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ctx
 
 
 def _outcome(split: Split, future, what: str):

@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from .files import (ENV_MAX_BYTES, MAX_TOTAL_BYTES, READ_CHUNK, decompressing, env_bytes,
-                    is_stream_damage)
+from .files import (ENV_MAX_BYTES, GZIP_MAGIC, MAX_TOTAL_BYTES, READ_CHUNK, decompressing,
+                    env_bytes, is_stream_damage, is_zstd)
 
 # A keyframe's line as the writer starts it, with the line break before it.
 KEYFRAME_START = b'\n{"kind":"keyframe",'
@@ -26,6 +26,7 @@ class KeyframeLines:
     offsets: list[int] = field(default_factory=list)   # where each starts in the text
     size: int = 0         # bytes of text read (decompressed)
     whole: bool = True    # read to the end (False: a damaged stream, or the byte limit)
+    compression: str = "plain"   # "gzip", "zstd" or "plain"
 
 
 def keyframe_lines(path: str | os.PathLike) -> KeyframeLines:
@@ -37,6 +38,10 @@ def keyframe_lines(path: str | os.PathLike) -> KeyframeLines:
     mark, keep = KEYFRAME_START, len(KEYFRAME_START) - 1
     newlines, tail = 0, b""   # line breaks before the chunk; the last bytes before it
     with open(path, "rb") as raw:
+        magic = raw.read(4)
+        raw.seek(0)
+        found.compression = ("gzip" if magic[:2] == GZIP_MAGIC else
+                             "zstd" if is_zstd(magic) else "plain")
         fh = decompressing(raw)
         read = getattr(fh, "read1", fh.read)
         try:

@@ -267,3 +267,17 @@ def test_a_killed_piece_is_an_internal_error(tmp_path, capsys, monkeypatch):
     code, out, err = run(capsys, "replay", kf, "-j", "2")
     assert code == 3 and out == ""
     assert "internal error" in err and "ended before piece" in err and "killed" in err
+
+
+def test_the_content_check_on_torch_runs_in_processes_that_did_not_fork_from_this_one(tmp_path):
+    """With the check on torch (CUDA cannot be used in a process forked after
+    its parent asked CUDA about its devices), the pool's processes start from
+    a server process: the report is the same."""
+    kf = _keyframed(REPO / "traces" / "faults" / "stale-computed-on-preempt.jsonl.gz",
+                    tmp_path / "kf.jsonl.gz")
+    split = plan_split(str(kf), 2, "torch-cpu")
+    assert split.content.device == "cpu" and split_module._context(split) is not None
+    merged = split_module.replay_split(split, 2)
+    serial = replay_file(kf, device="torch-cpu")
+    assert replay_json(merged, str(kf)) == replay_json(serial, str(kf))
+    assert merged.device == "cpu" and merged.slots_checked > 0

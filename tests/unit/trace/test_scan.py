@@ -24,6 +24,7 @@ def test_the_keyframes_found_are_those_a_reader_reads(tmp_path, monkeypatch, nam
     found = keyframe_lines(path)
     assert len(want) >= 5 and found.lines == want
     assert found.size == len(text) and found.whole
+    assert found.compression == {"t.jsonl": "plain", "t.jsonl.gz": "gzip", "t.jsonl.zst": "zstd"}[name]
     assert all(text[at - 1:at + 19] == b'\n{"kind":"keyframe",' for at in found.offsets)
     assert [text.count(b"\n", 0, at) + 1 for at in found.offsets] == want
 
