@@ -152,7 +152,8 @@ def test_a_report_made_in_one_piece_is_taken_back_in_a_later_one(every, tmp_path
     record_workload(src, wl, counters="prefill_stats")
     kf = tmp_path / "kf.jsonl"
     add_keyframes(src, kf, every)
-    serial, pieces = _same(kf, None, jobs=6)
+    serial, pieces = _same(kf, None, jobs=40)   # a piece from each keyframe
+    assert len(pieces) == len(keyframe_lines(kf).lines) + 1
     later = [p for p in pieces if p.taken_back_earlier]
     assert later and later[0].start > min(p.start or 0 for p in pieces if p.divergences)
     made = [d for p in pieces for d in p.divergences
