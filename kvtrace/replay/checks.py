@@ -127,6 +127,7 @@ def compare_states(step: int, states: list[ev.RequestState], sched: Scheduler,
                 and s.status == _STATUS_NAMES[r.status] and s.num_preemptions == r.num_preemptions
                 and s.block_ids == blocks and (more is None or s.more_groups == more(s.req))):
             continue
+        blocks = list(blocks)   # a divergence keeps it; the table changes later
         if more is not None and s.more_groups != more(s.req):
             divs.append(Divergence(step, s.req, "state.more_groups", s.more_groups, more(s.req),
                                    _GROUPS_RULE, "block", seq, line))

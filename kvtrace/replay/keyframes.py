@@ -138,8 +138,10 @@ class Keyframer:
         self.found: list = []   # the divergences the last record showed
 
     def feed(self, e, line: int | None = None, force: bool = False) -> ev.Keyframe | None:
-        """Show the record ``e``; returns the keyframe to write before it, if
-        any (``force``: before any step record, whatever its number)."""
+        """Show the record ``e``, whose line in the trace written is ``line``
+        (the keyframe returned not counted); returns the keyframe to write
+        before it, if any (``force``: before any step record, whatever its
+        number)."""
         kf = None
         due = type(e) is ev.Step and (force or (e.step and not e.step % self.every))
         if due and not self.replayer.stopped:
@@ -151,7 +153,9 @@ class Keyframer:
                              {"stopped": self.replayer.stopped}, **self.records.for_keyframe())
         if type(e) is not ev.Keyframe:
             self.records.check(e)
-            self.replayer.feed(e, line)
+            # The line it has after the keyframe: what a replay of the trace
+            # written says of it (a preemption-loop report the keyframes carry).
+            self.replayer.feed(e, line + 1 if kf is not None and line is not None else line)
         # What this record showed wrong (a trigger for a flight recorder); a
         # keyframe keeps no divergence, so the list never grows.
         self.found = self.replayer.divergences
@@ -266,18 +270,21 @@ def add_keyframes(src: str | os.PathLike, dst: str | os.PathLike, every: int,
         writer = TraceWriter(dst, header, fd=dest.take_fd())
         steps = 0
         end = None
+        line = 1   # the last line written: the header's
         for e in reader:
             if type(e) is ev.End:
                 end = e
                 break
             if type(e) is ev.Keyframe:
                 continue
-            kf = keyframer.feed(e, reader.last_line)
+            kf = keyframer.feed(e, line + 1)
             if kf is not None:
                 writer.write(kf)
+                line += 1
             if type(e) is ev.Step:
                 steps = e.step + 1
             writer.write(e)
+            line += 1
         writer.finish(end)
     except BaseException:
         if dest is not None:

@@ -56,7 +56,7 @@ def replay_many(paths: list[str], device: str | None, profile: str | None, jobs:
             done = map(task, work)
         else:
             pool = stack.enter_context(ProcessPoolExecutor(max_workers=jobs))
-            stack.push(lambda *exc: _stop_pool(pool) if exc[0] is not None else None)
+            stack.push(lambda *exc: stop_pool(pool) if exc[0] is not None else None)
             done = pool.map(task, work)
         for i, result in enumerate(done):   # in the order given
             results.append(result)
@@ -65,7 +65,7 @@ def replay_many(paths: list[str], device: str | None, profile: str | None, jobs:
     return results
 
 
-def _stop_pool(pool: ProcessPoolExecutor) -> None:
+def stop_pool(pool: ProcessPoolExecutor) -> None:
     """Interrupted (SIGTERM reaches this process alone, not the workers, as
     Ctrl-C does): stop the replays still running rather than wait for them."""
     pool.shutdown(wait=False, cancel_futures=True)

@@ -154,6 +154,11 @@ class Replayer:
         if back:
             self.divergences = [d for d in self.divergences if id(d) not in back]
 
+    def taken_back(self) -> list[Divergence]:
+        """The preemption-loop reports ``finish`` will take back so far (those
+        of requests that got through after all), left in place."""
+        return list(self._progress.got_through)
+
     def close(self) -> None:
         """Stop a content worker that is still running (replay ended early)."""
         if self.content is not None:

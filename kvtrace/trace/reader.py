@@ -64,6 +64,7 @@ class TraceReader:
         self.bytes_read = 0
         self._grown = False   # the file grew past where this reader found its end
         self._written = False   # a writer held the file when this reader found its end
+        self._skip_to: int | None = None   # the line iteration starts at (skip_to)
         try:
             if shared is None:
                 self._file = SharedFile(open_read(self.path))
@@ -104,6 +105,14 @@ class TraceReader:
         if self._file.end is None:
             self._file.end = SharedEnd()
         return self._file.fd, self._file.end.fd
+
+    def skip_to(self, line: int) -> None:
+        """Start iteration at ``line``: the lines between the header and it are
+        passed over unread, neither decoded nor checked (another reader of the
+        same file checks them: a replay split at keyframes). Line numbers, the
+        byte limit and a cut are counted as in a reading of every line. Call it
+        before iterating."""
+        self._skip_to = line
 
     def _read_header(self) -> Header:
         try:
@@ -175,10 +184,14 @@ class TraceReader:
                 raise TraceError(self.path, lineno + 1,
                                  f"more than {max_total} bytes of trace data; refusing to read on "
                                  f"(a decompression bomb? set {ENV_MAX_BYTES} to allow more)")
-            if not pieces and chunk.isspace():   # a run of blank lines
+            start = 0
+            if self._skip_to is not None:   # lines passed over (skip_to)
+                start, lineno = self._pass_over(chunk, start, lineno)
+                if start < 0:
+                    continue
+            if not start and not pieces and chunk.isspace():   # a run of blank lines
                 lineno += chunk.count(b"\n")
                 continue
-            start = 0
             while True:
                 nl = chunk.find(b"\n", start)
                 if nl < 0:
@@ -212,6 +225,10 @@ class TraceReader:
                 if raw.isspace():
                     continue
                 yield lineno, raw, True
+                if self._skip_to is not None:
+                    start, lineno = self._pass_over(chunk, start, lineno)
+                    if start < 0:
+                        break
         if pieces:
             raw = b"".join(pieces)
             if not raw.isspace():
@@ -224,6 +241,21 @@ class TraceReader:
         if kind == "keyframe" and self._limits is not None:
             return max(max_line, self._limits.by_kind["keyframe"])
         return max_line
+
+    def _pass_over(self, chunk: bytes, start: int, lineno: int) -> tuple[int, int]:
+        """``skip_to`` in ``chunk`` from ``start``, after line ``lineno``: (where
+        the line asked for starts in it, or -1 when that lies past it; the
+        last line passed)."""
+        need = self._skip_to - 1 - lineno   # line breaks to pass
+        if need > 0:
+            n = chunk.count(b"\n", start)
+            if n < need:
+                return -1, lineno + n
+            for _ in range(need):
+                start = chunk.find(b"\n", start) + 1
+            lineno += need
+        self._skip_to = None
+        return start, lineno
 
     def _too_long(self, limit: int) -> str:
         held = self._limits

@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from array import array
 from collections import deque
 from pathlib import Path
 from multiprocessing.connection import Connection
@@ -231,6 +232,47 @@ def _serve(path: str, device: str, validate: str, keeps_sampled: str,
         # The record that raised: the steps before it count.
         worker.failed(reader.last_line if reader is not None else 0, f"{type(error).__name__}: {error}")
     return worker.last_reports()
+
+
+class WholeCheck:
+    """The content check of a whole trace run in this process as the worker
+    runs it (``check_whole``), its reports kept rather than sent: per step, in
+    step order, its line, the slots and states checked and whether loads were
+    assumed so far (as the step was queued), and its divergences where it has
+    any (by the step's place in that order)."""
+
+    def __init__(self) -> None:
+        self.device: str | None = None   # None: the check never started
+        self.lines = array("q")
+        self.slots = array("q")
+        self.states = array("q")
+        self.assumed = bytearray()
+        self.found: dict[int, list[Divergence]] = {}
+        self.end: dict | None = None     # the worker's end report (where and why it stopped)
+
+    def send(self, msg: tuple) -> None:
+        """A message the worker would send (``_Worker``)."""
+        if msg[0] == "device":
+            self.device = msg[1]
+        elif msg[0] == "ready":
+            for line, divs, slots, states, assumed in msg[1]:
+                if divs:
+                    self.found[len(self.lines)] = divs
+                self.lines.append(line)
+                self.slots.append(slots)
+                self.states.append(states)
+                self.assumed.append(bool(assumed))
+        else:
+            self.end = msg[1]
+
+
+def check_whole(path: str, device: str, session_keeps_sampled: bool = False) -> WholeCheck:
+    """The content check of the whole trace ``path``, in this process, as the
+    worker runs it (it trusts another reader with the checks across records)."""
+    kept = WholeCheck()
+    for msg in _serve(path, device, "0", "1" if session_keeps_sampled else "0", None, kept):
+        kept.send(msg)
+    return kept
 
 
 class _Worker:

@@ -681,3 +681,73 @@ def test_a_cut_trace_ends_alike_when_checked_elsewhere(tmp_path, cut):
     assert [e.seq for e in other.checked_elsewhere(_Gate())] == want
     assert other.truncation == alone.truncation and alone.truncation is not None
     assert other.last_line == alone.last_line and other.end is alone.end is None
+
+
+def _keyframed_text(tmp_path: Path) -> bytes:
+    """A stored trace with keyframes (long lines) and blank lines, as text."""
+    from kvtrace.replay.keyframes import add_keyframes
+
+    kf = tmp_path / "kf.jsonl"
+    add_keyframes(REPO / "traces" / "preemption.jsonl.gz", kf, 20)
+    lines = kf.read_bytes().splitlines(keepends=True)
+    for i, blank in ((40, b"\n" * 250), (7, b"  \n\n"), (3, b"\n")):   # blank lines count
+        lines.insert(i, blank)
+    return b"".join(lines)
+
+
+def _written(path: Path, text: bytes) -> Path:
+    if path.name.endswith(".gz"):
+        path.write_bytes(gzip.compress(text))
+    elif path.name.endswith(".zst"):
+        import zstandard
+
+        path.write_bytes(zstandard.ZstdCompressor().compress(text))
+    else:
+        path.write_bytes(text)
+    return path
+
+
+def _read(path: Path, start: int | None = None, validate: bool = False):
+    """(line, event) of each record of ``path`` from line ``start``, and the cut."""
+    with TraceReader(path, validate=validate) as r:
+        if start is not None:
+            r.skip_to(start)
+        got = [(r.last_line, e) for e in r]
+    return got, r.truncation
+
+
+@pytest.mark.parametrize("name", ["t.jsonl", "t.jsonl.gz", "t.jsonl.zst"])
+@pytest.mark.parametrize("chunk", [97, 1 << 20])
+def test_skip_to_a_line_reads_on_as_a_reading_of_every_line_does(tmp_path, monkeypatch, name,
+                                                                 chunk):
+    """From every fifth line and the last ones (in chunks of 97 bytes, lines
+    run across chunks and several fit in one): the same records, with the
+    same lines, as a reading of every line gives from that line on; a line
+    past the end gives none."""
+    monkeypatch.setattr("kvtrace.trace.reader.READ_CHUNK", chunk)
+    text = _keyframed_text(tmp_path)
+    path = _written(tmp_path / name, text)
+    whole, _ = _read(path)
+    assert len(whole) > 250
+    lines = text.count(b"\n")
+    for start in [*range(2, lines, 5), *range(lines - 3, lines + 3)]:
+        assert _read(path, start)[0] == [(n, e) for n, e in whole if n >= start], start
+
+
+@pytest.mark.parametrize("name", ["t.jsonl", "t.jsonl.gz"])
+def test_skip_to_a_keyframe_reads_the_rest_checked_and_the_same_cut(tmp_path, monkeypatch, name):
+    """Started at a keyframe, the records after it pass every check; a cut
+    (a line cut off, a compressed stream that ends early) is said in the same
+    words as by a reading of every line."""
+    monkeypatch.setattr("kvtrace.trace.reader.READ_CHUNK", 97)
+    text = _keyframed_text(tmp_path)
+    cut = text[: int(len(text) * 0.8)] if name.endswith(".jsonl") else text
+    path = _written(tmp_path / name, cut)
+    if name.endswith(".gz"):
+        path.write_bytes(path.read_bytes()[: int(path.stat().st_size * 0.8)])
+    whole, truncation = _read(path, validate=True)
+    keyframes = [n for n, e in whole if e.kind == "keyframe"]
+    assert len(keyframes) >= 3 and truncation is not None
+    for start in keyframes:
+        assert _read(path, start, validate=True) == ([(n, e) for n, e in whole if n >= start],
+                                                     truncation)
