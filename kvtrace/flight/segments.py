@@ -237,7 +237,9 @@ class SegmentWriter:
 
         self._old_handler = signal.signal(DUMP_SIGNAL, asked)
         self._listening = True
-        (self.folder / PID).write_text(pid_line(os.getpid()))
+        tmp = self.folder / f".{PID}.tmp"   # whole or not at all: 'kvtrace dump' may read it now
+        tmp.write_text(pid_line(os.getpid()))
+        os.replace(tmp, self.folder / PID)
         return True
 
     def heed(self) -> None:

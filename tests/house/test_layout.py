@@ -34,7 +34,7 @@ RULES = {
     # rules: the catalogue of rule ids, which imports nothing
     "report": {"trace", "findings", "results", "rules", "writing", "_text"},
     # the flight recorder: keyframes as a trace is written, segments, their replay
-    "flight": {"trace", "record", "replay", "reference", "bridge", "results"},
+    "flight": {"trace", "record", "replay", "reference", "bridge", "results", "findings"},
     # replay of many: one item (a trace, a segment directory), items as Ray tasks
     "fleet": {"trace", "replay", "flight", "results", "_text"},
 }

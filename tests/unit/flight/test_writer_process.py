@@ -57,6 +57,11 @@ class Fed:
             time.sleep(0.01)
 
 
+def _newest(folder: Path) -> int:
+    """The number of the segment under way."""
+    return max(int(p.name[8:14]) for p in folder.glob("segment-*"))
+
+
 def _lines(name: str) -> tuple[bytes, list[dict]]:
     raw = gzip.decompress((TRACES / name).read_bytes()).splitlines()
     return raw[0], [orjson.loads(x) for x in raw[1:]]
@@ -149,7 +154,11 @@ def test_dump_and_a_reason_asked_reach_the_writer_process_at_once(tmp_path, capf
     # The engine idles: the writer pins at once, at no record.
     fed.wait_for(lambda: (folder / "pins.json").exists())
     assert set(_pins(folder).values()) == {"SIGUSR2 (kvtrace dump)"}
+    dumped = _newest(folder)
     _feed_all(fed, records[40:200])
+    # Asked once the writer is past the segments the dump pinned (the one
+    # under way and the next): a segment keeps its first reason.
+    fed.wait_for(lambda: _newest(folder) >= dumped + 2)
     ask_pin(folder, "vLLM's metrics failed: ValueError: Counters can only be incremented by "
                     "non-negative amounts.")
     fed.wait_for(lambda: any("metrics" in w for w in _pins(folder).values()))
