@@ -25,7 +25,10 @@ to the limit it is measured against, all measured in the same run.
   one process;
 * trace size per scheduled request-step, plain and compressed;
 * peak memory of each phase, and replay's peak memory on a 100x shorter
-  trace of the same workload (memory must stay flat as traces grow).
+  trace of the same workload (memory must stay flat as traces grow);
+* then the flight recorder's: a long trace split at its keyframes against
+  its serial replay (bench/split.py), and keyframes' cost to a recording
+  (bench/keyframes.py --overhead).
 
 Each phase runs in a fresh process, so its peak memory is its own.
 
@@ -258,6 +261,22 @@ def main() -> None:
     print(f"kvtrace benchmark ({time.perf_counter() - t_start:.0f} s on {machine}, traces in {work})")
     for name, figure, limit in rows:
         print(f"  {name:<{width}}  {figure}" + (f"   [target {limit}]" if limit else ""))
+    _flight(args, n)
+
+
+def _flight(args, n: int) -> None:
+    """The flight recorder's figures, each printed by its own bench beside its
+    targets: one long trace split at its keyframes against its serial replay
+    (bench/split.py), and what keyframes cost a recording (bench/keyframes.py
+    --overhead, the vLLM engine unless --no-vllm)."""
+    runs = [("split replay of one long trace", ["bench.split", "--requests", str(max(n // 5, 2000)),
+                                                "--rounds", "1" if args.quick else "3"])]
+    if not args.no_vllm:
+        runs.append(("keyframes' cost to the recorder",
+                     ["bench.keyframes", "--overhead", "--rounds", "5" if args.quick else "15"]))
+    for title, cmd in runs:
+        print(f"\n{title} (python -m {' '.join(cmd)}):", flush=True)
+        subprocess.run([sys.executable, "-m", *cmd], cwd=HERE.parent, check=False)
 
 
 def _diff_figure(size: dict, dif: dict) -> str:
