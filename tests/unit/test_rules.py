@@ -194,7 +194,11 @@ def _passed(m: _Module, call: ast.Call):
     passed = {m.function(c.args[k].id, m.enclosing(c)) for c in ast.walk(m.tree)
               if isinstance(c, ast.Call) and getattr(c.func, "id", None) == scope.name
               and len(c.args) > k and isinstance(c.args[k], ast.Name)}
-    return passed.pop() if len(passed) == 1 else None
+    # Several callers may each pass their own maker: one whose rule comes at
+    # the same place in every one stands for them all.
+    places = {_params(fn).index("rule") if fn is not None and "rule" in _params(fn) else None
+              for fn in passed}
+    return passed.pop() if passed and len(places) == 1 and None not in places else None
 
 
 def _module_of(m: _Module, name: str) -> _Module | None:
