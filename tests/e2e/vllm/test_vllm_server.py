@@ -7,14 +7,9 @@ with no divergence."""
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -22,20 +17,7 @@ import pytest
 from kvtrace.replay import replay_file
 from kvtrace.trace import TraceReader
 from kvtrace.trace import events as ev
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _post(port: int, body: dict) -> dict:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
-                                 data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return json.loads(r.read())
+from tests._server import free_port, post, stop, wait_healthy
 
 
 @pytest.mark.vllm
@@ -46,7 +28,7 @@ def test_a_server_with_structured_outputs_is_recorded_whole_and_replays_clean(tm
     from kvtrace.lab.tiny_model import ensure_tiny_model, ensure_tokenizer
 
     model = ensure_tokenizer(ensure_tiny_model())
-    port = _free_port()
+    port = free_port()
     out = tmp_path / "server.jsonl.gz"
     log = open(tmp_path / "server.log", "w")
     env = dict(os.environ, VLLM_CACHE_ROOT=os.environ.get("VLLM_CACHE_ROOT", str(tmp_path / "vllm")))
@@ -60,15 +42,7 @@ def test_a_server_with_structured_outputs_is_recorded_whole_and_replays_clean(tm
          "--gpu-memory-utilization", "0.2", "--host", "127.0.0.1", "--port", str(port)],
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the server did not come up"
-                time.sleep(1)
+        wait_healthy(server, port, tmp_path / "server.log", 300)
         bodies = []
         for i in range(8):
             body = {"model": model, "prompt": "the quick brown fox " * (3 + i), "max_tokens": 16,
@@ -79,16 +53,13 @@ def test_a_server_with_structured_outputs_is_recorded_whole_and_replays_clean(tm
                 body["structured_outputs"] = {"regex": "[a-z]{3,9}"}
             bodies.append(body)
         with ThreadPoolExecutor(len(bodies)) as pool:
-            answers = list(pool.map(lambda b: _post(port, b), bodies))
+            answers = list(pool.map(lambda b: post(port, b), bodies))
         assert all(a["choices"][0]["finish_reason"] in ("stop", "length") for a in answers)
     finally:
-        os.killpg(server.pid, signal.SIGINT)   # Ctrl-C in the terminal that runs it
         try:
-            server.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            raise
-        log.close()
+            stop(server)   # Ctrl-C in the terminal that runs it
+        finally:
+            log.close()
     r = TraceReader(out)
     evs = list(r)
     assert r.end is not None and r.end.status == "complete", (r.truncation, r.end)
