@@ -75,10 +75,12 @@ def drive(out: str, progress_fd: int, mode: str, seed: int) -> None:
 EMBEDDED_REQUESTS = 1000   # about 8,000 steps: a few seconds on a shared machine
 
 
-def drive_embedded(out: str, progress_fd: int, mode: str, seed: int) -> None:
+def drive_embedded(out: str, progress_fd: int, mode: str, seed: int,
+                   extra: tuple[str, ...] = ()) -> None:
     """The embedded engine's process: ``kvtrace record`` of the offload
-    workload, reporting as each step begins the steps completed before it.
-    With ``embedded-exit`` it calls ``os._exit`` as a random step begins."""
+    workload (with ``extra`` arguments: ``--ring``, ``--keyframe-every``),
+    reporting as each step begins the steps completed before it. With
+    ``embedded-exit`` it calls ``os._exit`` as a random step begins."""
     from kvtrace import cli
     from kvtrace.engine import engine
 
@@ -95,7 +97,7 @@ def drive_embedded(out: str, progress_fd: int, mode: str, seed: int) -> None:
     engine._Engine._arrivals_due = arrivals_due
     os.write(progress_fd, b"start\n")
     cli.run(["record", "-o", out, "--workload", "offload", "--seed", str(seed),
-             "--requests", str(EMBEDDED_REQUESTS)])
+             "--requests", str(EMBEDDED_REQUESTS), *extra])
     if mode == "embedded-exit":
         os._exit(0)
     time.sleep(3600)   # done: wait for the kill

@@ -14,14 +14,16 @@ steps, the same stop and the same truncation.
     python -m bench.keyframes --overhead --ring 64MB   # what a ring costs one
 
 ``--overhead`` times the recorder with keyframes against the recorder
-without them: on a real vLLM engine (bench/recorder_overhead.py's interleaved
-rounds, run once with KVTRACE_KEYFRAME_EVERY set and once without: the
-writer process makes the keyframes), and on the embedded engine, whose
-keyframer runs in its own process (``record --keyframe-every``). The target
-is a ratio of at most 1.03. With ``--ring SIZE`` the vLLM engine is timed
-with a ring of SIZE (KVTRACE_RING, segments of an eighth of it: the writer
-process replays every record for the segments' keyframes, checks the
-invariants and rotates) against the same recorder writing a whole trace.
+without them. On both engines the flight recorder's writer process makes
+the keyframes, beside the engine. The embedded engine (``kvtrace record
+--keyframe-every``, ``--requests``): its own time, the time until the trace
+is whole, and the limit, the writer process's work alone. A real vLLM engine
+(bench/recorder_overhead.py's interleaved rounds, run once with
+KVTRACE_KEYFRAME_EVERY set and once without). The target is a ratio of at
+most 1.03. With ``--ring SIZE`` both are timed with a ring of SIZE
+(segments of an eighth of it: the writer process replays every record for
+the segments' keyframes, checks the invariants and rotates) against the same
+recorder writing a whole trace.
 
 The random runs are embedded-engine recordings, a random seed each: half of
 them a random fault on the workload that shows it, half a random workload
@@ -172,31 +174,93 @@ def random_runs(n: int, seed: int, tmp: Path) -> list[Path]:
 TARGET = 1.03
 
 
-def overhead(rounds: int, every: int, ring: str | None = None) -> None:
-    """Print what keyframes every ``every`` steps cost a recording, or (on
-    vLLM) what a ring of ``ring`` bytes costs."""
+def embedded_overhead(every: int, ring: str | None, requests: int, runs: int = 3) -> None:
+    """``kvtrace record``'s embedded engine, with keyframes (or a ring) and
+    without: the engine's own time (to its last step handed on) and the
+    time until the trace is whole, best of ``runs``. The limit: the flight
+    writer process's work alone, in this process, over the same records."""
+    from kvtrace.commands.record import Flight
+    from kvtrace.engine import build_workload, record_workload
+    from kvtrace.record.ring import DEFAULT_SIZE
+
+    size = parse_size(ring) if ring else None
+    cases = {"plain": Flight(None, None, None),
+             "flight": Flight(None if size else every, size, size // 8 if size else None)}
+    engine = {name: [] for name in cases}
+    whole = {name: [] for name in cases}
+    with tempfile.TemporaryDirectory() as d:
+        for i in range(runs):
+            for name in ("plain", "flight") if i % 2 else ("flight", "plain"):
+                marks: list[float] = []
+                opener = _marking(cases[name].writer(), marks)
+                out = Path(d) / (f"{name}{i}" if name == "flight" and size else
+                                 f"{name}{i}.jsonl.gz")
+                t = time.perf_counter()
+                record_workload(out, build_workload("offload", i, requests), seed=i,
+                                open_writer=opener)
+                whole[name].append(time.perf_counter() - t)
+                engine[name].append(marks[0] - t)
+        alone = min(_writer_alone(Path(d) / "plain0.jsonl.gz", cases["flight"], Path(d) / f"a{k}")
+                    for k in range(runs))
+    (e0, e1), (w0, w1) = ((min(x["plain"]), min(x["flight"])) for x in (engine, whole))
+    what = f"a ring of {ring}" if size else f"a keyframe every {every} steps"
+    print(f"embedded engine (kvtrace record), offload of {requests} requests, best of {runs}, "
+          f"{what}:")
+    print(f"  the engine's own time: {e0:.2f} s plain, {e1:.2f} s: {e1 / e0:.3f}x "
+          f"(target <= {TARGET:.2f})")
+    print(f"  until the trace is whole: {w0:.2f} s plain, {w1:.2f} s: {w1 / w0:.2f}x")
+    print(f"  limit: the writer process replays every record to make them, {alone:.2f} s of "
+          f"work alone against the engine's {e0:.2f} s ({alone / e0:.2f}x); the engine waits "
+          f"for it only when the {DEFAULT_SIZE >> 20} MiB ring between them is full")
+
+
+def _marking(opener, marks: list[float]):
+    """``opener``, its writers noting the time the engine hands on its end."""
+    def open_(path, header):
+        w = opener(path, header)
+        finish = w.finish
+
+        def finished(end):
+            marks.append(time.perf_counter())
+            return finish(end)
+
+        w.finish = finished   # close() calls it too
+        return w
+    return open_
+
+
+def _writer_alone(plain: Path, flight, out: Path) -> float:
+    """The flight writer process's work over the records of ``plain``, timed
+    in this process: what ``kvtrace.flight.writer_process`` does with them."""
+    import gzip
+
+    from kvtrace.flight import KeyframingWriter, SegmentWriter
+    from kvtrace.record import writer_process
+    from kvtrace.trace import TraceWriter
+    from kvtrace.trace.events import decode_header
+
+    lines = [line for line in gzip.decompress(plain.read_bytes()).split(b"\n") if line]
+    header = decode_header(orjson.loads(lines[0]))
+    end = orjson.loads(lines[-1])
+    body = lines[1:-1] + [orjson.dumps(["end", end.get("status", "complete"), end.get("error"), 0])]
+    t = time.perf_counter()
+    if flight.ring is not None:
+        w = SegmentWriter(out, header, flight.segment, flight.ring, flight.every,
+                          open_file=TraceWriter, on_pin=lambda m: None)
+    else:
+        w = KeyframingWriter(TraceWriter(out.with_suffix(".jsonl.gz"), header), header,
+                             flight.every)
+    rc = writer_process._write_lines(w, iter(body))[0]
+    assert rc == 0, rc
+    return time.perf_counter() - t
+
+
+def overhead(rounds: int, every: int, ring: str | None = None, requests: int = 1000) -> None:
+    """Print what keyframes every ``every`` steps (or a ring of ``ring``
+    bytes) cost a recording: the embedded engine's, then a vLLM engine's."""
     import os
 
-    from kvtrace.engine import build_workload, record_workload
-    from kvtrace.flight import KeyframingWriter
-    from kvtrace.trace import TraceWriter
-
-    with tempfile.TemporaryDirectory() as d:
-        times = {"plain": [], "keyframes": []}
-        for i in range(5):
-            for name in ("plain", "keyframes") if i % 2 else ("keyframes", "plain"):
-                opener = TraceWriter if name == "plain" else (
-                    lambda path, header: KeyframingWriter(TraceWriter(path, header), header,
-                                                          every))
-                wl = build_workload("offload", i, 300)
-                t = time.perf_counter()
-                record_workload(Path(d) / f"{name}{i}.jsonl.gz", wl, seed=i, open_writer=opener)
-                times[name].append(time.perf_counter() - t)
-    plain, kf = min(times["plain"]), min(times["keyframes"])
-    print(f"embedded engine, offload of 300 requests (best of 5): {plain:.2f} s plain, "
-          f"{kf:.2f} s with a keyframe every "
-          f"{every} steps: {kf / plain:.2f}x (the keyframer runs in the engine's process; "
-          f"target <= {TARGET:.2f} is the vLLM recorder's)")
+    embedded_overhead(every, ring, requests)
     if rounds == 0:
         return
     try:
@@ -231,7 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=21, help="--overhead: vLLM rounds")
     p.add_argument("--every", type=int, default=100, help="--overhead: keyframe interval")
     p.add_argument("--ring", default=None, metavar="SIZE",
-                   help="--overhead: time a vLLM engine's ring of SIZE (64MB) instead")
+                   help="--overhead: time a ring of SIZE (64MB) instead")
+    p.add_argument("--requests", type=int, default=1000,
+                   help="--overhead: the embedded engine's requests")
     p.add_argument("--random", type=int, default=100, help="random embedded runs (default 100)")
     p.add_argument("--per-trace", type=int, default=6, help="keyframes per trace (about)")
     p.add_argument("--seed", type=int, default=1)
@@ -240,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.overhead:
         if a.ring is not None and parse_size(a.ring) is None:
             p.error(f"--ring {a.ring!r} is not a size")
-        overhead(a.rounds, a.every, a.ring)
+        overhead(a.rounds, a.every, a.ring, a.requests)
         return 0
     stored = a.traces or sorted(q for q in (ROOT / "traces").rglob("*.jsonl*"))
     bad = 0

@@ -37,6 +37,7 @@ __all__ = ["SnapshotError", "encode", "decode"]
 
 OWN = ("kvtrace.",)   # the modules whose classes a keyframe may name
 _PLAIN = (str, int, float, bool, type(None))
+_PLAIN_TYPES = frozenset(_PLAIN)   # exactly these: an IntEnum member is an int, and is not plain
 _DICT_TAGS: dict[type, dict] = {Counter: {"C": 1}, OrderedDict: {"O": 1}}
 
 
@@ -49,19 +50,42 @@ def _name(cls: type) -> str:
 
 
 def _fields(obj: object) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    struct_fields = getattr(type(obj), "__struct_fields__", ())   # a msgspec Struct's
-    if isinstance(struct_fields, tuple):
-        out.update((name, getattr(obj, name)) for name in struct_fields)
-    for klass in type(obj).__mro__:
-        slots = klass.__dict__.get("__slots__", ())
-        for name in (slots,) if isinstance(slots, str) else slots:
-            if name not in out and hasattr(obj, name) and not name.startswith("__"):
-                out[name] = getattr(obj, name)
+    names = _field_names.get(type(obj))
+    if names is None:
+        names = _field_names[type(obj)] = _names_of(type(obj))
+    out = {}
+    for name in names:
+        v = getattr(obj, name, _UNSET)
+        if v is not _UNSET:   # a slot never set
+            out[name] = v
     d = getattr(obj, "__dict__", None)
     if d:
         out.update(d)
     return out
+
+
+_field_names: dict[type, tuple[str, ...]] = {}
+_UNSET = object()
+
+
+def _names_of(cls: type) -> tuple[str, ...]:
+    """The fields a ``cls`` object may hold beside its ``__dict__``: a msgspec
+    Struct's, then its classes' slots."""
+    names: list[str] = []
+    struct_fields = getattr(cls, "__struct_fields__", ())
+    if isinstance(struct_fields, tuple):
+        names.extend(struct_fields)
+    for klass in cls.__mro__:
+        slots = klass.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in names and not name.startswith("__"):
+                names.append(name)
+    return tuple(names)
+
+
+def _all_plain(items) -> bool:
+    """Whether every item is a str, int, float, bool or None (no subclass)."""
+    return set(map(type, items)) <= _PLAIN_TYPES
 
 
 class _Encoder:
@@ -79,6 +103,13 @@ class _Encoder:
             self.packed[name] = data
             self.aliases[id(obj)] = {"p": name}
             self.members[name] = {id(m): i for i, m in enumerate(members)}
+        # What an external, a packed object or a member is written as, by id.
+        self.named: dict[int, dict] = {}
+        for name, places in self.members.items():
+            self.named.update((i, {"m": [name, at]}) for i, at in places.items())
+        self.named.update(self.aliases)
+        self.named.update((i, {"ext": name}) for i, name in externals.items())
+        self.class_names: dict[type, str] = {}
         self.skip = skip
         self.index: dict[int, int] = {}
         self.objects: list[dict | None] = []
@@ -94,28 +125,26 @@ class _Encoder:
         return {"r": i}
 
     def value(self, v: Any) -> Any:
-        if isinstance(v, _PLAIN) and not isinstance(v, enum.Enum):
-            return v
-        name = self.externals.get(id(v))
-        if name is not None:
-            return {"ext": name}
-        alias = self.aliases.get(id(v))
-        if alias is not None:
-            return alias
-        for name, places in self.members.items():
-            i = places.get(id(v))
-            if i is not None:
-                return {"m": [name, i]}
         t = type(v)
+        if t in _PLAIN_TYPES or isinstance(v, _PLAIN) and not isinstance(v, enum.Enum):
+            return v
+        named = self.named.get(id(v))
+        if named is not None:
+            return named
         if t is list:
             self._own(v)
+            kinds = set(map(type, v))
+            if kinds <= _PLAIN_TYPES:   # token ids: the bulk of a keyframe, copied at C speed
+                return list(v)
+            if kinds == {bytes}:   # block hashes
+                return [{"x": x.hex()} for x in v]
             return [self.value(x) for x in v]
         if t is dict or t is Counter or t is OrderedDict:
             self._own(v)
             return {"d": [[self.value(k), self.value(x)] for k, x in v.items()],
                     **_DICT_TAGS.get(t, {})}
         if t is tuple:
-            return {"t": [self.value(x) for x in v]}
+            return {"t": list(v) if _all_plain(v) else [self.value(x) for x in v]}
         if t is set or t is frozenset:
             if t is set:
                 self._own(v)
@@ -139,9 +168,12 @@ class _Encoder:
         self.seen.add(id(c))
 
     def _class(self, cls: type) -> str:
-        if not cls.__module__.startswith(self.modules):
-            raise SnapshotError(f"cannot name {_name(cls)} in a keyframe")
-        return _name(cls)
+        name = self.class_names.get(cls)
+        if name is None:
+            if not cls.__module__.startswith(self.modules):
+                raise SnapshotError(f"cannot name {_name(cls)} in a keyframe")
+            name = self.class_names[cls] = _name(cls)
+        return name
 
     def run(self, root: object) -> dict:
         top = self.value(root)
@@ -151,6 +183,9 @@ class _Encoder:
             fields = {}
             for k, v in _fields(obj).items():
                 if k in skip:
+                    continue
+                if type(v) in _PLAIN_TYPES:   # most fields: no call
+                    fields[k] = v
                     continue
                 try:
                     fields[k] = self.value(v)

@@ -205,21 +205,35 @@ class Flight:
             env[ENV_RING], env[ENV_SEGMENT] = str(self.ring), str(self.segment)
         return env
 
-    def writer(self, open_file):
-        """``open_file`` (the path and header -> a trace writer) wrapped as asked."""
+    def args(self) -> list[str]:
+        """The same, as the flight recorder's writer process takes them."""
+        args = ["--keyframe-every", str(self.every)] if self.every is not None else []
+        if self.ring is not None:
+            args += ["--ring", str(self.ring), "--segment", str(self.segment)]
+        return args
+
+    def writer(self):
+        """How the embedded engine's trace is opened: by a writer process that
+        keeps every completed step from a kill, the flight recorder's when
+        keyframes or a ring are asked for (it makes them, beside the
+        engine); in this process when no writer process can be started."""
+        from kvtrace.record.step_writer import open_step_writer
+
+        if not self:
+            return open_step_writer
+        return lambda path, header: open_step_writer(path, header, self.args(),
+                                                     self.in_process)
+
+    def in_process(self, path, header):
+        """The flight recorder's writers in this process, on ``TraceWriter``s."""
         from kvtrace.flight import KeyframingWriter, SegmentWriter
+        from kvtrace.trace import TraceWriter
 
         if self.ring is not None:
-            def segments(path, header):
-                w = SegmentWriter(path, header, self.segment, self.ring, self.every,
-                                  open_file=open_file, on_pin=say)
-                w.listen()   # kvtrace dump DIR
-                return w
-            return segments
-        if self.every is not None:
-            return lambda path, header: KeyframingWriter(open_file(path, header), header,
-                                                         self.every)
-        return open_file
+            w = SegmentWriter(path, header, self.segment, self.ring, self.every, on_pin=say)
+            w.listen()   # kvtrace dump DIR
+            return w
+        return KeyframingWriter(TraceWriter(path, header), header, self.every)
 
 
 def _record_embedded(out: Path, workload: str | None, fault: str | None, seed: int,
@@ -238,14 +252,11 @@ def _record_embedded(out: Path, workload: str | None, fault: str | None, seed: i
     wl = build_workload(workload, seed, requests)
     if async_scheduling:
         wl = under_async_scheduling(wl)
-    from kvtrace.record.step_writer import open_step_writer
-
     with progress(f"recording {out.name}", "steps") as advance, blamed_on(out):
         try:
             # Each completed step goes to a writer process: a kill loses none.
             res = record_workload(out, wl, fault, seed, progress=advance,
-                                  open_writer=(flight or Flight(None, None, None)).writer(
-                                      open_step_writer))
+                                  open_writer=(flight or Flight(None, None, None)).writer())
         except ValueError as e:   # a combination the engine does not run
             raise UsageProblem(str(e)) from None
     if fault and not res.fault_log:

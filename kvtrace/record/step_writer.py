@@ -12,6 +12,13 @@ every step the engine completed: it writes them, closes the file, and the
 trace reads as cut off after the last of them. Records of a step still
 running, held here until the step ends, are lost with it.
 
+With ``flight`` (``kvtrace record --keyframe-every N`` or ``--ring``), the
+writer process is the flight recorder's (``python -m
+kvtrace.flight.writer_process``, as for a vLLM engine): it reads each record
+back, makes the keyframes, checks the invariants, pins on triggers and, with
+a ring, writes the directory of segments. The engine's process does no more
+for them than for a whole trace.
+
 The engine waits for room when the ring is full: it never drops a record.
 A write the writer process cannot make (a full disk) is said in the ring,
 and raised here, naming the trace, at the next step's end.
@@ -31,8 +38,11 @@ import subprocess
 import time
 from pathlib import Path
 
+import orjson
+
 from kvtrace.record.ring import DEFAULT_SIZE
-from kvtrace.record.sink import ENV_RING, ENV_WRITER, WriterProcessError, start_writer
+from kvtrace.record.sink import (ENV_RING, ENV_WRITER, KEYFRAMING_WRITER as FLIGHT_WRITER,
+                                 WriterProcessError, start_writer)
 from kvtrace.trace.events import End, Header, encode
 from kvtrace.trace.io import TraceWriter, interrupted_by
 
@@ -47,15 +57,25 @@ class StepWriter:
     """``TraceWriter``'s calls, each step's records handed to a writer process
     once the step is complete."""
 
-    def __init__(self, path: str | os.PathLike, header: Header, ring_size: int | None = None):
+    def __init__(self, path: str | os.PathLike, header: Header, ring_size: int | None = None,
+                 flight: list[str] | None = None):
+        """``flight``: the flight writer process's arguments
+        (``--keyframe-every N``, ``--ring BYTES --segment BYTES``); with
+        ``--ring``, ``path`` is the directory of segments, claimed here."""
         self.path = Path(path)
+        self._flight = flight is not None   # the records are read back, the end said as a line
         self._seq = 0
         self._held: list[bytes] = []   # encoded records of the step under way
         self._bytes = 0
         self._closed = False
         size = int(ring_size or os.environ.get(ENV_RING, 0) or DEFAULT_SIZE)
         first = encode(header) + b"\n"
-        self._ring, self._proc, self._sock = start_writer(self.path, first, size, copy=True)
+        if flight is None:
+            self._ring, self._proc, self._sock = start_writer(self.path, first, size, copy=True)
+        else:
+            self._ring, self._proc, self._sock = start_writer(
+                self.path, first, size, module=FLIGHT_WRITER, args=flight,
+                folder="--ring" in flight)
         self.bytes_written = len(first)   # the trace's text so far, before compression
         self._piece = max(1, size // 2)   # the most offered at once: a line may be split
 
@@ -88,14 +108,15 @@ class StepWriter:
               dropped_events: int = 0) -> None:
         if self._closed:
             return
-        self.write(End(seq=self.next_seq(), status=status, error=error,
-                       dropped_events=dropped_events))
-        self.finish_records()
+        self.finish(End(seq=self.next_seq(), status=status, error=error,
+                        dropped_events=dropped_events))
 
     def finish(self, end: End | None) -> None:
         if self._closed:
             return
-        if end is not None:
+        if end is not None and self._flight:   # the flight writer writes the end itself
+            self._held.append(orjson.dumps(["end", end.status, end.error, end.dropped_events]))
+        elif end is not None:
             self.write(end)
         self.finish_records()
 
@@ -180,14 +201,17 @@ class StepWriter:
     _ring_error = 0
 
 
-def open_step_writer(path: str | os.PathLike, header: Header):
-    """A ``StepWriter`` for ``path``; a ``TraceWriter`` with ``KVTRACE_WRITER=thread``
-    or when the writer process cannot be started (said once)."""
+def open_step_writer(path: str | os.PathLike, header: Header, flight: list[str] | None = None,
+                     in_process=TraceWriter):
+    """A ``StepWriter`` for ``path`` (``flight``: as ``StepWriter``'s); with
+    ``KVTRACE_WRITER=thread``, or when the writer process cannot be started
+    (said once), ``in_process(path, header)``: a ``TraceWriter``, or the
+    flight recorder's writers in this process."""
     if os.environ.get(ENV_WRITER, "").strip().lower() == "thread":
-        return TraceWriter(path, header)
+        return in_process(path, header)
     try:
-        return StepWriter(path, header)
+        return StepWriter(path, header, flight=flight)
     except WriterProcessError as e:
         logger.warning("kvtrace: cannot start the trace writer process (%s); writing %s from "
                        "this process instead: a kill loses the steps its buffer holds", e, path)
-        return TraceWriter(path, header)
+        return in_process(path, header)
