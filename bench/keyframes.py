@@ -18,9 +18,13 @@ without them. On both engines the flight recorder's writer process makes
 the keyframes, beside the engine. The embedded engine (``kvtrace record
 --keyframe-every``, ``--requests``): its own time, the time until the trace
 is whole, and the limit, the writer process's work alone. A real vLLM engine
-(bench/recorder_overhead.py's interleaved rounds, run once with
-KVTRACE_KEYFRAME_EVERY set and once without). The target is a ratio of at
-most 1.03. With ``--ring SIZE`` both are timed with a ring of SIZE
+(the tiny model): three arms, each a fresh process recording the engine from
+its start, so that every trace is one whole run (an engine whose recorder is
+detached between rounds, as bench/recorder_overhead.py's, writes a trace that
+does not replay, and the writer's replay would stop at once): a whole trace,
+the same with KVTRACE_KEYFRAME_EVERY (or a ring), and a whole trace again, the
+noise floor. The arms take turns; every flight recording must replay clean.
+The target is a ratio of at most 1.03. With ``--ring SIZE`` both are timed with a ring of SIZE
 (segments of an eighth of it: the writer process replays every record for
 the segments' keyframes, checks the invariants and rotates) against the same
 recorder writing a whole trace.
@@ -258,34 +262,131 @@ def _writer_alone(plain: Path, flight, out: Path) -> float:
 def overhead(rounds: int, every: int, ring: str | None = None, requests: int = 1000) -> None:
     """Print what keyframes every ``every`` steps (or a ring of ``ring``
     bytes) cost a recording: the embedded engine's, then a vLLM engine's."""
-    import os
-
     embedded_overhead(every, ring, requests)
     if rounds == 0:
         return
     try:
-        from bench.recorder_overhead import run
+        import vllm  # noqa: F401
     except ImportError as e:   # no vLLM here
         print(f"vLLM: not measured ({e})")
         return
-    got = {}
-    flight = ({"KVTRACE_RING": ring, "KVTRACE_SEGMENT": str(parse_size(ring) // 8)} if ring
-              else {"KVTRACE_KEYFRAME_EVERY": str(every)})
-    for name in ("plain", "flight"):
-        for k, v in flight.items():
-            if name == "flight":
-                os.environ[k] = v
-            else:
-                os.environ.pop(k, None)
-        got[name] = run(rounds, 16)
-    for k in flight:
-        os.environ.pop(k, None)
-    a, b = got["plain"], got["flight"]
+    vllm_overhead(rounds, every, ring)
+
+
+# -- a vLLM engine -------------------------------------------------------------------------
+
+ARMS = ("plain", "flight", "plain2")   # plain2: the noise floor, plain against plain
+
+
+def vllm_overhead(rounds: int, every: int, ring: str | None, processes: int = 3,
+                  requests: int = 16) -> None:
+    """A vLLM engine recorded from its start in every arm, each arm a fresh
+    process (so that every trace is one whole run that replays): a whole
+    trace, the same with keyframes (or a ring), and a whole trace again.
+    The arms take turns, ``processes`` times each, ``rounds`` timed rounds
+    a process; the figure is the median over rounds of the flight arm's
+    time against the plain arm's for the same round, beside the same for
+    plain2 (the noise floor). Each flight recording must replay clean:
+    otherwise its writer stopped replaying, and the figure would leave its
+    work out."""
+    import statistics
+    import subprocess
+
+    times: dict[str, list[list[float]]] = {arm: [] for arm in ARMS}
+    lag: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    with tempfile.TemporaryDirectory() as d:
+        for p in range(processes):
+            for arm in ARMS[p % 3:] + ARMS[:p % 3]:
+                out = Path(d) / f"{arm}{p}"
+                cmd = [sys.executable, "-m", "bench.keyframes", "--vllm-arm", arm,
+                       "--rounds", str(rounds), "--every", str(every), str(out)]
+                if ring:
+                    cmd[-1:-1] = ["--ring", ring]
+                proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+                if proc.returncode != 0:
+                    print(proc.stderr[-3000:])
+                    raise SystemExit(f"the {arm} arm failed (exit {proc.returncode})")
+                got = orjson.loads(proc.stdout.strip().splitlines()[-1])
+                if arm == "flight":
+                    _replays_clean(Path(got["trace"]), proc.stderr)
+                times[arm].append(got["rounds_s"])
+                lag[arm].append(got["lag_s"])
+    ratio = [f / p for fs, ps in zip(times["flight"], times["plain"]) for f, p in zip(fs, ps)]
+    floor = [q / p for qs, ps in zip(times["plain2"], times["plain"]) for q, p in zip(qs, ps)]
     what = f"a ring of {ring}" if ring else f"a keyframe every {every} steps"
-    print(f"vLLM, tiny model ({rounds} interleaved rounds each): recorded/unrecorded median "
-          f"{a['ratio_median']:.3f} writing a whole trace, {b['ratio_median']:.3f} with {what}; "
-          f"its share {b['ratio_median'] / a['ratio_median']:.3f}x, target <= {TARGET:.2f}; "
-          f"noise floor {a['control_median']:.3f} and {b['control_median']:.3f}")
+    print(f"vLLM, tiny model, recorded from its start ({processes} processes an arm, "
+          f"{rounds} rounds each): {what} against a whole trace, median "
+          f"{statistics.median(ratio):.3f}x (target <= {TARGET:.2f}); noise floor, a whole "
+          f"trace against another, {statistics.median(floor):.3f}x")
+    print(f"  the writer's lag at shutdown: {statistics.median(lag['plain']):.2f} s for a "
+          f"whole trace, {statistics.median(lag['flight']):.2f} s with {what}; every flight "
+          "recording replayed clean")
+
+
+def _replays_clean(trace: Path, stderr: str) -> None:
+    """The flight arm's recording replays clean, and its writer never stopped
+    replaying it (a recording whose keyframes stopped costs less)."""
+    import subprocess
+
+    if "keyframes stopped" in stderr or "invariant checks stopped" in stderr:
+        raise SystemExit(f"the recorder's replay stopped in {trace}: {stderr[-2000:]}")
+    proc = subprocess.run([sys.executable, "-c", "import sys; from kvtrace.cli import main; "
+                           "sys.argv[0] = 'kvtrace'; main()", "replay", str(trace)],
+                          cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"the flight recording {trace} does not replay clean "
+                         f"(exit {proc.returncode}): {proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+
+
+def vllm_arm(arm: str, rounds: int, every: int, ring: str | None, out: Path,
+             requests: int = 16, max_tokens: int = 48) -> dict:
+    """One arm's process: a vLLM engine recorded from its start into ``out``
+    (with keyframes or a ring in the flight arm), a warm-up round, then
+    ``rounds`` timed rounds of ``requests`` prompts, the prefix cache emptied
+    before each (the prompts are the same in every arm). Returns the rounds'
+    times and how long the trace took to be whole after shutdown."""
+    import os
+    import random
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) - 1)))
+    for k in ("KVTRACE_KEYFRAME_EVERY", "KVTRACE_RING", "KVTRACE_SEGMENT"):
+        os.environ.pop(k, None)
+    if arm == "flight" and ring:
+        os.environ["KVTRACE_RING"] = ring
+        os.environ["KVTRACE_SEGMENT"] = str(parse_size(ring) // 8)
+    elif arm == "flight":
+        os.environ["KVTRACE_KEYFRAME_EVERY"] = str(every)
+    trace = out if arm == "flight" and ring else out.with_name(out.name + ".jsonl.zst")
+    os.environ["KVTRACE_OUT"] = str(trace)
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from bench.recorder_overhead import _prompts
+    from kvtrace.lab.run import shutdown_llm
+    from kvtrace.lab.tiny_model import ensure_tiny_model
+    from kvtrace.lab.workloads import BASE_ENGINE
+    from kvtrace.record.detached import wait_for_writers
+    from kvtrace.record.vllm import plugin as vllm_plugin
+
+    vllm_plugin.install()
+    llm = LLM(model=str(ensure_tiny_model()),
+              **dict(BASE_ENGINE, num_gpu_blocks_override=48, max_num_seqs=16))
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    rnd = random.Random(0)
+    got = []
+    for i in range(rounds + 1):
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts(rnd, requests)]
+        llm.reset_prefix_cache()
+        t = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        if i:   # the first is the warm-up
+            got.append(time.perf_counter() - t)
+    t = time.perf_counter()
+    shutdown_llm(llm)
+    wait_for_writers(trace, timeout=600)
+    return {"trace": str(trace), "rounds_s": got, "lag_s": time.perf_counter() - t}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -302,7 +403,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-trace", type=int, default=6, help="keyframes per trace (about)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("traces", nargs="*", type=Path, help="traces (default: all under traces/)")
+    p.add_argument("--vllm-arm", choices=ARMS, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.vllm_arm:   # one arm of --overhead's vLLM figure, in its own process
+        got = vllm_arm(a.vllm_arm, a.rounds, a.every, a.ring, a.traces[0])
+        print(orjson.dumps(got).decode(), flush=True)
+        return 0
     if a.overhead:
         if a.ring is not None and parse_size(a.ring) is None:
             p.error(f"--ring {a.ring!r} is not a size")

@@ -61,9 +61,9 @@ def _ray_address(ctx, param, value: str | None) -> str | None:
 @click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None,
               metavar="[ADDRESS]", callback=_ray_address,
               help="Replay each trace or segment directory as a task on a Ray cluster (needs "
-                   "kvtrace[ray]): the one at ADDRESS (auto, HOST:PORT, ray://HOST:PORT), or a "
-                   "local one started for the command. Name the traces first, or write "
-                   "--ray=ADDRESS.")
+                   "kvtrace[ray]); one trace with keyframes, split at them, a task a piece. "
+                   "The cluster at ADDRESS (auto, HOST:PORT, ray://HOST:PORT), or a local one "
+                   "started for the command. Name the traces first, or write --ray=ADDRESS.")
 @click.option("--parquet", "parquet", type=FilePath(), default=None, metavar="FILE",
               help="Also write every divergence of every trace into one Parquet table: the "
                    "trace's path, then the columns of the divergences table of 'kvtrace "
@@ -264,6 +264,10 @@ def _many(traces: tuple[Path, ...], as_json: bool, device: str | None, jobs: int
                   total=len(traces)) as advance:
         if ray_address is None:
             results = replay_many(paths, device, profile, jobs, advance, task=replay_item)
+        elif len(paths) == 1 and not traces[0].is_dir():   # one trace: split at its keyframes
+            from kvtrace.fleet.on_ray import replay_split_on_ray
+
+            results = [replay_split_on_ray(Item(paths[0], device, profile), ray_address)]
         else:
             from kvtrace.fleet.on_ray import replay_on_ray
 

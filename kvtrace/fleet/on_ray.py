@@ -1,7 +1,8 @@
 """The items of a replay of many as Ray tasks (``kvtrace replay --ray``).
 
 One task per item, on the cluster at an address, or on a local one started in
-this process for the command and shut down after it. Ray retries a task whose
+this process for the command and shut down after it. One trace with
+keyframes is split at them instead, a task a piece (``replay_split_on_ray``). Ray retries a task whose
 worker dies (killed, out of memory, its node lost) up to ``RETRIES`` times; a
 task that fails past them, or raises, is answered with an InternalError that
 names its item. The answers come back in the order given, as the pool's do
@@ -23,6 +24,8 @@ from typing import Callable
 
 from kvtrace._text import count
 from kvtrace.replay.many import Answer, InternalError
+from kvtrace.replay.split import (SplitError, Unsplittable, check_content, merge, plan_split,
+                                  replay_piece, verdict)
 
 from .items import Item, replay_item
 
@@ -159,6 +162,83 @@ def replay_on_ray(items: list[Item], address: str = LOCAL,
                     ray.cancel(ref, force=True)
             raise
     return answers
+
+
+def replay_split_on_ray(item: Item, address: str = LOCAL,
+                        progress: Callable[[int], None] | None = None,
+                        retries: int = RETRIES, pieces: int | None = None) -> Answer:
+    """Replay one trace split at its keyframes into ``pieces`` (default: the
+    cluster's CPUs), a Ray task a piece and one for the content check, the
+    report merged as ``kvtrace replay -j`` merges it (the same report as a
+    serial replay). Where it cannot be split, or a piece finds what only a
+    serial replay can say, the trace is one task, as in a replay of many.
+    ``progress`` is told how many pieces are done."""
+    path, device, profile = item
+    with connected(address) as ray:
+        n = pieces or int(ray.cluster_resources().get("CPU", 1))
+        split = plan_split(path, n, device, profile)
+        if split is not None:
+            try:
+                return path, _split_on(ray, split, progress, retries), None
+            except SplitError as e:
+                return path, None, InternalError(str(e))
+            except Unsplittable:
+                pass   # the serial replay says what the pieces could not
+        return replay_on_ray([item], address, None, retries=retries)[0]
+
+
+def _split_on(ray, split, progress, retries: int):
+    """``split``'s pieces and content check as Ray tasks, merged in trace order."""
+    remote = ray.remote(run_job).options(num_cpus=1, max_retries=retries,
+                                         retry_exceptions=False)
+    here = os.getcwd()
+    check = remote.remote(check_content, split.content, here) if split.content else None
+    refs = [remote.remote(replay_piece, p, here) for p in split.pieces]
+    where = {ref: i for i, ref in enumerate(refs)}
+    results: list = [None] * len(refs)
+    pending, done = list(refs), 0
+    try:
+        while pending:
+            ready, pending = _unwrapped(ray.wait, pending, num_returns=len(pending),
+                                        timeout=WAIT_S)
+            for ref in ready:
+                i = where.pop(ref)
+                results[i] = _job(ray, ref, f"piece {i + 1} of {len(refs)}", split.path, retries)
+                if results[i].error is not None:   # no need to wait for the others
+                    verdict(split, i, results[i])
+            done += len(ready)
+            if ready and progress is not None:
+                progress(done)
+        checked = (_job(ray, check, "the content check", split.path, retries)
+                   if check is not None else None)
+    except BaseException:   # interrupted, or a piece ends the split: stop the rest
+        for ref in [*pending, *([check] if check is not None else [])]:
+            with contextlib.suppress(Exception):
+                ray.cancel(ref, force=True)
+        raise
+    return merge(split, results, checked)
+
+
+def _job(ray, ref, what: str, path: str, retries: int):
+    """A split's task's result; SplitError when it failed past Ray's retries."""
+    try:
+        return _unwrapped(ray.get, ref)
+    except ray.exceptions.RayTaskError as e:
+        cause = getattr(e, "cause", None) or e
+        raise SplitError(f"{path}: {what}: internal error in its Ray task: "
+                         f"{type(cause).__name__}: {_line(cause)}") from None
+    except ray.exceptions.RayError as e:
+        raise SplitError(f"{path}: {what}: its Ray task failed after "
+                         f"{count(retries, 'retry', 'retries')}: {type(e).__name__}: "
+                         f"{_line(e)}") from None
+
+
+def run_job(job: Callable, arg, folder: str):
+    """On a Ray worker: ``job(arg)`` in ``folder``, the command's (a piece's
+    relative path is read from there)."""
+    if os.getcwd() != folder:
+        os.chdir(folder)
+    return job(arg)
 
 
 def run_task(task: Callable[[Item], Answer], item: Item, folder: str) -> Answer:

@@ -1,7 +1,7 @@
 """``kvtrace replay`` of many traces and segment directories: a directory is
 one item of the report among traces; ``--ray`` gives, byte for byte, the
 report and the exit code of replay on this machine, a bad file named among
-them; ``--parquet`` holds every trace's divergences as ``kvtrace export``
+them, and splits one trace with keyframes into tasks; ``--parquet`` holds every trace's divergences as ``kvtrace export``
 writes them, with the trace's path."""
 
 from __future__ import annotations
@@ -224,3 +224,31 @@ def test_ray_at_an_address_from_a_process_of_its_own(cluster, tmp_path, capsys):
                        timeout=300)
     assert (p.returncode, p.stdout.decode()) == local[:2], p.stderr
     assert p.stderr == b""
+
+
+@pytest.mark.ray
+def test_one_trace_on_ray_is_split_at_its_keyframes_with_the_report_of_a_serial_replay(
+        cluster, tmp_path, capsys, monkeypatch):
+    pq = pytest.importorskip("pyarrow.parquet")
+    from kvtrace.fleet import on_ray
+
+    trace = tmp_path / "long.jsonl.gz"
+    assert run(capsys, "record", "-o", trace, "--workload", "offload", "--requests", "200",
+               "--fault", "stale-cached-on-preempt", "--keyframe-every", "300")[0] == 0
+    split = []
+
+    def counted(ray, s, progress, retries):
+        split.append(len(s.pieces))
+        return split_on(ray, s, progress, retries)
+
+    split_on = on_ray._split_on
+    monkeypatch.setattr(on_ray, "_split_on", counted)
+    serial = run(capsys, "replay", "--json", "--parquet", tmp_path / "here.parquet", trace)
+    assert split == []   # here: one process, the whole trace
+    pieces = run(capsys, "replay", "--json", "--parquet", tmp_path / "there.parquet", trace,
+                 "--ray")
+    assert split and split[0] > 1, split
+    assert pieces == serial and serial[0] == 1
+    assert orjson.loads(serial[1])["traces"][0]["divergences"]
+    assert pq.read_table(tmp_path / "there.parquet").equals(
+        pq.read_table(tmp_path / "here.parquet"))
