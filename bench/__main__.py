@@ -268,12 +268,12 @@ def _flight(args, n: int) -> None:
     """The flight recorder's figures, each printed by its own bench beside its
     targets: one long trace split at its keyframes against its serial replay
     (bench/split.py), and what keyframes cost a recording (bench/keyframes.py
-    --overhead, the vLLM engine unless --no-vllm)."""
+    --overhead: the embedded engine, and a vLLM engine unless --no-vllm)."""
+    rounds = "0" if args.no_vllm else "5" if args.quick else "15"
     runs = [("split replay of one long trace", ["bench.split", "--requests", str(max(n // 5, 2000)),
-                                                "--rounds", "1" if args.quick else "3"])]
-    if not args.no_vllm:
-        runs.append(("keyframes' cost to the recorder",
-                     ["bench.keyframes", "--overhead", "--rounds", "5" if args.quick else "15"]))
+                                                "--rounds", "1" if args.quick else "3"]),
+            ("keyframes' cost to the recorder",
+             ["bench.keyframes", "--overhead", "--rounds", rounds])]
     for title, cmd in runs:
         print(f"\n{title} (python -m {' '.join(cmd)}):", flush=True)
         subprocess.run([sys.executable, "-m", *cmd], cwd=HERE.parent, check=False)
