@@ -156,6 +156,9 @@ VLLM_WORKLOADS = {
     "example-connector-roomy": "the same with room: fewer preemptions",
     "example-connector-corrupt": "a stored block corrupted on disk before its load",
     "example-connector-dropped-resume": "LMCache #2007's shape: a resumed request's load dropped",
+    "example-connector-async": "the same connector with its loads asynchronous "
+                               "(WAITING_FOR_REMOTE_KVS, finished_recving)",
+    "example-connector-async-unloaded": "an asynchronous load reported received, never copied",
     "example-connector-ngram": "vLLM's ExampleConnector with n-gram drafts, the KV audit on",
     "example-connector-ngram-dropped-resume": "the same, a resumed request's load dropped",
     "example-connector-negative-hit": "vLLM bug: ExampleConnector answers a negative external hit",

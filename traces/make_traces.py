@@ -107,11 +107,14 @@ FAULT_TRACES = ["async-load-overshoot", "stale-computed-on-preempt",
                 "hybrid-hit-not-served", "window-freed-early", "state-hit-attention-kept",
                 "state-freed-in-flight", "state-chunk-off-boundary", "state-key-outlives-eviction"]
 # vLLM's ExampleConnector, which moves real KV bytes, recorded with the KV
-# audit, in data-path/: two clean runs, and two with a data-path bug put back
-# (kvtrace.lab.fault_connectors): a resumed request's load dropped,
-# and a stored block corrupted between its save and its load.
+# audit, in data-path/: clean runs (one with its loads asynchronous), and
+# runs with a data-path bug put back (kvtrace.lab.fault_connectors): a
+# resumed request's load dropped, an asynchronous load reported received and
+# never copied, and a stored block corrupted between its save and its load.
 DATA_PATH_TRACES = {"example-connector": "example-connector",
                     "example-connector-roomy": "example-connector-roomy",
+                    "example-connector-async": "example-connector-async",
+                    "async-load-unloaded": "example-connector-async-unloaded",
                     "resumed-load-dropped": "example-connector-dropped-resume",
                     "stored-block-corrupted": "example-connector-corrupt",
                     "negative-external-hit": "example-connector-negative-hit"}

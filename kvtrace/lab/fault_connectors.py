@@ -9,13 +9,31 @@ bug put back. Configure one as ``kv_connector`` with
     preemption is dropped. The scheduler has counted the external hit as
     computed; nothing loads it; the request reads whatever its new blocks
     held. Every count agrees with a correct run.
+
+``AsyncExampleConnector`` is no fault: ExampleConnector with its loads
+    asynchronous, as production connectors (LMCache, NIXL, Mooncake) make
+    them. An external hit is answered ``load_kv_async=True``; the request
+    waits in WAITING_FOR_REMOTE_KVS; the worker copies the stored bytes into
+    its blocks in the next step it runs (with a forward pass or without one)
+    and reports the request in ``finished_recving`` at that step's end.
+
+``ReportsUnloaded`` ("async-load-unloaded"): an ``AsyncExampleConnector``
+    whose worker reports its first load received without copying a byte of
+    it (a transfer that completes in the connector's books only). The
+    scheduler resumes the request with the hit counted as computed, and the
+    request reads whatever its blocks held.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector
+from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
+    ExampleConnector,
+    ExampleConnectorMetadata,
+    ReqMeta,
+)
 
 
 class DropsResumedLoad(ExampleConnector):
@@ -23,6 +41,86 @@ class DropsResumedLoad(ExampleConnector):
         if getattr(request, "num_preemptions", 0) > 0:
             return   # the bug: a resumed request's load is dropped
         return super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+
+@dataclass
+class AsyncLoadMetadata(ExampleConnectorMetadata):
+    """ExampleConnector's metadata (its saves) and the asynchronous loads
+    issued in the step: (request id, what to load)."""
+
+    loads: list[tuple[str, ReqMeta]] = field(default_factory=list)
+
+
+class AsyncExampleConnector(ExampleConnector):
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._async_loads: dict[str, tuple[Any, list[int]]] = {}   # scheduler: issued now
+        self._received: set[str] = set()                          # worker: loaded this step
+
+    # -- the scheduler's side ---------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
+        n, _ = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        return n, bool(n)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+        if num_external_tokens > 0:   # every block the request holds: the load covers its prefix
+            self._async_loads[request.request_id] = (request, list(blocks.get_block_ids()[0]))
+
+    def build_connector_meta(self, scheduler_output: Any) -> AsyncLoadMetadata:
+        base = super().build_connector_meta(scheduler_output)   # its saves; it loads nothing
+        meta = AsyncLoadMetadata(requests=base.requests)
+        for rid, (request, block_ids) in self._async_loads.items():
+            meta.loads.append((rid, ReqMeta.make_meta(
+                request.prompt_token_ids or [], block_ids, self._block_size, is_store=False,
+                mm_hashes=[f.identifier for f in request.mm_features])))
+        self._async_loads.clear()
+        return meta
+
+    # -- the worker's side --------------------------------------------------------
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        super().start_load_kv(forward_context, **kwargs)
+        meta = self._get_connector_metadata()
+        for rid, load in getattr(meta, "loads", ()):
+            if self.copies(rid):
+                self._copy(forward_context, load)
+            self._received.add(rid)
+
+    def copies(self, rid: str) -> bool:
+        """Whether the worker moves the bytes of ``rid``'s load (always, here)."""
+        return True
+
+    def _copy(self, forward_context: Any, load: ReqMeta) -> None:
+        """The stored bytes of ``load`` into the KV cache of every layer, as
+        ExampleConnector's own load writes them, with or without a forward pass."""
+        import safetensors.torch
+
+        blocks = load.slot_mapping // self._block_size
+        offsets = load.slot_mapping % self._block_size
+        for name, layer in forward_context.no_compile_layers.items():
+            kv = getattr(layer, "kv_cache", None)
+            if kv is None:
+                continue
+            stored = safetensors.torch.load_file(
+                self._generate_filename_debug(name, load.token_ids, load.mm_hashes))["kv_cache"]
+            kv[blocks.to(kv.device), :, offsets.to(kv.device)] = stored.to(kv.device)
+
+    def get_finished(self, finished_req_ids: set[str]):
+        done, self._received = self._received, set()
+        return None, (done or None)
+
+
+class ReportsUnloaded(AsyncExampleConnector):
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._skipped = False
+
+    def copies(self, rid: str) -> bool:
+        if self._skipped:
+            return True
+        self._skipped = True   # the bug: the first load is reported received, never copied
+        return False
 
 
 def corrupt_stored_prompt(connector: Any, prompt: list[int], block: int = 1) -> str:

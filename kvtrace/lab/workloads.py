@@ -445,6 +445,11 @@ WORKLOADS["example-connector-corrupt"] = _example_connector(
     control=[[200, "corrupt-store", _example_prompts()[2], 2]], blocks=40)
 # The shape of LMCache #2007: a resumed request's load is dropped.
 WORKLOADS["example-connector-dropped-resume"] = _example_connector("DropsResumedLoad")
+# Asynchronous loads (WAITING_FOR_REMOTE_KVS, finished_recving), as
+# production connectors make them; and a worker that reports its first load
+# received without copying it.
+WORKLOADS["example-connector-async"] = _example_connector("AsyncExampleConnector")
+WORKLOADS["example-connector-async-unloaded"] = _example_connector("ReportsUnloaded")
 
 
 def _example_ngram(connector: str = "ExampleConnector") -> dict:

@@ -63,8 +63,16 @@ it off (a sliding-window model then runs as one group, which is audited; a
 state model fails at start-up, ``Failed to promote local KV cache specs to
 one unified type``), the connectors that support it (SimpleCPUOffloadConnector,
 OffloadingConnector) need CUDA streams, and with an EAGLE head
-ExampleConnector fails looking up a file it never stored. Asynchronous
-loads (``load_async``) are left out of ``loaded``. A block a step fills whose
+ExampleConnector fails looking up a file it never stored.
+
+Asynchronous loads (``load_async``: the request waits in
+WAITING_FOR_REMOTE_KVS): the blocks a load writes are digested when the step
+that issues it binds its metadata, before the worker starts it; and again at
+the end of the step whose worker reports it received (``finished_recving``,
+through ``get_transfer_results`` or ``get_finished``), where they go into
+``loaded`` as asked. A load the worker reports failed, and a block its loads
+failed to write (``get_block_ids_with_load_errors``), is left out: the
+scheduler recovers those. A block a step fills whose
 hash is not known yet (the last token of a decode under async scheduling is
 a placeholder when the step is scheduled) is written with an empty hash:
 replay then compares nothing on it.
@@ -204,10 +212,12 @@ def _metadata_view(meta: KVConnectorMetadata,
 class _Plan:
     """One step's blocks to digest, worked out on the scheduler's thread."""
 
-    __slots__ = ("step", "asked", "cached", "hits", "before", "targets", "saves", "view")
+    __slots__ = ("step", "asked", "cached", "hits", "before", "targets", "saves", "view",
+                 "issued")
 
     def __init__(self, step: int):
         self.step = step
+        self.issued: list[tuple[str, int, str]] = []   # async loads issued: (req, block, hash)
         self.asked: dict[int, tuple[str, str]] = {}    # block -> (req, hash)
         self.cached: list[tuple[str, int, str]] = []   # (req, block, hash)
         self.hits: list[tuple[str, int, str]] = []
@@ -301,6 +311,20 @@ def _loads_asked(tables: _Tables, computed: dict[str, int], lookups: list[Lookup
     return asked
 
 
+def _loads_issued(tables: _Tables, computed: dict[str, int], lookups: list[Lookup],
+                  loads: list[KVLoad], bs: int) -> list[tuple[str, int, str]]:
+    """(req, block, hash) of every whole block the scheduler asked the
+    connector to load asynchronously in this step: the request waits for it
+    (WAITING_FOR_REMOTE_KVS), and reads it once the worker reports it
+    received (``finished_recving``)."""
+    pending = {lk.req for lk in lookups if lk.load_async}
+    issued: list[tuple[str, int, str]] = []
+    for ld in loads:
+        if ld.req in pending and ld.req not in computed:
+            issued += tables.blocks(ld.req, -(-ld.start // bs), ld.end // bs)
+    return issued
+
+
 def _said(p: _Plan, tables: _Tables, meta: KVConnectorMetadata,
           bs: int) -> dict[int, tuple[str, str]]:
     """block -> (req, hash) of every block the connector's own metadata says
@@ -337,6 +361,12 @@ class KVAudit:
         self.off = False   # set when the KV cache cannot be read
         self._plans: dict[int, tuple[KVConnectorMetadata, _Plan]] = {}
         self._bound: _Plan | None = None
+        # Asynchronous loads issued and not yet received: request ->
+        # [(block, hash, its digest when the load was issued)].
+        self._pending: dict[str, list[tuple[int, str, int]]] = {}
+        self._recving: set[str] = set()    # the step's transfer results: received
+        self._failed: set[str] = set()     # and failed
+        self._invalid: set[int] = set()    # blocks the step's loads failed to write
 
     # -- the scheduler's thread --------------------------------------------------
 
@@ -359,6 +389,7 @@ class KVAudit:
         p.cached = _filled(tables, computed, out, sched.requests, bs)
         p.hits = _local_hits(tables, admitted, lookups, bs)
         p.asked = _loads_asked(tables, computed, lookups, loads, bs)
+        p.issued = _loads_issued(tables, computed, lookups, loads, bs)
         said = _said(p, tables, meta, bs)
         for b in dict.fromkeys([*p.asked, *said]):
             req, h = p.asked.get(b) or said[b]
@@ -391,13 +422,36 @@ class KVAudit:
         if p.targets:
             p.before = dict(zip([t[1] for t in p.targets],
                                 self.digests([t[1] for t in p.targets])))
+        if p.issued:   # before the worker starts them
+            for (req, b, h), d in zip(p.issued, self.digests([t[1] for t in p.issued])):
+                self._pending.setdefault(req, []).append((b, h, d))
         self._bound = p
+
+    def transferred(self, recving, failed) -> None:
+        """The worker's transfer results of the step (before ``clear``)."""
+        self._recving, self._failed = set(recving or ()), set(failed or ())
+
+    def load_errors(self, blocks) -> None:
+        """The blocks the step's loads failed to write (before ``clear``)."""
+        self._invalid = set(blocks or ())
+
+    def _received(self) -> list[tuple[str, int, str, int]]:
+        """(req, block, hash, digest before) of the asynchronous loads the
+        step's worker reports received: a failed one, or a block its loads
+        failed to write, is left to the scheduler's recovery, not judged."""
+        recving, failed, invalid = self._recving, self._failed, self._invalid
+        self._recving, self._failed, self._invalid = set(), set(), set()
+        for req in failed:
+            self._pending.pop(req, None)
+        return [(req, b, h, before) for req in recving - failed
+                for b, h, before in self._pending.pop(req, ()) if b not in invalid]
 
     def clear(self) -> None:
         p, self._bound = self._bound, None
         if p is None or self.digests is None:
             return
-        groups = (p.targets, p.saves, p.cached, p.hits)
+        received = self._received()
+        groups = (p.targets, received, p.saves, p.cached, p.hits)
         flat = [e[1] for g in groups for e in g]
         if not flat:
             return
@@ -408,6 +462,9 @@ class KVAudit:
             before = p.before[b]
             loaded.append((req, b, h, before, after, asked,
                            said if p.view == "metadata" else after != before))
+        for req, b, h, before in received:   # asked, in the step that reported it received
+            after = next(got)
+            loaded.append((req, b, h, before, after, True, after != before))
         saved = [(r, b, h, next(got)) for r, b, h in p.saves]
         cached = [(r, b, h, next(got)) for r, b, h in p.cached]
         hits = [(r, b, h, next(got)) for r, b, h in p.hits]
@@ -423,6 +480,35 @@ def _schedules_ahead(sched: Scheduler) -> bool:
     except Exception:
         return bool(getattr(sched.vllm_config.scheduler_config, "async_scheduling", False))
     return isinstance(sched, AsyncScheduler)
+
+
+def _watch_transfers(conn: KVConnectorBase_V1, audit: KVAudit, rec: Recorder) -> None:
+    """Show the audit what the worker reports received (asynchronous loads)
+    and which blocks its loads failed to write, as the engine asks: through
+    ``get_transfer_results`` (vLLM 0.32) or ``get_finished`` (before it)."""
+    name = "get_transfer_results" if hasattr(conn, "get_transfer_results") else "get_finished"
+    orig = getattr(conn, name)
+
+    def transfers(*args: object, **kwargs: object):
+        result = orig(*args, **kwargs)
+        if rec.active:
+            if name == "get_finished":
+                recving, failed = (result or (None, None))[1], ()
+            else:
+                recving, failed = result.finished_recving, result.failed_recving
+            rec.guard(f"kv audit ({name})", audit.transferred, recving, failed)
+        return result
+
+    orig_errors = conn.get_block_ids_with_load_errors
+
+    def get_block_ids_with_load_errors(*args: object, **kwargs: object):
+        result = orig_errors(*args, **kwargs)
+        if rec.active:
+            rec.guard("kv audit (get_block_ids_with_load_errors)", audit.load_errors, result)
+        return result
+
+    setattr(conn, name, transfers)
+    conn.get_block_ids_with_load_errors = get_block_ids_with_load_errors
 
 
 def refusal(sched: Scheduler, worker_conn: KVConnectorBase_V1 | None) -> str | None:
@@ -481,5 +567,6 @@ def install(sched: Scheduler, rec: Recorder) -> KVAudit | None:
 
     worker_conn.bind_connector_metadata = bind_connector_metadata
     worker_conn.clear_connector_metadata = clear_connector_metadata
+    _watch_transfers(worker_conn, audit, rec)
     logger.info("kvtrace: auditing the KV cache's bytes (%s)", type(worker_conn).__name__)
     return audit

@@ -11,6 +11,10 @@ files): the traces in traces/data-path/ were recorded with the KV audit on.
   is: every count agrees with a correct run.
 * A stored block corrupted on disk is flagged D2 at the load of that prompt,
   and only there.
+* With the loads asynchronous (the request waits in WAITING_FOR_REMOTE_KVS),
+  each is audited at the step whose output reports it received; a load
+  reported received and never copied is flagged D1 there, and nothing else
+  is.
 
 Where each is expected is worked out from the recording, not the replay."""
 
@@ -36,7 +40,8 @@ from kvtrace.trace.io import TraceReader  # noqa: E402
 pytestmark = pytest.mark.vllm
 
 DATA = REPO / "traces" / "data-path"
-CLEAN = [DATA / "example-connector.jsonl.gz", DATA / "example-connector-roomy.jsonl.gz"]
+ASYNC = DATA / "example-connector-async.jsonl.gz"
+CLEAN = [DATA / "example-connector.jsonl.gz", DATA / "example-connector-roomy.jsonl.gz", ASYNC]
 
 
 def resumed_loads(path) -> list[tuple[int, str]]:
@@ -51,6 +56,24 @@ def resumed_loads(path) -> list[tuple[int, str]]:
                 found += [(e.step, ld.req) for ld in e.loads or ()
                           if ld.req in resumed and ld.end // bs > -(-ld.start // bs)]
     return found
+
+
+def async_loads(path) -> list[tuple[int, str]]:
+    """(step, request) of every asynchronous load of at least one whole block,
+    in the order the scheduler issued them; the step is the one whose output
+    reports it received (``finished_recving``)."""
+    issued, received = [], {}
+    with TraceReader(path) as r:
+        bs = r.header.config.block_size
+        for e in r:
+            if isinstance(e, ev.Step):
+                waits = {lk.req for lk in e.lookups or () if lk.load_async}
+                issued += [ld.req for ld in e.loads or ()
+                           if ld.req in waits and ld.end // bs > -(-ld.start // bs)]
+            elif isinstance(e, ev.Output) and e.connector is not None:
+                for req in e.connector.finished_recving:
+                    received.setdefault(req, []).append(e.step)
+    return [(received[req].pop(0), req) for req in issued]
 
 
 def load_of_prompt(path, prompt: list[int]) -> tuple[int, str]:
@@ -104,3 +127,32 @@ def test_a_corrupted_stored_block_is_flagged_at_its_load():
     divs = replay_file(path).divergences
     assert [(d.step, d.req, d.rule[:2], d.field) for d in divs] == [(step, req, "D2", "kv-load")]
     assert "loaded with other bytes" in divs[0].recorded
+
+
+def test_asynchronous_loads_are_audited_at_the_step_that_reports_them_received():
+    expected = async_loads(ASYNC)
+    assert len(expected) >= 3, "the workload no longer loads asynchronously"
+    audited = set()
+    with TraceReader(ASYNC) as r:
+        for e in r:
+            if isinstance(e, ev.KVAudit):
+                audited |= {(e.step, req) for req, *_ in e.loaded}
+    assert set(expected) <= audited
+
+
+def _check_async_unloaded(path) -> None:
+    expected = async_loads(path)[0]   # the first load the worker was given
+    divs = replay_file(path).divergences
+    assert divs and all(d.kind == "kv-data" and d.rule.startswith("D1") for d in divs), divs
+    assert {(d.step, d.req) for d in divs} == {expected}
+    assert all("not loaded" in d.recorded for d in divs)
+
+
+def test_an_asynchronous_load_reported_received_and_never_copied_is_flagged_d1():
+    _check_async_unloaded(DATA / "async-load-unloaded.jsonl.gz")
+
+
+def test_an_unloaded_asynchronous_load_recorded_live_is_flagged_d1(tmp_path):
+    out = tmp_path / "unloaded.jsonl"
+    record_vllm_offline(None, out, "example-connector-async-unloaded")
+    _check_async_unloaded(out)
