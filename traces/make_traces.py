@@ -110,11 +110,13 @@ FAULT_TRACES = ["async-load-overshoot", "stale-computed-on-preempt",
 # audit, in data-path/: clean runs (one with its loads asynchronous), and
 # runs with a data-path bug put back (kvtrace.lab.fault_connectors): a
 # resumed request's load dropped, an asynchronous load reported received and
-# never copied, and a stored block corrupted between its save and its load.
+# never copied, packed K|V rows loaded as K alone, and a stored block
+# corrupted between its save and its load.
 DATA_PATH_TRACES = {"example-connector": "example-connector",
                     "example-connector-roomy": "example-connector-roomy",
                     "example-connector-async": "example-connector-async",
                     "async-load-unloaded": "example-connector-async-unloaded",
+                    "packed-layout-misread": "example-connector-packed-misread",
                     "resumed-load-dropped": "example-connector-dropped-resume",
                     "stored-block-corrupted": "example-connector-corrupt",
                     "negative-external-hit": "example-connector-negative-hit"}

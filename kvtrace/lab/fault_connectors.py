@@ -17,6 +17,13 @@ bug put back. Configure one as ``kv_connector`` with
     its blocks in the next step it runs (with a forward pass or without one)
     and reports the request in ``finished_recving`` at that step's end.
 
+``MisreadsPackedLayout`` ("packed-layout-misread", the shape of
+    dynamo#14416 / LMCache#4463): vLLM's KV cache rows are packed, each
+    head's K then V in one row (``[blocks, heads, block size, 2 * head
+    size]`` on the CPU); the connector copies each stored row as if it held K
+    alone, so a load writes the K half of every row and leaves the V half as
+    the block held it. Every count agrees with a correct run.
+
 ``ReportsUnloaded`` ("async-load-unloaded"): an ``AsyncExampleConnector``
     whose worker reports its first load received without copying a byte of
     it (a transfer that completes in the connector's books only). The
@@ -92,19 +99,7 @@ class AsyncExampleConnector(ExampleConnector):
         return True
 
     def _copy(self, forward_context: Any, load: ReqMeta) -> None:
-        """The stored bytes of ``load`` into the KV cache of every layer, as
-        ExampleConnector's own load writes them, with or without a forward pass."""
-        import safetensors.torch
-
-        blocks = load.slot_mapping // self._block_size
-        offsets = load.slot_mapping % self._block_size
-        for name, layer in forward_context.no_compile_layers.items():
-            kv = getattr(layer, "kv_cache", None)
-            if kv is None:
-                continue
-            stored = safetensors.torch.load_file(
-                self._generate_filename_debug(name, load.token_ids, load.mm_hashes))["kv_cache"]
-            kv[blocks.to(kv.device), :, offsets.to(kv.device)] = stored.to(kv.device)
+        copy_load(self, forward_context, load)
 
     def get_finished(self, finished_req_ids: set[str]):
         done, self._received = self._received, set()
@@ -121,6 +116,38 @@ class ReportsUnloaded(AsyncExampleConnector):
             return True
         self._skipped = True   # the bug: the first load is reported received, never copied
         return False
+
+
+def copy_load(connector: ExampleConnector, forward_context: Any, load: ReqMeta,
+              half: bool = False) -> None:
+    """The stored bytes of ``load`` into the KV cache of every layer, as
+    ExampleConnector's own load writes them, with or without a forward pass;
+    ``half``: only the first half of each row (the K of a packed row)."""
+    import safetensors.torch
+
+    bs = connector._block_size
+    for name, layer in forward_context.no_compile_layers.items():
+        kv = getattr(layer, "kv_cache", None)
+        if kv is None:
+            continue
+        blocks = (load.slot_mapping // bs).to(kv.device)
+        offsets = (load.slot_mapping % bs).to(kv.device)
+        stored = safetensors.torch.load_file(connector._generate_filename_debug(
+            name, load.token_ids, load.mm_hashes))["kv_cache"].to(kv.device)
+        if half:
+            width = stored.shape[-1] // 2
+            kv[blocks, :, offsets, :width] = stored[..., :width]
+        else:
+            kv[blocks, :, offsets] = stored
+
+
+class MisreadsPackedLayout(ExampleConnector):
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if forward_context.attn_metadata is None:   # as ExampleConnector: no load without one
+            return
+        for load in self._get_connector_metadata().requests:
+            if not load.is_store:
+                copy_load(self, forward_context, load, half=True)   # the bug: K alone
 
 
 def corrupt_stored_prompt(connector: Any, prompt: list[int], block: int = 1) -> str:

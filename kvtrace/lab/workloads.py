@@ -450,6 +450,8 @@ WORKLOADS["example-connector-dropped-resume"] = _example_connector("DropsResumed
 # received without copying it.
 WORKLOADS["example-connector-async"] = _example_connector("AsyncExampleConnector")
 WORKLOADS["example-connector-async-unloaded"] = _example_connector("ReportsUnloaded")
+# dynamo#14416's shape: the connector copies vLLM's packed K|V rows as K alone.
+WORKLOADS["example-connector-packed-misread"] = _example_connector("MisreadsPackedLayout")
 
 
 def _example_ngram(connector: str = "ExampleConnector") -> dict:

@@ -11,6 +11,8 @@ files): the traces in traces/data-path/ were recorded with the KV audit on.
   is: every count agrees with a correct run.
 * A stored block corrupted on disk is flagged D2 at the load of that prompt,
   and only there.
+* A connector that copies vLLM's packed K|V rows as K alone (dynamo#14416's
+  shape) is flagged D2 at every load that writes a block, and only there.
 * With the loads asynchronous (the request waits in WAITING_FOR_REMOTE_KVS),
   each is audited at the step whose output reports it received; a load
   reported received and never copied is flagged D1 there, and nothing else
@@ -127,6 +129,18 @@ def test_a_corrupted_stored_block_is_flagged_at_its_load():
     divs = replay_file(path).divergences
     assert [(d.step, d.req, d.rule[:2], d.field) for d in divs] == [(step, req, "D2", "kv-load")]
     assert "loaded with other bytes" in divs[0].recorded
+
+
+def test_packed_rows_loaded_as_k_alone_are_flagged_d2_at_every_load():
+    path = DATA / "packed-layout-misread.jsonl.gz"
+    with TraceReader(path) as r:
+        bs = r.header.config.block_size
+        loads = {(e.step, ld.req) for e in r if isinstance(e, ev.Step)
+                 for ld in e.loads or () if ld.end // bs > -(-ld.start // bs)}
+    assert len(loads) >= 5, "the workload no longer loads from the store"
+    divs = replay_file(path).divergences
+    assert all((d.rule[:2], d.field) == ("D2", "kv-load") for d in divs), divs
+    assert {(d.step, d.req) for d in divs} == loads
 
 
 def test_asynchronous_loads_are_audited_at_the_step_that_reports_them_received():
