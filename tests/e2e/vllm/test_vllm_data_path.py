@@ -170,3 +170,17 @@ def test_an_unloaded_asynchronous_load_recorded_live_is_flagged_d1(tmp_path):
     out = tmp_path / "unloaded.jsonl"
     record_vllm_offline(None, out, "example-connector-async-unloaded")
     _check_async_unloaded(out)
+
+
+def test_asynchronous_loads_under_async_scheduling_clean_and_unloaded(tmp_path):
+    from kvtrace.lab.run import record_named
+
+    clean, unloaded = tmp_path / "clean.jsonl", tmp_path / "unloaded.jsonl"
+    record_named(clean, "example-connector-async", async_scheduling=True)
+    with TraceReader(clean) as r:
+        assert r.header.features.async_scheduling
+    res = replay_file(clean)
+    assert res.divergences == [] and len(async_loads(clean)) >= 3
+    assert res.audit["loads"] >= len(async_loads(clean))
+    record_named(unloaded, "example-connector-async-unloaded", async_scheduling=True)
+    _check_async_unloaded(unloaded)
