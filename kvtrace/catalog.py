@@ -159,6 +159,8 @@ VLLM_WORKLOADS = {
     "example-connector-async": "the same connector with its loads asynchronous "
                                "(WAITING_FOR_REMOTE_KVS, finished_recving)",
     "example-connector-async-unloaded": "an asynchronous load reported received, never copied",
+    "example-connector-prompt-logprobs": "vllm#57596: prompt-logprobs requests counted as "
+                                         "connector queries (log stats on)",
     "example-connector-packed-misread": "dynamo#14416's shape: packed K|V rows loaded as K "
                                         "alone",
     "example-connector-ngram": "vLLM's ExampleConnector with n-gram drafts, the KV audit on",

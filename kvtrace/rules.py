@@ -176,6 +176,18 @@ _ALL = (
          "step 3 (local 32 + external 0), the last before r2's first preemption, not the "
          "one at step 19",
          _INVARIANTS),
+    Rule("5.4", "the connector's prefix-cache stats count what each admission queried and "
+                "hit; a request that reads no prefix cache queries nothing",
+         "at each admission that looked the connector up, its PrefixCacheStats add a "
+         "request, T - L tokens queried and E hit (S:1294-1311, MS:121-160); a request "
+         "resumed after a preemption is counted apart. A request that reads no prefix "
+         "cache (prompt logprobs, token-level pooling) queries nothing: the scheduler "
+         "discards its answer (S:983-984), and the local cache's stats leave it out. "
+         "vLLM 0.32 counts it as T tokens queried, none hit (vllm#57596). Checked on "
+         "outputs that carry connector_cache (log stats on).",
+         "output of step 2: connector_cache.queries 401, expected 0: r1 asks for prompt "
+         "logprobs and reads no prefix cache",
+         _INVARIANTS),
     Rule("7.4", "the local hit passed to the connector equals a fresh lookup",
          "The connector is asked get_num_new_matched_tokens(request, L) with L the local "
          "prefix hit of the same lookup, aligned to the block size (S:974-982).",

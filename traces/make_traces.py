@@ -83,7 +83,8 @@ STRANDED = {"async-session-lost"}
 SILENT_BUG_TRACES = {"priority-preempt-uncomputed-hit": "priority-preempt-uncomputed-hit",
                      "async-failed-load-stale-token": "async-failed-load-stale-token",
                      "embeds-mixed-mask": "embeds-mixed-mask",
-                     "spec-session-overshoot": "spec-session-overshoot"}
+                     "spec-session-overshoot": "spec-session-overshoot",
+                     "prompt-logprobs-connector-queries": "example-connector-prompt-logprobs"}
 # Other releases' engines, model-free: folder -> (version, {name: (workload,
 # scheduler class or None)}).
 RELEASE_TRACES = {

@@ -450,6 +450,14 @@ WORKLOADS["example-connector-dropped-resume"] = _example_connector("DropsResumed
 # received without copying it.
 WORKLOADS["example-connector-async"] = _example_connector("AsyncExampleConnector")
 WORKLOADS["example-connector-async-unloaded"] = _example_connector("ReportsUnloaded")
+# vllm#57596: with log stats on, two requests ask for prompt logprobs (they
+# read no prefix cache, and vLLM discards the connector's answer for them),
+# one in each round; vLLM still counts each as connector queries with no hit.
+WORKLOADS["example-connector-prompt-logprobs"] = dict(
+    _example_connector(blocks=40),
+    per_request=[{"prompt_logprobs": 1} if i in (2, 8) else {} for i in range(12)])
+WORKLOADS["example-connector-prompt-logprobs"]["engine"] = dict(
+    WORKLOADS["example-connector-prompt-logprobs"]["engine"], disable_log_stats=False)
 # dynamo#14416's shape: the connector copies vLLM's packed K|V rows as K alone.
 WORKLOADS["example-connector-packed-misread"] = _example_connector("MisreadsPackedLayout")
 

@@ -24,6 +24,7 @@ class Lookup:
     num_external: int
     load_async: bool
     num_computed: int
+    looked: bool = True   # False: the request had tokens computed, and nothing was looked up
 
 
 @dataclass(slots=True)
@@ -116,7 +117,7 @@ class Admission:
         has completed, the blocks already in place. None when the connector
         cannot tell yet."""
         if r.num_computed_tokens > 0:
-            return Lookup([], 0, 0, False, r.num_computed_tokens)
+            return Lookup([], 0, 0, False, r.num_computed_tokens, looked=False)
         if r.resumable and r.hash_lookahead:
             r.rehash()   # a turn's dropped token may linger in a lookahead hash (S:1111-1115)
         lags = False
@@ -188,6 +189,8 @@ class Admission:
         if self.connector is not None:
             self.connector.update_state_after_alloc(
                 r, self.kv.get_block_ids(r.request_id), lookup.num_external)
+            if lookup.looked:
+                self._count_connector_query(r, lookup.num_local, lookup.num_external)
         return True
 
     def _admit(self, r: Request, n: int, padded: bool, num_computed: int, step: StepPlan,

@@ -33,6 +33,7 @@ from collections import deque
 from .admission import Admission, Skipped
 from .async_output import AsyncOutput
 from .block_pool import Block
+from .cache_stats import ConnectorCacheStats
 from .cadence import PrefillCadence
 from .config import SchedulerConfig
 from .interface import (Connector, ModelOutput, RequestOutput, ScheduledRequest, SchedulerAssertion,
@@ -93,6 +94,8 @@ class Scheduler(Admission, Outputs, SpeculativeDecoding, KVTransfer, AsyncOutput
         # bound by capacity (S:906, S:1344, S:2459).
         self.deferred_waiting: set[Request] = set()
         self.num_steps = 0   # schedule() calls so far
+        # The connector's prefix-cache stats since the last output took them.
+        self.connector_cache = ConnectorCacheStats()
         self.cadence = PrefillCadence(
             config.prefill_schedule_interval,
             local=config.profile.local_prefill_interval and config.data_parallel_size == 1)
@@ -353,6 +356,26 @@ class Scheduler(Admission, Outputs, SpeculativeDecoding, KVTransfer, AsyncOutput
             r.set_legacy_external(num_external)
         elif self.config.profile.legacy_counters:
             r.set_legacy_external(num_external)   # legacy: every lookup (0.18 scheduler.py:622)
+
+    def _count_connector_query(self, r: Request, num_local: int, num_external: int) -> None:
+        """The connector's prefix-cache stats, at an admission that looked it
+        up (S:1294-1311): the tokens past the local hit were queried, the
+        external hit hit, counted when any were queried. A request that reads
+        no prefix cache queries nothing: its answer is discarded (S:983-984),
+        and the local cache's stats leave it out likewise (KM
+        record_prefix_cache_stats). vLLM 0.32 counts it, every token a miss
+        (vllm#57596): replay flags that."""
+        queries = r.num_tokens - num_local
+        if r.skip_reading_prefix_cache:
+            self.connector_cache.unread.append(r.request_id)
+        elif queries:
+            self.connector_cache.record(queries, num_external, r.num_preemptions > 0)
+
+    def take_connector_cache(self) -> ConnectorCacheStats:
+        """The connector's prefix-cache stats since the last call (an output's
+        ``make_stats``), which start again at zero."""
+        stats, self.connector_cache = self.connector_cache, ConnectorCacheStats()
+        return stats
 
     def _on_admitted(self, r: Request) -> None:
         """A request became RUNNING. The legacy count is set once (−1 sentinel,

@@ -198,6 +198,28 @@ def accepted_drafts(rec: ev.Output, spec: dict[str, list[int]], line: int | None
     return divs
 
 
+CONNECTOR_CACHE = ("5.4: the connector's prefix-cache stats count the tokens each admission "
+                   "queried past its local hit, and the external hit; a request that reads no "
+                   "prefix cache queries nothing (S:983-984, S:1294-1311, MS:121-160)")
+
+
+def connector_cache(rec: ev.Output, expected, line: int | None) -> list[Divergence]:
+    """The connector's prefix-cache stats the output's ``make_stats`` took,
+    against the reference's count of the admissions since the output before."""
+    got = rec.connector_cache
+    for name in ("requests", "queries", "hits", "preempted_requests", "preempted_queries",
+                 "preempted_hits"):
+        if getattr(got, name) != getattr(expected, name):
+            unread = expected.unread
+            why = (f"{', '.join(unread)} {'reads' if len(unread) == 1 else 'read'} no prefix "
+                   "cache, and queries nothing" if unread else None)
+            return [Divergence(rec.step, unread[0] if len(unread) == 1 else None,
+                               f"connector_cache.{name}", getattr(got, name),
+                               getattr(expected, name), CONNECTOR_CACHE, "stats", rec.seq, line,
+                               why)]
+    return []
+
+
 def compare_prompt_stats(rec: ev.PromptStats, expected: RequestOutput | None, ref: Request | None,
                          line: int | None) -> list[Divergence]:
     divs: list[Divergence] = []

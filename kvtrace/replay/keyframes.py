@@ -44,7 +44,7 @@ from .replayer import PROGRESS_EVERY, Replayer
 
 NO_CONTENT = "a replay from a keyframe does not check KV contents"
 
-FORMAT = 1   # the keyframe format this kvtrace writes and reads
+FORMAT = 2   # the keyframe format this kvtrace writes and reads (2: the connector cache stats)
 
 # Fields of a Replayer a keyframe leaves out; ``restore`` gives them back.
 _LEFT_OUT = {Replayer: frozenset({"divergences", "content", "out", "path", "_kv_placed"})}

@@ -327,6 +327,9 @@ class Replayer:
         before = {r.request_id: r.num_tokens for r in touched if stale and r.request_id in stale}
         results = self.sched.update_from_output(out, model)
         self.divergences.extend(checks.compare_output(rec, results, self.sched, touched, line))
+        counted = self.sched.take_connector_cache()   # what this output's make_stats took
+        if rec.connector_cache is not None:
+            self.divergences.extend(checks.connector_cache(rec, counted, line))
         self.divergences.extend(self._progress.after_update(rec.step, results, self.sched,
                                                             rec.seq, line))
         if before:

@@ -604,6 +604,9 @@ class Output(_Record, tag="output"):
     # Pooling requests whose pooler output this model step produced: each is done
     # (S:2170-2173). None when none.
     pooled: list[str] | None = None
+    # The connector's prefix-cache stats the scheduler made since the output
+    # before (``make_stats``, with log stats on); None when it made none.
+    connector_cache: CacheStats | None = None
     kind: ClassVar[str] = "output"
 
     def turn_ends(self) -> dict[str, RequestState]:
@@ -614,6 +617,20 @@ class Output(_Record, tag="output"):
             return {}
         return {st.req: st for st in self.states
                 if st.req in self.finished and not st.status.startswith("FINISHED_")}
+
+
+class CacheStats(_Part):
+    """vLLM's ``PrefixCacheStats`` of the connector, summed over the
+    ``make_stats`` calls since the output before: requests admitted with a
+    lookup, the tokens queried and hit; the same for requests resumed after a
+    preemption (S:1295-1311, make_stats S:2915-2930)."""
+
+    requests: Count = 0
+    queries: Count = 0
+    hits: Count = 0
+    preempted_requests: Count = 0
+    preempted_queries: Count = 0
+    preempted_hits: Count = 0
 
 
 class PrefillStats(Struct):

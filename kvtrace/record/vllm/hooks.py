@@ -133,6 +133,13 @@ class _Recording:
                 rec.guard("reset_prefix_cache", rec.on_reset, running, connector, result)
                 rec.guard("reset_prefix_cache", rec.settle, self)
 
+    def make_stats(self, *args: object, **kwargs: object) -> object:
+        stats = super().make_stats(*args, **kwargs)
+        rec = self._kv_rec()
+        if rec is not None and stats is not None:
+            rec.guard("make_stats", rec.on_stats, stats)
+        return stats
+
     def _preempt_request(self, request: Request, *args: object, **kwargs: object) -> None:
         result = super()._preempt_request(request, *args, **kwargs)
         rec = self._kv_rec()

@@ -83,6 +83,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from kvtrace.trace.events import KVAudit as KVAuditEvent
@@ -427,11 +428,11 @@ class KVAudit:
                 self._pending.setdefault(req, []).append((b, h, d))
         self._bound = p
 
-    def transferred(self, recving, failed) -> None:
+    def transferred(self, recving: Iterable[str] | None, failed: Iterable[str] | None) -> None:
         """The worker's transfer results of the step (before ``clear``)."""
         self._recving, self._failed = set(recving or ()), set(failed or ())
 
-    def load_errors(self, blocks) -> None:
+    def load_errors(self, blocks: Iterable[int] | None) -> None:
         """The blocks the step's loads failed to write (before ``clear``)."""
         self._invalid = set(blocks or ())
 

@@ -150,6 +150,9 @@ _READ_STATE = operator.attrgetter("request_id", *StateCounters._fields[1:])
 
 
 _GRAMMAR_WAIT = "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR"
+# vLLM's PrefixCacheStats counts, as the trace's CacheStats has them.
+_CACHE_STATS = ("requests", "queries", "hits", "preempted_requests", "preempted_queries",
+                "preempted_hits")
 
 
 def _repetition(sp: SamplingParams | None) -> dict | None:
@@ -312,6 +315,7 @@ class Recorder:
         self.grammar_waiting: dict[str, Request] = {}
         # Requests whose grammar refused their tokens in the update under way.
         self.grammar_rejected: list[str] = []
+        self.connector_cache: dict[str, int] | None = None   # stats made since the last output
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -727,6 +731,16 @@ class Recorder:
                       if (i := index.get(rid)) is not None and i < len(po) and po[i] is not None]
         return step, sampled, conn, reqs, pooled
 
+    def on_stats(self, stats: object) -> None:
+        """``make_stats`` made ``stats``: the connector's prefix-cache stats in
+        it, summed until the next output takes them."""
+        s = getattr(stats, "connector_prefix_cache_stats", None)
+        if s is None:
+            return
+        got = [int(getattr(s, k, 0) or 0) for k in _CACHE_STATS]
+        before = self.connector_cache or dict.fromkeys(_CACHE_STATS, 0)
+        self.connector_cache = {k: before[k] + v for k, v in zip(_CACHE_STATS, got)}
+
     def post_update(self, sched: Scheduler, ctx: UpdateContext,
                     result: dict[int, EngineCoreOutputs] | None) -> None:
         step, sampled, conn, reqs, pooled = ctx
@@ -766,6 +780,9 @@ class Recorder:
             self.grammar_rejected = []
         if pooled:
             rare["pooled"] = pooled
+        if self.connector_cache is not None:
+            rare["connector_cache"] = {k: v for k, v in self.connector_cache.items() if v}
+            self.connector_cache = None
         self.sink.put(RawOutput(step=step, sampled=sampled, connector=conn, finished=finished,
                                 states=states, rare=rare or None))
         for ev in stats:

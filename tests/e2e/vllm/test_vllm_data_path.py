@@ -166,12 +166,6 @@ def test_an_asynchronous_load_reported_received_and_never_copied_is_flagged_d1()
     _check_async_unloaded(DATA / "async-load-unloaded.jsonl.gz")
 
 
-def test_an_unloaded_asynchronous_load_recorded_live_is_flagged_d1(tmp_path):
-    out = tmp_path / "unloaded.jsonl"
-    record_vllm_offline(None, out, "example-connector-async-unloaded")
-    _check_async_unloaded(out)
-
-
 def test_asynchronous_loads_under_async_scheduling_clean_and_unloaded(tmp_path):
     from kvtrace.lab.run import record_named
 

@@ -108,7 +108,9 @@ EVENTS = [
     ev.Output(seq=0, step=0, sampled={"a": [11, 12]},
               connector=ev.ConnectorOutput(finished_recving=["a"], finished_sending=["f"],
                                            failed_recving=["c"], invalid_block_ids=[4]),
-              finished={"a": "length"}, states=[STATE], grammar_rejected=["d"], pooled=["a"]),
+              finished={"a": "length"}, states=[STATE], grammar_rejected=["d"], pooled=["a"],
+              connector_cache=ev.CacheStats(requests=1, queries=2, hits=3, preempted_requests=4,
+                                            preempted_queries=5, preempted_hits=6)),
     ev.Drafts(seq=0, step=0, drafts={"a": [7, 8]}),
     ev.KVAudit(seq=0, step=0, view="metadata",
                loaded=[("a", 3, "0123456789abcdef", -5, 1 << 62, True, False)],
@@ -203,7 +205,9 @@ def test_the_recorders_capture_becomes_the_schemas_records(tmp_path):
         step=0, sampled=Sampled(req_ids=["a", "d"], sampled_token_ids=[[11, 12], []],
                                 req_id_to_index={"a": 0, "d": 1}),
         connector=OUTPUT.connector, finished={"a": "length"}, states=grouped,
-        rare={"grammar_rejected": ["d"], "pooled": ["a"]})
+        rare={"grammar_rejected": ["d"], "pooled": ["a"],
+              "connector_cache": {"requests": 1, "queries": 2, "hits": 3, "preempted_requests": 4,
+                                  "preempted_queries": 5, "preempted_hits": 6}})
     arrivals = [e for e in EVENTS if type(e) is ev.Arrival]
     for sink_cls in (TraceSink, ProcessSink):
         path = tmp_path / f"{sink_cls.__name__}.jsonl"
@@ -262,6 +266,7 @@ def test_the_bridge_hands_every_input_field_to_the_reference():
             msgspec.structs.replace(o, finished={"b": "error", "a": "length", "c": "error"})
         ).error_order == ("b", "c"),   # an outcome replay compares; its errors' order feeds it
         "states": "an outcome: replay compares it, it feeds nothing",
+        "connector_cache": "an outcome: replay compares it with its count (rule 5.4)",
     }
     assert set(output) == set(ev.Output.__struct_fields__) - {"seq", "step"}
     assert [k for k, ok in output.items() if ok is not True and not isinstance(ok, str)] == []
