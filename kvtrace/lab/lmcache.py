@@ -8,7 +8,8 @@ to and from it (engine-driven transfers, the mode LMCache runs on a CPU).
 ``started_server(extra)`` starts one on free local ports, waits until it
 answers its health check, and yields the connector's extra config with
 ``lmcache.mp.host`` and ``lmcache.mp.port`` filled in; on the way out (an
-engine failure included) the server is stopped and reaped. Its output goes
+engine failure included) the server is stopped and reaped; it also stops
+when the process that started it dies. Its output goes
 to a log file, removed after a clean run and kept, and named, after a failure.
 ``extra["kvtrace.server"]`` holds the server's settings: ``chunk_size``
 (tokens, a multiple of vLLM's block size), ``l1_size_gb``, ``shm`` (True:
@@ -93,6 +94,17 @@ def _tail(path: str, n: int = 15) -> str:
         return ""
 
 
+def _dies_with_parent() -> None:
+    """In the server's process before it starts (Linux): a SIGTERM when the
+    thread that started it ends, its process killed included, so that no
+    server outlives its run."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+
+
 def _stop(proc: subprocess.Popen) -> None:
     """Stop the server (its process group: it starts worker processes) and reap it."""
     if proc.poll() is None:
@@ -122,7 +134,8 @@ def started_server(extra: dict, timeout: float = 120.0) -> Iterator[dict]:
                          float(settings["l1_size_gb"]), shm_name)
     with os.fdopen(fd, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=_dies_with_parent if sys.platform == "linux" else None)
     ok = False
     try:
         deadline = time.monotonic() + timeout

@@ -156,3 +156,26 @@ def test_the_lmcache_server_is_stopped_and_reaped_when_the_run_fails(caplog):
     with open(kept.group(1)) as f:
         assert "healthcheck" in f.read()
     os.unlink(kept.group(1))
+
+
+def test_the_lmcache_server_stops_when_the_process_that_started_it_is_killed(tmp_path):
+    import os
+    import signal
+    import time
+
+    code = ("from kvtrace.lab.lmcache import started_server\n"
+            "with started_server({}) as extra:\n"
+            "    print(extra['lmcache.mp.port'], flush=True)\n"
+            "    import time; time.sleep(600)\n")
+    env = dict(os.environ, TMPDIR=str(tmp_path))   # the server's log, left by the kill
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        port = int(p.stdout.readline())
+        assert _listening(port)
+    finally:
+        p.send_signal(signal.SIGKILL)   # no finally block of its runs
+        p.wait()
+    deadline = time.monotonic() + 60
+    while _listening(port) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _listening(port), "the server outlived the process that started it"
