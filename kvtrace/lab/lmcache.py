@@ -94,19 +94,25 @@ def _tail(path: str, n: int = 15) -> str:
         return ""
 
 
-def _dies_with_parent() -> None:
-    """In the server's process before it starts (Linux): a SIGTERM when the
-    thread that started it ends, its process killed included, so that no
-    server outlives its run."""
+def _dies_with_parent():
+    """What the server's process runs before it starts (Linux): a SIGTERM when
+    the thread that started it ends, its process killed included, so that no
+    server outlives its run. libc is loaded here, before the fork."""
     import ctypes
     import signal
 
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    if sys.platform != "linux":
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    """Stop the server (its process group: it starts worker processes) and reap it."""
+    """Stop the server (its process group: it starts helper processes, multiprocessing's
+    resource tracker among them) and reap it."""
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, 15)
@@ -135,7 +141,7 @@ def started_server(extra: dict, timeout: float = 120.0) -> Iterator[dict]:
     with os.fdopen(fd, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 stdin=subprocess.DEVNULL, start_new_session=True,
-                                preexec_fn=_dies_with_parent if sys.platform == "linux" else None)
+                                preexec_fn=_dies_with_parent())
     ok = False
     try:
         deadline = time.monotonic() + timeout
