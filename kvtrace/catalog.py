@@ -166,6 +166,11 @@ VLLM_WORKLOADS = {
     "example-connector-ngram": "vLLM's ExampleConnector with n-gram drafts, the KV audit on",
     "example-connector-ngram-dropped-resume": "the same, a resumed request's load dropped",
     "example-connector-negative-hit": "vLLM bug: ExampleConnector answers a negative external hit",
+    "lmcache": "LMCache's multi-process connector and server (real KV bytes) under KV pressure, "
+               "a reset, every prompt again",
+    "lmcache-resumed-retrieve-skipped": "LMCache #1969's shape: a resumed request's retrieve "
+                                        "skipped, reported done",
+    "lmcache-chunk-corrupted": "one chunk LMCache retrieves changed before it reaches the KV cache",
 }
 
 VLLM_FAULTS = {

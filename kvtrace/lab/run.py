@@ -122,6 +122,11 @@ def run_workload(model_dir: str | None, workload: Any = "prefix", model_free: bo
                 # An ExampleConnector's store: a directory of this run's own.
                 store = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtrace-store-"))
                 ktc = dict(ktc, kv_connector_extra_config=dict(extra, shared_storage_path=store))
+            if "lmcache.mp.port" in extra and extra["lmcache.mp.port"] is None:
+                # An LMCache server of this run's own, stopped after the engine.
+                from kvtrace.lab.lmcache import started_server
+
+                ktc = dict(ktc, kv_connector_extra_config=stack.enter_context(started_server(extra)))
             kwargs["kv_transfer_config"] = KVTransferConfig(**ktc)
         kwargs = _known_engine_args(kwargs)
         if model_free:

@@ -462,6 +462,41 @@ WORKLOADS["example-connector-prompt-logprobs"]["engine"] = dict(
 WORKLOADS["example-connector-packed-misread"] = _example_connector("MisreadsPackedLayout")
 
 
+# LMCache's multi-process connector (kvtrace.lab.lmcache_connectors) with an
+# LMCache server of the run's own (kvtrace.lab.lmcache; chunks of one block).
+# The example-connector workload's six prompts under KV pressure, and a
+# seventh that runs long; at step 200, while it runs, the prefix cache is
+# reset (the running request preempted) and the six prompts come again: the
+# store, kept in the server, gives back every whole chunk of each prompt,
+# and the preempted request's. Every load is asynchronous. (LMCache keeps a
+# finished request's blocks until the next step reports its stores done: a
+# reset made when the engine has just gone idle fails, blocks in use.)
+def _lmcache(connector: str = "LMCacheMP", **extra: object) -> dict:
+    prompts = _example_prompts()
+    long = [(17 * j + 9) % 400 + 20 for j in range(64)]
+    n = len(prompts)
+    config = dict(kv_connector=connector, kv_role="kv_both",
+                  kv_connector_module_path="kvtrace.lab.lmcache_connectors",
+                  kv_connector_extra_config={"lmcache.mp.port": None,
+                                             "kvtrace.server": {"chunk_size": 32}, **extra})
+    return dict(prompts=prompts + [long] + prompts, max_tokens=48,
+                per_request=[{}] * n + [{"max_tokens": 190}] + [{}] * n,
+                arrive_at=[0] * (n + 1) + [200] * n, control=[[200, "reset", True, False]],
+                engine=dict(num_gpu_blocks_override=16, max_num_batched_tokens=1024,
+                            kv_transfer_config=config))
+
+
+WORKLOADS["lmcache"] = _lmcache()
+# The shape of LMCache #1969 (fixed by #2007): a resumed request's retrieve
+# is skipped and reported done.
+WORKLOADS["lmcache-resumed-retrieve-skipped"] = _lmcache("SkipsResumedRetrieve")
+# One retrieved chunk's bytes changed before they reach the KV cache: the
+# last chunk of the first retrieve of prompt 2 sent again after the reset
+# (request 9; its own tokens, past the shared 64).
+WORKLOADS["lmcache-chunk-corrupted"] = _lmcache(
+    "CorruptsRetrievedChunk", **{"kvtrace.corrupt": {"req": "9", "chunk": -1}})
+
+
 def _example_ngram(connector: str = "ExampleConnector") -> dict:
     """ExampleConnector with n-gram drafts: three more prompts that repeat
     themselves, so that drafts are taken and accepted (no prompt a prefix of
