@@ -9,4 +9,6 @@ inside a user's vLLM.
 - ``fault_schedulers``, ``fault_connectors``: bugs put back in.
 - ``scripted_connector``, ``tiny_model``: a KV connector and a model built
   locally.
+- ``lmcache``: an LMCache server for a run; ``lmcache_connectors``: LMCache's
+  multi-process connector as the KV audit reads it, and bugs put back in it.
 """
