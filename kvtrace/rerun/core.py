@@ -408,6 +408,8 @@ def replay_through_vllm(trace_path: str | os.PathLike, out_path: str | os.PathLi
                                              "or already had its output")
                         grammars.refusing.clear()
                         grammars.refusing.update(e.grammar_rejected or ())
+                        if rec is not None:   # cache stats as the recording has them
+                            rec.keeps_cache_stats = e.connector_cache is not None
                         sched.update_from_output(so, _model_output(e, so, result.dropped_samples))
                 except TraceError:
                     raise

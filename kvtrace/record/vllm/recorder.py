@@ -316,6 +316,8 @@ class Recorder:
         # Requests whose grammar refused their tokens in the update under way.
         self.grammar_rejected: list[str] = []
         self.connector_cache: dict[str, int] | None = None   # stats made since the last output
+        # False: outputs leave them out (a re-run of a recording made without them).
+        self.keeps_cache_stats = True
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -780,9 +782,9 @@ class Recorder:
             self.grammar_rejected = []
         if pooled:
             rare["pooled"] = pooled
-        if self.connector_cache is not None:
+        if self.connector_cache is not None and self.keeps_cache_stats:
             rare["connector_cache"] = {k: v for k, v in self.connector_cache.items() if v}
-            self.connector_cache = None
+        self.connector_cache = None
         self.sink.put(RawOutput(step=step, sampled=sampled, connector=conn, finished=finished,
                                 states=states, rare=rare or None))
         for ev in stats:
