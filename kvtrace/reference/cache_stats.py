@@ -7,10 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-FIELDS = ("requests", "queries", "hits", "preempted_requests", "preempted_queries",
-          "preempted_hits")
-
-
 @dataclass(slots=True)
 class ConnectorCacheStats:
     requests: int = 0

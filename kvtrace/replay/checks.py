@@ -207,8 +207,7 @@ def connector_cache(rec: ev.Output, expected, line: int | None) -> list[Divergen
     """The connector's prefix-cache stats the output's ``make_stats`` took,
     against the reference's count of the admissions since the output before."""
     got = rec.connector_cache
-    for name in ("requests", "queries", "hits", "preempted_requests", "preempted_queries",
-                 "preempted_hits"):
+    for name in ev.CacheStats.__struct_fields__:
         if getattr(got, name) != getattr(expected, name):
             unread = expected.unread
             why = (f"{', '.join(unread)} {'reads' if len(unread) == 1 else 'read'} no prefix "

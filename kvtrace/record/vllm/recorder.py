@@ -95,6 +95,7 @@ from kvtrace.trace.events import (
     REPETITION_FIELDS,
     Abort,
     Arrival,
+    CacheStats,
     ConnectorOutput,
     Drafts,
     KVLoad,
@@ -150,9 +151,8 @@ _READ_STATE = operator.attrgetter("request_id", *StateCounters._fields[1:])
 
 
 _GRAMMAR_WAIT = "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR"
-# vLLM's PrefixCacheStats counts, as the trace's CacheStats has them.
-_CACHE_STATS = ("requests", "queries", "hits", "preempted_requests", "preempted_queries",
-                "preempted_hits")
+# vLLM's PrefixCacheStats counts, named as the trace's CacheStats names them.
+_CACHE_STATS = CacheStats.__struct_fields__
 
 
 def _repetition(sp: SamplingParams | None) -> dict | None:
