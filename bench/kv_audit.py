@@ -35,7 +35,7 @@ def digest_throughput(device: str, layers: int = 32, blocks: int = 1024, heads: 
                       reps: int = 20) -> dict:
     import torch
 
-    from kvtrace.record.vllm.kv_audit import BlockDigests
+    from kvtrace.record.vllm.kv_digest import BlockDigests
 
     dev = torch.device(device)
     shape = (blocks, heads, block_size, 2 * head_size)
@@ -129,7 +129,12 @@ def engine_overhead(rounds: int, requests: int = 8, max_tokens: int = 16) -> dic
 
     arm("u")
     arm("audit")
-    audit.digests = _timed_digests(audit.digests, spent)
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from kvtrace.record.vllm.kv_shard import shard_audit
+
+    shard = shard_audit(get_kv_transfer_group())   # the worker's side, in this process
+    shard.digests = _timed_digests(shard.digests, spent)
     names = ["u", "plain", "audit", "u2"]
     t: dict[str, list[float]] = {n: [] for n in names}
     for i in range(rounds):
@@ -137,7 +142,7 @@ def engine_overhead(rounds: int, requests: int = 8, max_tokens: int = 16) -> dic
         for n in order:
             t[n].append(arm(n))
     sched._kvtrace, rec.audit = rec, audit
-    bytes_per_block = sum(x.element_size() * x[0].numel() for x, _ in audit.digests.inner.layers)
+    bytes_per_block = sum(x.element_size() * x[0].numel() for x, _ in shard.digests.inner.layers)
     shutdown_llm(llm)
 
     def ratio(n):

@@ -163,6 +163,8 @@ VLLM_WORKLOADS = {
                                          "connector queries (log stats on)",
     "example-connector-packed-misread": "dynamo#14416's shape: packed K|V rows loaded as K "
                                         "alone",
+    "example-connector-tp": "tensor parallelism, two workers: each rank's files kept apart",
+    "example-connector-tp-shard-mixup": "the same, rank 1 loading rank 0's files",
     "example-connector-ngram": "vLLM's ExampleConnector with n-gram drafts, the KV audit on",
     "example-connector-ngram-dropped-resume": "the same, a resumed request's load dropped",
     "example-connector-negative-hit": "vLLM bug: ExampleConnector answers a negative external hit",

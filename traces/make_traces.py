@@ -112,7 +112,8 @@ FAULT_TRACES = ["async-load-overshoot", "stale-computed-on-preempt",
 # runs with a data-path bug put back (kvtrace.lab.fault_connectors): a
 # resumed request's load dropped, an asynchronous load reported received and
 # never copied, packed K|V rows loaded as K alone, and a stored block
-# corrupted between its save and its load.
+# corrupted between its save and its load; and tensor parallelism (two
+# workers), clean and with rank 1 loading rank 0's files.
 DATA_PATH_TRACES = {"example-connector": "example-connector",
                     "example-connector-roomy": "example-connector-roomy",
                     "example-connector-async": "example-connector-async",
@@ -120,7 +121,9 @@ DATA_PATH_TRACES = {"example-connector": "example-connector",
                     "packed-layout-misread": "example-connector-packed-misread",
                     "resumed-load-dropped": "example-connector-dropped-resume",
                     "stored-block-corrupted": "example-connector-corrupt",
-                    "negative-external-hit": "example-connector-negative-hit"}
+                    "negative-external-hit": "example-connector-negative-hit",
+                    "tp-example-connector": "example-connector-tp",
+                    "tp-shard-mixup": "example-connector-tp-shard-mixup"}
 # Hybrid KV caches and sliding-window attention, in hybrid/: the tiny Gemma 3,
 # all-sliding and gpt-oss models of tiny_model.MODELS (the workload names one).
 HYBRID_TRACES = {name: name for name in (

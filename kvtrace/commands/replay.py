@@ -339,9 +339,9 @@ def _through_vllm(trace: Path, out: Path | None, as_json: bool, scheduler_cls: s
         data = check_file(trace)   # the KV audit's records: the same checks as the reference's replay
     first = run.summary()["first_difference"]
     if as_json:
-        print_bytes(terminal.rerun_json(result, first, data.divergences, data.checked, run))
+        print_bytes(terminal.rerun_json(result, first, data.divergences, data.audit, run))
     else:
-        terminal.print_rerun(run, out, first, result, data.divergences, data.checked)
+        terminal.print_rerun(run, out, first, result, data.divergences, data.audit)
     # A scheduler that raised before the trace's end is no pass, whatever the diff says.
     return (EXIT_DIVERGENT if result.divergences or first is not None or data.divergences
             or run.stopped else EXIT_OK)

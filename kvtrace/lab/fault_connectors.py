@@ -24,6 +24,18 @@ bug put back. Configure one as ``kv_connector`` with
     alone, so a load writes the K half of every row and leaves the V half as
     the block held it. Every count agrees with a correct run.
 
+``RankedExampleConnector`` is no fault: ExampleConnector made right for
+    tensor parallelism. Each rank's worker holds its own heads of the KV
+    cache; vLLM's ExampleConnector names a prompt's files by its tokens
+    alone, so every rank writes the same file and one rank's shard is
+    loaded into the others. This one keeps a directory per rank under each
+    prompt's (the scheduler still finds the prompt's directory).
+
+``LoadsAnotherRanksShard`` ("tp-shard-mixup"): a ``RankedExampleConnector``
+    whose rank 1 loads rank 0's files: its blocks get the other heads' K
+    and V, of the right shape. Every count agrees with a correct run, and
+    rank 0's shard is right.
+
 ``ReportsUnloaded`` ("async-load-unloaded"): an ``AsyncExampleConnector``
     whose worker reports its first load received without copying a byte of
     it (a transfer that completes in the connector's books only). The
@@ -33,9 +45,11 @@ bug put back. Configure one as ``kv_connector`` with
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
     ExampleConnector,
     ExampleConnectorMetadata,
@@ -172,3 +186,43 @@ def corrupt_stored_prompt(connector: Any, prompt: list[int], block: int = 1) -> 
     flat[0] ^= 0x40
     safetensors.torch.save_file(tensors, path)
     return path
+
+
+def _tensor_parallel_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:   # the scheduler's side: no parallel state in its process
+        return 0
+
+
+class RankedExampleConnector(ExampleConnector):
+    def _generate_foldername_debug(self, token_ids: Any, mm_hashes: list[str],
+                                   create_folder: bool = False) -> str:
+        folder = super()._generate_foldername_debug(token_ids, mm_hashes, create_folder)
+        if self._role != KVConnectorRole.WORKER:
+            return folder   # the scheduler looks for the prompt's directory
+        folder = os.path.join(folder, f"rank{self.rank_read()}")
+        if create_folder:
+            os.makedirs(folder, exist_ok=True)
+        return folder
+
+    def rank_read(self) -> int:
+        """The rank whose files this worker reads and writes now."""
+        return _tensor_parallel_rank()
+
+
+class LoadsAnotherRanksShard(RankedExampleConnector):
+    _loading = False
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._loading = True
+        try:
+            super().start_load_kv(forward_context, **kwargs)
+        finally:
+            self._loading = False
+
+    def rank_read(self) -> int:
+        rank = super().rank_read()
+        return 0 if self._loading and rank == 1 else rank   # the bug: rank 1 loads rank 0's

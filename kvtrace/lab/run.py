@@ -106,6 +106,10 @@ def run_workload(model_dir: str | None, workload: Any = "prefix", model_free: bo
         kwargs.update(runner="pooling", skip_tokenizer_init=False, tokenizer=ensure_tokenizer(model))
     kwargs.update(wl.engine)
     kwargs.update(engine_kwargs)
+    if int(kwargs.get("tensor_parallel_size") or 1) > 1:
+        # vLLM's CPU workers bind their threads to a NUMA node each by
+        # default, and refuse to start with fewer nodes than workers.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     spec = kwargs.get("speculative_config")
     if isinstance(spec, dict) and "model" not in spec:
         # The drafter, built here: an EAGLE head, or the model as its own draft model.

@@ -460,6 +460,14 @@ WORKLOADS["example-connector-prompt-logprobs"]["engine"] = dict(
     WORKLOADS["example-connector-prompt-logprobs"]["engine"], disable_log_stats=False)
 # dynamo#14416's shape: the connector copies vLLM's packed K|V rows as K alone.
 WORKLOADS["example-connector-packed-misread"] = _example_connector("MisreadsPackedLayout")
+# Tensor parallelism: two workers, each in a process of its own with half
+# the KV heads; a connector that keeps each rank's files apart, and one whose
+# rank 1 loads rank 0's.
+_TP = dict(tensor_parallel_size=2, distributed_executor_backend="mp")
+WORKLOADS["example-connector-tp"] = _example_connector("RankedExampleConnector")
+WORKLOADS["example-connector-tp"]["engine"].update(_TP)
+WORKLOADS["example-connector-tp-shard-mixup"] = _example_connector("LoadsAnotherRanksShard")
+WORKLOADS["example-connector-tp-shard-mixup"]["engine"].update(_TP)
 
 
 # LMCache's multi-process connector (kvtrace.lab.lmcache_connectors) with an

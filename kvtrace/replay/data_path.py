@@ -36,72 +36,110 @@ D2 = "D2: a block loaded for a block hash holds the bytes saved for that hash"
 D3 = "D3: a block served as a prefix hit holds the bytes it was filled or loaded with"
 
 
-class DataPath:
-    """Feed it a trace's ``kv_audit`` records in order; it collects divergences
-    and counts what it checked."""
+WRONG = "loaded wrongly"   # how a block came to hold bytes that a load flagged here wrote
+
+
+class _Shard:
+    """What one shard of the KV cache (one tensor-parallel rank's heads)
+    saved and holds."""
+
+    __slots__ = ("saved", "held")
 
     def __init__(self) -> None:
         self.saved: dict[str, set[int]] = {}   # block hash -> digests saved for it
         # block id -> (block hash, digest, step, how) as it was last filled or loaded
         self.held: dict[int, tuple[str, int, int, str]] = {}
+
+
+class DataPath:
+    """Feed it a trace's ``kv_audit`` records in order; it collects divergences
+    and counts what it checked. Each tensor-parallel rank's records (``rank``)
+    are judged against that rank's own saves and bytes: a rank holds other
+    heads, so other bytes."""
+
+    def __init__(self) -> None:
+        self.shards: dict[int | None, _Shard] = {}
         self.checked: Counter = Counter()
         self.divergences: list[Divergence] = []
+        self.audit: dict | None = None   # check_file's summary
 
     def feed(self, e: ev.KVAudit, line: int | None = None) -> list[Divergence]:
         found = []
+        shard = self.shards.get(e.rank)
+        if shard is None:
+            shard = self.shards[e.rank] = _Shard()
+        if e.rank is not None:
+            self.checked[f"rank {e.rank} records"] += 1
+        of = "" if e.rank is None else f" of rank {e.rank}"
         for req, block, h, before, after, asked, _ in e.loaded:
-            saved = self.saved.get(h)
-            held = self.held.get(block)
+            saved = shard.saved.get(h)
+            held = shard.held.get(block)
+            flagged = len(found)
             if not h:
                 judged = False
             elif (saved is not None and after in saved) or (
-                    held is not None and held[:2] == (h, after)):
-                judged = True   # the saved bytes, or those it already held for the hash
+                    held is not None and held[:2] == (h, after) and held[3] != WRONG):
+                judged = True   # the saved bytes, or those it rightly held for the hash
             elif asked and before == after:
                 judged = True
                 found.append(Divergence(
-                    e.step, req, "kv-load", f"block {block} not loaded (its bytes did not change)",
+                    e.step, req, "kv-load", f"block {block}{of} not loaded (its bytes did not change)",
                     f"the bytes saved for block hash {h}", D1, "kv-data", e.seq, line))
             elif saved is not None:
                 judged = True
                 found.append(Divergence(
-                    e.step, req, "kv-load", f"block {block} loaded with other bytes",
+                    e.step, req, "kv-load", f"block {block}{of} loaded with other bytes",
                     f"the bytes saved for block hash {h} "
                     f"({len(saved)} {'save' if len(saved) == 1 else 'saves'})",
                     D2, "kv-data", e.seq, line))
             else:
                 judged = False   # bytes changed, and no save of the hash was seen
             self.checked["loads" if judged else "unchecked loads"] += 1
-            self.held[block] = (h, after, e.step, "loaded")
+            # A load flagged here leaves bytes that are no proof of the hash:
+            # loading them again is judged again.
+            shard.held[block] = (h, after, e.step, "loaded" if len(found) == flagged else WRONG)
         for _, block, h, d in e.saved:
-            self.saved.setdefault(h, set()).add(d)
+            shard.saved.setdefault(h, set()).add(d)
             self.checked["saves"] += 1
         for _, block, h, d in e.cached:
             if h:
-                self.held[block] = (h, d, e.step, "filled")
+                shard.held[block] = (h, d, e.step, "filled")
                 self.checked["filled"] += 1
             else:   # filled with no hash known yet: nothing to compare it with later
-                self.held.pop(block, None)
+                shard.held.pop(block, None)
         for req, block, h, d in e.hits:
-            held = self.held.get(block)
+            held = shard.held.get(block)
             self.checked["hits"] += 1
             if held is None:
                 continue
             if held[0] != h:
                 found.append(Divergence(
-                    e.step, req, "kv-hit", f"block {block} holds block hash {held[0]} "
+                    e.step, req, "kv-hit", f"block {block}{of} holds block hash {held[0]} "
                     f"({held[3]} at step {held[2]})", f"block hash {h}", D3, "kv-data", e.seq, line))
             elif held[1] != d:
                 found.append(Divergence(
-                    e.step, req, "kv-hit", f"block {block} overwritten since step {held[2]}",
+                    e.step, req, "kv-hit", f"block {block}{of} overwritten since step {held[2]}",
                     f"the bytes {held[3]} at step {held[2]}", D3, "kv-data", e.seq, line))
         self.divergences.extend(found)
         return found
 
 
+def summary(checked: Counter, header: ev.Header) -> dict | None:
+    """What the checks checked, as a replay's result says it; None without
+    a KV audit. With tensor parallelism, the engine's number of ranks too
+    (``tensor_parallel_size``), beside each rank's records (``rank R
+    records``): a rank that sent none shows."""
+    out = dict(checked)
+    tp = header.features.tensor_parallel_size
+    if out and tp is not None and tp > 1:
+        out["tensor_parallel_size"] = tp
+    return out or None
+
+
 def check_file(path) -> DataPath:
     """The data-path checks alone, over every ``kv_audit`` record of the trace
-    at ``path`` (for a replay that runs another scheduler)."""
+    at ``path`` (for a replay that runs another scheduler); its ``audit``
+    says what they checked (``summary``)."""
     from kvtrace.trace import TraceReader
 
     dp = DataPath()
@@ -109,5 +147,6 @@ def check_file(path) -> DataPath:
         for e in reader:
             if type(e) is ev.KVAudit:
                 dp.feed(e, reader.last_line)
+        dp.audit = summary(dp.checked, reader.header)
     return dp
 

@@ -26,6 +26,7 @@ from kvtrace.trace import events as ev
 from . import checks, derive
 from .connector import RecordedConnector
 from .data_path import DataPath
+from .data_path import summary as data_path_summary
 from .failed_step import failed_record, run_failed_step
 from .liveness import ProgressWatch
 from .plan import ReplayedTrace, check_supported, choose_profile, plan
@@ -377,7 +378,7 @@ class Replayer:
         result.stopped = self.stopped
         result.steps_in_trace = max(self.steps_in_trace, self.steps)
         result.stopped_at = self.stop
-        result.audit = dict(self.data_path.checked) or None
+        result.audit = data_path_summary(self.data_path.checked, self.header)
         if self.content:
             result.device = self.content.device
             result.assumed_loads = self.content.assumed_loads

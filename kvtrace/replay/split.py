@@ -58,6 +58,7 @@ from kvtrace.trace.scan import keyframe_lines
 from kvtrace.workers import WorkerError
 
 from .data_path import DataPath
+from .data_path import summary as data_path_summary
 from .keyframes import KeyframeError, restore, take
 from .many import stop_pool
 from .plan import check_supported, choose_profile, plan
@@ -425,7 +426,7 @@ def merge(split: Split, pieces: list[PieceResult], content=None) -> ReplayResult
     result.end, result.truncation = last.end, last.truncation
     result.steps, result.stopped, result.stopped_at = stopped.steps, stopped.stopped, stopped.stop
     result.steps_in_trace = max(max(p.steps_in_trace for p in pieces), result.steps)
-    result.audit = dict(audit) or None
+    result.audit = data_path_summary(audit, split.header)
     return result
 
 

@@ -291,7 +291,25 @@ def audit_line(checked: dict | None) -> str | None:
     return (f"KV audit: checked {number(checked.get('loads', 0))} loaded, "
             f"{number(checked.get('saves', 0))} saved, {number(checked.get('filled', 0))} filled, "
             f"{number(hits)} prefix-hit {plural(hits, 'block')} (D1-D3)"
+            + _ranks_audited(checked)
             + (f"; {count(more, 'loaded block')} had no save to compare with" if more else ""))
+
+
+def _ranks_audited(checked: dict) -> str:
+    """Which tensor-parallel ranks' shards the audit's counts are of, and
+    any rank of the engine that sent no record."""
+    seen = sorted(int(k.split()[1]) for k in checked if k.startswith("rank ")
+                  and k.endswith(" records"))
+    tp = checked.get("tensor_parallel_size") or 0
+    if not seen and not tp:
+        return ""
+    out = (f", over the shards of tensor-parallel {plural(len(seen), 'rank')} "
+           + ", ".join(map(str, seen))) if seen else ""
+    missing = [r for r in range(tp) if r not in seen]
+    if missing:
+        out += (f"; {plural(len(missing), 'rank')} {', '.join(map(str, missing))} of {tp} "
+                f"sent no record (not audited)")
+    return out
 
 
 def end_note(end: ev.End | None) -> str | None:

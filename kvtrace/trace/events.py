@@ -214,6 +214,8 @@ class SchedulerFeatures(_Part, forbid_unknown_fields=False):
     use_v2_model_runner: bool | None = None
     # Parallelism
     pipeline_parallel_size: Positive | None = None
+    # The KV cache's shards: the KV audit's records name their rank.
+    tensor_parallel_size: Positive | None = None
     data_parallel_size: Positive | None = None
     decode_context_parallel_size: Positive | None = None
     # Keys this version does not know, as written.
@@ -695,11 +697,14 @@ class KVAudit(_Record, tag="kv_audit"):
     block as an external hit, and whether the connector loaded it by its own
     account (``view`` "metadata": what the connector's metadata for the step
     says it loads and saves) or by the bytes (``view`` "bytes": the block's
-    bytes changed; a black-box connector's saves are not known)."""
+    bytes changed; a black-box connector's saves are not known). ``rank``:
+    the tensor-parallel rank whose shard of the KV cache (its heads) the
+    digests are of; absent with one rank."""
 
     seq: Count
     step: Count
     view: Literal["metadata", "bytes"] = "bytes"
+    rank: Count | None = None
     loaded: list[LoadedBlock] = []
     saved: list[BlockBytes] = []
     cached: list[BlockBytes] = []

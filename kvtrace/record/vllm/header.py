@@ -234,6 +234,9 @@ def _engine_features(sched: Scheduler) -> dict:
     lora = getattr(vc, "lora_config", None)
     return {
         "pipeline_parallel_size": int(getattr(pc, "pipeline_parallel_size", 1)),
+        # Above 1 only: the KV audit's records name each rank's shard.
+        **({"tensor_parallel_size": tp} if (tp := int(getattr(pc, "tensor_parallel_size", 1)
+                                                         or 1)) > 1 else {}),
         "data_parallel_size": int(getattr(pc, "data_parallel_size", 1)),
         "decode_context_parallel_size": int(getattr(pc, "decode_context_parallel_size", 1)),
         "use_v2_model_runner": bool(getattr(vc, "use_v2_model_runner", False)),

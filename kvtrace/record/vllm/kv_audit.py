@@ -18,24 +18,20 @@ load; only the bytes say whether it did. Per step, ``KVAudit`` records
 
 How: at the end of ``schedule()``, on the scheduler's thread, ``plan`` works out
 the step's blocks from its ``SchedulerOutput`` and the recorder's lookups and
-loads, keyed by the step's connector metadata object. The worker's side of the
-connector gets that object in ``bind_connector_metadata``, before any load:
-the digests of the blocks a load writes are taken there ("before"); and gives
-it back in ``clear_connector_metadata``, after the forward pass, the loads and
-the saves: there every digest is taken, in one batch on the KV cache's device,
-and the event goes to the trace. So the audit runs where the connector's
-worker side shares the engine core's process: vLLM's in-process engine, or an
-engine core with the uniproc executor (``LLM``, ``vllm serve`` on one device).
+loads, and hangs them on the step's connector metadata (``kv_shard``'s
+``PLAN_ATTR``, builtins only). Every worker that holds a KV cache gets the
+metadata in ``bind_connector_metadata``, before any load, and digests its
+own shard of the cache there and in ``clear_connector_metadata``, after the
+forward pass, the loads and the saves (``kv_shard.ShardAudit``). Its record
+comes back to the trace through the engine core's channel (``kv_channel``):
+straight to the sink from a worker in the engine core's process (the
+uniproc executor: ``LLM``, ``vllm serve`` on one device), through a file per
+rank from a worker in a process of its own (tensor parallelism, the
+multi-process executor). A metadata object that takes no attribute
+(``__slots__``, a frozen dataclass) turns the audit off, and the log says so.
 
-A digest is a 64-bit hash of a block's bytes in every layer's KV cache (a
-signed 64-bit integer): each layer's bytes are read as 64-bit words (bytes,
-where a layer's block is no multiple of 8 of them); each word is multiplied
-by a fixed random odd word of its position between xor-shifts (xor-shift,
-multiply by the position's word, xor-shift, multiply, xor-shift, all modulo
-2^64, so that every bit of the word reaches every bit); the mixed words are summed modulo 2^64, the layers folded in order.
-The same bytes give the same digest on any device; bytes that differ give
-another one but for a chance of about 2^-60 (without the mixing, a sum of
-weighted words would miss two flips of the same high bit half the time).
+A digest (``kv_digest.BlockDigests``) is a 64-bit hash of a block's bytes in
+every layer's KV cache.
 
 A connector's own metadata is read when it has ExampleConnector's shape
 (``requests``, each with ``slot_mapping`` and ``is_store``): ``view``
@@ -54,9 +50,10 @@ not compared.
 Not audited (the audit is off, and says so in the log): several KV-cache
 groups (the audit reads one block table at one block size), an EAGLE or MTP
 head, drafts under asynchronous scheduling (a step is scheduled before the
-previous step's drafts are accepted or rejected), and a KV cache whose block
+previous step's drafts are accepted or rejected), a KV cache whose block
 dimension cannot be told (none, or several, of the scheduler's number of
-blocks). No connector of
+blocks), and a worker on another machine than the engine core (its records
+cannot reach the channel; replay names its rank as sending none). No connector of
 vLLM 0.32 that moves KV bytes runs here with several groups or an EAGLE head:
 ExampleConnector does not support the hybrid KV-cache manager, so vLLM turns
 it off (a sliding-window model then runs as one group, which is audited; a
@@ -83,13 +80,13 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
-from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from kvtrace.trace.events import KVAudit as KVAuditEvent
+from kvtrace.record.vllm import kv_shard
+from kvtrace.record.vllm.kv_channel import Channel
+from kvtrace.record.vllm.kv_shard import ENV, PLAN_ATTR
 
 if TYPE_CHECKING:
-    import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
                                                                    KVConnectorMetadata)
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -103,95 +100,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvtrace.record")
 
-ENV = "KVTRACE_KV_AUDIT"   # "0": off; "1" or unset: on wherever it can run
-_FOLD = 0x5851F42D4C957F2D   # odd: folds one layer's sum into the next
-_MIX = 0x2545F4914F6CDD1D   # odd, below 2^63: a signed 64-bit integer as it is
-_BATCH = 256   # blocks digested at once: the copies stay small beside the cache
 
 
 def hash_hex(h: BlockHash | BlockHashWithGroupId) -> str:
     """A vLLM block hash as the trace writes it: its first 16 hex digits."""
     raw = getattr(h, "block_hash", h)   # BlockHashWithGroupId
     return bytes(raw)[:8].hex() if isinstance(raw, (bytes, bytearray)) else str(raw)[:16]
-
-
-class BlockDigests:
-    """Digests of whole blocks of a set of per-layer KV cache tensors."""
-
-    def __init__(self, layers: list[torch.Tensor], num_blocks: int) -> None:
-        import torch
-
-        self.torch = torch
-        self.layers = []   # (tensor, its block dimension)
-        seen = set()
-        for t in layers:
-            if t.data_ptr() in seen and t.shape in [x.shape for x, _ in self.layers]:
-                continue
-            seen.add(t.data_ptr())
-            # vLLM's layouts put the blocks first ([blocks, heads, ...], the
-            # CPU's) or second ([2, blocks, ...], K and V first).
-            dims = [d for d, n in enumerate(t.shape[:2]) if n == num_blocks]
-            if len(dims) != 1:
-                raise ValueError(f"a KV cache tensor of shape {tuple(t.shape)} has "
-                                 f"{'no' if not dims else 'more than one'} dimension of "
-                                 f"{num_blocks} blocks among its first two")
-            self.layers.append((t, dims[0]))
-        self.device = self.layers[0][0].device
-        self._weights: dict[int, torch.Tensor] = {}
-
-    def _w(self, n: int) -> torch.Tensor:
-        w = self._weights.get(n)
-        if w is None:
-            g = self.torch.Generator().manual_seed(0x6B76 + n)
-            w = (self.torch.randint(-(1 << 62), 1 << 62, (n,), generator=g,
-                                    dtype=self.torch.int64) * 2 + 1).to(self.device)
-            self._weights[n] = w
-        return w
-
-    def __call__(self, blocks: list[int]) -> list[int]:
-        out: list[int] = []
-        for at in range(0, len(blocks), _BATCH):
-            out += self._digest(blocks[at:at + _BATCH])
-        return out
-
-    def _digest(self, blocks: list[int]) -> list[int]:
-        if not blocks:
-            return []
-        torch = self.torch
-        idx = torch.as_tensor(blocks, dtype=torch.int64, device=self.device)
-        acc = None
-        for t, dim in self.layers:
-            x = t.index_select(dim, idx)   # a copy: the products below overwrite it
-            if dim:
-                x = x.movedim(dim, 0)
-            x = x.contiguous().view(torch.uint8).reshape(len(blocks), -1)
-            x = x.view(torch.int64) if x.shape[1] % 8 == 0 else x.to(torch.int64)
-            x ^= (x >> 31) & 0x1FFFFFFFF   # a logical shift of 64-bit words: high bits down
-            x.mul_(self._w(x.shape[1]))    # then up again, by a weight of the word's position
-            x ^= (x >> 29) & 0x7FFFFFFFF
-            x.mul_(_MIX)
-            x ^= (x >> 32) & 0xFFFFFFFF
-            s = x.sum(dim=1)
-            acc = s if acc is None else acc * _FOLD + s
-        return acc.tolist()
-
-
-def _kv_layers(conn: KVConnectorBase_V1) -> list[torch.Tensor]:
-    """The worker's per-layer KV cache tensors, from vLLM's static forward
-    context (the layers that hold one)."""
-    cfg = getattr(conn, "_vllm_config", None)
-    if cfg is None:
-        from vllm.config import get_current_vllm_config
-
-        cfg = get_current_vllm_config()
-    out = []
-    for layer in cfg.compilation_config.static_forward_context.values():
-        kv = getattr(layer, "kv_cache", None)
-        if isinstance(kv, (list, tuple)):   # older releases: one per virtual engine
-            kv = kv[0] if kv else None
-        if kv is not None and hasattr(kv, "data_ptr") and kv.numel():
-            out.append(kv)
-    return out
 
 
 def _metadata_view(meta: KVConnectorMetadata,
@@ -213,8 +127,7 @@ def _metadata_view(meta: KVConnectorMetadata,
 class _Plan:
     """One step's blocks to digest, worked out on the scheduler's thread."""
 
-    __slots__ = ("step", "asked", "cached", "hits", "before", "targets", "saves", "view",
-                 "issued")
+    __slots__ = ("step", "asked", "cached", "hits", "targets", "saves", "view", "issued")
 
     def __init__(self, step: int):
         self.step = step
@@ -222,7 +135,6 @@ class _Plan:
         self.asked: dict[int, tuple[str, str]] = {}    # block -> (req, hash)
         self.cached: list[tuple[str, int, str]] = []   # (req, block, hash)
         self.hits: list[tuple[str, int, str]] = []
-        self.before: dict[int, int] = {}
         self.targets: list[tuple[str, int, str, bool, bool]] = []   # req, block, hash, asked, said
         self.saves: list[tuple[str, int, str]] = []
         self.view = "bytes"
@@ -350,34 +262,39 @@ def _said(p: _Plan, tables: _Tables, meta: KVConnectorMetadata,
 
 
 class KVAudit:
-    """One recorder's audit (see the module doc)."""
+    """One recorder's audit, the engine core's side (see the module doc)."""
 
-    def __init__(self, rec: Recorder, sched: Scheduler, conn: KVConnectorBase_V1) -> None:
+    def __init__(self, rec: Recorder, sched: Scheduler) -> None:
         self.rec = rec
-        self.conn = conn
         self.block_size = int(sched.cache_config.block_size)
         self.num_blocks = int(sched.kv_cache_manager.block_pool.num_gpu_blocks)
         self.kvm = sched.kv_cache_manager
-        self.digests: BlockDigests | None = None
-        self.off = False   # set when the KV cache cannot be read
-        self._plans: dict[int, tuple[KVConnectorMetadata, _Plan]] = {}
-        self._bound: _Plan | None = None
-        # Asynchronous loads issued and not yet received: request ->
-        # [(block, hash, its digest when the load was issued)].
-        self._pending: dict[str, list[tuple[int, str, int]]] = {}
-        self._recving: set[str] = set()    # the step's transfer results: received
-        self._failed: set[str] = set()     # and failed
-        self._invalid: set[int] = set()    # blocks the step's loads failed to write
-
-    # -- the scheduler's thread --------------------------------------------------
+        self.off = False   # set when a step's metadata takes no plan
+        self.channel: Channel | None = None   # opened by install
 
     def plan(self, step: int, out: SchedulerOutput, sched: Scheduler, lookups: list[Lookup],
              loads: list[KVLoad]) -> None:
         """At the end of ``schedule()``: which blocks the step's execution must
-        digest, and whose they are (read now, while the tables are this step's)."""
+        digest, and whose they are (read now, while the tables are this step's),
+        hung on the step's connector metadata for its workers."""
         meta = getattr(out, "kv_connector_metadata", None)
         if meta is None or self.off:
             return
+        p = self.blocks(step, out, sched, lookups, loads, meta)
+        try:
+            setattr(meta, PLAN_ATTR, {
+                "step": p.step, "view": p.view, "num_blocks": self.num_blocks,
+                "to": self.channel.path if self.channel is not None else "",
+                "targets": p.targets, "issued": p.issued, "saves": p.saves,
+                "cached": p.cached, "hits": p.hits})
+        except (AttributeError, TypeError) as e:   # __slots__, a frozen dataclass
+            self.off = True
+            logger.info("kvtrace: no KV audit (the connector's metadata, %s, takes no "
+                        "attribute: %s)", type(meta).__name__, e)
+
+    def blocks(self, step: int, out: SchedulerOutput, sched: Scheduler, lookups: list[Lookup],
+               loads: list[KVLoad], meta: KVConnectorMetadata) -> _Plan:
+        """The step's plan: the blocks its workers digest, and whose they are."""
         bs = self.block_size
         p = _Plan(step)
         computed = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
@@ -395,82 +312,17 @@ class KVAudit:
         for b in dict.fromkeys([*p.asked, *said]):
             req, h = p.asked.get(b) or said[b]
             p.targets.append((req, b, h, b in p.asked, b in said))
-        self._plans[id(meta)] = (meta, p)
-        if len(self._plans) > 64:   # steps the worker never ran (engine error paths)
-            self._plans.pop(next(iter(self._plans)))
+        return p
 
-    # -- the worker's side ---------------------------------------------------------
+    def collect(self) -> None:
+        """The records that workers in other processes have sent."""
+        if self.channel is not None:
+            self.channel.collect()
 
-    def bind(self, meta: KVConnectorMetadata) -> None:
-        """Before the step's loads: the digests of the blocks they write."""
-        got = self._plans.pop(id(meta), None)
-        self._bound = None
-        if got is None or got[0] is not meta:
-            return
-        p = got[1]
-        if self.digests is None:
-            if self.off:
-                return
-            try:
-                layers = _kv_layers(self.conn)
-                if not layers:
-                    raise ValueError("no layer holds a KV cache tensor")
-                self.digests = BlockDigests(layers, self.num_blocks)
-            except Exception as e:   # the audit stops; the recording goes on
-                self.off = True
-                logger.warning("kvtrace: no KV audit (%s: %s)", type(e).__name__, e)
-                return
-        if p.targets:
-            p.before = dict(zip([t[1] for t in p.targets],
-                                self.digests([t[1] for t in p.targets])))
-        if p.issued:   # before the worker starts them
-            for (req, b, h), d in zip(p.issued, self.digests([t[1] for t in p.issued])):
-                self._pending.setdefault(req, []).append((b, h, d))
-        self._bound = p
-
-    def transferred(self, recving: Iterable[str] | None, failed: Iterable[str] | None) -> None:
-        """The worker's transfer results of the step (before ``clear``)."""
-        self._recving, self._failed = set(recving or ()), set(failed or ())
-
-    def load_errors(self, blocks: Iterable[int] | None) -> None:
-        """The blocks the step's loads failed to write (before ``clear``)."""
-        self._invalid = set(blocks or ())
-
-    def _received(self) -> list[tuple[str, int, str, int]]:
-        """(req, block, hash, digest before) of the asynchronous loads the
-        step's worker reports received: a failed one, or a block its loads
-        failed to write, is left to the scheduler's recovery, not judged."""
-        recving, failed, invalid = self._recving, self._failed, self._invalid
-        self._recving, self._failed, self._invalid = set(), set(), set()
-        for req in failed:
-            self._pending.pop(req, None)
-        return [(req, b, h, before) for req in recving - failed
-                for b, h, before in self._pending.pop(req, ()) if b not in invalid]
-
-    def clear(self) -> None:
-        p, self._bound = self._bound, None
-        if p is None or self.digests is None:
-            return
-        received = self._received()
-        groups = (p.targets, received, p.saves, p.cached, p.hits)
-        flat = [e[1] for g in groups for e in g]
-        if not flat:
-            return
-        got = iter(self.digests(flat))
-        loaded = []
-        for req, b, h, asked, said in p.targets:
-            after = next(got)
-            before = p.before[b]
-            loaded.append((req, b, h, before, after, asked,
-                           said if p.view == "metadata" else after != before))
-        for req, b, h, before in received:   # asked, in the step that reported it received
-            after = next(got)
-            loaded.append((req, b, h, before, after, True, after != before))
-        saved = [(r, b, h, next(got)) for r, b, h in p.saves]
-        cached = [(r, b, h, next(got)) for r, b, h in p.cached]
-        hits = [(r, b, h, next(got)) for r, b, h in p.hits]
-        self.rec.sink.put(KVAuditEvent(seq=0, step=p.step, view=p.view, loaded=loaded,
-                                       saved=saved, cached=cached, hits=hits))
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
 
 
 def _schedules_ahead(sched: Scheduler) -> bool:
@@ -483,42 +335,13 @@ def _schedules_ahead(sched: Scheduler) -> bool:
     return isinstance(sched, AsyncScheduler)
 
 
-def _watch_transfers(conn: KVConnectorBase_V1, audit: KVAudit, rec: Recorder) -> None:
-    """Show the audit what the worker reports received (asynchronous loads)
-    and which blocks its loads failed to write, as the engine asks: through
-    ``get_transfer_results`` (vLLM 0.32) or ``get_finished`` (before it)."""
-    name = "get_transfer_results" if hasattr(conn, "get_transfer_results") else "get_finished"
-    orig = getattr(conn, name)
-
-    def transfers(*args: object, **kwargs: object):
-        result = orig(*args, **kwargs)
-        if rec.active:
-            if name == "get_finished":
-                recving, failed = (result or (None, None))[1], ()
-            else:
-                recving, failed = result.finished_recving, result.failed_recving
-            rec.guard(f"kv audit ({name})", audit.transferred, recving, failed)
-        return result
-
-    orig_errors = conn.get_block_ids_with_load_errors
-
-    def get_block_ids_with_load_errors(*args: object, **kwargs: object):
-        result = orig_errors(*args, **kwargs)
-        if rec.active:
-            rec.guard("kv audit (get_block_ids_with_load_errors)", audit.load_errors, result)
-        return result
-
-    setattr(conn, name, transfers)
-    conn.get_block_ids_with_load_errors = get_block_ids_with_load_errors
-
-
-def refusal(sched: Scheduler, worker_conn: KVConnectorBase_V1 | None) -> str | None:
-    """Why the audit cannot run for this engine, or None."""
+def refusal(sched: Scheduler, worker_conn: KVConnectorBase_V1 | None = None) -> str | None:
+    """Why the audit cannot run for this engine, or None. ``worker_conn``:
+    the connector's worker side, where it is in this process."""
     if os.environ.get(ENV, "1").strip() == "0":
         return f"{ENV}=0"
-    if worker_conn is None:
-        return "the connector's worker side is not in this process"
-    if getattr(type(worker_conn), "kvtrace_moves_no_data", False):
+    if any(getattr(type(c), "kvtrace_moves_no_data", False)
+           for c in (getattr(sched, "connector", None), worker_conn)):
         return "the connector moves no data"
     try:
         if len(sched.kv_cache_config.kv_cache_groups) != 1:
@@ -534,9 +357,11 @@ def refusal(sched: Scheduler, worker_conn: KVConnectorBase_V1 | None) -> str | N
 
 def install(sched: Scheduler, rec: Recorder) -> KVAudit | None:
     """Start the audit for the recorder ``rec`` of ``sched`` when it can run:
-    wrap the worker-side connector's ``bind_connector_metadata`` and
-    ``clear_connector_metadata``. An error in the audit stops recording,
-    never the engine."""
+    each step's plan goes to the workers on the connector's metadata, and
+    their records come back through a channel (``kv_channel``). A worker in
+    this process is watched here (``kv_shard.watch``); one in a process of
+    its own watches its connector when vLLM's factory makes it
+    (``kv_shard.install_factory_hook``, from the plugin)."""
     if getattr(sched, "connector", None) is None:
         return None
     worker_conn = None
@@ -551,23 +376,9 @@ def install(sched: Scheduler, rec: Recorder) -> KVAudit | None:
     if why is not None:
         logger.info("kvtrace: no KV audit (%s)", why)
         return None
-    audit = KVAudit(rec, sched, worker_conn)
-    orig_bind = worker_conn.bind_connector_metadata
-    orig_clear = worker_conn.clear_connector_metadata
-
-    def bind_connector_metadata(meta: KVConnectorMetadata, *args: object, **kwargs: object) -> None:
-        if rec.active:
-            rec.guard("kv audit (bind_connector_metadata)", audit.bind, meta)
-        return orig_bind(meta, *args, **kwargs)
-
-    def clear_connector_metadata(*args: object, **kwargs: object) -> None:
-        result = orig_clear(*args, **kwargs)
-        if rec.active:
-            rec.guard("kv audit (clear_connector_metadata)", audit.clear)
-        return result
-
-    worker_conn.bind_connector_metadata = bind_connector_metadata
-    worker_conn.clear_connector_metadata = clear_connector_metadata
-    _watch_transfers(worker_conn, audit, rec)
-    logger.info("kvtrace: auditing the KV cache's bytes (%s)", type(worker_conn).__name__)
+    audit = KVAudit(rec, sched)
+    audit.channel = Channel(rec.sink.put)
+    if worker_conn is not None:
+        kv_shard.watch(worker_conn)
+    logger.info("kvtrace: auditing the KV cache's bytes (%s)", type(sched.connector).__name__)
     return audit

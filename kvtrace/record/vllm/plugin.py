@@ -20,6 +20,9 @@ recording subclass built by ``make_recording_scheduler``.
   to the path with ``.dp<rank>``/``.pid<pid>`` inserted before the extension.
 * The trace is closed (End record) by ``Scheduler.shutdown`` and, failing that,
   at process exit.
+* Every worker-side connector vLLM's factory makes is watched for the KV
+  audit's plans (``kv_shard.install_factory_hook``): a worker in a process of
+  its own (tensor parallelism) digests its shard there.
 * With ``KVTRACE_RING`` (a directory of segments, ``kvtrace.flight``), an
   exception out of vLLM's stat loggers in the front end (Prometheus'
   ``Counters can only be incremented by non-negative amounts``) asks the
@@ -82,6 +85,13 @@ def install() -> bool:
         _hook_metrics()
     except Exception:
         logger.exception("kvtrace: could not watch vLLM's metrics; a metrics error pins nothing")
+    try:
+        from kvtrace.record.vllm.kv_shard import install_factory_hook
+
+        install_factory_hook()
+    except Exception:
+        logger.exception("kvtrace: could not watch the connectors' worker sides; no KV audit "
+                         "in processes of their own")
     return True
 
 

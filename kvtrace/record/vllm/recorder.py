@@ -270,6 +270,10 @@ class _Audit(Protocol):
     def plan(self, step: int, out: SchedulerOutput, sched: Scheduler, lookups: list[Lookup],
              loads: list[KVLoad]) -> None: ...
 
+    def collect(self) -> None: ...
+
+    def close(self) -> None: ...
+
 
 class Recorder:
     """Per-scheduler capture state. All public ``on_*`` methods may raise; the
@@ -342,6 +346,12 @@ class Recorder:
         """End the trace: ``complete``, or ``interrupted`` with that error (the
         engine failed). With ``wait``, until the writer has written its end
         (shutdown, process exit); otherwise only ask it to."""
+        if self.audit is not None and wait:   # what the workers sent last, then its directory
+            audit, self.audit = self.audit, None
+            try:
+                audit.close()
+            except Exception:
+                logger.exception("kvtrace: reading the workers' last KV audit records failed")
         if not self.sink.closed:
             if self.failed is not None:
                 self.sink.close("recorder-error", self.failed, wait=wait)
@@ -691,6 +701,8 @@ class Recorder:
 
     def pre_update(self, sched: Scheduler, so: SchedulerOutput,
                    mro: ModelRunnerOutput) -> UpdateContext:
+        if self.audit is not None:   # the workers' records of the steps run so far
+            self.audit.collect()
         step = None
         for i, (o, s) in enumerate(self.pending):
             if o is so:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtrace.record.vllm.kv_audit import BlockDigests
+from kvtrace.record.vllm.kv_digest import BlockDigests
 from kvtrace.replay.data_path import D1, D2, D3, DataPath
 from kvtrace.trace.events import KVAudit
 
@@ -207,6 +207,7 @@ def test_the_plan_leaves_out_async_loads_and_names_blocks_with_no_hash_yet():
     from types import SimpleNamespace as NS
 
     from kvtrace.record.vllm.kv_audit import KVAudit
+    from kvtrace.record.vllm.kv_shard import PLAN_ATTR
     from kvtrace.trace.events import KVLoad, Lookup
 
     tables = {"new": [5, 6, 7], "parked": [8, 9], "old": [1, 2, 3]}
@@ -215,8 +216,8 @@ def test_the_plan_leaves_out_async_loads_and_names_blocks_with_no_hash_yet():
                 "parked": NS(block_hashes=[b"\x04" * 8, b"\x05" * 8]),
                 "old": NS(block_hashes=[b"\x06" * 8, b"\x07" * 8])}   # block 3's not yet
     sched = NS(cache_config=NS(block_size=4), kv_cache_manager=kvm, requests=requests)
-    audit = KVAudit(NS(sink=None), sched, conn=None)
-    meta = object()
+    audit = KVAudit(NS(sink=None), sched)
+    meta = NS()
     out = NS(kv_connector_metadata=meta, num_scheduled_tokens={"new": 4, "old": 1},
              scheduled_spec_decode_tokens={},
              scheduled_new_reqs=[NS(req_id="new", num_computed_tokens=8)],
@@ -226,12 +227,13 @@ def test_the_plan_leaves_out_async_loads_and_names_blocks_with_no_hash_yet():
                                                          load_async=True)]
     loads = [KVLoad(req="new", start=4, end=8), KVLoad(req="parked", start=0, end=8)]
     audit.plan(3, out, sched, lookups, loads)
-    p = audit._plans[id(meta)][1]
+    p = getattr(meta, PLAN_ATTR)   # what the workers get, on the step's metadata
     h = [bytes([i]) * 8 for i in range(8)]
-    assert p.asked == {6: ("new", h[2].hex())}
-    assert [t[:2] for t in p.targets] == [("new", 6)]
-    assert p.hits == [("new", 5, h[1].hex())]
-    assert p.cached == [("new", 7, h[3].hex()), ("old", 3, "")]
+    assert p["targets"] == [("new", 6, h[2].hex(), True, False)]   # asked; no metadata view
+    assert p["issued"] == [("parked", 8, h[4].hex()), ("parked", 9, h[5].hex())]
+    assert p["hits"] == [("new", 5, h[1].hex())]
+    assert p["cached"] == [("new", 7, h[3].hex()), ("old", 3, "")]
+    assert (p["step"], p["num_blocks"]) == (3, 16)
 
 
 def test_the_plan_forgets_every_block_a_steps_drafts_write_into():
@@ -243,14 +245,15 @@ def test_the_plan_forgets_every_block_a_steps_drafts_write_into():
     from types import SimpleNamespace as NS
 
     from kvtrace.record.vllm.kv_audit import KVAudit
+    from kvtrace.record.vllm.kv_shard import PLAN_ATTR
 
     tables = {"a": [1, 2, 3, 4], "b": [5, 6, 7]}
     kvm = NS(get_block_ids=lambda rid: (tables[rid],), block_pool=NS(num_gpu_blocks=16))
     requests = {"a": NS(block_hashes=[b"\x01" * 8, b"\x02" * 8]),
                 "b": NS(block_hashes=[b"\x03" * 8])}
     sched = NS(cache_config=NS(block_size=4), kv_cache_manager=kvm, requests=requests)
-    kv = KVAudit(NS(sink=None), sched, conn=None)
-    meta = object()
+    kv = KVAudit(NS(sink=None), sched)
+    meta = NS()
     # a: 7 computed, 1 token + 3 drafts: its own token ends block 1 (8), the
     # drafts write 8..10, into block 2; b: 2 computed, 1 + 3 drafts (one a
     # padding -1): 2..5, into blocks 0 and 1.
@@ -260,14 +263,60 @@ def test_the_plan_forgets_every_block_a_steps_drafts_write_into():
              scheduled_cached_reqs=NS(req_ids=["a", "b"], num_computed_tokens=[7, 2],
                                       resumed_req_ids=set()))
     kv.plan(4, out, sched, [], [])
-    p = kv._plans[id(meta)][1]
+    cached = getattr(meta, PLAN_ATTR)["cached"]
     h = [bytes([i]) * 8 for i in range(4)]
-    assert p.cached == [("a", 2, h[2].hex()), ("a", 3, ""), ("b", 5, ""), ("b", 6, "")]
+    assert cached == [("a", 2, h[2].hex()), ("a", 3, ""), ("b", 5, ""), ("b", 6, "")]
     # Replay: block 3 held another hash from an earlier owner; after the
     # drafts wrote into it, a hit on it (completed by accepted drafts) is not
     # compared with that.
     dp = DataPath()
     dp.feed(audit(1, cached=[("x", 3, "aa", 11)]))
-    dp.feed(audit(4, cached=[(r, b, hh, 0) for r, b, hh in p.cached]))
+    dp.feed(audit(4, cached=[(r, b, hh, 0) for r, b, hh in cached]))
     assert dp.feed(audit(6, hits=[("c", 3, "bb", 12)])) == []
     assert dp.checked["hits"] == 1
+
+
+def ranked(step, rank, loaded=(), saved=()):
+    return KVAudit(seq=step, step=step, view="metadata", rank=rank, loaded=list(loaded),
+                   saved=list(saved))
+
+
+def test_each_tensor_parallel_rank_is_held_to_its_own_saves_and_named():
+    """A rank holds other heads than the others, so other bytes: rank 1's
+    load of rank 0's saved bytes for the same hash is D2, named by rank;
+    each rank's own bytes pass."""
+    dp = DataPath()
+    dp.feed(ranked(0, 0, saved=[("a", 3, "h1", 111)]))
+    dp.feed(ranked(0, 1, saved=[("a", 3, "h1", 222)]))
+    assert dp.feed(ranked(4, 0, loaded=[("b", 7, "h1", 5, 111, True, True)])) == []
+    assert dp.feed(ranked(4, 1, loaded=[("b", 7, "h1", 5, 222, True, True)])) == []
+    wrong = dp.feed(ranked(9, 1, loaded=[("c", 8, "h1", 6, 111, True, True)]))
+    assert rules(wrong) == [(9, "c", "D2")]
+    assert wrong[0].recorded == "block 8 of rank 1 loaded with other bytes"
+    assert dp.checked["rank 0 records"] == 2 and dp.checked["rank 1 records"] == 3
+    assert dp.checked["loads"] == 3
+
+
+def test_a_block_a_flagged_load_wrote_is_judged_again_at_its_next_load():
+    """A load flagged D2 leaves bytes no save had; the same block loaded
+    again with the same bytes is flagged again, not taken as what the
+    block rightly held for the hash."""
+    dp = DataPath()
+    dp.feed(audit(0, saved=[("a", 3, "h1", 111)]))
+    assert rules(dp.feed(audit(4, loaded=[("b", 7, "h1", 5, 999, True, True)]))) == [(4, "b", "D2")]
+    assert rules(dp.feed(audit(8, loaded=[("c", 7, "h1", 999, 999, False, True)]))) == \
+        [(8, "c", "D2")]
+    # A block that rightly holds the hash's bytes passes when loaded again.
+    dp.feed(audit(9, cached=[("d", 6, "h2", 50)]))
+    assert dp.feed(audit(12, loaded=[("e", 6, "h2", 50, 50, False, True)])) == []
+
+
+def test_the_summary_names_the_ranks_audited_and_a_rank_that_sent_nothing():
+    from kvtrace.report.terminal import audit_line
+
+    both = audit_line({"loads": 4, "rank 0 records": 2, "rank 1 records": 2,
+                       "tensor_parallel_size": 2})
+    assert both.endswith("over the shards of tensor-parallel ranks 0, 1")
+    one = audit_line({"loads": 2, "rank 0 records": 2, "tensor_parallel_size": 2})
+    assert "tensor-parallel rank 0;" in one and "rank 1 of 2 sent no record (not audited)" in one
+    assert "rank" not in audit_line({"loads": 2})

@@ -1,0 +1,104 @@
+"""Digests of the KV cache's real bytes: ``BlockDigests``, and the
+per-layer KV cache tensors of a worker (``kv_layers``).
+
+A digest is a 64-bit hash of a block's bytes in every layer's KV cache (a
+signed 64-bit integer): each layer's bytes are read as 64-bit words (bytes,
+where a layer's block is no multiple of 8 of them); each word is multiplied
+by a fixed random odd word of its position between xor-shifts (xor-shift,
+multiply by the position's word, xor-shift, multiply, xor-shift, all modulo
+2^64, so that every bit of the word reaches every bit); the mixed words are summed modulo 2^64, the layers folded in order.
+The same bytes give the same digest on any device; bytes that differ give
+another one but for a chance of about 2^-60 (without the mixing, a sum of
+weighted words would miss two flips of the same high bit half the time).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+_FOLD = 0x5851F42D4C957F2D   # odd: folds one layer's sum into the next
+_MIX = 0x2545F4914F6CDD1D   # odd, below 2^63: a signed 64-bit integer as it is
+_BATCH = 256   # blocks digested at once: the copies stay small beside the cache
+
+
+class BlockDigests:
+    """Digests of whole blocks of a set of per-layer KV cache tensors."""
+
+    def __init__(self, layers: list[torch.Tensor], num_blocks: int) -> None:
+        import torch
+
+        self.torch = torch
+        self.layers = []   # (tensor, its block dimension)
+        seen = set()
+        for t in layers:
+            if t.data_ptr() in seen and t.shape in [x.shape for x, _ in self.layers]:
+                continue
+            seen.add(t.data_ptr())
+            # vLLM's layouts put the blocks first ([blocks, heads, ...], the
+            # CPU's) or second ([2, blocks, ...], K and V first).
+            dims = [d for d, n in enumerate(t.shape[:2]) if n == num_blocks]
+            if len(dims) != 1:
+                raise ValueError(f"a KV cache tensor of shape {tuple(t.shape)} has "
+                                 f"{'no' if not dims else 'more than one'} dimension of "
+                                 f"{num_blocks} blocks among its first two")
+            self.layers.append((t, dims[0]))
+        self.device = self.layers[0][0].device
+        self._weights: dict[int, torch.Tensor] = {}
+
+    def _w(self, n: int) -> torch.Tensor:
+        w = self._weights.get(n)
+        if w is None:
+            g = self.torch.Generator().manual_seed(0x6B76 + n)
+            w = (self.torch.randint(-(1 << 62), 1 << 62, (n,), generator=g,
+                                    dtype=self.torch.int64) * 2 + 1).to(self.device)
+            self._weights[n] = w
+        return w
+
+    def __call__(self, blocks: list[int]) -> list[int]:
+        out: list[int] = []
+        for at in range(0, len(blocks), _BATCH):
+            out += self._digest(blocks[at:at + _BATCH])
+        return out
+
+    def _digest(self, blocks: list[int]) -> list[int]:
+        if not blocks:
+            return []
+        torch = self.torch
+        idx = torch.as_tensor(blocks, dtype=torch.int64, device=self.device)
+        acc = None
+        for t, dim in self.layers:
+            x = t.index_select(dim, idx)   # a copy: the products below overwrite it
+            if dim:
+                x = x.movedim(dim, 0)
+            x = x.contiguous().view(torch.uint8).reshape(len(blocks), -1)
+            x = x.view(torch.int64) if x.shape[1] % 8 == 0 else x.to(torch.int64)
+            x ^= (x >> 31) & 0x1FFFFFFFF   # a logical shift of 64-bit words: high bits down
+            x.mul_(self._w(x.shape[1]))    # then up again, by a weight of the word's position
+            x ^= (x >> 29) & 0x7FFFFFFFF
+            x.mul_(_MIX)
+            x ^= (x >> 32) & 0xFFFFFFFF
+            s = x.sum(dim=1)
+            acc = s if acc is None else acc * _FOLD + s
+        return acc.tolist()
+
+
+def kv_layers(conn: KVConnectorBase_V1) -> list[torch.Tensor]:
+    """The worker's per-layer KV cache tensors, from vLLM's static forward
+    context (the layers that hold one)."""
+    cfg = getattr(conn, "_vllm_config", None)
+    if cfg is None:
+        from vllm.config import get_current_vllm_config
+
+        cfg = get_current_vllm_config()
+    out = []
+    for layer in cfg.compilation_config.static_forward_context.values():
+        kv = getattr(layer, "kv_cache", None)
+        if isinstance(kv, (list, tuple)):   # older releases: one per virtual engine
+            kv = kv[0] if kv else None
+        if kv is not None and hasattr(kv, "data_ptr") and kv.numel():
+            out.append(kv)
+    return out
