@@ -259,7 +259,7 @@ def _writer_alone(plain: Path, flight, out: Path) -> float:
     else:
         w = KeyframingWriter(TraceWriter(out.with_suffix(".jsonl.gz"), header), header,
                              flight.every)
-    rc = writer_process._write_lines(w, iter(body))[0]
+    rc = writer_process.write_lines(w, iter(body))[0]
     assert rc == 0, rc
     return time.perf_counter() - t
 

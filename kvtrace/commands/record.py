@@ -226,14 +226,9 @@ class Flight:
 
     def in_process(self, path, header):
         """The flight recorder's writers in this process, on ``TraceWriter``s."""
-        from kvtrace.flight import KeyframingWriter, SegmentWriter
-        from kvtrace.trace import TraceWriter
+        from kvtrace.flight import flight_writer
 
-        if self.ring is not None:
-            w = SegmentWriter(path, header, self.segment, self.ring, self.every, on_pin=say)
-            w.listen()   # kvtrace dump DIR
-            return w
-        return KeyframingWriter(TraceWriter(path, header), header, self.every)
+        return flight_writer(path, header, self.every, self.ring, self.segment, on_pin=say)
 
 
 def _record_embedded(out: Path, workload: str | None, fault: str | None, seed: int,

@@ -223,14 +223,8 @@ def _job(ray, ref, what: str, path: str, retries: int):
     """A split's task's result; SplitError when it failed past Ray's retries."""
     try:
         return _unwrapped(ray.get, ref)
-    except ray.exceptions.RayTaskError as e:
-        cause = getattr(e, "cause", None) or e
-        raise SplitError(f"{path}: {what}: internal error in its Ray task: "
-                         f"{type(cause).__name__}: {_line(cause)}") from None
     except ray.exceptions.RayError as e:
-        raise SplitError(f"{path}: {what}: its Ray task failed after "
-                         f"{count(retries, 'retry', 'retries')}: {type(e).__name__}: "
-                         f"{_line(e)}") from None
+        raise SplitError(f"{path}: {what}: {_failure(ray, e, retries)}") from None
 
 
 def run_job(job: Callable, arg, folder: str):
@@ -260,14 +254,19 @@ def _answer(ray, ref, item: Item, retries: int) -> Answer:
     path = item[0]
     try:
         return _unwrapped(ray.get, ref)
-    except ray.exceptions.RayTaskError as e:   # raised by the task: Ray does not retry it
+    except ray.exceptions.RayError as e:
+        return path, None, InternalError(f"{path}: {_failure(ray, e, retries)}")
+
+
+def _failure(ray, e: BaseException, retries: int) -> str:
+    """A Ray task's failure in one line: the error the task raised (Ray
+    does not retry those), or Ray's own once its retries are spent (the
+    task's worker or node lost, each time)."""
+    if isinstance(e, ray.exceptions.RayTaskError):
         cause = getattr(e, "cause", None) or e
-        return path, None, InternalError(f"{path}: internal error in its Ray task: "
-                                         f"{type(cause).__name__}: {_line(cause)}")
-    except ray.exceptions.RayError as e:   # its worker or node lost, each time
-        return path, None, InternalError(f"{path}: internal error: its Ray task failed after "
-                                         f"{count(retries, 'retry', 'retries')}: "
-                                         f"{type(e).__name__}: {_line(e)}")
+        return f"internal error in its Ray task: {type(cause).__name__}: {_line(cause)}"
+    return (f"internal error: its Ray task failed after {count(retries, 'retry', 'retries')}: "
+            f"{type(e).__name__}: {_line(e)}")
 
 
 def _unwrapped(call, *args, **kw):

@@ -8,7 +8,7 @@ never holds more than its cap, and pinning the segments around a trigger
 one); ``replay_folder`` replays a segment directory as one trace.
 """
 
-from .segments import SegmentWriter, segment_files
+from .segments import SegmentWriter, flight_writer, segment_files
 from .writer import KeyframingWriter
 
-__all__ = ["KeyframingWriter", "SegmentWriter", "segment_files"]
+__all__ = ["KeyframingWriter", "SegmentWriter", "flight_writer", "segment_files"]

@@ -50,7 +50,7 @@ from .writer import KeyframingWriter
 
 logger = logging.getLogger("kvtrace.record")
 
-__all__ = ["DUMP_SIGNAL", "NAME", "PID", "PINS", "SegmentWriter", "segment_files"]
+__all__ = ["DUMP_SIGNAL", "NAME", "PID", "PINS", "SegmentWriter", "flight_writer", "segment_files"]
 
 
 HELD = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)   # what stops a recording
@@ -410,3 +410,18 @@ class SegmentWriter:
                 self.pins_failed = True
                 self.on_pin(f"cannot write {self.folder / PINS}: {e.strerror or e}; the pins "
                             "hold while this recorder runs")
+
+
+def flight_writer(path: str | os.PathLike, header: ev.Header, every: int | None,
+                  ring: int | None = None, segment: int | None = None,
+                  on_pin: Callable[[str], None] = logger.warning, fd: int | None = None):
+    """The flight recorder's writer of a trace at ``path``: with ``ring``
+    (bytes), a ``SegmentWriter`` of segments of ``segment`` bytes (an eighth
+    of the ring by default) that answers ``kvtrace dump``; else a
+    ``KeyframingWriter`` with a keyframe before every ``every``-th step.
+    ``fd``: the file or directory, opened already."""
+    if ring is not None:
+        w = SegmentWriter(path, header, segment or ring // 8, ring, every, on_pin=on_pin, fd=fd)
+        w.listen()   # kvtrace dump PATH
+        return w
+    return KeyframingWriter(TraceWriter(path, header, fd=fd), header, every)

@@ -21,10 +21,8 @@ import signal
 import sys
 
 from kvtrace.record import writer_process
-from kvtrace.trace.io import TraceWriter
 
-from .segments import SegmentWriter
-from .writer import KeyframingWriter
+from .segments import flight_writer
 
 
 def _take(argv: list[str], flag: str) -> int | None:
@@ -42,26 +40,22 @@ def main(argv: list[str] | None = None) -> int:
     every = _take(argv, "--keyframe-every")
     ring = _take(argv, "--ring")
     segment = _take(argv, "--segment")
-    if ring is not None:
-        def open_writer(path, header, fd):
-            # ``fd`` (the directory, locked) stays open until this process
-            # ends: whoever started the engine waits on its lock.
-            w = SegmentWriter(path, header, segment or ring // 8, ring, every,
-                              open_file=TraceWriter, on_pin=writer_process.say, fd=fd)
-            w.listen()   # kvtrace dump PATH
-            return w
+    if ring is None and every is None:
+        return writer_process.main(argv)
 
+    def open_writer(path, header, fd):
+        # With a ring, ``fd`` (the directory, locked) stays open until this
+        # process ends: whoever started the engine waits on its lock.
+        return flight_writer(path, header, every, ring, segment, on_pin=writer_process.say, fd=fd)
+
+    wake_r = None
+    if ring is not None:
         # A signal wakes the writer at once, though no record comes: a pin
         # asked while the engine idles is made then.
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_w, False)
         signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
-        return writer_process.main(argv, open_writer, wake_r)
-    if every is not None:
-        return writer_process.main(
-            argv, lambda path, header, fd: KeyframingWriter(TraceWriter(path, header, fd=fd),
-                                                            header, every))
-    return writer_process.main(argv)
+    return writer_process.main(argv, open_writer, wake_r)
 
 
 if __name__ == "__main__":

@@ -121,7 +121,7 @@ def serve(fd_in: int, path: str, fd_out: int, fd_ring: int, open_writer=None,
     writer = _start(path, fd_out, lines, open_writer)
     if writer is None:
         return 1
-    rc, error, settled = _write_lines(writer, lines)
+    rc, error, settled = write_lines(writer, lines)
     if rc is not None:
         return rc
     return _end_cut_off(writer, path, error, settled)
@@ -150,7 +150,7 @@ def trace_writer(path: str, header, fd: int) -> TraceWriter:
     return TraceWriter(path, header, fd=fd)
 
 
-def _write_lines(writer: TraceWriter, lines: Iterator[bytes | None | object]
+def write_lines(writer: TraceWriter, lines: Iterator[bytes | None | object]
                  ) -> tuple[int | None, str | None, int | None]:
     """The records of ``lines`` into ``writer``, up to the end line. Returns
     the exit status when the end line came (None when the input ended
