@@ -165,6 +165,9 @@ VLLM_WORKLOADS = {
                                         "alone",
     "example-connector-tp": "tensor parallelism, two workers: each rank's files kept apart",
     "example-connector-tp-shard-mixup": "the same, rank 1 loading rank 0's files",
+    "example-connector-groups": "two KV-cache groups (tiny Gemma 3), each group's blocks moved",
+    "example-connector-groups-ignored": "the same, every layer loaded into the first group's "
+                                        "blocks",
     "example-connector-ngram": "vLLM's ExampleConnector with n-gram drafts, the KV audit on",
     "example-connector-ngram-dropped-resume": "the same, a resumed request's load dropped",
     "example-connector-negative-hit": "vLLM bug: ExampleConnector answers a negative external hit",

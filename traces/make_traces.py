@@ -113,7 +113,9 @@ FAULT_TRACES = ["async-load-overshoot", "stale-computed-on-preempt",
 # resumed request's load dropped, an asynchronous load reported received and
 # never copied, packed K|V rows loaded as K alone, and a stored block
 # corrupted between its save and its load; and tensor parallelism (two
-# workers), clean and with rank 1 loading rank 0's files.
+# workers), clean and with rank 1 loading rank 0's files; and two KV-cache
+# groups (the tiny Gemma 3), clean and with every layer loaded into the
+# first group's blocks.
 DATA_PATH_TRACES = {"example-connector": "example-connector",
                     "example-connector-roomy": "example-connector-roomy",
                     "example-connector-async": "example-connector-async",
@@ -123,7 +125,9 @@ DATA_PATH_TRACES = {"example-connector": "example-connector",
                     "stored-block-corrupted": "example-connector-corrupt",
                     "negative-external-hit": "example-connector-negative-hit",
                     "tp-example-connector": "example-connector-tp",
-                    "tp-shard-mixup": "example-connector-tp-shard-mixup"}
+                    "tp-shard-mixup": "example-connector-tp-shard-mixup",
+                    "groups-example-connector": "example-connector-groups",
+                    "groups-ignored": "example-connector-groups-ignored"}
 # Hybrid KV caches and sliding-window attention, in hybrid/: the tiny Gemma 3,
 # all-sliding and gpt-oss models of tiny_model.MODELS (the workload names one).
 HYBRID_TRACES = {name: name for name in (

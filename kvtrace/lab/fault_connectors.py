@@ -36,6 +36,19 @@ bug put back. Configure one as ``kv_connector`` with
     and V, of the right shape. Every count agrees with a correct run, and
     rank 0's shard is right.
 
+``GroupsExampleConnector`` is no fault: ExampleConnector made for vLLM's
+    hybrid KV-cache manager (``SupportsHMA``), where each KV-cache group
+    (full attention, a sliding window) has a block table of its own. Each
+    entry of its metadata holds a slot mapping per group
+    (``slot_mappings``); each layer is saved from, and loaded into, its own
+    group's blocks, and a block a sliding window has dropped (vLLM's null
+    block, 0) is neither.
+
+``IgnoresGroups`` ("groups-ignored"): a ``GroupsExampleConnector`` that
+    loads every layer into the first group's blocks, as a connector written
+    for one group does: the other groups' blocks are never loaded, and the
+    first group's get other layers' bytes.
+
 ``ReportsUnloaded`` ("async-load-unloaded"): an ``AsyncExampleConnector``
     whose worker reports its first load received without copying a byte of
     it (a transfer that completes in the connector's books only). The
@@ -49,7 +62,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, SupportsHMA
 from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
     ExampleConnector,
     ExampleConnectorMetadata,
@@ -226,3 +239,101 @@ class LoadsAnotherRanksShard(RankedExampleConnector):
     def rank_read(self) -> int:
         rank = super().rank_read()
         return 0 if self._loading and rank == 1 else rank   # the bug: rank 1 loads rank 0's
+
+
+@dataclass
+class GroupsReqMeta(ReqMeta):
+    """ExampleConnector's entry, with a slot mapping for each KV-cache group."""
+
+    slot_mappings: list[Any] = field(default_factory=list)
+
+
+class GroupsExampleConnector(ExampleConnector, SupportsHMA):
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._group_of = {name: g for g, group in enumerate(self._kv_cache_config.kv_cache_groups)
+                          for name in group.layer_names}
+
+    # -- the scheduler's side ---------------------------------------------------
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple):
+        return False, None
+
+    def build_connector_meta(self, scheduler_output: Any) -> ExampleConnectorMetadata:
+        """ExampleConnector's entries, in its order, each with every group's
+        slot mapping."""
+        meta = ExampleConnectorMetadata()
+        loading = self._requests_need_load
+        for new_req in scheduler_output.scheduled_new_reqs:
+            token_ids = new_req.prompt_token_ids or []
+            mm = [f.identifier for f in new_req.mm_features]
+            if new_req.req_id in loading:
+                meta.requests.append(self._entry(token_ids, new_req.block_ids, False, mm))
+            elif not self._found_match_for_prompt(token_ids, mm):
+                meta.requests.append(self._entry(token_ids, new_req.block_ids, True, mm))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            if req_id not in cached.resumed_req_ids or req_id not in loading:
+                continue
+            # The prompt, which the hit was looked up by: ExampleConnector
+            # names the load by the tokens so far, and fails on a file it
+            # never stored once the output has grown past a block.
+            request = loading[req_id]
+            meta.requests.append(self._entry(list(request.prompt_token_ids or []),
+                                             cached.new_block_ids[i], False,
+                                             [f.identifier for f in request.mm_features]))
+        loading.clear()
+        return meta
+
+    def _entry(self, token_ids: list[int], block_ids: tuple, is_store: bool,
+               mm: list[str]) -> GroupsReqMeta:
+        per_group = [ReqMeta.make_meta(token_ids, list(ids), self._block_size, is_store, mm)
+                     for ids in block_ids]
+        first = per_group[0]
+        return GroupsReqMeta(first.token_ids, first.slot_mapping, is_store, mm,
+                             [m.slot_mapping for m in per_group])
+
+    # -- the worker's side ----------------------------------------------------------
+
+    def slots(self, entry: GroupsReqMeta, layer_name: str) -> Any:
+        """The slots of ``layer_name``'s group, in ``entry``."""
+        return entry.slot_mappings[self._group_of[layer_name]]
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        import safetensors.torch
+
+        if forward_context.attn_metadata is None:   # as ExampleConnector: no load without one
+            return
+        bs = self._block_size
+        for entry in self._get_connector_metadata().requests:
+            if entry.is_store:
+                continue
+            for name, layer in forward_context.no_compile_layers.items():
+                kv = getattr(layer, "kv_cache", None)
+                if kv is None or name not in self._group_of:
+                    continue
+                slots = self.slots(entry, name).to(kv.device)
+                stored = safetensors.torch.load_file(self._generate_filename_debug(
+                    name, entry.token_ids, entry.mm_hashes))["kv_cache"].to(kv.device)
+                kept = slots // bs != 0   # a block the window dropped: vLLM's null block
+                kv[slots[kept] // bs, :, slots[kept] % bs] = stored[kept]
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        import safetensors.torch
+
+        bs = self._block_size
+        for entry in self._get_connector_metadata().requests:
+            if entry.is_store and layer_name in self._group_of:
+                slots = self.slots(entry, layer_name).to(kv_layer.device)
+                rows = kv_layer[slots // bs, :, slots % bs]
+                safetensors.torch.save_file({"kv_cache": rows.detach().cpu()},
+                                            self._generate_filename_debug(
+                                                layer_name, entry.token_ids, entry.mm_hashes))
+
+
+class IgnoresGroups(GroupsExampleConnector):
+    def slots(self, entry: GroupsReqMeta, layer_name: str) -> Any:
+        if entry.is_store:
+            return super().slots(entry, layer_name)
+        return entry.slot_mappings[0]   # the bug: every layer loaded into the first group's blocks

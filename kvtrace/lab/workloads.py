@@ -468,6 +468,14 @@ WORKLOADS["example-connector-tp"] = _example_connector("RankedExampleConnector")
 WORKLOADS["example-connector-tp"]["engine"].update(_TP)
 WORKLOADS["example-connector-tp-shard-mixup"] = _example_connector("LoadsAnotherRanksShard")
 WORKLOADS["example-connector-tp-shard-mixup"]["engine"].update(_TP)
+# Two KV-cache groups (the tiny Gemma 3: a sliding window of 64 tokens and
+# full attention) under vLLM's hybrid KV-cache manager: a connector that
+# saves and loads each group's blocks, and one that loads every layer into
+# the first group's blocks.
+WORKLOADS["example-connector-groups"] = dict(_example_connector("GroupsExampleConnector", blocks=32),
+                                             model="gemma3")
+WORKLOADS["example-connector-groups-ignored"] = dict(_example_connector("IgnoresGroups", blocks=32),
+                                                     model="gemma3")
 
 
 # LMCache's multi-process connector (kvtrace.lab.lmcache_connectors) with an

@@ -55,22 +55,35 @@ class DataPath:
     """Feed it a trace's ``kv_audit`` records in order; it collects divergences
     and counts what it checked. Each tensor-parallel rank's records (``rank``)
     are judged against that rank's own saves and bytes: a rank holds other
-    heads, so other bytes."""
+    heads, so other bytes. Likewise each KV-cache group's (``group``): its
+    blocks hold its own layers' bytes, and its block hashes are its own."""
 
     def __init__(self) -> None:
-        self.shards: dict[int | None, _Shard] = {}
+        self.shards: dict[tuple[int | None, int | None], _Shard] = {}   # (rank, group)
         self.checked: Counter = Counter()
         self.divergences: list[Divergence] = []
         self.audit: dict | None = None   # check_file's summary
 
-    def feed(self, e: ev.KVAudit, line: int | None = None) -> list[Divergence]:
-        found = []
-        shard = self.shards.get(e.rank)
+    def _shard(self, e: ev.KVAudit) -> tuple[_Shard, str]:
+        """The shard of the KV cache ``e``'s blocks are in, with ``e``
+        counted; and how a row names it ("" with one rank and one group)."""
+        shard = self.shards.get((e.rank, e.group))
         if shard is None:
-            shard = self.shards[e.rank] = _Shard()
+            shard = self.shards[(e.rank, e.group)] = _Shard()
         if e.rank is not None:
             self.checked[f"rank {e.rank} records"] += 1
-        of = "" if e.rank is None else f" of rank {e.rank}"
+        if e.group is not None:
+            self.checked[f"group {e.group} records"] += 1
+        if e.stopped is not None:
+            who = "" if e.rank is None else f"rank {e.rank} "
+            self.checked[f"stopped: {who}at step {e.step} ({e.stopped})"] += 1
+        return shard, "".join(f" of {name} {v}" for name, v in (("group", e.group),
+                                                                 ("rank", e.rank))
+                              if v is not None)
+
+    def feed(self, e: ev.KVAudit, line: int | None = None) -> list[Divergence]:
+        found = []
+        shard, of = self._shard(e)
         for req, block, h, before, after, asked, _ in e.loaded:
             saved = shard.saved.get(h)
             held = shard.held.get(block)

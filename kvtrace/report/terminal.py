@@ -291,8 +291,17 @@ def audit_line(checked: dict | None) -> str | None:
     return (f"KV audit: checked {number(checked.get('loads', 0))} loaded, "
             f"{number(checked.get('saves', 0))} saved, {number(checked.get('filled', 0))} filled, "
             f"{number(hits)} prefix-hit {plural(hits, 'block')} (D1-D3)"
-            + _ranks_audited(checked)
-            + (f"; {count(more, 'loaded block')} had no save to compare with" if more else ""))
+            + _groups_audited(checked) + _ranks_audited(checked)
+            + (f"; {count(more, 'loaded block')} had no save to compare with" if more else "")
+            + "".join(f"; the audit stopped: {k.split(': ', 1)[1]}, its later steps not audited"
+                      for k in sorted(checked) if k.startswith("stopped: ")))
+
+
+def _groups_audited(checked: dict) -> str:
+    """Which KV-cache groups' blocks the audit's counts are of."""
+    seen = sorted(int(k.split()[1]) for k in checked if k.startswith("group ")
+                  and k.endswith(" records"))
+    return f", in KV-cache groups {', '.join(map(str, seen))}" if seen else ""
 
 
 def _ranks_audited(checked: dict) -> str:

@@ -699,12 +699,17 @@ class KVAudit(_Record, tag="kv_audit"):
     says it loads and saves) or by the bytes (``view`` "bytes": the block's
     bytes changed; a black-box connector's saves are not known). ``rank``:
     the tensor-parallel rank whose shard of the KV cache (its heads) the
-    digests are of; absent with one rank."""
+    digests are of; absent with one rank. ``group``: the KV-cache group
+    whose block table the blocks are in (its layers' bytes; the block hashes
+    are that group's); absent with one group. ``stopped``: this worker's
+    audit stopped here, and why (its later steps are not audited)."""
 
     seq: Count
     step: Count
     view: Literal["metadata", "bytes"] = "bytes"
     rank: Count | None = None
+    group: Count | None = None
+    stopped: str | None = None
     loaded: list[LoadedBlock] = []
     saved: list[BlockBytes] = []
     cached: list[BlockBytes] = []

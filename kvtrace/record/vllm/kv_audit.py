@@ -47,20 +47,26 @@ that replay forgets what it held: a block completed by accepted drafts, which
 the scheduler caches at the output, is not digested, and a later hit on it is
 not compared.
 
-Not audited (the audit is off, and says so in the log): several KV-cache
-groups (the audit reads one block table at one block size), an EAGLE or MTP
-head, drafts under asynchronous scheduling (a step is scheduled before the
-previous step's drafts are accepted or rejected), a KV cache whose block
-dimension cannot be told (none, or several, of the scheduler's number of
-blocks), and a worker on another machine than the engine core (its records
-cannot reach the channel; replay names its rank as sending none). No connector of
-vLLM 0.32 that moves KV bytes runs here with several groups or an EAGLE head:
-ExampleConnector does not support the hybrid KV-cache manager, so vLLM turns
-it off (a sliding-window model then runs as one group, which is audited; a
-state model fails at start-up, ``Failed to promote local KV cache specs to
-one unified type``), the connectors that support it (SimpleCPUOffloadConnector,
-OffloadingConnector) need CUDA streams, and with an EAGLE head
-ExampleConnector fails looking up a file it never stored.
+Several KV-cache groups of tokens (full attention, sliding windows; vLLM's
+hybrid KV-cache manager): each group has its own block table and its own
+layers. The plan has an entry per group (its index and layer names), and a
+worker digests each group's blocks over that group's layers alone, a record
+per group. A block a sliding window has dropped (vLLM's null block, 0) is in
+no list. The connector must support the hybrid manager (``SupportsHMA``):
+vLLM turns it off for ExampleConnector, so a sliding-window model then runs
+as one group (audited as such); ``kvtrace.lab.fault_connectors``'
+``GroupsExampleConnector`` supports it.
+
+Not audited (the audit is off, and says so in the log): a state group
+(``MambaSpec``: a state per request, not blocks of tokens), groups of
+different block sizes, pipeline parallelism (each stage holds other layers),
+an EAGLE or MTP head (with one, ExampleConnector fails looking up a file it
+never stored), drafts under asynchronous scheduling (a step is scheduled
+before the previous step's drafts are accepted or rejected), a KV cache
+whose block dimension cannot be told (none, or several, of the scheduler's
+number of blocks), and a worker on another machine than the engine core (its
+records cannot reach the channel; replay names its rank as sending none). A
+worker whose audit stops (its cache cannot be read) says so in a last record.
 
 Asynchronous loads (``load_async``: the request waits in
 WAITING_FOR_REMOTE_KVS): the blocks a load writes are digested when the step
@@ -108,29 +114,39 @@ def hash_hex(h: BlockHash | BlockHashWithGroupId) -> str:
     return bytes(raw)[:8].hex() if isinstance(raw, (bytes, bytearray)) else str(raw)[:16]
 
 
-def _metadata_view(meta: KVConnectorMetadata,
-                   block_size: int) -> tuple[list[list[int]], list[list[int]]] | None:
+NULL_BLOCK = 0   # vLLM's null block: where a sliding window has dropped a request's block
+# The kinds of KV-cache group whose blocks hold tokens' K and V, audited
+# beside others; a state group (MambaSpec) holds a state per request.
+_TOKEN_SPECS = frozenset({"FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec"})
+
+
+def _metadata_view(meta: KVConnectorMetadata, block_size: int,
+                   group: int | None) -> tuple[list[list[int]], list[list[int]]] | None:
     """(blocks loaded, blocks saved), a list per entry, when the connector's
-    metadata has ExampleConnector's shape; None for a black box."""
+    metadata has ExampleConnector's shape (with several KV-cache groups, a
+    slot mapping per group, ``slot_mappings``); None for a black box."""
     reqs = getattr(meta, "requests", None)
     if not isinstance(reqs, list) or not all(hasattr(r, "slot_mapping") and hasattr(r, "is_store")
                                              for r in reqs):
         return None
+    if group is not None and not all(len(getattr(r, "slot_mappings", ())) > group for r in reqs):
+        return None
     loads, saves = [], []
     for r in reqs:
-        per_block = Counter(int(s) // block_size for s in r.slot_mapping.tolist())
+        slots = r.slot_mapping if group is None else r.slot_mappings[group]
+        per_block = Counter(int(s) // block_size for s in slots.tolist())
         full = [b for b, n in per_block.items() if n == block_size]   # in the entry's order
         (saves if r.is_store else loads).append(full)
     return loads, saves
 
 
 class _Plan:
-    """One step's blocks to digest, worked out on the scheduler's thread."""
+    """One step's blocks of one KV-cache group to digest, worked out on the
+    scheduler's thread."""
 
-    __slots__ = ("step", "asked", "cached", "hits", "targets", "saves", "view", "issued")
+    __slots__ = ("asked", "cached", "hits", "targets", "saves", "view", "issued")
 
-    def __init__(self, step: int):
-        self.step = step
+    def __init__(self) -> None:
         self.issued: list[tuple[str, int, str]] = []   # async loads issued: (req, block, hash)
         self.asked: dict[int, tuple[str, str]] = {}    # block -> (req, hash)
         self.cached: list[tuple[str, int, str]] = []   # (req, block, hash)
@@ -141,17 +157,20 @@ class _Plan:
 
 
 class _Tables:
-    """Block tables and block hashes of a step's requests, read when first
-    needed (a long context's table is read only in a step that needs it)."""
+    """One KV-cache group's block tables, and the block hashes, of a step's
+    requests, read when first needed (a long context's table is read only
+    in a step that needs it). A block a sliding window has dropped (the null
+    block) is left out of every list."""
 
-    def __init__(self, kvm: KVCacheManager, requests: dict[str, Request], order: list[str]) -> None:
-        self.kvm, self.requests, self.order = kvm, requests, order
+    def __init__(self, kvm: KVCacheManager, requests: dict[str, Request], order: list[str],
+                 group: int = 0) -> None:
+        self.kvm, self.requests, self.order, self.group = kvm, requests, order, group
         self._tables: dict[str, list[int]] = {}
 
     def table(self, rid: str) -> list[int]:
         t = self._tables.get(rid)
         if t is None:
-            t = self._tables[rid] = list(self.kvm.get_block_ids(rid)[0])
+            t = self._tables[rid] = list(self.kvm.get_block_ids(rid)[self.group])
         return t
 
     def hashes(self, rid: str, lo: int, hi: int) -> list[str]:
@@ -162,14 +181,14 @@ class _Tables:
     def blocks(self, rid: str, lo: int, hi: int) -> list[tuple[str, int, str]]:
         """(req, block, hash) of the request's blocks lo..hi-1 that hold a hash."""
         table = self.table(rid)
-        return [(rid, b, h) for b, h in zip(table[lo:hi], self.hashes(rid, lo, hi))]
+        return [(rid, b, h) for b, h in zip(table[lo:hi], self.hashes(rid, lo, hi))
+                if b != NULL_BLOCK]
 
-    def owner(self, blocks: list[int]) -> str | None:
-        """The request whose table starts with ``blocks`` (a connector's entry)."""
-        for rid in self.order:
-            if self.table(rid)[:len(blocks)] == blocks:
-                return rid
-        return None
+    def owner(self, blocks: list[int], taken: set[str]) -> str | None:
+        """The request whose table starts with ``blocks`` (a connector's
+        entry): one not ``taken`` by an entry before, if there is one."""
+        found = [rid for rid in self.order if self.table(rid)[:len(blocks)] == blocks]
+        return next((rid for rid in found if rid not in taken), found[0] if found else None)
 
 
 def _filled(tables: _Tables, computed: dict[str, int], out: SchedulerOutput,
@@ -185,15 +204,16 @@ def _filled(tables: _Tables, computed: dict[str, int], out: SchedulerOutput,
         n = nst.get(rid, 0) - k
         if rid not in requests:
             continue
-        if (c + n) // bs > c // bs:   # the step fills a block
-            filled = tables.blocks(rid, c // bs, (c + n) // bs)
+        lo, hi = c // bs, (c + n) // bs
+        table = tables.table(rid)
+        if hi > lo:   # the step fills a block
             # Blocks with no hash yet (under async scheduling a decode's last
             # token is a placeholder now): an empty hash, compared with nothing.
-            table = tables.table(rid)[len(filled) + c // bs:(c + n) // bs]
-            cached += filled + [(rid, b, "") for b in table]
+            hashes = tables.hashes(rid, lo, hi)
+            cached += [(rid, b, hashes[i] if i < len(hashes) else "")
+                       for i, b in enumerate(table[lo:hi]) if b != NULL_BLOCK]
         if k:   # the blocks its drafts write into: an empty hash, forgotten
-            drafted = tables.table(rid)[(c + n) // bs:-(-(c + n + k) // bs)]
-            cached += [(rid, b, "") for b in drafted]
+            cached += [(rid, b, "") for b in table[hi:-(-(c + n + k) // bs)] if b != NULL_BLOCK]
     return cached
 
 
@@ -238,25 +258,29 @@ def _loads_issued(tables: _Tables, computed: dict[str, int], lookups: list[Looku
     return issued
 
 
-def _said(p: _Plan, tables: _Tables, meta: KVConnectorMetadata,
-          bs: int) -> dict[int, tuple[str, str]]:
+def _said(p: _Plan, tables: _Tables, meta: KVConnectorMetadata, bs: int,
+          group: int | None) -> dict[int, tuple[str, str]]:
     """block -> (req, hash) of every block the connector's own metadata says
     it loads, when it has ExampleConnector's shape (then the plan's view is
     "metadata", and its saves are those the metadata names); else none."""
     said: dict[int, tuple[str, str]] = {}
-    view = _metadata_view(meta, bs)
+    view = _metadata_view(meta, bs, group)
     if view is None:
         return said
     p.view = "metadata"
     entries_loaded, entries_saved = view
+    taken: set[str] = set()
     for blocks in entries_loaded:
-        rid = tables.owner(blocks)
-        named = tables.blocks(rid, 0, len(blocks)) if rid else []
+        rid = tables.owner(blocks, taken)
+        hashes = tables.hashes(rid, 0, len(blocks)) if rid else []
+        taken.add(rid)
         for i, b in enumerate(blocks):
-            said[b] = named[i][::2] if i < len(named) else ("", "")
+            if b != NULL_BLOCK:
+                said[b] = (rid, hashes[i]) if i < len(hashes) else ("", "")
     for blocks in entries_saved:
-        rid = tables.owner(blocks)
+        rid = tables.owner(blocks, taken)
         if rid is not None:
+            taken.add(rid)
             p.saves += tables.blocks(rid, 0, len(blocks))
     return said
 
@@ -269,6 +293,11 @@ class KVAudit:
         self.block_size = int(sched.cache_config.block_size)
         self.num_blocks = int(sched.kv_cache_manager.block_pool.num_gpu_blocks)
         self.kvm = sched.kv_cache_manager
+        # Each KV-cache group's index and layers; one group: None and all layers.
+        groups = _groups(sched)
+        self.groups: list[tuple[int | None, list[str] | None]] = (
+            [(None, None)] if len(groups) <= 1 else
+            [(g, list(group.layer_names)) for g, group in enumerate(groups)])
         self.off = False   # set when a step's metadata takes no plan
         self.channel: Channel | None = None   # opened by install
 
@@ -280,35 +309,40 @@ class KVAudit:
         meta = getattr(out, "kv_connector_metadata", None)
         if meta is None or self.off:
             return
-        p = self.blocks(step, out, sched, lookups, loads, meta)
+        groups = []
+        for g, layers in self.groups:
+            p = self.blocks(out, sched, lookups, loads, meta, g)
+            groups.append({"group": g, "layers": layers, "view": p.view, "targets": p.targets,
+                           "issued": p.issued, "saves": p.saves, "cached": p.cached,
+                           "hits": p.hits})
         try:
             setattr(meta, PLAN_ATTR, {
-                "step": p.step, "view": p.view, "num_blocks": self.num_blocks,
-                "to": self.channel.path if self.channel is not None else "",
-                "targets": p.targets, "issued": p.issued, "saves": p.saves,
-                "cached": p.cached, "hits": p.hits})
-        except (AttributeError, TypeError) as e:   # __slots__, a frozen dataclass
+                "step": step, "num_blocks": self.num_blocks,
+                "to": self.channel.path if self.channel is not None else "", "groups": groups})
+        except Exception as e:   # __slots__, a frozen dataclass, a validating __setattr__
             self.off = True
             logger.info("kvtrace: no KV audit (the connector's metadata, %s, takes no "
-                        "attribute: %s)", type(meta).__name__, e)
+                        "attribute: %s: %s)", type(meta).__name__, type(e).__name__, e)
 
-    def blocks(self, step: int, out: SchedulerOutput, sched: Scheduler, lookups: list[Lookup],
-               loads: list[KVLoad], meta: KVConnectorMetadata) -> _Plan:
-        """The step's plan: the blocks its workers digest, and whose they are."""
+    def blocks(self, out: SchedulerOutput, sched: Scheduler, lookups: list[Lookup],
+               loads: list[KVLoad], meta: KVConnectorMetadata, group: int | None) -> _Plan:
+        """The step's plan for one KV-cache group: the blocks its workers
+        digest, and whose they are."""
         bs = self.block_size
-        p = _Plan(step)
+        p = _Plan()
         computed = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
         cd = out.scheduled_cached_reqs
         computed.update(zip(cd.req_ids, cd.num_computed_tokens))
         admitted = [r.req_id for r in out.scheduled_new_reqs] + list(cd.resumed_req_ids or ())
         # Admitted requests first: a connector's entries are theirs, mostly.
         tables = _Tables(self.kvm, sched.requests,
-                         list(dict.fromkeys(admitted + [r for r in computed if r in sched.requests])))
+                         list(dict.fromkeys(admitted + [r for r in computed if r in sched.requests])),
+                         group or 0)
         p.cached = _filled(tables, computed, out, sched.requests, bs)
         p.hits = _local_hits(tables, admitted, lookups, bs)
         p.asked = _loads_asked(tables, computed, lookups, loads, bs)
         p.issued = _loads_issued(tables, computed, lookups, loads, bs)
-        said = _said(p, tables, meta, bs)
+        said = _said(p, tables, meta, bs, group)
         for b in dict.fromkeys([*p.asked, *said]):
             req, h = p.asked.get(b) or said[b]
             p.targets.append((req, b, h, b in p.asked, b in said))
@@ -323,6 +357,12 @@ class KVAudit:
         if self.channel is not None:
             self.channel.close()
             self.channel = None
+
+
+def _groups(sched: Scheduler) -> list:
+    """The engine's KV-cache groups (vLLM's ``KVCacheGroupSpec``s)."""
+    cfg = getattr(sched, "kv_cache_config", None)
+    return list(getattr(cfg, "kv_cache_groups", None) or ())
 
 
 def _schedules_ahead(sched: Scheduler) -> bool:
@@ -344,10 +384,21 @@ def refusal(sched: Scheduler, worker_conn: KVConnectorBase_V1 | None = None) -> 
            for c in (getattr(sched, "connector", None), worker_conn)):
         return "the connector moves no data"
     try:
-        if len(sched.kv_cache_config.kv_cache_groups) != 1:
-            return "several KV-cache groups (the audit reads one block table)"
+        groups = sched.kv_cache_config.kv_cache_groups
     except AttributeError:
         return "no KV cache config"
+    if len(groups) > 1:
+        block_size = int(sched.cache_config.block_size)
+        for group in groups:
+            spec = group.kv_cache_spec
+            if type(spec).__name__ not in _TOKEN_SPECS:
+                return (f"a KV-cache group of kind {type(spec).__name__} (the audit follows "
+                        f"blocks of tokens: full attention and sliding windows)")
+            if int(spec.block_size) != block_size:
+                return "KV-cache groups of different block sizes"
+    pc = getattr(getattr(sched, "vllm_config", None), "parallel_config", None)
+    if int(getattr(pc, "pipeline_parallel_size", 1) or 1) > 1:
+        return "pipeline parallelism (each stage holds other layers)"
     if getattr(sched, "use_eagle", False):
         return "an EAGLE or MTP head"
     if getattr(sched, "num_spec_tokens", 0) and _schedules_ahead(sched):

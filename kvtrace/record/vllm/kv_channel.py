@@ -87,7 +87,9 @@ class Channel:
 
 
 def deliver(path: str, rank: int | None, event: Any) -> None:
-    """A worker's record for the channel at ``path``."""
+    """A worker's record for the channel at ``path`` ("": none opened)."""
+    if not path:
+        return
     local = _LOCAL.get(path)
     if local is not None and local[0] == os.getpid():
         local[1](event)

@@ -86,17 +86,19 @@ class BlockDigests:
         return acc.tolist()
 
 
-def kv_layers(conn: KVConnectorBase_V1) -> list[torch.Tensor]:
+def kv_layers(conn: KVConnectorBase_V1, names: list[str] | None = None) -> list[torch.Tensor]:
     """The worker's per-layer KV cache tensors, from vLLM's static forward
-    context (the layers that hold one)."""
+    context (the layers that hold one); with ``names``, those layers' alone,
+    in that order."""
     cfg = getattr(conn, "_vllm_config", None)
     if cfg is None:
         from vllm.config import get_current_vllm_config
 
         cfg = get_current_vllm_config()
+    context = cfg.compilation_config.static_forward_context
     out = []
-    for layer in cfg.compilation_config.static_forward_context.values():
-        kv = getattr(layer, "kv_cache", None)
+    for name in names if names is not None else list(context):
+        kv = getattr(context.get(name), "kv_cache", None)
         if isinstance(kv, (list, tuple)):   # older releases: one per virtual engine
             kv = kv[0] if kv else None
         if kv is not None and hasattr(kv, "data_ptr") and kv.numel():

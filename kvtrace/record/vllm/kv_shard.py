@@ -63,37 +63,50 @@ class ShardAudit:
 
     def __init__(self, conn: KVConnectorBase_V1) -> None:
         self.conn = conn
-        self.digests: BlockDigests | None = None
+        # The digests of each KV-cache group's layers (None: every layer's).
+        self.digesters: dict[tuple[str, ...] | None, BlockDigests] = {}
         self.off = False
         self.rank: int | None = None
         self._bound: dict | None = None
-        self._before: dict[int, int] = {}
-        # Asynchronous loads issued and not yet received: request ->
+        self._last: tuple[str, int] | None = None   # the channel and step of the last plan
+        self._before: dict[tuple[int | None, int], int] = {}   # (group, block) -> digest
+        # Asynchronous loads issued and not yet received: (group, request) ->
         # [(block, hash, its digest when the load was issued)].
-        self._pending: dict[str, list[tuple[int, str, int]]] = {}
+        self._pending: dict[tuple[int | None, str], list[tuple[int, str, int]]] = {}
         self._recving: set[str] = set()    # the step's transfer results: received
         self._failed: set[str] = set()     # and failed
         self._invalid: set[int] = set()    # blocks the step's loads failed to write
 
-    def _ready(self, plan: dict) -> bool:
-        if self.digests is None:
-            if self.off:
-                return False
-            try:
-                layers = kv_layers(self.conn)
-                if not layers:
-                    raise ValueError("no layer holds a KV cache tensor")
-                self.digests = BlockDigests(layers, plan["num_blocks"])
-                self.rank = tensor_parallel_rank()
-            except Exception as e:   # the audit stops; the engine goes on
-                self.stop(e)
-                return False
-        return True
+    @property
+    def digests(self) -> BlockDigests | None:
+        """The digests of every layer's blocks (one KV-cache group)."""
+        return self.digesters.get(None)
+
+    @digests.setter
+    def digests(self, value: BlockDigests) -> None:
+        self.digesters[None] = value
+
+    def _digester(self, layers: list[str] | None, num_blocks: int) -> BlockDigests:
+        key = tuple(layers) if layers is not None else None
+        d = self.digesters.get(key)
+        if d is None:
+            found = kv_layers(self.conn, layers)
+            if not found:
+                raise ValueError("no layer holds a KV cache tensor")
+            d = self.digesters[key] = BlockDigests(found, num_blocks)
+        return d
 
     def stop(self, exc: BaseException) -> None:
+        """Stop this worker's audit: the log says why, and so does the
+        trace, in a last record, where the plan named a channel."""
         if not self.off:
             logger.warning("kvtrace: no KV audit on this worker from here (%s: %s)",
                            type(exc).__name__, exc)
+            if self._last is not None:
+                to, step = self._last
+                kv_channel.deliver(to, self.rank, KVAuditEvent(
+                    seq=0, step=step, rank=self.rank,
+                    stopped=f"{type(exc).__name__}: {exc}"[:500]))
         self.off = True
         self._bound = None
 
@@ -101,14 +114,22 @@ class ShardAudit:
         """Before the step's loads: the digests of the blocks they write."""
         plan = getattr(meta, PLAN_ATTR, None)
         self._bound = None
-        if type(plan) is not dict or not self._ready(plan):
+        if type(plan) is not dict:
             return
-        targets = [t[1] for t in plan["targets"]]
-        self._before = dict(zip(targets, self.digests(targets))) if targets else {}
-        issued = plan["issued"]
-        if issued:   # before the worker starts them
-            for (req, b, h), d in zip(issued, self.digests([t[1] for t in issued])):
-                self._pending.setdefault(req, []).append((b, h, d))
+        if self._last is None:   # the first plan: the parallel state is up
+            self.rank = tensor_parallel_rank()
+        self._last = (plan["to"], plan["step"])
+        self._before = {}
+        for gp in plan["groups"]:
+            g = gp["group"]
+            digests = self._digester(gp["layers"], plan["num_blocks"])
+            targets = [t[1] for t in gp["targets"]]
+            if targets:
+                self._before.update(((g, b), d) for b, d in zip(targets, digests(targets)))
+            issued = gp["issued"]
+            if issued:   # before the worker starts them
+                for (req, b, h), d in zip(issued, digests([t[1] for t in issued])):
+                    self._pending.setdefault((g, req), []).append((b, h, d))
         self._bound = plan
 
     def transferred(self, recving: Iterable[str] | None, failed: Iterable[str] | None) -> None:
@@ -119,42 +140,50 @@ class ShardAudit:
         """The blocks the step's loads failed to write (before ``clear``)."""
         self._invalid = set(blocks or ())
 
-    def _received(self) -> list[tuple[str, int, str, int]]:
-        """(req, block, hash, digest before) of the asynchronous loads the
-        step's worker reports received: a failed one, or a block its loads
-        failed to write, is left to the scheduler's recovery, not judged."""
+    def _received(self, groups: list) -> dict:
+        """group -> (req, block, hash, digest before) of the asynchronous
+        loads the step's worker reports received: a failed one, or a block
+        its loads failed to write, is left to the scheduler's recovery, not
+        judged."""
         recving, failed, invalid = self._recving, self._failed, self._invalid
         self._recving, self._failed, self._invalid = set(), set(), set()
-        for req in failed:
-            self._pending.pop(req, None)
-        return [(req, b, h, before) for req in recving - failed
-                for b, h, before in self._pending.pop(req, ()) if b not in invalid]
+        for g in groups:
+            for req in failed:
+                self._pending.pop((g, req), None)
+        return {g: [(req, b, h, before) for req in recving - failed
+                    for b, h, before in self._pending.pop((g, req), ()) if b not in invalid]
+                for g in groups}
 
     def clear(self) -> None:
         p, self._bound = self._bound, None
-        if p is None or self.digests is None:
+        if p is None:
             return
-        received = self._received()
-        groups = (p["targets"], received, p["saves"], p["cached"], p["hits"])
-        flat = [e[1] for g in groups for e in g]
+        received = self._received([gp["group"] for gp in p["groups"]])
+        for gp in p["groups"]:
+            self._clear_group(p, gp, received[gp["group"]])
+
+    def _clear_group(self, p: dict, gp: dict, received: list) -> None:
+        g = gp["group"]
+        groups = (gp["targets"], received, gp["saves"], gp["cached"], gp["hits"])
+        flat = [e[1] for grp in groups for e in grp]
         if not flat:
             return
-        got = iter(self.digests(flat))
-        metadata = p["view"] == "metadata"
+        got = iter(self._digester(gp["layers"], p["num_blocks"])(flat))
+        metadata = gp["view"] == "metadata"
         loaded = []
-        for req, b, h, asked, said in p["targets"]:
+        for req, b, h, asked, said in gp["targets"]:
             after = next(got)
-            before = self._before[b]
+            before = self._before[(g, b)]
             loaded.append((req, b, h, before, after, asked, said if metadata else after != before))
         for req, b, h, before in received:   # asked, in the step that reported it received
             after = next(got)
             loaded.append((req, b, h, before, after, True, after != before))
-        saved = [(r, b, h, next(got)) for r, b, h in p["saves"]]
-        cached = [(r, b, h, next(got)) for r, b, h in p["cached"]]
-        hits = [(r, b, h, next(got)) for r, b, h in p["hits"]]
+        saved = [(r, b, h, next(got)) for r, b, h in gp["saves"]]
+        cached = [(r, b, h, next(got)) for r, b, h in gp["cached"]]
+        hits = [(r, b, h, next(got)) for r, b, h in gp["hits"]]
         kv_channel.deliver(p["to"], self.rank, KVAuditEvent(
-            seq=0, step=p["step"], view=p["view"], rank=self.rank, loaded=loaded, saved=saved,
-            cached=cached, hits=hits))
+            seq=0, step=p["step"], view=gp["view"], rank=self.rank, group=g, loaded=loaded,
+            saved=saved, cached=cached, hits=hits))
 
 
 def shard_audit(conn: Any) -> ShardAudit | None:

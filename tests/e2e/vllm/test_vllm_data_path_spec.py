@@ -62,21 +62,32 @@ def test_a_dropped_load_under_ngram_drafts_is_flagged_where_it_is_read(tmp_path)
     _check_dropped_resume(out)
 
 
-def test_the_audit_refuses_an_eagle_head_async_drafts_and_several_groups():
-    """Drafts with no draft head under the synchronous Scheduler are audited;
-    an EAGLE head, drafts under the AsyncScheduler, and several KV-cache
-    groups are refused, each with its reason."""
+def test_the_audit_refuses_an_eagle_head_async_drafts_state_groups_and_pipelines():
+    """Drafts with no draft head under the synchronous Scheduler are audited,
+    and so are several groups of tokens (full attention, sliding windows);
+    an EAGLE head, drafts under the AsyncScheduler, a state group, groups of
+    other block sizes and pipeline parallelism are refused, each with its
+    reason."""
     from types import SimpleNamespace as NS
 
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
     from kvtrace.record.vllm.kv_audit import refusal
 
-    def sched(cls=Scheduler, groups=1, **kw):
+    def spec(cls, block_size=16):
         s = object.__new__(cls)
-        s.kv_cache_config = NS(kv_cache_groups=[object()] * groups)
-        s.vllm_config = NS(scheduler_config=NS(async_scheduling=cls is AsyncScheduler))
+        object.__setattr__(s, "block_size", block_size)
+        return NS(kv_cache_spec=s)
+
+    def sched(cls=Scheduler, groups=(FullAttentionSpec,), pp=1, **kw):
+        s = object.__new__(cls)
+        s.kv_cache_config = NS(kv_cache_groups=[g if isinstance(g, NS) else spec(g)
+                                                for g in groups])
+        s.cache_config = NS(block_size=16)
+        s.vllm_config = NS(scheduler_config=NS(async_scheduling=cls is AsyncScheduler),
+                           parallel_config=NS(pipeline_parallel_size=pp))
         s.use_eagle, s.num_spec_tokens = False, 0
         s.__dict__.update(kw)
         return s
@@ -87,4 +98,9 @@ def test_the_audit_refuses_an_eagle_head_async_drafts_and_several_groups():
     assert refusal(sched(AsyncScheduler, num_spec_tokens=3), conn) == \
         "drafts under asynchronous scheduling"
     assert refusal(sched(use_eagle=True, num_spec_tokens=3), conn) == "an EAGLE or MTP head"
-    assert refusal(sched(groups=2), conn).startswith("several KV-cache groups")
+    assert refusal(sched(groups=(SlidingWindowSpec, FullAttentionSpec)), conn) is None
+    assert refusal(sched(groups=(MambaSpec, FullAttentionSpec)), conn).startswith(
+        "a KV-cache group of kind MambaSpec")
+    assert refusal(sched(groups=(spec(SlidingWindowSpec, 32), FullAttentionSpec)), conn) == \
+        "KV-cache groups of different block sizes"
+    assert refusal(sched(pp=2), conn).startswith("pipeline parallelism")

@@ -43,10 +43,14 @@ class Connector:
         return set()
 
 
-def plan(to: str, step: int = 3) -> dict:
-    return {"step": step, "view": "metadata", "num_blocks": 8, "to": to,
-            "targets": [("r", 2, "aa", True, True)], "issued": [], "saves": [("r", 5, "bb")],
-            "cached": [("r", 5, "bb")], "hits": [("q", 1, "cc")]}
+def group(g=None, layers=None, **kw) -> dict:
+    return dict({"group": g, "layers": layers, "view": "metadata",
+                 "targets": [("r", 2, "aa", True, True)], "issued": [], "saves": [("r", 5, "bb")],
+                 "cached": [("r", 5, "bb")], "hits": [("q", 1, "cc")]}, **kw)
+
+
+def plan(to: str, step: int = 3, groups=None) -> dict:
+    return {"step": step, "num_blocks": 8, "to": to, "groups": groups or [group()]}
 
 
 def test_a_worker_digests_its_blocks_around_the_step_and_its_record_reaches_the_trace():
@@ -134,13 +138,51 @@ def test_a_worker_that_cannot_reach_the_channel_loses_its_record_not_the_step(ca
     assert len(said) == 1   # said once
 
 
-def test_a_cache_the_audit_cannot_read_stops_the_audit_not_the_worker(caplog):
+def test_a_cache_the_audit_cannot_read_stops_the_audit_not_the_worker_and_says_so(caplog):
+    """The worker goes on; its log says why once, and so does the trace, in
+    a last record that replay reports."""
+    from kvtrace.replay.data_path import DataPath
+    from kvtrace.report.terminal import audit_line
+
     conn = Connector()
-    kv_shard.watch(conn)
-    p = dict(plan("/nonexistent"), num_blocks=5)   # no dimension of 5 blocks
-    conn.bind_connector_metadata(NS(kvtrace_audit_plan=p))
-    conn.clear_connector_metadata()
-    conn.bind_connector_metadata(NS(kvtrace_audit_plan=p))
+    got: list = []
+    channel = kv_channel.Channel(got.append)
+    try:
+        kv_shard.watch(conn)
+        p = dict(plan(channel.path, step=30), num_blocks=5)   # no dimension of 5 blocks
+        conn.bind_connector_metadata(NS(kvtrace_audit_plan=p))
+        conn.clear_connector_metadata()
+        conn.bind_connector_metadata(NS(kvtrace_audit_plan=p))
+    finally:
+        channel.close()
     assert conn.calls == ["bind", "clear", "bind"]
     assert kv_shard.shard_audit(conn).off
     assert sum("no KV audit on this worker" in r.getMessage() for r in caplog.records) == 1
+    [e] = got
+    assert e.step == 30 and e.stopped.startswith("ValueError: ") and not e.loaded
+    dp = DataPath()
+    dp.feed(e)
+    line = audit_line(dict(dp.checked, loads=1))
+    assert "the audit stopped: at step 30 (ValueError: " in line
+    assert line.endswith("its later steps not audited")
+
+
+def test_each_kv_cache_group_is_digested_over_its_own_layers_and_named():
+    """Several KV-cache groups: a record per group, each block's digest over
+    that group's layers alone."""
+    conn = Connector()
+    got: list = []
+    channel = kv_channel.Channel(got.append)
+    try:
+        kv_shard.watch(conn)
+        conn.bind_connector_metadata(NS(kvtrace_audit_plan=plan(channel.path, groups=[
+            group(0, ["l0"]), group(1, ["l1"], targets=[], saves=[], hits=[])])))
+        conn.clear_connector_metadata()
+    finally:
+        channel.close()
+    zero, one = got
+    assert (zero.group, one.group) == (0, 1)
+    d0, d1 = BlockDigests(conn.kv[:1], 8), BlockDigests(conn.kv[1:], 8)
+    assert zero.cached == [("r", 5, "bb", d0([5])[0])]
+    assert one.cached == [("r", 5, "bb", d1([5])[0])] and d0([5]) != d1([5])
+    assert zero.loaded and not one.loaded

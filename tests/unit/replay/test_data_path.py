@@ -227,13 +227,14 @@ def test_the_plan_leaves_out_async_loads_and_names_blocks_with_no_hash_yet():
                                                          load_async=True)]
     loads = [KVLoad(req="new", start=4, end=8), KVLoad(req="parked", start=0, end=8)]
     audit.plan(3, out, sched, lookups, loads)
-    p = getattr(meta, PLAN_ATTR)   # what the workers get, on the step's metadata
+    plan = getattr(meta, PLAN_ATTR)   # what the workers get, on the step's metadata
+    [p] = plan["groups"]   # one KV-cache group: all layers
     h = [bytes([i]) * 8 for i in range(8)]
     assert p["targets"] == [("new", 6, h[2].hex(), True, False)]   # asked; no metadata view
     assert p["issued"] == [("parked", 8, h[4].hex()), ("parked", 9, h[5].hex())]
     assert p["hits"] == [("new", 5, h[1].hex())]
     assert p["cached"] == [("new", 7, h[3].hex()), ("old", 3, "")]
-    assert (p["step"], p["num_blocks"]) == (3, 16)
+    assert (plan["step"], plan["num_blocks"], p["group"], p["layers"]) == (3, 16, None, None)
 
 
 def test_the_plan_forgets_every_block_a_steps_drafts_write_into():
@@ -263,7 +264,7 @@ def test_the_plan_forgets_every_block_a_steps_drafts_write_into():
              scheduled_cached_reqs=NS(req_ids=["a", "b"], num_computed_tokens=[7, 2],
                                       resumed_req_ids=set()))
     kv.plan(4, out, sched, [], [])
-    cached = getattr(meta, PLAN_ATTR)["cached"]
+    cached = getattr(meta, PLAN_ATTR)["groups"][0]["cached"]
     h = [bytes([i]) * 8 for i in range(4)]
     assert cached == [("a", 2, h[2].hex()), ("a", 3, ""), ("b", 5, ""), ("b", 6, "")]
     # Replay: block 3 held another hash from an earlier owner; after the
@@ -320,3 +321,35 @@ def test_the_summary_names_the_ranks_audited_and_a_rank_that_sent_nothing():
     one = audit_line({"loads": 2, "rank 0 records": 2, "tensor_parallel_size": 2})
     assert "tensor-parallel rank 0;" in one and "rank 1 of 2 sent no record (not audited)" in one
     assert "rank" not in audit_line({"loads": 2})
+
+
+def test_a_metadata_that_takes_no_plan_turns_the_audit_off_and_nothing_else():
+    """A connector's metadata that refuses a new attribute (``__slots__``,
+    a frozen dataclass, a validating ``__setattr__``): the audit is off from
+    there; the step, and the recording, go on."""
+    from dataclasses import dataclass
+    from types import SimpleNamespace as NS
+
+    from kvtrace.record.vllm.kv_audit import KVAudit
+
+    class Slots:
+        __slots__ = ()
+
+    @dataclass(frozen=True)
+    class Frozen:
+        pass
+
+    class Strict:
+        def __setattr__(self, name, value):
+            raise ValueError(f"no field {name}")
+
+    kvm = NS(get_block_ids=lambda rid: ([],), block_pool=NS(num_gpu_blocks=16))
+    sched = NS(cache_config=NS(block_size=4), kv_cache_manager=kvm, requests={})
+    for meta in (Slots(), Frozen(), Strict()):
+        audit = KVAudit(NS(sink=None), sched)
+        out = NS(kv_connector_metadata=meta, num_scheduled_tokens={},
+                 scheduled_spec_decode_tokens={}, scheduled_new_reqs=[],
+                 scheduled_cached_reqs=NS(req_ids=[], num_computed_tokens=[],
+                                          resumed_req_ids=set()))
+        audit.plan(0, out, sched, [], [])
+        assert audit.off, type(meta).__name__

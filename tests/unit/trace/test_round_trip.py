@@ -112,7 +112,7 @@ EVENTS = [
               connector_cache=ev.CacheStats(requests=1, queries=2, hits=3, preempted_requests=4,
                                             preempted_queries=5, preempted_hits=6)),
     ev.Drafts(seq=0, step=0, drafts={"a": [7, 8]}),
-    ev.KVAudit(seq=0, step=0, view="metadata", rank=1,
+    ev.KVAudit(seq=0, step=0, view="metadata", rank=1, group=0, stopped="OSError: gone",
                loaded=[("a", 3, "0123456789abcdef", -5, 1 << 62, True, False)],
                saved=[("a", 7, "fedcba9876543210", -(1 << 63))], cached=[("d", 8, "00ff", 2)],
                hits=[("c", 4, "0a", (1 << 63) - 1)]),
