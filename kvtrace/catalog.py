@@ -165,6 +165,8 @@ VLLM_WORKLOADS = {
                                         "alone",
     "example-connector-tp": "tensor parallelism, two workers: each rank's files kept apart",
     "example-connector-tp-shard-mixup": "the same, rank 1 loading rank 0's files",
+    "example-connector-eagle": "EAGLE drafts: the draft head's KV saved and loaded too",
+    "example-connector-eagle-draft-skipped": "the same, the draft head's layers never loaded",
     "example-connector-groups": "two KV-cache groups (tiny Gemma 3), each group's blocks moved",
     "example-connector-groups-ignored": "the same, every layer loaded into the first group's "
                                         "blocks",

@@ -115,7 +115,8 @@ FAULT_TRACES = ["async-load-overshoot", "stale-computed-on-preempt",
 # corrupted between its save and its load; and tensor parallelism (two
 # workers), clean and with rank 1 loading rank 0's files; and two KV-cache
 # groups (the tiny Gemma 3), clean and with every layer loaded into the
-# first group's blocks.
+# first group's blocks; and an EAGLE head, clean and with its layers never
+# loaded.
 DATA_PATH_TRACES = {"example-connector": "example-connector",
                     "example-connector-roomy": "example-connector-roomy",
                     "example-connector-async": "example-connector-async",
@@ -127,7 +128,9 @@ DATA_PATH_TRACES = {"example-connector": "example-connector",
                     "tp-example-connector": "example-connector-tp",
                     "tp-shard-mixup": "example-connector-tp-shard-mixup",
                     "groups-example-connector": "example-connector-groups",
-                    "groups-ignored": "example-connector-groups-ignored"}
+                    "groups-ignored": "example-connector-groups-ignored",
+                    "eagle-example-connector": "example-connector-eagle",
+                    "eagle-draft-skipped": "example-connector-eagle-draft-skipped"}
 # Hybrid KV caches and sliding-window attention, in hybrid/: the tiny Gemma 3,
 # all-sliding and gpt-oss models of tiny_model.MODELS (the workload names one).
 HYBRID_TRACES = {name: name for name in (

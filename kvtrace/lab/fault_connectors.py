@@ -49,6 +49,12 @@ bug put back. Configure one as ``kv_connector`` with
     for one group does: the other groups' blocks are never loaded, and the
     first group's get other layers' bytes.
 
+``SkipsDraftLayers`` ("draft-layers-skipped"): a ``GroupsExampleConnector``
+    that saves the layers of an EAGLE draft head and never loads them, as a
+    connector that moves the target model's layers alone: after a load the
+    draft head reads what its blocks held, and drafts from it. The target's
+    output is unchanged (it checks every draft); the drafts are worse.
+
 ``ReportsUnloaded`` ("async-load-unloaded"): an ``AsyncExampleConnector``
     whose worker reports its first load received without copying a byte of
     it (a transfer that completes in the connector's books only). The
@@ -299,6 +305,10 @@ class GroupsExampleConnector(ExampleConnector, SupportsHMA):
         """The slots of ``layer_name``'s group, in ``entry``."""
         return entry.slot_mappings[self._group_of[layer_name]]
 
+    def loads_layer(self, layer_name: str) -> bool:
+        """Whether a load writes ``layer_name``'s KV (every layer's, here)."""
+        return True
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         import safetensors.torch
 
@@ -310,7 +320,7 @@ class GroupsExampleConnector(ExampleConnector, SupportsHMA):
                 continue
             for name, layer in forward_context.no_compile_layers.items():
                 kv = getattr(layer, "kv_cache", None)
-                if kv is None or name not in self._group_of:
+                if kv is None or name not in self._group_of or not self.loads_layer(name):
                     continue
                 slots = self.slots(entry, name).to(kv.device)
                 stored = safetensors.torch.load_file(self._generate_filename_debug(
@@ -337,3 +347,11 @@ class IgnoresGroups(GroupsExampleConnector):
         if entry.is_store:
             return super().slots(entry, layer_name)
         return entry.slot_mappings[0]   # the bug: every layer loaded into the first group's blocks
+
+
+class SkipsDraftLayers(GroupsExampleConnector):
+    def loads_layer(self, layer_name: str) -> bool:
+        # The bug: the draft head's layers (numbered after the target
+        # model's) are saved, never loaded.
+        target = self._vllm_config.model_config.hf_config.num_hidden_layers
+        return int(layer_name.split(".")[2]) < target

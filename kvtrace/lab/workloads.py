@@ -513,19 +513,28 @@ WORKLOADS["lmcache-chunk-corrupted"] = _lmcache(
     "CorruptsRetrievedChunk", **{"kvtrace.corrupt": {"req": "9", "chunk": -1}})
 
 
-def _example_ngram(connector: str = "ExampleConnector") -> dict:
-    """ExampleConnector with n-gram drafts: three more prompts that repeat
-    themselves, so that drafts are taken and accepted (no prompt a prefix of
-    another, none 1 past a block boundary)."""
+def _example_ngram(connector: str = "ExampleConnector", spec: dict = _NGRAM) -> dict:
+    """ExampleConnector with drafts (n-gram by default): three more prompts
+    that repeat themselves, so that drafts are taken and accepted (no prompt
+    a prefix of another, none 1 past a block boundary)."""
     wl = _example_connector(connector)
     repeating = [([5 + 10 * i, 6, 7, 8] * 20)[:42 + 6 * i] for i in range(3)]
     prompts = wl["prompts"][:6] + repeating
     return dict(wl, prompts=prompts + prompts, arrive_at=[0] * 9 + [200] * 9,
-                engine=dict(wl["engine"], speculative_config=_NGRAM))
+                engine=dict(wl["engine"], speculative_config=spec))
 
 
 WORKLOADS["example-connector-ngram"] = _example_ngram()
 WORKLOADS["example-connector-ngram-dropped-resume"] = _example_ngram("DropsResumedLoad")
+# EAGLE (a draft head with a KV cache of its own) on the n-gram workload's
+# prompts, with a connector that names a resumed request's load by its
+# prompt (vLLM's ExampleConnector names it by the tokens so far, and fails on
+# a file it never stored once a preempted request's output has grown past a
+# block; EAGLE's accepted drafts make that likely).
+_EAGLE = {"method": "eagle", "num_speculative_tokens": 3}
+WORKLOADS["example-connector-eagle"] = _example_ngram("GroupsExampleConnector", _EAGLE)
+# The draft head's layers saved and never loaded.
+WORKLOADS["example-connector-eagle-draft-skipped"] = _example_ngram("SkipsDraftLayers", _EAGLE)
 # ExampleConnector's own bug: a prompt 1 past a block boundary (97 tokens) is
 # stored under its first 96 tokens but looked up under its first 64. Prompt 0
 # (65 tokens) stores the 64; prompt 1 (97) stores the 96; prompt 2, the same

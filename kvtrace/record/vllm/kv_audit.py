@@ -38,14 +38,19 @@ A connector's own metadata is read when it has ExampleConnector's shape
 "metadata". Any other connector is a black box (``view`` "bytes"): a block it
 loaded is one whose bytes the step changed, and its saves are not known.
 
-Speculative decoding (a proposer with no draft head, such as n-gram, under
-synchronous scheduling): a step's drafts write KV past the tokens it computes
-for sure; a block counts as filled by the step whose own tokens (drafts left
-out) reach its end, when every position in it holds KV of accepted tokens.
-Every block a step's drafts write into is written with an empty hash, so
-that replay forgets what it held: a block completed by accepted drafts, which
-the scheduler caches at the output, is not digested, and a later hit on it is
-not compared.
+Speculative decoding under synchronous scheduling (n-gram, or an EAGLE or
+MTP head, whose layers have KV of their own, digested with the target's): a
+step's drafts write KV past the tokens it computes for sure; a block counts
+as filled by the step whose own tokens (drafts left out) reach its end, when
+every position in it holds KV of accepted tokens (the head writes its KV of
+a position in the step that accepts the token after it). Every block a
+step's drafts write into is written with an empty hash, so that replay
+forgets what it held: a block completed by accepted drafts, which the
+scheduler caches at the output, is not digested, and a later hit on it is
+not compared. vLLM's ExampleConnector names a resumed request's load by the
+tokens so far, and fails on a file it never stored once the output has grown
+past a block (drafts make that likely); the lab's ``GroupsExampleConnector``
+names it by the prompt.
 
 Several KV-cache groups of tokens (full attention, sliding windows; vLLM's
 hybrid KV-cache manager): each group has its own block table and its own
@@ -60,8 +65,7 @@ as one group (audited as such); ``kvtrace.lab.fault_connectors``'
 Not audited (the audit is off, and says so in the log): a state group
 (``MambaSpec``: a state per request, not blocks of tokens), groups of
 different block sizes, pipeline parallelism (each stage holds other layers),
-an EAGLE or MTP head (with one, ExampleConnector fails looking up a file it
-never stored), drafts under asynchronous scheduling (a step is scheduled
+drafts under asynchronous scheduling (a step is scheduled
 before the previous step's drafts are accepted or rejected), a KV cache
 whose block dimension cannot be told (none, or several, of the scheduler's
 number of blocks), and a worker on another machine than the engine core (its
@@ -399,8 +403,6 @@ def refusal(sched: Scheduler, worker_conn: KVConnectorBase_V1 | None = None) -> 
     pc = getattr(getattr(sched, "vllm_config", None), "parallel_config", None)
     if int(getattr(pc, "pipeline_parallel_size", 1) or 1) > 1:
         return "pipeline parallelism (each stage holds other layers)"
-    if getattr(sched, "use_eagle", False):
-        return "an EAGLE or MTP head"
     if getattr(sched, "num_spec_tokens", 0) and _schedules_ahead(sched):
         return "drafts under asynchronous scheduling"
     return None
