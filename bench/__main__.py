@@ -125,6 +125,12 @@ def main() -> None:
                      f"unrecorded {a['control_ratio']:.3f}); digests {a['digest_share']:.1%} of the "
                      f"audited run, {a['blocks_per_round']:.0f} blocks of {a['block_kib']:.0f} KiB a "
                      f"round", ""))
+        a = _child("kv_audit_engine", rounds=7, tp=2)
+        rows.append(("KV audit (vLLM + ExampleConnector, tiny model, 2 tensor-parallel workers)",
+                     f"recorded with the audit {a['audit_ratio']:.3f}x engine time, without it "
+                     f"{a['plain_ratio']:.3f}x ({a['rounds']} interleaved rounds; unrecorded/"
+                     f"unrecorded {a['control_ratio']:.3f}); {a['audit_records']} kv_audit records "
+                     f"from the workers' processes", ""))
 
     sr = _child("small_replay", runs=10)
     m = sr["median"]

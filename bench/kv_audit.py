@@ -16,7 +16,10 @@
   floor of two unrecorded arms. The digests' own time in the engine is timed
   too, with the bytes they read.
 
-    python -m bench.kv_audit [--rounds 21] [--device cpu|cuda|auto] [--no-vllm]
+  With ``--tp 2``: two tensor-parallel workers, each in a process of its own
+  (the records reach the trace through the engine core's channel).
+
+    python -m bench.kv_audit [--rounds 21] [--device cpu|cuda|auto] [--no-vllm] [--tp N]
 """
 
 from __future__ import annotations
@@ -73,9 +76,16 @@ def digest_throughput(device: str, layers: int = 32, blocks: int = 1024, heads: 
             "copy_gbs": timed(lambda _p: out.copy_(flat))}
 
 
-def engine_overhead(rounds: int, requests: int = 8, max_tokens: int = 16) -> dict:
+def engine_overhead(rounds: int, requests: int = 8, max_tokens: int = 16, tp: int = 1) -> dict:
+    """With ``tp`` above 1: that many tensor-parallel workers, each in a
+    process of its own, digesting its shard and sending its records to the
+    engine core's channel (the lab's RankedExampleConnector, which keeps each
+    rank's files apart); the digests' own time is then in the workers, not
+    timed here."""
     scratch = Path(tempfile.mkdtemp(prefix="kvtrace-bench-"))
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if tp > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) - 1)))
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -90,11 +100,17 @@ def engine_overhead(rounds: int, requests: int = 8, max_tokens: int = 16) -> dic
     store = scratch / "store"
     ktc = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
                            kv_connector_extra_config={"shared_storage_path": str(store)})
+    parallel = {}
+    if tp > 1:
+        ktc = KVTransferConfig(kv_connector="RankedExampleConnector", kv_role="kv_both",
+                               kv_connector_module_path="kvtrace.lab.fault_connectors",
+                               kv_connector_extra_config={"shared_storage_path": str(store)})
+        parallel = dict(tensor_parallel_size=tp, distributed_executor_backend="mp")
     os.environ["KVTRACE_OUT"] = str(scratch / "audit.jsonl.zst")
     try:
         llm = LLM(model=ensure_tiny_model(), **dict(BASE_ENGINE, num_gpu_blocks_override=64,
                                                     max_num_batched_tokens=1024,
-                                                    kv_transfer_config=ktc))
+                                                    kv_transfer_config=ktc, **parallel))
     finally:
         os.environ.pop("KVTRACE_OUT", None)
     sched = llm.llm_engine.engine_core.engine_core.scheduler
@@ -129,12 +145,14 @@ def engine_overhead(rounds: int, requests: int = 8, max_tokens: int = 16) -> dic
 
     arm("u")
     arm("audit")
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    shard = None
+    if tp == 1:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    from kvtrace.record.vllm.kv_shard import shard_audit
+        from kvtrace.record.vllm.kv_shard import shard_audit
 
-    shard = shard_audit(get_kv_transfer_group())   # the worker's side, in this process
-    shard.digests = _timed_digests(shard.digests, spent)
+        shard = shard_audit(get_kv_transfer_group())   # the worker's side, in this process
+        shard.digests = _timed_digests(shard.digests, spent)
     names = ["u", "plain", "audit", "u2"]
     t: dict[str, list[float]] = {n: [] for n in names}
     for i in range(rounds):
@@ -142,20 +160,32 @@ def engine_overhead(rounds: int, requests: int = 8, max_tokens: int = 16) -> dic
         for n in order:
             t[n].append(arm(n))
     sched._kvtrace, rec.audit = rec, audit
-    bytes_per_block = sum(x.element_size() * x[0].numel() for x, _ in shard.digests.inner.layers)
+    bytes_per_block = (sum(x.element_size() * x[0].numel() for x, _ in shard.digests.inner.layers)
+                       if shard is not None else 0)
     shutdown_llm(llm)
 
     def ratio(n):
         return statistics.median(a / b for a, b in zip(t[n], t["u"]))
 
     audit_s = statistics.median(t["audit"])
-    return {"rounds": rounds, "unrecorded_s": statistics.median(t["u"]),
+    return {"rounds": rounds, "tp": tp, "unrecorded_s": statistics.median(t["u"]),
             "plain_ratio": ratio("plain"), "audit_ratio": ratio("audit"),
             "control_ratio": ratio("u2"),
             "digest_s_per_round": spent["s"] / rounds,
             "digest_share": spent["s"] / rounds / audit_s,
             "digest_gbs": spent["blocks"] * bytes_per_block / spent["s"] / 1e9 if spent["s"] else 0,
-            "blocks_per_round": spent["blocks"] / rounds, "block_kib": bytes_per_block / 1024}
+            "blocks_per_round": spent["blocks"] / rounds, "block_kib": bytes_per_block / 1024,
+            "audit_records": _records(scratch / "audit.jsonl.zst")}
+
+
+def _records(path: Path) -> int:
+    """The kv_audit records the recording holds: the workers' records came.
+    Counted in its text: the recording is on and off by turns, so it is no
+    trace a reader takes whole."""
+    from kvtrace.trace.files import decompressing, open_binary_read
+
+    with decompressing(open_binary_read(path)) as f:
+        return sum(b'"kind":"kv_audit"' in line for line in f)
 
 
 class _timed_digests:
@@ -176,6 +206,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=21)
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--no-vllm", action="store_true", help="skip the engine's overhead")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor-parallel workers of the engine (each a process; default 1)")
     args = ap.parse_args()
     import torch
 
@@ -190,14 +222,17 @@ def main() -> None:
                   f"the gather alone {r['gather_gbs']:.2f} GB/s")
     if args.no_vllm:
         return
-    r = engine_overhead(args.rounds)
-    print(f"KV audit on vLLM with ExampleConnector, tiny model ({r['rounds']} rounds of 4 arms)")
+    r = engine_overhead(args.rounds, tp=args.tp)
+    where = f", {args.tp} tensor-parallel workers" if args.tp > 1 else ""
+    print(f"KV audit on vLLM with ExampleConnector, tiny model{where} ({r['rounds']} rounds of "
+          f"4 arms; {r['audit_records']} kv_audit records)")
     print(f"  recorded, no audit / unrecorded   median {r['plain_ratio']:.3f}")
     print(f"  recorded with audit / unrecorded  median {r['audit_ratio']:.3f}   "
           f"(noise floor: unrecorded/unrecorded {r['control_ratio']:.3f})")
-    print(f"  digests: {r['digest_s_per_round'] * 1e3:.1f} ms a round, {r['digest_share']:.1%} of "
-          f"the audited arm's time; {r['blocks_per_round']:.0f} blocks of {r['block_kib']:.0f} KiB, "
-          f"{r['digest_gbs']:.2f} GB/s")
+    if args.tp == 1:
+        print(f"  digests: {r['digest_s_per_round'] * 1e3:.1f} ms a round, {r['digest_share']:.1%} "
+              f"of the audited arm's time; {r['blocks_per_round']:.0f} blocks of "
+              f"{r['block_kib']:.0f} KiB, {r['digest_gbs']:.2f} GB/s")
 
 
 if __name__ == "__main__":

@@ -275,10 +275,10 @@ def recorder(model: str = "tiny", rounds: int = 101) -> dict:
     return run(rounds=rounds, model=model)
 
 
-def kv_audit_engine(rounds: int = 21) -> dict:
+def kv_audit_engine(rounds: int = 21, tp: int = 1) -> dict:
     from bench.kv_audit import engine_overhead
 
-    return engine_overhead(rounds)
+    return engine_overhead(rounds, tp=tp)
 
 
 def small_replay(runs: int = 10) -> dict:

@@ -170,6 +170,8 @@ VLLM_WORKLOADS = {
     "example-connector-groups": "two KV-cache groups (tiny Gemma 3), each group's blocks moved",
     "example-connector-groups-ignored": "the same, every layer loaded into the first group's "
                                         "blocks",
+    "example-connector-groups-window-hits": "two groups: local hits past the window, then loads",
+    "example-connector-groups-window-corrupt": "two groups: a window's stored block corrupted",
     "example-connector-ngram": "vLLM's ExampleConnector with n-gram drafts, the KV audit on",
     "example-connector-ngram-dropped-resume": "the same, a resumed request's load dropped",
     "example-connector-negative-hit": "vLLM bug: ExampleConnector answers a negative external hit",

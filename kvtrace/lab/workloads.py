@@ -474,6 +474,20 @@ WORKLOADS["example-connector-tp-shard-mixup"]["engine"].update(_TP)
 # the first group's blocks.
 WORKLOADS["example-connector-groups"] = dict(_example_connector("GroupsExampleConnector", blocks=32),
                                              model="gemma3")
+# Long local hits past the window: a request admitted with blocks of its
+# window's group already dropped (null) before those a load writes; and one
+# whose sliding-window save comes after two dropped blocks, its stored block
+# then corrupted in the window's layer file before it is loaded back.
+_P = [(7 * j + 3) % 400 + 20 for j in range(150)]
+WORKLOADS["example-connector-groups-window-hits"] = dict(
+    _example_connector("GroupsExampleConnector", blocks=32), model="gemma3", max_tokens=4,
+    prompts=[_P, _P[:96] + [(11 * j + 5) % 400 + 20 for j in range(30)], _P],
+    arrive_at=[0, 20, 21], control=[[20, "reset", False, False]])
+_Q = _P[:128] + [(11 * j + 5) % 400 + 20 for j in range(40)]
+WORKLOADS["example-connector-groups-window-corrupt"] = dict(
+    _example_connector("GroupsExampleConnector", blocks=32), model="gemma3", max_tokens=4,
+    prompts=[_P, _Q, _Q], arrive_at=[0, 10, 20],
+    control=[[20, "reset", False, False], [20, "corrupt-store", _Q, 4]])
 WORKLOADS["example-connector-groups-ignored"] = dict(_example_connector("IgnoresGroups", blocks=32),
                                                      model="gemma3")
 

@@ -109,8 +109,12 @@ class DataPath:
                 judged = False   # bytes changed, and no save of the hash was seen
             self.checked["loads" if judged else "unchecked loads"] += 1
             # A load flagged here leaves bytes that are no proof of the hash:
-            # loading them again is judged again.
-            shard.held[block] = (h, after, e.step, "loaded" if len(found) == flagged else WRONG)
+            # loading them again is judged again. A load of no known hash
+            # leaves nothing to compare a later hit with.
+            if h:
+                shard.held[block] = (h, after, e.step, "loaded" if len(found) == flagged else WRONG)
+            else:
+                shard.held.pop(block, None)
         for _, block, h, d in e.saved:
             shard.saved.setdefault(h, set()).add(d)
             self.checked["saves"] += 1
@@ -122,9 +126,10 @@ class DataPath:
                 shard.held.pop(block, None)
         for req, block, h, d in e.hits:
             held = shard.held.get(block)
-            self.checked["hits"] += 1
-            if held is None:
+            if held is None:   # nothing seen of this block: nothing to compare with
+                self.checked["unchecked hits"] += 1
                 continue
+            self.checked["hits"] += 1
             if held[0] != h:
                 found.append(Divergence(
                     e.step, req, "kv-hit", f"block {block}{of} holds block hash {held[0]} "
@@ -141,11 +146,15 @@ def summary(checked: Counter, header: ev.Header) -> dict | None:
     """What the checks checked, as a replay's result says it; None without
     a KV audit. With tensor parallelism, the engine's number of ranks too
     (``tensor_parallel_size``), beside each rank's records (``rank R
-    records``): a rank that sent none shows."""
+    records``): a rank that sent none shows; likewise the KV-cache groups
+    (``kv_cache_groups``, ``group G records``)."""
     out = dict(checked)
     tp = header.features.tensor_parallel_size
     if out and tp is not None and tp > 1:
         out["tensor_parallel_size"] = tp
+    groups = header.features.kv_cache_groups or ()
+    if any(k.startswith("group ") for k in out) and len(groups) > 1:
+        out["kv_cache_groups"] = len(groups)
     return out or None
 
 

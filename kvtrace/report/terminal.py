@@ -293,6 +293,8 @@ def audit_line(checked: dict | None) -> str | None:
             f"{number(hits)} prefix-hit {plural(hits, 'block')} (D1-D3)"
             + _groups_audited(checked) + _ranks_audited(checked)
             + (f"; {count(more, 'loaded block')} had no save to compare with" if more else "")
+            + (f"; {count(blind, 'prefix-hit block')} had nothing seen before to compare with"
+               if (blind := checked.get("unchecked hits")) else "")
             + "".join(f"; the audit stopped: {k.split(': ', 1)[1]}, its later steps not audited"
                       for k in sorted(checked) if k.startswith("stopped: ")))
 
@@ -301,7 +303,13 @@ def _groups_audited(checked: dict) -> str:
     """Which KV-cache groups' blocks the audit's counts are of."""
     seen = sorted(int(k.split()[1]) for k in checked if k.startswith("group ")
                   and k.endswith(" records"))
-    return f", in KV-cache groups {', '.join(map(str, seen))}" if seen else ""
+    out = f", in KV-cache groups {', '.join(map(str, seen))}" if seen else ""
+    n = checked.get("kv_cache_groups") or 0
+    missing = [g for g in range(n) if g not in seen]
+    if missing:
+        out += (f"; {plural(len(missing), 'group')} {', '.join(map(str, missing))} of {n} "
+                f"sent no record (not audited)")
+    return out
 
 
 def _ranks_audited(checked: dict) -> str:

@@ -89,7 +89,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections import Counter
 from typing import TYPE_CHECKING
 
 from kvtrace.record.vllm import kv_shard
@@ -137,10 +136,12 @@ def _metadata_view(meta: KVConnectorMetadata, block_size: int,
         return None
     loads, saves = [], []
     for r in reqs:
-        slots = r.slot_mapping if group is None else r.slot_mappings[group]
-        per_block = Counter(int(s) // block_size for s in slots.tolist())
-        full = [b for b, n in per_block.items() if n == block_size]   # in the entry's order
-        (saves if r.is_store else loads).append(full)
+        slots = (r.slot_mapping if group is None else r.slot_mappings[group]).tolist()
+        # The block of each whole chunk of slots, by position, so that the
+        # list lines up with the request's table (null blocks included).
+        whole = len(slots) // block_size * block_size
+        (saves if r.is_store else loads).append(
+            [int(s) // block_size for s in slots[:whole:block_size]])
     return loads, saves
 
 
@@ -313,12 +314,17 @@ class KVAudit:
         meta = getattr(out, "kv_connector_metadata", None)
         if meta is None or self.off:
             return
-        groups = []
-        for g, layers in self.groups:
-            p = self.blocks(out, sched, lookups, loads, meta, g)
-            groups.append({"group": g, "layers": layers, "view": p.view, "targets": p.targets,
-                           "issued": p.issued, "saves": p.saves, "cached": p.cached,
-                           "hits": p.hits})
+        try:
+            groups = []
+            for g, layers in self.groups:
+                p = self.blocks(out, sched, lookups, loads, meta, g)
+                groups.append({"group": g, "layers": layers, "view": p.view,
+                               "targets": p.targets, "issued": p.issued, "saves": p.saves,
+                               "cached": p.cached, "hits": p.hits})
+        except Exception:   # a metadata of an unexpected shape: the audit stops, not the recording
+            self.off = True
+            logger.exception("kvtrace: no KV audit from step %d (its plan failed)", step)
+            return
         try:
             setattr(meta, PLAN_ATTR, {
                 "step": step, "num_blocks": self.num_blocks,
@@ -391,15 +397,16 @@ def refusal(sched: Scheduler, worker_conn: KVConnectorBase_V1 | None = None) -> 
         groups = sched.kv_cache_config.kv_cache_groups
     except AttributeError:
         return "no KV cache config"
-    if len(groups) > 1:
-        block_size = int(sched.cache_config.block_size)
-        for group in groups:
-            spec = group.kv_cache_spec
-            if type(spec).__name__ not in _TOKEN_SPECS:
-                return (f"a KV-cache group of kind {type(spec).__name__} (the audit follows "
-                        f"blocks of tokens: full attention and sliding windows)")
-            if int(spec.block_size) != block_size:
-                return "KV-cache groups of different block sizes"
+    for group in groups:
+        kind = type(getattr(group, "kv_cache_spec", None)).__name__
+        # One group of any kind of attention is audited; beside others, the
+        # kinds known to hold blocks of tokens. A state is never.
+        if "Mamba" in kind or (len(groups) > 1 and kind not in _TOKEN_SPECS):
+            return (f"a KV-cache group of kind {kind} (the audit follows blocks of tokens: "
+                    f"full attention and sliding windows)")
+        if len(groups) > 1 and int(group.kv_cache_spec.block_size) != int(
+                sched.cache_config.block_size):
+            return "KV-cache groups of different block sizes"
     pc = getattr(getattr(sched, "vllm_config", None), "parallel_config", None)
     if int(getattr(pc, "pipeline_parallel_size", 1) or 1) > 1:
         return "pipeline parallelism (each stage holds other layers)"

@@ -82,3 +82,31 @@ def test_every_layer_loaded_into_the_first_groups_blocks_recorded_live(tmp_path)
     out = tmp_path / "ignored.jsonl"
     record_vllm_offline(None, out, "example-connector-groups-ignored")
     _check_groups_ignored(out)
+
+
+def test_local_hits_past_the_window_then_a_load_replay_clean(tmp_path):
+    """A request admitted with a local hit that reaches past the window and
+    an external hit: its window's table starts with dropped (null) blocks,
+    and the connector's entry still names the request; nothing is flagged."""
+    out = tmp_path / "hits.jsonl"
+    record_vllm_offline(None, out, "example-connector-groups-window-hits")
+    res = replay_file(out)
+    assert res.divergences == [], [d.to_json() for d in res.divergences]
+    assert res.audit["loads"] > 0 and res.audit["hits"] > 0
+
+
+def test_a_windows_stored_block_corrupted_is_flagged_at_its_load(tmp_path):
+    """A prompt saved after a local hit past the window (its window's table
+    starts with two dropped blocks): the window's save is seen, so the
+    corrupted block, loaded back after a reset, is D2 in group 0."""
+    from kvtrace.lab.workloads import WORKLOADS
+
+    out = tmp_path / "corrupt.jsonl"
+    record_vllm_offline(None, out, "example-connector-groups-window-corrupt")
+    prompt = WORKLOADS["example-connector-groups-window-corrupt"]["prompts"][2]
+    with TraceReader(out) as r:
+        reqs = [e.req for e in r if isinstance(e, ev.Arrival)
+                and list(e.prompt_token_ids) == prompt]
+    divs = replay_file(out).divergences
+    assert [(d.req, d.rule[:2]) for d in divs] == [(reqs[-1], "D2")], divs
+    assert " of group 0 " in divs[0].recorded

@@ -274,7 +274,7 @@ def test_the_plan_forgets_every_block_a_steps_drafts_write_into():
     dp.feed(audit(1, cached=[("x", 3, "aa", 11)]))
     dp.feed(audit(4, cached=[(r, b, hh, 0) for r, b, hh in cached]))
     assert dp.feed(audit(6, hits=[("c", 3, "bb", 12)])) == []
-    assert dp.checked["hits"] == 1
+    assert (dp.checked["hits"], dp.checked["unchecked hits"]) == (0, 1)   # nothing compared
 
 
 def ranked(step, rank, loaded=(), saved=()):
@@ -353,3 +353,29 @@ def test_a_metadata_that_takes_no_plan_turns_the_audit_off_and_nothing_else():
                                           resumed_req_ids=set()))
         audit.plan(0, out, sched, [], [])
         assert audit.off, type(meta).__name__
+
+
+def test_a_connectors_entry_lines_up_with_a_table_that_starts_with_dropped_blocks():
+    """A sliding window's table may start with null blocks (0): the entry's
+    blocks are read by position, so it still names its request, and its
+    saves and loads are that request's."""
+    from types import SimpleNamespace as NS
+
+    import torch as t
+
+    from kvtrace.record.vllm.kv_audit import _metadata_view
+
+    bs = 4
+    table = [0, 0, 2, 3]
+    slots = t.tensor([b * bs + o for b in table for o in range(bs)])
+    meta = NS(requests=[NS(slot_mapping=slots, slot_mappings=[slots, slots], is_store=True)])
+    assert _metadata_view(meta, bs, 0) == ([], [table])
+    assert _metadata_view(meta, bs, None) == ([], [table])
+
+
+def test_a_load_of_no_known_hash_leaves_nothing_to_compare_a_hit_with():
+    dp = DataPath()
+    dp.feed(audit(1, cached=[("a", 2, "h1", 10)]))
+    dp.feed(audit(5, loaded=[("", 2, "", 10, 7, False, True)], hits=[("r", 2, "h2", 7)]))
+    assert dp.divergences == []
+    assert dp.checked["unchecked hits"] == 1 and dp.checked["hits"] == 0
