@@ -43,7 +43,8 @@ class Channel:
     def __init__(self, put: Callable[[Any], None]) -> None:
         self.path = tempfile.mkdtemp(prefix="kvtrace-kv-audit-")
         self.put = put
-        self._read: dict[str, tuple[int, bytes]] = {}   # file -> (offset, a partial line)
+        self._files: dict[str, Any] = {}      # name -> the file, open, read up to its end
+        self._partial: dict[str, bytes] = {}  # name -> a line not yet whole
         _LOCAL[self.path] = (os.getpid(), put)
 
     def collect(self) -> int:
@@ -56,18 +57,17 @@ class Channel:
             return 0
         for name in names:
             file = os.path.join(self.path, name)
-            offset, partial = self._read.get(name, (0, b""))
             try:
-                with open(file, "rb") as f:
-                    f.seek(offset)
-                    got = f.read()
+                f = self._files.get(name)
+                if f is None:
+                    f = self._files[name] = open(file, "rb")
+                got = f.read()
             except OSError:
                 continue
             if not got:
                 continue
-            data = partial + got
-            lines = data.split(b"\n")
-            self._read[name] = (offset + len(got), lines.pop())
+            lines = (self._partial.get(name, b"") + got).split(b"\n")
+            self._partial[name] = lines.pop()
             for line in lines:
                 try:
                     self.put(decode_line(line))
@@ -83,6 +83,8 @@ class Channel:
             self.collect()
         finally:
             _LOCAL.pop(self.path, None)
+            for f in self._files.values():
+                f.close()
             shutil.rmtree(self.path, ignore_errors=True)
 
 
