@@ -305,6 +305,7 @@ class KVAudit:
             [(g, list(group.layer_names)) for g, group in enumerate(groups)])
         self.off = False   # set when a step's metadata takes no plan
         self.channel: Channel | None = None   # opened by install
+        self.workers_apart = True   # the workers are in processes of their own
 
     def plan(self, step: int, out: SchedulerOutput, sched: Scheduler, lookups: list[Lookup],
              loads: list[KVLoad]) -> None:
@@ -359,8 +360,9 @@ class KVAudit:
         return p
 
     def collect(self) -> None:
-        """The records that workers in other processes have sent."""
-        if self.channel is not None:
+        """The records that workers in other processes have sent (none
+        where the worker is in this process: it hands them to the sink)."""
+        if self.channel is not None and self.workers_apart:
             self.channel.collect()
 
     def close(self) -> None:
@@ -440,5 +442,6 @@ def install(sched: Scheduler, rec: Recorder) -> KVAudit | None:
     audit.channel = Channel(rec.sink.put)
     if worker_conn is not None:
         kv_shard.watch(worker_conn)
+        audit.workers_apart = False
     logger.info("kvtrace: auditing the KV cache's bytes (%s)", type(sched.connector).__name__)
     return audit
