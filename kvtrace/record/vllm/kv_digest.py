@@ -48,6 +48,10 @@ class BlockDigests:
             self.layers.append((t, dims[0]))
         self.device = self.layers[0][0].device
         self._weights: dict[int, torch.Tensor] = {}
+        # Two buffers per block size, in 64-bit words, of as many blocks as
+        # the largest call so far (a power of 2, up to _BATCH), kept: the
+        # mix runs in place in them, allocating nothing per call.
+        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _w(self, n: int) -> torch.Tensor:
         w = self._weights.get(n)
@@ -71,19 +75,44 @@ class BlockDigests:
         idx = torch.as_tensor(blocks, dtype=torch.int64, device=self.device)
         acc = None
         for t, dim in self.layers:
-            x = t.index_select(dim, idx)   # a copy: the products below overwrite it
-            if dim:
-                x = x.movedim(dim, 0)
-            x = x.contiguous().view(torch.uint8).reshape(len(blocks), -1)
-            x = x.view(torch.int64) if x.shape[1] % 8 == 0 else x.to(torch.int64)
-            x ^= (x >> 31) & 0x1FFFFFFFF   # a logical shift of 64-bit words: high bits down
-            x.mul_(self._w(x.shape[1]))    # then up again, by a weight of the word's position
-            x ^= (x >> 29) & 0x7FFFFFFFF
-            x.mul_(_MIX)
-            x ^= (x >> 32) & 0xFFFFFFFF
-            s = x.sum(dim=1)
+            x, tmp = self._words(t, dim, idx)   # a copy: the mix below overwrites it
+            # Each step in place, through one scratch buffer (x ^= (x >> k) &
+            # mask would allocate two of x's size): a logical shift of the
+            # 64-bit words brings the high bits down, a multiply by a weight
+            # of the word's position takes them up again; twice, then once
+            # more down.
+            torch.bitwise_right_shift(x, 31, out=tmp).bitwise_and_(0x1FFFFFFFF)
+            x.bitwise_xor_(tmp).mul_(self._w(x.shape[1]))
+            torch.bitwise_right_shift(x, 29, out=tmp).bitwise_and_(0x7FFFFFFFF)
+            x.bitwise_xor_(tmp).mul_(_MIX)
+            torch.bitwise_right_shift(x, 32, out=tmp).bitwise_and_(0xFFFFFFFF)
+            s = x.bitwise_xor_(tmp).sum(dim=1)
             acc = s if acc is None else acc * _FOLD + s
         return acc.tolist()
+
+    def _words(self, t: torch.Tensor, dim: int,
+               idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks ``idx`` of one layer as rows of 64-bit words (a copy),
+        and a scratch buffer of the same shape."""
+        torch = self.torch
+        n = len(idx)
+        per_block = t[0].numel() * t.element_size() if dim == 0 else 0
+        if dim == 0 and t.is_contiguous() and per_block % 8 == 0:
+            bufs = self._buffers.get(per_block)
+            if bufs is None or len(bufs[0]) < n:   # grown to the largest call, up to _BATCH
+                rows = min(_BATCH, 1 << (n - 1).bit_length())
+                bufs = self._buffers[per_block] = tuple(
+                    torch.empty((rows, per_block // 8), dtype=torch.int64, device=self.device)
+                    for _ in range(2))
+            x, tmp = bufs[0][:n], bufs[1][:n]
+            torch.index_select(t.view(t.shape[0], -1).view(torch.int64), 0, idx, out=x)
+            return x, tmp
+        x = t.index_select(dim, idx)   # another layout: the same words, by a slower road
+        if dim:
+            x = x.movedim(dim, 0)
+        x = x.contiguous().view(torch.uint8).reshape(n, -1)
+        x = x.view(torch.int64) if x.shape[1] % 8 == 0 else x.to(torch.int64)
+        return x, torch.empty_like(x)
 
 
 def kv_layers(conn: KVConnectorBase_V1, names: list[str] | None = None) -> list[torch.Tensor]:

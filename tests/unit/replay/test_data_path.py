@@ -379,3 +379,44 @@ def test_a_load_of_no_known_hash_leaves_nothing_to_compare_a_hit_with():
     dp.feed(audit(5, loaded=[("", 2, "", 10, 7, False, True)], hits=[("r", 2, "h2", 7)]))
     assert dp.divergences == []
     assert dp.checked["unchecked hits"] == 1 and dp.checked["hits"] == 0
+
+
+def _digest_as_documented(layers, num_blocks, blocks):
+    """The digest as docs/reference/trace-format.md states it, written
+    plainly: each layer's block as 64-bit words, each word mixed (xor-shift,
+    times its position's weight, xor-shift, times the mix, xor-shift),
+    summed modulo 2^64, the layers folded in order."""
+    from kvtrace.record.vllm.kv_digest import _FOLD, _MIX
+
+    d = BlockDigests(layers, num_blocks)   # for its weights and block dimensions
+    idx = torch.as_tensor(blocks)
+    acc = None
+    for t, dim in d.layers:
+        x = t.index_select(dim, idx).movedim(dim, 0).contiguous().view(torch.uint8)
+        x = x.reshape(len(blocks), -1)
+        x = x.view(torch.int64) if x.shape[1] % 8 == 0 else x.to(torch.int64)
+        x = x ^ ((x >> 31) & 0x1FFFFFFFF)
+        x = x * d._w(x.shape[1])
+        x = x ^ ((x >> 29) & 0x7FFFFFFFF)
+        x = x * _MIX
+        x = x ^ ((x >> 32) & 0xFFFFFFFF)
+        s = x.sum(dim=1)
+        acc = s if acc is None else acc * _FOLD + s
+    return acc.tolist()
+
+
+@pytest.mark.parametrize("shape,dtype", [((20, 2, 4, 16), torch.bfloat16),
+                                         ((2, 20, 4, 8), torch.float16),
+                                         ((20, 3, 5), torch.uint8),
+                                         ((20, 2, 4, 16), torch.float32)],
+                         ids=["cpu-packed", "k-v-first", "odd-bytes", "float32"])
+def test_the_in_place_digest_is_the_documented_one(shape, dtype):
+    """The digest mixes in place in kept buffers (for speed); it gives what
+    the documented mix gives, on vLLM's layouts (blocks first, or K and V
+    first) and on blocks that are no multiple of 8 bytes."""
+    g = torch.Generator().manual_seed(1)
+    layers = [torch.randint(-100, 100, shape, generator=g).to(dtype) for _ in range(3)]
+    d = BlockDigests(layers, 20)
+    for blocks in ([1, 2, 3], list(range(20)), [7], [4, 4]):
+        assert d(blocks) == _digest_as_documented(layers, 20, blocks)
+    assert len(set(d(list(range(20))))) == 20
