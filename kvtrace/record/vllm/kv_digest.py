@@ -51,7 +51,7 @@ class BlockDigests:
         # Two buffers per block size, in 64-bit words, of as many blocks as
         # the largest call so far (a power of 2, up to _BATCH), kept: the
         # mix runs in place in them, allocating nothing per call.
-        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _w(self, n: int) -> torch.Tensor:
         w = self._weights.get(n)
@@ -75,44 +75,50 @@ class BlockDigests:
         idx = torch.as_tensor(blocks, dtype=torch.int64, device=self.device)
         acc = None
         for t, dim in self.layers:
+            # [parts, blocks, words]: one part where the blocks come first
+            # (the CPU's layout), K and V where they come second.
             x, tmp = self._words(t, dim, idx)   # a copy: the mix below overwrites it
+            parts, _, words = x.shape
             # Each step in place, through one scratch buffer (x ^= (x >> k) &
             # mask would allocate two of x's size): a logical shift of the
             # 64-bit words brings the high bits down, a multiply by a weight
-            # of the word's position takes them up again; twice, then once
-            # more down.
+            # of the word's position in its block (K's words, then V's) takes
+            # them up again; twice, then once more down.
             torch.bitwise_right_shift(x, 31, out=tmp).bitwise_and_(0x1FFFFFFFF)
-            x.bitwise_xor_(tmp).mul_(self._w(x.shape[1]))
+            x.bitwise_xor_(tmp).mul_(self._w(parts * words).view(parts, 1, words))
             torch.bitwise_right_shift(x, 29, out=tmp).bitwise_and_(0x7FFFFFFFF)
             x.bitwise_xor_(tmp).mul_(_MIX)
             torch.bitwise_right_shift(x, 32, out=tmp).bitwise_and_(0xFFFFFFFF)
-            s = x.bitwise_xor_(tmp).sum(dim=1)
+            s = x.bitwise_xor_(tmp).sum(dim=(0, 2))
             acc = s if acc is None else acc * _FOLD + s
         return acc.tolist()
 
     def _words(self, t: torch.Tensor, dim: int,
                idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The blocks ``idx`` of one layer as rows of 64-bit words (a copy),
-        and a scratch buffer of the same shape."""
+        """The blocks ``idx`` of one layer as 64-bit words, ``[parts, blocks,
+        words]`` (a copy), and a scratch buffer of the same shape."""
         torch = self.torch
         n = len(idx)
-        per_block = t[0].numel() * t.element_size() if dim == 0 else 0
-        if dim == 0 and t.is_contiguous() and per_block % 8 == 0:
-            bufs = self._buffers.get(per_block)
-            if bufs is None or len(bufs[0]) < n:   # grown to the largest call, up to _BATCH
+        parts = 1 if dim == 0 else int(t.shape[0])
+        nbytes = t.numel() // (parts * t.shape[dim]) * t.element_size()   # a part of a block
+        if t.is_contiguous() and nbytes % 8 == 0:
+            words = nbytes // 8
+            need = parts * n * words
+            bufs = self._buffers.get((parts, words))
+            if bufs is None or bufs[0].numel() < need:   # grown to the largest call, up to _BATCH
                 rows = min(_BATCH, 1 << (n - 1).bit_length())
-                bufs = self._buffers[per_block] = tuple(
-                    torch.empty((rows, per_block // 8), dtype=torch.int64, device=self.device)
+                bufs = self._buffers[(parts, words)] = tuple(
+                    torch.empty(parts * rows * words, dtype=torch.int64, device=self.device)
                     for _ in range(2))
-            x, tmp = bufs[0][:n], bufs[1][:n]
-            torch.index_select(t.view(t.shape[0], -1).view(torch.int64), 0, idx, out=x)
-            return x, tmp
+            x = bufs[0][:need].view(parts, n, words)
+            torch.index_select(t.view(parts, t.shape[dim], -1).view(torch.int64), 1, idx, out=x)
+            return x, bufs[1][:need].view(parts, n, words)
         x = t.index_select(dim, idx)   # another layout: the same words, by a slower road
         if dim:
             x = x.movedim(dim, 0)
         x = x.contiguous().view(torch.uint8).reshape(n, -1)
         x = x.view(torch.int64) if x.shape[1] % 8 == 0 else x.to(torch.int64)
-        return x, torch.empty_like(x)
+        return x.unsqueeze(0), torch.empty_like(x).unsqueeze(0)
 
 
 def kv_layers(conn: KVConnectorBase_V1, names: list[str] | None = None) -> list[torch.Tensor]:
