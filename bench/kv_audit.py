@@ -152,7 +152,7 @@ def engine_overhead(rounds: int, requests: int = 8, max_tokens: int = 16, tp: in
         from kvtrace.record.vllm.kv_shard import shard_audit
 
         shard = shard_audit(get_kv_transfer_group())   # the worker's side, in this process
-        shard.digests = _timed_digests(shard.digests, spent)
+        shard.digesters[None] = _timed_digests(shard.digesters[None], spent)   # every layer
     names = ["u", "plain", "audit", "u2"]
     t: dict[str, list[float]] = {n: [] for n in names}
     for i in range(rounds):
@@ -160,7 +160,7 @@ def engine_overhead(rounds: int, requests: int = 8, max_tokens: int = 16, tp: in
         for n in order:
             t[n].append(arm(n))
     sched._kvtrace, rec.audit = rec, audit
-    bytes_per_block = (sum(x.element_size() * x[0].numel() for x, _ in shard.digests.inner.layers)
+    bytes_per_block = (sum(x.element_size() * x[0].numel() for x, _ in shard.digesters[None].inner.layers)
                        if shard is not None else 0)
     shutdown_llm(llm)
 

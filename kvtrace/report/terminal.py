@@ -291,7 +291,9 @@ def audit_line(checked: dict | None) -> str | None:
     return (f"KV audit: checked {number(checked.get('loads', 0))} loaded, "
             f"{number(checked.get('saves', 0))} saved, {number(checked.get('filled', 0))} filled, "
             f"{number(hits)} prefix-hit {plural(hits, 'block')} (D1-D3)"
-            + _groups_audited(checked) + _ranks_audited(checked)
+            + _parts_audited(checked, "group", "kv_cache_groups", lambda n: "in KV-cache groups")
+            + _parts_audited(checked, "rank", "tensor_parallel_size",
+                             lambda n: f"over the shards of tensor-parallel {plural(n, 'rank')}")
             + (f"; {count(more, 'loaded block')} had no save to compare with" if more else "")
             + (f"; {count(blind, 'prefix-hit block')} had nothing seen before to compare with"
                if (blind := checked.get("unchecked hits")) else "")
@@ -299,32 +301,18 @@ def audit_line(checked: dict | None) -> str | None:
                       for k in sorted(checked) if k.startswith("stopped: ")))
 
 
-def _groups_audited(checked: dict) -> str:
-    """Which KV-cache groups' blocks the audit's counts are of."""
-    seen = sorted(int(k.split()[1]) for k in checked if k.startswith("group ")
+def _parts_audited(checked: dict, part: str, total: str, lead) -> str:
+    """Which parts of the KV cache (its groups, or its tensor-parallel
+    ranks' shards) the audit's counts are of (``"<part> N records"``), led
+    by ``lead(how many)``; and any part of the engine (``checked[total]`` of
+    them) that sent no record."""
+    seen = sorted(int(k.split()[1]) for k in checked if k.startswith(f"{part} ")
                   and k.endswith(" records"))
-    out = f", in KV-cache groups {', '.join(map(str, seen))}" if seen else ""
-    n = checked.get("kv_cache_groups") or 0
-    missing = [g for g in range(n) if g not in seen]
+    out = f", {lead(len(seen))} {', '.join(map(str, seen))}" if seen else ""
+    n = checked.get(total) or 0
+    missing = [p for p in range(n) if p not in seen]
     if missing:
-        out += (f"; {plural(len(missing), 'group')} {', '.join(map(str, missing))} of {n} "
-                f"sent no record (not audited)")
-    return out
-
-
-def _ranks_audited(checked: dict) -> str:
-    """Which tensor-parallel ranks' shards the audit's counts are of, and
-    any rank of the engine that sent no record."""
-    seen = sorted(int(k.split()[1]) for k in checked if k.startswith("rank ")
-                  and k.endswith(" records"))
-    tp = checked.get("tensor_parallel_size") or 0
-    if not seen and not tp:
-        return ""
-    out = (f", over the shards of tensor-parallel {plural(len(seen), 'rank')} "
-           + ", ".join(map(str, seen))) if seen else ""
-    missing = [r for r in range(tp) if r not in seen]
-    if missing:
-        out += (f"; {plural(len(missing), 'rank')} {', '.join(map(str, missing))} of {tp} "
+        out += (f"; {plural(len(missing), part)} {', '.join(map(str, missing))} of {n} "
                 f"sent no record (not audited)")
     return out
 

@@ -293,8 +293,7 @@ def _said(p: _Plan, tables: _Tables, meta: KVConnectorMetadata, bs: int,
 class KVAudit:
     """One recorder's audit, the engine core's side (see the module doc)."""
 
-    def __init__(self, rec: Recorder, sched: Scheduler) -> None:
-        self.rec = rec
+    def __init__(self, sched: Scheduler) -> None:
         self.block_size = int(sched.cache_config.block_size)
         self.num_blocks = int(sched.kv_cache_manager.block_pool.num_gpu_blocks)
         self.kvm = sched.kv_cache_manager
@@ -438,7 +437,7 @@ def install(sched: Scheduler, rec: Recorder) -> KVAudit | None:
     if why is not None:
         logger.info("kvtrace: no KV audit (%s)", why)
         return None
-    audit = KVAudit(rec, sched)
+    audit = KVAudit(sched)
     audit.channel = Channel(rec.sink.put)
     if worker_conn is not None:
         kv_shard.watch(worker_conn)

@@ -77,15 +77,6 @@ class ShardAudit:
         self._failed: set[str] = set()     # and failed
         self._invalid: set[int] = set()    # blocks the step's loads failed to write
 
-    @property
-    def digests(self) -> BlockDigests | None:
-        """The digests of every layer's blocks (one KV-cache group)."""
-        return self.digesters.get(None)
-
-    @digests.setter
-    def digests(self, value: BlockDigests) -> None:
-        self.digesters[None] = value
-
     def _digester(self, layers: list[str] | None, num_blocks: int) -> BlockDigests:
         key = tuple(layers) if layers is not None else None
         d = self.digesters.get(key)

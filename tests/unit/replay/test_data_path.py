@@ -216,7 +216,7 @@ def test_the_plan_leaves_out_async_loads_and_names_blocks_with_no_hash_yet():
                 "parked": NS(block_hashes=[b"\x04" * 8, b"\x05" * 8]),
                 "old": NS(block_hashes=[b"\x06" * 8, b"\x07" * 8])}   # block 3's not yet
     sched = NS(cache_config=NS(block_size=4), kv_cache_manager=kvm, requests=requests)
-    audit = KVAudit(NS(sink=None), sched)
+    audit = KVAudit(sched)
     meta = NS()
     out = NS(kv_connector_metadata=meta, num_scheduled_tokens={"new": 4, "old": 1},
              scheduled_spec_decode_tokens={},
@@ -253,7 +253,7 @@ def test_the_plan_forgets_every_block_a_steps_drafts_write_into():
     requests = {"a": NS(block_hashes=[b"\x01" * 8, b"\x02" * 8]),
                 "b": NS(block_hashes=[b"\x03" * 8])}
     sched = NS(cache_config=NS(block_size=4), kv_cache_manager=kvm, requests=requests)
-    kv = KVAudit(NS(sink=None), sched)
+    kv = KVAudit(sched)
     meta = NS()
     # a: 7 computed, 1 token + 3 drafts: its own token ends block 1 (8), the
     # drafts write 8..10, into block 2; b: 2 computed, 1 + 3 drafts (one a
@@ -346,7 +346,7 @@ def test_a_metadata_that_takes_no_plan_turns_the_audit_off_and_nothing_else():
     kvm = NS(get_block_ids=lambda rid: ([],), block_pool=NS(num_gpu_blocks=16))
     sched = NS(cache_config=NS(block_size=4), kv_cache_manager=kvm, requests={})
     for meta in (Slots(), Frozen(), Strict()):
-        audit = KVAudit(NS(sink=None), sched)
+        audit = KVAudit(sched)
         out = NS(kv_connector_metadata=meta, num_scheduled_tokens={},
                  scheduled_spec_decode_tokens={}, scheduled_new_reqs=[],
                  scheduled_cached_reqs=NS(req_ids=[], num_computed_tokens=[],
