@@ -16,6 +16,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
 if TYPE_CHECKING:
     import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
@@ -23,10 +28,15 @@ if TYPE_CHECKING:
 _FOLD = 0x5851F42D4C957F2D   # odd: folds one layer's sum into the next
 _MIX = 0x2545F4914F6CDD1D   # odd, below 2^63: a signed 64-bit integer as it is
 _BATCH = 256   # blocks digested at once: the copies stay small beside the cache
+_U29, _U31, _U32, _UMIX = np.uint64(29), np.uint64(31), np.uint64(32), np.uint64(_MIX)
 
 
 class BlockDigests:
     """Digests of whole blocks of a set of per-layer KV cache tensors."""
+
+    # On the CPU, the words mixed at once: 256 KiB, which stays in a core's
+    # own cache through the mix's passes.
+    _CHUNK_WORDS = 1 << 15
 
     def __init__(self, layers: list[torch.Tensor], num_blocks: int) -> None:
         import torch
@@ -52,6 +62,9 @@ class BlockDigests:
         # the largest call so far (a power of 2, up to _BATCH), kept: the
         # mix runs in place in them, allocating nothing per call.
         self._buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        # On the CPU: a pool of threads, each with its own chunk buffers.
+        self._threads: ThreadPoolExecutor | None = None
+        self._local = threading.local()
 
     def _w(self, n: int) -> torch.Tensor:
         w = self._weights.get(n)
@@ -73,25 +86,85 @@ class BlockDigests:
             return []
         torch = self.torch
         idx = torch.as_tensor(blocks, dtype=torch.int64, device=self.device)
+        if self.device.type == "cpu":
+            # The layers on as many threads as torch uses (NumPy and torch
+            # let go of the GIL while they run), each in chunks in its cache.
+            sums = list(self._pool().map(lambda layer: self._layer_sums_cpu(*layer, idx),
+                                         self.layers))
+        else:
+            sums = [None] * len(self.layers)
         acc = None
-        for t, dim in self.layers:
-            # [parts, blocks, words]: one part where the blocks come first
-            # (the CPU's layout), K and V where they come second.
-            x, tmp = self._words(t, dim, idx)   # a copy: the mix below overwrites it
-            parts, _, words = x.shape
-            # Each step in place, through one scratch buffer (x ^= (x >> k) &
-            # mask would allocate two of x's size): a logical shift of the
-            # 64-bit words brings the high bits down, a multiply by a weight
-            # of the word's position in its block (K's words, then V's) takes
-            # them up again; twice, then once more down.
-            torch.bitwise_right_shift(x, 31, out=tmp).bitwise_and_(0x1FFFFFFFF)
-            x.bitwise_xor_(tmp).mul_(self._w(parts * words).view(parts, 1, words))
-            torch.bitwise_right_shift(x, 29, out=tmp).bitwise_and_(0x7FFFFFFFF)
-            x.bitwise_xor_(tmp).mul_(_MIX)
-            torch.bitwise_right_shift(x, 32, out=tmp).bitwise_and_(0xFFFFFFFF)
-            s = x.bitwise_xor_(tmp).sum(dim=(0, 2))
+        for (t, dim), s in zip(self.layers, sums):
+            if s is None:
+                s = self._layer_sums(t, dim, idx)
             acc = s if acc is None else acc * _FOLD + s
         return acc.tolist()
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._threads is None:
+            self._threads = ThreadPoolExecutor(max(1, min(self.torch.get_num_threads(), 8)),
+                                               thread_name_prefix="kvtrace-digest")
+        return self._threads
+
+    def _layer_sums(self, t: torch.Tensor, dim: int, idx: torch.Tensor) -> torch.Tensor:
+        """Each block's sum of its mixed words in one layer, in torch (any
+        device): the blocks are copied as words, then mixed in place."""
+        torch = self.torch
+        # [parts, blocks, words]: one part where the blocks come first
+        # (the CPU's layout), K and V where they come second.
+        x, tmp = self._words(t, dim, idx)   # a copy: the mix below overwrites it
+        parts, _, words = x.shape
+        # Each step in place, through one scratch buffer (x ^= (x >> k) &
+        # mask would allocate two of x's size): a logical shift of the
+        # 64-bit words brings the high bits down, a multiply by a weight
+        # of the word's position in its block (K's words, then V's) takes
+        # them up again; twice, then once more down.
+        torch.bitwise_right_shift(x, 31, out=tmp).bitwise_and_(0x1FFFFFFFF)
+        x.bitwise_xor_(tmp).mul_(self._w(parts * words).view(parts, 1, words))
+        torch.bitwise_right_shift(x, 29, out=tmp).bitwise_and_(0x7FFFFFFFF)
+        x.bitwise_xor_(tmp).mul_(_MIX)
+        torch.bitwise_right_shift(x, 32, out=tmp).bitwise_and_(0xFFFFFFFF)
+        return x.bitwise_xor_(tmp).sum(dim=(0, 2))
+
+    def _layer_sums_cpu(self, t: torch.Tensor, dim: int,
+                        idx: torch.Tensor) -> torch.Tensor | None:
+        """The same sums on the CPU, a few blocks at a time: each chunk of
+        about ``_CHUNK_WORDS`` words is copied, mixed and summed while it is
+        in the core's cache, as unsigned 64-bit words in NumPy (a logical
+        shift is one pass there; torch has no unsigned shift on the CPU).
+        None for a layout the chunks cannot read (bytes no multiple of 8)."""
+        torch = self.torch
+        parts = 1 if dim == 0 else int(t.shape[0])
+        nbytes = t.numel() // (parts * t.shape[dim]) * t.element_size()   # a part of a block
+        if not t.is_contiguous() or nbytes % 8:
+            return None
+        words = nbytes // 8
+        src = t.view(parts, t.shape[dim], -1).view(torch.int64)
+        n = len(idx)
+        step = max(1, min(n, self._CHUNK_WORDS // (parts * words)))
+        mine = self._local.__dict__.setdefault("buffers", {})   # this thread's
+        bufs = mine.get((parts, words))
+        if bufs is None or bufs[0].numel() < parts * step * words:
+            bufs = mine[(parts, words)] = tuple(
+                torch.empty(parts * step * words, dtype=torch.int64) for _ in range(2))
+        w = self._w(parts * words).numpy().view(np.uint64).reshape(parts, 1, words)
+        sums = np.empty(n, dtype=np.uint64)
+        for at in range(0, n, step):
+            k = min(step, n - at)
+            xt = bufs[0][:parts * k * words].view(parts, k, words)
+            torch.index_select(src, 1, idx[at:at + k], out=xt)
+            x = xt.numpy().view(np.uint64)
+            tmp = bufs[1].numpy().view(np.uint64)[:x.size].reshape(x.shape)
+            np.right_shift(x, _U31, out=tmp)
+            x ^= tmp
+            x *= w
+            np.right_shift(x, _U29, out=tmp)
+            x ^= tmp
+            x *= _UMIX
+            np.right_shift(x, _U32, out=tmp)
+            x ^= tmp
+            sums[at:at + k] = x.sum(axis=(0, 2), dtype=np.uint64)
+        return torch.from_numpy(sums.view(np.int64))
 
     def _words(self, t: torch.Tensor, dim: int,
                idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -420,3 +420,17 @@ def test_the_in_place_digest_is_the_documented_one(shape, dtype):
     for blocks in ([1, 2, 3], list(range(20)), [7], [4, 4]):
         assert d(blocks) == _digest_as_documented(layers, 20, blocks)
     assert len(set(d(list(range(20))))) == 20
+
+
+@pytest.mark.parametrize("chunk_words", [1, 40, 1 << 15], ids=["a-block-a-chunk", "a-few-blocks",
+                                                                 "all-at-once"])
+@pytest.mark.parametrize("shape", [(20, 2, 4, 16), (2, 20, 4, 8)], ids=["cpu-packed", "k-v-first"])
+def test_the_cpu_digest_in_chunks_is_the_documented_one(shape, chunk_words):
+    """On the CPU the blocks are mixed a chunk at a time (so that they stay
+    in the core's cache); a chunk's edges change no digest."""
+    g = torch.Generator().manual_seed(2)
+    layers = [torch.randint(-100, 100, shape, generator=g).to(torch.bfloat16) for _ in range(2)]
+    d = BlockDigests(layers, 20)
+    d._CHUNK_WORDS = chunk_words
+    for blocks in ([1, 2, 3], list(range(20)), [19, 0, 7, 7]):
+        assert d(blocks) == _digest_as_documented(layers, 20, blocks)
