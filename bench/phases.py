@@ -309,6 +309,26 @@ def scaling(requests: int = 12_500) -> dict:
     return run(requests)
 
 
+def vllm_vs_reference(repeat: int = 3) -> dict:
+    """bench/vllm_vs_reference.py's "all" row: the stored traces and three
+    embedded workloads through the reference and through vLLM's own
+    Scheduler, one core; {"vllm": None} without vLLM."""
+    from bench import vllm_vs_reference as vs
+
+    try:
+        rows = vs.measure(repeat, 0, ["kv-pressure", "offload", "load-failures"],
+                          str(vs.ROOT / "traces" / "*.jsonl.gz"))
+    except ImportError:
+        return {"vllm": None}
+    import vllm
+
+    total = {k: sum(r[k] for r in rows) for k in ("steps", "ref_s", "ref_write_s", "vllm_s")}
+    agree = not any(r["diff_divergences"] or r["ref_on_vllm_divergences"] or r["vllm_stopped"]
+                    for r in rows)
+    return {"vllm": vllm.__version__, "traces": len(rows), "agree": agree, "repeat": repeat,
+            **total}
+
+
 def kv_digests(device: str = "cpu", batch: int = 64) -> dict:
     from bench.kv_audit import digest_throughput
 

@@ -116,6 +116,27 @@ def run(traces: list[tuple[str, str]], repeat: int, scratch: Path) -> list[dict]
     return rows
 
 
+def measure(repeat: int, seed: int, embedded: list[str], traces_glob: str) -> list[dict]:
+    """The rows of every trace matching ``traces_glob`` and of the embedded
+    workloads recorded now; ImportError without vLLM."""
+    os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="kvtrace-vllm-cache-"))
+    import vllm  # noqa: F401
+
+    _check_reference_signature()
+    import torch
+
+    torch.set_num_threads(1)
+    from kvtrace.engine import record_embedded
+
+    scratch = Path(tempfile.mkdtemp(prefix="kvtrace-bench-vllm-"))
+    traces = [(Path(p).name, p) for p in sorted(glob.glob(traces_glob))]
+    for wl in embedded:
+        p = scratch / f"embedded-{wl}-{seed}.jsonl.gz"
+        record_embedded(p, workload=wl, seed=seed, counters="prefill_stats")
+        traces.append((f"embedded {wl} seed={seed}", str(p)))
+    return run(traces, repeat, scratch) if traces else []
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.vllm_vs_reference",
                                  description=__doc__.split("\n")[0])
@@ -128,29 +149,15 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="also write the rows as JSON to this file")
     args = ap.parse_args(argv)
 
-    os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="kvtrace-vllm-cache-"))
     try:
-        import vllm  # noqa: F401
+        rows = measure(args.repeat, args.seed, [w for w in args.embedded.split(",") if w],
+                       args.traces)
     except ImportError:
         print("vLLM is not installed (pip install -e .[vllm]); nothing to compare", file=sys.stderr)
         return 2
-    _check_reference_signature()
-    import torch
-
-    torch.set_num_threads(1)
-    from kvtrace.engine import record_embedded
-
-    scratch = Path(tempfile.mkdtemp(prefix="kvtrace-bench-vllm-"))
-    traces = [(Path(p).name, p) for p in sorted(glob.glob(args.traces))]
-    for wl in [w for w in args.embedded.split(",") if w]:
-        p = scratch / f"embedded-{wl}-{args.seed}.jsonl.gz"
-        record_embedded(p, workload=wl, seed=args.seed, counters="prefill_stats")
-        traces.append((f"embedded {wl} seed={args.seed}", str(p)))
-    if not traces:
+    if not rows:
         print("no traces", file=sys.stderr)
         return 2
-
-    rows = run(traces, args.repeat, scratch)
 
     import vllm as _v
     print(f"vLLM {_v.__version__}; best of {args.repeat}; reference without the content check; "
