@@ -267,11 +267,11 @@ def main() -> None:
                          f"the gather alone {d['gather_gbs']:.1f} GB/s", ""))
     for dev, b in bounds:
         ceiling = b["bound_slots_per_s"]
-        rows.append((f"shadow-KV gather-and-compare ({dev}, 1 thread)",
+        rows.append((f"shadow-KV gather-and-compare ({dev}: {b['backend']}, 1 thread)",
                      f"{b['check_slots_per_s'] / 1e6:,.0f} M slots/s compared = "
                      f"{b['check_slots_per_s'] / ceiling:.1%} of the bandwidth bound "
                      f"({b['bandwidth'] / 1e9:.1f} GB/s / 16 B = {ceiling / 1e6:,.0f} M slots/s); "
-                     f"limit: the check's own torch ops alone (two row gathers, a compare, "
+                     f"limit: the check's own array ops alone (two row gathers, a compare, "
                      f"indices built beforehand) on a step's slots run at "
                      f"{b['rows_slots_per_s'] / 1e6:,.0f} M slots/s = "
                      f"{b['rows_slots_per_s'] / ceiling:.1%} of the bound; slot by slot, a bare "

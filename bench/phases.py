@@ -185,12 +185,14 @@ def decode_only(trace: str) -> dict:
 
 def kv_bound(device: str = "cpu") -> dict:
     """The shadow-KV check's gather-and-compare alone (every block of a cache
-    read every step, bench.shadow_kv's full-cache check), the device's memory
-    bandwidth, and the floor of the check's design: the torch ops it cannot
-    do without, on as many slots with every index built beforehand (the
-    state's rows and the expected rows gathered, compared, and the result
+    read every step, bench.shadow_kv's full-cache check) on the backend replay
+    runs it on there (``--device cpu`` is NumPy; CUDA is torch), the device's
+    memory bandwidth, and the floor of the check's design: the array ops it
+    cannot do without, on a step's slots with every index built beforehand
+    (the state's rows and the expected rows gathered, compared, the verdict
     brought to the host), and a bare indexed gather and compare of as many
     slots one by one."""
+    import numpy as np
     import torch
 
     from bench.shadow_kv import BYTES_PER_SLOT, _sync, bandwidth, run_full_check
@@ -211,102 +213,28 @@ def kv_bound(device: str = "cpu") -> dict:
         return best
 
     with torch.inference_mode():
-        t_full, full_slots, _ = run_full_check(blocks, B, device, 200)
+        backend = "numpy" if device == "cpu" else device
+        t_full, full_slots, _ = run_full_check(blocks, B, backend, 200)
         state = torch.randint(1, 1 << 62, (blocks * B,), dtype=torch.int64, device=dev)
         arena = torch.randint(1, 1 << 62, (per_step * B,), dtype=torch.int64, device=dev)
         rows = torch.randint(0, blocks, (per_step,), dtype=torch.int64, device=dev)
         starts = torch.arange(per_step, dtype=torch.int64, device=dev) * B
-        t_rows = best_of(lambda: bool(torch.ne(state.unfold(0, B, B).index_select(0, rows),
-                                               arena.unfold(0, B, 1).index_select(0, starts)).any()))
+        if backend == "numpy":
+            st, ar, ro, sa = state.numpy(), arena.numpy(), rows.numpy(), starts.numpy()
+            ar_rows = np.lib.stride_tricks.sliding_window_view(ar, B)
+            t_rows = best_of(lambda: bool((st.reshape(-1, B).take(ro, axis=0)
+                                           != ar_rows[sa]).any()))
+        else:
+            t_rows = best_of(lambda: bool(torch.ne(state.unfold(0, B, B).index_select(0, rows),
+                                                   arena.unfold(0, B, 1).index_select(0, starts)).any()))
         idx = torch.randint(0, blocks * B, (1 << 22,), dtype=torch.int64, device=dev)
         want = state.index_select(0, idx)
         t_gather = best_of(lambda: bool(torch.ne(state.index_select(0, idx), want).any()))
     bw, _ = bandwidth(dev)
-    return {"check_slots_per_s": full_slots / t_full, "gather_slots_per_s": len(idx) / t_gather,
+    return {"backend": "NumPy" if backend == "numpy" else f"torch on {device}",
+            "check_slots_per_s": full_slots / t_full, "gather_slots_per_s": len(idx) / t_gather,
             "rows_slots_per_s": per_step * B / t_rows,
             "bound_slots_per_s": bw / BYTES_PER_SLOT, "bandwidth": bw}
-
-
-def parse(trace: str) -> dict:
-    from kvtrace.trace import TraceReader
-
-    t = time.perf_counter()
-    n = sum(1 for _ in TraceReader(trace))
-    return {"seconds": time.perf_counter() - t, "events": n, "peak_rss": _peak_rss()}
-
-
-def replay(trace: str, kv: bool, worker: bool | None = None, device: str = "cpu") -> dict:
-    """Replay, with the content check on ``device`` if ``kv``; with ``worker``,
-    part of the work runs in a worker process (the content check, or else the
-    record checks); None: as replay decides."""
-    from kvtrace.workers import policy as workers
-    from kvtrace.replay import replay_file
-
-    used = workers.wanted(trace) if worker is None else int(worker)
-    children = _ChildPeaks()
-    t, cpu, worker_cpu = time.perf_counter(), time.process_time(), _children_cpu()
-    r = replay_file(trace, device=device if kv else None, worker=worker)
-    seconds = time.perf_counter() - t
-    cpu, worker_cpu = time.process_time() - cpu, _children_cpu() - worker_cpu
-    if r.divergences:
-        raise SystemExit(f"{len(r.divergences)} divergences on a clean trace: {r.divergences[0]}")
-    return {"seconds": seconds, "steps": r.steps, "peak_rss": _peak_rss(),
-            "worker_peak_rss": children.stop(), "slots": getattr(r, "slots_checked", 0),
-            "workers": used if kv or used < 2 else 1, "cpu": cpu, "worker_cpu": worker_cpu}
-
-
-def _children_cpu() -> float:
-    """CPU seconds of this process's ended worker processes."""
-    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return ru.ru_utime + ru.ru_stime
-
-
-def diff(trace: str, worker: bool | None = None) -> dict:
-    """Diff of the trace with itself; with ``worker``, each input's records are
-    checked in a worker process of its own; None: as diff decides."""
-    from kvtrace.diff import diff_files
-    from kvtrace.workers import policy as workers
-
-    used = workers.wanted(trace) >= 1 if worker is None else worker
-    children = _ChildPeaks()
-    t = time.perf_counter()
-    r = diff_files(trace, trace, worker=worker)
-    seconds = time.perf_counter() - t
-    if r.divergences:
-        raise SystemExit(f"a trace differs from itself: {r.divergences[0]}")
-    return {"seconds": seconds, "peak_rss": _peak_rss(), "worker_peak_rss": children.stop(),
-            "workers": 2 if used else 0}
-
-
-def cuda() -> dict:
-    """The CUDA device torch sees, if any."""
-    import torch
-
-    return {"name": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
-
-
-def recorder(model: str = "tiny", rounds: int = 101) -> dict:
-    from bench.recorder_overhead import run
-
-    return run(rounds=rounds, model=model)
-
-
-def kv_audit_engine(rounds: int = 21, tp: int = 1) -> dict:
-    from bench.kv_audit import engine_overhead
-
-    return engine_overhead(rounds, tp=tp)
-
-
-def small_replay(runs: int = 10) -> dict:
-    from bench.small_replay import run
-
-    return run(runs)
-
-
-def scaling(requests: int = 12_500) -> dict:
-    from bench.scaling import run
-
-    return run(requests)
 
 
 def vllm_vs_reference(repeat: int = 3) -> dict:

@@ -144,30 +144,39 @@ class NumpyShadowKV(ShadowCore):
             rows = rows - skipped
         first = np.cumsum(rows) - rows
         rreq = np.repeat(np.arange(first.size), rows)
-        bi = np.arange(nrows) - first[rreq]
+        # Each row's read, its columns taken at once (one op, not seven).
+        rfirst, rtoff, rlim, rbase, rslot, rskipped, rlo = \
+            np.stack((first, toff, lims, abase, slot, skipped, los)).take(rreq, axis=1)
+        bi = np.arange(nrows) - rfirst
         if skip:
-            bi += skipped[rreq]
-        blk = tables[toff[rreq] + bi]
+            bi += rskipped
+        blk = tables[rtoff + bi]
         oob = (blk < 0) | (blk >= nb)
         blkc = np.where(oob, nb, blk)
-        col = np.arange(B)
-        rstep = slot[rreq][:, None]
-        held = self._fp.reshape(-1, B)[blkc]      # the state before the batch
+        held = self._fp.reshape(-1, B).take(blkc, axis=0)      # the state before the batch
         hit = None
         if w is not None:
             wval, key = w[1], w[6]
-            hit = self._first.reshape(-1, B)[blkc] <= rstep
+            hit = self._first.reshape(-1, B).take(blkc, axis=0) <= rslot[:, None]
             sel = np.flatnonzero(hit)
             if sel.size:
                 r = sel // B
-                j = np.searchsorted(key, (blkc[r] * B + sel % B) * K + slot[rreq[r]],
+                j = np.searchsorted(key, (blkc[r] * B + sel % B) * K + rslot[r],
                                     side="right") - 1
                 held.reshape(-1)[sel] = wval[j]
-        want = self._rows_from()[abase[rreq] + bi * B]
-        rowlim = np.minimum(lims[rreq] - bi * B, B)
-        rowlo = los[rreq] - bi * B
-        bad = (((held != want) | oob[:, None]) & (col[None, :] < rowlim[:, None])
-               & (col[None, :] >= rowlo[:, None]))
+        want = self._rows_from()[rbase + bi * B]
+        # Whole rows compared; a block out of the table is wrong wherever it
+        # is read; then the few rows read in part (a request's last block, a
+        # window's first) lose the columns they do not read.
+        bad = held != want
+        if oob.any():
+            bad[oob] = True
+        rowlim = np.minimum(rlim - bi * B, B)
+        rowlo = rlo - bi * B
+        part = np.flatnonzero((rowlim < B) | (rowlo > 0))
+        if part.size:
+            col = np.arange(B)
+            bad[part] &= (col[None, :] < rowlim[part, None]) & (col[None, :] >= rowlo[part, None])
         if not bad.any():
             return None
         return bad, rreq, bi, blk, blkc, hit
