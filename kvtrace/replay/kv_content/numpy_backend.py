@@ -144,9 +144,9 @@ class NumpyShadowKV(ShadowCore):
             rows = rows - skipped
         first = np.cumsum(rows) - rows
         rreq = np.repeat(np.arange(first.size), rows)
-        # Each row's read, its columns taken at once (one op, not seven).
+        # Each row's read, its columns repeated at once (one op, not seven).
         rfirst, rtoff, rlim, rbase, rslot, rskipped, rlo = \
-            np.stack((first, toff, lims, abase, slot, skipped, los)).take(rreq, axis=1)
+            np.repeat(np.stack((first, toff, lims, abase, slot, skipped, los)), rows, axis=1)
         bi = np.arange(nrows) - rfirst
         if skip:
             bi += rskipped
@@ -164,7 +164,10 @@ class NumpyShadowKV(ShadowCore):
                 j = np.searchsorted(key, (blkc[r] * B + sel % B) * K + rslot[r],
                                     side="right") - 1
                 held.reshape(-1)[sel] = wval[j]
-        want = self._rows_from()[rbase + bi * B]
+        if (abase % B).any():   # a state read's row starts anywhere in the arena
+            want = self._rows_from()[rbase + bi * B]
+        else:                    # rows of the arena: a faster gather
+            want = self._arena.reshape(-1, B).take(rbase // B + bi, axis=0)
         # Whole rows compared; a block out of the table is wrong wherever it
         # is read; then the few rows read in part (a request's last block, a
         # window's first) lose the columns they do not read.

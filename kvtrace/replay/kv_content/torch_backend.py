@@ -161,9 +161,10 @@ class ShadowKV(ShadowCore):
             rows = rows - skipped
         first = torch.cumsum(rows, 0) - rows
         rreq = torch.repeat_interleave(torch.arange(first.numel(), **i64), rows, output_size=nrows)
-        # Each row's read, its columns gathered at once (one op, not seven).
-        rfirst, rtoff, rlim, rbase, rslot, rskipped, rlo = \
-            torch.stack((first, toff, lims, abase, slot, skipped, los), 1).index_select(0, rreq).unbind(1)
+        # Each row's read, its columns repeated at once (one op, not seven).
+        rfirst, rtoff, rlim, rbase, rslot, rskipped, rlo = torch.repeat_interleave(
+            torch.stack((first, toff, lims, abase, slot, skipped, los)), rows, dim=1,
+            output_size=nrows).unbind(0)
         bi = torch.arange(nrows, **i64) - rfirst
         if skip:
             bi += rskipped
