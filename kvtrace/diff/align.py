@@ -34,6 +34,7 @@ divergence (the earliest in trace A) is kept once both sides have finished it.
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import os
 import re
@@ -54,6 +55,8 @@ CHANNELS = ("arrival", "lookup", "grammar", "schedule", "output", "preempt", "pl
 PROGRESS_EVERY = 4096   # records read (both traces) between progress calls
 # Outputs are matched to their step; forget unmatched steps older than this.
 _OUTPUT_WINDOW = 8
+# How many arrivals of each trace ``choose_match`` looks at.
+MATCH_SAMPLE = 1000
 
 
 def diff_files(path_a: str | os.PathLike, path_b: str | os.PathLike,
@@ -86,10 +89,31 @@ def diff_files(path_a: str | os.PathLike, path_b: str | os.PathLike,
     if match == "handoff":
         fields = diff_handoff(path_a, path_b, progress)
         return DiffResult(path_a=str(path_a), path_b=str(path_b), matched_by="handoff", **fields)
+    with _no_cycle_collection():
+        return _diff(path_a, path_b, match, progress, worker)
+
+
+@contextlib.contextmanager
+def _no_cycle_collection():
+    """The cyclic garbage collector off: the diff makes millions of objects
+    and no reference cycles, and the events read ahead for ``--match auto``
+    would otherwise be walked over and over (a third of the diff's time)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _diff(path_a, path_b, match: str, progress, worker) -> DiffResult:
     with TraceReader(path_a) as ra, TraceReader(path_b) as rb, contextlib.ExitStack() as workers:
-        if match == "auto":
-            match = choose_match(path_a, path_b)
-        d = _Differ(ra, rb, match, _events(ra, workers, worker), _events(rb, workers, worker))
+        sa = _Side("a", ra, _events(ra, workers, worker))
+        sb = _Side("b", rb, _events(rb, workers, worker))
+        if match == "auto":   # from the first arrivals, read once: the diff starts with them
+            match = choose_match(sa.sample(), sb.sample())
+        d = _Differ(sa, sb, match)
         d.run(progress)
         return DiffResult(
             path_a=str(path_a), path_b=str(path_b),
@@ -171,6 +195,8 @@ _RANK = {"schedule": -1, "arrival": 0, "output": 0, "prompt_stats": 1, "finish":
 # in flight: that schedule's output, and what rides with it, comes after the
 # preemption (S:1596-1606), and before the lookup that may admit it again.
 _STALE_RANK = {"output": 2.3, "prompt_stats": 2.6, "finish": 2.6}
+_OUTPUT_RANK, _STALE_OUTPUT = _RANK["output"], _STALE_RANK["output"]
+_SCHEDULE_RANK = _RANK["schedule"]   # never stale
 
 
 @dataclass(slots=True)
@@ -233,6 +259,8 @@ class _Side:
         self.name = name
         self.reader = reader
         self.events = events   # the reader's events (see _events)
+        self.ahead: deque = deque()   # (event, line) read ahead by ``sample``
+        self.line = 0   # the line of the event last taken
         self.exhausted = False
         self.steps = 0
         self.read = 0
@@ -249,12 +277,42 @@ class _Side:
         # "pause_state"): (step, seq, line, values).
         self.calls: dict[str, deque] = {kind: deque() for kind in _CALLS}
 
+    def sample(self, n: int = MATCH_SAMPLE, records: int = 10 * MATCH_SAMPLE) -> list[str]:
+        """The ids of the first ``n`` arrivals, within the first ``records``
+        records (``choose_match``); the events read are kept for ``next``,
+        so that the diff reads each record once."""
+        ids: list[str] = []
+        for k, ev in enumerate(self.events):
+            self.ahead.append((ev, self.reader.last_line))
+            if isinstance(ev, Arrival):
+                ids.append(ev.req)
+                if len(ids) >= n:
+                    break
+            if k >= records:
+                break
+        return ids
+
+    def next(self):
+        """The next event (its line in ``line``), or None at the end."""
+        if self.ahead:
+            ev, self.line = self.ahead.popleft()
+            return ev
+        ev = next(self.events, None)
+        self.line = self.reader.last_line
+        return ev
+
+    @property
+    def truncation(self) -> str | None:
+        """Why the trace stops short, once its events are all taken: the
+        reader's truncation may be known while ``ahead`` holds events."""
+        return self.reader.truncation if self.exhausted else None
+
 
 class _Differ:
-    def __init__(self, ra: TraceReader, rb: TraceReader, match: str,
-                 events_a: Iterator, events_b: Iterator):
+    def __init__(self, sa: _Side, sb: _Side, match: str):
         self.match = match
-        self.sides = {"a": _Side("a", ra, events_a), "b": _Side("b", rb, events_b)}
+        ra, rb = sa.reader, sb.reader
+        self.sides = {"a": sa, "b": sb}
         self.pairs: dict[str, _Pair] = {}
         self.found: list[tuple[float, Divergence]] = []
         self.only: dict[str, list[str]] = {"a": [], "b": []}
@@ -287,18 +345,18 @@ class _Differ:
                 self._advance(a if a.read <= b.read else b)
         for req in list(self.pairs):
             self._finalize(self.pairs.pop(req))
-        if a.reader.truncation is None and b.reader.truncation is None:
+        if a.truncation is None and b.truncation is None:
             for kind in _CALLS:
                 self._compare_calls(kind, final=True)
 
     def _advance(self, side: _Side) -> None:
-        ev = next(side.events, None)
+        ev = side.next()
         if ev is None:
             side.exhausted = True
             self._promote_finished(side)
             return
         side.read += 1
-        line = side.reader.last_line
+        line = side.line
         if isinstance(ev, Step):
             self._promote_finished(side)
             self._on_step(side, ev, line)
@@ -356,9 +414,14 @@ class _Differ:
 
     def _on_step(self, side: _Side, ev: Step, line: int) -> None:
         side.steps += 1
-        side.cur_step = ev.step
-        for k in [s for s in side.sched_at if s < ev.step - _OUTPUT_WINDOW]:
-            del side.sched_at[k]
+        side.cur_step = step = ev.step
+        seq = ev.seq
+        sched_at = side.sched_at   # by step, in the order of steps
+        while sched_at:
+            oldest = next(iter(sched_at))
+            if oldest >= step - _OUTPUT_WINDOW:
+                break
+            del sched_at[oldest]
         for lk in ev.lookups:
             # A request that waits (for space, or for its async load) is looked up
             # every step; only a change in the answer is a new item, so that a
@@ -370,7 +433,7 @@ class _Differ:
                 self._push(pair, h, "lookup", _Item(ev.step, ev.seq, line, _LOOKUP, v))
         for req, outcome in (ev.grammar or {}).items():
             self._add(side, req, "grammar", _item(ev.step, ev.seq, line, {"grammar": outcome}))
-        states = {st.req: st for st in ev.states}
+        states = {st.req: st for st in ev.states} if ev.states else {}
         for req in ev.preempted:
             h = self._hist(side, req)
             if h is not None:
@@ -386,51 +449,99 @@ class _Differ:
         if self.compare_plans and ev.loads is not None:
             for ld in ev.loads:
                 plans.setdefault(ld.req, []).append([ld.start, ld.end])
-        scheduled_now = {s.req for s in (*ev.new, *ev.resumed, *ev.running)}
+        scheduled_now = {s.req for s in (*ev.new, *ev.resumed, *ev.running)} if plans else ()
         for req, spans in plans.items():
             h = self._hist(side, req)
             if h is not None and req not in scheduled_now:
                 self._add(side, req, "plan", _item(ev.step, ev.seq, line, {
                     "kv_load": spans, "after_schedules": h.n_sched}))
+        # The schedules, each pushed as _push does (inline: with outputs, the
+        # diff's most frequent items).
         at: dict[str, int] = {}
-        joined = joined_groups
-        entries = [("new", s, joined(s.block_ids, s.more_groups)) for s in ev.new]
-        entries += [("resumed", s, joined(s.block_ids, s.more_groups)) for s in ev.resumed]
-        entries += [("running", s, joined(s.new_block_ids, s.more_groups)) for s in ev.running]
-        for how, s, blocks in entries:
-            pair, h = self._pair_hist(side, s.req)
-            if h is None:
+        pairs, keys, is_a = self.pairs, side.keys, side.name == "a"
+        compare_plans, spec = self.compare_plans, ev.spec
+        for how, items in (("new", ev.new), ("resumed", ev.resumed), ("running", ev.running)):
+            if not items:
                 continue
-            v = (how, s.num_computed_tokens, s.num_scheduled_tokens, blocks)
-            plan = self.compare_plans and how != "running"
-            if plan:
-                v += (plans.get(s.req),)
-            st = states.get(s.req)
-            if st is not None:
-                v += _state(st)
-            at[s.req] = h.n_sched
-            h.n_sched += 1
-            h.last_lookup = None
-            names = _SCHEDULE[how != "running", plan, st is not None]
-            if ev.spec and s.req in ev.spec:   # the drafts scheduled (speculative decoding)
-                names += ("spec",)
-                v += (ev.spec[s.req],)
-            self._push(pair, h, "schedule", _Item(ev.step, ev.seq, line, names, v))
-        side.sched_at[ev.step] = at
+            running = how == "running"
+            plan = compare_plans and not running
+            for s in items:
+                req = s.req
+                pair = pairs.get(keys.get(req))
+                if pair is None:
+                    continue
+                h = pair.a if is_a else pair.b
+                if h is None:
+                    continue
+                more = s.more_groups
+                blocks = s.new_block_ids if running else s.block_ids
+                if more and any(more):   # joined_groups
+                    blocks = [blocks, *more]
+                v = (how, s.num_computed_tokens, s.num_scheduled_tokens, blocks)
+                if plan:
+                    v += (plans.get(req),)
+                st = states.get(req)
+                if st is not None:   # _state, inline
+                    more = st.more_groups
+                    v += (st.status, st.num_computed_tokens, st.num_tokens, st.num_preemptions,
+                          [st.block_ids, *more] if more and any(more) else st.block_ids)
+                at[req] = h.n_sched
+                h.n_sched = n = h.n_sched + 1
+                h.last_lookup = None
+                names = _SCHEDULE[not running, plan, st is not None]
+                if spec and req in spec:   # the drafts scheduled (speculative decoding)
+                    names += ("spec",)
+                    v += (spec[req],)
+                if h.done:
+                    continue
+                q = h.channels["schedule"]
+                other = pair.b if is_a else pair.a
+                oq = None if other is None else other.channels["schedule"]
+                if oq and not q and oq[0].values == v and oq[0].names == names:
+                    oq.popleft()   # _compare's first case, without making the item
+                    pair.compared["schedule"] += 1
+                    continue
+                q.append(_Item(step, seq, line, names, v, (n, _SCHEDULE_RANK)))
+                if oq:
+                    self._compare(pair, "schedule")
+        sched_at[step] = at
 
     def _on_output(self, side: _Side, ev: Output, line: int) -> None:
-        states = {st.req: st for st in ev.states}
+        states = {st.req: st for st in ev.states} if ev.states else {}
         rejected = ev.grammar_rejected or ()
-        for req in side.sched_at.pop(ev.step, {}):
-            pair, h = self._pair_hist(side, req)
+        step, seq, sampled = ev.step, ev.seq, ev.sampled
+        pairs, keys, is_a = self.pairs, side.keys, side.name == "a"
+        for req in side.sched_at.pop(step, ()):
+            pair = pairs.get(keys.get(req))
+            if pair is None:
+                continue
+            h = pair.a if is_a else pair.b
             if h is None:
                 continue
             st = states.get(req)
-            names = _OUTPUT[st is not None]
-            v = (ev.sampled.get(req, []),) + (() if st is None else _state(st))
+            if st is None:
+                names, v = _OUTPUT[False], (sampled.get(req, []),)
+            else:   # _state, inline
+                more = st.more_groups
+                names, v = _OUTPUT[True], (
+                    sampled.get(req, []), st.status, st.num_computed_tokens, st.num_tokens,
+                    st.num_preemptions, [st.block_ids, *more] if more and any(more) else st.block_ids)
             if req in rejected:   # a structured output's grammar refused the tokens
                 names, v = names + ("grammar_rejected",), v + (True,)
-            self._push(pair, h, "output", _Item(ev.step, ev.seq, line, names, v))
+            if h.done:   # pushed as _push does (inline)
+                continue
+            q = h.channels["output"]
+            other = pair.b if is_a else pair.a
+            oq = None if other is None else other.channels["output"]
+            if oq and not q and oq[0].values == v and oq[0].names == names:
+                oq.popleft()   # _compare's first case, without making the item
+                pair.compared["output"] += 1
+                continue
+            n = h.n_sched
+            rank = _STALE_OUTPUT if h.preempted_after == n else _OUTPUT_RANK
+            q.append(_Item(step, seq, line, names, v, (n, rank)))
+            if oq:
+                self._compare(pair, "output")
         if ev.connector is not None:
             for what in ("finished_recving", "failed_recving"):
                 for req in getattr(ev.connector, what):
@@ -505,7 +616,8 @@ class _Differ:
             rank = _STALE_RANK[channel]   # the output of a schedule made before the preemption
         item.pos = (h.n_sched, rank)
         h.channels[channel].append(item)
-        if pair.a is not None and pair.b is not None:
+        other = pair.b if h is pair.a else pair.a
+        if other is not None and other.channels[channel]:
             self._compare(pair, channel)
 
     def _compare(self, pair: _Pair, channel: str) -> None:
@@ -514,7 +626,7 @@ class _Differ:
             ia, ib = qa.popleft(), qb.popleft()
             k = pair.compared[channel]
             pair.compared[channel] = k + 1
-            if channel in pair.broken or (ia.values == ib.values and ia.names == ib.names):
+            if (ia.values == ib.values and ia.names == ib.names) or channel in pair.broken:
                 continue
             da, db = ia.value, ib.value
             if da == db:
@@ -561,7 +673,7 @@ class _Differ:
         later may lie past the cut (a step's output and prompt stats come after
         it), and is not a divergence."""
         side = self.sides[name]
-        if side.reader.truncation is None:
+        if side.truncation is None:
             return None
         return -1 if side.cur_step is None else side.cur_step
 
@@ -642,29 +754,11 @@ def _match_key(mode: str, req: str, ordinal: int) -> str:
     return req
 
 
-# How many arrivals of each trace ``choose_match`` looks at.
-MATCH_SAMPLE = 1000
-
-
-def _first_arrivals(path, n: int = MATCH_SAMPLE, records: int = 10 * MATCH_SAMPLE) -> list[str]:
-    """The ids of the first ``n`` arrivals, within the first ``records`` records."""
-    ids: list[str] = []
-    with TraceReader(path) as r:
-        for k, ev in enumerate(r):
-            if isinstance(ev, Arrival):
-                ids.append(ev.req)
-                if len(ids) >= n:
-                    break
-            if k >= records:
-                break
-    return ids
-
-
-def choose_match(path_a, path_b) -> str:
-    """How to pair requests, from the first ``MATCH_SAMPLE`` arrivals of each
-    trace: by id when most of them share ids, by the id without vLLM's random
-    suffix when most share that, else by order of arrival."""
-    fa, fb = _first_arrivals(path_a), _first_arrivals(path_b)
+def choose_match(fa: list[str], fb: list[str]) -> str:
+    """How to pair requests, from the ids of the first ``MATCH_SAMPLE``
+    arrivals of each trace (``_Side.sample``): by id when most of them share
+    ids, by the id without vLLM's random suffix when most share that, else by
+    order of arrival."""
     if not fa or not fb:
         return "id"
     fa, fb = set(fa), set(fb)
