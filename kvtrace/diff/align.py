@@ -96,8 +96,9 @@ def diff_files(path_a: str | os.PathLike, path_b: str | os.PathLike,
 @contextlib.contextmanager
 def _no_cycle_collection():
     """The cyclic garbage collector off: the diff makes millions of objects
-    and no reference cycles, and the events read ahead for ``--match auto``
-    would otherwise be walked over and over (a third of the diff's time)."""
+    and no reference cycles, and the collector would walk over the live ones
+    (the requests in flight, and the lag between the two traces) again and
+    again."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -109,11 +110,9 @@ def _no_cycle_collection():
 
 def _diff(path_a, path_b, match: str, progress, worker) -> DiffResult:
     with TraceReader(path_a) as ra, TraceReader(path_b) as rb, contextlib.ExitStack() as workers:
-        sa = _Side("a", ra, _events(ra, workers, worker))
-        sb = _Side("b", rb, _events(rb, workers, worker))
-        if match == "auto":   # from the first arrivals, read once: the diff starts with them
-            match = choose_match(sa.sample(), sb.sample())
-        d = _Differ(sa, sb, match)
+        if match == "auto":
+            match = choose_match(path_a, path_b)
+        d = _Differ(ra, rb, match, _events(ra, workers, worker), _events(rb, workers, worker))
         d.run(progress)
         return DiffResult(
             path_a=str(path_a), path_b=str(path_b),
@@ -259,8 +258,6 @@ class _Side:
         self.name = name
         self.reader = reader
         self.events = events   # the reader's events (see _events)
-        self.ahead: deque = deque()   # (event, line) read ahead by ``sample``
-        self.line = 0   # the line of the event last taken
         self.exhausted = False
         self.steps = 0
         self.read = 0
@@ -277,42 +274,12 @@ class _Side:
         # "pause_state"): (step, seq, line, values).
         self.calls: dict[str, deque] = {kind: deque() for kind in _CALLS}
 
-    def sample(self, n: int = MATCH_SAMPLE, records: int = 10 * MATCH_SAMPLE) -> list[str]:
-        """The ids of the first ``n`` arrivals, within the first ``records``
-        records (``choose_match``); the events read are kept for ``next``,
-        so that the diff reads each record once."""
-        ids: list[str] = []
-        for k, ev in enumerate(self.events):
-            self.ahead.append((ev, self.reader.last_line))
-            if isinstance(ev, Arrival):
-                ids.append(ev.req)
-                if len(ids) >= n:
-                    break
-            if k >= records:
-                break
-        return ids
-
-    def next(self):
-        """The next event (its line in ``line``), or None at the end."""
-        if self.ahead:
-            ev, self.line = self.ahead.popleft()
-            return ev
-        ev = next(self.events, None)
-        self.line = self.reader.last_line
-        return ev
-
-    @property
-    def truncation(self) -> str | None:
-        """Why the trace stops short, once its events are all taken: the
-        reader's truncation may be known while ``ahead`` holds events."""
-        return self.reader.truncation if self.exhausted else None
-
 
 class _Differ:
-    def __init__(self, sa: _Side, sb: _Side, match: str):
+    def __init__(self, ra: TraceReader, rb: TraceReader, match: str,
+                 events_a: Iterator, events_b: Iterator):
         self.match = match
-        ra, rb = sa.reader, sb.reader
-        self.sides = {"a": sa, "b": sb}
+        self.sides = {"a": _Side("a", ra, events_a), "b": _Side("b", rb, events_b)}
         self.pairs: dict[str, _Pair] = {}
         self.found: list[tuple[float, Divergence]] = []
         self.only: dict[str, list[str]] = {"a": [], "b": []}
@@ -345,18 +312,18 @@ class _Differ:
                 self._advance(a if a.read <= b.read else b)
         for req in list(self.pairs):
             self._finalize(self.pairs.pop(req))
-        if a.truncation is None and b.truncation is None:
+        if a.reader.truncation is None and b.reader.truncation is None:
             for kind in _CALLS:
                 self._compare_calls(kind, final=True)
 
     def _advance(self, side: _Side) -> None:
-        ev = side.next()
+        ev = next(side.events, None)
         if ev is None:
             side.exhausted = True
             self._promote_finished(side)
             return
         side.read += 1
-        line = side.line
+        line = side.reader.last_line
         if isinstance(ev, Step):
             self._promote_finished(side)
             self._on_step(side, ev, line)
@@ -465,6 +432,7 @@ class _Differ:
                 continue
             running = how == "running"
             plan = compare_plans and not running
+            with_state, without = (_SCHEDULE[not running, plan, st] for st in (True, False))
             for s in items:
                 req = s.req
                 pair = pairs.get(keys.get(req))
@@ -477,18 +445,22 @@ class _Differ:
                 blocks = s.new_block_ids if running else s.block_ids
                 if more and any(more):   # joined_groups
                     blocks = [blocks, *more]
-                v = (how, s.num_computed_tokens, s.num_scheduled_tokens, blocks)
-                if plan:
-                    v += (plans.get(req),)
                 st = states.get(req)
-                if st is not None:   # _state, inline
+                if plan:
+                    v = (how, s.num_computed_tokens, s.num_scheduled_tokens, blocks, plans.get(req))
+                    if st is not None:
+                        v += _state(st)
+                elif st is not None:   # _state, inline
                     more = st.more_groups
-                    v += (st.status, st.num_computed_tokens, st.num_tokens, st.num_preemptions,
-                          [st.block_ids, *more] if more and any(more) else st.block_ids)
+                    v = (how, s.num_computed_tokens, s.num_scheduled_tokens, blocks, st.status,
+                         st.num_computed_tokens, st.num_tokens, st.num_preemptions,
+                         [st.block_ids, *more] if more and any(more) else st.block_ids)
+                else:
+                    v = (how, s.num_computed_tokens, s.num_scheduled_tokens, blocks)
+                names = without if st is None else with_state
                 at[req] = h.n_sched
                 h.n_sched = n = h.n_sched + 1
                 h.last_lookup = None
-                names = _SCHEDULE[not running, plan, st is not None]
                 if spec and req in spec:   # the drafts scheduled (speculative decoding)
                     names += ("spec",)
                     v += (spec[req],)
@@ -673,7 +645,7 @@ class _Differ:
         later may lie past the cut (a step's output and prompt stats come after
         it), and is not a divergence."""
         side = self.sides[name]
-        if side.truncation is None:
+        if side.reader.truncation is None:
             return None
         return -1 if side.cur_step is None else side.cur_step
 
@@ -754,11 +726,25 @@ def _match_key(mode: str, req: str, ordinal: int) -> str:
     return req
 
 
-def choose_match(fa: list[str], fb: list[str]) -> str:
-    """How to pair requests, from the ids of the first ``MATCH_SAMPLE``
-    arrivals of each trace (``_Side.sample``): by id when most of them share
-    ids, by the id without vLLM's random suffix when most share that, else by
-    order of arrival."""
+def _first_arrivals(path, n: int = MATCH_SAMPLE, records: int = 10 * MATCH_SAMPLE) -> list[str]:
+    """The ids of the first ``n`` arrivals, within the first ``records`` records."""
+    ids: list[str] = []
+    with TraceReader(path) as r:
+        for k, ev in enumerate(r):
+            if isinstance(ev, Arrival):
+                ids.append(ev.req)
+                if len(ids) >= n:
+                    break
+            if k >= records:
+                break
+    return ids
+
+
+def choose_match(path_a, path_b) -> str:
+    """How to pair requests, from the first ``MATCH_SAMPLE`` arrivals of each
+    trace: by id when most of them share ids, by the id without vLLM's random
+    suffix when most share that, else by order of arrival."""
+    fa, fb = _first_arrivals(path_a), _first_arrivals(path_b)
     if not fa or not fb:
         return "id"
     fa, fb = set(fa), set(fb)
