@@ -111,3 +111,84 @@ def test_a_recording_and_its_replay(path, tmp_path):
     replay_file(path, out=out, device=None, worker=0)
     _same(path, out)
     _same(out, path)
+
+
+def _broken(path, tmp_path, name: str, edit) -> object:
+    """``path`` as plain text with ``edit`` applied to its records (dicts)."""
+    import orjson
+
+    objs = [orjson.loads(x) for x in gzip.decompress(path.read_bytes()).splitlines() if x.strip()]
+    edit(objs)
+    out = tmp_path / name
+    out.write_bytes(b"".join(orjson.dumps(o) + b"\n" for o in objs))
+    return out
+
+
+def _late_step_repeated(objs):
+    """A step record near the end numbered as the one before it."""
+    steps = [i for i, o in enumerate(objs) if o.get("kind") == "step"]
+    objs[steps[-2]]["step"] = objs[steps[-3]]["step"]
+
+
+def _early_block_out_of_range(objs):
+    step = next(o for o in objs if o.get("kind") == "step" and (o.get("new") or o.get("running")))
+    part = (step.get("new") or step.get("running"))[0]
+    part["block_ids" if "block_ids" in part else "new_block_ids"] = [10 ** 9]
+
+
+def _unknown_request_scheduled(objs):
+    step = [o for o in objs if o.get("kind") == "step" and o.get("running")][-3]
+    step["running"][0]["req"] = "never-arrived"
+
+
+@pytest.mark.parametrize("name", ["preemption.jsonl.gz", "async-preemption.jsonl.gz",
+                                  "faults/stale-computed-on-preempt.jsonl.gz"])
+def test_broken_inputs(name, tmp_path):
+    """A broken input stops the diff with the same error as before, whichever
+    input is broken, and which one is named when both are."""
+    path = TRACES / name
+    broken = [_broken(path, tmp_path, f"{edit.__name__}.jsonl", edit)
+              for edit in (_late_step_repeated, _early_block_out_of_range, _unknown_request_scheduled)]
+    for bad in broken:
+        for a, b in ((bad, path), (path, bad)):
+            _same(a, b)
+            assert isinstance(_result(diff_files, a, b), str)
+    for x in broken:
+        for y in broken:
+            _same(x, y)
+
+
+@pytest.mark.parametrize("a,b", [(TRACES / "preemption.jsonl.gz", TRACES / "vllm-0.18" / "preemption.jsonl.gz"),
+                                 (TRACES / "connector.jsonl.gz", TRACES / "vllm-0.18" / "connector.jsonl.gz"),
+                                 (TRACES / "speculative.jsonl.gz", TRACES / "vllm-0.33" / "speculative.jsonl.gz")],
+                         ids=["preemption", "connector", "speculative"])
+def test_with_a_worker_per_input(a, b):
+    """Each input's records checked in a worker process of its own."""
+    _same(a, b, worker=True)
+    _same(b, a, worker=True)
+
+
+def test_the_garbage_collector_is_left_as_it_was(tmp_path, monkeypatch):
+    """diff turns the cyclic garbage collector off while it runs, and leaves it
+    on or off as it found it, also when it raises."""
+    import gc
+
+    import kvtrace.diff.align
+
+    monkeypatch.setattr(kvtrace.diff.align, "PROGRESS_EVERY", 16)
+
+    path = TRACES / "preemption.jsonl.gz"
+    bad = _broken(path, tmp_path, "bad.jsonl", _late_step_repeated)
+    assert gc.isenabled()
+    seen = []
+    diff_files(path, path, progress=lambda n: seen.append(gc.isenabled()))
+    assert gc.isenabled() and seen and not any(seen)
+    with pytest.raises(TraceError, match="step numbers must increase"):
+        diff_files(path, bad)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        diff_files(path, path)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
