@@ -57,6 +57,7 @@ def main() -> None:
     dif1 = _child("diff", trace=trace, worker=False)
     parses.append(_child("parse", trace=trace))
     parse_s = sorted(p["seconds"] for p in parses)[1]   # the median of three
+    parse_runs = ", ".join(f"{p['seconds']:.2f}" for p in parses)
 
     def mbs(seconds: float) -> float:
         return plain / seconds / 1e6
@@ -72,8 +73,7 @@ def main() -> None:
          f"{dec['seconds']:.2f} s, {mbs(dec['seconds']):,.1f} MB/s = {of_json(dec['seconds'])}", ""),
         ("checked parse (what diff reads of each input)",
          f"{parse_s:.2f} s, {mbs(parse_s):,.1f} MB/s = {of_json(parse_s)} (median of "
-         f"{len(parses)} runs beside the diffs: "
-         f"{', '.join(f'{p['seconds']:.2f}' for p in parses)} s)", ""),
+         f"{len(parses)} runs beside the diffs: {parse_runs} s)", ""),
     ]
     for title, d in ((f"diff (trace with itself), default: {dif['workers']} worker(s)", dif),
                      ("diff (trace with itself), all in one process", dif1)):

@@ -109,22 +109,33 @@ def _no_cycle_collection():
 
 
 def _diff(path_a, path_b, match: str, progress, worker) -> DiffResult:
-    with TraceReader(path_a) as ra, TraceReader(path_b) as rb, contextlib.ExitStack() as workers:
-        if match == "auto":
-            match = choose_match(path_a, path_b)
-        d = _Differ(ra, rb, match, _events(ra, workers, worker), _events(rb, workers, worker))
-        d.run(progress)
-        return DiffResult(
-            path_a=str(path_a), path_b=str(path_b),
-            header_a=ra.header, header_b=rb.header,
-            divergences=d.header_divs + [dv for _, dv in sorted(d.found, key=lambda kd: kd[0])],
-            only_a=d.only["a"], only_b=d.only["b"],
-            requests_compared=d.compared,
-            divergent_requests=len(d.found) - len(d.only["a"]) - len(d.only["b"]),
-            steps_a=d.sides["a"].steps, steps_b=d.sides["b"].steps,
-            truncation_a=ra.truncation, truncation_b=rb.truncation,
-            matched_by=match, end_a=ra.end, end_b=rb.end, cut_short=d.cut_short,
-        )
+    sampled = False
+    try:
+        with TraceReader(path_a) as ra, TraceReader(path_b) as rb, contextlib.ExitStack() as workers:
+            if match == "auto":
+                sampled = True
+                match = choose_match(path_a, path_b, checked=False)
+            d = _Differ(ra, rb, match, _events(ra, workers, worker), _events(rb, workers, worker))
+            d.run(progress)
+    except Exception:
+        if sampled:
+            # The first arrivals were read without the checks across records
+            # (the diff reads every record checked). Where a file is broken,
+            # the error is the one of reading them checked: the first input's,
+            # then the second's, then the diff's.
+            choose_match(path_a, path_b)
+        raise
+    return DiffResult(
+        path_a=str(path_a), path_b=str(path_b),
+        header_a=ra.header, header_b=rb.header,
+        divergences=d.header_divs + [dv for _, dv in sorted(d.found, key=lambda kd: kd[0])],
+        only_a=d.only["a"], only_b=d.only["b"],
+        requests_compared=d.compared,
+        divergent_requests=len(d.found) - len(d.only["a"]) - len(d.only["b"]),
+        steps_a=d.sides["a"].steps, steps_b=d.sides["b"].steps,
+        truncation_a=ra.truncation, truncation_b=rb.truncation,
+        matched_by=match, end_a=ra.end, end_b=rb.end, cut_short=d.cut_short,
+    )
 
 
 def _refuse_pipe(path) -> None:
@@ -726,10 +737,12 @@ def _match_key(mode: str, req: str, ordinal: int) -> str:
     return req
 
 
-def _first_arrivals(path, n: int = MATCH_SAMPLE, records: int = 10 * MATCH_SAMPLE) -> list[str]:
-    """The ids of the first ``n`` arrivals, within the first ``records`` records."""
+def _first_arrivals(path, n: int = MATCH_SAMPLE, records: int = 10 * MATCH_SAMPLE,
+                    checked: bool = True) -> list[str]:
+    """The ids of the first ``n`` arrivals, within the first ``records`` records;
+    ``checked``: each record checked against those before it too (validate.py)."""
     ids: list[str] = []
-    with TraceReader(path) as r:
+    with TraceReader(path, validate=checked) as r:
         for k, ev in enumerate(r):
             if isinstance(ev, Arrival):
                 ids.append(ev.req)
@@ -740,11 +753,13 @@ def _first_arrivals(path, n: int = MATCH_SAMPLE, records: int = 10 * MATCH_SAMPL
     return ids
 
 
-def choose_match(path_a, path_b) -> str:
+def choose_match(path_a, path_b, checked: bool = True) -> str:
     """How to pair requests, from the first ``MATCH_SAMPLE`` arrivals of each
     trace: by id when most of them share ids, by the id without vLLM's random
-    suffix when most share that, else by order of arrival."""
-    fa, fb = _first_arrivals(path_a), _first_arrivals(path_b)
+    suffix when most share that, else by order of arrival. ``checked=False``
+    leaves out the checks across records, and a caller that goes on to read
+    every record checked calls it again with them where that fails."""
+    fa, fb = (_first_arrivals(p, checked=checked) for p in (path_a, path_b))
     if not fa or not fb:
         return "id"
     fa, fb = set(fa), set(fb)
