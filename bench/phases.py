@@ -153,13 +153,14 @@ def json_only(trace: str) -> dict:
 
     from kvtrace.trace.io import open_binary_read
 
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     n = 0
     with open_binary_read(Path(trace)) as f:
         for line in _lines(f):
             orjson.loads(line)
             n += 1
-    return {"seconds": time.perf_counter() - t, "lines": n, "peak_rss": _peak_rss()}
+    return {"seconds": time.perf_counter() - t, "lines": n, "peak_rss": _peak_rss(),
+            "cpu": time.process_time() - cpu}
 
 
 def decode_only(trace: str) -> dict:
@@ -214,9 +215,10 @@ def kv_bound(device: str = "cpu") -> dict:
 def parse(trace: str) -> dict:
     from kvtrace.trace import TraceReader
 
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     n = sum(1 for _ in TraceReader(trace))
-    return {"seconds": time.perf_counter() - t, "events": n, "peak_rss": _peak_rss()}
+    return {"seconds": time.perf_counter() - t, "events": n, "peak_rss": _peak_rss(),
+            "cpu": time.process_time() - cpu}
 
 
 def replay(trace: str, kv: bool, worker: bool | None = None, device: str = "cpu") -> dict:
@@ -253,13 +255,14 @@ def diff(trace: str, worker: bool | None = None) -> dict:
 
     used = workers.wanted(trace) >= 1 if worker is None else worker
     children = _ChildPeaks()
-    t = time.perf_counter()
+    t, cpu, worker_cpu = time.perf_counter(), time.process_time(), _children_cpu()
     r = diff_files(trace, trace, worker=worker)
     seconds = time.perf_counter() - t
+    cpu, worker_cpu = time.process_time() - cpu, _children_cpu() - worker_cpu
     if r.divergences:
         raise SystemExit(f"a trace differs from itself: {r.divergences[0]}")
     return {"seconds": seconds, "peak_rss": _peak_rss(), "worker_peak_rss": children.stop(),
-            "workers": 2 if used else 0}
+            "workers": 2 if used else 0, "cpu": cpu, "worker_cpu": worker_cpu}
 
 
 def cuda() -> dict:
