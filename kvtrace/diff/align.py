@@ -34,7 +34,6 @@ divergence (the earliest in trace A) is kept once both sides have finished it.
 from __future__ import annotations
 
 import contextlib
-import gc
 import math
 import os
 import re
@@ -89,23 +88,7 @@ def diff_files(path_a: str | os.PathLike, path_b: str | os.PathLike,
     if match == "handoff":
         fields = diff_handoff(path_a, path_b, progress)
         return DiffResult(path_a=str(path_a), path_b=str(path_b), matched_by="handoff", **fields)
-    with _no_cycle_collection():
-        return _diff(path_a, path_b, match, progress, worker)
-
-
-@contextlib.contextmanager
-def _no_cycle_collection():
-    """The cyclic garbage collector off: the diff makes millions of objects
-    and no reference cycles, and the collector would walk over the live ones
-    (the requests in flight, and the lag between the two traces) again and
-    again."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
+    return _diff(path_a, path_b, match, progress, worker)
 
 
 def _diff(path_a, path_b, match: str, progress, worker) -> DiffResult:

@@ -166,29 +166,3 @@ def test_with_a_worker_per_input(a, b):
     """Each input's records checked in a worker process of its own."""
     _same(a, b, worker=True)
     _same(b, a, worker=True)
-
-
-def test_the_garbage_collector_is_left_as_it_was(tmp_path, monkeypatch):
-    """diff turns the cyclic garbage collector off while it runs, and leaves it
-    on or off as it found it, also when it raises."""
-    import gc
-
-    import kvtrace.diff.align
-
-    monkeypatch.setattr(kvtrace.diff.align, "PROGRESS_EVERY", 16)
-
-    path = TRACES / "preemption.jsonl.gz"
-    bad = _broken(path, tmp_path, "bad.jsonl", _late_step_repeated)
-    assert gc.isenabled()
-    seen = []
-    diff_files(path, path, progress=lambda n: seen.append(gc.isenabled()))
-    assert gc.isenabled() and seen and not any(seen)
-    with pytest.raises(TraceError, match="step numbers must increase"):
-        diff_files(path, bad)
-    assert gc.isenabled()
-    gc.disable()
-    try:
-        diff_files(path, path)
-        assert not gc.isenabled()
-    finally:
-        gc.enable()
