@@ -153,13 +153,14 @@ def json_only(trace: str) -> dict:
 
     from kvtrace.trace.io import open_binary_read
 
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     n = 0
     with open_binary_read(Path(trace)) as f:
         for line in _lines(f):
             orjson.loads(line)
             n += 1
-    return {"seconds": time.perf_counter() - t, "lines": n, "peak_rss": _peak_rss()}
+    return {"seconds": time.perf_counter() - t, "lines": n, "peak_rss": _peak_rss(),
+            "cpu": time.process_time() - cpu}
 
 
 def decode_only(trace: str) -> dict:
@@ -263,6 +264,90 @@ def kv_bound(device: str = "cpu") -> dict:
             "check_slots_per_s": full_slots / t_full, "gather_slots_per_s": len(idx) / t_gather,
             "rows_slots_per_s": per_step * B / t_rows, "array_share": spent[0] / t_again,
             "bound_slots_per_s": bw / BYTES_PER_SLOT, "bandwidth": bw}
+
+
+def parse(trace: str) -> dict:
+    from kvtrace.trace import TraceReader
+
+    t, cpu = time.perf_counter(), time.process_time()
+    n = sum(1 for _ in TraceReader(trace))
+    return {"seconds": time.perf_counter() - t, "events": n, "peak_rss": _peak_rss(),
+            "cpu": time.process_time() - cpu}
+
+
+def replay(trace: str, kv: bool, worker: bool | None = None, device: str = "cpu") -> dict:
+    """Replay, with the content check on ``device`` if ``kv``; with ``worker``,
+    part of the work runs in a worker process (the content check, or else the
+    record checks); None: as replay decides."""
+    from kvtrace.workers import policy as workers
+    from kvtrace.replay import replay_file
+
+    used = workers.wanted(trace) if worker is None else int(worker)
+    children = _ChildPeaks()
+    t, cpu, worker_cpu = time.perf_counter(), time.process_time(), _children_cpu()
+    r = replay_file(trace, device=device if kv else None, worker=worker)
+    seconds = time.perf_counter() - t
+    cpu, worker_cpu = time.process_time() - cpu, _children_cpu() - worker_cpu
+    if r.divergences:
+        raise SystemExit(f"{len(r.divergences)} divergences on a clean trace: {r.divergences[0]}")
+    return {"seconds": seconds, "steps": r.steps, "peak_rss": _peak_rss(),
+            "worker_peak_rss": children.stop(), "slots": getattr(r, "slots_checked", 0),
+            "workers": used if kv or used < 2 else 1, "cpu": cpu, "worker_cpu": worker_cpu}
+
+
+def _children_cpu() -> float:
+    """CPU seconds of this process's ended worker processes."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def diff(trace: str, worker: bool | None = None) -> dict:
+    """Diff of the trace with itself; with ``worker``, each input's records are
+    checked in a worker process of its own; None: as diff decides."""
+    from kvtrace.diff import diff_files
+    from kvtrace.workers import policy as workers
+
+    used = workers.wanted(trace) >= 1 if worker is None else worker
+    children = _ChildPeaks()
+    t, cpu, worker_cpu = time.perf_counter(), time.process_time(), _children_cpu()
+    r = diff_files(trace, trace, worker=worker)
+    seconds = time.perf_counter() - t
+    cpu, worker_cpu = time.process_time() - cpu, _children_cpu() - worker_cpu
+    if r.divergences:
+        raise SystemExit(f"a trace differs from itself: {r.divergences[0]}")
+    return {"seconds": seconds, "peak_rss": _peak_rss(), "worker_peak_rss": children.stop(),
+            "workers": 2 if used else 0, "cpu": cpu, "worker_cpu": worker_cpu}
+
+
+def cuda() -> dict:
+    """The CUDA device torch sees, if any."""
+    import torch
+
+    return {"name": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+
+
+def recorder(model: str = "tiny", rounds: int = 101) -> dict:
+    from bench.recorder_overhead import run
+
+    return run(rounds=rounds, model=model)
+
+
+def kv_audit_engine(rounds: int = 21, tp: int = 1) -> dict:
+    from bench.kv_audit import engine_overhead
+
+    return engine_overhead(rounds, tp=tp)
+
+
+def small_replay(runs: int = 10) -> dict:
+    from bench.small_replay import run
+
+    return run(runs)
+
+
+def scaling(requests: int = 12_500) -> dict:
+    from bench.scaling import run
+
+    return run(requests)
 
 
 def vllm_vs_reference(repeat: int = 3) -> dict:

@@ -54,6 +54,8 @@ CHANNELS = ("arrival", "lookup", "grammar", "schedule", "output", "preempt", "pl
 PROGRESS_EVERY = 4096   # records read (both traces) between progress calls
 # Outputs are matched to their step; forget unmatched steps older than this.
 _OUTPUT_WINDOW = 8
+# How many arrivals of each trace ``choose_match`` looks at.
+MATCH_SAMPLE = 1000
 
 
 def diff_files(path_a: str | os.PathLike, path_b: str | os.PathLike,
@@ -86,22 +88,37 @@ def diff_files(path_a: str | os.PathLike, path_b: str | os.PathLike,
     if match == "handoff":
         fields = diff_handoff(path_a, path_b, progress)
         return DiffResult(path_a=str(path_a), path_b=str(path_b), matched_by="handoff", **fields)
-    with TraceReader(path_a) as ra, TraceReader(path_b) as rb, contextlib.ExitStack() as workers:
-        if match == "auto":
-            match = choose_match(path_a, path_b)
-        d = _Differ(ra, rb, match, _events(ra, workers, worker), _events(rb, workers, worker))
-        d.run(progress)
-        return DiffResult(
-            path_a=str(path_a), path_b=str(path_b),
-            header_a=ra.header, header_b=rb.header,
-            divergences=d.header_divs + [dv for _, dv in sorted(d.found, key=lambda kd: kd[0])],
-            only_a=d.only["a"], only_b=d.only["b"],
-            requests_compared=d.compared,
-            divergent_requests=len(d.found) - len(d.only["a"]) - len(d.only["b"]),
-            steps_a=d.sides["a"].steps, steps_b=d.sides["b"].steps,
-            truncation_a=ra.truncation, truncation_b=rb.truncation,
-            matched_by=match, end_a=ra.end, end_b=rb.end, cut_short=d.cut_short,
-        )
+    return _diff(path_a, path_b, match, progress, worker)
+
+
+def _diff(path_a, path_b, match: str, progress, worker) -> DiffResult:
+    sampled = False
+    try:
+        with TraceReader(path_a) as ra, TraceReader(path_b) as rb, contextlib.ExitStack() as workers:
+            if match == "auto":
+                sampled = True
+                match = choose_match(path_a, path_b, checked=False)
+            d = _Differ(ra, rb, match, _events(ra, workers, worker), _events(rb, workers, worker))
+            d.run(progress)
+    except Exception:
+        if sampled:
+            # The first arrivals were read without the checks across records
+            # (the diff reads every record checked). Where a file is broken,
+            # the error is the one of reading them checked: the first input's,
+            # then the second's, then the diff's.
+            choose_match(path_a, path_b)
+        raise
+    return DiffResult(
+        path_a=str(path_a), path_b=str(path_b),
+        header_a=ra.header, header_b=rb.header,
+        divergences=d.header_divs + [dv for _, dv in sorted(d.found, key=lambda kd: kd[0])],
+        only_a=d.only["a"], only_b=d.only["b"],
+        requests_compared=d.compared,
+        divergent_requests=len(d.found) - len(d.only["a"]) - len(d.only["b"]),
+        steps_a=d.sides["a"].steps, steps_b=d.sides["b"].steps,
+        truncation_a=ra.truncation, truncation_b=rb.truncation,
+        matched_by=match, end_a=ra.end, end_b=rb.end, cut_short=d.cut_short,
+    )
 
 
 def _refuse_pipe(path) -> None:
@@ -171,6 +188,8 @@ _RANK = {"schedule": -1, "arrival": 0, "output": 0, "prompt_stats": 1, "finish":
 # in flight: that schedule's output, and what rides with it, comes after the
 # preemption (S:1596-1606), and before the lookup that may admit it again.
 _STALE_RANK = {"output": 2.3, "prompt_stats": 2.6, "finish": 2.6}
+_OUTPUT_RANK, _STALE_OUTPUT = _RANK["output"], _STALE_RANK["output"]
+_SCHEDULE_RANK = _RANK["schedule"]   # never stale
 
 
 @dataclass(slots=True)
@@ -356,9 +375,14 @@ class _Differ:
 
     def _on_step(self, side: _Side, ev: Step, line: int) -> None:
         side.steps += 1
-        side.cur_step = ev.step
-        for k in [s for s in side.sched_at if s < ev.step - _OUTPUT_WINDOW]:
-            del side.sched_at[k]
+        side.cur_step = step = ev.step
+        seq = ev.seq
+        sched_at = side.sched_at   # by step, in the order of steps
+        while sched_at:
+            oldest = next(iter(sched_at))
+            if oldest >= step - _OUTPUT_WINDOW:
+                break
+            del sched_at[oldest]
         for lk in ev.lookups:
             # A request that waits (for space, or for its async load) is looked up
             # every step; only a change in the answer is a new item, so that a
@@ -370,7 +394,7 @@ class _Differ:
                 self._push(pair, h, "lookup", _Item(ev.step, ev.seq, line, _LOOKUP, v))
         for req, outcome in (ev.grammar or {}).items():
             self._add(side, req, "grammar", _item(ev.step, ev.seq, line, {"grammar": outcome}))
-        states = {st.req: st for st in ev.states}
+        states = {st.req: st for st in ev.states} if ev.states else {}
         for req in ev.preempted:
             h = self._hist(side, req)
             if h is not None:
@@ -386,51 +410,104 @@ class _Differ:
         if self.compare_plans and ev.loads is not None:
             for ld in ev.loads:
                 plans.setdefault(ld.req, []).append([ld.start, ld.end])
-        scheduled_now = {s.req for s in (*ev.new, *ev.resumed, *ev.running)}
+        scheduled_now = {s.req for s in (*ev.new, *ev.resumed, *ev.running)} if plans else ()
         for req, spans in plans.items():
             h = self._hist(side, req)
             if h is not None and req not in scheduled_now:
                 self._add(side, req, "plan", _item(ev.step, ev.seq, line, {
                     "kv_load": spans, "after_schedules": h.n_sched}))
+        # The schedules, each pushed as _push does (inline: with outputs, the
+        # diff's most frequent items).
         at: dict[str, int] = {}
-        joined = joined_groups
-        entries = [("new", s, joined(s.block_ids, s.more_groups)) for s in ev.new]
-        entries += [("resumed", s, joined(s.block_ids, s.more_groups)) for s in ev.resumed]
-        entries += [("running", s, joined(s.new_block_ids, s.more_groups)) for s in ev.running]
-        for how, s, blocks in entries:
-            pair, h = self._pair_hist(side, s.req)
-            if h is None:
+        pairs, keys, is_a = self.pairs, side.keys, side.name == "a"
+        compare_plans, spec = self.compare_plans, ev.spec
+        for how, items in (("new", ev.new), ("resumed", ev.resumed), ("running", ev.running)):
+            if not items:
                 continue
-            v = (how, s.num_computed_tokens, s.num_scheduled_tokens, blocks)
-            plan = self.compare_plans and how != "running"
-            if plan:
-                v += (plans.get(s.req),)
-            st = states.get(s.req)
-            if st is not None:
-                v += _state(st)
-            at[s.req] = h.n_sched
-            h.n_sched += 1
-            h.last_lookup = None
-            names = _SCHEDULE[how != "running", plan, st is not None]
-            if ev.spec and s.req in ev.spec:   # the drafts scheduled (speculative decoding)
-                names += ("spec",)
-                v += (ev.spec[s.req],)
-            self._push(pair, h, "schedule", _Item(ev.step, ev.seq, line, names, v))
-        side.sched_at[ev.step] = at
+            running = how == "running"
+            plan = compare_plans and not running
+            with_state, without = (_SCHEDULE[not running, plan, st] for st in (True, False))
+            for s in items:
+                req = s.req
+                pair = pairs.get(keys.get(req))
+                if pair is None:
+                    continue
+                h = pair.a if is_a else pair.b
+                if h is None:
+                    continue
+                more = s.more_groups
+                blocks = s.new_block_ids if running else s.block_ids
+                if more and any(more):   # joined_groups
+                    blocks = [blocks, *more]
+                st = states.get(req)
+                if plan:
+                    v = (how, s.num_computed_tokens, s.num_scheduled_tokens, blocks, plans.get(req))
+                    if st is not None:
+                        v += _state(st)
+                elif st is not None:   # _state, inline
+                    more = st.more_groups
+                    v = (how, s.num_computed_tokens, s.num_scheduled_tokens, blocks, st.status,
+                         st.num_computed_tokens, st.num_tokens, st.num_preemptions,
+                         [st.block_ids, *more] if more and any(more) else st.block_ids)
+                else:
+                    v = (how, s.num_computed_tokens, s.num_scheduled_tokens, blocks)
+                names = without if st is None else with_state
+                at[req] = h.n_sched
+                h.n_sched = n = h.n_sched + 1
+                h.last_lookup = None
+                if spec and req in spec:   # the drafts scheduled (speculative decoding)
+                    names += ("spec",)
+                    v += (spec[req],)
+                if h.done:
+                    continue
+                q = h.channels["schedule"]
+                other = pair.b if is_a else pair.a
+                oq = None if other is None else other.channels["schedule"]
+                if oq and not q and oq[0].values == v and oq[0].names == names:
+                    oq.popleft()   # _compare's first case, without making the item
+                    pair.compared["schedule"] += 1
+                    continue
+                q.append(_Item(step, seq, line, names, v, (n, _SCHEDULE_RANK)))
+                if oq:
+                    self._compare(pair, "schedule")
+        sched_at[step] = at
 
     def _on_output(self, side: _Side, ev: Output, line: int) -> None:
-        states = {st.req: st for st in ev.states}
+        states = {st.req: st for st in ev.states} if ev.states else {}
         rejected = ev.grammar_rejected or ()
-        for req in side.sched_at.pop(ev.step, {}):
-            pair, h = self._pair_hist(side, req)
+        step, seq, sampled = ev.step, ev.seq, ev.sampled
+        pairs, keys, is_a = self.pairs, side.keys, side.name == "a"
+        for req in side.sched_at.pop(step, ()):
+            pair = pairs.get(keys.get(req))
+            if pair is None:
+                continue
+            h = pair.a if is_a else pair.b
             if h is None:
                 continue
             st = states.get(req)
-            names = _OUTPUT[st is not None]
-            v = (ev.sampled.get(req, []),) + (() if st is None else _state(st))
+            if st is None:
+                names, v = _OUTPUT[False], (sampled.get(req, []),)
+            else:   # _state, inline
+                more = st.more_groups
+                names, v = _OUTPUT[True], (
+                    sampled.get(req, []), st.status, st.num_computed_tokens, st.num_tokens,
+                    st.num_preemptions, [st.block_ids, *more] if more and any(more) else st.block_ids)
             if req in rejected:   # a structured output's grammar refused the tokens
                 names, v = names + ("grammar_rejected",), v + (True,)
-            self._push(pair, h, "output", _Item(ev.step, ev.seq, line, names, v))
+            if h.done:   # pushed as _push does (inline)
+                continue
+            q = h.channels["output"]
+            other = pair.b if is_a else pair.a
+            oq = None if other is None else other.channels["output"]
+            if oq and not q and oq[0].values == v and oq[0].names == names:
+                oq.popleft()   # _compare's first case, without making the item
+                pair.compared["output"] += 1
+                continue
+            n = h.n_sched
+            rank = _STALE_OUTPUT if h.preempted_after == n else _OUTPUT_RANK
+            q.append(_Item(step, seq, line, names, v, (n, rank)))
+            if oq:
+                self._compare(pair, "output")
         if ev.connector is not None:
             for what in ("finished_recving", "failed_recving"):
                 for req in getattr(ev.connector, what):
@@ -505,7 +582,8 @@ class _Differ:
             rank = _STALE_RANK[channel]   # the output of a schedule made before the preemption
         item.pos = (h.n_sched, rank)
         h.channels[channel].append(item)
-        if pair.a is not None and pair.b is not None:
+        other = pair.b if h is pair.a else pair.a
+        if other is not None and other.channels[channel]:
             self._compare(pair, channel)
 
     def _compare(self, pair: _Pair, channel: str) -> None:
@@ -514,7 +592,7 @@ class _Differ:
             ia, ib = qa.popleft(), qb.popleft()
             k = pair.compared[channel]
             pair.compared[channel] = k + 1
-            if channel in pair.broken or (ia.values == ib.values and ia.names == ib.names):
+            if (ia.values == ib.values and ia.names == ib.names) or channel in pair.broken:
                 continue
             da, db = ia.value, ib.value
             if da == db:
@@ -642,14 +720,12 @@ def _match_key(mode: str, req: str, ordinal: int) -> str:
     return req
 
 
-# How many arrivals of each trace ``choose_match`` looks at.
-MATCH_SAMPLE = 1000
-
-
-def _first_arrivals(path, n: int = MATCH_SAMPLE, records: int = 10 * MATCH_SAMPLE) -> list[str]:
-    """The ids of the first ``n`` arrivals, within the first ``records`` records."""
+def _first_arrivals(path, n: int = MATCH_SAMPLE, records: int = 10 * MATCH_SAMPLE,
+                    checked: bool = True) -> list[str]:
+    """The ids of the first ``n`` arrivals, within the first ``records`` records;
+    ``checked``: each record checked against those before it too (validate.py)."""
     ids: list[str] = []
-    with TraceReader(path) as r:
+    with TraceReader(path, validate=checked) as r:
         for k, ev in enumerate(r):
             if isinstance(ev, Arrival):
                 ids.append(ev.req)
@@ -660,11 +736,13 @@ def _first_arrivals(path, n: int = MATCH_SAMPLE, records: int = 10 * MATCH_SAMPL
     return ids
 
 
-def choose_match(path_a, path_b) -> str:
+def choose_match(path_a, path_b, checked: bool = True) -> str:
     """How to pair requests, from the first ``MATCH_SAMPLE`` arrivals of each
     trace: by id when most of them share ids, by the id without vLLM's random
-    suffix when most share that, else by order of arrival."""
-    fa, fb = _first_arrivals(path_a), _first_arrivals(path_b)
+    suffix when most share that, else by order of arrival. ``checked=False``
+    leaves out the checks across records, and a caller that goes on to read
+    every record checked calls it again with them where that fails."""
+    fa, fb = (_first_arrivals(p, checked=checked) for p in (path_a, path_b))
     if not fa or not fb:
         return "id"
     fa, fb = set(fa), set(fb)
