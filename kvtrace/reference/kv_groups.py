@@ -25,12 +25,12 @@ from __future__ import annotations
 from .attention_groups import FullAttentionGroup, SlidingWindowGroup
 from .block_pool import Block, BlockPool
 from .config import GroupSpec, SchedulerConfig
-from .kv_manager import KVCacheManager, cdiv
+from .kv_manager import KVCacheManager, PoolOperations, cdiv
 from .request import Request
 from .state_groups import StateGroup
 
 
-class GroupedKVCacheManager:
+class GroupedKVCacheManager(PoolOperations):
     """``KVCacheManager``'s answers over several groups (KC:95-460, KM:264-660)."""
 
     def __init__(self, config: SchedulerConfig):
@@ -97,12 +97,12 @@ class GroupedKVCacheManager:
             hit_length = length
             if simple:
                 break
+        out = tuple(h or [] for h in hits)
         for gids in self.lookup_order:
             if self._full_attention(gids):
                 for g in gids:
-                    del hits[g][cdiv(hit_length, self.groups[g].block_size):]
+                    del out[g][cdiv(hit_length, self.groups[g].block_size):]
         request.shared_prefix_boundary = longest if longest > hit_length else 0
-        out = tuple(h or [] for h in hits)
         return (out if any(out) else ()), hit_length
 
     def get_computed_blocks_for_connector(self, request: Request
@@ -245,12 +245,6 @@ class GroupedKVCacheManager:
             for g in self.groups:
                 g.adopt_external(req_id, num_local, num_external)
 
-    # As with one group: the watermark, and the pool's own operations.
-    _watermark = KVCacheManager._watermark
-    free_blocks = KVCacheManager.free_blocks
-    reset_prefix_cache = KVCacheManager.reset_prefix_cache
-    evict_blocks = KVCacheManager.evict_blocks
-
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Make full blocks hash-visible in every group (KC:340-378); a
         sliding-window or state group keeps what a hit ending at the prompt's
@@ -262,7 +256,7 @@ class GroupedKVCacheManager:
             return
         if len(self.groups) > 1:
             num_tokens = num_tokens // self.block_size * self.block_size
-        boundaries = (request.num_prompt_tokens - 1,)
+        boundaries: tuple[int, ...] = (request.num_prompt_tokens - 1,)
         if request.shared_prefix_boundary:
             boundaries += (request.shared_prefix_boundary,)
         for g in self.groups:

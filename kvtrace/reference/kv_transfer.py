@@ -5,11 +5,16 @@ scheduling (semantics doc 3, 7; S:2759-2801, S:3123-3356)."""
 
 from __future__ import annotations
 
+from mypy_extensions import mypyc_attr, trait
+
+from .feature import SchedulerFeature
 from .interface import ModelOutput, SchedulerAssertion, in_order
 from .request import Request, Status
 
 
-class KVTransfer:
+@trait
+@mypyc_attr(allow_interpreted_subclasses=True)
+class KVTransfer(SchedulerFeature):
     """Mixed into the Scheduler: its config, connector, KV manager and queues are ``self``'s."""
 
     # ---------------------------------------------------------------- lookups and loads

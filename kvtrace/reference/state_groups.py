@@ -75,6 +75,7 @@ class StateGroup(FullAttentionGroup):
                  retention: int | None, rekeys_boundary_state: bool):
         super().__init__(gid, spec, pool, block_size)
         state = spec.state
+        assert state is not None
         self.align = state.mode == "align"
         self.spec_blocks = state.speculative_blocks
         self.has_checkpoints = self.align and state.checkpoint_blocks > 0
@@ -106,8 +107,8 @@ class StateGroup(FullAttentionGroup):
         ``max_length`` tokens, null blocks before it (ST:1505-1531)."""
         null = self.pool.null_block
         for i in range(max_length // self.block_size - 1, -1, -1):
-            found = [self.pool.get_cached_block(hashes[i], g) for g in gids]
-            if None not in found:
+            found = self.pool.get_cached_blocks(hashes[i], gids)
+            if found is not None:
                 return [[null] * i + [b] for b in found], (i + 1) * self.block_size
         return [[] for _ in gids], 0
 
