@@ -40,21 +40,26 @@ MODULES = (
     "kvtrace.reference.speculative",
     "kvtrace.reference.state_groups",
     "kvtrace.reference.step",
+    "kvtrace.bridge",
+    "kvtrace.replay.checks",
+    "kvtrace.replay.liveness",
+    "kvtrace.trace.validate",
 )
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(PACKAGE_DIR)
-MANIFEST = os.path.join(PACKAGE_DIR, "compiled.json")
+MANIFEST_NAME = "compiled.json"   # written by the build: the sources it compiled
+MANIFEST = os.path.join(PACKAGE_DIR, MANIFEST_NAME)
 # The shared library every compiled module's extension loads.
 GROUP = "kvtrace._mypyc"
 
 
-def source_path(module: str) -> str:
-    return os.path.join(ROOT, *module.split(".")) + ".py"
+def source_path(module: str, root: str = ROOT) -> str:
+    return os.path.join(root, *module.split(".")) + ".py"
 
 
-def extension_paths(module: str) -> list[str]:
-    base = os.path.join(ROOT, *module.split("."))
+def extension_paths(module: str, root: str = ROOT) -> list[str]:
+    base = os.path.join(root, *module.split("."))
     return [base + s for s in importlib.machinery.EXTENSION_SUFFIXES if os.path.exists(base + s)]
 
 
@@ -63,27 +68,28 @@ def _digest(path: str) -> str:
         return hashlib.blake2b(f.read(), digest_size=16).hexdigest()
 
 
-def manifest() -> dict[str, str]:
-    return {m: _digest(source_path(m)) for m in MODULES}
+def manifest(root: str = ROOT) -> dict[str, str]:
+    """Each compiled module's source, by its hash."""
+    return {m: _digest(source_path(m, root)) for m in MODULES}
 
 
-def choose() -> tuple[bool, str]:
-    """Whether the compiled path runs in this process, and why (or why not)."""
+def choose(root: str = ROOT) -> tuple[bool, str]:
+    """Whether the compiled path runs (for the package in ``root``), and why or why not."""
     if os.environ.get("KVTRACE_PURE", "") not in ("", "0"):
         return False, "KVTRACE_PURE is set"
-    missing = [m for m in MODULES if not extension_paths(m)]
+    missing = [m for m in MODULES if not extension_paths(m, root)]
     if len(missing) == len(MODULES):
         return False, "not built (python -m kvtrace.compile builds it)"
     if missing:
         return False, f"partly built: {missing[0]} has no extension (rebuild)"
     try:
-        with open(MANIFEST) as f:
+        with open(os.path.join(root, "kvtrace", MANIFEST_NAME)) as f:
             built = json.load(f)
     except (OSError, ValueError):
-        return False, f"no readable manifest {MANIFEST} (rebuild)"
+        return False, f"no readable manifest kvtrace/{MANIFEST_NAME} (rebuild)"
     if built.get("python") != sys.implementation.cache_tag:
         return False, f"built for {built.get('python')}, not {sys.implementation.cache_tag} (rebuild)"
-    changed = [m for m, h in manifest().items() if built.get("sources", {}).get(m) != h]
+    changed = [m for m, h in manifest(root).items() if built.get("sources", {}).get(m) != h]
     if changed:
         return False, f"{changed[0]} changed since the build (rebuild)"
     return True, f"{len(MODULES)} modules compiled with mypyc {built.get('mypy', '?')}"

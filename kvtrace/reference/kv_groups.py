@@ -22,6 +22,8 @@ groups' in ``more_ids``.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from .attention_groups import FullAttentionGroup, SlidingWindowGroup
 from .block_pool import Block, BlockPool
 from .config import GroupSpec, SchedulerConfig
@@ -164,8 +166,9 @@ class GroupedKVCacheManager(PoolOperations):
 
     # -- allocation ------------------------------------------------------------
 
-    def _blocks_needed(self, req_id: str, num_tokens: int, hits: tuple, num_computed: int,
-                       admission: bool = False, main: int = 0, prefill_end: int = 0) -> int:
+    def _blocks_needed(self, req_id: str, num_tokens: int, hits: Sequence[list[Block]],
+                       num_computed: int, admission: bool = False, main: int = 0,
+                       prefill_end: int = 0) -> int:
         return sum(g.blocks_needed(req_id, num_tokens, hits[g.gid] if hits else [],
                                    num_computed, admission, main, prefill_end)
                    for g in self.groups)
@@ -193,7 +196,7 @@ class GroupedKVCacheManager(PoolOperations):
         request: Request,
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
-        hits: tuple = (),
+        hits: Sequence[list[Block]] = (),
         num_external_computed_tokens: int = 0,
         delay_cache_blocks: bool = False,
         reserved_blocks: int = 0,
@@ -232,7 +235,8 @@ class GroupedKVCacheManager(PoolOperations):
             self.cache_blocks(request, min(total + num_new_tokens, request.num_tokens))
         return new
 
-    def _admit_prefix(self, req_id: str, hits: tuple, num_local: int, num_external: int) -> None:
+    def _admit_prefix(self, req_id: str, hits: Sequence[list[Block]], num_local: int,
+                      num_external: int) -> None:
         """Every group adopts its hits before any takes blocks for the external
         tokens, so no pop evicts another group's hit (KC:245-292). A request
         the groups track already adopts and loads nothing."""
