@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from kvtrace.catalog import EMBEDDED_FAULT_WORKLOADS
 from kvtrace.reference import Request
+from kvtrace.reference.block_pool import Block, BlockPool
 from kvtrace.reference.state_groups import StateGroup
 
 from .scheduler import EngineScheduler
@@ -284,6 +285,18 @@ class StateChunkOffBoundary(EngineScheduler):
             self.state_split = _UnsplitChunks(self.state_split, self.fault_log.note)
 
 
+class _KeepsStateKeys(BlockPool):
+    """A pool that drops a state block's hash, not the cache's entry for it."""
+
+    states: set[int] = set()   # the state groups
+
+    def _evict(self, b: Block) -> None:
+        if b.block_hash is not None and b.hash_group in self.states:
+            b.block_hash, b.hash_num_tokens = None, 0   # the cache's entry stays
+            return
+        super()._evict(b)
+
+
 class StateKeyOutlivesEviction(EngineScheduler):
     """A state block handed out again keeps its key in the prefix cache: the
     pool drops the block's hash but not the cache's entry for a state group
@@ -296,15 +309,14 @@ class StateKeyOutlivesEviction(EngineScheduler):
         states = {g.gid for g in _state_groups(self.kv)}
         if not states or not self.kv.enable_caching:
             return
-        pool = self.kv.pool
-        evict = pool._evict
-
-        def keep_state_key(b) -> None:
-            if b.block_hash is not None and b.hash_group in states:
-                b.block_hash, b.hash_num_tokens = None, 0   # the cache's entry stays
-                return
-            evict(b)
-        pool._evict = keep_state_key
+        # A pool of its own for the KV cache, fresh as the one it replaces.
+        cfg = self.config
+        pool = _KeepsStateKeys(cfg.num_blocks, cfg.enable_prefix_caching,
+                               cfg.profile.free_uncached_to_head)
+        pool.states = states
+        self.kv.pool = pool
+        for g in self.kv.groups:
+            g.pool = pool
 
     def _local_prefix_hit(self, r: Request):
         hits, n = super()._local_prefix_hit(r)

@@ -8,12 +8,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from mypy_extensions import mypyc_attr, trait
+from mypy_extensions import mypyc_attr
 
-from .feature import SchedulerFeature
 from .interface import SchedulerAssertion, failing_for
 from .kv_groups import GroupedKVCacheManager
 from .kv_manager import Blocks
+from .output import Outputs
 from .request import Request, Status
 from .step import StepPlan
 
@@ -39,10 +39,9 @@ class Skipped:
     waiting: deque[Request] = field(default_factory=deque)
 
 
-@trait
 @mypyc_attr(allow_interpreted_subclasses=True)
-class Admission(SchedulerFeature):
-    """Mixed into the Scheduler: its config, queues and KV manager are ``self``'s."""
+class Admission(Outputs):
+    """A part of the Scheduler (feature.py): its config, queues and KV manager are ``self``'s."""
 
     def _queue_to_admit_from(self):
         """The waiting queue the pass takes its next request from: those that

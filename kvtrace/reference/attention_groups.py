@@ -14,12 +14,15 @@ manager that asks every group in turn is kv_groups.py.
 
 from __future__ import annotations
 
+from mypy_extensions import mypyc_attr
+
 from .block_pool import Block, BlockPool
 from .config import GroupSpec
 from .kv_manager import cdiv
 from .request import Request
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)   # so a keyframe can rebuild it (snapshot.py)
 class FullAttentionGroup:
     """One group's tables (ST:48-729, FullAttentionManager ST:729-830)."""
 
@@ -145,6 +148,7 @@ class FullAttentionGroup:
         """Nothing to forget when a step starts (a state group has, ST:2008)."""
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)   # so a keyframe can rebuild it (snapshot.py)
 class SlidingWindowGroup(FullAttentionGroup):
     """A sliding-window group (SlidingWindowManager, ST:933-1170)."""
 

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from mypy_extensions import mypyc_attr
+
 from .interface import SchedulerAssertion
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)   # so a keyframe can rebuild it (snapshot.py)
 class Block:
     __slots__ = ("block_id", "ref_cnt", "block_hash", "hash_num_tokens", "hash_group", "prev",
                  "next")
@@ -35,6 +38,7 @@ class Block:
         return f"Block({self.block_id}, ref={self.ref_cnt})"
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)   # so a keyframe can rebuild it (snapshot.py)
 class FreeBlockQueue:
     """Doubly linked list of free blocks with O(1) removal from the middle."""
 
@@ -90,6 +94,7 @@ class FreeBlockQueue:
         return out
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)   # so a keyframe can rebuild it (snapshot.py)
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool, free_uncached_to_head: bool = True):
         self.enable_caching = enable_caching

@@ -1,16 +1,19 @@
-"""What a part of the Scheduler written in a module of its own (admission.py,
-output.py, speculative.py, kv_transfer.py, async_output.py, sessions.py) uses
-of the whole: the scheduler's state, set in ``Scheduler.__init__``, and the
-calls each part makes into another. Declared once here, so that each part
-reads, type-checks and compiles alone. A trait: a class mixed into another
-that holds no state of its own."""
+"""The base of the Scheduler's parts written in modules of their own:
+sessions.py, async_output.py, kv_transfer.py, speculative.py, output.py and
+admission.py, each a class built on the one before it, in that order, and the
+Scheduler on the last. It declares what the parts use of the whole: the
+scheduler's state, set in ``Scheduler.__init__``, and the calls each part
+makes into another, so that each part reads, type-checks and compiles alone.
+One line of classes, not mixins: compiled (kvtrace/compile.py), a class has
+one base, and a rule the embedded engine's faults override must be overridden
+wherever it is called from."""
 
 from __future__ import annotations
 
 from abc import abstractmethod
 from collections import deque
 
-from mypy_extensions import mypyc_attr, trait
+from mypy_extensions import mypyc_attr
 
 from .block_pool import Block
 from .config import SchedulerConfig
@@ -23,7 +26,6 @@ from .state_groups import StateSplit
 from .step import StepPlan
 
 
-@trait
 @mypyc_attr(allow_interpreted_subclasses=True)
 class SchedulerFeature:
     config: SchedulerConfig

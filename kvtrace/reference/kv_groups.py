@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from mypy_extensions import mypyc_attr
+
 from .attention_groups import FullAttentionGroup, SlidingWindowGroup
 from .block_pool import Block, BlockPool
 from .config import GroupSpec, SchedulerConfig
@@ -32,6 +34,7 @@ from .request import Request
 from .state_groups import StateGroup
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)   # so a keyframe can rebuild it (snapshot.py)
 class GroupedKVCacheManager(PoolOperations):
     """``KVCacheManager``'s answers over several groups (KC:95-460, KM:264-660)."""
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from mypy_extensions import mypyc_attr
+
 from .block_pool import Block, BlockPool
 from .config import SchedulerConfig
 from .request import Request, Status
@@ -24,6 +26,7 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)   # so a keyframe can rebuild it (snapshot.py)
 class PoolOperations:
     """What the manager of one group and that of several (kv_groups.py)
     share: the watermark, and the pool's own operations."""
@@ -49,6 +52,7 @@ class PoolOperations:
         self.pool.evict_blocks(block_ids)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)   # so a keyframe can rebuild it (snapshot.py)
 class KVCacheManager(PoolOperations):
     def __init__(self, config: SchedulerConfig):
         self.block_size = config.block_size

@@ -18,7 +18,7 @@ The waiting pass's admissions (admission.py) and what an output does to each
 request (output.py) are a call away, and so is each feature: speculative
 decoding (speculative.py), KV transfer (kv_transfer.py), async scheduling's
 output placeholders (async_output.py) and streaming-input sessions
-(sessions.py), each a class mixed in here. The rules that differ between
+(sessions.py), each a class the Scheduler builds on (feature.py). The rules that differ between
 releases are switches of the config's profile (profiles.py).
 docs/design/reference.md tells the whole story.
 
@@ -33,7 +33,6 @@ from collections import deque
 from mypy_extensions import mypyc_attr
 
 from .admission import Admission, Skipped
-from .async_output import AsyncOutput
 from .block_pool import Block
 from .cache_stats import ConnectorCacheStats
 from .cadence import PrefillCadence
@@ -42,12 +41,9 @@ from .interface import (Connector, ModelOutput, RequestOutput, ScheduledRequest,
                         SchedulerOutput)
 from .kv_groups import GroupedKVCacheManager
 from .kv_manager import Blocks, KVCacheManager
-from .kv_transfer import KVTransfer
-from .output import Outputs, Stopped
+from .output import Stopped
 from .queues import make_queue
 from .request import Request, Status
-from .sessions import Sessions
-from .speculative import SpeculativeDecoding
 from .state_groups import StateSplit
 from .step import StepPlan
 
@@ -56,7 +52,7 @@ __all__ = ["Scheduler", "SchedulerAssertion"]
 
 # The embedded engine's faults and tests subclass it, overriding its rules.
 @mypyc_attr(allow_interpreted_subclasses=True)
-class Scheduler(Admission, Outputs, SpeculativeDecoding, KVTransfer, AsyncOutput, Sessions):
+class Scheduler(Admission):
     """vLLM V1's scheduler: ``schedule()`` and ``update_from_output()`` over
     requests, a KV cache manager and an optional connector."""
 

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mypy_extensions import mypyc_attr
+
 from .block_pool import Block, BlockPool
 from .config import GroupSpec, SchedulerConfig
 from .attention_groups import FullAttentionGroup
@@ -63,6 +65,7 @@ def checkpoint_fits(start: int, end: int, position: int, block_size: int,
             and (position - start) % alignment == 0)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)   # so a keyframe can rebuild it (snapshot.py)
 class StateGroup(FullAttentionGroup):
     """One state group's tables (MambaManager, ST:1415-2115). Only the state
     of the last computed token is needed: ``skipped_tokens`` is all but one

@@ -35,6 +35,8 @@ from collections import deque
 from operator import attrgetter
 from typing import Final
 
+from mypy_extensions import mypyc_attr
+
 from . import events as ev
 from .events import SchemaError, clip
 
@@ -79,6 +81,7 @@ class FinishedRequests:
         return all(bits[i >> 3] >> (i & 7) & 1 for i in self._probes(req))
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)   # so a keyframe can rebuild it (snapshot.py)
 class Validator:
     def __init__(self, header: ev.Header):
         cfg = header.config
