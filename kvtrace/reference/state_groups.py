@@ -275,6 +275,8 @@ class StateGroup(FullAttentionGroup):
         return super().pop(req_id)
 
 
+# The embedded engine's state-chunk-off-boundary fault overrides its split.
+@mypyc_attr(allow_interpreted_subclasses=True)
 @dataclass(frozen=True, slots=True)
 class StateSplit:
     """The scheduler's split of prefill chunks with state groups in align
