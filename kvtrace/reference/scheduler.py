@@ -18,8 +18,8 @@ The waiting pass's admissions (admission.py) and what an output does to each
 request (output.py) are a call away, and so is each feature: speculative
 decoding (speculative.py), KV transfer (kv_transfer.py), async scheduling's
 output placeholders (async_output.py) and streaming-input sessions
-(sessions.py), each a class the Scheduler builds on (feature.py). The rules that differ between
-releases are switches of the config's profile (profiles.py).
+(sessions.py), each a class the Scheduler builds on (feature.py). The rules
+that differ between releases are switches of the config's profile (profiles.py).
 docs/design/reference.md tells the whole story.
 
 Methods whose names start with ``_`` and are listed under "rules" are the
