@@ -8,6 +8,8 @@ and kvtrace.reference.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from kvtrace.reference import (GroupSpec, ModelOutput, PromptEmbeds, Request, RequestOutput,
                                Scheduler, SchedulerConfig, SchedulerOutput, StateSpec)
 from kvtrace.reference.profiles import DEFAULT, PROFILES, Profile, profile_for
@@ -141,7 +143,7 @@ def _group_features(cfg: SchedulerConfig) -> dict:
     """The KV-cache groups as vLLM's header names them."""
     groups = []
     for i, g in enumerate(cfg.kv_groups):
-        d = {"kind": "FullAttentionSpec" if g.sliding_window is None else "SlidingWindowSpec",
+        d: dict[str, object] = {"kind": "FullAttentionSpec" if g.sliding_window is None else "SlidingWindowSpec",
              "block_size": g.block_size or cfg.block_size, "layers": [f"layers.{i}"]}
         if g.sliding_window is not None:
             d.update(sliding_window=g.sliding_window, admission_blocks=g.admission_blocks)
@@ -199,11 +201,19 @@ def request_from_arrival(a: ev.Arrival, block_size: int, hash_lookahead: int = 0
         pooling=a.pooling,
         min_tokens=a.min_tokens,
         repetition=(None if a.repetition_detection is None else
-                    tuple(a.repetition_detection[k] for k in ev.REPETITION_FIELDS)),
+                    (a.repetition_detection["max_pattern_size"],
+                     a.repetition_detection["min_pattern_size"],
+                     a.repetition_detection["min_count"])),
         prompt_embeds=(None if a.prompt_embeds is None else PromptEmbeds(
-            tuple(a.prompt_embeds), tuple(map(tuple, a.prompt_is_token_ids or ())))),
+            tuple(a.prompt_embeds), _token_runs(a.prompt_is_token_ids or ()))),
         lora=None if a.lora is None else (a.lora["id"], a.lora["name"], a.lora["path"]),
     )
+
+
+def _token_runs(runs: Sequence[Sequence[int]]) -> tuple[tuple[int, int], ...]:
+    """Runs [start, end) of positions as the reference keys them; an Arrival
+    holds them as lists (events._runs)."""
+    return tuple((run[0], run[1]) for run in runs)
 
 
 def model_output_from_event(o: ev.Output) -> ModelOutput:

@@ -76,7 +76,9 @@ def _names_of(cls: type) -> tuple[str, ...]:
     if isinstance(struct_fields, tuple):
         names.extend(struct_fields)
     for klass in cls.__mro__:
-        slots = klass.__dict__.get("__slots__", ())
+        # A class compiled with mypyc (kvtrace/compile.py) names its fields in
+        # __mypyc_attrs__ (its own and its bases'), one that is not in __slots__.
+        slots = klass.__dict__.get("__mypyc_attrs__", klass.__dict__.get("__slots__", ()))
         for name in (slots,) if isinstance(slots, str) else slots:
             if name not in names and not name.startswith("__"):
                 names.append(name)

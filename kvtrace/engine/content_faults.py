@@ -20,9 +20,34 @@ in the engine's FaultLog where it changed what the engine did.
 from __future__ import annotations
 
 from kvtrace.reference import Request
+from kvtrace.reference.block_pool import Block, BlockPool
 from kvtrace.reference.state_groups import StateGroup
 
 from .scheduler import EngineScheduler
+
+
+class _KeepsEntries(BlockPool):
+    """A pool that hands out a freed state block without dropping its cache
+    entry: the block forgets its hash, the cache does not."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.states: set[int] = set()   # the state groups
+        # block id -> (the hash its stale entry keeps, the state length it names)
+        self.stale: dict[int, tuple[bytes, int]] = {}
+
+    def get_new_blocks(self, n: int) -> list[Block]:
+        kept, b = [], self.free_queue.head.next
+        for _ in range(min(n, self.num_free_blocks)):   # the blocks the pool pops
+            if b.block_hash is not None and b.hash_group in self.states:
+                kept.append((b, b.block_hash, b.hash_num_tokens))
+            b = b.next
+        for b, _, _ in kept:   # the block forgets its hash; the cache keeps the entry
+            b.block_hash, b.hash_num_tokens = None, 0
+        blocks = super().get_new_blocks(n)
+        for b, h, length in kept:
+            self.stale[b.block_id] = (h, length)
+        return blocks
 
 
 class StateHashKeptOnReuse(EngineScheduler):
@@ -32,26 +57,13 @@ class StateHashKeptOnReuse(EngineScheduler):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        pool = self.kv.pool
-        states = {g.gid for g in getattr(self.kv, "groups", ()) if isinstance(g, StateGroup)}
+        cfg = self.config
+        pool = _KeepsEntries(cfg.num_blocks, cfg.enable_prefix_caching,
+                             cfg.profile.free_uncached_to_head)
+        pool.states = {g.gid for g in getattr(self.kv, "groups", ()) if isinstance(g, StateGroup)}
+        self.use_pool(pool)
         # block id -> (the hash its stale entry keeps, the state length it names)
-        self._stale: dict[int, tuple[bytes, int]] = {}
-        take = pool.get_new_blocks
-
-        def get_new_blocks(n: int):
-            kept, b = [], pool.free_queue.head.next
-            for _ in range(min(n, pool.num_free_blocks)):   # the blocks take(n) pops
-                if b.block_hash is not None and b.hash_group in states:
-                    kept.append((b, b.block_hash, b.hash_num_tokens))
-                b = b.next
-            for b, _, _ in kept:   # the block forgets its hash; the cache keeps the entry
-                b.block_hash, b.hash_num_tokens = None, 0
-            blocks = take(n)
-            for b, h, length in kept:
-                self._stale[b.block_id] = (h, length)
-            return blocks
-
-        pool.get_new_blocks = get_new_blocks
+        self._stale = pool.stale
 
     def _local_prefix_hit(self, r: Request):
         hits, n = super()._local_prefix_hit(r)

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from kvtrace.catalog import EMBEDDED_FAULT_WORKLOADS
 from kvtrace.reference import Request
-from kvtrace.reference.state_groups import StateGroup
+from kvtrace.reference.block_pool import Block, BlockPool
+from kvtrace.reference.attention_groups import SlidingWindowGroup
+from kvtrace.reference.state_groups import StateGroup, StateSplit
 
 from .scheduler import EngineScheduler
 
@@ -162,34 +164,40 @@ class WindowFreedEarly(EngineScheduler):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        for g in getattr(self.kv, "groups", ()):
-            if getattr(g, "window", None):
-                self._free_early(g)
+        groups = getattr(self.kv, "groups", [])
+        for i, g in enumerate(groups):
+            if isinstance(g, SlidingWindowGroup):   # made again, as the manager made it
+                groups[i] = _FreesEarly(g.gid, self.config.kv_groups[g.gid], g.pool,
+                                        g.block_size, g.retention)
+                groups[i].note = self.fault_log.note
 
-    def _free_early(self, g) -> None:
-        correct = g.skipped_tokens
-        g.skipped_tokens = lambda n: max(0, n - g.window + 1 + g.block_size)
-        remove, adopt, null = g.remove_skipped, g.adopt_hits, g.pool.null_block
 
-        def noted(req_id: str, num_computed: int, change) -> None:
-            table = g.tables.get(req_id) or []
-            first = correct(num_computed) // g.block_size   # the window's first block
-            held = table[first] if first < len(table) else None
-            change()
-            if held is not None and held is not null and table[first] is null:
-                self.fault_log.note(req_id, f"gave back block {held.block_id} of group {g.gid}, "
-                                            f"inside the window of token {num_computed}")
+class _FreesEarly(SlidingWindowGroup):
+    """A sliding-window group that gives back one block more than its window allows."""
 
-        g.remove_skipped = lambda req_id, n: noted(req_id, n, lambda: remove(req_id, n))
+    def skipped_tokens(self, num_computed: int) -> int:
+        return max(0, num_computed - self.window + 1 + self.block_size)
 
-        def adopt_hits(req_id, hits, num_computed):
-            adopt(req_id, hits, num_computed)
-            first = correct(num_computed) // g.block_size
-            table = g.tables[req_id]
-            if first < len(hits) and hits[first] is not null and table[first] is null:
-                self.fault_log.note(req_id, f"dropped hit block {hits[first].block_id} of group "
-                                            f"{g.gid}, inside the window of token {num_computed}")
-        g.adopt_hits = adopt_hits
+    def _window_start(self, num_computed: int) -> int:
+        """The first block of the window of token ``num_computed``, by the rule."""
+        return super().skipped_tokens(num_computed) // self.block_size
+
+    def remove_skipped(self, req_id: str, num_computed: int) -> None:
+        table = self.tables.get(req_id) or []
+        first, null = self._window_start(num_computed), self.pool.null_block
+        held = table[first] if first < len(table) else None
+        super().remove_skipped(req_id, num_computed)
+        if held is not None and held is not null and table[first] is null:
+            self.note(req_id, f"gave back block {held.block_id} of group {self.gid}, "
+                              f"inside the window of token {num_computed}")
+
+    def adopt_hits(self, req_id, hits, num_computed) -> None:
+        super().adopt_hits(req_id, hits, num_computed)
+        first, null = self._window_start(num_computed), self.pool.null_block
+        table = self.tables[req_id]
+        if first < len(hits) and hits[first] is not null and table[first] is null:
+            self.note(req_id, f"dropped hit block {hits[first].block_id} of group "
+                              f"{self.gid}, inside the window of token {num_computed}")
 
 
 def _state_groups(kv) -> list:
@@ -256,21 +264,6 @@ class StateFreedInFlight(EngineScheduler):
         super()._free_request_blocks(r)
 
 
-class _UnsplitChunks:
-    """The scheduler's chunk split that is never applied: what the fault puts
-    in place of ``Scheduler.state_split``."""
-
-    def __init__(self, split, note):
-        self.split, self.note = split, note
-
-    def chunk(self, r: Request, start: int, n: int) -> int:
-        aligned = self.split.chunk(r, start, n)
-        if aligned != n:
-            self.note(r.request_id, f"scheduled tokens [{start}, {start + n}); the block "
-                                    f"grid ends the chunk at {start + aligned}")
-        return n
-
-
 class StateChunkOffBoundary(EngineScheduler):
     """Prefill chunks are not split at block boundaries (S:443-556): the
     scheduler does not see that its state groups keep states aligned. A
@@ -280,8 +273,34 @@ class StateChunkOffBoundary(EngineScheduler):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if self.state_split is not None:
-            self.state_split = _UnsplitChunks(self.state_split, self.fault_log.note)
+        split, note = self.state_split, self.fault_log.note
+        if split is None:
+            return
+
+        class Unsplit(StateSplit):
+            """The scheduler's chunk split, never applied."""
+
+            def chunk(self, r: Request, start: int, n: int) -> int:
+                aligned = super().chunk(r, start, n)
+                if aligned != n:
+                    note(r.request_id, f"scheduled tokens [{start}, {start + n}); the block "
+                                       f"grid ends the chunk at {start + aligned}")
+                return n
+
+        self.state_split = Unsplit(split.block_size, split.max_prefill_tokens, split.checkpoints,
+                                   split.checkpoint_alignment)
+
+
+class _KeepsStateKeys(BlockPool):
+    """A pool that drops a state block's hash, not the cache's entry for it."""
+
+    states: set[int] = set()   # the state groups
+
+    def _evict(self, b: Block) -> None:
+        if b.block_hash is not None and b.hash_group in self.states:
+            b.block_hash, b.hash_num_tokens = None, 0   # the cache's entry stays
+            return
+        super()._evict(b)
 
 
 class StateKeyOutlivesEviction(EngineScheduler):
@@ -296,15 +315,11 @@ class StateKeyOutlivesEviction(EngineScheduler):
         states = {g.gid for g in _state_groups(self.kv)}
         if not states or not self.kv.enable_caching:
             return
-        pool = self.kv.pool
-        evict = pool._evict
-
-        def keep_state_key(b) -> None:
-            if b.block_hash is not None and b.hash_group in states:
-                b.block_hash, b.hash_num_tokens = None, 0   # the cache's entry stays
-                return
-            evict(b)
-        pool._evict = keep_state_key
+        cfg = self.config
+        pool = _KeepsStateKeys(cfg.num_blocks, cfg.enable_prefix_caching,
+                               cfg.profile.free_uncached_to_head)
+        pool.states = states
+        self.use_pool(pool)
 
     def _local_prefix_hit(self, r: Request):
         hits, n = super()._local_prefix_hit(r)

@@ -1,11 +1,13 @@
-"""The embedded engine's scheduler: the reference scheduler, plus the one hook
-the simulated store needs (save a request's computed prefix when it is
-preempted). The faults subclass this."""
+"""The embedded engine's scheduler: the reference scheduler, plus the hook the
+simulated store needs (save a request's computed prefix when it is
+preempted), and a pool of a fault's own kind for the KV cache. The faults
+subclass this."""
 
 from __future__ import annotations
 
 from kvtrace.reference import (ModelOutput, Request, RequestOutput, Scheduler, SchedulerConfig,
                                SchedulerOutput)
+from kvtrace.reference.block_pool import BlockPool
 
 from .fault_log import FaultLog
 from .kv_store import ExternalKVStore
@@ -17,6 +19,13 @@ class EngineScheduler(Scheduler):
         super().__init__(config, connector)
         self.store = store
         self.fault_log = fault_log if fault_log is not None else FaultLog()
+
+    def use_pool(self, pool: BlockPool) -> None:
+        """The KV cache draws its blocks from ``pool``, a fault's own kind of
+        pool, made as the one it replaces; before any request arrives."""
+        self.kv.pool = pool
+        for g in getattr(self.kv, "groups", ()):
+            g.pool = pool
 
     def _preempt_request(self, r: Request, drop_stale_output: bool = False,
                          listed: bool = True) -> None:

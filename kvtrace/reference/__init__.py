@@ -2,8 +2,8 @@
 (baseline profile of the semantics doc). It knows nothing about traces.
 
 Read in this order: request.py, block_pool.py, kv_manager.py, scheduler.py, then
-the feature modules it mixes in (speculative.py, kv_transfer.py, async_output.py,
-sessions.py), kv_groups.py and state_groups.py for hybrid KV caches, and profiles.py.
+the feature modules it builds on (admission.py, output.py, speculative.py,
+kv_transfer.py, async_output.py, sessions.py: feature.py), kv_groups.py and state_groups.py for hybrid KV caches, and profiles.py.
 """
 
 from .config import GroupSpec, SchedulerConfig, StateSpec

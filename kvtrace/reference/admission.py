@@ -8,8 +8,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .block_pool import Block
+from mypy_extensions import mypyc_attr
+
 from .interface import SchedulerAssertion, failing_for
+from .kv_groups import GroupedKVCacheManager
+from .kv_manager import Blocks
+from .output import Outputs
 from .request import Request, Status
 from .step import StepPlan
 
@@ -19,7 +23,7 @@ class Lookup:
     """What an admission starts from: the local hit's blocks and length, the
     connector's hit, whether it loads asynchronously, and the tokens computed."""
 
-    hits: list[Block]
+    hits: Blocks
     num_local: int
     num_external: int
     load_async: bool
@@ -35,8 +39,9 @@ class Skipped:
     waiting: deque[Request] = field(default_factory=deque)
 
 
-class Admission:
-    """Mixed into the Scheduler: its config, queues and KV manager are ``self``'s."""
+@mypyc_attr(allow_interpreted_subclasses=True)
+class Admission(Outputs):
+    """A part of the Scheduler (feature.py): its config, queues and KV manager are ``self``'s."""
 
     def _queue_to_admit_from(self):
         """The waiting queue the pass takes its next request from: those that
@@ -121,7 +126,9 @@ class Admission:
         if r.resumable and r.hash_lookahead:
             r.rehash()   # a turn's dropped token may linger in a lookahead hash (S:1111-1115)
         lags = False
-        if self.config.connector_restores_states and self.connector is not None and self.kv_groups:
+        hits: Blocks
+        if (self.config.connector_restores_states and self.connector is not None
+                and isinstance(self.kv, GroupedKVCacheManager)):
             # Full attention's own hit, a state group's lagging state to come
             # with the external hit (S:558-568).
             hits, num_local, lags = self.kv.get_computed_blocks_for_connector(r)

@@ -5,12 +5,16 @@ back and caches the blocks its tokens filled (AS:25-78)."""
 
 from __future__ import annotations
 
+from mypy_extensions import mypyc_attr
+
 from .interface import SchedulerAssertion
 from .request import Request, Status
+from .sessions import Sessions
 
 
-class AsyncOutput:
-    """Mixed into the Scheduler: its config is ``self``'s."""
+@mypyc_attr(allow_interpreted_subclasses=True)
+class AsyncOutput(Sessions):
+    """A part of the Scheduler (feature.py): its config is ``self``'s."""
 
     def _reached_max_tokens(self, r: Request) -> bool:
         """The steps in flight already sample the request's last token, so

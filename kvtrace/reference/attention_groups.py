@@ -14,12 +14,15 @@ manager that asks every group in turn is kv_groups.py.
 
 from __future__ import annotations
 
+from mypy_extensions import mypyc_attr
+
 from .block_pool import Block, BlockPool
 from .config import GroupSpec
 from .kv_manager import cdiv
 from .request import Request
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)   # so a keyframe can rebuild it (snapshot.py)
 class FullAttentionGroup:
     """One group's tables (ST:48-729, FullAttentionManager ST:729-830)."""
 
@@ -43,8 +46,8 @@ class FullAttentionGroup:
         """The longest run of cached blocks from the start, in each of ``gids``."""
         runs: list[list[Block]] = [[] for _ in gids]
         for h in hashes[: max_length // self.block_size]:
-            found = [self.pool.get_cached_block(h, g) for g in gids]
-            if None in found:
+            found = self.pool.get_cached_blocks(h, gids)
+            if found is None:
                 break
             for run, b in zip(runs, found):
                 run.append(b)
@@ -145,12 +148,14 @@ class FullAttentionGroup:
         """Nothing to forget when a step starts (a state group has, ST:2008)."""
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)   # so a keyframe can rebuild it (snapshot.py)
 class SlidingWindowGroup(FullAttentionGroup):
     """A sliding-window group (SlidingWindowManager, ST:933-1170)."""
 
     def __init__(self, gid: int, spec: GroupSpec, pool: BlockPool, block_size: int,
                  retention: int | None):
         super().__init__(gid, spec, pool, block_size)
+        assert spec.sliding_window is not None
         self.window = spec.sliding_window
         self.retention = retention
         # Cached blocks a hit needs in a row: those the next token's window reads.
@@ -169,8 +174,8 @@ class SlidingWindowGroup(FullAttentionGroup):
         out = [[self.pool.null_block] * n for _ in gids]
         run = 0
         for i in range(n - 1, -1, -1):
-            found = [self.pool.get_cached_block(hashes[i], g) for g in gids]
-            if None in found:
+            found = self.pool.get_cached_blocks(hashes[i], gids)
+            if found is None:
                 run = 0
                 continue
             for o, b in zip(out, found):

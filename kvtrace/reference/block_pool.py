@@ -15,9 +15,12 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from mypy_extensions import mypyc_attr
+
 from .interface import SchedulerAssertion
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)   # so a keyframe can rebuild it (snapshot.py)
 class Block:
     __slots__ = ("block_id", "ref_cnt", "block_hash", "hash_num_tokens", "hash_group", "prev",
                  "next")
@@ -35,6 +38,7 @@ class Block:
         return f"Block({self.block_id}, ref={self.ref_cnt})"
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)   # so a keyframe can rebuild it (snapshot.py)
 class FreeBlockQueue:
     """Doubly linked list of free blocks with O(1) removal from the middle."""
 
@@ -45,16 +49,18 @@ class FreeBlockQueue:
         self.append_n(blocks)
 
     def popleft_n(self, n: int) -> list[Block]:
-        out = []
+        out: list[Block] = []
         for _ in range(n):
             b = self.head.next
-            assert b is not self.tail, "free queue is empty"
+            assert b is not None and b is not self.tail, "free queue is empty"
             self.remove(b)
             out.append(b)
         return out
 
     def remove(self, b: Block) -> None:
-        b.prev.next, b.next.prev = b.next, b.prev
+        prev, next = b.prev, b.next
+        assert prev is not None and next is not None, "the block is not in the free queue"
+        prev.next, next.prev = next, prev
         b.prev = b.next = None
         self.num_free -= 1
 
@@ -67,22 +73,28 @@ class FreeBlockQueue:
 
     def append_n(self, blocks: list[Block]) -> None:
         for b in blocks:
-            self._insert_after(self.tail.prev, b)
+            last = self.tail.prev
+            assert last is not None
+            self._insert_after(last, b)
 
     def _insert_after(self, at: Block, b: Block) -> None:
-        b.prev, b.next = at, at.next
-        at.next.prev = b
+        next = at.next
+        assert next is not None
+        b.prev, b.next = at, next
+        next.prev = b
         at.next = b
         self.num_free += 1
 
     def ids(self) -> list[int]:
-        out, b = [], self.head.next
-        while b is not self.tail:
+        out: list[int] = []
+        b = self.head.next
+        while b is not None and b is not self.tail:
             out.append(b.block_id)
             b = b.next
         return out
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)   # so a keyframe can rebuild it (snapshot.py)
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool, free_uncached_to_head: bool = True):
         self.enable_caching = enable_caching
@@ -103,6 +115,17 @@ class BlockPool:
     def get_cached_block(self, block_hash: bytes, group: int = 0) -> Block | None:
         entry = (self.cached if group == 0 else self._hashes(group)).get(block_hash)
         return next(iter(entry.values())) if entry else None
+
+    def get_cached_blocks(self, block_hash: bytes, groups: list[int]) -> list[Block] | None:
+        """The block cached under ``block_hash`` in each of ``groups``; None
+        when one of them has none."""
+        found = []
+        for g in groups:
+            b = self.get_cached_block(block_hash, g)
+            if b is None:
+                return None
+            found.append(b)
+        return found
 
     def _hashes(self, group: int) -> dict[bytes, dict[int, Block]]:
         return self.cached if group == 0 else self.more_cached.setdefault(group, {})
@@ -128,7 +151,8 @@ class BlockPool:
 
     def free_blocks(self, ordered: Iterable[Block]) -> None:
         """Drop one reference from each block; ``ordered`` is in eviction order."""
-        to_head, to_tail = [], []
+        to_head: list[Block] = []
+        to_tail: list[Block] = []
         for b in ordered:
             b.ref_cnt -= 1
             if b.ref_cnt == 0 and b is not self.null_block:
@@ -194,7 +218,7 @@ class BlockPool:
                 runs[-1][1] += 1
             else:
                 runs.append([i, 1])
-        maps = [[0, self.cached], *([g, m] for g, m in self.more_cached.items())]
+        maps = [(0, self.cached), *self.more_cached.items()]
         return {
             "num_blocks": len(self.blocks), "enable_caching": self.enable_caching,
             "free_uncached_to_head": self.free_uncached_to_head,
@@ -209,10 +233,7 @@ class BlockPool:
     @classmethod
     def from_columns(cls, c: dict) -> "BlockPool":
         """The pool ``columns`` wrote."""
-        pool = cls.__new__(cls)
-        pool.enable_caching = c["enable_caching"]
-        pool.free_uncached_to_head = c["free_uncached_to_head"]
-        pool.blocks = [Block(i) for i in range(c["num_blocks"])]
+        pool = cls(c["num_blocks"], c["enable_caching"], c["free_uncached_to_head"])
         for b, n in zip(pool.blocks, c["ref_cnt"], strict=True):
             b.ref_cnt = n
         if sum(n for _, n in c["free"]) > len(pool.blocks):
@@ -220,7 +241,7 @@ class BlockPool:
         free = [i for first, n in c["free"] for i in range(first, first + n)]
         if len(set(free)) != len(free) or not all(0 <= i < len(pool.blocks) for i in free):
             raise ValueError("the free queue names a block twice, or one the pool lacks")
-        pool.free_queue = FreeBlockQueue([])
+        pool.free_queue.popleft_n(pool.free_queue.num_free)   # emptied, then refilled in order
         pool.free_queue.append_n([pool.blocks[i] for i in free])
         pool.null_block = pool.blocks[c["null_block"]]
         for i, h, num_tokens, group in c["hashed"]:

@@ -17,7 +17,10 @@ first request with more than one token to compute.
 
 from __future__ import annotations
 
+from mypy_extensions import mypyc_attr
 
+
+@mypyc_attr(allow_interpreted_subclasses=True)   # so a keyframe can rebuild it (snapshot.py)
 class PrefillCadence:
     def __init__(self, interval: int, local: bool):
         # The interval this scheduler applies itself (1: none).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from .profiles import DEFAULT, Profile
 
@@ -51,7 +52,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     max_num_scheduled_tokens: int | None = None
     watermark_blocks: int = 0
-    load_failure_policy: str = "fail"    # what a failed KV load does: "fail" or "recompute"
+    load_failure_policy: Literal["fail", "recompute"] = "fail"    # what a failed KV load does
     # Admit a waiting request only if its whole sequence fits, not just its first
     # chunk (vLLM's scheduler_reserve_full_isl, on by default).
     reserve_full_isl: bool = True

@@ -61,7 +61,7 @@ def extend_block_hashes(hashes: list[bytes], token_ids: list[int], block_size: i
     tokens after it, and exists only once they do."""
     for i in range(len(hashes), (len(token_ids) - lookahead) // block_size):
         parent = hashes[-1] if hashes else NONE_HASH
-        extra = ("cache_salt", cache_salt) if (i == 0 and cache_salt) else None
+        extra: tuple | None = ("cache_salt", cache_salt) if (i == 0 and cache_salt) else None
         if embeds is not None or lora is not None:
             extra = (lora, extra, None if embeds is None else embeds.key(i, block_size))
         if lookahead:

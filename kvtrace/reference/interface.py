@@ -7,6 +7,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from mypy_extensions import mypyc_attr
+
 from .request import PrefillStats, Request
 
 
@@ -95,6 +97,7 @@ class RequestOutput:
     legacy_counters: tuple[int, int] | None = None
 
 
+@mypyc_attr(native_class=False)   # compiled, an exception stays a Python class
 class SchedulerAssertion(AssertionError):
     """The engine itself would have failed an assertion here (for example a sync
     external hit that covers the whole prompt, S:1170). ``engine_error``: the

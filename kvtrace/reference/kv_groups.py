@@ -22,15 +22,20 @@ groups' in ``more_ids``.
 
 from __future__ import annotations
 
+from typing import Sequence
+
+from mypy_extensions import mypyc_attr
+
 from .attention_groups import FullAttentionGroup, SlidingWindowGroup
 from .block_pool import Block, BlockPool
 from .config import GroupSpec, SchedulerConfig
-from .kv_manager import KVCacheManager, cdiv
+from .kv_manager import KVCacheManager, PoolOperations, cdiv
 from .request import Request
 from .state_groups import StateGroup
 
 
-class GroupedKVCacheManager:
+@mypyc_attr(allow_interpreted_subclasses=True)   # so a keyframe can rebuild it (snapshot.py)
+class GroupedKVCacheManager(PoolOperations):
     """``KVCacheManager``'s answers over several groups (KC:95-460, KM:264-660)."""
 
     def __init__(self, config: SchedulerConfig):
@@ -97,12 +102,12 @@ class GroupedKVCacheManager:
             hit_length = length
             if simple:
                 break
+        out = tuple(h or [] for h in hits)
         for gids in self.lookup_order:
             if self._full_attention(gids):
                 for g in gids:
-                    del hits[g][cdiv(hit_length, self.groups[g].block_size):]
+                    del out[g][cdiv(hit_length, self.groups[g].block_size):]
         request.shared_prefix_boundary = longest if longest > hit_length else 0
-        out = tuple(h or [] for h in hits)
         return (out if any(out) else ()), hit_length
 
     def get_computed_blocks_for_connector(self, request: Request
@@ -164,8 +169,9 @@ class GroupedKVCacheManager:
 
     # -- allocation ------------------------------------------------------------
 
-    def _blocks_needed(self, req_id: str, num_tokens: int, hits: tuple, num_computed: int,
-                       admission: bool = False, main: int = 0, prefill_end: int = 0) -> int:
+    def _blocks_needed(self, req_id: str, num_tokens: int, hits: Sequence[list[Block]],
+                       num_computed: int, admission: bool = False, main: int = 0,
+                       prefill_end: int = 0) -> int:
         return sum(g.blocks_needed(req_id, num_tokens, hits[g.gid] if hits else [],
                                    num_computed, admission, main, prefill_end)
                    for g in self.groups)
@@ -193,7 +199,7 @@ class GroupedKVCacheManager:
         request: Request,
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
-        hits: tuple = (),
+        hits: Sequence[list[Block]] = (),
         num_external_computed_tokens: int = 0,
         delay_cache_blocks: bool = False,
         reserved_blocks: int = 0,
@@ -232,7 +238,8 @@ class GroupedKVCacheManager:
             self.cache_blocks(request, min(total + num_new_tokens, request.num_tokens))
         return new
 
-    def _admit_prefix(self, req_id: str, hits: tuple, num_local: int, num_external: int) -> None:
+    def _admit_prefix(self, req_id: str, hits: Sequence[list[Block]], num_local: int,
+                      num_external: int) -> None:
         """Every group adopts its hits before any takes blocks for the external
         tokens, so no pop evicts another group's hit (KC:245-292). A request
         the groups track already adopts and loads nothing."""
@@ -245,12 +252,6 @@ class GroupedKVCacheManager:
             for g in self.groups:
                 g.adopt_external(req_id, num_local, num_external)
 
-    # As with one group: the watermark, and the pool's own operations.
-    _watermark = KVCacheManager._watermark
-    free_blocks = KVCacheManager.free_blocks
-    reset_prefix_cache = KVCacheManager.reset_prefix_cache
-    evict_blocks = KVCacheManager.evict_blocks
-
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Make full blocks hash-visible in every group (KC:340-378); a
         sliding-window or state group keeps what a hit ending at the prompt's
@@ -262,7 +263,7 @@ class GroupedKVCacheManager:
             return
         if len(self.groups) > 1:
             num_tokens = num_tokens // self.block_size * self.block_size
-        boundaries = (request.num_prompt_tokens - 1,)
+        boundaries: tuple[int, ...] = (request.num_prompt_tokens - 1,)
         if request.shared_prefix_boundary:
             boundaries += (request.shared_prefix_boundary,)
         for g in self.groups:

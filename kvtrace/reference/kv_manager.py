@@ -7,16 +7,53 @@ tokens" into block-pool operations.
 
 from __future__ import annotations
 
+from typing import Any, Sequence
+
+from mypy_extensions import mypyc_attr
+
 from .block_pool import Block, BlockPool
 from .config import SchedulerConfig
 from .request import Request, Status
+
+# A request's blocks as the scheduler passes them from one call of its KV-cache
+# manager to another (a hit, an allocation's new blocks): a list with one
+# KV-cache group (this module), a tuple of a list per group with several
+# (kv_groups.py). The scheduler holds either manager and never looks inside.
+Blocks = Any
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class KVCacheManager:
+@mypyc_attr(allow_interpreted_subclasses=True)   # so a keyframe can rebuild it (snapshot.py)
+class PoolOperations:
+    """What the manager of one group and that of several (kv_groups.py)
+    share: the watermark, and the pool's own operations."""
+
+    pool: BlockPool
+    watermark_blocks: int
+
+    def _watermark(self, request: Request, has_scheduled_reqs: bool) -> int:
+        """Headroom kept free when admitting waiting or preempted requests (KM:509-516)."""
+        if self.watermark_blocks and has_scheduled_reqs and request.status in (Status.WAITING,
+                                                                               Status.PREEMPTED):
+            return self.watermark_blocks
+        return 0
+
+    def free_blocks(self, table: list[Block]) -> None:
+        """Release a table, tail first, so a chain's tail is evicted before its head."""
+        self.pool.free_blocks(reversed(table))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        self.pool.evict_blocks(block_ids)
+
+
+@mypyc_attr(allow_interpreted_subclasses=True)   # so a keyframe can rebuild it (snapshot.py)
+class KVCacheManager(PoolOperations):
     def __init__(self, config: SchedulerConfig):
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
@@ -65,7 +102,7 @@ class KVCacheManager:
     def new_step_starts(self) -> None:
         """Nothing to forget when a step starts (state groups have, kv_groups.py)."""
 
-    def _extend(self, req_id: str, table: list[Block], blocks: list[Block]) -> None:
+    def _extend(self, req_id: str, table: list[Block], blocks: Sequence[Block]) -> None:
         table.extend(blocks)
         self.req_to_ids.setdefault(req_id, []).extend(b.block_id for b in blocks)
 
@@ -75,7 +112,7 @@ class KVCacheManager:
 
     # -- allocation ------------------------------------------------------------
 
-    def num_blocks_to_allocate(self, req_id: str, num_tokens: int, hits: list[Block]) -> int:
+    def num_blocks_to_allocate(self, req_id: str, num_tokens: int, hits: Sequence[Block]) -> int:
         """New blocks needed for ``num_tokens`` slots, counting hits on free
         blocks, which leave the free queue too (ST:175-265)."""
         required = cdiv(num_tokens, self.block_size)
@@ -99,7 +136,7 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
-        hits: list[Block] = (),
+        hits: Sequence[Block] = (),
         num_external_computed_tokens: int = 0,
         delay_cache_blocks: bool = False,
         reserved_blocks: int = 0,
@@ -144,7 +181,7 @@ class KVCacheManager:
             self.cache_blocks(request, min(total + num_new_tokens, request.num_tokens))
         return new_blocks
 
-    def _admit_prefix(self, req_id: str, table: list[Block], hits: list[Block], local: int,
+    def _admit_prefix(self, req_id: str, table: list[Block], hits: Sequence[Block], local: int,
                       num_external: int) -> None:
         """First admission: adopt the hits, then give the external tokens blocks.
         All touches happen before any pop, so a pop cannot evict a hit. A request
@@ -184,13 +221,6 @@ class KVCacheManager:
             self.cache_blocks(request, min(total + num_new_tokens, request.num_tokens))
         return new_blocks
 
-    def _watermark(self, request: Request, has_scheduled_reqs: bool) -> int:
-        """Headroom kept free when admitting waiting or preempted requests (KM:509-516)."""
-        if self.watermark_blocks and has_scheduled_reqs and request.status in (Status.WAITING,
-                                                                               Status.PREEMPTED):
-            return self.watermark_blocks
-        return 0
-
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Make every full block among the first ``num_tokens`` tokens hash-visible."""
         if not self.enable_caching:
@@ -209,18 +239,8 @@ class KVCacheManager:
         """Release the table now."""
         self.free_blocks(self.pop_blocks(request))
 
-    def pop_blocks(self, request: Request) -> list:
+    def pop_blocks(self, request: Request) -> list[Block]:
         """Forget the request's table without freeing it; ``free_blocks`` later."""
         self.req_to_ids.pop(request.request_id, None)
         self.num_cached_block.pop(request.request_id, None)
         return self.req_to_blocks.pop(request.request_id, [])
-
-    def free_blocks(self, table: list) -> None:
-        """Release a table, tail first, so a chain's tail is evicted before its head."""
-        self.pool.free_blocks(reversed(table))
-
-    def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
-
-    def evict_blocks(self, block_ids: set[int]) -> None:
-        self.pool.evict_blocks(block_ids)

@@ -5,12 +5,16 @@ scheduling (semantics doc 3, 7; S:2759-2801, S:3123-3356)."""
 
 from __future__ import annotations
 
+from mypy_extensions import mypyc_attr
+
+from .async_output import AsyncOutput
 from .interface import ModelOutput, SchedulerAssertion, in_order
 from .request import Request, Status
 
 
-class KVTransfer:
-    """Mixed into the Scheduler: its config, connector, KV manager and queues are ``self``'s."""
+@mypyc_attr(allow_interpreted_subclasses=True)
+class KVTransfer(AsyncOutput):
+    """A part of the Scheduler (feature.py): its config, connector, KV manager and queues are ``self``'s."""
 
     # ---------------------------------------------------------------- lookups and loads
 

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mypy_extensions import mypyc_attr
+
 from .interface import ModelOutput, RequestOutput, in_order
 from .request import FINISH_REASONS, Request, Status, check_stop
+from .speculative import SpeculativeDecoding
 
 
 @dataclass(slots=True)
@@ -21,8 +24,9 @@ class Stopped:
     continuing: list[Request] = field(default_factory=list)
 
 
-class Outputs:
-    """Mixed into the Scheduler: its config, queues and KV manager are ``self``'s."""
+@mypyc_attr(allow_interpreted_subclasses=True)
+class Outputs(SpeculativeDecoding):
+    """A part of the Scheduler (feature.py): its config, queues and KV manager are ``self``'s."""
 
     def _request_output(self, req_id: str, n: int, spec: dict[str, list[int]], model: ModelOutput,
                         failed: set[str], stopped: Stopped) -> RequestOutput | None:

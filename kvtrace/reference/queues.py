@@ -65,7 +65,9 @@ class PriorityQueue:
     def peek(self) -> Request:
         return self._heap[0]
 
-    prepend = add
+    def prepend(self, r: Request) -> None:
+        """By priority, as any other: the heap has no head to put it at."""
+        self.add(r)
 
     def prepend_all(self, rs: Iterable[Request]) -> None:
         for r in rs:
@@ -85,5 +87,5 @@ class PriorityQueue:
         return iter(sorted(self._heap))
 
 
-def make_queue(policy: str):
+def make_queue(policy: str) -> FCFSQueue | PriorityQueue:
     return PriorityQueue() if policy == "priority" else FCFSQueue()

@@ -245,6 +245,11 @@ class Request:
         return ((self.priority, self.arrival_time, self.request_id)
                 < (other.priority, other.arrival_time, other.request_id))
 
+    def __hash__(self) -> int:
+        """By identity, as a plain object (sets of requests). Compiled, a class
+        that orders its objects hashes them only when it says so."""
+        return object.__hash__(self)
+
 
 @dataclass(frozen=True, slots=True)
 class StreamingUpdate:

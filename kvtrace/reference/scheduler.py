@@ -18,8 +18,8 @@ The waiting pass's admissions (admission.py) and what an output does to each
 request (output.py) are a call away, and so is each feature: speculative
 decoding (speculative.py), KV transfer (kv_transfer.py), async scheduling's
 output placeholders (async_output.py) and streaming-input sessions
-(sessions.py), each a class mixed in here. The rules that differ between
-releases are switches of the config's profile (profiles.py).
+(sessions.py), each a class the Scheduler builds on (feature.py). The rules
+that differ between releases are switches of the config's profile (profiles.py).
 docs/design/reference.md tells the whole story.
 
 Methods whose names start with ``_`` and are listed under "rules" are the
@@ -30,8 +30,9 @@ from __future__ import annotations
 
 from collections import deque
 
+from mypy_extensions import mypyc_attr
+
 from .admission import Admission, Skipped
-from .async_output import AsyncOutput
 from .block_pool import Block
 from .cache_stats import ConnectorCacheStats
 from .cadence import PrefillCadence
@@ -39,20 +40,19 @@ from .config import SchedulerConfig
 from .interface import (Connector, ModelOutput, RequestOutput, ScheduledRequest, SchedulerAssertion,
                         SchedulerOutput)
 from .kv_groups import GroupedKVCacheManager
-from .kv_manager import KVCacheManager
-from .kv_transfer import KVTransfer
-from .output import Outputs, Stopped
+from .kv_manager import Blocks, KVCacheManager
+from .output import Stopped
 from .queues import make_queue
 from .request import Request, Status
-from .sessions import Sessions
-from .speculative import SpeculativeDecoding
 from .state_groups import StateSplit
 from .step import StepPlan
 
 __all__ = ["Scheduler", "SchedulerAssertion"]
 
 
-class Scheduler(Admission, Outputs, SpeculativeDecoding, KVTransfer, AsyncOutput, Sessions):
+# The embedded engine's faults and tests subclass it, overriding its rules.
+@mypyc_attr(allow_interpreted_subclasses=True)
+class Scheduler(Admission):
     """vLLM V1's scheduler: ``schedule()`` and ``update_from_output()`` over
     requests, a KV cache manager and an optional connector."""
 
@@ -230,7 +230,7 @@ class Scheduler(Admission, Outputs, SpeculativeDecoding, KVTransfer, AsyncOutput
             i += 1
 
     def _allocate_preempting(self, r: Request, n: int, i: int,
-                             step: StepPlan) -> tuple[list[Block] | None, int]:
+                             step: StepPlan) -> tuple[Blocks | None, int]:
         """Blocks for ``n`` more tokens of ``r``, the i-th running request,
         preempting victims until they fit or ``r`` is the victim; and where the
         running pass goes on (a victim before ``r`` moves it back)."""
@@ -301,7 +301,7 @@ class Scheduler(Admission, Outputs, SpeculativeDecoding, KVTransfer, AsyncOutput
                                     step.num_scheduled[r.request_id], block_ids, more)
 
         kv = self.kv
-        if self.kv_groups:   # several KV-cache groups: the others' tables too
+        if isinstance(kv, GroupedKVCacheManager):   # several KV-cache groups: the others' tables too
             running = [entry(r, *kv.split_ids(step.new_blocks[r.request_id])) for r in step.running]
         else:
             running = [entry(r, [b.block_id for b in step.new_blocks[r.request_id]])
@@ -343,7 +343,7 @@ class Scheduler(Admission, Outputs, SpeculativeDecoding, KVTransfer, AsyncOutput
 
     # ------------------------------------------------------------------ rules
 
-    def _local_prefix_hit(self, r: Request) -> tuple[list[Block], int]:
+    def _local_prefix_hit(self, r: Request) -> tuple[Blocks, int]:
         """A fresh local lookup against the live prefix cache."""
         return self.kv.get_computed_blocks(r)
 

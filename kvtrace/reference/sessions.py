@@ -7,12 +7,16 @@ of its input comes (S:2465-2491, S:2616-2628)."""
 
 from __future__ import annotations
 
+from mypy_extensions import mypyc_attr
+
+from .feature import SchedulerFeature
 from .interface import SchedulerAssertion
 from .request import Request, Status, StreamingUpdate
 
 
-class Sessions:
-    """Mixed into the Scheduler: its config and queues are ``self``'s."""
+@mypyc_attr(allow_interpreted_subclasses=True)
+class Sessions(SchedulerFeature):
+    """A part of the Scheduler (feature.py): its config and queues are ``self``'s."""
 
     def _add_to_session(self, session: Request, request: Request) -> None:
         """A live session's next chunk (or the end of its input): taken at once

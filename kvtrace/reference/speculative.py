@@ -4,12 +4,16 @@ rejects (semantics doc 2.1, S:861-876, S:1131-1153, S:2110-2128)."""
 
 from __future__ import annotations
 
+from mypy_extensions import mypyc_attr
+
+from .kv_transfer import KVTransfer
 from .request import Request
 from .step import StepPlan
 
 
-class SpeculativeDecoding:
-    """Mixed into the Scheduler: its config and requests are ``self``'s."""
+@mypyc_attr(allow_interpreted_subclasses=True)
+class SpeculativeDecoding(KVTransfer):
+    """A part of the Scheduler (feature.py): its config and requests are ``self``'s."""
 
     def update_draft_token_ids(self, drafts: dict[str, list[int]]) -> None:
         """The drafts the model proposed after an output: each live request keeps

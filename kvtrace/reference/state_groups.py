@@ -35,6 +35,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mypy_extensions import mypyc_attr
+
 from .block_pool import Block, BlockPool
 from .config import GroupSpec, SchedulerConfig
 from .attention_groups import FullAttentionGroup
@@ -63,6 +65,7 @@ def checkpoint_fits(start: int, end: int, position: int, block_size: int,
             and (position - start) % alignment == 0)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)   # so a keyframe can rebuild it (snapshot.py)
 class StateGroup(FullAttentionGroup):
     """One state group's tables (MambaManager, ST:1415-2115). Only the state
     of the last computed token is needed: ``skipped_tokens`` is all but one
@@ -75,6 +78,7 @@ class StateGroup(FullAttentionGroup):
                  retention: int | None, rekeys_boundary_state: bool):
         super().__init__(gid, spec, pool, block_size)
         state = spec.state
+        assert state is not None
         self.align = state.mode == "align"
         self.spec_blocks = state.speculative_blocks
         self.has_checkpoints = self.align and state.checkpoint_blocks > 0
@@ -106,8 +110,8 @@ class StateGroup(FullAttentionGroup):
         ``max_length`` tokens, null blocks before it (ST:1505-1531)."""
         null = self.pool.null_block
         for i in range(max_length // self.block_size - 1, -1, -1):
-            found = [self.pool.get_cached_block(hashes[i], g) for g in gids]
-            if None not in found:
+            found = self.pool.get_cached_blocks(hashes[i], gids)
+            if found is not None:
                 return [[null] * i + [b] for b in found], (i + 1) * self.block_size
         return [[] for _ in gids], 0
 
@@ -271,6 +275,8 @@ class StateGroup(FullAttentionGroup):
         return super().pop(req_id)
 
 
+# The embedded engine's state-chunk-off-boundary fault overrides its split.
+@mypyc_attr(allow_interpreted_subclasses=True)
 @dataclass(frozen=True, slots=True)
 class StateSplit:
     """The scheduler's split of prefill chunks with state groups in align

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .block_pool import Block
+from .kv_manager import Blocks
 from .request import Request
 
 
@@ -21,7 +21,7 @@ class StepPlan:
     new: list[Request] = field(default_factory=list)
     resumed: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    new_blocks: dict[str, list[Block]] = field(default_factory=dict)   # running requests only
+    new_blocks: dict[str, Blocks] = field(default_factory=dict)   # running requests only
     num_scheduled: dict[str, int] = field(default_factory=dict)
     spec: dict[str, list[int]] = field(default_factory=dict)   # drafts scheduled
     prefill_scheduled: bool = False     # the running pass scheduled a prefill chunk

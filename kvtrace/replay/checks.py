@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from kvtrace.findings import Divergence
+from kvtrace.findings import Divergence, DivergenceKind
 from kvtrace.reference import Request, RequestOutput, Scheduler, SchedulerOutput, Status
 from kvtrace.reference.request import LegacyAdmission
 from kvtrace.trace import events as ev
@@ -67,6 +67,7 @@ def _compare_scheduled(rec: ev.Step, out: SchedulerOutput, d, grouped: bool = Fa
     """Request by request, whatever the order: what differs, and where. With
     KV-cache groups (``grouped``), a table that holds the null block differs
     under the groups' rule."""
+    recorded: dict[str, tuple[str, ev.ScheduledNew | ev.ScheduledRunning]]
     recorded = {s.req: ("new", s) for s in rec.new}
     recorded.update({s.req: ("resumed", s) for s in rec.resumed})
     recorded.update({s.req: ("running", s) for s in rec.running})
@@ -90,7 +91,7 @@ def _compare_scheduled(rec: ev.Step, out: SchedulerOutput, d, grouped: bool = Fa
               "2.1/2.2: chunk = min(remaining, threshold, token budget)")
         if rq != eq:
             d(req, "queue", rq, eq, "2.3: new, resumed or running")
-        rec_blocks = rs.block_ids if rq != "running" else rs.new_block_ids
+        rec_blocks = rs.new_block_ids if isinstance(rs, ev.ScheduledRunning) else rs.block_ids
         if rec_blocks != es.block_ids:
             field = "block_ids" if rq != "running" else "new_block_ids"
             d(req, field, rec_blocks, es.block_ids,
@@ -137,7 +138,7 @@ def compare_states(step: int, states: list[ev.RequestState], sched: Scheduler,
             if g != w:
                 if field == "state.block_ids" and blocks and r.is_finished:
                     rule = _DELAYED_FREE_RULE
-                elif field == "state.block_ids" and more is not None and (0 in g or 0 in w):
+                elif field == "state.block_ids" and more is not None and (0 in s.block_ids or 0 in blocks):
                     rule = _GROUPS_RULE
                 divs.append(Divergence(step, s.req, field, g, w, rule, kind, seq, line))
     return divs
@@ -148,7 +149,7 @@ _STATE_FIELDS = ("status", "state.num_computed_tokens", "num_tokens", "num_preem
                  "state.block_ids")
 _STATE_RULES = ("1.4: status transitions", "1.3: every write to num_computed_tokens",
                 "1.1: num_tokens = prompt + outputs", "I6", "4.5/4.7: the block table")
-_STATE_KINDS = ("counter", "counter", "counter", "counter", "block")
+_STATE_KINDS: tuple[DivergenceKind, ...] = ("counter", "counter", "counter", "counter", "block")
 _GROUPS_RULE = ("4.9: each KV-cache group's table: blocks before a sliding window, and "
                 "states before a request's last, are given back as the null block 0, a hit "
                 "holds in every group")
@@ -297,8 +298,9 @@ def _legacy_invariants(lg: ev.LegacyCounters, expected: RequestOutput | None, re
           f"token is recomputed), so local_cache_hit ({nc + rec_ - ne}) >= 0 "
           f"(PR #36752){_lookups_named(nc, ne, ref)}", "invariant")
     elif P is not None and nc + rec_ > P:
-        fits = want is not None and 0 <= want[0] <= P   # recomputed is 1 only at P - 1
-        d("legacy.num_cached_tokens", nc, want[0] if fits and want[0] != nc else f"<= {P - rec_}",
+        w = want[0] if want is not None else None   # recomputed is 1 only at P - 1
+        fits = w is not None and 0 <= w <= P and w != nc
+        d("legacy.num_cached_tokens", nc, w if fits else f"<= {P - rec_}",
           "L4: num_cached_tokens + recomputed <= prompt_len", "invariant")
     else:
         return False
@@ -444,7 +446,7 @@ def _scheduled_tokens(rec: ev.Step, cfg: ev.SchedulerConfig, d) -> dict[str, int
     """I5: the step schedules no more tokens than its budget, more than none
     to each request it schedules, and each request once. Returns the tokens
     scheduled, per request."""
-    scheduled = [*rec.new, *rec.resumed, *rec.running]
+    scheduled: list[ev.ScheduledNew | ev.ScheduledRunning] = [*rec.new, *rec.resumed, *rec.running]
     sched = {s.req: s.num_scheduled_tokens for s in scheduled}
     total = sum(sched.values())
     budget = cfg.max_num_scheduled_tokens or cfg.max_num_batched_tokens

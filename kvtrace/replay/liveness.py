@@ -201,6 +201,7 @@ class ProgressWatch:
                 f"liveness: {stuck.request_id} is running, yet nothing is scheduled "
                 f"(num_computed_tokens {stuck.num_computed_tokens} of {stuck.num_tokens} tokens, "
                 f"{stuck.num_output_placeholders} output placeholders)", "invariant", seq, line)]
+        assert head is not None
         free = sched.kv.pool.num_free_blocks
         reserved = sum(sched.kv.remaining_blocks(r) for r in sched.inflight_prefills)
         drafts = sched.spec_decode_step_blocks()

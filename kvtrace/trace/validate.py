@@ -33,6 +33,9 @@ from __future__ import annotations
 
 from collections import deque
 from operator import attrgetter
+from typing import Final
+
+from mypy_extensions import mypyc_attr
 
 from . import events as ev
 from .events import SchemaError, clip
@@ -57,8 +60,8 @@ class FinishedRequests:
     then read, and replay reports the request as unknown to the reference rather
     than the file as unusable."""
 
-    BITS = 1 << 23
-    PROBES = 4
+    BITS: Final = 1 << 23
+    PROBES: Final = 4
 
     def __init__(self) -> None:
         self.bits = bytearray(self.BITS >> 3)
@@ -78,6 +81,7 @@ class FinishedRequests:
         return all(bits[i >> 3] >> (i & 7) & 1 for i in self._probes(req))
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)   # so a keyframe can rebuild it (snapshot.py)
 class Validator:
     def __init__(self, header: ev.Header):
         cfg = header.config
@@ -188,12 +192,12 @@ class Validator:
                     self._blocks(x.block_ids, f"{name}.block_ids")
                     self._groups(x.more_groups, f"{name}.more_groups")
         if s.running and not self._fine(s.running, _NEW_COUNTS, _RUNNING_BLOCKS):
-            for x in s.running:
-                self._known(x.req, "running.req")
-                self._tokens(x.num_computed_tokens, "running.num_computed_tokens")
-                self._tokens(x.num_scheduled_tokens, "running.num_scheduled_tokens")
-                self._blocks(x.new_block_ids, "running.new_block_ids")
-                self._groups(x.more_groups, "running.more_groups")
+            for r in s.running:
+                self._known(r.req, "running.req")
+                self._tokens(r.num_computed_tokens, "running.num_computed_tokens")
+                self._tokens(r.num_scheduled_tokens, "running.num_scheduled_tokens")
+                self._blocks(r.new_block_ids, "running.new_block_ids")
+                self._groups(r.more_groups, "running.more_groups")
         for req in s.preempted:
             self._known(req, "preempted")
         for req in s.finished:

@@ -221,12 +221,12 @@ def test_requests_preempted_again_and_again_are_named(preemption_loop):
     assert all(d.field == "progress" and "preempted again and again" in d.rule for d in divs)
 
 
-class _Step:
-    """What the liveness watch reads of a scheduler output."""
+def _Step(preempted=(), finished=()):
+    """A scheduler output as the liveness watch reads it: something runs (no
+    stall), ``preempted`` were preempted and ``finished`` finished."""
+    from kvtrace.reference import SchedulerOutput
 
-    def __init__(self, preempted=(), finished=()):
-        self.preempted_req_ids, self.finished_req_ids = set(preempted), set(finished)
-        self.num_scheduled_tokens = {"other": 1}   # something runs: no stall
+    return SchedulerOutput([], [], [], {"other": 1}, set(preempted), set(finished))
 
 
 def test_a_request_preempted_often_that_then_gets_through_is_not_a_loop():
@@ -237,15 +237,19 @@ def test_a_request_preempted_often_that_then_gets_through_is_not_a_loop():
     back. "aborted" finishes without one, and "looping" is still going when
     the trace ends: their reports stand, at the step of their LIMIT-th
     preemption."""
+    from kvtrace.reference import Scheduler, SchedulerConfig
     from kvtrace.replay.liveness import PREEMPT_LIMIT, ProgressWatch
 
+    # The watch reads the scheduler only in a step that schedules nothing.
+    sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=16, max_num_batched_tokens=64,
+                                      max_num_seqs=2, max_model_len=128))
     watch, found = ProgressWatch(), []
     names = ("looping", "thrash", "aborted")
     for step in range(PREEMPT_LIMIT + 2):
         due = [n for i, n in enumerate(names) if step >= i]
-        found += watch.after_schedule(step, _Step(preempted=due), None, None, None)
+        found += watch.after_schedule(step, _Step(preempted=due), sched, None, None)
         watch.after_output(set(), set(), {})
-    found += watch.after_schedule(PREEMPT_LIMIT + 2, _Step(finished=["aborted"]), None, None, None)
+    found += watch.after_schedule(PREEMPT_LIMIT + 2, _Step(finished=["aborted"]), sched, None, None)
     watch.after_output(set(), set(), {"thrash": [7], "aborted": [9]})   # "aborted" is gone
     assert [(d.step, d.req, d.field) for d in found] == [
         (PREEMPT_LIMIT - 1, "looping", "progress"), (PREEMPT_LIMIT, "thrash", "progress"),

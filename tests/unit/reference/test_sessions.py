@@ -75,9 +75,9 @@ def test_the_flag_must_be_a_boolean(tmp_path, capsys):
 B = 4
 
 
-def _scheduler(max_num_seqs: int = 2) -> Scheduler:
-    return Scheduler(SchedulerConfig(block_size=B, num_blocks=16, max_num_batched_tokens=64,
-                                     max_num_seqs=max_num_seqs, max_model_len=128))
+def _scheduler(max_num_seqs: int = 2, cls: type[Scheduler] = Scheduler) -> Scheduler:
+    return cls(SchedulerConfig(block_size=B, num_blocks=16, max_num_batched_tokens=64,
+                               max_num_seqs=max_num_seqs, max_model_len=128))
 
 
 def _chunk(rid: str, tokens: list[int], resumable: bool = True, max_tokens: int = 3) -> Request:
@@ -166,12 +166,19 @@ def test_requests_held_back_by_waiting_sessions_are_not_a_stall():
     wait with a slot free is (the control)."""
     from kvtrace.replay.liveness import ProgressWatch
 
+    class Stuck(Scheduler):
+        admits = True
+
+        def _schedule_waiting(self, step) -> None:
+            if self.admits:
+                super()._schedule_waiting(step)
+
     for max_num_seqs, stalls in ((1, 0), (2, 1)):
-        s = _scheduler(max_num_seqs=max_num_seqs)
+        s = _scheduler(max_num_seqs, Stuck)
         _first_turn(s, list(range(10, 18)))
         s.add_request(_chunk("other", [1, 2, 3], resumable=False))
         if max_num_seqs == 2:   # the control: "other" is ready, yet never admitted
-            s._schedule_waiting = lambda step: None
+            s.admits = False
         watch, found = ProgressWatch(limit=8), []
         for step in range(20):
             out = s.schedule()
