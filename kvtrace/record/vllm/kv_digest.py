@@ -16,9 +16,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import threading
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
 
 if TYPE_CHECKING:
@@ -61,10 +58,7 @@ class BlockDigests:
         # Two buffers per block size, in 64-bit words, of as many blocks as
         # the largest call so far (a power of 2, up to _BATCH), kept: the
         # mix runs in place in them, allocating nothing per call.
-        self._buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        # On the CPU: a pool of threads, each with its own chunk buffers.
-        self._threads: ThreadPoolExecutor | None = None
-        self._local = threading.local()
+        self._buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _w(self, n: int) -> torch.Tensor:
         w = self._weights.get(n)
@@ -87,10 +81,9 @@ class BlockDigests:
         torch = self.torch
         idx = torch.as_tensor(blocks, dtype=torch.int64, device=self.device)
         if self.device.type == "cpu":
-            # The layers on as many threads as torch uses (NumPy and torch
-            # let go of the GIL while they run), each in chunks in its cache.
-            sums = list(self._pool().map(lambda layer: self._layer_sums_cpu(*layer, idx),
-                                         self.layers))
+            # One thread: on two threads the passes share the caches and
+            # ran slower (bench/kv_audit.py).
+            sums = [self._layer_sums_cpu(t, dim, idx) for t, dim in self.layers]
         else:
             sums = [None] * len(self.layers)
         acc = None
@@ -99,12 +92,6 @@ class BlockDigests:
                 s = self._layer_sums(t, dim, idx)
             acc = s if acc is None else acc * _FOLD + s
         return acc.tolist()
-
-    def _pool(self) -> ThreadPoolExecutor:
-        if self._threads is None:
-            self._threads = ThreadPoolExecutor(max(1, min(self.torch.get_num_threads(), 8)),
-                                               thread_name_prefix="kvtrace-digest")
-        return self._threads
 
     def _layer_sums(self, t: torch.Tensor, dim: int, idx: torch.Tensor) -> torch.Tensor:
         """Each block's sum of its mixed words in one layer, in torch (any
@@ -142,10 +129,9 @@ class BlockDigests:
         src = t.view(parts, t.shape[dim], -1).view(torch.int64)
         n = len(idx)
         step = max(1, min(n, self._CHUNK_WORDS // (parts * words)))
-        mine = self._local.__dict__.setdefault("buffers", {})   # this thread's
-        bufs = mine.get((parts, words))
+        bufs = self._buffers.get(("cpu", parts, words))
         if bufs is None or bufs[0].numel() < parts * step * words:
-            bufs = mine[(parts, words)] = tuple(
+            bufs = self._buffers[("cpu", parts, words)] = tuple(
                 torch.empty(parts * step * words, dtype=torch.int64) for _ in range(2))
         w = self._w(parts * words).numpy().view(np.uint64).reshape(parts, 1, words)
         sums = np.empty(n, dtype=np.uint64)
