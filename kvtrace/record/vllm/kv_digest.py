@@ -55,10 +55,11 @@ class BlockDigests:
             self.layers.append((t, dims[0]))
         self.device = self.layers[0][0].device
         self._weights: dict[int, torch.Tensor] = {}
-        # Two buffers per block size, in 64-bit words, of as many blocks as
-        # the largest call so far (a power of 2, up to _BATCH), kept: the
-        # mix runs in place in them, allocating nothing per call.
-        self._buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Two buffers per layout (parts, words), of 64-bit words, kept: the
+        # mix runs in place in them, allocating nothing per call. On CUDA
+        # they hold a call's blocks (a power of 2 of them, up to _BATCH); on
+        # the CPU a chunk's.
+        self._buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _w(self, n: int) -> torch.Tensor:
         w = self._weights.get(n)
@@ -121,18 +122,13 @@ class BlockDigests:
         shift is one pass there; torch has no unsigned shift on the CPU).
         None for a layout the chunks cannot read (bytes no multiple of 8)."""
         torch = self.torch
-        parts = 1 if dim == 0 else int(t.shape[0])
-        nbytes = t.numel() // (parts * t.shape[dim]) * t.element_size()   # a part of a block
-        if not t.is_contiguous() or nbytes % 8:
+        parts, words = _layout(t, dim)
+        if words is None:
             return None
-        words = nbytes // 8
         src = t.view(parts, t.shape[dim], -1).view(torch.int64)
         n = len(idx)
         step = max(1, min(n, self._CHUNK_WORDS // (parts * words)))
-        bufs = self._buffers.get(("cpu", parts, words))
-        if bufs is None or bufs[0].numel() < parts * step * words:
-            bufs = self._buffers[("cpu", parts, words)] = tuple(
-                torch.empty(parts * step * words, dtype=torch.int64) for _ in range(2))
+        bufs = self._scratch(parts, words, step)
         w = self._w(parts * words).numpy().view(np.uint64).reshape(parts, 1, words)
         sums = np.empty(n, dtype=np.uint64)
         for at in range(0, n, step):
@@ -152,23 +148,26 @@ class BlockDigests:
             sums[at:at + k] = x.sum(axis=(0, 2), dtype=np.uint64)
         return torch.from_numpy(sums.view(np.int64))
 
+    def _scratch(self, parts: int, words: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two kept buffers of a layout, grown to hold ``rows`` blocks."""
+        bufs = self._buffers.get((parts, words))
+        if bufs is None or bufs[0].numel() < parts * rows * words:
+            bufs = self._buffers[(parts, words)] = tuple(
+                self.torch.empty(parts * rows * words, dtype=self.torch.int64, device=self.device)
+                for _ in range(2))
+        return bufs
+
     def _words(self, t: torch.Tensor, dim: int,
                idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The blocks ``idx`` of one layer as 64-bit words, ``[parts, blocks,
         words]`` (a copy), and a scratch buffer of the same shape."""
         torch = self.torch
         n = len(idx)
-        parts = 1 if dim == 0 else int(t.shape[0])
-        nbytes = t.numel() // (parts * t.shape[dim]) * t.element_size()   # a part of a block
-        if t.is_contiguous() and nbytes % 8 == 0:
-            words = nbytes // 8
+        parts, words = _layout(t, dim)
+        if words is not None:
             need = parts * n * words
-            bufs = self._buffers.get((parts, words))
-            if bufs is None or bufs[0].numel() < need:   # grown to the largest call, up to _BATCH
-                rows = min(_BATCH, 1 << (n - 1).bit_length())
-                bufs = self._buffers[(parts, words)] = tuple(
-                    torch.empty(parts * rows * words, dtype=torch.int64, device=self.device)
-                    for _ in range(2))
+            # grown to the largest call, up to _BATCH
+            bufs = self._scratch(parts, words, min(_BATCH, 1 << (n - 1).bit_length()))
             x = bufs[0][:need].view(parts, n, words)
             torch.index_select(t.view(parts, t.shape[dim], -1).view(torch.int64), 1, idx, out=x)
             return x, bufs[1][:need].view(parts, n, words)
@@ -178,6 +177,15 @@ class BlockDigests:
         x = x.contiguous().view(torch.uint8).reshape(n, -1)
         x = x.view(torch.int64) if x.shape[1] % 8 == 0 else x.to(torch.int64)
         return x.unsqueeze(0), torch.empty_like(x).unsqueeze(0)
+
+
+def _layout(t: torch.Tensor, dim: int) -> tuple[int, int | None]:
+    """A layer's blocks as parts (1 where the blocks come first, K and V
+    where they come second) of 64-bit words: (parts, words a part), words
+    None where a part is no whole number of words or the tensor has gaps."""
+    parts = 1 if dim == 0 else int(t.shape[0])
+    nbytes = t.numel() // (parts * t.shape[dim]) * t.element_size()   # a part of a block
+    return parts, (nbytes // 8 if t.is_contiguous() and nbytes % 8 == 0 else None)
 
 
 def kv_layers(conn: KVConnectorBase_V1, names: list[str] | None = None) -> list[torch.Tensor]:
