@@ -458,18 +458,9 @@ class _Differ:
                 if spec and req in spec:   # the drafts scheduled (speculative decoding)
                     names += ("spec",)
                     v += (spec[req],)
-                if h.done:
-                    continue
-                q = h.channels["schedule"]
-                other = pair.b if is_a else pair.a
-                oq = None if other is None else other.channels["schedule"]
-                if oq and not q and oq[0].values == v and oq[0].names == names:
-                    oq.popleft()   # _compare's first case, without making the item
-                    pair.compared["schedule"] += 1
-                    continue
-                q.append(_Item(step, seq, line, names, v, (n, _SCHEDULE_RANK)))
-                if oq:
-                    self._compare(pair, "schedule")
+                if not h.done:
+                    self._push_values(pair, h, is_a, "schedule", step, seq, line, names, v,
+                                      (n, _SCHEDULE_RANK))
         sched_at[step] = at
 
     def _on_output(self, side: _Side, ev: Output, line: int) -> None:
@@ -494,20 +485,10 @@ class _Differ:
                     st.num_preemptions, [st.block_ids, *more] if more and any(more) else st.block_ids)
             if req in rejected:   # a structured output's grammar refused the tokens
                 names, v = names + ("grammar_rejected",), v + (True,)
-            if h.done:   # pushed as _push does (inline)
-                continue
-            q = h.channels["output"]
-            other = pair.b if is_a else pair.a
-            oq = None if other is None else other.channels["output"]
-            if oq and not q and oq[0].values == v and oq[0].names == names:
-                oq.popleft()   # _compare's first case, without making the item
-                pair.compared["output"] += 1
-                continue
-            n = h.n_sched
-            rank = _STALE_OUTPUT if h.preempted_after == n else _OUTPUT_RANK
-            q.append(_Item(step, seq, line, names, v, (n, rank)))
-            if oq:
-                self._compare(pair, "output")
+            if not h.done:
+                n = h.n_sched
+                rank = _STALE_OUTPUT if h.preempted_after == n else _OUTPUT_RANK
+                self._push_values(pair, h, is_a, "output", step, seq, line, names, v, (n, rank))
         if ev.connector is not None:
             for what in ("finished_recving", "failed_recving"):
                 for req in getattr(ev.connector, what):
@@ -567,6 +548,22 @@ class _Differ:
         pair, h = self._pair_hist(side, req)
         if h is not None:
             self._push(pair, h, channel, item)
+
+    def _push_values(self, pair: _Pair, h: _History, is_a: bool, channel: str, step: int,
+                     seq: int, line: int, names: tuple, values: tuple, pos: tuple) -> None:
+        """``_push`` for a schedule or an output, the most frequent items, of a
+        history not done, at ``pos``: where the other side already waits with
+        the same values, the pair is compared without making the item."""
+        q = h.channels[channel]
+        other = pair.b if is_a else pair.a
+        oq = None if other is None else other.channels[channel]
+        if oq and not q and oq[0].values == values and oq[0].names == names:
+            oq.popleft()   # _compare's first case
+            pair.compared[channel] += 1
+            return
+        q.append(_Item(step, seq, line, names, values, pos))
+        if oq:
+            self._compare(pair, channel)
 
     def _push(self, pair: _Pair, h: _History, channel: str, item: _Item) -> None:
         """Add ``item`` to ``h``, the history of one side of ``pair``, and compare
