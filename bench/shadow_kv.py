@@ -38,7 +38,7 @@ import time
 
 import torch
 
-from kvtrace.replay.kv_content.core import ShadowCore
+from kvtrace.replay.kv_content.core import ShadowCore, Table
 from kvtrace.replay.kv_content.device import open_shadow
 from kvtrace.replay.kv_content.torch_backend import pick_device
 
@@ -186,7 +186,7 @@ def run_full_check(num_blocks: int, B: int, dev: str, reps: int) -> tuple[float,
     per = (num_blocks - 1) // nreq
     sched = []
     for k in range(nreq):
-        table = list(range(1 + k * per, 1 + (k + 1) * per))
+        table = Table(range(1 + k * per, 1 + (k + 1) * per))   # as the check keeps tables
         s.add_request(f"f{k}", [rng.randrange(1, 32000) for _ in range(per * B)])
         sched.append((f"f{k}", 0, per * B, table))
     s.step(0, [], sched)                                            # write everything once

@@ -55,6 +55,7 @@ from kvtrace.trace import events as ev
 
 from ..checks import admitted_hits
 from .states import StateLayout, StateModel
+from .core import Table
 from .device import open_shadow
 
 
@@ -170,11 +171,11 @@ class ContentCheck:
         self.states = StateModel([s for s in layouts if s]) if any(layouts) else None
         self.attention = [g for g in range(len(self.windows)) if not any(layouts) or not layouts[g]]
         self.more_attention = [g for g in self.attention if g]
-        self.more_tables: dict[str, list[list[int]]] = {}   # groups 1, 2, ...: their tables
+        self.more_tables: dict[str, list[Table]] = {}   # groups 1, 2, ...: their tables
         self.block_size = cfg.block_size
         self.has_connector = cfg.connector is not None
         self.max_model_len = cfg.max_model_len
-        self.tables: dict[str, list[int]] = {}     # the engine's table per live request
+        self.tables: dict[str, Table] = {}     # the engine's table per live request
         self.reads_no_cache: set[str] = set()       # live requests that skip the prefix cache
         # Live streaming-input sessions: the chunks given and not taken yet (None:
         # the end of the input), and those waiting for their next chunk.
@@ -309,13 +310,16 @@ class ContentCheck:
         kv = self.kv   # a request that finished (or never arrived) gets no table
         for s in (*rec.new, *rec.resumed):
             if s.req in kv:
-                self.tables[s.req] = list(s.block_ids)
+                self.tables[s.req] = Table(s.block_ids)
         for s in rec.running:
             if s.req in kv:
-                self.tables.setdefault(s.req, []).extend(s.new_block_ids)
+                table = self.tables.get(s.req)
+                if table is None:
+                    table = self.tables[s.req] = Table()
+                table.extend(s.new_block_ids)
         for st in rec.states:
             if st.req in kv:
-                self.tables[st.req] = list(st.block_ids)
+                self.tables[st.req] = Table(st.block_ids)
         if self.more_groups:
             self._more_tables(rec)
         loads = [(ld.req, ld.start, ld.end, self.tables.get(ld.req, []))
@@ -346,10 +350,10 @@ class ContentCheck:
         kv, empty = self.kv, [[] for _ in self.more_groups]
         for s in (*rec.new, *rec.resumed, *rec.states):
             if s.req in kv:
-                self.more_tables[s.req] = [list(t) for t in s.more_groups or empty]
+                self.more_tables[s.req] = [Table(t) for t in s.more_groups or empty]
         for s in rec.running:
             if s.req in kv and s.more_groups:
-                tables = self.more_tables.setdefault(s.req, [[] for _ in self.more_groups])
+                tables = self.more_tables.setdefault(s.req, [Table() for _ in self.more_groups])
                 for table, new in zip(tables, s.more_groups):
                     table.extend(new)
 

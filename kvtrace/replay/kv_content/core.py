@@ -47,9 +47,11 @@ checked, and the two backends: docs/design/content-check.md.
 
 from __future__ import annotations
 
+from array import array
+
 from kvtrace.findings import Divergence
 
-__all__ = ["ShadowCore", "DeviceUnavailable", "RULE"]
+__all__ = ["ShadowCore", "DeviceUnavailable", "RULE", "Table"]
 
 
 RULE = "kv-content: every slot a request's attention reads holds that request's own prefix"
@@ -88,6 +90,49 @@ def _cdiv(a: int, b: int) -> int:
 NOT_WRITTEN = 1 << 62
 
 
+class Table(list):
+    """A block table (a list of block ids) that keeps its ids as a C array of
+    64-bit integers too, for the batch's tables: appending converts the ids
+    appended alone; any other change converts them all again. A request's
+    table is read at every step, and converting each Python int is most of
+    what reading it costs."""
+
+    __slots__ = ("_ids", "_n")
+
+    def __init__(self, ids=()) -> None:
+        super().__init__(ids)
+        self._ids = array("q")
+        self._n = 0           # the leading ids of the list that _ids holds
+
+    def ids(self) -> array:
+        """The ids, as a C array (kept: not to be changed)."""
+        if self._n != len(self):
+            if self._n > len(self):
+                self._ids, self._n = array("q"), 0
+            self._ids.fromlist(self[self._n:])
+            self._n = len(self)
+        return self._ids
+
+    def _changed(self) -> None:
+        self._ids, self._n = array("q"), 0
+
+    def __reduce__(self):   # a copy converts its ids again: it shares no array
+        return Table, (list(self),)
+
+
+def _changes(name: str):
+    def changed(self, *args):
+        self._changed()
+        return getattr(list, name)(self, *args)
+    changed.__name__ = name
+    return changed
+
+
+for _name in ("__setitem__", "__delitem__", "__imul__", "insert", "pop", "remove", "clear",
+              "sort", "reverse"):
+    setattr(Table, _name, _changes(_name))
+
+
 class _Req:
     __slots__ = ("idx", "row", "rows", "n_fp", "pending", "ntok", "most", "window", "verified")
 
@@ -111,7 +156,7 @@ class Batch:
 
     def __init__(self) -> None:
         self.steps: list[tuple[int, object, list[Divergence]]] = []  # step, tag, divergences
-        self.tables: list[int] = []      # every item's block table, concatenated
+        self.tables = array("q")        # every item's block table, concatenated
         self.writes: list[int] = []      # per write: first, length, start, table offset,
         #                                   arena offset, request, step slot, step, loaded,
         #                                   what the writer's position is recorded as, less
@@ -128,7 +173,12 @@ class Batch:
 
     def table(self, ids: list[int]) -> int:
         off = len(self.tables)
-        self.tables += ids
+        if type(ids) is Table:
+            self.tables += ids.ids()
+        elif type(ids) is list:
+            self.tables.fromlist(ids)
+        else:
+            self.tables.extend(ids)
         return off
 
 
@@ -147,10 +197,10 @@ class ShadowCore:
     """
 
     # A batch is evaluated when it holds this many steps, or this many slots read
-    # (small enough for its tensors to stay in the CPU's caches). A step that reads
-    # more is evaluated on its own.
+    # (its arrays a few MiB: bench/shadow_kv.py's full-cache check ran fastest at
+    # 2^18 and 2^19 of 2^16 to 2^19). A step that reads more is evaluated on its own.
     BATCH_STEPS = 64
-    BATCH_SLOTS = 1 << 16
+    BATCH_SLOTS = 1 << 18
 
     def __init__(self, num_blocks: int, block_size: int, skip_checked: bool = True):
         """``skip_checked=False`` compares every slot of every read, even the rows

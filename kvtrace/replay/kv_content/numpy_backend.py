@@ -36,10 +36,10 @@ def token_terms(tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
         & ~_U(1)
 
 
-def _i64(values: list[int]) -> np.ndarray:
+def _i64(values: list[int] | array) -> np.ndarray:
     if not values:
         return np.empty(0, dtype=np.int64)
-    return np.frombuffer(array("q", values), dtype=np.int64)
+    return np.frombuffer(values if type(values) is array else array("q", values), dtype=np.int64)
 
 
 def _runs(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -63,6 +63,16 @@ class NumpyShadowKV(ShadowCore):
         self._wload = np.zeros(n, dtype=bool)
         self._first = np.full(n, NOT_WRITTEN, dtype=np.int64)
         self._arena = self._zeros(64)
+        self._kept: dict[str, np.ndarray] = {}
+
+    def _scratch(self, name: str, rows: int, dtype) -> np.ndarray:
+        """A kept array of ``rows`` block rows, grown when a batch needs more:
+        a batch's large arrays are not allocated afresh (fresh pages each
+        time, from the operating system, for arrays this large)."""
+        buf = self._kept.get(name)
+        if buf is None or buf.shape[0] < rows:
+            buf = self._kept[name] = np.empty((max(rows, 1024), self.block_size), dtype=dtype)
+        return buf[:rows]
 
     def _ints(self, values: list[int]) -> np.ndarray:
         return _i64(values)
@@ -142,21 +152,21 @@ class NumpyShadowKV(ShadowCore):
         nrows = b.n_compared if skip else b.n_rows
         if skip:
             rows = rows - skipped
-        first = np.cumsum(rows) - rows
-        rreq = np.repeat(np.arange(first.size), rows)
-        # Each row's read, its columns repeated at once (one op, not seven).
-        rfirst, rtoff, rlim, rbase, rslot, rskipped, rlo = \
-            np.repeat(np.stack((first, toff, lims, abase, slot, skipped, los)), rows, axis=1)
-        bi = np.arange(nrows) - rfirst
-        if skip:
-            bi += rskipped
-        blk = tables[rtoff + bi]
-        oob = (blk < 0) | (blk >= nb)
-        blkc = np.where(oob, nb, blk)
-        held = self._fp.reshape(-1, B).take(blkc, axis=0)      # the state before the batch
+        # A read's rows are consecutive: row i of the batch is row bi = i -
+        # start of its read, so each index below is i plus one value a read.
+        start = np.cumsum(rows) - rows - (skipped if skip else 0)   # i - bi
+        i = np.arange(nrows)
+        blk = tables[i + np.repeat(toff - start, rows)]
+        oob = blk.view(np.uint64) >= nb      # a negative id too
+        blkc = np.where(oob, nb, blk) if oob.any() else blk
+        # The rows gathered into kept arrays; every index is in range (the
+        # sentinel row nb for a block outside the cache), so no mode checks it.
+        held = self._fp.reshape(-1, B).take(blkc, axis=0, mode="clip",      # the state before
+                                            out=self._scratch("held", nrows, np.int64))
         hit = None
         if w is not None:
             wval, key = w[1], w[6]
+            rslot = np.repeat(slot, rows)
             hit = self._first.reshape(-1, B).take(blkc, axis=0) <= rslot[:, None]
             sel = np.flatnonzero(hit)
             if sel.size:
@@ -165,24 +175,36 @@ class NumpyShadowKV(ShadowCore):
                                     side="right") - 1
                 held.reshape(-1)[sel] = wval[j]
         if (abase % B).any():   # a state read's row starts anywhere in the arena
-            want = self._rows_from()[rbase + bi * B]
+            want = self._rows_from()[i * B + np.repeat(abase - start * B, rows)]
         else:                    # rows of the arena: a faster gather
-            want = self._arena.reshape(-1, B).take(rbase // B + bi, axis=0)
+            want = self._arena.reshape(-1, B).take(i + np.repeat(abase // B - start, rows),
+                                                   axis=0, mode="clip",
+                                                   out=self._scratch("want", nrows, np.int64))
         # Whole rows compared; a block out of the table is wrong wherever it
-        # is read; then the few rows read in part (a request's last block, a
-        # window's first) lose the columns they do not read.
-        bad = held != want
+        # is read; then the few rows read in part lose the columns they do
+        # not read: a read's last row (its positions end inside it), and
+        # under a sliding window the rows it begins in or after.
+        bad = np.not_equal(held, want, out=self._scratch("bad", nrows, bool))
         if oob.any():
             bad[oob] = True
-        rowlim = np.minimum(rlim - bi * B, B)
-        rowlo = rlo - bi * B
-        part = np.flatnonzero((rowlim < B) | (rowlo > 0))
-        if part.size:
-            col = np.arange(B)
-            bad[part] &= (col[None, :] < rowlim[part, None]) & (col[None, :] >= rowlo[part, None])
+        col = np.arange(B)
+        if los.any():
+            bi = i - np.repeat(start, rows)
+            rowlim = np.minimum(np.repeat(lims, rows) - bi * B, B)
+            rowlo = np.repeat(los, rows) - bi * B
+            part = np.flatnonzero((rowlim < B) | (rowlo > 0))
+            if part.size:
+                bad[part] &= ((col[None, :] < rowlim[part, None])
+                              & (col[None, :] >= rowlo[part, None]))
+        else:
+            cut = np.flatnonzero((lims % B != 0) & (rows > 0))
+            if cut.size:
+                last = np.cumsum(rows)[cut] - 1
+                bad[last] &= col[None, :] < (lims[cut] % B)[:, None]
         if not bad.any():
             return None
-        return bad, rreq, bi, blk, blkc, hit
+        rreq = np.repeat(np.arange(rows.size), rows)
+        return bad, rreq, i - start[rreq], blk, blkc, hit
 
     def _first_bad(self, b: Batch, reads: tuple, w: tuple | None, bad: np.ndarray,
                    rreq: np.ndarray, bi: np.ndarray, blk: np.ndarray, blkc: np.ndarray,

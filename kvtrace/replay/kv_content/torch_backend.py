@@ -58,12 +58,13 @@ def pick_device(device: str | torch.device = "auto") -> torch.device:
 
 
 
-def _i64(values: list[int], device: torch.device) -> torch.Tensor:
-    """A Python int list as an int64 tensor on ``device`` (through a C array: several
-    times faster than torch.tensor on long lists)."""
+def _i64(values: list[int] | array, device: torch.device) -> torch.Tensor:
+    """A Python int list (or a C array of them) as an int64 tensor on ``device``
+    (through a C array: several times faster than torch.tensor on long lists)."""
     if not values:
         return torch.empty(0, dtype=torch.int64, device=device)
-    t = torch.frombuffer(array("q", values), dtype=torch.int64)
+    t = torch.frombuffer(values if type(values) is array else array("q", values),
+                         dtype=torch.int64)
     return t if device.type == "cpu" else t.to(device)
 
 
@@ -159,16 +160,15 @@ class ShadowKV(ShadowCore):
         nrows = b.n_compared if skip else b.n_rows
         if skip:
             rows = rows - skipped
-        first = torch.cumsum(rows, 0) - rows
-        rreq = torch.repeat_interleave(torch.arange(first.numel(), **i64), rows, output_size=nrows)
-        # Each row's read, its columns repeated at once (one op, not seven).
-        rfirst, rtoff, rlim, rbase, rslot, rskipped, rlo = torch.repeat_interleave(
-            torch.stack((first, toff, lims, abase, slot, skipped, los)), rows, dim=1,
-            output_size=nrows).unbind(0)
-        bi = torch.arange(nrows, **i64) - rfirst
-        if skip:
-            bi += rskipped
-        blk = tables.index_select(0, rtoff + bi)
+        # A read's rows are consecutive: row i of the batch is row bi = i -
+        # start of its read, so each index below is i plus one value a read.
+        start = torch.cumsum(rows, 0) - rows - (skipped if skip else 0)   # i - bi
+
+        def each_row(x: torch.Tensor) -> torch.Tensor:   # a value a read, on each of its rows
+            return torch.repeat_interleave(x, rows, output_size=nrows)
+
+        i = torch.arange(nrows, **i64)
+        blk = tables.index_select(0, i + each_row(toff - start))
         oob = (blk < 0) | (blk >= nb)
         blkc = torch.where(oob, nb, blk)
         # Rows are gathered from unfold's views: on the CPU, torch's
@@ -179,6 +179,7 @@ class ShadowKV(ShadowCore):
             # Slots written in the batch at or before the read's step (few) take the
             # last such write: a binary search in the sorted write log.
             wval, key = w[1], w[6]
+            rslot = each_row(slot)
             hit = self._first.unfold(0, B, B).index_select(0, blkc) <= rslot[:, None]
             sel = hit.view(-1).nonzero().squeeze(1)
             if sel.numel():
@@ -187,24 +188,35 @@ class ShadowKV(ShadowCore):
                 held.view(-1)[sel] = wval[j]
         # The expected rows: the arena as rows of a block's width starting at
         # every position (a view), since a state read's row starts anywhere.
-        want = self._arena.view(-1).unfold(0, B, 1).index_select(0, rbase + bi * B)
+        want = self._arena.view(-1).unfold(0, B, 1).index_select(
+            0, i * B + each_row(abase - start * B))
         # Whole rows compared; a block out of the table is wrong wherever it
-        # is read; then the few rows read in part (a request's last block, a
-        # window's first) lose the columns they do not read.
+        # is read; then the few rows read in part lose the columns they do
+        # not read: a read's last row (its positions end inside it), and
+        # under a sliding window the rows it begins in or after.
         bad = held != want
         if bool(oob.any()):
             bad[oob] = True
-        rowlim = (rlim - bi * B).clamp(max=B)
-        rowlo = rlo - bi * B      # positions before a sliding window are not read
-        part = ((rowlim < B) | (rowlo > 0)).nonzero().squeeze(1)
-        if part.numel():
-            col = torch.arange(B, **i64)
-            read = ((col[None, :] < rowlim.index_select(0, part)[:, None])
-                    & (col[None, :] >= rowlo.index_select(0, part)[:, None]))
-            bad.index_copy_(0, part, bad.index_select(0, part) & read)
+        col = torch.arange(B, **i64)
+        if bool(los.any()):
+            bi = i - each_row(start)
+            rowlim = (each_row(lims) - bi * B).clamp(max=B)
+            rowlo = each_row(los) - bi * B
+            part = ((rowlim < B) | (rowlo > 0)).nonzero().squeeze(1)
+            if part.numel():
+                read = ((col[None, :] < rowlim.index_select(0, part)[:, None])
+                        & (col[None, :] >= rowlo.index_select(0, part)[:, None]))
+                bad.index_copy_(0, part, bad.index_select(0, part) & read)
+        else:
+            cut = ((lims % B != 0) & (rows > 0)).nonzero().squeeze(1)
+            if cut.numel():
+                last = torch.cumsum(rows, 0).index_select(0, cut) - 1
+                read = col[None, :] < (lims.index_select(0, cut) % B)[:, None]
+                bad.index_copy_(0, last, bad.index_select(0, last) & read)
         if not bool(bad.any()):
             return None
-        return bad, rreq, bi, blk, blkc, hit
+        rreq = each_row(torch.arange(rows.numel(), **i64))
+        return bad, rreq, i - start[rreq], blk, blkc, hit
 
     def _first_bad(self, b: Batch, reads: tuple, w: tuple | None, bad: torch.Tensor,
                    rreq: torch.Tensor, bi: torch.Tensor, blk: torch.Tensor, blkc: torch.Tensor,

@@ -832,3 +832,43 @@ def test_the_memory_replay_reserves_per_slot_is_the_shadow_caches():
     per_slot = sum(t.element_size() * t.numel() for t in
                    (kv._fp, kv._wreq, kv._wstep, kv._wpos, kv._wload, kv._first)) / ((7 + 1) * 4)
     assert per_slot == SHADOW_BYTES_PER_SLOT
+
+
+def test_a_tables_ids_follow_every_change_to_it():
+    """A table keeps its ids as a C array for the batch, converting only what
+    was appended: every other change to the list converts them again, and a
+    copy has its own."""
+    import copy
+    import pickle
+
+    t = sk.Table([5, 6])
+    changes = [lambda t: t.append(7), lambda t: t.extend([8, 9]), lambda t: t.__iadd__([1]),
+               lambda t: t.__setitem__(0, 4), lambda t: t.__setitem__(slice(1, 3), [2]),
+               lambda t: t.__delitem__(0), lambda t: t.pop(), lambda t: t.insert(0, 3),
+               lambda t: t.remove(3), lambda t: t.sort(), lambda t: t.reverse(),
+               lambda t: t.__imul__(2), lambda t: t.clear(), lambda t: t.append(1)]
+    for change in changes:
+        assert list(t.ids()) == list(t)
+        change(t)
+        assert list(t.ids()) == list(t)
+    t.extend([2, 3])
+    t.ids()
+    for u in (copy.copy(t), copy.deepcopy(t), pickle.loads(pickle.dumps(t))):
+        u.append(9)
+        t[0] = 7
+        assert list(u.ids()) == list(u) == [1, 2, 3, 9] and list(t.ids()) == list(t)
+        t[0] = 1
+
+
+def test_a_block_replaced_in_a_kept_table_is_read_through_its_new_id():
+    """The check keeps each request's table from step to step (a Table); a
+    block id changed in place is the one the next read goes through."""
+    s = open_shadow(8, 4, "numpy")
+    s.add_request("a", list(range(8)))
+    table = sk.Table([1, 2])
+    assert s.step(0, [], [("a", 0, 8, table)]) == []
+    assert s.step(1, [], [("a", 8, 0, table)]) == []
+    table[1] = 3   # never written
+    divs = s.step(2, [], [("a", 8, 0, table)])
+    assert [d.recorded for d in divs] == [
+        "block 3 slot 0 (position 4): never written; 4 of 8 positions read are wrong"]
