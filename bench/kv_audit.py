@@ -71,10 +71,16 @@ def digest_throughput(device: str, layers: int = 32, blocks: int = 1024, heads: 
         for t in cache:
             t.index_select(0, idx)
 
-    # The CPU digest's mix is ten array passes over each chunk of words while
-    # it is in the core's cache (kv_digest.py): one such pass alone, an xor
-    # in place over a chunk of as many words, is its ceiling times ten.
+    # The CPU digest runs as one kernel in C, one pass over the words, where
+    # the compiled path is built; the NumPy chunks it falls back on are ten
+    # array passes over each chunk of words while it is in the core's cache
+    # (kv_digest.py): one such pass alone, an xor in place over a chunk of as
+    # many words, is their ceiling times ten.
     import numpy as np
+
+    digest_gbs = timed(digests)
+    chunks = BlockDigests(cache, blocks)
+    chunks._call = None   # the NumPy chunks, measured beside
 
     chunk = np.arange(BlockDigests._CHUNK_WORDS, dtype=np.uint64)
     other = chunk[::-1].copy()
@@ -84,8 +90,10 @@ def digest_throughput(device: str, layers: int = 32, blocks: int = 1024, heads: 
         np.bitwise_xor(chunk, other, out=chunk)
     pass_gbs = 2000 * chunk.nbytes / (time.perf_counter() - t) / 1e9
     return {"device": str(dev), "block_mib": per_block / 2**20, "batch": batch,
-            "pass_gbs": pass_gbs,
-            "digest_gbs": timed(digests), "gather_gbs": timed(gather),
+            "pass_gbs": pass_gbs, "kernel": digests.kernel_off is None,
+            "kernel_off": digests.kernel_off, "threads": torch.get_num_threads(),
+            "digest_gbs": digest_gbs, "gather_gbs": timed(gather),
+            "chunks_gbs": timed(chunks) if dev.type == "cpu" else None,
             "copy_gbs": timed(lambda _p: out.copy_(flat))}
 
 
@@ -230,9 +238,12 @@ def main() -> None:
     for dev in devices:
         for batch in (64, 512):
             r = digest_throughput(dev, batch=batch)
-            print(f"  {r['device']:5} {batch:4} blocks: digest {r['digest_gbs']:7.2f} GB/s   limit: "
+            print(f"  {r['device']:5} {batch:4} blocks: digest {r['digest_gbs']:7.2f} GB/s "
+                  f"({'the kernel in C' if r['kernel'] else 'no kernel: ' + r['kernel_off']})   limit: "
                   f"memory bandwidth {r['copy_gbs']:.2f} GB/s (a copy of as many bytes); "
-                  f"the gather alone {r['gather_gbs']:.2f} GB/s")
+                  f"the gather alone {r['gather_gbs']:.2f} GB/s"
+                  + (f"; the NumPy chunks {r['chunks_gbs']:.2f} GB/s (ceiling: one pass "
+                     f"{r['pass_gbs']:.1f} GB/s / 10)" if r["chunks_gbs"] else ""))
     if args.no_vllm:
         return
     r = engine_overhead(args.rounds, tp=args.tp)

@@ -1,6 +1,7 @@
 """The compiled path: the reference scheduler and replay's busiest modules,
 compiled ahead of time with mypyc into C extensions that sit beside their
-sources. The same typed Python runs either way; compiled, replay runs faster.
+sources, and the KV digest's mix, a kernel in C. The same typed Python runs
+either way; compiled, replay runs faster, and so do the recorder's KV digests.
 
     python -m kvtrace.compile            build them in place (needs mypy and a C compiler)
     python -m kvtrace.compile --status   say which path runs, and why
@@ -19,17 +20,19 @@ import os
 import sys
 
 from kvtrace import compiled
-from kvtrace.compiled import GROUP, MANIFEST, MODULES, ROOT, extension_paths, source_path
+from kvtrace.compiled import (GROUP, KERNELS, MANIFEST, MODULES, ROOT, extension_paths,
+                              source_path)
 
 
 def build(verbose: bool = False) -> None:
-    """Compile MODULES with mypyc and put the extensions beside their sources."""
+    """Compile MODULES with mypyc, and KERNELS, and put the extensions beside
+    their sources."""
     try:
         from mypyc.build import mypycify
         import mypy.version
     except ImportError:
         raise SystemExit("python -m kvtrace.compile: needs mypy (pip install mypy)") from None
-    from setuptools import Distribution
+    from setuptools import Distribution, Extension
 
     clean()
     build_dir = os.path.join(ROOT, "build", "mypyc")
@@ -39,6 +42,8 @@ def build(verbose: bool = False) -> None:
         ext = mypycify([os.path.relpath(source_path(m), ROOT) for m in MODULES]
                        + ["--follow-imports=silent"],
                        opt_level="3", group_name=GROUP, target_dir=build_dir, verbose=verbose)
+        ext += [Extension(k, [os.path.relpath(source_path(k), ROOT)], extra_compile_args=["-O3"])
+                for k in KERNELS]
         dist = Distribution({"name": "kvtrace-compiled", "ext_modules": ext})
         cmd = dist.get_command_obj("build_ext")
         cmd.inplace = True
@@ -55,7 +60,7 @@ def build(verbose: bool = False) -> None:
 
 def clean() -> list[str]:
     """Remove the extensions and the manifest; returns what was removed."""
-    gone = [p for m in MODULES for p in extension_paths(m)]
+    gone = [p for m in MODULES + KERNELS for p in extension_paths(m)]
     gone += [p for p in extension_paths(GROUP + "__mypyc")]
     if os.path.exists(MANIFEST):
         gone.append(MANIFEST)

@@ -46,6 +46,10 @@ MODULES = (
     "kvtrace.trace.validate",
 )
 
+# Kernels in C, built beside their sources with the modules above and loaded
+# by their callers (ctypes), by name: the KV digest's mix (kv_digest.py).
+KERNELS = ("kvtrace.record.vllm._kv_digest",)
+
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(PACKAGE_DIR)
 MANIFEST_NAME = "compiled.json"   # written by the build: the sources it compiled
@@ -55,7 +59,7 @@ GROUP = "kvtrace._mypyc"
 
 
 def source_path(module: str, root: str = ROOT) -> str:
-    return os.path.join(root, *module.split(".")) + ".py"
+    return os.path.join(root, *module.split(".")) + (".c" if module in KERNELS else ".py")
 
 
 def extension_paths(module: str, root: str = ROOT) -> list[str]:
@@ -69,16 +73,16 @@ def _digest(path: str) -> str:
 
 
 def manifest(root: str = ROOT) -> dict[str, str]:
-    """Each compiled module's source, by its hash."""
-    return {m: _digest(source_path(m, root)) for m in MODULES}
+    """Each compiled module's and kernel's source, by its hash."""
+    return {m: _digest(source_path(m, root)) for m in MODULES + KERNELS}
 
 
 def choose(root: str = ROOT) -> tuple[bool, str]:
     """Whether the compiled path runs (for the package in ``root``), and why or why not."""
     if os.environ.get("KVTRACE_PURE", "") not in ("", "0"):
         return False, "KVTRACE_PURE is set"
-    missing = [m for m in MODULES if not extension_paths(m, root)]
-    if len(missing) == len(MODULES):
+    missing = [m for m in MODULES + KERNELS if not extension_paths(m, root)]
+    if len(missing) == len(MODULES + KERNELS):
         return False, "not built (python -m kvtrace.compile builds it)"
     if missing:
         return False, f"partly built: {missing[0]} has no extension (rebuild)"
@@ -92,7 +96,8 @@ def choose(root: str = ROOT) -> tuple[bool, str]:
     changed = [m for m, h in manifest(root).items() if built.get("sources", {}).get(m) != h]
     if changed:
         return False, f"{changed[0]} changed since the build (rebuild)"
-    return True, f"{len(MODULES)} modules compiled with mypyc {built.get('mypy', '?')}"
+    return True, (f"{len(MODULES)} modules compiled with mypyc {built.get('mypy', '?')}, "
+                  f"and {len(KERNELS)} kernel in C")
 
 
 class _PureSources:
@@ -114,6 +119,15 @@ def install() -> None:
     COMPILED, REASON = choose()
     if not COMPILED and not any(isinstance(f, _PureSources) for f in sys.meta_path):
         sys.meta_path.insert(0, _PureSources())
+
+
+def kernel(name: str) -> tuple[str | None, str]:
+    """The library built from kernel ``name`` where the compiled path runs (None
+    where not), and why not."""
+    if not COMPILED:
+        return None, f"the pure path runs: {REASON}"
+    paths = extension_paths(name)
+    return (paths[0], "") if paths else (None, f"{name} is not built")
 
 
 def status() -> str:

@@ -81,11 +81,11 @@ def test_every_stored_trace_replays_to_the_same_json_compiled_and_pure():
 
 
 def _tree(tmp_path, built: bool = True):
-    """A copy of the compiled modules' layout: their sources, an extension
-    file beside each (an empty stand-in), and the manifest of a build."""
+    """A copy of the compiled modules' and kernels' layout: their sources, an
+    extension file beside each (an empty stand-in), and the manifest of a build."""
     root = tmp_path / "root"
-    for m in compiled.MODULES:
-        src = root.joinpath(*m.split(".")).with_suffix(".py")
+    for m in compiled.MODULES + compiled.KERNELS:
+        src = root.joinpath(*m.split(".")).with_suffix(".c" if m in compiled.KERNELS else ".py")
         src.parent.mkdir(parents=True, exist_ok=True)
         src.write_text(f"# {m}\n")
         if built:
@@ -100,7 +100,12 @@ def _tree(tmp_path, built: bool = True):
 def test_the_compiled_path_runs_only_on_extensions_built_from_the_sources_there(tmp_path, monkeypatch):
     monkeypatch.delenv("KVTRACE_PURE", raising=False)
     root = _tree(tmp_path)
-    assert compiled.choose(str(root)) == (True, f"{len(compiled.MODULES)} modules compiled with mypyc x")
+    assert compiled.choose(str(root)) == (True, f"{len(compiled.MODULES)} modules compiled with "
+                                                f"mypyc x, and 1 kernel in C")
+    kernel = root / "kvtrace" / "record" / "vllm" / "_kv_digest.c"
+    kernel.write_text(kernel.read_text() + "/* changed */\n")
+    assert compiled.choose(str(root)) == (
+        False, "kvtrace.record.vllm._kv_digest changed since the build (rebuild)")
     src = root / "kvtrace" / "reference" / "scheduler.py"
     src.write_text(src.read_text() + "# changed\n")
     assert compiled.choose(str(root)) == (

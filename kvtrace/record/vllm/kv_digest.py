@@ -14,6 +14,8 @@ weighted words would miss two flips of the same high bit half the time).
 
 from __future__ import annotations
 
+import ctypes
+import logging
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -28,8 +30,38 @@ _BATCH = 256   # blocks digested at once: the copies stay small beside the cache
 _U29, _U31, _U32, _UMIX = np.uint64(29), np.uint64(31), np.uint64(32), np.uint64(_MIX)
 
 
+def _kernel() -> tuple[object | None, str]:
+    """``kvt_digest``, the mix in C (``_kv_digest.c``), where the compiled path
+    runs and holds it (``python -m kvtrace.compile``); else None, and why."""
+    global _KERNEL
+    if _KERNEL is None:
+        from kvtrace import compiled
+
+        path, why = compiled.kernel("kvtrace.record.vllm._kv_digest")
+        fn = None
+        if path is not None:
+            try:
+                fn = ctypes.CDLL(path).kvt_digest
+                fn.restype = None
+                fn.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 7 + [ctypes.c_int64,
+                                                                         ctypes.c_void_p]
+            except (OSError, AttributeError) as exc:
+                fn, why = None, f"{path} did not load: {exc}"
+        _KERNEL = (fn, why)
+    return _KERNEL
+
+
+_KERNEL: tuple[object | None, str] | None = None
+
+
 class BlockDigests:
-    """Digests of whole blocks of a set of per-layer KV cache tensors."""
+    """Digests of whole blocks of a set of per-layer KV cache tensors.
+
+    On the CPU, one call of the kernel in C digests the blocks in every layer
+    (one pass over their words) once its first digests equal the NumPy
+    chunks'; the NumPy chunks where the compiled path is not built or does
+    not run, where a layer's blocks are no whole number of 64-bit words, and
+    where the kernel differs (``kernel_off`` says why)."""
 
     # On the CPU, the words mixed at once: 256 KiB, which stays in a core's
     # own cache through the mix's passes.
@@ -60,6 +92,34 @@ class BlockDigests:
         # they hold a call's blocks (a power of 2 of them, up to _BATCH); on
         # the CPU a chunk's.
         self._buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.kernel_off: str | None = None   # why the kernel does not run
+        self._checked = False                 # its first digests equal the NumPy chunks'
+        self._call: tuple | None = None       # its arguments but the blocks
+        if self.device.type != "cpu":
+            self.kernel_off = "a kernel for the CPU"
+        else:
+            self._kernel_setup()
+
+    def _kernel_setup(self) -> None:
+        """The kernel's arguments for these layers, or why it cannot run."""
+        self._fn, why = _kernel()
+        if self._fn is None:
+            self.kernel_off = why
+            return
+        cols: list[list[int]] = [[] for _ in range(6)]
+        for t, dim in self.layers:
+            parts, words = _layout(t, dim)
+            if words is None:
+                self.kernel_off = (f"a layer's blocks ({tuple(t.shape)}, {t.dtype}) are no "
+                                   f"whole number of 64-bit words, or the tensor has gaps")
+                return
+            blocks = int(t.shape[dim])
+            for col, v in zip(cols, (t.data_ptr(), words, blocks * words, parts, words,
+                                     self._w(parts * words).data_ptr())):
+                col.append(v)
+        arrays = [np.array(c, dtype=np.int64) for c in cols]
+        self._call = (len(self.layers), *arrays)
+        self._sizes = {int(t.shape[dim]) for t, dim in self.layers}
 
     def _w(self, n: int) -> torch.Tensor:
         w = self._weights.get(n)
@@ -79,6 +139,15 @@ class BlockDigests:
     def _digest(self, blocks: list[int]) -> list[int]:
         if not blocks:
             return []
+        if self._call is not None:
+            out = self._kernel_digest(blocks)
+            if out is not None:
+                return out
+        return self._array_digest(blocks)
+
+    def _array_digest(self, blocks: list[int]) -> list[int]:
+        """The digests from array operations: NumPy chunks on the CPU, torch
+        elsewhere."""
         torch = self.torch
         idx = torch.as_tensor(blocks, dtype=torch.int64, device=self.device)
         if self.device.type == "cpu":
@@ -116,15 +185,44 @@ class BlockDigests:
 
     def _layer_sums_cpu(self, t: torch.Tensor, dim: int,
                         idx: torch.Tensor) -> torch.Tensor | None:
-        """The same sums on the CPU, a few blocks at a time: each chunk of
-        about ``_CHUNK_WORDS`` words is copied, mixed and summed while it is
-        in the core's cache, as unsigned 64-bit words in NumPy (a logical
-        shift is one pass there; torch has no unsigned shift on the CPU).
-        None for a layout the chunks cannot read (bytes no multiple of 8)."""
-        torch = self.torch
+        """The same sums on the CPU, in NumPy chunks; None for a layout they
+        cannot read (bytes no multiple of 8)."""
         parts, words = _layout(t, dim)
         if words is None:
             return None
+        return self._chunk_sums(t, dim, idx, parts, words)
+
+    def _kernel_digest(self, blocks: list[int]) -> list[int] | None:
+        """The digests from the kernel; None, and the kernel off from here,
+        where its first digests differ from the NumPy chunks'."""
+        lo, hi = min(blocks), max(blocks)
+        if lo < 0 or any(hi >= n for n in self._sizes):
+            raise IndexError(f"block {lo if lo < 0 else hi} is not in the KV cache")
+        idx = np.array(blocks, dtype=np.int64)
+        out = np.empty(len(blocks), dtype=np.int64)
+        n_layers, base, block_stride, part_stride, parts, words, weights = self._call
+        self._fn(n_layers, base.ctypes.data, block_stride.ctypes.data, part_stride.ctypes.data,
+                 parts.ctypes.data, words.ctypes.data, weights.ctypes.data, idx.ctypes.data,
+                 len(blocks), out.ctypes.data)
+        digests = out.tolist()
+        if not self._checked:
+            if digests != self._array_digest(blocks):
+                self._call = None
+                self.kernel_off = "its digests differ from the NumPy chunks'"
+                logging.getLogger("kvtrace.record").warning(
+                    "kvtrace: KV digests on the NumPy chunks from here, slower (the kernel's "
+                    "digests differ from theirs)")
+                return None
+            self._checked = True
+        return digests
+
+    def _chunk_sums(self, t: torch.Tensor, dim: int, idx: torch.Tensor,
+                    parts: int, words: int) -> torch.Tensor:
+        """The sums a few blocks at a time: each chunk of about
+        ``_CHUNK_WORDS`` words is copied, mixed and summed while it is in the
+        core's cache, as unsigned 64-bit words in NumPy (a logical shift is
+        one pass there; torch has no unsigned shift on the CPU)."""
+        torch = self.torch
         src = t.view(parts, t.shape[dim], -1).view(torch.int64)
         n = len(idx)
         step = max(1, min(n, self._CHUNK_WORDS // (parts * words)))

@@ -4,6 +4,9 @@ checks replay makes of them (kvtrace.replay.data_path, rules D1-D3)."""
 
 from __future__ import annotations
 
+import ctypes
+
+import numpy as np
 import pytest
 import torch
 
@@ -420,6 +423,49 @@ def test_the_in_place_digest_is_the_documented_one(shape, dtype):
     for blocks in ([1, 2, 3], list(range(20)), [7], [4, 4]):
         assert d(blocks) == _digest_as_documented(layers, 20, blocks)
     assert len(set(d(list(range(20))))) == 20
+    from kvtrace import compiled
+
+    if compiled.COMPILED and dtype != torch.uint8:   # 5 bytes a block: no kernel reads it
+        assert d.kernel_off is None   # the kernel in C gave them
+    arrays = BlockDigests(layers, 20)
+    arrays._call = None   # the array path alone
+    assert arrays(list(range(20))) == d(list(range(20)))
+
+
+def test_a_kernel_that_differs_gives_way_to_the_numpy_chunks(monkeypatch):
+    """The kernel in C runs once its first digests equal the NumPy chunks';
+    where they differ, the chunks give every digest from there, and
+    ``kernel_off`` says why. Without the compiled path, the chunks alone."""
+    from kvtrace import compiled
+    from kvtrace.record.vllm import kv_digest
+
+    g = torch.Generator().manual_seed(3)
+    layers = [torch.randint(-100, 100, (20, 2, 4, 16), generator=g).to(torch.bfloat16)]
+    want = _digest_as_documented(layers, 20, [3, 1, 4])
+
+    def off_by_one(n_layers, *args):   # the kernel's arguments; writes out[i] = i + 1
+        n, out = args[-2], args[-1]
+        np.frombuffer((ctypes.c_int64 * n).from_address(out), dtype=np.int64)[:] = \
+            np.arange(1, n + 1)
+
+    monkeypatch.setattr(kv_digest, "_KERNEL", (off_by_one, ""))
+    d = BlockDigests(layers, 20)
+    assert d.kernel_off is None
+    assert d([3, 1, 4]) == want and "differ" in d.kernel_off
+    assert d([3, 1, 4]) == want and d._call is None
+    monkeypatch.setattr(kv_digest, "_KERNEL", None)
+    monkeypatch.setattr(compiled, "COMPILED", False)
+    monkeypatch.setattr(compiled, "REASON", "KVTRACE_PURE is set")
+    d = BlockDigests(layers, 20)
+    assert d([3, 1, 4]) == want and d.kernel_off == "the pure path runs: KVTRACE_PURE is set"
+
+
+def test_a_block_outside_the_cache_is_refused_before_the_kernel_reads_it():
+    layers = [torch.zeros(6, 2, 8, dtype=torch.float32)]
+    d = BlockDigests(layers, 6)
+    for bad in ([0, 6], [-1]):
+        with pytest.raises((IndexError, RuntimeError)):
+            d(bad)
 
 
 @pytest.mark.parametrize("chunk_words", [1, 40, 1 << 15], ids=["a-block-a-chunk", "a-few-blocks",
@@ -431,6 +477,7 @@ def test_the_cpu_digest_in_chunks_is_the_documented_one(shape, chunk_words):
     g = torch.Generator().manual_seed(2)
     layers = [torch.randint(-100, 100, shape, generator=g).to(torch.bfloat16) for _ in range(2)]
     d = BlockDigests(layers, 20)
+    d._call = None   # the NumPy chunks, not the kernel
     d._CHUNK_WORDS = chunk_words
     for blocks in ([1, 2, 3], list(range(20)), [19, 0, 7, 7]):
         assert d(blocks) == _digest_as_documented(layers, 20, blocks)
