@@ -58,10 +58,11 @@ class BlockDigests:
     """Digests of whole blocks of a set of per-layer KV cache tensors.
 
     On the CPU, one call of the kernel in C digests the blocks in every layer
-    (one pass over their words) once its first digests equal the NumPy
-    chunks'; the NumPy chunks where the compiled path is not built or does
-    not run, where a layer's blocks are no whole number of 64-bit words, and
-    where the kernel differs (``kernel_off`` says why)."""
+    (one pass over their words), each call's digests checked against the
+    NumPy chunks' until one of them is not 0; the NumPy chunks where the
+    compiled path is not built or does not run, where a layer's blocks are
+    no whole number of 64-bit words, where a layer's tensor moved to other
+    memory, and where the kernel differs (``kernel_off`` says why)."""
 
     # On the CPU, the words mixed at once: 256 KiB, which stays in a core's
     # own cache through the mix's passes.
@@ -93,7 +94,7 @@ class BlockDigests:
         # the CPU a chunk's.
         self._buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.kernel_off: str | None = None   # why the kernel does not run
-        self._checked = False                 # its first digests equal the NumPy chunks'
+        self._checked = False                 # its digests equaled the NumPy chunks' (not all 0)
         self._call: tuple | None = None       # its arguments but the blocks
         if self.device.type != "cpu":
             self.kernel_off = "a kernel for the CPU"
@@ -120,6 +121,12 @@ class BlockDigests:
         arrays = [np.array(c, dtype=np.int64) for c in cols]
         self._call = (len(self.layers), *arrays)
         self._sizes = {int(t.shape[dim]) for t, dim in self.layers}
+        self._memory = self._where()
+
+    def _where(self) -> list[tuple[int, tuple[int, ...]]]:
+        """Where each layer's tensor is now, and its shape: the kernel reads
+        the memory it saw at the start, and no other."""
+        return [(t.data_ptr(), tuple(t.shape)) for t, _ in self.layers]
 
     def _w(self, n: int) -> torch.Tensor:
         w = self._weights.get(n)
@@ -195,6 +202,10 @@ class BlockDigests:
     def _kernel_digest(self, blocks: list[int]) -> list[int] | None:
         """The digests from the kernel; None, and the kernel off from here,
         where its first digests differ from the NumPy chunks'."""
+        if self._where() != self._memory:   # a tensor given other memory (torch's set_)
+            self._call = None
+            self.kernel_off = "a layer's KV cache tensor moved since the first digest"
+            return None
         lo, hi = min(blocks), max(blocks)
         if lo < 0 or any(hi >= n for n in self._sizes):
             raise IndexError(f"block {lo if lo < 0 else hi} is not in the KV cache")
@@ -205,6 +216,8 @@ class BlockDigests:
                  parts.ctypes.data, words.ctypes.data, weights.ctypes.data, idx.ctypes.data,
                  len(blocks), out.ctypes.data)
         digests = out.tolist()
+        # Checked against the NumPy chunks until a call with a digest other
+        # than 0 (blocks of zeros, a fresh cache's, digest to 0 any way).
         if not self._checked:
             if digests != self._array_digest(blocks):
                 self._call = None
@@ -213,7 +226,7 @@ class BlockDigests:
                     "kvtrace: KV digests on the NumPy chunks from here, slower (the kernel's "
                     "digests differ from theirs)")
                 return None
-            self._checked = True
+            self._checked = any(digests)
         return digests
 
     def _chunk_sums(self, t: torch.Tensor, dim: int, idx: torch.Tensor,

@@ -95,7 +95,8 @@ class Table(list):
     64-bit integers too, for the batch's tables: appending converts the ids
     appended alone; any other change converts them all again. A request's
     table is read at every step, and converting each Python int is most of
-    what reading it costs."""
+    what reading it costs. (A change made by calling ``list``'s own methods
+    on it, ``list.__setitem__(t, ...)`` or ``heapq``, is not seen: none is.)"""
 
     __slots__ = ("_ids", "_n")
 
@@ -121,9 +122,9 @@ class Table(list):
 
 
 def _changes(name: str):
-    def changed(self, *args):
+    def changed(self, *args, **kwargs):
         self._changed()
-        return getattr(list, name)(self, *args)
+        return getattr(list, name)(self, *args, **kwargs)
     changed.__name__ = name
     return changed
 

@@ -68,7 +68,10 @@ class NumpyShadowKV(ShadowCore):
     def _scratch(self, name: str, rows: int, dtype) -> np.ndarray:
         """A kept array of ``rows`` block rows, grown when a batch needs more:
         a batch's large arrays are not allocated afresh (fresh pages each
-        time, from the operating system, for arrays this large)."""
+        time, from the operating system, for arrays this large). A heavy
+        step's, beyond a batch's size, is not kept."""
+        if rows * self.block_size > self.BATCH_SLOTS:
+            return np.empty((rows, self.block_size), dtype=dtype)
         buf = self._kept.get(name)
         if buf is None or buf.shape[0] < rows:
             buf = self._kept[name] = np.empty((max(rows, 1024), self.block_size), dtype=dtype)

@@ -5,6 +5,7 @@ checks replay makes of them (kvtrace.replay.data_path, rules D1-D3)."""
 from __future__ import annotations
 
 import ctypes
+import os
 
 import numpy as np
 import pytest
@@ -458,6 +459,44 @@ def test_a_kernel_that_differs_gives_way_to_the_numpy_chunks(monkeypatch):
     monkeypatch.setattr(compiled, "REASON", "KVTRACE_PURE is set")
     d = BlockDigests(layers, 20)
     assert d([3, 1, 4]) == want and d.kernel_off == "the pure path runs: KVTRACE_PURE is set"
+
+
+def test_the_kernel_is_checked_until_a_digest_is_not_zero(monkeypatch):
+    """Blocks of zeros (a fresh cache's) digest to 0 whatever the kernel does
+    with its weights: the check goes on until a digest other than 0 was
+    compared, and catches a kernel that writes 0 for everything there."""
+    from kvtrace.record.vllm import kv_digest
+
+    def zeros(n_layers, *args):
+        n, out = args[-2], args[-1]
+        np.frombuffer((ctypes.c_int64 * n).from_address(out), dtype=np.int64)[:] = 0
+
+    monkeypatch.setattr(kv_digest, "_KERNEL", (zeros, ""))
+    layers = [torch.zeros(8, 2, 8, dtype=torch.float32)]
+    d = BlockDigests(layers, 8)
+    assert d([1, 2]) == [0, 0] and d.kernel_off is None
+    layers[0][3] = 1.5
+    want = _digest_as_documented(layers, 8, [3])
+    assert want != [0]
+    assert d([3]) == want and "differ" in d.kernel_off
+
+
+def test_a_layer_given_other_memory_turns_the_kernel_off():
+    """The kernel reads the memory each layer had at the first digest: a
+    tensor given other memory since (torch's set_) goes to the NumPy chunks,
+    which read it where it is now."""
+    from kvtrace import compiled
+
+    if not compiled.COMPILED:
+        if os.environ.get("KVTRACE_REQUIRE_COMPILED") == "1":
+            pytest.fail(f"KVTRACE_REQUIRE_COMPILED=1, but the pure path runs: {compiled.REASON}")
+        pytest.skip(f"needs the compiled path ({compiled.REASON}); THIS TEST DID NOT RUN")
+    t = torch.ones(6, 2, 8, dtype=torch.float32)
+    d = BlockDigests([t], 6)
+    before = d([1])
+    assert d.kernel_off is None
+    t.set_(torch.zeros_like(t))
+    assert d([1]) == [0] != before and "moved" in d.kernel_off
 
 
 def test_a_block_outside_the_cache_is_refused_before_the_kernel_reads_it():

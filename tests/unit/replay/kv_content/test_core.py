@@ -845,7 +845,8 @@ def test_a_tables_ids_follow_every_change_to_it():
     changes = [lambda t: t.append(7), lambda t: t.extend([8, 9]), lambda t: t.__iadd__([1]),
                lambda t: t.__setitem__(0, 4), lambda t: t.__setitem__(slice(1, 3), [2]),
                lambda t: t.__delitem__(0), lambda t: t.pop(), lambda t: t.insert(0, 3),
-               lambda t: t.remove(3), lambda t: t.sort(), lambda t: t.reverse(),
+               lambda t: t.remove(3), lambda t: t.sort(), lambda t: t.sort(reverse=True),
+               lambda t: t.sort(key=lambda x: -x), lambda t: t.reverse(),
                lambda t: t.__imul__(2), lambda t: t.clear(), lambda t: t.append(1)]
     for change in changes:
         assert list(t.ids()) == list(t)
