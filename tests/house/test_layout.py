@@ -18,8 +18,9 @@ RULES = {
     "trace": set(),                     # the format: nothing else from kvtrace
     "reference": set(),                 # the reference scheduler: nothing else
     "workers": {"trace"},               # child processes replay and diff share
-    # capture: what runs inside a user's vLLM; it writes traces and reads nothing else
-    "record": {"trace", "workers"},
+    # capture: what runs inside a user's vLLM; it writes traces and reads nothing
+    # else (compiled: whether the compiled path, and its KV digest kernel, runs)
+    "record": {"trace", "workers", "compiled"},
     # the embedded engine: a source that runs the reference's scheduler
     "engine": {"trace", "reference", "bridge", "catalog"},
     # replay through vLLM's own scheduler: it records that scheduler as capture does

@@ -544,7 +544,8 @@ class ShadowCore:
 
     def _room(self, req: str) -> _Req:
         r = self._req(req)
-        self._ensure(r, r.ntok)
+        if r.ntok > r.rows * self.block_size:   # most steps find room enough
+            self._ensure(r, r.ntok)
         return r
 
     def flush(self) -> list[tuple[object, list[Divergence]]]:

@@ -161,7 +161,8 @@ class NumpyShadowKV(ShadowCore):
         i = np.arange(nrows)
         blk = tables[i + np.repeat(toff - start, rows)]
         oob = blk.view(np.uint64) >= nb      # a negative id too
-        blkc = np.where(oob, nb, blk) if oob.any() else blk
+        any_oob = oob.any()
+        blkc = np.where(oob, nb, blk) if any_oob else blk
         # The rows gathered into kept arrays; every index is in range (the
         # sentinel row nb for a block outside the cache), so no mode checks it.
         held = self._fp.reshape(-1, B).take(blkc, axis=0, mode="clip",      # the state before
@@ -184,12 +185,23 @@ class NumpyShadowKV(ShadowCore):
                                                    axis=0, mode="clip",
                                                    out=self._scratch("want", nrows, np.int64))
         # Whole rows compared; a block out of the table is wrong wherever it
-        # is read; then the few rows read in part lose the columns they do
-        # not read: a read's last row (its positions end inside it), and
-        # under a sliding window the rows it begins in or after.
+        # is read; then, where any slot is wrong, the rows read in part lose
+        # the columns they do not read.
         bad = np.not_equal(held, want, out=self._scratch("bad", nrows, bool))
-        if oob.any():
+        if any_oob:
             bad[oob] = True
+        if not bad.any():
+            return None
+        self._trim_rows(bad, rows, lims, los, start, i)
+        if not bad.any():
+            return None
+        rreq = np.repeat(np.arange(rows.size), rows)
+        return bad, rreq, i - start[rreq], blk, blkc, hit
+
+    def _trim_rows(self, bad: np.ndarray, rows: np.ndarray, lims: np.ndarray,
+                   los: np.ndarray, start: np.ndarray, i: np.ndarray) -> None:
+        """As ShadowKV._trim_rows (torch_backend.py)."""
+        B = self.block_size
         col = np.arange(B)
         if los.any():
             bi = i - np.repeat(start, rows)
@@ -204,10 +216,6 @@ class NumpyShadowKV(ShadowCore):
             if cut.size:
                 last = np.cumsum(rows)[cut] - 1
                 bad[last] &= col[None, :] < (lims[cut] % B)[:, None]
-        if not bad.any():
-            return None
-        rreq = np.repeat(np.arange(rows.size), rows)
-        return bad, rreq, i - start[rreq], blk, blkc, hit
 
     def _first_bad(self, b: Batch, reads: tuple, w: tuple | None, bad: np.ndarray,
                    rreq: np.ndarray, bi: np.ndarray, blk: np.ndarray, blkc: np.ndarray,

@@ -191,14 +191,31 @@ class ShadowKV(ShadowCore):
         want = self._arena.view(-1).unfold(0, B, 1).index_select(
             0, i * B + each_row(abase - start * B))
         # Whole rows compared; a block out of the table is wrong wherever it
-        # is read; then the few rows read in part lose the columns they do
-        # not read: a read's last row (its positions end inside it), and
-        # under a sliding window the rows it begins in or after.
+        # is read; then, where any slot is wrong, the rows read in part lose
+        # the columns they do not read.
         bad = held != want
         if bool(oob.any()):
             bad[oob] = True
-        col = torch.arange(B, **i64)
+        if not bool(bad.any()):
+            return None
+        self._trim_rows(bad, rows, lims, los, start, i)
+        if not bool(bad.any()):
+            return None
+        rreq = each_row(torch.arange(rows.numel(), **i64))
+        return bad, rreq, i - start[rreq], blk, blkc, hit
+
+    def _trim_rows(self, bad: torch.Tensor, rows: torch.Tensor, lims: torch.Tensor,
+                   los: torch.Tensor, start: torch.Tensor, i: torch.Tensor) -> None:
+        """Clear, in ``bad``, the columns of the rows read in part that they
+        do not read: a read's last row (its positions end inside it), and
+        under a sliding window the rows it begins in or after (columns before
+        the window)."""
+        B = self.block_size
+        col = torch.arange(B, dtype=torch.int64, device=self.device)
         if bool(los.any()):
+            def each_row(x: torch.Tensor) -> torch.Tensor:
+                return torch.repeat_interleave(x, rows, output_size=i.numel())
+
             bi = i - each_row(start)
             rowlim = (each_row(lims) - bi * B).clamp(max=B)
             rowlo = each_row(los) - bi * B
@@ -213,10 +230,6 @@ class ShadowKV(ShadowCore):
                 last = torch.cumsum(rows, 0).index_select(0, cut) - 1
                 read = col[None, :] < (lims.index_select(0, cut) % B)[:, None]
                 bad.index_copy_(0, last, bad.index_select(0, last) & read)
-        if not bool(bad.any()):
-            return None
-        rreq = each_row(torch.arange(rows.numel(), **i64))
-        return bad, rreq, i - start[rreq], blk, blkc, hit
 
     def _first_bad(self, b: Batch, reads: tuple, w: tuple | None, bad: torch.Tensor,
                    rreq: torch.Tensor, bi: torch.Tensor, blk: torch.Tensor, blkc: torch.Tensor,
