@@ -631,6 +631,10 @@ class ShadowCore:
         num_computed_tokens through its block table (items: request, c, n, table,
         the table's offset in the batch)."""
         B = self.block_size
+        # Summed here and added once: this loop runs for every request at
+        # every step.
+        n_rows = n_compared = checked = compared = 0
+        reads, read_reqs = b.reads, b.read_reqs
         for r, c, _n, table, off in scheduled:
             lim = c
             if lim > r.ntok:
@@ -654,12 +658,19 @@ class ShadowCore:
             rows = -(-lim // B)
             skip = self._skippable(r, table, lim) if self.skip_checked else 0
             lo = max(0, c - r.window + 1) if r.window else 0
-            b.reads += (rows, off, lim, r.row * B, slot, skip, lo)
-            b.read_reqs.append(r)
-            b.n_rows += rows
-            b.n_compared += rows - skip
-            self.slots_checked += lim - lo
-            self.slots_compared += max(lim - max(skip * B, lo), 0)   # a skipped last row may be partial
+            reads += (rows, off, lim, r.row * B, slot, skip, lo)
+            read_reqs.append(r)
+            n_rows += rows
+            n_compared += rows - skip
+            checked += lim - lo
+            if skip or lo:
+                compared += max(lim - max(skip * B, lo), 0)   # a skipped last row may be partial
+            else:
+                compared += lim
+        b.n_rows += n_rows
+        b.n_compared += n_compared
+        self.slots_checked += checked
+        self.slots_compared += compared
 
     # -- reads already checked -------------------------------------------------------
 
