@@ -72,6 +72,7 @@ class BlockDigests:
         import torch
 
         self.torch = torch
+        self.num_blocks = num_blocks
         self.layers = []   # (tensor, its block dimension)
         seen = set()
         for t in layers:
@@ -120,7 +121,6 @@ class BlockDigests:
                 col.append(v)
         arrays = [np.array(c, dtype=np.int64) for c in cols]
         self._call = (len(self.layers), *arrays)
-        self._sizes = {int(t.shape[dim]) for t, dim in self.layers}
         self._memory = self._where()
 
     def _where(self) -> list[tuple[int, tuple[int, ...]]]:
@@ -207,7 +207,7 @@ class BlockDigests:
             self.kernel_off = "a layer's KV cache tensor moved since the first digest"
             return None
         lo, hi = min(blocks), max(blocks)
-        if lo < 0 or any(hi >= n for n in self._sizes):
+        if lo < 0 or hi >= self.num_blocks:   # every layer's block dimension (_where holds it)
             raise IndexError(f"block {lo if lo < 0 else hi} is not in the KV cache")
         idx = np.array(blocks, dtype=np.int64)
         out = np.empty(len(blocks), dtype=np.int64)

@@ -353,7 +353,9 @@ class ContentCheck:
                 self.more_tables[s.req] = [Table(t) for t in s.more_groups or empty]
         for s in rec.running:
             if s.req in kv and s.more_groups:
-                tables = self.more_tables.setdefault(s.req, [Table() for _ in self.more_groups])
+                tables = self.more_tables.get(s.req)
+                if tables is None:
+                    tables = self.more_tables[s.req] = [Table() for _ in self.more_groups]
                 for table, new in zip(tables, s.more_groups):
                     table.extend(new)
 

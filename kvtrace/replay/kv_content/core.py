@@ -109,7 +109,7 @@ class Table(list):
         """The ids, as a C array (kept: not to be changed)."""
         if self._n != len(self):
             if self._n > len(self):
-                self._ids, self._n = array("q"), 0
+                self._changed()
             self._ids.fromlist(self[self._n:])
             self._n = len(self)
         return self._ids

@@ -58,6 +58,11 @@ def pick_device(device: str | torch.device = "auto") -> torch.device:
 
 
 
+def _each_row(x: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
+    """A value a read, on each of its ``rows`` (``n`` rows in all)."""
+    return torch.repeat_interleave(x, rows, output_size=n)
+
+
 def _i64(values: list[int] | array, device: torch.device) -> torch.Tensor:
     """A Python int list (or a C array of them) as an int64 tensor on ``device``
     (through a C array: several times faster than torch.tensor on long lists)."""
@@ -164,8 +169,8 @@ class ShadowKV(ShadowCore):
         # start of its read, so each index below is i plus one value a read.
         start = torch.cumsum(rows, 0) - rows - (skipped if skip else 0)   # i - bi
 
-        def each_row(x: torch.Tensor) -> torch.Tensor:   # a value a read, on each of its rows
-            return torch.repeat_interleave(x, rows, output_size=nrows)
+        def each_row(x: torch.Tensor) -> torch.Tensor:
+            return _each_row(x, rows, nrows)
 
         i = torch.arange(nrows, **i64)
         blk = tables.index_select(0, i + each_row(toff - start))
@@ -213,12 +218,10 @@ class ShadowKV(ShadowCore):
         B = self.block_size
         col = torch.arange(B, dtype=torch.int64, device=self.device)
         if bool(los.any()):
-            def each_row(x: torch.Tensor) -> torch.Tensor:
-                return torch.repeat_interleave(x, rows, output_size=i.numel())
-
-            bi = i - each_row(start)
-            rowlim = (each_row(lims) - bi * B).clamp(max=B)
-            rowlo = each_row(los) - bi * B
+            n = i.numel()
+            bi = i - _each_row(start, rows, n)
+            rowlim = (_each_row(lims, rows, n) - bi * B).clamp(max=B)
+            rowlo = _each_row(los, rows, n) - bi * B
             part = ((rowlim < B) | (rowlo > 0)).nonzero().squeeze(1)
             if part.numel():
                 read = ((col[None, :] < rowlim.index_select(0, part)[:, None])
