@@ -326,7 +326,7 @@ def replay(trace: str, kv: bool, worker: bool | None = None, device: str = "cpu"
     from kvtrace.workers import policy as workers
     from kvtrace.replay import replay_file
 
-    used = workers.wanted(trace) if worker is None else int(worker)
+    used = workers.wanted(trace, content=kv) if worker is None else int(worker)
     children = _ChildPeaks()
     t, cpu, worker_cpu = time.perf_counter(), time.process_time(), _children_cpu()
     r = replay_file(trace, device=device if kv else None, worker=worker)
@@ -351,7 +351,7 @@ def diff(trace: str, worker: bool | None = None) -> dict:
     from kvtrace.diff import diff_files
     from kvtrace.workers import policy as workers
 
-    used = workers.wanted(trace) >= 1 if worker is None else worker
+    used = workers.wanted(trace, content=False) >= 1 if worker is None else worker
     children = _ChildPeaks()
     t, cpu, worker_cpu = time.perf_counter(), time.process_time(), _children_cpu()
     r = diff_files(trace, trace, worker=worker)

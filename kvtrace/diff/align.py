@@ -141,7 +141,7 @@ def _events(reader: TraceReader, workers: contextlib.ExitStack, worker: bool | N
     if worker is None:
         from ..workers import wanted
 
-        worker = wanted(reader.path) >= 1
+        worker = wanted(reader.path, content=False) >= 1
     if not worker or not reader.shareable:   # a pipe has one reader only
         return iter(reader)
     from ..workers.record_worker import RecordWorker   # a module the worker runs as __main__

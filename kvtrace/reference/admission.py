@@ -38,6 +38,10 @@ class Skipped:
     holding: deque[Request] = field(default_factory=deque)
     waiting: deque[Request] = field(default_factory=deque)
 
+    # Written out: compiled, the dataclass's own __init__ would run as Python.
+    def __init__(self) -> None:
+        self.holding, self.waiting = deque(), deque()
+
 
 @mypyc_attr(allow_interpreted_subclasses=True)
 class Admission(Outputs):

@@ -17,6 +17,12 @@ class ConnectorCacheStats:
     preempted_hits: int = 0
     unread: list[str] = field(default_factory=list)   # admitted reading no prefix cache: not counted
 
+    # Written out: compiled, the dataclass's own __init__ would run as Python.
+    def __init__(self) -> None:
+        self.requests = self.queries = self.hits = 0
+        self.preempted_requests = self.preempted_queries = self.preempted_hits = 0
+        self.unread = []
+
     def record(self, queries: int, hits: int, preempted: bool) -> None:
         if preempted:
             self.preempted_requests += 1

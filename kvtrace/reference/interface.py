@@ -36,6 +36,15 @@ class ScheduledRequest:
     block_ids: list[int]         # whole table (new, resumed) or new blocks only (running)
     more_groups: list[list[int]] | None = None   # the other KV-cache groups' (kv_groups.py)
 
+    # Written out: compiled, the dataclass's own __init__ would run as Python.
+    def __init__(self, req_id: str, num_computed_tokens: int, num_scheduled_tokens: int,
+                 block_ids: list[int], more_groups: list[list[int]] | None = None) -> None:
+        self.req_id = req_id
+        self.num_computed_tokens = num_computed_tokens
+        self.num_scheduled_tokens = num_scheduled_tokens
+        self.block_ids = block_ids
+        self.more_groups = more_groups
+
 
 @dataclass(slots=True)
 class SchedulerOutput:
@@ -47,6 +56,19 @@ class SchedulerOutput:
     finished_req_ids: set[str]
     # Draft tokens scheduled per request (-1: padding), only for those with any.
     spec: dict[str, list[int]] = field(default_factory=dict)
+
+    # Written out: compiled, the dataclass's own __init__ would run as Python.
+    def __init__(self, new: list[ScheduledRequest], resumed: list[ScheduledRequest],
+                 running: list[ScheduledRequest], num_scheduled_tokens: dict[str, int],
+                 preempted_req_ids: set[str], finished_req_ids: set[str],
+                 spec: dict[str, list[int]] | None = None) -> None:
+        self.new = new
+        self.resumed = resumed
+        self.running = running
+        self.num_scheduled_tokens = num_scheduled_tokens
+        self.preempted_req_ids = preempted_req_ids
+        self.finished_req_ids = finished_req_ids
+        self.spec = {} if spec is None else spec
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -76,6 +98,24 @@ class ModelOutput:
     recving_order: tuple[str, ...] = ()
     sending_order: tuple[str, ...] = ()
 
+    # Written out: compiled, the dataclass's own __init__ would run as Python.
+    def __init__(self, sampled_token_ids: dict[str, list[int]] | None = None,
+                 finished_recving: set[str] | None = None, finished_sending: set[str] | None = None,
+                 failed_recving: set[str] | None = None, invalid_block_ids: set[int] | None = None,
+                 grammar_rejected: set[str] | None = None, pooled: set[str] | None = None,
+                 error_order: tuple[str, ...] = (), recving_order: tuple[str, ...] = (),
+                 sending_order: tuple[str, ...] = ()) -> None:
+        self.sampled_token_ids = {} if sampled_token_ids is None else sampled_token_ids
+        self.finished_recving = set() if finished_recving is None else finished_recving
+        self.finished_sending = set() if finished_sending is None else finished_sending
+        self.failed_recving = set() if failed_recving is None else failed_recving
+        self.invalid_block_ids = set() if invalid_block_ids is None else invalid_block_ids
+        self.grammar_rejected = set() if grammar_rejected is None else grammar_rejected
+        self.pooled = set() if pooled is None else pooled
+        self.error_order = error_order
+        self.recving_order = recving_order
+        self.sending_order = sending_order
+
 
 def in_order(ids: set[str], order: tuple[str, ...]) -> list[str]:
     """``ids`` in the engine's order (one of ModelOutput's orders) where it names
@@ -95,6 +135,16 @@ class RequestOutput:
     # (num_cached_tokens, num_external_computed_tokens) of a legacy engine,
     # sent with the first output.
     legacy_counters: tuple[int, int] | None = None
+
+    # Written out: compiled, the dataclass's own __init__ would run as Python.
+    def __init__(self, req_id: str, new_token_ids: list[int], finish_reason: str | None = None,
+                 prefill_stats: PrefillStats | None = None,
+                 legacy_counters: tuple[int, int] | None = None) -> None:
+        self.req_id = req_id
+        self.new_token_ids = new_token_ids
+        self.finish_reason = finish_reason
+        self.prefill_stats = prefill_stats
+        self.legacy_counters = legacy_counters
 
 
 @mypyc_attr(native_class=False)   # compiled, an exception stays a Python class

@@ -23,6 +23,10 @@ class Stopped:
     waiting: set[Request] = field(default_factory=set)
     continuing: list[Request] = field(default_factory=list)
 
+    # Written out: compiled, the dataclass's own __init__ would run as Python.
+    def __init__(self) -> None:
+        self.running, self.waiting, self.continuing = set(), set(), []
+
 
 @mypyc_attr(allow_interpreted_subclasses=True)
 class Outputs(SpeculativeDecoding):

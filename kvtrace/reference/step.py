@@ -28,6 +28,17 @@ class StepPlan:
     prefill_admitted: bool = False      # the waiting pass admitted a prompt to compute
     defer_prefills: bool = False        # prefills are held back this step (cadence.py)
 
+    # Written out: compiled, the dataclass's own __init__ would run as Python.
+    def __init__(self, token_budget: int, input_budget: int, threshold: int,
+                 draft_slots: int = 0) -> None:
+        self.token_budget = token_budget
+        self.input_budget = input_budget
+        self.threshold = threshold
+        self.draft_slots = draft_slots
+        self.running, self.new, self.resumed, self.preempted = [], [], [], []
+        self.new_blocks, self.num_scheduled, self.spec = {}, {}, {}
+        self.prefill_scheduled = self.prefill_admitted = self.defer_prefills = False
+
     def has_budget(self) -> bool:
         """Room for one more token, and in the input budget for its request's
         drafting slots too (S:659-662)."""

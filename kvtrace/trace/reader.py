@@ -218,8 +218,9 @@ class TraceReader:
                     raw = b"".join(pieces)
                     pieces, plen, kind = [], 0, None
                 else:
-                    if len(part) > self._longest(self._limits and self._limits.leading_kind(part),
-                                                 max_line):
+                    # (No record may pass max_line but a keyframe that says it is one.)
+                    if len(part) > max_line and len(part) > self._longest(
+                            self._limits and self._limits.leading_kind(part), max_line):
                         raise TraceError(self.path, lineno, self._too_long(max_line))
                     raw = part
                 if raw.isspace():

@@ -3,4 +3,4 @@
 checks a trace's records across records beside the process that reads them
 (``record_worker``)."""
 
-from .policy import ENV, MIN_BYTES, WorkerError, wanted  # noqa: F401
+from .policy import ENV, MIN_BYTES, MIN_TEXT_BYTES, WorkerError, wanted  # noqa: F401

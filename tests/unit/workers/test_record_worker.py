@@ -331,6 +331,32 @@ def test_when_a_worker_is_used(tmp_path, monkeypatch):
     assert not workers.wanted(big)
 
 
+def test_the_record_checks_alone_get_a_worker_by_the_text_a_file_holds(tmp_path, monkeypatch):
+    """Without the content check, a worker pays from MIN_TEXT_BYTES of trace
+    text on: a plain file that large, or a compressed one of a twelfth of it."""
+    from kvtrace.trace.files import GZIP_MAGIC, ZSTD_MAGIC
+
+    monkeypatch.delenv(workers.ENV, raising=False)
+    monkeypatch.setattr(workers.os, "cpu_count", lambda: 2)
+
+    def file(name: str, size: int, magic: bytes = b"") -> Path:
+        p = tmp_path / name
+        with open(p, "wb") as f:
+            f.write(magic)
+            f.truncate(size)
+        return p
+
+    plain = file("plain.jsonl", workers.MIN_BYTES)
+    assert workers.wanted(plain) and not workers.wanted(plain, content=False)
+    assert workers.wanted(file("text.jsonl", workers.MIN_TEXT_BYTES), content=False)
+    compressed = -(-workers.MIN_TEXT_BYTES // workers.COMPRESSION)
+    for magic in (GZIP_MAGIC, ZSTD_MAGIC):
+        name = f"t{magic.hex()}.jsonl.z"
+        assert workers.wanted(file(name, compressed, magic), content=False)
+        assert not workers.wanted(file("less" + name, compressed - 4096, magic), content=False)
+        assert not workers.wanted(tmp_path / name)   # with the content check: bytes on disk
+
+
 def test_a_cut_off_last_line_the_worker_saw_is_not_passed(faulty, tmp_path):
     """The worker read the file while its last line was cut off; the main
     process reads it once it is complete. The completed line was never checked,
@@ -562,7 +588,7 @@ def test_diff_starts_a_worker_per_input_as_replay_would_start_one(faulty, monkey
     monkeypatch.setattr(workers.os, "cpu_count", lambda: 2)
     small = diff_files(faulty, faulty)
     assert started == []   # a small file: no worker
-    monkeypatch.setattr(workers, "MIN_BYTES", 1)
+    monkeypatch.setattr(workers, "MIN_TEXT_BYTES", 1)
     big = diff_files(faulty, faulty)
     assert [w.path for w in started] == [str(faulty), str(faulty)]
     assert [d.to_json() for d in big.divergences] == [d.to_json() for d in small.divergences]
