@@ -19,6 +19,11 @@ against the engine's step, is the same figure measured directly; it does not
 move with the machine's noise, but it leaves out what the recorder costs the
 engine indirectly (caches, allocation).
 
+Last, the floor: 20 rounds with the least capture in Python of the same
+facts through the same hooks (``_floor_cost``), timed the same way. It is
+below any recorder that keeps the trace whole, and shows how much of the
+recorder's own work is more than reading what a trace holds.
+
 Using one engine for both sides matters on a small machine: two engines in one
 process differ by a few percent from each other, recorder or not. After warm-up
 the heap is frozen (vLLM's own ``freeze_gc_heap``, which its engine calls after
@@ -137,6 +142,7 @@ def run(rounds: int = 101, requests: int = 16, max_tokens: int = 48, suffix: str
         controls.append(t["u2"] / t["u"])
     steps_per_round = (rec.step_index - steps_before) / rounds
     capture_us, writer_us, wall_us = _own_cost(rec, lambda: timed(_prompts(rnd, requests), True))
+    floor_us, floor_wall_us = _floor_cost(rec, lambda: timed(_prompts(rnd, requests), True))
     sched._kvtrace = rec
     shutdown_llm(llm)
     q = statistics.quantiles(ratios, n=4)
@@ -163,6 +169,9 @@ def run(rounds: int = 101, requests: int = 16, max_tokens: int = 48, suffix: str
         "own_wall_us_per_step": wall_us,
         # The same rounds' wall time against it less the recorder's own work.
         "own_ratio": wall_us / (wall_us - capture_us - writer_us) if wall_us else 0.0,
+        # The least capture in Python (``_floor_cost``), in rounds of its own.
+        "floor_us_per_step": floor_us,
+        "floor_ratio": floor_wall_us / (floor_wall_us - floor_us) if floor_wall_us else 0.0,
         "omp_threads": os.environ.get("OMP_NUM_THREADS"),
         "trace_bytes": trace.stat().st_size if trace.exists() else 0,
         "target": TARGET,
@@ -228,6 +237,76 @@ def _own_cost(rec, one_round, rounds: int = 20) -> tuple[float, float, float]:
     return 1e6 * spent[0] / steps, 1e6 * writer[0] / steps, 1e6 * wall / steps
 
 
+def _floor_cost(rec, one_round, rounds: int = 20) -> tuple[float, float]:
+    """Microseconds per step of the least a recorder in Python does on the
+    engine's thread, and the wall time per step of the same rounds: through
+    the same hooks, it reads the facts a trace's step and output records hold,
+    with as few operations as Python allows, and encodes them as one JSON line
+    each into memory. After ``schedule``: the output's own columns (ids,
+    computed and scheduled tokens, new block ids) and each scheduled request's
+    state (status, computed tokens, tokens, preemptions, its table's length).
+    After ``update_from_output``: the sampled tokens, each output's id and
+    finish reason, and the same states. It reads no full block table, checks
+    nothing, keeps no state between steps and writes nothing to the ring, so
+    it is below any recorder that keeps the trace whole."""
+    import msgspec
+
+    encode = msgspec.json.Encoder(enc_hook=int).encode
+    read = rec.read_state
+    table = rec.table if rec.table is not None else {}
+    out_lines = bytearray()
+    spent = [0.0]
+    steps = [0]
+
+    def states(sched, rids):
+        reqs = list(map(sched.requests.get, rids))
+        return [read(r) + (len(table.get(rid, ())),) for rid, r in zip(rids, reqs) if r is not None]
+
+    def begin_step(*args):
+        pass
+
+    def on_schedule(sched, out):
+        t = time.perf_counter()
+        steps[0] += 1
+        cd = out.scheduled_cached_reqs
+        nst = out.num_scheduled_tokens
+        out_lines.extend(encode((
+            [(r.req_id, r.num_computed_tokens, r.block_ids) for r in out.scheduled_new_reqs],
+            cd.req_ids, cd.num_computed_tokens, cd.new_block_ids, nst,
+            sorted(out.finished_req_ids), states(sched, list(nst)))))
+        spent[0] += time.perf_counter() - t
+
+    def pre_update(sched, so, mro):
+        t = time.perf_counter()
+        ctx = (list(so.num_scheduled_tokens), mro.sampled_token_ids, mro.req_id_to_index)
+        spent[0] += time.perf_counter() - t
+        return ctx
+
+    def post_update(sched, ctx, result):
+        t = time.perf_counter()
+        rids, toks, index = ctx
+        done = [(o.request_id, o.finish_reason) for eco in (result or {}).values()
+                for o in eco.outputs if o.finish_reason is not None]
+        out_lines.extend(encode((rids, toks, index, done, states(sched, rids))))
+        spent[0] += time.perf_counter() - t
+
+    names = {"begin_step": begin_step, "on_schedule": on_schedule, "pre_update": pre_update,
+             "post_update": post_update, "settle": lambda sched: None}
+    for name, fn in names.items():
+        setattr(rec, name, fn)
+    wall = 0.0
+    try:
+        for _ in range(rounds):
+            wall += one_round()
+            del out_lines[:]
+    finally:
+        for name in names:
+            delattr(rec, name)
+    if not steps[0]:
+        return 0.0, 0.0
+    return 1e6 * spent[0] / steps[0], 1e6 * wall / steps[0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=101)
@@ -254,6 +333,9 @@ def main() -> None:
     print(f"  measured directly: on the engine's thread {r['capture_us_per_step']:.0f} us + "
           f"writer thread {r['writer_us_per_step']:.0f} us per step of "
           f"{r['own_wall_us_per_step'] / 1e3:.2f} ms = {r['own_ratio']:.3f}x the engine's own time")
+    print(f"  floor: the least capture in Python on the engine's thread (the same facts, "
+          f"as few operations, no ring): {r['floor_us_per_step']:.0f} us per step = "
+          f"{r['floor_ratio']:.3f}x the engine's own time")
     print(f"  torch threads (OMP_NUM_THREADS): {r['omp_threads']}")
 
 

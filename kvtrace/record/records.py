@@ -16,6 +16,8 @@ from kvtrace.trace.events import RequestState, ScheduledNew, ScheduledRunning
 _NEW_FIELDS = ScheduledNew.__struct_fields__
 _RUNNING_FIELDS = ScheduledRunning.__struct_fields__
 _STATE_FIELDS = RequestState.__struct_fields__
+_STEP_STATES = RawStep._fields.index("states")
+_OUTPUT_STATES = RawOutput._fields.index("states")
 
 
 
@@ -72,14 +74,17 @@ class Resolver:
         self._status_classes: set[type] = set()
 
     def __call__(self, item: Any, out: list) -> None:
+        # The event's fields as a plain tuple, its states read (cheaper than
+        # _replace; the writer makes the named tuple again from the JSON array).
         t = type(item)
         if t is RawStep:
             states = self._states(item.states, out)
             if item.finished:  # gone from the engine: forget them (after this step's states)
                 self.blocks.forget(item.finished)
-            out.append(("step", item._replace(states=states)))
+            out.append(("step", item[:_STEP_STATES] + (states,) + item[_STEP_STATES + 1:]))
         elif t is RawOutput:
-            out.append(("output", item._replace(states=self._states(item.states, out))))
+            states = self._states(item.states, out)
+            out.append(("output", item[:_OUTPUT_STATES] + (states,) + item[_OUTPUT_STATES + 1:]))
         else:
             out.append(item)
 
@@ -93,7 +98,13 @@ class Resolver:
                 out.append(("statuses", _status_table(cls)))
         if lengths is None:
             return counters, blocks
-        return counters, list(map(self.blocks.ids, rids, blocks, lengths))
+        known = self.blocks.known
+        ids = []
+        for rid, b, n in zip(rids, blocks, lengths):
+            k = known.get(rid)   # the common case, BlockTables.ids's first, inline
+            ids.append(k[1] if k is not None and k[0] is b and len(k[1]) == n
+                       else self.blocks.ids(rid, b, n))
+        return counters, ids
 
 
 def _status_table(cls: type) -> list:

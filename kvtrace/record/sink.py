@@ -306,7 +306,8 @@ class ProcessSink(_Sink):
             try:
                 lines: list = []
                 self._resolve(ev, lines)
-                chunk = b"".join([_encode(x) + b"\n" for x in lines])
+                chunk = (_encode(lines[0]) + b"\n" if len(lines) == 1
+                         else b"".join([_encode(x) + b"\n" for x in lines]))
                 self._settling = False   # an event came: the engine is not settled
                 if len(chunk) > self._largest:
                     self.dropped += 1    # it would never fit, and hold up every event after it
