@@ -3,7 +3,7 @@
 One engine is built with the kvtrace recorder wrapped around its scheduler
 (exactly what the vLLM plugin does when KVTRACE_OUT is set, writer process
 included). Each round gives fresh prompts to that engine three times, in a
-rotating order: once recording, and twice with the recorder detached from the
+rotating order (and a fourth, the floor below): once recording, and twice with the recorder detached from the
 scheduler (the recording scheduler's hooks then do nothing). The prefix cache is
 emptied before each run, so that all three do the same work. The figure is the
 median over rounds of recorded / unrecorded wall time of ``LLM.generate``; the
@@ -19,10 +19,11 @@ against the engine's step, is the same figure measured directly; it does not
 move with the machine's noise, but it leaves out what the recorder costs the
 engine indirectly (caches, allocation).
 
-Last, the floor: 20 rounds with the least capture in Python of the same
-facts through the same hooks (``_floor_cost``), timed the same way. It is
-below any recorder that keeps the trace whole, and shows how much of the
-recorder's own work is more than reading what a trace holds.
+Each round has a fourth arm, the floor: the least capture in Python of the
+same facts through the same hooks (``_Floor``), timed by the wall clock as
+the others and directly around its hooks. It is below any recorder that keeps
+the trace whole: its median ratio is where the wall-clock figure of a
+recorder in Python on the engine's thread starts on this engine.
 
 Using one engine for both sides matters on a small machine: two engines in one
 process differ by a few percent from each other, recorder or not. After warm-up
@@ -112,12 +113,21 @@ def run(rounds: int = 101, requests: int = 16, max_tokens: int = 48, suffix: str
 
     cpu: dict[str, float] = {}
 
+    floor = _Floor(rec)
+
     def timed(prompts, recording: bool, name: str = "") -> float:
         sched._kvtrace = rec if recording else None
+        if name == "f":
+            floor.install()
         llm.reset_prefix_cache()
         c = time.thread_time()
         t = time.perf_counter()
-        llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        try:
+            llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                         use_tqdm=False)
+        finally:
+            if name == "f":
+                floor.remove()
         elapsed = time.perf_counter() - t
         cpu[name] = time.thread_time() - c
         time.sleep(SETTLE_S)
@@ -126,14 +136,17 @@ def run(rounds: int = 101, requests: int = 16, max_tokens: int = 48, suffix: str
     for recording in (False, True):
         timed(_prompts(rnd, requests), recording)
     freeze_gc_heap()
-    ratios, controls, plain_s, rec_s = [], [], [], []
+    ratios, controls, plain_s, rec_s, floor_ratios = [], [], [], [], []
+    floor_wall = 0.0
     cpu_ratios, cpu_controls = [], []
     steps_before = rec.step_index
     for i in range(rounds):
         prompts = _prompts(rnd, requests)
-        order = [("u", False), ("r", True), ("u2", False)]
-        order = order[i % 3:] + order[:i % 3]     # rotate who goes first
+        order = [("u", False), ("r", True), ("u2", False), ("f", True)]
+        order = order[i % 4:] + order[:i % 4]     # rotate who goes first
         t = {name: timed(prompts, recording, name) for name, recording in order}
+        floor_ratios.append(t["f"] / t["u"])
+        floor_wall += t["f"]
         cpu_ratios.append(cpu["r"] / cpu["u"])
         cpu_controls.append(cpu["u2"] / cpu["u"])
         plain_s.append(t["u"])
@@ -142,7 +155,8 @@ def run(rounds: int = 101, requests: int = 16, max_tokens: int = 48, suffix: str
         controls.append(t["u2"] / t["u"])
     steps_per_round = (rec.step_index - steps_before) / rounds
     capture_us, writer_us, wall_us = _own_cost(rec, lambda: timed(_prompts(rnd, requests), True))
-    floor_us, floor_wall_us = _floor_cost(rec, lambda: timed(_prompts(rnd, requests), True))
+    floor_us = 1e6 * floor.spent / max(floor.steps, 1)
+    floor_wall_us = 1e6 * floor_wall / max(floor.steps, 1)
     sched._kvtrace = rec
     shutdown_llm(llm)
     q = statistics.quantiles(ratios, n=4)
@@ -169,9 +183,10 @@ def run(rounds: int = 101, requests: int = 16, max_tokens: int = 48, suffix: str
         "own_wall_us_per_step": wall_us,
         # The same rounds' wall time against it less the recorder's own work.
         "own_ratio": wall_us / (wall_us - capture_us - writer_us) if wall_us else 0.0,
-        # The least capture in Python (``_floor_cost``), in rounds of its own.
+        # The least capture in Python (``_Floor``), an arm of each round.
         "floor_us_per_step": floor_us,
-        "floor_ratio": floor_wall_us / (floor_wall_us - floor_us) if floor_wall_us else 0.0,
+        "floor_own_ratio": floor_wall_us / (floor_wall_us - floor_us) if floor_wall_us else 0.0,
+        "floor_ratio_median": statistics.median(floor_ratios),
         "omp_threads": os.environ.get("OMP_NUM_THREADS"),
         "trace_bytes": trace.stat().st_size if trace.exists() else 0,
         "target": TARGET,
@@ -237,74 +252,82 @@ def _own_cost(rec, one_round, rounds: int = 20) -> tuple[float, float, float]:
     return 1e6 * spent[0] / steps, 1e6 * writer[0] / steps, 1e6 * wall / steps
 
 
-def _floor_cost(rec, one_round, rounds: int = 20) -> tuple[float, float]:
-    """Microseconds per step of the least a recorder in Python does on the
-    engine's thread, and the wall time per step of the same rounds: through
-    the same hooks, it reads the facts a trace's step and output records hold,
-    with as few operations as Python allows, and encodes them as one JSON line
-    each into memory. After ``schedule``: the output's own columns (ids,
-    computed and scheduled tokens, new block ids) and each scheduled request's
-    state (status, computed tokens, tokens, preemptions, its table's length).
-    After ``update_from_output``: the sampled tokens, each output's id and
-    finish reason, and the same states. It reads no full block table, checks
+class _Floor:
+    """The least a recorder in Python does on the engine's thread: through the
+    same hooks, it reads the facts a trace's records hold, with as few
+    operations as Python allows, and encodes them as one JSON line each into
+    memory. An arrival: its id, prompt and sampling parameters. After
+    ``schedule``: the output's own columns (ids, computed and scheduled tokens,
+    new block ids) and each scheduled request's state (status, computed
+    tokens, tokens, preemptions, its table's length). After
+    ``update_from_output``: the sampled tokens, each output's id and finish
+    reason, and the same states. It reads no full block table, checks
     nothing, keeps no state between steps and writes nothing to the ring, so
-    it is below any recorder that keeps the trace whole."""
-    import msgspec
+    it is below any recorder that keeps the trace whole. ``install`` puts it
+    in place of the recorder's hooks until ``remove``; ``spent`` and
+    ``steps`` sum its time and steps."""
 
-    encode = msgspec.json.Encoder(enc_hook=int).encode
-    read = rec.read_state
-    table = rec.table if rec.table is not None else {}
-    out_lines = bytearray()
-    spent = [0.0]
-    steps = [0]
+    def __init__(self, rec) -> None:
+        import msgspec
 
-    def states(sched, rids):
-        reqs = list(map(sched.requests.get, rids))
-        return [read(r) + (len(table.get(rid, ())),) for rid, r in zip(rids, reqs) if r is not None]
+        self.rec = rec
+        self.spent = 0.0
+        self.steps = 0
+        self.lines = bytearray()
+        encode = msgspec.json.Encoder(enc_hook=str).encode
+        read = rec.read_state
+        table = rec.table if rec.table is not None else {}
+        lines = self.lines
 
-    def begin_step(*args):
-        pass
+        def states(sched, rids):
+            reqs = list(map(sched.requests.get, rids))
+            return [read(r) + (len(table.get(rid, ())),)
+                    for rid, r in zip(rids, reqs) if r is not None]
 
-    def on_schedule(sched, out):
-        t = time.perf_counter()
-        steps[0] += 1
-        cd = out.scheduled_cached_reqs
-        nst = out.num_scheduled_tokens
-        out_lines.extend(encode((
-            [(r.req_id, r.num_computed_tokens, r.block_ids) for r in out.scheduled_new_reqs],
-            cd.req_ids, cd.num_computed_tokens, cd.new_block_ids, nst,
-            sorted(out.finished_req_ids), states(sched, list(nst)))))
-        spent[0] += time.perf_counter() - t
+        def on_add_request(request, chunk=False):
+            t = time.perf_counter()
+            sp = request.sampling_params
+            lines.extend(encode((request.request_id, request.prompt_token_ids,
+                                 sp.max_tokens if sp is not None else None)))
+            self.spent += time.perf_counter() - t
 
-    def pre_update(sched, so, mro):
-        t = time.perf_counter()
-        ctx = (list(so.num_scheduled_tokens), mro.sampled_token_ids, mro.req_id_to_index)
-        spent[0] += time.perf_counter() - t
-        return ctx
+        def on_schedule(sched, out):
+            t = time.perf_counter()
+            self.steps += 1
+            cd = out.scheduled_cached_reqs
+            nst = out.num_scheduled_tokens
+            lines.extend(encode((
+                [(r.req_id, r.num_computed_tokens, r.block_ids) for r in out.scheduled_new_reqs],
+                cd.req_ids, cd.num_computed_tokens, cd.new_block_ids, nst,
+                sorted(out.finished_req_ids), states(sched, list(nst)))))
+            self.spent += time.perf_counter() - t
 
-    def post_update(sched, ctx, result):
-        t = time.perf_counter()
-        rids, toks, index = ctx
-        done = [(o.request_id, o.finish_reason) for eco in (result or {}).values()
-                for o in eco.outputs if o.finish_reason is not None]
-        out_lines.extend(encode((rids, toks, index, done, states(sched, rids))))
-        spent[0] += time.perf_counter() - t
+        def pre_update(sched, so, mro):
+            t = time.perf_counter()
+            ctx = (list(so.num_scheduled_tokens), mro.sampled_token_ids, mro.req_id_to_index)
+            self.spent += time.perf_counter() - t
+            return ctx
 
-    names = {"begin_step": begin_step, "on_schedule": on_schedule, "pre_update": pre_update,
-             "post_update": post_update, "settle": lambda sched: None}
-    for name, fn in names.items():
-        setattr(rec, name, fn)
-    wall = 0.0
-    try:
-        for _ in range(rounds):
-            wall += one_round()
-            del out_lines[:]
-    finally:
-        for name in names:
-            delattr(rec, name)
-    if not steps[0]:
-        return 0.0, 0.0
-    return 1e6 * spent[0] / steps[0], 1e6 * wall / steps[0]
+        def post_update(sched, ctx, result):
+            t = time.perf_counter()
+            rids, toks, index = ctx
+            done = [(o.request_id, o.finish_reason) for eco in (result or {}).values()
+                    for o in eco.outputs if o.finish_reason is not None]
+            lines.extend(encode((rids, toks, index, done, states(sched, rids))))
+            self.spent += time.perf_counter() - t
+
+        self.hooks = {"begin_step": lambda *args: None, "on_schedule": on_schedule,
+                      "pre_update": pre_update, "post_update": post_update,
+                      "on_add_request": on_add_request, "settle": lambda sched: None}
+
+    def install(self) -> None:
+        for name, fn in self.hooks.items():
+            setattr(self.rec, name, fn)
+
+    def remove(self) -> None:
+        for name in self.hooks:
+            delattr(self.rec, name)
+        del self.lines[:]
 
 
 def main() -> None:
@@ -334,8 +357,9 @@ def main() -> None:
           f"writer thread {r['writer_us_per_step']:.0f} us per step of "
           f"{r['own_wall_us_per_step'] / 1e3:.2f} ms = {r['own_ratio']:.3f}x the engine's own time")
     print(f"  floor: the least capture in Python on the engine's thread (the same facts, "
-          f"as few operations, no ring): {r['floor_us_per_step']:.0f} us per step = "
-          f"{r['floor_ratio']:.3f}x the engine's own time")
+          f"as few operations, no ring), an arm of each round: median "
+          f"{r['floor_ratio_median']:.3f}x; directly {r['floor_us_per_step']:.0f} us per step "
+          f"= {r['floor_own_ratio']:.3f}x the engine's own time")
     print(f"  torch threads (OMP_NUM_THREADS): {r['omp_threads']}")
 
 
