@@ -241,6 +241,19 @@ def _resolve(name: object, modules: tuple[str, ...]) -> Any:
     return obj
 
 
+def _empty(cls: type) -> object | None:
+    """An empty object of ``cls`` to fill in, or None where it is made whole
+    from its fields: a msgspec Struct, or a compiled dataclass whose
+    ``__init__`` is written out (reference/interface.py), whose ``__new__``
+    runs that ``__init__``, required arguments and all."""
+    if issubclass(cls, msgspec.Struct):
+        return None
+    try:
+        return cls.__new__(cls)
+    except TypeError:
+        return None
+
+
 class _Decoder:
     def __init__(self, data: dict, externals: dict[str, object],
                  unpack: dict[str, Callable], modules: tuple[str, ...]):
@@ -307,11 +320,12 @@ class _Decoder:
     def run(self) -> object:
         self.classes = [_resolve(entry["o"], self.modules) for entry in self.table]
         # Objects first, empty, so that references among them resolve; a
-        # msgspec Struct is made whole when first referred to (it holds no cycle).
-        self.made = [None if issubclass(cls, msgspec.Struct) else cls.__new__(cls)
-                     for cls in self.classes]
+        # msgspec Struct, or an object that cannot be made empty, is made whole
+        # when first referred to (it holds no cycle).
+        self.made = [_empty(cls) for cls in self.classes]
+        whole = [m is None for m in self.made]
         for i, (cls, entry) in enumerate(zip(self.classes, self.table)):
-            if issubclass(cls, msgspec.Struct):
+            if whole[i]:
                 if self.made[i] is None:
                     self._struct(i)
                 continue

@@ -62,6 +62,23 @@ def test_a_graph_comes_back_with_its_sharing_and_cycles():
     assert x["keys"] == {(1, 2): 3, 4: None}
 
 
+def test_the_reference_s_outputs_come_back_whole():
+    """A scheduler output held between steps (async scheduling) and its
+    requests: compiled, these dataclasses write their __init__ out, and their
+    __new__ runs it, so they are made whole from their fields."""
+    from kvtrace.reference.interface import (ModelOutput, RequestOutput, ScheduledRequest,
+                                             SchedulerOutput)
+
+    req = ScheduledRequest("r1", 16, 4, [3, 4], [[7]])
+    out = SchedulerOutput([req], [], [ScheduledRequest("r2", 0, 8, [])], {"r1": 4, "r2": 8},
+                          {"r3"}, set(), {"r1": [5, -1]})
+    root = Node("root", [out, req, RequestOutput("r1", [9], "stop"), ModelOutput({"r1": [9]})])
+    _, got = _round(root)
+    g_out, g_req, g_ro, g_mo = got.friends
+    assert g_out == out and g_req == req and g_out.new[0] is g_req   # the sharing too
+    assert g_ro == RequestOutput("r1", [9], "stop") and g_mo == ModelOutput({"r1": [9]})
+
+
 def test_externals_are_named_not_written():
     config = object()
     data, got = _round(Node("n", extra=config), externals={"config": config})
