@@ -2,10 +2,11 @@
 
 One engine is built with the kvtrace recorder wrapped around its scheduler
 (exactly what the vLLM plugin does when KVTRACE_OUT is set, writer process
-included). Each round gives fresh prompts to that engine three times, in a
-rotating order (and a fourth, the floor below): once recording, and twice with the recorder detached from the
-scheduler (the recording scheduler's hooks then do nothing). The prefix cache is
-emptied before each run, so that all three do the same work. The figure is the
+included). Each round gives fresh prompts to that engine four times, in a
+rotating order: once recording, twice with the recorder detached from the
+scheduler (the recording scheduler's hooks then do nothing), and once with the
+floor below in the recorder's place. The prefix cache is emptied before each
+run, so that all four do the same work. The figure is the
 median over rounds of recorded / unrecorded wall time of ``LLM.generate``; the
 median of unrecorded / unrecorded is printed next to it, as the noise floor of
 the same run. The limit is the engine's own time: the target is a ratio of at
@@ -19,7 +20,7 @@ against the engine's step, is the same figure measured directly; it does not
 move with the machine's noise, but it leaves out what the recorder costs the
 engine indirectly (caches, allocation).
 
-Each round has a fourth arm, the floor: the least capture in Python of the
+The floor, each round's fourth arm, is the least capture in Python of the
 same facts through the same hooks (``_Floor``), timed by the wall clock as
 the others and directly around its hooks. It is below any recorder that keeps
 the trace whole: its median ratio is where the wall-clock figure of a
