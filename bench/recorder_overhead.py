@@ -156,6 +156,8 @@ def run(rounds: int = 101, requests: int = 16, max_tokens: int = 48, suffix: str
         controls.append(t["u2"] / t["u"])
     steps_per_round = (rec.step_index - steps_before) / rounds
     capture_us, writer_us, wall_us = _own_cost(rec, lambda: timed(_prompts(rnd, requests), True))
+    if not rec.active or rec.failed:   # its figures would be an idle recorder's
+        raise SystemExit(f"the recorder stopped during the rounds: {rec.failed}")
     floor_us = 1e6 * floor.spent / max(floor.steps, 1)
     floor_wall_us = 1e6 * floor_wall / max(floor.steps, 1)
     sched._kvtrace = rec
@@ -259,7 +261,7 @@ class _Floor:
     operations as Python allows, and encodes them as one JSON line each into
     memory. An arrival: its id, prompt and sampling parameters. After
     ``schedule``: the output's own columns (ids, computed and scheduled tokens,
-    new block ids) and each scheduled request's state (status, computed
+    new block ids, preempted and finished ids) and each scheduled request's state (status, computed
     tokens, tokens, preemptions, its table's length). After
     ``update_from_output``: the sampled tokens, each output's id and finish
     reason, and the same states. It reads no full block table, checks
@@ -276,11 +278,11 @@ class _Floor:
         self.steps = 0
         self.lines = bytearray()
         encode = msgspec.json.Encoder(enc_hook=str).encode
-        read = rec.read_state
         table = rec.table if rec.table is not None else {}
         lines = self.lines
 
         def states(sched, rids):
+            read = rec.read_state   # the recorder's own reader, should it change
             reqs = list(map(sched.requests.get, rids))
             return [read(r) + (len(table.get(rid, ())),)
                     for rid, r in zip(rids, reqs) if r is not None]
@@ -300,7 +302,8 @@ class _Floor:
             lines.extend(encode((
                 [(r.req_id, r.num_computed_tokens, r.block_ids) for r in out.scheduled_new_reqs],
                 cd.req_ids, cd.num_computed_tokens, cd.new_block_ids, nst,
-                sorted(out.finished_req_ids), states(sched, list(nst)))))
+                sorted(out.preempted_req_ids or ()), sorted(out.finished_req_ids),
+                states(sched, list(nst)))))
             self.spent += time.perf_counter() - t
 
         def pre_update(sched, so, mro):
@@ -317,9 +320,12 @@ class _Floor:
             lines.extend(encode((rids, toks, index, done, states(sched, rids))))
             self.spent += time.perf_counter() - t
 
+        # Every hook that records on a step's path; the rare ones (resets,
+        # aborts, pauses, drafts, the connector's answers) stay the recorder's.
         self.hooks = {"begin_step": lambda *args: None, "on_schedule": on_schedule,
                       "pre_update": pre_update, "post_update": post_update,
-                      "on_add_request": on_add_request, "settle": lambda sched: None}
+                      "on_add_request": on_add_request, "settle": lambda sched: None,
+                      "on_preempt": lambda request: None, "on_stats": lambda stats: None}
 
     def install(self) -> None:
         for name, fn in self.hooks.items():

@@ -79,6 +79,28 @@ def test_the_reference_s_outputs_come_back_whole():
     assert g_ro == RequestOutput("r1", [9], "stop") and g_mo == ModelOutput({"r1": [9]})
 
 
+class MadeWhole:
+    """A class whose ``__new__`` runs its ``__init__``, required arguments and
+    all, as a compiled dataclass with its __init__ written out does."""
+
+    def __new__(cls, name, parts):
+        obj = super().__new__(cls)
+        obj.name, obj.parts = name, parts
+        return obj
+
+    def __init__(self, name, parts):
+        self.name, self.parts = name, parts
+
+
+def test_an_object_that_cannot_be_made_empty_is_made_from_its_fields():
+    leaf = Node("leaf")
+    whole = MadeWhole("w", [leaf, (1, 2)])
+    _, got = _round(Node("root", [whole, leaf, whole]))
+    g_whole, g_leaf, again = got.friends
+    assert type(g_whole) is MadeWhole and g_whole is again
+    assert g_whole.name == "w" and g_whole.parts == [g_leaf, (1, 2)] and g_whole.parts[0] is g_leaf
+
+
 def test_externals_are_named_not_written():
     config = object()
     data, got = _round(Node("n", extra=config), externals={"config": config})
