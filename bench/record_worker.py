@@ -22,13 +22,10 @@ import time
 from pathlib import Path
 
 
-def _best(fn, repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+def _seconds(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
 def run(requests: list[int], repeat: int = 3) -> list[dict]:
@@ -53,8 +50,8 @@ def run(requests: list[int], repeat: int = 3) -> list[dict]:
                 times = {w: float("inf") for w in (0, 1)}
                 for _ in range(repeat):   # in turns: the machine's drift touches both
                     for w in (0, 1):
-                        times[w] = min(times[w], _best(
-                            lambda: replay_file(path, device=None, worker=w), 1))
+                        times[w] = min(times[w], _seconds(
+                            lambda: replay_file(path, device=None, worker=w)))
                 rows.append({"requests": n, "file": path.name, "bytes": path.stat().st_size,
                              "text_bytes": len(text), "one_process_s": times[0],
                              "worker_s": times[1], "picked": wanted(path, content=False)})

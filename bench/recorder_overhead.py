@@ -261,8 +261,8 @@ class _Floor:
     operations as Python allows, and encodes them as one JSON line each into
     memory. An arrival: its id, prompt and sampling parameters. After
     ``schedule``: the output's own columns (ids, computed and scheduled tokens,
-    new block ids, preempted and finished ids) and each scheduled request's state (status, computed
-    tokens, tokens, preemptions, its table's length). After
+    new block ids, preempted and finished ids) and each scheduled request's
+    state (status, computed tokens, tokens, preemptions, its table's length). After
     ``update_from_output``: the sampled tokens, each output's id and finish
     reason, and the same states. It reads no full block table, checks
     nothing, keeps no state between steps and writes nothing to the ring, so

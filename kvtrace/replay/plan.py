@@ -149,7 +149,10 @@ def plan(reader: TraceReader, path: str | os.PathLike, device: str | None,
         slots = shadow_block_size(header.config, header.features.kv_cache_groups)
         check_fits(header, path, slots)
         device = pick_backend(device, path, header.config.num_blocks, slots)
-    workers = (wanted(path, content=bool(device)) if worker is None else int(worker)) if reader.shareable else 0
+    if not reader.shareable:
+        workers = 0
+    else:
+        workers = wanted(path, content=bool(device)) if worker is None else int(worker)
     return Plan(device, unchecked, workers)
 
 

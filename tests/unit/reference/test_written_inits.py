@@ -37,7 +37,8 @@ def _written_out() -> list[tuple[type, list[tuple[str, object]]]]:
             args = init.args.args[1:]
             defaults = [REQUIRED] * (len(args) - len(init.args.defaults)) + [
                 ast.literal_eval(d) for d in init.args.defaults]
-            found.append((cls, [(a.arg, d, ast.unparse(a.annotation)) for a, d in zip(args, defaults)]))
+            found.append((cls, [(a.arg, d, ast.unparse(a.annotation))
+                                for a, d in zip(args, defaults)]))
     return found
 
 
