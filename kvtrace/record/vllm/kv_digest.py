@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -57,12 +57,15 @@ _KERNEL: tuple[object | None, str] | None = None
 class BlockDigests:
     """Digests of whole blocks of a set of per-layer KV cache tensors.
 
-    On the CPU, one call of the kernel in C digests the blocks in every layer
-    (one pass over their words), each call's digests checked against the
-    NumPy chunks' until one of them is not 0; the NumPy chunks where the
-    compiled path is not built or does not run, where a layer's blocks are
-    no whole number of 64-bit words, where a layer's tensor moved to other
-    memory, and where the kernel differs (``kernel_off`` says why)."""
+    One call of a kernel digests the blocks in every layer, one pass over
+    their words: the kernel in C on the CPU, the Triton kernel on CUDA
+    (``kv_digest_triton.py``). Each call's digests are checked against the
+    array path's (NumPy chunks on the CPU, torch on CUDA) until one of them
+    is not 0. The array path gives them where there is no kernel: where the
+    compiled path is not built or does not run (CPU), where Triton does not
+    import or compile (CUDA), where a layer's blocks are no whole number of
+    64-bit words in place, where a layer's tensor moved to other memory, and
+    where the kernel differs (``kernel_off`` says why)."""
 
     # On the CPU, the words mixed at once: 256 KiB, which stays in a core's
     # own cache through the mix's passes.
@@ -94,16 +97,34 @@ class BlockDigests:
         # they hold a call's blocks (a power of 2 of them, up to _BATCH); on
         # the CPU a chunk's.
         self._buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.kernel_off: str | None = None   # why the kernel does not run
-        self._checked = False                 # its digests equaled the NumPy chunks' (not all 0)
-        self._call: tuple | None = None       # its arguments but the blocks
-        if self.device.type != "cpu":
-            self.kernel_off = "a kernel for the CPU"
-        else:
+        self.kernel_off: str | None = None   # why no kernel runs
+        self._checked = False                 # its digests equaled the array path's (not all 0)
+        # The kernel: a function of the blocks giving their digests.
+        self._call: Callable[[list[int]], list[int]] | None = None
+        if self.device.type == "cpu":
             self._kernel_setup()
+        elif self.device.type == "cuda":
+            self._triton_setup()
+        else:
+            self.kernel_off = f"no kernel for {self.device.type}"
+
+    def _triton_setup(self) -> None:
+        """The Triton kernel for these layers, or why it cannot run."""
+        try:
+            from kvtrace.record.vllm import kv_digest_triton as kt
+        except Exception as exc:   # no Triton, or one that does not import
+            self.kernel_off = f"Triton does not import: {exc}"
+            return
+        try:
+            self._call = kt.TritonDigests([(t, dim, *_layout(t, dim)) for t, dim in self.layers],
+                                          self._w)
+        except kt.Unfit as exc:
+            self.kernel_off = _unfit(exc.args[0])
+            return
+        self._memory = self._where()
 
     def _kernel_setup(self) -> None:
-        """The kernel's arguments for these layers, or why it cannot run."""
+        """The kernel in C's arguments for these layers, or why it cannot run."""
         self._fn, why = _kernel()
         if self._fn is None:
             self.kernel_off = why
@@ -112,15 +133,14 @@ class BlockDigests:
         for t, dim in self.layers:
             parts, words = _layout(t, dim)
             if words is None:
-                self.kernel_off = (f"a layer's blocks ({tuple(t.shape)}, {t.dtype}) are no "
-                                   f"whole number of 64-bit words, or the tensor has gaps")
+                self.kernel_off = _unfit(t)
                 return
             blocks = int(t.shape[dim])
             for col, v in zip(cols, (t.data_ptr(), words, blocks * words, parts, words,
                                      self._w(parts * words).data_ptr())):
                 col.append(v)
-        arrays = [np.array(c, dtype=np.int64) for c in cols]
-        self._call = (len(self.layers), *arrays)
+        self._args = (len(self.layers), *[np.array(c, dtype=np.int64) for c in cols])
+        self._call = self._c_digest
         self._memory = self._where()
 
     def _where(self) -> list[tuple[int, tuple[int, ...]]]:
@@ -201,7 +221,7 @@ class BlockDigests:
 
     def _kernel_digest(self, blocks: list[int]) -> list[int] | None:
         """The digests from the kernel; None, and the kernel off from here,
-        where its first digests differ from the NumPy chunks'."""
+        where it fails or its first digests differ from the array path's."""
         if self._where() != self._memory:   # a tensor given other memory (torch's set_)
             self._call = None
             self.kernel_off = "a layer's KV cache tensor moved since the first digest"
@@ -209,25 +229,35 @@ class BlockDigests:
         lo, hi = min(blocks), max(blocks)
         if lo < 0 or hi >= self.num_blocks:   # every layer's block dimension (_where holds it)
             raise IndexError(f"block {lo if lo < 0 else hi} is not in the KV cache")
-        idx = np.array(blocks, dtype=np.int64)
-        out = np.empty(len(blocks), dtype=np.int64)
-        n_layers, base, block_stride, part_stride, parts, words, weights = self._call
-        self._fn(n_layers, base.ctypes.data, block_stride.ctypes.data, part_stride.ctypes.data,
-                 parts.ctypes.data, words.ctypes.data, weights.ctypes.data, idx.ctypes.data,
-                 len(blocks), out.ctypes.data)
-        digests = out.tolist()
-        # Checked against the NumPy chunks until a call with a digest other
+        try:
+            digests = self._call(blocks)
+        except Exception as exc:   # Triton's compiler, say: the array path goes on
+            return self._kernel_fails(f"it failed: {type(exc).__name__}: {exc}")
+        # Checked against the array path until a call with a digest other
         # than 0 (blocks of zeros, a fresh cache's, digest to 0 any way).
         if not self._checked:
             if digests != self._array_digest(blocks):
-                self._call = None
-                self.kernel_off = "its digests differ from the NumPy chunks'"
-                logging.getLogger("kvtrace.record").warning(
-                    "kvtrace: KV digests on the NumPy chunks from here, slower (the kernel's "
-                    "digests differ from theirs)")
-                return None
+                return self._kernel_fails(
+                    f"its digests differ from the {'NumPy chunks' if self.device.type == 'cpu' else 'torch mix'}'")
             self._checked = any(digests)
         return digests
+
+    def _kernel_fails(self, why: str) -> None:
+        self._call = None
+        self.kernel_off = why
+        logging.getLogger("kvtrace.record").warning(
+            "kvtrace: KV digests on the array path from here, slower (the kernel: %s)", why)
+        return None
+
+    def _c_digest(self, blocks: list[int]) -> list[int]:
+        """The kernel in C's digests (``_kv_digest.c``)."""
+        idx = np.array(blocks, dtype=np.int64)
+        out = np.empty(len(blocks), dtype=np.int64)
+        n_layers, base, block_stride, part_stride, parts, words, weights = self._args
+        self._fn(n_layers, base.ctypes.data, block_stride.ctypes.data, part_stride.ctypes.data,
+                 parts.ctypes.data, words.ctypes.data, weights.ctypes.data, idx.ctypes.data,
+                 len(blocks), out.ctypes.data)
+        return out.tolist()
 
     def _chunk_sums(self, t: torch.Tensor, dim: int, idx: torch.Tensor,
                     parts: int, words: int) -> torch.Tensor:
@@ -292,11 +322,19 @@ class BlockDigests:
 
 def _layout(t: torch.Tensor, dim: int) -> tuple[int, int | None]:
     """A layer's blocks as parts (1 where the blocks come first, K and V
-    where they come second) of 64-bit words: (parts, words a part), words
-    None where a part is no whole number of words or the tensor has gaps."""
+    where they come second) of 64-bit words in place: (parts, words a part),
+    words None where a part is no whole number of words, the tensor has
+    gaps, or it starts off an 8-byte boundary."""
     parts = 1 if dim == 0 else int(t.shape[0])
     nbytes = t.numel() // (parts * t.shape[dim]) * t.element_size()   # a part of a block
-    return parts, (nbytes // 8 if t.is_contiguous() and nbytes % 8 == 0 else None)
+    whole = t.is_contiguous() and nbytes % 8 == 0 and t.data_ptr() % 8 == 0
+    return parts, (nbytes // 8 if whole else None)
+
+
+def _unfit(t: torch.Tensor) -> str:
+    """Why a kernel cannot read a layer's blocks in place (``_layout``)."""
+    return (f"a layer's blocks ({tuple(t.shape)}, {t.dtype}) are no whole number of 64-bit "
+            f"words in place (a part's bytes, gaps, or a start off an 8-byte boundary)")
 
 
 def kv_layers(conn: KVConnectorBase_V1, names: list[str] | None = None) -> list[torch.Tensor]:

@@ -173,8 +173,11 @@ def test_the_same_bytes_give_the_same_digest_on_cuda_as_on_the_cpu(shape, dim):
     layers = [torch.randint(0, 250, shape, generator=g).to(torch.bfloat16) for _ in range(4)]
     blocks = [0, 3, 7, 11, 5]
     cpu = BlockDigests(layers, 12)(blocks)
-    cuda = BlockDigests([t.cuda() for t in layers], 12)(blocks)
+    on_cuda = BlockDigests([t.cuda() for t in layers], 12)
+    cuda = on_cuda(blocks)
     assert cuda == cpu and len(set(cpu)) == len(blocks)
+    # The Triton kernel gave them, but where a block is no whole number of words.
+    assert (on_cuda.kernel_off is None) == (shape != (12, 3, 5)), on_cuda.kernel_off
 
 
 def test_a_negative_answer_of_vllms_example_connector_is_read_and_flagged():
@@ -459,6 +462,26 @@ def test_a_kernel_that_differs_gives_way_to_the_numpy_chunks(monkeypatch):
     monkeypatch.setattr(compiled, "REASON", "KVTRACE_PURE is set")
     d = BlockDigests(layers, 20)
     assert d([3, 1, 4]) == want and d.kernel_off == "the pure path runs: KVTRACE_PURE is set"
+
+
+def test_a_kernel_that_fails_gives_way_to_the_array_path(monkeypatch):
+    """A kernel that raises (Triton's compiler, say) is turned off, and the
+    array path gives that call's digests and every later one."""
+    from kvtrace.record.vllm import kv_digest
+
+    g = torch.Generator().manual_seed(4)
+    layers = [torch.randint(-100, 100, (20, 2, 4, 16), generator=g).to(torch.bfloat16)]
+    want = _digest_as_documented(layers, 20, [2, 9])
+
+    def fails(*args):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(kv_digest, "_KERNEL", (fails, ""))
+    d = BlockDigests(layers, 20)
+    assert d.kernel_off is None and d._call is not None
+    assert d([2, 9]) == want and d._call is None
+    assert d.kernel_off == "it failed: RuntimeError: no compiler"
+    assert d([2, 9]) == want
 
 
 def test_the_kernel_is_checked_until_a_digest_is_not_zero(monkeypatch):
