@@ -282,7 +282,8 @@ def main() -> None:
                              "one Triton kernel") if d["kernel"] else
                             f"no kernel ({d['kernel_off']})")
                          + (f"; the kernel alone (by CUDA's clock, launches back to back) "
-                            f"{d['kernel_gbs']:.1f} GB/s = {d['kernel_gbs'] / d['copy_gbs']:.0%}"
+                            f"{d['kernel_gbs']:.1f} GB/s = {d['kernel_gbs'] / d['copy_gbs']:.0%} "
+                            f"(it reads each byte once, where the copy reads and writes each)"
                             if d.get("kernel_gbs") else "")
                          + f"; the gather alone {d['gather_gbs']:.1f} GB/s"
                          + f"; {d['array_name']}, which it falls back on, {d['array_gbs']:.2f} "

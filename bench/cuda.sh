@@ -18,7 +18,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" | tee -a "$out/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
 timeout 420 python3 -m pytest -q -p no:cacheprovider -n 8 -rs -k cuda \
     tests/unit/replay/kv_content/test_check.py tests/unit/replay/kv_content/test_core.py \
     tests/unit/replay/test_data_path.py tests/unit/record/vllm/test_kv_digest_triton.py 2>&1 | tee "$out/tests.log" | tail -15

@@ -265,7 +265,8 @@ def main() -> None:
                   f"{r['array_gbs']:.2f} GB/s"
                   + (f" (ceiling: one pass {r['pass_gbs']:.1f} GB/s / 10)"
                      if r["device"] == "cpu" else "")
-                  + (f"; the kernel alone {r['kernel_gbs']:.2f} GB/s" if r["kernel_gbs"] else ""))
+                  + (f"; the kernel alone {r['kernel_gbs']:.2f} GB/s (it reads each byte once, "
+                     f"where the copy reads and writes each)" if r["kernel_gbs"] else ""))
     if args.no_vllm:
         return
     r = engine_overhead(args.rounds, tp=args.tp)
