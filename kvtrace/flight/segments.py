@@ -193,22 +193,26 @@ class SegmentWriter:
     def finish(self, end: ev.End | None) -> None:
         """End the recording with ``end``; None: it stops without its end
         record (the engine's process ended without shutting down)."""
-        if self.current is not None:
-            if self.asked is not None:
-                self.heed()
-            if end is None:
-                self._trigger("cut", "the recording stops without its end: the engine's "
-                                     "process ended without shutting down", last=True)
-            elif end.status == "interrupted" and self.failed_in != self.current_path:
-                self._trigger("interrupted", "the recording ends interrupted: "
-                                             f"{end.error or 'the engine failed'}", last=True)
         try:
+            reasons = []
             if self._listening:
                 # A dump from now on finds no recorder, or one that ignores it:
                 # its default action would end this process.
                 signal.signal(DUMP_SIGNAL, signal.SIG_IGN)
                 (self.folder / PID).unlink(missing_ok=True)
+                # A pin asked before that whose signal is not yet handled (an
+                # engine failing right after its metrics did) is heeded now.
+                reasons = take_reasons(self.folder)
             if self.current is not None:
+                if self.asked is not None or reasons:
+                    self.asked = None
+                    self.pin("; ".join(reasons) if reasons else DUMPED)
+                if end is None:
+                    self._trigger("cut", "the recording stops without its end: the engine's "
+                                         "process ended without shutting down", last=True)
+                elif end.status == "interrupted" and self.failed_in != self.current_path:
+                    self._trigger("interrupted", "the recording ends interrupted: "
+                                                 f"{end.error or 'the engine failed'}", last=True)
                 self.current.finish(end)
                 self.current = None
         finally:

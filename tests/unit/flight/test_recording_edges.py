@@ -9,6 +9,7 @@ import os
 import signal
 from pathlib import Path
 
+import orjson
 import pytest
 
 from kvtrace.flight import SegmentWriter, segment_files
@@ -145,3 +146,28 @@ def test_a_full_disk_leaves_no_half_written_pins_file(tmp_path, monkeypatch):
     assert any("cannot write" in m and "No space left" in m for m in said)
     assert sorted(p.name for p in (tmp_path / "ring").iterdir()) == ["segment-000001.jsonl.gz"]
     w.close()
+
+
+def test_a_pin_asked_just_before_the_end_is_heeded_at_the_end(tmp_path):
+    """An engine whose metrics fail and which then fails itself asks a pin
+    and ends at once: the reason is in the folder, and its signal may not be
+    handled before the end is written. The end heeds it, before its own."""
+    from kvtrace.record.folder import ASKED
+
+    header, records = _trace()
+    pins = []
+    before = signal.getsignal(signal.SIGUSR2)
+    try:
+        w = SegmentWriter(tmp_path / "ring", header, 4 << 10, 64 << 10, on_pin=pins.append)
+        assert w.listen()
+        _feed(w, records[:50])
+        # As ask_pin writes it; the signal is not sent.
+        (tmp_path / "ring" / f"{ASKED}1-1").write_text("vLLM's metrics failed: ValueError\n")
+        w.close(status="interrupted", error="the engine stopped on ValueError")
+    finally:
+        signal.signal(signal.SIGUSR2, before)
+    assert len(pins) == 2 and pins[0].endswith(": vLLM's metrics failed: ValueError")
+    assert "the recording ends interrupted" in pins[1]
+    saved = orjson.loads((tmp_path / "ring" / PINS).read_bytes())
+    assert "vLLM's metrics failed: ValueError" in saved.values()
+    assert not list((tmp_path / "ring").glob(f"{ASKED}*"))
