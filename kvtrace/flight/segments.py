@@ -206,7 +206,7 @@ class SegmentWriter:
             if self.current is not None:
                 if self.asked is not None or reasons:
                     self.asked = None
-                    self.pin("; ".join(reasons) if reasons else DUMPED)
+                    self.pin("; ".join(reasons) if reasons else DUMPED, last=True)
                 if end is None:
                     self._trigger("cut", "the recording stops without its end: the engine's "
                                          "process ended without shutting down", last=True)

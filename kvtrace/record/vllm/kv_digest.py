@@ -65,7 +65,8 @@ class BlockDigests:
     compiled path is not built or does not run (CPU), where Triton does not
     import or compile (CUDA), where a layer's blocks are no whole number of
     64-bit words in place, where a layer's tensor moved to other memory, and
-    where the kernel differs (``kernel_off`` says why)."""
+    where the kernel fails or differs (``kernel_off`` says why). A kernel
+    short of memory gives way for that call alone."""
 
     # On the CPU, the words mixed at once: 256 KiB, which stays in a core's
     # own cache through the mix's passes.
@@ -79,9 +80,11 @@ class BlockDigests:
         self.layers = []   # (tensor, its block dimension)
         seen = set()
         for t in layers:
-            if t.data_ptr() in seen and t.shape in [x.shape for x, _ in self.layers]:
+            # A tensor listed twice (layers that share their KV cache) counts once.
+            same = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+            if same in seen:
                 continue
-            seen.add(t.data_ptr())
+            seen.add(same)
             # vLLM's layouts put the blocks first ([blocks, heads, ...], the
             # CPU's) or second ([2, blocks, ...], K and V first).
             dims = [d for d, n in enumerate(t.shape[:2]) if n == num_blocks]
@@ -115,11 +118,18 @@ class BlockDigests:
         except Exception as exc:   # no Triton, or one that does not import
             self.kernel_off = f"Triton does not import: {exc}"
             return
+        if kt.interpreted() and self.device.type != "cpu":
+            self.kernel_off = ("Triton's interpreter is on (TRITON_INTERPRET): it reads no "
+                               "GPU memory")
+            return
         try:
             self._call = kt.TritonDigests([(t, dim, *_layout(t, dim)) for t, dim in self.layers],
                                           self._w)
         except kt.Unfit as exc:
             self.kernel_off = _unfit(exc.args[0])
+            return
+        except Exception as exc:   # its table or weights found no memory, say
+            self.kernel_off = f"it did not set up: {type(exc).__name__}: {exc}"
             return
         self._memory = self._where()
 
@@ -232,14 +242,18 @@ class BlockDigests:
         try:
             digests = self._call(blocks)
         except Exception as exc:   # Triton's compiler, say: the array path goes on
+            if isinstance(exc, getattr(self.torch, "OutOfMemoryError", MemoryError)):
+                return None   # this call alone: memory may be found at the next
             return self._kernel_fails(f"it failed: {type(exc).__name__}: {exc}")
         # Checked against the array path until a call with a digest other
         # than 0 (blocks of zeros, a fresh cache's, digest to 0 any way).
         if not self._checked:
             if digests != self._array_digest(blocks):
-                return self._kernel_fails(
-                    f"its digests differ from the {'NumPy chunks' if self.device.type == 'cpu' else 'torch mix'}'")
+                arrays = "the NumPy chunks" if self.device.type == "cpu" else "the mix in torch"
+                return self._kernel_fails(f"its digests differ from those of {arrays}")
             self._checked = any(digests)
+            if self._checked:
+                self._buffers.clear()   # the array path's: not needed from here
         return digests
 
     def _kernel_fails(self, why: str) -> None:

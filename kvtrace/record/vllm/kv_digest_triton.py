@@ -73,6 +73,12 @@ def _mix_sums(table, idx, out, CHUNK: tl.constexpr, PAIRS: tl.constexpr):
              total.to(tl.int64, bitcast=True))
 
 
+def interpreted() -> bool:
+    """Whether Triton's interpreter runs the kernel (``TRITON_INTERPRET=1``
+    when it was defined): then it reads host memory alone."""
+    return type(_mix_sums).__name__ == "InterpretedFunction"
+
+
 class Unfit(Exception):
     """A layer the kernel cannot read in place as 64-bit words: its tensor."""
 

@@ -167,6 +167,7 @@ def test_a_pin_asked_just_before_the_end_is_heeded_at_the_end(tmp_path):
     finally:
         signal.signal(signal.SIGUSR2, before)
     assert len(pins) == 2 and pins[0].endswith(": vLLM's metrics failed: ValueError")
+    assert "the next segment" not in pins[0]   # none follows the end
     assert "the recording ends interrupted" in pins[1]
     saved = orjson.loads((tmp_path / "ring" / PINS).read_bytes())
     assert "vLLM's metrics failed: ValueError" in saved.values()

@@ -484,6 +484,38 @@ def test_a_kernel_that_fails_gives_way_to_the_array_path(monkeypatch):
     assert d([2, 9]) == want
 
 
+def test_a_kernel_out_of_memory_gives_way_for_that_call_alone(monkeypatch):
+    """Memory may be found at the next call: the kernel stays on."""
+    from kvtrace.record.vllm import kv_digest
+
+    g = torch.Generator().manual_seed(5)
+    layers = [torch.randint(-100, 100, (20, 2, 4, 16), generator=g).to(torch.bfloat16)]
+    d = BlockDigests(layers, 20)
+    calls = []
+
+    def short_once(blocks):
+        calls.append(blocks)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("no memory")
+        return _digest_as_documented(layers, 20, blocks)
+
+    d._call = short_once
+    assert d([2, 9]) == _digest_as_documented(layers, 20, [2, 9])
+    assert d._call is short_once and d.kernel_off is None
+    assert d([3]) == _digest_as_documented(layers, 20, [3]) and len(calls) == 2
+
+
+def test_a_layer_listed_twice_counts_once_and_another_view_of_its_memory_counts():
+    g = torch.Generator().manual_seed(6)
+    a = torch.randint(-100, 100, (8, 2, 4, 4), generator=g).to(torch.float32)
+    b = torch.randint(-100, 100, (8, 4, 8), generator=g).to(torch.float32)
+    c = a.view(8, 4, 8)   # a's memory, b's shape
+    assert len(BlockDigests([a, b, a], 8).layers) == 2
+    d = BlockDigests([a, b, c], 8)
+    assert len(d.layers) == 3
+    assert d([5]) == _digest_as_documented([a, b, c], 8, [5])
+
+
 def test_the_kernel_is_checked_until_a_digest_is_not_zero(monkeypatch):
     """Blocks of zeros (a fresh cache's) digest to 0 whatever the kernel does
     with its weights: the check goes on until a digest other than 0 was

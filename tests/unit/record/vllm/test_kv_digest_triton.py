@@ -45,6 +45,8 @@ def check_layouts(device: str) -> None:
     from kvtrace.record.vllm.kv_digest import BlockDigests
     from tests.unit.replay.test_data_path import _digest_as_documented
 
+    assert kt.interpreted() is (device == "cpu")   # on CUDA, compiled
+
     def offset(t: torch.Tensor) -> torch.Tensor:   # the same values, 8 bytes further on
         room = torch.empty(t.numel() * t.element_size() + 8, dtype=torch.uint8, device=t.device)
         moved = room[8:].view(t.dtype).view(t.shape)
