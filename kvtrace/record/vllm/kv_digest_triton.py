@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     import torch
 
 FOLD = 0x5851F42D4C957F2D
-MAX_CHUNK = 2048   # words a program mixes: 16 KiB, 16 words a thread in 8 warps
+MAX_CHUNK = 2048   # words a program mixes at most: 16 KiB, 8 words a thread in 8 warps
 
 
 @triton.jit
@@ -65,7 +65,7 @@ def _mix_sums(table, idx, out, CHUNK: tl.constexpr, PAIRS: tl.constexpr):
     v ^= v >> 31
     v *= tl.load(table + w_at, mask=live, other=0).to(tl.uint64, bitcast=True)
     v ^= v >> 29
-    v *= 0x2545F4914F6CDD1D
+    v *= 0x2545F4914F6CDD1D   # kv_digest._MIX
     v ^= v >> 32
     # A masked word loads as 0, and a 0 mixes to 0: it adds nothing.
     total = tl.sum(v, axis=0) * fold
