@@ -123,11 +123,10 @@ class BlockDigests:
                                "GPU memory")
             return
         try:
-            self._call = kt.TritonDigests([(t, dim, *_layout(t, dim)) for t, dim in self.layers],
-                                          self._w)
-        except kt.Unfit as exc:
-            self.kernel_off = _unfit(exc.args[0])
-            return
+            geometry = self._geometry()
+            if geometry is None:
+                return
+            self._call = kt.TritonDigests(self.device, geometry)
         except Exception as exc:   # its table or weights found no memory, say
             self.kernel_off = f"it did not set up: {type(exc).__name__}: {exc}"
             return
@@ -139,19 +138,30 @@ class BlockDigests:
         if self._fn is None:
             self.kernel_off = why
             return
-        cols: list[list[int]] = [[] for _ in range(6)]
-        for t, dim in self.layers:
-            parts, words = _layout(t, dim)
-            if words is None:
-                self.kernel_off = _unfit(t)
-                return
-            blocks = int(t.shape[dim])
-            for col, v in zip(cols, (t.data_ptr(), words, blocks * words, parts, words,
-                                     self._w(parts * words).data_ptr())):
-                col.append(v)
+        geometry = self._geometry()
+        if geometry is None:
+            return
+        cols = zip(*[(*g[:5], w.data_ptr()) for *g, w in geometry])
         self._args = (len(self.layers), *[np.array(c, dtype=np.int64) for c in cols])
         self._call = self._c_digest
         self._memory = self._where()
+
+    def _geometry(self) -> list[tuple[int, int, int, int, int, torch.Tensor]] | None:
+        """What a kernel reads of each layer, in 64-bit words: (its address,
+        block stride, part stride, parts, words a part, the weights of a
+        block's words); None, with ``kernel_off`` saying why, where a layer's
+        blocks are no whole number of words in place."""
+        out = []
+        for t, dim in self.layers:
+            parts, words = _layout(t, dim)
+            if words is None:
+                self.kernel_off = (f"a layer's blocks ({tuple(t.shape)}, {t.dtype}) are no "
+                                   f"whole number of 64-bit words in place (a part's bytes, "
+                                   f"gaps, or a start off an 8-byte boundary)")
+                return None
+            out.append((t.data_ptr(), words, int(t.shape[dim]) * words, parts, words,
+                        self._w(parts * words)))
+        return out
 
     def _where(self) -> list[tuple[int, tuple[int, ...]]]:
         """Where each layer's tensor is now, and its shape: the kernel reads
@@ -343,12 +353,6 @@ def _layout(t: torch.Tensor, dim: int) -> tuple[int, int | None]:
     nbytes = t.numel() // (parts * t.shape[dim]) * t.element_size()   # a part of a block
     whole = t.is_contiguous() and nbytes % 8 == 0 and t.data_ptr() % 8 == 0
     return parts, (nbytes // 8 if whole else None)
-
-
-def _unfit(t: torch.Tensor) -> str:
-    """Why a kernel cannot read a layer's blocks in place (``_layout``)."""
-    return (f"a layer's blocks ({tuple(t.shape)}, {t.dtype}) are no whole number of 64-bit "
-            f"words in place (a part's bytes, gaps, or a start off an 8-byte boundary)")
 
 
 def kv_layers(conn: KVConnectorBase_V1, names: list[str] | None = None) -> list[torch.Tensor]:

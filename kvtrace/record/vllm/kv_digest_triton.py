@@ -79,40 +79,28 @@ def interpreted() -> bool:
     return type(_mix_sums).__name__ == "InterpretedFunction"
 
 
-class Unfit(Exception):
-    """A layer the kernel cannot read in place as 64-bit words: its tensor."""
-
-
 class TritonDigests:
-    """The digests of blocks of a set of layers, by ``_mix_sums``.
+    """The digests of blocks of a set of layers, by ``_mix_sums``, on
+    ``device``: each layer as ``BlockDigests._geometry`` gives it (its
+    address, block stride, part stride, parts, words a part, the weights of a
+    block's words; strides in 64-bit words)."""
 
-    ``layers`` holds each layer's tensor with its block dimension and its
-    layout from ``kv_digest._layout`` (parts, words a part); ``weight(n)``
-    gives the ``n`` words' weights on the layers' device. Raises ``Unfit``
-    where a layer's words are None: they cannot be read in place as 64-bit
-    words."""
-
-    def __init__(self, layers: list[tuple[torch.Tensor, int, int, int | None]],
-                 weight: Callable[[int], torch.Tensor]) -> None:
+    def __init__(self, device: torch.device,
+                 layers: list[tuple[int, int, int, int, int, torch.Tensor]]) -> None:
         import torch
 
         self.torch = torch
-        self.device = layers[0][0].device
+        self.device = device
         count = len(layers)
-        self.table = torch.empty((count, 8), dtype=torch.int64, device=self.device)
+        self.table = torch.empty((count, 8), dtype=torch.int64, device=device)
         here = self.table.data_ptr()   # addresses are counted in words from here
         rows = []
         self._weights = []   # the table holds their addresses: kept alive here
-        for n, (t, dim, parts, words) in enumerate(layers):
-            if words is None:
-                raise Unfit(t)
-            w = weight(parts * words)
+        for n, (at, block_stride, part_stride, parts, words, w) in enumerate(layers):
             self._weights.append(w)
-            blocks = int(t.shape[dim])
             fold = pow(FOLD, count - 1 - n, 1 << 64)
-            rows.append([(t.data_ptr() - here) // 8, words, 0 if dim == 0 else blocks * words,
-                         parts, words, (w.data_ptr() - here) // 8,
-                         fold - (1 << 64) if fold >> 63 else fold])
+            rows.append([(at - here) // 8, block_stride, part_stride, parts, words,
+                         (w.data_ptr() - here) // 8, fold - (1 << 64) if fold >> 63 else fold])
         widest = max(r[4] for r in rows)
         self.chunk = min(MAX_CHUNK, max(16, 1 << (widest - 1).bit_length()))
         for r in rows:   # a part's chunks
